@@ -1,0 +1,51 @@
+//! `synerfuse`: preprocess, plan and train LLaMA-family models on heterogeneous clusters.
+//!
+//! Argument parsing and wiring only; the work lives in the library crates.
+
+mod env_report;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "synerfuse",
+    version,
+    about = "Train LLaMA-family models on heterogeneous clusters, Megatron-LM compatible",
+    long_about = None
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Report the native stack this binary runs on: libtorch, CUDA, MPI, NCCL, launcher rank
+    Env {
+        /// Print one JSON object instead of a table
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    init_logging();
+    // Every log line carries the rank: `rank{r=3}: ...`.
+    let rank = synerfuse_train::comm::launcher_rank().map_or(0, |(rank, _)| rank);
+    let _rank_span = tracing::info_span!("rank", r = rank).entered();
+    match cli.command {
+        Command::Env { json } => env_report::run(json),
+    }
+}
+
+/// Logs go to stderr; `SYNERFUSE_LOG` filters them like `RUST_LOG`.
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("SYNERFUSE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}

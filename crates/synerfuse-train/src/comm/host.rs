@@ -1,0 +1,295 @@
+//! MPI communicators over tch tensors.
+
+use super::CommError;
+use mpi::collective::SystemOperation;
+use mpi::datatype::Equivalence;
+use mpi::environment::{Threading, Universe};
+use mpi::topology::{Communicator, SimpleCommunicator};
+use mpi::traits::{Destination, Root, Source};
+use tch::{Device, Kind, Tensor};
+
+/// Largest element count handed to one MPI call (MPI counts are `int`).
+const MAX_ELEMENTS_PER_CALL: usize = 1 << 30;
+
+/// The MPI environment of this process: initialised once, finalised on drop.
+pub struct MpiRuntime {
+    universe: Universe,
+}
+
+impl MpiRuntime {
+    /// Initialises MPI. Only the thread that calls this makes MPI calls (`FUNNELED`):
+    /// libtorch's own worker threads never communicate.
+    ///
+    /// A panic on this rank then aborts the whole job: unwinding would otherwise run
+    /// `MPI_Finalize`, which waits for ranks that are themselves waiting for this one.
+    pub fn init() -> Result<Self, CommError> {
+        let (universe, _provided) = mpi::initialize_with_threading(Threading::Funneled)
+            .ok_or(CommError::AlreadyInitialized)?;
+        let report = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            report(info);
+            if mpi::environment::is_initialized() && !mpi::environment::is_finalized() {
+                // SAFETY: MPI is initialised and not finalised; MPI_Abort does not return.
+                unsafe { mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, 101) };
+            }
+        }));
+        Ok(Self { universe })
+    }
+
+    /// All ranks of the job.
+    pub fn world(&self) -> MpiCommunicator {
+        MpiCommunicator::new(self.universe.world())
+    }
+
+    /// The MPI library's own version line (for `synerfuse env` and logs).
+    pub fn library_version() -> String {
+        mpi::environment::library_version().unwrap_or_else(|_| "unknown MPI library".to_owned())
+    }
+}
+
+/// A group of ranks that exchanges tch tensors over MPI.
+///
+/// Tensors on any device and of any layout are accepted: they are staged through a
+/// contiguous host copy, and results are written back into the caller's tensor.
+pub struct MpiCommunicator {
+    comm: SimpleCommunicator,
+    rank: usize,
+    size: usize,
+}
+
+/// Runs `$body` with `$T` bound to the Rust element type that carries `$kind`, or
+/// returns `UnsupportedDtype`. Half-precision kinds are carried as raw `u16` bits,
+/// which is exact for transfers but meaningless for arithmetic.
+macro_rules! with_element_type {
+    ($kind:expr, $rank:expr, $op:expr, $T:ident => $body:expr) => {
+        match $kind {
+            Kind::Float => {
+                type $T = f32;
+                $body
+            }
+            Kind::Double => {
+                type $T = f64;
+                $body
+            }
+            Kind::Int => {
+                type $T = i32;
+                $body
+            }
+            Kind::Int64 => {
+                type $T = i64;
+                $body
+            }
+            Kind::Int16 => {
+                type $T = i16;
+                $body
+            }
+            Kind::Int8 => {
+                type $T = i8;
+                $body
+            }
+            Kind::Uint8 | Kind::Bool => {
+                type $T = u8;
+                $body
+            }
+            Kind::Half | Kind::BFloat16 => {
+                type $T = u16;
+                $body
+            }
+            kind => {
+                return Err(CommError::UnsupportedDtype {
+                    rank: $rank,
+                    op: $op,
+                    kind,
+                })
+            }
+        }
+    };
+}
+
+/// A contiguous CPU tensor that shares storage with the caller's tensor when it can,
+/// and is copied back into it otherwise.
+struct HostStaging<'a> {
+    target: &'a mut Tensor,
+    host: Tensor,
+    shared: bool,
+}
+
+impl<'a> HostStaging<'a> {
+    fn new(target: &'a mut Tensor, kind: Kind) -> Self {
+        let shared =
+            target.device() == Device::Cpu && target.is_contiguous() && target.kind() == kind;
+        let host = if shared {
+            target.shallow_clone()
+        } else {
+            tch::no_grad(|| target.to_device(Device::Cpu).to_kind(kind).contiguous())
+        };
+        Self {
+            target,
+            host,
+            shared,
+        }
+    }
+
+    /// The host elements; `T` must have the size of an element of the staged kind.
+    fn elements<T>(&mut self) -> &mut [T] {
+        let len = self.host.numel();
+        if len == 0 {
+            return &mut [];
+        }
+        debug_assert_eq!(
+            self.host.kind().elt_size_in_bytes(),
+            std::mem::size_of::<T>()
+        );
+        // SAFETY: `host` is a contiguous CPU tensor of `len` elements of `T`'s size that
+        // lives as long as `self`, and nothing else accesses it while the slice exists.
+        unsafe { std::slice::from_raw_parts_mut(self.host.data_ptr() as *mut T, len) }
+    }
+
+    /// Writes the staged values back when the caller's tensor is not the host buffer.
+    fn finish(self) {
+        if !self.shared {
+            let back = self
+                .host
+                .to_device(self.target.device())
+                .to_kind(self.target.kind());
+            tch::no_grad(|| self.target.copy_(&back));
+        }
+    }
+}
+
+impl MpiCommunicator {
+    fn new(comm: SimpleCommunicator) -> Self {
+        let rank = comm.rank() as usize;
+        let size = comm.size() as usize;
+        Self { comm, rank, size }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The underlying MPI communicator, for splitting into groups.
+    pub fn raw(&self) -> &SimpleCommunicator {
+        &self.comm
+    }
+
+    pub fn barrier(&self) {
+        use mpi::collective::CommunicatorCollectives;
+        self.comm.barrier();
+    }
+
+    /// Ends every rank of the job; for fatal errors that other ranks cannot see.
+    pub fn abort(&self, code: i32) -> ! {
+        self.comm.abort(code)
+    }
+
+    /// Replaces `tensor` on every rank with the element-wise sum over all ranks.
+    ///
+    /// Half-precision tensors are summed in fp32 and rounded once at the end.
+    pub fn all_reduce_sum(&self, tensor: &mut Tensor) -> Result<(), CommError> {
+        let kind = match tensor.kind() {
+            Kind::Half | Kind::BFloat16 => Kind::Float,
+            Kind::Bool => {
+                return Err(CommError::UnsupportedDtype {
+                    rank: self.rank,
+                    op: "all_reduce_sum",
+                    kind: Kind::Bool,
+                })
+            }
+            kind => kind,
+        };
+        let mut staging = HostStaging::new(tensor, kind);
+        with_element_type!(kind, self.rank, "all_reduce_sum", T => {
+            for chunk in staging.elements::<T>().chunks_mut(MAX_ELEMENTS_PER_CALL) {
+                self.all_reduce_chunk(chunk);
+            }
+        });
+        staging.finish();
+        Ok(())
+    }
+
+    fn all_reduce_chunk<T: Equivalence + Copy>(&self, chunk: &mut [T]) {
+        use mpi::collective::CommunicatorCollectives;
+        let send = chunk.to_vec();
+        self.comm
+            .all_reduce_into(&send[..], chunk, SystemOperation::sum());
+    }
+
+    /// Copies `tensor` of rank `root` into `tensor` of every other rank (same shape and dtype).
+    pub fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<(), CommError> {
+        CommError::check_peer(self.rank, self.size, root)?;
+        let mut staging = HostStaging::new(tensor, tensor.kind());
+        let root = self.comm.process_at_rank(root as i32);
+        with_element_type!(staging.host.kind(), self.rank, "broadcast", T => {
+            for chunk in staging.elements::<T>().chunks_mut(MAX_ELEMENTS_PER_CALL) {
+                root.broadcast_into(chunk);
+            }
+        });
+        staging.finish();
+        Ok(())
+    }
+
+    /// Sends `tensor` to rank `dest`, which receives it with [`Self::recv`] and the same tag.
+    pub fn send(&self, tensor: &Tensor, dest: usize, tag: i32) -> Result<(), CommError> {
+        CommError::check_peer(self.rank, self.size, dest)?;
+        let mut source = tensor.shallow_clone();
+        let mut staging = HostStaging::new(&mut source, tensor.kind());
+        let process = self.comm.process_at_rank(dest as i32);
+        with_element_type!(staging.host.kind(), self.rank, "send", T => {
+            let elements = staging.elements::<T>();
+            if elements.is_empty() {
+                process.send_with_tag(elements, tag);
+            }
+            for chunk in elements.chunks(MAX_ELEMENTS_PER_CALL) {
+                process.send_with_tag(chunk, tag);
+            }
+        });
+        Ok(())
+    }
+
+    /// Receives into `tensor` what rank `source` sent with [`Self::send`] and the same tag.
+    ///
+    /// A message of another size is refused (before it is received) with
+    /// [`CommError::SizeMismatch`], rather than truncated or overflowing.
+    pub fn recv(&self, tensor: &mut Tensor, source: usize, tag: i32) -> Result<(), CommError> {
+        CommError::check_peer(self.rank, self.size, source)?;
+        let mut staging = HostStaging::new(tensor, tensor.kind());
+        let process = self.comm.process_at_rank(source as i32);
+        with_element_type!(staging.host.kind(), self.rank, "recv", T => {
+            let elements = staging.elements::<T>();
+            let expected = elements.len();
+            let mut received = 0;
+            let mut chunks = elements.chunks_mut(MAX_ELEMENTS_PER_CALL);
+            loop {
+                // Probe without matching: a refused message stays queued for a later
+                // receive, and MPI's non-overtaking order makes the next receive from
+                // this source and tag take exactly the probed message.
+                let status = process.probe_with_tag(tag);
+                let count = status.count(T::equivalent_datatype()).max(0) as usize;
+                let Some(chunk) = chunks.next().filter(|c| c.len() == count).or_else(|| {
+                    // An empty tensor travels as one empty message.
+                    (expected == 0 && count == 0).then_some(&mut [][..])
+                }) else {
+                    return Err(CommError::SizeMismatch {
+                        rank: self.rank,
+                        source_rank: source,
+                        tag,
+                        expected,
+                        got: received + count,
+                    });
+                };
+                process.receive_into_with_tag(chunk, tag);
+                received += count;
+                if received == expected {
+                    break;
+                }
+            }
+        });
+        staging.finish();
+        Ok(())
+    }
+}

@@ -1,0 +1,16 @@
+//! Collectives and point-to-point transfers of tch tensors between ranks.
+//!
+//! [`MpiCommunicator`] carries CPU tensors directly and stages any other tensor through
+//! host memory (copy to CPU, transfer, copy back in place). [`NcclCommunicator`]
+//! carries CUDA tensors when every member of a group is a CUDA rank; its library is
+//! loaded at run time, so CPU-only machines build and run without CUDA installed.
+
+mod error;
+mod host;
+mod launcher;
+mod nccl;
+
+pub use error::CommError;
+pub use host::{MpiCommunicator, MpiRuntime};
+pub use launcher::launcher_rank;
+pub use nccl::NcclCommunicator;

@@ -1,0 +1,221 @@
+//! NCCL communicators over CUDA tch tensors, through cudarc's run-time loaded bindings.
+
+use super::{CommError, MpiCommunicator};
+use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::nccl::{result, sys};
+use std::sync::Arc;
+use tch::{Device, Kind, Tensor};
+
+/// A group of CUDA ranks that exchanges tensors with NCCL.
+///
+/// libtorch enqueues its kernels on its own stream; NCCL runs on a stream of this
+/// communicator. Each operation therefore waits for the device before it starts and
+/// for its stream before it returns, so tensors are always complete on both sides.
+pub struct NcclCommunicator {
+    comm: sys::ncclComm_t,
+    stream: Arc<CudaStream>,
+    rank: usize,
+    size: usize,
+    ordinal: usize,
+}
+
+impl NcclCommunicator {
+    /// Whether NCCL and the CUDA driver library can be loaded in this process.
+    pub fn available() -> bool {
+        // SAFETY: these only try to dlopen the libraries.
+        unsafe { cudarc::driver::sys::is_culib_present() && sys::is_culib_present() }
+    }
+
+    /// Creates the NCCL communicator for the ranks of `group`, each on its own GPU
+    /// `ordinal`. Rank 0 of the group makes NCCL's unique id and broadcasts it over MPI.
+    /// Collective: every rank of `group` must call it.
+    pub fn new(group: &MpiCommunicator, ordinal: usize) -> Result<Self, CommError> {
+        let rank = group.rank();
+        if !Self::available() {
+            return Err(CommError::NcclUnavailable);
+        }
+        let nccl_err = |context: &'static str| {
+            move |e: result::NcclError| CommError::Cuda {
+                rank,
+                context,
+                message: format!("{e:?}"),
+            }
+        };
+        let id = if rank == 0 {
+            result::get_uniqueid().map_err(nccl_err("ncclGetUniqueId"))?
+        } else {
+            sys::ncclUniqueId { internal: [0; 128] }
+        };
+        let mut id_bytes = Tensor::from_slice(&id.internal.map(|c| c as u8));
+        group.broadcast(&mut id_bytes, 0)?;
+        let mut internal = [0 as std::ffi::c_char; 128];
+        for (slot, byte) in internal
+            .iter_mut()
+            .zip(Vec::<u8>::try_from(&id_bytes).unwrap_or_default())
+        {
+            *slot = byte as std::ffi::c_char;
+        }
+        let driver_err = |context: &'static str| {
+            move |e: cudarc::driver::DriverError| CommError::Cuda {
+                rank,
+                context,
+                message: format!("{e:?}"),
+            }
+        };
+        // Binds the device's primary context (the one libtorch uses) to this thread, so
+        // NCCL initialises on the right GPU.
+        let context = CudaContext::new(ordinal).map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
+        let stream = context.new_stream().map_err(driver_err("cuStreamCreate"))?;
+        let mut comm = std::mem::MaybeUninit::uninit();
+        // SAFETY: `comm` is written by NCCL on success; the id is the group's shared id.
+        let comm = unsafe {
+            result::comm_init_rank(
+                comm.as_mut_ptr(),
+                group.size() as i32,
+                sys::ncclUniqueId { internal },
+                rank as i32,
+            )
+            .map_err(nccl_err("ncclCommInitRank"))?;
+            comm.assume_init()
+        };
+        Ok(Self {
+            comm,
+            stream,
+            rank,
+            size: group.size(),
+            ordinal,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Replaces `tensor` on every rank with the element-wise sum over all ranks.
+    pub fn all_reduce_sum(&self, tensor: &mut Tensor) -> Result<(), CommError> {
+        let dtype = self.nccl_type(tensor, "all_reduce_sum")?;
+        self.run_in_place(tensor, "ncclAllReduce", |ptr, count, stream| unsafe {
+            result::all_reduce(
+                ptr,
+                ptr,
+                count,
+                dtype,
+                sys::ncclRedOp_t::ncclSum,
+                self.comm,
+                stream,
+            )
+        })
+    }
+
+    /// Copies `tensor` of rank `root` into `tensor` of every other rank.
+    pub fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<(), CommError> {
+        CommError::check_peer(self.rank, self.size, root)?;
+        let dtype = self.nccl_type(tensor, "broadcast")?;
+        self.run_in_place(tensor, "ncclBroadcast", |ptr, count, stream| unsafe {
+            result::broadcast(ptr, ptr, count, dtype, root as i32, self.comm, stream)
+        })
+    }
+
+    /// Sends `tensor` to rank `dest` of this group.
+    pub fn send(&self, tensor: &Tensor, dest: usize) -> Result<(), CommError> {
+        CommError::check_peer(self.rank, self.size, dest)?;
+        let dtype = self.nccl_type(tensor, "send")?;
+        let mut source = tensor.contiguous();
+        self.run_in_place(&mut source, "ncclSend", |ptr, count, stream| unsafe {
+            result::send(ptr, count, dtype, dest as i32, self.comm, stream)
+        })
+    }
+
+    /// Receives into `tensor` what rank `source` sent (same shape and dtype).
+    pub fn recv(&self, tensor: &mut Tensor, source: usize) -> Result<(), CommError> {
+        CommError::check_peer(self.rank, self.size, source)?;
+        let dtype = self.nccl_type(tensor, "recv")?;
+        self.run_in_place(tensor, "ncclRecv", |ptr, count, stream| unsafe {
+            result::recv(ptr, count, dtype, source as i32, self.comm, stream)
+        })
+    }
+
+    fn nccl_type(
+        &self,
+        tensor: &Tensor,
+        op: &'static str,
+    ) -> Result<sys::ncclDataType_t, CommError> {
+        if tensor.device() != Device::Cuda(self.ordinal) {
+            return Err(CommError::WrongDevice {
+                rank: self.rank,
+                device: tensor.device(),
+                ordinal: self.ordinal,
+            });
+        }
+        use sys::ncclDataType_t as T;
+        Ok(match tensor.kind() {
+            Kind::Float => T::ncclFloat32,
+            Kind::Double => T::ncclFloat64,
+            Kind::Half => T::ncclFloat16,
+            Kind::BFloat16 => T::ncclBfloat16,
+            Kind::Int => T::ncclInt32,
+            Kind::Int64 => T::ncclInt64,
+            Kind::Int8 => T::ncclInt8,
+            Kind::Uint8 | Kind::Bool => T::ncclUint8,
+            kind => {
+                return Err(CommError::UnsupportedDtype {
+                    rank: self.rank,
+                    op,
+                    kind,
+                })
+            }
+        })
+    }
+
+    /// Runs one NCCL call on a contiguous view of `tensor`, synchronised with libtorch on
+    /// both sides, and writes the result back if a contiguous copy had to be made.
+    fn run_in_place(
+        &self,
+        tensor: &mut Tensor,
+        context: &'static str,
+        call: impl FnOnce(
+            *mut std::ffi::c_void,
+            usize,
+            sys::cudaStream_t,
+        ) -> Result<result::NcclStatus, result::NcclError>,
+    ) -> Result<(), CommError> {
+        let contiguous = tensor.is_contiguous();
+        let buffer = if contiguous {
+            tensor.shallow_clone()
+        } else {
+            tensor.contiguous()
+        };
+        let count = buffer.numel();
+        tch::Cuda::synchronize(self.ordinal as i64);
+        call(
+            buffer.data_ptr(),
+            count,
+            self.stream.cu_stream() as sys::cudaStream_t,
+        )
+        .map_err(|e| CommError::Cuda {
+            rank: self.rank,
+            context,
+            message: format!("{e:?}"),
+        })?;
+        self.stream.synchronize().map_err(|e| CommError::Cuda {
+            rank: self.rank,
+            context: "cuStreamSynchronize",
+            message: format!("{e:?}"),
+        })?;
+        if !contiguous {
+            tch::no_grad(|| tensor.copy_(&buffer));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for NcclCommunicator {
+    fn drop(&mut self) {
+        // SAFETY: `comm` was created by ncclCommInitRank and is destroyed once.
+        let _ = unsafe { result::comm_destroy(self.comm) };
+    }
+}

@@ -1,0 +1,167 @@
+//! Run under `mpirun -np N` (N ≥ 2): checks `synerfuse-train`'s MPI communicator on tch
+//! tensors and prints `rank R of N: ok` on success. With `--fail-rank R`, rank R
+//! reports a failure and aborts, and with `--panic-rank R` rank R panics while the others
+//! wait in a barrier: both must take the whole job down.
+
+use synerfuse_train::comm::{CommError, MpiCommunicator, MpiRuntime};
+use tch::{Device, Kind, Tensor};
+
+fn main() {
+    tch::set_num_threads(1);
+    let rank_flag = |flag: &str| {
+        std::env::args()
+            .skip_while(|a| a != flag)
+            .nth(1)
+            .and_then(|r| r.parse::<usize>().ok())
+    };
+    let (fail_rank, panic_rank) = (rank_flag("--fail-rank"), rank_flag("--panic-rank"));
+    let runtime = MpiRuntime::init().expect("MPI init");
+    let world = runtime.world();
+    let rank = world.rank();
+    if fail_rank == Some(rank) {
+        // A rank that dies mid-job: the launcher must take the whole job down.
+        eprintln!(
+            "rank {rank} of {}: FAILED: asked to fail with --fail-rank {rank}",
+            world.size()
+        );
+        world.abort(1);
+    }
+    if panic_rank == Some(rank) {
+        panic!("rank {rank} panics on purpose (--panic-rank)");
+    }
+    let outcome = check_all(&world);
+    world.barrier();
+    match outcome {
+        Ok(()) => println!("rank {rank} of {}: ok", world.size()),
+        Err(why) => {
+            eprintln!("rank {rank} of {}: FAILED: {why}", world.size());
+            world.abort(1);
+        }
+    }
+}
+
+fn check_all(world: &MpiCommunicator) -> Result<(), String> {
+    all_reduce_sums(world)?;
+    broadcast_copies_root(world)?;
+    send_recv_pair(world)?;
+    Ok(())
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a.to_kind(Kind::Double) - b.to_kind(Kind::Double))
+        .abs()
+        .max()
+        .double_value(&[])
+}
+
+/// Rank r holds r+1 times a fixed pattern; the sum over n ranks is n(n+1)/2 times it.
+fn all_reduce_sums(world: &MpiCommunicator) -> Result<(), String> {
+    let (rank, n) = (world.rank() as f64, world.size() as f64);
+    let pattern = Tensor::arange(12, (Kind::Double, Device::Cpu)).reshape([3, 4]);
+    let expected = &pattern * (n * (n + 1.0) / 2.0);
+    for kind in [
+        Kind::Float,
+        Kind::Double,
+        Kind::Int64,
+        Kind::Int,
+        Kind::BFloat16,
+    ] {
+        let mut t = (&pattern * (rank + 1.0)).to_kind(kind);
+        world.all_reduce_sum(&mut t).map_err(|e| e.to_string())?;
+        let diff = max_abs_diff(&t, &expected);
+        if t.kind() != kind || diff > 0.0 {
+            return Err(format!("all_reduce_sum {kind:?}: off by {diff}"));
+        }
+    }
+    // A non-contiguous view is staged and written back in place.
+    let mut transposed = (&pattern * (rank + 1.0)).to_kind(Kind::Float).tr();
+    world
+        .all_reduce_sum(&mut transposed)
+        .map_err(|e| e.to_string())?;
+    let diff = max_abs_diff(&transposed, &expected.tr());
+    if diff > 0.0 {
+        return Err(format!(
+            "all_reduce_sum of a transposed view: off by {diff}"
+        ));
+    }
+    match world.all_reduce_sum(&mut Tensor::ones([2], (Kind::Bool, Device::Cpu))) {
+        Err(CommError::UnsupportedDtype { .. }) => Ok(()),
+        other => Err(format!(
+            "all_reduce_sum of bool should be refused, got {other:?}"
+        )),
+    }
+}
+
+fn broadcast_copies_root(world: &MpiCommunicator) -> Result<(), String> {
+    let root = world.size() - 1;
+    let mut t = Tensor::full([5], world.rank() as f64, (Kind::Float, Device::Cpu));
+    world.broadcast(&mut t, root).map_err(|e| e.to_string())?;
+    let diff = max_abs_diff(
+        &t,
+        &Tensor::full([5], root as f64, (Kind::Double, Device::Cpu)),
+    );
+    if diff > 0.0 {
+        return Err(format!("broadcast from rank {root}: off by {diff}"));
+    }
+    match world.broadcast(&mut t, world.size()) {
+        Err(CommError::InvalidPeer { .. }) => Ok(()),
+        other => Err(format!(
+            "broadcast from a missing rank should be refused, got {other:?}"
+        )),
+    }
+}
+
+/// Rank 0 sends an activation-shaped tensor to rank 1, which sends it back doubled;
+/// rank 1 also refuses a message of the wrong size.
+fn send_recv_pair(world: &MpiCommunicator) -> Result<(), String> {
+    let activation = Tensor::arange(2 * 3 * 4, (Kind::Float, Device::Cpu)).reshape([2, 3, 4]) / 7.0;
+    match world.rank() {
+        0 => {
+            world.send(&activation, 1, 11).map_err(|e| e.to_string())?;
+            let mut back = Tensor::zeros([2, 3, 4], (Kind::Float, Device::Cpu));
+            world.recv(&mut back, 1, 12).map_err(|e| e.to_string())?;
+            let diff = max_abs_diff(&back, &(&activation * 2.0));
+            if diff > 0.0 {
+                return Err(format!("send/recv round trip: off by {diff}"));
+            }
+            world
+                .send(&Tensor::ones([7], (Kind::Float, Device::Cpu)), 1, 13)
+                .map_err(|e| e.to_string())?;
+            world
+                .send(&Tensor::ones([5], (Kind::Float, Device::Cpu)), 1, 13)
+                .map_err(|e| e.to_string())?;
+        }
+        1 => {
+            let mut received = Tensor::zeros([2, 3, 4], (Kind::Float, Device::Cpu));
+            world
+                .recv(&mut received, 0, 11)
+                .map_err(|e| e.to_string())?;
+            let diff = max_abs_diff(&received, &activation);
+            if diff > 0.0 {
+                return Err(format!("recv from rank 0: off by {diff}"));
+            }
+            world
+                .send(&(received * 2.0), 0, 12)
+                .map_err(|e| e.to_string())?;
+            let mut wrong = Tensor::zeros([5], (Kind::Float, Device::Cpu));
+            match world.recv(&mut wrong, 0, 13) {
+                Err(CommError::SizeMismatch {
+                    expected: 5,
+                    got: 7,
+                    ..
+                }) => {}
+                other => {
+                    return Err(format!(
+                        "a 7-element message into 5 should be refused, got {other:?}"
+                    ))
+                }
+            }
+            // The refused message is still pending; the next one fits.
+            let mut pending = Tensor::zeros([7], (Kind::Float, Device::Cpu));
+            world.recv(&mut pending, 0, 13).map_err(|e| e.to_string())?;
+            world.recv(&mut wrong, 0, 13).map_err(|e| e.to_string())?;
+        }
+        _ => {}
+    }
+    Ok(())
+}

@@ -1,0 +1,52 @@
+//! `cargo xtask`: the workspace's developer tasks.
+//!
+//! * `cargo xtask setup [--reference]` installs the native stack (Debian packages, the
+//!   PyPI `torch` wheel in `.venv/`) and is idempotent.
+//! * `cargo xtask test` runs setup, then the whole test suite, clippy and rustfmt.
+
+mod setup;
+mod test;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(
+    name = "cargo xtask",
+    about = "Developer tasks for the synerfuse workspace"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Install OpenMPI, libclang, cmake, pkg-config (apt) and libtorch (PyPI torch wheel in .venv/).
+    Setup {
+        /// Also install the reference oracles (megatron-core 0.8.0, transformers, ...) into .venv/.
+        #[arg(long)]
+        reference: bool,
+    },
+    /// Setup, then tests (nextest, doc tests), clippy with -D warnings and rustfmt --check.
+    Test,
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let root = workspace_root();
+    match cli.command {
+        Command::Setup { reference } => setup::run(&root, reference),
+        Command::Test => test::run(&root),
+    }
+}
+
+/// The workspace root: xtask lives one level below it.
+fn workspace_root() -> PathBuf {
+    let manifest_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest_dir
+        .parent()
+        .map(PathBuf::from)
+        .unwrap_or(manifest_dir)
+}
