@@ -9,6 +9,7 @@ use std::time::Instant;
 pub fn run(root: &Path) -> Result<()> {
     let started = Instant::now();
     setup::run(root, false)?;
+    check_dependency_rules(root)?;
     let nextest = Command::new("cargo")
         .args(["nextest", "--version"])
         .output()
@@ -59,6 +60,55 @@ pub fn run(root: &Path) -> Result<()> {
     println!(
         "all checks passed in {:.1}s",
         started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Crates that bring libtorch, MPI or CUDA into a build.
+const RUNTIME_NATIVE: &[&str] = &["tch", "torch-sys", "mpi", "mpi-sys", "cudarc"];
+
+/// DESIGN.md's boundaries: data never pulls libtorch (nor MPI/CUDA); parallel and
+/// xtask are pure Rust (no `-sys` crate at all), so they build anywhere.
+fn check_dependency_rules(root: &Path) -> Result<()> {
+    for (package, pure) in [
+        ("synerfuse-data", false),
+        ("synerfuse-parallel", true),
+        ("xtask", true),
+    ] {
+        let out = Command::new("cargo")
+            .args([
+                "tree",
+                "--package",
+                package,
+                "--edges",
+                "normal,build",
+                "--prefix",
+                "none",
+            ])
+            .current_dir(root)
+            .output()
+            .with_context(|| format!("could not run cargo tree for {package}"))?;
+        if !out.status.success() {
+            bail!(
+                "cargo tree -p {package} failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let tree = String::from_utf8_lossy(&out.stdout);
+        let offending: Vec<&str> = tree
+            .lines()
+            .filter_map(|line| line.split_whitespace().next())
+            .filter(|name| RUNTIME_NATIVE.contains(name) || (pure && name.ends_with("-sys")))
+            .collect();
+        if !offending.is_empty() {
+            bail!(
+                "dependency rule broken: {package} pulls in {}",
+                offending.join(", ")
+            );
+        }
+    }
+    println!(
+        "== dependency rules: ok (data without libtorch/MPI/CUDA; parallel and xtask pure Rust)"
     );
     Ok(())
 }

@@ -8,13 +8,21 @@ pub struct DTypeError(pub u8);
 /// An element type of a Megatron indexed dataset, named as in numpy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
+    /// numpy uint8, code 1.
     U8,
+    /// numpy int8, code 2.
     I8,
+    /// numpy int16, code 3.
     I16,
+    /// numpy int32, code 4: token ids of vocabularies of 65500 or more.
     I32,
+    /// numpy int64, code 5.
     I64,
+    /// numpy float64, code 6.
     F64,
+    /// numpy float32, code 7.
     F32,
+    /// numpy uint16, code 8: token ids of vocabularies under 65500.
     U16,
 }
 

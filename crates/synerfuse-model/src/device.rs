@@ -24,9 +24,11 @@ pub enum ModelError {
 /// what a mixed CPU/GPU job wants from a single flag shared by every rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceRequest {
+    /// The host CPU.
     Cpu,
     /// A GPU; `None` means the first one.
     Cuda(Option<usize>),
+    /// A GPU when libtorch sees one, else the CPU.
     Auto,
 }
 

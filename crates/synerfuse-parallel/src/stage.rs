@@ -5,12 +5,16 @@ use std::ops::Range;
 /// A stage layout that cannot hold the model.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LayoutError {
+    /// No stage at all.
     #[error("a pipeline needs at least one stage")]
     NoStages,
+    /// A stage without layers: it would only forward activations.
     #[error("pipeline stage {stage} has 0 layers; every stage needs at least one")]
     EmptyStage { stage: usize },
+    /// The stages do not hold exactly the model's layers.
     #[error("the stage layout sums to {actual} layers but --num-layers is {expected}")]
     LayerSumMismatch { expected: usize, actual: usize },
+    /// The uniform default cannot split the layers evenly.
     #[error("--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {stages}; give per-stage layer counts")]
     NotDivisible { num_layers: usize, stages: usize },
 }
@@ -61,10 +65,12 @@ impl StageLayout {
         &self.layers
     }
 
+    /// Pipeline stages.
     pub fn num_stages(&self) -> usize {
         self.layers.len()
     }
 
+    /// Decoder layers over all stages.
     pub fn num_layers(&self) -> usize {
         self.layers.iter().sum()
     }

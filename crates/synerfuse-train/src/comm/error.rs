@@ -3,20 +3,24 @@ use tch::{Device, Kind};
 /// Why a transfer between ranks could not be made.
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {
+    /// `MpiRuntime::init` was called twice in one process.
     #[error("MPI could not be initialized: it already was in this process")]
     AlreadyInitialized,
+    /// The operation cannot carry (or sum) this dtype.
     #[error("rank {rank}: {op} does not support tensors of dtype {kind:?}")]
     UnsupportedDtype {
         rank: usize,
         op: &'static str,
         kind: Kind,
     },
+    /// A source, destination or root that is not a rank of the communicator.
     #[error("rank {rank}: peer rank {peer} is outside this communicator of {size} ranks")]
     InvalidPeer {
         rank: usize,
         peer: usize,
         size: usize,
     },
+    /// A message whose size differs from the receive tensor; it is left unreceived.
     #[error("rank {rank}: the message from rank {source_rank} (tag {tag}) has {got} elements but the receive tensor has {expected}")]
     SizeMismatch {
         rank: usize,
@@ -25,6 +29,7 @@ pub enum CommError {
         expected: usize,
         got: usize,
     },
+    /// A tensor on another device than the NCCL communicator's GPU.
     #[error(
         "rank {rank}: the tensor is on {device:?} but this NCCL communicator is on cuda:{ordinal}"
     )]
@@ -33,8 +38,10 @@ pub enum CommError {
         device: Device,
         ordinal: usize,
     },
+    /// NCCL or the CUDA driver cannot be loaded (CPU-only machine).
     #[error("NCCL is not available: libnccl.so.2 or the CUDA driver library could not be loaded")]
     NcclUnavailable,
+    /// A CUDA driver or NCCL call failed.
     #[error("rank {rank}: {context}: {message}")]
     Cuda {
         rank: usize,

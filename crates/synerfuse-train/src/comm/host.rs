@@ -164,10 +164,12 @@ impl MpiCommunicator {
         Self { comm, rank, size }
     }
 
+    /// This process's rank in the communicator.
     pub fn rank(&self) -> usize {
         self.rank
     }
 
+    /// Number of ranks in the communicator.
     pub fn size(&self) -> usize {
         self.size
     }
@@ -177,6 +179,7 @@ impl MpiCommunicator {
         &self.comm
     }
 
+    /// Waits until every rank of the communicator has arrived.
     pub fn barrier(&self) {
         use mpi::collective::CommunicatorCollectives;
         self.comm.barrier();

@@ -87,10 +87,12 @@ impl NcclCommunicator {
         })
     }
 
+    /// This process's rank in the communicator.
     pub fn rank(&self) -> usize {
         self.rank
     }
 
+    /// Number of ranks in the communicator.
     pub fn size(&self) -> usize {
         self.size
     }
