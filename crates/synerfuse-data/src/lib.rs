@@ -1,5 +1,10 @@
 #![doc = include_str!("../README.md")]
 
 mod dtype;
+mod error;
+pub mod indexed;
+pub mod tokenizer;
 
 pub use dtype::{DType, DTypeError};
+pub use error::DataError;
+pub use indexed::{IndexedDataset, IndexedDatasetBuilder};

@@ -1,0 +1,173 @@
+//! Tokenizers with Megatron's semantics: the same ids, `eod`, `vocab_size` and `pad` as
+//! Megatron-LM's `build_tokenizer` for the same files, so that preprocessed datasets
+//! are byte-identical.
+
+mod gpt2;
+mod null;
+mod pretokenize;
+mod unicode_class;
+
+pub use gpt2::Gpt2BpeTokenizer;
+pub use null::NullTokenizer;
+
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+/// Why a tokenizer could not be built or used.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    /// A flag this tokenizer type requires is missing.
+    #[error("--tokenizer-type {tokenizer} needs {flag}")]
+    MissingArgument {
+        /// The tokenizer type.
+        tokenizer: &'static str,
+        /// The missing flag.
+        flag: &'static str,
+    },
+    /// A tokenizer file could not be read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A tokenizer file has the wrong content.
+    #[error("{path}: {problem}")]
+    BadFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        problem: String,
+    },
+    /// Text the tokenizer cannot encode (e.g. a non-integer for the null tokenizer).
+    #[error("cannot tokenize {text:?}: {problem}")]
+    BadText {
+        /// The offending text (shortened).
+        text: String,
+        /// Why.
+        problem: String,
+    },
+    /// An id outside the vocabulary.
+    #[error("token id {id} is not in the vocabulary")]
+    UnknownId {
+        /// The id.
+        id: u32,
+    },
+    /// A `--tokenizer-type` that does not exist or is not supported here.
+    #[error("--tokenizer-type {0}: {1}")]
+    UnsupportedType(String, String),
+}
+
+impl TokenizerError {
+    pub(crate) fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TokenizerError + '_ {
+        move |source| TokenizerError::Io {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+}
+
+/// Text ↔ token ids, as one of Megatron's tokenizer types.
+pub trait Tokenizer: Send + Sync {
+    /// Token ids of `text` (Megatron's `tokenizer.tokenize`).
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, TokenizerError>;
+    /// Text of `ids`.
+    fn detokenize(&self, ids: &[u32]) -> Result<String, TokenizerError>;
+    /// Megatron's `vocab_size`: un-padded, and the size the `.bin` dtype is chosen from.
+    fn vocab_size(&self) -> usize;
+    /// The end-of-document id `--append-eod` appends, if the type has one.
+    fn eod(&self) -> Option<u32>;
+    /// The pad id the GPT dataset uses, if any (Megatron's −1 otherwise).
+    fn pad(&self) -> Option<u32>;
+}
+
+/// Megatron's `--tokenizer-type` values that synerfuse implements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenizerType {
+    /// Byte-level BPE from `--vocab-file` (vocab.json) and `--merge-file` (merges.txt).
+    Gpt2Bpe,
+    /// Integers separated by spaces; `--vocab-size`.
+    Null,
+}
+
+impl TokenizerType {
+    /// The flag value.
+    pub fn name(self) -> &'static str {
+        match self {
+            TokenizerType::Gpt2Bpe => "GPT2BPETokenizer",
+            TokenizerType::Null => "NullTokenizer",
+        }
+    }
+}
+
+impl FromStr for TokenizerType {
+    type Err = TokenizerError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "GPT2BPETokenizer" => Ok(TokenizerType::Gpt2Bpe),
+            "NullTokenizer" => Ok(TokenizerType::Null),
+            "BertWordPieceLowerCase"
+            | "BertWordPieceCase"
+            | "Llama3Tokenizer"
+            | "MistralTokenizer"
+            | "Llama2Tokenizer"
+            | "GPTSentencePieceTokenizer"
+            | "SentencePieceTokenizer"
+            | "HuggingFaceTokenizer" => Err(TokenizerError::UnsupportedType(
+                s.to_owned(),
+                "not implemented in synerfuse yet".to_owned(),
+            )),
+            _ => Err(TokenizerError::UnsupportedType(
+                s.to_owned(),
+                "unknown; expected GPT2BPETokenizer or NullTokenizer".to_owned(),
+            )),
+        }
+    }
+}
+
+/// The tokenizer flags of `preprocess` and friends, as Megatron names them.
+#[derive(Debug, Clone, Default)]
+pub struct TokenizerArgs {
+    /// `--tokenizer-model`.
+    pub tokenizer_model: Option<PathBuf>,
+    /// `--vocab-file`.
+    pub vocab_file: Option<PathBuf>,
+    /// `--merge-file`.
+    pub merge_file: Option<PathBuf>,
+    /// `--vocab-size` (NullTokenizer).
+    pub vocab_size: Option<usize>,
+}
+
+/// Builds a tokenizer of `kind` from its flags, as Megatron's `build_tokenizer`.
+pub fn build_tokenizer(
+    kind: TokenizerType,
+    args: &TokenizerArgs,
+) -> Result<Box<dyn Tokenizer>, TokenizerError> {
+    let need = |value: &Option<PathBuf>, flag: &'static str| {
+        value.clone().ok_or(TokenizerError::MissingArgument {
+            tokenizer: kind.name(),
+            flag,
+        })
+    };
+    Ok(match kind {
+        TokenizerType::Gpt2Bpe => Box::new(Gpt2BpeTokenizer::from_files(
+            &need(&args.vocab_file, "--vocab-file")?,
+            &need(&args.merge_file, "--merge-file")?,
+        )?),
+        TokenizerType::Null => Box::new(NullTokenizer::new(args.vocab_size.ok_or(
+            TokenizerError::MissingArgument {
+                tokenizer: kind.name(),
+                flag: "--vocab-size",
+            },
+        )?)),
+    })
+}
+
+/// GPT-2 pre-tokenization (exposed for differential tests against Megatron's regex).
+pub fn gpt2_pretokens(text: &str) -> Vec<&str> {
+    let mut pieces = Vec::new();
+    pretokenize::for_each_pretoken(text, |p| pieces.push(p));
+    pieces
+}
