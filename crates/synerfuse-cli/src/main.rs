@@ -2,6 +2,7 @@
 //!
 //! Argument parsing and wiring only; the work lives in the library crates.
 
+mod data_commands;
 mod env_report;
 
 use anyhow::Result;
@@ -21,6 +22,12 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Tokenize JSONL into Megatron .bin/.idx datasets (Megatron's preprocess_data.py flags)
+    Preprocess(data_commands::PreprocessArgs),
+    /// Merge every .bin/.idx dataset of a directory into one (Megatron's merge_datasets.py)
+    Merge(data_commands::MergeArgs),
+    /// Show counts, dtype, length statistics and the first documents of a dataset
+    Inspect(data_commands::InspectArgs),
     /// Report the native stack this binary runs on: libtorch, CUDA, MPI, NCCL, launcher rank
     Env {
         /// Print one JSON object instead of a table
@@ -29,7 +36,18 @@ enum Command {
     },
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            // The whole chain of causes on one line, without a backtrace dump.
+            eprintln!("error: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
     let cli = Cli::parse();
     init_logging();
     // Every log line carries the rank: `rank{r=3}: ...`.
@@ -37,6 +55,9 @@ fn main() -> Result<()> {
     let _rank_span = tracing::info_span!("rank", r = rank).entered();
     match cli.command {
         Command::Env { json } => env_report::run(json),
+        Command::Preprocess(args) => data_commands::run_preprocess(args),
+        Command::Merge(args) => data_commands::run_merge(args),
+        Command::Inspect(args) => data_commands::run_inspect(args),
     }
 }
 
@@ -47,5 +68,6 @@ fn init_logging() {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
 }

@@ -3,6 +3,7 @@
 mod dtype;
 mod error;
 pub mod indexed;
+pub mod preprocess;
 pub mod tokenizer;
 
 pub use dtype::{DType, DTypeError};

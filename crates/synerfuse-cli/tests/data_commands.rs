@@ -1,0 +1,224 @@
+//! `synerfuse preprocess`, `merge` and `inspect` as a user runs them, bad input included.
+
+use std::path::Path;
+use std::process::{Command, Output};
+use synerfuse_data::IndexedDataset;
+
+fn synerfuse(dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_synerfuse"))
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("run synerfuse")
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn files(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    names
+}
+
+const NULL: [&str; 4] = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "786"];
+
+#[test]
+fn preprocess_writes_every_key_and_inspect_reads_it() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("in.jsonl"),
+        "{\"text\": \"1 2 3\", \"title\": [\"4 5\", \"6\"]}\n{\"text\": \"7\", \"title\": []}\n",
+    )
+    .unwrap();
+    let mut args = vec![
+        "preprocess",
+        "--input",
+        "in.jsonl",
+        "--output-prefix",
+        "out",
+        "--json-keys",
+        "text",
+        "title",
+        "--append-eod",
+        "--workers",
+        "2",
+    ];
+    args.extend(NULL);
+    let out = synerfuse(dir.path(), &args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        files(dir.path()),
+        [
+            "in.jsonl",
+            "out_text_document.bin",
+            "out_text_document.idx",
+            "out_title_document.bin",
+            "out_title_document.idx"
+        ]
+    );
+    let title = IndexedDataset::open(dir.path().join("out_title_document")).unwrap();
+    assert_eq!(title.sequence_lengths().to_vec(), vec![2, 2]);
+    assert_eq!(title.document_indices().to_vec(), vec![0, 2, 2]);
+    assert_eq!(title.get_i64(1, 0, None).unwrap(), vec![6, 786]);
+
+    let mut inspect = vec!["inspect", "out_text_document", "--json"];
+    inspect.extend(NULL);
+    let out = synerfuse(dir.path(), &inspect);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["documents"], 2);
+    assert_eq!(report["tokens"], 6);
+    assert_eq!(report["first_documents"][0]["text"], "1 2 3 786");
+}
+
+/// Each failure: non-zero exit, a message naming the file/line or flag, and no output
+/// pair left behind that opens as complete.
+#[test]
+fn bad_input_fails_loudly_and_leaves_no_output() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("bad.jsonl"),
+        "{\"text\": \"1\"}\n{\"text\": \"2\"\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("nokey.jsonl"),
+        "{\"text\": \"1\"}\n{\"body\": \"2\"}\n",
+    )
+    .unwrap();
+    let run = |input: &str, prefix: &str, extra: &[&str]| {
+        let mut args = vec![
+            "preprocess",
+            "--input",
+            input,
+            "--output-prefix",
+            prefix,
+            "--workers",
+            "1",
+        ];
+        args.extend(extra);
+        synerfuse(dir.path(), &args)
+    };
+    let out = run("bad.jsonl", "bad", &NULL);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("bad.jsonl:2: invalid JSON"),
+        "{}",
+        stderr(&out)
+    );
+
+    let out = run("nokey.jsonl", "nokey", &NULL);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("nokey.jsonl:2: missing key \"text\""),
+        "{}",
+        stderr(&out)
+    );
+
+    let out = run(
+        "nokey.jsonl",
+        "gpt",
+        &[
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
+            "--vocab-file",
+            "missing.json",
+            "--merge-file",
+            "m.txt",
+        ],
+    );
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("missing.json"), "{}", stderr(&out));
+
+    let out = run("nokey.jsonl", "no/such/dir/out", &NULL);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("no/such/dir/out"), "{}", stderr(&out));
+
+    let out = synerfuse(
+        dir.path(),
+        &[
+            "preprocess",
+            "--input",
+            "bad.jsonl",
+            "--output-prefix",
+            "s",
+            "--workers",
+            "1",
+            "--split-sentences",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "9",
+        ],
+    );
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("--split-sentences is not supported"),
+        "{}",
+        stderr(&out)
+    );
+
+    assert_eq!(files(dir.path()), ["bad.jsonl", "nokey.jsonl"]);
+
+    let mut skip = NULL.to_vec();
+    skip.push("--skip-bad-lines");
+    let out = run("bad.jsonl", "skipped", &skip);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("skipped 1 malformed line"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(
+        IndexedDataset::open(dir.path().join("skipped_text_document"))
+            .unwrap()
+            .num_documents(),
+        1
+    );
+}
+
+#[test]
+fn merge_then_inspect() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("parts")).unwrap();
+    for (name, body) in [
+        ("a", "{\"text\": \"1 2\"}\n"),
+        ("b", "{\"text\": \"3\"}\n{\"text\": \"4 5 6\"}\n"),
+    ] {
+        std::fs::write(dir.path().join(format!("{name}.jsonl")), body).unwrap();
+        let prefix = format!("parts/{name}");
+        let mut args = vec![
+            "preprocess",
+            "--input",
+            &format!("{name}.jsonl"),
+            "--output-prefix",
+            &prefix,
+            "--workers",
+            "1",
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect::<Vec<_>>();
+        args.extend(NULL.iter().map(|s| s.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        assert!(synerfuse(dir.path(), &args).status.success());
+    }
+    let out = synerfuse(
+        dir.path(),
+        &["merge", "--input", "parts", "--output-prefix", "merged"],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let merged = IndexedDataset::open(dir.path().join("merged")).unwrap();
+    assert_eq!(merged.sequence_lengths().to_vec(), vec![2, 1, 3]);
+    let out = synerfuse(
+        dir.path(),
+        &["merge", "--input", "nowhere", "--output-prefix", "m"],
+    );
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("--input nowhere"), "{}", stderr(&out));
+}
