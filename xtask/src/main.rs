@@ -4,6 +4,7 @@
 //!   PyPI `torch` wheel in `.venv/`) and is idempotent.
 //! * `cargo xtask test` runs setup, then the whole test suite, clippy and rustfmt.
 
+mod bench;
 mod setup;
 mod test;
 
@@ -31,6 +32,14 @@ enum Command {
     },
     /// Setup, then tests (nextest, doc tests), clippy with -D warnings and rustfmt --check.
     Test,
+    /// Regenerate the committed test fixtures with the reference oracles (megatron-core 0.8.0).
+    Fixtures,
+    /// Benchmarks against reference implementations measured in the same run.
+    Bench {
+        /// Which benchmark: preprocess
+        #[arg(default_value = "preprocess")]
+        name: String,
+    },
 }
 
 fn main() -> Result<()> {
@@ -39,7 +48,19 @@ fn main() -> Result<()> {
     match cli.command {
         Command::Setup { reference } => setup::run(&root, reference),
         Command::Test => test::run(&root),
+        Command::Fixtures => fixtures(&root),
+        Command::Bench { name } => bench::run(&root, &name),
     }
+}
+
+/// Runs the fixture generators with the reference Python environment.
+fn fixtures(root: &std::path::Path) -> Result<()> {
+    setup::run(root, true)?;
+    let python = root.join(".venv/bin/python");
+    let script = root.join("xtask/fixtures/data_fixtures.py");
+    let status = std::process::Command::new(&python).arg(&script).arg(root).status()?;
+    anyhow::ensure!(status.success(), "{} failed ({status})", script.display());
+    Ok(())
 }
 
 /// The workspace root: xtask lives one level below it.

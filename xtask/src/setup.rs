@@ -26,18 +26,19 @@ const APT_PACKAGES: &[&str] = &[
 const APT_CONFLICTS: &[&str] = &["libsentencepiece-dev"];
 
 /// Reference oracles for fixture generation and parity tests: (pip requirement,
-/// distribution name, accepted versions).
-const REFERENCE_PACKAGES: &[(&str, &str, VersionRule)] = &[
-    (
-        "megatron-core==0.8.0",
-        "megatron-core",
-        VersionRule::Exact("0.8.0"),
-    ),
-    ("setuptools<70", "setuptools", VersionRule::MajorBelow(70)),
-    ("transformers", "transformers", VersionRule::Any),
-    ("tokenizers", "tokenizers", VersionRule::Any),
-    ("sentencepiece", "sentencepiece", VersionRule::Any),
-    ("numpy", "numpy", VersionRule::Any),
+/// distribution name, accepted versions, installed without dependencies).
+///
+/// megatron-core 0.8.0 imports `pkg_resources`, which setuptools dropped after 69; torch
+/// 2.13 declares `setuptools>=77` (only for building extensions), so the old setuptools
+/// goes in on its own with `--no-deps`.
+const REFERENCE_PACKAGES: &[(&str, &str, VersionRule, bool)] = &[
+    ("megatron-core==0.8.0", "megatron-core", VersionRule::Exact("0.8.0"), false),
+    ("transformers", "transformers", VersionRule::Any, false),
+    ("tokenizers", "tokenizers", VersionRule::Any, false),
+    ("sentencepiece", "sentencepiece", VersionRule::Any, false),
+    ("numpy", "numpy", VersionRule::Any, false),
+    ("regex", "regex", VersionRule::Any, false),
+    ("setuptools<70", "setuptools", VersionRule::MajorBelow(70), true),
 ];
 
 #[derive(Clone, Copy)]
@@ -253,15 +254,14 @@ fn link_nccl(torch_dir: &Path) -> Result<()> {
 }
 
 fn reference_step(python: &Path) -> Result<()> {
-    let names: Vec<&str> = REFERENCE_PACKAGES
-        .iter()
-        .map(|(_, name, _)| *name)
-        .collect();
+    let names: Vec<&str> = REFERENCE_PACKAGES.iter().map(|(_, name, ..)| *name).collect();
     let versions = dist_versions(python, &names)?;
     let mut missing = Vec::new();
-    for ((requirement, name, rule), (_, version)) in REFERENCE_PACKAGES.iter().zip(&versions) {
+    let mut missing_no_deps = Vec::new();
+    for ((requirement, name, rule, no_deps), (_, version)) in REFERENCE_PACKAGES.iter().zip(&versions) {
         match version {
             Some(v) if rule.accepts(v) => println!("[reference] present: {name} {v}"),
+            _ if *no_deps => missing_no_deps.push(*requirement),
             _ => missing.push(*requirement),
         }
     }
@@ -271,6 +271,12 @@ fn reference_step(python: &Path) -> Result<()> {
         let torch_pin = format!("torch=={TORCH_VERSION}");
         let mut requirements: Vec<&str> = missing.clone();
         requirements.push(&torch_pin);
+        pip_install(python, &requirements)?;
+    }
+    if !missing_no_deps.is_empty() {
+        println!("[reference] installing {} without dependencies", missing_no_deps.join(" "));
+        let mut requirements = vec!["--no-deps"];
+        requirements.extend(&missing_no_deps);
         pip_install(python, &requirements)?;
     }
     Ok(())
