@@ -58,7 +58,10 @@ fn fixtures(root: &std::path::Path) -> Result<()> {
     setup::run(root, true)?;
     let python = root.join(".venv/bin/python");
     let script = root.join("xtask/fixtures/data_fixtures.py");
-    let status = std::process::Command::new(&python).arg(&script).arg(root).status()?;
+    let status = std::process::Command::new(&python)
+        .arg(&script)
+        .arg(root)
+        .status()?;
     anyhow::ensure!(status.success(), "{} failed ({status})", script.display());
     Ok(())
 }

@@ -32,13 +32,23 @@ const APT_CONFLICTS: &[&str] = &["libsentencepiece-dev"];
 /// 2.13 declares `setuptools>=77` (only for building extensions), so the old setuptools
 /// goes in on its own with `--no-deps`.
 const REFERENCE_PACKAGES: &[(&str, &str, VersionRule, bool)] = &[
-    ("megatron-core==0.8.0", "megatron-core", VersionRule::Exact("0.8.0"), false),
+    (
+        "megatron-core==0.8.0",
+        "megatron-core",
+        VersionRule::Exact("0.8.0"),
+        false,
+    ),
     ("transformers", "transformers", VersionRule::Any, false),
     ("tokenizers", "tokenizers", VersionRule::Any, false),
     ("sentencepiece", "sentencepiece", VersionRule::Any, false),
     ("numpy", "numpy", VersionRule::Any, false),
     ("regex", "regex", VersionRule::Any, false),
-    ("setuptools<70", "setuptools", VersionRule::MajorBelow(70), true),
+    (
+        "setuptools<70",
+        "setuptools",
+        VersionRule::MajorBelow(70),
+        true,
+    ),
 ];
 
 #[derive(Clone, Copy)]
@@ -254,11 +264,16 @@ fn link_nccl(torch_dir: &Path) -> Result<()> {
 }
 
 fn reference_step(python: &Path) -> Result<()> {
-    let names: Vec<&str> = REFERENCE_PACKAGES.iter().map(|(_, name, ..)| *name).collect();
+    let names: Vec<&str> = REFERENCE_PACKAGES
+        .iter()
+        .map(|(_, name, ..)| *name)
+        .collect();
     let versions = dist_versions(python, &names)?;
     let mut missing = Vec::new();
     let mut missing_no_deps = Vec::new();
-    for ((requirement, name, rule, no_deps), (_, version)) in REFERENCE_PACKAGES.iter().zip(&versions) {
+    for ((requirement, name, rule, no_deps), (_, version)) in
+        REFERENCE_PACKAGES.iter().zip(&versions)
+    {
         match version {
             Some(v) if rule.accepts(v) => println!("[reference] present: {name} {v}"),
             _ if *no_deps => missing_no_deps.push(*requirement),
@@ -274,7 +289,10 @@ fn reference_step(python: &Path) -> Result<()> {
         pip_install(python, &requirements)?;
     }
     if !missing_no_deps.is_empty() {
-        println!("[reference] installing {} without dependencies", missing_no_deps.join(" "));
+        println!(
+            "[reference] installing {} without dependencies",
+            missing_no_deps.join(" ")
+        );
         let mut requirements = vec!["--no-deps"];
         requirements.extend(&missing_no_deps);
         pip_install(python, &requirements)?;

@@ -18,7 +18,10 @@ fn manifest() -> serde_json::Value {
 
 fn assert_same_files(ours: &Path, theirs: &Path) {
     for path in [bin_path, idx_path] {
-        let (a, b) = (std::fs::read(path(ours)).unwrap(), std::fs::read(path(theirs)).unwrap());
+        let (a, b) = (
+            std::fs::read(path(ours)).unwrap(),
+            std::fs::read(path(theirs)).unwrap(),
+        );
         let first_difference = a.iter().zip(&b).position(|(x, y)| x != y);
         assert!(
             a == b,
@@ -45,8 +48,17 @@ fn preprocess_all(out: &Path, workers: usize) -> Vec<(PathBuf, PathBuf)> {
             vocab_size: case["vocab_size"].as_u64().map(|v| v as usize),
             ..Default::default()
         };
-        let tokenizer = build_tokenizer(case["tokenizer_type"].as_str().unwrap().parse().unwrap(), &args).unwrap();
-        let keys: Vec<String> = case["json_keys"].as_array().unwrap().iter().map(|k| k.as_str().unwrap().to_owned()).collect();
+        let tokenizer = build_tokenizer(
+            case["tokenizer_type"].as_str().unwrap().parse().unwrap(),
+            &args,
+        )
+        .unwrap();
+        let keys: Vec<String> = case["json_keys"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|k| k.as_str().unwrap().to_owned())
+            .collect();
         let config = PreprocessConfig {
             input: megatron.join(case["input"].as_str().unwrap()),
             output_prefix: out.join(name),
@@ -59,7 +71,10 @@ fn preprocess_all(out: &Path, workers: usize) -> Vec<(PathBuf, PathBuf)> {
         };
         preprocess(&config, tokenizer.as_ref(), |_| {}).unwrap();
         for key in keys {
-            pairs.push((output_prefix_for_key(&out.join(name), &key), output_prefix_for_key(&megatron.join(name), &key)));
+            pairs.push((
+                output_prefix_for_key(&out.join(name), &key),
+                output_prefix_for_key(&megatron.join(name), &key),
+            ));
         }
     }
     pairs
@@ -78,7 +93,10 @@ fn preprocess_is_byte_identical_to_megatron_for_every_case() {
 #[test]
 fn output_does_not_depend_on_the_worker_count() {
     let (one, three) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    for ((a, _), (b, _)) in preprocess_all(one.path(), 1).into_iter().zip(preprocess_all(three.path(), 3)) {
+    for ((a, _), (b, _)) in preprocess_all(one.path(), 1)
+        .into_iter()
+        .zip(preprocess_all(three.path(), 3))
+    {
         assert_same_files(&a, &b);
     }
 }
@@ -97,5 +115,8 @@ fn merge_is_byte_identical_to_megatron() {
         }
     }
     merge_datasets(&inputs, dir.path().join("merged"), false).unwrap();
-    assert_same_files(&dir.path().join("merged"), &megatron.join(merge["output"].as_str().unwrap()));
+    assert_same_files(
+        &dir.path().join("merged"),
+        &megatron.join(merge["output"].as_str().unwrap()),
+    );
 }
