@@ -22,9 +22,10 @@ fn cargo_release_binary(root: &Path) -> Result<std::path::PathBuf> {
     Ok(root.join("target/release/synerfuse"))
 }
 
-/// GPT-2 BPE preprocessing of >= 50 MB of Shakespeare JSONL with 2 workers: our binary
-/// vs Megatron's preprocess logic (Python pool + megatron-core builder); outputs must be
-/// byte-identical.
+/// Preprocessing of >= 50 MB of Shakespeare JSONL with 2 workers, GPT-2 BPE and LLaMA-2
+/// SentencePiece: our binary vs Megatron's preprocess logic (Python pool + megatron-core
+/// builder), outputs byte-identical; for SentencePiece also the library's own 2-thread
+/// id encoding, the ceiling of any wrapper.
 fn preprocess(root: &Path) -> Result<()> {
     setup::run(root, true)?;
     let synerfuse = cargo_release_binary(root)?;
@@ -41,74 +42,122 @@ fn preprocess(root: &Path) -> Result<()> {
     let workers = 2;
     let corpus = dir.join("corpus.jsonl");
     let bytes = std::fs::metadata(&corpus)?.len() as f64;
-
-    let reference = Command::new(&python)
-        .arg(&script)
-        .arg("reference")
-        .arg(&dir)
-        .arg(workers.to_string())
-        .arg(dir.join("reference"))
-        .output()?;
-    ensure!(
-        reference.status.success(),
-        "reference failed: {}",
-        String::from_utf8_lossy(&reference.stderr)
-    );
-    let stdout = String::from_utf8_lossy(&reference.stdout);
-    let timing: serde_like::Timing = serde_like::parse(stdout.lines().last().unwrap_or(""))
-        .with_context(|| format!("reference printed {stdout}"))?;
-
-    let started = Instant::now();
-    let ours = Command::new(&synerfuse)
-        .args([
-            "preprocess",
-            "--json-keys",
-            "text",
-            "--tokenizer-type",
-            "GPT2BPETokenizer",
-            "--append-eod",
-        ])
-        .arg("--input")
-        .arg(&corpus)
-        .arg("--output-prefix")
-        .arg(dir.join("ours"))
-        .arg("--vocab-file")
-        .arg(dir.join("tokenizer/vocab.json"))
-        .arg("--merge-file")
-        .arg(dir.join("tokenizer/merges.txt"))
-        .args(["--workers", &workers.to_string()])
-        .output()?;
-    let ours_seconds = started.elapsed().as_secs_f64();
-    ensure!(
-        ours.status.success(),
-        "synerfuse preprocess failed: {}",
-        String::from_utf8_lossy(&ours.stderr)
-    );
-
-    for ext in ["bin", "idx"] {
-        let a = std::fs::read(dir.join(format!("ours_text_document.{ext}")))?;
-        let b = std::fs::read(dir.join(format!("reference_text_document.{ext}")))?;
+    let python_timing = |args: &[&str]| -> Result<serde_like::Timing> {
+        let out = Command::new(&python).arg(&script).args(args).output()?;
         ensure!(
-            a == b,
-            "outputs differ: ours_text_document.{ext} vs reference_text_document.{ext}"
+            out.status.success(),
+            "{args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
         );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        serde_like::parse(stdout.lines().last().unwrap_or(""))
+            .with_context(|| format!("{args:?} printed {stdout}"))
+    };
+    let tok = dir.join("tokenizer");
+    let cases: [(&str, &str, Vec<std::ffi::OsString>); 2] = [
+        (
+            "gpt2",
+            "GPT2BPETokenizer",
+            vec![
+                "--vocab-file".into(),
+                tok.join("vocab.json").into(),
+                "--merge-file".into(),
+                tok.join("merges.txt").into(),
+            ],
+        ),
+        (
+            "llama2",
+            "Llama2Tokenizer",
+            vec!["--tokenizer-model".into(), tok.join("llama.model").into()],
+        ),
+    ];
+    let mut rows = Vec::new();
+    let mut json = Vec::new();
+    for (name, kind, flags) in cases {
+        let reference_prefix = dir.join(format!("reference-{name}"));
+        let reference = python_timing(&[
+            "reference",
+            dir.to_str().context("utf-8 path")?,
+            &workers.to_string(),
+            reference_prefix.to_str().context("utf-8 path")?,
+            name,
+        ])?;
+        let ours_prefix = dir.join(format!("ours-{name}"));
+        let started = Instant::now();
+        let ours = Command::new(&synerfuse)
+            .args([
+                "preprocess",
+                "--json-keys",
+                "text",
+                "--append-eod",
+                "--tokenizer-type",
+                kind,
+            ])
+            .args(&flags)
+            .arg("--input")
+            .arg(&corpus)
+            .arg("--output-prefix")
+            .arg(&ours_prefix)
+            .args(["--workers", &workers.to_string()])
+            .output()?;
+        let seconds = started.elapsed().as_secs_f64();
+        ensure!(
+            ours.status.success(),
+            "synerfuse preprocess failed: {}",
+            String::from_utf8_lossy(&ours.stderr)
+        );
+        for ext in ["bin", "idx"] {
+            let a = std::fs::read(format!("{}_text_document.{ext}", ours_prefix.display()))?;
+            let b = std::fs::read(format!(
+                "{}_text_document.{ext}",
+                reference_prefix.display()
+            ))?;
+            ensure!(a == b, "{name}: outputs differ (.{ext})");
+        }
+        let ours_mbs = bytes / seconds / 1e6;
+        let reference_mbs = reference.bytes / reference.seconds / 1e6;
+        let ratio = ours_mbs / reference_mbs;
+        let target = if name == "gpt2" { 4.0 } else { 3.0 };
+        rows.push(format!("| {kind} | {ours_mbs:.2} | {reference_mbs:.2} | {ratio:.2}x (target >= {target}x) | yes |"));
+        let mut entry = format!(
+            "{{\"tokenizer\": \"{kind}\", \"ours_mb_s\": {ours_mbs:.3}, \"reference_mb_s\": {reference_mbs:.3}, \"ratio\": {ratio:.3}, \"byte_identical\": true"
+        );
+        if name == "llama2" {
+            let ceiling = python_timing(&[
+                "ceiling",
+                dir.to_str().context("utf-8 path")?,
+                &workers.to_string(),
+            ])?;
+            let ceiling_mbs = ceiling.bytes / ceiling.seconds / 1e6;
+            let share = ours_mbs / ceiling_mbs;
+            rows.push(format!(
+                "| SentencePiece library alone (ids only, {workers} threads) | {ceiling_mbs:.2} | | ours = {:.0}% of it (target >= 90%) | |",
+                share * 100.0
+            ));
+            entry.push_str(&format!(
+                ", \"library_ceiling_mb_s\": {ceiling_mbs:.3}, \"share_of_ceiling\": {share:.3}"
+            ));
+        }
+        entry.push('}');
+        json.push(entry);
     }
-    let ours_mbs = bytes / ours_seconds / 1e6;
-    let reference_mbs = timing.bytes / timing.seconds / 1e6;
-    let ratio = ours_mbs / reference_mbs;
     println!();
     println!(
-        "| preprocess, GPT2BPETokenizer, {workers} workers, {:.1} MB | MB/s |",
+        "preprocess, {workers} workers, {:.1} MB of JSONL (Shakespeare, ~4 KB documents)",
         bytes / 1e6
     );
-    println!("|---|---|");
-    println!("| synerfuse | {ours_mbs:.2} |");
-    println!("| Megatron-style Python (megatron-core 0.8.0 builder) | {reference_mbs:.2} |");
-    println!("| ratio | {ratio:.2}x (target >= 4x), outputs byte-identical |");
-    let json = format!(
-        "{{\"benchmark\": \"preprocess-gpt2bpe\", \"workers\": {workers}, \"bytes\": {bytes}, \"ours_mb_s\": {ours_mbs:.3}, \"reference_mb_s\": {reference_mbs:.3}, \"ratio\": {ratio:.3}, \"byte_identical\": true}}\n"
+    println!();
+    println!(
+        "| tokenizer | synerfuse MB/s | Megatron-style Python MB/s | ratio | byte-identical |"
     );
-    std::fs::write(root.join("target/bench/preprocess.json"), json)?;
+    println!("|---|---|---|---|---|");
+    for row in rows {
+        println!("{row}");
+    }
+    std::fs::write(
+        root.join("target/bench/preprocess.json"),
+        format!("{{\"benchmark\": \"preprocess\", \"workers\": {workers}, \"bytes\": {bytes}, \"results\": [{}]}}\n", json.join(", ")),
+    )?;
     Ok(())
 }
 

@@ -38,6 +38,7 @@ fn assert_same_files(ours: &Path, theirs: &Path) {
 fn preprocess_all(out: &Path, workers: usize) -> Vec<(PathBuf, PathBuf)> {
     let megatron = fixtures().join("megatron");
     let tokenizers = fixtures().join("tokenizers/shakespeare-bpe");
+    let sentencepiece = fixtures().join("tokenizers/sentencepiece");
     let mut pairs = Vec::new();
     for case in manifest()["cases"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();
@@ -46,7 +47,9 @@ fn preprocess_all(out: &Path, workers: usize) -> Vec<(PathBuf, PathBuf)> {
             vocab_file: file("vocab_file"),
             merge_file: file("merge_file"),
             vocab_size: case["vocab_size"].as_u64().map(|v| v as usize),
-            ..Default::default()
+            tokenizer_model: case["tokenizer_model"]
+                .as_str()
+                .map(|f| sentencepiece.join(f)),
         };
         let tokenizer = build_tokenizer(
             case["tokenizer_type"].as_str().unwrap().parse().unwrap(),
@@ -84,7 +87,7 @@ fn preprocess_all(out: &Path, workers: usize) -> Vec<(PathBuf, PathBuf)> {
 fn preprocess_is_byte_identical_to_megatron_for_every_case() {
     let out = tempfile::tempdir().unwrap();
     let pairs = preprocess_all(out.path(), 2);
-    assert!(pairs.len() >= 6, "{} datasets compared", pairs.len());
+    assert!(pairs.len() >= 12, "{} datasets compared", pairs.len());
     for (ours, theirs) in pairs {
         assert_same_files(&ours, &theirs);
     }

@@ -5,10 +5,14 @@
 mod gpt2;
 mod null;
 mod pretokenize;
+mod sentencepiece;
 mod unicode_class;
 
 pub use gpt2::Gpt2BpeTokenizer;
 pub use null::NullTokenizer;
+pub use sentencepiece::{
+    SentencePieceFlavor, SentencePieceModel, SentencePieceTokenizer, SpecialSentencePieceTokenizer,
+};
 
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -89,6 +93,12 @@ pub enum TokenizerType {
     Gpt2Bpe,
     /// Integers separated by spaces; `--vocab-size`.
     Null,
+    /// SentencePiece `--tokenizer-model` with BOS before every text (LLaMA-2).
+    Llama2,
+    /// SentencePiece `--tokenizer-model`, plain ids.
+    GptSentencePiece,
+    /// SentencePiece `--tokenizer-model` with Megatron's special-token strings.
+    SentencePiece,
 }
 
 impl TokenizerType {
@@ -97,6 +107,9 @@ impl TokenizerType {
         match self {
             TokenizerType::Gpt2Bpe => "GPT2BPETokenizer",
             TokenizerType::Null => "NullTokenizer",
+            TokenizerType::Llama2 => "Llama2Tokenizer",
+            TokenizerType::GptSentencePiece => "GPTSentencePieceTokenizer",
+            TokenizerType::SentencePiece => "SentencePieceTokenizer",
         }
     }
 }
@@ -108,20 +121,20 @@ impl FromStr for TokenizerType {
         match s {
             "GPT2BPETokenizer" => Ok(TokenizerType::Gpt2Bpe),
             "NullTokenizer" => Ok(TokenizerType::Null),
+            "Llama2Tokenizer" => Ok(TokenizerType::Llama2),
+            "GPTSentencePieceTokenizer" => Ok(TokenizerType::GptSentencePiece),
+            "SentencePieceTokenizer" => Ok(TokenizerType::SentencePiece),
             "BertWordPieceLowerCase"
             | "BertWordPieceCase"
             | "Llama3Tokenizer"
             | "MistralTokenizer"
-            | "Llama2Tokenizer"
-            | "GPTSentencePieceTokenizer"
-            | "SentencePieceTokenizer"
             | "HuggingFaceTokenizer" => Err(TokenizerError::UnsupportedType(
                 s.to_owned(),
                 "not implemented in synerfuse yet".to_owned(),
             )),
             _ => Err(TokenizerError::UnsupportedType(
                 s.to_owned(),
-                "unknown; expected GPT2BPETokenizer or NullTokenizer".to_owned(),
+                "unknown; expected GPT2BPETokenizer, Llama2Tokenizer, GPTSentencePieceTokenizer, SentencePieceTokenizer or NullTokenizer".to_owned(),
             )),
         }
     }
@@ -156,6 +169,18 @@ pub fn build_tokenizer(
             &need(&args.vocab_file, "--vocab-file")?,
             &need(&args.merge_file, "--merge-file")?,
         )?),
+        TokenizerType::Llama2 => Box::new(SentencePieceTokenizer::open(
+            &need(&args.tokenizer_model, "--tokenizer-model")?,
+            SentencePieceFlavor::Llama2,
+        )?),
+        TokenizerType::GptSentencePiece => Box::new(SentencePieceTokenizer::open(
+            &need(&args.tokenizer_model, "--tokenizer-model")?,
+            SentencePieceFlavor::Gpt,
+        )?),
+        TokenizerType::SentencePiece => Box::new(SpecialSentencePieceTokenizer::open(&need(
+            &args.tokenizer_model,
+            "--tokenizer-model",
+        )?)?),
         TokenizerType::Null => Box::new(NullTokenizer::new(args.vocab_size.ok_or(
             TokenizerError::MissingArgument {
                 tokenizer: kind.name(),
