@@ -8,18 +8,21 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use synerfuse_data::indexed::merge_datasets;
 use synerfuse_data::preprocess::{
-    output_prefix_for_key, preprocess, PreprocessConfig, PreprocessStats,
+    output_prefix_for_key, preprocess, read_json_texts, PreprocessConfig, PreprocessStats,
 };
-use synerfuse_data::tokenizer::{build_tokenizer, Tokenizer, TokenizerArgs, TokenizerType};
+use synerfuse_data::tokenizer::{
+    build_tokenizer, train_byte_level_bpe, Tokenizer, TokenizerArgs, TokenizerType,
+};
 use synerfuse_data::IndexedDataset;
 
 /// Megatron's tokenizer flags.
 #[derive(Args, Debug)]
 pub struct TokenizerFlags {
-    /// GPT2BPETokenizer or NullTokenizer
+    /// GPT2BPETokenizer, Llama2Tokenizer, GPTSentencePieceTokenizer, SentencePieceTokenizer,
+    /// HuggingFaceTokenizer or NullTokenizer
     #[arg(long)]
     tokenizer_type: Option<String>,
-    /// SentencePiece model file
+    /// SentencePiece .model, or a Hugging Face tokenizer.json (file or directory)
     #[arg(long)]
     tokenizer_model: Option<PathBuf>,
     /// GPT-2 vocab.json
@@ -302,6 +305,58 @@ pub fn run_inspect(args: InspectArgs) -> Result<()> {
                 if ids.len() > 32 { " …" } else { "" }
             ),
         }
+    }
+    Ok(())
+}
+
+/// `synerfuse tokenizer ...`.
+#[derive(clap::Subcommand, Debug)]
+pub enum TokenizerCommand {
+    /// Train a GPT-2 style byte-level BPE (with <|endoftext|>) on JSONL texts
+    Train(TrainTokenizerArgs),
+}
+
+/// `synerfuse tokenizer train`.
+#[derive(Args, Debug)]
+pub struct TrainTokenizerArgs {
+    /// Input JSONL (.jsonl.gz accepted)
+    #[arg(long)]
+    input: PathBuf,
+    /// JSON keys whose texts to train on
+    #[arg(long, num_args = 1.., default_values_t = [String::from("text")])]
+    json_keys: Vec<String>,
+    /// Vocabulary size, <|endoftext|> and the 256 byte tokens included
+    #[arg(long)]
+    vocab_size: usize,
+    /// Where to write the tokenizer.json (use with --tokenizer-type HuggingFaceTokenizer)
+    #[arg(long)]
+    output: PathBuf,
+    /// Also write vocab.json and merges.txt beside it (use with --tokenizer-type GPT2BPETokenizer)
+    #[arg(long)]
+    gpt2_files: bool,
+}
+
+pub fn run_tokenizer(command: TokenizerCommand) -> Result<()> {
+    let TokenizerCommand::Train(args) = command;
+    if args.vocab_size <= 257 {
+        bail!("--vocab-size {} leaves no room for merges: the 256 byte tokens and <|endoftext|> come first", args.vocab_size);
+    }
+    let texts = read_json_texts(&args.input, &args.json_keys)?;
+    tracing::info!(
+        "training a byte-level BPE of {} tokens on {} texts",
+        args.vocab_size,
+        texts.len()
+    );
+    let trained = train_byte_level_bpe(
+        texts.into_iter(),
+        args.vocab_size,
+        &args.output,
+        args.gpt2_files,
+    )?;
+    tracing::info!("vocabulary of {} tokens", trained.vocab_size);
+    println!("{}", trained.tokenizer_json.display());
+    if let Some((vocab, merges)) = trained.gpt2_files {
+        println!("{}\n{}", vocab.display(), merges.display());
     }
     Ok(())
 }

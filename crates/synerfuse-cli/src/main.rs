@@ -28,6 +28,9 @@ enum Command {
     Merge(data_commands::MergeArgs),
     /// Show counts, dtype, length statistics and the first documents of a dataset
     Inspect(data_commands::InspectArgs),
+    /// Tokenizer tools: train a byte-level BPE for corpora that have no tokenizer
+    #[command(subcommand)]
+    Tokenizer(data_commands::TokenizerCommand),
     /// Report the native stack this binary runs on: libtorch, CUDA, MPI, NCCL, launcher rank
     Env {
         /// Print one JSON object instead of a table
@@ -58,6 +61,7 @@ fn run() -> Result<()> {
         Command::Preprocess(args) => data_commands::run_preprocess(args),
         Command::Merge(args) => data_commands::run_merge(args),
         Command::Inspect(args) => data_commands::run_inspect(args),
+        Command::Tokenizer(command) => data_commands::run_tokenizer(command),
     }
 }
 

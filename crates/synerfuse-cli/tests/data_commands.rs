@@ -222,3 +222,90 @@ fn merge_then_inspect() {
     assert!(!out.status.success());
     assert!(stderr(&out).contains("--input nowhere"), "{}", stderr(&out));
 }
+
+#[test]
+fn trained_tokenizer_preprocesses_the_same_as_hf_and_gpt2_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../synerfuse-data/tests/fixtures/megatron/corpus.jsonl");
+    let corpus = corpus.to_str().unwrap();
+    let out = synerfuse(
+        dir.path(),
+        &[
+            "tokenizer",
+            "train",
+            "--input",
+            corpus,
+            "--vocab-size",
+            "500",
+            "--output",
+            "tok.json",
+            "--gpt2-files",
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = synerfuse(
+        dir.path(),
+        &[
+            "tokenizer",
+            "train",
+            "--input",
+            corpus,
+            "--vocab-size",
+            "100",
+            "--output",
+            "x.json",
+        ],
+    );
+    assert!(
+        !out.status.success() && stderr(&out).contains("--vocab-size 100"),
+        "{}",
+        stderr(&out)
+    );
+
+    // Texts without special-token strings: the two loaders must agree byte for byte.
+    let plain: String = std::fs::read_to_string(corpus)
+        .unwrap()
+        .lines()
+        .filter(|l| !l.contains("<|endoftext|>"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(dir.path().join("plain.jsonl"), plain).unwrap();
+    let common = [
+        "preprocess",
+        "--input",
+        "plain.jsonl",
+        "--workers",
+        "2",
+        "--append-eod",
+    ];
+    let mut hf = common.to_vec();
+    hf.extend([
+        "--output-prefix",
+        "hf",
+        "--tokenizer-type",
+        "HuggingFaceTokenizer",
+        "--tokenizer-model",
+        "tok.json",
+    ]);
+    let mut gpt2 = common.to_vec();
+    gpt2.extend([
+        "--output-prefix",
+        "gpt2",
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        "vocab.json",
+        "--merge-file",
+        "merges.txt",
+    ]);
+    for args in [hf, gpt2] {
+        let out = synerfuse(dir.path(), &args);
+        assert!(out.status.success(), "{}", stderr(&out));
+    }
+    for ext in ["bin", "idx"] {
+        let a = std::fs::read(dir.path().join(format!("hf_text_document.{ext}"))).unwrap();
+        let b = std::fs::read(dir.path().join(format!("gpt2_text_document.{ext}"))).unwrap();
+        assert!(a == b, "hf and gpt2 .{ext} differ");
+    }
+}

@@ -352,3 +352,58 @@ fn encode_line(
         })
         .collect()
 }
+
+/// The texts under `keys` of every line of a JSONL file (list values give one text per
+/// item), for tokenizer training. A malformed line is an error naming it.
+pub fn read_json_texts(path: &Path, keys: &[String]) -> Result<Vec<String>, PreprocessError> {
+    let mut input = open_input(path)?;
+    let mut texts = Vec::new();
+    let mut line = String::new();
+    for number in 1.. {
+        line.clear();
+        let read = input.read_line(&mut line).map_err(|e| match e.kind() {
+            std::io::ErrorKind::InvalidData => PreprocessError::BadLine {
+                path: path.to_path_buf(),
+                line: number,
+                reason: "invalid UTF-8".into(),
+            },
+            _ => PreprocessError::Data(DataError::Io {
+                path: path.to_path_buf(),
+                source: e,
+            }),
+        })?;
+        if read == 0 {
+            break;
+        }
+        let bad = |reason: String| PreprocessError::BadLine {
+            path: path.to_path_buf(),
+            line: number,
+            reason,
+        };
+        let value: serde_json::Value =
+            serde_json::from_str(&line).map_err(|e| bad(format!("invalid JSON: {e}")))?;
+        for key in keys {
+            match value.get(key) {
+                Some(serde_json::Value::String(s)) => texts.push(s.clone()),
+                Some(serde_json::Value::Array(items)) => {
+                    for item in items {
+                        texts.push(
+                            item.as_str()
+                                .ok_or_else(|| {
+                                    bad(format!("key {key:?}: a list item is not a string"))
+                                })?
+                                .to_owned(),
+                        );
+                    }
+                }
+                Some(_) => {
+                    return Err(bad(format!(
+                        "key {key:?} is neither a string nor a list of strings"
+                    )))
+                }
+                None => return Err(bad(format!("missing key {key:?}"))),
+            }
+        }
+    }
+    Ok(texts)
+}

@@ -67,8 +67,9 @@ fn preprocess_all(out: &Path, workers: usize) -> Vec<(PathBuf, PathBuf)> {
             output_prefix: out.join(name),
             json_keys: keys.clone(),
             append_eod: case["append_eod"].as_bool().unwrap(),
-            workers,
-            partitions: 1,
+            // Megatron needs workers divisible by partitions.
+            workers: workers * case["partitions"].as_u64().unwrap() as usize,
+            partitions: case["partitions"].as_u64().unwrap() as usize,
             keep_sequential_samples: false,
             skip_bad_lines: false,
         };
@@ -121,5 +122,44 @@ fn merge_is_byte_identical_to_megatron() {
     assert_same_files(
         &dir.path().join("merged"),
         &megatron.join(merge["output"].as_str().unwrap()),
+    );
+}
+
+#[test]
+fn gzip_input_and_sequential_partitions_keep_the_input_order() {
+    use std::io::Write;
+    let megatron = fixtures().join("megatron");
+    let dir = tempfile::tempdir().unwrap();
+    let gz = dir.path().join("null.jsonl.gz");
+    let mut encoder = flate2::write::GzEncoder::new(
+        std::fs::File::create(&gz).unwrap(),
+        flate2::Compression::default(),
+    );
+    encoder
+        .write_all(&std::fs::read(megatron.join("null.jsonl")).unwrap())
+        .unwrap();
+    encoder.finish().unwrap();
+    let tokenizer = build_tokenizer(
+        "NullTokenizer".parse().unwrap(),
+        &TokenizerArgs {
+            vocab_size: Some(786),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let config = PreprocessConfig {
+        input: gz,
+        output_prefix: dir.path().join("gz"),
+        json_keys: vec!["text".into()],
+        append_eod: true,
+        workers: 3,
+        partitions: 3,
+        keep_sequential_samples: true,
+        skip_bad_lines: false,
+    };
+    preprocess(&config, tokenizer.as_ref(), |_| {}).unwrap();
+    assert_same_files(
+        &dir.path().join("gz_text_document"),
+        &megatron.join("null_u16_text_document"),
     );
 }

@@ -3,12 +3,14 @@
 //! are byte-identical.
 
 mod gpt2;
+mod huggingface;
 mod null;
 mod pretokenize;
 mod sentencepiece;
 mod unicode_class;
 
 pub use gpt2::Gpt2BpeTokenizer;
+pub use huggingface::{train_byte_level_bpe, HuggingFaceTokenizer, TrainedTokenizer};
 pub use null::NullTokenizer;
 pub use sentencepiece::{
     SentencePieceFlavor, SentencePieceModel, SentencePieceTokenizer, SpecialSentencePieceTokenizer,
@@ -99,6 +101,9 @@ pub enum TokenizerType {
     GptSentencePiece,
     /// SentencePiece `--tokenizer-model` with Megatron's special-token strings.
     SentencePiece,
+    /// A Hugging Face `tokenizer.json` as `--tokenizer-model` (Megatron accepts it for
+    /// training only; synerfuse also preprocesses with it).
+    HuggingFace,
 }
 
 impl TokenizerType {
@@ -110,6 +115,7 @@ impl TokenizerType {
             TokenizerType::Llama2 => "Llama2Tokenizer",
             TokenizerType::GptSentencePiece => "GPTSentencePieceTokenizer",
             TokenizerType::SentencePiece => "SentencePieceTokenizer",
+            TokenizerType::HuggingFace => "HuggingFaceTokenizer",
         }
     }
 }
@@ -124,17 +130,20 @@ impl FromStr for TokenizerType {
             "Llama2Tokenizer" => Ok(TokenizerType::Llama2),
             "GPTSentencePieceTokenizer" => Ok(TokenizerType::GptSentencePiece),
             "SentencePieceTokenizer" => Ok(TokenizerType::SentencePiece),
-            "BertWordPieceLowerCase"
-            | "BertWordPieceCase"
-            | "Llama3Tokenizer"
-            | "MistralTokenizer"
-            | "HuggingFaceTokenizer" => Err(TokenizerError::UnsupportedType(
+            "HuggingFaceTokenizer" => Ok(TokenizerType::HuggingFace),
+            "BertWordPieceLowerCase" | "BertWordPieceCase" => Err(TokenizerError::UnsupportedType(
                 s.to_owned(),
-                "not implemented in synerfuse yet".to_owned(),
+                "BERT WordPiece is not implemented in synerfuse".to_owned(),
+            )),
+            "Llama3Tokenizer" | "MistralTokenizer" => Err(TokenizerError::UnsupportedType(
+                s.to_owned(),
+                "not implemented in synerfuse yet (Llama3 and Mistral need their own packages in Megatron too; \
+                 a tokenizer.json of them works as HuggingFaceTokenizer)"
+                    .to_owned(),
             )),
             _ => Err(TokenizerError::UnsupportedType(
                 s.to_owned(),
-                "unknown; expected GPT2BPETokenizer, Llama2Tokenizer, GPTSentencePieceTokenizer, SentencePieceTokenizer or NullTokenizer".to_owned(),
+                "unknown; expected GPT2BPETokenizer, Llama2Tokenizer, GPTSentencePieceTokenizer, SentencePieceTokenizer, HuggingFaceTokenizer or NullTokenizer".to_owned(),
             )),
         }
     }
@@ -178,6 +187,10 @@ pub fn build_tokenizer(
             SentencePieceFlavor::Gpt,
         )?),
         TokenizerType::SentencePiece => Box::new(SpecialSentencePieceTokenizer::open(&need(
+            &args.tokenizer_model,
+            "--tokenizer-model",
+        )?)?),
+        TokenizerType::HuggingFace => Box::new(HuggingFaceTokenizer::open(&need(
             &args.tokenizer_model,
             "--tokenizer-model",
         )?)?),
