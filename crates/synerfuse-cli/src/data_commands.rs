@@ -92,6 +92,8 @@ pub struct PreprocessArgs {
     keep_newlines: bool,
     /// Punkt language, only meaningful with --split-sentences
     #[arg(long, default_value = "english")]
+    // Accepted so Megatron command lines run; unused without --split-sentences, as there.
+    #[allow(dead_code)]
     lang: String,
 }
 
@@ -105,7 +107,6 @@ pub fn run_preprocess(args: PreprocessArgs) -> Result<()> {
     if args.keep_newlines {
         bail!("--keep-newlines only applies to --split-sentences, which is not supported");
     }
-    let _ = &args.lang;
     let tokenizer = args
         .tokenizer
         .build()?
