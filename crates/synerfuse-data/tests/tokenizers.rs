@@ -71,3 +71,62 @@ fn trained_bpe_agrees_between_tokenizer_json_and_gpt2_files() {
     names.sort();
     assert_eq!(names, ["merges.txt", "tokenizer.json", "vocab.json"]);
 }
+
+/// The word-by-word Rust encoder of SentencePiece BPE models gives the library's ids for
+/// every text: the fixture corpus, and strings built to stress normalization (leading,
+/// repeated and trailing spaces, other whitespace), unknown characters (byte fallback)
+/// and runs of them.
+#[test]
+fn sentencepiece_bpe_fast_path_equals_the_library() {
+    use std::path::Path;
+    use synerfuse_data::preprocess::read_json_texts;
+    use synerfuse_data::tokenizer::SentencePieceModel;
+
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let mut texts = read_json_texts(
+        &fixtures.join("megatron/corpus.jsonl"),
+        &["text".to_owned(), "title".to_owned()],
+    )
+    .unwrap();
+    let pool = [
+        " ", "  ", "\t", "\n", "a", "Thy", "hand", "'", "é", "日本", "😀", "\u{3000}", "▁", "12",
+        "Ⅻ", "q",
+    ];
+    let mut state = 1234u64;
+    for _ in 0..2000 {
+        let mut text = String::new();
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        for k in 0..(state >> 60) {
+            text.push_str(pool[((state >> (4 * k)) & 15) as usize]);
+        }
+        texts.push(text);
+    }
+    let unigram =
+        SentencePieceModel::open(&fixtures.join("tokenizers/sentencepiece/unigram.model")).unwrap();
+    assert!(
+        !unigram.has_fast_bpe(),
+        "unigram models go through the library"
+    );
+    // Byte fallback with extra spaces removed; raw spaces with unknown pieces.
+    for name in ["llama-bpe.model", "bpe-raw-spaces.model"] {
+        let model = SentencePieceModel::open(&fixtures.join("tokenizers/sentencepiece").join(name))
+            .unwrap();
+        assert!(model.has_fast_bpe(), "{name} should take the fast path");
+        let mut unknown_runs = 0;
+        for text in &texts {
+            let (mut fast, mut library) = (Vec::new(), Vec::new());
+            model.encode_into(text, &mut fast).unwrap();
+            model.encode_with_library(text, &mut library).unwrap();
+            assert_eq!(fast, library, "{name}: {text:?}");
+            unknown_runs += usize::from(library.contains(&0));
+        }
+        if name.starts_with("bpe-raw") {
+            assert!(
+                unknown_runs > 100,
+                "{name}: only {unknown_runs} texts with unknown pieces"
+            );
+        }
+    }
+}

@@ -7,6 +7,7 @@ mod huggingface;
 mod null;
 mod pretokenize;
 mod sentencepiece;
+mod sentencepiece_bpe;
 mod unicode_class;
 
 pub use gpt2::Gpt2BpeTokenizer;

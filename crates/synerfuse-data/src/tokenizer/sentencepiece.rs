@@ -8,6 +8,7 @@
 //! lines of protobuf decoding it reached only 52% of the id encoder's throughput, so it
 //! remains only as the fallback when the shim cannot be built.
 
+use super::sentencepiece_bpe::{ModelSpec, SentencePieceBpe, NORMAL};
 use super::{Tokenizer, TokenizerError};
 use sentencepiece_sys as sys;
 use std::ffi::c_void;
@@ -59,28 +60,52 @@ fn varint(bytes: &[u8], at: &mut usize) -> Option<u64> {
     None
 }
 
-/// Calls `field(number, payload)` for each length-delimited field of a protobuf
-/// message, skipping scalar fields. `None` when the bytes are malformed.
-fn for_each_message_field(bytes: &[u8], mut field: impl FnMut(u64, &[u8])) -> Option<()> {
+/// One field of a protobuf message.
+#[derive(Clone, Copy)]
+enum Field<'a> {
+    Varint(u64),
+    Fixed32(u32),
+    Bytes(&'a [u8]),
+    Other,
+}
+
+/// Calls `field(number, value)` for each field of a protobuf message, in order.
+/// `None` when the bytes are malformed.
+fn for_each_field<'a>(bytes: &'a [u8], mut field: impl FnMut(u64, Field<'a>)) -> Option<()> {
     let mut at = 0;
     while at < bytes.len() {
         let key = varint(bytes, &mut at)?;
-        match key & 7 {
-            0 => {
-                varint(bytes, &mut at)?;
+        let value = match key & 7 {
+            0 => Field::Varint(varint(bytes, &mut at)?),
+            1 => {
+                at = at.checked_add(8)?;
+                Field::Other
             }
-            1 => at += 8,
             2 => {
                 let len = varint(bytes, &mut at)? as usize;
                 let payload = bytes.get(at..at.checked_add(len)?)?;
-                field(key >> 3, payload);
                 at += len;
+                Field::Bytes(payload)
             }
-            5 => at += 4,
+            5 => {
+                let raw = bytes.get(at..at + 4)?;
+                at += 4;
+                Field::Fixed32(u32::from_le_bytes(raw.try_into().ok()?))
+            }
             _ => return None,
-        }
+        };
+        field(key >> 3, value);
     }
     (at == bytes.len()).then_some(())
+}
+
+/// Calls `field(number, payload)` for each length-delimited field of a message.
+fn for_each_message_field<'a>(bytes: &'a [u8], mut field: impl FnMut(u64, &'a [u8])) -> Option<()> {
+    for_each_field(bytes, |number, value| {
+        if let Field::Bytes(payload) = value {
+            field(number, payload);
+        }
+    })
 }
 
 /// The `uint32 id = 2` of a `SentencePiece` message.
@@ -105,11 +130,64 @@ fn piece_id(piece: &[u8]) -> Option<u32> {
     None
 }
 
+/// The fields of a `ModelProto` that decide how it encodes.
+fn model_spec(bytes: &[u8]) -> Option<ModelSpec> {
+    let mut spec = ModelSpec {
+        pieces: Vec::new(),
+        model_type: 1,
+        byte_fallback: false,
+        treat_whitespace_as_suffix: false,
+        precompiled_charsmap_empty: true,
+        add_dummy_prefix: true,
+        remove_extra_whitespaces: true,
+        escape_whitespaces: true,
+    };
+    let mut ok = true;
+    for_each_field(bytes, |number, value| match (number, value) {
+        (1, Field::Bytes(message)) => {
+            let (mut piece, mut score, mut kind) = (String::new(), 0.0f32, NORMAL);
+            ok &= for_each_field(message, |n, v| match (n, v) {
+                (1, Field::Bytes(text)) => piece = String::from_utf8_lossy(text).into_owned(),
+                (2, Field::Fixed32(bits)) => score = f32::from_bits(bits),
+                (3, Field::Varint(v)) => kind = v,
+                _ => {}
+            })
+            .is_some();
+            spec.pieces.push((piece, score, kind));
+        }
+        (2, Field::Bytes(trainer)) => {
+            ok &= for_each_field(trainer, |n, v| match (n, v) {
+                (3, Field::Varint(v)) => spec.model_type = v,
+                (24, Field::Varint(v)) => spec.treat_whitespace_as_suffix = v != 0,
+                (35, Field::Varint(v)) => spec.byte_fallback = v != 0,
+                _ => {}
+            })
+            .is_some();
+        }
+        (3, Field::Bytes(normalizer)) => {
+            ok &= for_each_field(normalizer, |n, v| match (n, v) {
+                (2, Field::Bytes(charsmap)) => {
+                    spec.precompiled_charsmap_empty = charsmap.is_empty()
+                }
+                (3, Field::Varint(v)) => spec.add_dummy_prefix = v != 0,
+                (4, Field::Varint(v)) => spec.remove_extra_whitespaces = v != 0,
+                (5, Field::Varint(v)) => spec.escape_whitespaces = v != 0,
+                _ => {}
+            })
+            .is_some();
+        }
+        _ => {}
+    })?;
+    ok.then_some(spec)
+}
+
 /// A loaded SentencePiece model.
 pub struct SentencePieceModel {
     raw: *mut sys::SentencePieceProcessor,
     /// Piece strings by id, from the model's `ModelProto.pieces`.
     pieces: Vec<String>,
+    /// Word-by-word Rust encoder, for the BPE models it reproduces exactly.
+    bpe: Option<SentencePieceBpe>,
 }
 
 // SAFETY: the processor is immutable after loading, and SentencePiece's encode and
@@ -132,25 +210,19 @@ impl SentencePieceModel {
             path: path.to_path_buf(),
             problem: problem.to_owned(),
         };
-        let mut pieces = Vec::new();
-        // ModelProto: `repeated SentencePiece pieces = 1`, each with `string piece = 1`.
-        for_each_message_field(&bytes, |number, payload| {
-            if number == 1 {
-                let mut piece = String::new();
-                let _ = for_each_message_field(payload, |n, text| {
-                    if n == 1 {
-                        piece = String::from_utf8_lossy(text).into_owned();
-                    }
-                });
-                pieces.push(piece);
-            }
-        })
-        .ok_or_else(|| bad("not a SentencePiece model (malformed protobuf)"))?;
+        let spec = model_spec(&bytes)
+            .ok_or_else(|| bad("not a SentencePiece model (malformed protobuf)"))?;
+        let pieces = spec
+            .pieces
+            .iter()
+            .map(|(piece, ..)| piece.clone())
+            .collect();
+        let bpe = SentencePieceBpe::from_model(&spec);
         // SAFETY: a fresh processor, loaded from bytes that outlive the call.
         let raw = unsafe { sys::spp_new() };
         let status =
             unsafe { sys::spp_from_serialized_proto(raw, bytes.as_ptr() as *const _, bytes.len()) };
-        let model = Self { raw, pieces };
+        let model = Self { raw, pieces, bpe };
         if status != 0 {
             return Err(bad(&format!(
                 "SentencePiece could not load it (status {status})"
@@ -196,6 +268,26 @@ impl SentencePieceModel {
 
     /// Appends the ids of `text` to `out` (the library's `EncodeAsIds`).
     pub fn encode_into(&self, text: &str, out: &mut Vec<u32>) -> Result<(), TokenizerError> {
+        match &self.bpe {
+            Some(bpe) => {
+                bpe.encode_into(text, out);
+                Ok(())
+            }
+            None => self.encode_with_library(text, out),
+        }
+    }
+
+    /// Whether [`Self::encode_into`] uses the word-by-word Rust encoder.
+    pub fn has_fast_bpe(&self) -> bool {
+        self.bpe.is_some()
+    }
+
+    /// [`Self::encode_into`] through the SentencePiece library itself.
+    pub fn encode_with_library(
+        &self,
+        text: &str,
+        out: &mut Vec<u32>,
+    ) -> Result<(), TokenizerError> {
         if text.is_empty() {
             return Ok(());
         }
