@@ -2,6 +2,7 @@
 
 mod dtype;
 mod error;
+pub mod gpt;
 pub mod indexed;
 pub mod preprocess;
 pub mod tokenizer;
