@@ -167,6 +167,16 @@ pub fn build_gpt_indices(
     })
 }
 
+/// The configuration of spec/megatron-data.md §4.6's worked example.
+#[cfg(test)]
+pub(crate) const WORKED_EXAMPLE: GptIndexConfig = GptIndexConfig {
+    sequence_length: 4,
+    seed: 1234,
+    num_samples: Some(6),
+    add_extra_token: true,
+    drop_last: true,
+};
+
 /// `epochs` copies of the split, epoch-major, shuffled as one array.
 fn shuffled_epochs(split_sequences: &[i32], epochs: usize, rng: &mut RandomState) -> Vec<i32> {
     let mut index: Vec<i32> = std::iter::repeat_n(split_sequences, epochs)
@@ -254,14 +264,7 @@ mod tests {
     #[test]
     fn worked_example() {
         let sizes = [5, 3, 7, 4];
-        let config = GptIndexConfig {
-            sequence_length: 4,
-            seed: 1234,
-            num_samples: Some(6),
-            add_extra_token: true,
-            drop_last: true,
-        };
-        let indices = build_gpt_indices(&sizes, &[0, 1, 2, 3], &config).unwrap();
+        let indices = build_gpt_indices(&sizes, &[0, 1, 2, 3], &WORKED_EXAMPLE).unwrap();
         assert_eq!(
             (indices.num_epochs, indices.separate_final_epoch),
             (2, true)

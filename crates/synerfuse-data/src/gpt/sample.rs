@@ -168,7 +168,8 @@ pub fn build_sample(text: &[i64], options: &SampleOptions) -> GptSample {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gpt::{build_gpt_indices, GptIndexConfig};
+    use crate::gpt::build_gpt_indices;
+    use crate::gpt::index::WORKED_EXAMPLE;
     use crate::{DType, IndexedDatasetBuilder};
 
     fn options(flags: bool) -> SampleOptions {
@@ -202,14 +203,7 @@ mod tests {
         builder.finalize().unwrap();
         let ds = IndexedDataset::open(&prefix).unwrap();
         let sizes: Vec<i32> = ds.sequence_lengths().to_vec();
-        let config = GptIndexConfig {
-            sequence_length: 4,
-            seed: 1234,
-            num_samples: Some(6),
-            add_extra_token: true,
-            drop_last: true,
-        };
-        let indices = build_gpt_indices(&sizes, &[0, 1, 2, 3], &config).unwrap();
+        let indices = build_gpt_indices(&sizes, &[0, 1, 2, 3], &WORKED_EXAMPLE).unwrap();
         let expected: [(usize, [i64; 5]); 5] = [
             (0, [1, 2, 3, 4, 786]),
             (1, [7, 8, 9, 10, 11]),
