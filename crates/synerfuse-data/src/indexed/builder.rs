@@ -202,7 +202,7 @@ impl IndexedDatasetBuilder {
         })?;
         self.scratch.clear();
         let dtype = self.dtype;
-        crate::with_element!(dtype, E => {
+        super::element::with_element!(dtype, E => {
             for &token in tokens {
                 let value: i64 = token.into();
                 if E::encode(value, &mut self.scratch).is_none() {

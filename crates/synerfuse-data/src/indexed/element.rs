@@ -72,43 +72,43 @@ pub(crate) fn cast_slice<T: Element>(bytes: &[u8]) -> Option<&[T]> {
 }
 
 /// Runs `$body` with `$T` bound to the element type of `$dtype`.
-#[macro_export]
-#[doc(hidden)]
 macro_rules! with_element {
     ($dtype:expr, $T:ident => $body:expr) => {
         match $dtype {
-            $crate::DType::U8 => {
+            crate::DType::U8 => {
                 type $T = u8;
                 $body
             }
-            $crate::DType::I8 => {
+            crate::DType::I8 => {
                 type $T = i8;
                 $body
             }
-            $crate::DType::I16 => {
+            crate::DType::I16 => {
                 type $T = i16;
                 $body
             }
-            $crate::DType::I32 => {
+            crate::DType::I32 => {
                 type $T = i32;
                 $body
             }
-            $crate::DType::I64 => {
+            crate::DType::I64 => {
                 type $T = i64;
                 $body
             }
-            $crate::DType::F64 => {
+            crate::DType::F64 => {
                 type $T = f64;
                 $body
             }
-            $crate::DType::F32 => {
+            crate::DType::F32 => {
                 type $T = f32;
                 $body
             }
-            $crate::DType::U16 => {
+            crate::DType::U16 => {
                 type $T = u16;
                 $body
             }
         }
     };
 }
+
+pub(crate) use with_element;

@@ -367,7 +367,7 @@ impl IndexedDataset {
         offset: usize,
         length: Option<usize>,
     ) -> Result<Vec<i64>, DataError> {
-        crate::with_element!(self.dtype, T => {
+        super::element::with_element!(self.dtype, T => {
             Ok(self.get::<T>(i, offset, length)?.iter().map(|&t| t.to_i64()).collect())
         })
     }
