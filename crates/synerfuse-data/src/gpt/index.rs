@@ -3,6 +3,7 @@
 //! order samples are served (shuffle index). One `RandomState(seed)` stream feeds the
 //! document shuffles first, then the sample shuffles, as in Megatron.
 
+use super::npy::IndexArray;
 use super::RandomState;
 
 /// How the indices of one split are built (Megatron's `GPTDatasetConfig` fields).
@@ -25,9 +26,9 @@ pub struct GptIndexConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ShuffleIndex {
     /// `uint32`, when there are fewer than 2^32 − 2 samples.
-    U32(Vec<u32>),
+    U32(IndexArray<u32>),
     /// `int64` otherwise.
-    I64(Vec<i64>),
+    I64(IndexArray<i64>),
 }
 
 impl ShuffleIndex {
@@ -57,10 +58,10 @@ impl ShuffleIndex {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GptIndices {
     /// Sequence ids in visiting order, epoch after epoch (int32).
-    pub document_index: Vec<i32>,
+    pub document_index: IndexArray<i32>,
     /// Row j: (position in `document_index`, token offset) where sample j starts; sample
     /// j ends where row j+1 starts (inclusive, with the extra token).
-    pub sample_index: Vec<[i64; 2]>,
+    pub sample_index: IndexArray<[i64; 2]>,
     /// Order in which samples are served.
     pub shuffle_index: ShuffleIndex,
     /// Epochs the document index spans.
@@ -116,6 +117,41 @@ pub fn build_gpt_indices(
         tokens_per_epoch += u64::try_from(*size).unwrap_or(0);
     }
     let t = tokens_per_epoch;
+    let (num_epochs, separate_final_epoch) = epoch_plan(t, config)?;
+    let e = num_epochs as u64;
+    let mut rng = RandomState::new(config.seed);
+    let document_index = if separate_final_epoch {
+        let mut index = shuffled_epochs(split_sequences, num_epochs - 1, &mut rng);
+        index.extend(shuffled_epochs(split_sequences, 1, &mut rng));
+        index
+    } else {
+        shuffled_epochs(split_sequences, num_epochs, &mut rng)
+    };
+    let sample_index = build_sample_index(sizes, &document_index, s, e * t, x, config.drop_last);
+    let samples = sample_index.len() - 1;
+    let first = if separate_final_epoch {
+        (((e - 1) * t - x) / s) as usize
+    } else {
+        samples
+    };
+    let shuffle_index = build_shuffle_index(first, samples, &mut rng);
+    Ok(GptIndices {
+        document_index: document_index.into(),
+        sample_index: sample_index.into(),
+        shuffle_index,
+        num_epochs,
+        separate_final_epoch,
+    })
+}
+
+/// Epochs needed for the requested samples over `t` tokens per epoch, and whether the
+/// last epoch is shuffled separately (Megatron's `_get_num_epochs` and the 80% rule).
+pub(crate) fn epoch_plan(t: u64, config: &GptIndexConfig) -> Result<(usize, bool), GptIndexError> {
+    let s = config.sequence_length as u64;
+    if s == 0 {
+        return Err(GptIndexError::ZeroSequenceLength);
+    }
+    let x = u64::from(config.add_extra_token);
     // Megatron loops forever on an empty split and aborts on a single token with the
     // extra token; more tokens are enough, the epochs repeat as often as needed.
     if t == 0 || t <= x {
@@ -142,29 +178,7 @@ pub fn build_gpt_indices(
         }
         _ => false,
     };
-    let mut rng = RandomState::new(config.seed);
-    let document_index = if separate_final_epoch {
-        let mut index = shuffled_epochs(split_sequences, num_epochs - 1, &mut rng);
-        index.extend(shuffled_epochs(split_sequences, 1, &mut rng));
-        index
-    } else {
-        shuffled_epochs(split_sequences, num_epochs, &mut rng)
-    };
-    let sample_index = build_sample_index(sizes, &document_index, s, e * t, x, config.drop_last);
-    let samples = sample_index.len() - 1;
-    let first = if separate_final_epoch {
-        (((e - 1) * t - x) / s) as usize
-    } else {
-        samples
-    };
-    let shuffle_index = build_shuffle_index(first, samples, &mut rng);
-    Ok(GptIndices {
-        document_index,
-        sample_index,
-        shuffle_index,
-        num_epochs,
-        separate_final_epoch,
-    })
+    Ok((num_epochs, separate_final_epoch))
 }
 
 /// The configuration of spec/megatron-data.md §4.6's worked example.
@@ -250,9 +264,9 @@ fn build_shuffle_index(first: usize, total: usize, rng: &mut RandomState) -> Shu
         head
     }
     if (total as u64) < (1u64 << 32) - 2 {
-        ShuffleIndex::U32(two_runs(first, total, rng, |i| i as u32))
+        ShuffleIndex::U32(two_runs(first, total, rng, |i| i as u32).into())
     } else {
-        ShuffleIndex::I64(two_runs(first, total, rng, |i| i as i64))
+        ShuffleIndex::I64(two_runs(first, total, rng, |i| i as i64).into())
     }
 }
 
@@ -287,7 +301,7 @@ mod tests {
         );
         assert_eq!(
             indices.shuffle_index,
-            ShuffleIndex::U32(vec![0, 2, 3, 1, 4, 8, 7, 6, 5])
+            ShuffleIndex::U32(vec![0, 2, 3, 1, 4, 8, 7, 6, 5].into())
         );
     }
 

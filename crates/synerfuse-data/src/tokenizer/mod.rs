@@ -163,6 +163,67 @@ pub struct TokenizerArgs {
     pub vocab_size: Option<usize>,
 }
 
+/// The tokenizer's part of Megatron's cache descriptions (`MegatronTokenizer.unique_identifiers`):
+/// the Python class name, the paths exactly as typed on the command line, and the keyword
+/// arguments as strings. It names caches, so nothing is canonicalised.
+pub fn megatron_tokenizer_identifiers(
+    kind: TokenizerType,
+    args: &TokenizerArgs,
+) -> Result<crate::gpt::PyValue, TokenizerError> {
+    use crate::gpt::PyValue;
+    let need = |value: &Option<PathBuf>, flag: &'static str| {
+        value
+            .as_ref()
+            .map(|p| PyValue::Str(p.to_string_lossy().into_owned()))
+            .ok_or(TokenizerError::MissingArgument {
+                tokenizer: kind.name(),
+                flag,
+            })
+    };
+    let (class, paths, options): (&str, Vec<PyValue>, Vec<(String, PyValue)>) = match kind {
+        TokenizerType::Gpt2Bpe => (
+            "_GPT2BPETokenizer",
+            vec![
+                need(&args.vocab_file, "--vocab-file")?,
+                need(&args.merge_file, "--merge-file")?,
+            ],
+            vec![],
+        ),
+        TokenizerType::Null => {
+            let vocab_size = args.vocab_size.ok_or(TokenizerError::MissingArgument {
+                tokenizer: kind.name(),
+                flag: "--vocab-size",
+            })?;
+            (
+                "_NullTokenizer",
+                vec![PyValue::None],
+                vec![("vocab_size".into(), PyValue::Str(vocab_size.to_string()))],
+            )
+        }
+        TokenizerType::Llama2 | TokenizerType::GptSentencePiece | TokenizerType::SentencePiece => (
+            match kind {
+                TokenizerType::Llama2 => "_Llama2Tokenizer",
+                TokenizerType::GptSentencePiece => "_GPTSentencePieceTokenizer",
+                _ => "_SentencePieceTokenizer",
+            },
+            vec![need(&args.tokenizer_model, "--tokenizer-model")?],
+            // `--vocab-extra-ids` is 0 (synerfuse has no T5 sentinels).
+            vec![("vocab_extra_ids".into(), PyValue::str("0"))],
+        ),
+        TokenizerType::HuggingFace => (
+            "_HuggingFaceTokenizer",
+            vec![need(&args.tokenizer_model, "--tokenizer-model")?],
+            vec![],
+        ),
+    };
+    let mut dict = vec![
+        ("class".to_owned(), PyValue::str(class)),
+        ("tokenizer_path".to_owned(), PyValue::List(paths)),
+    ];
+    dict.extend(options);
+    Ok(PyValue::Dict(dict))
+}
+
 /// Builds a tokenizer of `kind` from its flags, as Megatron's `build_tokenizer`.
 pub fn build_tokenizer(
     kind: TokenizerType,

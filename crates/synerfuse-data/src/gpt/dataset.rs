@@ -1,0 +1,427 @@
+//! `GptDataset`: one prefix and one split, with its indices built or loaded from
+//! Megatron's cache files (same names, same `.npy` arrays, either side can write them).
+
+use super::describe::{md5_hex, PyValue};
+use super::index::{epoch_plan, GptIndexError};
+use super::npy::{self, IndexArray, NpyElement};
+use super::split::{parse_split, SplitError, SplitMatrix};
+use super::{build_gpt_indices, sample_tokens, GptIndexConfig, GptIndices, ShuffleIndex};
+use super::{build_sample, GptSample, SampleOptions};
+use crate::{DataError, IndexedDataset};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Train, validation or test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Split {
+    /// `train`.
+    Train,
+    /// `valid`.
+    Valid,
+    /// `test`.
+    Test,
+}
+
+impl Split {
+    /// The three splits in Megatron's order.
+    pub const ALL: [Split; 3] = [Split::Train, Split::Valid, Split::Test];
+
+    /// Megatron's `Split.name`, used in cache file names.
+    pub fn name(self) -> &'static str {
+        match self {
+            Split::Train => "train",
+            Split::Valid => "valid",
+            Split::Test => "test",
+        }
+    }
+
+    /// Position in `[train, valid, test]`.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// The settings every GPT dataset of a run shares (Megatron's `GPTDatasetConfig`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GptDatasetConfig {
+    /// `--seed`.
+    pub seed: u32,
+    /// `--seq-length`.
+    pub sequence_length: usize,
+    /// `--split` as typed (it enters cache names raw); `None` with per-split data paths.
+    pub split: Option<String>,
+    /// `--data-cache-path`; `None` puts GPT caches in `{prefix}/cache/GPTDataset_indices`
+    /// and keeps blends uncached, as Megatron does.
+    pub path_to_cache: Option<PathBuf>,
+    /// The tokenizer's identifiers (see `tokenizer::megatron_tokenizer_identifiers`).
+    pub tokenizer: PyValue,
+    /// Samples carry one extra token (Megatron's default, `true`).
+    pub add_extra_token: bool,
+    /// Drop a partial last validation sample (Megatron's default, `true`).
+    pub drop_last_partial_validation: bool,
+}
+
+impl GptDatasetConfig {
+    /// The split matrix of `split`, or `None` when there is no split string.
+    pub fn split_matrix(&self) -> Result<Option<SplitMatrix>, SplitError> {
+        self.split.as_deref().map(parse_split).transpose()
+    }
+}
+
+/// A dataset that cannot be built: what Megatron would hang, abort or raise on.
+#[derive(Debug, thiserror::Error)]
+pub enum GptDatasetError {
+    /// Reading or writing a file failed.
+    #[error(transparent)]
+    Data(#[from] DataError),
+    /// A bad `--split`.
+    #[error(transparent)]
+    Split(#[from] SplitError),
+    /// The indices of a split cannot be built.
+    #[error("dataset {dataset:?}, {split} split: {source}")]
+    Index {
+        /// The prefix.
+        dataset: String,
+        /// The split.
+        split: &'static str,
+        /// Why.
+        source: GptIndexError,
+    },
+    /// A blend Megatron would reject.
+    #[error("{0}")]
+    Blend(String),
+}
+
+/// Where a dataset's indices came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheRecord {
+    /// The cache files (description first).
+    pub files: Vec<PathBuf>,
+    /// `true` if they were loaded, `false` if built now and written.
+    pub loaded: bool,
+}
+
+/// One split of one tokenized dataset, ready to serve samples.
+#[derive(Debug)]
+pub struct GptDataset {
+    dataset: Arc<IndexedDataset>,
+    dataset_path: String,
+    split: Split,
+    num_samples: Option<u64>,
+    indices: GptIndices,
+    identifiers: PyValue,
+    description: String,
+    hash: String,
+    cache: Option<CacheRecord>,
+    add_extra_token: bool,
+}
+
+impl GptDataset {
+    /// Builds (or loads from the cache) the indices of `split` over the sequences
+    /// `sequences` of `dataset`, whose prefix was typed as `dataset_path`.
+    pub fn build(
+        dataset: Arc<IndexedDataset>,
+        dataset_path: &str,
+        sequences: Range<usize>,
+        num_samples: Option<u64>,
+        split: Split,
+        config: &GptDatasetConfig,
+    ) -> Result<GptDataset, GptDatasetError> {
+        let identifiers = gpt_identifiers(dataset_path, num_samples, split, config)?;
+        let description = identifiers.to_python_json();
+        let hash = md5_hex(&description);
+        let index_config = GptIndexConfig {
+            sequence_length: config.sequence_length,
+            seed: config.seed,
+            num_samples,
+            add_extra_token: config.add_extra_token,
+            drop_last: split != Split::Valid || config.drop_last_partial_validation,
+        };
+        let index_error = |source| GptDatasetError::Index {
+            dataset: dataset_path.to_owned(),
+            split: split.name(),
+            source,
+        };
+        let sizes = dataset.sequence_lengths();
+        let sizes: Vec<i32> = sizes.to_vec();
+        if sequences.end > sizes.len() {
+            return Err(index_error(GptIndexError::BadSequence {
+                id: sequences.end as i32 - 1,
+                count: sizes.len(),
+            }));
+        }
+        let cache_dir = config.path_to_cache.clone().unwrap_or_else(|| {
+            Path::new(dataset_path)
+                .join("cache")
+                .join("GPTDataset_indices")
+        });
+        let files = CacheFiles::new(
+            &cache_dir,
+            &hash,
+            "GPTDataset",
+            split,
+            &["document_index.npy", "sample_index.npy", "shuffle_index.npy"],
+        );
+        let (indices, loaded) = if files.all_exist() {
+            let tokens: u64 = sizes[sequences.clone()]
+                .iter()
+                .map(|&s| s.max(0) as u64)
+                .sum();
+            let (num_epochs, separate_final_epoch) =
+                epoch_plan(tokens, &index_config).map_err(index_error)?;
+            let document_index: IndexArray<i32> = npy::read_npy(&files.arrays[0])?;
+            let sample_index: IndexArray<[i64; 2]> = npy::read_npy(&files.arrays[1])?;
+            let shuffle_index = read_shuffle_index(&files.arrays[2])?;
+            if sample_index.is_empty() || shuffle_index.len() != sample_index.len() - 1 {
+                return Err(DataError::corrupt(
+                    &files.arrays[2],
+                    "shape",
+                    format!(
+                        "{} samples, but the sample index has {} rows",
+                        shuffle_index.len(),
+                        sample_index.len()
+                    ),
+                )
+                .into());
+            }
+            let indices = GptIndices {
+                document_index,
+                sample_index,
+                shuffle_index,
+                num_epochs,
+                separate_final_epoch,
+            };
+            (indices, true)
+        } else {
+            let split_sequences: Vec<i32> = sequences.map(|i| i as i32).collect();
+            let indices =
+                build_gpt_indices(&sizes, &split_sequences, &index_config).map_err(index_error)?;
+            files.write(&description, |path, i| match i {
+                0 => npy::write_npy(path, &indices.document_index),
+                1 => npy::write_npy(path, &indices.sample_index),
+                _ => match &indices.shuffle_index {
+                    ShuffleIndex::U32(v) => npy::write_npy(path, v),
+                    ShuffleIndex::I64(v) => npy::write_npy(path, v),
+                },
+            })?;
+            (indices, false)
+        };
+        Ok(GptDataset {
+            dataset,
+            dataset_path: dataset_path.to_owned(),
+            split,
+            num_samples,
+            indices,
+            identifiers,
+            description,
+            hash,
+            cache: Some(CacheRecord {
+                files: files.all(),
+                loaded,
+            }),
+            add_extra_token: config.add_extra_token,
+        })
+    }
+
+    /// Number of samples (Megatron's `len(dataset)`; usually more than requested).
+    pub fn len(&self) -> usize {
+        self.indices.shuffle_index.len()
+    }
+
+    /// Whether there is no sample.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The split.
+    pub fn split(&self) -> Split {
+        self.split
+    }
+
+    /// The prefix as given.
+    pub fn dataset_path(&self) -> &str {
+        &self.dataset_path
+    }
+
+    /// Samples requested (`None`: one epoch).
+    pub fn num_samples(&self) -> Option<u64> {
+        self.num_samples
+    }
+
+    /// The underlying tokenized dataset.
+    pub fn indexed_dataset(&self) -> &IndexedDataset {
+        &self.dataset
+    }
+
+    /// The document, sample and shuffle indices.
+    pub fn indices(&self) -> &GptIndices {
+        &self.indices
+    }
+
+    /// Megatron's `unique_identifiers`.
+    pub fn identifiers(&self) -> &PyValue {
+        &self.identifiers
+    }
+
+    /// The cache description (`json.dumps(unique_identifiers, indent=4)`).
+    pub fn description(&self) -> &str {
+        &self.description
+    }
+
+    /// md5 of the description: the cache file name prefix.
+    pub fn hash(&self) -> &str {
+        &self.hash
+    }
+
+    /// The cache files and whether they were loaded.
+    pub fn cache(&self) -> Option<&CacheRecord> {
+        self.cache.as_ref()
+    }
+
+    /// The `sequence_length + 1` (or `sequence_length`) token ids of sample `idx`, short
+    /// samples padded with `pad`.
+    pub fn tokens(&self, idx: usize, sequence_length: usize, pad: i64) -> Result<Vec<i64>, DataError> {
+        let options = SampleOptions {
+            sequence_length,
+            add_extra_token: self.add_extra_token,
+            eod: 0,
+            pad,
+            reset_position_ids: false,
+            reset_attention_mask: false,
+            eod_mask_loss: false,
+            create_attention_mask: false,
+        };
+        sample_tokens(&self.dataset, &self.indices, idx, &options)
+    }
+
+    /// Sample `idx` as model inputs.
+    pub fn sample(&self, idx: usize, options: &SampleOptions) -> Result<GptSample, DataError> {
+        let text = sample_tokens(&self.dataset, &self.indices, idx, options)?;
+        Ok(build_sample(&text, options))
+    }
+}
+
+/// `GPTDataset.unique_identifiers`, in Megatron's key order.
+fn gpt_identifiers(
+    dataset_path: &str,
+    num_samples: Option<u64>,
+    split: Split,
+    config: &GptDatasetConfig,
+) -> Result<PyValue, SplitError> {
+    let matrix = match config.split_matrix()? {
+        None => PyValue::None,
+        Some(matrix) => PyValue::List(
+            matrix
+                .iter()
+                .enumerate()
+                .map(|(i, bounds)| match bounds {
+                    None => PyValue::None,
+                    Some((lo, hi)) => PyValue::List(vec![
+                        // Megatron's cumulation starts from the int 0.
+                        if i == 0 && *lo == 0.0 {
+                            PyValue::Int(0)
+                        } else {
+                            PyValue::Float(*lo)
+                        },
+                        PyValue::Float(*hi),
+                    ]),
+                })
+                .collect(),
+        ),
+    };
+    Ok(PyValue::Dict(vec![
+        ("class".into(), PyValue::str("GPTDataset")),
+        ("dataset_path".into(), PyValue::str(dataset_path)),
+        (
+            "num_samples".into(),
+            num_samples.map_or(PyValue::None, |n| PyValue::Int(n as i64)),
+        ),
+        ("index_split".into(), PyValue::str(split.name())),
+        ("random_seed".into(), PyValue::Int(i64::from(config.seed))),
+        (
+            "sequence_length".into(),
+            PyValue::Int(config.sequence_length as i64),
+        ),
+        (
+            "split".into(),
+            config.split.as_deref().map_or(PyValue::None, PyValue::str),
+        ),
+        ("split_matrix".into(), matrix),
+        ("tokenizer".into(), config.tokenizer.clone()),
+    ]))
+}
+
+fn read_shuffle_index(path: &Path) -> Result<ShuffleIndex, DataError> {
+    let map = npy::open_map(path)?;
+    let header = npy::parse_npy_header(path, &map)?;
+    if header.descr == <i64 as NpyElement>::DESCR {
+        Ok(ShuffleIndex::I64(npy::array_from_map(path, map, &header)?))
+    } else {
+        Ok(ShuffleIndex::U32(npy::array_from_map(path, map, &header)?))
+    }
+}
+
+/// The files of one cached dataset: `{dir}/{hash}-{class}-{split}-{suffix}`.
+pub(crate) struct CacheFiles {
+    pub dir: PathBuf,
+    pub description: PathBuf,
+    pub arrays: Vec<PathBuf>,
+}
+
+impl CacheFiles {
+    pub fn new(dir: &Path, hash: &str, class: &str, split: Split, arrays: &[&str]) -> CacheFiles {
+        let path = |suffix: &str| dir.join(format!("{hash}-{class}-{}-{suffix}", split.name()));
+        CacheFiles {
+            dir: dir.to_path_buf(),
+            description: path("description.txt"),
+            arrays: arrays.iter().map(|suffix| path(suffix)).collect(),
+        }
+    }
+
+    /// Megatron's cache-hit test: every file exists.
+    pub fn all_exist(&self) -> bool {
+        self.description.is_file() && self.arrays.iter().all(|p| p.is_file())
+    }
+
+    pub fn all(&self) -> Vec<PathBuf> {
+        std::iter::once(self.description.clone())
+            .chain(self.arrays.iter().cloned())
+            .collect()
+    }
+
+    /// Writes each file under a temporary name in the cache directory and renames it
+    /// into place, arrays first and the description last: a killed run or a
+    /// concurrent rank never leaves a file that looks complete but is not.
+    pub fn write(
+        &self,
+        description: &str,
+        mut write_array: impl FnMut(&Path, usize) -> Result<(), DataError>,
+    ) -> Result<(), DataError> {
+        std::fs::create_dir_all(&self.dir).map_err(DataError::io(&self.dir))?;
+        for (i, path) in self.arrays.iter().enumerate() {
+            atomic_write(path, |tmp| write_array(tmp, i))?;
+        }
+        atomic_write(&self.description, |tmp| {
+            std::fs::write(tmp, description).map_err(DataError::io(tmp))
+        })
+    }
+}
+
+fn atomic_write(
+    path: &Path,
+    write: impl FnOnce(&Path) -> Result<(), DataError>,
+) -> Result<(), DataError> {
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = path.with_file_name(format!(
+        ".{name}.tmp-{}-{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    let result = write(&tmp).and_then(|_| std::fs::rename(&tmp, path).map_err(DataError::io(path)));
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
