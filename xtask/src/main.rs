@@ -57,12 +57,14 @@ fn main() -> Result<()> {
 fn fixtures(root: &std::path::Path) -> Result<()> {
     setup::run(root, true)?;
     let python = root.join(".venv/bin/python");
-    let script = root.join("xtask/fixtures/data_fixtures.py");
-    let status = std::process::Command::new(&python)
-        .arg(&script)
-        .arg(root)
-        .status()?;
-    anyhow::ensure!(status.success(), "{} failed ({status})", script.display());
+    for script in ["data_fixtures.py", "index_fixtures.py"] {
+        let script = root.join("xtask/fixtures").join(script);
+        let status = std::process::Command::new(&python)
+            .arg(&script)
+            .arg(root)
+            .status()?;
+        anyhow::ensure!(status.success(), "{} failed ({status})", script.display());
+    }
     Ok(())
 }
 

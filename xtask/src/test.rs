@@ -8,7 +8,9 @@ use std::time::Instant;
 
 pub fn run(root: &Path) -> Result<()> {
     let started = Instant::now();
-    setup::run(root, false)?;
+    // The reference packages too: megatron-core loads the index caches synerfuse writes
+    // in `synerfuse-data`'s tests.
+    setup::run(root, true)?;
     check_dependency_rules(root)?;
     let nextest = Command::new("cargo")
         .args(["nextest", "--version"])

@@ -3,7 +3,9 @@
 //! does in Megatron core 0.8.0: the same mid-level datasets, the 1.005 margin, the
 //! weights normalized twice, both blending kernels and the same cache files.
 
-use super::dataset::{CacheFiles, CacheRecord, GptDataset, GptDatasetConfig, GptDatasetError, Split};
+use super::dataset::{
+    CacheFiles, CacheRecord, GptDataset, GptDatasetConfig, GptDatasetError, Split,
+};
 use super::describe::{md5_hex, PyValue};
 use super::npy::{self, IndexArray};
 use super::split::{split_ranges, SplitMatrix};
@@ -27,7 +29,9 @@ impl Blend {
     /// number is `w1 p1 w2 p2 ...`; anything else is a list of prefixes.
     pub fn from_list<S: AsRef<str>>(list: &[S]) -> Result<Blend, GptDatasetError> {
         if list.is_empty() {
-            return Err(GptDatasetError::Blend("--data-path: no dataset given".into()));
+            return Err(GptDatasetError::Blend(
+                "--data-path: no dataset given".into(),
+            ));
         }
         let list: Vec<&str> = list.iter().map(|s| s.as_ref()).collect();
         let weights: Option<Vec<f64>> = if list.len() % 2 == 0 {
@@ -39,7 +43,12 @@ impl Blend {
             None
         };
         let prefixes: Vec<String> = match weights {
-            Some(_) => list.iter().skip(1).step_by(2).map(|p| p.trim().to_owned()).collect(),
+            Some(_) => list
+                .iter()
+                .skip(1)
+                .step_by(2)
+                .map(|p| p.trim().to_owned())
+                .collect(),
             None => list.iter().map(|p| p.trim().to_owned()).collect(),
         };
         Ok(Blend { prefixes, weights })
@@ -200,7 +209,7 @@ impl BlendedDataset {
         }
         let split = datasets[0].split();
         let positive = match &weights {
-            BlendWeights::Float(w) => w.iter().position(|&w| !(w > 0.0)),
+            BlendWeights::Float(w) => w.iter().position(|&w| w.is_nan() || w <= 0.0),
             BlendWeights::Int(w) => w.iter().position(|&w| w <= 0),
         };
         if let Some(k) = positive {
@@ -268,7 +277,11 @@ impl BlendedDataset {
                     return Err(DataError::corrupt(
                         &files.arrays[1],
                         "shape",
-                        format!("{} entries, the dataset index has {}", sample.len(), index.len()),
+                        format!(
+                            "{} entries, the dataset index has {}",
+                            sample.len(),
+                            index.len()
+                        ),
                     )
                     .into());
                 }
@@ -382,9 +395,14 @@ impl BlendedDataset {
             what: "sequence",
             detail: what,
         };
-        let (Some(&d), Some(&s)) = (self.dataset_index.get(idx), self.dataset_sample_index.get(idx))
-        else {
-            return Err(out_of_range(format!("blended sample {idx} of {}", self.len())));
+        let (Some(&d), Some(&s)) = (
+            self.dataset_index.get(idx),
+            self.dataset_sample_index.get(idx),
+        ) else {
+            return Err(out_of_range(format!(
+                "blended sample {idx} of {}",
+                self.len()
+            )));
         };
         if d < 0 || d as usize >= self.datasets.len() || s < 0 {
             return Err(out_of_range(format!(
@@ -430,7 +448,11 @@ impl SplitDataset {
     }
 
     /// Sample `idx` as model inputs, and the id of the dataset it came from.
-    pub fn sample(&self, idx: usize, options: &SampleOptions) -> Result<(usize, GptSample), DataError> {
+    pub fn sample(
+        &self,
+        idx: usize,
+        options: &SampleOptions,
+    ) -> Result<(usize, GptSample), DataError> {
         let (d, dataset, s) = self.locate(idx)?;
         Ok((d, dataset.sample(s, options)?))
     }
@@ -531,7 +553,7 @@ fn build_blend(
             )))
         }
         Some(w) => {
-            if let Some(bad) = w.iter().find(|w| !(**w >= 0.0) || !w.is_finite()) {
+            if let Some(bad) = w.iter().find(|w| !w.is_finite() || **w < 0.0) {
                 return Err(GptDatasetError::Blend(format!(
                     "--data-path weight {bad} is not a finite number >= 0"
                 )));
@@ -552,7 +574,9 @@ fn build_blend(
             opened.insert(prefix, Arc::new(IndexedDataset::open(prefix)?));
         }
     }
-    let mid_level = |prefix: &str, wanted: [Option<u64>; 3]| -> Result<[Option<Arc<GptDataset>>; 3], GptDatasetError> {
+    let mid_level = |prefix: &str,
+                     wanted: [Option<u64>; 3]|
+     -> Result<[Option<Arc<GptDataset>>; 3], GptDatasetError> {
         let dataset = opened[prefix].clone();
         let ranges = split_ranges(matrix, dataset.len());
         let mut out: [Option<Arc<GptDataset>>; 3] = [None, None, None];
@@ -643,7 +667,10 @@ mod tests {
         let b = Blend::from_list(&["x", "b", "0.5", "c"]).unwrap();
         assert_eq!(b.prefixes, ["x", "b", "0.5", "c"]);
         assert_eq!(Blend::from_list(&["p"]).unwrap().weights, None);
-        assert_eq!(Blend::from_list(&["1_0", "p"]).unwrap().weights, Some(vec![10.0]));
+        assert_eq!(
+            Blend::from_list(&["1_0", "p"]).unwrap().weights,
+            Some(vec![10.0])
+        );
     }
 
     #[test]
@@ -663,7 +690,12 @@ mod tests {
         let (d, s) = build_exhaustive_blending_indices(&[3, 1, 2]);
         assert_eq!(d.len(), 6);
         for k in 0..3i16 {
-            let mine: Vec<i64> = d.iter().zip(&s).filter(|(x, _)| **x == k).map(|(_, y)| *y).collect();
+            let mine: Vec<i64> = d
+                .iter()
+                .zip(&s)
+                .filter(|(x, _)| **x == k)
+                .map(|(_, y)| *y)
+                .collect();
             assert_eq!(mine, (0..[3, 1, 2][k as usize]).collect::<Vec<_>>());
         }
     }

@@ -161,7 +161,11 @@ impl GptDataset {
             &hash,
             "GPTDataset",
             split,
-            &["document_index.npy", "sample_index.npy", "shuffle_index.npy"],
+            &[
+                "document_index.npy",
+                "sample_index.npy",
+                "shuffle_index.npy",
+            ],
         );
         let (indices, loaded) = if files.all_exist() {
             let tokens: u64 = sizes[sequences.clone()]
@@ -281,7 +285,12 @@ impl GptDataset {
 
     /// The `sequence_length + 1` (or `sequence_length`) token ids of sample `idx`, short
     /// samples padded with `pad`.
-    pub fn tokens(&self, idx: usize, sequence_length: usize, pad: i64) -> Result<Vec<i64>, DataError> {
+    pub fn tokens(
+        &self,
+        idx: usize,
+        sequence_length: usize,
+        pad: i64,
+    ) -> Result<Vec<i64>, DataError> {
         let options = SampleOptions {
             sequence_length,
             add_extra_token: self.add_extra_token,
@@ -413,7 +422,10 @@ fn atomic_write(
     write: impl FnOnce(&Path) -> Result<(), DataError>,
 ) -> Result<(), DataError> {
     static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let tmp = path.with_file_name(format!(
         ".{name}.tmp-{}-{}",
         std::process::id(),

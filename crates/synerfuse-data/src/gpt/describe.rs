@@ -208,7 +208,10 @@ mod tests {
     fn spec_description_and_hash() {
         let d = PyValue::Dict(vec![
             ("class".into(), PyValue::str("GPTDataset")),
-            ("dataset_path".into(), PyValue::str("/data/tiny_text_document")),
+            (
+                "dataset_path".into(),
+                PyValue::str("/data/tiny_text_document"),
+            ),
             ("num_samples".into(), PyValue::Int(6)),
             ("index_split".into(), PyValue::str("train")),
             ("random_seed".into(), PyValue::Int(1234)),

@@ -131,10 +131,12 @@ fn npy_preamble(descr: &str, shape: &[usize]) -> Vec<u8> {
                 .join(", ")
         ),
     };
-    let mut header =
-        format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
+    let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
     let unpadded = 10 + header.len() + 1;
-    header.extend(std::iter::repeat_n(' ', unpadded.next_multiple_of(64) - unpadded));
+    header.extend(std::iter::repeat_n(
+        ' ',
+        unpadded.next_multiple_of(64) - unpadded,
+    ));
     header.push('\n');
     let mut out = b"\x93NUMPY\x01\x00".to_vec();
     out.extend_from_slice(&(header.len() as u16).to_le_bytes());
@@ -196,8 +198,8 @@ pub(crate) fn parse_npy_header(path: &Path, bytes: &[u8]) -> Result<NpyHeader, D
     let header = bytes
         .get(start..start + header_len)
         .ok_or_else(|| corrupt("header", "file ends inside the header".into()))?;
-    let header = std::str::from_utf8(header)
-        .map_err(|_| corrupt("header", "header is not text".into()))?;
+    let header =
+        std::str::from_utf8(header).map_err(|_| corrupt("header", "header is not text".into()))?;
     let value_after = |key: &str| -> Result<&str, DataError> {
         let at = header
             .find(&format!("'{key}':"))
@@ -302,7 +304,11 @@ pub(crate) fn array_from_map<T: NpyElement>(
             let dst = values.as_mut_ptr() as *mut u8;
             for (i, scalar) in data.chunks_exact(width).enumerate() {
                 for (k, byte) in scalar.iter().enumerate() {
-                    let k = if cfg!(target_endian = "little") { k } else { width - 1 - k };
+                    let k = if cfg!(target_endian = "little") {
+                        k
+                    } else {
+                        width - 1 - k
+                    };
                     *dst.add(i * width + k) = *byte;
                 }
             }
