@@ -21,7 +21,7 @@ pub struct TokenizerFlags {
     /// GPT2BPETokenizer, Llama2Tokenizer, GPTSentencePieceTokenizer, SentencePieceTokenizer,
     /// HuggingFaceTokenizer or NullTokenizer
     #[arg(long)]
-    tokenizer_type: Option<String>,
+    pub(crate) tokenizer_type: Option<String>,
     /// SentencePiece .model, or a Hugging Face tokenizer.json (file or directory)
     #[arg(long)]
     tokenizer_model: Option<PathBuf>,
@@ -37,18 +37,22 @@ pub struct TokenizerFlags {
 }
 
 impl TokenizerFlags {
-    fn build(&self) -> Result<Option<Box<dyn Tokenizer>>> {
-        let Some(kind) = &self.tokenizer_type else {
-            return Ok(None);
-        };
-        let kind: TokenizerType = kind.parse()?;
-        let args = TokenizerArgs {
+    /// The paths and sizes as typed.
+    pub(crate) fn args(&self) -> TokenizerArgs {
+        TokenizerArgs {
             tokenizer_model: self.tokenizer_model.clone(),
             vocab_file: self.vocab_file.clone(),
             merge_file: self.merge_file.clone(),
             vocab_size: self.vocab_size,
+        }
+    }
+
+    pub(crate) fn build(&self) -> Result<Option<Box<dyn Tokenizer>>> {
+        let Some(kind) = &self.tokenizer_type else {
+            return Ok(None);
         };
-        Ok(Some(build_tokenizer(kind, &args)?))
+        let kind: TokenizerType = kind.parse()?;
+        Ok(Some(build_tokenizer(kind, &self.args())?))
     }
 }
 

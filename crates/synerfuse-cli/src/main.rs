@@ -4,6 +4,7 @@
 
 mod data_commands;
 mod env_report;
+mod index_command;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -24,6 +25,8 @@ struct Cli {
 enum Command {
     /// Tokenize JSONL into Megatron .bin/.idx datasets (Megatron's preprocess_data.py flags)
     Preprocess(data_commands::PreprocessArgs),
+    /// Build or load the GPT sample indices of every split (Megatron's caches, shared both ways)
+    Index(index_command::IndexArgs),
     /// Merge every .bin/.idx dataset of a directory into one (Megatron's merge_datasets.py)
     Merge(data_commands::MergeArgs),
     /// Show counts, dtype, length statistics and the first documents of a dataset
@@ -60,6 +63,7 @@ fn run() -> Result<()> {
         Command::Env { json } => env_report::run(json),
         Command::Preprocess(args) => data_commands::run_preprocess(args),
         Command::Merge(args) => data_commands::run_merge(args),
+        Command::Index(args) => index_command::run_index(args),
         Command::Inspect(args) => data_commands::run_inspect(args),
         Command::Tokenizer(command) => data_commands::run_tokenizer(command),
     }

@@ -309,3 +309,85 @@ fn trained_tokenizer_preprocesses_the_same_as_hf_and_gpt2_files() {
         assert!(a == b, "hf and gpt2 .{ext} differ");
     }
 }
+
+/// `synerfuse index` writes Megatron's cache files for a weighted blend (the names
+/// megatron-core 0.8.0 wrote for the same flags, in synerfuse-data's fixtures), loads
+/// them on the second run, and names the dataset and split when a split is empty.
+#[test]
+fn index_builds_then_loads_megatron_named_caches() {
+    let data_crate = Path::new(env!("CARGO_MANIFEST_DIR")).join("../synerfuse-data");
+    let cache = tempfile::tempdir().unwrap();
+    let cache_arg = cache.path().to_str().unwrap();
+    let play = |k: u32| format!("tests/fixtures/megatron_indices/data/play{k}");
+    let (p0, p1, p2) = (play(0), play(1), play(2));
+    let mut args = vec![
+        "index",
+        "--data-path",
+        "0.3",
+        &p0,
+        "0.5",
+        &p1,
+        "0.2",
+        &p2,
+        "--split",
+        "90,8,2",
+        "--train-samples",
+        "400",
+        "--valid-samples",
+        "30",
+        "--test-samples",
+        "9",
+        "--seq-length",
+        "16",
+        "--data-cache-path",
+        cache_arg,
+        "--json",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "30000",
+    ];
+    let report = |out: &Output| -> serde_json::Value {
+        assert!(out.status.success(), "{}", stderr(out));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let first = report(&synerfuse(&data_crate, &args));
+    let samples: Vec<u64> = (0..3)
+        .map(|i| first["splits"][i]["samples"].as_u64().unwrap())
+        .collect();
+    assert_eq!(samples, [403, 33, 10]);
+    assert_eq!(
+        files(cache.path()),
+        files(&data_crate.join("tests/fixtures/megatron_indices/cache/weighted_blend3"))
+    );
+    let second = report(&synerfuse(&data_crate, &args));
+    for split in second["splits"].as_array().unwrap() {
+        for cache in split["caches"].as_array().unwrap() {
+            assert_eq!(cache["loaded"], true, "{cache}");
+        }
+    }
+
+    // 350 sequences: the default split "969, 30, 1" leaves the test split empty.
+    let p5 = play(5);
+    args = vec![
+        "index",
+        "--data-path",
+        &p5,
+        "--train-samples",
+        "10",
+        "--test-samples",
+        "2",
+        "--seq-length",
+        "8",
+        "--data-cache-path",
+        cache_arg,
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "30000",
+    ];
+    let out = synerfuse(&data_crate, &args);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains("play5") && err.contains("test split"), "{err}");
+}

@@ -79,14 +79,14 @@ pub enum GptDatasetError {
     #[error(transparent)]
     Split(#[from] SplitError),
     /// The indices of a split cannot be built.
-    #[error("dataset {dataset:?}, {split} split: {source}")]
+    #[error("dataset {dataset:?}, {split} split: {problem}")]
     Index {
         /// The prefix.
         dataset: String,
         /// The split.
         split: &'static str,
         /// Why.
-        source: GptIndexError,
+        problem: GptIndexError,
     },
     /// A blend Megatron would reject.
     #[error("{0}")]
@@ -138,10 +138,10 @@ impl GptDataset {
             add_extra_token: config.add_extra_token,
             drop_last: split != Split::Valid || config.drop_last_partial_validation,
         };
-        let index_error = |source| GptDatasetError::Index {
+        let index_error = |problem| GptDatasetError::Index {
             dataset: dataset_path.to_owned(),
             split: split.name(),
-            source,
+            problem,
         };
         let sizes = dataset.sequence_lengths();
         let sizes: Vec<i32> = sizes.to_vec();

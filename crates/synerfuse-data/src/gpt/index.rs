@@ -74,7 +74,10 @@ pub struct GptIndices {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum GptIndexError {
     /// No tokens in the split but samples were requested: Megatron loops forever.
-    #[error("the split has {tokens} tokens, too few for one sample of {needed} tokens")]
+    #[error(
+        "the split holds {tokens} tokens, fewer than the {needed} one sample needs \
+         (Megatron hangs or aborts here; check --split against the number of sequences)"
+    )]
     TooFewTokens {
         /// Tokens in the split.
         tokens: u64,
