@@ -1,0 +1,167 @@
+//! The training-side data loader: which samples each data-parallel replica trains on in
+//! the next step, and those samples as model inputs.
+//!
+//! Megatron's pretraining sampler walks dataset indices `consumed_samples..` in order; one
+//! step takes the next global batch of consecutive indices. Replica d takes the run of
+//! `mbs_d · nmb_d` indices after replicas `0..d`, cut into its micro-batches in order. The
+//! position in the data is nothing but `consumed_samples`, so resuming from a checkpoint's
+//! count continues the exact sequence.
+
+use std::ops::Range;
+use synerfuse_data::gpt::{SampleOptions, SplitDataset};
+use synerfuse_data::DataError;
+use synerfuse_parallel::{BatchError, ReplicaBatches};
+
+/// Why a step's data cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub enum LoaderError {
+    /// The layout has no such replica.
+    #[error(transparent)]
+    Batch(#[from] BatchError),
+    /// The split has fewer samples than the step needs.
+    #[error(
+        "the step after {consumed_samples} consumed samples needs dataset samples {needed:?}, \
+         but the split has {available}; build the indices for more samples (--train-samples)"
+    )]
+    Exhausted {
+        /// Samples consumed before the step.
+        consumed_samples: u64,
+        /// Dataset indices the step needs.
+        needed: Range<u64>,
+        /// Samples in the split.
+        available: u64,
+    },
+    /// A sample could not be read.
+    #[error(transparent)]
+    Data(#[from] DataError),
+}
+
+/// Dataset indices of each micro-batch of `replica` in the step that starts after
+/// `consumed_samples` samples.
+pub fn replica_sample_ranges(
+    batches: &ReplicaBatches,
+    replica: usize,
+    consumed_samples: u64,
+) -> Result<Vec<Range<u64>>, BatchError> {
+    Ok(batches
+        .micro_batch_ranges(replica)?
+        .into_iter()
+        .map(|r| consumed_samples + r.start as u64..consumed_samples + r.end as u64)
+        .collect())
+}
+
+/// One micro-batch as model inputs, row-major `[micro_batch_size, sequence_length]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MicroBatch {
+    /// Dataset indices of the rows.
+    pub sample_indices: Range<u64>,
+    /// Which blended dataset each row came from (0 without a blend).
+    pub dataset_ids: Vec<usize>,
+    /// Input ids.
+    pub tokens: Vec<i64>,
+    /// Target ids.
+    pub labels: Vec<i64>,
+    /// 1 where the loss counts.
+    pub loss_mask: Vec<f32>,
+    /// Positions.
+    pub position_ids: Vec<i64>,
+    /// `[mbs, S, S]`, `true` = masked, when the options ask for it.
+    pub attention_mask: Option<Vec<bool>>,
+}
+
+impl MicroBatch {
+    /// Rows (samples).
+    pub fn len(&self) -> usize {
+        self.dataset_ids.len()
+    }
+
+    /// Whether there is no row.
+    pub fn is_empty(&self) -> bool {
+        self.dataset_ids.is_empty()
+    }
+
+    /// Tokens that count in the loss: the replica-independent normaliser is the sum of
+    /// these over the whole global batch.
+    pub fn loss_tokens(&self) -> f64 {
+        self.loss_mask.iter().map(|&m| f64::from(m)).sum()
+    }
+}
+
+/// Serves one replica's micro-batches, step after step.
+#[derive(Debug, Clone)]
+pub struct ReplicaLoader {
+    dataset: SplitDataset,
+    batches: ReplicaBatches,
+    replica: usize,
+    options: SampleOptions,
+}
+
+impl ReplicaLoader {
+    /// A loader for `replica` of the layout `batches` over the train split `dataset`.
+    pub fn new(
+        dataset: SplitDataset,
+        batches: ReplicaBatches,
+        replica: usize,
+        options: SampleOptions,
+    ) -> Result<Self, LoaderError> {
+        batches.replica_range(replica)?;
+        Ok(Self {
+            dataset,
+            batches,
+            replica,
+            options,
+        })
+    }
+
+    /// The batch layout.
+    pub fn batches(&self) -> &ReplicaBatches {
+        &self.batches
+    }
+
+    /// This replica's micro-batches for the step after `consumed_samples` samples.
+    /// The caller adds `global_batch_size()` to `consumed_samples` after each step.
+    pub fn step(&self, consumed_samples: u64) -> Result<Vec<MicroBatch>, LoaderError> {
+        let global = self.batches.global_batch_size() as u64;
+        let available = self.dataset.len() as u64;
+        if consumed_samples + global > available {
+            return Err(LoaderError::Exhausted {
+                consumed_samples,
+                needed: consumed_samples..consumed_samples + global,
+                available,
+            });
+        }
+        replica_sample_ranges(&self.batches, self.replica, consumed_samples)?
+            .into_iter()
+            .map(|range| self.micro_batch(range))
+            .collect()
+    }
+
+    fn micro_batch(&self, range: Range<u64>) -> Result<MicroBatch, LoaderError> {
+        let rows = (range.end - range.start) as usize;
+        let s = self.options.sequence_length;
+        let mut batch = MicroBatch {
+            sample_indices: range.clone(),
+            dataset_ids: Vec::with_capacity(rows),
+            tokens: Vec::with_capacity(rows * s),
+            labels: Vec::with_capacity(rows * s),
+            loss_mask: Vec::with_capacity(rows * s),
+            position_ids: Vec::with_capacity(rows * s),
+            attention_mask: self
+                .options
+                .create_attention_mask
+                .then(|| Vec::with_capacity(rows * s * s)),
+        };
+        for idx in range {
+            let (dataset_id, sample) = self.dataset.sample(idx as usize, &self.options)?;
+            batch.dataset_ids.push(dataset_id);
+            batch.tokens.extend(sample.tokens);
+            batch.labels.extend(sample.labels);
+            batch.loss_mask.extend(sample.loss_mask);
+            batch.position_ids.extend(sample.position_ids);
+            if let (Some(all), Some(mask)) = (&mut batch.attention_mask, sample.attention_mask) {
+                all.extend(mask);
+            }
+        }
+        Ok(batch)
+    }
+}
