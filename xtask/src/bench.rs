@@ -9,7 +9,8 @@ use std::time::Instant;
 pub fn run(root: &Path, name: &str) -> Result<()> {
     match name {
         "preprocess" => preprocess(root),
-        other => bail!("unknown benchmark {other:?}; available: preprocess"),
+        "index" => index(root),
+        other => bail!("unknown benchmark {other:?}; available: preprocess, index"),
     }
 }
 
@@ -161,9 +162,174 @@ fn preprocess(root: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Cold build of the GPT indices of a synthetic ~1B-token dataset (5M documents of 20–400
+/// tokens), sequence length 4096, about two epochs: `synerfuse index` vs megatron-core
+/// 0.8.0 (numpy + its C++ helpers), best of 3 fresh cache directories each, cache files
+/// identical; then the cost of opening the cached indices (mmap) on each side.
+fn index(root: &Path) -> Result<()> {
+    const SEQ: u64 = 4096;
+    const RUNS: usize = 3;
+    setup::run(root, true)?;
+    let synerfuse = cargo_release_binary(root)?;
+    let python = root.join(".venv/bin/python");
+    let script = root.join("xtask/fixtures/bench_index.py");
+    let dir = root.join("target/bench/index");
+    let status = Command::new(&python)
+        .arg(&script)
+        .args(["prepare".as_ref(), dir.as_os_str()])
+        .status()?;
+    ensure!(status.success(), "preparing the dataset failed");
+    // Sequence lengths are 20..=400 (mean 210): one epoch is about 256k samples of 4096;
+    // 1.9 epochs' worth of samples needs two epochs without a separate last one.
+    let idx = std::fs::read(dir.join("synth.idx"))?;
+    let count = u64::from_le_bytes(idx[18..26].try_into()?) as usize;
+    let tokens: u64 = idx[34..34 + 4 * count]
+        .chunks_exact(4)
+        .map(|b| u64::from(u32::from_le_bytes(b.try_into().unwrap())))
+        .sum();
+    let per_epoch = (tokens - 1) / SEQ;
+    let train_samples = per_epoch * 19 / 10;
+    let prefix = dir.join("synth");
+    let mut ours_cold = f64::MAX;
+    let mut ours_load = f64::MAX;
+    let mut ref_cold = f64::MAX;
+    let mut ref_load = f64::MAX;
+    let mut samples = (0.0, 0.0);
+    for run in 0..RUNS {
+        let ours_dir = dir.join(format!("cache-ours-{run}"));
+        let ref_dir = dir.join(format!("cache-megatron-{run}"));
+        for d in [&ours_dir, &ref_dir] {
+            if d.exists() {
+                std::fs::remove_dir_all(d)?;
+            }
+        }
+        let out = Command::new(&python)
+            .arg(&script)
+            .arg("reference")
+            .arg(&dir)
+            .arg(&ref_dir)
+            .arg(train_samples.to_string())
+            .arg(SEQ.to_string())
+            .output()?;
+        ensure!(
+            out.status.success(),
+            "megatron-core failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let line = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .last()
+            .unwrap_or("")
+            .to_owned();
+        ref_cold = ref_cold.min(serde_like::number(&line, "cold")?);
+        ref_load = ref_load.min(serde_like::number(&line, "load")?);
+        samples.1 = serde_like::number(&line, "samples")?;
+        for phase in ["cold", "load"] {
+            let out = Command::new(&synerfuse)
+                .arg("index")
+                .arg("--data-path")
+                .arg(&prefix)
+                .args(["--split", "1", "--seq-length", &SEQ.to_string()])
+                .args(["--train-samples", &train_samples.to_string()])
+                .arg("--data-cache-path")
+                .arg(&ours_dir)
+                .args([
+                    "--tokenizer-type",
+                    "NullTokenizer",
+                    "--vocab-size",
+                    "32000",
+                    "--json",
+                ])
+                .output()?;
+            ensure!(
+                out.status.success(),
+                "synerfuse index failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let line = String::from_utf8_lossy(&out.stdout).into_owned();
+            let loaded = line.contains("\"loaded\":true");
+            ensure!(
+                loaded == (phase == "load"),
+                "{phase} run: unexpected cache state: {line}"
+            );
+            let seconds = serde_like::number(&line, "seconds")?;
+            if phase == "cold" {
+                ours_cold = ours_cold.min(seconds);
+            } else {
+                ours_load = ours_load.min(seconds);
+            }
+            samples.0 = serde_like::number(&line, "samples")?;
+        }
+        // Same file names, same arrays (headers may differ in padding across numpy versions).
+        let mut names = Vec::new();
+        for entry in std::fs::read_dir(&ref_dir)? {
+            names.push(entry?.file_name());
+        }
+        ensure!(names.len() == 4, "megatron wrote {} files", names.len());
+        for name in names {
+            let theirs = std::fs::read(ref_dir.join(&name))?;
+            let ours = std::fs::read(ours_dir.join(&name))
+                .with_context(|| format!("synerfuse did not write {name:?}"))?;
+            let payload = |b: &[u8]| -> Vec<u8> {
+                if b.starts_with(b"\x93NUMPY") {
+                    let len = u16::from_le_bytes([b[8], b[9]]) as usize;
+                    b[10 + len..].to_vec()
+                } else {
+                    b.to_vec()
+                }
+            };
+            ensure!(
+                payload(&ours) == payload(&theirs),
+                "{name:?} differs from megatron-core's"
+            );
+        }
+        if run + 1 < RUNS {
+            std::fs::remove_dir_all(&ours_dir)?;
+            std::fs::remove_dir_all(&ref_dir)?;
+        }
+    }
+    ensure!(samples.0 == samples.1, "sample counts differ: {samples:?}");
+    let ratio = ref_cold / ours_cold;
+    println!();
+    println!(
+        "index build: {count} documents, {tokens} tokens, seq {SEQ}, {train_samples} train samples (2 epochs, {} samples), best of {RUNS}",
+        samples.0
+    );
+    println!();
+    println!("| | synerfuse | megatron-core 0.8.0 | ratio |");
+    println!("|---|---|---|---|");
+    println!(
+        "| cold build + cache write | {ours_cold:.3} s | {ref_cold:.3} s | {ratio:.2}x (target >= 1.5x) |"
+    );
+    println!(
+        "| open cached indices (mmap) | {:.1} ms | {:.1} ms | |",
+        ours_load * 1e3,
+        ref_load * 1e3
+    );
+    println!("cache files identical: yes");
+    std::fs::write(
+        root.join("target/bench/index.json"),
+        format!(
+            "{{\"benchmark\": \"index\", \"documents\": {count}, \"tokens\": {tokens}, \"seq_length\": {SEQ}, \"train_samples\": {train_samples}, \"ours_cold_s\": {ours_cold:.4}, \"reference_cold_s\": {ref_cold:.4}, \"ratio\": {ratio:.3}, \"ours_open_s\": {ours_load:.5}, \"reference_open_s\": {ref_load:.5}, \"identical\": true}}\n"
+        ),
+    )?;
+    Ok(())
+}
+
 /// The reference's one-line JSON result, read without a JSON dependency in xtask.
 mod serde_like {
     use anyhow::{Context, Result};
+
+    /// The number after `"name":` in a one-line JSON object.
+    pub fn number(line: &str, name: &str) -> Result<f64> {
+        let key = format!("\"{name}\":");
+        let at = line
+            .find(&key)
+            .with_context(|| format!("no {name} in {line}"))?;
+        let rest = line[at + key.len()..].trim_start();
+        let end = rest.find([',', '}', ' ']).unwrap_or(rest.len());
+        Ok(rest[..end].parse()?)
+    }
 
     pub struct Timing {
         pub seconds: f64,

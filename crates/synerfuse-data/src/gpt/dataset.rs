@@ -143,12 +143,11 @@ impl GptDataset {
             split: split.name(),
             problem,
         };
-        let sizes = dataset.sequence_lengths();
-        let sizes: Vec<i32> = sizes.to_vec();
-        if sequences.end > sizes.len() {
+        let lengths = dataset.sequence_lengths();
+        if sequences.end > lengths.len() {
             return Err(index_error(GptIndexError::BadSequence {
                 id: sequences.end as i32 - 1,
-                count: sizes.len(),
+                count: lengths.len(),
             }));
         }
         let cache_dir = config.path_to_cache.clone().unwrap_or_else(|| {
@@ -168,9 +167,12 @@ impl GptDataset {
             ],
         );
         let (indices, loaded) = if files.all_exist() {
-            let tokens: u64 = sizes[sequences.clone()]
+            // Only the epoch count is needed: a sum over the mapped lengths, no copy.
+            let tokens: u64 = lengths
                 .iter()
-                .map(|&s| s.max(0) as u64)
+                .skip(sequences.start)
+                .take(sequences.len())
+                .map(|s| s.max(0) as u64)
                 .sum();
             let (num_epochs, separate_final_epoch) =
                 epoch_plan(tokens, &index_config).map_err(index_error)?;
@@ -198,6 +200,7 @@ impl GptDataset {
             };
             (indices, true)
         } else {
+            let sizes: Vec<i32> = lengths.to_vec();
             let split_sequences: Vec<i32> = sequences.map(|i| i as i32).collect();
             let indices =
                 build_gpt_indices(&sizes, &split_sequences, &index_config).map_err(index_error)?;
