@@ -114,7 +114,6 @@ pub struct GptDataset {
     description: String,
     hash: String,
     cache: Option<CacheRecord>,
-    add_extra_token: bool,
 }
 
 impl GptDataset {
@@ -227,7 +226,6 @@ impl GptDataset {
                 files: files.all(),
                 loaded,
             }),
-            add_extra_token: config.add_extra_token,
         })
     }
 
@@ -284,27 +282,6 @@ impl GptDataset {
     /// The cache files and whether they were loaded.
     pub fn cache(&self) -> Option<&CacheRecord> {
         self.cache.as_ref()
-    }
-
-    /// The `sequence_length + 1` (or `sequence_length`) token ids of sample `idx`, short
-    /// samples padded with `pad`.
-    pub fn tokens(
-        &self,
-        idx: usize,
-        sequence_length: usize,
-        pad: i64,
-    ) -> Result<Vec<i64>, DataError> {
-        let options = SampleOptions {
-            sequence_length,
-            add_extra_token: self.add_extra_token,
-            eod: 0,
-            pad,
-            reset_position_ids: false,
-            reset_attention_mask: false,
-            eod_mask_loss: false,
-            create_attention_mask: false,
-        };
-        sample_tokens(&self.dataset, &self.indices, idx, &options)
     }
 
     /// Sample `idx` as model inputs.
