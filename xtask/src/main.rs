@@ -57,7 +57,11 @@ fn main() -> Result<()> {
 fn fixtures(root: &std::path::Path) -> Result<()> {
     setup::run(root, true)?;
     let python = root.join(".venv/bin/python");
-    for script in ["data_fixtures.py", "index_fixtures.py"] {
+    for script in [
+        "data_fixtures.py",
+        "index_fixtures.py",
+        "parallel_fixtures.py",
+    ] {
         let script = root.join("xtask/fixtures").join(script);
         let status = std::process::Command::new(&python)
             .arg(&script)

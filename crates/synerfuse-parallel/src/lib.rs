@@ -2,6 +2,10 @@
 
 mod batch;
 mod stage;
+mod topology;
 
 pub use batch::{BatchError, ReplicaBatch, ReplicaBatches};
 pub use stage::{LayoutError, StageLayout};
+pub use topology::{
+    Coordinates, Dim, GroupKind, Topology, TopologyError, DEFAULT_ORDER, TP_PP_DP_ORDER,
+};
