@@ -1,10 +1,12 @@
 #![doc = include_str!("../README.md")]
 
 mod batch;
+mod plan;
 mod stage;
 mod topology;
 
 pub use batch::{BatchError, ReplicaBatch, ReplicaBatches};
+pub use plan::{ParallelPlan, PlanError, RankPlacement, TopologySpec};
 pub use stage::{LayoutError, StageLayout};
 pub use topology::{
     Coordinates, Dim, GroupKind, Topology, TopologyError, DEFAULT_ORDER, TP_PP_DP_ORDER,

@@ -1,0 +1,511 @@
+//! A whole parallel plan: topology, layers per stage, batch per replica, and what runs on
+//! each rank. Serialises to TOML and JSON (`plan.toml`), and converts to and from the
+//! flags SynerFuse takes, so plans and hand-typed command lines are interchangeable.
+
+use crate::{BatchError, LayoutError, ReplicaBatches, StageLayout, Topology, TopologyError};
+use crate::{DEFAULT_ORDER, TP_PP_DP_ORDER};
+use serde::{Deserialize, Serialize};
+
+/// What a rank computes on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankPlacement {
+    /// Device kind, e.g. `cpu`, `cuda`, `cuda:1`, or a catalogue name such as `A100`.
+    pub device: String,
+    /// Emulated speed relative to the device's own (1.0 = as is; 0.5 = half as fast). A
+    /// test and benchmark device for clusters without heterogeneity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub speed: Option<f64>,
+}
+
+/// Sizes and rank order, as a plan stores them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TopologySpec {
+    /// Ranks.
+    pub world_size: usize,
+    /// `--tensor-model-parallel-size`.
+    pub tp: usize,
+    /// `--pipeline-model-parallel-size`.
+    pub pp: usize,
+    /// `--context-parallel-size`.
+    #[serde(default = "one")]
+    pub cp: usize,
+    /// `--expert-model-parallel-size`.
+    #[serde(default = "one")]
+    pub ep: usize,
+    /// Rank order, fastest dimension first.
+    #[serde(default = "default_order")]
+    pub order: String,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn default_order() -> String {
+    DEFAULT_ORDER.to_owned()
+}
+
+/// A plan that is inconsistent or cannot be read.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PlanError {
+    /// Bad sizes or order.
+    #[error(transparent)]
+    Topology(#[from] TopologyError),
+    /// Bad stage layout.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// Bad batch layout.
+    #[error(transparent)]
+    Batch(#[from] BatchError),
+    /// Parts that do not fit together.
+    #[error("{0}")]
+    Mismatch(String),
+    /// A flag that is unknown, repeated, or lacks its value.
+    #[error("{flag}: {problem}")]
+    Flag {
+        /// The flag.
+        flag: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// TOML or JSON that does not parse as a plan.
+    #[error("{0}")]
+    Format(String),
+}
+
+/// Everything a run needs to know about where work goes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ParallelPlan {
+    /// Sizes and rank order.
+    pub topology: TopologySpec,
+    /// Decoder layers per pipeline stage (and virtual chunk).
+    pub stages: StageLayout,
+    /// Micro-batch size and count per data-parallel replica.
+    pub batches: ReplicaBatches,
+    /// Device of each rank, by rank (empty: every rank on its default device).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ranks: Vec<RankPlacement>,
+}
+
+impl ParallelPlan {
+    /// A plan whose parts are checked against each other.
+    pub fn new(
+        topology: TopologySpec,
+        stages: StageLayout,
+        batches: ReplicaBatches,
+        ranks: Vec<RankPlacement>,
+    ) -> Result<Self, PlanError> {
+        let plan = ParallelPlan {
+            topology,
+            stages,
+            batches,
+            ranks,
+        };
+        plan.validate()?;
+        Ok(plan)
+    }
+
+    /// The rank topology.
+    pub fn topology(&self) -> Result<Topology, PlanError> {
+        let t = &self.topology;
+        Ok(Topology::new(
+            t.world_size,
+            t.tp,
+            t.pp,
+            t.cp,
+            t.ep,
+            &t.order,
+        )?)
+    }
+
+    /// Checks that the parts fit: stages = pp, replicas = dp, one placement per rank.
+    pub fn validate(&self) -> Result<(), PlanError> {
+        let topology = self.topology()?;
+        if self.stages.num_stages() != self.topology.pp {
+            return Err(PlanError::Mismatch(format!(
+                "the stage layout has {} stages but the pipeline-parallel size is {}",
+                self.stages.num_stages(),
+                self.topology.pp
+            )));
+        }
+        let dp = topology.size(crate::Dim::Dp);
+        if self.batches.dp_size() != dp {
+            return Err(PlanError::Mismatch(format!(
+                "the batch layout has {} replicas but the data-parallel size is {dp}",
+                self.batches.dp_size()
+            )));
+        }
+        if !self.ranks.is_empty() && self.ranks.len() != self.topology.world_size {
+            return Err(PlanError::Mismatch(format!(
+                "{} rank placements for a world of {}",
+                self.ranks.len(),
+                self.topology.world_size
+            )));
+        }
+        if let Some((rank, p)) = self
+            .ranks
+            .iter()
+            .enumerate()
+            .find(|(_, p)| p.speed.is_some_and(|s| !(s.is_finite() && s > 0.0)))
+        {
+            return Err(PlanError::Mismatch(format!(
+                "rank {rank}: speed {} must be a positive number",
+                p.speed.unwrap_or_default()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The plan as TOML.
+    pub fn to_toml(&self) -> Result<String, PlanError> {
+        toml::to_string_pretty(self).map_err(|e| PlanError::Format(e.to_string()))
+    }
+
+    /// A plan from TOML, validated.
+    pub fn from_toml(text: &str) -> Result<Self, PlanError> {
+        let plan: ParallelPlan =
+            toml::from_str(text).map_err(|e| PlanError::Format(format!("plan TOML: {e}")))?;
+        plan.validate()?;
+        Ok(plan)
+    }
+
+    /// The plan as JSON.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("plans serialise")
+    }
+
+    /// A plan from JSON, validated.
+    pub fn from_json(text: &str) -> Result<Self, PlanError> {
+        let plan: ParallelPlan =
+            serde_json::from_str(text).map_err(|e| PlanError::Format(format!("plan JSON: {e}")))?;
+        plan.validate()?;
+        Ok(plan)
+    }
+
+    /// The SynerFuse/Megatron flags that describe this plan (device placements are not
+    /// flags; SynerFuse takes them from the launcher).
+    pub fn to_synerfuse_args(&self) -> Vec<String> {
+        let t = &self.topology;
+        let mut args: Vec<String> = vec![
+            "--tensor-model-parallel-size".into(),
+            t.tp.to_string(),
+            "--pipeline-model-parallel-size".into(),
+            t.pp.to_string(),
+        ];
+        if t.cp != 1 {
+            args.extend(["--context-parallel-size".into(), t.cp.to_string()]);
+        }
+        if t.ep != 1 {
+            args.extend(["--expert-model-parallel-size".into(), t.ep.to_string()]);
+        }
+        if t.order == TP_PP_DP_ORDER {
+            args.push("--use-tp-pp-dp-mapping".into());
+        }
+        args.extend(["--num-layers".into(), self.stages.num_layers().to_string()]);
+        if self.stages.num_chunks() > 1 {
+            // Megatron's interleaving flag; only uniform chunks can be expressed with it.
+            args.extend([
+                "--num-layers-per-virtual-pipeline-stage".into(),
+                (self.stages.num_layers() / (self.stages.num_stages() * self.stages.num_chunks()))
+                    .to_string(),
+            ]);
+        } else if self.stages.layers().windows(2).any(|w| w[0] != w[1]) {
+            args.push("--hetero-pipeline-stages".into());
+            args.extend(
+                self.stages
+                    .to_hetero_pipeline_stages()
+                    .iter()
+                    .map(usize::to_string),
+            );
+        }
+        args.extend([
+            "--global-batch-size".into(),
+            self.batches.global_batch_size().to_string(),
+        ]);
+        let first = self.batches.replicas()[0];
+        if self.batches.replicas().iter().all(|&r| r == first) {
+            args.extend([
+                "--micro-batch-size".into(),
+                first.micro_batch_size.to_string(),
+            ]);
+        } else {
+            let (mbs, counts) = self.batches.to_flags();
+            args.push("--micro-batch-size-per-dp".into());
+            args.extend(mbs.iter().map(usize::to_string));
+            args.push("--num-micro-batches-per-dp".into());
+            args.extend(counts.iter().map(usize::to_string));
+        }
+        args
+    }
+
+    /// A plan from SynerFuse/Megatron flags for a world of `world_size` ranks. Unknown
+    /// flags are an error (this parser sees only the parallel flags).
+    pub fn from_synerfuse_args<S: AsRef<str>>(
+        args: &[S],
+        world_size: usize,
+    ) -> Result<Self, PlanError> {
+        let flags = ParallelFlags::parse(args)?;
+        let order = if flags.use_tp_pp_dp_mapping {
+            if flags.cp != 1 || flags.ep != 1 {
+                return Err(PlanError::Flag {
+                    flag: "--use-tp-pp-dp-mapping".into(),
+                    problem: "cannot be combined with context or expert parallelism".into(),
+                });
+            }
+            TP_PP_DP_ORDER
+        } else {
+            DEFAULT_ORDER
+        };
+        let spec = TopologySpec {
+            world_size,
+            tp: flags.tp,
+            pp: flags.pp,
+            cp: flags.cp,
+            ep: flags.ep,
+            order: order.to_owned(),
+        };
+        let topology = Topology::new(world_size, flags.tp, flags.pp, flags.cp, flags.ep, order)?;
+        let num_layers = flags.num_layers.ok_or_else(|| PlanError::Flag {
+            flag: "--num-layers".into(),
+            problem: "is required".into(),
+        })?;
+        let stages = match (
+            &flags.hetero_pipeline_stages,
+            flags.layers_per_virtual_stage,
+        ) {
+            (Some(_), Some(_)) => {
+                return Err(PlanError::Flag {
+                    flag: "--hetero-pipeline-stages".into(),
+                    problem: "cannot be combined with --num-layers-per-virtual-pipeline-stage"
+                        .into(),
+                })
+            }
+            (Some(values), None) => {
+                StageLayout::from_hetero_pipeline_stages(values, flags.pp, num_layers)?
+            }
+            (None, Some(per_chunk)) => {
+                if per_chunk == 0 || num_layers % (per_chunk * flags.pp) != 0 {
+                    return Err(PlanError::Flag {
+                        flag: "--num-layers-per-virtual-pipeline-stage".into(),
+                        problem: format!(
+                            "{per_chunk} does not divide --num-layers {num_layers} over {} stages",
+                            flags.pp
+                        ),
+                    });
+                }
+                StageLayout::uniform_interleaved(
+                    num_layers,
+                    flags.pp,
+                    num_layers / (per_chunk * flags.pp),
+                )?
+            }
+            (None, None) => StageLayout::uniform(num_layers, flags.pp)?,
+        };
+        let batches = ReplicaBatches::from_flags(
+            topology.size(crate::Dim::Dp),
+            flags.global_batch_size,
+            flags.micro_batch_size,
+            flags.micro_batch_size_per_dp.as_deref(),
+            flags.num_micro_batches_per_dp.as_deref(),
+        )?;
+        Self::new(spec, stages, batches, Vec::new())
+    }
+}
+
+/// The parallel flags of a SynerFuse command line.
+#[derive(Debug, Default)]
+struct ParallelFlags {
+    tp: usize,
+    pp: usize,
+    cp: usize,
+    ep: usize,
+    use_tp_pp_dp_mapping: bool,
+    num_layers: Option<usize>,
+    hetero_pipeline_stages: Option<Vec<usize>>,
+    layers_per_virtual_stage: Option<usize>,
+    global_batch_size: Option<usize>,
+    micro_batch_size: Option<usize>,
+    micro_batch_size_per_dp: Option<Vec<usize>>,
+    num_micro_batches_per_dp: Option<Vec<usize>>,
+}
+
+impl ParallelFlags {
+    fn parse<S: AsRef<str>>(args: &[S]) -> Result<Self, PlanError> {
+        let mut flags = ParallelFlags {
+            tp: 1,
+            pp: 1,
+            cp: 1,
+            ep: 1,
+            ..Default::default()
+        };
+        let mut seen = std::collections::HashSet::new();
+        let mut i = 0;
+        while i < args.len() {
+            let flag = args[i].as_ref();
+            let err = |problem: String| PlanError::Flag {
+                flag: flag.to_owned(),
+                problem,
+            };
+            if !seen.insert(flag.to_owned()) {
+                return Err(err("given twice".into()));
+            }
+            let values: Vec<&str> = args[i + 1..]
+                .iter()
+                .map(|a| a.as_ref())
+                .take_while(|a| !a.starts_with("--"))
+                .collect();
+            i += 1 + values.len();
+            let number = |v: &str| -> Result<usize, PlanError> {
+                v.parse()
+                    .map_err(|_| err(format!("{v:?} is not a non-negative integer")))
+            };
+            let one = || -> Result<usize, PlanError> {
+                match values.as_slice() {
+                    [v] => number(v),
+                    _ => Err(err(format!("takes one value, got {}", values.len()))),
+                }
+            };
+            let many = || -> Result<Vec<usize>, PlanError> {
+                if values.is_empty() {
+                    return Err(err("needs values".into()));
+                }
+                values.iter().map(|v| number(v)).collect()
+            };
+            match flag {
+                "--tensor-model-parallel-size" => flags.tp = one()?,
+                "--pipeline-model-parallel-size" => flags.pp = one()?,
+                "--context-parallel-size" => flags.cp = one()?,
+                "--expert-model-parallel-size" => flags.ep = one()?,
+                "--num-layers" => flags.num_layers = Some(one()?),
+                "--global-batch-size" => flags.global_batch_size = Some(one()?),
+                "--micro-batch-size" => flags.micro_batch_size = Some(one()?),
+                "--num-layers-per-virtual-pipeline-stage" => {
+                    flags.layers_per_virtual_stage = Some(one()?)
+                }
+                "--hetero-pipeline-stages" => flags.hetero_pipeline_stages = Some(many()?),
+                "--micro-batch-size-per-dp" => flags.micro_batch_size_per_dp = Some(many()?),
+                "--num-micro-batches-per-dp" => flags.num_micro_batches_per_dp = Some(many()?),
+                "--use-tp-pp-dp-mapping" => {
+                    if !values.is_empty() {
+                        return Err(err("takes no value".into()));
+                    }
+                    flags.use_tp_pp_dp_mapping = true;
+                }
+                other if other.starts_with("--") => {
+                    return Err(err("not a parallel-plan flag".into()))
+                }
+                other => return Err(err(format!("unexpected value {other:?}"))),
+            }
+        }
+        Ok(flags)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ReplicaBatch;
+
+    fn hetero_plan() -> ParallelPlan {
+        ParallelPlan::from_synerfuse_args(
+            &[
+                "--tensor-model-parallel-size",
+                "2",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--use-tp-pp-dp-mapping",
+                "--num-layers",
+                "8",
+                "--hetero-pipeline-stages",
+                "1",
+                "6",
+                "1",
+                "2",
+                "--global-batch-size",
+                "32",
+                "--micro-batch-size-per-dp",
+                "1",
+                "6",
+                "1",
+                "2",
+                "--num-micro-batches-per-dp",
+                "1",
+                "4",
+                "1",
+                "4",
+            ],
+            8,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn hetero_pp_dp_and_tp_together() {
+        let plan = hetero_plan();
+        assert_eq!(plan.stages.layers(), [6, 2]);
+        assert_eq!(
+            plan.batches.replicas()[0],
+            ReplicaBatch {
+                micro_batch_size: 6,
+                num_micro_batches: 4
+            }
+        );
+        assert_eq!(plan.topology().unwrap().coordinates(5).unwrap().dp, 1);
+        let args = plan.to_synerfuse_args();
+        assert_eq!(ParallelPlan::from_synerfuse_args(&args, 8).unwrap(), plan);
+    }
+
+    #[test]
+    fn toml_and_json_round_trip() {
+        let mut plan = hetero_plan();
+        plan.ranks = (0..8)
+            .map(|r| RankPlacement {
+                device: if r < 4 { "cuda".into() } else { "cpu".into() },
+                speed: (r >= 4).then_some(0.5),
+            })
+            .collect();
+        let toml = plan.to_toml().unwrap();
+        assert!(toml.contains("[topology]"), "{toml}");
+        assert_eq!(ParallelPlan::from_toml(&toml).unwrap(), plan);
+        assert_eq!(ParallelPlan::from_json(&plan.to_json()).unwrap(), plan);
+        let broken = toml.replace("pp = 2", "pp = 4");
+        assert!(ParallelPlan::from_toml(&broken).is_err());
+    }
+
+    #[test]
+    fn flag_errors_name_the_flag() {
+        let e = ParallelPlan::from_synerfuse_args(&["--num-layers", "8", "--bogus", "1"], 1)
+            .unwrap_err();
+        assert!(e.to_string().starts_with("--bogus"), "{e}");
+        let e = ParallelPlan::from_synerfuse_args(&["--num-layers", "x"], 1).unwrap_err();
+        assert!(e.to_string().contains("--num-layers"), "{e}");
+        let e = ParallelPlan::from_synerfuse_args(
+            &[
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers",
+                "8",
+                "--hetero-pipeline-stages",
+                "1",
+                "6",
+                "1",
+            ],
+            2,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("group 1"), "{e}");
+        let e = ParallelPlan::from_synerfuse_args(
+            &[
+                "--num-layers",
+                "8",
+                "--micro-batch-size",
+                "2",
+                "--micro-batch-size",
+                "2",
+            ],
+            1,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("twice"), "{e}");
+    }
+}
