@@ -381,7 +381,7 @@ mod tests {
         // Three distinct counts (SynerFuse allows two).
         let b = ReplicaBatches::from_flags(
             3,
-            Some(2 * 1 + 3 * 2 + 4 * 3),
+            Some(20), // 2·1 + 3·2 + 4·3
             None,
             Some(&[1, 2, 1, 3, 1, 4]),
             Some(&[1, 1, 1, 2, 1, 3]),

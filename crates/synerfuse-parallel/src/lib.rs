@@ -2,11 +2,16 @@
 
 mod batch;
 mod plan;
+mod schedule;
 mod stage;
 mod topology;
 
 pub use batch::{BatchError, ReplicaBatch, ReplicaBatches};
 pub use plan::{ParallelPlan, PlanError, RankPlacement, TopologySpec};
+pub use schedule::{
+    check_schedule, pipeline_schedule, plan_schedule, Instruction, ScheduleError, ScheduleKind,
+    ScheduleReport,
+};
 pub use stage::{LayoutError, StageLayout};
 pub use topology::{
     Coordinates, Dim, GroupKind, Topology, TopologyError, DEFAULT_ORDER, TP_PP_DP_ORDER,
