@@ -5,6 +5,7 @@
 mod data_commands;
 mod env_report;
 mod index_command;
+mod topology_command;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -27,6 +28,8 @@ enum Command {
     Preprocess(data_commands::PreprocessArgs),
     /// Build or load the GPT sample indices of every split (Megatron's caches, shared both ways)
     Index(index_command::IndexArgs),
+    /// Every communication group (tp, pp, dp, ...) Megatron builds for these sizes and order
+    Topology(topology_command::TopologyArgs),
     /// Merge every .bin/.idx dataset of a directory into one (Megatron's merge_datasets.py)
     Merge(data_commands::MergeArgs),
     /// Show counts, dtype, length statistics and the first documents of a dataset
@@ -64,6 +67,7 @@ fn run() -> Result<()> {
         Command::Preprocess(args) => data_commands::run_preprocess(args),
         Command::Merge(args) => data_commands::run_merge(args),
         Command::Index(args) => index_command::run_index(args),
+        Command::Topology(args) => topology_command::run_topology(args),
         Command::Inspect(args) => data_commands::run_inspect(args),
         Command::Tokenizer(command) => data_commands::run_tokenizer(command),
     }

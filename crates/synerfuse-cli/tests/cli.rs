@@ -57,3 +57,43 @@ fn an_unknown_subcommand_fails_with_usage() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unrecognized subcommand"));
 }
+
+/// `synerfuse topology --json` prints spec/synerfuse.md §3's table for the tp-pp-dp order,
+/// and a world that does not divide is an error naming the sizes.
+#[test]
+fn topology_groups_as_json() {
+    let out = synerfuse(&[
+        "topology",
+        "--world-size",
+        "8",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--use-tp-pp-dp-mapping",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        v["groups"]["pp"],
+        serde_json::json!([[0, 2], [1, 3], [4, 6], [5, 7]])
+    );
+    assert_eq!(
+        v["groups"]["dp"],
+        serde_json::json!([[0, 4], [1, 5], [2, 6], [3, 7]])
+    );
+    assert_eq!(
+        v["groups"]["tp-pp"],
+        serde_json::json!([[0, 1, 2, 3], [4, 5, 6, 7]])
+    );
+    assert_eq!(v["ranks"][5]["dp"], 1);
+    let out = synerfuse(&["topology", "--world-size", "12", "--tp", "2", "--pp", "4"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("12") && err.contains("8"), "{err}");
+}
