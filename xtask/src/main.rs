@@ -61,6 +61,7 @@ fn fixtures(root: &std::path::Path) -> Result<()> {
         "data_fixtures.py",
         "index_fixtures.py",
         "parallel_fixtures.py",
+        "model_fixtures.py",
     ] {
         let script = root.join("xtask/fixtures").join(script);
         let status = std::process::Command::new(&python)

@@ -1,0 +1,438 @@
+//! The shape of a LLaMA model, from a Hugging Face `config.json` or from Megatron's flags.
+
+use serde_json::{json, Value};
+use std::path::Path;
+
+/// A configuration that cannot describe a model.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A field is missing, of the wrong type, or unsupported.
+    #[error("{source_name}: {field}: {problem}")]
+    Field {
+        /// The file or flag set.
+        source_name: String,
+        /// The field or flag.
+        field: String,
+        /// What is wrong.
+        problem: String,
+    },
+}
+
+/// A LLaMA-family decoder (what transformers' `LlamaConfig` and Megatron's flags describe).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaConfig {
+    /// Rows of the embedding and the LM head (padded vocabulary).
+    pub vocab_size: usize,
+    /// Model width.
+    pub hidden_size: usize,
+    /// Width of the SwiGLU MLP.
+    pub intermediate_size: usize,
+    /// Decoder layers.
+    pub num_layers: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads (grouped-query attention when fewer than `num_heads`).
+    pub num_kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// Longest position the model is meant for.
+    pub max_position_embeddings: usize,
+    /// Rotary base θ.
+    pub rope_theta: f64,
+    /// RMSNorm ε.
+    pub rms_norm_eps: f64,
+    /// The LM head is the embedding matrix.
+    pub tie_word_embeddings: bool,
+    /// Biases on q/k/v/o projections.
+    pub attention_bias: bool,
+    /// Biases on the MLP projections.
+    pub mlp_bias: bool,
+    /// Standard deviation of the initial weights (`--init-method-std`).
+    pub init_std: f64,
+}
+
+impl LlamaConfig {
+    /// Reads a Hugging Face `config.json` of a `llama` model.
+    pub fn from_hf_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_hf_json(&text, &path.display().to_string())
+    }
+
+    /// Parses the text of a Hugging Face `config.json`; `source_name` names it in errors.
+    pub fn from_hf_json(text: &str, source_name: &str) -> Result<Self, ConfigError> {
+        let field_error = |field: &str, problem: String| ConfigError::Field {
+            source_name: source_name.to_owned(),
+            field: field.to_owned(),
+            problem,
+        };
+        let v: Value =
+            serde_json::from_str(text).map_err(|e| field_error("(json)", e.to_string()))?;
+        let int = |key: &str| -> Result<usize, ConfigError> {
+            v.get(key)
+                .and_then(Value::as_u64)
+                .map(|x| x as usize)
+                .ok_or_else(|| field_error(key, "missing or not a non-negative integer".into()))
+        };
+        let opt_int = |key: &str| v.get(key).and_then(Value::as_u64).map(|x| x as usize);
+        let float = |key: &str, default: f64| v.get(key).and_then(Value::as_f64).unwrap_or(default);
+        let flag =
+            |key: &str, default: bool| v.get(key).and_then(Value::as_bool).unwrap_or(default);
+        if let Some(kind) = v.get("model_type").and_then(Value::as_str) {
+            if kind != "llama" {
+                return Err(field_error(
+                    "model_type",
+                    format!("{kind:?} is not a LLaMA model"),
+                ));
+            }
+        }
+        if let Some(act) = v.get("hidden_act").and_then(Value::as_str) {
+            if act != "silu" {
+                return Err(field_error(
+                    "hidden_act",
+                    format!("{act:?}; only silu (SwiGLU) is supported"),
+                ));
+            }
+        }
+        // transformers 5 keeps rotary settings in `rope_parameters`, 4.x in `rope_theta`
+        // and `rope_scaling`.
+        let rope = v
+            .get("rope_parameters")
+            .or_else(|| v.get("rope_scaling"))
+            .filter(|r| !r.is_null());
+        let rope_type = rope
+            .and_then(|r| r.get("rope_type").or_else(|| r.get("type")))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        if rope_type != "default" {
+            return Err(field_error(
+                "rope_parameters",
+                format!("rope_type {rope_type:?} is not supported (only default)"),
+            ));
+        }
+        let rope_theta = rope
+            .and_then(|r| r.get("rope_theta"))
+            .and_then(Value::as_f64)
+            .unwrap_or_else(|| float("rope_theta", 10000.0));
+        let hidden_size = int("hidden_size")?;
+        let num_heads = int("num_attention_heads")?;
+        let config = LlamaConfig {
+            vocab_size: int("vocab_size")?,
+            hidden_size,
+            intermediate_size: int("intermediate_size")?,
+            num_layers: int("num_hidden_layers")?,
+            num_heads,
+            num_kv_heads: opt_int("num_key_value_heads").unwrap_or(num_heads),
+            head_dim: opt_int("head_dim")
+                .unwrap_or(hidden_size.checked_div(num_heads).unwrap_or(0)),
+            max_position_embeddings: opt_int("max_position_embeddings").unwrap_or(2048),
+            rope_theta,
+            rms_norm_eps: float("rms_norm_eps", 1e-6),
+            tie_word_embeddings: flag("tie_word_embeddings", false),
+            attention_bias: flag("attention_bias", false),
+            mlp_bias: flag("mlp_bias", false),
+            init_std: float("initializer_range", 0.02),
+        };
+        config.validate(source_name)?;
+        Ok(config)
+    }
+
+    /// Checks that the sizes fit together.
+    pub fn validate(&self, source_name: &str) -> Result<(), ConfigError> {
+        let err = |field: &str, problem: String| {
+            Err(ConfigError::Field {
+                source_name: source_name.to_owned(),
+                field: field.to_owned(),
+                problem,
+            })
+        };
+        for (field, value) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_layers),
+            ("num_attention_heads", self.num_heads),
+            ("num_key_value_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim),
+        ] {
+            if value == 0 {
+                return err(field, "must be at least 1".into());
+            }
+        }
+        if self.num_heads % self.num_kv_heads != 0 {
+            return err(
+                "num_key_value_heads",
+                format!(
+                    "{} does not divide num_attention_heads {}",
+                    self.num_kv_heads, self.num_heads
+                ),
+            );
+        }
+        if self.head_dim % 2 != 0 {
+            return err(
+                "head_dim",
+                format!(
+                    "{} is odd; rotary embeddings need an even width",
+                    self.head_dim
+                ),
+            );
+        }
+        Ok(())
+    }
+
+    /// The `config.json` transformers writes for this model.
+    pub fn to_hf_json(&self) -> String {
+        let v = json!({
+            "architectures": ["LlamaForCausalLM"],
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "initializer_range": self.init_std,
+            "intermediate_size": self.intermediate_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "mlp_bias": self.mlp_bias,
+            "model_type": "llama",
+            "num_attention_heads": self.num_heads,
+            "num_hidden_layers": self.num_layers,
+            "num_key_value_heads": self.num_kv_heads,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": "float32",
+            "vocab_size": self.vocab_size,
+        });
+        serde_json::to_string_pretty(&v).expect("json")
+    }
+
+    /// Parameters of the whole model.
+    pub fn num_parameters(&self) -> usize {
+        let h = self.hidden_size;
+        let q = self.num_heads * self.head_dim;
+        let kv = self.num_kv_heads * self.head_dim;
+        let attention = h * q
+            + 2 * h * kv
+            + q * h
+            + if self.attention_bias {
+                q + 2 * kv + h
+            } else {
+                0
+            };
+        let mlp = 3 * h * self.intermediate_size
+            + if self.mlp_bias {
+                2 * self.intermediate_size + h
+            } else {
+                0
+            };
+        let layer = attention + mlp + 2 * h;
+        let embedding = self.vocab_size * h;
+        embedding * if self.tie_word_embeddings { 1 } else { 2 } + self.num_layers * layer + h
+    }
+}
+
+/// Megatron's model flags (what `pretrain_gpt.py` takes for a LLaMA run).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MegatronModelArgs {
+    /// `--num-layers`.
+    pub num_layers: usize,
+    /// `--hidden-size`.
+    pub hidden_size: usize,
+    /// `--ffn-hidden-size` (Megatron's default: 4 × hidden).
+    pub ffn_hidden_size: Option<usize>,
+    /// `--num-attention-heads`.
+    pub num_attention_heads: usize,
+    /// `--group-query-attention`.
+    pub group_query_attention: bool,
+    /// `--num-query-groups`.
+    pub num_query_groups: Option<usize>,
+    /// `--seq-length`.
+    pub seq_length: usize,
+    /// `--max-position-embeddings` (default: seq length).
+    pub max_position_embeddings: Option<usize>,
+    /// `--rotary-base`.
+    pub rotary_base: f64,
+    /// `--norm-epsilon`.
+    pub norm_epsilon: f64,
+    /// `--untie-embeddings-and-output-weights`.
+    pub untie_embeddings_and_output_weights: bool,
+    /// `--make-vocab-size-divisible-by`.
+    pub make_vocab_size_divisible_by: usize,
+    /// `--tensor-model-parallel-size` (the vocabulary is padded to a multiple of both).
+    pub tensor_model_parallel_size: usize,
+    /// `--init-method-std`.
+    pub init_method_std: f64,
+    /// `--add-bias-linear` (LLaMA runs pass `--disable-bias-linear`).
+    pub add_bias_linear: bool,
+}
+
+impl Default for MegatronModelArgs {
+    fn default() -> Self {
+        MegatronModelArgs {
+            num_layers: 0,
+            hidden_size: 0,
+            ffn_hidden_size: None,
+            num_attention_heads: 0,
+            group_query_attention: false,
+            num_query_groups: None,
+            seq_length: 0,
+            max_position_embeddings: None,
+            rotary_base: 10000.0,
+            norm_epsilon: 1e-5,
+            untie_embeddings_and_output_weights: false,
+            make_vocab_size_divisible_by: 128,
+            tensor_model_parallel_size: 1,
+            init_method_std: 0.02,
+            add_bias_linear: false,
+        }
+    }
+}
+
+/// Megatron's `_vocab_size_with_padding`: up to a multiple of
+/// `make_vocab_size_divisible_by · tensor_model_parallel_size`.
+pub fn padded_vocab_size(vocab: usize, divisible_by: usize, tensor_parallel: usize) -> usize {
+    let multiple = (divisible_by * tensor_parallel).max(1);
+    vocab.div_ceil(multiple) * multiple
+}
+
+impl LlamaConfig {
+    /// The model Megatron builds from `args` for a tokenizer of `tokenizer_vocab_size`
+    /// ids (padded as Megatron pads it).
+    pub fn from_megatron(
+        args: &MegatronModelArgs,
+        tokenizer_vocab_size: usize,
+    ) -> Result<Self, ConfigError> {
+        let err = |field: &str, problem: String| ConfigError::Field {
+            source_name: "flags".into(),
+            field: field.to_owned(),
+            problem,
+        };
+        if args.num_attention_heads == 0 || args.hidden_size % args.num_attention_heads != 0 {
+            return Err(err(
+                "--num-attention-heads",
+                format!(
+                    "{} does not divide --hidden-size {}",
+                    args.num_attention_heads, args.hidden_size
+                ),
+            ));
+        }
+        let num_kv_heads = match (args.group_query_attention, args.num_query_groups) {
+            (true, Some(groups)) => groups,
+            (true, None) => {
+                return Err(err(
+                    "--num-query-groups",
+                    "is required with --group-query-attention".into(),
+                ))
+            }
+            (false, Some(_)) => {
+                return Err(err(
+                    "--num-query-groups",
+                    "needs --group-query-attention".into(),
+                ))
+            }
+            (false, None) => args.num_attention_heads,
+        };
+        let config = LlamaConfig {
+            vocab_size: padded_vocab_size(
+                tokenizer_vocab_size,
+                args.make_vocab_size_divisible_by,
+                args.tensor_model_parallel_size,
+            ),
+            hidden_size: args.hidden_size,
+            intermediate_size: args.ffn_hidden_size.unwrap_or(4 * args.hidden_size),
+            num_layers: args.num_layers,
+            num_heads: args.num_attention_heads,
+            num_kv_heads,
+            head_dim: args.hidden_size / args.num_attention_heads,
+            max_position_embeddings: args.max_position_embeddings.unwrap_or(args.seq_length),
+            rope_theta: args.rotary_base,
+            rms_norm_eps: args.norm_epsilon,
+            tie_word_embeddings: !args.untie_embeddings_and_output_weights,
+            attention_bias: args.add_bias_linear,
+            mlp_bias: args.add_bias_linear,
+            init_std: args.init_method_std,
+        };
+        config.validate("flags")?;
+        Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_transformers_5_and_4_configs() {
+        let v5 = r#"{"model_type":"llama","vocab_size":96,"hidden_size":32,"intermediate_size":64,
+            "num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":8,
+            "rms_norm_eps":1e-6,"rope_parameters":{"rope_theta":500000.0,"rope_type":"default"},
+            "tie_word_embeddings":false,"hidden_act":"silu"}"#;
+        let c = LlamaConfig::from_hf_json(v5, "config.json").unwrap();
+        assert_eq!((c.num_kv_heads, c.head_dim, c.rope_theta), (2, 8, 500000.0));
+        let v4 = v5.replace(
+            r#""rope_parameters":{"rope_theta":500000.0,"rope_type":"default"}"#,
+            r#""rope_theta":1000.0"#,
+        );
+        assert_eq!(
+            LlamaConfig::from_hf_json(&v4, "c").unwrap().rope_theta,
+            1000.0
+        );
+        let back = LlamaConfig::from_hf_json(&c.to_hf_json(), "c").unwrap();
+        assert_eq!(back, c);
+        let bad = v5.replace(r#""num_key_value_heads":2"#, r#""num_key_value_heads":3"#);
+        let e = LlamaConfig::from_hf_json(&bad, "config.json")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("config.json") && e.contains("num_key_value_heads"),
+            "{e}"
+        );
+        let scaled = v5.replace(r#""rope_type":"default""#, r#""rope_type":"llama3""#);
+        assert!(LlamaConfig::from_hf_json(&scaled, "c").is_err());
+    }
+
+    #[test]
+    fn megatron_flags_and_vocab_padding() {
+        assert_eq!(padded_vocab_size(50257, 128, 1), 50304);
+        assert_eq!(padded_vocab_size(32000, 128, 2), 32000);
+        assert_eq!(padded_vocab_size(32001, 128, 2), 32256);
+        let args = MegatronModelArgs {
+            num_layers: 4,
+            hidden_size: 256,
+            ffn_hidden_size: Some(688),
+            num_attention_heads: 8,
+            group_query_attention: true,
+            num_query_groups: Some(2),
+            seq_length: 512,
+            untie_embeddings_and_output_weights: true,
+            ..Default::default()
+        };
+        let c = LlamaConfig::from_megatron(&args, 8000).unwrap();
+        assert_eq!(
+            (
+                c.vocab_size,
+                c.num_kv_heads,
+                c.head_dim,
+                c.tie_word_embeddings
+            ),
+            (8064, 2, 32, false)
+        );
+        assert_eq!(c.max_position_embeddings, 512);
+        let bad = MegatronModelArgs {
+            num_query_groups: Some(3),
+            ..args
+        };
+        assert!(LlamaConfig::from_megatron(&bad, 8000).is_err());
+    }
+}

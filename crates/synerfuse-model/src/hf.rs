@@ -1,0 +1,273 @@
+//! Hugging Face checkpoints: `config.json` plus `model.safetensors` (or shards listed in
+//! `model.safetensors.index.json`), with transformers' tensor names. Each stage reads only
+//! its own tensors from the memory-mapped files; saving writes the same layout.
+
+use crate::{ConfigError, LlamaConfig, Stage, StageError};
+use safetensors::tensor::{Dtype, TensorView};
+use safetensors::SafeTensors;
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use tch::{Device, Kind, Tensor};
+
+/// A checkpoint that cannot be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum HfError {
+    /// A file operation failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// `config.json` is unusable.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The stage does not fit the model.
+    #[error(transparent)]
+    Stage(#[from] StageError),
+    /// A tensor is missing, malformed, or of the wrong shape.
+    #[error("{path}: {problem}")]
+    Tensor {
+        /// The file (or directory).
+        path: PathBuf,
+        /// What is wrong.
+        problem: String,
+    },
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> HfError + '_ {
+    move |source| HfError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Which file holds each tensor of the checkpoint in `dir`.
+fn weight_map(dir: &Path) -> Result<HashMap<String, PathBuf>, HfError> {
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        let map = mmap(&single)?;
+        let st = SafeTensors::deserialize(&map).map_err(|e| HfError::Tensor {
+            path: single.clone(),
+            problem: e.to_string(),
+        })?;
+        return Ok(st
+            .names()
+            .into_iter()
+            .map(|n| (n.clone(), single.clone()))
+            .collect());
+    }
+    let index_path = dir.join("model.safetensors.index.json");
+    let text = std::fs::read_to_string(&index_path).map_err(|source| HfError::Io {
+        path: index_path.clone(),
+        source: std::io::Error::new(
+            source.kind(),
+            format!("{source} (neither model.safetensors nor model.safetensors.index.json)"),
+        ),
+    })?;
+    let index: serde_json::Value = serde_json::from_str(&text).map_err(|e| HfError::Tensor {
+        path: index_path.clone(),
+        problem: e.to_string(),
+    })?;
+    let map = index["weight_map"]
+        .as_object()
+        .ok_or_else(|| HfError::Tensor {
+            path: index_path.clone(),
+            problem: "no weight_map object".into(),
+        })?;
+    map.iter()
+        .map(|(name, file)| {
+            let file = file.as_str().ok_or_else(|| HfError::Tensor {
+                path: index_path.clone(),
+                problem: format!("weight_map[{name:?}] is not a file name"),
+            })?;
+            Ok((name.clone(), dir.join(file)))
+        })
+        .collect()
+}
+
+fn mmap(path: &Path) -> Result<memmap2::Mmap, HfError> {
+    let file = std::fs::File::open(path).map_err(io(path))?;
+    // SAFETY: checkpoints are read-only inputs; nothing in this process writes them.
+    unsafe { memmap2::Mmap::map(&file) }.map_err(io(path))
+}
+
+fn kind_of(dtype: Dtype) -> Option<Kind> {
+    Some(match dtype {
+        Dtype::F32 => Kind::Float,
+        Dtype::F16 => Kind::Half,
+        Dtype::BF16 => Kind::BFloat16,
+        Dtype::F64 => Kind::Double,
+        _ => return None,
+    })
+}
+
+fn dtype_of(kind: Kind) -> Option<Dtype> {
+    Some(match kind {
+        Kind::Float => Dtype::F32,
+        Kind::Half => Dtype::F16,
+        Kind::BFloat16 => Dtype::BF16,
+        Kind::Double => Dtype::F64,
+        _ => return None,
+    })
+}
+
+/// Builds the stage holding global layers `layers` of the checkpoint in `dir` on `device`,
+/// reading only its tensors.
+pub fn load_stage(dir: &Path, layers: Range<usize>, device: Device) -> Result<Stage, HfError> {
+    let config = LlamaConfig::from_hf_file(&dir.join("config.json"))?;
+    let mut stage = Stage::new(&config, layers, device)?;
+    load_weights(&mut stage, dir)?;
+    Ok(stage)
+}
+
+/// Overwrites the stage's parameters with the checkpoint's tensors of the same names
+/// (the embedding stands in for a tied `lm_head`).
+pub fn load_weights(stage: &mut Stage, dir: &Path) -> Result<(), HfError> {
+    let files = weight_map(dir)?;
+    let mut by_file: BTreeMap<PathBuf, Vec<(String, Tensor)>> = BTreeMap::new();
+    for (name, var) in stage.var_store().variables() {
+        let file = files.get(&name).ok_or_else(|| HfError::Tensor {
+            path: dir.to_path_buf(),
+            problem: format!("the checkpoint has no tensor {name:?}"),
+        })?;
+        by_file.entry(file.clone()).or_default().push((name, var));
+    }
+    for (file, vars) in by_file {
+        let map = mmap(&file)?;
+        let st = SafeTensors::deserialize(&map).map_err(|e| HfError::Tensor {
+            path: file.clone(),
+            problem: e.to_string(),
+        })?;
+        for (name, mut var) in vars {
+            let view = st.tensor(&name).map_err(|e| HfError::Tensor {
+                path: file.clone(),
+                problem: format!("{name}: {e}"),
+            })?;
+            let kind = kind_of(view.dtype()).ok_or_else(|| HfError::Tensor {
+                path: file.clone(),
+                problem: format!("{name}: dtype {:?} is not a float type", view.dtype()),
+            })?;
+            let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+            if shape != var.size() {
+                return Err(HfError::Tensor {
+                    path: file.clone(),
+                    problem: format!(
+                        "{name}: shape {shape:?}, the model expects {:?}",
+                        var.size()
+                    ),
+                });
+            }
+            let value = Tensor::from_data_size(view.data(), &shape, kind);
+            tch::no_grad(|| var.copy_(&value.to_kind(var.kind())));
+        }
+    }
+    Ok(())
+}
+
+/// Little-endian bytes of a tensor (moved to the CPU).
+fn tensor_bytes(t: &Tensor) -> Vec<u8> {
+    let t = t.to_device(Device::Cpu).contiguous();
+    let numel = t.numel();
+    let mut bytes = vec![0u8; numel * t.kind().elt_size_in_bytes()];
+    t.copy_data_u8(&mut bytes, numel);
+    bytes
+}
+
+/// Writes `tensors` as one safetensors file (with transformers' `format: pt` metadata),
+/// under a temporary name then renamed.
+fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<(), HfError> {
+    let bytes: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(name, t)| {
+            let dtype = dtype_of(t.kind()).ok_or_else(|| HfError::Tensor {
+                path: path.to_path_buf(),
+                problem: format!("{name}: {:?} cannot be saved", t.kind()),
+            })?;
+            let shape = t.size().iter().map(|&d| d as usize).collect();
+            Ok((name.clone(), dtype, shape, tensor_bytes(t)))
+        })
+        .collect::<Result<_, HfError>>()?;
+    let views: Vec<(&str, TensorView<'_>)> = bytes
+        .iter()
+        .map(|(name, dtype, shape, data)| {
+            (
+                name.as_str(),
+                TensorView::new(*dtype, shape.clone(), data).expect("consistent view"),
+            )
+        })
+        .collect();
+    let tmp = path.with_extension("safetensors.tmp");
+    let metadata = Some(HashMap::from([("format".to_owned(), "pt".to_owned())]));
+    safetensors::serialize_to_file(views, &metadata, &tmp).map_err(|e| HfError::Tensor {
+        path: tmp.clone(),
+        problem: e.to_string(),
+    })?;
+    std::fs::rename(&tmp, path).map_err(io(path))
+}
+
+/// Saves the model held by `stages` (together covering every layer, in any layout) as a
+/// Hugging Face checkpoint in `dir`: `config.json` and one `model.safetensors`, or one
+/// shard per stage plus `model.safetensors.index.json` when there are several stages.
+pub fn save_pretrained(stages: &[&Stage], dir: &Path) -> Result<(), HfError> {
+    let Some(first) = stages.first() else {
+        return Err(HfError::Tensor {
+            path: dir.to_path_buf(),
+            problem: "no stage to save".into(),
+        });
+    };
+    let config = first.config();
+    let mut covered = vec![false; config.num_layers];
+    for stage in stages {
+        for layer in stage.layers() {
+            covered[layer] = true;
+        }
+    }
+    if let Some(missing) = covered.iter().position(|c| !c) {
+        return Err(HfError::Tensor {
+            path: dir.to_path_buf(),
+            problem: format!("no stage holds layer {missing}; a checkpoint needs every layer"),
+        });
+    }
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let mut seen = std::collections::HashSet::new();
+    let shards: Vec<Vec<(String, Tensor)>> = stages
+        .iter()
+        .map(|stage| {
+            let mut vars: Vec<(String, Tensor)> = stage
+                .var_store()
+                .variables()
+                .into_iter()
+                .filter(|(name, _)| seen.insert(name.clone()))
+                .collect();
+            vars.sort_by(|a, b| a.0.cmp(&b.0));
+            vars
+        })
+        .collect();
+    let config_tmp = dir.join("config.json.tmp");
+    std::fs::write(&config_tmp, config.to_hf_json()).map_err(io(&config_tmp))?;
+    if shards.len() == 1 {
+        write_safetensors(&dir.join("model.safetensors"), &shards[0])?;
+    } else {
+        let n = shards.len();
+        let mut weight_map = serde_json::Map::new();
+        let mut total = 0usize;
+        for (i, shard) in shards.iter().enumerate() {
+            let name = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
+            for (tensor, t) in shard {
+                weight_map.insert(tensor.clone(), serde_json::Value::String(name.clone()));
+                total += t.numel() * t.kind().elt_size_in_bytes();
+            }
+            write_safetensors(&dir.join(&name), shard)?;
+        }
+        let index =
+            serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        let path = dir.join("model.safetensors.index.json");
+        std::fs::write(&path, serde_json::to_string_pretty(&index).expect("json"))
+            .map_err(io(&path))?;
+    }
+    let config_path = dir.join("config.json");
+    std::fs::rename(&config_tmp, &config_path).map_err(io(&config_path))
+}

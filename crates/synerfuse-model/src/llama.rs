@@ -1,0 +1,567 @@
+//! LLaMA decoder pieces and the pipeline `Stage` that holds a contiguous range of them.
+//!
+//! Numerics follow transformers' `LlamaForCausalLM`: RMSNorm in fp32 then cast back,
+//! rotary tables in fp32, attention through libtorch's scaled_dot_product_attention,
+//! SwiGLU, logits upcast to fp32 for the loss. Parameters carry transformers' names with
+//! *global* layer indices (`model.layers.17.mlp.up_proj.weight`), so a stage's tensors
+//! mean the same thing whatever the layout, and checkpoints move between layouts.
+
+use crate::LlamaConfig;
+use std::ops::Range;
+use tch::{nn, Device, Kind, Tensor};
+
+/// A stage layout that does not fit the model.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum StageError {
+    /// The layer range is empty or past the last layer.
+    #[error("layers {start}..{end} do not fit a model of {num_layers} layers")]
+    BadRange {
+        /// First layer.
+        start: usize,
+        /// One past the last layer.
+        end: usize,
+        /// Layers in the model.
+        num_layers: usize,
+    },
+    /// An input of the wrong kind or shape.
+    #[error("{0}")]
+    BadInput(String),
+}
+
+struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    fn new(path: nn::Path, inputs: usize, outputs: usize, bias: bool, std: f64) -> Linear {
+        let weight = path.var(
+            "weight",
+            &[outputs as i64, inputs as i64],
+            nn::Init::Randn {
+                mean: 0.0,
+                stdev: std,
+            },
+        );
+        let bias = bias.then(|| path.var("bias", &[outputs as i64], nn::Init::Const(0.0)));
+        Linear { weight, bias }
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        x.linear(&self.weight, self.bias.as_ref())
+    }
+}
+
+/// RMSNorm as transformers computes it: in fp32, then back to the input dtype.
+fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
+    let kind = x.kind();
+    let h = x.to_kind(Kind::Float);
+    let variance = h.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+    let h = &h * (variance + eps).rsqrt();
+    weight * h.to_kind(kind)
+}
+
+/// `cos` and `sin` tables `[batch, 1, seq, head_dim]` for `position_ids` `[batch, seq]`.
+fn rotary_tables(inv_freq: &Tensor, position_ids: &Tensor, kind: Kind) -> (Tensor, Tensor) {
+    let freqs = position_ids.to_kind(Kind::Float).unsqueeze(-1) * inv_freq.view([1, 1, -1]);
+    let emb = Tensor::cat(&[&freqs, &freqs], -1);
+    (
+        emb.cos().to_kind(kind).unsqueeze(1),
+        emb.sin().to_kind(kind).unsqueeze(1),
+    )
+}
+
+fn rotate_half(x: &Tensor) -> Tensor {
+    let half = x.size()[3] / 2;
+    let x1 = x.narrow(3, 0, half);
+    let x2 = x.narrow(3, half, half);
+    Tensor::cat(&[&x2.neg(), &x1], 3)
+}
+
+/// Keys and values of earlier positions, per layer, for generation.
+#[derive(Debug, Default)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+}
+
+impl KvCache {
+    /// An empty cache.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Positions already cached.
+    pub fn len(&self) -> usize {
+        self.layers
+            .iter()
+            .flatten()
+            .next()
+            .map_or(0, |(k, _)| k.size()[2] as usize)
+    }
+
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+struct DecoderLayer {
+    index: usize,
+    input_norm: Tensor,
+    post_attention_norm: Tensor,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+impl DecoderLayer {
+    fn new(path: &nn::Path, index: usize, c: &LlamaConfig) -> DecoderLayer {
+        let p = path / "model" / "layers" / index;
+        let attn = &p / "self_attn";
+        let mlp = &p / "mlp";
+        let std = c.init_std;
+        // Megatron scales the init of the two output projections by 1/sqrt(2·layers).
+        let out_std = std / (2.0 * c.num_layers as f64).sqrt();
+        let (h, q, kv) = (
+            c.hidden_size,
+            c.num_heads * c.head_dim,
+            c.num_kv_heads * c.head_dim,
+        );
+        DecoderLayer {
+            index,
+            input_norm: (&p / "input_layernorm").var("weight", &[h as i64], nn::Init::Const(1.0)),
+            post_attention_norm: (&p / "post_attention_layernorm").var(
+                "weight",
+                &[h as i64],
+                nn::Init::Const(1.0),
+            ),
+            q: Linear::new(&attn / "q_proj", h, q, c.attention_bias, std),
+            k: Linear::new(&attn / "k_proj", h, kv, c.attention_bias, std),
+            v: Linear::new(&attn / "v_proj", h, kv, c.attention_bias, std),
+            o: Linear::new(&attn / "o_proj", q, h, c.attention_bias, out_std),
+            gate: Linear::new(&mlp / "gate_proj", h, c.intermediate_size, c.mlp_bias, std),
+            up: Linear::new(&mlp / "up_proj", h, c.intermediate_size, c.mlp_bias, std),
+            down: Linear::new(
+                &mlp / "down_proj",
+                c.intermediate_size,
+                h,
+                c.mlp_bias,
+                out_std,
+            ),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        x: &Tensor,
+        c: &LlamaConfig,
+        cos: &Tensor,
+        sin: &Tensor,
+        attention_mask: Option<&Tensor>,
+        cache: Option<&mut KvCache>,
+    ) -> Tensor {
+        let (b, s) = (x.size()[0], x.size()[1]);
+        let hd = c.head_dim as i64;
+        let h = rms_norm(x, &self.input_norm, c.rms_norm_eps);
+        let q = self
+            .q
+            .forward(&h)
+            .view([b, s, c.num_heads as i64, hd])
+            .transpose(1, 2);
+        let k = self
+            .k
+            .forward(&h)
+            .view([b, s, c.num_kv_heads as i64, hd])
+            .transpose(1, 2);
+        let v = self
+            .v
+            .forward(&h)
+            .view([b, s, c.num_kv_heads as i64, hd])
+            .transpose(1, 2);
+        let q = &q * cos + rotate_half(&q) * sin;
+        let k = &k * cos + rotate_half(&k) * sin;
+        let (k, v, had_cache) = match cache {
+            Some(cache) => {
+                if cache.layers.len() <= self.index {
+                    cache.layers.resize_with(self.index + 1, || None);
+                }
+                let slot = &mut cache.layers[self.index];
+                let (k, v, had) = match slot.take() {
+                    Some((pk, pv)) => {
+                        (Tensor::cat(&[&pk, &k], 2), Tensor::cat(&[&pv, &v], 2), true)
+                    }
+                    None => (k, v, false),
+                };
+                *slot = Some((k.shallow_clone(), v.shallow_clone()));
+                (k, v, had)
+            }
+            None => (k, v, false),
+        };
+        // True in the loader's mask means "masked"; libtorch's boolean mask means "attend".
+        let allowed = attention_mask.map(|m| m.logical_not());
+        let causal = allowed.is_none() && s > 1 && !had_cache;
+        let attn = Tensor::scaled_dot_product_attention(
+            &q,
+            &k,
+            &v,
+            allowed.as_ref(),
+            0.0,
+            causal,
+            (c.head_dim as f64).powf(-0.5),
+            c.num_kv_heads != c.num_heads,
+        );
+        let attn = attn
+            .transpose(1, 2)
+            .reshape([b, s, (c.num_heads * c.head_dim) as i64]);
+        let x = x + self.o.forward(&attn);
+        let h = rms_norm(&x, &self.post_attention_norm, c.rms_norm_eps);
+        let mlp = self
+            .down
+            .forward(&(self.gate.forward(&h).silu() * self.up.forward(&h)));
+        x + mlp
+    }
+}
+
+/// A contiguous range of decoder layers, plus the embedding on the first stage and the
+/// final norm and LM head on the last.
+pub struct Stage {
+    config: LlamaConfig,
+    layers: Range<usize>,
+    vs: nn::VarStore,
+    embedding: Option<Tensor>,
+    decoder: Vec<DecoderLayer>,
+    norm: Option<Tensor>,
+    head: Option<Tensor>,
+    inv_freq: Tensor,
+    recompute: bool,
+}
+
+impl std::fmt::Debug for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stage")
+            .field("layers", &self.layers)
+            .field("first", &self.is_first())
+            .field("last", &self.is_last())
+            .field("device", &self.vs.device())
+            .finish()
+    }
+}
+
+impl Stage {
+    /// A stage holding global layers `layers`, randomly initialised as Megatron does
+    /// (normal with `init_std`, output projections scaled by 1/sqrt(2·layers), norms 1).
+    /// The first stage (layers start at 0) holds the embedding; the last the norm and head.
+    pub fn new(
+        config: &LlamaConfig,
+        layers: Range<usize>,
+        device: Device,
+    ) -> Result<Stage, StageError> {
+        if layers.start >= layers.end || layers.end > config.num_layers {
+            return Err(StageError::BadRange {
+                start: layers.start,
+                end: layers.end,
+                num_layers: config.num_layers,
+            });
+        }
+        let vs = nn::VarStore::new(device);
+        let root = vs.root();
+        let (first, last) = (layers.start == 0, layers.end == config.num_layers);
+        let (v, h) = (config.vocab_size as i64, config.hidden_size as i64);
+        let std = config.init_std;
+        // With tied weights the last stage keeps its own copy of the embedding under the
+        // same name (Megatron's embedding group keeps the copies in sync).
+        let embedding = (first || (last && config.tie_word_embeddings)).then(|| {
+            (&root / "model" / "embed_tokens").var(
+                "weight",
+                &[v, h],
+                nn::Init::Randn {
+                    mean: 0.0,
+                    stdev: std,
+                },
+            )
+        });
+        let decoder = layers
+            .clone()
+            .map(|i| DecoderLayer::new(&root, i, config))
+            .collect();
+        let norm =
+            last.then(|| (&root / "model" / "norm").var("weight", &[h], nn::Init::Const(1.0)));
+        let head = last.then(|| {
+            if config.tie_word_embeddings {
+                embedding
+                    .as_ref()
+                    .expect("tied last stage holds the embedding")
+                    .shallow_clone()
+            } else {
+                (&root / "lm_head").var(
+                    "weight",
+                    &[v, h],
+                    nn::Init::Randn {
+                        mean: 0.0,
+                        stdev: std,
+                    },
+                )
+            }
+        });
+        let hd = config.head_dim as i64;
+        let inv_freq = Tensor::arange_start_step(0, hd, 2, (Kind::Int64, device))
+            .to_kind(Kind::Float)
+            .divide_scalar(hd as f64);
+        // transformers: 1 / base ** (arange(0, d, 2) / d), all in fp32.
+        let inv_freq = Tensor::pow_scalar(config.rope_theta, &inv_freq).reciprocal();
+        Ok(Stage {
+            config: config.clone(),
+            layers,
+            vs,
+            embedding: embedding.filter(|_| first),
+            decoder,
+            norm,
+            head,
+            inv_freq,
+            recompute: false,
+        })
+    }
+
+    /// The model configuration.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// Global indices of the decoder layers held.
+    pub fn layers(&self) -> Range<usize> {
+        self.layers.clone()
+    }
+
+    /// Holds the embedding (takes token ids).
+    pub fn is_first(&self) -> bool {
+        self.layers.start == 0
+    }
+
+    /// Holds the norm and head (produces logits).
+    pub fn is_last(&self) -> bool {
+        self.layers.end == self.config.num_layers
+    }
+
+    /// The parameters, by global transformers name.
+    pub fn var_store(&self) -> &nn::VarStore {
+        &self.vs
+    }
+
+    /// Mutable parameters (to load weights, change dtype, build an optimiser).
+    pub fn var_store_mut(&mut self) -> &mut nn::VarStore {
+        &mut self.vs
+    }
+
+    /// The device the parameters live on.
+    pub fn device(&self) -> Device {
+        self.vs.device()
+    }
+
+    /// Casts the parameters (fp32 master weights stay the caller's business).
+    pub fn set_kind(&mut self, kind: Kind) {
+        self.vs.set_kind(kind);
+    }
+
+    /// Full activation recomputation: `forward_train` keeps only the stage input and
+    /// `backward` runs the forward again (less memory, one more forward).
+    pub fn set_recompute(&mut self, recompute: bool) {
+        self.recompute = recompute;
+    }
+
+    /// The stage's computation: token ids `[b, s]` (first stage) or hidden states
+    /// `[b, s, hidden]` in, hidden states (or fp32-upcastable logits `[b, s, vocab]` on the
+    /// last stage) out. `position_ids` `[b, s]` default to `0..s`; `attention_mask`
+    /// `[b, 1, s, s]` bool, true = masked (the data loader's), defaults to causal.
+    pub fn forward(
+        &self,
+        input: &Tensor,
+        position_ids: Option<&Tensor>,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<Tensor, StageError> {
+        self.forward_inner(input, position_ids, attention_mask, None)
+    }
+
+    /// [`Stage::forward`] with a key/value cache: positions continue after the cached
+    /// ones, and only the new tokens are computed.
+    pub fn forward_cached(
+        &self,
+        input: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<Tensor, StageError> {
+        let s = input.size()[1];
+        let start = cache.len() as i64;
+        let b = input.size()[0];
+        let positions = Tensor::arange_start(start, start + s, (Kind::Int64, self.device()))
+            .unsqueeze(0)
+            .expand([b, s], false);
+        self.forward_inner(input, Some(&positions), None, Some(cache))
+    }
+
+    fn forward_inner(
+        &self,
+        input: &Tensor,
+        position_ids: Option<&Tensor>,
+        attention_mask: Option<&Tensor>,
+        mut cache: Option<&mut KvCache>,
+    ) -> Result<Tensor, StageError> {
+        let mut x = match &self.embedding {
+            Some(embedding) => {
+                if input.dim() != 2 || !matches!(input.kind(), Kind::Int64 | Kind::Int) {
+                    return Err(StageError::BadInput(format!(
+                        "the first stage takes token ids [batch, seq] (int64), got {:?} {:?}",
+                        input.size(),
+                        input.kind()
+                    )));
+                }
+                Tensor::embedding(embedding, input, -1, false, false)
+            }
+            None => {
+                if input.dim() != 3 || input.size()[2] != self.config.hidden_size as i64 {
+                    return Err(StageError::BadInput(format!(
+                        "stage {:?} takes hidden states [batch, seq, {}], got {:?}",
+                        self.layers,
+                        self.config.hidden_size,
+                        input.size()
+                    )));
+                }
+                input.shallow_clone()
+            }
+        };
+        let (b, s) = (x.size()[0], x.size()[1]);
+        let default_positions;
+        let positions = match position_ids {
+            Some(p) => p,
+            None => {
+                default_positions = Tensor::arange(s, (Kind::Int64, x.device()))
+                    .unsqueeze(0)
+                    .expand([b, s], false);
+                &default_positions
+            }
+        };
+        let (cos, sin) = rotary_tables(&self.inv_freq, positions, x.kind());
+        for layer in &self.decoder {
+            x = layer.forward(
+                &x,
+                &self.config,
+                &cos,
+                &sin,
+                attention_mask,
+                cache.as_deref_mut(),
+            );
+        }
+        if let (Some(norm), Some(head)) = (&self.norm, &self.head) {
+            let h = rms_norm(&x, norm, self.config.rms_norm_eps);
+            x = h.linear::<Tensor>(head, None);
+        }
+        Ok(x)
+    }
+
+    /// Masked next-token cross-entropy of last-stage `logits` `[b, s, vocab]` against
+    /// `labels` `[b, s]`: (sum of the per-token losses where `loss_mask` is 1, number of
+    /// such tokens), both fp32 scalars, so the caller divides by the global count.
+    pub fn loss(logits: &Tensor, labels: &Tensor, loss_mask: Option<&Tensor>) -> (Tensor, Tensor) {
+        let vocab = logits.size()[2];
+        let per_token = logits
+            .to_kind(Kind::Float)
+            .reshape([-1, vocab])
+            .cross_entropy_loss::<Tensor>(
+                &labels.reshape([-1]),
+                None,
+                tch::Reduction::None,
+                -100,
+                0.0,
+            );
+        let mask = match loss_mask {
+            Some(m) => m.to_kind(Kind::Float).reshape([-1]),
+            None => Tensor::ones_like(&per_token),
+        };
+        ((per_token * &mask).sum(Kind::Float), mask.sum(Kind::Float))
+    }
+
+    /// A training forward: the output and what the backward needs (the graph, or with
+    /// recomputation only the input).
+    pub fn forward_train(
+        &self,
+        input: &Tensor,
+        position_ids: Option<&Tensor>,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<ForwardPass, StageError> {
+        let input = if self.is_first() {
+            input.shallow_clone()
+        } else {
+            // The gradient of the input goes back to the previous stage.
+            input.detach().set_requires_grad(true)
+        };
+        let saved = SavedInputs {
+            input: input.shallow_clone(),
+            position_ids: position_ids.map(Tensor::shallow_clone),
+            attention_mask: attention_mask.map(Tensor::shallow_clone),
+        };
+        if self.recompute {
+            let output = tch::no_grad(|| self.forward(&input, position_ids, attention_mask))?;
+            Ok(ForwardPass {
+                output,
+                graph: None,
+                saved,
+            })
+        } else {
+            let output = self.forward(&input, position_ids, attention_mask)?;
+            Ok(ForwardPass {
+                output: output.shallow_clone(),
+                graph: Some(output),
+                saved,
+            })
+        }
+    }
+
+    /// Backpropagates `pass` given the gradient of its output (or, on the last stage, a
+    /// scalar loss built from `pass.output`, with `output_grad = None`). Accumulates the
+    /// parameter gradients and returns the gradient of the stage input (none on the
+    /// first stage).
+    pub fn backward(
+        &self,
+        pass: ForwardPass,
+        loss_or_output_grad: BackwardFrom<'_>,
+    ) -> Result<Option<Tensor>, StageError> {
+        let output = match pass.graph {
+            Some(graph) => graph,
+            None => self.forward(
+                &pass.saved.input,
+                pass.saved.position_ids.as_ref(),
+                pass.saved.attention_mask.as_ref(),
+            )?,
+        };
+        match loss_or_output_grad {
+            BackwardFrom::OutputGrad(grad) => (output * grad).sum(Kind::Float).backward(),
+            BackwardFrom::Loss(loss_of) => loss_of(&output).backward(),
+        }
+        Ok((!self.is_first()).then(|| pass.saved.input.grad()))
+    }
+}
+
+/// Where a stage's backward starts.
+pub enum BackwardFrom<'a> {
+    /// The gradient of the stage output, received from the next stage.
+    OutputGrad(&'a Tensor),
+    /// A scalar loss computed from the output (logits) of the last stage.
+    Loss(&'a dyn Fn(&Tensor) -> Tensor),
+}
+
+struct SavedInputs {
+    input: Tensor,
+    position_ids: Option<Tensor>,
+    attention_mask: Option<Tensor>,
+}
+
+/// One micro-batch's forward through a stage, kept until its backward.
+pub struct ForwardPass {
+    /// The stage output (hidden states or logits), detached from nothing: send it on.
+    pub output: Tensor,
+    graph: Option<Tensor>,
+    saved: SavedInputs,
+}
