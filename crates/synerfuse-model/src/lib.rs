@@ -2,10 +2,12 @@
 
 mod config;
 mod device;
+mod generate;
 pub mod hf;
 mod llama;
 
 pub use config::{padded_vocab_size, ConfigError, LlamaConfig, MegatronModelArgs};
 pub use device::{DeviceRequest, ModelError};
+pub use generate::{generate, GenerateOptions};
 pub use llama::{BackwardFrom, ForwardPass, KvCache, Stage, StageError};
 pub use tch;

@@ -203,8 +203,17 @@ impl DecoderLayer {
             None => (k, v, false),
         };
         // True in the loader's mask means "masked"; libtorch's boolean mask means "attend".
-        let allowed = attention_mask.map(|m| m.logical_not());
-        let causal = allowed.is_none() && s > 1 && !had_cache;
+        let mut allowed = attention_mask.map(|m| m.logical_not());
+        if allowed.is_none() && had_cache && s > 1 {
+            // New queries after cached keys: query i (position start + i) sees keys ..= start + i.
+            let total = k.size()[2];
+            let start = total - s;
+            let keys = Tensor::arange(total, (Kind::Int64, x.device())).unsqueeze(0);
+            let queries =
+                Tensor::arange_start(start, total, (Kind::Int64, x.device())).unsqueeze(1);
+            allowed = Some(keys.le_tensor(&queries));
+        }
+        let causal = allowed.is_none() && s > 1;
         let attn = Tensor::scaled_dot_product_attention(
             &q,
             &k,

@@ -218,3 +218,146 @@ fn bad_checkpoints_are_named_errors() {
     assert!(err.contains("2..5") || err.contains("layers 2..5"), "{err}");
     let _ = Kind::Float;
 }
+
+/// Greedy generation with the key/value cache continues a prompt exactly as
+/// transformers' `generate(do_sample=False)` does, and cached logits equal a full forward.
+#[test]
+fn greedy_generation_matches_transformers() {
+    use synerfuse_model::{generate, GenerateOptions, KvCache};
+    for name in CASES {
+        let tensors = Tensor::read_safetensors(fixture(name).join("expected.safetensors")).unwrap();
+        let get = |key: &str| {
+            tensors
+                .iter()
+                .find(|(n, _)| n == key)
+                .unwrap()
+                .1
+                .shallow_clone()
+        };
+        let (ids, greedy) = (get("input_ids"), get("greedy"));
+        let prompt: Vec<i64> = Vec::try_from(ids.get(0).narrow(0, 0, 4)).unwrap();
+        let want: Vec<i64> = Vec::try_from(&greedy).unwrap();
+        let model = load_stage(&fixture(name), 0..3, Device::Cpu).unwrap();
+        let options = GenerateOptions {
+            max_new_tokens: 8,
+            ..Default::default()
+        };
+        assert_eq!(generate(&model, &prompt, &options).unwrap(), want, "{name}");
+
+        let row = ids.narrow(0, 0, 1);
+        let full = tch::no_grad(|| model.forward(&row, None, None).unwrap());
+        let mut cache = KvCache::new();
+        let head = tch::no_grad(|| {
+            model
+                .forward_cached(&row.narrow(1, 0, 5), &mut cache)
+                .unwrap()
+        });
+        let tail = tch::no_grad(|| {
+            model
+                .forward_cached(&row.narrow(1, 5, 7), &mut cache)
+                .unwrap()
+        });
+        assert_eq!(cache.len(), 12);
+        assert!(
+            max_diff(&Tensor::cat(&[head, tail], 1), &full) < 1e-5,
+            "{name}: cached logits"
+        );
+        assert!(generate(&model, &[1000], &options).is_err());
+    }
+}
+
+/// bf16 weights and activations stay close to fp32 (the norms and the loss run in fp32).
+#[test]
+fn bf16_forward_is_close_to_fp32() {
+    let (ids, want, _) = expected("gqa_untied_theta");
+    let mut model = load_stage(&fixture("gqa_untied_theta"), 0..3, Device::Cpu).unwrap();
+    model.set_kind(Kind::BFloat16);
+    let logits = tch::no_grad(|| model.forward(&ids, None, None).unwrap());
+    assert_eq!(logits.kind(), Kind::BFloat16);
+    let diff = max_diff(&logits.to_kind(Kind::Float), &want);
+    let scale = want.abs().max().double_value(&[]);
+    assert!(
+        diff < 0.05 * scale,
+        "bf16 logits differ by {diff} (scale {scale})"
+    );
+}
+
+/// Megatron's initialisation: weights ~ N(0, std), the two output projections
+/// N(0, std / sqrt(2 · layers)), norms 1; the same seed gives the same weights.
+#[test]
+fn megatron_initialisation() {
+    let config = synerfuse_model::LlamaConfig {
+        vocab_size: 512,
+        hidden_size: 128,
+        intermediate_size: 256,
+        num_layers: 8,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 32,
+        max_position_embeddings: 64,
+        rope_theta: 10000.0,
+        rms_norm_eps: 1e-5,
+        tie_word_embeddings: false,
+        attention_bias: false,
+        mlp_bias: false,
+        init_std: 0.02,
+    };
+    tch::manual_seed(3);
+    let stage = Stage::new(&config, 0..8, Device::Cpu).unwrap();
+    let vars = stage.var_store().variables();
+    let std_of = |n: &str| vars[n].std(true).double_value(&[]);
+    assert!((std_of("model.layers.0.mlp.up_proj.weight") - 0.02).abs() < 0.001);
+    let scaled = 0.02 / 16f64.sqrt();
+    assert!((std_of("model.layers.3.self_attn.o_proj.weight") - scaled).abs() < 0.0005);
+    assert!((std_of("model.layers.7.mlp.down_proj.weight") - scaled).abs() < 0.0005);
+    assert_eq!(
+        vars["model.norm.weight"]
+            .mean(Kind::Float)
+            .double_value(&[]),
+        1.0
+    );
+    let total: i64 = vars.values().map(|t| t.numel() as i64).sum();
+    assert_eq!(total as usize, config.num_parameters());
+    tch::manual_seed(3);
+    let again = Stage::new(&config, 0..8, Device::Cpu).unwrap();
+    assert!(again.var_store().variables()["lm_head.weight"].equal(&vars["lm_head.weight"]));
+}
+
+/// The data loader's mask and positions: an explicit causal mask equals the default, and
+/// with a document boundary masked and positions restarted, the second document's logits
+/// are those of the document run alone.
+#[test]
+fn loader_masks_and_positions_are_honoured() {
+    let (ids, _, _) = expected("gqa_bias_headdim");
+    let model = load_stage(&fixture("gqa_bias_headdim"), 0..3, Device::Cpu).unwrap();
+    let row = ids.narrow(0, 0, 1);
+    let s = 12;
+    let causal_masked = Tensor::ones([s, s], (Kind::Bool, Device::Cpu))
+        .triu(1)
+        .view([1, 1, s, s]);
+    let (plain, masked) = tch::no_grad(|| {
+        (
+            model.forward(&row, None, None).unwrap(),
+            model.forward(&row, None, Some(&causal_masked)).unwrap(),
+        )
+    });
+    assert!(max_diff(&plain, &masked) < 1e-6);
+
+    // Documents [0, 5) and [5, 12): keys of the first are masked for queries of the second.
+    let mut mask = Vec::new();
+    for q in 0..s {
+        for k in 0..s {
+            mask.push(k > q || (q >= 5 && k < 5));
+        }
+    }
+    let mask = Tensor::from_slice(&mask).view([1, 1, s, s]);
+    let positions: Vec<i64> = (0..5).chain(0..7).collect();
+    let positions = Tensor::from_slice(&positions).view([1, s]);
+    let (packed, alone) = tch::no_grad(|| {
+        (
+            model.forward(&row, Some(&positions), Some(&mask)).unwrap(),
+            model.forward(&row.narrow(1, 5, 7), None, None).unwrap(),
+        )
+    });
+    assert!(max_diff(&packed.narrow(1, 5, 7), &alone) < 1e-5);
+}
