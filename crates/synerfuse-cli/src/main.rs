@@ -5,6 +5,7 @@
 mod data_commands;
 mod env_report;
 mod index_command;
+mod model_commands;
 mod topology_command;
 
 use anyhow::Result;
@@ -30,6 +31,10 @@ enum Command {
     Index(index_command::IndexArgs),
     /// Every communication group (tp, pp, dp, ...) Megatron builds for these sizes and order
     Topology(topology_command::TopologyArgs),
+    /// Mean next-token loss of token sequences under a Hugging Face LLaMA checkpoint
+    Score(model_commands::ScoreArgs),
+    /// Continue a prompt with a Hugging Face LLaMA checkpoint (KV cache, greedy or top-k)
+    Generate(model_commands::GenerateArgs),
     /// Merge every .bin/.idx dataset of a directory into one (Megatron's merge_datasets.py)
     Merge(data_commands::MergeArgs),
     /// Show counts, dtype, length statistics and the first documents of a dataset
@@ -68,6 +73,8 @@ fn run() -> Result<()> {
         Command::Merge(args) => data_commands::run_merge(args),
         Command::Index(args) => index_command::run_index(args),
         Command::Topology(args) => topology_command::run_topology(args),
+        Command::Score(args) => model_commands::run_score(args),
+        Command::Generate(args) => model_commands::run_generate(args),
         Command::Inspect(args) => data_commands::run_inspect(args),
         Command::Tokenizer(command) => data_commands::run_tokenizer(command),
     }

@@ -97,3 +97,76 @@ fn topology_groups_as_json() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("12") && err.contains("8"), "{err}");
 }
+
+/// `synerfuse score` reproduces transformers' loss on the model fixtures, and `generate`
+/// its greedy continuation.
+#[test]
+fn score_and_generate_match_transformers() {
+    use synerfuse_model::tch::Tensor;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../synerfuse-model/tests/fixtures/gqa_untied_theta");
+    let tensors = Tensor::read_safetensors(dir.join("expected.safetensors")).unwrap();
+    let get = |key: &str| {
+        tensors
+            .iter()
+            .find(|(n, _)| n == key)
+            .unwrap()
+            .1
+            .shallow_clone()
+    };
+    let ids: Vec<Vec<i64>> = (0..2)
+        .map(|r| Vec::try_from(get("input_ids").get(r)).unwrap())
+        .collect();
+    let tmp = tempfile::tempdir().unwrap();
+    let tokens = tmp.path().join("tokens.json");
+    std::fs::write(&tokens, serde_json::to_string(&ids).unwrap()).unwrap();
+    let out = synerfuse(&[
+        "score",
+        "--hf-dir",
+        dir.to_str().unwrap(),
+        "--tokens",
+        tokens.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let want = get("loss").double_value(&[0]);
+    assert!(
+        (v["mean_loss"].as_f64().unwrap() - want).abs() < 1e-4,
+        "{v} vs {want}"
+    );
+    assert_eq!(v["sequences"][1]["tokens"], 11);
+
+    let prompt: Vec<String> = ids[0][..4].iter().map(|t| t.to_string()).collect();
+    let out = synerfuse(&[
+        "generate",
+        "--hf-dir",
+        dir.to_str().unwrap(),
+        "--prompt-tokens",
+        &prompt.join(","),
+        "--max-new-tokens",
+        "8",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let want: Vec<i64> = Vec::try_from(&get("greedy")).unwrap();
+    assert_eq!(v["tokens"], serde_json::json!(want));
+
+    std::fs::write(&tokens, "[[1, 2], [3]]").unwrap();
+    let out = synerfuse(&[
+        "score",
+        "--hf-dir",
+        dir.to_str().unwrap(),
+        "--tokens",
+        tokens.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("sequence 1"));
+}
