@@ -10,7 +10,8 @@ pub fn run(root: &Path, name: &str) -> Result<()> {
     match name {
         "preprocess" => preprocess(root),
         "index" => index(root),
-        other => bail!("unknown benchmark {other:?}; available: preprocess, index"),
+        "model" => model(root),
+        other => bail!("unknown benchmark {other:?}; available: preprocess, index, model"),
     }
 }
 
@@ -311,6 +312,84 @@ fn index(root: &Path) -> Result<()> {
         root.join("target/bench/index.json"),
         format!(
             "{{\"benchmark\": \"index\", \"documents\": {count}, \"tokens\": {tokens}, \"seq_length\": {SEQ}, \"train_samples\": {train_samples}, \"ours_cold_s\": {ours_cold:.4}, \"reference_cold_s\": {ref_cold:.4}, \"ratio\": {ratio:.3}, \"ours_open_s\": {ours_load:.5}, \"reference_open_s\": {ref_load:.5}, \"identical\": true}}\n"
+        ),
+    )?;
+    Ok(())
+}
+
+/// Training step (forward + backward + AdamW) of a ~21M-parameter LLaMA (hidden 512, 4
+/// layers, 8 heads, FFN 1376, vocabulary 8192, untied), sequence 256, batch 8, fp32 on the
+/// CPU with 2 threads: synerfuse-model (tch) vs transformers' LlamaForCausalLM in PyTorch
+/// eager with torch.optim.AdamW. Runs alternate, 3 each, best of each side.
+fn model(root: &Path) -> Result<()> {
+    const SHAPE: [&str; 10] = ["512", "4", "8", "8", "1376", "8192", "256", "8", "5", "2"];
+    const RUNS: usize = 3;
+    setup::run(root, true)?;
+    let status = Command::new("cargo")
+        .args([
+            "build",
+            "--release",
+            "--quiet",
+            "-p",
+            "synerfuse-model",
+            "--example",
+            "step_throughput",
+        ])
+        .current_dir(root)
+        .status()?;
+    ensure!(
+        status.success(),
+        "building the step_throughput example failed"
+    );
+    let ours_bin = root.join("target/release/examples/step_throughput");
+    let python = root.join(".venv/bin/python");
+    let script = root.join("xtask/fixtures/bench_model.py");
+    let run = |mut cmd: Command| -> Result<(f64, f64)> {
+        let out = cmd.output()?;
+        ensure!(
+            out.status.success(),
+            "{cmd:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let line = stdout.lines().last().unwrap_or("");
+        Ok((
+            serde_like::number(line, "tokens_per_second")?,
+            serde_like::number(line, "parameters")?,
+        ))
+    };
+    let (mut ours, mut reference, mut parameters) = (0f64, 0f64, 0.0);
+    for _ in 0..RUNS {
+        let mut cmd = Command::new(&ours_bin);
+        cmd.args(SHAPE).args(["cpu", "fp32"]);
+        let (tps, params) = run(cmd)?;
+        ours = ours.max(tps);
+        parameters = params;
+        let mut cmd = Command::new(&python);
+        cmd.arg(&script).args(SHAPE);
+        let (tps, params) = run(cmd)?;
+        ensure!(
+            params == parameters,
+            "parameter counts differ: {params} vs {parameters}"
+        );
+        reference = reference.max(tps);
+    }
+    let ratio = ours / reference;
+    println!();
+    println!(
+        "training step, LLaMA {:.1}M parameters, seq 256, batch 8, fp32, CPU, 2 threads, best of {RUNS}",
+        parameters / 1e6
+    );
+    println!();
+    println!("| | tokens/s |");
+    println!("|---|---|");
+    println!("| synerfuse-model (tch, libtorch 2.13) | {ours:.0} |");
+    println!("| transformers LlamaForCausalLM, PyTorch eager | {reference:.0} |");
+    println!("| ratio | {ratio:.3}x (target >= 1.0x) |");
+    std::fs::write(
+        root.join("target/bench/model.json"),
+        format!(
+            "{{\"benchmark\": \"model\", \"parameters\": {parameters}, \"seq\": 256, \"batch\": 8, \"threads\": 2, \"ours_tokens_per_s\": {ours:.2}, \"reference_tokens_per_s\": {reference:.2}, \"ratio\": {ratio:.4}}}\n"
         ),
     )?;
     Ok(())

@@ -168,19 +168,25 @@ impl DecoderLayer {
         let (b, s) = (x.size()[0], x.size()[1]);
         let hd = c.head_dim as i64;
         let h = rms_norm(x, &self.input_norm, c.rms_norm_eps);
-        let q = self
-            .q
-            .forward(&h)
+        // One GEMM for q, k and v (the weights stay separate parameters with
+        // transformers' names; concatenating them costs far less than two extra GEMMs).
+        let (nq, nkv) = (c.num_heads as i64 * hd, c.num_kv_heads as i64 * hd);
+        let qkv = h.linear(
+            &Tensor::cat(&[&self.q.weight, &self.k.weight, &self.v.weight], 0),
+            match (&self.q.bias, &self.k.bias, &self.v.bias) {
+                (Some(q), Some(k), Some(v)) => Some(Tensor::cat(&[q, k, v], 0)),
+                _ => None,
+            }
+            .as_ref(),
+        );
+        let parts = qkv.split_with_sizes([nq, nkv, nkv], -1);
+        let q = parts[0]
             .view([b, s, c.num_heads as i64, hd])
             .transpose(1, 2);
-        let k = self
-            .k
-            .forward(&h)
+        let k = parts[1]
             .view([b, s, c.num_kv_heads as i64, hd])
             .transpose(1, 2);
-        let v = self
-            .v
-            .forward(&h)
+        let v = parts[2]
             .view([b, s, c.num_kv_heads as i64, hd])
             .transpose(1, 2);
         let q = &q * cos + rotate_half(&q) * sin;
@@ -229,9 +235,18 @@ impl DecoderLayer {
             .reshape([b, s, (c.num_heads * c.head_dim) as i64]);
         let x = x + self.o.forward(&attn);
         let h = rms_norm(&x, &self.post_attention_norm, c.rms_norm_eps);
-        let mlp = self
-            .down
-            .forward(&(self.gate.forward(&h).silu() * self.up.forward(&h)));
+        // Gate and up projections in one GEMM as well.
+        let ffn = c.intermediate_size as i64;
+        let gate_up = h.linear(
+            &Tensor::cat(&[&self.gate.weight, &self.up.weight], 0),
+            match (&self.gate.bias, &self.up.bias) {
+                (Some(g), Some(u)) => Some(Tensor::cat(&[g, u], 0)),
+                _ => None,
+            }
+            .as_ref(),
+        );
+        let gate_up = gate_up.split_with_sizes([ffn, ffn], -1);
+        let mlp = self.down.forward(&(gate_up[0].silu() * &gate_up[1]));
         x + mlp
     }
 }
@@ -485,11 +500,16 @@ impl Stage {
                 -100,
                 0.0,
             );
-        let mask = match loss_mask {
-            Some(m) => m.to_kind(Kind::Float).reshape([-1]),
-            None => Tensor::ones_like(&per_token),
-        };
-        ((per_token * &mask).sum(Kind::Float), mask.sum(Kind::Float))
+        match loss_mask {
+            Some(m) => {
+                let mask = m.to_kind(Kind::Float).reshape([-1]);
+                ((per_token * &mask).sum(Kind::Float), mask.sum(Kind::Float))
+            }
+            None => {
+                let count = Tensor::from(per_token.numel() as f32).to_device(per_token.device());
+                (per_token.sum(Kind::Float), count)
+            }
+        }
     }
 
     /// A training forward: the output and what the backward needs (the graph, or with

@@ -361,3 +361,25 @@ fn loader_masks_and_positions_are_honoured() {
     });
     assert!(max_diff(&packed.narrow(1, 5, 7), &alone) < 1e-5);
 }
+
+/// Deterministic mode: two fresh models and training steps give bit-identical results.
+#[test]
+fn deterministic_mode_repeats_exactly() {
+    let run = || {
+        synerfuse_model::set_deterministic(42, 2);
+        let (ids, _, _) = expected("gqa_untied_theta");
+        let config = synerfuse_model::LlamaConfig::from_hf_file(
+            &fixture("gqa_untied_theta").join("config.json"),
+        )
+        .unwrap();
+        let stage = Stage::new(&config, 0..3, Device::Cpu).unwrap();
+        let loss_of = |logits: &Tensor| {
+            let (sum, count) = Stage::loss(logits, &ids, None);
+            sum / count
+        };
+        let pass = stage.forward_train(&ids, None, None).unwrap();
+        stage.backward(pass, BackwardFrom::Loss(&loss_of)).unwrap();
+        stage.var_store().variables()["model.layers.1.mlp.up_proj.weight"].grad()
+    };
+    assert!(run().equal(&run()));
+}

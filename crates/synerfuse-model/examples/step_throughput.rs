@@ -1,0 +1,90 @@
+//! Training-step throughput of one LLaMA stage on this machine: forward, backward and an
+//! AdamW step on random tokens, timed after warm-up. Used by `cargo xtask bench model`.
+//!
+//! `step_throughput HIDDEN LAYERS HEADS KV_HEADS FFN VOCAB SEQ BATCH STEPS THREADS DEVICE DTYPE`
+//! prints one JSON line.
+
+use synerfuse_model::tch::{self, nn, nn::OptimizerConfig, Kind, Tensor};
+use synerfuse_model::{BackwardFrom, DeviceRequest, LlamaConfig, Stage};
+
+fn main() {
+    let a: Vec<String> = std::env::args().skip(1).collect();
+    if a.len() != 12 {
+        eprintln!("usage: step_throughput HIDDEN LAYERS HEADS KV_HEADS FFN VOCAB SEQ BATCH STEPS THREADS DEVICE DTYPE");
+        std::process::exit(2);
+    }
+    let n = |i: usize| -> usize { a[i].parse().expect("a number") };
+    let (hidden, layers, heads, kv, ffn, vocab, seq, batch, steps, threads) =
+        (n(0), n(1), n(2), n(3), n(4), n(5), n(6), n(7), n(8), n(9));
+    tch::set_num_threads(threads as i32);
+    let device = a[10].parse::<DeviceRequest>().unwrap().resolve().unwrap();
+    let kind = match a[11].as_str() {
+        "bf16" => Kind::BFloat16,
+        _ => Kind::Float,
+    };
+    let config = LlamaConfig {
+        vocab_size: vocab,
+        hidden_size: hidden,
+        intermediate_size: ffn,
+        num_layers: layers,
+        num_heads: heads,
+        num_kv_heads: kv,
+        head_dim: hidden / heads,
+        max_position_embeddings: seq,
+        rope_theta: 10000.0,
+        rms_norm_eps: 1e-5,
+        tie_word_embeddings: false,
+        attention_bias: false,
+        mlp_bias: false,
+        init_std: 0.02,
+    };
+    tch::manual_seed(0);
+    let mut stage = Stage::new(&config, 0..layers, device).unwrap();
+    stage.set_kind(kind);
+    let mut optimizer = nn::AdamW::default().build(stage.var_store(), 1e-4).unwrap();
+    let tokens = Tensor::randint(
+        vocab as i64,
+        [batch as i64, seq as i64 + 1],
+        (Kind::Int64, device),
+    );
+    let (inputs, labels) = (
+        tokens.narrow(1, 0, seq as i64),
+        tokens.narrow(1, 1, seq as i64),
+    );
+    // The loss is computed once, inside the backward (which needs its graph).
+    let last_loss = std::cell::Cell::new(0.0);
+    let loss_of = |logits: &Tensor| {
+        let (sum, count) = Stage::loss(logits, &labels, None);
+        let loss = sum / count;
+        last_loss.set(loss.double_value(&[]));
+        loss
+    };
+    let step = |optimizer: &mut nn::Optimizer| -> f64 {
+        optimizer.zero_grad();
+        let pass = stage.forward_train(&inputs, None, None).unwrap();
+        stage.backward(pass, BackwardFrom::Loss(&loss_of)).unwrap();
+        optimizer.step();
+        last_loss.get()
+    };
+    let warmup = 2;
+    for _ in 0..warmup {
+        step(&mut optimizer);
+    }
+    if device.is_cuda() {
+        tch::Cuda::synchronize(0);
+    }
+    let started = std::time::Instant::now();
+    let mut loss = 0.0;
+    for _ in 0..steps {
+        loss = step(&mut optimizer);
+    }
+    if device.is_cuda() {
+        tch::Cuda::synchronize(0);
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let tokens_per_second = (steps * batch * seq) as f64 / seconds;
+    println!(
+        "{{\"tokens_per_second\": {tokens_per_second:.3}, \"seconds\": {seconds:.4}, \"steps\": {steps}, \"parameters\": {}, \"loss\": {loss:.5}}}",
+        config.num_parameters()
+    );
+}
