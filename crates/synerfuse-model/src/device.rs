@@ -95,6 +95,18 @@ impl DeviceRequest {
     }
 }
 
+/// Deterministic mode for tests and reproducible runs: seeds libtorch's CPU and CUDA
+/// generators, turns off cuDNN autotuning (which picks kernels by timing) and cuDNN
+/// itself (whose convolution-free paths we do not need), and pins intra-op threads so
+/// CPU reductions split the same way every run.
+pub fn set_deterministic(seed: u64, threads: usize) {
+    tch::manual_seed(seed as i64);
+    tch::Cuda::manual_seed_all(seed);
+    tch::Cuda::cudnn_set_benchmark(false);
+    tch::Cuda::set_user_enabled_cudnn(false);
+    tch::set_num_threads(threads.max(1) as i32);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -139,16 +151,4 @@ mod tests {
             Err(ModelError::CudaUnavailable { .. })
         ));
     }
-}
-
-/// Deterministic mode for tests and reproducible runs: seeds libtorch's CPU and CUDA
-/// generators, turns off cuDNN autotuning (which picks kernels by timing) and cuDNN
-/// itself (whose convolution-free paths we do not need), and pins intra-op threads so
-/// CPU reductions split the same way every run.
-pub fn set_deterministic(seed: u64, threads: usize) {
-    tch::manual_seed(seed as i64);
-    tch::Cuda::manual_seed_all(seed);
-    tch::Cuda::cudnn_set_benchmark(false);
-    tch::Cuda::set_user_enabled_cudnn(false);
-    tch::set_num_threads(threads.max(1) as i32);
 }
