@@ -2,3 +2,4 @@
 
 pub mod comm;
 pub mod loader;
+pub mod optim;
