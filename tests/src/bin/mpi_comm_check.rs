@@ -44,6 +44,81 @@ fn check_all(world: &MpiCommunicator) -> Result<(), String> {
     all_reduce_sums(world)?;
     broadcast_copies_root(world)?;
     send_recv_pair(world)?;
+    gather_and_reduce_scatter(world)?;
+    process_groups(world)?;
+    Ok(())
+}
+
+/// all_gather stacks every rank's tensor in rank order; reduce_scatter_sum gives rank r
+/// its block of the sum.
+fn gather_and_reduce_scatter(world: &MpiCommunicator) -> Result<(), String> {
+    let (rank, n) = (world.rank() as i64, world.size() as i64);
+    let mine = Tensor::from_slice(&[rank, 10 * rank]);
+    let all = world.all_gather(&mine).map_err(|e| e.to_string())?;
+    let want =
+        Tensor::from_slice(&(0..n).flat_map(|r| [r, 10 * r]).collect::<Vec<_>>()).view([n, 2]);
+    if !all.equal(&want) {
+        return Err(format!("all_gather gave {all:?}"));
+    }
+    // Every rank contributes (rank + 1) · [0, 1, ..., 2n); rank r keeps rows [2r, 2r + 2).
+    let base = Tensor::arange(2 * n, (Kind::Float, Device::Cpu)).view([2 * n, 1]);
+    let part = world
+        .reduce_scatter_sum(&(&base * (rank + 1) as f64))
+        .map_err(|e| e.to_string())?;
+    let want = base.narrow(0, 2 * rank, 2) * ((n * (n + 1) / 2) as f64);
+    if max_abs_diff(&part, &want) > 0.0 {
+        return Err(format!("reduce_scatter_sum gave {part:?}"));
+    }
+    if world
+        .reduce_scatter_sum(&Tensor::zeros([n + 1], (Kind::Float, Device::Cpu)))
+        .is_ok()
+    {
+        return Err(
+            "reduce_scatter_sum accepted a leading dimension not divisible by the group".into(),
+        );
+    }
+    Ok(())
+}
+
+/// One sub-communicator per group kind, members in Megatron's order: summing the global
+/// rank over a group gives the sum of its members, and sub-rank i is member i.
+fn process_groups(world: &MpiCommunicator) -> Result<(), String> {
+    use synerfuse_parallel::{GroupKind, Topology, TP_PP_DP_ORDER};
+    use synerfuse_train::comm::ProcessGroups;
+    if world.size() != 4 {
+        return Ok(());
+    }
+    for order in ["tp-cp-ep-dp-pp", TP_PP_DP_ORDER] {
+        let topology = Topology::new(4, 1, 2, 1, 1, order).map_err(|e| e.to_string())?;
+        let groups = ProcessGroups::new(world, &topology)?;
+        for kind in GroupKind::ALL {
+            let expected = topology.group_of(kind, world.rank());
+            let (Some(comm), Some(members)) = (groups.get(kind), groups.members(kind)) else {
+                if expected.is_some() {
+                    return Err(format!(
+                        "{order}: no {kind} communicator on rank {}",
+                        world.rank()
+                    ));
+                }
+                continue;
+            };
+            if Some(members.to_vec()) != expected || members[comm.rank()] != world.rank() {
+                return Err(format!(
+                    "{order}: {kind} members {members:?}, sub-rank {}",
+                    comm.rank()
+                ));
+            }
+            let mut t = Tensor::from_slice(&[world.rank() as i64]);
+            comm.all_reduce_sum(&mut t).map_err(|e| e.to_string())?;
+            let want: i64 = members.iter().map(|&r| r as i64).sum();
+            if t.int64_value(&[0]) != want {
+                return Err(format!(
+                    "{order}: {kind} sum {} != {want}",
+                    t.int64_value(&[0])
+                ));
+            }
+        }
+    }
     Ok(())
 }
 

@@ -38,6 +38,20 @@ pub enum CommError {
         device: Device,
         ordinal: usize,
     },
+    /// A tensor whose shape the collective cannot split.
+    #[error("rank {rank}: {op}: {problem}")]
+    Shape {
+        rank: usize,
+        op: &'static str,
+        problem: String,
+    },
+    /// More elements than one MPI call carries (a C `int` count).
+    #[error("rank {rank}: {op} of {elements} elements exceeds one MPI call; split the tensor")]
+    TooLarge {
+        rank: usize,
+        op: &'static str,
+        elements: usize,
+    },
     /// NCCL or the CUDA driver cannot be loaded (CPU-only machine).
     #[error("NCCL is not available: libnccl.so.2 or the CUDA driver library could not be loaded")]
     NcclUnavailable,

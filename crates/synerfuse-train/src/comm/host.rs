@@ -236,6 +236,90 @@ impl MpiCommunicator {
         Ok(())
     }
 
+    /// The sub-communicator of the ranks that pass the same `color` (`None`: this rank
+    /// joins none and gets `None`), ordered by `key`. Collective over this communicator.
+    pub fn split(&self, color: Option<u32>, key: usize) -> Option<MpiCommunicator> {
+        use mpi::topology::Color;
+        let color = match color {
+            Some(c) => Color::with_value(c as i32),
+            None => Color::undefined(),
+        };
+        self.comm
+            .split_by_color_with_key(color, key as i32)
+            .map(MpiCommunicator::new)
+    }
+
+    /// Every rank's `tensor` (same shape and dtype everywhere) concatenated along a new
+    /// leading dimension in rank order: `[size, ...shape]`, on `tensor`'s device.
+    pub fn all_gather(&self, tensor: &Tensor) -> Result<Tensor, CommError> {
+        use mpi::collective::CommunicatorCollectives;
+        let mut source = tensor.shallow_clone();
+        let staging = HostStaging::new(&mut source, tensor.kind());
+        let mut shape = vec![self.size as i64];
+        shape.extend(tensor.size());
+        let out = Tensor::empty(shape.as_slice(), (tensor.kind(), Device::Cpu));
+        let numel = staging.host.numel();
+        if numel * self.size > MAX_ELEMENTS_PER_CALL {
+            return Err(CommError::TooLarge {
+                rank: self.rank,
+                op: "all_gather",
+                elements: numel * self.size,
+            });
+        }
+        with_element_type!(tensor.kind(), self.rank, "all_gather", T => {
+            if numel > 0 {
+                // SAFETY: both are contiguous CPU tensors of `T`-sized elements.
+                let send = unsafe { std::slice::from_raw_parts(staging.host.data_ptr() as *const T, numel) };
+                let recv = unsafe { std::slice::from_raw_parts_mut(out.data_ptr() as *mut T, numel * self.size) };
+                self.comm.all_gather_into(send, recv);
+            }
+        });
+        Ok(out.to_device(tensor.device()))
+    }
+
+    /// The element-wise sum over ranks of `tensor`, scattered: rank r gets rows
+    /// `[r·n/size, (r+1)·n/size)` of the leading dimension (`n` must divide by `size`).
+    pub fn reduce_scatter_sum(&self, tensor: &Tensor) -> Result<Tensor, CommError> {
+        use mpi::collective::CommunicatorCollectives;
+        let rows = tensor.size().first().copied().unwrap_or(0);
+        if tensor.dim() == 0 || rows % self.size as i64 != 0 {
+            return Err(CommError::Shape {
+                rank: self.rank,
+                op: "reduce_scatter_sum",
+                problem: format!(
+                    "leading dimension {rows} is not divisible by the group size {}",
+                    self.size
+                ),
+            });
+        }
+        let kind = match tensor.kind() {
+            Kind::Half | Kind::BFloat16 => Kind::Float,
+            kind => kind,
+        };
+        let mut source = tensor.shallow_clone();
+        let staging = HostStaging::new(&mut source, kind);
+        let mut shape = tensor.size();
+        shape[0] = rows / self.size as i64;
+        let out = Tensor::empty(shape.as_slice(), (kind, Device::Cpu));
+        let numel = staging.host.numel();
+        if numel > MAX_ELEMENTS_PER_CALL {
+            return Err(CommError::TooLarge {
+                rank: self.rank,
+                op: "reduce_scatter_sum",
+                elements: numel,
+            });
+        }
+        with_element_type!(kind, self.rank, "reduce_scatter_sum", T => {
+            if numel > 0 {
+                // SAFETY: both are contiguous CPU tensors of `T`-sized elements.
+                let send = unsafe { std::slice::from_raw_parts(staging.host.data_ptr() as *const T, numel) };
+                let recv = unsafe { std::slice::from_raw_parts_mut(out.data_ptr() as *mut T, numel / self.size) };
+                self.comm.reduce_scatter_block_into(send, recv, SystemOperation::sum());
+            }
+        });
+        Ok(out.to_kind(tensor.kind()).to_device(tensor.device()))
+    }
+
     /// Sends `tensor` to rank `dest`, which receives it with [`Self::recv`] and the same tag.
     pub fn send(&self, tensor: &Tensor, dest: usize, tag: i32) -> Result<(), CommError> {
         CommError::check_peer(self.rank, self.size, dest)?;

@@ -6,11 +6,13 @@
 //! loaded at run time, so CPU-only machines build and run without CUDA installed.
 
 mod error;
+mod groups;
 mod host;
 mod launcher;
 mod nccl;
 
 pub use error::CommError;
+pub use groups::ProcessGroups;
 pub use host::{MpiCommunicator, MpiRuntime};
 pub use launcher::launcher_rank;
 pub use nccl::NcclCommunicator;
