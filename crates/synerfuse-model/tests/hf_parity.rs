@@ -8,6 +8,15 @@ use synerfuse_model::hf::{load_stage, save_pretrained};
 use synerfuse_model::tch::{self, Device, Kind, Tensor};
 use synerfuse_model::{BackwardFrom, Stage};
 
+/// libtorch's generator is process-global and every `Stage::new` draws from it: each test
+/// holds this lock so that `cargo test`'s parallel threads do not interleave their draws
+/// (nextest runs tests in separate processes anyway).
+static GLOBAL_RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn global_rng() -> std::sync::MutexGuard<'static, ()> {
+    GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 const CASES: [&str; 3] = ["mha_tied", "gqa_untied_theta", "gqa_bias_headdim"];
 
 fn fixture(name: &str) -> PathBuf {
@@ -16,16 +25,14 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-fn expected(name: &str) -> (Tensor, Tensor, f64) {
+/// One tensor of a fixture's expected.safetensors.
+fn expected_tensor(name: &str, key: &str) -> Tensor {
     let tensors = Tensor::read_safetensors(fixture(name).join("expected.safetensors")).unwrap();
-    let get = |key: &str| {
-        tensors
-            .iter()
-            .find(|(n, _)| n == key)
-            .unwrap()
-            .1
-            .shallow_clone()
-    };
+    tensors.into_iter().find(|(n, _)| n == key).unwrap().1
+}
+
+fn expected(name: &str) -> (Tensor, Tensor, f64) {
+    let get = |key: &str| expected_tensor(name, key);
     (
         get("input_ids"),
         get("logits"),
@@ -61,7 +68,7 @@ fn run_stages(stages: &[Stage], ids: &Tensor) -> Tensor {
 
 #[test]
 fn logits_match_transformers_whole_and_split() {
-    tch::manual_seed(0);
+    let _rng = global_rng();
     for name in CASES {
         let (ids, want, want_loss) = expected(name);
         let whole = load_stage(&fixture(name), 0..3, Device::Cpu).unwrap();
@@ -90,6 +97,7 @@ fn logits_match_transformers_whole_and_split() {
 /// loads it and computes the fixture's logits.
 #[test]
 fn checkpoints_round_trip_and_load_in_transformers() {
+    let _rng = global_rng();
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let keep = tempfile::tempdir().unwrap();
     let mut checks: Vec<std::ffi::OsString> = Vec::new();
@@ -139,6 +147,7 @@ fn checkpoints_round_trip_and_load_in_transformers() {
 /// recomputation) gives the whole model's parameter gradients.
 #[test]
 fn stagewise_backward_equals_whole_model_backward() {
+    let _rng = global_rng();
     for name in CASES {
         let (ids, _, _) = expected(name);
         let s = ids.size()[1];
@@ -198,6 +207,7 @@ fn stagewise_backward_equals_whole_model_backward() {
 
 #[test]
 fn bad_checkpoints_are_named_errors() {
+    let _rng = global_rng();
     let dir = tempfile::tempdir().unwrap();
     let err = load_stage(dir.path(), 0..1, Device::Cpu)
         .unwrap_err()
@@ -223,17 +233,10 @@ fn bad_checkpoints_are_named_errors() {
 /// transformers' `generate(do_sample=False)` does, and cached logits equal a full forward.
 #[test]
 fn greedy_generation_matches_transformers() {
+    let _rng = global_rng();
     use synerfuse_model::{generate, GenerateOptions, KvCache};
     for name in CASES {
-        let tensors = Tensor::read_safetensors(fixture(name).join("expected.safetensors")).unwrap();
-        let get = |key: &str| {
-            tensors
-                .iter()
-                .find(|(n, _)| n == key)
-                .unwrap()
-                .1
-                .shallow_clone()
-        };
+        let get = |key: &str| expected_tensor(name, key);
         let (ids, greedy) = (get("input_ids"), get("greedy"));
         let prompt: Vec<i64> = Vec::try_from(ids.get(0).narrow(0, 0, 4)).unwrap();
         let want: Vec<i64> = Vec::try_from(&greedy).unwrap();
@@ -269,6 +272,7 @@ fn greedy_generation_matches_transformers() {
 /// bf16 weights and activations stay close to fp32 (the norms and the loss run in fp32).
 #[test]
 fn bf16_forward_is_close_to_fp32() {
+    let _rng = global_rng();
     let (ids, want, _) = expected("gqa_untied_theta");
     let mut model = load_stage(&fixture("gqa_untied_theta"), 0..3, Device::Cpu).unwrap();
     model.set_kind(Kind::BFloat16);
@@ -286,6 +290,7 @@ fn bf16_forward_is_close_to_fp32() {
 /// N(0, std / sqrt(2 · layers)), norms 1; the same seed gives the same weights.
 #[test]
 fn megatron_initialisation() {
+    let _rng = global_rng();
     let config = synerfuse_model::LlamaConfig {
         vocab_size: 512,
         hidden_size: 128,
@@ -328,6 +333,7 @@ fn megatron_initialisation() {
 /// are those of the document run alone.
 #[test]
 fn loader_masks_and_positions_are_honoured() {
+    let _rng = global_rng();
     let (ids, _, _) = expected("gqa_bias_headdim");
     let model = load_stage(&fixture("gqa_bias_headdim"), 0..3, Device::Cpu).unwrap();
     let row = ids.narrow(0, 0, 1);
@@ -365,6 +371,7 @@ fn loader_masks_and_positions_are_honoured() {
 /// Deterministic mode: two fresh models and training steps give bit-identical results.
 #[test]
 fn deterministic_mode_repeats_exactly() {
+    let _rng = global_rng();
     let run = || {
         synerfuse_model::set_deterministic(42, 2);
         let (ids, _, _) = expected("gqa_untied_theta");

@@ -101,6 +101,25 @@ pub fn normalize(weights: &[f64]) -> Vec<f64> {
     weights.iter().map(|w| w / total).collect()
 }
 
+/// The candidate whose count lags its target share `w·max(s, 1)` the most; the first
+/// one on ties (both C++ kernels compare with a strict `>` in ascending order).
+fn furthest_behind(
+    weights: &[f64],
+    counts: &[i64],
+    s: usize,
+    candidates: impl Iterator<Item = usize>,
+) -> usize {
+    let x = (s as f64).max(1.0);
+    let mut best = (usize::MAX, f64::MIN);
+    for d in candidates {
+        let error = weights[d] * x - counts[d] as f64;
+        if best.0 == usize::MAX || error > best.1 {
+            best = (d, error);
+        }
+    }
+    best.0
+}
+
 /// `helpers.cpp::build_blending_indices`: sample `s` goes to the dataset furthest behind
 /// its target share `w·max(s, 1)` (lowest index on ties).
 pub fn build_blending_indices(weights: &[f64], size: usize) -> (Vec<i16>, Vec<i64>) {
@@ -108,16 +127,7 @@ pub fn build_blending_indices(weights: &[f64], size: usize) -> (Vec<i16>, Vec<i6
     let mut dataset_index = Vec::with_capacity(size);
     let mut dataset_sample_index = Vec::with_capacity(size);
     for s in 0..size {
-        let x = (s as f64).max(1.0);
-        let mut best = 0;
-        let mut best_error = weights[0] * x - current[0] as f64;
-        for (d, w) in weights.iter().enumerate().skip(1) {
-            let error = w * x - current[d] as f64;
-            if error > best_error {
-                best_error = error;
-                best = d;
-            }
-        }
+        let best = furthest_behind(weights, &current, s, 0..weights.len());
         dataset_index.push(best as i16);
         dataset_sample_index.push(current[best]);
         current[best] += 1;
@@ -134,18 +144,9 @@ pub fn build_exhaustive_blending_indices(sizes: &[i64]) -> (Vec<i16>, Vec<i64>) 
     let mut unspent: Vec<usize> = (0..sizes.len()).filter(|&d| sizes[d] > 0).collect();
     let mut dataset_index = Vec::with_capacity(total.max(0) as usize);
     let mut dataset_sample_index = Vec::with_capacity(total.max(0) as usize);
-    let mut s = 0i64;
+    let mut s = 0usize;
     while !unspent.is_empty() {
-        let x = (s as f64).max(1.0);
-        let mut best = usize::MAX;
-        let mut best_error = f64::MIN;
-        for &d in &unspent {
-            let error = weights[d] * x - counts[d] as f64;
-            if error > best_error {
-                best_error = error;
-                best = d;
-            }
-        }
+        let best = furthest_behind(&weights, &counts, s, unspent.iter().copied());
         dataset_index.push(best as i16);
         dataset_sample_index.push(counts[best]);
         counts[best] += 1;
