@@ -14,6 +14,68 @@ use synerfuse_data::tokenizer::megatron_tokenizer_identifiers;
 /// Megatron's default `--split` when `--data-path` is given without one.
 const DEFAULT_SPLIT: &str = "969, 30, 1";
 
+/// Where the data of a run comes from (Megatron's data flags).
+pub(crate) struct DataPaths<'a> {
+    pub data_path: &'a [String],
+    pub per_split: [&'a [String]; 3],
+    pub split: Option<&'a str>,
+    pub data_cache_path: Option<&'a std::path::Path>,
+}
+
+/// Megatron's GPT dataset configuration from its flags, checked as Megatron checks them.
+pub(crate) fn gpt_data_config(
+    paths: &DataPaths<'_>,
+    seed: u32,
+    seq_length: usize,
+    tokenizer: &TokenizerFlags,
+) -> Result<GptDataConfig> {
+    let has_per_split = paths.per_split.iter().any(|p| !p.is_empty());
+    if !paths.data_path.is_empty() && has_per_split {
+        bail!("--data-path cannot be combined with --train-data-path/--valid-data-path/--test-data-path");
+    }
+    if paths.data_path.is_empty() && !has_per_split {
+        bail!("give --data-path, or --train-data-path/--valid-data-path/--test-data-path");
+    }
+    if has_per_split && paths.split.is_some() {
+        bail!("--split applies to --data-path only, not to --train/valid/test-data-path");
+    }
+    let Some(kind) = &tokenizer.tokenizer_type else {
+        bail!("--tokenizer-type is required: the tokenizer is part of the cache names");
+    };
+    let kind = kind.parse()?;
+    // Load it as Megatron does, so a wrong path fails here rather than naming a cache.
+    tokenizer.build()?;
+    let identifiers = megatron_tokenizer_identifiers(kind, &tokenizer.args())?;
+    let blend = (!paths.data_path.is_empty())
+        .then(|| Blend::from_list(paths.data_path))
+        .transpose()?;
+    let mut blend_per_split = [None, None, None];
+    for (slot, split_paths) in blend_per_split.iter_mut().zip(paths.per_split) {
+        if !split_paths.is_empty() {
+            *slot = Some(Blend::from_list(split_paths)?);
+        }
+    }
+    if seq_length == 0 {
+        bail!("--seq-length must be at least 1");
+    }
+    Ok(GptDataConfig {
+        blend,
+        blend_per_split,
+        dataset: GptDatasetConfig {
+            seed,
+            sequence_length: seq_length,
+            split: match has_per_split {
+                true => None,
+                false => Some(paths.split.unwrap_or(DEFAULT_SPLIT).to_owned()),
+            },
+            path_to_cache: paths.data_cache_path.map(std::path::Path::to_path_buf),
+            tokenizer: identifiers,
+            add_extra_token: true,
+            drop_last_partial_validation: true,
+        },
+    })
+}
+
 /// `synerfuse index`.
 #[derive(Args, Debug)]
 pub struct IndexArgs {
@@ -107,60 +169,21 @@ impl IndexArgs {
 
 pub fn run_index(args: IndexArgs) -> Result<()> {
     let sizes = args.sizes()?;
-    let per_split = [
-        &args.train_data_path,
-        &args.valid_data_path,
-        &args.test_data_path,
-    ];
-    let has_per_split = per_split.iter().any(|p| !p.is_empty());
-    if !args.data_path.is_empty() && has_per_split {
-        bail!("--data-path cannot be combined with --train-data-path/--valid-data-path/--test-data-path");
-    }
-    if args.data_path.is_empty() && !has_per_split {
-        bail!("give --data-path, or --train-data-path/--valid-data-path/--test-data-path");
-    }
-    if has_per_split && args.split.is_some() {
-        bail!("--split applies to --data-path only, not to --train/valid/test-data-path");
-    }
-    let Some(kind) = &args.tokenizer.tokenizer_type else {
-        bail!("--tokenizer-type is required: the tokenizer is part of the cache names");
-    };
-    let kind = kind.parse()?;
-    // Load it as Megatron does, so a wrong path fails here rather than naming a cache.
-    args.tokenizer.build()?;
-    let identifiers = megatron_tokenizer_identifiers(kind, &args.tokenizer.args())?;
-    let blend = (!args.data_path.is_empty())
-        .then(|| Blend::from_list(&args.data_path))
-        .transpose()?;
-    let mut blend_per_split = [None, None, None];
-    for (slot, paths) in blend_per_split.iter_mut().zip(per_split) {
-        if !paths.is_empty() {
-            *slot = Some(Blend::from_list(paths)?);
-        }
-    }
-    if args.seq_length == 0 {
-        bail!("--seq-length must be at least 1");
-    }
-    let config = GptDataConfig {
-        blend,
-        blend_per_split,
-        dataset: GptDatasetConfig {
-            seed: args.seed,
-            sequence_length: args.seq_length,
-            split: match has_per_split {
-                true => None,
-                false => Some(
-                    args.split
-                        .clone()
-                        .unwrap_or_else(|| DEFAULT_SPLIT.to_owned()),
-                ),
-            },
-            path_to_cache: args.data_cache_path.clone(),
-            tokenizer: identifiers,
-            add_extra_token: true,
-            drop_last_partial_validation: true,
+    let config = gpt_data_config(
+        &DataPaths {
+            data_path: &args.data_path,
+            per_split: [
+                &args.train_data_path,
+                &args.valid_data_path,
+                &args.test_data_path,
+            ],
+            split: args.split.as_deref(),
+            data_cache_path: args.data_cache_path.as_deref(),
         },
-    };
+        args.seed,
+        args.seq_length,
+        &args.tokenizer,
+    )?;
     let started = std::time::Instant::now();
     let datasets = build_split_datasets(&config, sizes).context("building the sample indices")?;
     let elapsed = started.elapsed().as_secs_f64();

@@ -7,6 +7,7 @@ mod env_report;
 mod index_command;
 mod model_commands;
 mod topology_command;
+mod train_command;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -29,6 +30,8 @@ enum Command {
     Preprocess(data_commands::PreprocessArgs),
     /// Build or load the GPT sample indices of every split (Megatron's caches, shared both ways)
     Index(index_command::IndexArgs),
+    /// Train a LLaMA model: hetero pipeline x hetero data parallel, over MPI (and NCCL)
+    Train(Box<train_command::TrainArgs>),
     /// Every communication group (tp, pp, dp, ...) Megatron builds for these sizes and order
     Topology(topology_command::TopologyArgs),
     /// Mean next-token loss of token sequences under a Hugging Face LLaMA checkpoint
@@ -72,6 +75,7 @@ fn run() -> Result<()> {
         Command::Preprocess(args) => data_commands::run_preprocess(args),
         Command::Merge(args) => data_commands::run_merge(args),
         Command::Index(args) => index_command::run_index(args),
+        Command::Train(args) => train_command::run_train(*args),
         Command::Topology(args) => topology_command::run_topology(args),
         Command::Score(args) => model_commands::run_score(args),
         Command::Generate(args) => model_commands::run_generate(args),

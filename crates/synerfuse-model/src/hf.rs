@@ -167,6 +167,32 @@ pub fn load_weights(stage: &mut Stage, dir: &Path) -> Result<(), HfError> {
     Ok(())
 }
 
+/// Reads the tensors of one safetensors file whose names `wanted` accepts (mapped, so
+/// only those tensors' bytes are touched), as CPU tensors of their stored dtype.
+pub fn read_safetensors(
+    path: &Path,
+    wanted: impl Fn(&str) -> bool,
+) -> Result<Vec<(String, Tensor)>, HfError> {
+    let map = mmap(path)?;
+    let st = SafeTensors::deserialize(&map).map_err(|e| HfError::Tensor {
+        path: path.to_path_buf(),
+        problem: e.to_string(),
+    })?;
+    let mut out = Vec::new();
+    for (name, view) in st.tensors() {
+        if !wanted(&name) {
+            continue;
+        }
+        let kind = kind_of(view.dtype()).ok_or_else(|| HfError::Tensor {
+            path: path.to_path_buf(),
+            problem: format!("{name}: dtype {:?} is not a float type", view.dtype()),
+        })?;
+        let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+        out.push((name, Tensor::from_data_size(view.data(), &shape, kind)));
+    }
+    Ok(out)
+}
+
 /// Little-endian bytes of a tensor (moved to the CPU).
 fn tensor_bytes(t: &Tensor) -> Vec<u8> {
     let t = t.to_device(Device::Cpu).contiguous();
@@ -178,7 +204,7 @@ fn tensor_bytes(t: &Tensor) -> Vec<u8> {
 
 /// Writes `tensors` as one safetensors file (with transformers' `format: pt` metadata),
 /// under a temporary name then renamed.
-fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<(), HfError> {
+pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<(), HfError> {
     let bytes: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = tensors
         .iter()
         .map(|(name, t)| {

@@ -351,6 +351,33 @@ impl Stage {
         })
     }
 
+    /// Re-draws every parameter from its own generator, seeded by `seed` and the
+    /// parameter's global name, with Megatron's init (normal with `init_std`, output
+    /// projections scaled by 1/sqrt(2·layers), norms 1, biases 0). The values then do not
+    /// depend on how layers are split into stages or on the device, so every pipeline
+    /// layout starts from the same model (and a tied head's copy equals the embedding).
+    pub fn init_by_name(&mut self, seed: u64) {
+        let std = self.config.init_std;
+        let out_std = std / (2.0 * self.config.num_layers as f64).sqrt();
+        for (name, mut var) in self.vs.variables() {
+            let value = if name.ends_with("norm.weight") {
+                Tensor::ones(var.size(), (Kind::Float, Device::Cpu))
+            } else if name.ends_with(".bias") {
+                Tensor::zeros(var.size(), (Kind::Float, Device::Cpu))
+            } else {
+                let scale = if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight")
+                {
+                    out_std
+                } else {
+                    std
+                };
+                tch::manual_seed(name_seed(seed, &name));
+                Tensor::randn(var.size(), (Kind::Float, Device::Cpu)) * scale
+            };
+            tch::no_grad(|| var.copy_(&value.to_kind(var.kind()).to_device(var.device())));
+        }
+    }
+
     /// The model configuration.
     pub fn config(&self) -> &LlamaConfig {
         &self.config
@@ -571,6 +598,16 @@ impl Stage {
         }
         Ok((!self.is_first()).then(|| pass.saved.input.grad()))
     }
+}
+
+/// A 63-bit seed from a run seed and a parameter name (FNV-1a, stable across builds).
+fn name_seed(seed: u64, name: &str) -> i64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    for b in name.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    (h >> 1) as i64
 }
 
 /// Where a stage's backward starts.

@@ -134,17 +134,37 @@ impl Default for AdamWConfig {
 
 struct ParamState {
     param: Tensor,
+    /// fp32 master copy when the model computes in another dtype (`--bf16`).
+    master: Option<Tensor>,
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
     decay: bool,
 }
 
-/// AdamW over named parameters, with fp32 moments. Norm weights and biases (1-D
-/// parameters) get no weight decay, as in Megatron.
+impl ParamState {
+    /// The fp32 value the optimiser updates.
+    fn value(&self) -> &Tensor {
+        self.master.as_ref().unwrap_or(&self.param)
+    }
+}
+
+/// AdamW over named parameters, with fp32 moments, and fp32 master weights for
+/// parameters held in a lower precision. Norm weights and biases (1-D parameters) get no
+/// weight decay, as in Megatron.
 pub struct AdamW {
     config: AdamWConfig,
     params: BTreeMap<String, ParamState>,
     step: u64,
+}
+
+/// A checkpointed optimiser state that does not fit this optimiser.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("optimizer state for {name}: {problem}")]
+pub struct OptimStateError {
+    /// The parameter.
+    pub name: String,
+    /// What does not fit.
+    pub problem: String,
 }
 
 impl AdamW {
@@ -153,10 +173,13 @@ impl AdamW {
         let params = params
             .into_iter()
             .map(|(name, param)| {
+                let master = (param.kind() != Kind::Float)
+                    .then(|| param.detach().to_kind(Kind::Float).copy());
                 let state = ParamState {
                     exp_avg: param.zeros_like().to_kind(Kind::Float),
                     exp_avg_sq: param.zeros_like().to_kind(Kind::Float),
                     decay: param.dim() > 1,
+                    master,
                     param,
                 };
                 (name, state)
@@ -204,32 +227,48 @@ impl AdamW {
     /// [`AdamW::grad_norm_squared`]) above `max_norm`, scales gradients by
     /// `max_norm / (global_norm + 1e-6)` as Megatron does. Returns the factor applied.
     pub fn clip(&mut self, global_norm: f64, max_norm: f64) -> f64 {
-        let factor = max_norm / (global_norm + 1e-6);
-        if max_norm > 0.0 && factor < 1.0 {
+        let factor = clip_factor(global_norm, max_norm);
+        if factor < 1.0 {
             self.scale_grads(factor);
-            factor
-        } else {
-            1.0
         }
+        factor
     }
 
-    /// One AdamW step at learning rate `lr` (torch's AdamW update: decoupled decay, then
-    /// the bias-corrected Adam step). Parameters without a gradient are left alone.
+    /// One AdamW step at learning rate `lr` with the parameters' own gradients (torch's
+    /// AdamW update: decoupled decay, then the bias-corrected Adam step). Parameters
+    /// without a gradient are left alone.
     pub fn step(&mut self, lr: f64) {
+        let grads: BTreeMap<String, Tensor> = self
+            .params
+            .iter()
+            .map(|(n, s)| (n.clone(), s.param.grad()))
+            .filter(|(_, g)| g.defined())
+            .collect();
+        self.step_with_grads(lr, &grads, 1.0);
+    }
+
+    /// One AdamW step with gradients given by parameter name (fp32 buffers the runtime
+    /// reduced across ranks), each multiplied by `grad_scale` (the clipping factor).
+    /// Parameters missing from `grads` are left alone. The update is computed in fp32 on
+    /// the master weights and copied into lower-precision parameters.
+    pub fn step_with_grads(&mut self, lr: f64, grads: &BTreeMap<String, Tensor>, grad_scale: f64) {
         self.step += 1;
         let c = self.config;
         let t = self.step as i32;
         let bias1 = 1.0 - c.beta1.powi(t);
         let bias2 = 1.0 - c.beta2.powi(t);
         tch::no_grad(|| {
-            for s in self.params.values_mut() {
-                let grad = s.param.grad();
-                if !grad.defined() {
+            for (name, s) in self.params.iter_mut() {
+                let Some(grad) = grads.get(name) else {
                     continue;
+                };
+                let mut grad = grad.to_kind(Kind::Float);
+                if grad_scale != 1.0 {
+                    grad = &grad * grad_scale;
                 }
-                let grad = grad.to_kind(Kind::Float);
+                let mut value = s.value().shallow_clone();
                 if s.decay && c.weight_decay != 0.0 {
-                    let _ = s.param.g_mul_scalar_(1.0 - lr * c.weight_decay);
+                    let _ = value.g_mul_scalar_(1.0 - lr * c.weight_decay);
                 }
                 let _ = s.exp_avg.g_mul_scalar_(c.beta1);
                 let _ = s.exp_avg.g_add_(&(&grad * (1.0 - c.beta1)));
@@ -237,8 +276,10 @@ impl AdamW {
                 let _ = s.exp_avg_sq.addcmul_(&grad, &(&grad * (1.0 - c.beta2)));
                 let denom = s.exp_avg_sq.sqrt() / bias2.sqrt() + c.eps;
                 let update = (&s.exp_avg / denom) * (-lr / bias1);
-                let kind = s.param.kind();
-                let _ = s.param.g_add_(&update.to_kind(kind));
+                let _ = value.g_add_(&update.to_kind(value.kind()));
+                if s.master.is_some() {
+                    s.param.copy_(&value);
+                }
             }
         });
     }
@@ -250,11 +291,76 @@ impl AdamW {
         }
     }
 
-    /// The fp32 moment tensors by parameter name (for checkpoints).
-    pub fn state(&self) -> impl Iterator<Item = (&str, &Tensor, &Tensor)> {
+    /// Parameter names, sorted.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.params.keys().map(String::as_str)
+    }
+
+    /// `(name, fp32 value, exp_avg, exp_avg_sq)` of every parameter (for checkpoints): the
+    /// master weight where there is one.
+    pub fn state(&self) -> impl Iterator<Item = (&str, &Tensor, &Tensor, &Tensor)> {
         self.params
             .iter()
-            .map(|(n, s)| (n.as_str(), &s.exp_avg, &s.exp_avg_sq))
+            .map(|(n, s)| (n.as_str(), s.value(), &s.exp_avg, &s.exp_avg_sq))
+    }
+
+    /// Restores one parameter from a checkpoint: its fp32 value and moments. Shapes must
+    /// match the model's.
+    pub fn load_param(
+        &mut self,
+        name: &str,
+        value: &Tensor,
+        exp_avg: Option<&Tensor>,
+        exp_avg_sq: Option<&Tensor>,
+    ) -> Result<(), OptimStateError> {
+        let s = self.params.get_mut(name).ok_or_else(|| OptimStateError {
+            name: name.to_owned(),
+            problem: "the model has no such parameter".into(),
+        })?;
+        for t in [Some(value), exp_avg, exp_avg_sq].into_iter().flatten() {
+            if t.size() != s.param.size() {
+                return Err(OptimStateError {
+                    name: name.to_owned(),
+                    problem: format!(
+                        "shape {:?}, the model expects {:?}",
+                        t.size(),
+                        s.param.size()
+                    ),
+                });
+            }
+        }
+        tch::no_grad(|| {
+            let device = s.param.device();
+            if let Some(master) = &mut s.master {
+                master.copy_(&value.to_kind(Kind::Float).to_device(device));
+            }
+            s.param
+                .copy_(&value.to_kind(s.param.kind()).to_device(device));
+            if let Some(m) = exp_avg {
+                s.exp_avg.copy_(&m.to_kind(Kind::Float).to_device(device));
+            }
+            if let Some(v) = exp_avg_sq {
+                s.exp_avg_sq
+                    .copy_(&v.to_kind(Kind::Float).to_device(device));
+            }
+        });
+        Ok(())
+    }
+
+    /// Sets the step count (bias correction) when resuming.
+    pub fn set_steps(&mut self, steps: u64) {
+        self.step = steps;
+    }
+}
+
+/// Megatron's clipping factor: `max_norm / (norm + 1e-6)` when that is below 1, else 1
+/// (and 1 when clipping is off, `max_norm <= 0`).
+pub fn clip_factor(global_norm: f64, max_norm: f64) -> f64 {
+    let factor = max_norm / (global_norm + 1e-6);
+    if max_norm > 0.0 && factor < 1.0 {
+        factor
+    } else {
+        1.0
     }
 }
 

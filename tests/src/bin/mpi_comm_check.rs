@@ -46,6 +46,7 @@ fn check_all(world: &MpiCommunicator) -> Result<(), String> {
     send_recv_pair(world)?;
     gather_and_reduce_scatter(world)?;
     process_groups(world)?;
+    simultaneous_isends(world)?;
     Ok(())
 }
 
@@ -80,6 +81,39 @@ fn gather_and_reduce_scatter(world: &MpiCommunicator) -> Result<(), String> {
     Ok(())
 }
 
+/// Every rank sends 4 MB to both neighbours before receiving (what 1F1B neighbours do):
+/// with blocking sends above MPI's eager limit this deadlocks; `isend` must not.
+fn simultaneous_isends(world: &MpiCommunicator) -> Result<(), String> {
+    let (rank, n) = (world.rank(), world.size());
+    if n < 2 {
+        return Ok(());
+    }
+    let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
+    let payload = |from: usize| Tensor::full([1 << 20], from as f64, (Kind::Float, Device::Cpu));
+    let a = world
+        .isend(&payload(rank), next, 7)
+        .map_err(|e| e.to_string())?;
+    let b = world
+        .isend(&payload(rank), prev, 8)
+        .map_err(|e| e.to_string())?;
+    let mut from_prev = Tensor::zeros([1 << 20], (Kind::Float, Device::Cpu));
+    let mut from_next = Tensor::zeros([1 << 20], (Kind::Float, Device::Cpu));
+    world
+        .recv(&mut from_prev, prev, 7)
+        .map_err(|e| e.to_string())?;
+    world
+        .recv(&mut from_next, next, 8)
+        .map_err(|e| e.to_string())?;
+    a.wait();
+    b.wait();
+    if max_abs_diff(&from_prev, &payload(prev)) != 0.0
+        || max_abs_diff(&from_next, &payload(next)) != 0.0
+    {
+        return Err(format!("rank {rank}: isend payloads differ"));
+    }
+    Ok(())
+}
+
 /// One sub-communicator per group kind, members in Megatron's order: summing the global
 /// rank over a group gives the sum of its members, and sub-rank i is member i.
 fn process_groups(world: &MpiCommunicator) -> Result<(), String> {
@@ -90,7 +124,7 @@ fn process_groups(world: &MpiCommunicator) -> Result<(), String> {
     }
     for order in ["tp-cp-ep-dp-pp", TP_PP_DP_ORDER] {
         let topology = Topology::new(4, 1, 2, 1, 1, order).map_err(|e| e.to_string())?;
-        let groups = ProcessGroups::new(world, &topology)?;
+        let groups = ProcessGroups::new(world, &topology).map_err(|e| e.to_string())?;
         for kind in GroupKind::ALL {
             let expected = topology.group_of(kind, world.rank());
             let (Some(comm), Some(members)) = (groups.get(kind), groups.members(kind)) else {

@@ -47,6 +47,50 @@ impl MpiRuntime {
     }
 }
 
+/// A non-blocking send in flight; owns the host copy being sent.
+pub struct PendingSend {
+    request: Option<mpi::ffi::MPI_Request>,
+    _buffer: Tensor,
+}
+
+impl PendingSend {
+    /// Waits until the message has left this rank's buffer.
+    pub fn wait(mut self) {
+        self.complete();
+    }
+
+    fn complete(&mut self) {
+        if let Some(mut request) = self.request.take() {
+            // SAFETY: a request from MPI_Isend, waited on once.
+            unsafe { mpi::ffi::MPI_Wait(&mut request, mpi::ffi::RSMPI_STATUS_IGNORE) };
+        }
+    }
+}
+
+impl Drop for PendingSend {
+    fn drop(&mut self) {
+        self.complete();
+    }
+}
+
+/// The MPI datatype that carries elements of `kind` (the one `recv` probes with).
+fn mpi_datatype(kind: Kind) -> Option<mpi::ffi::MPI_Datatype> {
+    // SAFETY: reading MPI's predefined datatype handles.
+    unsafe {
+        Some(match kind {
+            Kind::Float => mpi::ffi::RSMPI_FLOAT,
+            Kind::Double => mpi::ffi::RSMPI_DOUBLE,
+            Kind::Int64 => mpi::ffi::RSMPI_INT64_T,
+            Kind::Int => mpi::ffi::RSMPI_INT32_T,
+            Kind::Int16 => mpi::ffi::RSMPI_INT16_T,
+            Kind::Int8 => mpi::ffi::RSMPI_INT8_T,
+            Kind::Uint8 | Kind::Bool => mpi::ffi::RSMPI_UINT8_T,
+            Kind::Half | Kind::BFloat16 => mpi::ffi::RSMPI_UINT16_T,
+            _ => return None,
+        })
+    }
+}
+
 /// A group of ranks that exchanges tch tensors over MPI.
 ///
 /// Tensors on any device and of any layout are accepted: they are staged through a
@@ -336,6 +380,50 @@ impl MpiCommunicator {
             }
         });
         Ok(())
+    }
+
+    /// Starts sending `tensor` to rank `dest` and returns at once; the transfer completes
+    /// in the background and [`PendingSend::wait`] (or dropping it) waits for it. The
+    /// receiver uses [`Self::recv`] with the same tag. Pipelines send this way so that
+    /// two neighbours that send to each other at the same time never deadlock.
+    pub fn isend(&self, tensor: &Tensor, dest: usize, tag: i32) -> Result<PendingSend, CommError> {
+        use mpi::raw::AsRaw;
+        CommError::check_peer(self.rank, self.size, dest)?;
+        // A private host copy: the caller may reuse or free its tensor right away.
+        let buffer = tensor.detach().to_device(Device::Cpu).contiguous().copy();
+        let bytes = buffer.numel() * buffer.kind().elt_size_in_bytes();
+        if bytes > i32::MAX as usize {
+            return Err(CommError::TooLarge {
+                rank: self.rank,
+                op: "isend",
+                elements: buffer.numel(),
+            });
+        }
+        // The receiver probes for a count of elements of its own type; send with the
+        // matching MPI type so counts agree.
+        let datatype = mpi_datatype(buffer.kind()).ok_or(CommError::UnsupportedDtype {
+            rank: self.rank,
+            op: "isend",
+            kind: buffer.kind(),
+        })?;
+        let mut request = std::mem::MaybeUninit::uninit();
+        // SAFETY: the buffer stays alive (owned by PendingSend) until the request completes.
+        unsafe {
+            mpi::ffi::MPI_Isend(
+                buffer.data_ptr(),
+                buffer.numel() as i32,
+                datatype,
+                dest as i32,
+                tag,
+                self.comm.as_raw(),
+                request.as_mut_ptr(),
+            );
+        }
+        Ok(PendingSend {
+            // SAFETY: MPI_Isend wrote the request (errors abort: MPI_ERRORS_ARE_FATAL).
+            request: Some(unsafe { request.assume_init() }),
+            _buffer: buffer,
+        })
     }
 
     /// Receives into `tensor` what rank `source` sent with [`Self::send`] and the same tag.

@@ -14,3 +14,43 @@ pub fn launcher_rank() -> Option<(usize, usize)> {
     VARS.iter()
         .find_map(|(rank, size)| Some((read(rank)?, read(size)?)))
 }
+
+/// `(local rank, ranks on this node)` from the launcher's variables, `(0, 1)` without one:
+/// picks this rank's GPU and its share of the CPU cores.
+pub fn launcher_local_rank() -> (usize, usize) {
+    const VARS: [(&str, &str); 3] = [
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+        ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+    ];
+    let read = |name: &str| std::env::var(name).ok()?.trim().parse::<usize>().ok();
+    VARS.iter()
+        .find_map(|(rank, size)| Some((read(rank)?, read(size).unwrap_or(1).max(1))))
+        .unwrap_or((0, 1))
+}
+
+/// The `mpirun` command that starts `program args` on `ranks` ranks of this machine:
+/// oversubscription allowed, no core binding (ranks share the cores), shared-memory
+/// transport without ptrace single-copy (which containers forbid), and OpenMPI's root
+/// check waived when running as root (containers, CI).
+pub fn mpirun_command(ranks: usize, program: &std::path::Path) -> std::process::Command {
+    let mut command = std::process::Command::new("mpirun");
+    command
+        .args([
+            "-np",
+            &ranks.to_string(),
+            "--oversubscribe",
+            "--bind-to",
+            "none",
+        ])
+        .args(["--mca", "btl", "self,vader"])
+        .args(["--mca", "btl_vader_single_copy_mechanism", "none"])
+        .arg(program);
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        command
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    }
+    command
+}

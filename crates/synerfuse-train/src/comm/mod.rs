@@ -12,7 +12,7 @@ mod launcher;
 mod nccl;
 
 pub use error::CommError;
-pub use groups::ProcessGroups;
-pub use host::{MpiCommunicator, MpiRuntime};
-pub use launcher::launcher_rank;
+pub use groups::{GroupCommunicator, ProcessGroups};
+pub use host::{MpiCommunicator, MpiRuntime, PendingSend};
+pub use launcher::{launcher_local_rank, launcher_rank, mpirun_command};
 pub use nccl::NcclCommunicator;

@@ -141,6 +141,52 @@ impl NcclCommunicator {
         })
     }
 
+    /// Every rank's `tensor` stacked along a new leading dimension in rank order.
+    pub fn all_gather(&self, tensor: &Tensor) -> Result<Tensor, CommError> {
+        let dtype = self.nccl_type(tensor, "all_gather")?;
+        let source = tensor.contiguous();
+        let mut shape = vec![self.size as i64];
+        shape.extend(tensor.size());
+        let mut out = Tensor::empty(shape.as_slice(), (tensor.kind(), tensor.device()));
+        let count = source.numel();
+        self.run_in_place(&mut out, "ncclAllGather", |ptr, _, stream| unsafe {
+            result::all_gather(source.data_ptr(), ptr, count, dtype, self.comm, stream)
+        })?;
+        Ok(out)
+    }
+
+    /// The element-wise sum over ranks, scattered by rows of the leading dimension.
+    pub fn reduce_scatter_sum(&self, tensor: &Tensor) -> Result<Tensor, CommError> {
+        let dtype = self.nccl_type(tensor, "reduce_scatter_sum")?;
+        let rows = tensor.size().first().copied().unwrap_or(0);
+        if tensor.dim() == 0 || rows % self.size as i64 != 0 {
+            return Err(CommError::Shape {
+                rank: self.rank,
+                op: "reduce_scatter_sum",
+                problem: format!(
+                    "leading dimension {rows} is not divisible by the group size {}",
+                    self.size
+                ),
+            });
+        }
+        let source = tensor.contiguous();
+        let mut shape = tensor.size();
+        shape[0] = rows / self.size as i64;
+        let mut out = Tensor::empty(shape.as_slice(), (tensor.kind(), tensor.device()));
+        self.run_in_place(&mut out, "ncclReduceScatter", |ptr, count, stream| unsafe {
+            result::reduce_scatter(
+                source.data_ptr(),
+                ptr,
+                count,
+                dtype,
+                sys::ncclRedOp_t::ncclSum,
+                self.comm,
+                stream,
+            )
+        })?;
+        Ok(out)
+    }
+
     fn nccl_type(
         &self,
         tensor: &Tensor,

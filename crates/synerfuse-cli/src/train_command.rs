@@ -1,0 +1,569 @@
+//! `synerfuse train`: Megatron's / SynerFuse's training flags (or `--plan`) → a
+//! `synerfuse_train::Trainer` on every rank.
+
+use crate::data_commands::TokenizerFlags;
+use crate::index_command::{gpt_data_config, DataPaths};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use std::path::PathBuf;
+use synerfuse_data::gpt::{build_split_datasets, SampleOptions};
+use synerfuse_model::{LlamaConfig, MegatronModelArgs};
+use synerfuse_parallel::{ParallelPlan, ScheduleKind};
+use synerfuse_train::comm::{launcher_local_rank, launcher_rank, mpirun_command, MpiRuntime};
+use synerfuse_train::optim::{AdamWConfig, DecayStyle, LrSchedule};
+use synerfuse_train::{signals, TrainConfig, Trainer};
+
+/// `synerfuse train`.
+#[derive(Args, Debug)]
+pub struct TrainArgs {
+    // ---- launch
+    /// Start N ranks on this machine (re-launches itself under `mpirun -np N` unless already
+    /// started by mpirun or srun)
+    #[arg(long, help_heading = "Launch")]
+    nproc: Option<usize>,
+    /// Device of every rank the plan does not place: cpu, cuda, cuda:N or auto
+    #[arg(long, default_value = "auto", help_heading = "Launch")]
+    device: String,
+    /// Emulated speed per rank, e.g. 1.0,1.0,0.5,0.33: a rank waits in proportion to its
+    /// measured compute (a test and benchmark device)
+    #[arg(long, value_delimiter = ',', help_heading = "Launch")]
+    emulate_device_speed: Option<Vec<f64>>,
+    /// Intra-op threads per rank [default: this machine's cores / ranks on it]
+    #[arg(long, help_heading = "Launch")]
+    threads: Option<usize>,
+
+    // ---- parallelism
+    /// A plan written by `synerfuse plan` (layers per stage, batches per replica, devices)
+    #[arg(long, help_heading = "Parallelism")]
+    plan: Option<PathBuf>,
+    /// Must be 1 for now
+    #[arg(long, help_heading = "Parallelism")]
+    tensor_model_parallel_size: Option<usize>,
+    #[arg(long, help_heading = "Parallelism")]
+    pipeline_model_parallel_size: Option<usize>,
+    /// SynerFuse: `n0 l.. n1 l..`, layers per pipeline stage by device group
+    #[arg(long, num_args = 1.., help_heading = "Parallelism")]
+    hetero_pipeline_stages: Vec<usize>,
+    /// Rank order tp-pp-dp (each replica a contiguous block of ranks)
+    #[arg(long, help_heading = "Parallelism")]
+    use_tp_pp_dp_mapping: bool,
+    #[arg(long, help_heading = "Parallelism")]
+    num_layers_per_virtual_pipeline_stage: Option<usize>,
+    #[arg(long, help_heading = "Parallelism")]
+    micro_batch_size: Option<usize>,
+    /// SynerFuse: `n0 mbs0 n1 mbs1 ...` per group of replicas
+    #[arg(long, num_args = 1.., help_heading = "Parallelism")]
+    micro_batch_size_per_dp: Vec<usize>,
+    /// SynerFuse: `n0 k0 n1 k1 ...` micro-batches per step per group of replicas
+    #[arg(long, num_args = 1.., help_heading = "Parallelism")]
+    num_micro_batches_per_dp: Vec<usize>,
+    #[arg(long, help_heading = "Parallelism")]
+    global_batch_size: Option<usize>,
+    /// 1f1b, gpipe or interleaved [default: interleaved with virtual stages, else 1f1b]
+    #[arg(long, help_heading = "Parallelism")]
+    pipeline_schedule: Option<String>,
+
+    // ---- model
+    #[arg(long, help_heading = "Model")]
+    num_layers: Option<usize>,
+    #[arg(long, help_heading = "Model")]
+    hidden_size: Option<usize>,
+    #[arg(long, help_heading = "Model")]
+    ffn_hidden_size: Option<usize>,
+    #[arg(long, help_heading = "Model")]
+    num_attention_heads: Option<usize>,
+    #[arg(long, help_heading = "Model")]
+    group_query_attention: bool,
+    #[arg(long, help_heading = "Model")]
+    num_query_groups: Option<usize>,
+    #[arg(long, help_heading = "Model")]
+    seq_length: usize,
+    #[arg(long, help_heading = "Model")]
+    max_position_embeddings: Option<usize>,
+    #[arg(long, default_value_t = 10000.0, help_heading = "Model")]
+    rotary_base: f64,
+    #[arg(long, default_value_t = 1e-5, help_heading = "Model")]
+    norm_epsilon: f64,
+    #[arg(long, help_heading = "Model")]
+    untie_embeddings_and_output_weights: bool,
+    #[arg(long, default_value_t = 128, help_heading = "Model")]
+    make_vocab_size_divisible_by: usize,
+    #[arg(long, default_value_t = 0.02, help_heading = "Model")]
+    init_method_std: f64,
+    /// No biases in linear layers (LLaMA); Megatron's default is to add them
+    #[arg(long, help_heading = "Model")]
+    disable_bias_linear: bool,
+    /// Accepted for Megatron compatibility: the MLP is always SwiGLU
+    #[arg(long, help_heading = "Model")]
+    swiglu: bool,
+    /// RMSNorm (the only normalisation of LLaMA)
+    #[arg(long, help_heading = "Model")]
+    normalization: Option<String>,
+    /// rope (the only position embedding of LLaMA)
+    #[arg(long, help_heading = "Model")]
+    position_embedding_type: Option<String>,
+    /// Must be 0: no dropout
+    #[arg(long, help_heading = "Model")]
+    attention_dropout: Option<f64>,
+    /// Must be 0: no dropout
+    #[arg(long, help_heading = "Model")]
+    hidden_dropout: Option<f64>,
+    /// Recompute each stage's activations in the backward (less memory)
+    #[arg(long, help_heading = "Model")]
+    recompute_activations: bool,
+    /// Start from a Hugging Face LLaMA (config.json + safetensors); model flags optional
+    #[arg(long, help_heading = "Model")]
+    finetune_from_hf: Option<PathBuf>,
+
+    // ---- optimisation
+    #[arg(long, help_heading = "Optimisation")]
+    train_iters: u64,
+    #[arg(long, help_heading = "Optimisation")]
+    lr: f64,
+    #[arg(long, default_value_t = 0.0, help_heading = "Optimisation")]
+    min_lr: f64,
+    /// cosine, linear or constant
+    #[arg(long, default_value = "linear", help_heading = "Optimisation")]
+    lr_decay_style: String,
+    #[arg(long, default_value_t = 0, help_heading = "Optimisation")]
+    lr_warmup_iters: u64,
+    #[arg(long, help_heading = "Optimisation")]
+    lr_warmup_fraction: Option<f64>,
+    /// [default: --train-iters]
+    #[arg(long, help_heading = "Optimisation")]
+    lr_decay_iters: Option<u64>,
+    #[arg(long, default_value_t = 0.01, help_heading = "Optimisation")]
+    weight_decay: f64,
+    #[arg(long, default_value_t = 0.9, help_heading = "Optimisation")]
+    adam_beta1: f64,
+    #[arg(long, default_value_t = 0.999, help_heading = "Optimisation")]
+    adam_beta2: f64,
+    #[arg(long, default_value_t = 1e-8, help_heading = "Optimisation")]
+    adam_eps: f64,
+    #[arg(long, default_value_t = 1.0, help_heading = "Optimisation")]
+    clip_grad: f64,
+    /// bf16 compute with fp32 master weights and fp32 gradient reduction
+    #[arg(long, help_heading = "Optimisation")]
+    bf16: bool,
+    /// Not supported (use --bf16)
+    #[arg(long, help_heading = "Optimisation")]
+    fp16: bool,
+    #[arg(long, default_value_t = 1234, help_heading = "Optimisation")]
+    seed: u32,
+
+    // ---- data
+    #[arg(long, num_args = 1.., help_heading = "Data")]
+    data_path: Vec<String>,
+    #[arg(long, help_heading = "Data")]
+    split: Option<String>,
+    #[arg(long, help_heading = "Data")]
+    data_cache_path: Option<PathBuf>,
+    #[command(flatten)]
+    tokenizer: TokenizerFlags,
+    #[arg(long, help_heading = "Data")]
+    reset_position_ids: bool,
+    #[arg(long, help_heading = "Data")]
+    reset_attention_mask: bool,
+    #[arg(long, help_heading = "Data")]
+    eod_mask_loss: bool,
+    #[arg(long, help_heading = "Data")]
+    no_create_attention_mask_in_dataloader: bool,
+
+    // ---- checkpoints and logs
+    #[arg(long, help_heading = "Checkpoints and logs")]
+    save: Option<PathBuf>,
+    #[arg(long, help_heading = "Checkpoints and logs")]
+    save_interval: Option<u64>,
+    #[arg(long, help_heading = "Checkpoints and logs")]
+    load: Option<PathBuf>,
+    #[arg(long, default_value_t = 100, help_heading = "Checkpoints and logs")]
+    log_interval: u64,
+    /// One JSON object per iteration
+    #[arg(long, help_heading = "Checkpoints and logs")]
+    log_json: Option<PathBuf>,
+    #[arg(long, help_heading = "Checkpoints and logs")]
+    tensorboard_dir: Option<PathBuf>,
+}
+
+/// Re-runs this very command under `mpirun -np N` (without `--nproc`) and returns its
+/// exit status.
+fn relaunch(nproc: usize) -> Result<std::process::ExitStatus> {
+    let exe = std::env::current_exe().context("locating the synerfuse binary")?;
+    let mut args: Vec<String> = Vec::new();
+    let mut skip = false;
+    for arg in std::env::args().skip(1) {
+        if skip {
+            skip = false;
+        } else if arg == "--nproc" {
+            skip = true;
+        } else if !arg.starts_with("--nproc=") {
+            args.push(arg);
+        }
+    }
+    let mut command = mpirun_command(nproc, &exe);
+    command.args(&args);
+    tracing::info!(
+        "launching {nproc} ranks: mpirun -np {nproc} {}",
+        exe.display()
+    );
+    command
+        .status()
+        .context("could not start mpirun (install OpenMPI: `cargo xtask setup`)")
+}
+
+impl TrainArgs {
+    fn parallel_flags(&self) -> Vec<String> {
+        let mut args = Vec::new();
+        let mut push = |flag: &str, value: Option<usize>| {
+            if let Some(v) = value {
+                args.extend([flag.to_owned(), v.to_string()]);
+            }
+        };
+        push(
+            "--tensor-model-parallel-size",
+            self.tensor_model_parallel_size,
+        );
+        push(
+            "--pipeline-model-parallel-size",
+            self.pipeline_model_parallel_size,
+        );
+        push(
+            "--num-layers-per-virtual-pipeline-stage",
+            self.num_layers_per_virtual_pipeline_stage,
+        );
+        push("--micro-batch-size", self.micro_batch_size);
+        push("--global-batch-size", self.global_batch_size);
+        push("--num-layers", self.num_layers);
+        for (flag, values) in [
+            ("--hetero-pipeline-stages", &self.hetero_pipeline_stages),
+            ("--micro-batch-size-per-dp", &self.micro_batch_size_per_dp),
+            ("--num-micro-batches-per-dp", &self.num_micro_batches_per_dp),
+        ] {
+            if !values.is_empty() {
+                args.push(flag.to_owned());
+                args.extend(values.iter().map(usize::to_string));
+            }
+        }
+        if self.use_tp_pp_dp_mapping {
+            args.push("--use-tp-pp-dp-mapping".into());
+        }
+        args
+    }
+
+    /// The plan: from `--plan` (parallel flags then conflict), or from the flags.
+    fn plan(&self, world_size: usize) -> Result<ParallelPlan> {
+        if self.tensor_model_parallel_size.is_some_and(|tp| tp != 1) {
+            bail!(
+                "--tensor-model-parallel-size {}: tensor parallelism is not supported yet; use 1 (pipeline and data parallelism are)",
+                self.tensor_model_parallel_size.unwrap_or(1)
+            );
+        }
+        let Some(path) = &self.plan else {
+            return ParallelPlan::from_synerfuse_args(&self.parallel_flags(), world_size)
+                .context("parallel flags");
+        };
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let plan = if path.extension().is_some_and(|e| e == "json") {
+            ParallelPlan::from_json(&text)
+        } else {
+            ParallelPlan::from_toml(&text)
+        }
+        .with_context(|| format!("plan {}", path.display()))?;
+        let conflicting: Vec<&str> = [
+            (
+                "--pipeline-model-parallel-size",
+                self.pipeline_model_parallel_size.is_some(),
+            ),
+            (
+                "--hetero-pipeline-stages",
+                !self.hetero_pipeline_stages.is_empty(),
+            ),
+            ("--micro-batch-size", self.micro_batch_size.is_some()),
+            (
+                "--micro-batch-size-per-dp",
+                !self.micro_batch_size_per_dp.is_empty(),
+            ),
+            (
+                "--num-micro-batches-per-dp",
+                !self.num_micro_batches_per_dp.is_empty(),
+            ),
+            (
+                "--num-layers-per-virtual-pipeline-stage",
+                self.num_layers_per_virtual_pipeline_stage.is_some(),
+            ),
+            ("--use-tp-pp-dp-mapping", self.use_tp_pp_dp_mapping),
+        ]
+        .into_iter()
+        .filter_map(|(flag, given)| given.then_some(flag))
+        .collect();
+        if !conflicting.is_empty() {
+            bail!(
+                "{} cannot be combined with --plan {} (the plan sets the layout)",
+                conflicting.join(", "),
+                path.display()
+            );
+        }
+        if let Some(gbs) = self.global_batch_size {
+            if gbs != plan.batches.global_batch_size() {
+                bail!(
+                    "--global-batch-size {gbs} differs from the plan's {} ({})",
+                    plan.batches.global_batch_size(),
+                    path.display()
+                );
+            }
+        }
+        if let Some(layers) = self.num_layers {
+            if layers != plan.stages.num_layers() {
+                bail!(
+                    "--num-layers {layers} differs from the plan's {} ({})",
+                    plan.stages.num_layers(),
+                    path.display()
+                );
+            }
+        }
+        if plan.topology.world_size != world_size {
+            bail!(
+                "the plan {} is for {} ranks but the job has {world_size}",
+                path.display(),
+                plan.topology.world_size
+            );
+        }
+        Ok(plan)
+    }
+
+    fn model(&self, tokenizer_vocab: usize, num_layers: usize) -> Result<LlamaConfig> {
+        if let Some(norm) = &self.normalization {
+            if norm != "RMSNorm" {
+                bail!("--normalization {norm}: synerfuse trains LLaMA models, which use RMSNorm");
+            }
+        }
+        if let Some(kind) = &self.position_embedding_type {
+            if kind != "rope" {
+                bail!("--position-embedding-type {kind}: synerfuse trains LLaMA models, which use rope");
+            }
+        }
+        for (flag, value) in [
+            ("--attention-dropout", self.attention_dropout),
+            ("--hidden-dropout", self.hidden_dropout),
+        ] {
+            if value.is_some_and(|p| p != 0.0) {
+                bail!(
+                    "{flag} {}: dropout is not implemented; pass 0",
+                    value.unwrap_or(0.0)
+                );
+            }
+        }
+        if let Some(dir) = &self.finetune_from_hf {
+            let config = LlamaConfig::from_hf_file(&dir.join("config.json"))
+                .with_context(|| format!("--finetune-from-hf {}", dir.display()))?;
+            if config.num_layers != num_layers {
+                bail!(
+                    "--finetune-from-hf {}: the checkpoint has {} layers but the plan {}",
+                    dir.display(),
+                    config.num_layers,
+                    num_layers
+                );
+            }
+            return Ok(config);
+        }
+        let need = |flag: &str, value: Option<usize>| {
+            value.with_context(|| format!("{flag} is required (or --finetune-from-hf)"))
+        };
+        let args = MegatronModelArgs {
+            num_layers,
+            hidden_size: need("--hidden-size", self.hidden_size)?,
+            ffn_hidden_size: self.ffn_hidden_size,
+            num_attention_heads: need("--num-attention-heads", self.num_attention_heads)?,
+            group_query_attention: self.group_query_attention,
+            num_query_groups: self.num_query_groups,
+            seq_length: self.seq_length,
+            max_position_embeddings: self.max_position_embeddings,
+            rotary_base: self.rotary_base,
+            norm_epsilon: self.norm_epsilon,
+            untie_embeddings_and_output_weights: self.untie_embeddings_and_output_weights,
+            make_vocab_size_divisible_by: self.make_vocab_size_divisible_by,
+            tensor_model_parallel_size: 1,
+            init_method_std: self.init_method_std,
+            add_bias_linear: !self.disable_bias_linear,
+        };
+        Ok(LlamaConfig::from_megatron(&args, tokenizer_vocab)?)
+    }
+}
+
+pub fn run_train(args: TrainArgs) -> Result<()> {
+    if let (Some(n), None) = (args.nproc, launcher_rank()) {
+        if n == 0 {
+            bail!("--nproc must be at least 1");
+        }
+        let status = relaunch(n)?;
+        if !status.success() {
+            bail!("the {n}-rank job failed ({status}); see the ranks' messages above");
+        }
+        return Ok(());
+    }
+    if args.fp16 {
+        bail!("--fp16 is not supported (no loss scaling); use --bf16");
+    }
+    signals::install_sigterm_handler();
+    let runtime = MpiRuntime::init()?;
+    let world = runtime.world();
+    let result = train_rank(&args, &world);
+    if let Err(error) = &result {
+        if world.size() > 1 {
+            // The other ranks may be waiting for this one: end the whole job now.
+            eprintln!(
+                "error: rank {} of {}: {error:#}",
+                world.rank(),
+                world.size()
+            );
+            world.abort(1);
+        }
+    }
+    result
+}
+
+fn train_rank(args: &TrainArgs, world: &synerfuse_train::comm::MpiCommunicator) -> Result<()> {
+    let (local_rank, local_size) = launcher_local_rank();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = args.threads.unwrap_or((cores / local_size).max(1));
+    synerfuse_model::tch::set_num_threads(threads as i32);
+    let plan = args.plan(world.size())?;
+    let tokenizer = args
+        .tokenizer
+        .build()?
+        .context("--tokenizer-type is required")?;
+    let model = args.model(tokenizer.vocab_size(), plan.stages.num_layers())?;
+    if model.vocab_size < tokenizer.vocab_size() {
+        bail!(
+            "the model's vocabulary ({}) is smaller than the tokenizer's ({})",
+            model.vocab_size,
+            tokenizer.vocab_size()
+        );
+    }
+    let data = gpt_data_config(
+        &DataPaths {
+            data_path: &args.data_path,
+            per_split: [&[], &[], &[]],
+            split: args.split.as_deref(),
+            data_cache_path: args.data_cache_path.as_deref(),
+        },
+        args.seed,
+        args.seq_length,
+        &args.tokenizer,
+    )?;
+    let gbs = plan.batches.global_batch_size() as u64;
+    let sizes = [Some(args.train_iters * gbs), None, None];
+    // Rank 0 builds (and caches) the indices first; the others then load its caches.
+    let build = || -> Result<_> {
+        let mut splits =
+            build_split_datasets(&data, sizes).context("building the sample indices")?;
+        splits[0]
+            .take()
+            .context("--split gives the train split no data")
+    };
+    let dataset = if world.rank() == 0 {
+        let d = build();
+        world.barrier();
+        d?
+    } else {
+        world.barrier();
+        build()?
+    };
+    let sample_options = SampleOptions {
+        sequence_length: args.seq_length,
+        add_extra_token: true,
+        eod: i64::from(
+            tokenizer
+                .eod()
+                .context("the tokenizer has no end-of-document id")?,
+        ),
+        pad: tokenizer.pad().map_or(-1, i64::from),
+        reset_position_ids: args.reset_position_ids,
+        reset_attention_mask: args.reset_attention_mask,
+        eod_mask_loss: args.eod_mask_loss,
+        create_attention_mask: !args.no_create_attention_mask_in_dataloader,
+    };
+    let schedule = match args.pipeline_schedule.as_deref() {
+        None if plan.stages.num_chunks() > 1 => ScheduleKind::Interleaved,
+        None | Some("1f1b") => ScheduleKind::OneFOneB,
+        Some("gpipe") => ScheduleKind::Gpipe,
+        Some("interleaved") => ScheduleKind::Interleaved,
+        Some(other) => bail!("--pipeline-schedule {other}: expected 1f1b, gpipe or interleaved"),
+    };
+    let lr = LrSchedule::from_iterations(
+        args.lr,
+        args.min_lr,
+        args.lr_decay_style
+            .parse::<DecayStyle>()
+            .map_err(anyhow::Error::msg)?,
+        args.lr_decay_iters.unwrap_or(args.train_iters),
+        args.lr_warmup_iters,
+        args.lr_warmup_fraction,
+        gbs,
+    )
+    .map_err(anyhow::Error::msg)?;
+    let config = TrainConfig {
+        model,
+        plan,
+        schedule,
+        sequence_length: args.seq_length,
+        train_iters: args.train_iters,
+        lr,
+        adam: AdamWConfig {
+            beta1: args.adam_beta1,
+            beta2: args.adam_beta2,
+            eps: args.adam_eps,
+            weight_decay: args.weight_decay,
+        },
+        clip_grad: args.clip_grad,
+        bf16: args.bf16,
+        seed: u64::from(args.seed),
+        recompute: args.recompute_activations,
+        device: args.device.parse()?,
+        emulate_speed: args.emulate_device_speed.clone(),
+        save: args.save.clone(),
+        save_interval: args.save_interval,
+        load: args.load.clone(),
+        finetune_from_hf: args.finetune_from_hf.clone(),
+        log_interval: args.log_interval,
+        log_json: args.log_json.clone(),
+        tensorboard_dir: args.tensorboard_dir.clone(),
+    };
+    if world.rank() == 0 {
+        tracing::info!(
+            "training {} parameters on {} ranks: layers per stage {:?}, (mbs, micro-batches) per replica {:?}, {threads} threads per rank",
+            config.model.num_parameters(),
+            world.size(),
+            config.plan.stages.layers(),
+            config
+                .plan
+                .batches
+                .replicas()
+                .iter()
+                .map(|r| (r.micro_batch_size, r.num_micro_batches))
+                .collect::<Vec<_>>()
+        );
+        tracing::info!(
+            "equivalent flags: {}",
+            config.plan.to_synerfuse_args().join(" ")
+        );
+    }
+    let mut trainer = Trainer::new(world, config, dataset, sample_options, local_rank)?;
+    let summary = trainer.train()?;
+    if world.rank() == 0 {
+        if let (Some(first), Some(last)) = (summary.losses.first(), summary.losses.last()) {
+            tracing::info!(
+                "done at iteration {}: loss {first:.4} -> {last:.4} over {} iterations{}",
+                summary.iteration,
+                summary.losses.len(),
+                if summary.stopped_by_signal {
+                    " (stopped by SIGTERM)"
+                } else {
+                    ""
+                }
+            );
+        }
+    }
+    Ok(())
+}

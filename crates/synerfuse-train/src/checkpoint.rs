@@ -1,0 +1,273 @@
+//! Layout-independent checkpoints.
+//!
+//! ```text
+//! SAVE/
+//!   latest                                   the iteration of the newest complete checkpoint
+//!   iter_0000100/
+//!     model-00001-of-00002.safetensors       fp32 parameters by global name (one file per stage)
+//!     optimizer-00001-of-00002.safetensors   `{name}.exp_avg`, `{name}.exp_avg_sq`
+//!     state.json                             iteration, consumed samples, optimizer steps,
+//!                                            seed and RNG, model config, the plan used
+//!     manifest.json                          size and SHA-256 of every file above
+//! ```
+//!
+//! Tensors are found by name, not by file, so a checkpoint loads under any other plan:
+//! another pipeline split, other data-parallel sizes and batches. A checkpoint is
+//! written into `iter_N.tmp` and renamed when complete; `latest` is replaced last, so a
+//! run killed while saving leaves the previous checkpoint in force.
+
+use crate::TrainError;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::{BTreeMap, HashMap};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use synerfuse_model::tch::Tensor;
+use synerfuse_parallel::ParallelPlan;
+
+/// The name of the file that points at the newest checkpoint.
+pub const LATEST: &str = "latest";
+
+/// What a checkpoint records besides tensors.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointState {
+    /// Iterations completed.
+    pub iteration: u64,
+    /// Samples consumed (the data position).
+    pub consumed_samples: u64,
+    /// AdamW steps taken (bias correction).
+    pub optimizer_steps: u64,
+    /// `--seed` of the run.
+    pub seed: u64,
+    /// The libtorch generator seed the run re-seeds with when resuming (training itself
+    /// draws no random numbers after initialisation: no dropout).
+    pub rng_seed: u64,
+    /// The model, as a Hugging Face `config.json`.
+    pub model: serde_json::Value,
+    /// The plan the checkpoint was written under.
+    pub plan: ParallelPlan,
+    /// Whether the run trained in bf16 (parameters are stored in fp32 either way).
+    pub bf16: bool,
+}
+
+/// One file of a checkpoint in the manifest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ManifestEntry {
+    /// Bytes.
+    pub bytes: u64,
+    /// SHA-256, hex.
+    pub sha256: String,
+}
+
+/// `manifest.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Format version.
+    pub format: u32,
+    /// Every file of the checkpoint directory but the manifest.
+    pub files: BTreeMap<String, ManifestEntry>,
+}
+
+/// The directory name of iteration `iteration`'s checkpoint (Megatron's spelling).
+pub fn iteration_dir(iteration: u64) -> String {
+    format!("iter_{iteration:07}")
+}
+
+fn io_err(path: &Path) -> impl Fn(std::io::Error) -> TrainError + '_ {
+    move |e| TrainError::Checkpoint {
+        path: path.to_path_buf(),
+        problem: e.to_string(),
+    }
+}
+
+fn sha256_file(path: &Path) -> Result<ManifestEntry, TrainError> {
+    let mut file = std::fs::File::open(path).map_err(io_err(path))?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut bytes = 0u64;
+    loop {
+        let n = file.read(&mut buf).map_err(io_err(path))?;
+        if n == 0 {
+            break;
+        }
+        bytes += n as u64;
+        hasher.update(&buf[..n]);
+    }
+    let sha256 = hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    Ok(ManifestEntry { bytes, sha256 })
+}
+
+/// Writes `text` to `path` under a temporary name, then renames it.
+fn write_atomically(path: &Path, text: &str) -> Result<(), TrainError> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).map_err(io_err(&tmp))?;
+    std::fs::rename(&tmp, path).map_err(io_err(path))
+}
+
+/// The temporary directory a checkpoint is assembled in.
+pub fn staging_dir(save: &Path, iteration: u64) -> PathBuf {
+    save.join(format!("{}.tmp", iteration_dir(iteration)))
+}
+
+/// Step 1 (one rank): an empty staging directory for iteration `iteration`.
+pub fn prepare(save: &Path, iteration: u64) -> Result<PathBuf, TrainError> {
+    let staging = staging_dir(save, iteration);
+    if staging.exists() {
+        std::fs::remove_dir_all(&staging).map_err(io_err(&staging))?;
+    }
+    std::fs::create_dir_all(&staging).map_err(io_err(&staging))?;
+    Ok(staging)
+}
+
+/// Step 2 (each writing rank): this stage's parameters and optimizer moments.
+pub fn write_shard(
+    staging: &Path,
+    stage: usize,
+    stages: usize,
+    params: &[(String, Tensor)],
+    moments: &[(String, Tensor)],
+) -> Result<(), TrainError> {
+    let model = staging.join(format!("model-{:05}-of-{stages:05}.safetensors", stage + 1));
+    let optim = staging.join(format!(
+        "optimizer-{:05}-of-{stages:05}.safetensors",
+        stage + 1
+    ));
+    synerfuse_model::hf::write_safetensors(&model, params)?;
+    synerfuse_model::hf::write_safetensors(&optim, moments)?;
+    Ok(())
+}
+
+/// Step 3 (one rank, after every shard is written): state and manifest, then the
+/// directory is renamed into place and `latest` is updated.
+pub fn commit(save: &Path, state: &CheckpointState) -> Result<PathBuf, TrainError> {
+    let staging = staging_dir(save, state.iteration);
+    let state_path = staging.join("state.json");
+    write_atomically(
+        &state_path,
+        &serde_json::to_string_pretty(state).expect("state serialises"),
+    )?;
+    let mut files = BTreeMap::new();
+    for entry in std::fs::read_dir(&staging).map_err(io_err(&staging))? {
+        let entry = entry.map_err(io_err(&staging))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name == "manifest.json" || name.ends_with(".tmp") {
+            continue;
+        }
+        files.insert(name, sha256_file(&entry.path())?);
+    }
+    let manifest = Manifest { format: 1, files };
+    write_atomically(
+        &staging.join("manifest.json"),
+        &serde_json::to_string_pretty(&manifest).expect("manifest serialises"),
+    )?;
+    let target = save.join(iteration_dir(state.iteration));
+    if target.exists() {
+        std::fs::remove_dir_all(&target).map_err(io_err(&target))?;
+    }
+    std::fs::rename(&staging, &target).map_err(io_err(&target))?;
+    write_atomically(&save.join(LATEST), &format!("{}\n", state.iteration))?;
+    Ok(target)
+}
+
+/// A checkpoint opened for loading, its files verified against the manifest.
+#[derive(Debug)]
+pub struct Checkpoint {
+    /// `iter_N` directory.
+    pub dir: PathBuf,
+    /// Its state.
+    pub state: CheckpointState,
+    manifest: Manifest,
+}
+
+impl Checkpoint {
+    /// The newest checkpoint of `load` (as `latest` names it), or `None` when `load`
+    /// has no `latest` file (Megatron starts from scratch then).
+    pub fn open_latest(load: &Path) -> Result<Option<Checkpoint>, TrainError> {
+        let latest = load.join(LATEST);
+        if !latest.exists() {
+            return Ok(None);
+        }
+        let text = std::fs::read_to_string(&latest).map_err(io_err(&latest))?;
+        let iteration: u64 = text.trim().parse().map_err(|_| TrainError::Checkpoint {
+            path: latest.clone(),
+            problem: format!("expected an iteration number, found {:?}", text.trim()),
+        })?;
+        Self::open(&load.join(iteration_dir(iteration))).map(Some)
+    }
+
+    /// The checkpoint in directory `dir`; the manifest and state must be readable.
+    pub fn open(dir: &Path) -> Result<Checkpoint, TrainError> {
+        let manifest_path = dir.join("manifest.json");
+        let text = std::fs::read_to_string(&manifest_path).map_err(io_err(&manifest_path))?;
+        let manifest: Manifest =
+            serde_json::from_str(&text).map_err(|e| TrainError::Checkpoint {
+                path: manifest_path.clone(),
+                problem: e.to_string(),
+            })?;
+        let state_path = verified(dir, &manifest, "state.json")?;
+        let text = std::fs::read_to_string(&state_path).map_err(io_err(&state_path))?;
+        let state = serde_json::from_str(&text).map_err(|e| TrainError::Checkpoint {
+            path: state_path.clone(),
+            problem: e.to_string(),
+        })?;
+        Ok(Checkpoint {
+            dir: dir.to_path_buf(),
+            state,
+            manifest,
+        })
+    }
+
+    /// The tensors named in `names` from the files whose names start with `prefix`
+    /// (`model-` or `optimizer-`), every file read verified first. Missing names are
+    /// an error naming the first.
+    pub fn tensors(
+        &self,
+        prefix: &str,
+        names: &[String],
+    ) -> Result<HashMap<String, Tensor>, TrainError> {
+        let wanted: std::collections::HashSet<&str> = names.iter().map(String::as_str).collect();
+        let mut found = HashMap::new();
+        for file in self.manifest.files.keys().filter(|f| f.starts_with(prefix)) {
+            let path = verified(&self.dir, &self.manifest, file)?;
+            for (name, tensor) in
+                synerfuse_model::hf::read_safetensors(&path, |n| wanted.contains(n))?
+            {
+                found.insert(name, tensor);
+            }
+        }
+        if let Some(missing) = names.iter().find(|n| !found.contains_key(*n)) {
+            return Err(TrainError::Checkpoint {
+                path: self.dir.clone(),
+                problem: format!("no {prefix}* file holds tensor {missing:?}"),
+            });
+        }
+        Ok(found)
+    }
+}
+
+/// The path of `name` in `dir`, after checking its size and SHA-256 against `manifest`.
+fn verified(dir: &Path, manifest: &Manifest, name: &str) -> Result<PathBuf, TrainError> {
+    let path = dir.join(name);
+    let want = manifest
+        .files
+        .get(name)
+        .ok_or_else(|| TrainError::Checkpoint {
+            path: path.clone(),
+            problem: "not listed in manifest.json".into(),
+        })?;
+    let got = sha256_file(&path)?;
+    if &got != want {
+        return Err(TrainError::Checkpoint {
+            path,
+            problem: format!(
+                "corrupt: {} bytes with SHA-256 {}, the manifest records {} bytes with {}",
+                got.bytes, got.sha256, want.bytes, want.sha256
+            ),
+        });
+    }
+    Ok(path)
+}

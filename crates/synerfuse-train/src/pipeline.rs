@@ -1,0 +1,314 @@
+//! Runs one rank's pipeline program (from `synerfuse_parallel::plan_schedule`) for one
+//! training step: forwards and backwards of its stage chunks, activations and gradients
+//! exchanged with neighbouring stages by non-blocking MPI sends.
+//!
+//! Each rank holds one [`Stage`] per virtual chunk, with its own layer count, and runs as
+//! many micro-batches as its replica's plan says; replicas never talk to each other here.
+
+use crate::comm::{CommError, MpiCommunicator, PendingSend};
+use crate::loader::MicroBatch;
+use crate::TrainError;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+use synerfuse_model::tch::{Device, Kind, Tensor};
+use synerfuse_model::{BackwardFrom, ForwardPass, Stage};
+use synerfuse_parallel::Instruction;
+
+/// Where a rank's time went in one step.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepTimes {
+    /// Forward and backward computation (including emulated slowdown).
+    pub compute: Duration,
+    /// Sending, and collectives (gradient reduction, norms).
+    pub communication: Duration,
+    /// Blocked in receives, waiting for a neighbouring stage (pipeline bubbles).
+    pub waiting: Duration,
+}
+
+/// What the last stage measured in one step.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepLoss {
+    /// Σ per-token loss over this replica's loss tokens (0 on other stages).
+    pub loss_sum: f64,
+    /// Loss tokens seen by this rank's last-stage chunk (0 on other stages).
+    pub loss_tokens: f64,
+}
+
+/// A slowdown that emulates a slower device: after each computation of duration `t` the
+/// rank waits `t · (1/speed − 1)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Emulation {
+    /// Speed relative to this machine (0.5 = half as fast).
+    pub speed: f64,
+}
+
+impl Emulation {
+    fn pause_after(&self, compute: Duration) -> Duration {
+        if self.speed >= 1.0 || self.speed <= 0.0 {
+            return Duration::ZERO;
+        }
+        let extra = compute.mul_f64(1.0 / self.speed - 1.0);
+        std::thread::sleep(extra);
+        extra
+    }
+}
+
+/// One rank's stage chunks and how to reach its neighbours.
+pub struct PipelineRank<'a> {
+    /// The stage of each virtual chunk, in chunk order.
+    pub chunks: &'a [Stage],
+    /// This rank's pipeline stage.
+    pub stage_index: usize,
+    /// Stages in the pipeline.
+    pub num_stages: usize,
+    /// The world communicator (peers in the program are world ranks).
+    pub world: &'a MpiCommunicator,
+    /// Dtype of activations on the wire.
+    pub activation_kind: Kind,
+    /// Emulated slowdown, if any.
+    pub emulation: Option<Emulation>,
+}
+
+/// The tag of a message named by (micro-batch, sending chunk) and its direction.
+fn tag(micro_batch: usize, chunk: usize, chunks: usize, gradient: bool) -> i32 {
+    (((micro_batch * chunks + chunk) * 2) + usize::from(gradient)) as i32
+}
+
+impl PipelineRank<'_> {
+    /// Runs `program` over `micro_batches` (this replica's, in order). The last stage's
+    /// loss is divided by `loss_normaliser` (the global number of loss tokens of the
+    /// step) before its backward, so gradients summed over replicas are the global-batch
+    /// gradient. Parameter gradients accumulate in the stages.
+    pub fn run(
+        &self,
+        program: &[Instruction],
+        micro_batches: &[MicroBatch],
+        sequence_length: usize,
+        loss_normaliser: f64,
+    ) -> Result<(StepLoss, StepTimes), TrainError> {
+        let chunks = self.chunks.len();
+        let device = self.chunks[0].device();
+        let hidden = self.chunks[0].config().hidden_size as i64;
+        let last_stage = self.stage_index + 1 == self.num_stages;
+        let mut times = StepTimes::default();
+        let mut loss = StepLoss::default();
+        let inputs: Vec<BatchTensors> = micro_batches
+            .iter()
+            .map(|mb| BatchTensors::new(mb, sequence_length, device))
+            .collect();
+        // Messages by (micro-batch, sending chunk).
+        let mut activations: HashMap<(usize, usize), Tensor> = HashMap::new();
+        let mut gradients: HashMap<(usize, usize), Tensor> = HashMap::new();
+        let mut passes: HashMap<(usize, usize), ForwardPass> = HashMap::new();
+        let mut input_grads: HashMap<(usize, usize), Tensor> = HashMap::new();
+        let mut pending: Vec<PendingSend> = Vec::new();
+        let comm_err = |e: CommError| TrainError::Comm(e);
+        for &instruction in program {
+            match instruction {
+                Instruction::RecvActivation {
+                    peer,
+                    micro_batch,
+                    chunk,
+                } => {
+                    let rows = inputs[micro_batch].rows;
+                    let mut buffer = Tensor::empty(
+                        [rows, sequence_length as i64, hidden],
+                        (self.activation_kind, Device::Cpu),
+                    );
+                    let started = Instant::now();
+                    self.world
+                        .recv(&mut buffer, peer, tag(micro_batch, chunk, chunks, false))
+                        .map_err(comm_err)?;
+                    times.waiting += started.elapsed();
+                    activations.insert((micro_batch, chunk), buffer.to_device(device));
+                }
+                Instruction::Forward { micro_batch, chunk } => {
+                    let stage = &self.chunks[chunk];
+                    let batch = &inputs[micro_batch];
+                    let input = if stage.is_first() {
+                        batch.tokens.shallow_clone()
+                    } else {
+                        // Named by the sender: the previous stage's same chunk, or the
+                        // last stage's previous chunk when this is stage 0.
+                        let from = if self.stage_index == 0 {
+                            chunk - 1
+                        } else {
+                            chunk
+                        };
+                        activations.remove(&(micro_batch, from)).ok_or_else(|| {
+                            TrainError::Pipeline(format!(
+                                "forward of micro-batch {micro_batch} chunk {chunk} before its input arrived"
+                            ))
+                        })?
+                    };
+                    let started = Instant::now();
+                    let pass = stage.forward_train(
+                        &input,
+                        Some(&batch.position_ids),
+                        batch.attention_mask.as_ref(),
+                    )?;
+                    if stage.is_last() {
+                        let (sum, count) = tch_no_grad_loss(&pass.output, batch);
+                        loss.loss_sum += sum;
+                        loss.loss_tokens += count;
+                    }
+                    self.account_compute(&mut times, started.elapsed());
+                    passes.insert((micro_batch, chunk), pass);
+                }
+                Instruction::SendActivation {
+                    peer,
+                    micro_batch,
+                    chunk,
+                } => {
+                    let pass = passes.get(&(micro_batch, chunk)).ok_or_else(|| {
+                        TrainError::Pipeline(format!(
+                            "send of micro-batch {micro_batch} chunk {chunk} before its forward"
+                        ))
+                    })?;
+                    let started = Instant::now();
+                    let out = pass.output.to_kind(self.activation_kind);
+                    pending.push(
+                        self.world
+                            .isend(&out, peer, tag(micro_batch, chunk, chunks, false))
+                            .map_err(comm_err)?,
+                    );
+                    times.communication += started.elapsed();
+                }
+                Instruction::RecvGradient {
+                    peer,
+                    micro_batch,
+                    chunk,
+                } => {
+                    let rows = inputs[micro_batch].rows;
+                    let mut buffer = Tensor::empty(
+                        [rows, sequence_length as i64, hidden],
+                        (self.activation_kind, Device::Cpu),
+                    );
+                    // Named by the sender: the next stage's same chunk, or stage 0's next
+                    // chunk when this is the last stage.
+                    let from = if last_stage { chunk + 1 } else { chunk };
+                    let started = Instant::now();
+                    self.world
+                        .recv(&mut buffer, peer, tag(micro_batch, from, chunks, true))
+                        .map_err(comm_err)?;
+                    times.waiting += started.elapsed();
+                    gradients.insert((micro_batch, from), buffer.to_device(device));
+                }
+                Instruction::Backward { micro_batch, chunk } => {
+                    let stage = &self.chunks[chunk];
+                    let pass = passes.remove(&(micro_batch, chunk)).ok_or_else(|| {
+                        TrainError::Pipeline(format!(
+                            "backward of micro-batch {micro_batch} chunk {chunk} without its forward"
+                        ))
+                    })?;
+                    let batch = &inputs[micro_batch];
+                    let started = Instant::now();
+                    let input_grad = if stage.is_last() {
+                        let loss_of = |logits: &Tensor| {
+                            let (sum, _) =
+                                Stage::loss(logits, &batch.labels, Some(&batch.loss_mask));
+                            sum / loss_normaliser
+                        };
+                        stage.backward(pass, BackwardFrom::Loss(&loss_of))?
+                    } else {
+                        let from = if last_stage { chunk + 1 } else { chunk };
+                        let grad = gradients.remove(&(micro_batch, from)).ok_or_else(|| {
+                            TrainError::Pipeline(format!(
+                                "backward of micro-batch {micro_batch} chunk {chunk} before its output gradient arrived"
+                            ))
+                        })?;
+                        let grad = grad.to_kind(pass.output.kind());
+                        stage.backward(pass, BackwardFrom::OutputGrad(&grad))?
+                    };
+                    self.account_compute(&mut times, started.elapsed());
+                    if let Some(g) = input_grad {
+                        input_grads.insert((micro_batch, chunk), g);
+                    }
+                }
+                Instruction::SendGradient {
+                    peer,
+                    micro_batch,
+                    chunk,
+                } => {
+                    let grad = input_grads.remove(&(micro_batch, chunk)).ok_or_else(|| {
+                        TrainError::Pipeline(format!(
+                            "gradient send of micro-batch {micro_batch} chunk {chunk} before its backward"
+                        ))
+                    })?;
+                    let started = Instant::now();
+                    pending.push(
+                        self.world
+                            .isend(
+                                &grad.to_kind(self.activation_kind),
+                                peer,
+                                tag(micro_batch, chunk, chunks, true),
+                            )
+                            .map_err(comm_err)?,
+                    );
+                    times.communication += started.elapsed();
+                }
+            }
+        }
+        let started = Instant::now();
+        for send in pending {
+            send.wait();
+        }
+        times.communication += started.elapsed();
+        if !passes.is_empty() {
+            return Err(TrainError::Pipeline(format!(
+                "{} forward passes had no backward",
+                passes.len()
+            )));
+        }
+        Ok((loss, times))
+    }
+
+    fn account_compute(&self, times: &mut StepTimes, compute: Duration) {
+        let extra = self
+            .emulation
+            .map_or(Duration::ZERO, |e| e.pause_after(compute));
+        times.compute += compute + extra;
+    }
+}
+
+/// The loss of a forward's logits, for the log (no graph).
+fn tch_no_grad_loss(logits: &Tensor, batch: &BatchTensors) -> (f64, f64) {
+    synerfuse_model::tch::no_grad(|| {
+        let (sum, count) = Stage::loss(logits, &batch.labels, Some(&batch.loss_mask));
+        (sum.double_value(&[]), count.double_value(&[]))
+    })
+}
+
+/// A micro-batch as tensors on the stage's device.
+struct BatchTensors {
+    rows: i64,
+    tokens: Tensor,
+    labels: Tensor,
+    loss_mask: Tensor,
+    position_ids: Tensor,
+    attention_mask: Option<Tensor>,
+}
+
+impl BatchTensors {
+    fn new(mb: &MicroBatch, s: usize, device: Device) -> Self {
+        let rows = mb.len() as i64;
+        let s = s as i64;
+        let shape = [rows, s];
+        BatchTensors {
+            rows,
+            tokens: Tensor::from_slice(&mb.tokens).view(shape).to_device(device),
+            labels: Tensor::from_slice(&mb.labels).view(shape).to_device(device),
+            loss_mask: Tensor::from_slice(&mb.loss_mask)
+                .view(shape)
+                .to_device(device),
+            position_ids: Tensor::from_slice(&mb.position_ids)
+                .view(shape)
+                .to_device(device),
+            attention_mask: mb.attention_mask.as_ref().map(|m| {
+                Tensor::from_slice(m)
+                    .view([rows, 1, s, s])
+                    .to_device(device)
+            }),
+        }
+    }
+}
