@@ -176,6 +176,9 @@ pub struct TrainArgs {
     save_interval: Option<u64>,
     #[arg(long, help_heading = "Checkpoints and logs")]
     load: Option<PathBuf>,
+    /// Stop after an iteration that is a multiple of N (saving first with --save)
+    #[arg(long, help_heading = "Checkpoints and logs")]
+    exit_interval: Option<u64>,
     #[arg(long, default_value_t = 100, help_heading = "Checkpoints and logs")]
     log_interval: u64,
     /// One JSON object per iteration
@@ -396,6 +399,8 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         if n == 0 {
             bail!("--nproc must be at least 1");
         }
+        // Refuse a layout that cannot work here, once, before starting n ranks.
+        args.plan(n)?;
         let status = relaunch(n)?;
         if !status.success() {
             bail!("the {n}-rank job failed ({status}); see the ranks' messages above");
@@ -525,6 +530,7 @@ fn train_rank(args: &TrainArgs, world: &synerfuse_train::comm::MpiCommunicator) 
         save: args.save.clone(),
         save_interval: args.save_interval,
         load: args.load.clone(),
+        exit_interval: args.exit_interval,
         finetune_from_hf: args.finetune_from_hf.clone(),
         log_interval: args.log_interval,
         log_json: args.log_json.clone(),

@@ -184,15 +184,13 @@ impl PipelineRank<'_> {
                         [rows, sequence_length as i64, hidden],
                         (self.activation_kind, Device::Cpu),
                     );
-                    // Named by the sender: the next stage's same chunk, or stage 0's next
-                    // chunk when this is the last stage.
-                    let from = if last_stage { chunk + 1 } else { chunk };
+                    // `chunk` names the sender's piece, as on the sending side.
                     let started = Instant::now();
                     self.world
-                        .recv(&mut buffer, peer, tag(micro_batch, from, chunks, true))
+                        .recv(&mut buffer, peer, tag(micro_batch, chunk, chunks, true))
                         .map_err(comm_err)?;
                     times.waiting += started.elapsed();
-                    gradients.insert((micro_batch, from), buffer.to_device(device));
+                    gradients.insert((micro_batch, chunk), buffer.to_device(device));
                 }
                 Instruction::Backward { micro_batch, chunk } => {
                     let stage = &self.chunks[chunk];
@@ -211,6 +209,8 @@ impl PipelineRank<'_> {
                         };
                         stage.backward(pass, BackwardFrom::Loss(&loss_of))?
                     } else {
+                        // Named by the sender: the next stage's same chunk, or stage 0's
+                        // next chunk when this is the last stage.
                         let from = if last_stage { chunk + 1 } else { chunk };
                         let grad = gradients.remove(&(micro_batch, from)).ok_or_else(|| {
                             TrainError::Pipeline(format!(

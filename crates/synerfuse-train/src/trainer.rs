@@ -58,6 +58,9 @@ pub struct TrainConfig {
     pub save_interval: Option<u64>,
     /// `--load`.
     pub load: Option<PathBuf>,
+    /// `--exit-interval`: stop (saving first, with `--save`) after an iteration that is a
+    /// multiple of this.
+    pub exit_interval: Option<u64>,
     /// `--finetune-from-hf`: initial weights from a Hugging Face LLaMA directory.
     pub finetune_from_hf: Option<PathBuf>,
     /// `--log-interval`.
@@ -445,8 +448,21 @@ impl<'w> Trainer<'w> {
                 .config
                 .save_interval
                 .is_some_and(|n| n > 0 && self.iteration % n == 0);
-            if self.config.save.is_some() && (interval || last || any_stop) {
+            let exit = self
+                .config
+                .exit_interval
+                .is_some_and(|n| n > 0 && self.iteration % n == 0);
+            if self.config.save.is_some() && (interval || last || any_stop || exit) {
                 summary.saved.push(self.save()?);
+            }
+            if exit && !last {
+                if rank == 0 {
+                    tracing::info!(
+                        "exiting after iteration {} (--exit-interval)",
+                        self.iteration
+                    );
+                }
+                break;
             }
             if any_stop {
                 if rank == 0 {

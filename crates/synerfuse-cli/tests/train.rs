@@ -1,0 +1,656 @@
+//! `synerfuse train` as users run it, on CPU ranks started with `--nproc` (mpirun):
+//! equivalence of every plan with a single rank, resume, faults, metrics.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+use synerfuse_model::tch::{Kind, Tensor};
+
+const BIN: &str = env!("CARGO_BIN_EXE_synerfuse");
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn tokenizer_dir() -> PathBuf {
+    root().join("crates/synerfuse-data/tests/fixtures/tokenizers/shakespeare-bpe")
+}
+
+/// Runs synerfuse to completion in its own process group; a run that outlives
+/// `LIMIT` (a deadlock) is killed with its mpirun and ranks, and the test fails.
+fn synerfuse(args: &[String]) -> Output {
+    synerfuse_with_env(args, &[])
+}
+
+const LIMIT: Duration = Duration::from_secs(240);
+
+fn synerfuse_with_env(args: &[String], env: &[(&str, &str)]) -> Output {
+    use std::os::unix::process::CommandExt;
+    let logs = tempfile::tempdir().unwrap();
+    let (out_path, err_path) = (logs.path().join("out"), logs.path().join("err"));
+    let mut child = Command::new(BIN)
+        .args(args)
+        .envs(env.iter().copied())
+        .env_remove("LD_LIBRARY_PATH")
+        .env("OMP_NUM_THREADS", "1")
+        .stdout(std::fs::File::create(&out_path).unwrap())
+        .stderr(std::fs::File::create(&err_path).unwrap())
+        .process_group(0)
+        .spawn()
+        .expect("run synerfuse");
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > LIMIT {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", child.id())])
+                .status();
+            let _ = child.wait();
+            panic!(
+                "synerfuse {args:?} did not finish in {LIMIT:?} (deadlock?)\nstderr:\n{}",
+                std::fs::read_to_string(&err_path).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Output {
+        status,
+        stdout: std::fs::read(&out_path).unwrap(),
+        stderr: std::fs::read(&err_path).unwrap(),
+    }
+}
+
+fn ok(out: &Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| s.to_string()).collect()
+}
+
+/// Shakespeare (the fixture corpus of 32 play excerpts) preprocessed with the
+/// Shakespeare BPE tokenizer into `dir`.
+fn dataset(dir: &Path) -> PathBuf {
+    let tok = tokenizer_dir();
+    let prefix = dir.join("shk");
+    let out = synerfuse(&strings(&[
+        "preprocess",
+        "--input",
+        root()
+            .join("crates/synerfuse-data/tests/fixtures/megatron/corpus.jsonl")
+            .to_str()
+            .unwrap(),
+        "--output-prefix",
+        prefix.to_str().unwrap(),
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        tok.join("vocab.json").to_str().unwrap(),
+        "--merge-file",
+        tok.join("merges.txt").to_str().unwrap(),
+        "--append-eod",
+        "--workers",
+        "1",
+    ]));
+    ok(&out, "preprocess");
+    dir.join("shk_text_document")
+}
+
+/// A tiny LLaMA (4 layers, GQA, tied embeddings), fp32, global batch 6, 6 iterations
+/// with warm-up and cosine decay over 6 iterations.
+fn common(dir: &Path, data: &Path, iters: u64) -> Vec<String> {
+    let tok = tokenizer_dir();
+    let mut args = strings(&[
+        "train",
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--ffn-hidden-size",
+        "64",
+        "--seq-length",
+        "32",
+        "--disable-bias-linear",
+        "--swiglu",
+        "--normalization",
+        "RMSNorm",
+        "--lr",
+        "3e-3",
+        "--min-lr",
+        "1e-4",
+        "--lr-warmup-iters",
+        "1",
+        "--lr-decay-style",
+        "cosine",
+        "--weight-decay",
+        "0.1",
+        "--adam-beta2",
+        "0.95",
+        "--clip-grad",
+        "1.0",
+        "--global-batch-size",
+        "6",
+        "--split",
+        "100,0,0",
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--seed",
+        "7",
+        "--device",
+        "cpu",
+        "--log-interval",
+        "1",
+    ]);
+    args.extend([
+        "--train-iters".into(),
+        iters.to_string(),
+        "--lr-decay-iters".into(),
+        iters.to_string(),
+        "--data-path".into(),
+        data.display().to_string(),
+        "--data-cache-path".into(),
+        dir.join("cache").display().to_string(),
+        "--vocab-file".into(),
+        tok.join("vocab.json").display().to_string(),
+        "--merge-file".into(),
+        tok.join("merges.txt").display().to_string(),
+    ]);
+    args
+}
+
+fn losses(path: &Path) -> Vec<f64> {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("json line");
+            v["loss"].as_f64().expect("loss")
+        })
+        .collect()
+}
+
+/// Every parameter of the newest checkpoint in `save`, by name.
+fn parameters(save: &Path) -> BTreeMap<String, Tensor> {
+    let iteration = std::fs::read_to_string(save.join("latest")).expect("latest");
+    let dir = save.join(format!(
+        "iter_{:07}",
+        iteration.trim().parse::<u64>().unwrap()
+    ));
+    let mut out = BTreeMap::new();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if name.starts_with("model-") {
+            for (n, t) in synerfuse_model::hf::read_safetensors(&path, |_| true).unwrap() {
+                assert!(out.insert(n.clone(), t).is_none(), "{n} stored twice");
+            }
+        }
+    }
+    out
+}
+
+fn max_param_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f64 {
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "checkpoints hold different parameters"
+    );
+    a.iter()
+        .map(|(n, t)| {
+            (t.to_kind(Kind::Double) - b[n].to_kind(Kind::Double))
+                .abs()
+                .max()
+                .double_value(&[])
+        })
+        .fold(0.0, f64::max)
+}
+
+fn max_rel_loss_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len(), "{a:?} vs {b:?}");
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / x.abs())
+        .fold(0.0, f64::max)
+}
+
+/// Runs `synerfuse train` with `extra` flags, logging to `name.jsonl` and saving to
+/// `name/`; returns (losses, final parameters).
+fn run(
+    dir: &Path,
+    data: &Path,
+    name: &str,
+    extra: &[&str],
+) -> (Vec<f64>, BTreeMap<String, Tensor>) {
+    let mut args = common(dir, data, 6);
+    args.extend(strings(extra));
+    let log = dir.join(format!("{name}.jsonl"));
+    let save = dir.join(name);
+    args.extend([
+        "--log-json".into(),
+        log.display().to_string(),
+        "--save".into(),
+        save.display().to_string(),
+    ]);
+    let out = synerfuse(&args);
+    ok(&out, name);
+    (losses(&log), parameters(&save))
+}
+
+/// DESIGN.md §3: any plan trains exactly what one rank trains on the same global batch.
+#[test]
+fn every_plan_matches_a_single_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dataset(dir.path());
+    let (ref_losses, ref_params) = run(dir.path(), &data, "single", &["--micro-batch-size", "1"]);
+    assert_eq!(ref_losses.len(), 6);
+    assert!(ref_losses.iter().all(|l| l.is_finite()));
+    let cases: [(&str, &[&str]); 7] = [
+        (
+            "PP 2, layers [1,3], 1F1B, mbs 2 x 3",
+            &[
+                "--nproc",
+                "2",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--hetero-pipeline-stages",
+                "1",
+                "1",
+                "1",
+                "3",
+                "--micro-batch-size",
+                "2",
+            ],
+        ),
+        (
+            "PP 3, layers [2,1,1], GPipe, mbs 1 x 6",
+            &[
+                "--nproc",
+                "3",
+                "--pipeline-model-parallel-size",
+                "3",
+                "--hetero-pipeline-stages",
+                "1",
+                "2",
+                "2",
+                "1",
+                "1",
+                "--micro-batch-size",
+                "1",
+                "--pipeline-schedule",
+                "gpipe",
+            ],
+        ),
+        (
+            "DP 2, mbs [3,1], counts [1,3]",
+            &[
+                "--nproc",
+                "2",
+                "--micro-batch-size-per-dp",
+                "1",
+                "3",
+                "1",
+                "1",
+                "--num-micro-batches-per-dp",
+                "1",
+                "1",
+                "1",
+                "3",
+            ],
+        ),
+        (
+            "DP 2 x PP 2, layers [1,3], mbs [2,1], counts [2,2], tp-pp-dp",
+            &[
+                "--nproc",
+                "4",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--hetero-pipeline-stages",
+                "2",
+                "1",
+                "3",
+                "--use-tp-pp-dp-mapping",
+                "--micro-batch-size-per-dp",
+                "1",
+                "2",
+                "1",
+                "1",
+                "--num-micro-batches-per-dp",
+                "1",
+                "2",
+                "1",
+                "2",
+            ],
+        ),
+        (
+            "DP 3, mbs 1, counts [1,2,3]",
+            &[
+                "--nproc",
+                "3",
+                "--micro-batch-size-per-dp",
+                "1",
+                "1",
+                "1",
+                "1",
+                "1",
+                "1",
+                "--num-micro-batches-per-dp",
+                "1",
+                "1",
+                "1",
+                "2",
+                "1",
+                "3",
+            ],
+        ),
+        (
+            "PP 2 interleaved, 2 chunks of 1 layer, mbs 1 x 6",
+            &[
+                "--nproc",
+                "2",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--micro-batch-size",
+                "1",
+            ],
+        ),
+        (
+            "PP 2 x DP 2 (default order), layers [3,1], mbs 3 x 1 each, recompute",
+            &[
+                "--nproc",
+                "4",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--hetero-pipeline-stages",
+                "2",
+                "3",
+                "1",
+                "--micro-batch-size",
+                "3",
+                "--recompute-activations",
+            ],
+        ),
+    ];
+    let mut table = String::from("| plan | max rel. loss diff | max param diff |\n|---|---|---|\n");
+    for (i, (label, flags)) in cases.iter().enumerate() {
+        let (losses, params) = run(dir.path(), &data, &format!("case{i}"), flags);
+        let loss_diff = max_rel_loss_diff(&ref_losses, &losses);
+        let param_diff = max_param_diff(&ref_params, &params);
+        table.push_str(&format!(
+            "| {label} | {loss_diff:.2e} | {param_diff:.2e} |\n"
+        ));
+        assert!(
+            loss_diff < 1e-5 && param_diff < 1e-5,
+            "{label}: losses {losses:?} vs {ref_losses:?} (rel {loss_diff:e}), params {param_diff:e}"
+        );
+    }
+    println!("single-rank losses: {ref_losses:?}\n{table}");
+}
+
+/// Stopping at iteration 3 and resuming gives the uninterrupted run's losses for 4..6,
+/// under the same plan and under another one; a corrupt checkpoint is refused by name.
+#[test]
+fn resume_continues_exactly_under_any_plan() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dataset(dir.path());
+    let (full, _) = run(dir.path(), &data, "full", &["--micro-batch-size", "2"]);
+    let save = dir.path().join("stopped");
+    let mut args = common(dir.path(), &data, 6);
+    args.extend(strings(&[
+        "--micro-batch-size",
+        "2",
+        "--exit-interval",
+        "3",
+        "--save-interval",
+        "3",
+    ]));
+    args.extend(["--save".into(), save.display().to_string()]);
+    ok(&synerfuse(&args), "run stopped at 3");
+    assert_eq!(
+        std::fs::read_to_string(save.join("latest")).unwrap().trim(),
+        "3"
+    );
+    for (name, flags) in [
+        ("same plan", vec!["--micro-batch-size", "2"]),
+        (
+            "PP 2 x DP 2, layers [3,1], mbs [2,1] counts [1,4]",
+            vec![
+                "--nproc",
+                "4",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--hetero-pipeline-stages",
+                "2",
+                "3",
+                "1",
+                "--micro-batch-size-per-dp",
+                "1",
+                "2",
+                "1",
+                "1",
+                "--num-micro-batches-per-dp",
+                "1",
+                "1",
+                "1",
+                "4",
+            ],
+        ),
+    ] {
+        let log = dir.path().join(format!("resumed-{}.jsonl", name.len()));
+        let mut args = common(dir.path(), &data, 6);
+        args.extend(strings(&flags));
+        args.extend([
+            "--load".into(),
+            save.display().to_string(),
+            "--log-json".into(),
+            log.display().to_string(),
+        ]);
+        ok(&synerfuse(&args), name);
+        let resumed = losses(&log);
+        let diff = max_rel_loss_diff(&full[3..], &resumed);
+        assert!(diff < 1e-5, "{name}: {resumed:?} vs {:?}", &full[3..]);
+    }
+    // Flip one byte of a parameter file: the load names the file.
+    let shard = std::fs::read_dir(save.join("iter_0000003"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("model-")
+        })
+        .unwrap();
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let n = bytes.len();
+    bytes[n - 3] ^= 0x40;
+    std::fs::write(&shard, bytes).unwrap();
+    let mut args = common(dir.path(), &data, 6);
+    args.extend(strings(&["--micro-batch-size", "2"]));
+    args.extend(["--load".into(), save.display().to_string()]);
+    let out = synerfuse(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "a corrupt checkpoint must be refused"
+    );
+    assert!(
+        stderr.contains(shard.file_name().unwrap().to_str().unwrap()) && stderr.contains("corrupt"),
+        "{stderr}"
+    );
+}
+
+/// A rank that dies mid-step ends the whole job with a non-zero status, quickly, with
+/// the failing rank in the log.
+#[test]
+fn a_rank_dying_mid_step_ends_the_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dataset(dir.path());
+    let mut args = common(dir.path(), &data, 6);
+    args.extend(strings(&[
+        "--nproc",
+        "4",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--micro-batch-size",
+        "1",
+    ]));
+    let started = Instant::now();
+    let out = synerfuse_with_env(&args, &[("SYNERFUSE_FAULT_INJECT", "exit:2:3")]);
+    let elapsed = started.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the job must fail: {stderr}");
+    assert!(elapsed < Duration::from_secs(60), "took {elapsed:?}");
+    assert!(
+        stderr.contains("rank 2: SYNERFUSE_FAULT_INJECT"),
+        "{stderr}"
+    );
+}
+
+/// Bad settings are named: tensor parallelism, a plan plus layout flags, a rank count
+/// that does not fit.
+#[test]
+fn contradictory_flags_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dataset(dir.path());
+    for (flags, expected) in [
+        (
+            vec![
+                "--tensor-model-parallel-size",
+                "2",
+                "--micro-batch-size",
+                "1",
+            ],
+            "--tensor-model-parallel-size 2",
+        ),
+        (
+            vec![
+                "--nproc",
+                "2",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--hetero-pipeline-stages",
+                "1",
+                "1",
+                "1",
+                "2",
+                "--micro-batch-size",
+                "1",
+            ],
+            "--num-layers is 4",
+        ),
+        (vec!["--micro-batch-size", "4"], "6"),
+        (vec!["--fp16", "--micro-batch-size", "1"], "--bf16"),
+    ] {
+        let mut args = common(dir.path(), &data, 6);
+        args.extend(strings(&flags));
+        let out = synerfuse(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flags:?} must fail");
+        assert!(stderr.contains(expected), "{flags:?}: {stderr}");
+    }
+}
+
+/// SIGTERM finishes the step, saves, and exits cleanly; logs go to JSON and TensorBoard.
+#[test]
+fn sigterm_saves_and_exits_and_metrics_are_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dataset(dir.path());
+    let save = dir.path().join("ckpt");
+    let tb = dir.path().join("tb");
+    let log = dir.path().join("log.jsonl");
+    let mut args = common(dir.path(), &data, 100_000);
+    args.extend(strings(&["--micro-batch-size", "1"]));
+    args.extend([
+        "--save".into(),
+        save.display().to_string(),
+        "--tensorboard-dir".into(),
+        tb.display().to_string(),
+        "--log-json".into(),
+        log.display().to_string(),
+    ]);
+    let mut child = Command::new(BIN)
+        .args(&args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        if std::fs::read_to_string(&log).is_ok_and(|t| t.lines().count() >= 3)
+            || child.try_wait().unwrap().is_some()
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let status = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    ok(&out, "SIGTERM run");
+    let stopped: u64 = std::fs::read_to_string(save.join("latest"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let logged = losses(&log).len() as u64;
+    assert!(
+        stopped >= 3 && stopped == logged,
+        "saved {stopped}, logged {logged}"
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("SIGTERM"), "{stderr}");
+    // JSON fields and TensorBoard scalars.
+    let first: serde_json::Value = serde_json::from_str(
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
+    .unwrap();
+    for field in [
+        "iteration",
+        "consumed_samples",
+        "lr",
+        "loss",
+        "grad_norm",
+        "elapsed_ms",
+        "tokens_per_s",
+        "ranks",
+    ] {
+        assert!(!first[field].is_null(), "{field} missing: {first}");
+    }
+    assert!(first["ranks"][0]["compute_ms"].as_f64().unwrap() > 0.0);
+    let event = std::fs::read_dir(&tb)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let scalars = synerfuse_train::metrics::read_scalars(&event).unwrap();
+    let loss_steps = scalars
+        .iter()
+        .filter(|(_, tag, _)| tag == "lm-loss")
+        .count() as u64;
+    assert_eq!(loss_steps, stopped);
+}
