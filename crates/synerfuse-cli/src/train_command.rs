@@ -215,7 +215,21 @@ fn relaunch(nproc: usize) -> Result<std::process::ExitStatus> {
 }
 
 impl TrainArgs {
-    fn parallel_flags(&self) -> Vec<String> {
+    /// `--num-layers`, or the layer count of `--finetune-from-hf`'s config.
+    fn num_layers(&self) -> Result<Option<usize>> {
+        match (self.num_layers, &self.finetune_from_hf) {
+            (Some(n), _) => Ok(Some(n)),
+            (None, Some(dir)) => Ok(Some(
+                LlamaConfig::from_hf_file(&dir.join("config.json"))
+                    .with_context(|| format!("--finetune-from-hf {}", dir.display()))?
+                    .num_layers,
+            )),
+            (None, None) => Ok(None),
+        }
+    }
+
+    fn parallel_flags(&self) -> Result<Vec<String>> {
+        let num_layers = self.num_layers()?;
         let mut args = Vec::new();
         let mut push = |flag: &str, value: Option<usize>| {
             if let Some(v) = value {
@@ -236,7 +250,7 @@ impl TrainArgs {
         );
         push("--micro-batch-size", self.micro_batch_size);
         push("--global-batch-size", self.global_batch_size);
-        push("--num-layers", self.num_layers);
+        push("--num-layers", num_layers);
         for (flag, values) in [
             ("--hetero-pipeline-stages", &self.hetero_pipeline_stages),
             ("--micro-batch-size-per-dp", &self.micro_batch_size_per_dp),
@@ -250,7 +264,7 @@ impl TrainArgs {
         if self.use_tp_pp_dp_mapping {
             args.push("--use-tp-pp-dp-mapping".into());
         }
-        args
+        Ok(args)
     }
 
     /// The plan: from `--plan` (parallel flags then conflict), or from the flags.
@@ -262,7 +276,7 @@ impl TrainArgs {
             );
         }
         let Some(path) = &self.plan else {
-            return ParallelPlan::from_synerfuse_args(&self.parallel_flags(), world_size)
+            return ParallelPlan::from_synerfuse_args(&self.parallel_flags()?, world_size)
                 .context("parallel flags");
         };
         let text =

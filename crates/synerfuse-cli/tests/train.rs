@@ -808,3 +808,81 @@ fn shakespeare_end_to_end_on_four_hetero_ranks() {
         "{stdout}"
     );
 }
+
+/// `--finetune-from-hf` starts from the Hugging Face weights: after one step at learning
+/// rate 0 the checkpoint holds them unchanged, split over 3 pipeline stages.
+#[test]
+fn finetune_from_hf_starts_from_its_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let hf = root().join("crates/synerfuse-model/tests/fixtures/mha_tied");
+    // Token ids below the fixture's 96-entry vocabulary (NullTokenizer: 95 + EOD).
+    let jsonl = dir.path().join("ids.jsonl");
+    let lines: Vec<String> = (0..40u64)
+        .map(|d| {
+            let ids: Vec<String> = (0..50u64)
+                .map(|i| ((d * 31 + i * 7) % 95).to_string())
+                .collect();
+            serde_json::json!({ "text": ids.join(" ") }).to_string()
+        })
+        .collect();
+    std::fs::write(&jsonl, lines.join("\n") + "\n").unwrap();
+    let prefix = dir.path().join("ids");
+    ok(
+        &synerfuse(&strings(&[
+            "preprocess",
+            "--input",
+            jsonl.to_str().unwrap(),
+            "--output-prefix",
+            prefix.to_str().unwrap(),
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "95",
+            "--append-eod",
+            "--workers",
+            "1",
+        ])),
+        "preprocess",
+    );
+    let save = dir.path().join("ckpt");
+    let out = synerfuse(&strings(&[
+        "train",
+        "--nproc",
+        "3",
+        "--finetune-from-hf",
+        hf.to_str().unwrap(),
+        "--pipeline-model-parallel-size",
+        "3",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--train-iters",
+        "1",
+        "--lr",
+        "0",
+        "--data-path",
+        dir.path().join("ids_text_document").to_str().unwrap(),
+        "--split",
+        "100,0,0",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "95",
+        "--device",
+        "cpu",
+        "--save",
+        save.to_str().unwrap(),
+    ]));
+    ok(&out, "finetune");
+    let saved = parameters(&save);
+    let original: BTreeMap<String, Tensor> =
+        synerfuse_model::hf::read_safetensors(&hf.join("model.safetensors"), |_| true)
+            .unwrap()
+            .into_iter()
+            .filter(|(n, _)| n != "lm_head.weight")
+            .collect();
+    assert_eq!(max_param_diff(&original, &saved), 0.0);
+}
