@@ -1,8 +1,12 @@
 #![doc = include_str!("../README.md")]
 
 mod batch;
+pub mod cluster;
+pub mod cost;
 mod plan;
+pub mod planner;
 mod schedule;
+pub mod sim;
 mod stage;
 mod topology;
 

@@ -15,6 +15,9 @@ pub struct RankPlacement {
     /// test and benchmark device for clusters without heterogeneity.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub speed: Option<f64>,
+    /// The cluster file's device kind (`a100-80g`, `cpu`, ...), for people and tools.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
 }
 
 /// Sizes and rank order, as a plan stores them.
@@ -462,6 +465,7 @@ mod tests {
             .map(|r| RankPlacement {
                 device: if r < 4 { "cuda".into() } else { "cpu".into() },
                 speed: (r >= 4).then_some(0.5),
+                kind: (r < 4).then(|| "a100-80g".into()),
             })
             .collect();
         let toml = plan.to_toml().unwrap();

@@ -1,0 +1,371 @@
+//! Cluster descriptions: device groups (a catalogue kind, or custom numbers), nodes,
+//! links and memory headroom, read from TOML (`cluster.toml`).
+//!
+//! ```toml
+//! [[group]]
+//! kind = "a100-80g"        # a catalogue slug, or "custom" with tflops_bf16, memory_gb, mem_bw_gbs
+//! count = 8
+//! node = "n0"              # optional; groups on one node share intra-node links
+//! [network]
+//! intra_node_gbs = 300     # per direction
+//! inter_node_gbs = 25
+//! ```
+
+use serde::{Deserialize, Serialize};
+
+/// One row of the device catalogue (dense peaks, as in spec/cost-model.md).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct DeviceSpec {
+    /// bf16 dense TFLOP/s (fp16 where the device has no bf16).
+    pub tflops_bf16: f64,
+    /// Memory in GB.
+    pub memory_gb: f64,
+    /// Memory bandwidth in GB/s.
+    pub mem_bw_gbs: f64,
+    /// Device-to-device link within a node, bidirectional GB/s (vendor figure).
+    pub link_gbs: f64,
+    /// Whether it is an accelerator with a runtime context to reserve (not a CPU).
+    pub accelerator: bool,
+}
+
+/// The built-in catalogue: `(slug, name, spec)`.
+pub const CATALOGUE: &[(&str, &str, DeviceSpec)] = &[
+    ("a100-40g", "A100-40G SXM", gpu(312.0, 40.0, 1555.0, 600.0)),
+    ("a100-80g", "A100-80G SXM", gpu(312.0, 80.0, 2039.0, 600.0)),
+    ("a800", "A800-80G", gpu(312.0, 80.0, 2039.0, 400.0)),
+    ("h100-sxm", "H100 SXM", gpu(989.0, 80.0, 3350.0, 900.0)),
+    ("h100-pcie", "H100 PCIe", gpu(756.0, 80.0, 2000.0, 600.0)),
+    ("h800", "H800 SXM", gpu(989.0, 80.0, 3350.0, 400.0)),
+    ("h200", "H200 SXM", gpu(989.0, 141.0, 4800.0, 900.0)),
+    ("h20", "H20", gpu(148.0, 96.0, 4000.0, 900.0)),
+    ("l40s", "L40S", gpu(362.0, 48.0, 864.0, 64.0)),
+    ("a10", "A10", gpu(125.0, 24.0, 600.0, 64.0)),
+    ("v100", "V100 SXM2 (fp16)", gpu(125.0, 32.0, 900.0, 300.0)),
+    ("rtx4090", "RTX 4090", gpu(165.0, 24.0, 1008.0, 32.0)),
+    ("rtx3090", "RTX 3090", gpu(71.0, 24.0, 936.0, 112.5)),
+    ("t4", "T4 (fp16)", gpu(65.0, 16.0, 320.0, 32.0)),
+    (
+        "mi250x",
+        "MI250X (per GCD)",
+        gpu(191.0, 64.0, 1600.0, 400.0),
+    ),
+    ("mi300x", "MI300X", gpu(1307.0, 192.0, 5300.0, 896.0)),
+    ("ascend910b", "Ascend 910B", gpu(320.0, 64.0, 1600.0, 392.0)),
+    ("gaudi2", "Gaudi2", gpu(432.0, 96.0, 2460.0, 600.0)),
+];
+
+const fn gpu(tflops_bf16: f64, memory_gb: f64, mem_bw_gbs: f64, link_gbs: f64) -> DeviceSpec {
+    DeviceSpec {
+        tflops_bf16,
+        memory_gb,
+        mem_bw_gbs,
+        link_gbs,
+        accelerator: true,
+    }
+}
+
+/// The catalogue entry of `slug`.
+pub fn catalogue(slug: &str) -> Option<DeviceSpec> {
+    CATALOGUE
+        .iter()
+        .find(|(s, _, _)| s.eq_ignore_ascii_case(slug))
+        .map(|(_, _, spec)| *spec)
+}
+
+/// A cluster file that does not describe a usable cluster.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ClusterError {
+    /// Not TOML of the expected shape.
+    #[error("cluster file: {0}")]
+    Format(String),
+    /// A group that cannot be used, named by its index and kind.
+    #[error("cluster file: group {index} ({kind}): {problem}")]
+    Group {
+        /// 0-based group index.
+        index: usize,
+        /// Its kind.
+        kind: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// Network figures that cannot be used.
+    #[error("cluster file: [network] {0}")]
+    Network(String),
+}
+
+/// One `[[group]]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceGroup {
+    /// A catalogue slug, `custom`, or `cpu` (numbers from a profile).
+    pub kind: String,
+    /// Devices in the group.
+    pub count: usize,
+    /// Node name; groups on one node share intra-node links.
+    #[serde(default)]
+    pub node: Option<String>,
+    /// Custom or overriding peak bf16 TFLOP/s.
+    #[serde(default)]
+    pub tflops_bf16: Option<f64>,
+    /// Custom or overriding memory in GB.
+    #[serde(default)]
+    pub memory_gb: Option<f64>,
+    /// Custom or overriding memory bandwidth in GB/s.
+    #[serde(default)]
+    pub mem_bw_gbs: Option<f64>,
+    /// Achieved fraction of peak (η); default 0.45.
+    #[serde(default)]
+    pub efficiency: Option<f64>,
+    /// Emulated speed relative to the profiled kind (the CPU test cluster): times are
+    /// divided by it, and plans carry it to `synerfuse train` as device emulation.
+    #[serde(default)]
+    pub speed: Option<f64>,
+}
+
+/// An explicit link between two nodes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeLink {
+    /// One node.
+    pub a: String,
+    /// The other.
+    pub b: String,
+    /// Per-direction bandwidth in GB/s.
+    pub gbs: f64,
+}
+
+/// `[network]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Network {
+    /// Per-direction bandwidth between devices of one node, GB/s.
+    pub intra_node_gbs: f64,
+    /// Per-direction bandwidth between nodes, GB/s.
+    pub inter_node_gbs: f64,
+    /// Latency of one message, microseconds (default 10).
+    #[serde(default = "default_latency")]
+    pub latency_us: f64,
+    /// Per-pair overrides of `inter_node_gbs`.
+    #[serde(default)]
+    pub link: Vec<NodeLink>,
+}
+
+fn default_latency() -> f64 {
+    10.0
+}
+
+/// A cluster file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterSpec {
+    /// Fraction of each device's memory kept free (fragmentation, runtime); default 0.1.
+    #[serde(default = "default_headroom")]
+    pub memory_headroom: f64,
+    /// Device groups.
+    pub group: Vec<DeviceGroup>,
+    /// Links.
+    pub network: Network,
+}
+
+fn default_headroom() -> f64 {
+    0.1
+}
+
+/// One device of the cluster, resolved.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Device {
+    /// Index in the cluster (group order).
+    pub index: usize,
+    /// The group it came from.
+    pub group: usize,
+    /// Kind slug (`a100-80g`, `custom`, `cpu`).
+    pub kind: String,
+    /// Node.
+    pub node: String,
+    /// Catalogue or custom numbers (`None` for kinds only a profile describes).
+    pub spec: Option<DeviceSpec>,
+    /// η.
+    pub efficiency: f64,
+    /// Emulated relative speed (1 = as profiled).
+    pub speed: f64,
+}
+
+impl Device {
+    /// The key of its compute costs: kind and emulated speed (devices that share it
+    /// are interchangeable).
+    pub fn class(&self) -> (String, u64) {
+        (self.kind.clone(), self.speed.to_bits())
+    }
+}
+
+impl ClusterSpec {
+    /// Parses and checks a cluster file.
+    pub fn from_toml(text: &str) -> Result<Self, ClusterError> {
+        let spec: ClusterSpec =
+            toml::from_str(text).map_err(|e| ClusterError::Format(e.to_string()))?;
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    fn validate(&self) -> Result<(), ClusterError> {
+        if self.group.is_empty() {
+            return Err(ClusterError::Format("no [[group]]".into()));
+        }
+        if !(0.0..0.9).contains(&self.memory_headroom) {
+            return Err(ClusterError::Format(format!(
+                "memory_headroom {} must be in [0, 0.9)",
+                self.memory_headroom
+            )));
+        }
+        for (index, g) in self.group.iter().enumerate() {
+            let err = |problem: String| ClusterError::Group {
+                index,
+                kind: g.kind.clone(),
+                problem,
+            };
+            if g.count == 0 {
+                return Err(err("count must be at least 1".into()));
+            }
+            let custom = g.kind == "custom";
+            if !custom && g.kind != "cpu" && catalogue(&g.kind).is_none() {
+                let slugs: Vec<&str> = CATALOGUE.iter().map(|(s, _, _)| *s).collect();
+                return Err(err(format!(
+                    "unknown kind; use one of {}, \"custom\" or \"cpu\"",
+                    slugs.join(", ")
+                )));
+            }
+            if custom {
+                for (field, value) in [
+                    ("tflops_bf16", g.tflops_bf16),
+                    ("memory_gb", g.memory_gb),
+                    ("mem_bw_gbs", g.mem_bw_gbs),
+                ] {
+                    if value.is_none() {
+                        return Err(err(format!("a custom group needs {field}")));
+                    }
+                }
+            }
+            for (field, value) in [
+                ("tflops_bf16", g.tflops_bf16),
+                ("memory_gb", g.memory_gb),
+                ("mem_bw_gbs", g.mem_bw_gbs),
+            ] {
+                if value.is_some_and(|v| !(v > 0.0 && v.is_finite())) {
+                    return Err(err(format!("{field} must be positive")));
+                }
+            }
+            if g.efficiency.is_some_and(|e| !(e > 0.0 && e <= 1.0)) {
+                return Err(err("efficiency must be in (0, 1]".into()));
+            }
+            if g.speed.is_some_and(|s| !(s > 0.0 && s <= 1.0)) {
+                return Err(err("speed must be in (0, 1]".into()));
+            }
+        }
+        let n = &self.network;
+        for (field, v) in [
+            ("intra_node_gbs", n.intra_node_gbs),
+            ("inter_node_gbs", n.inter_node_gbs),
+        ] {
+            if !(v > 0.0 && v.is_finite()) {
+                return Err(ClusterError::Network(format!("{field} must be positive")));
+            }
+        }
+        if n.latency_us.is_nan() || n.latency_us < 0.0 {
+            return Err(ClusterError::Network("latency_us must be ≥ 0".into()));
+        }
+        Ok(())
+    }
+
+    /// Every device, group by group.
+    pub fn devices(&self) -> Vec<Device> {
+        let mut out = Vec::new();
+        for (gi, g) in self.group.iter().enumerate() {
+            let base = catalogue(&g.kind);
+            let spec = match (base, g.kind.as_str()) {
+                (Some(b), _) => Some(DeviceSpec {
+                    tflops_bf16: g.tflops_bf16.unwrap_or(b.tflops_bf16),
+                    memory_gb: g.memory_gb.unwrap_or(b.memory_gb),
+                    mem_bw_gbs: g.mem_bw_gbs.unwrap_or(b.mem_bw_gbs),
+                    ..b
+                }),
+                (None, "custom") => Some(DeviceSpec {
+                    tflops_bf16: g.tflops_bf16.unwrap_or(1.0),
+                    memory_gb: g.memory_gb.unwrap_or(1.0),
+                    mem_bw_gbs: g.mem_bw_gbs.unwrap_or(1.0),
+                    link_gbs: 2.0 * self.network.intra_node_gbs,
+                    accelerator: true,
+                }),
+                _ => g.memory_gb.map(|memory_gb| DeviceSpec {
+                    tflops_bf16: g.tflops_bf16.unwrap_or(1.0),
+                    memory_gb,
+                    mem_bw_gbs: g.mem_bw_gbs.unwrap_or(1.0),
+                    link_gbs: 2.0 * self.network.intra_node_gbs,
+                    accelerator: false,
+                }),
+            };
+            for _ in 0..g.count {
+                out.push(Device {
+                    index: out.len(),
+                    group: gi,
+                    kind: g.kind.clone(),
+                    node: g.node.clone().unwrap_or_else(|| format!("group{gi}")),
+                    spec,
+                    efficiency: g.efficiency.unwrap_or(0.45),
+                    speed: g.speed.unwrap_or(1.0),
+                });
+            }
+        }
+        out
+    }
+
+    /// Per-direction bandwidth between two devices in bytes/s.
+    pub fn bandwidth(&self, a: &Device, b: &Device) -> f64 {
+        let n = &self.network;
+        let gbs = if a.node == b.node {
+            n.intra_node_gbs
+        } else {
+            n.link
+                .iter()
+                .find(|l| (l.a == a.node && l.b == b.node) || (l.a == b.node && l.b == a.node))
+                .map_or(n.inter_node_gbs, |l| l.gbs)
+        };
+        gbs * 1e9
+    }
+
+    /// Message latency in seconds.
+    pub fn latency(&self) -> f64 {
+        self.network.latency_us * 1e-6
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn minimal_form_and_errors() {
+        let c = ClusterSpec::from_toml(
+            "[[group]]\nkind = \"a100-80g\"\ncount = 8\nnode = \"n0\"\n[[group]]\nkind = \"v100\"\ncount = 8\nnode = \"n1\"\n[network]\nintra_node_gbs = 300\ninter_node_gbs = 25\n",
+        )
+        .unwrap();
+        let d = c.devices();
+        assert_eq!(d.len(), 16);
+        assert_eq!(d[8].kind, "v100");
+        assert_eq!(c.bandwidth(&d[0], &d[1]), 300e9);
+        assert_eq!(c.bandwidth(&d[0], &d[9]), 25e9);
+        let bad = ClusterSpec::from_toml(
+            "[[group]]\nkind = \"a99\"\ncount = 1\n[network]\nintra_node_gbs = 1\ninter_node_gbs = 1\n",
+        )
+        .unwrap_err();
+        assert!(
+            bad.to_string().contains("group 0 (a99): unknown kind"),
+            "{bad}"
+        );
+        let custom = ClusterSpec::from_toml(
+            "[[group]]\nkind = \"custom\"\ncount = 1\ntflops_bf16 = 10\n[network]\nintra_node_gbs = 1\ninter_node_gbs = 1\n",
+        )
+        .unwrap_err();
+        assert!(custom.to_string().contains("needs memory_gb"), "{custom}");
+        assert_eq!(CATALOGUE.len(), 18);
+    }
+}

@@ -1,0 +1,346 @@
+//! The cost model (spec/cost-model.md): compute per layer and micro-batch size (a
+//! measured profile, or FLOPs over a calibrated peak), memory per rank with an explicit
+//! verdict, and communication (p2p, ring and hierarchical all-reduce).
+
+use crate::cluster::{ClusterSpec, Device};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// The shape of a LLaMA model, as the planner needs it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelShape {
+    /// Decoder layers.
+    pub num_layers: usize,
+    /// Hidden size.
+    pub hidden_size: usize,
+    /// Attention heads.
+    pub num_heads: usize,
+    /// Key/value heads.
+    pub num_kv_heads: usize,
+    /// FFN size.
+    pub ffn_hidden_size: usize,
+    /// Vocabulary (padded).
+    pub vocab_size: usize,
+    /// Tokens per sample.
+    pub seq_length: usize,
+    /// Tied embedding and head.
+    pub tied: bool,
+}
+
+impl ModelShape {
+    /// From a Hugging Face LLaMA `config.json` and a sequence length.
+    pub fn from_hf_config(json: &str, seq_length: usize) -> Result<Self, String> {
+        let v: serde_json::Value =
+            serde_json::from_str(json).map_err(|e| format!("config.json: {e}"))?;
+        let get = |k: &str| {
+            v[k].as_u64()
+                .map(|x| x as usize)
+                .ok_or_else(|| format!("config.json: missing integer {k}"))
+        };
+        let heads = get("num_attention_heads")?;
+        Ok(ModelShape {
+            num_layers: get("num_hidden_layers")?,
+            hidden_size: get("hidden_size")?,
+            num_heads: heads,
+            num_kv_heads: get("num_key_value_heads").unwrap_or(heads),
+            ffn_hidden_size: get("intermediate_size")?,
+            vocab_size: get("vocab_size")?,
+            seq_length,
+            tied: v["tie_word_embeddings"].as_bool().unwrap_or(false),
+        })
+    }
+
+    fn kv_width(&self) -> f64 {
+        (self.hidden_size * self.num_kv_heads / self.num_heads.max(1)) as f64
+    }
+
+    /// Parameters of one decoder layer.
+    pub fn layer_params(&self) -> f64 {
+        let (h, f) = (self.hidden_size as f64, self.ffn_hidden_size as f64);
+        2.0 * h * h + 2.0 * h * self.kv_width() + 3.0 * h * f + 2.0 * h
+    }
+
+    /// Embedding (or head) parameters.
+    pub fn embedding_params(&self) -> f64 {
+        (self.vocab_size * self.hidden_size) as f64
+    }
+
+    /// Forward FLOPs of one layer for a micro-batch of `b` samples.
+    pub fn layer_forward_flops(&self, b: usize) -> f64 {
+        let (h, f, s) = (
+            self.hidden_size as f64,
+            self.ffn_hidden_size as f64,
+            self.seq_length as f64,
+        );
+        let b = b as f64;
+        2.0 * b * s * (2.0 * h * h + 2.0 * h * self.kv_width() + 3.0 * h * f) + 4.0 * b * s * s * h
+    }
+
+    /// Forward FLOPs of the head.
+    pub fn head_forward_flops(&self, b: usize) -> f64 {
+        2.0 * (b * self.seq_length * self.hidden_size * self.vocab_size) as f64
+    }
+
+    /// Activation bytes one layer keeps for its backward, per micro-batch of `b` (fp32
+    /// compute: inputs of the norms, projections, attention scores and probabilities,
+    /// and the MLP; an estimate when no profile measured it).
+    pub fn layer_activation_bytes(&self, b: usize, bytes: f64) -> f64 {
+        let (h, f, s, a) = (
+            self.hidden_size as f64,
+            self.ffn_hidden_size as f64,
+            self.seq_length as f64,
+            self.num_heads as f64,
+        );
+        let b = b as f64;
+        bytes * (s * b * (8.0 * h + 4.0 * self.kv_width() + 4.0 * f) + 2.0 * a * s * s * b)
+    }
+
+    /// Bytes of one activation message between stages.
+    pub fn activation_message_bytes(&self, b: usize, bytes: f64) -> f64 {
+        (b * self.seq_length * self.hidden_size) as f64 * bytes
+    }
+}
+
+/// Measured times of one device kind at one micro-batch size, in seconds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct MeasuredCosts {
+    /// One decoder layer, forward.
+    pub layer_fwd_s: f64,
+    /// One decoder layer, backward.
+    pub layer_bwd_s: f64,
+    /// Embedding, forward + backward.
+    pub embedding_s: f64,
+    /// Final norm, head and loss, forward + backward.
+    pub head_s: f64,
+    /// Activation bytes one layer keeps per micro-batch (measured or estimated).
+    pub layer_activation_bytes: f64,
+}
+
+/// Measured network figures.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct MeasuredNetwork {
+    /// Point-to-point bandwidth, bytes/s (one direction).
+    pub p2p_bytes_per_s: f64,
+    /// All-reduce bus bandwidth, bytes/s.
+    pub allreduce_bytes_per_s: f64,
+    /// Latency of a small message, s.
+    pub latency_s: f64,
+    /// Ranks the all-reduce was measured on.
+    pub ranks: usize,
+}
+
+/// `synerfuse profile`'s output: costs per device kind and micro-batch size.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Profile {
+    /// The model profiled.
+    pub model: ModelShape,
+    /// Kind → micro-batch size → costs.
+    pub devices: BTreeMap<String, BTreeMap<usize, MeasuredCosts>>,
+    /// Network between the profiled ranks, if more than one.
+    #[serde(default)]
+    pub network: Option<MeasuredNetwork>,
+}
+
+impl Profile {
+    /// Costs of `kind` at micro-batch size `b`: measured, or scaled linearly from the
+    /// nearest measured size.
+    pub fn costs(&self, kind: &str, b: usize) -> Option<MeasuredCosts> {
+        let table = self.devices.get(kind)?;
+        if let Some(c) = table.get(&b) {
+            return Some(*c);
+        }
+        let (&nb, c) = table
+            .iter()
+            .min_by_key(|(&k, _)| (k as i64 - b as i64).unsigned_abs())?;
+        let r = b as f64 / nb as f64;
+        Some(MeasuredCosts {
+            layer_fwd_s: c.layer_fwd_s * r,
+            layer_bwd_s: c.layer_bwd_s * r,
+            embedding_s: c.embedding_s * r,
+            head_s: c.head_s * r,
+            layer_activation_bytes: c.layer_activation_bytes * r,
+        })
+    }
+}
+
+/// What a stage costs on one device at one micro-batch size.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StageCosts {
+    /// One layer, forward + backward, per micro-batch, s.
+    pub layer_s: f64,
+    /// Share of `layer_s` that is the forward.
+    pub forward_fraction: f64,
+    /// Embedding per micro-batch (first stage), s.
+    pub embedding_s: f64,
+    /// Head per micro-batch (last stage), s.
+    pub head_s: f64,
+    /// Activation bytes per layer and micro-batch in flight.
+    pub activation_bytes: f64,
+}
+
+/// Why a device cannot be costed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("device kind {kind}: {problem}")]
+pub struct CostError {
+    /// The kind.
+    pub kind: String,
+    /// What is missing.
+    pub problem: String,
+}
+
+/// Compute, memory and communication costs of a model on a cluster.
+#[derive(Debug, Clone)]
+pub struct CostModel {
+    /// The model.
+    pub model: ModelShape,
+    /// The cluster.
+    pub cluster: ClusterSpec,
+    /// Measured costs, when profiled (they override the catalogue).
+    pub profile: Option<Profile>,
+    /// Bytes per activation and parameter element on the wire (2 for bf16, 4 for fp32).
+    pub compute_bytes: f64,
+    /// Bytes of model and optimizer state per parameter (20 in synerfuse: parameter,
+    /// gradient, fp32 gradient buffer, two fp32 moments; bf16 adds the master and halves
+    /// parameter and gradient).
+    pub state_bytes_per_param: f64,
+}
+
+impl CostModel {
+    /// A model for bf16 training with synerfuse's optimizer state.
+    pub fn new(model: ModelShape, cluster: ClusterSpec, profile: Option<Profile>) -> Self {
+        CostModel {
+            model,
+            cluster,
+            profile,
+            compute_bytes: 2.0,
+            state_bytes_per_param: 20.0,
+        }
+    }
+
+    /// Per-layer costs of `device` at micro-batch size `b`.
+    pub fn stage_costs(&self, device: &Device, b: usize) -> Result<StageCosts, CostError> {
+        let measured = self.profile.as_ref().and_then(|p| p.costs(&device.kind, b));
+        let costs =
+            match (measured, device.spec) {
+                (Some(m), _) => StageCosts {
+                    layer_s: m.layer_fwd_s + m.layer_bwd_s,
+                    forward_fraction: m.layer_fwd_s / (m.layer_fwd_s + m.layer_bwd_s).max(1e-30),
+                    embedding_s: m.embedding_s,
+                    head_s: m.head_s,
+                    activation_bytes: m.layer_activation_bytes,
+                },
+                (None, Some(spec)) => {
+                    // Small micro-batches reach less of the peak.
+                    let eta = device.efficiency * (b as f64 / (b as f64 + 0.5));
+                    let rate = spec.tflops_bf16 * 1e12 * eta;
+                    let layer = 3.0 * self.model.layer_forward_flops(b) / rate;
+                    StageCosts {
+                        layer_s: layer,
+                        forward_fraction: 1.0 / 3.0,
+                        embedding_s: (b * self.model.seq_length * self.model.hidden_size) as f64
+                            * self.compute_bytes
+                            * 3.0
+                            / (spec.mem_bw_gbs * 1e9),
+                        head_s: 3.0 * self.model.head_forward_flops(b) / rate,
+                        activation_bytes: self.model.layer_activation_bytes(b, self.compute_bytes),
+                    }
+                }
+                (None, None) => return Err(CostError {
+                    kind: device.kind.clone(),
+                    problem:
+                        "no catalogue numbers: give a profile (synerfuse profile) or custom numbers"
+                            .into(),
+                }),
+            };
+        let slow = 1.0 / device.speed;
+        Ok(StageCosts {
+            layer_s: costs.layer_s * slow,
+            embedding_s: costs.embedding_s * slow,
+            head_s: costs.head_s * slow,
+            ..costs
+        })
+    }
+
+    /// Usable memory of `device` in bytes (after headroom and runtime context), or
+    /// `None` when nothing is known (no limit).
+    pub fn usable_memory(&self, device: &Device) -> Option<f64> {
+        let spec = device.spec?;
+        let context = if spec.accelerator { 1e9 } else { 0.0 };
+        Some(spec.memory_gb * 1e9 * (1.0 - self.cluster.memory_headroom) - context)
+    }
+
+    /// Bytes a rank needs holding `layers` layers (plus embedding/head when first/last)
+    /// with `in_flight` micro-batches of size `b` (1F1B: min(p − i, m)).
+    #[allow(clippy::too_many_arguments)]
+    pub fn memory_bytes(
+        &self,
+        costs: &StageCosts,
+        layers: usize,
+        first: bool,
+        last: bool,
+        in_flight: usize,
+        b: usize,
+    ) -> f64 {
+        let m = &self.model;
+        let mut params = layers as f64 * m.layer_params();
+        if first {
+            params += m.embedding_params();
+        }
+        if last {
+            params += m.embedding_params() + m.hidden_size as f64;
+        }
+        let mut bytes = params * self.state_bytes_per_param
+            + (in_flight * layers) as f64 * costs.activation_bytes;
+        if last {
+            // Logits and their fp32 gradient for one micro-batch.
+            bytes += (b * m.seq_length * m.vocab_size) as f64 * (self.compute_bytes + 4.0);
+        }
+        bytes
+    }
+
+    /// Seconds to send one activation of a `b`-sample micro-batch from `a` to `b_dev`.
+    pub fn p2p_seconds(&self, a: &Device, b_dev: &Device, b: usize) -> f64 {
+        let bytes = self.model.activation_message_bytes(b, self.compute_bytes);
+        let (bw, lat) = match self.profile.as_ref().and_then(|p| p.network) {
+            Some(n) if a.node == b_dev.node => (n.p2p_bytes_per_s, n.latency_s),
+            _ => (self.cluster.bandwidth(a, b_dev), self.cluster.latency()),
+        };
+        lat + bytes / bw
+    }
+
+    /// Seconds of the fp32 gradient all-reduce of `bytes` over `devices` (ring over the
+    /// slowest link; hierarchical when they span nodes).
+    pub fn allreduce_seconds(&self, devices: &[&Device], bytes: f64) -> f64 {
+        let d = devices.len();
+        if d <= 1 {
+            return 0.0;
+        }
+        let lat = self.cluster.latency();
+        let mut nodes: BTreeMap<&str, usize> = BTreeMap::new();
+        for dev in devices {
+            *nodes.entry(dev.node.as_str()).or_default() += 1;
+        }
+        let profiled = self.profile.as_ref().and_then(|p| p.network);
+        let intra = profiled.map_or(self.cluster.network.intra_node_gbs * 1e9, |n| {
+            n.allreduce_bytes_per_s
+        });
+        if nodes.len() == 1 {
+            let d = d as f64;
+            return 2.0 * (d - 1.0) * lat + 2.0 * (d - 1.0) / d * bytes / intra;
+        }
+        // Slowest inter-node link among the nodes in the group.
+        let mut inter = f64::INFINITY;
+        for a in devices {
+            for b in devices {
+                if a.node != b.node {
+                    inter = inter.min(self.cluster.bandwidth(a, b));
+                }
+            }
+        }
+        let g = *nodes.values().max().unwrap_or(&1) as f64;
+        let n = nodes.len() as f64;
+        2.0 * (d as f64 - 1.0) * lat
+            + 2.0 * (g - 1.0) / g * bytes / intra
+            + 2.0 * (n - 1.0) / n * (bytes / g) / inter
+    }
+}

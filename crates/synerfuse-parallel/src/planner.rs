@@ -1,0 +1,898 @@
+//! The planner: for every (pp, dp) factorization, device arrangement and micro-batch
+//! size, an exact layer split (dynamic programme on the slowest stage, subject to
+//! memory) alternated with an exact replica split (greedy on monotone pipeline times),
+//! scored by the 1F1B formula, the best re-timed by simulating the real schedule.
+
+use crate::cluster::Device;
+use crate::cost::{CostModel, StageCosts};
+use crate::{
+    plan_schedule, sim, Instruction, ParallelPlan, RankPlacement, ReplicaBatch, ReplicaBatches,
+    ScheduleKind, StageLayout, TopologySpec, DEFAULT_ORDER, TP_PP_DP_ORDER,
+};
+use std::collections::{BTreeSet, BinaryHeap, HashMap};
+
+/// What to plan for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanRequest {
+    /// `--global-batch-size`.
+    pub global_batch_size: usize,
+    /// Micro-batch sizes to try.
+    pub micro_batch_sizes: Vec<usize>,
+    /// Plans to keep.
+    pub top_k: usize,
+}
+
+/// How devices are arranged into stages and replicas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Arrangement {
+    /// Each replica a block of similar devices (hetero DP; rank order tp-pp-dp).
+    ByReplica,
+    /// Each stage a block of similar devices, slow ones late (hetero PP; default order).
+    ByStage,
+}
+
+/// A plan with its predicted costs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Candidate {
+    /// How devices were arranged.
+    pub arrangement: Arrangement,
+    /// Device index of (stage, replica).
+    pub devices: Vec<Vec<usize>>,
+    /// Layers per stage.
+    pub layers: Vec<usize>,
+    /// Micro-batch size per replica.
+    pub micro_batch_sizes: Vec<usize>,
+    /// Micro-batches per replica.
+    pub micro_batches: Vec<usize>,
+    /// Predicted costs.
+    pub prediction: Prediction,
+    /// `uniform` for the even layout, else `planned`.
+    pub label: &'static str,
+}
+
+/// Predicted costs of a candidate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prediction {
+    /// One training step, s (pipeline + DP all-reduce).
+    pub step_time_s: f64,
+    /// Slowest replica's pipeline, s.
+    pub pipeline_s: f64,
+    /// Slowest stage's gradient all-reduce, s.
+    pub allreduce_s: f64,
+    /// Idle fraction of rank-time.
+    pub bubble_fraction: f64,
+    /// Per stage, the largest per-micro-batch time over replicas, s.
+    pub stage_time_s: Vec<f64>,
+    /// Per stage, the largest memory need over its ranks, bytes.
+    pub stage_memory_bytes: Vec<f64>,
+    /// Per (stage, replica) compute time in the step, s.
+    pub busy_s: Vec<Vec<f64>>,
+    /// Whether the times come from the discrete-event simulation.
+    pub simulated: bool,
+}
+
+/// Why planning found nothing.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PlanningError {
+    /// Inputs that cannot be planned at all.
+    #[error("{0}")]
+    Input(String),
+    /// Every candidate breaks a constraint; the closest one's binding constraint.
+    #[error("no feasible plan: {0}")]
+    Infeasible(String),
+}
+
+/// The planner's answer.
+#[derive(Debug, Clone)]
+pub struct PlanOutcome {
+    /// The best plans, best first.
+    pub plans: Vec<Candidate>,
+    /// The best even layout (uniform layers and batches) over every factorization,
+    /// when one is feasible: the baseline the plans are compared with.
+    pub uniform: Option<Candidate>,
+    /// Candidates considered.
+    pub considered: usize,
+}
+
+struct Ctx<'a> {
+    cost: &'a CostModel,
+    devices: Vec<Device>,
+    /// (device class, b) → costs.
+    costs: HashMap<((String, u64), usize), StageCosts>,
+    memory: Vec<Option<f64>>,
+}
+
+impl Ctx<'_> {
+    fn costs(&mut self, device: usize, b: usize) -> Result<StageCosts, PlanningError> {
+        let dev = &self.devices[device];
+        let key = (dev.class(), b);
+        if let Some(c) = self.costs.get(&key) {
+            return Ok(*c);
+        }
+        let c = self
+            .cost
+            .stage_costs(dev, b)
+            .map_err(|e| PlanningError::Input(e.to_string()))?;
+        self.costs.insert(key, c);
+        Ok(c)
+    }
+}
+
+/// A constraint a candidate breaks, with how far (need / have) it is from feasible.
+#[derive(Debug, Clone)]
+struct Violation {
+    ratio: f64,
+    message: String,
+}
+
+/// Plans `request` on `cost`'s cluster and model.
+pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, PlanningError> {
+    let devices = cost.cluster.devices();
+    let n = devices.len();
+    let l = cost.model.num_layers;
+    let g = request.global_batch_size;
+    if l == 0 || g == 0 {
+        return Err(PlanningError::Input(
+            "the model needs layers and the global batch samples".into(),
+        ));
+    }
+    let memory = devices.iter().map(|d| cost.usable_memory(d)).collect();
+    let mut ctx = Ctx {
+        cost,
+        devices,
+        costs: HashMap::new(),
+        memory,
+    };
+    // Fastest first (per-layer time at b = 1), ties by index.
+    let mut order: Vec<usize> = (0..n).collect();
+    let speed: Vec<f64> = (0..n)
+        .map(|i| ctx.costs(i, 1).map(|c| c.layer_s))
+        .collect::<Result<_, _>>()?;
+    order.sort_by(|&a, &b| speed[a].total_cmp(&speed[b]).then(a.cmp(&b)));
+    let mut candidates: Vec<Candidate> = Vec::new();
+    let mut closest: Option<Violation> = None;
+    let mut considered = 0;
+    let note = |v: Violation, closest: &mut Option<Violation>| {
+        if closest.as_ref().is_none_or(|c| v.ratio < c.ratio) {
+            *closest = Some(v);
+        }
+    };
+    let mut sizes: Vec<usize> = request
+        .micro_batch_sizes
+        .iter()
+        .copied()
+        .filter(|&b| b > 0)
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    if sizes.is_empty() {
+        sizes.push(1);
+    }
+    for p in (1..=n.min(l)).filter(|p| n % p == 0) {
+        let d = n / p;
+        for arrangement in [Arrangement::ByReplica, Arrangement::ByStage] {
+            let grid = arrange(&order, p, d, arrangement);
+            for &b in &sizes {
+                if g % b != 0 || g / b < d {
+                    continue;
+                }
+                let total = g / b;
+                // The even layout, when it exists.
+                if l % p == 0 && total % d == 0 {
+                    considered += 1;
+                    match evaluate(&mut ctx, &grid, &vec![l / p; p], b, &vec![total / d; d])? {
+                        Ok(pred) => candidates.push(Candidate {
+                            arrangement,
+                            devices: grid.clone(),
+                            layers: vec![l / p; p],
+                            micro_batch_sizes: vec![b; d],
+                            micro_batches: vec![total / d; d],
+                            prediction: pred,
+                            label: "uniform",
+                        }),
+                        Err(v) => note(v, &mut closest),
+                    }
+                }
+                // Alternate exact splits, starting from micro-batches in proportion to
+                // replica throughput under even layers.
+                let mut m = proportional_split(&mut ctx, &grid, b, total)?;
+                let mut seen = BTreeSet::new();
+                for _ in 0..3 {
+                    let Some(layers) = split_layers(&mut ctx, &grid, b, &m, l)? else {
+                        note(memory_violation(&mut ctx, &grid, b, &m, l)?, &mut closest);
+                        break;
+                    };
+                    m = split_micro_batches(&mut ctx, &grid, b, &layers, total)?;
+                    if !seen.insert((layers.clone(), m.clone())) {
+                        break;
+                    }
+                    considered += 1;
+                    match evaluate(&mut ctx, &grid, &layers, b, &m)? {
+                        Ok(pred) => candidates.push(Candidate {
+                            arrangement,
+                            devices: grid.clone(),
+                            layers,
+                            micro_batch_sizes: vec![b; d],
+                            micro_batches: m.clone(),
+                            prediction: pred,
+                            label: "planned",
+                        }),
+                        Err(v) => note(v, &mut closest),
+                    }
+                }
+            }
+        }
+    }
+    if candidates.is_empty() {
+        return Err(PlanningError::Infeasible(closest.map_or_else(
+            || {
+                format!(
+                    "global batch {g} cannot give each of the replicas of any factorization of {n} devices a micro-batch"
+                )
+            },
+            |v| v.message,
+        )));
+    }
+    candidates.sort_by(|a, b| {
+        a.prediction
+            .step_time_s
+            .total_cmp(&b.prediction.step_time_s)
+    });
+    // Re-time the front runners and every even layout by simulating their schedules.
+    let keep = request.top_k.max(1);
+    let mut front: Vec<Candidate> = Vec::new();
+    let mut planned = 0;
+    for c in candidates.iter() {
+        let is_uniform = c.label == "uniform";
+        if !is_uniform && planned >= keep * 3 {
+            continue;
+        }
+        if front.iter().any(|f| {
+            f.layers == c.layers && f.micro_batches == c.micro_batches && f.devices == c.devices
+        }) {
+            continue;
+        }
+        planned += usize::from(!is_uniform);
+        front.push(c.clone());
+    }
+    for c in &mut front {
+        c.prediction = simulate_candidate(&mut ctx, c)?;
+    }
+    front.sort_by(|a, b| {
+        a.prediction
+            .step_time_s
+            .total_cmp(&b.prediction.step_time_s)
+    });
+    let uniform = front.iter().find(|c| c.label == "uniform").cloned();
+    front.truncate(keep);
+    Ok(PlanOutcome {
+        plans: front,
+        uniform,
+        considered,
+    })
+}
+
+/// Device of (stage, replica).
+fn arrange(order: &[usize], p: usize, d: usize, arrangement: Arrangement) -> Vec<Vec<usize>> {
+    let mut grid = vec![vec![0; d]; p];
+    for (k, &device) in order.iter().enumerate() {
+        let (stage, replica) = match arrangement {
+            Arrangement::ByReplica => (k % p, k / p),
+            Arrangement::ByStage => (k / d, k % d),
+        };
+        grid[stage][replica] = device;
+    }
+    grid
+}
+
+/// Values by (stage, replica).
+type Grid<T> = Vec<Vec<T>>;
+
+/// One distinct replica of a stage, as the layer DP sees it: per-layer time, extra time
+/// (embedding/head), micro-batches, micro-batches in flight, usable memory, costs.
+type StageRow = (f64, f64, f64, usize, Option<f64>, StageCosts);
+
+/// Per (stage, replica): per-micro-batch time, and p2p seconds to the next stage.
+fn stage_times(
+    ctx: &mut Ctx<'_>,
+    grid: &[Vec<usize>],
+    layers: &[usize],
+    b: usize,
+) -> Result<(Grid<f64>, Grid<f64>), PlanningError> {
+    let p = grid.len();
+    let d = grid[0].len();
+    let mut t = vec![vec![0.0; d]; p];
+    let mut c = vec![vec![0.0; d]; p];
+    for i in 0..p {
+        for r in 0..d {
+            let k = ctx.costs(grid[i][r], b)?;
+            t[i][r] = layers[i] as f64 * k.layer_s
+                + if i == 0 { k.embedding_s } else { 0.0 }
+                + if i + 1 == p { k.head_s } else { 0.0 };
+            if i + 1 < p {
+                c[i][r] =
+                    ctx.cost
+                        .p2p_seconds(&ctx.devices[grid[i][r]], &ctx.devices[grid[i + 1][r]], b);
+            }
+        }
+    }
+    Ok((t, c))
+}
+
+/// The 1F1B time of a replica: fill and drain plus (m − 1) of its slowest stage.
+fn pipeline_time(t: &[Vec<f64>], c: &[Vec<f64>], r: usize, m: usize) -> f64 {
+    let sum: f64 = t.iter().map(|s| s[r]).sum();
+    let comm: f64 = c.iter().map(|s| 2.0 * s[r]).sum();
+    let max = t.iter().map(|s| s[r]).fold(0.0, f64::max);
+    sum + comm + (m.saturating_sub(1)) as f64 * max
+}
+
+/// Memory check of one (stage, replica).
+fn memory_need(
+    ctx: &mut Ctx<'_>,
+    grid: &[Vec<usize>],
+    i: usize,
+    r: usize,
+    layers: usize,
+    b: usize,
+    m: usize,
+) -> Result<(f64, Option<f64>), PlanningError> {
+    let p = grid.len();
+    let k = ctx.costs(grid[i][r], b)?;
+    let need = ctx
+        .cost
+        .memory_bytes(&k, layers, i == 0, i + 1 == p, (p - i).min(m), b);
+    Ok((need, ctx.memory[grid[i][r]]))
+}
+
+/// Scores a layout by the closed form; `Err(violation)` when a rank runs out of memory.
+fn evaluate(
+    ctx: &mut Ctx<'_>,
+    grid: &[Vec<usize>],
+    layers: &[usize],
+    b: usize,
+    m: &[usize],
+) -> Result<Result<Prediction, Violation>, PlanningError> {
+    let p = grid.len();
+    let d = grid[0].len();
+    let mut stage_memory = vec![0.0f64; p];
+    for i in 0..p {
+        for r in 0..d {
+            let (need, have) = memory_need(ctx, grid, i, r, layers[i], b, m[r])?;
+            stage_memory[i] = stage_memory[i].max(need);
+            if let Some(have) = have {
+                if need > have {
+                    let dev = &ctx.devices[grid[i][r]];
+                    return Ok(Err(Violation {
+                        ratio: need / have.max(1.0),
+                        message: format!(
+                            "out of memory: pipeline stage {i} ({} layers{}) on {} (device {}) needs {:.2} GB at micro-batch size {b} with {} micro-batches in flight, {:.2} GB usable (pp {p}, dp {d})",
+                            layers[i],
+                            match (i == 0, i + 1 == p) {
+                                (true, true) => ", embedding and head",
+                                (true, false) => " and the embedding",
+                                (false, true) => " and the head",
+                                _ => "",
+                            },
+                            dev.kind,
+                            dev.index,
+                            need / 1e9,
+                            (p - i).min(m[r]),
+                            have / 1e9
+                        ),
+                    }));
+                }
+            }
+        }
+    }
+    let (t, c) = stage_times(ctx, grid, layers, b)?;
+    let pipeline_s = (0..d)
+        .map(|r| pipeline_time(&t, &c, r, m[r]))
+        .fold(0.0, f64::max);
+    let allreduce_s = allreduce_time(ctx, grid, layers);
+    let step = pipeline_s + allreduce_s;
+    let busy: Vec<Vec<f64>> = (0..p)
+        .map(|i| (0..d).map(|r| t[i][r] * m[r] as f64).collect())
+        .collect();
+    let total_busy: f64 = busy.iter().flatten().sum();
+    Ok(Ok(Prediction {
+        step_time_s: step,
+        pipeline_s,
+        allreduce_s,
+        bubble_fraction: 1.0 - total_busy / (step * (p * d) as f64).max(1e-30),
+        stage_time_s: t
+            .iter()
+            .map(|s| s.iter().copied().fold(0.0, f64::max))
+            .collect(),
+        stage_memory_bytes: stage_memory,
+        busy_s: busy,
+        simulated: false,
+    }))
+}
+
+fn allreduce_time(ctx: &Ctx<'_>, grid: &[Vec<usize>], layers: &[usize]) -> f64 {
+    let p = grid.len();
+    let m = &ctx.cost.model;
+    (0..p)
+        .map(|i| {
+            let mut params = layers[i] as f64 * m.layer_params();
+            if i == 0 {
+                params += m.embedding_params();
+            }
+            if i + 1 == p {
+                params += m.embedding_params();
+            }
+            let devs: Vec<&Device> = grid[i].iter().map(|&k| &ctx.devices[k]).collect();
+            ctx.cost.allreduce_seconds(&devs, params * 4.0)
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Micro-batches in proportion to each replica's throughput under even layers, at
+/// least one each, largest remainders first.
+fn proportional_split(
+    ctx: &mut Ctx<'_>,
+    grid: &[Vec<usize>],
+    b: usize,
+    total: usize,
+) -> Result<Vec<usize>, PlanningError> {
+    let p = grid.len();
+    let d = grid[0].len();
+    let l = ctx.cost.model.num_layers;
+    let even: Vec<usize> = (0..p).map(|i| l / p + usize::from(i < l % p)).collect();
+    let (t, _) = stage_times(ctx, grid, &even, b)?;
+    let rate: Vec<f64> = (0..d)
+        .map(|r| 1.0 / t.iter().map(|s| s[r]).fold(1e-30, f64::max))
+        .collect();
+    let sum: f64 = rate.iter().sum();
+    let spare = total - d;
+    let exact: Vec<f64> = rate.iter().map(|x| spare as f64 * x / sum).collect();
+    let mut m: Vec<usize> = exact.iter().map(|x| 1 + x.floor() as usize).collect();
+    let mut left = total - m.iter().sum::<usize>();
+    let mut by_remainder: Vec<usize> = (0..d).collect();
+    by_remainder
+        .sort_by(|&a, &b| (exact[b] - exact[b].floor()).total_cmp(&(exact[a] - exact[a].floor())));
+    for &r in by_remainder.iter().cycle() {
+        if left == 0 {
+            break;
+        }
+        m[r] += 1;
+        left -= 1;
+    }
+    Ok(m)
+}
+
+/// Exact min-max split of `total` micro-batches over replicas whose pipeline time is
+/// nondecreasing in their count: start at one each, give each next micro-batch to the
+/// replica that would finish earliest with it.
+pub fn min_max_split(
+    total: usize,
+    time: impl Fn(usize, usize) -> f64,
+    replicas: usize,
+) -> Vec<usize> {
+    let mut m = vec![1usize; replicas];
+    #[derive(PartialEq)]
+    struct Next(f64, usize);
+    impl Eq for Next {}
+    impl PartialOrd for Next {
+        fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+            Some(self.cmp(o))
+        }
+    }
+    impl Ord for Next {
+        fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+            // A min-heap on time, then on replica index.
+            o.0.total_cmp(&self.0).then(o.1.cmp(&self.1))
+        }
+    }
+    let mut heap: BinaryHeap<Next> = (0..replicas).map(|r| Next(time(r, 2), r)).collect();
+    for _ in replicas..total {
+        let Some(Next(_, r)) = heap.pop() else { break };
+        m[r] += 1;
+        heap.push(Next(time(r, m[r] + 1), r));
+    }
+    m
+}
+
+fn split_micro_batches(
+    ctx: &mut Ctx<'_>,
+    grid: &[Vec<usize>],
+    b: usize,
+    layers: &[usize],
+    total: usize,
+) -> Result<Vec<usize>, PlanningError> {
+    let (t, c) = stage_times(ctx, grid, layers, b)?;
+    let d = grid[0].len();
+    Ok(min_max_split(total, |r, m| pipeline_time(&t, &c, r, m), d))
+}
+
+/// Exact contiguous split of `l` layers over `costs.len()` stages minimising the largest
+/// stage cost; `costs[i](ℓ)` is stage i's cost holding ℓ layers, `None` when ℓ does not
+/// fit. `None` when no split fits. O(p·L²).
+pub fn min_max_layers(l: usize, costs: &[&dyn Fn(usize) -> Option<f64>]) -> Option<Vec<usize>> {
+    let p = costs.len();
+    if p == 0 || l < p {
+        return None;
+    }
+    // best[i][k]: min over splits of the first k layers into stages 0..=i of the max cost.
+    let mut best = vec![vec![f64::INFINITY; l + 1]; p];
+    let mut choice = vec![vec![0usize; l + 1]; p];
+    for k in 1..=l {
+        if let Some(c) = costs[0](k) {
+            best[0][k] = c;
+            choice[0][k] = k;
+        }
+    }
+    for i in 1..p {
+        for k in (i + 1)..=l {
+            for own in 1..=(k - i) {
+                let before = best[i - 1][k - own];
+                if !before.is_finite() {
+                    continue;
+                }
+                let Some(c) = costs[i](own) else { continue };
+                let v = before.max(c);
+                if v < best[i][k] {
+                    best[i][k] = v;
+                    choice[i][k] = own;
+                }
+            }
+        }
+    }
+    if !best[p - 1][l].is_finite() {
+        return None;
+    }
+    let mut out = vec![0; p];
+    let mut k = l;
+    for i in (0..p).rev() {
+        out[i] = choice[i][k];
+        k -= out[i];
+    }
+    Some(out)
+}
+
+fn split_layers(
+    ctx: &mut Ctx<'_>,
+    grid: &[Vec<usize>],
+    b: usize,
+    m: &[usize],
+    l: usize,
+) -> Result<Option<Vec<usize>>, PlanningError> {
+    let p = grid.len();
+    let d = grid[0].len();
+    // Per stage, the distinct (per-layer time, extra time, micro-batches, memory terms)
+    // of its replicas: a few device kinds make a few distinct rows.
+    let mut rows: Vec<Vec<StageRow>> = Vec::new();
+    for (i, stage_devices) in grid.iter().enumerate() {
+        let mut stage_rows = Vec::new();
+        let mut seen = BTreeSet::new();
+        for r in 0..d {
+            let dev = stage_devices[r];
+            let k = ctx.costs(dev, b)?;
+            let extra =
+                if i == 0 { k.embedding_s } else { 0.0 } + if i + 1 == p { k.head_s } else { 0.0 };
+            let key = (
+                k.layer_s.to_bits(),
+                extra.to_bits(),
+                m[r],
+                ctx.memory[dev].map(f64::to_bits),
+            );
+            if seen.insert(key) {
+                stage_rows.push((
+                    k.layer_s,
+                    extra,
+                    m[r] as f64,
+                    (p - i).min(m[r]),
+                    ctx.memory[dev],
+                    k,
+                ));
+            }
+        }
+        rows.push(stage_rows);
+    }
+    let cost = ctx.cost;
+    let closures: Vec<Box<dyn Fn(usize) -> Option<f64>>> = (0..p)
+        .map(|i| {
+            let stage_rows = rows[i].clone();
+            let f: Box<dyn Fn(usize) -> Option<f64>> = Box::new(move |layers: usize| {
+                let mut worst = 0.0f64;
+                for (per_layer, extra, weight, in_flight, have, k) in &stage_rows {
+                    if let Some(have) = have {
+                        let need = cost.memory_bytes(k, layers, i == 0, i + 1 == p, *in_flight, b);
+                        if need > *have {
+                            return None;
+                        }
+                    }
+                    worst = worst.max(weight * (layers as f64 * per_layer + extra));
+                }
+                Some(worst)
+            });
+            f
+        })
+        .collect();
+    let refs: Vec<&dyn Fn(usize) -> Option<f64>> = closures.iter().map(|f| f.as_ref()).collect();
+    Ok(min_max_layers(l, &refs))
+}
+
+/// The memory constraint that blocks every layer split of this arrangement: the least
+/// over-committed rank of the even split.
+fn memory_violation(
+    ctx: &mut Ctx<'_>,
+    grid: &[Vec<usize>],
+    b: usize,
+    m: &[usize],
+    l: usize,
+) -> Result<Violation, PlanningError> {
+    let p = grid.len();
+    let even: Vec<usize> = (0..p).map(|i| l / p + usize::from(i < l % p)).collect();
+    match evaluate(ctx, grid, &even, b, m)? {
+        Err(v) => Ok(v),
+        Ok(_) => Ok(Violation {
+            ratio: 1.0,
+            message: format!("no layer split of {l} layers over {p} stages fits in memory"),
+        }),
+    }
+}
+
+/// The candidate as a plan `synerfuse train --plan` runs.
+pub fn to_parallel_plan(
+    cost: &CostModel,
+    candidate: &Candidate,
+) -> Result<ParallelPlan, crate::PlanError> {
+    let devices = cost.cluster.devices();
+    let p = candidate.layers.len();
+    let d = candidate.micro_batches.len();
+    let order = match candidate.arrangement {
+        Arrangement::ByReplica => TP_PP_DP_ORDER,
+        Arrangement::ByStage => DEFAULT_ORDER,
+    };
+    let spec = TopologySpec {
+        world_size: p * d,
+        tp: 1,
+        pp: p,
+        cp: 1,
+        ep: 1,
+        order: order.into(),
+    };
+    let topology = crate::Topology::new(p * d, 1, p, 1, 1, order)?;
+    let mut ranks = Vec::with_capacity(p * d);
+    for rank in 0..p * d {
+        let c = topology.coordinates(rank)?;
+        let dev = &devices[candidate.devices[c.pp][c.dp]];
+        let accelerator = dev.spec.is_some_and(|s| s.accelerator);
+        ranks.push(RankPlacement {
+            device: if accelerator { "cuda" } else { "cpu" }.into(),
+            speed: (dev.speed < 1.0).then_some(dev.speed),
+            kind: Some(dev.kind.clone()),
+        });
+    }
+    let batches = ReplicaBatches::new(
+        candidate
+            .micro_batch_sizes
+            .iter()
+            .zip(&candidate.micro_batches)
+            .map(|(&b, &m)| ReplicaBatch {
+                micro_batch_size: b,
+                num_micro_batches: m,
+            })
+            .collect(),
+    )?;
+    ParallelPlan::new(
+        spec,
+        StageLayout::new(candidate.layers.clone(), cost.model.num_layers)?,
+        batches,
+        ranks,
+    )
+}
+
+/// Re-times a candidate by simulating its 1F1B schedule (with p2p times) and adding the
+/// DP all-reduce.
+fn simulate_candidate(ctx: &mut Ctx<'_>, c: &Candidate) -> Result<Prediction, PlanningError> {
+    let plan = to_parallel_plan(ctx.cost, c).map_err(|e| PlanningError::Input(e.to_string()))?;
+    let programs = plan_schedule(&plan, ScheduleKind::OneFOneB)
+        .map_err(|e| PlanningError::Input(e.to_string()))?;
+    let topology = plan
+        .topology()
+        .map_err(|e| PlanningError::Input(e.to_string()))?;
+    let p = c.layers.len();
+    let b = c.micro_batch_sizes[0];
+    let (t, _) = stage_times(ctx, &c.devices, &c.layers, b)?;
+    let coords: Vec<(usize, usize)> = (0..plan.topology.world_size)
+        .map(|r| {
+            let x = topology.coordinates(r).expect("rank in topology");
+            (x.pp, x.dp)
+        })
+        .collect();
+    let mut fractions = vec![0.0; coords.len()];
+    for (rank, &(i, r)) in coords.iter().enumerate() {
+        fractions[rank] = ctx.costs(c.devices[i][r], b)?.forward_fraction;
+    }
+    let devices = &ctx.devices;
+    let cost = ctx.cost;
+    let report = sim::simulate(
+        &programs,
+        |rank, instruction| {
+            let (i, r) = coords[rank];
+            let f = fractions[rank];
+            match instruction {
+                Instruction::Forward { .. } => t[i][r] * f,
+                _ => t[i][r] * (1.0 - f),
+            }
+        },
+        |from, to| {
+            let (a, b_) = (coords[from], coords[to]);
+            cost.p2p_seconds(
+                &devices[c.devices[a.0][a.1]],
+                &devices[c.devices[b_.0][b_.1]],
+                b,
+            )
+        },
+    )
+    .map_err(|e| PlanningError::Input(e.to_string()))?;
+    let allreduce_s = allreduce_time(ctx, &c.devices, &c.layers);
+    let step = report.makespan_s + allreduce_s;
+    let total_busy: f64 = report.busy_s.iter().sum();
+    Ok(Prediction {
+        step_time_s: step,
+        pipeline_s: report.makespan_s,
+        allreduce_s,
+        bubble_fraction: 1.0 - total_busy / (step * report.busy_s.len() as f64).max(1e-30),
+        simulated: true,
+        ..c.prediction.clone()
+    })
+    .map(|mut pred| {
+        pred.stage_time_s.truncate(p);
+        pred
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn compositions(total: usize, parts: usize) -> Vec<Vec<usize>> {
+        if parts == 1 {
+            return vec![vec![total]];
+        }
+        let mut out = Vec::new();
+        for first in 1..=total.saturating_sub(parts - 1) {
+            for mut rest in compositions(total - first, parts - 1) {
+                rest.insert(0, first);
+                out.push(rest);
+            }
+        }
+        out
+    }
+
+    proptest! {
+        /// The DP layer split equals brute force over all contiguous splits (L ≤ 12, p ≤ 4),
+        /// memory limits included.
+        #[test]
+        fn layer_split_matches_brute_force(
+            l in 1usize..=12,
+            per_layer in proptest::collection::vec(0.1f64..5.0, 1..=4),
+            extra in proptest::collection::vec(0.0f64..3.0, 4),
+            cap in proptest::collection::vec(1usize..=12, 4),
+        ) {
+            let p = per_layer.len();
+            let closures: Vec<Box<dyn Fn(usize) -> Option<f64>>> = (0..p)
+                .map(|i| {
+                    let (a, e, c) = (per_layer[i], extra[i], cap[i]);
+                    let f: Box<dyn Fn(usize) -> Option<f64>> =
+                        Box::new(move |k: usize| (k <= c).then_some(k as f64 * a + e));
+                    f
+                })
+                .collect();
+            let refs: Vec<&dyn Fn(usize) -> Option<f64>> = closures.iter().map(|f| f.as_ref()).collect();
+            let got = min_max_layers(l, &refs);
+            let brute = if l >= p {
+                compositions(l, p)
+                    .into_iter()
+                    .filter_map(|split| {
+                        let costs: Option<Vec<f64>> = split.iter().enumerate().map(|(i, &k)| refs[i](k)).collect();
+                        costs.map(|c| c.into_iter().fold(0.0, f64::max))
+                    })
+                    .min_by(|a, b| a.total_cmp(b))
+            } else {
+                None
+            };
+            match (got, brute) {
+                (None, None) => {}
+                (Some(split), Some(best)) => {
+                    prop_assert_eq!(split.iter().sum::<usize>(), l);
+                    let v = split.iter().enumerate().map(|(i, &k)| refs[i](k).unwrap()).fold(0.0, f64::max);
+                    prop_assert!((v - best).abs() < 1e-9, "{:?} gives {} but brute force {}", split, v, best);
+                }
+                (g, b) => prop_assert!(false, "dp {:?} vs brute {:?}", g, b),
+            }
+        }
+
+        /// Every plan satisfies every constraint (layers, batch, memory, a valid
+        /// ParallelPlan), and the best is never predicted slower than the even layout.
+        #[test]
+        fn plans_satisfy_constraints_and_beat_uniform(
+            groups in proptest::collection::vec((10.0f64..400.0, 4.0f64..80.0, 1usize..=4), 1..=3),
+            layers in 2usize..=12,
+            hidden in prop_oneof![Just(256usize), Just(1024), Just(4096)],
+            vocab in 1000usize..50_000,
+            g in 1usize..=32,
+        ) {
+            use crate::cluster::ClusterSpec;
+            use crate::cost::ModelShape;
+            let mut toml = String::new();
+            for (i, (tflops, mem, count)) in groups.iter().enumerate() {
+                toml.push_str(&format!(
+                    "[[group]]\nkind = \"custom\"\ncount = {count}\nnode = \"n{i}\"\ntflops_bf16 = {tflops}\nmemory_gb = {mem}\nmem_bw_gbs = 1000\n"
+                ));
+            }
+            toml.push_str("[network]\nintra_node_gbs = 100\ninter_node_gbs = 10\n");
+            let cluster = ClusterSpec::from_toml(&toml).unwrap();
+            let model = ModelShape {
+                num_layers: layers,
+                hidden_size: hidden,
+                num_heads: 8,
+                num_kv_heads: 8,
+                ffn_hidden_size: hidden * 3,
+                vocab_size: vocab,
+                seq_length: 512,
+                tied: false,
+            };
+            let cost = CostModel::new(model, cluster, None);
+            let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 3 };
+            let n = cost.cluster.devices().len();
+            match plan(&cost, &request) {
+                Err(PlanningError::Infeasible(why)) => {
+                    prop_assert!(why.contains("memory") || why.contains("global batch"), "{}", why);
+                }
+                Err(e) => prop_assert!(false, "{}", e),
+                Ok(outcome) => {
+                    let devices = cost.cluster.devices();
+                    for c in &outcome.plans {
+                        let (p, d) = (c.layers.len(), c.micro_batches.len());
+                        prop_assert_eq!(p * d, n);
+                        prop_assert_eq!(c.layers.iter().sum::<usize>(), layers);
+                        prop_assert!(c.layers.iter().all(|&l| l >= 1));
+                        let samples: usize = c.micro_batch_sizes.iter().zip(&c.micro_batches).map(|(b, m)| b * m).sum();
+                        prop_assert_eq!(samples, g);
+                        prop_assert!(c.micro_batches.iter().all(|&m| m >= 1));
+                        for i in 0..p {
+                            for r in 0..d {
+                                let dev = &devices[c.devices[i][r]];
+                                let b = c.micro_batch_sizes[r];
+                                let k = cost.stage_costs(dev, b).unwrap();
+                                let need = cost.memory_bytes(&k, c.layers[i], i == 0, i + 1 == p, (p - i).min(c.micro_batches[r]), b);
+                                prop_assert!(need <= cost.usable_memory(dev).unwrap() + 1.0);
+                            }
+                        }
+                        prop_assert!(to_parallel_plan(&cost, c).is_ok());
+                    }
+                    if let Some(u) = &outcome.uniform {
+                        prop_assert!(outcome.plans[0].prediction.step_time_s <= u.prediction.step_time_s * (1.0 + 1e-12));
+                    }
+                }
+            }
+        }
+
+        /// The greedy replica split equals brute force on small cases.
+        #[test]
+        fn replica_split_matches_brute_force(
+            fixed in proptest::collection::vec(0.0f64..5.0, 1..=3),
+            per_mb in proptest::collection::vec(0.1f64..4.0, 3),
+            extra in 0usize..6,
+        ) {
+            let d = fixed.len();
+            let total = d + extra;
+            let time = |r: usize, m: usize| fixed[r] + (m - 1) as f64 * per_mb[r];
+            let split = min_max_split(total, time, d);
+            prop_assert_eq!(split.iter().sum::<usize>(), total);
+            prop_assert!(split.iter().all(|&m| m >= 1));
+            let got = (0..d).map(|r| time(r, split[r])).fold(0.0, f64::max);
+            let brute = compositions(total, d)
+                .into_iter()
+                .map(|c| (0..d).map(|r| time(r, c[r])).fold(0.0, f64::max))
+                .fold(f64::INFINITY, f64::min);
+            prop_assert!((got - brute).abs() < 1e-9, "{:?}: {} vs {}", split, got, brute);
+        }
+    }
+}
