@@ -11,11 +11,15 @@ pub fn run(root: &Path, name: &str) -> Result<()> {
         "preprocess" => preprocess(root),
         "index" => index(root),
         "model" => model(root),
-        other => bail!("unknown benchmark {other:?}; available: preprocess, index, model"),
+        "hetero" => crate::bench_hetero::hetero(root),
+        "planner" => crate::bench_hetero::planner(root),
+        other => bail!(
+            "unknown benchmark {other:?}; available: preprocess, index, model, hetero, planner"
+        ),
     }
 }
 
-fn cargo_release_binary(root: &Path) -> Result<std::path::PathBuf> {
+pub(crate) fn cargo_release_binary(root: &Path) -> Result<std::path::PathBuf> {
     let status = Command::new("cargo")
         .args(["build", "--release", "--quiet", "-p", "synerfuse-cli"])
         .current_dir(root)
@@ -396,7 +400,7 @@ fn model(root: &Path) -> Result<()> {
 }
 
 /// The reference's one-line JSON result, read without a JSON dependency in xtask.
-mod serde_like {
+pub(crate) mod serde_like {
     use anyhow::{Context, Result};
 
     /// The number after `"name":` in a one-line JSON object.

@@ -5,6 +5,7 @@
 //! * `cargo xtask test` runs setup, then the whole test suite, clippy and rustfmt.
 
 mod bench;
+mod bench_hetero;
 mod setup;
 mod test;
 

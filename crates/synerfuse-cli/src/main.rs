@@ -6,6 +6,7 @@ mod data_commands;
 mod env_report;
 mod index_command;
 mod model_commands;
+mod plan_commands;
 mod topology_command;
 mod train_command;
 
@@ -30,6 +31,10 @@ enum Command {
     Preprocess(data_commands::PreprocessArgs),
     /// Build or load the GPT sample indices of every split (Megatron's caches, shared both ways)
     Index(index_command::IndexArgs),
+    /// Measure per-layer costs and links on this machine's devices (input to `plan`)
+    Profile(Box<plan_commands::ProfileArgs>),
+    /// Search the fastest heterogeneous layout for a cluster file; writes plan.toml
+    Plan(Box<plan_commands::PlanArgs>),
     /// Train a LLaMA model: hetero pipeline x hetero data parallel, over MPI (and NCCL)
     Train(Box<train_command::TrainArgs>),
     /// Every communication group (tp, pp, dp, ...) Megatron builds for these sizes and order
@@ -75,6 +80,8 @@ fn run() -> Result<()> {
         Command::Preprocess(args) => data_commands::run_preprocess(args),
         Command::Merge(args) => data_commands::run_merge(args),
         Command::Index(args) => index_command::run_index(args),
+        Command::Profile(args) => plan_commands::run_profile(*args),
+        Command::Plan(args) => plan_commands::run_plan(*args),
         Command::Train(args) => train_command::run_train(*args),
         Command::Topology(args) => topology_command::run_topology(args),
         Command::Score(args) => model_commands::run_score(args),

@@ -886,3 +886,169 @@ fn finetune_from_hf_starts_from_its_weights() {
             .collect();
     assert_eq!(max_param_diff(&original, &saved), 0.0);
 }
+
+fn plan_json(args: &[&str]) -> serde_json::Value {
+    let mut all = strings(&["plan", "--json"]);
+    all.extend(strings(args));
+    let out = synerfuse(&all);
+    ok(&out, "plan");
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
+/// `synerfuse plan`: the JSON other tools read, verdicts that name the binding
+/// constraint, and a plan that `synerfuse train --plan` runs (emulated speeds included).
+#[test]
+fn plan_writes_what_train_runs() {
+    let model = [
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--num-query-groups",
+        "2",
+        "--ffn-hidden-size",
+        "64",
+        "--vocab-size",
+        "1024",
+        "--seq-length",
+        "32",
+    ];
+    let cluster = root().join("examples/clusters/a100-v100.toml");
+    let mut args = vec![
+        "--cluster",
+        cluster.to_str().unwrap(),
+        "--global-batch-size",
+        "64",
+    ];
+    args.extend(model);
+    let j = plan_json(&args);
+    for key in [
+        "pipeline_parallel_size",
+        "data_parallel_size",
+        "tensor_parallel_size",
+        "layers_per_stage",
+        "micro_batch_size_per_replica",
+        "num_micro_batches_per_replica",
+        "predicted_step_time_s",
+        "peak_memory_gb_per_stage",
+        "synerfuse_flags",
+    ] {
+        assert!(!j[key].is_null(), "{key} missing: {j}");
+    }
+    let pp = j["pipeline_parallel_size"].as_u64().unwrap();
+    let dp = j["data_parallel_size"].as_u64().unwrap();
+    assert_eq!(pp * dp, 16);
+    assert_eq!(
+        j["layers_per_stage"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .sum::<u64>(),
+        4
+    );
+    let samples: u64 = j["micro_batch_size_per_replica"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(j["num_micro_batches_per_replica"].as_array().unwrap())
+        .map(|(b, m)| b.as_u64().unwrap() * m.as_u64().unwrap())
+        .sum();
+    assert_eq!(samples, 64);
+    assert!(j["synerfuse_flags"]
+        .as_str()
+        .unwrap()
+        .contains("--global-batch-size 64"));
+
+    // Infeasible: a 7B-class model on T4s names memory, the stage and the device.
+    let dir = tempfile::tempdir().unwrap();
+    let t4 = dir.path().join("t4.toml");
+    std::fs::write(
+        &t4,
+        "[[group]]\nkind = \"t4\"\ncount = 2\n[network]\nintra_node_gbs = 12\ninter_node_gbs = 3\n",
+    )
+    .unwrap();
+    let out = synerfuse(&strings(&[
+        "plan",
+        "--cluster",
+        t4.to_str().unwrap(),
+        "--num-layers",
+        "32",
+        "--hidden-size",
+        "4096",
+        "--num-attention-heads",
+        "32",
+        "--ffn-hidden-size",
+        "11008",
+        "--seq-length",
+        "4096",
+        "--global-batch-size",
+        "8",
+    ]));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("no feasible plan: out of memory: pipeline stage")
+            && stderr.contains("on t4"),
+        "{stderr}"
+    );
+    // A CPU cluster without a profile or numbers is named.
+    let out = synerfuse(&strings(&[
+        "plan",
+        "--cluster",
+        root()
+            .join("examples/clusters/emulated-cpu.toml")
+            .to_str()
+            .unwrap(),
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--global-batch-size",
+        "8",
+    ]));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("device kind cpu: no catalogue numbers"));
+
+    // Plan for 4 emulated CPU ranks (analytical costs from given numbers) and train with it.
+    let cpus = dir.path().join("cpus.toml");
+    std::fs::write(
+        &cpus,
+        "[[group]]\nkind = \"cpu\"\ncount = 2\nnode = \"here\"\ntflops_bf16 = 0.05\nmemory_gb = 4\n\
+         [[group]]\nkind = \"cpu\"\ncount = 1\nnode = \"here\"\ntflops_bf16 = 0.05\nmemory_gb = 4\nspeed = 0.5\n\
+         [[group]]\nkind = \"cpu\"\ncount = 1\nnode = \"here\"\ntflops_bf16 = 0.05\nmemory_gb = 4\nspeed = 0.25\n\
+         [network]\nintra_node_gbs = 5\ninter_node_gbs = 5\n",
+    )
+    .unwrap();
+    let plan = dir.path().join("plan.toml");
+    let mut args = vec![
+        "--cluster",
+        cpus.to_str().unwrap(),
+        "--global-batch-size",
+        "6",
+        "--output",
+        plan.to_str().unwrap(),
+    ];
+    args.extend(model);
+    let j = plan_json(&args);
+    let text = std::fs::read_to_string(&plan).unwrap();
+    assert!(text.contains("speed = 0.25"), "{text}");
+    let data = dataset(dir.path());
+    let mut train = common(dir.path(), &data, 3);
+    train.extend([
+        "--nproc".into(),
+        "4".into(),
+        "--plan".into(),
+        plan.display().to_string(),
+    ]);
+    let out = synerfuse(&train);
+    ok(&out, "train --plan");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("device emulation"), "{stderr}");
+    println!("planned {j}");
+}

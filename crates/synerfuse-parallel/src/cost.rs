@@ -81,10 +81,11 @@ impl ModelShape {
         2.0 * (b * self.seq_length * self.hidden_size * self.vocab_size) as f64
     }
 
-    /// Activation bytes one layer keeps for its backward, per micro-batch of `b` (fp32
-    /// compute: inputs of the norms, projections, attention scores and probabilities,
-    /// and the MLP; an estimate when no profile measured it).
-    pub fn layer_activation_bytes(&self, b: usize, bytes: f64) -> f64 {
+    /// Activation bytes one layer keeps for its backward, per micro-batch of `b`: inputs
+    /// of the norms, projections and MLP, plus the attention scores and probabilities
+    /// unless the attention kernel is fused (`fused_attention`: flash or memory-efficient
+    /// SDPA, as on CUDA). An estimate when no profile measured it.
+    pub fn layer_activation_bytes(&self, b: usize, bytes: f64, fused_attention: bool) -> f64 {
         let (h, f, s, a) = (
             self.hidden_size as f64,
             self.ffn_hidden_size as f64,
@@ -92,7 +93,12 @@ impl ModelShape {
             self.num_heads as f64,
         );
         let b = b as f64;
-        bytes * (s * b * (8.0 * h + 4.0 * self.kv_width() + 4.0 * f) + 2.0 * a * s * s * b)
+        let scores = if fused_attention {
+            0.0
+        } else {
+            2.0 * a * s * s * b
+        };
+        bytes * (s * b * (8.0 * h + 4.0 * self.kv_width() + 4.0 * f) + scores)
     }
 
     /// Bytes of one activation message between stages.
@@ -242,7 +248,11 @@ impl CostModel {
                             * 3.0
                             / (spec.mem_bw_gbs * 1e9),
                         head_s: 3.0 * self.model.head_forward_flops(b) / rate,
-                        activation_bytes: self.model.layer_activation_bytes(b, self.compute_bytes),
+                        activation_bytes: self.model.layer_activation_bytes(
+                            b,
+                            self.compute_bytes,
+                            spec.accelerator,
+                        ),
                     }
                 }
                 (None, None) => return Err(CostError {

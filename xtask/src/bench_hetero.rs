@@ -1,0 +1,357 @@
+//! `cargo xtask bench hetero` and `cargo xtask bench planner`: the planner proven in real
+//! runs on an emulated heterogeneous CPU cluster, and its speed on a large cluster.
+
+use anyhow::{ensure, Context, Result};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The emulated cluster: 4 CPU ranks at speeds 1, 1, 0.5, 0.33.
+const SPEEDS: [f64; 4] = [1.0, 1.0, 0.5, 0.33];
+const ITERS: usize = 20;
+const GLOBAL_BATCH: usize = 16;
+
+fn model_flags() -> Vec<&'static str> {
+    vec![
+        "--num-layers",
+        "8",
+        "--hidden-size",
+        "128",
+        "--num-attention-heads",
+        "4",
+        "--ffn-hidden-size",
+        "344",
+        "--seq-length",
+        "128",
+    ]
+}
+
+fn run(cmd: &mut Command, what: &str) -> Result<String> {
+    let out = cmd
+        .output()
+        .with_context(|| format!("could not run {what}"))?;
+    ensure!(
+        out.status.success(),
+        "{what} failed ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Median `elapsed_ms` of iterations after the first 5 of a `--log-json` file, in s.
+fn median_step_s(log: &Path) -> Result<f64> {
+    let text = std::fs::read_to_string(log).with_context(|| log.display().to_string())?;
+    let mut ms: Vec<f64> = text
+        .lines()
+        .skip(5)
+        .map(|l| crate::bench::serde_like::number(l, "elapsed_ms"))
+        .collect::<Result<_>>()?;
+    ensure!(!ms.is_empty(), "{} has too few iterations", log.display());
+    ms.sort_by(f64::total_cmp);
+    Ok(ms[ms.len() / 2] / 1e3)
+}
+
+struct Data {
+    prefix: PathBuf,
+    vocab: PathBuf,
+    merges: PathBuf,
+}
+
+fn data(root: &Path, bin: &Path, dir: &Path) -> Result<Data> {
+    let python = root.join(".venv/bin/python");
+    let corpus = crate::setup::corpus_step(root, &python)?;
+    let tok = dir.join("tok");
+    let data = Data {
+        prefix: dir.join("shk_text_document"),
+        vocab: tok.join("vocab.json"),
+        merges: tok.join("merges.txt"),
+    };
+    if !data.vocab.exists() {
+        run(
+            Command::new(bin)
+                .args(["tokenizer", "train", "--vocab-size", "2048", "--gpt2-files"])
+                .arg("--input")
+                .arg(&corpus)
+                .arg("--output")
+                .arg(tok.join("tokenizer.json")),
+            "tokenizer train",
+        )?;
+    }
+    if !data.prefix.with_extension("idx").exists() {
+        run(
+            Command::new(bin)
+                .args([
+                    "preprocess",
+                    "--tokenizer-type",
+                    "GPT2BPETokenizer",
+                    "--append-eod",
+                    "--workers",
+                    "2",
+                ])
+                .arg("--input")
+                .arg(&corpus)
+                .arg("--output-prefix")
+                .arg(dir.join("shk"))
+                .arg("--vocab-file")
+                .arg(&data.vocab)
+                .arg("--merge-file")
+                .arg(&data.merges),
+            "preprocess",
+        )?;
+    }
+    Ok(data)
+}
+
+fn train(bin: &Path, data: &Data, dir: &Path, extra: &[String], log: &Path) -> Command {
+    let mut cmd = Command::new(bin);
+    cmd.arg("train")
+        .args(model_flags())
+        .args([
+            "--disable-bias-linear",
+            "--train-iters",
+            &ITERS.to_string(),
+            "--lr",
+            "1e-3",
+            "--device",
+            "cpu",
+        ])
+        .args([
+            "--split",
+            "100,0,0",
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
+            "--log-interval",
+            "5",
+        ])
+        .arg("--data-path")
+        .arg(&data.prefix)
+        .arg("--data-cache-path")
+        .arg(dir.join("cache"))
+        .arg("--vocab-file")
+        .arg(&data.vocab)
+        .arg("--merge-file")
+        .arg(&data.merges)
+        .arg("--log-json")
+        .arg(log)
+        .args(extra);
+    let _ = std::fs::remove_file(log);
+    cmd
+}
+
+pub fn hetero(root: &Path) -> Result<()> {
+    let bin = crate::bench::cargo_release_binary(root)?;
+    let dir = root.join("target/bench/hetero");
+    std::fs::create_dir_all(&dir)?;
+    let data = data(root, &bin, &dir)?;
+    let cluster = root.join("examples/clusters/emulated-cpu.toml");
+    println!("[hetero] profiling on 4 CPU ranks at once (as training shares the cores)");
+    let profile = dir.join("profile.json");
+    run(
+        Command::new(&bin)
+            .args([
+                "profile",
+                "--nproc",
+                "4",
+                "--device",
+                "cpu",
+                "--device-kind",
+                "cpu",
+                "--micro-batch-sizes",
+                "1,2,4",
+            ])
+            .args(model_flags())
+            .args(["--vocab-size", "2048"])
+            .arg("--output")
+            .arg(&profile),
+        "profile",
+    )?;
+    println!("[hetero] planning for speeds {SPEEDS:?}");
+    let plan = dir.join("plan.toml");
+    let uniform = dir.join("uniform.toml");
+    let json = run(
+        Command::new(&bin)
+            .args([
+                "plan",
+                "--json",
+                "--micro-batch-sizes",
+                "1,2,4",
+                "--global-batch-size",
+                &GLOBAL_BATCH.to_string(),
+            ])
+            .args(model_flags())
+            .args(["--vocab-size", "2048"])
+            .arg("--cluster")
+            .arg(&cluster)
+            .arg("--profile")
+            .arg(&profile)
+            .arg("--output")
+            .arg(&plan)
+            .arg("--uniform-output")
+            .arg(&uniform),
+        "plan",
+    )?;
+    let predicted = crate::bench::serde_like::number(&json, "predicted_step_time_s")?;
+    let predicted_uniform = crate::bench::serde_like::number(&json, "uniform_step_time_s")?;
+    let flags = json
+        .split("\"synerfuse_flags\":\"")
+        .nth(1)
+        .and_then(|s| s.split('"').next())
+        .unwrap_or("")
+        .to_owned();
+    println!("[hetero] plan: {flags}");
+    let s = |x: &str| x.to_owned();
+    let planned_log = dir.join("planned.jsonl");
+    run(
+        &mut train(
+            &bin,
+            &data,
+            &dir,
+            &[
+                s("--nproc"),
+                s("4"),
+                s("--plan"),
+                plan.display().to_string(),
+            ],
+            &planned_log,
+        ),
+        "train with the plan",
+    )?;
+    let uniform_log = dir.join("uniform.jsonl");
+    run(
+        &mut train(
+            &bin,
+            &data,
+            &dir,
+            &[
+                s("--nproc"),
+                s("4"),
+                s("--plan"),
+                uniform.display().to_string(),
+            ],
+            &uniform_log,
+        ),
+        "train with the uniform layout",
+    )?;
+    let planned_s = median_step_s(&planned_log)?;
+    let uniform_s = median_step_s(&uniform_log)?;
+    // Each device alone, all four at once (the same load on the shared cores as the
+    // 4-rank job): one rank, the whole global batch, its emulated speed.
+    println!("[hetero] each device alone (4 single-rank jobs at once)");
+    let mut children = Vec::new();
+    for (i, speed) in SPEEDS.iter().enumerate() {
+        let log = dir.join(format!("alone{i}.jsonl"));
+        let mut cmd = train(
+            &bin,
+            &data,
+            &dir,
+            &[
+                s("--micro-batch-size"),
+                s("1"),
+                s("--global-batch-size"),
+                GLOBAL_BATCH.to_string(),
+                s("--threads"),
+                s("1"),
+                s("--emulate-device-speed"),
+                speed.to_string(),
+            ],
+            &log,
+        );
+        children.push((
+            log,
+            cmd.stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()?,
+        ));
+    }
+    let mut alone_tokens_per_s = 0.0;
+    let tokens = (GLOBAL_BATCH * 128) as f64;
+    for (log, mut child) in children {
+        ensure!(
+            child.wait()?.success(),
+            "single-device run {} failed",
+            log.display()
+        );
+        alone_tokens_per_s += tokens / median_step_s(&log)?;
+    }
+    let planned_tokens_per_s = tokens / planned_s;
+    let speedup = uniform_s / planned_s;
+    let error = (predicted - planned_s).abs() / planned_s;
+    let acceleration = planned_tokens_per_s / alone_tokens_per_s;
+    println!("| | step time (s) | tokens/s |\n|---|---|---|");
+    println!(
+        "| uniform layout | {uniform_s:.4} (predicted {predicted_uniform:.4}) | {:.0} |",
+        tokens / uniform_s
+    );
+    println!("| planned layout | {planned_s:.4} (predicted {predicted:.4}) | {planned_tokens_per_s:.0} |");
+    println!("| each device alone, summed | | {alone_tokens_per_s:.0} |");
+    println!("speedup of the plan over uniform: {speedup:.2}x (target >= 1.3x)");
+    println!(
+        "predicted vs measured step time: {:.1}% off (target within 15%)",
+        error * 100.0
+    );
+    println!(
+        "acceleration ratio: {:.1}% of the devices' summed throughput (target >= 90%)",
+        acceleration * 100.0
+    );
+    let out = root.join("target/bench/hetero.json");
+    std::fs::write(&out, format!(
+        "{{\"benchmark\": \"hetero\", \"speeds\": {SPEEDS:?}, \"global_batch_size\": {GLOBAL_BATCH}, \"iterations\": {ITERS}, \
+         \"planned_step_s\": {planned_s}, \"uniform_step_s\": {uniform_s}, \"predicted_step_s\": {predicted}, \
+         \"predicted_uniform_step_s\": {predicted_uniform}, \"speedup\": {speedup}, \"prediction_error\": {error}, \
+         \"acceleration_ratio\": {acceleration}, \"plan_flags\": \"{flags}\"}}\n"
+    ))?;
+    println!("wrote {}", out.display());
+    Ok(())
+}
+
+pub fn planner(root: &Path) -> Result<()> {
+    let bin = crate::bench::cargo_release_binary(root)?;
+    let dir = root.join("target/bench");
+    std::fs::create_dir_all(&dir)?;
+    let cluster = dir.join("planner-1024.toml");
+    let mut text = String::new();
+    for (i, kind) in ["h100-sxm", "a100-80g", "l40s", "a10"].iter().enumerate() {
+        for node in 0..32 {
+            text.push_str(&format!(
+                "[[group]]\nkind = \"{kind}\"\ncount = 8\nnode = \"{kind}-{i}-{node}\"\n"
+            ));
+        }
+    }
+    text.push_str("[network]\nintra_node_gbs = 200\ninter_node_gbs = 25\n");
+    std::fs::write(&cluster, text)?;
+    let started = std::time::Instant::now();
+    let json = run(
+        Command::new(&bin)
+            .args([
+                "plan",
+                "--json",
+                "--num-layers",
+                "80",
+                "--hidden-size",
+                "4096",
+                "--num-attention-heads",
+                "32",
+                "--num-query-groups",
+                "8",
+                "--ffn-hidden-size",
+                "11008",
+                "--vocab-size",
+                "32000",
+                "--seq-length",
+                "4096",
+                "--global-batch-size",
+                "4096",
+            ])
+            .arg("--cluster")
+            .arg(&cluster),
+        "plan",
+    )?;
+    let wall = started.elapsed().as_secs_f64();
+    let planning = crate::bench::serde_like::number(&json, "planning_time_s")?;
+    println!("planning 1024 devices of 4 kinds (128 nodes), 80 layers: {planning:.3} s in the planner, {wall:.3} s for the whole command (target < 2 s)");
+    std::fs::write(dir.join("planner.json"), format!(
+        "{{\"benchmark\": \"planner\", \"devices\": 1024, \"kinds\": 4, \"layers\": 80, \"planning_s\": {planning}, \"command_s\": {wall}}}\n"
+    ))?;
+    Ok(())
+}
