@@ -202,37 +202,19 @@ pub fn hetero(root: &Path) -> Result<()> {
     println!("[hetero] plan: {flags}");
     let s = |x: &str| x.to_owned();
     let planned_log = dir.join("planned.jsonl");
-    run(
-        &mut train(
-            &bin,
-            &data,
-            &dir,
-            &[
-                s("--nproc"),
-                s("4"),
-                s("--plan"),
-                plan.display().to_string(),
-            ],
-            &planned_log,
-        ),
-        "train with the plan",
-    )?;
     let uniform_log = dir.join("uniform.jsonl");
-    run(
-        &mut train(
-            &bin,
-            &data,
-            &dir,
-            &[
-                s("--nproc"),
-                s("4"),
-                s("--plan"),
-                uniform.display().to_string(),
-            ],
-            &uniform_log,
-        ),
-        "train with the uniform layout",
-    )?;
+    for (layout, log, what) in [
+        (&plan, &planned_log, "train with the plan"),
+        (&uniform, &uniform_log, "train with the uniform layout"),
+    ] {
+        let flags = [
+            s("--nproc"),
+            s("4"),
+            s("--plan"),
+            layout.display().to_string(),
+        ];
+        run(&mut train(&bin, &data, &dir, &flags, log), what)?;
+    }
     let planned_s = median_step_s(&planned_log)?;
     let uniform_s = median_step_s(&uniform_log)?;
     // Each device alone, all four at once (the same load on the shared cores as the

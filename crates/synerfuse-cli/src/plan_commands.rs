@@ -11,7 +11,7 @@ use synerfuse_model::{BackwardFrom, DeviceRequest, LlamaConfig, MegatronModelArg
 use synerfuse_parallel::cluster::ClusterSpec;
 use synerfuse_parallel::cost::{CostModel, MeasuredCosts, MeasuredNetwork, ModelShape, Profile};
 use synerfuse_parallel::planner::{self, Candidate, PlanRequest};
-use synerfuse_train::comm::{launcher_local_rank, launcher_rank, mpirun_command, MpiRuntime};
+use synerfuse_train::comm::{launcher_local_rank, launcher_rank, MpiRuntime};
 
 /// The model to plan or profile: a Hugging Face `config.json`, or Megatron's flags.
 #[derive(Args, Debug, Clone)]
@@ -159,9 +159,7 @@ fn time_stage(stage: &Stage, b: usize, s: usize, repeats: usize) -> Result<(f64,
 
 pub fn run_profile(args: ProfileArgs) -> Result<()> {
     if let (Some(n), None) = (args.nproc, launcher_rank()) {
-        let exe = std::env::current_exe()?;
-        let rest: Vec<String> = strip_nproc(std::env::args().skip(1));
-        let status = mpirun_command(n, &exe).args(&rest).status()?;
+        let status = crate::train_command::relaunch(n)?;
         if !status.success() {
             bail!("the {n}-rank profile failed ({status})");
         }
@@ -307,21 +305,6 @@ fn measure_network(world: &synerfuse_train::comm::MpiCommunicator) -> Result<Mea
         latency_s: f[2],
         ranks: world.size(),
     })
-}
-
-fn strip_nproc(args: impl Iterator<Item = String>) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut skip = false;
-    for arg in args {
-        if skip {
-            skip = false;
-        } else if arg == "--nproc" {
-            skip = true;
-        } else if !arg.starts_with("--nproc=") {
-            out.push(arg);
-        }
-    }
-    out
 }
 
 /// `synerfuse plan`.

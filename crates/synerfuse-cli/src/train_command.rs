@@ -189,8 +189,8 @@ pub struct TrainArgs {
 }
 
 /// Re-runs this very command under `mpirun -np N` (without `--nproc`) and returns its
-/// exit status.
-fn relaunch(nproc: usize) -> Result<std::process::ExitStatus> {
+/// exit status. Shared by `train` and `profile`.
+pub(crate) fn relaunch(nproc: usize) -> Result<std::process::ExitStatus> {
     let exe = std::env::current_exe().context("locating the synerfuse binary")?;
     let mut args: Vec<String> = Vec::new();
     let mut skip = false;

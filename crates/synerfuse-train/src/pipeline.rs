@@ -110,16 +110,9 @@ impl PipelineRank<'_> {
                     micro_batch,
                     chunk,
                 } => {
-                    let rows = inputs[micro_batch].rows;
-                    let mut buffer = Tensor::empty(
-                        [rows, sequence_length as i64, hidden],
-                        (self.activation_kind, Device::Cpu),
-                    );
-                    let started = Instant::now();
-                    self.world
-                        .recv(&mut buffer, peer, tag(micro_batch, chunk, chunks, false))
-                        .map_err(comm_err)?;
-                    times.waiting += started.elapsed();
+                    let shape = [inputs[micro_batch].rows, sequence_length as i64, hidden];
+                    let message = tag(micro_batch, chunk, chunks, false);
+                    let buffer = self.receive(shape, peer, message, &mut times)?;
                     activations.insert((micro_batch, chunk), buffer.to_device(device));
                 }
                 Instruction::Forward { micro_batch, chunk } => {
@@ -179,17 +172,10 @@ impl PipelineRank<'_> {
                     micro_batch,
                     chunk,
                 } => {
-                    let rows = inputs[micro_batch].rows;
-                    let mut buffer = Tensor::empty(
-                        [rows, sequence_length as i64, hidden],
-                        (self.activation_kind, Device::Cpu),
-                    );
                     // `chunk` names the sender's piece, as on the sending side.
-                    let started = Instant::now();
-                    self.world
-                        .recv(&mut buffer, peer, tag(micro_batch, chunk, chunks, true))
-                        .map_err(comm_err)?;
-                    times.waiting += started.elapsed();
+                    let shape = [inputs[micro_batch].rows, sequence_length as i64, hidden];
+                    let message = tag(micro_batch, chunk, chunks, true);
+                    let buffer = self.receive(shape, peer, message, &mut times)?;
                     gradients.insert((micro_batch, chunk), buffer.to_device(device));
                 }
                 Instruction::Backward { micro_batch, chunk } => {
@@ -261,6 +247,21 @@ impl PipelineRank<'_> {
             )));
         }
         Ok((loss, times))
+    }
+
+    /// Blocks until the message `tag` from `peer` arrives; the wait counts as waiting.
+    fn receive(
+        &self,
+        shape: [i64; 3],
+        peer: usize,
+        tag: i32,
+        times: &mut StepTimes,
+    ) -> Result<Tensor, TrainError> {
+        let mut buffer = Tensor::empty(shape, (self.activation_kind, Device::Cpu));
+        let started = Instant::now();
+        self.world.recv(&mut buffer, peer, tag)?;
+        times.waiting += started.elapsed();
+        Ok(buffer)
     }
 
     fn account_compute(&self, times: &mut StepTimes, compute: Duration) {

@@ -122,6 +122,8 @@ pub struct Trainer<'w> {
     world: &'w MpiCommunicator,
     groups: ProcessGroups,
     chunks: Vec<Stage>,
+    /// Every parameter of the chunks by global name, sorted (the flat gradient's order).
+    params: Vec<(String, Tensor)>,
     optimizer: AdamW,
     program: Vec<Instruction>,
     loader: ReplicaLoader,
@@ -241,8 +243,16 @@ impl<'w> Trainer<'w> {
                 stage.set_kind(Kind::BFloat16);
             }
         }
-        let params = chunks.iter().flat_map(|s| s.var_store().variables());
-        let mut optimizer = AdamW::new(config.adam, params);
+        let params: Vec<(String, Tensor)> = chunks
+            .iter()
+            .flat_map(|s| s.var_store().variables())
+            .collect::<BTreeMap<_, _>>()
+            .into_iter()
+            .collect();
+        let mut optimizer = AdamW::new(
+            config.adam,
+            params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())),
+        );
         if config.bf16 {
             for (name, value) in &fp32_values {
                 optimizer
@@ -256,6 +266,7 @@ impl<'w> Trainer<'w> {
             world,
             groups,
             chunks,
+            params,
             optimizer,
             program,
             loader,
@@ -535,16 +546,11 @@ impl<'w> Trainer<'w> {
         }
         // fp32 gradients in one flat buffer: one reduction per group.
         let started = Instant::now();
-        let names: Vec<String> = self.optimizer.names().map(str::to_owned).collect();
-        let mut params: BTreeMap<String, Tensor> = BTreeMap::new();
-        for stage in &self.chunks {
-            params.extend(stage.var_store().variables());
-        }
         let device = self.chunks[0].device();
-        let pieces: Vec<Tensor> = names
+        let pieces: Vec<Tensor> = self
+            .params
             .iter()
-            .map(|n| {
-                let p = &params[n];
+            .map(|(_, p)| {
                 let g = p.grad();
                 if g.defined() {
                     g.to_kind(Kind::Float).reshape([-1])
@@ -562,8 +568,7 @@ impl<'w> Trainer<'w> {
         }
         let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
         let mut offset = 0i64;
-        for n in &names {
-            let p = &params[n];
+        for (n, p) in &self.params {
             let numel = p.numel() as i64;
             grads.insert(
                 n.clone(),

@@ -65,6 +65,26 @@ pub enum CommError {
 }
 
 impl CommError {
+    /// `Ok(rows)` when `tensor`'s leading dimension splits evenly over `size` ranks (what
+    /// reduce-scatter needs).
+    pub(crate) fn check_scatter_rows(
+        rank: usize,
+        size: usize,
+        tensor: &tch::Tensor,
+    ) -> Result<i64, CommError> {
+        let rows = tensor.size().first().copied().unwrap_or(0);
+        if tensor.dim() == 0 || rows % size as i64 != 0 {
+            return Err(CommError::Shape {
+                rank,
+                op: "reduce_scatter_sum",
+                problem: format!(
+                    "leading dimension {rows} is not divisible by the group size {size}"
+                ),
+            });
+        }
+        Ok(rows)
+    }
+
     /// `Ok` when `peer` is a rank of a communicator of `size` ranks.
     pub(crate) fn check_peer(rank: usize, size: usize, peer: usize) -> Result<(), CommError> {
         if peer < size {

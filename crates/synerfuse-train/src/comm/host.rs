@@ -325,17 +325,7 @@ impl MpiCommunicator {
     /// `[r·n/size, (r+1)·n/size)` of the leading dimension (`n` must divide by `size`).
     pub fn reduce_scatter_sum(&self, tensor: &Tensor) -> Result<Tensor, CommError> {
         use mpi::collective::CommunicatorCollectives;
-        let rows = tensor.size().first().copied().unwrap_or(0);
-        if tensor.dim() == 0 || rows % self.size as i64 != 0 {
-            return Err(CommError::Shape {
-                rank: self.rank,
-                op: "reduce_scatter_sum",
-                problem: format!(
-                    "leading dimension {rows} is not divisible by the group size {}",
-                    self.size
-                ),
-            });
-        }
+        let rows = CommError::check_scatter_rows(self.rank, self.size, tensor)?;
         let kind = match tensor.kind() {
             Kind::Half | Kind::BFloat16 => Kind::Float,
             kind => kind,

@@ -158,17 +158,7 @@ impl NcclCommunicator {
     /// The element-wise sum over ranks, scattered by rows of the leading dimension.
     pub fn reduce_scatter_sum(&self, tensor: &Tensor) -> Result<Tensor, CommError> {
         let dtype = self.nccl_type(tensor, "reduce_scatter_sum")?;
-        let rows = tensor.size().first().copied().unwrap_or(0);
-        if tensor.dim() == 0 || rows % self.size as i64 != 0 {
-            return Err(CommError::Shape {
-                rank: self.rank,
-                op: "reduce_scatter_sum",
-                problem: format!(
-                    "leading dimension {rows} is not divisible by the group size {}",
-                    self.size
-                ),
-            });
-        }
+        let rows = CommError::check_scatter_rows(self.rank, self.size, tensor)?;
         let source = tensor.contiguous();
         let mut shape = tensor.size();
         shape[0] = rows / self.size as i64;
