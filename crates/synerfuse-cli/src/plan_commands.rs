@@ -12,6 +12,7 @@ use synerfuse_parallel::cluster::ClusterSpec;
 use synerfuse_parallel::cost::{CostModel, MeasuredCosts, MeasuredNetwork, ModelShape, Profile};
 use synerfuse_parallel::planner::{self, Candidate, PlanRequest};
 use synerfuse_train::comm::{launcher_local_rank, launcher_rank, MpiRuntime};
+use synerfuse_train::emulation::{ComputeSpan, Emulation};
 
 /// The model to plan or profile: a Hugging Face `config.json`, or Megatron's flags.
 #[derive(Args, Debug, Clone)]
@@ -96,6 +97,11 @@ pub struct ProfileArgs {
     /// Start N ranks here (mpirun) and also measure p2p and all-reduce between them
     #[arg(long)]
     nproc: Option<usize>,
+    /// Profile as an emulated device at this speed (as `train` emulates it: CPU time /
+    /// speed on CPU ranks) and file the costs at speed 1, so a cluster file's `speed`
+    /// scales them. Keep N x speed within the machine's cores.
+    #[arg(long)]
+    emulate_device_speed: Option<f64>,
     /// Where to write the profile JSON
     #[arg(long)]
     output: PathBuf,
@@ -106,8 +112,15 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Seconds of forward+backward of `stage` on a micro-batch (median of `repeats`).
-fn time_stage(stage: &Stage, b: usize, s: usize, repeats: usize) -> Result<(f64, f64)> {
+/// Seconds of forward and backward of `stage` on a micro-batch (medians of `repeats`);
+/// under emulation, the emulated durations scaled back to speed 1.
+fn time_stage(
+    stage: &Stage,
+    b: usize,
+    s: usize,
+    repeats: usize,
+    emulation: Option<&Emulation>,
+) -> Result<(f64, f64)> {
     let c = stage.config();
     let device = stage.device();
     let input = if stage.is_first() {
@@ -127,13 +140,14 @@ fn time_stage(stage: &Stage, b: usize, s: usize, repeats: usize) -> Result<(f64,
         [b as i64, s as i64],
         (Kind::Int64, device),
     );
+    let scale = emulation.map_or(1.0, |e| e.speed);
     let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
     for round in 0..repeats + 1 {
-        let started = Instant::now();
+        let span = ComputeSpan::start();
         let pass = stage.forward_train(&input, None, None)?;
         let _ = pass.output.sum(Kind::Float).double_value(&[]);
-        let f = started.elapsed().as_secs_f64();
-        let started = Instant::now();
+        let f = Emulation::account(emulation, span).as_secs_f64() * scale;
+        let span = ComputeSpan::start();
         if stage.is_last() {
             let loss = |logits: &Tensor| Stage::loss(logits, &labels, None).0;
             stage.backward(pass, BackwardFrom::Loss(&loss))?;
@@ -144,7 +158,7 @@ fn time_stage(stage: &Stage, b: usize, s: usize, repeats: usize) -> Result<(f64,
         if let Device::Cuda(i) = device {
             tch::Cuda::synchronize(i as i64);
         }
-        let bk = started.elapsed().as_secs_f64();
+        let bk = Emulation::account(emulation, span).as_secs_f64() * scale;
         stage.var_store().variables().values().for_each(|v| {
             let mut v = v.shallow_clone();
             v.zero_grad()
@@ -181,6 +195,13 @@ pub fn run_profile(args: ProfileArgs) -> Result<()> {
         Device::Cpu => "cpu".into(),
         _ => "cuda".into(),
     });
+    let emulation = match args.emulate_device_speed {
+        Some(speed) if !(speed > 0.0 && speed <= 1.0) => {
+            bail!("--emulate-device-speed {speed}: must be in (0, 1]")
+        }
+        Some(speed) => Some(Emulation { speed, device }),
+        None => None,
+    };
     let shape = args.model.shape()?;
     let mut base = args.model.config()?;
     base.num_layers = 3;
@@ -190,11 +211,11 @@ pub fn run_profile(args: ProfileArgs) -> Result<()> {
         // A middle layer alone, then the first and last stages with one layer each: the
         // differences are the embedding and the head (with loss).
         let middle = Stage::new(&base, 1..2, device)?;
-        let (lf, lb) = time_stage(&middle, b, s, args.repeats)?;
+        let (lf, lb) = time_stage(&middle, b, s, args.repeats, emulation.as_ref())?;
         let first = Stage::new(&base, 0..1, device)?;
-        let (ff, fb) = time_stage(&first, b, s, args.repeats)?;
+        let (ff, fb) = time_stage(&first, b, s, args.repeats, emulation.as_ref())?;
         let last = Stage::new(&base, 2..3, device)?;
-        let (hf, hb) = time_stage(&last, b, s, args.repeats)?;
+        let (hf, hb) = time_stage(&last, b, s, args.repeats, emulation.as_ref())?;
         let costs = [
             lf,
             lb,

@@ -24,8 +24,9 @@ pub struct TrainArgs {
     /// Device of every rank the plan does not place: cpu, cuda, cuda:N or auto
     #[arg(long, default_value = "auto", help_heading = "Launch")]
     device: String,
-    /// Emulated speed per rank, e.g. 1.0,1.0,0.5,0.33: a rank waits in proportion to its
-    /// measured compute (a test and benchmark device)
+    /// Emulated speed per rank, e.g. 0.5,0.5,0.25,0.16: on a CPU rank each computation
+    /// lasts its CPU time / speed (speed 1 = one core), on a GPU its time / speed (a test
+    /// and benchmark device)
     #[arg(long, value_delimiter = ',', help_heading = "Launch")]
     emulate_device_speed: Option<Vec<f64>>,
     /// Intra-op threads per rank [default: this machine's cores / ranks on it]

@@ -188,6 +188,9 @@ pub struct Device {
     pub efficiency: f64,
     /// Emulated relative speed (1 = as profiled).
     pub speed: f64,
+    /// Whether the cluster file gave a `speed` (the rank is then emulated in training,
+    /// also at speed 1).
+    pub emulated: bool,
 }
 
 impl Device {
@@ -312,6 +315,7 @@ impl ClusterSpec {
                     spec,
                     efficiency: g.efficiency.unwrap_or(0.45),
                     speed: g.speed.unwrap_or(1.0),
+                    emulated: g.speed.is_some(),
                 });
             }
         }

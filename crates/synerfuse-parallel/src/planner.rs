@@ -662,7 +662,7 @@ pub fn to_parallel_plan(
         let accelerator = dev.spec.is_some_and(|s| s.accelerator);
         ranks.push(RankPlacement {
             device: if accelerator { "cuda" } else { "cpu" }.into(),
-            speed: (dev.speed < 1.0).then_some(dev.speed),
+            speed: dev.emulated.then_some(dev.speed),
             kind: Some(dev.kind.clone()),
         });
     }

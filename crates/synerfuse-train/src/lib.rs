@@ -2,6 +2,7 @@
 
 pub mod checkpoint;
 pub mod comm;
+pub mod emulation;
 pub mod loader;
 pub mod metrics;
 pub mod optim;

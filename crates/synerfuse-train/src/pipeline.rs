@@ -6,6 +6,7 @@
 //! many micro-batches as its replica's plan says; replicas never talk to each other here.
 
 use crate::comm::{CommError, MpiCommunicator, PendingSend};
+use crate::emulation::{ComputeSpan, Emulation};
 use crate::loader::MicroBatch;
 use crate::TrainError;
 use std::collections::HashMap;
@@ -32,25 +33,6 @@ pub struct StepLoss {
     pub loss_sum: f64,
     /// Loss tokens seen by this rank's last-stage chunk (0 on other stages).
     pub loss_tokens: f64,
-}
-
-/// A slowdown that emulates a slower device: after each computation of duration `t` the
-/// rank waits `t · (1/speed − 1)`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Emulation {
-    /// Speed relative to this machine (0.5 = half as fast).
-    pub speed: f64,
-}
-
-impl Emulation {
-    fn pause_after(&self, compute: Duration) -> Duration {
-        if self.speed >= 1.0 || self.speed <= 0.0 {
-            return Duration::ZERO;
-        }
-        let extra = compute.mul_f64(1.0 / self.speed - 1.0);
-        std::thread::sleep(extra);
-        extra
-    }
 }
 
 /// One rank's stage chunks and how to reach its neighbours.
@@ -134,7 +116,7 @@ impl PipelineRank<'_> {
                             ))
                         })?
                     };
-                    let started = Instant::now();
+                    let span = ComputeSpan::start();
                     let pass = stage.forward_train(
                         &input,
                         Some(&batch.position_ids),
@@ -145,7 +127,7 @@ impl PipelineRank<'_> {
                         loss.loss_sum += sum;
                         loss.loss_tokens += count;
                     }
-                    self.account_compute(&mut times, started.elapsed());
+                    times.compute += Emulation::account(self.emulation.as_ref(), span);
                     passes.insert((micro_batch, chunk), pass);
                 }
                 Instruction::SendActivation {
@@ -186,7 +168,7 @@ impl PipelineRank<'_> {
                         ))
                     })?;
                     let batch = &inputs[micro_batch];
-                    let started = Instant::now();
+                    let span = ComputeSpan::start();
                     let input_grad = if stage.is_last() {
                         let loss_of = |logits: &Tensor| {
                             let (sum, _) =
@@ -206,7 +188,7 @@ impl PipelineRank<'_> {
                         let grad = grad.to_kind(pass.output.kind());
                         stage.backward(pass, BackwardFrom::OutputGrad(&grad))?
                     };
-                    self.account_compute(&mut times, started.elapsed());
+                    times.compute += Emulation::account(self.emulation.as_ref(), span);
                     if let Some(g) = input_grad {
                         input_grads.insert((micro_batch, chunk), g);
                     }
@@ -262,13 +244,6 @@ impl PipelineRank<'_> {
         self.world.recv(&mut buffer, peer, tag)?;
         times.waiting += started.elapsed();
         Ok(buffer)
-    }
-
-    fn account_compute(&self, times: &mut StepTimes, compute: Duration) {
-        let extra = self
-            .emulation
-            .map_or(Duration::ZERO, |e| e.pause_after(compute));
-        times.compute += compute + extra;
     }
 }
 

@@ -7,10 +7,11 @@
 
 use crate::checkpoint::{self, Checkpoint, CheckpointState};
 use crate::comm::{GroupCommunicator, MpiCommunicator, ProcessGroups};
+use crate::emulation::Emulation;
 use crate::loader::ReplicaLoader;
 use crate::metrics::{IterationRecord, JsonLog, RankTimes, TensorBoardWriter};
 use crate::optim::{clip_factor, AdamW, AdamWConfig, LrSchedule};
-use crate::pipeline::{Emulation, PipelineRank, StepTimes};
+use crate::pipeline::{PipelineRank, StepTimes};
 use crate::{signals, TrainError};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -108,6 +109,35 @@ fn rank_device(request: &str, local_rank: usize) -> Result<Device, TrainError> {
 /// Test hook: `SYNERFUSE_FAULT_INJECT=exit:RANK:ITERATION` makes that rank exit in the
 /// middle of that iteration (after its pipeline work, before the reductions), the way a
 /// crashed process would; used by the fault tests.
+/// Warns when the CPU ranks' emulated speeds add up to more cores than this machine has:
+/// emulation charges CPU time, so it stays faithful only while every emulated device can
+/// get its share of a core.
+fn warn_if_emulation_oversubscribes(config: &TrainConfig, world_size: usize) {
+    let (_, local_size) = crate::comm::launcher_local_rank();
+    if local_size != world_size {
+        return; // several nodes: each node's share is not known here
+    }
+    let cpu_speed: f64 = (0..world_size)
+        .filter_map(|r| {
+            let placement = config.plan.ranks.get(r);
+            let on_cpu = placement.map_or(config.device == DeviceRequest::Cpu, |p| {
+                p.device.starts_with("cpu")
+            });
+            let speed = match &config.emulate_speed {
+                Some(speeds) => speeds.get(r).copied(),
+                None => placement.and_then(|p| p.speed),
+            };
+            speed.filter(|_| on_cpu)
+        })
+        .sum();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    if cpu_speed > cores {
+        tracing::warn!(
+            "device emulation: the CPU ranks' speeds add up to {cpu_speed:.2} cores but this machine has {cores}; emulated devices will run slower than stated"
+        );
+    }
+}
+
 fn injected_fault(rank: usize, iteration: u64) -> bool {
     let Ok(spec) = std::env::var("SYNERFUSE_FAULT_INJECT") else {
         return false;
@@ -194,13 +224,21 @@ impl<'w> Trainer<'w> {
                 )));
             }
         }
-        let emulation = speed.filter(|&s| s < 1.0).map(|speed| Emulation { speed });
+        let emulation = speed.map(|speed| Emulation { speed, device });
         if let Some(e) = emulation {
+            let clock = if device == Device::Cpu {
+                "CPU time of one core"
+            } else {
+                "its synchronised compute time"
+            };
             tracing::info!(
-                "device emulation: this rank runs at {:.3}x of {device:?}; it waits {:.2}x its measured compute time after each forward and backward (a test and benchmark device, not real hardware)",
+                "device emulation: this rank runs at {:.3}x of {clock} on {device:?}; each forward and backward lasts its cost / {:.3} (a test and benchmark device, not real hardware)",
                 e.speed,
-                1.0 / e.speed - 1.0
+                e.speed
             );
+        }
+        if rank == 0 {
+            warn_if_emulation_oversubscribes(&config, world.size());
         }
         let groups = ProcessGroups::with_devices(world, &topology, device)?;
         let num_stages = plan.stages.num_stages();
