@@ -6,7 +6,220 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
 
-pub fn run(root: &Path, name: &str) -> Result<()> {
+/// Every benchmark, in the order `cargo xtask bench` runs them.
+const ALL: [&str; 5] = ["preprocess", "index", "model", "hetero", "planner"];
+
+pub fn run(root: &Path, name: Option<&str>) -> Result<()> {
+    match name {
+        Some(name) => run_one(root, name),
+        None => {
+            for name in ALL {
+                println!("\n===== cargo xtask bench {name} =====");
+                let started = Instant::now();
+                run_one(root, name)?;
+                println!(
+                    "===== {name}: {:.0} s =====",
+                    started.elapsed().as_secs_f64()
+                );
+            }
+            summarize(root)
+        }
+    }
+}
+
+/// One headline row of the summary table.
+struct Headline {
+    benchmark: &'static str,
+    measure: String,
+    value: String,
+    target: String,
+    met: Option<bool>,
+}
+
+/// Reads every `target/bench/NAME.json` and writes `target/bench/results.json` (all of
+/// them, dated) and `target/bench/results.md` (the headline table), and prints the table.
+fn summarize(root: &Path) -> Result<()> {
+    let dir = root.join("target/bench");
+    let mut all = serde_json::Map::new();
+    let mut rows = Vec::new();
+    for name in ALL {
+        let path = dir.join(format!("{name}.json"));
+        let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| path.display().to_string())?;
+        rows.extend(headlines(name, &v));
+        all.insert(name.to_owned(), v);
+    }
+    let date = String::from_utf8_lossy(
+        &Command::new("date")
+            .args(["-u", "+%Y-%m-%d"])
+            .output()
+            .context("date")?
+            .stdout,
+    )
+    .trim()
+    .to_owned();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let machine = format!("{cores} cores ({cpu}), no GPU");
+    let results = serde_json::json!({
+        "date": date,
+        "machine": machine,
+        "command": "cargo xtask bench",
+        "benchmarks": all,
+    });
+    std::fs::write(
+        dir.join("results.json"),
+        serde_json::to_string_pretty(&results)? + "\n",
+    )?;
+    let mut md = format!(
+        "Measured {date} on {machine} with `cargo xtask bench`.\n\n\
+         | benchmark | measure | result | target | met |\n|---|---|---|---|---|\n"
+    );
+    for r in &rows {
+        let met = match r.met {
+            Some(true) => "yes",
+            Some(false) => "**no**",
+            None => "",
+        };
+        md.push_str(&format!(
+            "| {} | {} | {} | {} | {met} |\n",
+            r.benchmark, r.measure, r.value, r.target
+        ));
+    }
+    std::fs::write(dir.join("results.md"), &md)?;
+    println!("\n{md}");
+    println!(
+        "wrote {} and {}",
+        dir.join("results.json").display(),
+        dir.join("results.md").display()
+    );
+    Ok(())
+}
+
+/// The headline rows of one benchmark's JSON.
+fn headlines(name: &'static str, v: &serde_json::Value) -> Vec<Headline> {
+    let f =
+        |v: &serde_json::Value, key: &str| v.get(key).and_then(|x| x.as_f64()).unwrap_or(f64::NAN);
+    let row = |measure: String, value: String, target: String, met: Option<bool>| Headline {
+        benchmark: name,
+        measure,
+        value,
+        target,
+        met,
+    };
+    let mut out = Vec::new();
+    match name {
+        "preprocess" => {
+            let mb = f(v, "bytes") / 1e6;
+            for r in v["results"].as_array().into_iter().flatten() {
+                let tokenizer = r["tokenizer"].as_str().unwrap_or("?");
+                let target = if tokenizer == "GPT2BPETokenizer" {
+                    4.0
+                } else {
+                    3.0
+                };
+                let ratio = f(r, "ratio");
+                out.push(row(
+                    format!("preprocess {mb:.0} MB JSONL, {tokenizer}, 2 workers: ours vs Megatron's Python"),
+                    format!(
+                        "{:.1} vs {:.1} MB/s = {ratio:.2}x, byte-identical",
+                        f(r, "ours_mb_s"),
+                        f(r, "reference_mb_s")
+                    ),
+                    format!(">= {target}x"),
+                    Some(ratio >= target),
+                ));
+            }
+        }
+        "index" => {
+            let ratio = f(v, "ratio");
+            out.push(row(
+                format!(
+                    "GPT index build, {:.2}B tokens, seq {}: ours vs megatron-core 0.8.0",
+                    f(v, "tokens") / 1e9,
+                    f(v, "seq_length")
+                ),
+                format!(
+                    "{:.2} vs {:.2} s = {ratio:.2}x, caches identical",
+                    f(v, "ours_cold_s"),
+                    f(v, "reference_cold_s")
+                ),
+                ">= 1.5x".into(),
+                Some(ratio >= 1.5),
+            ));
+        }
+        "model" => {
+            let ratio = f(v, "ratio");
+            out.push(row(
+                format!(
+                    "training step, LLaMA {:.0}M, CPU 2 threads: ours vs transformers eager",
+                    f(v, "parameters") / 1e6
+                ),
+                format!(
+                    "{:.0} vs {:.0} tokens/s = {ratio:.3}x",
+                    f(v, "ours_tokens_per_s"),
+                    f(v, "reference_tokens_per_s")
+                ),
+                ">= 1.0x".into(),
+                Some(ratio >= 1.0),
+            ));
+        }
+        "hetero" => {
+            let speedup = f(v, "speedup");
+            let error = f(v, "prediction_error");
+            let acceleration = f(v, "acceleration_ratio");
+            out.push(row(
+                "4 emulated CPU ranks (1 : 1 : 0.5 : 1/3): planned vs best even layout".into(),
+                format!(
+                    "{:.3} vs {:.3} s per step = {speedup:.2}x",
+                    f(v, "planned_step_s"),
+                    f(v, "uniform_step_s")
+                ),
+                ">= 1.3x".into(),
+                Some(speedup >= 1.3),
+            ));
+            out.push(row(
+                "predicted vs measured step time of the plan".into(),
+                format!(
+                    "{:.3} vs {:.3} s = {:.1} % off",
+                    f(v, "predicted_step_s"),
+                    f(v, "planned_step_s"),
+                    error * 100.0
+                ),
+                "within 15 %".into(),
+                Some(error <= 0.15),
+            ));
+            out.push(row(
+                "acceleration ratio (plan ÷ Σ each device alone)".into(),
+                format!("{:.1} %", acceleration * 100.0),
+                ">= 90 %".into(),
+                Some(acceleration >= 0.9),
+            ));
+        }
+        "planner" => {
+            let s = f(v, "planning_s");
+            out.push(row(
+                "planning 1024 devices of 4 kinds, 80 layers".into(),
+                format!("{s:.2} s ({:.2} s for the command)", f(v, "command_s")),
+                "< 2 s".into(),
+                Some(s < 2.0),
+            ));
+        }
+        _ => {}
+    }
+    out
+}
+
+fn run_one(root: &Path, name: &str) -> Result<()> {
     match name {
         "preprocess" => preprocess(root),
         "index" => index(root),

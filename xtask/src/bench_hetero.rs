@@ -33,7 +33,8 @@ fn model_flags() -> Vec<&'static str> {
     ]
 }
 
-fn run(cmd: &mut Command, what: &str) -> Result<String> {
+/// Runs `cmd` to completion; its stdout, or an error with both streams.
+pub(crate) fn run(cmd: &mut Command, what: &str) -> Result<String> {
     let out = cmd
         .output()
         .with_context(|| format!("could not run {what}"))?;
@@ -60,13 +61,15 @@ fn median_step_s(log: &Path) -> Result<f64> {
     Ok(ms[ms.len() / 2] / 1e3)
 }
 
-struct Data {
-    prefix: PathBuf,
-    vocab: PathBuf,
-    merges: PathBuf,
+/// The Shakespeare corpus, tokenized: a GPT-2-style BPE of 2048 tokens trained on it.
+pub(crate) struct Data {
+    pub prefix: PathBuf,
+    pub vocab: PathBuf,
+    pub merges: PathBuf,
 }
 
-fn data(root: &Path, bin: &Path, dir: &Path) -> Result<Data> {
+/// Trains the tokenizer and preprocesses the corpus into `dir`, unless already there.
+pub(crate) fn data(root: &Path, bin: &Path, dir: &Path) -> Result<Data> {
     let python = root.join(".venv/bin/python");
     let corpus = crate::setup::corpus_step(root, &python)?;
     let tok = dir.join("tok");

@@ -2,10 +2,13 @@
 //!
 //! * `cargo xtask setup [--reference]` installs the native stack (Debian packages, the
 //!   PyPI `torch` wheel in `.venv/`) and is idempotent.
-//! * `cargo xtask test` runs setup, then the whole test suite, clippy and rustfmt.
+//! * `cargo xtask test` runs setup, then the whole test suite, clippy, rustfmt and the docs.
+//! * `cargo xtask demo` runs the tour: data, tokenizer, plan, training, plot, generation.
+//! * `cargo xtask bench [NAME]` runs the benchmarks (all of them without NAME).
 
 mod bench;
 mod bench_hetero;
+mod demo;
 mod setup;
 mod test;
 
@@ -35,12 +38,15 @@ enum Command {
     Test,
     /// Regenerate the committed test fixtures with the reference oracles (megatron-core 0.8.0).
     Fixtures,
-    /// Benchmarks against reference implementations measured in the same run.
+    /// Benchmarks against references measured in the same run; without NAME all of them,
+    /// then target/bench/results.json and results.md.
     Bench {
-        /// Which benchmark: preprocess
-        #[arg(default_value = "preprocess")]
-        name: String,
+        /// One benchmark: preprocess, index, model, hetero or planner
+        name: Option<String>,
     },
+    /// The five-minute tour on this machine: Shakespeare, tokenizer, preprocess, profile,
+    /// plan, train on 4 emulated heterogeneous ranks, loss plot, a generated passage.
+    Demo,
 }
 
 fn main() -> Result<()> {
@@ -50,7 +56,8 @@ fn main() -> Result<()> {
         Command::Setup { reference } => setup::run(&root, reference),
         Command::Test => test::run(&root),
         Command::Fixtures => fixtures(&root),
-        Command::Bench { name } => bench::run(&root, &name),
+        Command::Bench { name } => bench::run(&root, name.as_deref()),
+        Command::Demo => demo::run(&root),
     }
 }
 

@@ -13,13 +13,15 @@ use std::time::Instant;
 pub const TORCH_VERSION: &str = "2.13.0";
 
 /// Debian packages: OpenMPI (launch + CPU collectives), libclang (bindgen for `mpi-sys`),
-/// cmake (the `sentencepiece` crate's vendored build), pkg-config.
+/// cmake (the `sentencepiece` crate's vendored build), pkg-config, and DejaVu fonts (the
+/// text of `cargo xtask demo`'s plot, drawn by plotters without system font libraries).
 const APT_PACKAGES: &[&str] = &[
     "openmpi-bin",
     "libopenmpi-dev",
     "libclang-dev",
     "cmake",
     "pkg-config",
+    "fonts-dejavu-core",
 ];
 
 /// Installed when present breaks the `sentencepiece` crate's vendored build (too old).

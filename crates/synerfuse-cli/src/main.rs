@@ -39,9 +39,9 @@ enum Command {
     Train(Box<train_command::TrainArgs>),
     /// Every communication group (tp, pp, dp, ...) Megatron builds for these sizes and order
     Topology(topology_command::TopologyArgs),
-    /// Mean next-token loss of token sequences under a Hugging Face LLaMA checkpoint
+    /// Mean next-token loss of token sequences under a Hugging Face LLaMA or a training checkpoint
     Score(model_commands::ScoreArgs),
-    /// Continue a prompt with a Hugging Face LLaMA checkpoint (KV cache, greedy or top-k)
+    /// Continue a prompt with a Hugging Face LLaMA or a training checkpoint (KV cache, greedy or top-k)
     Generate(model_commands::GenerateArgs),
     /// Merge every .bin/.idx dataset of a directory into one (Megatron's merge_datasets.py)
     Merge(data_commands::MergeArgs),

@@ -1,5 +1,5 @@
-//! `synerfuse score` and `synerfuse generate`: a Hugging Face LLaMA checkpoint run by
-//! synerfuse-model.
+//! `synerfuse score` and `synerfuse generate`: a Hugging Face LLaMA checkpoint, or a
+//! synerfuse training checkpoint, run by synerfuse-model.
 
 use crate::data_commands::TokenizerFlags;
 use anyhow::{bail, Context, Result};
@@ -9,13 +9,25 @@ use std::path::PathBuf;
 use synerfuse_model::hf::load_stage;
 use synerfuse_model::tch::{self, Tensor};
 use synerfuse_model::{generate, DeviceRequest, GenerateOptions, LlamaConfig, Stage};
+use synerfuse_train::checkpoint::Checkpoint;
+
+/// Where the model comes from: exactly one of a Hugging Face directory or a checkpoint.
+#[derive(Args, Debug)]
+#[group(required = true, multiple = false)]
+pub struct ModelSource {
+    /// Directory with config.json and model.safetensors (or shards)
+    #[arg(long)]
+    hf_dir: Option<PathBuf>,
+    /// A `synerfuse train --save` directory (its `latest` checkpoint) or one `iter_N` in it
+    #[arg(long)]
+    load: Option<PathBuf>,
+}
 
 /// `synerfuse score`.
 #[derive(Args, Debug)]
 pub struct ScoreArgs {
-    /// Directory with config.json and model.safetensors (or shards)
-    #[arg(long)]
-    hf_dir: PathBuf,
+    #[command(flatten)]
+    source: ModelSource,
     /// JSON file: a list of token-id lists
     #[arg(long)]
     tokens: PathBuf,
@@ -24,10 +36,53 @@ pub struct ScoreArgs {
     device: String,
 }
 
-fn load_model(dir: &std::path::Path, device: &str) -> Result<Stage> {
+fn load_model(source: &ModelSource, device: &str) -> Result<Stage> {
     let device = device.parse::<DeviceRequest>()?.resolve()?;
-    let config = LlamaConfig::from_hf_file(&dir.join("config.json"))?;
-    Ok(load_stage(dir, 0..config.num_layers, device)?)
+    match (&source.hf_dir, &source.load) {
+        (Some(dir), _) => {
+            let config = LlamaConfig::from_hf_file(&dir.join("config.json"))?;
+            Ok(load_stage(dir, 0..config.num_layers, device)?)
+        }
+        (None, Some(load)) => load_checkpoint(load, device),
+        (None, None) => bail!("give --hf-dir or --load"),
+    }
+}
+
+/// The whole model of a training checkpoint (parameters by global name, any plan).
+fn load_checkpoint(load: &std::path::Path, device: tch::Device) -> Result<Stage> {
+    let checkpoint = if load.join("manifest.json").exists() {
+        Checkpoint::open(load)?
+    } else {
+        Checkpoint::open_latest(load)?.with_context(|| {
+            format!(
+                "{}: no `latest` file and no manifest.json: not a synerfuse checkpoint",
+                load.display()
+            )
+        })?
+    };
+    let source = checkpoint.dir.join("state.json");
+    let config = LlamaConfig::from_hf_json(
+        &checkpoint.state.model.to_string(),
+        &source.display().to_string(),
+    )?;
+    let stage = Stage::new(&config, 0..config.num_layers, device)?;
+    let variables = stage.var_store().variables();
+    let names: Vec<String> = variables.keys().cloned().collect();
+    let values = checkpoint.tensors("model-", &names)?;
+    for (name, var) in variables {
+        let value = &values[&name];
+        if value.size() != var.size() {
+            bail!(
+                "{}: tensor {name} has shape {:?}, the model expects {:?}",
+                checkpoint.dir.display(),
+                value.size(),
+                var.size()
+            );
+        }
+        let mut var = var;
+        tch::no_grad(|| var.copy_(&value.to_kind(var.kind()).to_device(device)));
+    }
+    Ok(stage)
 }
 
 /// Mean next-token negative log-likelihood of each sequence; `tokens` is the number of
@@ -41,7 +96,7 @@ pub fn run_score(args: ScoreArgs) -> Result<()> {
             args.tokens.display()
         )
     })?;
-    let model = load_model(&args.hf_dir, &args.device)?;
+    let model = load_model(&args.source, &args.device)?;
     let vocab = model.config().vocab_size as i64;
     let mut results = Vec::new();
     let (mut total, mut count) = (0f64, 0f64);
@@ -80,9 +135,8 @@ pub fn run_score(args: ScoreArgs) -> Result<()> {
 /// `synerfuse generate`.
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
-    /// Directory with config.json and model.safetensors (or shards)
-    #[arg(long)]
-    hf_dir: PathBuf,
+    #[command(flatten)]
+    source: ModelSource,
     /// Prompt text (needs --tokenizer-type and its files)
     #[arg(long, conflicts_with = "prompt_tokens")]
     prompt: Option<String>,
@@ -126,7 +180,7 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
         (None, Some(ids), _) => ids.clone(),
         _ => bail!("give --prompt or --prompt-tokens"),
     };
-    let model = load_model(&args.hf_dir, &args.device)?;
+    let model = load_model(&args.source, &args.device)?;
     let options = GenerateOptions {
         max_new_tokens: args.max_new_tokens,
         top_k: args.top_k,

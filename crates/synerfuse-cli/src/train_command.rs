@@ -116,6 +116,46 @@ pub struct TrainArgs {
     #[arg(long, help_heading = "Model")]
     finetune_from_hf: Option<PathBuf>,
 
+    // ---- flags of Megatron/SynerFuse run.sh files, accepted with their meaning here
+    /// Rotary position embeddings: what synerfuse always uses
+    #[arg(long, help_heading = "Megatron compatibility")]
+    use_rotary_position_embeddings: bool,
+    /// No learned absolute position embedding: what synerfuse always does
+    #[arg(long, help_heading = "Megatron compatibility")]
+    no_position_embedding: bool,
+    /// Attention runs libtorch's scaled_dot_product_attention, which takes the flash
+    /// kernels on GPUs that have them
+    #[arg(long, help_heading = "Megatron compatibility")]
+    use_flash_attn: bool,
+    /// No effect: the attention kernels choose their own accumulation precision
+    #[arg(long, help_heading = "Megatron compatibility")]
+    attention_softmax_in_fp32: bool,
+    /// No effect at tensor-parallel size 1 (Megatron turns it off there too)
+    #[arg(long, help_heading = "Megatron compatibility")]
+    sequence_parallel: bool,
+    /// Accepted; the optimizer state is not sharded: every data-parallel rank holds all
+    /// of its stage's AdamW state (same updates, more memory)
+    #[arg(long, help_heading = "Megatron compatibility")]
+    use_distributed_optimizer: bool,
+    /// nccl or gloo: synerfuse uses NCCL for groups of CUDA ranks and MPI otherwise
+    #[arg(long, help_heading = "Megatron compatibility")]
+    distributed_backend: Option<String>,
+    /// local or transformer_engine: synerfuse has one implementation
+    #[arg(long, help_heading = "Megatron compatibility")]
+    transformer_impl: Option<String>,
+    /// fp16 loss scaling; unused (bf16 and fp32 need none)
+    #[arg(long, help_heading = "Megatron compatibility")]
+    initial_loss_scale: Option<f64>,
+    /// fp16 loss scaling; unused
+    #[arg(long, help_heading = "Megatron compatibility")]
+    min_loss_scale: Option<f64>,
+    /// fp16 loss scaling; unused
+    #[arg(long, help_heading = "Megatron compatibility")]
+    loss_scale_window: Option<f64>,
+    /// Per-rank compute/communication/idle times are always in --log-json
+    #[arg(long, help_heading = "Megatron compatibility")]
+    timing_log_level: Option<u32>,
+
     // ---- optimisation
     #[arg(long, help_heading = "Optimisation")]
     train_iters: u64,
@@ -350,7 +390,28 @@ impl TrainArgs {
         Ok(plan)
     }
 
+    /// Checks the run.sh compatibility flags and says what each accepted one means here.
+    fn check_compatibility_flags(&self) -> Result<()> {
+        if let Some(backend) = &self.distributed_backend {
+            if backend != "nccl" && backend != "gloo" {
+                bail!("--distributed-backend {backend}: use nccl or gloo");
+            }
+        }
+        if let Some(implementation) = &self.transformer_impl {
+            if implementation != "local" && implementation != "transformer_engine" {
+                bail!("--transformer-impl {implementation}: use local or transformer_engine");
+            }
+        }
+        if self.use_distributed_optimizer {
+            tracing::warn!(
+                "--use-distributed-optimizer: the optimizer state is not sharded; each data-parallel rank keeps its stage's full AdamW state (the updates are the same)"
+            );
+        }
+        Ok(())
+    }
+
     fn model(&self, tokenizer_vocab: usize, num_layers: usize) -> Result<LlamaConfig> {
+        self.check_compatibility_flags()?;
         if let Some(norm) = &self.normalization {
             if norm != "RMSNorm" {
                 bail!("--normalization {norm}: synerfuse trains LLaMA models, which use RMSNorm");

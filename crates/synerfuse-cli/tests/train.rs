@@ -794,6 +794,18 @@ fn shakespeare_end_to_end_on_four_hetero_ranks() {
         &log,
         "--save",
         &d("ckpt"),
+        // Flags of SynerFuse's run.sh, accepted with their meaning here.
+        "--use-rotary-position-embeddings",
+        "--no-position-embedding",
+        "--use-flash-attn",
+        "--attention-softmax-in-fp32",
+        "--sequence-parallel",
+        "--distributed-backend",
+        "nccl",
+        "--transformer-impl",
+        "transformer_engine",
+        "--timing-log-level",
+        "1",
     ]));
     ok(&out, "train");
     let losses = losses(Path::new(&log));
@@ -806,6 +818,65 @@ fn shakespeare_end_to_end_on_four_hetero_ranks() {
     assert!(
         stdout.contains("iteration      200/     200 | consumed samples:         1600 |"),
         "{stdout}"
+    );
+    // Per-rank tokens/s: each rank reports its replica's tokens (4 and 4 samples of 64).
+    let last = std::fs::read_to_string(&log).unwrap();
+    let record: serde_json::Value = serde_json::from_str(last.lines().last().unwrap()).unwrap();
+    let ranks = record["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 4);
+    let job = record["tokens_per_s"].as_f64().unwrap();
+    for r in ranks {
+        let t = r["tokens_per_s"].as_f64().unwrap();
+        assert!((t - job / 2.0).abs() < 1e-6 * job, "{t} vs {job}");
+    }
+
+    // The trained checkpoint generates directly (`--load`); a directory without one is
+    // refused by name.
+    let tok = [
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        &d("tok/vocab.json"),
+        "--merge-file",
+        &d("tok/merges.txt"),
+    ];
+    let mut args = strings(&[
+        "generate",
+        "--load",
+        &d("ckpt"),
+        "--prompt",
+        "  King. My Lord,",
+    ]);
+    args.extend(strings(&["--max-new-tokens", "12"]));
+    args.extend(strings(&tok));
+    let out = synerfuse(&args);
+    ok(&out, "generate --load");
+    let generated: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        !generated["tokens"].as_array().unwrap().is_empty(),
+        "{generated}"
+    );
+    assert!(
+        generated["tokens"].as_array().unwrap().len() <= 12,
+        "{generated}"
+    );
+    assert!(!generated["prompt_tokens"].as_array().unwrap().is_empty());
+    assert!(
+        !generated["text"].as_str().unwrap().is_empty(),
+        "{generated}"
+    );
+    let out = synerfuse(&strings(&[
+        "generate",
+        "--load",
+        &d("nothing"),
+        "--prompt-tokens",
+        "1",
+    ]));
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("nothing") && stderr.contains("checkpoint"),
+        "{stderr}"
     );
 }
 

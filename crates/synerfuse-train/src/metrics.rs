@@ -14,6 +14,9 @@ pub struct RankTimes {
     pub communication_ms: f64,
     /// Waiting for pipeline neighbours and everything else (data, bookkeeping).
     pub idle_ms: f64,
+    /// Tokens of this rank's replica per second of the step (every stage of a replica
+    /// processes the same tokens).
+    pub tokens_per_s: f64,
 }
 
 /// One iteration's numbers, as the log line and the JSON log carry them.

@@ -421,6 +421,8 @@ impl<'w> Trainer<'w> {
             let elapsed = started.elapsed();
             // One small all-gather per step: losses, times and the stop flag of every rank.
             let stop = signals::stop_requested();
+            let replica_tokens = self.config.plan.batches.replicas()[self.replica].samples()
+                * self.config.sequence_length;
             let mine = Tensor::from_slice(&[
                 loss_sum,
                 times.compute.as_secs_f64() * 1e3,
@@ -428,6 +430,7 @@ impl<'w> Trainer<'w> {
                 times.waiting.as_secs_f64() * 1e3,
                 elapsed.as_secs_f64() * 1e3,
                 f64::from(u8::from(stop)),
+                replica_tokens as f64,
             ]);
             let all = self.world.all_gather(&mine)?;
             let rows: Vec<Vec<f64>> = (0..self.world.size())
@@ -461,6 +464,7 @@ impl<'w> Trainer<'w> {
                             compute_ms: r[1],
                             communication_ms: r[2],
                             idle_ms: (r[4] - r[1] - r[2]).max(0.0),
+                            tokens_per_s: r[6] / (step_ms / 1e3),
                         })
                         .collect(),
                 };

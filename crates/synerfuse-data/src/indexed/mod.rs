@@ -1,8 +1,8 @@
 //! Megatron's indexed dataset: `PREFIX.bin` (tokens) + `PREFIX.idx` (where they are).
 //!
 //! Layout (all little-endian, no padding): the 9-byte magic `MMIDIDX\0\0`, u64 version 1,
-//! u8 dtype code, u64 sequence count S, u64 document-boundary count D, then i32[S]
-//! lengths, i64[S] byte pointers, i64[D] document boundaries, and i8[S] modes for
+//! u8 dtype code, u64 sequence count `S`, u64 document-boundary count `D`, then `i32[S]`
+//! lengths, `i64[S]` byte pointers, `i64[D]` document boundaries, and `i8[S]` modes for
 //! multimodal datasets only.
 
 mod builder;
