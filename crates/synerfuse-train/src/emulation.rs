@@ -13,14 +13,21 @@
 use std::time::{Duration, Instant};
 use synerfuse_model::tch::{Cuda, Device};
 
-/// The CPU time used so far by every thread of this process.
+/// The CPU time of the computation so far: this thread's when libtorch computes on it
+/// alone (one intra-op thread; MPI's and the runtime's helper threads then do not count),
+/// every thread of the process otherwise.
 pub fn process_cpu_time() -> Duration {
+    let clock = if synerfuse_model::tch::get_num_threads() == 1 {
+        libc::CLOCK_THREAD_CPUTIME_ID
+    } else {
+        libc::CLOCK_PROCESS_CPUTIME_ID
+    };
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     // SAFETY: `ts` is a valid, writable timespec; the clock id is a constant Linux supports.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    let rc = unsafe { libc::clock_gettime(clock, &mut ts) };
     if rc != 0 {
         return Duration::ZERO;
     }

@@ -47,6 +47,11 @@ impl MpiRuntime {
     }
 }
 
+/// How long a collective is polled in a tight loop before its waiter starts sleeping.
+const SPIN_BEFORE_SLEEP: std::time::Duration = std::time::Duration::from_millis(1);
+/// The sleep between progress calls of a long wait.
+const POLL_INTERVAL: std::time::Duration = std::time::Duration::from_micros(100);
+
 /// A non-blocking send in flight; owns the host copy being sent.
 pub struct PendingSend {
     request: Option<mpi::ffi::MPI_Request>,
@@ -259,11 +264,30 @@ impl MpiCommunicator {
         Ok(())
     }
 
+    /// One all-reduce, waited on without busy-spinning once it has taken a while: a rank
+    /// that waits for slower ones (heterogeneous data parallelism) then sleeps between
+    /// progress calls instead of taking a core from ranks that still compute.
     fn all_reduce_chunk<T: Equivalence + Copy>(&self, chunk: &mut [T]) {
         use mpi::collective::CommunicatorCollectives;
         let send = chunk.to_vec();
-        self.comm
-            .all_reduce_into(&send[..], chunk, SystemOperation::sum());
+        mpi::request::scope(|scope| {
+            let mut request = self.comm.immediate_all_reduce_into(
+                scope,
+                &send[..],
+                chunk,
+                SystemOperation::sum(),
+            );
+            let started = std::time::Instant::now();
+            loop {
+                match request.test() {
+                    Ok(_) => break,
+                    Err(pending) => request = pending,
+                }
+                if started.elapsed() > SPIN_BEFORE_SLEEP {
+                    std::thread::sleep(POLL_INTERVAL);
+                }
+            }
+        });
     }
 
     /// Copies `tensor` of rank `root` into `tensor` of every other rank (same shape and dtype).
