@@ -1,8 +1,8 @@
 //! Device emulation: a rank that stands in for a slower device, so heterogeneous plans can
 //! be tested and benchmarked on one CPU machine.
 //!
-//! On a CPU rank a computation is charged by the CPU time it used (all of the process's
-//! threads), not by its wall time: a rank emulating speed `s` takes `cpu / s` of wall time
+//! On a CPU rank a computation is charged by the CPU time it used (the computing thread's
+//! when libtorch runs one intra-op thread, else every thread's), not by its wall time: a rank emulating speed `s` takes `cpu / s` of wall time
 //! per computation, sleeping for the rest. Wall time would not do: ranks sharing cores run
 //! faster whenever an emulated slow rank sleeps and frees its core, so measured speeds
 //! would depend on the neighbours. CPU time is the same whoever shares the machine, as
@@ -16,7 +16,7 @@ use synerfuse_model::tch::{Cuda, Device};
 /// The CPU time of the computation so far: this thread's when libtorch computes on it
 /// alone (one intra-op thread; MPI's and the runtime's helper threads then do not count),
 /// every thread of the process otherwise.
-pub fn process_cpu_time() -> Duration {
+pub fn compute_cpu_time() -> Duration {
     let clock = if synerfuse_model::tch::get_num_threads() == 1 {
         libc::CLOCK_THREAD_CPUTIME_ID
     } else {
@@ -46,7 +46,7 @@ impl ComputeSpan {
     pub fn start() -> Self {
         ComputeSpan {
             wall: Instant::now(),
-            cpu: process_cpu_time(),
+            cpu: compute_cpu_time(),
         }
     }
 
@@ -55,9 +55,9 @@ impl ComputeSpan {
         self.wall.elapsed()
     }
 
-    /// CPU time this process used since the start.
+    /// CPU time the computation used since the start.
     pub fn cpu_elapsed(&self) -> Duration {
-        process_cpu_time().saturating_sub(self.cpu)
+        compute_cpu_time().saturating_sub(self.cpu)
     }
 }
 
