@@ -10,7 +10,37 @@ use std::process::Command;
 /// in all so that a 2-core machine runs them without contention.
 const SPEEDS: [f64; 4] = [0.5, 0.5, 0.25, 0.16667];
 /// The profile's emulated speed: 4 ranks at once within 2 cores.
-const PROFILE_SPEED: f64 = 0.3;
+pub(crate) const PROFILE_SPEED: f64 = 0.3;
+/// The emulated 4-rank cluster of the bench, the tests and the demo.
+pub(crate) const EMULATED_CLUSTER: &str = "examples/clusters/emulated-cpu.toml";
+
+/// `synerfuse profile` on 4 CPU ranks at once, each emulated at [`PROFILE_SPEED`], for a
+/// model (its flags) and micro-batch sizes, into `output`; returns what it printed.
+pub(crate) fn emulated_profile(
+    bin: &Path,
+    model_flags: &[String],
+    micro_batch_sizes: &str,
+    output: &Path,
+) -> Result<String> {
+    run(
+        Command::new(bin)
+            .args([
+                "profile",
+                "--nproc",
+                "4",
+                "--device",
+                "cpu",
+                "--device-kind",
+                "cpu",
+            ])
+            .args(["--micro-batch-sizes", micro_batch_sizes])
+            .args(["--emulate-device-speed", &PROFILE_SPEED.to_string()])
+            .args(model_flags)
+            .args(["--vocab-size", "2048", "--output"])
+            .arg(output),
+        "synerfuse profile",
+    )
+}
 const ITERS: usize = 20;
 /// 2 × 17: the speeds' shares (6 : 6 : 3 : 2 of 17) divide it, so a perfect split exists
 /// and the acceleration ratio measures the runtime rather than integer rounding (with 36,
@@ -155,32 +185,13 @@ pub fn hetero(root: &Path) -> Result<()> {
     let dir = root.join("target/bench/hetero");
     std::fs::create_dir_all(&dir)?;
     let data = data(root, &bin, &dir)?;
-    let cluster = root.join("examples/clusters/emulated-cpu.toml");
+    let cluster = root.join(EMULATED_CLUSTER);
     println!(
         "[hetero] profiling on 4 CPU ranks at once, each emulated at {PROFILE_SPEED} of a core"
     );
     let profile = dir.join("profile.json");
-    run(
-        Command::new(&bin)
-            .args([
-                "profile",
-                "--nproc",
-                "4",
-                "--device",
-                "cpu",
-                "--device-kind",
-                "cpu",
-                "--micro-batch-sizes",
-                "1,2,4",
-                "--emulate-device-speed",
-                &PROFILE_SPEED.to_string(),
-            ])
-            .args(model_flags())
-            .args(["--vocab-size", "2048"])
-            .arg("--output")
-            .arg(&profile),
-        "profile",
-    )?;
+    let flags: Vec<String> = model_flags().into_iter().map(str::to_owned).collect();
+    emulated_profile(&bin, &flags, "1,2,4", &profile)?;
     println!("[hetero] planning for speeds {SPEEDS:?}");
     let plan = dir.join("plan.toml");
     let uniform = dir.join("uniform.toml");

@@ -404,6 +404,9 @@ impl<'w> Trainer<'w> {
         };
         let global_batch = self.config.plan.batches.global_batch_size() as u64;
         let tokens_per_step = global_batch as f64 * self.config.sequence_length as f64;
+        // This rank's replica's tokens per step (every stage of a replica sees the same).
+        let replica_tokens = self.config.plan.batches.replicas()[self.replica].samples()
+            * self.config.sequence_length;
         let flops_per_token = 6.0 * self.config.model.num_parameters() as f64
             + 12.0
                 * (self.config.model.num_layers
@@ -421,8 +424,6 @@ impl<'w> Trainer<'w> {
             let elapsed = started.elapsed();
             // One small all-gather per step: losses, times and the stop flag of every rank.
             let stop = signals::stop_requested();
-            let replica_tokens = self.config.plan.batches.replicas()[self.replica].samples()
-                * self.config.sequence_length;
             let mine = Tensor::from_slice(&[
                 loss_sum,
                 times.compute.as_secs_f64() * 1e3,
