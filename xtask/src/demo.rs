@@ -208,6 +208,7 @@ pub fn run(root: &Path) -> Result<()> {
     let passage = format!("{PROMPT}{}", generated["text"].as_str().unwrap_or(""));
     println!("{passage}");
 
+    steps.say("summary");
     let summary = summary(
         &records,
         &plan_table,
