@@ -2,6 +2,7 @@
 
 use anyhow::Result;
 use serde_json::json;
+use synerfuse_model::cuda::CudaSupport;
 use synerfuse_train::comm::{launcher_rank, MpiRuntime, NcclCommunicator};
 
 pub fn run(as_json: bool) -> Result<()> {
@@ -15,11 +16,8 @@ pub fn run(as_json: bool) -> Result<()> {
             })
         })
         .unwrap_or_else(|| "unknown".to_owned());
-    let cuda_devices = if tch::Cuda::is_available() {
-        tch::Cuda::device_count()
-    } else {
-        0
-    };
+    let cuda_support = synerfuse_model::cuda::ensure_loaded();
+    let cuda_devices = synerfuse_model::cuda::visible_gpus();
     let nccl = NcclCommunicator::available();
     let mpi = MpiRuntime::library_version();
     let mpi = mpi.lines().next().unwrap_or("").trim().to_owned();
@@ -29,6 +27,11 @@ pub fn run(as_json: bool) -> Result<()> {
             "synerfuse": env!("CARGO_PKG_VERSION"),
             "libtorch": { "version": libtorch_version, "lib_dir": libtorch_lib },
             "intra_op_threads": tch::get_num_threads(),
+            "libtorch_cuda": match cuda_support {
+                CudaSupport::Loaded(path) => json!({ "loaded": true, "path": path }),
+                CudaSupport::NotInLibtorch => json!({ "loaded": false, "reason": "not in this libtorch" }),
+                CudaSupport::LoadFailed { path, error } => json!({ "loaded": false, "path": path, "reason": error }),
+            },
             "cuda_devices": cuda_devices,
             "cudnn": tch::Cuda::cudnn_is_available(),
             "mpi": mpi,
@@ -37,23 +40,21 @@ pub fn run(as_json: bool) -> Result<()> {
         });
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        println!("synerfuse         {}", env!("CARGO_PKG_VERSION"));
-        println!("libtorch          {libtorch_version} ({libtorch_lib})");
-        println!("intra-op threads  {}", tch::get_num_threads());
+        println!("synerfuse: {}", env!("CARGO_PKG_VERSION"));
+        println!("libtorch: {libtorch_version} ({libtorch_lib})");
+        println!("intra-op threads: {}", tch::get_num_threads());
+        println!("libtorch CUDA support: {cuda_support}");
         println!(
-            "CUDA              {}",
+            "GPUs visible: {cuda_devices}{}",
             if cuda_devices > 0 {
-                format!(
-                    "{cuda_devices} device(s), cuDNN {}",
-                    tch::Cuda::cudnn_is_available()
-                )
+                format!(" (cuDNN {})", tch::Cuda::cudnn_is_available())
             } else {
-                "not available to libtorch".to_owned()
+                String::new()
             }
         );
-        println!("MPI               {mpi}");
+        println!("MPI: {mpi}");
         println!(
-            "NCCL              {}",
+            "NCCL: {}",
             if nccl {
                 "loadable"
             } else {
@@ -61,7 +62,7 @@ pub fn run(as_json: bool) -> Result<()> {
             }
         );
         println!(
-            "launcher rank     {}",
+            "launcher rank: {}",
             match rank {
                 Some((r, n)) => format!("{r} of {n}"),
                 None => "none (not under mpirun or srun)".to_owned(),

@@ -6,10 +6,14 @@ use crate::index_command::{gpt_data_config, DataPaths};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::PathBuf;
+use std::time::Duration;
 use synerfuse_data::gpt::{build_split_datasets, SampleOptions};
 use synerfuse_model::{LlamaConfig, MegatronModelArgs};
 use synerfuse_parallel::{ParallelPlan, ScheduleKind};
-use synerfuse_train::comm::{launcher_local_rank, launcher_rank, mpirun_command, MpiRuntime};
+use synerfuse_train::comm::{
+    launcher_local_rank, launcher_rank, mpirun_command, run_forwarding_signals, watchdog,
+    MpiRuntime,
+};
 use synerfuse_train::optim::{AdamWConfig, DecayStyle, LrSchedule};
 use synerfuse_train::{signals, TrainConfig, Trainer};
 
@@ -32,6 +36,10 @@ pub struct TrainArgs {
     /// Intra-op threads per rank [default: this machine's cores / ranks on it]
     #[arg(long, help_heading = "Launch")]
     threads: Option<usize>,
+    /// Bound on every wait between ranks, in minutes (fractions allowed): a rank that
+    /// waits longer ends the job, naming itself, the operation and the group or peer
+    #[arg(long, default_value_t = 10.0, value_parser = positive_minutes, help_heading = "Launch")]
+    distributed_timeout_minutes: f64,
 
     // ---- parallelism
     /// A plan written by `synerfuse plan` (layers per stage, batches per replica, devices)
@@ -133,6 +141,21 @@ pub struct TrainArgs {
     /// No effect at tensor-parallel size 1 (Megatron turns it off there too)
     #[arg(long, help_heading = "Megatron compatibility")]
     sequence_parallel: bool,
+    /// Overlap each chunk's data-parallel gradient reduction with the rest of the
+    /// pipeline (the default here; accepted for Megatron's scripts)
+    #[arg(long, help_heading = "Megatron compatibility")]
+    overlap_grad_reduce: bool,
+    /// Reduce gradients only after the whole pipeline has run (for comparisons)
+    #[arg(
+        long,
+        conflicts_with = "overlap_grad_reduce",
+        help_heading = "Parallelism"
+    )]
+    no_overlap_grad_reduce: bool,
+    /// Data-loader workers: 0 reads each step's micro-batches inline, more reads the next
+    /// step's on a background thread while this one computes
+    #[arg(long, default_value_t = 2, help_heading = "Data")]
+    num_workers: usize,
     /// Accepted; the optimizer state is not sharded: every data-parallel rank holds all
     /// of its stage's AdamW state (same updates, more memory)
     #[arg(long, help_heading = "Megatron compatibility")]
@@ -250,8 +273,7 @@ pub(crate) fn relaunch(nproc: usize) -> Result<std::process::ExitStatus> {
         "launching {nproc} ranks: mpirun -np {nproc} {}",
         exe.display()
     );
-    command
-        .status()
+    run_forwarding_signals(command)
         .context("could not start mpirun (install OpenMPI: `cargo xtask setup`)")
 }
 
@@ -471,6 +493,12 @@ impl TrainArgs {
 }
 
 pub fn run_train(args: TrainArgs) -> Result<()> {
+    if args.reset_attention_mask && args.no_create_attention_mask_in_dataloader {
+        bail!(
+            "--reset-attention-mask needs the attention mask that \
+             --no-create-attention-mask-in-dataloader turns off"
+        );
+    }
     if let (Some(n), None) = (args.nproc, launcher_rank()) {
         if n == 0 {
             bail!("--nproc must be at least 1");
@@ -487,6 +515,9 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         bail!("--fp16 is not supported (no loss scaling); use --bf16");
     }
     signals::install_sigterm_handler();
+    watchdog::set_timeout(Duration::from_secs_f64(
+        args.distributed_timeout_minutes * 60.0,
+    ));
     let runtime = MpiRuntime::init()?;
     let world = runtime.world();
     let result = train_rank(&args, &world);
@@ -563,8 +594,18 @@ fn train_rank(args: &TrainArgs, world: &synerfuse_train::comm::MpiCommunicator) 
         reset_position_ids: args.reset_position_ids,
         reset_attention_mask: args.reset_attention_mask,
         eod_mask_loss: args.eod_mask_loss,
-        create_attention_mask: !args.no_create_attention_mask_in_dataloader,
+        // Causal attention needs no mask (SDPA's is_causal keeps the flash kernel);
+        // only resetting attention at document ends does, as in Megatron's flash path.
+        create_attention_mask: args.reset_attention_mask,
     };
+    tracing::info!(
+        "attention: {}",
+        if sample_options.create_attention_mask {
+            "masks from the data loader (--reset-attention-mask: no attention across EOD)"
+        } else {
+            "causal, no mask materialised (scaled_dot_product_attention with is_causal)"
+        }
+    );
     let schedule = match args.pipeline_schedule.as_deref() {
         None if plan.stages.num_chunks() > 1 => ScheduleKind::Interleaved,
         None | Some("1f1b") => ScheduleKind::OneFOneB,
@@ -611,6 +652,8 @@ fn train_rank(args: &TrainArgs, world: &synerfuse_train::comm::MpiCommunicator) 
         log_interval: args.log_interval,
         log_json: args.log_json.clone(),
         tensorboard_dir: args.tensorboard_dir.clone(),
+        overlap_grad_reduce: !args.no_overlap_grad_reduce,
+        prefetch: args.num_workers > 0,
     };
     if world.rank() == 0 {
         tracing::info!(
@@ -648,4 +691,12 @@ fn train_rank(args: &TrainArgs, world: &synerfuse_train::comm::MpiCommunicator) 
         }
     }
     Ok(())
+}
+
+/// `--distributed-timeout-minutes`: a finite number of minutes above zero.
+fn positive_minutes(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(m) if m.is_finite() && m > 0.0 && m <= 1e6 => Ok(m),
+        _ => Err(format!("`{text}` is not a number of minutes above 0")),
+    }
 }

@@ -258,7 +258,7 @@ fn every_plan_matches_a_single_rank() {
     let (ref_losses, ref_params) = run(dir.path(), &data, "single", &["--micro-batch-size", "1"]);
     assert_eq!(ref_losses.len(), 6);
     assert!(ref_losses.iter().all(|l| l.is_finite()));
-    let cases: [(&str, &[&str]); 7] = [
+    let cases: [(&str, &[&str]); 8] = [
         (
             "PP 2, layers [1,3], 1F1B, mbs 2 x 3",
             &[
@@ -383,6 +383,20 @@ fn every_plan_matches_a_single_rank() {
                 "--micro-batch-size",
                 "3",
                 "--recompute-activations",
+            ],
+        ),
+        (
+            "PP 2 x DP 2, mbs 1 x 3, reduction after the pipeline, inline loading",
+            &[
+                "--nproc",
+                "4",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--micro-batch-size",
+                "1",
+                "--no-overlap-grad-reduce",
+                "--num-workers",
+                "0",
             ],
         ),
     ];
@@ -1122,4 +1136,205 @@ fn plan_writes_what_train_runs() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("device emulation"), "{stderr}");
     println!("planned {j}");
+}
+
+/// The processes (pid, environment) whose command line contains `marker`.
+fn processes_with(marker: &str) -> Vec<(u32, String)> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        if pid != std::process::id() && String::from_utf8_lossy(&cmdline).contains(marker) {
+            let environ = std::fs::read(entry.path().join("environ")).unwrap_or_default();
+            found.push((pid, String::from_utf8_lossy(&environ).into_owned()));
+        }
+    }
+    found
+}
+
+/// The pid of world rank `rank` among the processes of `marker`'s job.
+fn rank_pid(marker: &str, rank: usize) -> Option<u32> {
+    let variable = format!("OMPI_COMM_WORLD_RANK={rank}\0");
+    processes_with(marker)
+        .into_iter()
+        .find(|(_, environ)| environ.contains(&variable))
+        .map(|(pid, _)| pid)
+}
+
+/// Waits until `log` has `lines` lines (training runs) or `child` has ended.
+fn wait_for_iterations(child: &mut std::process::Child, log: &Path, lines: usize) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while Instant::now() < deadline {
+        if std::fs::read_to_string(log).is_ok_and(|t| t.lines().count() >= lines)
+            || child.try_wait().unwrap().is_some()
+        {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("no {lines} iterations in {} after 120 s", log.display());
+}
+
+/// Kills whatever is left of `marker`'s job (stopped processes included).
+fn kill_leftovers(marker: &str) -> Vec<u32> {
+    let left: Vec<u32> = processes_with(marker).into_iter().map(|(p, _)| p).collect();
+    for pid in &left {
+        let _ = Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status();
+    }
+    left
+}
+
+/// Issue 15: a rank killed (SIGKILL) or frozen (SIGSTOP) in the middle of a 3-rank
+/// pipeline makes every rank exit non-zero within --distributed-timeout-minutes + 30 s,
+/// and the log names the rank.
+#[test]
+fn a_killed_or_frozen_rank_ends_every_rank_within_the_timeout() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dataset(dir.path());
+    let timeout = Duration::from_secs(6);
+    for signal in ["KILL", "STOP"] {
+        let log = dir.path().join(format!("hang-{signal}.jsonl"));
+        let marker = log.display().to_string();
+        let mut args = common(dir.path(), &data, 100_000);
+        args.extend(strings(&[
+            "--nproc",
+            "3",
+            "--pipeline-model-parallel-size",
+            "3",
+            "--hetero-pipeline-stages",
+            "1",
+            "2",
+            "2",
+            "1",
+            "1",
+            "--micro-batch-size",
+            "1",
+            "--distributed-timeout-minutes",
+            "0.1",
+            "--log-json",
+            &marker,
+        ]));
+        let err_path = dir.path().join(format!("hang-{signal}.err"));
+        let mut child = Command::new(BIN)
+            .args(&args)
+            .env("OMP_NUM_THREADS", "1")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&err_path).unwrap())
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        wait_for_iterations(&mut child, &log, 2);
+        let pid = rank_pid(&marker, 1).expect("rank 1 runs");
+        assert!(Command::new("kill")
+            .args([&format!("-{signal}"), &pid.to_string()])
+            .status()
+            .unwrap()
+            .success());
+        let signalled = Instant::now();
+        let limit = timeout + Duration::from_secs(30);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break Some(status);
+            }
+            if signalled.elapsed() > limit {
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let elapsed = signalled.elapsed();
+        // Every rank is gone with the launcher (give mpirun's last kills a moment).
+        std::thread::sleep(Duration::from_millis(500));
+        let left = kill_leftovers(&marker);
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &format!("-{}", child.id())])
+            .stderr(Stdio::null())
+            .status();
+        let stderr = std::fs::read_to_string(&err_path).unwrap_or_default();
+        let status = status.unwrap_or_else(|| {
+            panic!("SIG{signal}: the job still ran {limit:?} after the signal\n{stderr}")
+        });
+        assert!(
+            !status.success(),
+            "SIG{signal}: the job must fail\n{stderr}"
+        );
+        assert!(
+            left.is_empty(),
+            "SIG{signal}: processes left behind: {left:?}\n{stderr}"
+        );
+        // mpirun names a rank that died; the watchdog names the stopped one.
+        let naming = match signal {
+            "KILL" => "process rank 1 with PID".to_owned(),
+            _ => format!("rank 1 (pid {pid}, this host) is stopped"),
+        };
+        let named = stderr
+            .lines()
+            .find(|l| l.contains(&naming))
+            .unwrap_or_else(|| panic!("SIG{signal}: no `{naming}` in the log\n{stderr}"));
+        if signal == "STOP" {
+            assert!(
+                named.contains("did not complete within --distributed-timeout-minutes"),
+                "{named}"
+            );
+        }
+        eprintln!(
+            "SIG{signal}: every rank ended {elapsed:.1?} after the signal ({status}): {named}"
+        );
+    }
+}
+
+/// Issue 15: SIGTERM to the `--nproc` parent reaches every rank: the job finishes its
+/// step, saves, exits 0, and leaves no process behind. The default loader materialises
+/// no attention mask.
+#[test]
+fn sigterm_to_the_nproc_parent_saves_and_leaves_no_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dataset(dir.path());
+    let save = dir.path().join("ckpt");
+    let log = dir.path().join("parent-term.jsonl");
+    let marker = log.display().to_string();
+    let mut args = common(dir.path(), &data, 100_000);
+    args.extend(strings(&[
+        "--nproc",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--micro-batch-size",
+        "1",
+        "--log-json",
+        &marker,
+        "--save",
+        save.to_str().unwrap(),
+    ]));
+    let mut child = Command::new(BIN)
+        .args(&args)
+        .env("OMP_NUM_THREADS", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_iterations(&mut child, &log, 3);
+    assert!(Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let out = child.wait_with_output().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let left = kill_leftovers(&marker);
+    ok(&out, "SIGTERM to the --nproc parent");
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+    let stopped: u64 = std::fs::read_to_string(save.join("latest"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(stopped, losses(&log).len() as u64);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("SIGTERM"), "{stderr}");
+    assert!(stderr.contains("no mask materialised"), "{stderr}");
 }

@@ -11,8 +11,15 @@ pub enum ModelError {
     #[error("--device: `{0}` is not one of cpu, cuda, cuda:N, auto")]
     BadDeviceName(String),
     /// CUDA was asked for but libtorch sees no GPU (or was built without CUDA).
-    #[error("--device {requested}: CUDA is not available to libtorch on this machine")]
-    CudaUnavailable { requested: String },
+    #[error(
+        "--device {requested}: no GPU is visible to libtorch (libtorch CUDA support: {support})"
+    )]
+    CudaUnavailable {
+        /// The device asked for.
+        requested: String,
+        /// [`crate::cuda::ensure_loaded`]'s verdict.
+        support: String,
+    },
     /// A GPU index past the last GPU.
     #[error("--device cuda:{index}: only {count} CUDA device(s) are visible")]
     NoSuchCudaDevice { index: usize, count: usize },
@@ -61,14 +68,28 @@ impl fmt::Display for DeviceRequest {
 }
 
 impl DeviceRequest {
-    /// The libtorch device, checked against the GPUs this process can see.
+    /// The libtorch device, checked against the GPUs this process can see (loading
+    /// libtorch's CUDA backend first when this libtorch has one).
     pub fn resolve(self) -> Result<Device, ModelError> {
-        let count = if tch::Cuda::is_available() {
-            tch::Cuda::device_count().max(0) as usize
-        } else {
-            0
+        self.resolve_for_local_rank(0)
+    }
+
+    /// Like [`Self::resolve`] for the `local_rank`-th process of a node: `cuda` and
+    /// `auto` without an index take GPU `local_rank mod count`, so the ranks of a node
+    /// spread over its GPUs.
+    pub fn resolve_for_local_rank(self, local_rank: usize) -> Result<Device, ModelError> {
+        let count = crate::cuda::visible_gpus();
+        let spread = match self {
+            Self::Cuda(None) | Self::Auto if count > 0 => Self::Cuda(Some(local_rank % count)),
+            other => other,
         };
-        self.resolve_with(count)
+        spread.resolve_with(count).map_err(|e| match e {
+            ModelError::CudaUnavailable { requested, .. } => ModelError::CudaUnavailable {
+                requested,
+                support: crate::cuda::ensure_loaded().to_string(),
+            },
+            other => other,
+        })
     }
 
     /// [`Self::resolve`] for a given number of visible GPUs (pure, for tests).
@@ -79,6 +100,7 @@ impl DeviceRequest {
             Self::Auto => Ok(Device::Cuda(0)),
             Self::Cuda(_) if cuda_devices == 0 => Err(ModelError::CudaUnavailable {
                 requested: self.to_string(),
+                support: "no GPU counted".to_owned(),
             }),
             Self::Cuda(index) => {
                 let index = index.unwrap_or(0);

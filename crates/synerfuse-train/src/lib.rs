@@ -3,6 +3,7 @@
 pub mod checkpoint;
 pub mod comm;
 pub mod emulation;
+pub mod grads;
 pub mod loader;
 pub mod metrics;
 pub mod optim;
@@ -26,6 +27,14 @@ pub enum TrainError {
     /// A stage rejected its input.
     #[error(transparent)]
     Stage(#[from] synerfuse_model::StageError),
+    /// This rank's device cannot be had.
+    #[error("rank {rank}: {source}")]
+    Device {
+        /// The rank.
+        rank: usize,
+        /// Why.
+        source: synerfuse_model::ModelError,
+    },
     /// Weights could not be read or written.
     #[error(transparent)]
     Weights(#[from] synerfuse_model::hf::HfError),

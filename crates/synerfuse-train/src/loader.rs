@@ -34,6 +34,12 @@ pub enum LoaderError {
     /// A sample could not be read.
     #[error(transparent)]
     Data(#[from] DataError),
+    /// The prefetch thread could not be started.
+    #[error("could not start the data prefetch thread: {source}")]
+    Thread {
+        /// The cause.
+        source: std::io::Error,
+    },
 }
 
 /// Dataset indices of each micro-batch of `replica` in the step that starts after
@@ -163,5 +169,49 @@ impl ReplicaLoader {
             }
         }
         Ok(batch)
+    }
+}
+
+/// A thread reading one step's micro-batches.
+type PrefetchThread = std::thread::JoinHandle<Result<Vec<MicroBatch>, LoaderError>>;
+
+/// Reads the next step's micro-batches on a background thread while the current step
+/// computes (Megatron's data-loader workers; `--num-workers 0` reads them inline).
+pub struct Prefetcher {
+    loader: ReplicaLoader,
+    background: bool,
+    /// The step being read ahead: (its consumed samples, the reading thread).
+    next: Option<(u64, PrefetchThread)>,
+}
+
+impl Prefetcher {
+    /// Serves `loader`'s steps, reading ahead on a thread when `background`.
+    pub fn new(loader: ReplicaLoader, background: bool) -> Self {
+        Prefetcher {
+            loader,
+            background,
+            next: None,
+        }
+    }
+
+    /// The micro-batches of the step after `consumed_samples` samples, and (in the
+    /// background) a start on the step after it.
+    pub fn step(&mut self, consumed_samples: u64) -> Result<Vec<MicroBatch>, LoaderError> {
+        let ready = match self.next.take() {
+            Some((at, handle)) if at == consumed_samples => handle
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+            _ => self.loader.step(consumed_samples),
+        };
+        if self.background {
+            let following = consumed_samples + self.loader.batches().global_batch_size() as u64;
+            let loader = self.loader.clone();
+            let handle = std::thread::Builder::new()
+                .name("synerfuse-prefetch".into())
+                .spawn(move || loader.step(following))
+                .map_err(|source| LoaderError::Thread { source })?;
+            self.next = Some((following, handle));
+        }
+        ready
     }
 }

@@ -51,6 +51,20 @@ pub struct PipelineRank<'a> {
     pub emulation: Option<Emulation>,
 }
 
+/// What the pipeline tells its caller as it runs a program.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PipelineEvent {
+    /// A backward of this chunk has ended (its parameter gradients are complete for
+    /// that micro-batch).
+    BackwardDone {
+        /// The chunk.
+        chunk: usize,
+    },
+    /// An instruction other than a backward has ended (a moment to progress
+    /// communication in flight).
+    Between,
+}
+
 /// The tag of a message named by (micro-batch, sending chunk) and its direction.
 fn tag(micro_batch: usize, chunk: usize, chunks: usize, gradient: bool) -> i32 {
     (((micro_batch * chunks + chunk) * 2) + usize::from(gradient)) as i32
@@ -60,13 +74,16 @@ impl PipelineRank<'_> {
     /// Runs `program` over `micro_batches` (this replica's, in order). The last stage's
     /// loss is divided by `loss_normaliser` (the global number of loss tokens of the
     /// step) before its backward, so gradients summed over replicas are the global-batch
-    /// gradient. Parameter gradients accumulate in the stages.
+    /// gradient. Parameter gradients accumulate in the stages; `on_event` hears of each
+    /// backward's end (and of every other instruction's), so the caller can move and
+    /// reduce gradients while the pipeline runs on.
     pub fn run(
         &self,
         program: &[Instruction],
         micro_batches: &[MicroBatch],
         sequence_length: usize,
         loss_normaliser: f64,
+        on_event: &mut dyn FnMut(PipelineEvent) -> Result<(), TrainError>,
     ) -> Result<(StepLoss, StepTimes), TrainError> {
         let chunks = self.chunks.len();
         let device = self.chunks[0].device();
@@ -86,6 +103,10 @@ impl PipelineRank<'_> {
         let mut pending: Vec<PendingSend> = Vec::new();
         let comm_err = |e: CommError| TrainError::Comm(e);
         for &instruction in program {
+            let event = match instruction {
+                Instruction::Backward { chunk, .. } => PipelineEvent::BackwardDone { chunk },
+                _ => PipelineEvent::Between,
+            };
             match instruction {
                 Instruction::RecvActivation {
                     peer,
@@ -216,6 +237,10 @@ impl PipelineRank<'_> {
                     times.communication += started.elapsed();
                 }
             }
+            // Gradient bookkeeping between instructions counts as computation.
+            let started = Instant::now();
+            on_event(event)?;
+            times.compute += started.elapsed();
         }
         let started = Instant::now();
         for send in pending {

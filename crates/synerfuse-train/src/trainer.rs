@@ -8,12 +8,12 @@
 use crate::checkpoint::{self, Checkpoint, CheckpointState};
 use crate::comm::{GroupCommunicator, MpiCommunicator, ProcessGroups};
 use crate::emulation::Emulation;
-use crate::loader::ReplicaLoader;
+use crate::grads::MainGrads;
+use crate::loader::{Prefetcher, ReplicaLoader};
 use crate::metrics::{IterationRecord, JsonLog, RankTimes, TensorBoardWriter};
 use crate::optim::{clip_factor, AdamW, AdamWConfig, LrSchedule};
-use crate::pipeline::{PipelineRank, StepTimes};
+use crate::pipeline::{PipelineEvent, PipelineRank, StepTimes};
 use crate::{signals, TrainError};
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
 use synerfuse_data::gpt::{SampleOptions, SplitDataset};
@@ -70,6 +70,11 @@ pub struct TrainConfig {
     pub log_json: Option<PathBuf>,
     /// `--tensorboard-dir`.
     pub tensorboard_dir: Option<PathBuf>,
+    /// Start each chunk's data-parallel reduction as soon as its last backward ends
+    /// (off with `--no-overlap-grad-reduce`).
+    pub overlap_grad_reduce: bool,
+    /// Read the next step's micro-batches on a background thread (`--num-workers` > 0).
+    pub prefetch: bool,
 }
 
 /// How a run ended.
@@ -87,23 +92,11 @@ pub struct TrainSummary {
 
 /// The device of this rank: the plan's placement, else `--device`; `cuda`/`auto`
 /// without an index pick GPU `local_rank mod count`.
-fn rank_device(request: &str, local_rank: usize) -> Result<Device, TrainError> {
-    let parsed: DeviceRequest = request
-        .parse()
-        .map_err(|e: synerfuse_model::ModelError| TrainError::Config(e.to_string()))?;
-    let count = if tch::Cuda::is_available() {
-        tch::Cuda::device_count().max(0) as usize
-    } else {
-        0
-    };
-    let parsed = match parsed {
-        DeviceRequest::Cuda(None) if count > 0 => DeviceRequest::Cuda(Some(local_rank % count)),
-        DeviceRequest::Auto if count > 0 => DeviceRequest::Cuda(Some(local_rank % count)),
-        other => other,
-    };
-    parsed
-        .resolve_with(count)
-        .map_err(|e| TrainError::Config(e.to_string()))
+fn rank_device(request: &str, rank: usize, local_rank: usize) -> Result<Device, TrainError> {
+    request
+        .parse::<DeviceRequest>()
+        .and_then(|r| r.resolve_for_local_rank(local_rank))
+        .map_err(|source| TrainError::Device { rank, source })
 }
 
 /// Test hook: `SYNERFUSE_FAULT_INJECT=exit:RANK:ITERATION` makes that rank exit in the
@@ -152,11 +145,11 @@ pub struct Trainer<'w> {
     world: &'w MpiCommunicator,
     groups: ProcessGroups,
     chunks: Vec<Stage>,
-    /// Every parameter of the chunks by global name, sorted (the flat gradient's order).
-    params: Vec<(String, Tensor)>,
     optimizer: AdamW,
+    /// fp32 main gradients, one buffer per chunk.
+    grads: MainGrads,
     program: Vec<Instruction>,
-    loader: ReplicaLoader,
+    loader: Prefetcher,
     stage_index: usize,
     num_stages: usize,
     replica: usize,
@@ -205,7 +198,7 @@ impl<'w> Trainer<'w> {
         let coords = topology.coordinates(rank)?;
         let placement = plan.ranks.get(rank);
         let device_name = placement.map_or_else(|| config.device.to_string(), |p| p.device.clone());
-        let device = rank_device(&device_name, local_rank)?;
+        let device = rank_device(&device_name, rank, local_rank)?;
         let speed = match &config.emulate_speed {
             Some(speeds) if speeds.len() != world.size() => {
                 return Err(TrainError::Config(format!(
@@ -281,15 +274,9 @@ impl<'w> Trainer<'w> {
                 stage.set_kind(Kind::BFloat16);
             }
         }
-        let params: Vec<(String, Tensor)> = chunks
-            .iter()
-            .flat_map(|s| s.var_store().variables())
-            .collect::<BTreeMap<_, _>>()
-            .into_iter()
-            .collect();
         let mut optimizer = AdamW::new(
             config.adam,
-            params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())),
+            chunks.iter().flat_map(|s| s.var_store().variables()),
         );
         if config.bf16 {
             for (name, value) in &fp32_values {
@@ -300,12 +287,14 @@ impl<'w> Trainer<'w> {
         }
         let program = synerfuse_parallel::plan_schedule(plan, config.schedule)?.swap_remove(rank);
         let loader = ReplicaLoader::new(dataset, plan.batches.clone(), coords.dp, sample_options)?;
+        let loader = Prefetcher::new(loader, config.prefetch);
+        let grads = MainGrads::new(&chunks, config.bf16);
         let mut trainer = Trainer {
             world,
             groups,
             chunks,
-            params,
             optimizer,
+            grads,
             program,
             loader,
             stage_index: coords.pp,
@@ -521,7 +510,12 @@ impl<'w> Trainer<'w> {
             if any_stop {
                 if rank == 0 {
                     tracing::warn!(
-                        "SIGTERM received: stopped after iteration {}{}",
+                        "{} received: stopped after iteration {}{}",
+                        if signals::stop_requested() {
+                            signals::stop_signal_name()
+                        } else {
+                            "a stop signal (on another rank)"
+                        },
                         self.iteration,
                         if self.config.save.is_some() {
                             " and saved a checkpoint"
@@ -558,6 +552,7 @@ impl<'w> Trainer<'w> {
             )));
         }
         self.optimizer.zero_grad();
+        self.grads.begin_step(&self.program);
         let pipeline = PipelineRank {
             chunks: &self.chunks,
             stage_index: self.stage_index,
@@ -570,11 +565,24 @@ impl<'w> Trainer<'w> {
             },
             emulation: self.emulation,
         };
+        let dp = self.groups.get(GroupKind::Dp).filter(|g| g.size() > 1);
+        let overlap = self.config.overlap_grad_reduce;
+        let main_grads = &mut self.grads;
+        let mut on_event = |event: PipelineEvent| -> Result<(), TrainError> {
+            match event {
+                PipelineEvent::BackwardDone { chunk } => {
+                    main_grads.after_backward(chunk, dp, overlap)?
+                }
+                PipelineEvent::Between => main_grads.progress(),
+            }
+            Ok(())
+        };
         let (loss, pipeline_times) = pipeline.run(
             &self.program,
             &micro_batches,
             self.config.sequence_length,
             global_tokens,
+            &mut on_event,
         )?;
         times.compute += pipeline_times.compute;
         times.communication += pipeline_times.communication;
@@ -587,38 +595,11 @@ impl<'w> Trainer<'w> {
             );
             std::process::exit(3);
         }
-        // fp32 gradients in one flat buffer: one reduction per group.
+        // The fp32 main gradients, reduced over the replicas (started during the
+        // pipeline when overlapping).
         let started = Instant::now();
-        let device = self.chunks[0].device();
-        let pieces: Vec<Tensor> = self
-            .params
-            .iter()
-            .map(|(_, p)| {
-                let g = p.grad();
-                if g.defined() {
-                    g.to_kind(Kind::Float).reshape([-1])
-                } else {
-                    Tensor::zeros([p.numel() as i64], (Kind::Float, device))
-                }
-            })
-            .collect();
-        let mut flat = Tensor::cat(&pieces, 0);
-        drop(pieces);
-        times.compute += started.elapsed();
-        let started = Instant::now();
-        if let Some(dp) = self.group(GroupKind::Dp) {
-            dp.all_reduce_sum(&mut flat)?;
-        }
-        let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
-        let mut offset = 0i64;
-        for (n, p) in &self.params {
-            let numel = p.numel() as i64;
-            grads.insert(
-                n.clone(),
-                flat.narrow(0, offset, numel).view(p.size().as_slice()),
-            );
-            offset += numel;
-        }
+        self.grads.finish(dp)?;
+        let mut grads = self.grads.grads();
         if self.config.model.tie_word_embeddings {
             if let (Some(group), Some(g)) =
                 (self.group(GroupKind::Embedding), grads.get_mut(EMBEDDING))

@@ -52,6 +52,13 @@ pub enum CommError {
         op: &'static str,
         elements: usize,
     },
+    /// Two ranks of one NCCL group on the same GPU of one host.
+    #[error("ranks {first} and {second} both compute on cuda:{ordinal} of one host, in one NCCL group; give each rank its own GPU (CUDA_VISIBLE_DEVICES or the plan's devices)")]
+    SharedGpu {
+        first: usize,
+        second: usize,
+        ordinal: usize,
+    },
     /// NCCL or the CUDA driver cannot be loaded (CPU-only machine).
     #[error("NCCL is not available: libnccl.so.2 or the CUDA driver library could not be loaded")]
     NcclUnavailable,

@@ -2,10 +2,11 @@
 //! order (communicator rank i is the group's i-th member): NCCL where every member is a
 //! CUDA rank, MPI with host staging otherwise.
 
-use super::{CommError, MpiCommunicator, NcclCommunicator};
+use super::nccl::PendingNccl;
+use super::{CommError, MpiCommunicator, NcclCommunicator, PendingAllReduce};
 use std::collections::HashMap;
 use synerfuse_parallel::{GroupKind, Topology};
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
 
 /// One group's communicator: NCCL for all-CUDA groups, MPI (host staging) otherwise.
 /// The MPI communicator is always there (barriers, and the NCCL bootstrap).
@@ -54,6 +55,15 @@ impl GroupCommunicator {
         }
     }
 
+    /// Starts summing the fp32 `tensor` over the group (NCCL on its own stream, or
+    /// non-blocking MPI) and returns at once; see [`PendingReduction`].
+    pub fn start_all_reduce_sum(&self, tensor: &Tensor) -> Result<PendingReduction, CommError> {
+        Ok(match self.nccl_for(tensor) {
+            Some(nccl) => PendingReduction::Nccl(nccl.start_all_reduce_sum(tensor)?),
+            None => PendingReduction::Mpi(self.mpi.start_all_reduce_sum(tensor)?),
+        })
+    }
+
     /// Copies `root`'s tensor into every member's.
     pub fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<(), CommError> {
         match self.nccl_for(tensor) {
@@ -100,6 +110,146 @@ impl GroupCommunicator {
     }
 }
 
+/// A reduction in flight: the caller leaves its tensor alone until [`Self::wait`].
+pub enum PendingReduction {
+    /// On an NCCL stream.
+    Nccl(PendingNccl),
+    /// A non-blocking MPI all-reduce (host-staged for CUDA tensors).
+    Mpi(PendingAllReduce),
+}
+
+impl PendingReduction {
+    /// Lets the reduction progress (MPI advances only inside MPI calls); whether it
+    /// has completed, as far as this rank can tell.
+    pub fn progress(&mut self) -> bool {
+        match self {
+            PendingReduction::Nccl(_) => false,
+            PendingReduction::Mpi(pending) => pending.test(),
+        }
+    }
+
+    /// Waits for the sum, which is then in the tensor the reduction started from.
+    pub fn wait(self) -> Result<(), CommError> {
+        match self {
+            PendingReduction::Nccl(pending) => pending.wait(),
+            PendingReduction::Mpi(pending) => {
+                pending.wait();
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Where a rank computes, as every other rank sees it (gathered once at start-up).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RankDevice {
+    /// A hash of the host name: GPUs are shared only within a host.
+    pub host: i64,
+    /// The CUDA ordinal, or `None` on the CPU.
+    pub cuda: Option<usize>,
+    /// Whether NCCL can be loaded on this rank.
+    pub nccl: bool,
+    /// The rank's process id (on its host).
+    pub pid: u32,
+}
+
+impl RankDevice {
+    /// Every rank's device, in world rank order (collective over `world`).
+    pub fn gather(world: &MpiCommunicator, device: Device) -> Result<Vec<Self>, CommError> {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        mpi::environment::processor_name()
+            .unwrap_or_default()
+            .hash(&mut hasher);
+        let (cuda, nccl) = match device {
+            Device::Cuda(i) => (i as i64, i64::from(NcclCommunicator::available())),
+            _ => (-1, 0),
+        };
+        let host = hasher.finish() as i64;
+        let mine = Tensor::from_slice(&[host, cuda, nccl, i64::from(std::process::id())]);
+        let all: Vec<i64> = Vec::try_from(world.all_gather(&mine)?.view([-1])).unwrap_or_default();
+        let devices: Vec<RankDevice> = all
+            .chunks(4)
+            .map(|c| RankDevice {
+                host: c[0],
+                cuda: usize::try_from(c[1]).ok(),
+                nccl: c[2] != 0,
+                pid: c[3] as u32,
+            })
+            .collect();
+        // The watchdog can then say which rank on this host has died or stopped.
+        super::watchdog::set_local_peers(
+            devices
+                .iter()
+                .enumerate()
+                .filter(|(r, d)| d.host == host && *r != world.rank())
+                .map(|(r, d)| (r, d.pid))
+                .collect(),
+        );
+        Ok(devices)
+    }
+
+    fn describe(&self) -> String {
+        match self.cuda {
+            Some(i) => format!(
+                "cuda:{i}{}",
+                if self.nccl {
+                    ""
+                } else {
+                    " (NCCL not loadable)"
+                }
+            ),
+            None => "cpu".to_owned(),
+        }
+    }
+}
+
+/// How a group's collectives travel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum GroupPath {
+    /// NCCL.
+    Nccl,
+    /// Every member is on CUDA, but these ranks cannot load NCCL: MPI host staging.
+    NcclMissing { ranks: Vec<usize> },
+    /// Some member computes on the CPU (or the group has one member): MPI.
+    Mpi,
+}
+
+impl GroupPath {
+    /// The path of the group `members` (world ranks) given every rank's device; an error
+    /// when two members share one GPU (NCCL cannot run two ranks on one device).
+    pub fn of(members: &[usize], devices: &[RankDevice]) -> Result<Self, CommError> {
+        let on_cuda: Vec<(usize, RankDevice)> = members
+            .iter()
+            .filter_map(|&r| devices.get(r).filter(|d| d.cuda.is_some()).map(|d| (r, *d)))
+            .collect();
+        if members.len() < 2 || on_cuda.len() < members.len() {
+            return Ok(GroupPath::Mpi);
+        }
+        for (i, (a, da)) in on_cuda.iter().enumerate() {
+            if let Some((b, _)) = on_cuda[i + 1..]
+                .iter()
+                .find(|(_, db)| db.host == da.host && db.cuda == da.cuda)
+            {
+                return Err(CommError::SharedGpu {
+                    first: *a,
+                    second: *b,
+                    ordinal: da.cuda.unwrap_or(0),
+                });
+            }
+        }
+        let missing: Vec<usize> = on_cuda
+            .iter()
+            .filter(|(_, d)| !d.nccl)
+            .map(|(r, _)| *r)
+            .collect();
+        if !missing.is_empty() {
+            return Ok(GroupPath::NcclMissing { ranks: missing });
+        }
+        Ok(GroupPath::Nccl)
+    }
+}
+
 /// This rank's communicator for each group kind it belongs to.
 pub struct ProcessGroups {
     groups: HashMap<GroupKind, (Vec<usize>, GroupCommunicator)>,
@@ -130,18 +280,13 @@ impl ProcessGroups {
                 ),
             });
         }
-        let ordinal = match device {
-            Device::Cuda(i) if NcclCommunicator::available() => i as i64,
-            _ => -1,
-        };
-        let ordinals: Vec<i64> = Vec::try_from(
-            world
-                .all_gather(&Tensor::from_slice(&[ordinal]))?
-                .to_kind(Kind::Int64)
-                .view([-1]),
-        )
-        .unwrap_or_default();
+        let devices = RankDevice::gather(world, device)?;
         let rank = world.rank();
+        if rank == 0 {
+            for (r, d) in devices.iter().enumerate() {
+                tracing::info!("rank {r} computes on {}", d.describe());
+            }
+        }
         let mut groups = HashMap::new();
         for kind in GroupKind::ALL {
             let all = topology.groups(kind);
@@ -155,11 +300,22 @@ impl ProcessGroups {
             };
             if let Some(comm) = world.split(color, key) {
                 let members = mine.expect("a communicator only for members").1.clone();
-                let all_cuda = members.len() > 1 && members.iter().all(|&r| ordinals[r] >= 0);
-                let nccl = if all_cuda {
-                    Some(NcclCommunicator::new(&comm, ordinal as usize)?)
-                } else {
-                    None
+                let comm = comm.with_name(format!("the {kind} group {members:?}"));
+                let nccl = match GroupPath::of(&members, &devices)? {
+                    GroupPath::Nccl => {
+                        let ordinal = devices[rank].cuda.expect("NCCL groups are all on CUDA");
+                        Some(NcclCommunicator::new(&comm, ordinal)?)
+                    }
+                    GroupPath::NcclMissing { ranks } => {
+                        if members[0] == rank {
+                            tracing::warn!(
+                                "{}: every member computes on CUDA but NCCL cannot be loaded on rank(s) {ranks:?}; its collectives are staged through host memory over MPI",
+                                comm.name()
+                            );
+                        }
+                        None
+                    }
+                    GroupPath::Mpi => None,
                 };
                 groups.insert(kind, (members, GroupCommunicator { mpi: comm, nccl }));
             }
@@ -176,5 +332,60 @@ impl ProcessGroups {
     /// The global ranks of this rank's group of `kind`, in communicator order.
     pub fn members(&self, kind: GroupKind) -> Option<&[usize]> {
         self.groups.get(&kind).map(|(m, _)| m.as_slice())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cuda(host: i64, ordinal: usize, nccl: bool) -> RankDevice {
+        RankDevice {
+            host,
+            cuda: Some(ordinal),
+            nccl,
+            pid: 1,
+        }
+    }
+
+    const CPU: RankDevice = RankDevice {
+        host: 1,
+        cuda: None,
+        nccl: false,
+        pid: 1,
+    };
+
+    #[test]
+    fn all_cuda_groups_use_nccl_and_mixed_ones_mpi() {
+        let devices = [cuda(1, 0, true), cuda(1, 1, true), CPU, cuda(2, 0, true)];
+        assert_eq!(GroupPath::of(&[0, 1], &devices).unwrap(), GroupPath::Nccl);
+        // The same ordinal on another host is another GPU.
+        assert_eq!(GroupPath::of(&[0, 3], &devices).unwrap(), GroupPath::Nccl);
+        assert_eq!(GroupPath::of(&[0, 2], &devices).unwrap(), GroupPath::Mpi);
+        assert_eq!(GroupPath::of(&[1], &devices).unwrap(), GroupPath::Mpi);
+    }
+
+    #[test]
+    fn missing_nccl_is_named() {
+        let devices = [cuda(1, 0, true), cuda(1, 1, false)];
+        assert_eq!(
+            GroupPath::of(&[0, 1], &devices).unwrap(),
+            GroupPath::NcclMissing { ranks: vec![1] }
+        );
+    }
+
+    #[test]
+    fn two_ranks_on_one_gpu_are_refused_by_name() {
+        let devices = [cuda(1, 0, true), cuda(1, 1, true), cuda(1, 0, true)];
+        let err = GroupPath::of(&[0, 1, 2], &devices).unwrap_err();
+        assert!(matches!(
+            err,
+            CommError::SharedGpu {
+                first: 0,
+                second: 2,
+                ordinal: 0
+            }
+        ));
+        assert!(err.to_string().contains("ranks 0 and 2"), "{err}");
     }
 }

@@ -1,11 +1,13 @@
 //! MPI communicators over tch tensors.
 
+use super::watchdog::{self, waiting};
 use super::CommError;
 use mpi::collective::SystemOperation;
 use mpi::datatype::Equivalence;
 use mpi::environment::{Threading, Universe};
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::{Destination, Root, Source};
+use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 
 /// Largest element count handed to one MPI call (MPI counts are `int`).
@@ -25,6 +27,7 @@ impl MpiRuntime {
     pub fn init() -> Result<Self, CommError> {
         let (universe, _provided) = mpi::initialize_with_threading(Threading::Funneled)
             .ok_or(CommError::AlreadyInitialized)?;
+        watchdog::start_for_rank(universe.world().rank() as usize);
         let report = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
             report(info);
@@ -38,7 +41,9 @@ impl MpiRuntime {
 
     /// All ranks of the job.
     pub fn world(&self) -> MpiCommunicator {
-        MpiCommunicator::new(self.universe.world())
+        let world = self.universe.world();
+        let name = format!("the world ({} ranks)", world.size());
+        MpiCommunicator::new(world).with_name(name)
     }
 
     /// The MPI library's own version line (for `synerfuse env` and logs).
@@ -52,10 +57,35 @@ const SPIN_BEFORE_SLEEP: std::time::Duration = std::time::Duration::from_millis(
 /// The sleep between progress calls of a long wait.
 const POLL_INTERVAL: std::time::Duration = std::time::Duration::from_micros(100);
 
+/// Polls `done` until it returns true: a tight loop for the first millisecond, then
+/// with sleeps between calls, so a rank waiting for a slower one leaves its core to
+/// ranks that still compute.
+fn poll_until(mut done: impl FnMut() -> bool) {
+    let started = std::time::Instant::now();
+    while !done() {
+        if started.elapsed() > SPIN_BEFORE_SLEEP {
+            std::thread::sleep(POLL_INTERVAL);
+        }
+    }
+}
+
+/// Waits for a raw MPI request, politely (see [`poll_until`]).
+fn wait_raw(request: &mut mpi::ffi::MPI_Request) {
+    poll_until(|| {
+        let mut flag = 0;
+        // SAFETY: a live request from a non-blocking MPI call; MPI_Test frees it (and
+        // sets it to MPI_REQUEST_NULL) once complete, after which testing is a no-op.
+        unsafe { mpi::ffi::MPI_Test(request, &mut flag, mpi::ffi::RSMPI_STATUS_IGNORE) };
+        flag != 0
+    });
+}
+
 /// A non-blocking send in flight; owns the host copy being sent.
 pub struct PendingSend {
     request: Option<mpi::ffi::MPI_Request>,
     _buffer: Tensor,
+    group: Arc<str>,
+    dest: usize,
 }
 
 impl PendingSend {
@@ -66,8 +96,8 @@ impl PendingSend {
 
     fn complete(&mut self) {
         if let Some(mut request) = self.request.take() {
-            // SAFETY: a request from MPI_Isend, waited on once.
-            unsafe { mpi::ffi::MPI_Wait(&mut request, mpi::ffi::RSMPI_STATUS_IGNORE) };
+            let _wait = waiting("send", &self.group, Some(self.dest));
+            wait_raw(&mut request);
         }
     }
 }
@@ -75,6 +105,52 @@ impl PendingSend {
 impl Drop for PendingSend {
     fn drop(&mut self) {
         self.complete();
+    }
+}
+
+/// A sum-all-reduce in flight, from [`MpiCommunicator::start_all_reduce_sum`].
+pub struct PendingAllReduce {
+    requests: Vec<mpi::ffi::MPI_Request>,
+    _send: Tensor,
+    _recv: Tensor,
+    /// (host result, the caller's device tensor) when the result must be copied back.
+    copy_back: Option<(Tensor, Tensor)>,
+    group: Arc<str>,
+}
+
+impl PendingAllReduce {
+    /// Lets MPI progress the reduction; whether it has completed. MPI moves non-blocking
+    /// collectives forward only inside MPI calls, so a rank calls this between pieces of
+    /// computation.
+    pub fn test(&mut self) -> bool {
+        self.requests.iter_mut().all(|request| {
+            let mut flag = 0;
+            // SAFETY: a request from MPI_Iallreduce (or MPI_REQUEST_NULL once complete,
+            // for which MPI_Test reports completion).
+            unsafe { mpi::ffi::MPI_Test(request, &mut flag, mpi::ffi::RSMPI_STATUS_IGNORE) };
+            flag != 0
+        })
+    }
+
+    /// Waits for the sum and writes it into the caller's tensor.
+    pub fn wait(mut self) {
+        {
+            let _wait = waiting("all_reduce_sum", &self.group, None);
+            poll_until(|| self.test());
+        }
+        if let Some((host, mut target)) = self.copy_back.take() {
+            tch::no_grad(|| target.copy_(&host));
+        }
+    }
+}
+
+impl Drop for PendingAllReduce {
+    fn drop(&mut self) {
+        // The buffers must outlive the requests, even on an error path.
+        if !self.requests.is_empty() {
+            let _wait = waiting("all_reduce_sum", &self.group, None);
+            poll_until(|| self.test());
+        }
     }
 }
 
@@ -104,6 +180,8 @@ pub struct MpiCommunicator {
     comm: SimpleCommunicator,
     rank: usize,
     size: usize,
+    /// What timeout messages call this group.
+    name: Arc<str>,
 }
 
 /// Runs `$body` with `$T` bound to the Rust element type that carries `$kind`, or
@@ -210,7 +288,24 @@ impl MpiCommunicator {
     fn new(comm: SimpleCommunicator) -> Self {
         let rank = comm.rank() as usize;
         let size = comm.size() as usize;
-        Self { comm, rank, size }
+        let name = Arc::from(format!("a group of {size} ranks"));
+        Self {
+            comm,
+            rank,
+            size,
+            name,
+        }
+    }
+
+    /// Names the group in timeout messages (e.g. "the dp group [0, 2]").
+    pub fn with_name(mut self, name: impl Into<String>) -> Self {
+        self.name = Arc::from(name.into());
+        self
+    }
+
+    /// The group's name in messages.
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     /// This process's rank in the communicator.
@@ -230,8 +325,15 @@ impl MpiCommunicator {
 
     /// Waits until every rank of the communicator has arrived.
     pub fn barrier(&self) {
-        use mpi::collective::CommunicatorCollectives;
-        self.comm.barrier();
+        use mpi::raw::AsRaw;
+        let _wait = waiting("barrier", &self.name, None);
+        let mut request = std::mem::MaybeUninit::uninit();
+        // SAFETY: MPI_Ibarrier writes the request (errors abort: MPI_ERRORS_ARE_FATAL).
+        let mut request = unsafe {
+            mpi::ffi::MPI_Ibarrier(self.comm.as_raw(), request.as_mut_ptr());
+            request.assume_init()
+        };
+        wait_raw(&mut request);
     }
 
     /// Ends every rank of the job; for fatal errors that other ranks cannot see.
@@ -255,6 +357,7 @@ impl MpiCommunicator {
             kind => kind,
         };
         let mut staging = HostStaging::new(tensor, kind);
+        let _wait = waiting("all_reduce_sum", &self.name, None);
         with_element_type!(kind, self.rank, "all_reduce_sum", T => {
             for chunk in staging.elements::<T>().chunks_mut(MAX_ELEMENTS_PER_CALL) {
                 self.all_reduce_chunk(chunk);
@@ -271,29 +374,92 @@ impl MpiCommunicator {
         use mpi::collective::CommunicatorCollectives;
         let send = chunk.to_vec();
         mpi::request::scope(|scope| {
-            let mut request = self.comm.immediate_all_reduce_into(
+            let request = self.comm.immediate_all_reduce_into(
                 scope,
                 &send[..],
                 chunk,
                 SystemOperation::sum(),
             );
-            let started = std::time::Instant::now();
-            loop {
-                match request.test() {
-                    Ok(_) => break,
-                    Err(pending) => request = pending,
+            let mut request = Some(request);
+            poll_until(|| match request.take().map(|r| r.test()) {
+                Some(Err(pending)) => {
+                    request = Some(pending);
+                    false
                 }
-                if started.elapsed() > SPIN_BEFORE_SLEEP {
-                    std::thread::sleep(POLL_INTERVAL);
-                }
+                _ => true,
+            });
+        });
+    }
+
+    /// Starts summing the fp32 `tensor` over the group and returns at once; the sum lands
+    /// in `tensor` when [`PendingAllReduce::wait`] returns. Until then the caller must not
+    /// touch `tensor`. A CUDA tensor is staged through pinned host memory.
+    pub fn start_all_reduce_sum(&self, tensor: &Tensor) -> Result<PendingAllReduce, CommError> {
+        use mpi::raw::AsRaw;
+        if tensor.kind() != Kind::Float {
+            return Err(CommError::UnsupportedDtype {
+                rank: self.rank,
+                op: "start_all_reduce_sum",
+                kind: tensor.kind(),
+            });
+        }
+        let on_host = tensor.device() == Device::Cpu && tensor.is_contiguous();
+        let send = tch::no_grad(|| {
+            let host = tensor.detach().to_device(Device::Cpu).contiguous();
+            if on_host {
+                host.copy()
+            } else {
+                host
             }
         });
+        let recv = if on_host {
+            tensor.shallow_clone()
+        } else {
+            let pinned = Tensor::empty_like(&send);
+            if matches!(tensor.device(), Device::Cuda(_)) {
+                pinned.pin_memory(tensor.device())
+            } else {
+                pinned
+            }
+        };
+        let numel = send.numel();
+        let mut requests = Vec::new();
+        let mut offset = 0;
+        while offset < numel {
+            let count = (numel - offset).min(MAX_ELEMENTS_PER_CALL);
+            let mut request = std::mem::MaybeUninit::uninit();
+            // SAFETY: `send` and `recv` are contiguous fp32 CPU tensors of `numel` elements
+            // that PendingAllReduce keeps alive until every request has completed.
+            unsafe {
+                let from = (send.data_ptr() as *const f32).add(offset);
+                let into = (recv.data_ptr() as *mut f32).add(offset);
+                mpi::ffi::MPI_Iallreduce(
+                    from.cast(),
+                    into.cast(),
+                    count as i32,
+                    mpi::ffi::RSMPI_FLOAT,
+                    mpi::ffi::RSMPI_SUM,
+                    self.comm.as_raw(),
+                    request.as_mut_ptr(),
+                );
+                requests.push(request.assume_init());
+            }
+            offset += count;
+        }
+        Ok(PendingAllReduce {
+            requests,
+            _send: send,
+            copy_back: (!on_host).then(|| (recv.shallow_clone(), tensor.shallow_clone())),
+            _recv: recv,
+            group: Arc::clone(&self.name),
+        })
     }
 
     /// Copies `tensor` of rank `root` into `tensor` of every other rank (same shape and dtype).
     pub fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<(), CommError> {
         CommError::check_peer(self.rank, self.size, root)?;
         let mut staging = HostStaging::new(tensor, tensor.kind());
+        let _wait = waiting("broadcast", &self.name, Some(root));
         let root = self.comm.process_at_rank(root as i32);
         with_element_type!(staging.host.kind(), self.rank, "broadcast", T => {
             for chunk in staging.elements::<T>().chunks_mut(MAX_ELEMENTS_PER_CALL) {
@@ -312,6 +478,7 @@ impl MpiCommunicator {
             Some(c) => Color::with_value(c as i32),
             None => Color::undefined(),
         };
+        let _wait = waiting("communicator split", &self.name, None);
         self.comm
             .split_by_color_with_key(color, key as i32)
             .map(MpiCommunicator::new)
@@ -334,6 +501,7 @@ impl MpiCommunicator {
                 elements: numel * self.size,
             });
         }
+        let _wait = waiting("all_gather", &self.name, None);
         with_element_type!(tensor.kind(), self.rank, "all_gather", T => {
             if numel > 0 {
                 // SAFETY: both are contiguous CPU tensors of `T`-sized elements.
@@ -367,6 +535,7 @@ impl MpiCommunicator {
                 elements: numel,
             });
         }
+        let _wait = waiting("reduce_scatter_sum", &self.name, None);
         with_element_type!(kind, self.rank, "reduce_scatter_sum", T => {
             if numel > 0 {
                 // SAFETY: both are contiguous CPU tensors of `T`-sized elements.
@@ -378,12 +547,24 @@ impl MpiCommunicator {
         Ok(out.to_kind(tensor.kind()).to_device(tensor.device()))
     }
 
+    /// Waits (politely) until a message from `source` with `tag` has arrived.
+    fn poll_probe(&self, source: usize, tag: i32) -> mpi::point_to_point::Status {
+        let process = self.comm.process_at_rank(source as i32);
+        let mut status = None;
+        poll_until(|| {
+            status = process.immediate_probe_with_tag(tag);
+            status.is_some()
+        });
+        status.expect("poll_until returns once probed")
+    }
+
     /// Sends `tensor` to rank `dest`, which receives it with [`Self::recv`] and the same tag.
     pub fn send(&self, tensor: &Tensor, dest: usize, tag: i32) -> Result<(), CommError> {
         CommError::check_peer(self.rank, self.size, dest)?;
         let mut source = tensor.shallow_clone();
         let mut staging = HostStaging::new(&mut source, tensor.kind());
         let process = self.comm.process_at_rank(dest as i32);
+        let _wait = waiting("send", &self.name, Some(dest));
         with_element_type!(staging.host.kind(), self.rank, "send", T => {
             let elements = staging.elements::<T>();
             if elements.is_empty() {
@@ -437,6 +618,8 @@ impl MpiCommunicator {
             // SAFETY: MPI_Isend wrote the request (errors abort: MPI_ERRORS_ARE_FATAL).
             request: Some(unsafe { request.assume_init() }),
             _buffer: buffer,
+            group: Arc::clone(&self.name),
+            dest,
         })
     }
 
@@ -448,6 +631,7 @@ impl MpiCommunicator {
         CommError::check_peer(self.rank, self.size, source)?;
         let mut staging = HostStaging::new(tensor, tensor.kind());
         let process = self.comm.process_at_rank(source as i32);
+        let _wait = waiting("recv", &self.name, Some(source));
         with_element_type!(staging.host.kind(), self.rank, "recv", T => {
             let elements = staging.elements::<T>();
             let expected = elements.len();
@@ -457,7 +641,7 @@ impl MpiCommunicator {
                 // Probe without matching: a refused message stays queued for a later
                 // receive, and MPI's non-overtaking order makes the next receive from
                 // this source and tag take exactly the probed message.
-                let status = process.probe_with_tag(tag);
+                let status = self.poll_probe(source, tag);
                 let count = status.count(T::equivalent_datatype()).max(0) as usize;
                 let Some(chunk) = chunks.next().filter(|c| c.len() == count).or_else(|| {
                     // An empty tensor travels as one empty message.

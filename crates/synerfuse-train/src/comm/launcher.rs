@@ -54,3 +54,63 @@ pub fn mpirun_command(ranks: usize, program: &std::path::Path) -> std::process::
     }
     command
 }
+
+/// Stop signals (SIGTERM, SIGINT) the `--nproc` parent has received.
+static PARENT_SIGNALS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+extern "C" fn count_parent_signal(_: libc::c_int) {
+    PARENT_SIGNALS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Runs `command` (an `mpirun` from [`mpirun_command`]) to completion on behalf of a
+/// `--nproc` parent, and returns its status.
+///
+/// `mpirun` runs in a process group of its own, so a terminal's Ctrl-C reaches this
+/// process only, and it receives SIGTERM should this process die. SIGTERM or SIGINT
+/// received here is passed on: the first as SIGUSR2, which `mpirun` forwards to every
+/// rank (they finish the step, save and exit 0); a second as SIGTERM (`mpirun` kills the
+/// ranks); a third as SIGKILL to the whole process group.
+pub fn run_forwarding_signals(
+    mut command: std::process::Command,
+) -> std::io::Result<std::process::ExitStatus> {
+    use std::os::unix::process::CommandExt;
+    use std::sync::atomic::Ordering;
+    command.process_group(0);
+    // SAFETY: prctl is async-signal-safe and touches only the child being spawned.
+    unsafe {
+        command.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            Ok(())
+        });
+    }
+    let mut child = command.spawn()?;
+    let pid = child.id() as libc::pid_t;
+    for signal in [libc::SIGTERM, libc::SIGINT] {
+        // SAFETY: the handler only increments an atomic (async-signal-safe).
+        unsafe {
+            libc::signal(
+                signal,
+                count_parent_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,
+            );
+        }
+    }
+    let mut forwarded = 0;
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(status);
+        }
+        let received = PARENT_SIGNALS.load(Ordering::SeqCst);
+        while forwarded < received {
+            forwarded += 1;
+            let (target, signal, what) = match forwarded {
+                1 => (pid, libc::SIGUSR2, "asking every rank to save and stop"),
+                2 => (pid, libc::SIGTERM, "mpirun ends the ranks"),
+                _ => (-pid, libc::SIGKILL, "killing mpirun and every rank"),
+            };
+            tracing::warn!("stop signal received: {what}");
+            // SAFETY: kill has no memory-safety preconditions.
+            unsafe { libc::kill(target, signal) };
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}

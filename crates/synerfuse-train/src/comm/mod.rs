@@ -10,9 +10,10 @@ mod groups;
 mod host;
 mod launcher;
 mod nccl;
+pub mod watchdog;
 
 pub use error::CommError;
-pub use groups::{GroupCommunicator, ProcessGroups};
-pub use host::{MpiCommunicator, MpiRuntime, PendingSend};
-pub use launcher::{launcher_local_rank, launcher_rank, mpirun_command};
-pub use nccl::NcclCommunicator;
+pub use groups::{GroupCommunicator, PendingReduction, ProcessGroups};
+pub use host::{MpiCommunicator, MpiRuntime, PendingAllReduce, PendingSend};
+pub use launcher::{launcher_local_rank, launcher_rank, mpirun_command, run_forwarding_signals};
+pub use nccl::{NcclCommunicator, PendingNccl};

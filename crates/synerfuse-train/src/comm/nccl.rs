@@ -1,5 +1,6 @@
 //! NCCL communicators over CUDA tch tensors, through cudarc's run-time loaded bindings.
 
+use super::watchdog::waiting;
 use super::{CommError, MpiCommunicator};
 use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::{result, sys};
@@ -17,6 +18,29 @@ pub struct NcclCommunicator {
     rank: usize,
     size: usize,
     ordinal: usize,
+    /// The group's name in timeout messages.
+    name: Arc<str>,
+}
+
+/// A reduction enqueued on an NCCL communicator's stream, from
+/// [`NcclCommunicator::start_all_reduce_sum`].
+pub struct PendingNccl {
+    stream: Arc<CudaStream>,
+    _tensor: Tensor,
+    rank: usize,
+    name: Arc<str>,
+}
+
+impl PendingNccl {
+    /// Waits until the stream has finished the reduction.
+    pub fn wait(self) -> Result<(), CommError> {
+        let _wait = waiting("ncclAllReduce", &self.name, None);
+        self.stream.synchronize().map_err(|e| CommError::Cuda {
+            rank: self.rank,
+            context: "cuStreamSynchronize",
+            message: format!("{e:?}"),
+        })
+    }
 }
 
 impl NcclCommunicator {
@@ -67,6 +91,8 @@ impl NcclCommunicator {
         let context = CudaContext::new(ordinal).map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
         let stream = context.new_stream().map_err(driver_err("cuStreamCreate"))?;
         let mut comm = std::mem::MaybeUninit::uninit();
+        let name: Arc<str> = Arc::from(group.name());
+        let _wait = waiting("ncclCommInitRank", &name, None);
         // SAFETY: `comm` is written by NCCL on success; the id is the group's shared id.
         let comm = unsafe {
             result::comm_init_rank(
@@ -84,6 +110,7 @@ impl NcclCommunicator {
             rank,
             size: group.size(),
             ordinal,
+            name,
         })
     }
 
@@ -110,6 +137,46 @@ impl NcclCommunicator {
                 self.comm,
                 stream,
             )
+        })
+    }
+
+    /// Enqueues the sum of `tensor` over the group on this communicator's stream and
+    /// returns at once; libtorch's later kernels overlap it. The caller must not touch
+    /// `tensor` before [`PendingNccl::wait`].
+    pub fn start_all_reduce_sum(&self, tensor: &Tensor) -> Result<PendingNccl, CommError> {
+        let dtype = self.nccl_type(tensor, "start_all_reduce_sum")?;
+        if !tensor.is_contiguous() {
+            return Err(CommError::Shape {
+                rank: self.rank,
+                op: "start_all_reduce_sum",
+                problem: "the tensor must be contiguous".to_owned(),
+            });
+        }
+        // The gradients must be complete before NCCL reads them.
+        tch::Cuda::synchronize(self.ordinal as i64);
+        // SAFETY: `tensor` is a contiguous CUDA tensor on this communicator's device of
+        // `numel` elements of `dtype`; PendingNccl keeps it alive until the stream is done.
+        unsafe {
+            result::all_reduce(
+                tensor.data_ptr(),
+                tensor.data_ptr(),
+                tensor.numel(),
+                dtype,
+                sys::ncclRedOp_t::ncclSum,
+                self.comm,
+                self.stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(|e| CommError::Cuda {
+            rank: self.rank,
+            context: "ncclAllReduce",
+            message: format!("{e:?}"),
+        })?;
+        Ok(PendingNccl {
+            stream: Arc::clone(&self.stream),
+            _tensor: tensor.shallow_clone(),
+            rank: self.rank,
+            name: Arc::clone(&self.name),
         })
     }
 
@@ -239,11 +306,14 @@ impl NcclCommunicator {
             context,
             message: format!("{e:?}"),
         })?;
-        self.stream.synchronize().map_err(|e| CommError::Cuda {
-            rank: self.rank,
-            context: "cuStreamSynchronize",
-            message: format!("{e:?}"),
-        })?;
+        {
+            let _wait = waiting(context, &self.name, None);
+            self.stream.synchronize().map_err(|e| CommError::Cuda {
+                rank: self.rank,
+                context: "cuStreamSynchronize",
+                message: format!("{e:?}"),
+            })?;
+        }
         if !contiguous {
             tch::no_grad(|| tensor.copy_(&buffer));
         }

@@ -1,0 +1,172 @@
+//! Every wait between ranks is bounded (Megatron's `--distributed-timeout-minutes`).
+//!
+//! A rank that dies or freezes leaves its peers blocked inside MPI or NCCL, where no
+//! error ever comes: shared-memory transports detect nothing, and under `srun` without
+//! `--kill-on-bad-exit` nobody kills the survivors. So each wait registers itself here
+//! ([`waiting`]), and a watchdog thread ends the job when one outlasts the timeout: it
+//! names this rank, the operation and the group or peer, then calls `MPI_Abort`, which
+//! makes `mpirun` (and Slurm, through PMIx) kill every rank, frozen ones included.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Once};
+use std::time::{Duration, Instant};
+
+/// Megatron's default `--distributed-timeout-minutes`.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+/// The exit status of a rank ended by the watchdog (what `timeout(1)` uses).
+pub const TIMEOUT_EXIT_CODE: i32 = 124;
+/// How long `MPI_Abort` may take before the watchdog exits the process itself.
+const ABORT_GRACE: Duration = Duration::from_secs(10);
+/// How often the watchdog looks at the current wait.
+const CHECK_INTERVAL: Duration = Duration::from_millis(100);
+
+static TIMEOUT_MS: AtomicU64 = AtomicU64::new(DEFAULT_TIMEOUT.as_millis() as u64);
+static WORLD_RANK: AtomicUsize = AtomicUsize::new(usize::MAX);
+static CURRENT: Mutex<Option<Wait>> = Mutex::new(None);
+/// (world rank, pid) of the other ranks on this host.
+static LOCAL_PEERS: Mutex<Vec<(usize, u32)>> = Mutex::new(Vec::new());
+
+/// A wait in progress: what the watchdog reports if it lasts too long.
+struct Wait {
+    started: Instant,
+    op: &'static str,
+    group: Arc<str>,
+    peer: Option<usize>,
+}
+
+/// Sets the bound on every wait (and starts the watchdog, once per process).
+pub fn set_timeout(timeout: Duration) {
+    TIMEOUT_MS.store(timeout.as_millis().max(1) as u64, Ordering::SeqCst);
+    start();
+}
+
+/// The bound on every wait.
+pub fn timeout() -> Duration {
+    Duration::from_millis(TIMEOUT_MS.load(Ordering::SeqCst))
+}
+
+/// Records this process's world rank for the watchdog's message and starts it.
+pub(crate) fn start_for_rank(rank: usize) {
+    WORLD_RANK.store(rank, Ordering::SeqCst);
+    start();
+}
+
+fn start() {
+    static STARTED: Once = Once::new();
+    STARTED.call_once(|| {
+        std::thread::Builder::new()
+            .name("synerfuse-watchdog".into())
+            .spawn(watch)
+            .expect("spawning the watchdog thread");
+    });
+}
+
+/// Tells the watchdog the (world rank, pid) of the other ranks on this host, so a
+/// timeout can name those that have exited or are stopped.
+pub(crate) fn set_local_peers(peers: Vec<(usize, u32)>) {
+    *LOCAL_PEERS.lock().unwrap_or_else(|e| e.into_inner()) = peers;
+}
+
+/// "rank 1 (pid 42, this host) is stopped" for every local peer that is not running.
+fn peers_not_running() -> Vec<String> {
+    let peers = LOCAL_PEERS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    peers
+        .into_iter()
+        .filter_map(|(rank, pid)| {
+            let state = match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+                // The state follows the command name, which is in parentheses.
+                Ok(stat) => match stat
+                    .rsplit_once(')')
+                    .and_then(|(_, rest)| rest.trim().chars().next())
+                {
+                    Some('T') | Some('t') => "is stopped",
+                    Some('Z') | Some('X') => "has exited",
+                    _ => return None,
+                },
+                Err(_) => "has exited",
+            };
+            Some(format!("rank {rank} (pid {pid}, this host) {state}"))
+        })
+        .collect()
+}
+
+/// Marks the calling thread as waiting in `op` over `group` (for `peer`, in
+/// point-to-point transfers) until the guard drops. Waits do not nest.
+pub(crate) fn waiting(op: &'static str, group: &Arc<str>, peer: Option<usize>) -> WaitGuard {
+    let wait = Wait {
+        started: Instant::now(),
+        op,
+        group: Arc::clone(group),
+        peer,
+    };
+    *CURRENT.lock().unwrap_or_else(|e| e.into_inner()) = Some(wait);
+    WaitGuard(())
+}
+
+/// Ends a wait registered by [`waiting`].
+pub(crate) struct WaitGuard(());
+
+impl Drop for WaitGuard {
+    fn drop(&mut self) {
+        *CURRENT.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+}
+
+fn watch() {
+    loop {
+        std::thread::sleep(CHECK_INTERVAL);
+        let limit = timeout();
+        let expired = CURRENT
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .filter(|w| w.started.elapsed() > limit)
+            .map(describe);
+        if let Some(message) = expired {
+            abort_job(&message);
+        }
+    }
+}
+
+fn describe(wait: &Wait) -> String {
+    let rank = match WORLD_RANK.load(Ordering::SeqCst) {
+        usize::MAX => "this rank".to_owned(),
+        r => format!("rank {r}"),
+    };
+    let with = match wait.peer {
+        Some(peer) => format!("with rank {peer} of {}", wait.group),
+        None => format!("over {}", wait.group),
+    };
+    let suspects = peers_not_running();
+    let cause = if suspects.is_empty() {
+        "a rank died or froze".to_owned()
+    } else {
+        suspects.join(", ")
+    };
+    format!(
+        "{rank}: {} {with} did not complete within --distributed-timeout-minutes ({:.2} min): \
+         {cause}; ending the job",
+        wait.op,
+        timeout().as_secs_f64() / 60.0
+    )
+}
+
+fn abort_job(message: &str) -> ! {
+    eprintln!("error: {message}");
+    // MPI_Abort normally ends every rank; should it hang, this process ends anyway.
+    std::thread::spawn(|| {
+        std::thread::sleep(ABORT_GRACE);
+        // SAFETY: _exit has no preconditions and does not return.
+        unsafe { libc::_exit(TIMEOUT_EXIT_CODE) }
+    });
+    if mpi::environment::is_initialized() && !mpi::environment::is_finalized() {
+        // SAFETY: MPI is initialised; MPI_Abort does not return. The main thread is stuck
+        // in a wait, so this is the only thread making progress on MPI.
+        unsafe { mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, TIMEOUT_EXIT_CODE) };
+    }
+    // SAFETY: as above.
+    unsafe { libc::_exit(TIMEOUT_EXIT_CODE) }
+}
