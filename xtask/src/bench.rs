@@ -204,6 +204,22 @@ fn headlines(name: &'static str, v: &serde_json::Value) -> Vec<Headline> {
                 ">= 90 %".into(),
                 Some(acceleration >= 0.9),
             ));
+            if v.get("overlap_speedup_planned").is_some() {
+                out.push(row(
+                    "gradient-reduction overlap + prefetch vs neither (planned; uniform)".into(),
+                    format!(
+                        "{:.3} -> {:.3} s = {:.3}x; {:.3} -> {:.3} s = {:.3}x",
+                        f(v, "planned_serial_step_s"),
+                        f(v, "planned_step_s"),
+                        f(v, "overlap_speedup_planned"),
+                        f(v, "uniform_serial_step_s"),
+                        f(v, "uniform_step_s"),
+                        f(v, "overlap_speedup_uniform")
+                    ),
+                    "reported".into(),
+                    None,
+                ));
+            }
         }
         "planner" => {
             let s = f(v, "planning_s");

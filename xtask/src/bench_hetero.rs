@@ -235,20 +235,47 @@ pub fn hetero(root: &Path) -> Result<()> {
     let s = |x: &str| x.to_owned();
     let planned_log = dir.join("planned.jsonl");
     let uniform_log = dir.join("uniform.jsonl");
-    for (layout, log, what) in [
-        (&plan, &planned_log, "train with the plan"),
-        (&uniform, &uniform_log, "train with the uniform layout"),
+    let planned_serial_log = dir.join("planned-serial.jsonl");
+    let uniform_serial_log = dir.join("uniform-serial.jsonl");
+    // Each layout with the gradient-reduction overlap and data prefetch (the default),
+    // and without them: the reduction after the whole pipeline, micro-batches read inline.
+    let serial = [s("--no-overlap-grad-reduce"), s("--num-workers"), s("0")];
+    for (layout, log, extra, what) in [
+        (&plan, &planned_log, &[][..], "train with the plan"),
+        (
+            &uniform,
+            &uniform_log,
+            &[][..],
+            "train with the uniform layout",
+        ),
+        (
+            &plan,
+            &planned_serial_log,
+            &serial[..],
+            "train with the plan, no overlap or prefetch",
+        ),
+        (
+            &uniform,
+            &uniform_serial_log,
+            &serial[..],
+            "train with the uniform layout, no overlap or prefetch",
+        ),
     ] {
-        let flags = [
+        let mut flags = vec![
             s("--nproc"),
             s("4"),
             s("--plan"),
             layout.display().to_string(),
         ];
+        flags.extend(extra.iter().cloned());
         run(&mut train(&bin, &data, &dir, &flags, log), what)?;
     }
     let planned_s = median_step_s(&planned_log)?;
     let uniform_s = median_step_s(&uniform_log)?;
+    let planned_serial_s = median_step_s(&planned_serial_log)?;
+    let uniform_serial_s = median_step_s(&uniform_serial_log)?;
+    let overlap_planned = planned_serial_s / planned_s;
+    let overlap_uniform = uniform_serial_s / uniform_s;
     // Each device alone: one rank, the whole global batch, its emulated speed. Emulation
     // charges CPU time, so the four run at once without slowing each other (their speeds
     // fit in the machine's cores).
@@ -309,12 +336,18 @@ pub fn hetero(root: &Path) -> Result<()> {
         "acceleration ratio: {:.1}% of the devices' summed throughput (target >= 90%)",
         acceleration * 100.0
     );
+    println!(
+        "overlap + prefetch vs neither: planned {planned_serial_s:.4} -> {planned_s:.4} s = {overlap_planned:.3}x, \
+         uniform {uniform_serial_s:.4} -> {uniform_s:.4} s = {overlap_uniform:.3}x (no target; > 1 is a gain)"
+    );
     let out = root.join("target/bench/hetero.json");
     std::fs::write(&out, format!(
         "{{\"benchmark\": \"hetero\", \"speeds\": {SPEEDS:?}, \"global_batch_size\": {GLOBAL_BATCH}, \"iterations\": {ITERS}, \
          \"planned_step_s\": {planned_s}, \"uniform_step_s\": {uniform_s}, \"predicted_step_s\": {predicted}, \
          \"predicted_uniform_step_s\": {predicted_uniform}, \"speedup\": {speedup}, \"prediction_error\": {error}, \
-         \"acceleration_ratio\": {acceleration}, \"plan_flags\": \"{flags}\"}}\n"
+         \"acceleration_ratio\": {acceleration}, \"planned_serial_step_s\": {planned_serial_s}, \
+         \"uniform_serial_step_s\": {uniform_serial_s}, \"overlap_speedup_planned\": {overlap_planned}, \
+         \"overlap_speedup_uniform\": {overlap_uniform}, \"plan_flags\": \"{flags}\"}}\n"
     ))?;
     println!("wrote {}", out.display());
     Ok(())

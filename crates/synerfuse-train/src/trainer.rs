@@ -234,6 +234,13 @@ impl<'w> Trainer<'w> {
             warn_if_emulation_oversubscribes(&config, world.size());
         }
         let groups = ProcessGroups::with_devices(world, &topology, device)?;
+        if rank == 0 {
+            for pipeline in topology.groups(GroupKind::Pp) {
+                for pair in pipeline.windows(2) {
+                    tracing::info!("pipeline link {}", groups.link_path(pair[0], pair[1]));
+                }
+            }
+        }
         let num_stages = plan.stages.num_stages();
         let num_chunks = plan.stages.num_chunks();
         if num_chunks > 1 && num_stages == 1 {

@@ -253,6 +253,7 @@ impl GroupPath {
 /// This rank's communicator for each group kind it belongs to.
 pub struct ProcessGroups {
     groups: HashMap<GroupKind, (Vec<usize>, GroupCommunicator)>,
+    devices: Vec<RankDevice>,
 }
 
 impl ProcessGroups {
@@ -320,13 +321,31 @@ impl ProcessGroups {
                 groups.insert(kind, (members, GroupCommunicator { mpi: comm, nccl }));
             }
         }
-        Ok(ProcessGroups { groups })
+        Ok(ProcessGroups { groups, devices })
     }
 
     /// The communicator of `kind`, or `None` if this rank is in no such group (e.g. a
     /// middle pipeline stage and the embedding group).
     pub fn get(&self, kind: GroupKind) -> Option<&GroupCommunicator> {
         self.groups.get(&kind).map(|(_, c)| c)
+    }
+
+    /// How a pipeline transfer between world ranks `from` and `to` travels, for the log.
+    pub fn link_path(&self, from: usize, to: usize) -> String {
+        let describe = |r: usize| {
+            self.devices
+                .get(r)
+                .map_or("?".to_owned(), RankDevice::describe)
+        };
+        let (a, b) = (describe(from), describe(to));
+        let path = match (self.devices.get(from), self.devices.get(to)) {
+            (Some(x), Some(y)) if x.cuda.is_none() && y.cuda.is_none() => "MPI",
+            (Some(x), Some(y)) if x.cuda.is_some() && y.cuda.is_some() => {
+                "MPI, staged through host memory (NCCL carries collectives only)"
+            }
+            _ => "MPI, staged through host memory",
+        };
+        format!("rank {from} ({a}) -> rank {to} ({b}): {path}")
     }
 
     /// The global ranks of this rank's group of `kind`, in communicator order.
