@@ -78,6 +78,16 @@ pub(crate) fn run(cmd: &mut Command, what: &str) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// Runs of each layout and setting, for the spread of the step time.
+const REPEATS: usize = 3;
+
+/// The median of `values` (upper median for an even count).
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
 /// Median `elapsed_ms` of iterations after the first 5 of a `--log-json` file, in s.
 fn median_step_s(log: &Path) -> Result<f64> {
     let text = std::fs::read_to_string(log).with_context(|| log.display().to_string())?;
@@ -233,47 +243,50 @@ pub fn hetero(root: &Path) -> Result<()> {
         .context("micro_batch_size_per_replica")? as usize;
     println!("[hetero] plan: {flags}");
     let s = |x: &str| x.to_owned();
-    let planned_log = dir.join("planned.jsonl");
-    let uniform_log = dir.join("uniform.jsonl");
-    let planned_serial_log = dir.join("planned-serial.jsonl");
-    let uniform_serial_log = dir.join("uniform-serial.jsonl");
     // Each layout with the gradient-reduction overlap and data prefetch (the default),
-    // and without them: the reduction after the whole pipeline, micro-batches read inline.
+    // and without them (the reduction after the whole pipeline, micro-batches read
+    // inline), REPEATS times in alternation: each measure is the median of the runs'
+    // median step times, and the runs' spread is reported with it.
     let serial = [s("--no-overlap-grad-reduce"), s("--num-workers"), s("0")];
-    for (layout, log, extra, what) in [
-        (&plan, &planned_log, &[][..], "train with the plan"),
-        (
-            &uniform,
-            &uniform_log,
-            &[][..],
-            "train with the uniform layout",
-        ),
-        (
-            &plan,
-            &planned_serial_log,
-            &serial[..],
-            "train with the plan, no overlap or prefetch",
-        ),
-        (
-            &uniform,
-            &uniform_serial_log,
-            &serial[..],
-            "train with the uniform layout, no overlap or prefetch",
-        ),
-    ] {
-        let mut flags = vec![
-            s("--nproc"),
-            s("4"),
-            s("--plan"),
-            layout.display().to_string(),
-        ];
-        flags.extend(extra.iter().cloned());
-        run(&mut train(&bin, &data, &dir, &flags, log), what)?;
+    let configs: [(&Path, &str, &[String]); 4] = [
+        (&plan, "planned", &[]),
+        (&uniform, "uniform", &[]),
+        (&plan, "planned-serial", &serial),
+        (&uniform, "uniform-serial", &serial),
+    ];
+    let mut steps: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
+    for repeat in 0..REPEATS {
+        for ((layout, name, extra), times) in configs.iter().zip(&mut steps) {
+            let log = dir.join(format!("{name}-{repeat}.jsonl"));
+            let mut flags = vec![
+                s("--nproc"),
+                s("4"),
+                s("--plan"),
+                layout.display().to_string(),
+            ];
+            flags.extend(extra.iter().cloned());
+            run(
+                &mut train(&bin, &data, &dir, &flags, &log),
+                &format!("train {name}"),
+            )?;
+            times.push(median_step_s(&log)?);
+        }
     }
-    let planned_s = median_step_s(&planned_log)?;
-    let uniform_s = median_step_s(&uniform_log)?;
-    let planned_serial_s = median_step_s(&planned_serial_log)?;
-    let uniform_serial_s = median_step_s(&uniform_serial_log)?;
+    let spread = |times: &[f64]| {
+        let (lo, hi) = times
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(l, h), &t| (l.min(t), h.max(t)));
+        format!("{lo:.4}..{hi:.4}")
+    };
+    for ((_, name, _), times) in configs.iter().zip(&steps) {
+        println!(
+            "[hetero] {name}: median step {:.4} s over {REPEATS} runs ({} s)",
+            median(times),
+            spread(times)
+        );
+    }
+    let [planned_s, uniform_s, planned_serial_s, uniform_serial_s] =
+        [0, 1, 2, 3].map(|i| median(&steps[i]));
     let overlap_planned = planned_serial_s / planned_s;
     let overlap_uniform = uniform_serial_s / uniform_s;
     // Each device alone: one rank, the whole global batch, its emulated speed. Emulation
@@ -347,6 +360,7 @@ pub fn hetero(root: &Path) -> Result<()> {
          \"predicted_uniform_step_s\": {predicted_uniform}, \"speedup\": {speedup}, \"prediction_error\": {error}, \
          \"acceleration_ratio\": {acceleration}, \"planned_serial_step_s\": {planned_serial_s}, \
          \"uniform_serial_step_s\": {uniform_serial_s}, \"overlap_speedup_planned\": {overlap_planned}, \
+         \"repeats\": {REPEATS}, \"step_s_runs\": {steps:?}, \
          \"overlap_speedup_uniform\": {overlap_uniform}, \"plan_flags\": \"{flags}\"}}\n"
     ))?;
     println!("wrote {}", out.display());

@@ -594,13 +594,12 @@ fn train_rank(args: &TrainArgs, world: &synerfuse_train::comm::MpiCommunicator) 
         reset_position_ids: args.reset_position_ids,
         reset_attention_mask: args.reset_attention_mask,
         eod_mask_loss: args.eod_mask_loss,
-        // Causal attention needs no mask (SDPA's is_causal keeps the flash kernel);
-        // only resetting attention at document ends does, as in Megatron's flash path.
-        create_attention_mask: args.reset_attention_mask,
+        // The loader materialises masks only under --reset-attention-mask.
+        create_attention_mask: !args.no_create_attention_mask_in_dataloader,
     };
     tracing::info!(
         "attention: {}",
-        if sample_options.create_attention_mask {
+        if sample_options.reset_attention_mask {
             "masks from the data loader (--reset-attention-mask: no attention across EOD)"
         } else {
             "causal, no mask materialised (scaled_dot_product_attention with is_causal)"

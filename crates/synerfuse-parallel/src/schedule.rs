@@ -342,6 +342,66 @@ impl ScheduleReport {
     }
 }
 
+/// Whether the messages from rank `from` to rank `to` are received in the order they are
+/// sent. Transports without tags (NCCL point-to-point) match sends to receives by order
+/// alone, so they may carry the link only when this holds.
+pub fn link_in_order(programs: &[Vec<Instruction>], from: usize, to: usize) -> bool {
+    let messages = |rank: usize, sending: bool| -> Vec<(bool, usize, usize)> {
+        programs
+            .get(rank)
+            .map(|program| {
+                program
+                    .iter()
+                    .filter_map(|i| match (*i, sending) {
+                        (
+                            Instruction::SendActivation {
+                                peer,
+                                micro_batch,
+                                chunk,
+                            },
+                            true,
+                        )
+                        | (
+                            Instruction::RecvActivation {
+                                peer,
+                                micro_batch,
+                                chunk,
+                            },
+                            false,
+                        ) => (peer == if sending { to } else { from }).then_some((
+                            false,
+                            micro_batch,
+                            chunk,
+                        )),
+                        (
+                            Instruction::SendGradient {
+                                peer,
+                                micro_batch,
+                                chunk,
+                            },
+                            true,
+                        )
+                        | (
+                            Instruction::RecvGradient {
+                                peer,
+                                micro_batch,
+                                chunk,
+                            },
+                            false,
+                        ) => (peer == if sending { to } else { from }).then_some((
+                            true,
+                            micro_batch,
+                            chunk,
+                        )),
+                        _ => None,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    messages(from, true) == messages(to, false)
+}
+
 /// Runs every program against the others: sends are buffered, receives wait for their
 /// send. Checks that all programs finish (no deadlock), that every send is received,
 /// that each (micro-batch, chunk) is forwarded then backwarded exactly once per program,
@@ -518,6 +578,18 @@ mod tests {
         // Stage 1 forgets a receive: stage 0's send is never received.
         s[1].retain(|i| !matches!(i, Instruction::RecvActivation { micro_batch: 1, .. }));
         assert!(check_schedule(&s).is_err());
+        // Out-of-order receives: tags save MPI, but NCCL would mismatch them.
+        let mut swapped = pipeline_schedule(ScheduleKind::Gpipe, 2, 1, 2).unwrap();
+        assert!(link_in_order(&swapped, 0, 1));
+        let recvs: Vec<usize> = swapped[1]
+            .iter()
+            .enumerate()
+            .filter(|(_, i)| matches!(i, Instruction::RecvActivation { .. }))
+            .map(|(n, _)| n)
+            .collect();
+        swapped[1].swap(recvs[0], recvs[1]);
+        assert!(!link_in_order(&swapped, 0, 1));
+        assert!(link_in_order(&swapped, 1, 0));
         // Two stages that both receive first: deadlock.
         let s = vec![
             vec![Instruction::RecvGradient {
@@ -642,6 +714,12 @@ mod tests {
             let report = check_schedule(&programs).unwrap();
             let stages: Vec<usize> = (0..p).collect();
             report.check_pipeline_order(&stages, v, m).unwrap();
+            // Neighbours receive in send order (NCCL point-to-point can carry every link).
+            for a in 0..p {
+                for b in [(a + 1) % p, (a + p - 1) % p] {
+                    prop_assert!(link_in_order(&programs, a, b), "{:?} link {} -> {}", kind, a, b);
+                }
+            }
             for (stage, &peak) in report.peak_in_flight.iter().enumerate() {
                 let expected = match kind {
                     ScheduleKind::Gpipe => m,

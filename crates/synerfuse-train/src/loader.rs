@@ -104,13 +104,19 @@ pub struct ReplicaLoader {
 
 impl ReplicaLoader {
     /// A loader for `replica` of the layout `batches` over the train split `dataset`.
+    ///
+    /// A plain causal mask is never materialised, whatever `create_attention_mask` says:
+    /// the model attends causally without one, and a mask would keep SDPA off its flash
+    /// kernel (Megatron's flash path ignores it too). Masks are built only when
+    /// `reset_attention_mask` makes them differ from causal.
     pub fn new(
         dataset: SplitDataset,
         batches: ReplicaBatches,
         replica: usize,
-        options: SampleOptions,
+        mut options: SampleOptions,
     ) -> Result<Self, LoaderError> {
         batches.replica_range(replica)?;
+        options.create_attention_mask &= options.reset_attention_mask;
         Ok(Self {
             dataset,
             batches,

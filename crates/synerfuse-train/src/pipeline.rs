@@ -5,7 +5,7 @@
 //! Each rank holds one [`Stage`] per virtual chunk, with its own layer count, and runs as
 //! many micro-batches as its replica's plan says; replicas never talk to each other here.
 
-use crate::comm::{CommError, MpiCommunicator, PendingSend};
+use crate::comm::{MpiCommunicator, PendingSend, PipelineLinks};
 use crate::emulation::{ComputeSpan, Emulation};
 use crate::loader::MicroBatch;
 use crate::TrainError;
@@ -45,6 +45,8 @@ pub struct PipelineRank<'a> {
     pub num_stages: usize,
     /// The world communicator (peers in the program are world ranks).
     pub world: &'a MpiCommunicator,
+    /// Which neighbours are reached over NCCL (the rest over MPI).
+    pub links: &'a PipelineLinks,
     /// Dtype of activations on the wire.
     pub activation_kind: Kind,
     /// Emulated slowdown, if any.
@@ -100,8 +102,7 @@ impl PipelineRank<'_> {
         let mut gradients: HashMap<(usize, usize), Tensor> = HashMap::new();
         let mut passes: HashMap<(usize, usize), ForwardPass> = HashMap::new();
         let mut input_grads: HashMap<(usize, usize), Tensor> = HashMap::new();
-        let mut pending: Vec<PendingSend> = Vec::new();
-        let comm_err = |e: CommError| TrainError::Comm(e);
+        let mut sends = Sends::default();
         for &instruction in program {
             let event = match instruction {
                 Instruction::Backward { chunk, .. } => PipelineEvent::BackwardDone { chunk },
@@ -115,8 +116,8 @@ impl PipelineRank<'_> {
                 } => {
                     let shape = [inputs[micro_batch].rows, sequence_length as i64, hidden];
                     let message = tag(micro_batch, chunk, chunks, false);
-                    let buffer = self.receive(shape, peer, message, &mut times)?;
-                    activations.insert((micro_batch, chunk), buffer.to_device(device));
+                    let buffer = self.receive(shape, peer, message, &mut sends, &mut times)?;
+                    activations.insert((micro_batch, chunk), buffer);
                 }
                 Instruction::Forward { micro_batch, chunk } => {
                     let stage = &self.chunks[chunk];
@@ -163,11 +164,12 @@ impl PipelineRank<'_> {
                     })?;
                     let started = Instant::now();
                     let out = pass.output.to_kind(self.activation_kind);
-                    pending.push(
-                        self.world
-                            .isend(&out, peer, tag(micro_batch, chunk, chunks, false))
-                            .map_err(comm_err)?,
-                    );
+                    self.send(
+                        &out,
+                        peer,
+                        tag(micro_batch, chunk, chunks, false),
+                        &mut sends,
+                    )?;
                     times.communication += started.elapsed();
                 }
                 Instruction::RecvGradient {
@@ -178,8 +180,8 @@ impl PipelineRank<'_> {
                     // `chunk` names the sender's piece, as on the sending side.
                     let shape = [inputs[micro_batch].rows, sequence_length as i64, hidden];
                     let message = tag(micro_batch, chunk, chunks, true);
-                    let buffer = self.receive(shape, peer, message, &mut times)?;
-                    gradients.insert((micro_batch, chunk), buffer.to_device(device));
+                    let buffer = self.receive(shape, peer, message, &mut sends, &mut times)?;
+                    gradients.insert((micro_batch, chunk), buffer);
                 }
                 Instruction::Backward { micro_batch, chunk } => {
                     let stage = &self.chunks[chunk];
@@ -225,15 +227,13 @@ impl PipelineRank<'_> {
                         ))
                     })?;
                     let started = Instant::now();
-                    pending.push(
-                        self.world
-                            .isend(
-                                &grad.to_kind(self.activation_kind),
-                                peer,
-                                tag(micro_batch, chunk, chunks, true),
-                            )
-                            .map_err(comm_err)?,
-                    );
+                    let grad = grad.to_kind(self.activation_kind);
+                    self.send(
+                        &grad,
+                        peer,
+                        tag(micro_batch, chunk, chunks, true),
+                        &mut sends,
+                    )?;
                     times.communication += started.elapsed();
                 }
             }
@@ -243,7 +243,8 @@ impl PipelineRank<'_> {
             times.compute += started.elapsed();
         }
         let started = Instant::now();
-        for send in pending {
+        self.links.exchange(&sends.nccl, None)?;
+        for send in sends.mpi {
             send.wait();
         }
         times.communication += started.elapsed();
@@ -256,20 +257,61 @@ impl PipelineRank<'_> {
         Ok((loss, times))
     }
 
-    /// Blocks until the message `tag` from `peer` arrives; the wait counts as waiting.
+    /// Sends `tensor` to `peer`: over MPI at once (non-blocking), over NCCL deferred to
+    /// the next receive's group (see [`PipelineLinks`]).
+    fn send(
+        &self,
+        tensor: &Tensor,
+        peer: usize,
+        tag: i32,
+        sends: &mut Sends,
+    ) -> Result<(), TrainError> {
+        if self.links.is_nccl(peer) {
+            sends.nccl.push((peer, tensor.contiguous()));
+        } else {
+            sends.mpi.push(self.world.isend(tensor, peer, tag)?);
+        }
+        Ok(())
+    }
+
+    /// Blocks until the message `tag` from `peer` arrives, on this rank's device (sends
+    /// deferred for NCCL go out first, in the same group); the wait counts as waiting.
     fn receive(
         &self,
         shape: [i64; 3],
         peer: usize,
         tag: i32,
+        sends: &mut Sends,
         times: &mut StepTimes,
     ) -> Result<Tensor, TrainError> {
-        let mut buffer = Tensor::empty(shape, (self.activation_kind, Device::Cpu));
+        let device = self.chunks[0].device();
         let started = Instant::now();
-        self.world.recv(&mut buffer, peer, tag)?;
+        let deferred = std::mem::take(&mut sends.nccl);
+        let buffer = if self.links.is_nccl(peer) {
+            let buffer = Tensor::empty(shape, (self.activation_kind, device));
+            self.links.exchange(&deferred, Some((peer, &buffer)))?;
+            buffer
+        } else {
+            self.links.exchange(&deferred, None)?;
+            let mut host = Tensor::empty(shape, (self.activation_kind, Device::Cpu));
+            if device != Device::Cpu {
+                host = host.pin_memory(device);
+            }
+            self.world.recv(&mut host, peer, tag)?;
+            host.to_device(device)
+        };
         times.waiting += started.elapsed();
         Ok(buffer)
     }
+}
+
+/// Sends in flight during a step.
+#[derive(Default)]
+struct Sends {
+    /// Non-blocking MPI sends.
+    mpi: Vec<PendingSend>,
+    /// NCCL sends not yet issued: (peer, tensor).
+    nccl: Vec<(usize, Tensor)>,
 }
 
 /// The loss of a forward's logits, for the log (no graph).

@@ -6,7 +6,7 @@
 //! so the data-parallel reduction is a plain sum (DESIGN.md §3).
 
 use crate::checkpoint::{self, Checkpoint, CheckpointState};
-use crate::comm::{GroupCommunicator, MpiCommunicator, ProcessGroups};
+use crate::comm::{GroupCommunicator, MpiCommunicator, PipelineLinks, ProcessGroups};
 use crate::emulation::Emulation;
 use crate::grads::MainGrads;
 use crate::loader::{Prefetcher, ReplicaLoader};
@@ -144,6 +144,8 @@ pub struct Trainer<'w> {
     config: TrainConfig,
     world: &'w MpiCommunicator,
     groups: ProcessGroups,
+    /// How activations reach the neighbouring stages.
+    links: PipelineLinks,
     chunks: Vec<Stage>,
     optimizer: AdamW,
     /// fp32 main gradients, one buffer per chunk.
@@ -234,13 +236,7 @@ impl<'w> Trainer<'w> {
             warn_if_emulation_oversubscribes(&config, world.size());
         }
         let groups = ProcessGroups::with_devices(world, &topology, device)?;
-        if rank == 0 {
-            for pipeline in topology.groups(GroupKind::Pp) {
-                for pair in pipeline.windows(2) {
-                    tracing::info!("pipeline link {}", groups.link_path(pair[0], pair[1]));
-                }
-            }
-        }
+
         let num_stages = plan.stages.num_stages();
         let num_chunks = plan.stages.num_chunks();
         if num_chunks > 1 && num_stages == 1 {
@@ -292,13 +288,22 @@ impl<'w> Trainer<'w> {
                     .map_err(|e| TrainError::Config(e.to_string()))?;
             }
         }
-        let program = synerfuse_parallel::plan_schedule(plan, config.schedule)?.swap_remove(rank);
+        let mut programs = synerfuse_parallel::plan_schedule(plan, config.schedule)?;
+        let links = PipelineLinks::new(
+            world,
+            &groups,
+            &topology.groups(GroupKind::Pp),
+            num_chunks > 1,
+            &programs,
+        )?;
+        let program = programs.swap_remove(rank);
         let loader = ReplicaLoader::new(dataset, plan.batches.clone(), coords.dp, sample_options)?;
         let loader = Prefetcher::new(loader, config.prefetch);
         let grads = MainGrads::new(&chunks, config.bf16);
         let mut trainer = Trainer {
             world,
             groups,
+            links,
             chunks,
             optimizer,
             grads,
@@ -565,6 +570,7 @@ impl<'w> Trainer<'w> {
             stage_index: self.stage_index,
             num_stages: self.num_stages,
             world: self.world,
+            links: &self.links,
             activation_kind: if self.config.bf16 {
                 Kind::BFloat16
             } else {

@@ -109,3 +109,43 @@ fn running_out_of_samples_is_an_error_naming_the_count() {
     assert!(err.to_string().contains(&data.len().to_string()));
     assert!(ReplicaLoader::new(data, batches, 2, options()).is_err());
 }
+
+/// Issue 15: a plain causal mask is never materialised (the model attends causally
+/// without one, and a mask would keep SDPA off its flash kernel); resetting attention at
+/// document ends still gets its masks, and the next step comes from the prefetch thread
+/// unchanged.
+#[test]
+fn no_mask_unless_attention_is_reset_at_document_ends() {
+    use synerfuse_train::loader::Prefetcher;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dataset(dir.path());
+    let batches = ReplicaBatches::new(vec![ReplicaBatch {
+        micro_batch_size: 2,
+        num_micro_batches: 2,
+    }])
+    .unwrap();
+    let causal = SampleOptions {
+        create_attention_mask: true,
+        ..options()
+    };
+    let loader = ReplicaLoader::new(data.clone(), batches.clone(), 0, causal).unwrap();
+    assert!(loader
+        .step(0)
+        .unwrap()
+        .iter()
+        .all(|m| m.attention_mask.is_none()));
+    let reset = SampleOptions {
+        reset_attention_mask: true,
+        ..causal
+    };
+    let loader = ReplicaLoader::new(data, batches, 0, reset).unwrap();
+    let steps: Vec<_> = (0..3).map(|s| loader.step(s * 4).unwrap()).collect();
+    assert!(steps[0].iter().all(|m| m
+        .attention_mask
+        .as_ref()
+        .is_some_and(|a| a.len() == 2 * SEQ * SEQ)));
+    let mut prefetched = Prefetcher::new(loader, true);
+    for (s, expected) in steps.iter().enumerate() {
+        assert_eq!(&prefetched.step(s as u64 * 4).unwrap(), expected);
+    }
+}

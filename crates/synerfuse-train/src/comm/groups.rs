@@ -330,22 +330,9 @@ impl ProcessGroups {
         self.groups.get(&kind).map(|(_, c)| c)
     }
 
-    /// How a pipeline transfer between world ranks `from` and `to` travels, for the log.
-    pub fn link_path(&self, from: usize, to: usize) -> String {
-        let describe = |r: usize| {
-            self.devices
-                .get(r)
-                .map_or("?".to_owned(), RankDevice::describe)
-        };
-        let (a, b) = (describe(from), describe(to));
-        let path = match (self.devices.get(from), self.devices.get(to)) {
-            (Some(x), Some(y)) if x.cuda.is_none() && y.cuda.is_none() => "MPI",
-            (Some(x), Some(y)) if x.cuda.is_some() && y.cuda.is_some() => {
-                "MPI, staged through host memory (NCCL carries collectives only)"
-            }
-            _ => "MPI, staged through host memory",
-        };
-        format!("rank {from} ({a}) -> rank {to} ({b}): {path}")
+    /// Every rank's device, in world rank order.
+    pub(crate) fn devices(&self) -> &[RankDevice] {
+        &self.devices
     }
 
     /// The global ranks of this rank's group of `kind`, in communicator order.

@@ -585,7 +585,16 @@ impl MpiCommunicator {
         use mpi::raw::AsRaw;
         CommError::check_peer(self.rank, self.size, dest)?;
         // A private host copy: the caller may reuse or free its tensor right away.
-        let buffer = tensor.detach().to_device(Device::Cpu).contiguous().copy();
+        let buffer = match tensor.device() {
+            // Pinned, so the device-to-host copy is one DMA transfer.
+            Device::Cuda(_) => {
+                let mut pinned = Tensor::empty(tensor.size(), (tensor.kind(), Device::Cpu))
+                    .pin_memory(tensor.device());
+                tch::no_grad(|| pinned.copy_(tensor));
+                pinned
+            }
+            _ => tensor.detach().contiguous().copy(),
+        };
         let bytes = buffer.numel() * buffer.kind().elt_size_in_bytes();
         if bytes > i32::MAX as usize {
             return Err(CommError::TooLarge {

@@ -9,6 +9,7 @@ mod error;
 mod groups;
 mod host;
 mod launcher;
+mod links;
 mod nccl;
 pub mod watchdog;
 
@@ -16,4 +17,5 @@ pub use error::CommError;
 pub use groups::{GroupCommunicator, PendingReduction, ProcessGroups};
 pub use host::{MpiCommunicator, MpiRuntime, PendingAllReduce, PendingSend};
 pub use launcher::{launcher_local_rank, launcher_rank, mpirun_command, run_forwarding_signals};
+pub use links::{LinkPath, PipelineLinks};
 pub use nccl::{NcclCommunicator, PendingNccl};

@@ -58,24 +58,64 @@ impl NcclCommunicator {
         if !Self::available() {
             return Err(CommError::NcclUnavailable);
         }
-        let nccl_err = |context: &'static str| {
-            move |e: result::NcclError| CommError::Cuda {
+        let mut id = Tensor::from_slice(&Self::unique_id_bytes(rank, rank == 0)?);
+        group.broadcast(&mut id, 0)?;
+        Self::init(&id, rank, group.size(), ordinal, Arc::from(group.name()))
+    }
+
+    /// The two-rank communicator of a pipeline link between this rank and world rank
+    /// `peer` (the lower world rank is its rank 0). Only the two ranks call it.
+    pub fn new_pair(
+        world: &MpiCommunicator,
+        peer: usize,
+        ordinal: usize,
+    ) -> Result<Self, CommError> {
+        const ID_TAG: i32 = 32_767;
+        if !Self::available() {
+            return Err(CommError::NcclUnavailable);
+        }
+        let me = world.rank();
+        let first = me < peer;
+        let mut id = Tensor::from_slice(&Self::unique_id_bytes(me, first)?);
+        if first {
+            world.send(&id, peer, ID_TAG)?;
+        } else {
+            world.recv(&mut id, peer, ID_TAG)?;
+        }
+        let name = format!(
+            "the pipeline link between ranks {} and {}",
+            me.min(peer),
+            me.max(peer)
+        );
+        Self::init(&id, usize::from(!first), 2, ordinal, Arc::from(name))
+    }
+
+    /// A fresh NCCL unique id when `create`, zeros otherwise (to be overwritten).
+    fn unique_id_bytes(rank: usize, create: bool) -> Result<[u8; 128], CommError> {
+        let id = if create {
+            result::get_uniqueid().map_err(|e| CommError::Cuda {
                 rank,
-                context,
+                context: "ncclGetUniqueId",
                 message: format!("{e:?}"),
-            }
-        };
-        let id = if rank == 0 {
-            result::get_uniqueid().map_err(nccl_err("ncclGetUniqueId"))?
+            })?
         } else {
             sys::ncclUniqueId { internal: [0; 128] }
         };
-        let mut id_bytes = Tensor::from_slice(&id.internal.map(|c| c as u8));
-        group.broadcast(&mut id_bytes, 0)?;
+        Ok(id.internal.map(|c| c as u8))
+    }
+
+    /// Joins the communicator of `size` ranks named by the unique id `id_bytes`.
+    fn init(
+        id_bytes: &Tensor,
+        rank: usize,
+        size: usize,
+        ordinal: usize,
+        name: Arc<str>,
+    ) -> Result<Self, CommError> {
         let mut internal = [0 as std::ffi::c_char; 128];
         for (slot, byte) in internal
             .iter_mut()
-            .zip(Vec::<u8>::try_from(&id_bytes).unwrap_or_default())
+            .zip(Vec::<u8>::try_from(id_bytes).unwrap_or_default())
         {
             *slot = byte as std::ffi::c_char;
         }
@@ -91,24 +131,27 @@ impl NcclCommunicator {
         let context = CudaContext::new(ordinal).map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
         let stream = context.new_stream().map_err(driver_err("cuStreamCreate"))?;
         let mut comm = std::mem::MaybeUninit::uninit();
-        let name: Arc<str> = Arc::from(group.name());
         let _wait = waiting("ncclCommInitRank", &name, None);
         // SAFETY: `comm` is written by NCCL on success; the id is the group's shared id.
         let comm = unsafe {
             result::comm_init_rank(
                 comm.as_mut_ptr(),
-                group.size() as i32,
+                size as i32,
                 sys::ncclUniqueId { internal },
                 rank as i32,
             )
-            .map_err(nccl_err("ncclCommInitRank"))?;
+            .map_err(|e| CommError::Cuda {
+                rank,
+                context: "ncclCommInitRank",
+                message: format!("{e:?}"),
+            })?;
             comm.assume_init()
         };
         Ok(Self {
             comm,
             stream,
             rank,
-            size: group.size(),
+            size,
             ordinal,
             name,
         })
@@ -206,6 +249,72 @@ impl NcclCommunicator {
         self.run_in_place(tensor, "ncclRecv", |ptr, count, stream| unsafe {
             result::recv(ptr, count, dtype, source as i32, self.comm, stream)
         })
+    }
+
+    /// Enqueues sending the contiguous `tensor` to rank `dest` of this communicator on its
+    /// stream, without waiting: for grouped exchanges ([`super::PipelineLinks`]), between
+    /// `ncclGroupStart` and `ncclGroupEnd`. The caller keeps `tensor` alive and calls
+    /// [`Self::synchronize`] before reusing it.
+    pub(crate) fn enqueue_send(&self, tensor: &Tensor, dest: usize) -> Result<(), CommError> {
+        CommError::check_peer(self.rank, self.size, dest)?;
+        let dtype = self.nccl_type(tensor, "send")?;
+        // SAFETY: a contiguous tensor on this communicator's GPU, kept alive by the caller
+        // until the stream has been synchronised.
+        unsafe {
+            result::send(
+                tensor.data_ptr(),
+                tensor.numel(),
+                dtype,
+                dest as i32,
+                self.comm,
+                self.stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map(drop)
+        .map_err(|e| CommError::Cuda {
+            rank: self.rank,
+            context: "ncclSend",
+            message: format!("{e:?}"),
+        })
+    }
+
+    /// Enqueues receiving into the contiguous `tensor` from rank `source`; see
+    /// [`Self::enqueue_send`].
+    pub(crate) fn enqueue_recv(&self, tensor: &Tensor, source: usize) -> Result<(), CommError> {
+        CommError::check_peer(self.rank, self.size, source)?;
+        let dtype = self.nccl_type(tensor, "recv")?;
+        // SAFETY: as in enqueue_send; NCCL writes `numel` elements of `dtype`.
+        unsafe {
+            result::recv(
+                tensor.data_ptr(),
+                tensor.numel(),
+                dtype,
+                source as i32,
+                self.comm,
+                self.stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map(drop)
+        .map_err(|e| CommError::Cuda {
+            rank: self.rank,
+            context: "ncclRecv",
+            message: format!("{e:?}"),
+        })
+    }
+
+    /// Waits (bounded by the watchdog) until this communicator's stream is idle.
+    pub(crate) fn synchronize(&self, op: &'static str) -> Result<(), CommError> {
+        let _wait = waiting(op, &self.name, None);
+        self.stream.synchronize().map_err(|e| CommError::Cuda {
+            rank: self.rank,
+            context: "cuStreamSynchronize",
+            message: format!("{e:?}"),
+        })
+    }
+
+    /// The GPU this communicator runs on.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
     }
 
     /// Every rank's `tensor` stacked along a new leading dimension in rank order.

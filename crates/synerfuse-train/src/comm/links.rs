@@ -1,0 +1,218 @@
+//! How pipeline activations and gradients travel between neighbouring stages.
+//!
+//! Between two CUDA ranks that can both load NCCL (on different GPUs), a link is a
+//! two-rank NCCL communicator with a stream of its own; anywhere else (a CPU end, NCCL
+//! missing) it is MPI, staged through pinned host memory for CUDA tensors. NCCL matches
+//! sends to receives by order, not tag, so a link takes NCCL only when both directions
+//! are received in send order ([`synerfuse_parallel::link_in_order`]).
+//!
+//! NCCL sends block until the peer receives, so two neighbours that send to each other
+//! at once (1F1B's steady state) would deadlock if each send ran alone. Sends are
+//! therefore deferred and issued in one NCCL group with the next receive (or at the
+//! end of the step): a group's transfers proceed together, like MPI's non-blocking sends.
+
+use super::groups::RankDevice;
+use super::{CommError, MpiCommunicator, NcclCommunicator, ProcessGroups};
+use std::collections::{BTreeSet, HashMap};
+use synerfuse_parallel::{link_in_order, Instruction};
+use tch::Tensor;
+
+/// The transport of one pipeline link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkPath {
+    /// Both ends on CPU: MPI.
+    Mpi,
+    /// A CUDA end: MPI through pinned host buffers (and why not NCCL).
+    HostStaged(&'static str),
+    /// Both ends on CUDA with NCCL: an NCCL pair communicator.
+    Nccl,
+}
+
+impl std::fmt::Display for LinkPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LinkPath::Mpi => f.write_str("MPI"),
+            LinkPath::HostStaged(why) => write!(f, "MPI through pinned host memory ({why})"),
+            LinkPath::Nccl => f.write_str("NCCL send/recv on the link's own stream"),
+        }
+    }
+}
+
+impl LinkPath {
+    /// The path of the link between world ranks `a` and `b`.
+    pub(crate) fn of(a: &RankDevice, b: &RankDevice, in_order: bool) -> LinkPath {
+        match (a.cuda, b.cuda) {
+            (None, None) => LinkPath::Mpi,
+            (Some(_), None) | (None, Some(_)) => LinkPath::HostStaged("a CPU end"),
+            (Some(x), Some(y)) if a.host == b.host && x == y => {
+                LinkPath::HostStaged("both ends on one GPU")
+            }
+            _ if !(a.nccl && b.nccl) => LinkPath::HostStaged("NCCL not loadable"),
+            _ if !in_order => LinkPath::HostStaged("the schedule receives out of send order"),
+            _ => LinkPath::Nccl,
+        }
+    }
+}
+
+/// This rank's pipeline links that use NCCL (by peer world rank); the rest use MPI.
+pub struct PipelineLinks {
+    nccl: HashMap<usize, NcclCommunicator>,
+}
+
+impl PipelineLinks {
+    /// Links between neighbouring members of each `pipelines` entry (world ranks in
+    /// stage order; with `wrap`, the last stage sends to the first too, as interleaved
+    /// schedules do). `programs` are every rank's programs. Collective over `world`
+    /// in effect: NCCL links are set up in one global order, so no two ranks wait on
+    /// each other. Rank 0 logs every link's path.
+    pub fn new(
+        world: &MpiCommunicator,
+        groups: &ProcessGroups,
+        pipelines: &[Vec<usize>],
+        wrap: bool,
+        programs: &[Vec<Instruction>],
+    ) -> Result<Self, CommError> {
+        let devices = groups.devices();
+        let mut links = BTreeSet::new();
+        for pipeline in pipelines {
+            let n = pipeline.len();
+            let last = if wrap && n > 1 {
+                n
+            } else {
+                n.saturating_sub(1)
+            };
+            for i in 0..last {
+                let (a, b) = (pipeline[i], pipeline[(i + 1) % n]);
+                if a != b {
+                    links.insert((a.min(b), a.max(b)));
+                }
+            }
+        }
+        let me = world.rank();
+        let mut nccl = HashMap::new();
+        for (a, b) in links {
+            let in_order = link_in_order(programs, a, b) && link_in_order(programs, b, a);
+            let path = match (devices.get(a), devices.get(b)) {
+                (Some(da), Some(db)) => LinkPath::of(da, db, in_order),
+                _ => LinkPath::Mpi,
+            };
+            if me == 0 {
+                tracing::info!("pipeline link ranks {a} <-> {b}: {path}");
+            }
+            if path == LinkPath::Nccl && (me == a || me == b) {
+                let peer = if me == a { b } else { a };
+                let ordinal = devices[me].cuda.expect("NCCL links join CUDA ranks");
+                nccl.insert(peer, NcclCommunicator::new_pair(world, peer, ordinal)?);
+            }
+        }
+        Ok(PipelineLinks { nccl })
+    }
+
+    /// Links over MPI only (tests, single-rank jobs).
+    pub fn mpi_only() -> Self {
+        PipelineLinks {
+            nccl: HashMap::new(),
+        }
+    }
+
+    /// Whether the link to world rank `peer` uses NCCL.
+    pub fn is_nccl(&self, peer: usize) -> bool {
+        self.nccl.contains_key(&peer)
+    }
+
+    /// Issues `sends` (peer world rank, contiguous CUDA tensor) and the optional
+    /// receive into `recv` as one NCCL group and waits until all are done. Every peer
+    /// must have an NCCL link.
+    pub fn exchange(
+        &self,
+        sends: &[(usize, Tensor)],
+        recv: Option<(usize, &Tensor)>,
+    ) -> Result<(), CommError> {
+        let peers: BTreeSet<usize> = sends
+            .iter()
+            .map(|(p, _)| *p)
+            .chain(recv.map(|(p, _)| p))
+            .collect();
+        let Some(first) = peers.iter().next().and_then(|p| self.nccl.get(p)) else {
+            return Ok(());
+        };
+        let link = |peer: usize| {
+            self.nccl.get(&peer).ok_or(CommError::InvalidPeer {
+                rank: first.rank(),
+                peer,
+                size: 2,
+            })
+        };
+        // The tensors to send must be complete before NCCL's streams read them.
+        tch::Cuda::synchronize(first.ordinal() as i64);
+        let group_err = |context: &'static str| {
+            move |e: cudarc::nccl::result::NcclError| CommError::Cuda {
+                rank: first.rank(),
+                context,
+                message: format!("{e:?}"),
+            }
+        };
+        cudarc::nccl::result::group_start().map_err(group_err("ncclGroupStart"))?;
+        let enqueued = (|| {
+            for (peer, tensor) in sends {
+                let comm = link(*peer)?;
+                comm.enqueue_send(tensor, 1 - comm.rank())?;
+            }
+            if let Some((peer, tensor)) = recv {
+                let comm = link(peer)?;
+                comm.enqueue_recv(tensor, 1 - comm.rank())?;
+            }
+            Ok::<(), CommError>(())
+        })();
+        cudarc::nccl::result::group_end().map_err(group_err("ncclGroupEnd"))?;
+        enqueued?;
+        for peer in peers {
+            link(peer)?.synchronize("pipeline send/recv")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn device(host: i64, cuda: Option<usize>, nccl: bool) -> RankDevice {
+        RankDevice {
+            host,
+            cuda,
+            nccl,
+            pid: 1,
+        }
+    }
+
+    #[test]
+    fn nccl_only_between_distinct_gpus_that_load_it_in_order() {
+        let gpu0 = device(1, Some(0), true);
+        let gpu1 = device(1, Some(1), true);
+        let cpu = device(1, None, false);
+        assert_eq!(LinkPath::of(&gpu0, &gpu1, true), LinkPath::Nccl);
+        assert_eq!(LinkPath::of(&cpu, &cpu, true), LinkPath::Mpi);
+        assert!(matches!(
+            LinkPath::of(&gpu0, &cpu, true),
+            LinkPath::HostStaged(_)
+        ));
+        assert!(matches!(
+            LinkPath::of(&gpu0, &gpu0, true),
+            LinkPath::HostStaged(_)
+        ));
+        assert!(matches!(
+            LinkPath::of(&gpu0, &device(1, Some(1), false), true),
+            LinkPath::HostStaged(_)
+        ));
+        assert!(matches!(
+            LinkPath::of(&gpu0, &gpu1, false),
+            LinkPath::HostStaged(_)
+        ));
+        // The same ordinal on another host is another GPU.
+        assert_eq!(
+            LinkPath::of(&gpu0, &device(2, Some(0), true), true),
+            LinkPath::Nccl
+        );
+    }
+}
