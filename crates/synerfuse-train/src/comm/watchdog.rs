@@ -3,7 +3,7 @@
 //! A rank that dies or freezes leaves its peers blocked inside MPI or NCCL, where no
 //! error ever comes: shared-memory transports detect nothing, and under `srun` without
 //! `--kill-on-bad-exit` nobody kills the survivors. So each wait registers itself here
-//! ([`waiting`]), and a watchdog thread ends the job when one outlasts the timeout: it
+//! (`waiting`), and a watchdog thread ends the job when one outlasts the timeout: it
 //! names this rank, the operation and the group or peer, then calls `MPI_Abort`, which
 //! makes `mpirun` (and Slurm, through PMIx) kill every rank, frozen ones included.
 
