@@ -325,15 +325,11 @@ impl MpiCommunicator {
 
     /// Waits until every rank of the communicator has arrived.
     pub fn barrier(&self) {
-        use mpi::raw::AsRaw;
+        use mpi::collective::CommunicatorCollectives;
+        // Blocking (MPI spins): ranks leave together, which the profiler's timings rely
+        // on. The watchdog still bounds the wait.
         let _wait = waiting("barrier", &self.name, None);
-        let mut request = std::mem::MaybeUninit::uninit();
-        // SAFETY: MPI_Ibarrier writes the request (errors abort: MPI_ERRORS_ARE_FATAL).
-        let mut request = unsafe {
-            mpi::ffi::MPI_Ibarrier(self.comm.as_raw(), request.as_mut_ptr());
-            request.assume_init()
-        };
-        wait_raw(&mut request);
+        self.comm.barrier();
     }
 
     /// Ends every rank of the job; for fatal errors that other ranks cannot see.
