@@ -99,9 +99,6 @@ fn rank_device(request: &str, rank: usize, local_rank: usize) -> Result<Device, 
         .map_err(|source| TrainError::Device { rank, source })
 }
 
-/// Test hook: `SYNERFUSE_FAULT_INJECT=exit:RANK:ITERATION` makes that rank exit in the
-/// middle of that iteration (after its pipeline work, before the reductions), the way a
-/// crashed process would; used by the fault tests.
 /// Warns when the CPU ranks' emulated speeds add up to more cores than this machine has:
 /// emulation charges CPU time, so it stays faithful only while every emulated device can
 /// get its share of a core.
@@ -131,6 +128,9 @@ fn warn_if_emulation_oversubscribes(config: &TrainConfig, world_size: usize) {
     }
 }
 
+/// Test hook: `SYNERFUSE_FAULT_INJECT=exit:RANK:ITERATION` makes that rank exit in the
+/// middle of that iteration (after its pipeline work, before the reductions), the way a
+/// crashed process would; used by the fault tests.
 fn injected_fault(rank: usize, iteration: u64) -> bool {
     let Ok(spec) = std::env::var("SYNERFUSE_FAULT_INJECT") else {
         return false;
@@ -236,7 +236,6 @@ impl<'w> Trainer<'w> {
             warn_if_emulation_oversubscribes(&config, world.size());
         }
         let groups = ProcessGroups::with_devices(world, &topology, device)?;
-
         let num_stages = plan.stages.num_stages();
         let num_chunks = plan.stages.num_chunks();
         if num_chunks > 1 && num_stages == 1 {
