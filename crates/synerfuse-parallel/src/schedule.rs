@@ -342,64 +342,49 @@ impl ScheduleReport {
     }
 }
 
+/// (sends, carries a gradient, peer, micro-batch, chunk) of a transfer instruction.
+fn transfer(instruction: Instruction) -> Option<(bool, bool, usize, usize, usize)> {
+    use Instruction::*;
+    Some(match instruction {
+        SendActivation {
+            peer,
+            micro_batch,
+            chunk,
+        } => (true, false, peer, micro_batch, chunk),
+        RecvActivation {
+            peer,
+            micro_batch,
+            chunk,
+        } => (false, false, peer, micro_batch, chunk),
+        SendGradient {
+            peer,
+            micro_batch,
+            chunk,
+        } => (true, true, peer, micro_batch, chunk),
+        RecvGradient {
+            peer,
+            micro_batch,
+            chunk,
+        } => (false, true, peer, micro_batch, chunk),
+        Forward { .. } | Backward { .. } => return None,
+    })
+}
+
 /// Whether the messages from rank `from` to rank `to` are received in the order they are
 /// sent. Transports without tags (NCCL point-to-point) match sends to receives by order
 /// alone, so they may carry the link only when this holds.
 pub fn link_in_order(programs: &[Vec<Instruction>], from: usize, to: usize) -> bool {
-    let messages = |rank: usize, sending: bool| -> Vec<(bool, usize, usize)> {
+    let messages = |rank: usize, sending: bool, peer: usize| -> Vec<(bool, usize, usize)> {
         programs
             .get(rank)
-            .map(|program| {
-                program
-                    .iter()
-                    .filter_map(|i| match (*i, sending) {
-                        (
-                            Instruction::SendActivation {
-                                peer,
-                                micro_batch,
-                                chunk,
-                            },
-                            true,
-                        )
-                        | (
-                            Instruction::RecvActivation {
-                                peer,
-                                micro_batch,
-                                chunk,
-                            },
-                            false,
-                        ) => (peer == if sending { to } else { from }).then_some((
-                            false,
-                            micro_batch,
-                            chunk,
-                        )),
-                        (
-                            Instruction::SendGradient {
-                                peer,
-                                micro_batch,
-                                chunk,
-                            },
-                            true,
-                        )
-                        | (
-                            Instruction::RecvGradient {
-                                peer,
-                                micro_batch,
-                                chunk,
-                            },
-                            false,
-                        ) => (peer == if sending { to } else { from }).then_some((
-                            true,
-                            micro_batch,
-                            chunk,
-                        )),
-                        _ => None,
-                    })
-                    .collect()
-            })
-            .unwrap_or_default()
+            .into_iter()
+            .flatten()
+            .filter_map(|&i| transfer(i))
+            .filter(|&(sends, _, p, _, _)| sends == sending && p == peer)
+            .map(|(_, gradient, _, micro_batch, chunk)| (gradient, micro_batch, chunk))
+            .collect()
     };
-    messages(from, true) == messages(to, false)
+    messages(from, true, to) == messages(to, false, from)
 }
 
 /// Runs every program against the others: sends are buffered, receives wait for their

@@ -111,22 +111,30 @@ impl MainGrads {
     /// Completes every chunk's reduction over `dp` (starting those not yet started, in
     /// chunk order, the same on every member) and waits for them all.
     pub fn finish(&mut self, dp: Option<&GroupCommunicator>) -> Result<(), CommError> {
+        let mut first_error = None;
         for chunk in &mut self.chunks {
             if chunk.backwards_left > 0 {
                 // A chunk without backwards this step (none in any valid program).
                 chunk.backwards_left = 0;
                 chunk.accumulate();
             }
-            if let (None, Some(dp)) = (&chunk.pending, dp) {
-                chunk.pending = Some(dp.start_all_reduce_sum(&chunk.buffer)?);
+            if let (None, Some(dp), None) = (&chunk.pending, dp, &first_error) {
+                match dp.start_all_reduce_sum(&chunk.buffer) {
+                    Ok(pending) => chunk.pending = Some(pending),
+                    Err(e) => first_error = Some(e),
+                }
             }
         }
+        // Every started reduction is waited for, even after an error: they write into
+        // the buffers.
         for chunk in &mut self.chunks {
             if let Some(pending) = chunk.pending.take() {
-                pending.wait()?;
+                if let Err(e) = pending.wait() {
+                    first_error.get_or_insert(e);
+                }
             }
         }
-        Ok(())
+        first_error.map_or(Ok(()), Err)
     }
 
     /// Every parameter's fp32 gradient by global name.
@@ -136,11 +144,6 @@ impl MainGrads {
             .flat_map(|c| c.params.iter())
             .map(|(name, _, view)| (name.clone(), view.shallow_clone()))
             .collect()
-    }
-
-    /// Bytes of the fp32 buffers.
-    pub fn bytes(&self) -> usize {
-        self.chunks.iter().map(|c| c.buffer.numel() * 4).sum()
     }
 }
 

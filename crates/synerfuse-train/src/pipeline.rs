@@ -244,6 +244,9 @@ impl PipelineRank<'_> {
         }
         let started = Instant::now();
         self.links.exchange(&sends.nccl, None)?;
+        sends.in_flight.append(&mut sends.nccl);
+        self.links
+            .synchronize(sends.in_flight.iter().map(|(peer, _)| *peer))?;
         for send in sends.mpi {
             send.wait();
         }
@@ -290,9 +293,11 @@ impl PipelineRank<'_> {
         let buffer = if self.links.is_nccl(peer) {
             let buffer = Tensor::empty(shape, (self.activation_kind, device));
             self.links.exchange(&deferred, Some((peer, &buffer)))?;
+            sends.in_flight.extend(deferred);
             buffer
         } else {
             self.links.exchange(&deferred, None)?;
+            sends.in_flight.extend(deferred);
             let mut host = Tensor::empty(shape, (self.activation_kind, Device::Cpu));
             if device != Device::Cpu {
                 host = host.pin_memory(device);
@@ -312,6 +317,8 @@ struct Sends {
     mpi: Vec<PendingSend>,
     /// NCCL sends not yet issued: (peer, tensor).
     nccl: Vec<(usize, Tensor)>,
+    /// NCCL sends issued, kept alive until the step's end synchronises their links.
+    in_flight: Vec<(usize, Tensor)>,
 }
 
 /// The loss of a forward's logits, for the log (no graph).

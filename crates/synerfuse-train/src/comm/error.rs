@@ -59,6 +59,9 @@ pub enum CommError {
         second: usize,
         ordinal: usize,
     },
+    /// A pipeline transfer asked NCCL for a link that travels over MPI (a bug).
+    #[error("rank {rank}: the pipeline link to rank {peer} has no NCCL communicator")]
+    NoNcclLink { rank: usize, peer: usize },
     /// NCCL or the CUDA driver cannot be loaded (CPU-only machine).
     #[error("NCCL is not available: libnccl.so.2 or the CUDA driver library could not be loaded")]
     NcclUnavailable,

@@ -119,12 +119,10 @@ pub enum PendingReduction {
 }
 
 impl PendingReduction {
-    /// Lets the reduction progress (MPI advances only inside MPI calls); whether it
-    /// has completed, as far as this rank can tell.
-    pub fn progress(&mut self) -> bool {
-        match self {
-            PendingReduction::Nccl(_) => false,
-            PendingReduction::Mpi(pending) => pending.test(),
+    /// Lets the reduction progress (MPI advances only inside MPI calls; NCCL on its own).
+    pub fn progress(&mut self) {
+        if let PendingReduction::Mpi(pending) = self {
+            pending.test();
         }
     }
 
@@ -283,6 +281,13 @@ impl ProcessGroups {
         }
         let devices = RankDevice::gather(world, device)?;
         let rank = world.rank();
+        // Every rank checks every group, so a refused layout stops all ranks here rather
+        // than only the members of the bad group.
+        for kind in GroupKind::ALL {
+            for group in topology.groups(kind) {
+                GroupPath::of(&group, &devices)?;
+            }
+        }
         if rank == 0 {
             for (r, d) in devices.iter().enumerate() {
                 tracing::info!("rank {r} computes on {}", d.describe());

@@ -63,6 +63,7 @@ const POLL_INTERVAL: std::time::Duration = std::time::Duration::from_micros(100)
 fn poll_until(mut done: impl FnMut() -> bool) {
     let started = std::time::Instant::now();
     while !done() {
+        watchdog::abort_if_expired();
         if started.elapsed() > SPIN_BEFORE_SLEEP {
             std::thread::sleep(POLL_INTERVAL);
         }
@@ -138,6 +139,7 @@ impl PendingAllReduce {
             let _wait = waiting("all_reduce_sum", &self.group, None);
             poll_until(|| self.test());
         }
+        self.requests.clear();
         if let Some((host, mut target)) = self.copy_back.take() {
             tch::no_grad(|| target.copy_(&host));
         }

@@ -76,15 +76,21 @@ pub fn run_forwarding_signals(
     use std::os::unix::process::CommandExt;
     use std::sync::atomic::Ordering;
     command.process_group(0);
-    // SAFETY: prctl is async-signal-safe and touches only the child being spawned.
+    // SAFETY: getpid has no preconditions.
+    let parent = unsafe { libc::getpid() };
+    // SAFETY: prctl, getppid and _exit are async-signal-safe and touch only the child
+    // being spawned. Should this process already be gone, the child ends at once.
     unsafe {
-        command.pre_exec(|| {
+        command.pre_exec(move || {
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            if libc::getppid() != parent {
+                libc::_exit(1);
+            }
             Ok(())
         });
     }
-    let mut child = command.spawn()?;
-    let pid = child.id() as libc::pid_t;
+    // Installed before the spawn, so no signal is lost in between (exec resets caught
+    // handlers in the child).
     for signal in [libc::SIGTERM, libc::SIGINT] {
         // SAFETY: the handler only increments an atomic (async-signal-safe).
         unsafe {
@@ -94,6 +100,8 @@ pub fn run_forwarding_signals(
             );
         }
     }
+    let mut child = command.spawn()?;
+    let pid = child.id() as libc::pid_t;
     let mut forwarded = 0;
     loop {
         if let Some(status) = child.try_wait()? {

@@ -8,8 +8,10 @@
 //!
 //! NCCL sends block until the peer receives, so two neighbours that send to each other
 //! at once (1F1B's steady state) would deadlock if each send ran alone. Sends are
-//! therefore deferred and issued in one NCCL group with the next receive (or at the
-//! end of the step): a group's transfers proceed together, like MPI's non-blocking sends.
+//! therefore deferred and issued in one NCCL group with the next receive (or before an
+//! MPI receive, or at the end of the step): a group's transfers proceed together. Like
+//! MPI's non-blocking sends, sends are waited for only at the end of the step; a
+//! receive waits for its own link's stream.
 
 use super::groups::RankDevice;
 use super::{CommError, MpiCommunicator, NcclCommunicator, ProcessGroups};
@@ -57,6 +59,8 @@ impl LinkPath {
 /// This rank's pipeline links that use NCCL (by peer world rank); the rest use MPI.
 pub struct PipelineLinks {
     nccl: HashMap<usize, NcclCommunicator>,
+    /// This rank (for errors).
+    rank: usize,
 }
 
 impl PipelineLinks {
@@ -105,14 +109,7 @@ impl PipelineLinks {
                 nccl.insert(peer, NcclCommunicator::new_pair(world, peer, ordinal)?);
             }
         }
-        Ok(PipelineLinks { nccl })
-    }
-
-    /// Links over MPI only (tests, single-rank jobs).
-    pub fn mpi_only() -> Self {
-        PipelineLinks {
-            nccl: HashMap::new(),
-        }
+        Ok(PipelineLinks { nccl, rank: me })
     }
 
     /// Whether the link to world rank `peer` uses NCCL.
@@ -120,54 +117,64 @@ impl PipelineLinks {
         self.nccl.contains_key(&peer)
     }
 
-    /// Issues `sends` (peer world rank, contiguous CUDA tensor) and the optional
-    /// receive into `recv` as one NCCL group and waits until all are done. Every peer
-    /// must have an NCCL link.
+    fn link(&self, peer: usize) -> Result<&NcclCommunicator, CommError> {
+        self.nccl.get(&peer).ok_or(CommError::NoNcclLink {
+            rank: self.rank,
+            peer,
+        })
+    }
+
+    /// Issues `sends` (peer world rank, contiguous CUDA tensor) and the optional receive
+    /// into `recv` as one NCCL group, and waits for the receive (its link's stream, which
+    /// also completes earlier sends on that link) but not for sends on other links: the
+    /// caller keeps sent tensors alive until [`Self::synchronize`]. Every peer must have
+    /// an NCCL link.
     pub fn exchange(
         &self,
         sends: &[(usize, Tensor)],
         recv: Option<(usize, &Tensor)>,
     ) -> Result<(), CommError> {
-        let peers: BTreeSet<usize> = sends
+        let sends = sends
             .iter()
-            .map(|(p, _)| *p)
-            .chain(recv.map(|(p, _)| p))
-            .collect();
-        let Some(first) = peers.iter().next().and_then(|p| self.nccl.get(p)) else {
+            .map(|(peer, tensor)| Ok((self.link(*peer)?, tensor)))
+            .collect::<Result<Vec<_>, CommError>>()?;
+        let recv = recv
+            .map(|(peer, tensor)| Ok::<_, CommError>((self.link(peer)?, tensor)))
+            .transpose()?;
+        let Some(first) = sends.first().map(|(c, _)| *c).or(recv.map(|(c, _)| c)) else {
             return Ok(());
         };
-        let link = |peer: usize| {
-            self.nccl.get(&peer).ok_or(CommError::InvalidPeer {
-                rank: first.rank(),
-                peer,
-                size: 2,
-            })
-        };
         // The tensors to send must be complete before NCCL's streams read them.
-        tch::Cuda::synchronize(first.ordinal() as i64);
+        first.wait_for_libtorch()?;
         let group_err = |context: &'static str| {
             move |e: cudarc::nccl::result::NcclError| CommError::Cuda {
-                rank: first.rank(),
+                rank: self.rank,
                 context,
                 message: format!("{e:?}"),
             }
         };
         cudarc::nccl::result::group_start().map_err(group_err("ncclGroupStart"))?;
         let enqueued = (|| {
-            for (peer, tensor) in sends {
-                let comm = link(*peer)?;
+            for (comm, tensor) in &sends {
                 comm.enqueue_send(tensor, 1 - comm.rank())?;
             }
-            if let Some((peer, tensor)) = recv {
-                let comm = link(peer)?;
+            if let Some((comm, tensor)) = recv {
                 comm.enqueue_recv(tensor, 1 - comm.rank())?;
             }
             Ok::<(), CommError>(())
         })();
         cudarc::nccl::result::group_end().map_err(group_err("ncclGroupEnd"))?;
         enqueued?;
-        for peer in peers {
-            link(peer)?.synchronize("pipeline send/recv")?;
+        if let Some((comm, _)) = recv {
+            comm.synchronize("pipeline recv")?;
+        }
+        Ok(())
+    }
+
+    /// Waits until every transfer on the links to `peers` has completed.
+    pub fn synchronize(&self, peers: impl IntoIterator<Item = usize>) -> Result<(), CommError> {
+        for peer in peers.into_iter().collect::<BTreeSet<_>>() {
+            self.link(peer)?.synchronize("pipeline send")?;
         }
         Ok(())
     }

@@ -29,17 +29,33 @@ pub struct PendingNccl {
     _tensor: Tensor,
     rank: usize,
     name: Arc<str>,
+    waited: bool,
 }
 
 impl PendingNccl {
     /// Waits until the stream has finished the reduction.
-    pub fn wait(self) -> Result<(), CommError> {
+    pub fn wait(mut self) -> Result<(), CommError> {
+        self.synchronize()
+    }
+
+    fn synchronize(&mut self) -> Result<(), CommError> {
         let _wait = waiting("ncclAllReduce", &self.name, None);
-        self.stream.synchronize().map_err(|e| CommError::Cuda {
+        let done = self.stream.synchronize().map_err(|e| CommError::Cuda {
             rank: self.rank,
             context: "cuStreamSynchronize",
             message: format!("{e:?}"),
-        })
+        });
+        self.waited = true;
+        done
+    }
+}
+
+impl Drop for PendingNccl {
+    fn drop(&mut self) {
+        // NCCL may still write into the tensor: never hand its memory back before then.
+        if !self.waited {
+            let _ = self.synchronize();
+        }
     }
 }
 
@@ -196,7 +212,7 @@ impl NcclCommunicator {
             });
         }
         // The gradients must be complete before NCCL reads them.
-        tch::Cuda::synchronize(self.ordinal as i64);
+        self.wait_for_libtorch()?;
         // SAFETY: `tensor` is a contiguous CUDA tensor on this communicator's device of
         // `numel` elements of `dtype`; PendingNccl keeps it alive until the stream is done.
         unsafe {
@@ -220,6 +236,7 @@ impl NcclCommunicator {
             _tensor: tensor.shallow_clone(),
             rank: self.rank,
             name: Arc::clone(&self.name),
+            waited: false,
         })
     }
 
@@ -309,6 +326,22 @@ impl NcclCommunicator {
             rank: self.rank,
             context: "cuStreamSynchronize",
             message: format!("{e:?}"),
+        })
+    }
+
+    /// Waits until libtorch's kernels are done (its legacy default stream) but not for
+    /// NCCL's own non-blocking streams, so reductions in flight keep overlapping (a
+    /// device-wide synchronise would wait for them). Bounded by the watchdog.
+    pub(crate) fn wait_for_libtorch(&self) -> Result<(), CommError> {
+        let _wait = waiting("waiting for libtorch's kernels", &self.name, None);
+        // SAFETY: the null stream is the legacy default stream of the thread's current
+        // context, the GPU's primary context that `init` bound and libtorch uses.
+        unsafe { cudarc::driver::result::stream::synchronize(std::ptr::null_mut()) }.map_err(|e| {
+            CommError::Cuda {
+                rank: self.rank,
+                context: "cuStreamSynchronize(legacy default stream)",
+                message: format!("{e:?}"),
+            }
         })
     }
 
@@ -404,7 +437,7 @@ impl NcclCommunicator {
             tensor.contiguous()
         };
         let count = buffer.numel();
-        tch::Cuda::synchronize(self.ordinal as i64);
+        self.wait_for_libtorch()?;
         call(
             buffer.data_ptr(),
             count,

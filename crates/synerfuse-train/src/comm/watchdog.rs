@@ -6,8 +6,12 @@
 //! (`waiting`), and a watchdog thread ends the job when one outlasts the timeout: it
 //! names this rank, the operation and the group or peer, then calls `MPI_Abort`, which
 //! makes `mpirun` (and Slurm, through PMIx) kill every rank, frozen ones included.
+//!
+//! MPI is initialised for calls from one thread, so the waiting thread aborts itself
+//! when its polling loop sees the expiry ([`abort_if_expired`]); only a thread stuck
+//! inside a blocking MPI or NCCL call is aborted from the watchdog thread, a moment later.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Once};
 use std::time::{Duration, Instant};
 
@@ -19,10 +23,17 @@ pub const TIMEOUT_EXIT_CODE: i32 = 124;
 const ABORT_GRACE: Duration = Duration::from_secs(10);
 /// How often the watchdog looks at the current wait.
 const CHECK_INTERVAL: Duration = Duration::from_millis(100);
+/// How long a polling thread has to abort itself before the watchdog does.
+const HANDOFF: Duration = Duration::from_secs(2);
 
 static TIMEOUT_MS: AtomicU64 = AtomicU64::new(DEFAULT_TIMEOUT.as_millis() as u64);
 static WORLD_RANK: AtomicUsize = AtomicUsize::new(usize::MAX);
 static CURRENT: Mutex<Option<Wait>> = Mutex::new(None);
+/// The message of an expired wait, until a thread prints it.
+static EXPIRED: Mutex<Option<String>> = Mutex::new(None);
+static EXPIRED_FLAG: AtomicBool = AtomicBool::new(false);
+/// Set by the first thread that aborts the job.
+static ABORTING: AtomicBool = AtomicBool::new(false);
 /// (world rank, pid) of the other ranks on this host.
 static LOCAL_PEERS: Mutex<Vec<(usize, u32)>> = Mutex::new(Vec::new());
 
@@ -126,7 +137,10 @@ fn watch() {
             .filter(|w| w.started.elapsed() > limit)
             .map(describe);
         if let Some(message) = expired {
-            abort_job(&message);
+            *EXPIRED.lock().unwrap_or_else(|e| e.into_inner()) = Some(message);
+            EXPIRED_FLAG.store(true, Ordering::SeqCst);
+            std::thread::sleep(HANDOFF);
+            abort_job();
         }
     }
 }
@@ -154,8 +168,24 @@ fn describe(wait: &Wait) -> String {
     )
 }
 
-fn abort_job(message: &str) -> ! {
-    eprintln!("error: {message}");
+/// Ends the job from the calling thread if the current wait has expired; polling
+/// loops call it on every turn.
+pub(crate) fn abort_if_expired() {
+    if EXPIRED_FLAG.load(Ordering::Relaxed) {
+        abort_job();
+    }
+}
+
+fn abort_job() -> ! {
+    if ABORTING.swap(true, Ordering::SeqCst) {
+        // Another thread is already aborting; it exits the process.
+        std::thread::sleep(ABORT_GRACE);
+        // SAFETY: _exit has no preconditions and does not return.
+        unsafe { libc::_exit(TIMEOUT_EXIT_CODE) }
+    }
+    if let Some(message) = EXPIRED.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        eprintln!("error: {message}");
+    }
     // MPI_Abort normally ends every rank; should it hang, this process ends anyway.
     std::thread::spawn(|| {
         std::thread::sleep(ABORT_GRACE);
@@ -163,8 +193,7 @@ fn abort_job(message: &str) -> ! {
         unsafe { libc::_exit(TIMEOUT_EXIT_CODE) }
     });
     if mpi::environment::is_initialized() && !mpi::environment::is_finalized() {
-        // SAFETY: MPI is initialised; MPI_Abort does not return. The main thread is stuck
-        // in a wait, so this is the only thread making progress on MPI.
+        // SAFETY: MPI is initialised; MPI_Abort does not return.
         unsafe { mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, TIMEOUT_EXIT_CODE) };
     }
     // SAFETY: as above.
