@@ -92,10 +92,10 @@ pub struct ProfileArgs {
     #[arg(long)]
     device_kind: Option<String>,
     /// Timed repetitions (the median is kept)
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = crate::train_command::positive_count)]
     repeats: usize,
     /// Start N ranks here (mpirun) and also measure p2p and all-reduce between them
-    #[arg(long)]
+    #[arg(long, value_parser = crate::train_command::positive_count)]
     nproc: Option<usize>,
     /// Profile as an emulated device at this speed (as `train` emulates it: CPU time /
     /// speed on CPU ranks) and file the costs at speed 1, so a cluster file's `speed`

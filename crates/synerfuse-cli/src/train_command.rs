@@ -23,7 +23,7 @@ pub struct TrainArgs {
     // ---- launch
     /// Start N ranks on this machine (re-launches itself under `mpirun -np N` unless already
     /// started by mpirun or srun)
-    #[arg(long, help_heading = "Launch")]
+    #[arg(long, value_parser = positive_count, help_heading = "Launch")]
     nproc: Option<usize>,
     /// Device of every rank the plan does not place: cpu, cuda, cuda:N or auto
     #[arg(long, default_value = "auto", help_heading = "Launch")]
@@ -34,7 +34,7 @@ pub struct TrainArgs {
     #[arg(long, value_delimiter = ',', help_heading = "Launch")]
     emulate_device_speed: Option<Vec<f64>>,
     /// Intra-op threads per rank [default: this machine's cores / ranks on it]
-    #[arg(long, help_heading = "Launch")]
+    #[arg(long, value_parser = positive_count, help_heading = "Launch")]
     threads: Option<usize>,
     /// Bound on every wait between ranks, in minutes (fractions allowed): a rank that
     /// waits longer ends the job, naming itself, the operation and the group or peer
@@ -500,9 +500,6 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         );
     }
     if let (Some(n), None) = (args.nproc, launcher_rank()) {
-        if n == 0 {
-            bail!("--nproc must be at least 1");
-        }
         // Refuse a layout that cannot work here, once, before starting n ranks.
         args.plan(n)?;
         let status = relaunch(n)?;
@@ -565,7 +562,13 @@ fn train_rank(args: &TrainArgs, world: &synerfuse_train::comm::MpiCommunicator) 
         &args.tokenizer,
     )?;
     let gbs = plan.batches.global_batch_size() as u64;
-    let sizes = [Some(args.train_iters * gbs), None, None];
+    let samples = args.train_iters.checked_mul(gbs).with_context(|| {
+        format!(
+            "--train-iters {} x global batch {gbs} samples overflows",
+            args.train_iters
+        )
+    })?;
+    let sizes = [Some(samples), None, None];
     // Rank 0 builds (and caches) the indices first; the others then load its caches.
     let build = || -> Result<_> {
         let mut splits =
@@ -690,6 +693,14 @@ fn train_rank(args: &TrainArgs, world: &synerfuse_train::comm::MpiCommunicator) 
         }
     }
     Ok(())
+}
+
+/// A count flag that must be at least 1 (`--nproc`, `--threads`, `--repeats`).
+pub(crate) fn positive_count(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("`{text}` is not a whole number of at least 1")),
+    }
 }
 
 /// `--distributed-timeout-minutes`: a finite number of minutes above zero.

@@ -51,6 +51,44 @@ fn env_reports_libtorch_and_mpi_as_json() {
     );
 }
 
+/// Issue 15: `env` says whether libtorch's CUDA backend is loaded (it is, with this
+/// workspace's CUDA wheel) and how many GPUs are visible.
+#[test]
+fn env_reports_libtorch_cuda_support() {
+    let out = synerfuse(&["env"]);
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("libtorch CUDA support: loaded (") && text.contains("libtorch_cuda.so"),
+        "{text}"
+    );
+    assert!(text.contains("GPUs visible: "), "{text}");
+    let json: serde_json::Value =
+        serde_json::from_slice(&synerfuse(&["env", "--json"]).stdout).expect("JSON");
+    assert_eq!(json["libtorch_cuda"]["loaded"], true, "{json}");
+}
+
+/// Counts that must be at least 1 are refused at parse time, by flag, without a panic.
+#[test]
+fn zero_counts_are_refused_by_flag() {
+    for (args, flag) in [
+        (vec!["profile", "--repeats", "0"], "--repeats"),
+        (vec!["profile", "--nproc", "0"], "--nproc"),
+        (vec!["train", "--nproc", "0"], "--nproc"),
+        (vec!["train", "--threads", "0"], "--threads"),
+        (
+            vec!["train", "--distributed-timeout-minutes", "0"],
+            "--distributed-timeout-minutes",
+        ),
+    ] {
+        let out = synerfuse(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(flag), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}
+
 #[test]
 fn an_unknown_subcommand_fails_with_usage() {
     let out = synerfuse(&["trian"]);

@@ -1,4 +1,4 @@
-//! DESIGN.md §7: a binary built against a libtorch that ships `libtorch_cuda.so` loads it
+//! A binary built against a libtorch that ships `libtorch_cuda.so` loads it
 //! at start-up (linked with `--no-as-needed`), before anything asks for a device; without
 //! it libtorch registers no CUDA backend and a GPU node would silently train on the CPU.
 //! Its own test binary, so no other test's device query can load it first.

@@ -504,6 +504,7 @@ impl MpiCommunicator {
             if numel > 0 {
                 // SAFETY: both are contiguous CPU tensors of `T`-sized elements.
                 let send = unsafe { std::slice::from_raw_parts(staging.host.data_ptr() as *const T, numel) };
+                // SAFETY: `out` holds `numel * size` elements of `T`'s size.
                 let recv = unsafe { std::slice::from_raw_parts_mut(out.data_ptr() as *mut T, numel * self.size) };
                 self.comm.all_gather_into(send, recv);
             }
@@ -538,6 +539,7 @@ impl MpiCommunicator {
             if numel > 0 {
                 // SAFETY: both are contiguous CPU tensors of `T`-sized elements.
                 let send = unsafe { std::slice::from_raw_parts(staging.host.data_ptr() as *const T, numel) };
+                // SAFETY: `out` holds `numel / size` elements of `T`'s size.
                 let recv = unsafe { std::slice::from_raw_parts_mut(out.data_ptr() as *mut T, numel / self.size) };
                 self.comm.reduce_scatter_block_into(send, recv, SystemOperation::sum());
             }

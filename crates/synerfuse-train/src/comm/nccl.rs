@@ -186,6 +186,8 @@ impl NcclCommunicator {
     /// Replaces `tensor` on every rank with the element-wise sum over all ranks.
     pub fn all_reduce_sum(&self, tensor: &mut Tensor) -> Result<(), CommError> {
         let dtype = self.nccl_type(tensor, "all_reduce_sum")?;
+        // SAFETY: run_in_place hands the closure a live, contiguous buffer of `count`
+        // elements of `dtype` on this communicator's GPU, and its stream.
         self.run_in_place(tensor, "ncclAllReduce", |ptr, count, stream| unsafe {
             result::all_reduce(
                 ptr,
@@ -244,6 +246,8 @@ impl NcclCommunicator {
     pub fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<(), CommError> {
         CommError::check_peer(self.rank, self.size, root)?;
         let dtype = self.nccl_type(tensor, "broadcast")?;
+        // SAFETY: run_in_place hands the closure a live, contiguous buffer of `count`
+        // elements of `dtype` on this communicator's GPU, and its stream.
         self.run_in_place(tensor, "ncclBroadcast", |ptr, count, stream| unsafe {
             result::broadcast(ptr, ptr, count, dtype, root as i32, self.comm, stream)
         })
@@ -254,6 +258,8 @@ impl NcclCommunicator {
         CommError::check_peer(self.rank, self.size, dest)?;
         let dtype = self.nccl_type(tensor, "send")?;
         let mut source = tensor.contiguous();
+        // SAFETY: run_in_place hands the closure a live, contiguous buffer of `count`
+        // elements of `dtype` on this communicator's GPU, and its stream.
         self.run_in_place(&mut source, "ncclSend", |ptr, count, stream| unsafe {
             result::send(ptr, count, dtype, dest as i32, self.comm, stream)
         })
@@ -263,6 +269,8 @@ impl NcclCommunicator {
     pub fn recv(&self, tensor: &mut Tensor, source: usize) -> Result<(), CommError> {
         CommError::check_peer(self.rank, self.size, source)?;
         let dtype = self.nccl_type(tensor, "recv")?;
+        // SAFETY: run_in_place hands the closure a live, contiguous buffer of `count`
+        // elements of `dtype` on this communicator's GPU, and its stream.
         self.run_in_place(tensor, "ncclRecv", |ptr, count, stream| unsafe {
             result::recv(ptr, count, dtype, source as i32, self.comm, stream)
         })
@@ -358,6 +366,8 @@ impl NcclCommunicator {
         shape.extend(tensor.size());
         let mut out = Tensor::empty(shape.as_slice(), (tensor.kind(), tensor.device()));
         let count = source.numel();
+        // SAFETY: run_in_place hands the closure a live, contiguous buffer of `count`
+        // elements of `dtype` on this communicator's GPU, and its stream.
         self.run_in_place(&mut out, "ncclAllGather", |ptr, _, stream| unsafe {
             result::all_gather(source.data_ptr(), ptr, count, dtype, self.comm, stream)
         })?;
@@ -372,6 +382,8 @@ impl NcclCommunicator {
         let mut shape = tensor.size();
         shape[0] = rows / self.size as i64;
         let mut out = Tensor::empty(shape.as_slice(), (tensor.kind(), tensor.device()));
+        // SAFETY: run_in_place hands the closure a live, contiguous buffer of `count`
+        // elements of `dtype` on this communicator's GPU, and its stream.
         self.run_in_place(&mut out, "ncclReduceScatter", |ptr, count, stream| unsafe {
             result::reduce_scatter(
                 source.data_ptr(),
