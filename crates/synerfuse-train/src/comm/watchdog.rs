@@ -8,7 +8,7 @@
 //! makes `mpirun` (and Slurm, through PMIx) kill every rank, frozen ones included.
 //!
 //! MPI is initialised for calls from one thread, so the waiting thread aborts itself
-//! when its polling loop sees the expiry ([`abort_if_expired`]); only a thread stuck
+//! when its polling loop sees the expiry (`abort_if_expired`); only a thread stuck
 //! inside a blocking MPI or NCCL call is aborted from the watchdog thread, a moment later.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
