@@ -156,10 +156,10 @@ impl PipelineLinks {
         cudarc::nccl::result::group_start().map_err(group_err("ncclGroupStart"))?;
         let enqueued = (|| {
             for (comm, tensor) in &sends {
-                comm.enqueue_send(tensor, 1 - comm.rank())?;
+                comm.enqueue(tensor, 1 - comm.rank(), true)?;
             }
             if let Some((comm, tensor)) = recv {
-                comm.enqueue_recv(tensor, 1 - comm.rank())?;
+                comm.enqueue(tensor, 1 - comm.rank(), false)?;
             }
             Ok::<(), CommError>(())
         })();

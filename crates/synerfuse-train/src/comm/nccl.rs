@@ -276,53 +276,39 @@ impl NcclCommunicator {
         })
     }
 
-    /// Enqueues sending the contiguous `tensor` to rank `dest` of this communicator on its
-    /// stream, without waiting: for grouped exchanges ([`super::PipelineLinks`]), between
-    /// `ncclGroupStart` and `ncclGroupEnd`. The caller keeps `tensor` alive and calls
-    /// [`Self::synchronize`] before reusing it.
-    pub(crate) fn enqueue_send(&self, tensor: &Tensor, dest: usize) -> Result<(), CommError> {
-        CommError::check_peer(self.rank, self.size, dest)?;
-        let dtype = self.nccl_type(tensor, "send")?;
-        // SAFETY: a contiguous tensor on this communicator's GPU, kept alive by the caller
-        // until the stream has been synchronised.
+    /// Enqueues sending the contiguous `tensor` to rank `peer` of this communicator (or,
+    /// without `send`, receiving into it from `peer`) on its stream, without waiting: for
+    /// grouped exchanges ([`super::PipelineLinks`]), between `ncclGroupStart` and
+    /// `ncclGroupEnd`. The caller keeps `tensor` alive and calls [`Self::synchronize`]
+    /// before reusing it.
+    pub(crate) fn enqueue(
+        &self,
+        tensor: &Tensor,
+        peer: usize,
+        send: bool,
+    ) -> Result<(), CommError> {
+        CommError::check_peer(self.rank, self.size, peer)?;
+        let (op, context) = if send {
+            ("send", "ncclSend")
+        } else {
+            ("recv", "ncclRecv")
+        };
+        let dtype = self.nccl_type(tensor, op)?;
+        let stream = self.stream.cu_stream() as sys::cudaStream_t;
+        let (ptr, count, peer) = (tensor.data_ptr(), tensor.numel(), peer as i32);
+        // SAFETY: a contiguous tensor of `count` elements of `dtype` on this communicator's
+        // GPU, kept alive by the caller until the stream has been synchronised.
         unsafe {
-            result::send(
-                tensor.data_ptr(),
-                tensor.numel(),
-                dtype,
-                dest as i32,
-                self.comm,
-                self.stream.cu_stream() as sys::cudaStream_t,
-            )
+            if send {
+                result::send(ptr, count, dtype, peer, self.comm, stream)
+            } else {
+                result::recv(ptr, count, dtype, peer, self.comm, stream)
+            }
         }
         .map(drop)
         .map_err(|e| CommError::Cuda {
             rank: self.rank,
-            context: "ncclSend",
-            message: format!("{e:?}"),
-        })
-    }
-
-    /// Enqueues receiving into the contiguous `tensor` from rank `source`; see
-    /// [`Self::enqueue_send`].
-    pub(crate) fn enqueue_recv(&self, tensor: &Tensor, source: usize) -> Result<(), CommError> {
-        CommError::check_peer(self.rank, self.size, source)?;
-        let dtype = self.nccl_type(tensor, "recv")?;
-        // SAFETY: as in enqueue_send; NCCL writes `numel` elements of `dtype`.
-        unsafe {
-            result::recv(
-                tensor.data_ptr(),
-                tensor.numel(),
-                dtype,
-                source as i32,
-                self.comm,
-                self.stream.cu_stream() as sys::cudaStream_t,
-            )
-        }
-        .map(drop)
-        .map_err(|e| CommError::Cuda {
-            rank: self.rank,
-            context: "ncclRecv",
+            context,
             message: format!("{e:?}"),
         })
     }
