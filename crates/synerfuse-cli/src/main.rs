@@ -62,11 +62,28 @@ fn main() -> std::process::ExitCode {
     match run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(error) => {
-            // The whole chain of causes on one line, without a backtrace dump.
-            eprintln!("error: {error:#}");
+            eprintln!("error: {}", error_line(&error));
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes on one line, without a backtrace dump, each cause once:
+/// library errors often embed their source's message already, which a plain `{:#}`
+/// would print a second time.
+pub(crate) fn error_line(error: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in error.chain() {
+        let text = cause.to_string();
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
 }
 
 fn run() -> Result<()> {

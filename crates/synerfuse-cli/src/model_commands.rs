@@ -33,11 +33,11 @@ pub struct ScoreArgs {
     tokens: PathBuf,
     /// cpu, cuda, cuda:N or auto
     #[arg(long, default_value = "cpu")]
-    device: String,
+    device: DeviceRequest,
 }
 
-fn load_model(source: &ModelSource, device: &str) -> Result<Stage> {
-    let device = device.parse::<DeviceRequest>()?.resolve()?;
+fn load_model(source: &ModelSource, device: DeviceRequest) -> Result<Stage> {
+    let device = device.resolve()?;
     match (&source.hf_dir, &source.load) {
         (Some(dir), _) => {
             let config = LlamaConfig::from_hf_file(&dir.join("config.json"))?;
@@ -96,7 +96,7 @@ pub fn run_score(args: ScoreArgs) -> Result<()> {
             args.tokens.display()
         )
     })?;
-    let model = load_model(&args.source, &args.device)?;
+    let model = load_model(&args.source, args.device)?;
     let vocab = model.config().vocab_size as i64;
     let mut results = Vec::new();
     let (mut total, mut count) = (0f64, 0f64);
@@ -159,7 +159,7 @@ pub struct GenerateArgs {
     seed: u64,
     /// cpu, cuda, cuda:N or auto
     #[arg(long, default_value = "cpu")]
-    device: String,
+    device: DeviceRequest,
 }
 
 pub fn run_generate(args: GenerateArgs) -> Result<()> {
@@ -180,7 +180,7 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
         (None, Some(ids), _) => ids.clone(),
         _ => bail!("give --prompt or --prompt-tokens"),
     };
-    let model = load_model(&args.source, &args.device)?;
+    let model = load_model(&args.source, args.device)?;
     let options = GenerateOptions {
         max_new_tokens: args.max_new_tokens,
         top_k: args.top_k,

@@ -87,7 +87,7 @@ pub struct ProfileArgs {
     micro_batch_sizes: Vec<usize>,
     /// cpu, cuda, cuda:N or auto
     #[arg(long, default_value = "auto")]
-    device: String,
+    device: DeviceRequest,
     /// The device kind the costs are filed under (a cluster file's `kind`) [default: cpu or the GPU's name]
     #[arg(long)]
     device_kind: Option<String>,
@@ -184,7 +184,7 @@ pub fn run_profile(args: ProfileArgs) -> Result<()> {
     let (local_rank, local_size) = launcher_local_rank();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     tch::set_num_threads((cores / local_size).max(1) as i32);
-    let request: DeviceRequest = args.device.parse()?;
+    let request = args.device;
     let device = match request {
         DeviceRequest::Auto | DeviceRequest::Cuda(None) if tch::Cuda::is_available() => {
             Device::Cuda(local_rank % tch::Cuda::device_count().max(1) as usize)

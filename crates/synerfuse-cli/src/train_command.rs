@@ -8,7 +8,7 @@ use clap::Args;
 use std::path::PathBuf;
 use std::time::Duration;
 use synerfuse_data::gpt::{build_split_datasets, SampleOptions};
-use synerfuse_model::{LlamaConfig, MegatronModelArgs};
+use synerfuse_model::{DeviceRequest, LlamaConfig, MegatronModelArgs};
 use synerfuse_parallel::{ParallelPlan, ScheduleKind};
 use synerfuse_train::comm::{
     launcher_local_rank, launcher_rank, mpirun_command, run_forwarding_signals, watchdog,
@@ -27,7 +27,7 @@ pub struct TrainArgs {
     nproc: Option<usize>,
     /// Device of every rank the plan does not place: cpu, cuda, cuda:N or auto
     #[arg(long, default_value = "auto", help_heading = "Launch")]
-    device: String,
+    device: DeviceRequest,
     /// Emulated speed per rank, e.g. 0.5,0.5,0.25,0.16: on a CPU rank each computation
     /// lasts its CPU time / speed (speed 1 = one core), on a GPU its time / speed (a test
     /// and benchmark device)
@@ -70,7 +70,7 @@ pub struct TrainArgs {
     global_batch_size: Option<usize>,
     /// 1f1b, gpipe or interleaved [default: interleaved with virtual stages, else 1f1b]
     #[arg(long, help_heading = "Parallelism")]
-    pipeline_schedule: Option<String>,
+    pipeline_schedule: Option<ScheduleKind>,
 
     // ---- model
     #[arg(long, help_heading = "Model")]
@@ -522,9 +522,10 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         if world.size() > 1 {
             // The other ranks may be waiting for this one: end the whole job now.
             eprintln!(
-                "error: rank {} of {}: {error:#}",
+                "error: rank {} of {}: {}",
                 world.rank(),
-                world.size()
+                world.size(),
+                crate::error_line(error)
             );
             world.abort(1);
         }
@@ -608,13 +609,13 @@ fn train_rank(args: &TrainArgs, world: &synerfuse_train::comm::MpiCommunicator) 
             "causal, no mask materialised (scaled_dot_product_attention with is_causal)"
         }
     );
-    let schedule = match args.pipeline_schedule.as_deref() {
-        None if plan.stages.num_chunks() > 1 => ScheduleKind::Interleaved,
-        None | Some("1f1b") => ScheduleKind::OneFOneB,
-        Some("gpipe") => ScheduleKind::Gpipe,
-        Some("interleaved") => ScheduleKind::Interleaved,
-        Some(other) => bail!("--pipeline-schedule {other}: expected 1f1b, gpipe or interleaved"),
-    };
+    let schedule = args
+        .pipeline_schedule
+        .unwrap_or(if plan.stages.num_chunks() > 1 {
+            ScheduleKind::Interleaved
+        } else {
+            ScheduleKind::OneFOneB
+        });
     let lr = LrSchedule::from_iterations(
         args.lr,
         args.min_lr,
@@ -644,7 +645,7 @@ fn train_rank(args: &TrainArgs, world: &synerfuse_train::comm::MpiCommunicator) 
         bf16: args.bf16,
         seed: u64::from(args.seed),
         recompute: args.recompute_activations,
-        device: args.device.parse()?,
+        device: args.device,
         emulate_speed: args.emulate_device_speed.clone(),
         save: args.save.clone(),
         save_interval: args.save_interval,

@@ -89,6 +89,20 @@ fn zero_counts_are_refused_by_flag() {
     }
 }
 
+/// An error and its causes are printed on one line, each cause once.
+#[test]
+fn errors_print_each_cause_once() {
+    let out = synerfuse(&["inspect", "/nonexistent/dataset"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        stderr.matches("No such file or directory").count(),
+        1,
+        "{stderr}"
+    );
+    assert!(stderr.contains("/nonexistent/dataset.idx"), "{stderr}");
+}
+
 #[test]
 fn an_unknown_subcommand_fails_with_usage() {
     let out = synerfuse(&["trian"]);

@@ -8,7 +8,7 @@ use tch::Device;
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ModelError {
     /// A `--device` value that is none of `cpu`, `cuda`, `cuda:N`, `auto`.
-    #[error("--device: `{0}` is not one of cpu, cuda, cuda:N, auto")]
+    #[error("`{0}` is not a device: expected cpu, cuda, cuda:N or auto")]
     BadDeviceName(String),
     /// CUDA was asked for but libtorch sees no GPU (or was built without CUDA).
     #[error(

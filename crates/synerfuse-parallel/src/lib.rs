@@ -14,7 +14,7 @@ pub use batch::{BatchError, ReplicaBatch, ReplicaBatches};
 pub use plan::{ParallelPlan, PlanError, RankPlacement, TopologySpec};
 pub use schedule::{
     check_schedule, link_in_order, pipeline_schedule, plan_schedule, Instruction, ScheduleError,
-    ScheduleKind, ScheduleReport,
+    ScheduleKind, ScheduleReport, UnknownScheduleKind,
 };
 pub use stage::{LayoutError, StageLayout};
 pub use topology::{

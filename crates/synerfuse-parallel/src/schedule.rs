@@ -22,6 +22,35 @@ pub enum ScheduleKind {
     Interleaved,
 }
 
+/// A schedule name that is none of `1f1b`, `gpipe`, `interleaved`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{0}` is not a pipeline schedule: expected 1f1b, gpipe or interleaved")]
+pub struct UnknownScheduleKind(pub String);
+
+impl std::str::FromStr for ScheduleKind {
+    type Err = UnknownScheduleKind;
+
+    /// Megatron's and the CLI's names: `1f1b`, `gpipe`, `interleaved`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "1f1b" => Ok(ScheduleKind::OneFOneB),
+            "gpipe" => Ok(ScheduleKind::Gpipe),
+            "interleaved" => Ok(ScheduleKind::Interleaved),
+            other => Err(UnknownScheduleKind(other.to_owned())),
+        }
+    }
+}
+
+impl std::fmt::Display for ScheduleKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ScheduleKind::OneFOneB => "1f1b",
+            ScheduleKind::Gpipe => "gpipe",
+            ScheduleKind::Interleaved => "interleaved",
+        })
+    }
+}
+
 /// One step of a rank's program. `peer` is a pipeline stage in per-pipeline schedules and
 /// a global rank in per-rank schedules. A message is named by its micro-batch and the
 /// chunk of the piece that *sends* it, on both ends.
@@ -555,6 +584,18 @@ mod tests {
         let gpipe =
             check_schedule(&pipeline_schedule(ScheduleKind::Gpipe, 4, 1, 8).unwrap()).unwrap();
         assert_eq!(gpipe.peak_in_flight, [8, 8, 8, 8]);
+    }
+
+    #[test]
+    fn schedule_names_round_trip() {
+        for kind in [
+            ScheduleKind::Gpipe,
+            ScheduleKind::OneFOneB,
+            ScheduleKind::Interleaved,
+        ] {
+            assert_eq!(kind.to_string().parse::<ScheduleKind>(), Ok(kind));
+        }
+        assert!("zero-bubble".parse::<ScheduleKind>().is_err());
     }
 
     #[test]
