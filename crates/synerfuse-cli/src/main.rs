@@ -118,3 +118,78 @@ fn init_logging() {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+    use proptest::prelude::*;
+
+    /// Subcommand names, every long flag of every subcommand, and awkward values.
+    fn tokens() -> Vec<String> {
+        let command = Cli::command();
+        let mut tokens: Vec<String> = command
+            .get_subcommands()
+            .flat_map(|sub| {
+                std::iter::once(sub.get_name().to_owned()).chain(
+                    sub.get_arguments()
+                        .filter_map(|a| a.get_long().map(|l| format!("--{l}"))),
+                )
+            })
+            .collect();
+        for value in [
+            "0",
+            "1",
+            "-1",
+            "3",
+            "1.5",
+            "nan",
+            "inf",
+            "-inf",
+            "1e999",
+            "",
+            " ",
+            "18446744073709551616",
+            "4294967296",
+            "cuda:99",
+            "cuda:",
+            "auto",
+            "gpipe",
+            "1f1b",
+            "x",
+            "0,0",
+            "1,2,4",
+            "--",
+            "-",
+            "=",
+            "--nproc=0",
+            "--threads=0",
+        ] {
+            tokens.push(value.to_owned());
+        }
+        tokens
+    }
+
+    #[test]
+    fn the_command_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        /// Any argument list parses or is refused with a usage error; nothing panics.
+        #[test]
+        fn argument_parsing_never_panics(
+            picks in prop::collection::vec(any::<prop::sample::Index>(), 0..16),
+            free in prop::collection::vec(".{0,8}", 0..3),
+        ) {
+            let tokens = tokens();
+            let args: Vec<String> = std::iter::once("synerfuse".to_owned())
+                .chain(picks.iter().map(|i| i.get(&tokens).clone()))
+                .chain(free)
+                .collect();
+            let _ = Cli::try_parse_from(args);
+        }
+    }
+}

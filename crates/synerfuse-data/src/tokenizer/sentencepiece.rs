@@ -41,6 +41,7 @@ extern "C" fn append_ids(ctx: *mut c_void, ids: *const std::ffi::c_int, n: usize
     let out = unsafe { &mut *(ctx as *mut Vec<u32>) };
     if n > 0 {
         out.extend(
+            // SAFETY: n > 0 ids at `ids`, valid for this call.
             unsafe { std::slice::from_raw_parts(ids, n) }
                 .iter()
                 .map(|&id| id as u32),
@@ -184,6 +185,7 @@ pub struct SentencePieceModel {
 // SAFETY: the processor is immutable after loading, and SentencePiece's encode and
 // decode are const methods that may run concurrently.
 unsafe impl Send for SentencePieceModel {}
+// SAFETY: as for Send: shared use only calls const methods of a loaded processor.
 unsafe impl Sync for SentencePieceModel {}
 
 impl Drop for SentencePieceModel {
@@ -211,6 +213,7 @@ impl SentencePieceModel {
         let bpe = SentencePieceBpe::from_model(&spec);
         // SAFETY: a fresh processor, loaded from bytes that outlive the call.
         let raw = unsafe { sys::spp_new() };
+        // SAFETY: `raw` is the processor just made; `bytes` lives across the call.
         let status =
             unsafe { sys::spp_from_serialized_proto(raw, bytes.as_ptr() as *const _, bytes.len()) };
         let model = Self { raw, pieces, bpe };
@@ -239,16 +242,19 @@ impl SentencePieceModel {
 
     /// The BOS id, if the model has one.
     pub fn bos_id(&self) -> Option<u32> {
+        // SAFETY: `raw` is a loaded processor owned by `self`.
         Self::special_id(unsafe { sys::spp_bos_id(self.raw) })
     }
 
     /// The EOS id, if the model has one.
     pub fn eos_id(&self) -> Option<u32> {
+        // SAFETY: `raw` is a loaded processor owned by `self`.
         Self::special_id(unsafe { sys::spp_eos_id(self.raw) })
     }
 
     /// The PAD id, if the model has one.
     pub fn pad_id(&self) -> Option<u32> {
+        // SAFETY: `raw` is a loaded processor owned by `self`.
         Self::special_id(unsafe { sys::spp_pad_id(self.raw) })
     }
 
@@ -332,6 +338,7 @@ impl SentencePieceModel {
                 }
             }
         });
+        // SAFETY: `data` was malloc'ed by the library for us and is freed once.
         unsafe { free(data as *mut c_void) };
         if parsed.is_none() || !ok {
             return Err(self.encode_error(text));
@@ -370,6 +377,7 @@ impl SentencePieceModel {
             String::from_utf8_lossy(unsafe { std::slice::from_raw_parts(data, len) }).into_owned()
         };
         if !data.is_null() {
+            // SAFETY: `data` was malloc'ed by the library for us and is freed once.
             unsafe { free(data as *mut c_void) };
         }
         Ok(text)
