@@ -21,7 +21,7 @@ pub struct TokenizerFlags {
     /// GPT2BPETokenizer, Llama2Tokenizer, GPTSentencePieceTokenizer, SentencePieceTokenizer,
     /// HuggingFaceTokenizer or NullTokenizer
     #[arg(long)]
-    pub(crate) tokenizer_type: Option<String>,
+    pub(crate) tokenizer_type: Option<TokenizerType>,
     /// SentencePiece .model, or a Hugging Face tokenizer.json (file or directory)
     #[arg(long)]
     tokenizer_model: Option<PathBuf>,
@@ -48,10 +48,9 @@ impl TokenizerFlags {
     }
 
     pub(crate) fn build(&self) -> Result<Option<Box<dyn Tokenizer>>> {
-        let Some(kind) = &self.tokenizer_type else {
+        let Some(kind) = self.tokenizer_type else {
             return Ok(None);
         };
-        let kind: TokenizerType = kind.parse()?;
         Ok(Some(build_tokenizer(kind, &self.args())?))
     }
 }

@@ -39,10 +39,9 @@ pub(crate) fn gpt_data_config(
     if has_per_split && paths.split.is_some() {
         bail!("--split applies to --data-path only, not to --train/valid/test-data-path");
     }
-    let Some(kind) = &tokenizer.tokenizer_type else {
+    let Some(kind) = tokenizer.tokenizer_type else {
         bail!("--tokenizer-type is required: the tokenizer is part of the cache names");
     };
-    let kind = kind.parse()?;
     // Load it as Megatron does, so a wrong path fails here rather than naming a cache.
     tokenizer.build()?;
     let identifiers = megatron_tokenizer_identifiers(kind, &tokenizer.args())?;

@@ -62,7 +62,7 @@ pub enum TokenizerError {
         id: u32,
     },
     /// A `--tokenizer-type` that does not exist or is not supported here.
-    #[error("--tokenizer-type {0}: {1}")]
+    #[error("`{0}`: {1}")]
     UnsupportedType(String, String),
 }
 
