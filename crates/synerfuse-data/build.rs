@@ -6,11 +6,15 @@
 //! (registry or vendor directory), or in `SENTENCEPIECE_INCLUDE`. Without it the crate
 //! still works, through the library's slower serialized encoder, and says so.
 
+#[cfg(feature = "tokenizers")]
 use std::path::{Path, PathBuf};
 
+#[cfg(feature = "tokenizers")]
 const SYS_CRATE: &str = "sentencepiece-sys-0.14.0";
+#[cfg(feature = "tokenizers")]
 const HEADER: &str = "sentencepiece_processor.h";
 
+#[cfg(feature = "tokenizers")]
 fn find_include_dir() -> Option<PathBuf> {
     if let Some(dir) = std::env::var_os("SENTENCEPIECE_INCLUDE").map(PathBuf::from) {
         return dir.join(HEADER).is_file().then_some(dir);
@@ -35,6 +39,13 @@ fn find_include_dir() -> Option<PathBuf> {
 
 fn main() {
     println!("cargo:rustc-check-cfg=cfg(synerfuse_spm_ids)");
+    #[cfg(feature = "tokenizers")]
+    build_spm_shim();
+}
+
+/// The SentencePiece id-encoder shim (the `tokenizers` feature only).
+#[cfg(feature = "tokenizers")]
+fn build_spm_shim() {
     println!("cargo:rerun-if-changed=src/tokenizer/spm_ids.cpp");
     println!("cargo:rerun-if-env-changed=SENTENCEPIECE_INCLUDE");
     match find_include_dir() {

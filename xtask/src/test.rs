@@ -45,6 +45,20 @@ pub fn run(root: &Path) -> Result<()> {
             "clippy::undocumented_unsafe_blocks",
         ],
     ));
+    // `cargo add synerfuse-data` with default-features = false: no tokenizers, no C++.
+    steps.push((
+        "data crate without tokenizers",
+        vec![
+            "clippy",
+            "--package",
+            "synerfuse-data",
+            "--no-default-features",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ],
+    ));
     steps.push(("rustfmt", vec!["fmt", "--all", "--", "--check"]));
     // The API documentation builds without a warning (broken links included).
     steps.push(("docs", vec!["doc", "--workspace", "--no-deps"]));
@@ -81,10 +95,13 @@ const RUNTIME_NATIVE: &[&str] = &["tch", "torch-sys", "mpi", "mpi-sys", "cudarc"
 /// DESIGN.md's boundaries: data never pulls libtorch (nor MPI/CUDA); parallel and
 /// xtask are pure Rust (no `-sys` crate at all), so they build anywhere.
 fn check_dependency_rules(root: &Path) -> Result<()> {
-    for (package, pure) in [
-        ("synerfuse-data", false),
-        ("synerfuse-parallel", true),
-        ("xtask", true),
+    // (package, no `-sys` crate at all, extra cargo-tree arguments)
+    for (package, pure, extra) in [
+        ("synerfuse-data", false, &[][..]),
+        // Without its tokenizers, the data crate builds no native code.
+        ("synerfuse-data", true, &["--no-default-features"][..]),
+        ("synerfuse-parallel", true, &[]),
+        ("xtask", true, &[]),
     ] {
         let out = Command::new("cargo")
             .args([
@@ -96,6 +113,7 @@ fn check_dependency_rules(root: &Path) -> Result<()> {
                 "--prefix",
                 "none",
             ])
+            .args(extra)
             .current_dir(root)
             .output()
             .with_context(|| format!("could not run cargo tree for {package}"))?;
@@ -113,13 +131,14 @@ fn check_dependency_rules(root: &Path) -> Result<()> {
             .collect();
         if !offending.is_empty() {
             bail!(
-                "dependency rule broken: {package} pulls in {}",
+                "dependency rule broken: {package} {} pulls in {}",
+                extra.join(" "),
                 offending.join(", ")
             );
         }
     }
     println!(
-        "== dependency rules: ok (data without libtorch/MPI/CUDA; parallel and xtask pure Rust)"
+        "== dependency rules: ok (data without libtorch/MPI/CUDA, and without native code with --no-default-features; parallel and xtask pure Rust)"
     );
     Ok(())
 }

@@ -4,7 +4,9 @@ mod dtype;
 mod error;
 pub mod gpt;
 pub mod indexed;
+#[cfg(feature = "tokenizers")]
 pub mod preprocess;
+#[cfg(feature = "tokenizers")]
 pub mod tokenizer;
 
 pub use dtype::{DType, DTypeError};

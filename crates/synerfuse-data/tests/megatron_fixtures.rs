@@ -2,6 +2,8 @@
 //! `IndexedDatasetBuilder` from the same JSONL and tokenizer files (regenerate with
 //! `cargo xtask fixtures`), for every case of `fixtures/megatron/manifest.json`.
 
+#![cfg(feature = "tokenizers")]
+
 use std::path::{Path, PathBuf};
 use synerfuse_data::indexed::{bin_path, idx_path, merge_datasets};
 use synerfuse_data::preprocess::{output_prefix_for_key, preprocess, PreprocessConfig};

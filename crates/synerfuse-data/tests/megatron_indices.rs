@@ -6,6 +6,8 @@
 //! Runs with the crate directory as working directory, so the relative dataset prefixes of
 //! the fixtures enter the descriptions exactly as Megatron saw them.
 
+#![cfg(feature = "tokenizers")]
+
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

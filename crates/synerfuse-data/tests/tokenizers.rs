@@ -1,5 +1,7 @@
 //! Tokenizers against Megatron's own rules, on committed fixtures.
 
+#![cfg(feature = "tokenizers")]
+
 use synerfuse_data::tokenizer::gpt2_pretokens;
 
 /// 409 strings split by Python's `regex` module with Megatron's GPT-2 pattern: letters,
