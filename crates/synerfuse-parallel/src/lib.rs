@@ -13,8 +13,8 @@ mod topology;
 pub use batch::{BatchError, ReplicaBatch, ReplicaBatches};
 pub use plan::{ParallelPlan, PlanError, RankPlacement, TopologySpec};
 pub use schedule::{
-    check_schedule, link_in_order, pipeline_schedule, plan_schedule, Instruction, ScheduleError,
-    ScheduleKind, ScheduleReport, UnknownScheduleKind,
+    check_schedule, link_in_order, pipeline_schedule, plan_schedule, Instruction, Message, Pass,
+    Payload, Piece, ScheduleError, ScheduleKind, ScheduleReport, UnknownScheduleKind, Waiting,
 };
 pub use stage::{LayoutError, StageLayout};
 pub use topology::{

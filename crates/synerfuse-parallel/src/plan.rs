@@ -63,6 +63,9 @@ pub enum PlanError {
     /// Parts that do not fit together.
     #[error("{0}")]
     Mismatch(String),
+    /// The plan's pipelines cannot run the schedule.
+    #[error(transparent)]
+    Schedule(#[from] crate::ScheduleError),
     /// A flag that is unknown, repeated, or lacks its value.
     #[error("{flag}: {problem}")]
     Flag {

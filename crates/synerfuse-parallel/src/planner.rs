@@ -6,7 +6,7 @@
 use crate::cluster::Device;
 use crate::cost::{CostModel, StageCosts};
 use crate::{
-    plan_schedule, sim, Instruction, ParallelPlan, RankPlacement, ReplicaBatch, ReplicaBatches,
+    plan_schedule, sim, ParallelPlan, Pass, RankPlacement, ReplicaBatch, ReplicaBatches,
     ScheduleKind, StageLayout, TopologySpec, DEFAULT_ORDER, TP_PP_DP_ORDER,
 };
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
@@ -711,12 +711,12 @@ fn simulate_candidate(ctx: &mut Ctx<'_>, c: &Candidate) -> Result<Prediction, Pl
     let cost = ctx.cost;
     let report = sim::simulate(
         &programs,
-        |rank, instruction| {
+        |rank, pass, _| {
             let (i, r) = coords[rank];
             let f = fractions[rank];
-            match instruction {
-                Instruction::Forward { .. } => t[i][r] * f,
-                _ => t[i][r] * (1.0 - f),
+            match pass {
+                Pass::Forward => t[i][r] * f,
+                Pass::Backward => t[i][r] * (1.0 - f),
             }
         },
         |from, to| {

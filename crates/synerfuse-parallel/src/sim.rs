@@ -2,8 +2,8 @@
 //! instructions in order; computations take their time, sends are non-blocking and
 //! arrive after the link's time, receives wait for arrival.
 
-use crate::{Instruction, ScheduleError};
-use std::collections::HashMap;
+use crate::schedule::interpret::{interpret, Observer};
+use crate::{Instruction, Message, Pass, Piece, ScheduleError};
 
 /// What a simulated step looks like.
 #[derive(Debug, Clone, PartialEq)]
@@ -27,86 +27,57 @@ impl SimReport {
     }
 }
 
+/// The simulator's view of a run: each program's clock and busy time.
+struct Clocks<Op, Link> {
+    op_seconds: Op,
+    message_seconds: Link,
+    clock: Vec<f64>,
+    busy: Vec<f64>,
+}
+
+impl<Op, Link> Observer for Clocks<Op, Link>
+where
+    Op: Fn(usize, Pass, Piece) -> f64,
+    Link: Fn(usize, usize) -> f64,
+{
+    /// Arrival time.
+    type Stamp = f64;
+
+    fn compute(&mut self, rank: usize, pass: Pass, piece: Piece) -> Result<(), ScheduleError> {
+        let t = (self.op_seconds)(rank, pass, piece);
+        self.clock[rank] += t;
+        self.busy[rank] += t;
+        Ok(())
+    }
+
+    fn send(&mut self, rank: usize, message: Message) -> Result<f64, ScheduleError> {
+        Ok(self.clock[rank] + (self.message_seconds)(rank, message.peer))
+    }
+
+    fn receive(&mut self, rank: usize, arrival: f64) {
+        self.clock[rank] = self.clock[rank].max(arrival);
+    }
+}
+
 /// Runs `programs` (peers are program indices, as `plan_schedule` makes them) with
-/// `op_seconds(rank, instruction)` for forwards and backwards and
-/// `message_seconds(from, to)` for each transfer.
+/// `op_seconds(rank, pass, piece)` for each computation and `message_seconds(from, to)`
+/// for each transfer.
 pub fn simulate(
     programs: &[Vec<Instruction>],
-    op_seconds: impl Fn(usize, &Instruction) -> f64,
+    op_seconds: impl Fn(usize, Pass, Piece) -> f64,
     message_seconds: impl Fn(usize, usize) -> f64,
 ) -> Result<SimReport, ScheduleError> {
-    let n = programs.len();
-    let mut clock = vec![0.0f64; n];
-    let mut busy = vec![0.0f64; n];
-    let mut next = vec![0usize; n];
-    // (from, to, gradient?, micro_batch, chunk) → arrival time.
-    let mut inbox: HashMap<(usize, usize, bool, usize, usize), f64> = HashMap::new();
-    loop {
-        let mut progressed = false;
-        for rank in 0..n {
-            while let Some(instruction) = programs[rank].get(next[rank]) {
-                match *instruction {
-                    Instruction::Forward { .. } | Instruction::Backward { .. } => {
-                        let t = op_seconds(rank, instruction);
-                        clock[rank] += t;
-                        busy[rank] += t;
-                    }
-                    Instruction::SendActivation {
-                        peer,
-                        micro_batch,
-                        chunk,
-                    } => {
-                        inbox.insert(
-                            (rank, peer, false, micro_batch, chunk),
-                            clock[rank] + message_seconds(rank, peer),
-                        );
-                    }
-                    Instruction::SendGradient {
-                        peer,
-                        micro_batch,
-                        chunk,
-                    } => {
-                        inbox.insert(
-                            (rank, peer, true, micro_batch, chunk),
-                            clock[rank] + message_seconds(rank, peer),
-                        );
-                    }
-                    Instruction::RecvActivation {
-                        peer,
-                        micro_batch,
-                        chunk,
-                    }
-                    | Instruction::RecvGradient {
-                        peer,
-                        micro_batch,
-                        chunk,
-                    } => {
-                        let gradient = matches!(instruction, Instruction::RecvGradient { .. });
-                        match inbox.remove(&(peer, rank, gradient, micro_batch, chunk)) {
-                            Some(arrival) => clock[rank] = clock[rank].max(arrival),
-                            None => break,
-                        }
-                    }
-                }
-                next[rank] += 1;
-                progressed = true;
-            }
-        }
-        if (0..n).all(|r| next[r] == programs[r].len()) {
-            break;
-        }
-        if !progressed {
-            let stuck: Vec<String> = (0..n)
-                .filter(|&r| next[r] < programs[r].len())
-                .map(|r| format!("rank {r} at {:?}", programs[r][next[r]]))
-                .collect();
-            return Err(ScheduleError::Deadlock(stuck.join("; ")));
-        }
-    }
-    let makespan_s = clock.iter().copied().fold(0.0, f64::max);
+    let mut clocks = Clocks {
+        op_seconds,
+        message_seconds,
+        clock: vec![0.0; programs.len()],
+        busy: vec![0.0; programs.len()],
+    };
+    interpret(programs, &mut clocks)?;
+    let makespan_s = clocks.clock.iter().copied().fold(0.0, f64::max);
     Ok(SimReport {
-        finish_s: clock,
-        busy_s: busy,
+        finish_s: clocks.clock,
+        busy_s: clocks.busy,
         makespan_s,
     })
 }
@@ -127,9 +98,9 @@ mod tests {
                     let (tf, tb) = (1.0, 2.0);
                     let report = simulate(
                         &programs,
-                        |_, i| match i {
-                            Instruction::Forward { .. } => tf,
-                            _ => tb,
+                        |_, pass, _| match pass {
+                            Pass::Forward => tf,
+                            Pass::Backward => tb,
                         },
                         |_, _| 0.0,
                     )

@@ -12,7 +12,7 @@ use crate::comm::{CommError, GroupCommunicator, PendingReduction};
 use std::collections::BTreeMap;
 use synerfuse_model::tch::{self, Kind, Tensor};
 use synerfuse_model::Stage;
-use synerfuse_parallel::Instruction;
+use synerfuse_parallel::{Instruction, Pass};
 
 /// One chunk's buffer and the parameters viewing into it.
 struct ChunkGrads {
@@ -70,7 +70,9 @@ impl MainGrads {
             let _ = chunk.buffer.zero_();
             chunk.backwards_left = program
                 .iter()
-                .filter(|i| matches!(i, Instruction::Backward { chunk: c, .. } if *c == index))
+                .filter(|i| {
+                    matches!(i, Instruction::Compute { pass: Pass::Backward, piece } if piece.chunk == index)
+                })
                 .count();
         }
     }
@@ -235,9 +237,8 @@ mod tests {
         }
         let mut main = MainGrads::new(std::slice::from_ref(&stage), every_micro_batch);
         let program: Vec<Instruction> = (0..MICRO_BATCHES)
-            .map(|micro_batch| Instruction::Backward {
-                micro_batch,
-                chunk: 0,
+            .map(|micro_batch| {
+                Instruction::backward(synerfuse_parallel::Piece::new(micro_batch, 0))
             })
             .collect();
         main.begin_step(&program);

@@ -65,5 +65,5 @@ pub enum TrainError {
     Config(String),
     /// The pipeline program broke its own order (a bug, reported rather than hung).
     #[error("pipeline: {0}")]
-    Pipeline(String),
+    Pipeline(#[from] pipeline::PipelineFault),
 }

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 use synerfuse_model::tch::{Device, Kind, Tensor};
 use synerfuse_model::{BackwardFrom, ForwardPass, Stage};
-use synerfuse_parallel::Instruction;
+use synerfuse_parallel::{Instruction, Message, Pass, Payload, Piece};
 
 /// Where a rank's time went in one step.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -67,9 +67,58 @@ pub enum PipelineEvent {
     Between,
 }
 
-/// The tag of a message named by (micro-batch, sending chunk) and its direction.
-fn tag(micro_batch: usize, chunk: usize, chunks: usize, gradient: bool) -> i32 {
+/// The tag of a message: its sending piece and what it carries.
+fn tag(message: &Message, chunks: usize) -> i32 {
+    let Piece { micro_batch, chunk } = message.piece;
+    let gradient = message.payload == Payload::Gradient;
     (((micro_batch * chunks + chunk) * 2) + usize::from(gradient)) as i32
+}
+
+/// A program that broke its own order (a bug, reported rather than hung).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PipelineFault {
+    /// A forward whose input activation has not been received.
+    #[error("forward of {0} before its input arrived")]
+    ForwardBeforeInput(Piece),
+    /// A backward whose output gradient has not been received.
+    #[error("backward of {0} before its output gradient arrived")]
+    BackwardBeforeGradient(Piece),
+    /// A backward without a forward.
+    #[error("backward of {0} without its forward")]
+    BackwardWithoutForward(Piece),
+    /// A send of a result not computed.
+    #[error("send of the {} of {} before computing it", .0.payload, .0.piece)]
+    SendBeforeCompute(Message),
+    /// Forwards left without their backward at the step's end.
+    #[error("{0} forward passes had no backward")]
+    Unfinished(usize),
+}
+
+/// What one step holds between instructions: messages and passes by piece.
+#[derive(Default)]
+struct StepState {
+    /// Received activations and output gradients, by (payload, sending piece).
+    received: HashMap<(Payload, Piece), Tensor>,
+    /// Forward passes waiting for their backward.
+    passes: HashMap<Piece, ForwardPass>,
+    /// Input gradients waiting to be sent.
+    input_grads: HashMap<Piece, Tensor>,
+    sends: Sends,
+    times: StepTimes,
+    loss: StepLoss,
+}
+
+impl StepState {
+    fn take_received(
+        &mut self,
+        payload: Payload,
+        from: Piece,
+        fault: PipelineFault,
+    ) -> Result<Tensor, TrainError> {
+        self.received
+            .remove(&(payload, from))
+            .ok_or(TrainError::Pipeline(fault))
+    }
 }
 
 impl PipelineRank<'_> {
@@ -87,177 +136,166 @@ impl PipelineRank<'_> {
         loss_normaliser: f64,
         on_event: &mut dyn FnMut(PipelineEvent) -> Result<(), TrainError>,
     ) -> Result<(StepLoss, StepTimes), TrainError> {
-        let chunks = self.chunks.len();
         let device = self.chunks[0].device();
-        let hidden = self.chunks[0].config().hidden_size as i64;
-        let last_stage = self.stage_index + 1 == self.num_stages;
-        let mut times = StepTimes::default();
-        let mut loss = StepLoss::default();
         let inputs: Vec<BatchTensors> = micro_batches
             .iter()
             .map(|mb| BatchTensors::new(mb, sequence_length, device))
             .collect();
-        // Messages by (micro-batch, sending chunk).
-        let mut activations: HashMap<(usize, usize), Tensor> = HashMap::new();
-        let mut gradients: HashMap<(usize, usize), Tensor> = HashMap::new();
-        let mut passes: HashMap<(usize, usize), ForwardPass> = HashMap::new();
-        let mut input_grads: HashMap<(usize, usize), Tensor> = HashMap::new();
-        let mut sends = Sends::default();
+        let mut step = StepState::default();
         for &instruction in program {
             let event = match instruction {
-                Instruction::Backward { chunk, .. } => PipelineEvent::BackwardDone { chunk },
-                _ => PipelineEvent::Between,
+                Instruction::Recv(message) => {
+                    let rows = inputs[message.piece.micro_batch].rows;
+                    let buffer = self.receive(rows, sequence_length, &message, &mut step)?;
+                    step.received
+                        .insert((message.payload, message.piece), buffer);
+                    PipelineEvent::Between
+                }
+                Instruction::Compute {
+                    pass: Pass::Forward,
+                    piece,
+                } => {
+                    self.forward(piece, &inputs[piece.micro_batch], &mut step)?;
+                    PipelineEvent::Between
+                }
+                Instruction::Compute {
+                    pass: Pass::Backward,
+                    piece,
+                } => {
+                    let batch = &inputs[piece.micro_batch];
+                    self.backward(piece, batch, loss_normaliser, &mut step)?;
+                    PipelineEvent::BackwardDone { chunk: piece.chunk }
+                }
+                Instruction::Send(message) => {
+                    self.send_result(&message, &mut step)?;
+                    PipelineEvent::Between
+                }
             };
-            match instruction {
-                Instruction::RecvActivation {
-                    peer,
-                    micro_batch,
-                    chunk,
-                } => {
-                    let shape = [inputs[micro_batch].rows, sequence_length as i64, hidden];
-                    let message = tag(micro_batch, chunk, chunks, false);
-                    let buffer = self.receive(shape, peer, message, &mut sends, &mut times)?;
-                    activations.insert((micro_batch, chunk), buffer);
-                }
-                Instruction::Forward { micro_batch, chunk } => {
-                    let stage = &self.chunks[chunk];
-                    let batch = &inputs[micro_batch];
-                    let input = if stage.is_first() {
-                        batch.tokens.shallow_clone()
-                    } else {
-                        // Named by the sender: the previous stage's same chunk, or the
-                        // last stage's previous chunk when this is stage 0.
-                        let from = if self.stage_index == 0 {
-                            chunk - 1
-                        } else {
-                            chunk
-                        };
-                        activations.remove(&(micro_batch, from)).ok_or_else(|| {
-                            TrainError::Pipeline(format!(
-                                "forward of micro-batch {micro_batch} chunk {chunk} before its input arrived"
-                            ))
-                        })?
-                    };
-                    let span = ComputeSpan::start();
-                    let pass = stage.forward_train(
-                        &input,
-                        Some(&batch.position_ids),
-                        batch.attention_mask.as_ref(),
-                    )?;
-                    if stage.is_last() {
-                        let (sum, count) = tch_no_grad_loss(&pass.output, batch);
-                        loss.loss_sum += sum;
-                        loss.loss_tokens += count;
-                    }
-                    times.compute += Emulation::account(self.emulation.as_ref(), span);
-                    passes.insert((micro_batch, chunk), pass);
-                }
-                Instruction::SendActivation {
-                    peer,
-                    micro_batch,
-                    chunk,
-                } => {
-                    let pass = passes.get(&(micro_batch, chunk)).ok_or_else(|| {
-                        TrainError::Pipeline(format!(
-                            "send of micro-batch {micro_batch} chunk {chunk} before its forward"
-                        ))
-                    })?;
-                    let started = Instant::now();
-                    let out = pass.output.to_kind(self.activation_kind);
-                    self.send(
-                        &out,
-                        peer,
-                        tag(micro_batch, chunk, chunks, false),
-                        &mut sends,
-                    )?;
-                    times.communication += started.elapsed();
-                }
-                Instruction::RecvGradient {
-                    peer,
-                    micro_batch,
-                    chunk,
-                } => {
-                    // `chunk` names the sender's piece, as on the sending side.
-                    let shape = [inputs[micro_batch].rows, sequence_length as i64, hidden];
-                    let message = tag(micro_batch, chunk, chunks, true);
-                    let buffer = self.receive(shape, peer, message, &mut sends, &mut times)?;
-                    gradients.insert((micro_batch, chunk), buffer);
-                }
-                Instruction::Backward { micro_batch, chunk } => {
-                    let stage = &self.chunks[chunk];
-                    let pass = passes.remove(&(micro_batch, chunk)).ok_or_else(|| {
-                        TrainError::Pipeline(format!(
-                            "backward of micro-batch {micro_batch} chunk {chunk} without its forward"
-                        ))
-                    })?;
-                    let batch = &inputs[micro_batch];
-                    let span = ComputeSpan::start();
-                    let input_grad = if stage.is_last() {
-                        let loss_of = |logits: &Tensor| {
-                            let (sum, _) =
-                                Stage::loss(logits, &batch.labels, Some(&batch.loss_mask));
-                            sum / loss_normaliser
-                        };
-                        stage.backward(pass, BackwardFrom::Loss(&loss_of))?
-                    } else {
-                        // Named by the sender: the next stage's same chunk, or stage 0's
-                        // next chunk when this is the last stage.
-                        let from = if last_stage { chunk + 1 } else { chunk };
-                        let grad = gradients.remove(&(micro_batch, from)).ok_or_else(|| {
-                            TrainError::Pipeline(format!(
-                                "backward of micro-batch {micro_batch} chunk {chunk} before its output gradient arrived"
-                            ))
-                        })?;
-                        let grad = grad.to_kind(pass.output.kind());
-                        stage.backward(pass, BackwardFrom::OutputGrad(&grad))?
-                    };
-                    times.compute += Emulation::account(self.emulation.as_ref(), span);
-                    if let Some(g) = input_grad {
-                        input_grads.insert((micro_batch, chunk), g);
-                    }
-                }
-                Instruction::SendGradient {
-                    peer,
-                    micro_batch,
-                    chunk,
-                } => {
-                    let grad = input_grads.remove(&(micro_batch, chunk)).ok_or_else(|| {
-                        TrainError::Pipeline(format!(
-                            "gradient send of micro-batch {micro_batch} chunk {chunk} before its backward"
-                        ))
-                    })?;
-                    let started = Instant::now();
-                    let grad = grad.to_kind(self.activation_kind);
-                    self.send(
-                        &grad,
-                        peer,
-                        tag(micro_batch, chunk, chunks, true),
-                        &mut sends,
-                    )?;
-                    times.communication += started.elapsed();
-                }
-            }
             // Gradient bookkeeping between instructions counts as computation.
             let started = Instant::now();
             on_event(event)?;
-            times.compute += started.elapsed();
+            step.times.compute += started.elapsed();
         }
         let started = Instant::now();
+        let sends = &mut step.sends;
         self.links.exchange(&sends.nccl, None)?;
         sends.in_flight.append(&mut sends.nccl);
         self.links
             .synchronize(sends.in_flight.iter().map(|(peer, _)| *peer))?;
-        for send in sends.mpi {
+        for send in sends.mpi.drain(..) {
             send.wait();
         }
-        times.communication += started.elapsed();
-        if !passes.is_empty() {
-            return Err(TrainError::Pipeline(format!(
-                "{} forward passes had no backward",
-                passes.len()
+        step.times.communication += started.elapsed();
+        if !step.passes.is_empty() {
+            return Err(TrainError::Pipeline(PipelineFault::Unfinished(
+                step.passes.len(),
             )));
         }
-        Ok((loss, times))
+        Ok((step.loss, step.times))
+    }
+
+    /// The forward of `piece`: its input is the batch's tokens on the first stage's
+    /// first chunk, else the activation received from the piece before it.
+    fn forward(
+        &self,
+        piece: Piece,
+        batch: &BatchTensors,
+        step: &mut StepState,
+    ) -> Result<(), TrainError> {
+        let stage = &self.chunks[piece.chunk];
+        let input = if stage.is_first() {
+            batch.tokens.shallow_clone()
+        } else {
+            // Named by the sender: the previous stage's same chunk, or the last stage's
+            // previous chunk when this is stage 0.
+            let from_chunk = if self.stage_index == 0 {
+                piece.chunk - 1
+            } else {
+                piece.chunk
+            };
+            let from = Piece::new(piece.micro_batch, from_chunk);
+            let fault = PipelineFault::ForwardBeforeInput(piece);
+            step.take_received(Payload::Activation, from, fault)?
+        };
+        let span = ComputeSpan::start();
+        let pass = stage.forward_train(
+            &input,
+            Some(&batch.position_ids),
+            batch.attention_mask.as_ref(),
+        )?;
+        if stage.is_last() {
+            let (sum, count) = tch_no_grad_loss(&pass.output, batch);
+            step.loss.loss_sum += sum;
+            step.loss.loss_tokens += count;
+        }
+        step.times.compute += Emulation::account(self.emulation.as_ref(), span);
+        step.passes.insert(piece, pass);
+        Ok(())
+    }
+
+    /// The backward of `piece`: from the loss on the last stage's last chunk, else from
+    /// the gradient received from the piece after it.
+    fn backward(
+        &self,
+        piece: Piece,
+        batch: &BatchTensors,
+        loss_normaliser: f64,
+        step: &mut StepState,
+    ) -> Result<(), TrainError> {
+        let stage = &self.chunks[piece.chunk];
+        let pass = step.passes.remove(&piece).ok_or(TrainError::Pipeline(
+            PipelineFault::BackwardWithoutForward(piece),
+        ))?;
+        let span = ComputeSpan::start();
+        let input_grad = if stage.is_last() {
+            let loss_of = |logits: &Tensor| {
+                let (sum, _) = Stage::loss(logits, &batch.labels, Some(&batch.loss_mask));
+                sum / loss_normaliser
+            };
+            stage.backward(pass, BackwardFrom::Loss(&loss_of))?
+        } else {
+            // Named by the sender: the next stage's same chunk, or stage 0's next chunk
+            // when this is the last stage.
+            let last_stage = self.stage_index + 1 == self.num_stages;
+            let from_chunk = if last_stage {
+                piece.chunk + 1
+            } else {
+                piece.chunk
+            };
+            let from = Piece::new(piece.micro_batch, from_chunk);
+            let fault = PipelineFault::BackwardBeforeGradient(piece);
+            let grad = step.take_received(Payload::Gradient, from, fault)?;
+            let grad = grad.to_kind(pass.output.kind());
+            stage.backward(pass, BackwardFrom::OutputGrad(&grad))?
+        };
+        step.times.compute += Emulation::account(self.emulation.as_ref(), span);
+        if let Some(g) = input_grad {
+            step.input_grads.insert(piece, g);
+        }
+        Ok(())
+    }
+
+    /// Sends the result `message` names: a forward's output or a backward's input
+    /// gradient, in the wire dtype.
+    fn send_result(&self, message: &Message, step: &mut StepState) -> Result<(), TrainError> {
+        let fault = || TrainError::Pipeline(PipelineFault::SendBeforeCompute(*message));
+        let tensor = match message.payload {
+            Payload::Activation => step
+                .passes
+                .get(&message.piece)
+                .ok_or_else(fault)?
+                .output
+                .to_kind(self.activation_kind),
+            Payload::Gradient => step
+                .input_grads
+                .remove(&message.piece)
+                .ok_or_else(fault)?
+                .to_kind(self.activation_kind),
+        };
+        let started = Instant::now();
+        self.send(&tensor, message, &mut step.sends)?;
+        step.times.communication += started.elapsed();
+        Ok(())
     }
 
     /// Sends `tensor` to `peer`: over MPI at once (non-blocking), over NCCL deferred to
@@ -265,28 +303,32 @@ impl PipelineRank<'_> {
     fn send(
         &self,
         tensor: &Tensor,
-        peer: usize,
-        tag: i32,
+        message: &Message,
         sends: &mut Sends,
     ) -> Result<(), TrainError> {
+        let peer = message.peer;
         if self.links.is_nccl(peer) {
             sends.nccl.push((peer, tensor.contiguous()));
         } else {
+            let tag = tag(message, self.chunks.len());
             sends.mpi.push(self.world.isend(tensor, peer, tag)?);
         }
         Ok(())
     }
 
-    /// Blocks until the message `tag` from `peer` arrives, on this rank's device (sends
-    /// deferred for NCCL go out first, in the same group); the wait counts as waiting.
+    /// Blocks until `message` (a `rows` × `sequence_length` × hidden tensor) arrives, on
+    /// this rank's device (sends deferred for NCCL go out first, in the same group); the
+    /// wait counts as waiting.
     fn receive(
         &self,
-        shape: [i64; 3],
-        peer: usize,
-        tag: i32,
-        sends: &mut Sends,
-        times: &mut StepTimes,
+        rows: i64,
+        sequence_length: usize,
+        message: &Message,
+        step: &mut StepState,
     ) -> Result<Tensor, TrainError> {
+        let hidden = self.chunks[0].config().hidden_size as i64;
+        let shape = [rows, sequence_length as i64, hidden];
+        let (peer, sends) = (message.peer, &mut step.sends);
         let device = self.chunks[0].device();
         let started = Instant::now();
         let deferred = std::mem::take(&mut sends.nccl);
@@ -302,10 +344,11 @@ impl PipelineRank<'_> {
             if device != Device::Cpu {
                 host = host.pin_memory(device);
             }
-            self.world.recv(&mut host, peer, tag)?;
+            self.world
+                .recv(&mut host, peer, tag(message, self.chunks.len()))?;
             host.to_device(device)
         };
-        times.waiting += started.elapsed();
+        step.times.waiting += started.elapsed();
         Ok(buffer)
     }
 }

@@ -1,0 +1,770 @@
+//! Pipeline schedules as per-rank instruction lists (GPipe, 1F1B, interleaved 1F1B), and
+//! a checker that runs every rank's list against the others.
+//!
+//! Sends are buffered (the runtime posts non-blocking sends) and receives block until the
+//! matching send has been issued, so a schedule is deadlock-free exactly when the checker
+//! can run every list to its end. Pipelines of different data-parallel replicas never talk
+//! to each other, so replicas with different micro-batch counts simply run schedules of
+//! different lengths.
+
+mod instruction;
+pub(crate) mod interpret;
+
+pub use instruction::{Instruction, Message, Pass, Payload, Piece};
+
+use crate::{ParallelPlan, PlanError};
+use interpret::{interpret, Observer};
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+
+/// Which pipeline schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ScheduleKind {
+    /// All forwards, then all backwards.
+    Gpipe,
+    /// One forward, one backward (Megatron's non-interleaved schedule).
+    OneFOneB,
+    /// 1F1B over virtual chunks (Megatron's interleaved schedule).
+    Interleaved,
+}
+
+/// A schedule name that is none of `1f1b`, `gpipe`, `interleaved`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{0}` is not a pipeline schedule: expected 1f1b, gpipe or interleaved")]
+pub struct UnknownScheduleKind(pub String);
+
+impl std::str::FromStr for ScheduleKind {
+    type Err = UnknownScheduleKind;
+
+    /// Megatron's and the CLI's names: `1f1b`, `gpipe`, `interleaved`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "1f1b" => Ok(ScheduleKind::OneFOneB),
+            "gpipe" => Ok(ScheduleKind::Gpipe),
+            "interleaved" => Ok(ScheduleKind::Interleaved),
+            other => Err(UnknownScheduleKind(other.to_owned())),
+        }
+    }
+}
+
+impl std::fmt::Display for ScheduleKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ScheduleKind::OneFOneB => "1f1b",
+            ScheduleKind::Gpipe => "gpipe",
+            ScheduleKind::Interleaved => "interleaved",
+        })
+    }
+}
+
+/// A program blocked on an instruction (part of a deadlock report).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Waiting {
+    /// The program (rank or stage).
+    pub program: usize,
+    /// Index of the instruction it waits at.
+    pub step: usize,
+    /// That instruction.
+    pub instruction: Instruction,
+}
+
+impl fmt::Display for Waiting {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "program {} waits at step {} ({})",
+            self.program, self.step, self.instruction
+        )
+    }
+}
+
+fn list(waiting: &[Waiting]) -> String {
+    let parts: Vec<String> = waiting.iter().map(Waiting::to_string).collect();
+    parts.join("; ")
+}
+
+/// A schedule that cannot be built or does not run.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ScheduleError {
+    /// A pipeline with no stage, chunk or micro-batch.
+    #[error(
+        "{stages} stages, {chunks} chunks, {micro_batches} micro-batches: all must be at least 1"
+    )]
+    Empty {
+        /// Pipeline stages.
+        stages: usize,
+        /// Virtual chunks per stage.
+        chunks: usize,
+        /// Micro-batches per step.
+        micro_batches: usize,
+    },
+    /// Virtual chunks under a schedule that runs one chunk per stage.
+    #[error("the {kind} schedule runs one chunk per stage; {chunks} virtual chunks need the interleaved schedule")]
+    ChunksNeedInterleaving {
+        /// The schedule asked for.
+        kind: ScheduleKind,
+        /// Chunks per stage.
+        chunks: usize,
+    },
+    /// Megatron's interleaved schedule with a micro-batch count it rejects.
+    #[error("the interleaved schedule needs the micro-batch count ({micro_batches}) to be a multiple of the pipeline size ({stages}), as in Megatron")]
+    InterleavedMicroBatches {
+        /// Micro-batches per step.
+        micro_batches: usize,
+        /// Pipeline stages.
+        stages: usize,
+    },
+    /// Some programs wait forever.
+    #[error("deadlock: {}", list(.waiting))]
+    Deadlock {
+        /// The first few programs still waiting.
+        waiting: Vec<Waiting>,
+    },
+    /// A message to a program that does not exist.
+    #[error("program {program} sends to {peer}, which does not exist")]
+    UnknownPeer {
+        /// The sender.
+        program: usize,
+        /// The missing peer.
+        peer: usize,
+    },
+    /// A send of a result not computed yet.
+    #[error("program {program} sends the {} of {} before computing it", .message.payload, .message.piece)]
+    SendBeforeCompute {
+        /// The sender.
+        program: usize,
+        /// The message.
+        message: Message,
+    },
+    /// A pass run twice over one piece.
+    #[error("program {program} runs the {pass} of {piece} twice")]
+    ComputedTwice {
+        /// The program.
+        program: usize,
+        /// The pass.
+        pass: Pass,
+        /// The piece.
+        piece: Piece,
+    },
+    /// A backward before its forward.
+    #[error("program {program} runs the backward of {piece} before its forward")]
+    BackwardBeforeForward {
+        /// The program.
+        program: usize,
+        /// The piece.
+        piece: Piece,
+    },
+    /// A message nobody receives.
+    #[error(
+        "program {from} sends the {payload} of {piece} to program {to}, which never receives it"
+    )]
+    Unreceived {
+        /// The sender.
+        from: usize,
+        /// The addressee.
+        to: usize,
+        /// What it carries.
+        payload: Payload,
+        /// The sending piece.
+        piece: Piece,
+    },
+    /// Forwards whose backward never runs, or the reverse.
+    #[error("program {program} ends with {forwards} forwards but {backwards} backwards")]
+    Unbalanced {
+        /// The program.
+        program: usize,
+        /// Forwards run.
+        forwards: usize,
+        /// Backwards run.
+        backwards: usize,
+    },
+    /// A piece of a pipeline a program never computes.
+    #[error("program {program} never runs the {pass} of {piece}")]
+    NeverComputed {
+        /// The program.
+        program: usize,
+        /// The pass.
+        pass: Pass,
+        /// The piece.
+        piece: Piece,
+    },
+    /// A micro-batch's passes out of model order along a pipeline.
+    #[error(
+        "micro-batch {micro_batch}: {pass}s out of pipeline order (sequence numbers {order:?})"
+    )]
+    OutOfOrder {
+        /// The micro-batch.
+        micro_batch: usize,
+        /// The pass.
+        pass: Pass,
+        /// When each piece along model order ran.
+        order: Vec<usize>,
+    },
+}
+
+/// Per-stage instruction lists of one pipeline of `stages` stages with `chunks` virtual
+/// chunks per stage and `micro_batches` micro-batches. Peers are stage indices.
+pub fn pipeline_schedule(
+    kind: ScheduleKind,
+    stages: usize,
+    chunks: usize,
+    micro_batches: usize,
+) -> Result<Vec<Vec<Instruction>>, ScheduleError> {
+    if stages == 0 || chunks == 0 || micro_batches == 0 {
+        return Err(ScheduleError::Empty {
+            stages,
+            chunks,
+            micro_batches,
+        });
+    }
+    match kind {
+        ScheduleKind::Gpipe | ScheduleKind::OneFOneB if chunks != 1 => {
+            Err(ScheduleError::ChunksNeedInterleaving { kind, chunks })
+        }
+        ScheduleKind::Interleaved if micro_batches % stages != 0 => {
+            Err(ScheduleError::InterleavedMicroBatches {
+                micro_batches,
+                stages,
+            })
+        }
+        _ => Ok((0..stages)
+            .map(|p| stage_program(kind, p, stages, chunks, micro_batches))
+            .collect()),
+    }
+}
+
+/// The order in which stage `p` runs forwards and backwards, as (pass, virtual id).
+fn compute_order(
+    kind: ScheduleKind,
+    p: usize,
+    stages: usize,
+    chunks: usize,
+    m: usize,
+) -> Vec<(Pass, usize)> {
+    let total = m * chunks;
+    let warmup = match kind {
+        ScheduleKind::Gpipe => total,
+        ScheduleKind::OneFOneB => (stages - p - 1).min(total),
+        ScheduleKind::Interleaved => {
+            if m == stages {
+                total
+            } else {
+                ((stages - p - 1) * 2 + (chunks - 1) * stages).min(total)
+            }
+        }
+    };
+    let mut order: Vec<(Pass, usize)> = (0..warmup).map(|k| (Pass::Forward, k)).collect();
+    for k in 0..total - warmup {
+        order.push((Pass::Forward, warmup + k));
+        order.push((Pass::Backward, k));
+    }
+    order.extend((total - warmup..total).map(|k| (Pass::Backward, k)));
+    order
+}
+
+/// Virtual id k → piece: Megatron's groups of `stages` micro-batches per chunk;
+/// backwards walk the chunks in reverse.
+fn virtual_to_real(k: usize, pass: Pass, stages: usize, chunks: usize) -> Piece {
+    let in_group = k % (stages * chunks);
+    let mut chunk = in_group / stages;
+    if pass == Pass::Backward {
+        chunk = chunks - chunk - 1;
+    }
+    Piece::new((k / (stages * chunks)) * stages + k % stages, chunk)
+}
+
+fn stage_program(
+    kind: ScheduleKind,
+    p: usize,
+    stages: usize,
+    chunks: usize,
+    m: usize,
+) -> Vec<Instruction> {
+    let last = stages - 1;
+    let mut program = Vec::new();
+    for (pass, k) in compute_order(kind, p, stages, chunks, m) {
+        let piece = if chunks == 1 {
+            Piece::new(k, 0)
+        } else {
+            virtual_to_real(k, pass, stages, chunks)
+        };
+        let chunk = piece.chunk;
+        // The piece before (chunk, p) in model order, and the one after.
+        let before = if p > 0 {
+            Some((p - 1, chunk))
+        } else if chunk > 0 {
+            Some((last, chunk - 1))
+        } else {
+            None
+        };
+        let after = if p < last {
+            Some((p + 1, chunk))
+        } else if chunk + 1 < chunks {
+            Some((0, chunk + 1))
+        } else {
+            None
+        };
+        // Forwards receive from the piece before and send to the one after; backwards
+        // the reverse. A received message is named by its sender's chunk.
+        let (payload, from, to) = match pass {
+            Pass::Forward => (Payload::Activation, before, after),
+            Pass::Backward => (Payload::Gradient, after, before),
+        };
+        if let Some((peer, c)) = from {
+            program.push(Instruction::Recv(Message {
+                payload,
+                peer,
+                piece: Piece::new(piece.micro_batch, c),
+            }));
+        }
+        program.push(Instruction::Compute { pass, piece });
+        if let Some((peer, _)) = to {
+            program.push(Instruction::Send(Message {
+                payload,
+                peer,
+                piece,
+            }));
+        }
+    }
+    program
+}
+
+/// Per-rank instruction lists of a whole plan: each rank runs its pipeline's schedule for
+/// its stage with its replica's micro-batch count; peers are global ranks.
+pub fn plan_schedule(
+    plan: &ParallelPlan,
+    kind: ScheduleKind,
+) -> Result<Vec<Vec<Instruction>>, PlanError> {
+    let topology = plan.topology()?;
+    let stages = plan.stages.num_stages();
+    let chunks = plan.stages.num_chunks();
+    let mut cache: HashMap<usize, Vec<Vec<Instruction>>> = HashMap::new();
+    let mut out = Vec::with_capacity(topology.world_size());
+    for rank in 0..topology.world_size() {
+        let c = topology.coordinates(rank)?;
+        let m = plan.batches.replicas()[c.dp].num_micro_batches;
+        let per_stage = match cache.get(&m) {
+            Some(s) => s,
+            None => cache
+                .entry(m)
+                .or_insert(pipeline_schedule(kind, stages, chunks, m)?),
+        };
+        let to_rank = |stage: usize| {
+            topology
+                .rank(&crate::Coordinates { pp: stage, ..c })
+                .expect("stage within the pipeline")
+        };
+        out.push(
+            per_stage[c.pp]
+                .iter()
+                .map(|&i| i.map_peer(to_rank))
+                .collect(),
+        );
+    }
+    Ok(out)
+}
+
+/// What a schedule run found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScheduleReport {
+    /// Per program: the most forwards whose backward had not run yet (activations held).
+    pub peak_in_flight: Vec<usize>,
+    /// Rounds of the run until every program finished (a rough makespan in steps).
+    pub rounds: usize,
+    /// Global order in which computations ran: (program, pass, piece) → sequence number.
+    pub computed_at: HashMap<(usize, Pass, Piece), usize>,
+}
+
+impl ScheduleReport {
+    /// Checks one pipeline's causal order: along model order (`pipeline[p]` is the
+    /// program of stage p; chunk c of the last stage feeds chunk c + 1 of the first),
+    /// each micro-batch's forward runs stage after stage, and its backward in reverse.
+    pub fn check_pipeline_order(
+        &self,
+        pipeline: &[usize],
+        chunks: usize,
+        micro_batches: usize,
+    ) -> Result<(), ScheduleError> {
+        for micro_batch in 0..micro_batches {
+            let pieces: Vec<(usize, Piece)> = (0..chunks)
+                .flat_map(|c| {
+                    pipeline
+                        .iter()
+                        .map(move |&program| (program, Piece::new(micro_batch, c)))
+                })
+                .collect();
+            for pass in [Pass::Forward, Pass::Backward] {
+                let order: Vec<usize> = pieces
+                    .iter()
+                    .map(|&(program, piece)| {
+                        self.computed_at
+                            .get(&(program, pass, piece))
+                            .copied()
+                            .ok_or(ScheduleError::NeverComputed {
+                                program,
+                                pass,
+                                piece,
+                            })
+                    })
+                    .collect::<Result<_, _>>()?;
+                let in_order = match pass {
+                    Pass::Forward => order.windows(2).all(|w| w[0] < w[1]),
+                    Pass::Backward => order.windows(2).all(|w| w[0] > w[1]),
+                };
+                if !in_order {
+                    return Err(ScheduleError::OutOfOrder {
+                        micro_batch,
+                        pass,
+                        order,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether the messages from rank `from` to rank `to` are received in the order they are
+/// sent. Transports without tags (NCCL point-to-point) match sends to receives by order
+/// alone, so they may carry the link only when this holds.
+pub fn link_in_order(programs: &[Vec<Instruction>], from: usize, to: usize) -> bool {
+    let messages = |rank: usize, sending: bool, peer: usize| -> Vec<(Payload, Piece)> {
+        programs
+            .get(rank)
+            .into_iter()
+            .flatten()
+            .filter_map(|&i| i.transfer())
+            .filter(|&(sends, m)| sends == sending && m.peer == peer)
+            .map(|(_, m)| (m.payload, m.piece))
+            .collect()
+    };
+    messages(from, true, to) == messages(to, false, from)
+}
+
+/// The checker's view of a run: what each program computed, and in which order.
+struct Checker {
+    done: Vec<[HashSet<Piece>; 2]>,
+    in_flight: Vec<usize>,
+    peak: Vec<usize>,
+    computed_at: HashMap<(usize, Pass, Piece), usize>,
+}
+
+impl Checker {
+    fn computed(&self, program: usize, pass: Pass) -> &HashSet<Piece> {
+        &self.done[program][pass as usize]
+    }
+}
+
+impl Observer for Checker {
+    type Stamp = ();
+
+    fn compute(&mut self, program: usize, pass: Pass, piece: Piece) -> Result<(), ScheduleError> {
+        if pass == Pass::Backward && !self.computed(program, Pass::Forward).contains(&piece) {
+            return Err(ScheduleError::BackwardBeforeForward { program, piece });
+        }
+        if !self.done[program][pass as usize].insert(piece) {
+            return Err(ScheduleError::ComputedTwice {
+                program,
+                pass,
+                piece,
+            });
+        }
+        match pass {
+            Pass::Forward => {
+                self.in_flight[program] += 1;
+                self.peak[program] = self.peak[program].max(self.in_flight[program]);
+            }
+            Pass::Backward => self.in_flight[program] -= 1,
+        }
+        let sequence = self.computed_at.len();
+        self.computed_at.insert((program, pass, piece), sequence);
+        Ok(())
+    }
+
+    fn send(&mut self, program: usize, message: Message) -> Result<(), ScheduleError> {
+        if self
+            .computed(program, message.payload.produced_by())
+            .contains(&message.piece)
+        {
+            Ok(())
+        } else {
+            Err(ScheduleError::SendBeforeCompute { program, message })
+        }
+    }
+
+    fn receive(&mut self, _program: usize, _stamp: ()) {}
+}
+
+/// Runs every program against the others (sends buffered, receives wait for their send)
+/// and checks that all finish, that every send is received, that each piece is forwarded
+/// then backwarded exactly once per program, and that nothing is sent before it is
+/// computed. `programs[i]` names its peers by index into `programs`.
+pub fn check_schedule(programs: &[Vec<Instruction>]) -> Result<ScheduleReport, ScheduleError> {
+    let n = programs.len();
+    let mut checker = Checker {
+        done: vec![Default::default(); n],
+        in_flight: vec![0; n],
+        peak: vec![0; n],
+        computed_at: HashMap::new(),
+    };
+    let rounds = interpret(programs, &mut checker)?;
+    for (program, [forwards, backwards]) in checker.done.iter().enumerate() {
+        if forwards.len() != backwards.len() {
+            return Err(ScheduleError::Unbalanced {
+                program,
+                forwards: forwards.len(),
+                backwards: backwards.len(),
+            });
+        }
+    }
+    Ok(ScheduleReport {
+        peak_in_flight: checker.peak,
+        rounds,
+        computed_at: checker.computed_at,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn one_f_one_b_matches_megatron_warmup() {
+        // Stage 0 of 4 with 8 micro-batches: 3 warmup forwards, then F/B pairs.
+        let s = pipeline_schedule(ScheduleKind::OneFOneB, 4, 1, 8).unwrap();
+        let computes: Vec<String> = s[0]
+            .iter()
+            .filter_map(|i| match i {
+                Instruction::Compute {
+                    pass: Pass::Forward,
+                    piece,
+                } => Some(format!("F{}", piece.micro_batch)),
+                Instruction::Compute {
+                    pass: Pass::Backward,
+                    piece,
+                } => Some(format!("B{}", piece.micro_batch)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(computes[..6], ["F0", "F1", "F2", "F3", "B0", "F4"]);
+        let report = check_schedule(&s).unwrap();
+        assert_eq!(report.peak_in_flight, [4, 3, 2, 1]);
+        let gpipe =
+            check_schedule(&pipeline_schedule(ScheduleKind::Gpipe, 4, 1, 8).unwrap()).unwrap();
+        assert_eq!(gpipe.peak_in_flight, [8, 8, 8, 8]);
+    }
+
+    #[test]
+    fn schedule_names_round_trip() {
+        for kind in [
+            ScheduleKind::Gpipe,
+            ScheduleKind::OneFOneB,
+            ScheduleKind::Interleaved,
+        ] {
+            assert_eq!(kind.to_string().parse::<ScheduleKind>(), Ok(kind));
+        }
+        assert!("zero-bubble".parse::<ScheduleKind>().is_err());
+    }
+
+    #[test]
+    fn checker_catches_broken_programs() {
+        let mut s = pipeline_schedule(ScheduleKind::OneFOneB, 2, 1, 2).unwrap();
+        // Stage 1 forgets a receive: stage 0's send is never received.
+        s[1].retain(|i| !matches!(i, Instruction::Recv(m) if m.piece.micro_batch == 1));
+        assert_eq!(
+            check_schedule(&s),
+            Err(ScheduleError::Unreceived {
+                from: 0,
+                to: 1,
+                payload: Payload::Activation,
+                piece: Piece::new(1, 0)
+            })
+        );
+        // Out-of-order receives: tags save MPI, but NCCL would mismatch them.
+        let mut swapped = pipeline_schedule(ScheduleKind::Gpipe, 2, 1, 2).unwrap();
+        assert!(link_in_order(&swapped, 0, 1));
+        let recvs: Vec<usize> = swapped[1]
+            .iter()
+            .enumerate()
+            .filter(|(_, i)| matches!(i, Instruction::Recv(m) if m.payload == Payload::Activation))
+            .map(|(n, _)| n)
+            .collect();
+        swapped[1].swap(recvs[0], recvs[1]);
+        assert!(!link_in_order(&swapped, 0, 1));
+        assert!(link_in_order(&swapped, 1, 0));
+        // Two stages that both receive first: deadlock.
+        let recv = |payload, peer| {
+            Instruction::Recv(Message {
+                payload,
+                peer,
+                piece: Piece::new(0, 0),
+            })
+        };
+        let s = vec![
+            vec![recv(Payload::Gradient, 1)],
+            vec![recv(Payload::Activation, 0)],
+        ];
+        let deadlock = check_schedule(&s).unwrap_err();
+        assert!(matches!(&deadlock, ScheduleError::Deadlock { waiting } if waiting.len() == 2));
+        assert_eq!(
+            deadlock.to_string(),
+            "deadlock: program 0 waits at step 0 (receive gradient of micro-batch 0 chunk 0 from 1); \
+             program 1 waits at step 0 (receive activation of micro-batch 0 chunk 0 from 0)"
+        );
+        // A send before its compute, a backward before its forward.
+        let s = vec![
+            vec![Instruction::Send(Message {
+                payload: Payload::Activation,
+                peer: 1,
+                piece: Piece::new(0, 0),
+            })],
+            vec![recv(Payload::Activation, 0)],
+        ];
+        assert!(matches!(
+            check_schedule(&s),
+            Err(ScheduleError::SendBeforeCompute { program: 0, .. })
+        ));
+        let s = vec![vec![Instruction::backward(Piece::new(0, 0))]];
+        assert!(matches!(
+            check_schedule(&s),
+            Err(ScheduleError::BackwardBeforeForward { program: 0, .. })
+        ));
+        assert!(matches!(
+            pipeline_schedule(ScheduleKind::Interleaved, 4, 2, 6),
+            Err(ScheduleError::InterleavedMicroBatches { .. })
+        ));
+        assert!(matches!(
+            pipeline_schedule(ScheduleKind::OneFOneB, 4, 2, 8),
+            Err(ScheduleError::ChunksNeedInterleaving { .. })
+        ));
+    }
+
+    #[test]
+    fn hetero_plan_with_different_counts_runs() {
+        let plan = ParallelPlan::from_synerfuse_args(
+            &[
+                "--tensor-model-parallel-size",
+                "2",
+                "--pipeline-model-parallel-size",
+                "3",
+                "--use-tp-pp-dp-mapping",
+                "--num-layers",
+                "12",
+                "--hetero-pipeline-stages",
+                "1",
+                "6",
+                "2",
+                "3",
+                "3",
+                "--global-batch-size",
+                "22",
+                "--micro-batch-size-per-dp",
+                "1",
+                "4",
+                "1",
+                "2",
+                "1",
+                "1",
+                "--num-micro-batches-per-dp",
+                "1",
+                "3",
+                "1",
+                "4",
+                "1",
+                "2",
+            ],
+            18,
+        )
+        .unwrap();
+        for kind in [ScheduleKind::Gpipe, ScheduleKind::OneFOneB] {
+            let programs = plan_schedule(&plan, kind).unwrap();
+            let report = check_schedule(&programs).unwrap();
+            let topology = plan.topology().unwrap();
+            for pipeline in topology.groups(crate::GroupKind::Pp) {
+                let dp = topology.coordinates(pipeline[0]).unwrap().dp;
+                let m = plan.batches.replicas()[dp].num_micro_batches;
+                report.check_pipeline_order(&pipeline, 1, m).unwrap();
+            }
+            for (rank, peak) in report.peak_in_flight.iter().enumerate() {
+                let c = topology.coordinates(rank).unwrap();
+                let m = plan.batches.replicas()[c.dp].num_micro_batches;
+                let expected = if kind == ScheduleKind::Gpipe {
+                    m
+                } else {
+                    (3 - c.pp).min(m)
+                };
+                assert_eq!(*peak, expected, "rank {rank}");
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// Whole plans whose replicas run different micro-batch counts: every rank's
+        /// program runs, pipelines stay in order.
+        #[test]
+        fn mixed_replica_counts(
+            tp in 1usize..3,
+            pp in 1usize..6,
+            shapes in prop::collection::vec((1usize..4, 1usize..9), 1..4),
+            gpipe in any::<bool>(),
+        ) {
+            let batches = crate::ReplicaBatches::new(shapes.iter().map(|&(m, n)| crate::ReplicaBatch {
+                micro_batch_size: m,
+                num_micro_batches: n,
+            }).collect()).unwrap();
+            let world = tp * pp * shapes.len();
+            let plan = ParallelPlan::new(
+                crate::TopologySpec { world_size: world, tp, pp, cp: 1, ep: 1, order: crate::TP_PP_DP_ORDER.into() },
+                crate::StageLayout::uniform(pp * 2, pp).unwrap(),
+                batches,
+                Vec::new(),
+            ).unwrap();
+            let kind = if gpipe { ScheduleKind::Gpipe } else { ScheduleKind::OneFOneB };
+            let programs = plan_schedule(&plan, kind).unwrap();
+            let report = check_schedule(&programs).unwrap();
+            let topology = plan.topology().unwrap();
+            for pipeline in topology.groups(crate::GroupKind::Pp) {
+                let dp = topology.coordinates(pipeline[0]).unwrap().dp;
+                report.check_pipeline_order(&pipeline, 1, shapes[dp].1).unwrap();
+            }
+        }
+
+        #[test]
+        fn schedules_run_to_completion(p in 1usize..=16, m in 1usize..=64, v in 1usize..=4, kind in 0..3u8) {
+            let kind = [ScheduleKind::Gpipe, ScheduleKind::OneFOneB, ScheduleKind::Interleaved][kind as usize];
+            let (v, m) = match kind {
+                ScheduleKind::Interleaved => (v, (m / p).max(1) * p),
+                _ => (1, m),
+            };
+            let programs = pipeline_schedule(kind, p, v, m).unwrap();
+            let report = check_schedule(&programs).unwrap();
+            let stages: Vec<usize> = (0..p).collect();
+            report.check_pipeline_order(&stages, v, m).unwrap();
+            // Neighbours receive in send order (NCCL point-to-point can carry every link).
+            for a in 0..p {
+                for b in [(a + 1) % p, (a + p - 1) % p] {
+                    prop_assert!(link_in_order(&programs, a, b), "{:?} link {} -> {}", kind, a, b);
+                }
+            }
+            for (stage, &peak) in report.peak_in_flight.iter().enumerate() {
+                let expected = match kind {
+                    ScheduleKind::Gpipe => m,
+                    ScheduleKind::OneFOneB => (p - stage).min(m),
+                    ScheduleKind::Interleaved => if m == p { m * v } else {
+                        ((p - stage - 1) * 2 + (v - 1) * p + 1).min(m * v)
+                    },
+                };
+                prop_assert_eq!(peak, expected, "stage {}", stage);
+            }
+            // Every stage forwards and backwards every (micro-batch, chunk) once.
+            for program in &programs {
+                let forwards = program.iter().filter(|i| matches!(i, Instruction::Compute { pass: Pass::Forward, .. })).count();
+                prop_assert_eq!(forwards, m * v);
+            }
+        }
+    }
+}
