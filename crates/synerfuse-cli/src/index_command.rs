@@ -7,72 +7,41 @@ use clap::Args;
 use serde_json::json;
 use std::path::PathBuf;
 use synerfuse_data::gpt::{
-    build_split_datasets, Blend, GptDataConfig, GptDatasetConfig, Split, SplitDataset,
+    build_split_datasets, BlendError, BudgetError, DataSources, GptDataConfig, GptDatasetError,
+    SampleBudget, Split, SplitDataset,
 };
 use synerfuse_data::tokenizer::megatron_tokenizer_identifiers;
 
-/// Megatron's default `--split` when `--data-path` is given without one.
-const DEFAULT_SPLIT: &str = "969, 30, 1";
-
-/// Where the data of a run comes from (Megatron's data flags).
-pub(crate) struct DataPaths<'a> {
-    pub data_path: &'a [String],
-    pub per_split: [&'a [String]; 3],
-    pub split: Option<&'a str>,
-    pub data_cache_path: Option<&'a std::path::Path>,
-}
-
-/// Megatron's GPT dataset configuration from its flags, checked as Megatron checks them.
+/// Megatron's data configuration from the data flags. The tokenizer is loaded as
+/// Megatron loads it, so a wrong path fails here rather than naming a cache.
 pub(crate) fn gpt_data_config(
-    paths: &DataPaths<'_>,
+    sources: &DataSources,
     seed: u32,
     seq_length: usize,
     tokenizer: &TokenizerFlags,
 ) -> Result<GptDataConfig> {
-    let has_per_split = paths.per_split.iter().any(|p| !p.is_empty());
-    if !paths.data_path.is_empty() && has_per_split {
-        bail!("--data-path cannot be combined with --train-data-path/--valid-data-path/--test-data-path");
-    }
-    if paths.data_path.is_empty() && !has_per_split {
-        bail!("give --data-path, or --train-data-path/--valid-data-path/--test-data-path");
-    }
-    if has_per_split && paths.split.is_some() {
-        bail!("--split applies to --data-path only, not to --train/valid/test-data-path");
-    }
     let Some(kind) = tokenizer.tokenizer_type else {
         bail!("--tokenizer-type is required: the tokenizer is part of the cache names");
     };
-    // Load it as Megatron does, so a wrong path fails here rather than naming a cache.
     tokenizer.build()?;
     let identifiers = megatron_tokenizer_identifiers(kind, &tokenizer.args())?;
-    let blend = (!paths.data_path.is_empty())
-        .then(|| Blend::from_list(paths.data_path))
-        .transpose()?;
-    let mut blend_per_split = [None, None, None];
-    for (slot, split_paths) in blend_per_split.iter_mut().zip(paths.per_split) {
-        if !split_paths.is_empty() {
-            *slot = Some(Blend::from_list(split_paths)?);
+    GptDataConfig::from_sources(sources, seed, seq_length, identifiers).map_err(data_flag_error)
+}
+
+/// A data error with the flags behind it.
+pub(crate) fn data_flag_error(error: GptDatasetError) -> anyhow::Error {
+    let flags = match &error {
+        GptDatasetError::Blend(BlendError::BlendAndPerSplit | BlendError::NoData) => {
+            "--data-path / --train-data-path / --valid-data-path / --test-data-path"
         }
-    }
-    if seq_length == 0 {
-        bail!("--seq-length must be at least 1");
-    }
-    Ok(GptDataConfig {
-        blend,
-        blend_per_split,
-        dataset: GptDatasetConfig {
-            seed,
-            sequence_length: seq_length,
-            split: match has_per_split {
-                true => None,
-                false => Some(paths.split.unwrap_or(DEFAULT_SPLIT).to_owned()),
-            },
-            path_to_cache: paths.data_cache_path.map(std::path::Path::to_path_buf),
-            tokenizer: identifiers,
-            add_extra_token: true,
-            drop_last_partial_validation: true,
-        },
-    })
+        GptDatasetError::Blend(BlendError::SplitWithPerSplit | BlendError::MissingSplit) => {
+            "--split"
+        }
+        GptDatasetError::Blend(_) => "--data-path",
+        GptDatasetError::ZeroSequenceLength => "--seq-length",
+        _ => return error.into(),
+    };
+    anyhow::Error::new(error).context(flags)
 }
 
 /// `synerfuse index`.
@@ -134,57 +103,46 @@ pub struct IndexArgs {
 impl IndexArgs {
     /// Samples per split, as Megatron's `build_train_valid_test_datasets` sizes them.
     fn sizes(&self) -> Result<[Option<u64>; 3]> {
-        if self.eval_interval == 0 {
-            bail!("--eval-interval must be at least 1");
+        let budget = SampleBudget {
+            train_samples: self.train_samples,
+            train_iters: self.train_iters,
+            global_batch_size: self.global_batch_size,
+            eval_interval: self.eval_interval,
+            eval_iters: self.eval_iters,
+            valid_samples: self.valid_samples,
+            test_samples: self.test_samples,
+        };
+        budget.split_sizes().map_err(|e| {
+            let flags = match e {
+                BudgetError::ZeroEvalInterval => "--eval-interval",
+                BudgetError::NoTrainSize => "--train-samples / --train-iters --global-batch-size",
+                BudgetError::Overflow => "--train-iters / --global-batch-size / --eval-iters",
+            };
+            anyhow::Error::new(e).context(flags)
+        })
+    }
+
+    fn sources(&self) -> DataSources {
+        DataSources {
+            blend: self.data_path.clone(),
+            per_split: [
+                self.train_data_path.clone(),
+                self.valid_data_path.clone(),
+                self.test_data_path.clone(),
+            ],
+            split: self.split.clone(),
+            cache_dir: self.data_cache_path.clone(),
         }
-        let gbs = self.global_batch_size;
-        let train = match (self.train_samples, self.train_iters, gbs) {
-            (Some(samples), _, _) => samples,
-            (None, Some(iters), Some(gbs)) => iters * gbs,
-            (None, _, _) => {
-                bail!("give --train-samples, or --train-iters with --global-batch-size")
-            }
-        };
-        let train_iters = match (self.train_iters, gbs) {
-            (Some(iters), _) => Some(iters),
-            (None, Some(gbs)) if gbs > 0 => Some(train / gbs),
-            _ => None,
-        };
-        let valid = match (self.valid_samples, train_iters, gbs) {
-            (Some(samples), _, _) => samples,
-            (None, Some(iters), Some(gbs)) => {
-                (iters / self.eval_interval + 1) * self.eval_iters * gbs
-            }
-            _ => 0,
-        };
-        let test = match (self.test_samples, gbs) {
-            (Some(samples), _) => samples,
-            (None, Some(gbs)) => self.eval_iters * gbs,
-            _ => 0,
-        };
-        Ok([Some(train), Some(valid), Some(test)])
     }
 }
 
 pub fn run_index(args: IndexArgs) -> Result<()> {
     let sizes = args.sizes()?;
-    let config = gpt_data_config(
-        &DataPaths {
-            data_path: &args.data_path,
-            per_split: [
-                &args.train_data_path,
-                &args.valid_data_path,
-                &args.test_data_path,
-            ],
-            split: args.split.as_deref(),
-            data_cache_path: args.data_cache_path.as_deref(),
-        },
-        args.seed,
-        args.seq_length,
-        &args.tokenizer,
-    )?;
+    let config = gpt_data_config(&args.sources(), args.seed, args.seq_length, &args.tokenizer)?;
     let started = std::time::Instant::now();
-    let datasets = build_split_datasets(&config, sizes).context("building the sample indices")?;
+    let datasets = build_split_datasets(&config, sizes)
+        .map_err(data_flag_error)
+        .context("building the sample indices")?;
     let elapsed = started.elapsed().as_secs_f64();
     let report: Vec<_> = Split::ALL
         .iter()

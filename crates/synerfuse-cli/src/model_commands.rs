@@ -43,46 +43,9 @@ fn load_model(source: &ModelSource, device: DeviceRequest) -> Result<Stage> {
             let config = LlamaConfig::from_hf_file(&dir.join("config.json"))?;
             Ok(load_stage(dir, 0..config.num_layers, device)?)
         }
-        (None, Some(load)) => load_checkpoint(load, device),
+        (None, Some(load)) => Ok(Checkpoint::open_any(load)?.load_model(device)?),
         (None, None) => bail!("give --hf-dir or --load"),
     }
-}
-
-/// The whole model of a training checkpoint (parameters by global name, any plan).
-fn load_checkpoint(load: &std::path::Path, device: tch::Device) -> Result<Stage> {
-    let checkpoint = if load.join("manifest.json").exists() {
-        Checkpoint::open(load)?
-    } else {
-        Checkpoint::open_latest(load)?.with_context(|| {
-            format!(
-                "{}: no `latest` file and no manifest.json: not a synerfuse checkpoint",
-                load.display()
-            )
-        })?
-    };
-    let source = checkpoint.dir.join("state.json");
-    let config = LlamaConfig::from_hf_json(
-        &checkpoint.state.model.to_string(),
-        &source.display().to_string(),
-    )?;
-    let stage = Stage::new(&config, 0..config.num_layers, device)?;
-    let variables = stage.var_store().variables();
-    let names: Vec<String> = variables.keys().cloned().collect();
-    let values = checkpoint.tensors("model-", &names)?;
-    for (name, var) in variables {
-        let value = &values[&name];
-        if value.size() != var.size() {
-            bail!(
-                "{}: tensor {name} has shape {:?}, the model expects {:?}",
-                checkpoint.dir.display(),
-                value.size(),
-                var.size()
-            );
-        }
-        let mut var = var;
-        tch::no_grad(|| var.copy_(&value.to_kind(var.kind()).to_device(device)));
-    }
-    Ok(stage)
 }
 
 /// Mean next-token negative log-likelihood of each sequence; `tokens` is the number of

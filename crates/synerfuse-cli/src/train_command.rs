@@ -2,20 +2,26 @@
 //! `synerfuse_train::Trainer` on every rank.
 
 use crate::data_commands::TokenizerFlags;
-use crate::index_command::{gpt_data_config, DataPaths};
+use crate::index_command::{data_flag_error, gpt_data_config};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::PathBuf;
 use std::time::Duration;
-use synerfuse_data::gpt::{build_split_datasets, SampleOptions};
+use synerfuse_data::gpt::{DataSources, SampleOptions};
+use synerfuse_data::tokenizer::Tokenizer;
 use synerfuse_model::{DeviceRequest, LlamaConfig, MegatronModelArgs};
-use synerfuse_parallel::{ParallelPlan, ScheduleKind};
+use synerfuse_parallel::{ParallelPlan, PlanFlags, ScheduleKind};
 use synerfuse_train::comm::{
-    launcher_local_rank, launcher_rank, mpirun_command, run_forwarding_signals, watchdog,
+    launcher_local_rank, launcher_rank, relaunch_under_mpirun, watchdog, MpiCommunicator,
     MpiRuntime,
 };
-use synerfuse_train::optim::{AdamWConfig, DecayStyle, LrSchedule};
-use synerfuse_train::{signals, TrainConfig, Trainer};
+use synerfuse_train::loader::{build_train_split, LoaderError};
+use synerfuse_train::optim::{AdamWConfig, DecayStyle, LrSchedule, LrScheduleError};
+use synerfuse_train::trainer::{
+    BatchConfig, CheckpointConfig, ComputeConfig, DataConfig, LoggingConfig, OptimizerConfig,
+    ParallelConfig,
+};
+use synerfuse_train::{signals, TrainConfig, TrainError, Trainer};
 
 /// `synerfuse train`.
 #[derive(Args, Debug)]
@@ -188,7 +194,7 @@ pub struct TrainArgs {
     min_lr: f64,
     /// cosine, linear or constant
     #[arg(long, default_value = "linear", help_heading = "Optimisation")]
-    lr_decay_style: String,
+    lr_decay_style: DecayStyle,
     #[arg(long, default_value_t = 0, help_heading = "Optimisation")]
     lr_warmup_iters: u64,
     #[arg(long, help_heading = "Optimisation")]
@@ -255,25 +261,7 @@ pub struct TrainArgs {
 /// Re-runs this very command under `mpirun -np N` (without `--nproc`) and returns its
 /// exit status. Shared by `train` and `profile`.
 pub(crate) fn relaunch(nproc: usize) -> Result<std::process::ExitStatus> {
-    let exe = std::env::current_exe().context("locating the synerfuse binary")?;
-    let mut args: Vec<String> = Vec::new();
-    let mut skip = false;
-    for arg in std::env::args().skip(1) {
-        if skip {
-            skip = false;
-        } else if arg == "--nproc" {
-            skip = true;
-        } else if !arg.starts_with("--nproc=") {
-            args.push(arg);
-        }
-    }
-    let mut command = mpirun_command(nproc, &exe);
-    command.args(&args);
-    tracing::info!(
-        "launching {nproc} ranks: mpirun -np {nproc} {}",
-        exe.display()
-    );
-    run_forwarding_signals(command)
+    relaunch_under_mpirun(nproc)
         .context("could not start mpirun (install OpenMPI: `cargo xtask setup`)")
 }
 
@@ -291,43 +279,22 @@ impl TrainArgs {
         }
     }
 
-    fn parallel_flags(&self) -> Result<Vec<String>> {
-        let num_layers = self.num_layers()?;
-        let mut args = Vec::new();
-        let mut push = |flag: &str, value: Option<usize>| {
-            if let Some(v) = value {
-                args.extend([flag.to_owned(), v.to_string()]);
-            }
-        };
-        push(
-            "--tensor-model-parallel-size",
-            self.tensor_model_parallel_size,
-        );
-        push(
-            "--pipeline-model-parallel-size",
-            self.pipeline_model_parallel_size,
-        );
-        push(
-            "--num-layers-per-virtual-pipeline-stage",
-            self.num_layers_per_virtual_pipeline_stage,
-        );
-        push("--micro-batch-size", self.micro_batch_size);
-        push("--global-batch-size", self.global_batch_size);
-        push("--num-layers", num_layers);
-        for (flag, values) in [
-            ("--hetero-pipeline-stages", &self.hetero_pipeline_stages),
-            ("--micro-batch-size-per-dp", &self.micro_batch_size_per_dp),
-            ("--num-micro-batches-per-dp", &self.num_micro_batches_per_dp),
-        ] {
-            if !values.is_empty() {
-                args.push(flag.to_owned());
-                args.extend(values.iter().map(usize::to_string));
-            }
-        }
-        if self.use_tp_pp_dp_mapping {
-            args.push("--use-tp-pp-dp-mapping".into());
-        }
-        Ok(args)
+    /// The parallel flags as typed values.
+    fn plan_flags(&self) -> Result<PlanFlags> {
+        let list = |values: &[usize]| (!values.is_empty()).then(|| values.to_vec());
+        Ok(PlanFlags {
+            tensor_model_parallel_size: self.tensor_model_parallel_size.unwrap_or(1),
+            pipeline_model_parallel_size: self.pipeline_model_parallel_size.unwrap_or(1),
+            use_tp_pp_dp_mapping: self.use_tp_pp_dp_mapping,
+            num_layers: self.num_layers()?,
+            hetero_pipeline_stages: list(&self.hetero_pipeline_stages),
+            num_layers_per_virtual_pipeline_stage: self.num_layers_per_virtual_pipeline_stage,
+            global_batch_size: self.global_batch_size,
+            micro_batch_size: self.micro_batch_size,
+            micro_batch_size_per_dp: list(&self.micro_batch_size_per_dp),
+            num_micro_batches_per_dp: list(&self.num_micro_batches_per_dp),
+            ..PlanFlags::default()
+        })
     }
 
     /// The plan: from `--plan` (parallel flags then conflict), or from the flags.
@@ -339,7 +306,7 @@ impl TrainArgs {
             );
         }
         let Some(path) = &self.plan else {
-            return ParallelPlan::from_synerfuse_args(&self.parallel_flags()?, world_size)
+            return ParallelPlan::from_flags(&self.plan_flags()?, world_size)
                 .context("parallel flags");
         };
         let text =
@@ -410,6 +377,122 @@ impl TrainArgs {
             );
         }
         Ok(plan)
+    }
+
+    /// The data flags as typed values.
+    fn sources(&self) -> DataSources {
+        DataSources {
+            blend: self.data_path.clone(),
+            per_split: Default::default(),
+            split: self.split.clone(),
+            cache_dir: self.data_cache_path.clone(),
+        }
+    }
+
+    /// How samples are cut and masked (Megatron's GPT dataset flags).
+    fn sample_options(&self, tokenizer: &dyn Tokenizer) -> Result<SampleOptions> {
+        let eod = tokenizer
+            .eod()
+            .context("the tokenizer has no end-of-document id")?;
+        let options = SampleOptions {
+            sequence_length: self.seq_length,
+            add_extra_token: true,
+            eod: i64::from(eod),
+            pad: tokenizer.pad().map_or(-1, i64::from),
+            reset_position_ids: self.reset_position_ids,
+            reset_attention_mask: self.reset_attention_mask,
+            eod_mask_loss: self.eod_mask_loss,
+            // The loader materialises masks only under --reset-attention-mask.
+            create_attention_mask: !self.no_create_attention_mask_in_dataloader,
+        };
+        tracing::info!(
+            "attention: {}",
+            if options.reset_attention_mask {
+                "masks from the data loader (--reset-attention-mask: no attention across EOD)"
+            } else {
+                "causal, no mask materialised (scaled_dot_product_attention with is_causal)"
+            }
+        );
+        Ok(options)
+    }
+
+    /// The learning-rate schedule of Megatron's flags, in samples.
+    fn lr_schedule(&self, global_batch_size: u64) -> Result<LrSchedule> {
+        LrSchedule::from_iterations(
+            self.lr,
+            self.min_lr,
+            self.lr_decay_style,
+            self.lr_decay_iters.unwrap_or(self.train_iters),
+            self.lr_warmup_iters,
+            self.lr_warmup_fraction,
+            global_batch_size,
+        )
+        .map_err(|e| {
+            let flags = match e {
+                LrScheduleError::MinLr { .. } => "--min-lr / --lr",
+                LrScheduleError::WarmupFraction(_) => "--lr-warmup-fraction",
+                LrScheduleError::UnknownDecayStyle(_) => "--lr-decay-style",
+                LrScheduleError::WarmupLongerThanDecay { .. }
+                | LrScheduleError::Overflow { .. } => "--lr-warmup-iters / --lr-decay-iters",
+            };
+            anyhow::Error::new(e).context(flags)
+        })
+    }
+
+    /// The run's configuration, grouped as the trainer takes it.
+    fn train_config(&self, model: LlamaConfig, plan: ParallelPlan) -> Result<TrainConfig> {
+        let schedule = self
+            .pipeline_schedule
+            .unwrap_or(if plan.stages.num_chunks() > 1 {
+                ScheduleKind::Interleaved
+            } else {
+                ScheduleKind::OneFOneB
+            });
+        let lr = self.lr_schedule(plan.batches.global_batch_size() as u64)?;
+        Ok(TrainConfig {
+            model,
+            parallel: ParallelConfig {
+                plan,
+                schedule,
+                overlap_grad_reduce: !self.no_overlap_grad_reduce,
+            },
+            batch: BatchConfig {
+                sequence_length: self.seq_length,
+                train_iters: self.train_iters,
+                seed: u64::from(self.seed),
+            },
+            optimizer: OptimizerConfig {
+                lr,
+                adam: AdamWConfig {
+                    beta1: self.adam_beta1,
+                    beta2: self.adam_beta2,
+                    eps: self.adam_eps,
+                    weight_decay: self.weight_decay,
+                },
+                clip_grad: self.clip_grad,
+            },
+            compute: ComputeConfig {
+                bf16: self.bf16,
+                recompute: self.recompute_activations,
+                device: self.device,
+                emulate_speed: self.emulate_device_speed.clone(),
+            },
+            data: DataConfig {
+                prefetch: self.num_workers > 0,
+            },
+            checkpoint: CheckpointConfig {
+                save: self.save.clone(),
+                save_interval: self.save_interval,
+                load: self.load.clone(),
+                exit_interval: self.exit_interval,
+                finetune_from_hf: self.finetune_from_hf.clone(),
+            },
+            logging: LoggingConfig {
+                log_interval: self.log_interval,
+                log_json: self.log_json.clone(),
+                tensorboard_dir: self.tensorboard_dir.clone(),
+            },
+        })
     }
 
     /// Checks the run.sh compatibility flags and says what each accepted one means here.
@@ -533,7 +616,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     result
 }
 
-fn train_rank(args: &TrainArgs, world: &synerfuse_train::comm::MpiCommunicator) -> Result<()> {
+fn train_rank(args: &TrainArgs, world: &MpiCommunicator) -> Result<()> {
     let (local_rank, local_size) = launcher_local_rank();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = args.threads.unwrap_or((cores / local_size).max(1));
@@ -551,17 +634,6 @@ fn train_rank(args: &TrainArgs, world: &synerfuse_train::comm::MpiCommunicator) 
             tokenizer.vocab_size()
         );
     }
-    let data = gpt_data_config(
-        &DataPaths {
-            data_path: &args.data_path,
-            per_split: [&[], &[], &[]],
-            split: args.split.as_deref(),
-            data_cache_path: args.data_cache_path.as_deref(),
-        },
-        args.seed,
-        args.seq_length,
-        &args.tokenizer,
-    )?;
     let gbs = plan.batches.global_batch_size() as u64;
     let samples = args.train_iters.checked_mul(gbs).with_context(|| {
         format!(
@@ -569,116 +641,20 @@ fn train_rank(args: &TrainArgs, world: &synerfuse_train::comm::MpiCommunicator) 
             args.train_iters
         )
     })?;
-    let sizes = [Some(samples), None, None];
-    // Rank 0 builds (and caches) the indices first; the others then load its caches.
-    let build = || -> Result<_> {
-        let mut splits =
-            build_split_datasets(&data, sizes).context("building the sample indices")?;
-        splits[0]
-            .take()
-            .context("--split gives the train split no data")
-    };
-    let dataset = if world.rank() == 0 {
-        let d = build();
-        world.barrier();
-        d?
-    } else {
-        world.barrier();
-        build()?
-    };
-    let sample_options = SampleOptions {
-        sequence_length: args.seq_length,
-        add_extra_token: true,
-        eod: i64::from(
-            tokenizer
-                .eod()
-                .context("the tokenizer has no end-of-document id")?,
-        ),
-        pad: tokenizer.pad().map_or(-1, i64::from),
-        reset_position_ids: args.reset_position_ids,
-        reset_attention_mask: args.reset_attention_mask,
-        eod_mask_loss: args.eod_mask_loss,
-        // The loader materialises masks only under --reset-attention-mask.
-        create_attention_mask: !args.no_create_attention_mask_in_dataloader,
-    };
-    tracing::info!(
-        "attention: {}",
-        if sample_options.reset_attention_mask {
-            "masks from the data loader (--reset-attention-mask: no attention across EOD)"
-        } else {
-            "causal, no mask materialised (scaled_dot_product_attention with is_causal)"
-        }
-    );
-    let schedule = args
-        .pipeline_schedule
-        .unwrap_or(if plan.stages.num_chunks() > 1 {
-            ScheduleKind::Interleaved
-        } else {
-            ScheduleKind::OneFOneB
-        });
-    let lr = LrSchedule::from_iterations(
-        args.lr,
-        args.min_lr,
-        args.lr_decay_style
-            .parse::<DecayStyle>()
-            .map_err(anyhow::Error::msg)?,
-        args.lr_decay_iters.unwrap_or(args.train_iters),
-        args.lr_warmup_iters,
-        args.lr_warmup_fraction,
-        gbs,
-    )
-    .map_err(anyhow::Error::msg)?;
-    let config = TrainConfig {
-        model,
-        plan,
-        schedule,
-        sequence_length: args.seq_length,
-        train_iters: args.train_iters,
-        lr,
-        adam: AdamWConfig {
-            beta1: args.adam_beta1,
-            beta2: args.adam_beta2,
-            eps: args.adam_eps,
-            weight_decay: args.weight_decay,
-        },
-        clip_grad: args.clip_grad,
-        bf16: args.bf16,
-        seed: u64::from(args.seed),
-        recompute: args.recompute_activations,
-        device: args.device,
-        emulate_speed: args.emulate_device_speed.clone(),
-        save: args.save.clone(),
-        save_interval: args.save_interval,
-        load: args.load.clone(),
-        exit_interval: args.exit_interval,
-        finetune_from_hf: args.finetune_from_hf.clone(),
-        log_interval: args.log_interval,
-        log_json: args.log_json.clone(),
-        tensorboard_dir: args.tensorboard_dir.clone(),
-        overlap_grad_reduce: !args.no_overlap_grad_reduce,
-        prefetch: args.num_workers > 0,
-    };
+    let data = gpt_data_config(&args.sources(), args.seed, args.seq_length, &args.tokenizer)?;
+    let dataset = build_train_split(world, &data, samples).map_err(|e| match e {
+        LoaderError::Dataset(e) => data_flag_error(e).context("building the sample indices"),
+        LoaderError::NoTrainData => anyhow::Error::new(e).context("--split"),
+        e => e.into(),
+    })?;
+    let sample_options = args.sample_options(tokenizer.as_ref())?;
+    let config = args.train_config(model, plan)?;
     if world.rank() == 0 {
-        tracing::info!(
-            "training {} parameters on {} ranks: layers per stage {:?}, (mbs, micro-batches) per replica {:?}, {threads} threads per rank",
-            config.model.num_parameters(),
-            world.size(),
-            config.plan.stages.layers(),
-            config
-                .plan
-                .batches
-                .replicas()
-                .iter()
-                .map(|r| (r.micro_batch_size, r.num_micro_batches))
-                .collect::<Vec<_>>()
-        );
-        tracing::info!(
-            "equivalent flags: {}",
-            config.plan.to_synerfuse_args().join(" ")
-        );
+        log_run(&config, world.size(), threads);
     }
-    let mut trainer = Trainer::new(world, config, dataset, sample_options, local_rank)?;
-    let summary = trainer.train()?;
+    let mut trainer = Trainer::new(world, config, dataset, sample_options, local_rank)
+        .map_err(train_flag_error)?;
+    let summary = trainer.train().map_err(train_flag_error)?;
     if world.rank() == 0 {
         if let (Some(first), Some(last)) = (summary.losses.first(), summary.losses.last()) {
             tracing::info!(
@@ -694,6 +670,39 @@ fn train_rank(args: &TrainArgs, world: &synerfuse_train::comm::MpiCommunicator) 
         }
     }
     Ok(())
+}
+
+/// Rank 0's account of the run it starts.
+fn log_run(config: &TrainConfig, world_size: usize, threads: usize) {
+    let plan = &config.parallel.plan;
+    tracing::info!(
+        "training {} parameters on {world_size} ranks: layers per stage {:?}, (mbs, micro-batches) per replica {:?}, {threads} threads per rank",
+        config.model.num_parameters(),
+        plan.stages.layers(),
+        plan.batches
+            .replicas()
+            .iter()
+            .map(|r| (r.micro_batch_size, r.num_micro_batches))
+            .collect::<Vec<_>>()
+    );
+    tracing::info!("equivalent flags: {}", plan.to_synerfuse_args().join(" "));
+}
+
+/// A training error with the flags behind it, where the library names only values.
+fn train_flag_error(error: TrainError) -> anyhow::Error {
+    let flags = match &error {
+        TrainError::UnsupportedParallelism { tp, cp, ep } => format!(
+            "--tensor-model-parallel-size {tp} / --context-parallel-size {cp} / --expert-model-parallel-size {ep}"
+        ),
+        TrainError::LayerCount { model, .. } => format!("--num-layers {model}"),
+        TrainError::EmulatedSpeedCount { .. } | TrainError::EmulatedSpeed { .. } => {
+            "--emulate-device-speed".to_owned()
+        }
+        TrainError::ChunksWithoutPipeline => "--num-layers-per-virtual-pipeline-stage".to_owned(),
+        TrainError::WorldSize { .. } => "--nproc / mpirun -np".to_owned(),
+        _ => return error.into(),
+    };
+    anyhow::Error::new(error).context(flags)
 }
 
 /// A count flag that must be at least 1 (`--nproc`, `--threads`, `--repeats`).

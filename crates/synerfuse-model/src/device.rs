@@ -7,12 +7,12 @@ use tch::Device;
 /// Errors of this crate.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ModelError {
-    /// A `--device` value that is none of `cpu`, `cuda`, `cuda:N`, `auto`.
+    /// A device name that is none of `cpu`, `cuda`, `cuda:N`, `auto`.
     #[error("`{0}` is not a device: expected cpu, cuda, cuda:N or auto")]
     BadDeviceName(String),
     /// CUDA was asked for but libtorch sees no GPU (or was built without CUDA).
     #[error(
-        "--device {requested}: no GPU is visible to libtorch (libtorch CUDA support: {support})"
+        "device {requested}: no GPU is visible to libtorch (libtorch CUDA support: {support})"
     )]
     CudaUnavailable {
         /// The device asked for.
@@ -21,8 +21,13 @@ pub enum ModelError {
         support: String,
     },
     /// A GPU index past the last GPU.
-    #[error("--device cuda:{index}: only {count} CUDA device(s) are visible")]
-    NoSuchCudaDevice { index: usize, count: usize },
+    #[error("device cuda:{index}: only {count} CUDA device(s) are visible")]
+    NoSuchCudaDevice {
+        /// The index asked for.
+        index: usize,
+        /// GPUs visible to libtorch.
+        count: usize,
+    },
 }
 
 /// The device a user asked for (`--device`), before checking the machine has it.

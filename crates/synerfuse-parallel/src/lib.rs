@@ -1,4 +1,5 @@
 #![doc = include_str!("../README.md")]
+#![warn(missing_docs)]
 
 mod batch;
 pub mod cluster;
@@ -11,7 +12,9 @@ mod stage;
 mod topology;
 
 pub use batch::{BatchError, ReplicaBatch, ReplicaBatches};
-pub use plan::{ParallelPlan, PlanError, RankPlacement, TopologySpec};
+pub use plan::{
+    ParallelPlan, PlacedDevice, PlanError, PlanFlags, RankPlacement, TopologySpec, UnknownDevice,
+};
 pub use schedule::{
     check_schedule, link_in_order, pipeline_schedule, plan_schedule, Instruction, Message, Pass,
     Payload, Piece, ScheduleError, ScheduleKind, ScheduleReport, UnknownScheduleKind, Waiting,

@@ -6,11 +6,71 @@ use crate::{BatchError, LayoutError, ReplicaBatches, StageLayout, Topology, Topo
 use crate::{DEFAULT_ORDER, TP_PP_DP_ORDER};
 use serde::{Deserialize, Serialize};
 
+/// The device a rank computes on at run time (`cpu`, `cuda`, `cuda:N`, `auto`), as
+/// opposed to the cluster's name for its kind ([`RankPlacement::kind`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum PlacedDevice {
+    /// The host CPU.
+    Cpu,
+    /// A GPU: the given index, or the local rank's share of the visible GPUs.
+    Cuda(Option<usize>),
+    /// A GPU when one is visible, else the CPU.
+    Auto,
+}
+
+/// A device name that is none of `cpu`, `cuda`, `cuda:N`, `auto`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{0}` is not a device: expected cpu, cuda, cuda:N or auto")]
+pub struct UnknownDevice(pub String);
+
+impl std::str::FromStr for PlacedDevice {
+    type Err = UnknownDevice;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "cpu" => Ok(PlacedDevice::Cpu),
+            "cuda" | "gpu" => Ok(PlacedDevice::Cuda(None)),
+            "auto" => Ok(PlacedDevice::Auto),
+            other => other
+                .strip_prefix("cuda:")
+                .and_then(|index| index.parse().ok())
+                .map(|index| PlacedDevice::Cuda(Some(index)))
+                .ok_or_else(|| UnknownDevice(s.to_owned())),
+        }
+    }
+}
+
+impl std::fmt::Display for PlacedDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PlacedDevice::Cpu => f.write_str("cpu"),
+            PlacedDevice::Cuda(None) => f.write_str("cuda"),
+            PlacedDevice::Cuda(Some(index)) => write!(f, "cuda:{index}"),
+            PlacedDevice::Auto => f.write_str("auto"),
+        }
+    }
+}
+
+impl TryFrom<String> for PlacedDevice {
+    type Error = UnknownDevice;
+
+    fn try_from(name: String) -> Result<Self, Self::Error> {
+        name.parse()
+    }
+}
+
+impl From<PlacedDevice> for String {
+    fn from(device: PlacedDevice) -> String {
+        device.to_string()
+    }
+}
+
 /// What a rank computes on.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RankPlacement {
-    /// Device kind, e.g. `cpu`, `cuda`, `cuda:1`, or a catalogue name such as `A100`.
-    pub device: String,
+    /// The runtime device.
+    pub device: PlacedDevice,
     /// Emulated speed relative to the device's own (1.0 = as is; 0.5 = half as fast). A
     /// test and benchmark device for clusters without heterogeneity.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -60,9 +120,38 @@ pub enum PlanError {
     /// Bad batch layout.
     #[error(transparent)]
     Batch(#[from] BatchError),
-    /// Parts that do not fit together.
-    #[error("{0}")]
-    Mismatch(String),
+    /// A stage layout whose stage count is not the pipeline-parallel size.
+    #[error("the stage layout has {stages} stages but the pipeline-parallel size is {pp}")]
+    StageCount {
+        /// Stages in the layout.
+        stages: usize,
+        /// Pipeline-parallel size.
+        pp: usize,
+    },
+    /// A batch layout whose replica count is not the data-parallel size.
+    #[error("the batch layout has {replicas} replicas but the data-parallel size is {dp}")]
+    ReplicaCount {
+        /// Replicas in the batch layout.
+        replicas: usize,
+        /// Data-parallel size.
+        dp: usize,
+    },
+    /// Placements that are not one per rank.
+    #[error("{placements} rank placements for a world of {world_size}")]
+    PlacementCount {
+        /// Placements given.
+        placements: usize,
+        /// Ranks.
+        world_size: usize,
+    },
+    /// An emulated speed that is not a positive number.
+    #[error("rank {rank}: speed {speed} must be a positive number")]
+    PlacementSpeed {
+        /// The rank.
+        rank: usize,
+        /// Its speed.
+        speed: f64,
+    },
     /// The plan's pipelines cannot run the schedule.
     #[error(transparent)]
     Schedule(#[from] crate::ScheduleError),
@@ -74,9 +163,14 @@ pub enum PlanError {
         /// What is wrong.
         problem: String,
     },
-    /// TOML or JSON that does not parse as a plan.
-    #[error("{0}")]
-    Format(String),
+    /// TOML or JSON that does not parse (or print) as a plan.
+    #[error("plan {format}: {message}")]
+    Format {
+        /// `TOML` or `JSON`.
+        format: &'static str,
+        /// The parser's message.
+        message: String,
+    },
 }
 
 /// Everything a run needs to know about where work goes.
@@ -128,25 +222,23 @@ impl ParallelPlan {
     pub fn validate(&self) -> Result<(), PlanError> {
         let topology = self.topology()?;
         if self.stages.num_stages() != self.topology.pp {
-            return Err(PlanError::Mismatch(format!(
-                "the stage layout has {} stages but the pipeline-parallel size is {}",
-                self.stages.num_stages(),
-                self.topology.pp
-            )));
+            return Err(PlanError::StageCount {
+                stages: self.stages.num_stages(),
+                pp: self.topology.pp,
+            });
         }
         let dp = topology.size(crate::Dim::Dp);
         if self.batches.dp_size() != dp {
-            return Err(PlanError::Mismatch(format!(
-                "the batch layout has {} replicas but the data-parallel size is {dp}",
-                self.batches.dp_size()
-            )));
+            return Err(PlanError::ReplicaCount {
+                replicas: self.batches.dp_size(),
+                dp,
+            });
         }
         if !self.ranks.is_empty() && self.ranks.len() != self.topology.world_size {
-            return Err(PlanError::Mismatch(format!(
-                "{} rank placements for a world of {}",
-                self.ranks.len(),
-                self.topology.world_size
-            )));
+            return Err(PlanError::PlacementCount {
+                placements: self.ranks.len(),
+                world_size: self.topology.world_size,
+            });
         }
         if let Some((rank, p)) = self
             .ranks
@@ -154,23 +246,28 @@ impl ParallelPlan {
             .enumerate()
             .find(|(_, p)| p.speed.is_some_and(|s| !(s.is_finite() && s > 0.0)))
         {
-            return Err(PlanError::Mismatch(format!(
-                "rank {rank}: speed {} must be a positive number",
-                p.speed.unwrap_or_default()
-            )));
+            return Err(PlanError::PlacementSpeed {
+                rank,
+                speed: p.speed.unwrap_or_default(),
+            });
         }
         Ok(())
     }
 
     /// The plan as TOML.
     pub fn to_toml(&self) -> Result<String, PlanError> {
-        toml::to_string_pretty(self).map_err(|e| PlanError::Format(e.to_string()))
+        toml::to_string_pretty(self).map_err(|e| PlanError::Format {
+            format: "TOML",
+            message: e.to_string(),
+        })
     }
 
     /// A plan from TOML, validated.
     pub fn from_toml(text: &str) -> Result<Self, PlanError> {
-        let plan: ParallelPlan =
-            toml::from_str(text).map_err(|e| PlanError::Format(format!("plan TOML: {e}")))?;
+        let plan: ParallelPlan = toml::from_str(text).map_err(|e| PlanError::Format {
+            format: "TOML",
+            message: e.to_string(),
+        })?;
         plan.validate()?;
         Ok(plan)
     }
@@ -182,8 +279,10 @@ impl ParallelPlan {
 
     /// A plan from JSON, validated.
     pub fn from_json(text: &str) -> Result<Self, PlanError> {
-        let plan: ParallelPlan =
-            serde_json::from_str(text).map_err(|e| PlanError::Format(format!("plan JSON: {e}")))?;
+        let plan: ParallelPlan = serde_json::from_str(text).map_err(|e| PlanError::Format {
+            format: "JSON",
+            message: e.to_string(),
+        })?;
         plan.validate()?;
         Ok(plan)
     }
@@ -250,9 +349,20 @@ impl ParallelPlan {
         args: &[S],
         world_size: usize,
     ) -> Result<Self, PlanError> {
-        let flags = ParallelFlags::parse(args)?;
+        Self::from_flags(&PlanFlags::parse_args(args)?, world_size)
+    }
+
+    /// A plan from the typed values of SynerFuse's and Megatron's parallel flags, for a
+    /// world of `world_size` ranks.
+    pub fn from_flags(flags: &PlanFlags, world_size: usize) -> Result<Self, PlanError> {
+        let (tp, pp, cp, ep) = (
+            flags.tensor_model_parallel_size,
+            flags.pipeline_model_parallel_size,
+            flags.context_parallel_size,
+            flags.expert_model_parallel_size,
+        );
         let order = if flags.use_tp_pp_dp_mapping {
-            if flags.cp != 1 || flags.ep != 1 {
+            if cp != 1 || ep != 1 {
                 return Err(PlanError::Flag {
                     flag: "--use-tp-pp-dp-mapping".into(),
                     problem: "cannot be combined with context or expert parallelism".into(),
@@ -264,20 +374,83 @@ impl ParallelPlan {
         };
         let spec = TopologySpec {
             world_size,
-            tp: flags.tp,
-            pp: flags.pp,
-            cp: flags.cp,
-            ep: flags.ep,
+            tp,
+            pp,
+            cp,
+            ep,
             order: order.to_owned(),
         };
-        let topology = Topology::new(world_size, flags.tp, flags.pp, flags.cp, flags.ep, order)?;
-        let num_layers = flags.num_layers.ok_or_else(|| PlanError::Flag {
+        let topology = Topology::new(world_size, tp, pp, cp, ep, order)?;
+        let batches = ReplicaBatches::from_flags(
+            topology.size(crate::Dim::Dp),
+            flags.global_batch_size,
+            flags.micro_batch_size,
+            flags.micro_batch_size_per_dp.as_deref(),
+            flags.num_micro_batches_per_dp.as_deref(),
+        )?;
+        Self::new(spec, flags.stage_layout()?, batches, Vec::new())
+    }
+}
+
+/// The typed values of the parallel flags of a SynerFuse (or Megatron) command line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanFlags {
+    /// `--tensor-model-parallel-size` (default 1).
+    pub tensor_model_parallel_size: usize,
+    /// `--pipeline-model-parallel-size` (default 1).
+    pub pipeline_model_parallel_size: usize,
+    /// `--context-parallel-size` (default 1).
+    pub context_parallel_size: usize,
+    /// `--expert-model-parallel-size` (default 1).
+    pub expert_model_parallel_size: usize,
+    /// `--use-tp-pp-dp-mapping`: each replica a contiguous block of ranks.
+    pub use_tp_pp_dp_mapping: bool,
+    /// `--num-layers` (required).
+    pub num_layers: Option<usize>,
+    /// SynerFuse's `--hetero-pipeline-stages n0 l.. n1 l..`.
+    pub hetero_pipeline_stages: Option<Vec<usize>>,
+    /// `--num-layers-per-virtual-pipeline-stage`.
+    pub num_layers_per_virtual_pipeline_stage: Option<usize>,
+    /// `--global-batch-size`.
+    pub global_batch_size: Option<usize>,
+    /// `--micro-batch-size`.
+    pub micro_batch_size: Option<usize>,
+    /// SynerFuse's `--micro-batch-size-per-dp n0 mbs0 ...`.
+    pub micro_batch_size_per_dp: Option<Vec<usize>>,
+    /// SynerFuse's `--num-micro-batches-per-dp n0 k0 ...`.
+    pub num_micro_batches_per_dp: Option<Vec<usize>>,
+}
+
+impl Default for PlanFlags {
+    fn default() -> Self {
+        PlanFlags {
+            tensor_model_parallel_size: 1,
+            pipeline_model_parallel_size: 1,
+            context_parallel_size: 1,
+            expert_model_parallel_size: 1,
+            use_tp_pp_dp_mapping: false,
+            num_layers: None,
+            hetero_pipeline_stages: None,
+            num_layers_per_virtual_pipeline_stage: None,
+            global_batch_size: None,
+            micro_batch_size: None,
+            micro_batch_size_per_dp: None,
+            num_micro_batches_per_dp: None,
+        }
+    }
+}
+
+impl PlanFlags {
+    /// Layers per stage: SynerFuse's groups, Megatron's virtual chunks, or an even split.
+    fn stage_layout(&self) -> Result<StageLayout, PlanError> {
+        let pp = self.pipeline_model_parallel_size;
+        let num_layers = self.num_layers.ok_or_else(|| PlanError::Flag {
             flag: "--num-layers".into(),
             problem: "is required".into(),
         })?;
-        let stages = match (
-            &flags.hetero_pipeline_stages,
-            flags.layers_per_virtual_stage,
+        let layout = match (
+            &self.hetero_pipeline_stages,
+            self.num_layers_per_virtual_pipeline_stage,
         ) {
             (Some(_), Some(_)) => {
                 return Err(PlanError::Flag {
@@ -287,63 +460,27 @@ impl ParallelPlan {
                 })
             }
             (Some(values), None) => {
-                StageLayout::from_hetero_pipeline_stages(values, flags.pp, num_layers)?
+                StageLayout::from_hetero_pipeline_stages(values, pp, num_layers)?
             }
             (None, Some(per_chunk)) => {
-                if per_chunk == 0 || num_layers % (per_chunk * flags.pp) != 0 {
+                if per_chunk == 0 || num_layers % (per_chunk * pp) != 0 {
                     return Err(PlanError::Flag {
                         flag: "--num-layers-per-virtual-pipeline-stage".into(),
                         problem: format!(
-                            "{per_chunk} does not divide --num-layers {num_layers} over {} stages",
-                            flags.pp
+                            "{per_chunk} does not divide --num-layers {num_layers} over {pp} stages"
                         ),
                     });
                 }
-                StageLayout::uniform_interleaved(
-                    num_layers,
-                    flags.pp,
-                    num_layers / (per_chunk * flags.pp),
-                )?
+                StageLayout::uniform_interleaved(num_layers, pp, num_layers / (per_chunk * pp))?
             }
-            (None, None) => StageLayout::uniform(num_layers, flags.pp)?,
+            (None, None) => StageLayout::uniform(num_layers, pp)?,
         };
-        let batches = ReplicaBatches::from_flags(
-            topology.size(crate::Dim::Dp),
-            flags.global_batch_size,
-            flags.micro_batch_size,
-            flags.micro_batch_size_per_dp.as_deref(),
-            flags.num_micro_batches_per_dp.as_deref(),
-        )?;
-        Self::new(spec, stages, batches, Vec::new())
+        Ok(layout)
     }
-}
 
-/// The parallel flags of a SynerFuse command line.
-#[derive(Debug, Default)]
-struct ParallelFlags {
-    tp: usize,
-    pp: usize,
-    cp: usize,
-    ep: usize,
-    use_tp_pp_dp_mapping: bool,
-    num_layers: Option<usize>,
-    hetero_pipeline_stages: Option<Vec<usize>>,
-    layers_per_virtual_stage: Option<usize>,
-    global_batch_size: Option<usize>,
-    micro_batch_size: Option<usize>,
-    micro_batch_size_per_dp: Option<Vec<usize>>,
-    num_micro_batches_per_dp: Option<Vec<usize>>,
-}
-
-impl ParallelFlags {
-    fn parse<S: AsRef<str>>(args: &[S]) -> Result<Self, PlanError> {
-        let mut flags = ParallelFlags {
-            tp: 1,
-            pp: 1,
-            cp: 1,
-            ep: 1,
-            ..Default::default()
-        };
+    /// Parses the parallel flags of a command line (and nothing else).
+    pub fn parse_args<S: AsRef<str>>(args: &[S]) -> Result<Self, PlanError> {
+        let mut flags = PlanFlags::default();
         let mut seen = std::collections::HashSet::new();
         let mut i = 0;
         while i < args.len() {
@@ -378,15 +515,15 @@ impl ParallelFlags {
                 values.iter().map(|v| number(v)).collect()
             };
             match flag {
-                "--tensor-model-parallel-size" => flags.tp = one()?,
-                "--pipeline-model-parallel-size" => flags.pp = one()?,
-                "--context-parallel-size" => flags.cp = one()?,
-                "--expert-model-parallel-size" => flags.ep = one()?,
+                "--tensor-model-parallel-size" => flags.tensor_model_parallel_size = one()?,
+                "--pipeline-model-parallel-size" => flags.pipeline_model_parallel_size = one()?,
+                "--context-parallel-size" => flags.context_parallel_size = one()?,
+                "--expert-model-parallel-size" => flags.expert_model_parallel_size = one()?,
                 "--num-layers" => flags.num_layers = Some(one()?),
                 "--global-batch-size" => flags.global_batch_size = Some(one()?),
                 "--micro-batch-size" => flags.micro_batch_size = Some(one()?),
                 "--num-layers-per-virtual-pipeline-stage" => {
-                    flags.layers_per_virtual_stage = Some(one()?)
+                    flags.num_layers_per_virtual_pipeline_stage = Some(one()?)
                 }
                 "--hetero-pipeline-stages" => flags.hetero_pipeline_stages = Some(many()?),
                 "--micro-batch-size-per-dp" => flags.micro_batch_size_per_dp = Some(many()?),
@@ -466,7 +603,11 @@ mod tests {
         let mut plan = hetero_plan();
         plan.ranks = (0..8)
             .map(|r| RankPlacement {
-                device: if r < 4 { "cuda".into() } else { "cpu".into() },
+                device: if r < 4 {
+                    PlacedDevice::Cuda(None)
+                } else {
+                    PlacedDevice::Cpu
+                },
                 speed: (r >= 4).then_some(0.5),
                 kind: (r < 4).then(|| "a100-80g".into()),
             })

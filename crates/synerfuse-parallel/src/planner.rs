@@ -6,8 +6,8 @@
 use crate::cluster::Device;
 use crate::cost::{CostModel, StageCosts};
 use crate::{
-    plan_schedule, sim, ParallelPlan, Pass, RankPlacement, ReplicaBatch, ReplicaBatches,
-    ScheduleKind, StageLayout, TopologySpec, DEFAULT_ORDER, TP_PP_DP_ORDER,
+    plan_schedule, sim, ParallelPlan, Pass, PlacedDevice, RankPlacement, ReplicaBatch,
+    ReplicaBatches, ScheduleKind, StageLayout, TopologySpec, DEFAULT_ORDER, TP_PP_DP_ORDER,
 };
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
 
@@ -46,8 +46,26 @@ pub struct Candidate {
     pub micro_batches: Vec<usize>,
     /// Predicted costs.
     pub prediction: Prediction,
-    /// `uniform` for the even layout, else `planned`.
-    pub label: &'static str,
+    /// How the layout was found.
+    pub origin: CandidateOrigin,
+}
+
+/// Where a candidate's layout comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CandidateOrigin {
+    /// Megatron's even split (the baseline every plan is compared with).
+    Uniform,
+    /// Layers and batches sized to the devices by the planner.
+    Planned,
+}
+
+impl std::fmt::Display for CandidateOrigin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CandidateOrigin::Uniform => "uniform",
+            CandidateOrigin::Planned => "planned",
+        })
+    }
 }
 
 /// Predicted costs of a candidate.
@@ -188,7 +206,7 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
                             micro_batch_sizes: vec![b; d],
                             micro_batches: vec![total / d; d],
                             prediction: pred,
-                            label: "uniform",
+                            origin: CandidateOrigin::Uniform,
                         }),
                         Err(v) => note(v, &mut closest),
                     }
@@ -215,7 +233,7 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
                             micro_batch_sizes: vec![b; d],
                             micro_batches: m.clone(),
                             prediction: pred,
-                            label: "planned",
+                            origin: CandidateOrigin::Planned,
                         }),
                         Err(v) => note(v, &mut closest),
                     }
@@ -243,7 +261,7 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
     let mut front: Vec<Candidate> = Vec::new();
     let mut planned = 0;
     for c in candidates.iter() {
-        let is_uniform = c.label == "uniform";
+        let is_uniform = c.origin == CandidateOrigin::Uniform;
         if !is_uniform && planned >= keep * 3 {
             continue;
         }
@@ -263,7 +281,10 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
             .step_time_s
             .total_cmp(&b.prediction.step_time_s)
     });
-    let uniform = front.iter().find(|c| c.label == "uniform").cloned();
+    let uniform = front
+        .iter()
+        .find(|c| c.origin == CandidateOrigin::Uniform)
+        .cloned();
     front.truncate(keep);
     Ok(PlanOutcome {
         plans: front,
@@ -661,7 +682,11 @@ pub fn to_parallel_plan(
         let dev = &devices[candidate.devices[c.pp][c.dp]];
         let accelerator = dev.spec.is_some_and(|s| s.accelerator);
         ranks.push(RankPlacement {
-            device: if accelerator { "cuda" } else { "cpu" }.into(),
+            device: if accelerator {
+                PlacedDevice::Cuda(None)
+            } else {
+                PlacedDevice::Cpu
+            },
             speed: dev.emulated.then_some(dev.speed),
             kind: Some(dev.kind.clone()),
         });

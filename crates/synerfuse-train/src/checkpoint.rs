@@ -22,7 +22,8 @@ use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use synerfuse_model::tch::Tensor;
+use synerfuse_model::tch::{self, Tensor};
+use synerfuse_model::{LlamaConfig, Stage};
 use synerfuse_parallel::ParallelPlan;
 
 /// The name of the file that points at the newest checkpoint.
@@ -219,6 +220,49 @@ impl Checkpoint {
             state,
             manifest,
         })
+    }
+
+    /// The checkpoint at `path`: one `iter_N` directory (it has a `manifest.json`), or
+    /// the latest of a `--save` directory.
+    pub fn open_any(path: &Path) -> Result<Checkpoint, TrainError> {
+        if path.join("manifest.json").exists() {
+            return Self::open(path);
+        }
+        Self::open_latest(path)?.ok_or_else(|| TrainError::Checkpoint {
+            path: path.to_path_buf(),
+            problem: format!("no `{LATEST}` file and no manifest.json: not a synerfuse checkpoint"),
+        })
+    }
+
+    /// The whole model of this checkpoint on `device`, whatever plan wrote it
+    /// (parameters are stored by global name).
+    pub fn load_model(&self, device: tch::Device) -> Result<Stage, TrainError> {
+        let source = self.dir.join("state.json");
+        let config =
+            LlamaConfig::from_hf_json(&self.state.model.to_string(), &source.display().to_string())
+                .map_err(|e| TrainError::Checkpoint {
+                    path: source.clone(),
+                    problem: e.to_string(),
+                })?;
+        let stage = Stage::new(&config, 0..config.num_layers, device)?;
+        let variables = stage.var_store().variables();
+        let names: Vec<String> = variables.keys().cloned().collect();
+        let values = self.tensors("model-", &names)?;
+        for (name, mut var) in variables {
+            let value = &values[&name];
+            if value.size() != var.size() {
+                return Err(TrainError::Checkpoint {
+                    path: self.dir.clone(),
+                    problem: format!(
+                        "tensor {name} has shape {:?}, the model expects {:?}",
+                        value.size(),
+                        var.size()
+                    ),
+                });
+            }
+            tch::no_grad(|| var.copy_(&value.to_kind(var.kind()).to_device(device)));
+        }
+        Ok(stage)
     }
 
     /// The tensors named in `names` from the files whose names start with `prefix`

@@ -1,4 +1,5 @@
 #![doc = include_str!("../README.md")]
+#![warn(missing_docs)]
 
 pub mod checkpoint;
 pub mod comm;
@@ -60,9 +61,71 @@ pub enum TrainError {
         /// The cause.
         source: std::io::Error,
     },
-    /// Settings that do not fit together.
-    #[error("{0}")]
-    Config(String),
+    /// A plan for another number of ranks than the job has.
+    #[error("the plan is for {plan} ranks but the job has {job}; launch with -np {plan}")]
+    WorldSize {
+        /// Ranks in the plan.
+        plan: usize,
+        /// Ranks in the job.
+        job: usize,
+    },
+    /// Parallelism the trainer does not run yet.
+    #[error("tensor, context and expert parallel sizes must be 1 for now (got {tp}, {cp}, {ep}); pipeline and data parallelism are supported")]
+    UnsupportedParallelism {
+        /// Tensor-parallel size.
+        tp: usize,
+        /// Context-parallel size.
+        cp: usize,
+        /// Expert-parallel size.
+        ep: usize,
+    },
+    /// The plan's stages and the model disagree on the layer count.
+    #[error("the plan's stages hold {plan} layers but the model has {model}")]
+    LayerCount {
+        /// Layers over the plan's stages.
+        plan: usize,
+        /// The model's layers.
+        model: usize,
+    },
+    /// Virtual pipeline chunks without a pipeline.
+    #[error("virtual pipeline chunks need at least two pipeline stages")]
+    ChunksWithoutPipeline,
+    /// A stage chunk with no layers.
+    #[error("pipeline stage {stage} chunk {chunk} has no layers")]
+    EmptyChunk {
+        /// The stage.
+        stage: usize,
+        /// The chunk.
+        chunk: usize,
+    },
+    /// Emulated speeds that are not one per rank.
+    #[error("{given} emulated device speeds for a job of {ranks} ranks")]
+    EmulatedSpeedCount {
+        /// Speeds given.
+        given: usize,
+        /// Ranks in the job.
+        ranks: usize,
+    },
+    /// An emulated speed outside (0, 1].
+    #[error("rank {rank}: emulated device speed {speed} must be in (0, 1]")]
+    EmulatedSpeed {
+        /// The rank.
+        rank: usize,
+        /// Its speed.
+        speed: f64,
+    },
+    /// A global batch whose samples have no token to learn from.
+    #[error("the global batch after {consumed_samples} samples has no loss tokens")]
+    NoLossTokens {
+        /// Samples consumed before the batch.
+        consumed_samples: u64,
+    },
+    /// A save asked of a run without a checkpoint directory.
+    #[error("saving needs a checkpoint directory")]
+    NoSaveDir,
+    /// Optimizer state that does not fit the model.
+    #[error(transparent)]
+    OptimState(#[from] optim::OptimStateError),
     /// The pipeline program broke its own order (a bug, reported rather than hung).
     #[error("pipeline: {0}")]
     Pipeline(#[from] pipeline::PipelineFault),

@@ -7,8 +7,11 @@
 //! position in the data is nothing but `consumed_samples`, so resuming from a checkpoint's
 //! count continues the exact sequence.
 
+use crate::comm::MpiCommunicator;
 use std::ops::Range;
-use synerfuse_data::gpt::{SampleOptions, SplitDataset};
+use synerfuse_data::gpt::{
+    build_split_datasets, GptDataConfig, GptDatasetError, SampleOptions, SplitDataset,
+};
 use synerfuse_data::DataError;
 use synerfuse_parallel::{BatchError, ReplicaBatches};
 
@@ -34,12 +37,40 @@ pub enum LoaderError {
     /// A sample could not be read.
     #[error(transparent)]
     Data(#[from] DataError),
+    /// The split's indices could not be built or loaded.
+    #[error("building the sample indices: {0}")]
+    Dataset(#[from] GptDatasetError),
+    /// The data configuration gives the train split no data.
+    #[error("the split string gives the train split no data")]
+    NoTrainData,
     /// The prefetch thread could not be started.
     #[error("could not start the data prefetch thread: {source}")]
     Thread {
         /// The cause.
         source: std::io::Error,
     },
+}
+
+/// The train split of `config`, sized to `samples`, on every rank of `world`: rank 0
+/// builds the indices (and writes their caches) first, the others then load its caches,
+/// so no two ranks write one cache. Collective over `world`.
+pub fn build_train_split(
+    world: &MpiCommunicator,
+    config: &GptDataConfig,
+    samples: u64,
+) -> Result<SplitDataset, LoaderError> {
+    let build = || -> Result<SplitDataset, LoaderError> {
+        let [train, _, _] = build_split_datasets(config, [Some(samples), None, None])?;
+        train.ok_or(LoaderError::NoTrainData)
+    };
+    if world.rank() == 0 {
+        let built = build();
+        world.barrier();
+        built
+    } else {
+        world.barrier();
+        build()
+    }
 }
 
 /// Dataset indices of each micro-batch of `replica` in the step that starts after

@@ -20,17 +20,53 @@ pub enum DecayStyle {
 }
 
 impl std::str::FromStr for DecayStyle {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = LrScheduleError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "constant" => Ok(DecayStyle::Constant),
             "linear" => Ok(DecayStyle::Linear),
             "cosine" => Ok(DecayStyle::Cosine),
-            other => Err(format!(
-                "--lr-decay-style {other:?}: expected constant, linear or cosine"
-            )),
+            other => Err(LrScheduleError::UnknownDecayStyle(other.to_owned())),
         }
     }
+}
+
+/// A learning-rate schedule Megatron would reject.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum LrScheduleError {
+    /// A decay style that is none of `constant`, `linear`, `cosine`.
+    #[error("`{0}` is not a decay style: expected constant, linear or cosine")]
+    UnknownDecayStyle(String),
+    /// A minimum rate below 0 or above the maximum.
+    #[error("the minimum rate {min_lr} must be between 0 and the maximum rate {max_lr}")]
+    MinLr {
+        /// The minimum rate.
+        min_lr: f64,
+        /// The maximum rate.
+        max_lr: f64,
+    },
+    /// A warm-up fraction outside [0, 1].
+    #[error("the warm-up fraction {0} must be in [0, 1]")]
+    WarmupFraction(f64),
+    /// A warm-up longer than the decay it precedes.
+    #[error(
+        "the warm-up ({warmup_samples} samples) is longer than the decay ({decay_samples} samples)"
+    )]
+    WarmupLongerThanDecay {
+        /// Warm-up length.
+        warmup_samples: u64,
+        /// Decay length.
+        decay_samples: u64,
+    },
+    /// Iterations × global batch beyond 64 bits.
+    #[error("{iterations} iterations of {global_batch_size} samples overflow")]
+    Overflow {
+        /// Iterations.
+        iterations: u64,
+        /// Samples per iteration.
+        global_batch_size: u64,
+    },
 }
 
 /// Megatron's learning-rate schedule, in samples.
@@ -60,22 +96,29 @@ impl LrSchedule {
         warmup_iters: u64,
         warmup_fraction: Option<f64>,
         global_batch_size: u64,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, LrScheduleError> {
         if !(min_lr >= 0.0 && max_lr >= min_lr) {
-            return Err(format!(
-                "--min-lr {min_lr} must be between 0 and --lr {max_lr}"
-            ));
+            return Err(LrScheduleError::MinLr { min_lr, max_lr });
         }
-        let decay_samples = decay_iters * global_batch_size;
+        let samples = |iterations: u64| {
+            iterations
+                .checked_mul(global_batch_size)
+                .ok_or(LrScheduleError::Overflow {
+                    iterations,
+                    global_batch_size,
+                })
+        };
+        let decay_samples = samples(decay_iters)?;
         let warmup_samples = match warmup_fraction {
             Some(f) if (0.0..=1.0).contains(&f) => (f * decay_samples as f64) as u64,
-            Some(f) => return Err(format!("--lr-warmup-fraction {f} must be in [0, 1]")),
-            None => warmup_iters * global_batch_size,
+            Some(f) => return Err(LrScheduleError::WarmupFraction(f)),
+            None => samples(warmup_iters)?,
         };
         if warmup_samples > decay_samples && style != DecayStyle::Constant {
-            return Err(format!(
-                "the warm-up ({warmup_samples} samples) is longer than the decay ({decay_samples} samples)"
-            ));
+            return Err(LrScheduleError::WarmupLongerThanDecay {
+                warmup_samples,
+                decay_samples,
+            });
         }
         Ok(LrSchedule {
             max_lr,

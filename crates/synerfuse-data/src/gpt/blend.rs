@@ -4,7 +4,7 @@
 //! weights normalized twice, both blending kernels and the same cache files.
 
 use super::dataset::{
-    CacheFiles, CacheRecord, GptDataset, GptDatasetConfig, GptDatasetError, Split,
+    BlendError, CacheFiles, CacheRecord, GptDataset, GptDatasetConfig, GptDatasetError, Split,
 };
 use super::describe::{md5_hex, PyValue};
 use super::npy::{self, IndexArray};
@@ -29,9 +29,7 @@ impl Blend {
     /// number is `w1 p1 w2 p2 ...`; anything else is a list of prefixes.
     pub fn from_list<S: AsRef<str>>(list: &[S]) -> Result<Blend, GptDatasetError> {
         if list.is_empty() {
-            return Err(GptDatasetError::Blend(
-                "--data-path: no dataset given".into(),
-            ));
+            return Err(BlendError::Empty.into());
         }
         let list: Vec<&str> = list.iter().map(|s| s.as_ref()).collect();
         let weights: Option<Vec<f64>> = if list.len() % 2 == 0 {
@@ -191,22 +189,19 @@ impl BlendedDataset {
         size: Option<u64>,
         config: &GptDatasetConfig,
     ) -> Result<BlendedDataset, GptDatasetError> {
-        let blend_error = |problem: String| GptDatasetError::Blend(problem);
         let count = match &weights {
             BlendWeights::Float(w) => w.len(),
             BlendWeights::Int(w) => w.len(),
         };
         if datasets.is_empty() || datasets.len() != count {
-            return Err(blend_error(format!(
-                "{} datasets but {count} weights",
-                datasets.len()
-            )));
+            return Err(BlendError::WeightCount {
+                weights: count,
+                prefixes: datasets.len(),
+            }
+            .into());
         }
         if datasets.len() > 32766 {
-            return Err(blend_error(format!(
-                "{} datasets; a blend holds at most 32766 (int16 dataset index)",
-                datasets.len()
-            )));
+            return Err(BlendError::TooMany(datasets.len()).into());
         }
         let split = datasets[0].split();
         let positive = match &weights {
@@ -214,16 +209,15 @@ impl BlendedDataset {
             BlendWeights::Int(w) => w.iter().position(|&w| w <= 0),
         };
         if let Some(k) = positive {
-            return Err(blend_error(format!(
-                "{} split: dataset {:?} has weight {}; every blend weight must be > 0 \
-                 (an unweighted blend weighs datasets by their sample count, so this dataset has no samples)",
-                split.name(),
-                datasets[k].dataset_path(),
-                match &weights {
+            return Err(BlendError::NonPositiveWeight {
+                split: split.name(),
+                dataset: datasets[k].dataset_path().to_owned(),
+                weight: match &weights {
                     BlendWeights::Float(w) => w[k].to_string(),
                     BlendWeights::Int(w) => w[k].to_string(),
-                }
-            )));
+                },
+            }
+            .into());
         }
         let weights = match (weights, size) {
             (BlendWeights::Float(w), Some(_)) => BlendWeights::Float(normalize(&w)),
@@ -232,9 +226,7 @@ impl BlendedDataset {
             }
             (BlendWeights::Float(w), None) => {
                 if w.iter().any(|x| x.fract() != 0.0) {
-                    return Err(blend_error(
-                        "an exhaustive blend (no size) needs whole-number weights".into(),
-                    ));
+                    return Err(BlendError::FractionalExhaustiveWeights.into());
                 }
                 BlendWeights::Int(w.iter().map(|&x| x as i64).collect())
             }
@@ -301,12 +293,14 @@ impl BlendedDataset {
                 }
                 for (d, (dataset, &needed)) in datasets.iter().zip(&counts).enumerate() {
                     if needed > dataset.len() {
-                        return Err(blend_error(format!(
-                            "{} split: the blend takes {needed} samples from dataset {d} ({:?}), which has only {}",
-                            split.name(),
-                            dataset.dataset_path(),
-                            dataset.len()
-                        )));
+                        return Err(BlendError::DatasetTooSmall {
+                            split: split.name(),
+                            needed,
+                            index: d,
+                            dataset: dataset.dataset_path().to_owned(),
+                            available: dataset.len(),
+                        }
+                        .into());
                     }
                 }
                 if let Some(files) = &files {
@@ -492,27 +486,18 @@ pub fn build_split_datasets(
 ) -> Result<[Option<SplitDataset>; 3], GptDatasetError> {
     let per_split = config.blend_per_split.iter().any(Option::is_some);
     match (&config.blend, per_split) {
-        (Some(_), true) => Err(GptDatasetError::Blend(
-            "--data-path and --train/valid/test-data-path cannot be combined".into(),
-        )),
-        (None, false) => Err(GptDatasetError::Blend(
-            "no data: give --data-path or --train/valid/test-data-path (synerfuse has no mock data)".into(),
-        )),
+        (Some(_), true) => Err(BlendError::BlendAndPerSplit.into()),
+        (None, false) => Err(BlendError::NoData.into()),
         (Some(blend), false) => {
             if config.dataset.split.is_none() {
-                return Err(GptDatasetError::Blend("--data-path needs --split".into()));
+                return Err(BlendError::MissingSplit.into());
             }
-            let matrix = config
-                .dataset
-                .split_matrix()?
-                .expect("split checked above");
+            let matrix = config.dataset.split_matrix()?.expect("split checked above");
             build_blend(blend, &matrix, sizes, &config.dataset)
         }
         (None, true) => {
             if config.dataset.split.is_some() {
-                return Err(GptDatasetError::Blend(
-                    "--split cannot be combined with --train/valid/test-data-path".into(),
-                ));
+                return Err(BlendError::SplitWithPerSplit.into());
             }
             let mut out: [Option<SplitDataset>; 3] = [None, None, None];
             for split in Split::ALL {
@@ -547,22 +532,18 @@ fn build_blend(
 ) -> Result<[Option<SplitDataset>; 3], GptDatasetError> {
     let weights = match &blend.weights {
         Some(w) if w.len() != blend.prefixes.len() => {
-            return Err(GptDatasetError::Blend(format!(
-                "{} weights for {} prefixes",
-                w.len(),
-                blend.prefixes.len()
-            )))
+            return Err(BlendError::WeightCount {
+                weights: w.len(),
+                prefixes: blend.prefixes.len(),
+            }
+            .into())
         }
         Some(w) => {
             if let Some(bad) = w.iter().find(|w| !w.is_finite() || **w < 0.0) {
-                return Err(GptDatasetError::Blend(format!(
-                    "--data-path weight {bad} is not a finite number >= 0"
-                )));
+                return Err(BlendError::BadWeight(*bad).into());
             }
             if numpy_sum(w) <= 0.0 {
-                return Err(GptDatasetError::Blend(
-                    "--data-path weights sum to 0".into(),
-                ));
+                return Err(BlendError::ZeroWeights.into());
             }
             Some(normalize(w))
         }
@@ -633,10 +614,10 @@ fn build_blend(
         let (weights_i, size_i) = match &weights {
             Some(w) => {
                 let Some(_) = sizes[i] else {
-                    return Err(GptDatasetError::Blend(format!(
-                        "{} split: a weighted blend needs a sample count (Megatron raises here)",
-                        split.name()
-                    )));
+                    return Err(BlendError::WeightedWithoutSize {
+                        split: split.name(),
+                    }
+                    .into());
                 };
                 let size: u64 = per_dataset.iter().map(|p| p[i].unwrap_or(0)).sum();
                 (BlendWeights::Float(w.clone()), Some(size))

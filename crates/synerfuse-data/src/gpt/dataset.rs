@@ -69,6 +69,76 @@ impl GptDatasetConfig {
     }
 }
 
+/// A blend (or a choice of data sources) that Megatron would reject.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BlendError {
+    /// An empty list of datasets.
+    #[error("no dataset given")]
+    Empty,
+    /// Both one blend and per-split blends.
+    #[error("a blend over all splits and per-split blends cannot be combined")]
+    BlendAndPerSplit,
+    /// Neither one blend nor per-split blends.
+    #[error("no data: give a blend or per-split blends (synerfuse has no mock data)")]
+    NoData,
+    /// One blend without a split string.
+    #[error("a blend over all splits needs a split string")]
+    MissingSplit,
+    /// Per-split blends with a split string.
+    #[error("a split string cannot be combined with per-split blends")]
+    SplitWithPerSplit,
+    /// Weights and prefixes of different counts.
+    #[error("{weights} weights for {prefixes} datasets")]
+    WeightCount {
+        /// Weights given.
+        weights: usize,
+        /// Datasets given.
+        prefixes: usize,
+    },
+    /// A weight that is negative or not finite.
+    #[error("weight {0} is not a finite number >= 0")]
+    BadWeight(f64),
+    /// Weights that sum to zero.
+    #[error("the weights sum to 0")]
+    ZeroWeights,
+    /// More datasets than an int16 index holds.
+    #[error("{0} datasets; a blend holds at most 32766 (int16 dataset index)")]
+    TooMany(usize),
+    /// A dataset whose blend weight is not positive.
+    #[error("{split} split: dataset {dataset:?} has weight {weight}; every blend weight must be > 0 (an unweighted blend weighs datasets by their sample count, so this dataset has no samples)")]
+    NonPositiveWeight {
+        /// The split.
+        split: &'static str,
+        /// The dataset's path prefix.
+        dataset: String,
+        /// Its weight.
+        weight: String,
+    },
+    /// An exhaustive blend whose weights are not whole sample counts.
+    #[error("an exhaustive blend (no size) needs whole-number weights")]
+    FractionalExhaustiveWeights,
+    /// A blend that takes more samples from a dataset than it holds.
+    #[error("{split} split: the blend takes {needed} samples from dataset {index} ({dataset:?}), which has only {available}")]
+    DatasetTooSmall {
+        /// The split.
+        split: &'static str,
+        /// Samples taken.
+        needed: usize,
+        /// The dataset's position in the blend.
+        index: usize,
+        /// Its path prefix.
+        dataset: String,
+        /// Samples it holds.
+        available: usize,
+    },
+    /// A weighted blend without a sample count.
+    #[error("{split} split: a weighted blend needs a sample count (Megatron raises here)")]
+    WeightedWithoutSize {
+        /// The split.
+        split: &'static str,
+    },
+}
+
 /// A dataset that cannot be built: what Megatron would hang, abort or raise on.
 #[derive(Debug, thiserror::Error)]
 pub enum GptDatasetError {
@@ -89,8 +159,11 @@ pub enum GptDatasetError {
         problem: GptIndexError,
     },
     /// A blend Megatron would reject.
-    #[error("{0}")]
-    Blend(String),
+    #[error(transparent)]
+    Blend(#[from] BlendError),
+    /// Samples of no tokens.
+    #[error("the sequence length must be at least 1")]
+    ZeroSequenceLength,
 }
 
 /// Where a dataset's indices came from.

@@ -4,6 +4,7 @@
 //! seeds and flags give the same arrays, samples and cache names as Megatron core 0.8.0.
 
 mod blend;
+mod config;
 mod dataset;
 mod describe;
 mod index;
@@ -16,7 +17,8 @@ pub use blend::{
     build_blending_indices, build_exhaustive_blending_indices, build_split_datasets, normalize,
     numpy_sum, Blend, BlendWeights, BlendedDataset, GptDataConfig, SplitDataset,
 };
-pub use dataset::{CacheRecord, GptDataset, GptDatasetConfig, GptDatasetError, Split};
+pub use config::{BudgetError, DataSources, SampleBudget, DEFAULT_SPLIT};
+pub use dataset::{BlendError, CacheRecord, GptDataset, GptDatasetConfig, GptDatasetError, Split};
 pub use describe::{md5_hex, python_float_repr, PyValue};
 pub use index::{build_gpt_indices, GptIndexConfig, GptIndexError, GptIndices, ShuffleIndex};
 pub use npy::{IndexArray, NpyElement};

@@ -9,24 +9,35 @@ pub enum CommError {
     /// The operation cannot carry (or sum) this dtype.
     #[error("rank {rank}: {op} does not support tensors of dtype {kind:?}")]
     UnsupportedDtype {
+        /// The rank that saw the error.
         rank: usize,
+        /// The operation.
         op: &'static str,
+        /// The tensor's dtype.
         kind: Kind,
     },
     /// A source, destination or root that is not a rank of the communicator.
     #[error("rank {rank}: peer rank {peer} is outside this communicator of {size} ranks")]
     InvalidPeer {
+        /// The rank that saw the error.
         rank: usize,
+        /// The other rank.
         peer: usize,
+        /// Ranks in the communicator.
         size: usize,
     },
     /// A message whose size differs from the receive tensor; it is left unreceived.
     #[error("rank {rank}: the message from rank {source_rank} (tag {tag}) has {got} elements but the receive tensor has {expected}")]
     SizeMismatch {
+        /// The rank that saw the error.
         rank: usize,
+        /// The sender.
         source_rank: usize,
+        /// The message tag.
         tag: i32,
+        /// Elements the receive tensor holds.
         expected: usize,
+        /// Elements the message holds.
         got: usize,
     },
     /// A tensor on another device than the NCCL communicator's GPU.
@@ -34,42 +45,62 @@ pub enum CommError {
         "rank {rank}: the tensor is on {device:?} but this NCCL communicator is on cuda:{ordinal}"
     )]
     WrongDevice {
+        /// The rank that saw the error.
         rank: usize,
+        /// The tensor's device.
         device: Device,
+        /// The GPU index.
         ordinal: usize,
     },
     /// A tensor whose shape the collective cannot split.
     #[error("rank {rank}: {op}: {problem}")]
     Shape {
+        /// The rank that saw the error.
         rank: usize,
+        /// The operation.
         op: &'static str,
+        /// What does not split.
         problem: String,
     },
     /// More elements than one MPI call carries (a C `int` count).
     #[error("rank {rank}: {op} of {elements} elements exceeds one MPI call; split the tensor")]
     TooLarge {
+        /// The rank that saw the error.
         rank: usize,
+        /// The operation.
         op: &'static str,
+        /// Elements in the tensor.
         elements: usize,
     },
     /// Two ranks of one NCCL group on the same GPU of one host.
     #[error("ranks {first} and {second} both compute on cuda:{ordinal} of one host, in one NCCL group; give each rank its own GPU (CUDA_VISIBLE_DEVICES or the plan's devices)")]
     SharedGpu {
+        /// One rank.
         first: usize,
+        /// The other rank.
         second: usize,
+        /// The GPU index.
         ordinal: usize,
     },
     /// A pipeline transfer asked NCCL for a link that travels over MPI (a bug).
     #[error("rank {rank}: the pipeline link to rank {peer} has no NCCL communicator")]
-    NoNcclLink { rank: usize, peer: usize },
+    NoNcclLink {
+        /// This rank.
+        rank: usize,
+        /// The peer.
+        peer: usize,
+    },
     /// NCCL or the CUDA driver cannot be loaded (CPU-only machine).
     #[error("NCCL is not available: libnccl.so.2 or the CUDA driver library could not be loaded")]
     NcclUnavailable,
     /// A CUDA driver or NCCL call failed.
     #[error("rank {rank}: {context}: {message}")]
     Cuda {
+        /// The rank that saw the error.
         rank: usize,
+        /// The call.
         context: &'static str,
+        /// The library's message.
         message: String,
     },
 }

@@ -55,6 +55,37 @@ pub fn mpirun_command(ranks: usize, program: &std::path::Path) -> std::process::
     command
 }
 
+/// `args` without `flag` and its value (`--flag N` or `--flag=N`).
+pub fn without_flag(args: impl IntoIterator<Item = String>, flag: &str) -> Vec<String> {
+    let with_value = format!("{flag}=");
+    let mut kept = Vec::new();
+    let mut skip = false;
+    for arg in args {
+        if skip {
+            skip = false;
+        } else if arg == flag {
+            skip = true;
+        } else if !arg.starts_with(&with_value) {
+            kept.push(arg);
+        }
+    }
+    kept
+}
+
+/// Re-runs this process's own command line under `mpirun -np nproc` on this machine,
+/// without its `--nproc` flag (which asked for the re-launch), forwarding stop signals
+/// as [`run_forwarding_signals`] does; returns `mpirun`'s status.
+pub fn relaunch_under_mpirun(nproc: usize) -> std::io::Result<std::process::ExitStatus> {
+    let exe = std::env::current_exe()?;
+    let mut command = mpirun_command(nproc, &exe);
+    command.args(without_flag(std::env::args().skip(1), "--nproc"));
+    tracing::info!(
+        "launching {nproc} ranks: mpirun -np {nproc} {}",
+        exe.display()
+    );
+    run_forwarding_signals(command)
+}
+
 /// Stop signals (SIGTERM, SIGINT) the `--nproc` parent has received.
 static PARENT_SIGNALS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
@@ -120,5 +151,23 @@ pub fn run_forwarding_signals(
             unsafe { libc::kill(target, signal) };
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_relaunch_drops_nproc_in_both_spellings() {
+        let args = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            without_flag(args(&["train", "--nproc", "4", "--lr", "1"]), "--nproc"),
+            args(&["train", "--lr", "1"])
+        );
+        assert_eq!(
+            without_flag(args(&["--nproc=4", "--nprocs", "2"]), "--nproc"),
+            args(&["--nprocs", "2"])
+        );
     }
 }

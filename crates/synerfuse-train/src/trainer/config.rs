@@ -1,0 +1,141 @@
+//! What a run is configured with, grouped by concern. The CLI fills it from Megatron's
+//! flags; a library user builds it directly.
+
+use crate::optim::{AdamWConfig, LrSchedule};
+use std::path::PathBuf;
+use synerfuse_model::{DeviceRequest, LlamaConfig};
+use synerfuse_parallel::{ParallelPlan, ScheduleKind};
+
+/// Everything a run is configured with.
+#[derive(Debug, Clone)]
+pub struct TrainConfig {
+    /// The model.
+    pub model: LlamaConfig,
+    /// Where work goes and how the pipelines run.
+    pub parallel: ParallelConfig,
+    /// Sequence length and run length.
+    pub batch: BatchConfig,
+    /// Learning rate, AdamW, clipping.
+    pub optimizer: OptimizerConfig,
+    /// Precision, recomputation, devices.
+    pub compute: ComputeConfig,
+    /// How the data loader reads ahead.
+    pub data: DataConfig,
+    /// Saving, loading and initial weights.
+    pub checkpoint: CheckpointConfig,
+    /// Log lines, JSON log and TensorBoard.
+    pub logging: LoggingConfig,
+}
+
+/// The plan and its schedule.
+#[derive(Debug, Clone)]
+pub struct ParallelConfig {
+    /// Layers per stage, micro-batches per replica, devices per rank.
+    pub plan: ParallelPlan,
+    /// Pipeline schedule.
+    pub schedule: ScheduleKind,
+    /// Start each chunk's data-parallel reduction as soon as its last backward ends
+    /// (Megatron's `--overlap-grad-reduce`; off with `--no-overlap-grad-reduce`).
+    pub overlap_grad_reduce: bool,
+}
+
+/// Sequence length and how long the run is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchConfig {
+    /// Tokens per sample (`--seq-length`).
+    pub sequence_length: usize,
+    /// Iterations to train (`--train-iters`).
+    pub train_iters: u64,
+    /// Initialisation and data seed (`--seed`).
+    pub seed: u64,
+}
+
+/// Learning rate over consumed samples, AdamW and clipping.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OptimizerConfig {
+    /// Learning rate over consumed samples.
+    pub lr: LrSchedule,
+    /// AdamW hyper-parameters.
+    pub adam: AdamWConfig,
+    /// Clip by this global gradient norm (`--clip-grad`, 0 = off).
+    pub clip_grad: f64,
+}
+
+/// How each rank computes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ComputeConfig {
+    /// Compute in bf16 with fp32 master weights and fp32 gradient reduction (`--bf16`).
+    pub bf16: bool,
+    /// Full recomputation of each stage chunk (`--recompute-activations`).
+    pub recompute: bool,
+    /// The device of ranks the plan does not place (`--device`).
+    pub device: DeviceRequest,
+    /// One emulated speed factor per rank, overriding the plan's
+    /// (`--emulate-device-speed`).
+    pub emulate_speed: Option<Vec<f64>>,
+}
+
+/// How micro-batches are read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataConfig {
+    /// Read the next step's micro-batches on a background thread (`--num-workers` > 0).
+    pub prefetch: bool,
+}
+
+/// Saving, loading and initial weights.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CheckpointConfig {
+    /// Where checkpoints go (`--save`).
+    pub save: Option<PathBuf>,
+    /// Save every this many iterations (`--save-interval`).
+    pub save_interval: Option<u64>,
+    /// Resume from the latest checkpoint here (`--load`).
+    pub load: Option<PathBuf>,
+    /// Stop (saving first) after an iteration that is a multiple of this
+    /// (`--exit-interval`).
+    pub exit_interval: Option<u64>,
+    /// Initial weights from a Hugging Face LLaMA directory (`--finetune-from-hf`).
+    pub finetune_from_hf: Option<PathBuf>,
+}
+
+impl CheckpointConfig {
+    /// Whether a checkpoint is due after `iteration` of `train_iters`: at each save
+    /// interval, at the end, on a stop signal and at an exit interval.
+    pub fn save_due(&self, iteration: u64, train_iters: u64, stop: bool) -> bool {
+        self.save.is_some()
+            && (every(self.save_interval, iteration)
+                || iteration == train_iters
+                || stop
+                || self.exit_due(iteration))
+    }
+
+    /// Whether `--exit-interval` ends the run after `iteration`.
+    pub fn exit_due(&self, iteration: u64) -> bool {
+        every(self.exit_interval, iteration)
+    }
+}
+
+fn every(interval: Option<u64>, iteration: u64) -> bool {
+    interval.is_some_and(|n| n > 0 && iteration % n == 0)
+}
+
+/// What is logged where.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoggingConfig {
+    /// Print Megatron's log line every this many iterations (`--log-interval`).
+    pub log_interval: u64,
+    /// One JSON record per iteration (`--log-json`).
+    pub log_json: Option<PathBuf>,
+    /// TensorBoard event files (`--tensorboard-dir`).
+    pub tensorboard_dir: Option<PathBuf>,
+}
+
+impl Default for LoggingConfig {
+    fn default() -> Self {
+        LoggingConfig {
+            log_interval: 1,
+            log_json: None,
+            tensorboard_dir: None,
+        }
+    }
+}

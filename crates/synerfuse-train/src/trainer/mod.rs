@@ -1,0 +1,631 @@
+//! The training loop of one rank: its stage chunks, its replica's micro-batches, the
+//! pipeline step, the gradient reductions, AdamW, metrics and checkpoints.
+//!
+//! Gradients are exact for the global batch whatever the plan: the last stage divides
+//! each replica's summed token losses by the global number of loss tokens of the step,
+//! so the data-parallel reduction is a plain sum (ARCHITECTURE.md, "How a training step runs").
+
+use crate::checkpoint::{self, Checkpoint, CheckpointState};
+use crate::comm::{GroupCommunicator, MpiCommunicator, PipelineLinks, ProcessGroups};
+use crate::emulation::Emulation;
+use crate::grads::MainGrads;
+use crate::loader::{Prefetcher, ReplicaLoader};
+use crate::optim::{clip_factor, AdamW};
+use crate::pipeline::{PipelineEvent, PipelineRank, StepTimes};
+use crate::{signals, TrainError};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Instant;
+use synerfuse_data::gpt::{SampleOptions, SplitDataset};
+use synerfuse_model::tch::{self, Device, Kind, Tensor};
+use synerfuse_model::{DeviceRequest, Stage};
+use synerfuse_parallel::{Coordinates, GroupKind, Instruction, PlacedDevice, Topology};
+
+mod config;
+mod report;
+
+pub use config::{
+    BatchConfig, CheckpointConfig, ComputeConfig, DataConfig, LoggingConfig, OptimizerConfig,
+    ParallelConfig, TrainConfig,
+};
+use report::{StepLog, StepOutcome, StepResult};
+
+/// The embedding's parameter name (tied copies are reduced over the embedding group).
+const EMBEDDING: &str = "model.embed_tokens.weight";
+
+/// How a run ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainSummary {
+    /// Iteration reached.
+    pub iteration: u64,
+    /// Losses of the iterations this process ran.
+    pub losses: Vec<f64>,
+    /// The run stopped early on SIGTERM.
+    pub stopped_by_signal: bool,
+    /// Checkpoint directories written.
+    pub saved: Vec<PathBuf>,
+}
+
+/// The runtime device a plan's placement asks for.
+fn requested(device: PlacedDevice) -> DeviceRequest {
+    match device {
+        PlacedDevice::Cpu => DeviceRequest::Cpu,
+        PlacedDevice::Cuda(index) => DeviceRequest::Cuda(index),
+        PlacedDevice::Auto => DeviceRequest::Auto,
+    }
+}
+
+/// The device of this rank: the plan's placement, else the configured device;
+/// `cuda`/`auto` without an index pick GPU `local_rank mod count`.
+fn rank_device(config: &TrainConfig, rank: usize, local_rank: usize) -> Result<Device, TrainError> {
+    let placement = config.parallel.plan.ranks.get(rank);
+    placement
+        .map_or(config.compute.device, |p| requested(p.device))
+        .resolve_for_local_rank(local_rank)
+        .map_err(|source| TrainError::Device { rank, source })
+}
+
+/// Rank `r`'s emulated speed: the configured list, else the plan's placement.
+fn emulated_speed(config: &TrainConfig, rank: usize) -> Option<f64> {
+    match &config.compute.emulate_speed {
+        Some(speeds) => speeds.get(rank).copied(),
+        None => config.parallel.plan.ranks.get(rank).and_then(|p| p.speed),
+    }
+}
+
+/// Warns when the CPU ranks' emulated speeds add up to more cores than this machine has:
+/// emulation charges CPU time, so it stays faithful only while every emulated device can
+/// get its share of a core.
+fn warn_if_emulation_oversubscribes(config: &TrainConfig, world_size: usize) {
+    let (_, local_size) = crate::comm::launcher_local_rank();
+    if local_size != world_size {
+        return; // several nodes: each node's share is not known here
+    }
+    let on_cpu = |r: usize| match config.parallel.plan.ranks.get(r) {
+        Some(p) => p.device == PlacedDevice::Cpu,
+        None => config.compute.device == DeviceRequest::Cpu,
+    };
+    let cpu_speed: f64 = (0..world_size)
+        .filter(|&r| on_cpu(r))
+        .filter_map(|r| emulated_speed(config, r))
+        .sum();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    if cpu_speed > cores {
+        tracing::warn!(
+            "device emulation: the CPU ranks' speeds add up to {cpu_speed:.2} cores but this machine has {cores}; emulated devices will run slower than stated"
+        );
+    }
+}
+
+/// Test hook: `SYNERFUSE_FAULT_INJECT=exit:RANK:ITERATION` makes that rank exit in the
+/// middle of that iteration (after its pipeline work, before the reductions), the way a
+/// crashed process would; used by the fault tests.
+fn injected_fault(rank: usize, iteration: u64) -> bool {
+    let Ok(spec) = std::env::var("SYNERFUSE_FAULT_INJECT") else {
+        return false;
+    };
+    let parts: Vec<&str> = spec.split(':').collect();
+    matches!(parts.as_slice(), ["exit", r, i] if r.parse() == Ok(rank) && i.parse() == Ok(iteration))
+}
+
+/// Checks the plan against the job and the model before anything is built.
+fn check_plan(config: &TrainConfig, world_size: usize) -> Result<Topology, TrainError> {
+    let plan = &config.parallel.plan;
+    let topology = plan.topology()?;
+    if topology.world_size() != world_size {
+        return Err(TrainError::WorldSize {
+            plan: topology.world_size(),
+            job: world_size,
+        });
+    }
+    let t = &plan.topology;
+    if t.tp != 1 || t.cp != 1 || t.ep != 1 {
+        return Err(TrainError::UnsupportedParallelism {
+            tp: t.tp,
+            cp: t.cp,
+            ep: t.ep,
+        });
+    }
+    if plan.stages.num_layers() != config.model.num_layers {
+        return Err(TrainError::LayerCount {
+            plan: plan.stages.num_layers(),
+            model: config.model.num_layers,
+        });
+    }
+    if plan.stages.num_chunks() > 1 && plan.stages.num_stages() == 1 {
+        return Err(TrainError::ChunksWithoutPipeline);
+    }
+    if let Some(speeds) = &config.compute.emulate_speed {
+        if speeds.len() != world_size {
+            return Err(TrainError::EmulatedSpeedCount {
+                given: speeds.len(),
+                ranks: world_size,
+            });
+        }
+    }
+    Ok(topology)
+}
+
+/// This rank's emulated device, if any, announced in the log.
+fn rank_emulation(
+    config: &TrainConfig,
+    rank: usize,
+    device: Device,
+) -> Result<Option<Emulation>, TrainError> {
+    let Some(speed) = emulated_speed(config, rank) else {
+        return Ok(None);
+    };
+    if !(speed > 0.0 && speed <= 1.0) {
+        return Err(TrainError::EmulatedSpeed { rank, speed });
+    }
+    let clock = if device == Device::Cpu {
+        "CPU time of one core"
+    } else {
+        "its synchronised compute time"
+    };
+    tracing::info!(
+        "device emulation: this rank runs at {speed:.3}x of {clock} on {device:?}; each forward and backward lasts its cost / {speed:.3} (a test and benchmark device, not real hardware)"
+    );
+    Ok(Some(Emulation { speed, device }))
+}
+
+/// This rank's stage chunks, initialised by parameter name (as one model would be), or
+/// from `--finetune-from-hf`.
+fn build_chunks(
+    config: &TrainConfig,
+    coords: Coordinates,
+    device: Device,
+) -> Result<Vec<Stage>, TrainError> {
+    let stages = &config.parallel.plan.stages;
+    let mut chunks = Vec::with_capacity(stages.num_chunks());
+    for chunk in 0..stages.num_chunks() {
+        let layers = stages
+            .chunk_range(coords.pp, chunk)
+            .expect("stage and chunk within the layout");
+        if layers.is_empty() {
+            return Err(TrainError::EmptyChunk {
+                stage: coords.pp,
+                chunk,
+            });
+        }
+        let mut stage = Stage::new(&config.model, layers, device)?;
+        stage.init_by_name(config.batch.seed);
+        stage.set_recompute(config.compute.recompute);
+        if let Some(dir) = &config.checkpoint.finetune_from_hf {
+            synerfuse_model::hf::load_weights(&mut stage, dir)?;
+        }
+        chunks.push(stage);
+    }
+    Ok(chunks)
+}
+
+/// AdamW over `chunks`. Under bf16 the chunks are cast after their fp32 values are
+/// taken, so those become the optimizer's master weights exactly.
+fn build_optimizer(config: &TrainConfig, chunks: &mut [Stage]) -> Result<AdamW, TrainError> {
+    let fp32_values: Vec<(String, Tensor)> = chunks
+        .iter()
+        .flat_map(|s| s.var_store().variables())
+        .map(|(n, t)| (n, t.detach().copy()))
+        .collect();
+    if config.compute.bf16 {
+        for stage in chunks.iter_mut() {
+            stage.set_kind(Kind::BFloat16);
+        }
+    }
+    let mut optimizer = AdamW::new(
+        config.optimizer.adam,
+        chunks.iter().flat_map(|s| s.var_store().variables()),
+    );
+    if config.compute.bf16 {
+        for (name, value) in &fp32_values {
+            optimizer.load_param(name, value, None, None)?;
+        }
+    }
+    Ok(optimizer)
+}
+
+/// One rank of a training job.
+pub struct Trainer<'w> {
+    config: TrainConfig,
+    world: &'w MpiCommunicator,
+    groups: ProcessGroups,
+    /// How activations reach the neighbouring stages.
+    links: PipelineLinks,
+    chunks: Vec<Stage>,
+    optimizer: AdamW,
+    /// fp32 main gradients, one buffer per chunk.
+    grads: MainGrads,
+    program: Vec<Instruction>,
+    loader: Prefetcher,
+    stage_index: usize,
+    num_stages: usize,
+    replica: usize,
+    emulation: Option<Emulation>,
+    iteration: u64,
+    consumed_samples: u64,
+}
+
+impl<'w> Trainer<'w> {
+    /// Builds this rank's part of the model (layout-independent initialisation, or the
+    /// checkpoint of `--load`, or `--finetune-from-hf`) and its optimizer and loader.
+    /// Collective over `world`.
+    pub fn new(
+        world: &'w MpiCommunicator,
+        config: TrainConfig,
+        dataset: SplitDataset,
+        sample_options: SampleOptions,
+        local_rank: usize,
+    ) -> Result<Self, TrainError> {
+        let rank = world.rank();
+        let topology = check_plan(&config, world.size())?;
+        let coords = topology.coordinates(rank)?;
+        let device = rank_device(&config, rank, local_rank)?;
+        let emulation = rank_emulation(&config, rank, device)?;
+        if rank == 0 {
+            warn_if_emulation_oversubscribes(&config, world.size());
+        }
+        let groups = ProcessGroups::with_devices(world, &topology, device)?;
+        let mut chunks = build_chunks(&config, coords, device)?;
+        let optimizer = build_optimizer(&config, &mut chunks)?;
+        let plan = &config.parallel.plan;
+        let mut programs = synerfuse_parallel::plan_schedule(plan, config.parallel.schedule)?;
+        let pipelines = topology.groups(GroupKind::Pp);
+        let links = PipelineLinks::new(world, &groups, &pipelines, chunks.len() > 1, &programs)?;
+        let program = programs.swap_remove(rank);
+        let loader = ReplicaLoader::new(dataset, plan.batches.clone(), coords.dp, sample_options)?;
+        let loader = Prefetcher::new(loader, config.data.prefetch);
+        let grads = MainGrads::new(&chunks, config.compute.bf16);
+        let mut trainer = Trainer {
+            world,
+            groups,
+            links,
+            chunks,
+            optimizer,
+            grads,
+            program,
+            loader,
+            stage_index: coords.pp,
+            num_stages: plan.stages.num_stages(),
+            replica: coords.dp,
+            emulation,
+            iteration: 0,
+            consumed_samples: 0,
+            config,
+        };
+        trainer.load_latest()?;
+        Ok(trainer)
+    }
+
+    /// Iterations completed so far.
+    pub fn iteration(&self) -> u64 {
+        self.iteration
+    }
+
+    /// Restores the latest checkpoint under `--load`, when there is one.
+    fn load_latest(&mut self) -> Result<(), TrainError> {
+        let Some(load) = self.config.checkpoint.load.clone() else {
+            return Ok(());
+        };
+        match Checkpoint::open_latest(&load)? {
+            Some(checkpoint) => self.restore(&checkpoint),
+            None => {
+                tracing::warn!(
+                    "--load {}: no checkpoint found (no `{}` file); training from scratch",
+                    load.display(),
+                    checkpoint::LATEST
+                );
+                Ok(())
+            }
+        }
+    }
+
+    fn restore(&mut self, checkpoint: &Checkpoint) -> Result<(), TrainError> {
+        let names: Vec<String> = self.optimizer.names().map(str::to_owned).collect();
+        let values = checkpoint.tensors("model-", &names)?;
+        let moment_names: Vec<String> = names
+            .iter()
+            .flat_map(|n| [format!("{n}.exp_avg"), format!("{n}.exp_avg_sq")])
+            .collect();
+        let moments = checkpoint.tensors("optimizer-", &moment_names)?;
+        for name in &names {
+            self.optimizer
+                .load_param(
+                    name,
+                    &values[name],
+                    moments.get(&format!("{name}.exp_avg")),
+                    moments.get(&format!("{name}.exp_avg_sq")),
+                )
+                .map_err(|e| TrainError::Checkpoint {
+                    path: checkpoint.dir.clone(),
+                    problem: e.to_string(),
+                })?;
+        }
+        let state = &checkpoint.state;
+        self.optimizer.set_steps(state.optimizer_steps);
+        self.iteration = state.iteration;
+        self.consumed_samples = state.consumed_samples;
+        tch::manual_seed(state.rng_seed as i64);
+        if self.world.rank() == 0 {
+            tracing::info!(
+                "loaded checkpoint {} (iteration {}, {} consumed samples, written under a plan of {} stages x {} replicas)",
+                checkpoint.dir.display(),
+                state.iteration,
+                state.consumed_samples,
+                state.plan.stages.num_stages(),
+                state.plan.batches.dp_size()
+            );
+        }
+        Ok(())
+    }
+
+    fn group(&self, kind: GroupKind) -> Option<&GroupCommunicator> {
+        self.groups.get(kind).filter(|g| g.size() > 1)
+    }
+
+    /// Whether this rank holds the last stage's tied copy of the embedding (which the
+    /// norm and checkpoints skip: the first stage's copy is the parameter).
+    fn holds_tied_copy(&self) -> bool {
+        self.config.model.tie_word_embeddings
+            && self.num_stages > 1
+            && self.stage_index + 1 == self.num_stages
+    }
+
+    /// Trains until `--train-iters`, an `--exit-interval` or a stop signal.
+    pub fn train(&mut self) -> Result<TrainSummary, TrainError> {
+        let rank = self.world.rank();
+        let mut log = StepLog::open(&self.config, rank, self.world.size())?;
+        let global_batch = self.config.parallel.plan.batches.global_batch_size() as u64;
+        // This rank's replica's tokens per step (every stage of a replica sees the same).
+        let replica_tokens = self.config.parallel.plan.batches.replicas()[self.replica].samples()
+            * self.config.batch.sequence_length;
+        let train_iters = self.config.batch.train_iters;
+        let mut summary = TrainSummary {
+            iteration: self.iteration,
+            losses: Vec::new(),
+            stopped_by_signal: false,
+            saved: Vec::new(),
+        };
+        while self.iteration < train_iters {
+            let started = Instant::now();
+            let step = self.step()?;
+            let stop = signals::stop_requested();
+            let outcome =
+                StepOutcome::gather(self.world, step, started.elapsed(), stop, replica_tokens)?;
+            self.iteration += 1;
+            self.consumed_samples += global_batch;
+            summary.iteration = self.iteration;
+            summary.losses.push(outcome.loss);
+            log.record(rank, self.iteration, self.consumed_samples, &outcome)?;
+            let checkpointing = &self.config.checkpoint;
+            if checkpointing.save_due(self.iteration, train_iters, outcome.any_stop) {
+                summary.saved.push(self.save()?);
+            }
+            if self.config.checkpoint.exit_due(self.iteration) && self.iteration != train_iters {
+                if rank == 0 {
+                    tracing::info!(
+                        "exiting after iteration {} (--exit-interval)",
+                        self.iteration
+                    );
+                }
+                break;
+            }
+            if outcome.any_stop {
+                self.log_stop();
+                summary.stopped_by_signal = true;
+                break;
+            }
+        }
+        Ok(summary)
+    }
+
+    /// Rank 0 says which signal stopped the run and whether it was saved.
+    fn log_stop(&self) {
+        if self.world.rank() != 0 {
+            return;
+        }
+        tracing::warn!(
+            "{} received: stopped after iteration {}{}",
+            if signals::stop_requested() {
+                signals::stop_signal_name()
+            } else {
+                "a stop signal (on another rank)"
+            },
+            self.iteration,
+            if self.config.checkpoint.save.is_some() {
+                " and saved a checkpoint"
+            } else {
+                " (no --save, nothing saved)"
+            }
+        );
+    }
+
+    /// The global batch's loss tokens: this replica's, summed over the replicas.
+    fn global_loss_tokens(
+        &self,
+        micro_batches: &[crate::loader::MicroBatch],
+    ) -> Result<f64, TrainError> {
+        let local: f64 = micro_batches.iter().map(|m| m.loss_tokens()).sum();
+        let mut tokens = Tensor::from_slice(&[local]);
+        if let Some(dp) = self.group(GroupKind::Dp) {
+            dp.all_reduce_sum(&mut tokens)?;
+        }
+        let global = tokens.double_value(&[0]);
+        if global <= 0.0 {
+            return Err(TrainError::NoLossTokens {
+                consumed_samples: self.consumed_samples,
+            });
+        }
+        Ok(global)
+    }
+
+    /// One iteration: the pipeline, the gradient reductions, the optimizer step.
+    fn step(&mut self) -> Result<StepResult, TrainError> {
+        let micro_batches = self.loader.step(self.consumed_samples)?;
+        let mut times = StepTimes::default();
+        let started = Instant::now();
+        let loss_tokens = self.global_loss_tokens(&micro_batches)?;
+        times.communication += started.elapsed();
+        self.optimizer.zero_grad();
+        self.grads.begin_step(&self.program);
+        let (loss, pipeline_times) = self.run_pipeline(&micro_batches, loss_tokens)?;
+        times.compute += pipeline_times.compute;
+        times.communication += pipeline_times.communication;
+        times.waiting += pipeline_times.waiting;
+        if injected_fault(self.world.rank(), self.iteration + 1) {
+            eprintln!(
+                "rank {}: SYNERFUSE_FAULT_INJECT: exiting in the middle of iteration {}",
+                self.world.rank(),
+                self.iteration + 1
+            );
+            std::process::exit(3);
+        }
+        let started = Instant::now();
+        let (grads, grad_norm) = self.reduced_gradients()?;
+        times.communication += started.elapsed();
+        let started = Instant::now();
+        let lr = self.config.optimizer.lr.lr(self.consumed_samples);
+        let factor = clip_factor(grad_norm, self.config.optimizer.clip_grad);
+        self.optimizer.step_with_grads(lr, &grads, factor);
+        times.compute += started.elapsed();
+        Ok(StepResult {
+            loss_sum: loss.loss_sum,
+            loss_tokens,
+            lr,
+            grad_norm,
+            times,
+        })
+    }
+
+    /// Runs this rank's program; each chunk's main gradients accumulate (and, when
+    /// overlapping, start their reduction) as its backwards end.
+    fn run_pipeline(
+        &mut self,
+        micro_batches: &[crate::loader::MicroBatch],
+        loss_tokens: f64,
+    ) -> Result<(crate::pipeline::StepLoss, StepTimes), TrainError> {
+        let pipeline = PipelineRank {
+            chunks: &self.chunks,
+            stage_index: self.stage_index,
+            num_stages: self.num_stages,
+            world: self.world,
+            links: &self.links,
+            activation_kind: if self.config.compute.bf16 {
+                Kind::BFloat16
+            } else {
+                Kind::Float
+            },
+            emulation: self.emulation,
+        };
+        let dp = self.groups.get(GroupKind::Dp).filter(|g| g.size() > 1);
+        let overlap = self.config.parallel.overlap_grad_reduce;
+        let main_grads = &mut self.grads;
+        let mut on_event = |event: PipelineEvent| -> Result<(), TrainError> {
+            match event {
+                PipelineEvent::BackwardDone { chunk } => {
+                    main_grads.after_backward(chunk, dp, overlap)?
+                }
+                PipelineEvent::Between => main_grads.progress(),
+            }
+            Ok(())
+        };
+        pipeline.run(
+            &self.program,
+            micro_batches,
+            self.config.batch.sequence_length,
+            loss_tokens,
+            &mut on_event,
+        )
+    }
+
+    /// The fp32 main gradients reduced over the replicas (and the tied embedding over
+    /// its group), with their global norm: every parameter once (the tied copy on the
+    /// last stage skipped), summed over the stages of this pipeline.
+    fn reduced_gradients(&mut self) -> Result<(BTreeMap<String, Tensor>, f64), TrainError> {
+        let dp = self.groups.get(GroupKind::Dp).filter(|g| g.size() > 1);
+        self.grads.finish(dp)?;
+        let mut grads = self.grads.grads();
+        if self.config.model.tie_word_embeddings {
+            if let (Some(group), Some(g)) =
+                (self.group(GroupKind::Embedding), grads.get_mut(EMBEDDING))
+            {
+                group.all_reduce_sum(g)?;
+            }
+        }
+        let skip_tied = self.holds_tied_copy();
+        let mut norm_sq = Tensor::from_slice(&[grads
+            .iter()
+            .filter(|(n, _)| !(skip_tied && n.as_str() == EMBEDDING))
+            .map(|(_, g)| {
+                let g = g.to_kind(Kind::Double);
+                (&g * &g).sum(Kind::Double).double_value(&[])
+            })
+            .sum::<f64>()]);
+        if let Some(pp) = self.group(GroupKind::Pp) {
+            pp.all_reduce_sum(&mut norm_sq)?;
+        }
+        Ok((grads, norm_sq.double_value(&[0]).sqrt()))
+    }
+
+    /// Writes a checkpoint of the current iteration (collective).
+    pub fn save(&mut self) -> Result<PathBuf, TrainError> {
+        let save = self
+            .config
+            .checkpoint
+            .save
+            .clone()
+            .ok_or(TrainError::NoSaveDir)?;
+        let rank = self.world.rank();
+        if rank == 0 {
+            checkpoint::prepare(&save, self.iteration)?;
+        }
+        self.world.barrier();
+        if self.replica == 0 {
+            self.write_shard(&save)?;
+        }
+        self.world.barrier();
+        let dir = save.join(checkpoint::iteration_dir(self.iteration));
+        if rank == 0 {
+            let state = CheckpointState {
+                iteration: self.iteration,
+                consumed_samples: self.consumed_samples,
+                optimizer_steps: self.optimizer.steps(),
+                seed: self.config.batch.seed,
+                rng_seed: self.config.batch.seed.wrapping_add(self.iteration),
+                model: serde_json::from_str(&self.config.model.to_hf_json())
+                    .unwrap_or(serde_json::Value::Null),
+                plan: self.config.parallel.plan.clone(),
+                bf16: self.config.compute.bf16,
+            };
+            checkpoint::commit(&save, &state)?;
+            tracing::info!(
+                "saved checkpoint {} (iteration {})",
+                dir.display(),
+                self.iteration
+            );
+        }
+        self.world.barrier();
+        Ok(dir)
+    }
+
+    /// This stage's parameters and AdamW moments, into the staging directory.
+    fn write_shard(&self, save: &std::path::Path) -> Result<(), TrainError> {
+        let skip_tied = self.holds_tied_copy();
+        let mut params = Vec::new();
+        let mut moments = Vec::new();
+        for (name, value, m, v) in self.optimizer.state() {
+            if skip_tied && name == EMBEDDING {
+                continue;
+            }
+            params.push((name.to_owned(), value.to_kind(Kind::Float)));
+            moments.push((format!("{name}.exp_avg"), m.shallow_clone()));
+            moments.push((format!("{name}.exp_avg_sq"), v.shallow_clone()));
+        }
+        checkpoint::write_shard(
+            &checkpoint::staging_dir(save, self.iteration),
+            self.stage_index,
+            self.num_stages,
+            &params,
+            &moments,
+        )
+    }
+}

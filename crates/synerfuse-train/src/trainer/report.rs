@@ -1,0 +1,202 @@
+//! What a step reports: every rank's loss and times gathered in one all-gather, and rank
+//! 0's log line, JSON record and TensorBoard scalars.
+
+use super::TrainConfig;
+use crate::comm::MpiCommunicator;
+use crate::metrics::{IterationRecord, JsonLog, RankTimes, TensorBoardWriter};
+use crate::pipeline::StepTimes;
+use crate::TrainError;
+use std::time::Duration;
+use synerfuse_model::tch::Tensor;
+
+/// What one rank's step produced.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct StepResult {
+    /// Σ token loss on this rank (0 off the last stage).
+    pub loss_sum: f64,
+    /// Loss tokens of the whole global batch.
+    pub loss_tokens: f64,
+    /// The rate the step used.
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Where this rank's time went.
+    pub times: StepTimes,
+}
+
+/// One rank's row of the step's all-gather.
+#[derive(Debug, Clone, Copy)]
+struct RankRow {
+    loss_sum: f64,
+    compute_ms: f64,
+    communication_ms: f64,
+    elapsed_ms: f64,
+    stop: bool,
+    replica_tokens: f64,
+}
+
+/// The step as every rank saw it.
+#[derive(Debug, Clone)]
+pub(super) struct StepOutcome {
+    /// Mean token loss over the global batch.
+    pub loss: f64,
+    /// The rate the step used.
+    pub lr: f64,
+    /// Global gradient norm.
+    pub grad_norm: f64,
+    /// The slowest rank's step time, ms.
+    pub step_ms: f64,
+    /// Some rank received a stop signal.
+    pub any_stop: bool,
+    rows: Vec<RankRow>,
+}
+
+impl StepOutcome {
+    /// All-gathers each rank's loss, times and stop flag (one small collective per step).
+    pub fn gather(
+        world: &MpiCommunicator,
+        step: StepResult,
+        elapsed: Duration,
+        stop: bool,
+        replica_tokens: usize,
+    ) -> Result<Self, TrainError> {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let mine = Tensor::from_slice(&[
+            step.loss_sum,
+            ms(step.times.compute),
+            ms(step.times.communication),
+            ms(step.times.waiting),
+            ms(elapsed),
+            f64::from(u8::from(stop)),
+            replica_tokens as f64,
+        ]);
+        let all = world.all_gather(&mine)?;
+        let rows: Vec<RankRow> = (0..world.size())
+            .map(|r| {
+                let v = Vec::<f64>::try_from(all.get(r as i64)).unwrap_or_default();
+                let at = |i: usize| v.get(i).copied().unwrap_or_default();
+                RankRow {
+                    loss_sum: at(0),
+                    compute_ms: at(1),
+                    communication_ms: at(2),
+                    elapsed_ms: at(4),
+                    stop: at(5) > 0.0,
+                    replica_tokens: at(6),
+                }
+            })
+            .collect();
+        Ok(StepOutcome {
+            loss: rows.iter().map(|r| r.loss_sum).sum::<f64>() / step.loss_tokens,
+            lr: step.lr,
+            grad_norm: step.grad_norm,
+            step_ms: rows.iter().map(|r| r.elapsed_ms).fold(0.0, f64::max),
+            any_stop: rows.iter().any(|r| r.stop),
+            rows,
+        })
+    }
+}
+
+/// Rank 0's outputs for each step: the log line, the JSON log, TensorBoard.
+pub(super) struct StepLog {
+    json: Option<JsonLog>,
+    tensorboard: Option<TensorBoardWriter>,
+    log_interval: u64,
+    train_iters: u64,
+    global_batch: usize,
+    tokens_per_step: f64,
+    flops_per_token: f64,
+    world_size: usize,
+}
+
+fn io_error(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
+    move |source| TrainError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+impl StepLog {
+    /// Opens rank 0's log files (other ranks write nothing).
+    pub fn open(config: &TrainConfig, rank: usize, world_size: usize) -> Result<Self, TrainError> {
+        let logging = &config.logging;
+        let json = match (&logging.log_json, rank) {
+            (Some(path), 0) => Some(JsonLog::open(path).map_err(io_error(path))?),
+            _ => None,
+        };
+        let tensorboard = match (&logging.tensorboard_dir, rank) {
+            (Some(dir), 0) => Some(TensorBoardWriter::create(dir).map_err(io_error(dir))?),
+            _ => None,
+        };
+        let global_batch = config.parallel.plan.batches.global_batch_size();
+        let sequence_length = config.batch.sequence_length;
+        let model = &config.model;
+        Ok(StepLog {
+            json,
+            tensorboard,
+            log_interval: logging.log_interval.max(1),
+            train_iters: config.batch.train_iters,
+            global_batch,
+            tokens_per_step: (global_batch * sequence_length) as f64,
+            flops_per_token: 6.0 * model.num_parameters() as f64
+                + 12.0 * (model.num_layers * model.hidden_size * sequence_length) as f64,
+            world_size,
+        })
+    }
+
+    /// Logs the step that ended at `iteration` (on rank 0; a no-op elsewhere).
+    pub fn record(
+        &mut self,
+        rank: usize,
+        iteration: u64,
+        consumed_samples: u64,
+        outcome: &StepOutcome,
+    ) -> Result<(), TrainError> {
+        if rank != 0 {
+            return Ok(());
+        }
+        let seconds = outcome.step_ms / 1e3;
+        let record = IterationRecord {
+            iteration,
+            train_iters: self.train_iters,
+            consumed_samples,
+            lr: outcome.lr,
+            loss: outcome.loss,
+            grad_norm: outcome.grad_norm,
+            elapsed_ms: outcome.step_ms,
+            tokens_per_s: self.tokens_per_step / seconds,
+            tflops_per_device: self.flops_per_token * self.tokens_per_step
+                / seconds
+                / self.world_size as f64
+                / 1e12,
+            global_batch_size: self.global_batch,
+            ranks: outcome
+                .rows
+                .iter()
+                .map(|r| RankTimes {
+                    compute_ms: r.compute_ms,
+                    communication_ms: r.communication_ms,
+                    idle_ms: (r.elapsed_ms - r.compute_ms - r.communication_ms).max(0.0),
+                    tokens_per_s: r.replica_tokens / seconds,
+                })
+                .collect(),
+        };
+        if iteration % self.log_interval == 0 || iteration == self.train_iters {
+            println!("{}", record.log_line());
+        }
+        if let Some(json) = &mut self.json {
+            json.write(&record).map_err(io_error(json.path()))?;
+        }
+        if let Some(tb) = &mut self.tensorboard {
+            let scalars = [
+                ("lm-loss", outcome.loss),
+                ("learning-rate", outcome.lr),
+                ("grad-norm", outcome.grad_norm),
+                ("iteration-time", seconds),
+                ("tokens-per-second", record.tokens_per_s),
+            ];
+            tb.scalars(iteration, &scalars)
+                .map_err(io_error(tb.path()))?;
+        }
+        Ok(())
+    }
+}
