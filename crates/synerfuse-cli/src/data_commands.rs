@@ -8,7 +8,8 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use synerfuse_data::indexed::merge_datasets;
 use synerfuse_data::preprocess::{
-    output_prefix_for_key, preprocess, read_json_texts, PreprocessConfig, PreprocessStats,
+    output_prefix_for_key, preprocess, read_json_texts, PreprocessConfig, PreprocessError,
+    PreprocessStats,
 };
 use synerfuse_data::tokenizer::{
     build_tokenizer, train_byte_level_bpe, Tokenizer, TokenizerArgs, TokenizerType,
@@ -150,7 +151,8 @@ pub fn run_preprocess(args: PreprocessArgs) -> Result<()> {
             next_log = (s.documents / args.log_interval.max(1) + 1) * args.log_interval.max(1);
         }
         None => {}
-    })?;
+    })
+    .map_err(preprocess_flag_error)?;
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
@@ -168,6 +170,20 @@ pub fn run_preprocess(args: PreprocessArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// A preprocessing error with the flags behind it.
+fn preprocess_flag_error(error: PreprocessError) -> anyhow::Error {
+    let flags = match &error {
+        PreprocessError::NoKeys => "--json-keys",
+        PreprocessError::NoWorkers { .. } | PreprocessError::UnevenWorkers { .. } => {
+            "--workers / --partitions"
+        }
+        PreprocessError::Pool { .. } => "--workers",
+        PreprocessError::NoEod => "--append-eod",
+        _ => return error.into(),
+    };
+    anyhow::Error::new(error).context(flags)
 }
 
 /// `synerfuse merge`: every dataset of a directory into one (Megatron's merge_datasets.py).

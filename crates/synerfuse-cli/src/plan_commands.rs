@@ -6,13 +6,13 @@ use clap::Args;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
-use synerfuse_model::tch::{self, Device, Kind, Tensor};
-use synerfuse_model::{BackwardFrom, DeviceRequest, LlamaConfig, MegatronModelArgs, Stage};
+use synerfuse_model::tch::{self, Device};
+use synerfuse_model::{DeviceRequest, LlamaConfig, MegatronModelArgs};
 use synerfuse_parallel::cluster::ClusterSpec;
-use synerfuse_parallel::cost::{CostModel, MeasuredCosts, MeasuredNetwork, ModelShape, Profile};
+use synerfuse_parallel::cost::{CostModel, ModelShape, Profile};
 use synerfuse_parallel::planner::{self, Candidate, PlanRequest};
 use synerfuse_train::comm::{launcher_local_rank, launcher_rank, MpiRuntime};
-use synerfuse_train::emulation::{ComputeSpan, Emulation};
+use synerfuse_train::profiler::{self, ProfileConfig, ProfileError};
 
 /// The model to plan or profile: a Hugging Face `config.json`, or Megatron's flags.
 #[derive(Args, Debug, Clone)]
@@ -63,17 +63,7 @@ impl ModelFlags {
     }
 
     fn shape(&self) -> Result<ModelShape> {
-        let c = self.config()?;
-        Ok(ModelShape {
-            num_layers: c.num_layers,
-            hidden_size: c.hidden_size,
-            num_heads: c.num_heads,
-            num_kv_heads: c.num_kv_heads,
-            ffn_hidden_size: c.intermediate_size,
-            vocab_size: c.vocab_size,
-            seq_length: self.seq_length,
-            tied: c.tie_word_embeddings,
-        })
+        Ok(profiler::model_shape(&self.config()?, self.seq_length))
     }
 }
 
@@ -107,70 +97,6 @@ pub struct ProfileArgs {
     output: PathBuf,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-/// Seconds of forward and backward of `stage` on a micro-batch (medians of `repeats`);
-/// under emulation, the emulated durations scaled back to speed 1.
-fn time_stage(
-    stage: &Stage,
-    b: usize,
-    s: usize,
-    repeats: usize,
-    emulation: Option<&Emulation>,
-) -> Result<(f64, f64)> {
-    let c = stage.config();
-    let device = stage.device();
-    let input = if stage.is_first() {
-        Tensor::randint(
-            c.vocab_size as i64,
-            [b as i64, s as i64],
-            (Kind::Int64, device),
-        )
-    } else {
-        Tensor::randn(
-            [b as i64, s as i64, c.hidden_size as i64],
-            (Kind::Float, device),
-        )
-    };
-    let labels = Tensor::randint(
-        c.vocab_size as i64,
-        [b as i64, s as i64],
-        (Kind::Int64, device),
-    );
-    let scale = emulation.map_or(1.0, |e| e.speed);
-    let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
-    for round in 0..repeats + 1 {
-        let span = ComputeSpan::start();
-        let pass = stage.forward_train(&input, None, None)?;
-        let _ = pass.output.sum(Kind::Float).double_value(&[]);
-        let f = Emulation::account(emulation, span).as_secs_f64() * scale;
-        let span = ComputeSpan::start();
-        if stage.is_last() {
-            let loss = |logits: &Tensor| Stage::loss(logits, &labels, None).0;
-            stage.backward(pass, BackwardFrom::Loss(&loss))?;
-        } else {
-            let grad = pass.output.ones_like();
-            stage.backward(pass, BackwardFrom::OutputGrad(&grad))?;
-        }
-        if let Device::Cuda(i) = device {
-            tch::Cuda::synchronize(i as i64);
-        }
-        let bk = Emulation::account(emulation, span).as_secs_f64() * scale;
-        stage.var_store().variables().values().for_each(|v| {
-            let mut v = v.shallow_clone();
-            v.zero_grad()
-        });
-        if round > 0 {
-            fwd.push(f);
-            bwd.push(bk);
-        }
-    }
-    Ok((median(fwd), median(bwd)))
-}
-
 pub fn run_profile(args: ProfileArgs) -> Result<()> {
     if let (Some(n), None) = (args.nproc, launcher_rank()) {
         let status = crate::train_command::relaunch(n)?;
@@ -184,65 +110,26 @@ pub fn run_profile(args: ProfileArgs) -> Result<()> {
     let (local_rank, local_size) = launcher_local_rank();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     tch::set_num_threads((cores / local_size).max(1) as i32);
-    let request = args.device;
-    let device = match request {
-        DeviceRequest::Auto | DeviceRequest::Cuda(None) if tch::Cuda::is_available() => {
-            Device::Cuda(local_rank % tch::Cuda::device_count().max(1) as usize)
-        }
-        other => other.resolve()?,
-    };
+    let device = args.device.resolve_for_local_rank(local_rank)?;
     let kind = args.device_kind.clone().unwrap_or_else(|| match device {
         Device::Cpu => "cpu".into(),
         _ => "cuda".into(),
     });
-    let emulation = match args.emulate_device_speed {
-        Some(speed) if !(speed > 0.0 && speed <= 1.0) => {
-            bail!("--emulate-device-speed {speed}: must be in (0, 1]")
-        }
-        Some(speed) => Some(Emulation { speed, device }),
-        None => None,
+    let config = ProfileConfig {
+        model: args.model.config()?,
+        sequence_length: args.model.seq_length,
+        micro_batch_sizes: args.micro_batch_sizes.clone(),
+        repeats: args.repeats,
+        emulate_speed: args.emulate_device_speed,
     };
-    let shape = args.model.shape()?;
-    let mut base = args.model.config()?;
-    base.num_layers = 3;
-    let s = args.model.seq_length;
-    let mut table = BTreeMap::new();
-    for &b in &args.micro_batch_sizes {
-        // A middle layer alone, then the first and last stages with one layer each: the
-        // differences are the embedding and the head (with loss).
-        let middle = Stage::new(&base, 1..2, device)?;
-        let (lf, lb) = time_stage(&middle, b, s, args.repeats, emulation.as_ref())?;
-        let first = Stage::new(&base, 0..1, device)?;
-        let (ff, fb) = time_stage(&first, b, s, args.repeats, emulation.as_ref())?;
-        let last = Stage::new(&base, 2..3, device)?;
-        let (hf, hb) = time_stage(&last, b, s, args.repeats, emulation.as_ref())?;
-        let costs = [
-            lf,
-            lb,
-            (ff + fb - lf - lb).max(0.0),
-            (hf + hb - lf - lb).max(0.0),
-        ];
-        // Mean over ranks (they ran at the same time, sharing the machine as training will).
-        let mut t = Tensor::from_slice(&costs);
-        world.all_reduce_sum(&mut t)?;
-        let mean: Vec<f64> = Vec::<f64>::try_from(&t)?
-            .into_iter()
-            .map(|x| x / world.size() as f64)
-            .collect();
-        table.insert(
-            b,
-            MeasuredCosts {
-                layer_fwd_s: mean[0],
-                layer_bwd_s: mean[1],
-                embedding_s: mean[2],
-                head_s: mean[3],
-                layer_activation_bytes: shape.layer_activation_bytes(b, 4.0, device != Device::Cpu),
-            },
-        );
-    }
+    let table = profiler::profile_device(&world, &config, device).map_err(|e| match e {
+        ProfileError::EmulatedSpeed(_) => anyhow::Error::new(e).context("--emulate-device-speed"),
+        e => e.into(),
+    })?;
     let network = (world.size() > 1)
-        .then(|| measure_network(&world))
+        .then(|| profiler::measure_network(&world))
         .transpose()?;
+    let shape = profiler::model_shape(&config.model, config.sequence_length);
     if world.rank() == 0 {
         let mut devices = BTreeMap::new();
         devices.insert(kind.clone(), table);
@@ -276,56 +163,6 @@ pub fn run_profile(args: ProfileArgs) -> Result<()> {
         println!("wrote {}", args.output.display());
     }
     Ok(())
-}
-
-/// p2p bandwidth (rank 0 → 1, 16 MB), latency (8 bytes) and all-reduce bus bandwidth.
-fn measure_network(world: &synerfuse_train::comm::MpiCommunicator) -> Result<MeasuredNetwork> {
-    let big = Tensor::ones([4 << 20], (Kind::Float, Device::Cpu));
-    let small = Tensor::ones([2], (Kind::Float, Device::Cpu));
-    let mut p2p = Vec::new();
-    let mut latency = Vec::new();
-    for (tensor, out) in [(&big, &mut p2p), (&small, &mut latency)] {
-        for _ in 0..5 {
-            world.barrier();
-            let started = Instant::now();
-            if world.rank() == 0 {
-                world.send(tensor, 1, 3)?;
-                let mut ack = small.zeros_like();
-                world.recv(&mut ack, 1, 4)?;
-            } else if world.rank() == 1 {
-                let mut inbox = tensor.zeros_like();
-                world.recv(&mut inbox, 0, 3)?;
-                world.send(&small, 0, 4)?;
-            }
-            out.push(started.elapsed().as_secs_f64());
-        }
-    }
-    let lat = median(latency) / 2.0;
-    let p2p_s = (median(p2p) - lat).max(1e-9);
-    let mut times = Vec::new();
-    for _ in 0..5 {
-        let mut t = big.shallow_clone().copy();
-        world.barrier();
-        let started = Instant::now();
-        world.all_reduce_sum(&mut t)?;
-        times.push(started.elapsed().as_secs_f64());
-    }
-    let n = world.size() as f64;
-    let bytes = (big.numel() * 4) as f64;
-    // Broadcast rank 0's figures so every rank agrees.
-    let mut figures = Tensor::from_slice(&[
-        bytes / p2p_s,
-        2.0 * (n - 1.0) / n * bytes / median(times),
-        lat,
-    ]);
-    world.broadcast(&mut figures, 0)?;
-    let f: Vec<f64> = Vec::try_from(&figures)?;
-    Ok(MeasuredNetwork {
-        p2p_bytes_per_s: f[0],
-        allreduce_bytes_per_s: f[1],
-        latency_s: f[2],
-        ranks: world.size(),
-    })
 }
 
 /// `synerfuse plan`.

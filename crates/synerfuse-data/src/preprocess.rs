@@ -50,9 +50,39 @@ pub enum PreprocessError {
         /// What is wrong with it.
         reason: String,
     },
-    /// Contradictory or impossible settings.
-    #[error("{0}")]
-    Config(String),
+    /// No JSON key to tokenize.
+    #[error("at least one JSON key is needed")]
+    NoKeys,
+    /// No worker or no partition.
+    #[error("workers ({workers}) and partitions ({partitions}) must be at least 1")]
+    NoWorkers {
+        /// Worker threads.
+        workers: usize,
+        /// Partitions.
+        partitions: usize,
+    },
+    /// Workers that do not divide evenly over the partitions.
+    #[error("{workers} workers must be divisible by {partitions} partitions (each partition gets workers/partitions processes in Megatron)")]
+    UnevenWorkers {
+        /// Worker threads.
+        workers: usize,
+        /// Partitions.
+        partitions: usize,
+    },
+    /// An end-of-document token asked of a tokenizer that has none.
+    #[error("appending end-of-document tokens: this tokenizer has no end-of-document token")]
+    NoEod,
+    /// The worker pool could not be started.
+    #[error("starting {workers} worker threads: {message}")]
+    Pool {
+        /// Worker threads asked for.
+        workers: usize,
+        /// The thread pool's message.
+        message: String,
+    },
+    /// The thread reading the input died.
+    #[error("the input reader thread panicked")]
+    ReaderPanicked,
     /// Reading the input or writing the outputs failed.
     #[error(transparent)]
     Data(#[from] DataError),
@@ -122,27 +152,22 @@ pub fn preprocess(
     mut progress: impl FnMut(&PreprocessStats),
 ) -> Result<PreprocessStats, PreprocessError> {
     if config.json_keys.is_empty() {
-        return Err(PreprocessError::Config(
-            "--json-keys: at least one key is needed".into(),
-        ));
+        return Err(PreprocessError::NoKeys);
     }
     if config.workers == 0 || config.partitions == 0 {
-        return Err(PreprocessError::Config(
-            "--workers and --partitions must be at least 1".into(),
-        ));
+        return Err(PreprocessError::NoWorkers {
+            workers: config.workers,
+            partitions: config.partitions,
+        });
     }
     if config.workers % config.partitions != 0 {
-        return Err(PreprocessError::Config(format!(
-            "--workers {} must be divisible by --partitions {} (each partition gets workers/partitions processes in Megatron)",
-            config.workers, config.partitions
-        )));
+        return Err(PreprocessError::UnevenWorkers {
+            workers: config.workers,
+            partitions: config.partitions,
+        });
     }
     let eod = match (config.append_eod, tokenizer.eod()) {
-        (true, None) => {
-            return Err(PreprocessError::Config(
-                "--append-eod: this tokenizer has no end-of-document token".into(),
-            ))
-        }
+        (true, None) => return Err(PreprocessError::NoEod),
         (true, Some(eod)) => Some(eod),
         (false, _) => None,
     };
@@ -150,7 +175,10 @@ pub fn preprocess(
         .num_threads(config.workers)
         .thread_name(|i| format!("preprocess-{i}"))
         .build()
-        .map_err(|e| PreprocessError::Config(format!("--workers {}: {e}", config.workers)))?;
+        .map_err(|e| PreprocessError::Pool {
+            workers: config.workers,
+            message: e.to_string(),
+        })?;
 
     let dtype = DType::optimal_for_vocab(tokenizer.vocab_size());
     let mut builders = config
@@ -220,9 +248,7 @@ pub fn preprocess(
             stats.elapsed = started.elapsed();
             progress(&stats);
         }
-        reader
-            .join()
-            .map_err(|_| PreprocessError::Config("the input reader thread panicked".into()))?;
+        reader.join().map_err(|_| PreprocessError::ReaderPanicked)?;
     }
     for builder in builders {
         builder.finalize()?;

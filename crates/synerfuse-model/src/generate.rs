@@ -38,18 +38,17 @@ pub fn generate(
     options: &GenerateOptions,
 ) -> Result<Vec<i64>, StageError> {
     if !(stage.is_first() && stage.is_last()) {
-        return Err(StageError::BadInput(
-            "generation needs the whole model in one stage".into(),
-        ));
+        return Err(StageError::NotWholeModel);
     }
     if prompt.is_empty() {
-        return Err(StageError::BadInput("the prompt is empty".into()));
+        return Err(StageError::EmptyPrompt);
     }
     let vocab = stage.config().vocab_size as i64;
     if let Some(bad) = prompt.iter().find(|&&t| t < 0 || t >= vocab) {
-        return Err(StageError::BadInput(format!(
-            "prompt token {bad} is outside the vocabulary of {vocab}"
-        )));
+        return Err(StageError::TokenOutsideVocabulary {
+            token: *bad,
+            vocab_size: vocab,
+        });
     }
     tch::manual_seed(options.seed as i64);
     let device = stage.device();

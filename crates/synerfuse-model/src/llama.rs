@@ -23,9 +23,38 @@ pub enum StageError {
         /// Layers in the model.
         num_layers: usize,
     },
-    /// An input of the wrong kind or shape.
-    #[error("{0}")]
-    BadInput(String),
+    /// Token ids of the wrong rank or dtype for the first stage.
+    #[error("the first stage takes token ids [batch, seq] (int64), got {shape:?} {kind:?}")]
+    NotTokenIds {
+        /// The input's shape.
+        shape: Vec<i64>,
+        /// Its dtype.
+        kind: Kind,
+    },
+    /// Hidden states of the wrong shape for a later stage.
+    #[error("stage {layers:?} takes hidden states [batch, seq, {hidden_size}], got {shape:?}")]
+    NotHiddenStates {
+        /// The stage's layers.
+        layers: std::ops::Range<usize>,
+        /// The model's hidden size.
+        hidden_size: usize,
+        /// The input's shape.
+        shape: Vec<i64>,
+    },
+    /// Generation asked of a stage that is not the whole model.
+    #[error("generation needs the whole model in one stage")]
+    NotWholeModel,
+    /// An empty prompt.
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    /// A prompt token outside the vocabulary.
+    #[error("prompt token {token} is outside the vocabulary of {vocab_size}")]
+    TokenOutsideVocabulary {
+        /// The token.
+        token: i64,
+        /// The vocabulary size.
+        vocab_size: i64,
+    },
 }
 
 struct Linear {
@@ -463,22 +492,20 @@ impl Stage {
         let mut x = match &self.embedding {
             Some(embedding) => {
                 if input.dim() != 2 || !matches!(input.kind(), Kind::Int64 | Kind::Int) {
-                    return Err(StageError::BadInput(format!(
-                        "the first stage takes token ids [batch, seq] (int64), got {:?} {:?}",
-                        input.size(),
-                        input.kind()
-                    )));
+                    return Err(StageError::NotTokenIds {
+                        shape: input.size(),
+                        kind: input.kind(),
+                    });
                 }
                 Tensor::embedding(embedding, input, -1, false, false)
             }
             None => {
                 if input.dim() != 3 || input.size()[2] != self.config.hidden_size as i64 {
-                    return Err(StageError::BadInput(format!(
-                        "stage {:?} takes hidden states [batch, seq, {}], got {:?}",
-                        self.layers,
-                        self.config.hidden_size,
-                        input.size()
-                    )));
+                    return Err(StageError::NotHiddenStates {
+                        layers: self.layers.clone(),
+                        hidden_size: self.config.hidden_size,
+                        shape: input.size(),
+                    });
                 }
                 input.shallow_clone()
             }

@@ -40,9 +40,12 @@ pub enum BatchError {
         /// Its micro-batch count.
         num_micro_batches: usize,
     },
-    /// `--micro-batch-size` together with `--micro-batch-size-per-dp`, or neither.
-    #[error("{0}")]
-    Flags(String),
+    /// `--num-micro-batches-per-dp` without `--micro-batch-size-per-dp`.
+    #[error("--num-micro-batches-per-dp needs --micro-batch-size-per-dp")]
+    CountsWithoutSizes,
+    /// `--micro-batch-size` together with `--micro-batch-size-per-dp`.
+    #[error("--micro-batch-size cannot be combined with --micro-batch-size-per-dp")]
+    UniformAndPerReplicaSizes,
     /// A per-DP flag whose groups do not cover the data-parallel replicas.
     #[error("{flag}: the groups hold {actual} data-parallel replicas but the data-parallel size is {expected}")]
     ReplicaCountMismatch {
@@ -164,9 +167,7 @@ impl ReplicaBatches {
         };
         let Some(per_dp) = micro_batch_size_per_dp else {
             if num_micro_batches_per_dp.is_some() {
-                return Err(BatchError::Flags(
-                    "--num-micro-batches-per-dp needs --micro-batch-size-per-dp".into(),
-                ));
+                return Err(BatchError::CountsWithoutSizes);
             }
             let mbs = micro_batch_size.unwrap_or(1);
             let gbs = global_batch_size.unwrap_or(mbs * dp);
@@ -182,9 +183,7 @@ impl ReplicaBatches {
             return Self::uniform(dp, mbs, gbs / (mbs * dp));
         };
         if micro_batch_size.is_some() {
-            return Err(BatchError::Flags(
-                "--micro-batch-size cannot be combined with --micro-batch-size-per-dp".into(),
-            ));
+            return Err(BatchError::UniformAndPerReplicaSizes);
         }
         let (mbs, mbs_groups) = expand_groups("--micro-batch-size-per-dp", per_dp, dp)?;
         let per_step: usize = mbs.iter().sum();

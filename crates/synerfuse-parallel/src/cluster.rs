@@ -75,9 +75,15 @@ pub fn catalogue(slug: &str) -> Option<DeviceSpec> {
 /// A cluster file that does not describe a usable cluster.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ClusterError {
-    /// Not TOML of the expected shape.
+    /// Not TOML of the expected shape (the parser's message).
     #[error("cluster file: {0}")]
-    Format(String),
+    Toml(String),
+    /// No `[[group]]` of devices.
+    #[error("cluster file: no [[group]]")]
+    NoGroups,
+    /// A memory headroom outside [0, 0.9).
+    #[error("cluster file: memory_headroom {0} must be in [0, 0.9)")]
+    Headroom(f64),
     /// A group that cannot be used, named by its index and kind.
     #[error("cluster file: group {index} ({kind}): {problem}")]
     Group {
@@ -88,9 +94,17 @@ pub enum ClusterError {
         /// What is wrong.
         problem: String,
     },
-    /// Network figures that cannot be used.
-    #[error("cluster file: [network] {0}")]
-    Network(String),
+    /// A network bandwidth that is not a positive number.
+    #[error("cluster file: [network] {field} must be positive (got {value})")]
+    Bandwidth {
+        /// `intra_node_gbs` or `inter_node_gbs`.
+        field: &'static str,
+        /// The value.
+        value: f64,
+    },
+    /// A negative (or NaN) latency.
+    #[error("cluster file: [network] latency_us must be ≥ 0 (got {0})")]
+    Latency(f64),
 }
 
 /// One `[[group]]`.
@@ -205,20 +219,17 @@ impl ClusterSpec {
     /// Parses and checks a cluster file.
     pub fn from_toml(text: &str) -> Result<Self, ClusterError> {
         let spec: ClusterSpec =
-            toml::from_str(text).map_err(|e| ClusterError::Format(e.to_string()))?;
+            toml::from_str(text).map_err(|e| ClusterError::Toml(e.to_string()))?;
         spec.validate()?;
         Ok(spec)
     }
 
     fn validate(&self) -> Result<(), ClusterError> {
         if self.group.is_empty() {
-            return Err(ClusterError::Format("no [[group]]".into()));
+            return Err(ClusterError::NoGroups);
         }
         if !(0.0..0.9).contains(&self.memory_headroom) {
-            return Err(ClusterError::Format(format!(
-                "memory_headroom {} must be in [0, 0.9)",
-                self.memory_headroom
-            )));
+            return Err(ClusterError::Headroom(self.memory_headroom));
         }
         for (index, g) in self.group.iter().enumerate() {
             let err = |problem: String| ClusterError::Group {
@@ -270,11 +281,11 @@ impl ClusterSpec {
             ("inter_node_gbs", n.inter_node_gbs),
         ] {
             if !(v > 0.0 && v.is_finite()) {
-                return Err(ClusterError::Network(format!("{field} must be positive")));
+                return Err(ClusterError::Bandwidth { field, value: v });
             }
         }
         if n.latency_us.is_nan() || n.latency_us < 0.0 {
-            return Err(ClusterError::Network("latency_us must be ≥ 0".into()));
+            return Err(ClusterError::Latency(n.latency_us));
         }
         Ok(())
     }

@@ -6,6 +6,17 @@ use crate::cluster::{ClusterSpec, Device};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
+/// A `config.json` the planner cannot read a model shape from.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HfConfigError {
+    /// Not JSON.
+    #[error("config.json: {0}")]
+    Json(String),
+    /// A required integer field is missing.
+    #[error("config.json: missing integer {0}")]
+    MissingInteger(&'static str),
+}
+
 /// The shape of a LLaMA model, as the planner needs it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModelShape {
@@ -29,13 +40,13 @@ pub struct ModelShape {
 
 impl ModelShape {
     /// From a Hugging Face LLaMA `config.json` and a sequence length.
-    pub fn from_hf_config(json: &str, seq_length: usize) -> Result<Self, String> {
+    pub fn from_hf_config(json: &str, seq_length: usize) -> Result<Self, HfConfigError> {
         let v: serde_json::Value =
-            serde_json::from_str(json).map_err(|e| format!("config.json: {e}"))?;
-        let get = |k: &str| {
+            serde_json::from_str(json).map_err(|e| HfConfigError::Json(e.to_string()))?;
+        let get = |k: &'static str| {
             v[k].as_u64()
                 .map(|x| x as usize)
-                .ok_or_else(|| format!("config.json: missing integer {k}"))
+                .ok_or(HfConfigError::MissingInteger(k))
         };
         let heads = get("num_attention_heads")?;
         Ok(ModelShape {

@@ -92,12 +92,97 @@ pub struct Prediction {
 /// Why planning found nothing.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum PlanningError {
-    /// Inputs that cannot be planned at all.
-    #[error("{0}")]
-    Input(String),
+    /// A model without layers or a batch without samples.
+    #[error("the model needs layers and the global batch samples (got {layers} layers, global batch {global_batch_size})")]
+    EmptyRequest {
+        /// Decoder layers.
+        layers: usize,
+        /// Samples per step.
+        global_batch_size: usize,
+    },
+    /// A device the cost model cannot price.
+    #[error(transparent)]
+    Cost(#[from] crate::cost::CostError),
+    /// A candidate that does not form a plan (a planner bug, reported).
+    #[error(transparent)]
+    Plan(#[from] crate::PlanError),
     /// Every candidate breaks a constraint; the closest one's binding constraint.
     #[error("no feasible plan: {0}")]
-    Infeasible(String),
+    Infeasible(Infeasibility),
+}
+
+/// The constraint that rules out the candidate closest to feasible.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Infeasibility {
+    /// The global batch is smaller than the replica count of every factorization.
+    #[error("global batch {global_batch_size} cannot give each of the replicas of any factorization of {devices} devices a micro-batch")]
+    BatchTooSmall {
+        /// Samples per step.
+        global_batch_size: usize,
+        /// Devices in the cluster.
+        devices: usize,
+    },
+    /// A stage needs more memory than its device has.
+    #[error("out of memory: {0}")]
+    OutOfMemory(MemoryShortfall),
+    /// No split of the layers fits a factorization in memory.
+    #[error("no layer split of {layers} layers over {stages} stages fits in memory")]
+    NoLayerSplit {
+        /// Decoder layers.
+        layers: usize,
+        /// Pipeline stages.
+        stages: usize,
+    },
+}
+
+/// A stage whose device lacks the memory it needs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MemoryShortfall {
+    /// Pipeline stage.
+    pub stage: usize,
+    /// Its decoder layers.
+    pub layers: usize,
+    /// Pipeline stages and replicas of the candidate.
+    pub pp: usize,
+    /// Replicas of the candidate.
+    pub dp: usize,
+    /// The device's kind.
+    pub kind: String,
+    /// The device's index in the cluster.
+    pub device: usize,
+    /// Bytes needed.
+    pub need_bytes: f64,
+    /// Bytes usable.
+    pub usable_bytes: f64,
+    /// Micro-batch size.
+    pub micro_batch_size: usize,
+    /// Micro-batches whose activations are held at once.
+    pub in_flight: usize,
+}
+
+impl std::fmt::Display for MemoryShortfall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let extra = match (self.stage == 0, self.stage + 1 == self.pp) {
+            (true, true) => ", embedding and head",
+            (true, false) => " and the embedding",
+            (false, true) => " and the head",
+            _ => "",
+        };
+        write!(
+            f,
+            "pipeline stage {} ({} layers{extra}) on {} (device {}) needs {:.2} GB at micro-batch size {} with {} micro-batches in flight, {:.2} GB usable (pp {}, dp {})",
+            self.stage,
+            self.layers,
+            self.kind,
+            self.device,
+            self.need_bytes / 1e9,
+            self.micro_batch_size,
+            self.in_flight,
+            self.usable_bytes / 1e9,
+            self.pp,
+            self.dp
+        )
+    }
 }
 
 /// The planner's answer.
@@ -127,10 +212,7 @@ impl Ctx<'_> {
         if let Some(c) = self.costs.get(&key) {
             return Ok(*c);
         }
-        let c = self
-            .cost
-            .stage_costs(dev, b)
-            .map_err(|e| PlanningError::Input(e.to_string()))?;
+        let c = self.cost.stage_costs(dev, b)?;
         self.costs.insert(key, c);
         Ok(c)
     }
@@ -140,7 +222,7 @@ impl Ctx<'_> {
 #[derive(Debug, Clone)]
 struct Violation {
     ratio: f64,
-    message: String,
+    reason: Infeasibility,
 }
 
 /// Plans `request` on `cost`'s cluster and model.
@@ -150,9 +232,10 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
     let l = cost.model.num_layers;
     let g = request.global_batch_size;
     if l == 0 || g == 0 {
-        return Err(PlanningError::Input(
-            "the model needs layers and the global batch samples".into(),
-        ));
+        return Err(PlanningError::EmptyRequest {
+            layers: l,
+            global_batch_size: g,
+        });
     }
     let memory = devices.iter().map(|d| cost.usable_memory(d)).collect();
     let mut ctx = Ctx {
@@ -242,13 +325,12 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
         }
     }
     if candidates.is_empty() {
-        return Err(PlanningError::Infeasible(closest.map_or_else(
-            || {
-                format!(
-                    "global batch {g} cannot give each of the replicas of any factorization of {n} devices a micro-batch"
-                )
+        return Err(PlanningError::Infeasible(closest.map_or(
+            Infeasibility::BatchTooSmall {
+                global_batch_size: g,
+                devices: n,
             },
-            |v| v.message,
+            |v| v.reason,
         )));
     }
     candidates.sort_by(|a, b| {
@@ -386,21 +468,18 @@ fn evaluate(
                     let dev = &ctx.devices[grid[i][r]];
                     return Ok(Err(Violation {
                         ratio: need / have.max(1.0),
-                        message: format!(
-                            "out of memory: pipeline stage {i} ({} layers{}) on {} (device {}) needs {:.2} GB at micro-batch size {b} with {} micro-batches in flight, {:.2} GB usable (pp {p}, dp {d})",
-                            layers[i],
-                            match (i == 0, i + 1 == p) {
-                                (true, true) => ", embedding and head",
-                                (true, false) => " and the embedding",
-                                (false, true) => " and the head",
-                                _ => "",
-                            },
-                            dev.kind,
-                            dev.index,
-                            need / 1e9,
-                            (p - i).min(m[r]),
-                            have / 1e9
-                        ),
+                        reason: Infeasibility::OutOfMemory(MemoryShortfall {
+                            stage: i,
+                            layers: layers[i],
+                            pp: p,
+                            dp: d,
+                            kind: dev.kind.clone(),
+                            device: dev.index,
+                            need_bytes: need,
+                            usable_bytes: have,
+                            micro_batch_size: b,
+                            in_flight: (p - i).min(m[r]),
+                        }),
                     }));
                 }
             }
@@ -650,7 +729,10 @@ fn memory_violation(
         Err(v) => Ok(v),
         Ok(_) => Ok(Violation {
             ratio: 1.0,
-            message: format!("no layer split of {l} layers over {p} stages fits in memory"),
+            reason: Infeasibility::NoLayerSplit {
+                layers: l,
+                stages: p,
+            },
         }),
     }
 }
@@ -713,12 +795,9 @@ pub fn to_parallel_plan(
 /// Re-times a candidate by simulating its 1F1B schedule (with p2p times) and adding the
 /// DP all-reduce.
 fn simulate_candidate(ctx: &mut Ctx<'_>, c: &Candidate) -> Result<Prediction, PlanningError> {
-    let plan = to_parallel_plan(ctx.cost, c).map_err(|e| PlanningError::Input(e.to_string()))?;
-    let programs = plan_schedule(&plan, ScheduleKind::OneFOneB)
-        .map_err(|e| PlanningError::Input(e.to_string()))?;
-    let topology = plan
-        .topology()
-        .map_err(|e| PlanningError::Input(e.to_string()))?;
+    let plan = to_parallel_plan(ctx.cost, c)?;
+    let programs = plan_schedule(&plan, ScheduleKind::OneFOneB)?;
+    let topology = plan.topology()?;
     let p = c.layers.len();
     let b = c.micro_batch_sizes[0];
     let (t, _) = stage_times(ctx, &c.devices, &c.layers, b)?;
@@ -753,7 +832,7 @@ fn simulate_candidate(ctx: &mut Ctx<'_>, c: &Candidate) -> Result<Prediction, Pl
             )
         },
     )
-    .map_err(|e| PlanningError::Input(e.to_string()))?;
+    .map_err(crate::PlanError::from)?;
     let allreduce_s = allreduce_time(ctx, &c.devices, &c.layers);
     let step = report.makespan_s + allreduce_s;
     let total_busy: f64 = report.busy_s.iter().sum();
@@ -867,9 +946,11 @@ mod tests {
             let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 3 };
             let n = cost.cluster.devices().len();
             match plan(&cost, &request) {
-                Err(PlanningError::Infeasible(why)) => {
-                    prop_assert!(why.contains("memory") || why.contains("global batch"), "{}", why);
-                }
+                Err(PlanningError::Infeasible(
+                    Infeasibility::OutOfMemory(_)
+                    | Infeasibility::BatchTooSmall { .. }
+                    | Infeasibility::NoLayerSplit { .. },
+                )) => {}
                 Err(e) => prop_assert!(false, "{}", e),
                 Ok(outcome) => {
                     let devices = cost.cluster.devices();

@@ -9,6 +9,7 @@ pub mod loader;
 pub mod metrics;
 pub mod optim;
 pub mod pipeline;
+pub mod profiler;
 pub mod signals;
 pub mod trainer;
 

@@ -59,6 +59,11 @@ pub struct Gpt2BpeTokenizer {
     instance: usize,
 }
 
+/// A GPT-2 vocabulary without its end-of-document token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the vocabulary has no <|endoftext|> token (GPT-2's end of document)")]
+pub struct NoEndOfText;
+
 impl Gpt2BpeTokenizer {
     /// Loads `vocab.json` and `merges.txt`.
     pub fn from_files(vocab_file: &Path, merge_file: &Path) -> Result<Self, TokenizerError> {
@@ -69,17 +74,15 @@ impl Gpt2BpeTokenizer {
                 path: vocab_file.to_path_buf(),
                 problem: format!("not a JSON object of token → id: {e}"),
             })?;
-        Self::new(encoder, &merges).map_err(|problem| TokenizerError::BadFile {
+        Self::new(encoder, &merges).map_err(|e| TokenizerError::BadFile {
             path: vocab_file.to_path_buf(),
-            problem,
+            problem: e.to_string(),
         })
     }
 
     /// Builds the tokenizer from a vocabulary and the text of a merges file.
-    pub fn new(encoder: HashMap<String, u32>, merges_text: &str) -> Result<Self, String> {
-        let eod = *encoder
-            .get("<|endoftext|>")
-            .ok_or("the vocabulary has no <|endoftext|> token (GPT-2's end of document)")?;
+    pub fn new(encoder: HashMap<String, u32>, merges_text: &str) -> Result<Self, NoEndOfText> {
+        let eod = *encoder.get("<|endoftext|>").ok_or(NoEndOfText)?;
         let byte_chars = bytes_to_unicode();
         let mut interner: HashMap<String, u32> = HashMap::new();
         let mut symbol_ids = Vec::new();

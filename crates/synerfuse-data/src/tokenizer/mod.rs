@@ -10,7 +10,7 @@ mod sentencepiece;
 mod sentencepiece_bpe;
 mod unicode_class;
 
-pub use gpt2::Gpt2BpeTokenizer;
+pub use gpt2::{Gpt2BpeTokenizer, NoEndOfText};
 pub use huggingface::{train_byte_level_bpe, HuggingFaceTokenizer, TrainedTokenizer};
 pub use null::NullTokenizer;
 pub use sentencepiece::{
