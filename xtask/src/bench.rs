@@ -1,5 +1,6 @@
 //! `cargo xtask bench NAME`: ours against a reference measured in the same run, as a ratio.
 
+use crate::common::{last_json_line, number, release_binary, write_json};
 use crate::setup;
 use anyhow::{bail, ensure, Context, Result};
 use std::path::Path;
@@ -248,22 +249,13 @@ fn run_one(root: &Path, name: &str) -> Result<()> {
     }
 }
 
-pub(crate) fn cargo_release_binary(root: &Path) -> Result<std::path::PathBuf> {
-    let status = Command::new("cargo")
-        .args(["build", "--release", "--quiet", "-p", "synerfuse-cli"])
-        .current_dir(root)
-        .status()?;
-    ensure!(status.success(), "cargo build --release failed");
-    Ok(root.join("target/release/synerfuse"))
-}
-
 /// Preprocessing of >= 50 MB of Shakespeare JSONL with 2 workers, GPT-2 BPE and LLaMA-2
 /// SentencePiece: our binary vs Megatron's preprocess logic (Python pool + megatron-core
 /// builder), outputs byte-identical; for SentencePiece also the library's own 2-thread
 /// id encoding, the ceiling of any wrapper.
 fn preprocess(root: &Path) -> Result<()> {
     setup::run(root, true)?;
-    let synerfuse = cargo_release_binary(root)?;
+    let synerfuse = release_binary(root)?;
     let python = root.join(".venv/bin/python");
     let script = root.join("xtask/fixtures/bench_preprocess.py");
     let dir = root.join("target/bench/preprocess");
@@ -277,7 +269,8 @@ fn preprocess(root: &Path) -> Result<()> {
     let workers = 2;
     let corpus = dir.join("corpus.jsonl");
     let bytes = std::fs::metadata(&corpus)?.len() as f64;
-    let python_timing = |args: &[&str]| -> Result<serde_like::Timing> {
+    // (seconds, bytes) of a reference run.
+    let python_timing = |args: &[&str]| -> Result<(f64, f64)> {
         let out = Command::new(&python).arg(&script).args(args).output()?;
         ensure!(
             out.status.success(),
@@ -285,8 +278,8 @@ fn preprocess(root: &Path) -> Result<()> {
             String::from_utf8_lossy(&out.stderr)
         );
         let stdout = String::from_utf8_lossy(&out.stdout);
-        serde_like::parse(stdout.lines().last().unwrap_or(""))
-            .with_context(|| format!("{args:?} printed {stdout}"))
+        let line = last_json_line(&stdout).with_context(|| format!("{args:?} printed {stdout}"))?;
+        Ok((number(&line, "seconds")?, number(&line, "bytes")?))
     };
     let tok = dir.join("tokenizer");
     let cases: [(&str, &str, Vec<std::ffi::OsString>); 2] = [
@@ -350,30 +343,32 @@ fn preprocess(root: &Path) -> Result<()> {
             ensure!(a == b, "{name}: outputs differ (.{ext})");
         }
         let ours_mbs = bytes / seconds / 1e6;
-        let reference_mbs = reference.bytes / reference.seconds / 1e6;
+        let reference_mbs = reference.1 / reference.0 / 1e6;
         let ratio = ours_mbs / reference_mbs;
         let target = if name == "gpt2" { 4.0 } else { 3.0 };
         rows.push(format!("| {kind} | {ours_mbs:.2} | {reference_mbs:.2} | {ratio:.2}x (target >= {target}x) | yes |"));
-        let mut entry = format!(
-            "{{\"tokenizer\": \"{kind}\", \"ours_mb_s\": {ours_mbs:.3}, \"reference_mb_s\": {reference_mbs:.3}, \"ratio\": {ratio:.3}, \"byte_identical\": true"
-        );
+        let mut entry = serde_json::json!({
+            "tokenizer": kind,
+            "ours_mb_s": ours_mbs,
+            "reference_mb_s": reference_mbs,
+            "ratio": ratio,
+            "byte_identical": true,
+        });
         if name == "llama2" {
             let ceiling = python_timing(&[
                 "ceiling",
                 dir.to_str().context("utf-8 path")?,
                 &workers.to_string(),
             ])?;
-            let ceiling_mbs = ceiling.bytes / ceiling.seconds / 1e6;
+            let ceiling_mbs = ceiling.1 / ceiling.0 / 1e6;
             let share = ours_mbs / ceiling_mbs;
             rows.push(format!(
                 "| SentencePiece library alone (ids only, {workers} threads) | {ceiling_mbs:.2} | | ours = {:.0}% of it (target >= 90%) | |",
                 share * 100.0
             ));
-            entry.push_str(&format!(
-                ", \"library_ceiling_mb_s\": {ceiling_mbs:.3}, \"share_of_ceiling\": {share:.3}"
-            ));
+            entry["library_ceiling_mb_s"] = ceiling_mbs.into();
+            entry["share_of_ceiling"] = share.into();
         }
-        entry.push('}');
         json.push(entry);
     }
     println!();
@@ -389,9 +384,14 @@ fn preprocess(root: &Path) -> Result<()> {
     for row in rows {
         println!("{row}");
     }
-    std::fs::write(
-        root.join("target/bench/preprocess.json"),
-        format!("{{\"benchmark\": \"preprocess\", \"workers\": {workers}, \"bytes\": {bytes}, \"results\": [{}]}}\n", json.join(", ")),
+    write_json(
+        &root.join("target/bench/preprocess.json"),
+        &serde_json::json!({
+            "benchmark": "preprocess",
+            "workers": workers,
+            "bytes": bytes,
+            "results": json,
+        }),
     )?;
     Ok(())
 }
@@ -404,7 +404,7 @@ fn index(root: &Path) -> Result<()> {
     const SEQ: u64 = 4096;
     const RUNS: usize = 3;
     setup::run(root, true)?;
-    let synerfuse = cargo_release_binary(root)?;
+    let synerfuse = release_binary(root)?;
     let python = root.join(".venv/bin/python");
     let script = root.join("xtask/fixtures/bench_index.py");
     let dir = root.join("target/bench/index");
@@ -450,14 +450,10 @@ fn index(root: &Path) -> Result<()> {
             "megatron-core failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let line = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .last()
-            .unwrap_or("")
-            .to_owned();
-        ref_cold = ref_cold.min(serde_like::number(&line, "cold")?);
-        ref_load = ref_load.min(serde_like::number(&line, "load")?);
-        samples.1 = serde_like::number(&line, "samples")?;
+        let line = last_json_line(&String::from_utf8_lossy(&out.stdout))?;
+        ref_cold = ref_cold.min(number(&line, "cold")?);
+        ref_load = ref_load.min(number(&line, "load")?);
+        samples.1 = number(&line, "samples")?;
         for phase in ["cold", "load"] {
             let out = Command::new(&synerfuse)
                 .arg("index")
@@ -480,19 +476,24 @@ fn index(root: &Path) -> Result<()> {
                 "synerfuse index failed: {}",
                 String::from_utf8_lossy(&out.stderr)
             );
-            let line = String::from_utf8_lossy(&out.stdout).into_owned();
-            let loaded = line.contains("\"loaded\":true");
+            let line = last_json_line(&String::from_utf8_lossy(&out.stdout))?;
+            let loaded = line["splits"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .flat_map(|split| split["caches"].as_array().into_iter().flatten())
+                .any(|cache| cache["loaded"] == true);
             ensure!(
                 loaded == (phase == "load"),
                 "{phase} run: unexpected cache state: {line}"
             );
-            let seconds = serde_like::number(&line, "seconds")?;
+            let seconds = number(&line, "seconds")?;
             if phase == "cold" {
                 ours_cold = ours_cold.min(seconds);
             } else {
                 ours_load = ours_load.min(seconds);
             }
-            samples.0 = serde_like::number(&line, "samples")?;
+            samples.0 = number(&line["splits"][0], "samples")?;
         }
         // Same file names, same arrays (headers may differ in padding across numpy versions).
         let mut names = Vec::new();
@@ -541,11 +542,21 @@ fn index(root: &Path) -> Result<()> {
         ref_load * 1e3
     );
     println!("cache files identical: yes");
-    std::fs::write(
-        root.join("target/bench/index.json"),
-        format!(
-            "{{\"benchmark\": \"index\", \"documents\": {count}, \"tokens\": {tokens}, \"seq_length\": {SEQ}, \"train_samples\": {train_samples}, \"ours_cold_s\": {ours_cold:.4}, \"reference_cold_s\": {ref_cold:.4}, \"ratio\": {ratio:.3}, \"ours_open_s\": {ours_load:.5}, \"reference_open_s\": {ref_load:.5}, \"identical\": true}}\n"
-        ),
+    write_json(
+        &root.join("target/bench/index.json"),
+        &serde_json::json!({
+            "benchmark": "index",
+            "documents": count,
+            "tokens": tokens,
+            "seq_length": SEQ,
+            "train_samples": train_samples,
+            "ours_cold_s": ours_cold,
+            "reference_cold_s": ref_cold,
+            "ratio": ratio,
+            "ours_open_s": ours_load,
+            "reference_open_s": ref_load,
+            "identical": true,
+        }),
     )?;
     Ok(())
 }
@@ -584,11 +595,10 @@ fn model(root: &Path) -> Result<()> {
             "{cmd:?} failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let line = stdout.lines().last().unwrap_or("");
+        let line = last_json_line(&String::from_utf8_lossy(&out.stdout))?;
         Ok((
-            serde_like::number(line, "tokens_per_second")?,
-            serde_like::number(line, "parameters")?,
+            number(&line, "tokens_per_second")?,
+            number(&line, "parameters")?,
         ))
     };
     let (mut ours, mut reference, mut parameters) = (0f64, 0f64, 0.0);
@@ -619,47 +629,18 @@ fn model(root: &Path) -> Result<()> {
     println!("| synerfuse-model (tch, libtorch 2.13) | {ours:.0} |");
     println!("| transformers LlamaForCausalLM, PyTorch eager | {reference:.0} |");
     println!("| ratio | {ratio:.3}x (target >= 1.0x) |");
-    std::fs::write(
-        root.join("target/bench/model.json"),
-        format!(
-            "{{\"benchmark\": \"model\", \"parameters\": {parameters}, \"seq\": 256, \"batch\": 8, \"threads\": 2, \"ours_tokens_per_s\": {ours:.2}, \"reference_tokens_per_s\": {reference:.2}, \"ratio\": {ratio:.4}}}\n"
-        ),
+    write_json(
+        &root.join("target/bench/model.json"),
+        &serde_json::json!({
+            "benchmark": "model",
+            "parameters": parameters,
+            "seq": 256,
+            "batch": 8,
+            "threads": 2,
+            "ours_tokens_per_s": ours,
+            "reference_tokens_per_s": reference,
+            "ratio": ratio,
+        }),
     )?;
     Ok(())
-}
-
-/// The reference's one-line JSON result, read without a JSON dependency in xtask.
-pub(crate) mod serde_like {
-    use anyhow::{Context, Result};
-
-    /// The number after `"name":` in a one-line JSON object.
-    pub fn number(line: &str, name: &str) -> Result<f64> {
-        let key = format!("\"{name}\":");
-        let at = line
-            .find(&key)
-            .with_context(|| format!("no {name} in {line}"))?;
-        let rest = line[at + key.len()..].trim_start();
-        let end = rest.find([',', '}', ' ']).unwrap_or(rest.len());
-        Ok(rest[..end].parse()?)
-    }
-
-    pub struct Timing {
-        pub seconds: f64,
-        pub bytes: f64,
-    }
-
-    pub fn parse(line: &str) -> Result<Timing> {
-        let field = |name: &str| -> Result<f64> {
-            let at = line
-                .find(&format!("\"{name}\": "))
-                .with_context(|| format!("no {name}"))?;
-            let rest = &line[at + name.len() + 4..];
-            let end = rest.find([',', '}']).unwrap_or(rest.len());
-            Ok(rest[..end].trim().parse()?)
-        };
-        Ok(Timing {
-            seconds: field("seconds")?,
-            bytes: field("bytes")?,
-        })
-    }
 }

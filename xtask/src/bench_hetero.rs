@@ -1,46 +1,18 @@
 //! `cargo xtask bench hetero` and `cargo xtask bench planner`: the planner proven in real
 //! runs on an emulated heterogeneous CPU cluster, and its speed on a large cluster.
 
+use crate::common::{
+    data, emulated_profile, last_json_line, median, number, release_binary, run, write_json, Data,
+    EMULATED_CLUSTER, PROFILE_SPEED,
+};
 use anyhow::{ensure, Context, Result};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 /// The emulated cluster (examples/clusters/emulated-cpu.toml): 4 CPU ranks at relative
 /// speeds 1 : 1 : 0.5 : 1/3, in cores (emulation charges CPU time / speed), 1.42 cores
 /// in all so that a 2-core machine runs them without contention.
 const SPEEDS: [f64; 4] = [0.5, 0.5, 0.25, 0.16667];
-/// The profile's emulated speed: 4 ranks at once within 2 cores.
-pub(crate) const PROFILE_SPEED: f64 = 0.3;
-/// The emulated 4-rank cluster of the bench, the tests and the demo.
-pub(crate) const EMULATED_CLUSTER: &str = "examples/clusters/emulated-cpu.toml";
-
-/// `synerfuse profile` on 4 CPU ranks at once, each emulated at [`PROFILE_SPEED`], for a
-/// model (its flags) and micro-batch sizes, into `output`; returns what it printed.
-pub(crate) fn emulated_profile(
-    bin: &Path,
-    model_flags: &[String],
-    micro_batch_sizes: &str,
-    output: &Path,
-) -> Result<String> {
-    run(
-        Command::new(bin)
-            .args([
-                "profile",
-                "--nproc",
-                "4",
-                "--device",
-                "cpu",
-                "--device-kind",
-                "cpu",
-            ])
-            .args(["--micro-batch-sizes", micro_batch_sizes])
-            .args(["--emulate-device-speed", &PROFILE_SPEED.to_string()])
-            .args(model_flags)
-            .args(["--vocab-size", "2048", "--output"])
-            .arg(output),
-        "synerfuse profile",
-    )
-}
 const ITERS: usize = 20;
 /// 2 × 17: the speeds' shares (6 : 6 : 3 : 2 of 17) divide it, so a perfect split exists
 /// and the acceleration ratio measures the runtime rather than integer rounding (with 36,
@@ -63,30 +35,8 @@ fn model_flags() -> Vec<&'static str> {
     ]
 }
 
-/// Runs `cmd` to completion; its stdout, or an error with both streams.
-pub(crate) fn run(cmd: &mut Command, what: &str) -> Result<String> {
-    let out = cmd
-        .output()
-        .with_context(|| format!("could not run {what}"))?;
-    ensure!(
-        out.status.success(),
-        "{what} failed ({}):\n{}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
 /// Runs of each layout and setting, for the spread of the step time.
 const REPEATS: usize = 3;
-
-/// The median of `values` (upper median for an even count).
-fn median(values: &[f64]) -> f64 {
-    let mut sorted = values.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN)
-}
 
 /// Median `elapsed_ms` of iterations after the first 5 of a `--log-json` file, in s.
 fn median_step_s(log: &Path) -> Result<f64> {
@@ -94,64 +44,11 @@ fn median_step_s(log: &Path) -> Result<f64> {
     let mut ms: Vec<f64> = text
         .lines()
         .skip(5)
-        .map(|l| crate::bench::serde_like::number(l, "elapsed_ms"))
+        .map(|l| number(&last_json_line(l)?, "elapsed_ms"))
         .collect::<Result<_>>()?;
     ensure!(!ms.is_empty(), "{} has too few iterations", log.display());
     ms.sort_by(f64::total_cmp);
     Ok(ms[ms.len() / 2] / 1e3)
-}
-
-/// The Shakespeare corpus, tokenized: a GPT-2-style BPE of 2048 tokens trained on it.
-pub(crate) struct Data {
-    pub prefix: PathBuf,
-    pub vocab: PathBuf,
-    pub merges: PathBuf,
-}
-
-/// Trains the tokenizer and preprocesses the corpus into `dir`, unless already there.
-pub(crate) fn data(root: &Path, bin: &Path, dir: &Path) -> Result<Data> {
-    let python = root.join(".venv/bin/python");
-    let corpus = crate::setup::corpus_step(root, &python)?;
-    let tok = dir.join("tok");
-    let data = Data {
-        prefix: dir.join("shk_text_document"),
-        vocab: tok.join("vocab.json"),
-        merges: tok.join("merges.txt"),
-    };
-    if !data.vocab.exists() {
-        run(
-            Command::new(bin)
-                .args(["tokenizer", "train", "--vocab-size", "2048", "--gpt2-files"])
-                .arg("--input")
-                .arg(&corpus)
-                .arg("--output")
-                .arg(tok.join("tokenizer.json")),
-            "tokenizer train",
-        )?;
-    }
-    if !data.prefix.with_extension("idx").exists() {
-        run(
-            Command::new(bin)
-                .args([
-                    "preprocess",
-                    "--tokenizer-type",
-                    "GPT2BPETokenizer",
-                    "--append-eod",
-                    "--workers",
-                    "2",
-                ])
-                .arg("--input")
-                .arg(&corpus)
-                .arg("--output-prefix")
-                .arg(dir.join("shk"))
-                .arg("--vocab-file")
-                .arg(&data.vocab)
-                .arg("--merge-file")
-                .arg(&data.merges),
-            "preprocess",
-        )?;
-    }
-    Ok(data)
 }
 
 fn train(bin: &Path, data: &Data, dir: &Path, extra: &[String], log: &Path) -> Command {
@@ -191,7 +88,7 @@ fn train(bin: &Path, data: &Data, dir: &Path, extra: &[String], log: &Path) -> C
 }
 
 pub fn hetero(root: &Path) -> Result<()> {
-    let bin = crate::bench::cargo_release_binary(root)?;
+    let bin = release_binary(root)?;
     let dir = root.join("target/bench/hetero");
     std::fs::create_dir_all(&dir)?;
     let data = data(root, &bin, &dir)?;
@@ -354,21 +251,35 @@ pub fn hetero(root: &Path) -> Result<()> {
          uniform {uniform_serial_s:.4} -> {uniform_s:.4} s = {overlap_uniform:.3}x (no target; > 1 is a gain)"
     );
     let out = root.join("target/bench/hetero.json");
-    std::fs::write(&out, format!(
-        "{{\"benchmark\": \"hetero\", \"speeds\": {SPEEDS:?}, \"global_batch_size\": {GLOBAL_BATCH}, \"iterations\": {ITERS}, \
-         \"planned_step_s\": {planned_s}, \"uniform_step_s\": {uniform_s}, \"predicted_step_s\": {predicted}, \
-         \"predicted_uniform_step_s\": {predicted_uniform}, \"speedup\": {speedup}, \"prediction_error\": {error}, \
-         \"acceleration_ratio\": {acceleration}, \"planned_serial_step_s\": {planned_serial_s}, \
-         \"uniform_serial_step_s\": {uniform_serial_s}, \"overlap_speedup_planned\": {overlap_planned}, \
-         \"repeats\": {REPEATS}, \"step_s_runs\": {steps:?}, \
-         \"overlap_speedup_uniform\": {overlap_uniform}, \"plan_flags\": \"{flags}\"}}\n"
-    ))?;
+    write_json(
+        &out,
+        &serde_json::json!({
+            "benchmark": "hetero",
+            "speeds": SPEEDS,
+            "global_batch_size": GLOBAL_BATCH,
+            "iterations": ITERS,
+            "planned_step_s": planned_s,
+            "uniform_step_s": uniform_s,
+            "predicted_step_s": predicted,
+            "predicted_uniform_step_s": predicted_uniform,
+            "speedup": speedup,
+            "prediction_error": error,
+            "acceleration_ratio": acceleration,
+            "planned_serial_step_s": planned_serial_s,
+            "uniform_serial_step_s": uniform_serial_s,
+            "overlap_speedup_planned": overlap_planned,
+            "overlap_speedup_uniform": overlap_uniform,
+            "repeats": REPEATS,
+            "step_s_runs": steps,
+            "plan_flags": flags,
+        }),
+    )?;
     println!("wrote {}", out.display());
     Ok(())
 }
 
 pub fn planner(root: &Path) -> Result<()> {
-    let bin = crate::bench::cargo_release_binary(root)?;
+    let bin = release_binary(root)?;
     let dir = root.join("target/bench");
     std::fs::create_dir_all(&dir)?;
     let cluster = dir.join("planner-1024.toml");
@@ -410,10 +321,18 @@ pub fn planner(root: &Path) -> Result<()> {
         "plan",
     )?;
     let wall = started.elapsed().as_secs_f64();
-    let planning = crate::bench::serde_like::number(&json, "planning_time_s")?;
+    let planning = number(&last_json_line(&json)?, "planning_time_s")?;
     println!("planning 1024 devices of 4 kinds (128 nodes), 80 layers: {planning:.3} s in the planner, {wall:.3} s for the whole command (target < 2 s)");
-    std::fs::write(dir.join("planner.json"), format!(
-        "{{\"benchmark\": \"planner\", \"devices\": 1024, \"kinds\": 4, \"layers\": 80, \"planning_s\": {planning}, \"command_s\": {wall}}}\n"
-    ))?;
+    write_json(
+        &dir.join("planner.json"),
+        &serde_json::json!({
+            "benchmark": "planner",
+            "devices": 1024,
+            "kinds": 4,
+            "layers": 80,
+            "planning_s": planning,
+            "command_s": wall,
+        }),
+    )?;
     Ok(())
 }

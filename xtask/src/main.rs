@@ -8,6 +8,7 @@
 
 mod bench;
 mod bench_hetero;
+mod common;
 mod demo;
 mod setup;
 mod test;

@@ -92,7 +92,7 @@ pub fn run(root: &Path) -> Result<()> {
 /// Crates that bring libtorch, MPI or CUDA into a build.
 const RUNTIME_NATIVE: &[&str] = &["tch", "torch-sys", "mpi", "mpi-sys", "cudarc"];
 
-/// DESIGN.md's boundaries: data never pulls libtorch (nor MPI/CUDA); parallel and
+/// The crate boundaries (ARCHITECTURE.md): data never pulls libtorch (nor MPI/CUDA); parallel and
 /// xtask are pure Rust (no `-sys` crate at all), so they build anywhere.
 fn check_dependency_rules(root: &Path) -> Result<()> {
     // (package, no `-sys` crate at all, extra cargo-tree arguments)

@@ -110,7 +110,7 @@ fn an_unknown_subcommand_fails_with_usage() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("unrecognized subcommand"));
 }
 
-/// `synerfuse topology --json` prints spec/synerfuse.md §3's table for the tp-pp-dp order,
+/// `synerfuse topology --json` prints SynerFuse's rank table (world 8, TP 2, PP 2, DP 2) for the tp-pp-dp order,
 /// and a world that does not divide is an error naming the sizes.
 #[test]
 fn topology_groups_as_json() {

@@ -250,7 +250,8 @@ fn run(
     (losses(&log), parameters(&save))
 }
 
-/// DESIGN.md §3: any plan trains exactly what one rank trains on the same global batch.
+/// The equivalence table (ARCHITECTURE.md): any plan trains exactly what one rank trains
+/// on the same global batch.
 #[test]
 fn every_plan_matches_a_single_rank() {
     let dir = tempfile::tempdir().unwrap();

@@ -13,7 +13,7 @@
 
 use serde::{Deserialize, Serialize};
 
-/// One row of the device catalogue (dense peaks, as in spec/cost-model.md).
+/// One row of the device catalogue (vendors' dense, non-sparse peaks).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct DeviceSpec {
     /// bf16 dense TFLOP/s (fp16 where the device has no bf16).

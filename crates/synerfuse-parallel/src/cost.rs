@@ -1,4 +1,4 @@
-//! The cost model (spec/cost-model.md): compute per layer and micro-batch size (a
+//! The cost model (ARCHITECTURE.md, "planning"): compute per layer and micro-batch size (a
 //! measured profile, or FLOPs over a calibrated peak), memory per rank with an explicit
 //! verdict, and communication (p2p, ring and hierarchical all-reduce).
 

@@ -336,7 +336,7 @@ mod tests {
         );
     }
 
-    /// spec/synerfuse.md §1 and SynerFuse's two silent failures, now loud.
+    /// SynerFuse's `--hetero-pipeline-stages` examples and its two silent failures, now loud.
     #[test]
     fn hetero_pipeline_stages_flag() {
         let l = StageLayout::from_hetero_pipeline_stages(&[1, 6, 1, 2], 2, 8).unwrap();

@@ -519,7 +519,7 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    /// spec/synerfuse.md §3: world 8, TP 2, PP 2, DP 2, both orders.
+    /// SynerFuse's rank table: world 8, TP 2, PP 2, DP 2, both orders.
     #[test]
     fn spec_table() {
         let default = Topology::new(8, 2, 2, 1, 1, DEFAULT_ORDER).unwrap();

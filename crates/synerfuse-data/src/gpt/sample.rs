@@ -185,7 +185,7 @@ mod tests {
         }
     }
 
-    /// spec/megatron-data.md §4.6: the samples Megatron serves for the worked example.
+    /// The samples megatron-core 0.8.0 serves for the worked example.
     #[test]
     fn worked_example_samples() {
         let dir = std::env::temp_dir().join(format!("synerfuse-gpt-sample-{}", std::process::id()));
@@ -222,7 +222,7 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
-    /// spec/megatron-data.md §5: every flag on, a padded sample.
+    /// Megatron's `GPTDataset` with every mask and reset flag on, and a padded sample.
     #[test]
     fn masks_and_positions_with_every_flag() {
         let mut opts = options(true);
