@@ -33,7 +33,7 @@ pub struct TokenizerFlags {
     #[arg(long)]
     merge_file: Option<PathBuf>,
     /// Vocabulary size of the NullTokenizer
-    #[arg(long)]
+    #[arg(long, value_parser = crate::values::positive_count)]
     vocab_size: Option<usize>,
 }
 
@@ -74,16 +74,16 @@ pub struct PreprocessArgs {
     #[arg(long)]
     append_eod: bool,
     /// Tokenizing threads
-    #[arg(long)]
+    #[arg(long, value_parser = crate::values::positive_count)]
     workers: usize,
     /// Megatron's partitions: lines are dealt round-robin, which reorders documents
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, value_parser = crate::values::positive_count, default_value_t = 1)]
     partitions: usize,
     /// With --partitions: contiguous blocks instead of round-robin (keeps input order)
     #[arg(long)]
     keep_sequential_samples: bool,
     /// Documents between progress lines when stderr is not a terminal
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, value_parser = crate::values::positive_u64, default_value_t = 1000)]
     log_interval: u64,
     /// Count malformed lines and continue instead of stopping at the first one
     #[arg(long)]
@@ -237,7 +237,7 @@ pub struct InspectArgs {
     #[command(flatten)]
     tokenizer: TokenizerFlags,
     /// Documents to show (decoded when a tokenizer is given)
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, value_parser = crate::values::positive_count, default_value_t = 3)]
     documents: usize,
     /// The dataset carries a modes array
     #[arg(long)]
@@ -346,7 +346,7 @@ pub struct TrainTokenizerArgs {
     #[arg(long, num_args = 1.., default_values_t = [String::from("text")])]
     json_keys: Vec<String>,
     /// Vocabulary size, <|endoftext|> and the 256 byte tokens included
-    #[arg(long)]
+    #[arg(long, value_parser = crate::values::positive_count)]
     vocab_size: usize,
     /// Where to write the tokenizer.json (use with --tokenizer-type HuggingFaceTokenizer)
     #[arg(long)]

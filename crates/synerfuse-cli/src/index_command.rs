@@ -63,13 +63,13 @@ pub struct IndexArgs {
     #[arg(long)]
     split: Option<String>,
     /// Tokens per sample
-    #[arg(long)]
+    #[arg(long, value_parser = crate::values::positive_count)]
     seq_length: usize,
     /// Random seed of the shuffles
     #[arg(long, default_value_t = 1234)]
     seed: u32,
     /// Training samples (or give --train-iters and --global-batch-size)
-    #[arg(long)]
+    #[arg(long, value_parser = crate::values::positive_u64)]
     train_samples: Option<u64>,
     /// Validation samples [default: Megatron's (train_iters / eval_interval + 1) · eval_iters · gbs]
     #[arg(long)]
@@ -78,16 +78,16 @@ pub struct IndexArgs {
     #[arg(long)]
     test_samples: Option<u64>,
     /// Training iterations (with --global-batch-size, instead of --train-samples)
-    #[arg(long)]
+    #[arg(long, value_parser = crate::values::positive_u64)]
     train_iters: Option<u64>,
     /// Samples per training step, used to size the splits as Megatron does
-    #[arg(long)]
+    #[arg(long, value_parser = crate::values::positive_u64)]
     global_batch_size: Option<u64>,
     /// Evaluation iterations per evaluation
     #[arg(long, default_value_t = 100)]
     eval_iters: u64,
     /// Iterations between evaluations
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, value_parser = crate::values::positive_u64, default_value_t = 1000)]
     eval_interval: u64,
     /// Directory of the index caches [default: PREFIX/cache/GPTDataset_indices per dataset;
     /// blends are then not cached, as in Megatron]

@@ -9,6 +9,7 @@ mod model_commands;
 mod plan_commands;
 mod topology_command;
 mod train_command;
+mod values;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};

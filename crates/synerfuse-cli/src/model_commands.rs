@@ -115,7 +115,7 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 0)]
     top_k: usize,
     /// Softmax temperature; 0 is greedy
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, value_parser = crate::values::non_negative, default_value_t = 0.0)]
     temperature: f64,
     /// Sampling seed
     #[arg(long, default_value_t = 1234)]

@@ -20,23 +20,23 @@ pub struct ModelFlags {
     /// A Hugging Face LLaMA config.json
     #[arg(long)]
     model: Option<PathBuf>,
-    #[arg(long)]
+    #[arg(long, value_parser = crate::values::positive_count)]
     num_layers: Option<usize>,
-    #[arg(long)]
+    #[arg(long, value_parser = crate::values::positive_count)]
     hidden_size: Option<usize>,
-    #[arg(long)]
+    #[arg(long, value_parser = crate::values::positive_count)]
     num_attention_heads: Option<usize>,
     /// Key/value heads (grouped-query attention)
-    #[arg(long)]
+    #[arg(long, value_parser = crate::values::positive_count)]
     num_query_groups: Option<usize>,
-    #[arg(long)]
+    #[arg(long, value_parser = crate::values::positive_count)]
     ffn_hidden_size: Option<usize>,
     /// Tokenizer vocabulary (padded to a multiple of 128 as Megatron does)
-    #[arg(long, default_value_t = 32000)]
+    #[arg(long, value_parser = crate::values::positive_count, default_value_t = 32000)]
     vocab_size: usize,
     #[arg(long)]
     untie_embeddings_and_output_weights: bool,
-    #[arg(long)]
+    #[arg(long, value_parser = crate::values::positive_count)]
     seq_length: usize,
 }
 
@@ -73,7 +73,7 @@ pub struct ProfileArgs {
     #[command(flatten)]
     model: ModelFlags,
     /// Micro-batch sizes to measure
-    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    #[arg(long, value_parser = crate::values::positive_count, value_delimiter = ',', default_value = "1,2,4")]
     micro_batch_sizes: Vec<usize>,
     /// cpu, cuda, cuda:N or auto
     #[arg(long, default_value = "auto")]
@@ -82,15 +82,15 @@ pub struct ProfileArgs {
     #[arg(long)]
     device_kind: Option<String>,
     /// Timed repetitions (the median is kept)
-    #[arg(long, default_value_t = 5, value_parser = crate::train_command::positive_count)]
+    #[arg(long, value_parser = crate::values::positive_count, default_value_t = 5)]
     repeats: usize,
     /// Start N ranks here (mpirun) and also measure p2p and all-reduce between them
-    #[arg(long, value_parser = crate::train_command::positive_count)]
+    #[arg(long, value_parser = crate::values::positive_count)]
     nproc: Option<usize>,
     /// Profile as an emulated device at this speed (as `train` emulates it: CPU time /
     /// speed on CPU ranks) and file the costs at speed 1, so a cluster file's `speed`
     /// scales them. Keep N x speed within the machine's cores.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::values::speed)]
     emulate_device_speed: Option<f64>,
     /// Where to write the profile JSON
     #[arg(long)]
@@ -173,16 +173,16 @@ pub struct PlanArgs {
     cluster: PathBuf,
     #[command(flatten)]
     model: ModelFlags,
-    #[arg(long)]
+    #[arg(long, value_parser = crate::values::positive_count)]
     global_batch_size: usize,
     /// Micro-batch sizes to consider
-    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    #[arg(long, value_parser = crate::values::positive_count, value_delimiter = ',', default_value = "1,2,4,8")]
     micro_batch_sizes: Vec<usize>,
     /// A `synerfuse profile` output (overrides the catalogue)
     #[arg(long)]
     profile: Option<PathBuf>,
     /// Plans to show
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, value_parser = crate::values::positive_count, default_value_t = 3)]
     top_k: usize,
     /// Where to write the best plan (TOML, for `synerfuse train --plan`)
     #[arg(long)]

@@ -9,19 +9,19 @@ use synerfuse_parallel::{Dim, GroupKind, Topology, DEFAULT_ORDER, TP_PP_DP_ORDER
 #[derive(Args, Debug)]
 pub struct TopologyArgs {
     /// Number of ranks
-    #[arg(long)]
+    #[arg(long, value_parser = crate::values::positive_count)]
     world_size: usize,
     /// Tensor-parallel size (--tensor-model-parallel-size)
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, value_parser = crate::values::positive_count, default_value_t = 1)]
     tp: usize,
     /// Pipeline-parallel size (--pipeline-model-parallel-size)
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, value_parser = crate::values::positive_count, default_value_t = 1)]
     pp: usize,
     /// Context-parallel size
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, value_parser = crate::values::positive_count, default_value_t = 1)]
     cp: usize,
     /// Expert-parallel size
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, value_parser = crate::values::positive_count, default_value_t = 1)]
     ep: usize,
     /// Rank order, fastest dimension first [default: tp-cp-ep-dp-pp]
     #[arg(long)]

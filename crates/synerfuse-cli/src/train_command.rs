@@ -29,7 +29,7 @@ pub struct TrainArgs {
     // ---- launch
     /// Start N ranks on this machine (re-launches itself under `mpirun -np N` unless already
     /// started by mpirun or srun)
-    #[arg(long, value_parser = positive_count, help_heading = "Launch")]
+    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Launch")]
     nproc: Option<usize>,
     /// Device of every rank the plan does not place: cpu, cuda, cuda:N or auto
     #[arg(long, default_value = "auto", help_heading = "Launch")]
@@ -37,14 +37,14 @@ pub struct TrainArgs {
     /// Emulated speed per rank, e.g. 0.5,0.5,0.25,0.16: on a CPU rank each computation
     /// lasts its CPU time / speed (speed 1 = one core), on a GPU its time / speed (a test
     /// and benchmark device)
-    #[arg(long, value_delimiter = ',', help_heading = "Launch")]
+    #[arg(long, value_parser = crate::values::speed, value_delimiter = ',', help_heading = "Launch")]
     emulate_device_speed: Option<Vec<f64>>,
     /// Intra-op threads per rank [default: this machine's cores / ranks on it]
-    #[arg(long, value_parser = positive_count, help_heading = "Launch")]
+    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Launch")]
     threads: Option<usize>,
     /// Bound on every wait between ranks, in minutes (fractions allowed): a rank that
     /// waits longer ends the job, naming itself, the operation and the group or peer
-    #[arg(long, default_value_t = 10.0, value_parser = positive_minutes, help_heading = "Launch")]
+    #[arg(long, value_parser = crate::values::positive_minutes, default_value_t = 10.0, help_heading = "Launch")]
     distributed_timeout_minutes: f64,
 
     // ---- parallelism
@@ -52,58 +52,58 @@ pub struct TrainArgs {
     #[arg(long, help_heading = "Parallelism")]
     plan: Option<PathBuf>,
     /// Must be 1 for now
-    #[arg(long, help_heading = "Parallelism")]
+    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Parallelism")]
     tensor_model_parallel_size: Option<usize>,
-    #[arg(long, help_heading = "Parallelism")]
+    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Parallelism")]
     pipeline_model_parallel_size: Option<usize>,
     /// SynerFuse: `n0 l.. n1 l..`, layers per pipeline stage by device group
-    #[arg(long, num_args = 1.., help_heading = "Parallelism")]
+    #[arg(long, value_parser = crate::values::positive_count, num_args = 1.., help_heading = "Parallelism")]
     hetero_pipeline_stages: Vec<usize>,
     /// Rank order tp-pp-dp (each replica a contiguous block of ranks)
     #[arg(long, help_heading = "Parallelism")]
     use_tp_pp_dp_mapping: bool,
-    #[arg(long, help_heading = "Parallelism")]
+    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Parallelism")]
     num_layers_per_virtual_pipeline_stage: Option<usize>,
-    #[arg(long, help_heading = "Parallelism")]
+    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Parallelism")]
     micro_batch_size: Option<usize>,
     /// SynerFuse: `n0 mbs0 n1 mbs1 ...` per group of replicas
-    #[arg(long, num_args = 1.., help_heading = "Parallelism")]
+    #[arg(long, value_parser = crate::values::positive_count, num_args = 1.., help_heading = "Parallelism")]
     micro_batch_size_per_dp: Vec<usize>,
     /// SynerFuse: `n0 k0 n1 k1 ...` micro-batches per step per group of replicas
-    #[arg(long, num_args = 1.., help_heading = "Parallelism")]
+    #[arg(long, value_parser = crate::values::positive_count, num_args = 1.., help_heading = "Parallelism")]
     num_micro_batches_per_dp: Vec<usize>,
-    #[arg(long, help_heading = "Parallelism")]
+    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Parallelism")]
     global_batch_size: Option<usize>,
     /// 1f1b, gpipe or interleaved [default: interleaved with virtual stages, else 1f1b]
     #[arg(long, help_heading = "Parallelism")]
     pipeline_schedule: Option<ScheduleKind>,
 
     // ---- model
-    #[arg(long, help_heading = "Model")]
+    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Model")]
     num_layers: Option<usize>,
-    #[arg(long, help_heading = "Model")]
+    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Model")]
     hidden_size: Option<usize>,
-    #[arg(long, help_heading = "Model")]
+    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Model")]
     ffn_hidden_size: Option<usize>,
-    #[arg(long, help_heading = "Model")]
+    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Model")]
     num_attention_heads: Option<usize>,
     #[arg(long, help_heading = "Model")]
     group_query_attention: bool,
-    #[arg(long, help_heading = "Model")]
+    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Model")]
     num_query_groups: Option<usize>,
-    #[arg(long, help_heading = "Model")]
+    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Model")]
     seq_length: usize,
-    #[arg(long, help_heading = "Model")]
+    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Model")]
     max_position_embeddings: Option<usize>,
-    #[arg(long, default_value_t = 10000.0, help_heading = "Model")]
+    #[arg(long, value_parser = crate::values::positive, default_value_t = 10000.0, help_heading = "Model")]
     rotary_base: f64,
-    #[arg(long, default_value_t = 1e-5, help_heading = "Model")]
+    #[arg(long, value_parser = crate::values::positive, default_value_t = 1e-5, help_heading = "Model")]
     norm_epsilon: f64,
     #[arg(long, help_heading = "Model")]
     untie_embeddings_and_output_weights: bool,
-    #[arg(long, default_value_t = 128, help_heading = "Model")]
+    #[arg(long, value_parser = crate::values::positive_count, default_value_t = 128, help_heading = "Model")]
     make_vocab_size_divisible_by: usize,
-    #[arg(long, default_value_t = 0.02, help_heading = "Model")]
+    #[arg(long, value_parser = crate::values::non_negative, default_value_t = 0.02, help_heading = "Model")]
     init_method_std: f64,
     /// No biases in linear layers (LLaMA); Megatron's default is to add them
     #[arg(long, help_heading = "Model")]
@@ -118,10 +118,10 @@ pub struct TrainArgs {
     #[arg(long, help_heading = "Model")]
     position_embedding_type: Option<String>,
     /// Must be 0: no dropout
-    #[arg(long, help_heading = "Model")]
+    #[arg(long, value_parser = crate::values::fraction, help_heading = "Model")]
     attention_dropout: Option<f64>,
     /// Must be 0: no dropout
-    #[arg(long, help_heading = "Model")]
+    #[arg(long, value_parser = crate::values::fraction, help_heading = "Model")]
     hidden_dropout: Option<f64>,
     /// Recompute each stage's activations in the backward (less memory)
     #[arg(long, help_heading = "Model")]
@@ -173,44 +173,44 @@ pub struct TrainArgs {
     #[arg(long, help_heading = "Megatron compatibility")]
     transformer_impl: Option<String>,
     /// fp16 loss scaling; unused (bf16 and fp32 need none)
-    #[arg(long, help_heading = "Megatron compatibility")]
+    #[arg(long, value_parser = crate::values::positive, help_heading = "Megatron compatibility")]
     initial_loss_scale: Option<f64>,
     /// fp16 loss scaling; unused
-    #[arg(long, help_heading = "Megatron compatibility")]
+    #[arg(long, value_parser = crate::values::positive, help_heading = "Megatron compatibility")]
     min_loss_scale: Option<f64>,
     /// fp16 loss scaling; unused
-    #[arg(long, help_heading = "Megatron compatibility")]
+    #[arg(long, value_parser = crate::values::positive, help_heading = "Megatron compatibility")]
     loss_scale_window: Option<f64>,
     /// Per-rank compute/communication/idle times are always in --log-json
     #[arg(long, help_heading = "Megatron compatibility")]
     timing_log_level: Option<u32>,
 
     // ---- optimisation
-    #[arg(long, help_heading = "Optimisation")]
+    #[arg(long, value_parser = crate::values::positive_u64, help_heading = "Optimisation")]
     train_iters: u64,
-    #[arg(long, help_heading = "Optimisation")]
+    #[arg(long, value_parser = crate::values::non_negative, help_heading = "Optimisation")]
     lr: f64,
-    #[arg(long, default_value_t = 0.0, help_heading = "Optimisation")]
+    #[arg(long, value_parser = crate::values::non_negative, default_value_t = 0.0, help_heading = "Optimisation")]
     min_lr: f64,
     /// cosine, linear or constant
     #[arg(long, default_value = "linear", help_heading = "Optimisation")]
     lr_decay_style: DecayStyle,
     #[arg(long, default_value_t = 0, help_heading = "Optimisation")]
     lr_warmup_iters: u64,
-    #[arg(long, help_heading = "Optimisation")]
+    #[arg(long, value_parser = crate::values::fraction, help_heading = "Optimisation")]
     lr_warmup_fraction: Option<f64>,
     /// [default: --train-iters]
-    #[arg(long, help_heading = "Optimisation")]
+    #[arg(long, value_parser = crate::values::positive_u64, help_heading = "Optimisation")]
     lr_decay_iters: Option<u64>,
-    #[arg(long, default_value_t = 0.01, help_heading = "Optimisation")]
+    #[arg(long, value_parser = crate::values::non_negative, default_value_t = 0.01, help_heading = "Optimisation")]
     weight_decay: f64,
-    #[arg(long, default_value_t = 0.9, help_heading = "Optimisation")]
+    #[arg(long, value_parser = crate::values::adam_beta, default_value_t = 0.9, help_heading = "Optimisation")]
     adam_beta1: f64,
-    #[arg(long, default_value_t = 0.999, help_heading = "Optimisation")]
+    #[arg(long, value_parser = crate::values::adam_beta, default_value_t = 0.999, help_heading = "Optimisation")]
     adam_beta2: f64,
-    #[arg(long, default_value_t = 1e-8, help_heading = "Optimisation")]
+    #[arg(long, value_parser = crate::values::positive, default_value_t = 1e-8, help_heading = "Optimisation")]
     adam_eps: f64,
-    #[arg(long, default_value_t = 1.0, help_heading = "Optimisation")]
+    #[arg(long, value_parser = crate::values::non_negative, default_value_t = 1.0, help_heading = "Optimisation")]
     clip_grad: f64,
     /// bf16 compute with fp32 master weights and fp32 gradient reduction
     #[arg(long, help_heading = "Optimisation")]
@@ -242,14 +242,14 @@ pub struct TrainArgs {
     // ---- checkpoints and logs
     #[arg(long, help_heading = "Checkpoints and logs")]
     save: Option<PathBuf>,
-    #[arg(long, help_heading = "Checkpoints and logs")]
+    #[arg(long, value_parser = crate::values::positive_u64, help_heading = "Checkpoints and logs")]
     save_interval: Option<u64>,
     #[arg(long, help_heading = "Checkpoints and logs")]
     load: Option<PathBuf>,
     /// Stop after an iteration that is a multiple of N (saving first with --save)
-    #[arg(long, help_heading = "Checkpoints and logs")]
+    #[arg(long, value_parser = crate::values::positive_u64, help_heading = "Checkpoints and logs")]
     exit_interval: Option<u64>,
-    #[arg(long, default_value_t = 100, help_heading = "Checkpoints and logs")]
+    #[arg(long, value_parser = crate::values::positive_u64, default_value_t = 100, help_heading = "Checkpoints and logs")]
     log_interval: u64,
     /// One JSON object per iteration
     #[arg(long, help_heading = "Checkpoints and logs")]
@@ -703,20 +703,4 @@ fn train_flag_error(error: TrainError) -> anyhow::Error {
         _ => return error.into(),
     };
     anyhow::Error::new(error).context(flags)
-}
-
-/// A count flag that must be at least 1 (`--nproc`, `--threads`, `--repeats`).
-pub(crate) fn positive_count(text: &str) -> Result<usize, String> {
-    match text.parse::<usize>() {
-        Ok(n) if n > 0 => Ok(n),
-        _ => Err(format!("`{text}` is not a whole number of at least 1")),
-    }
-}
-
-/// `--distributed-timeout-minutes`: a finite number of minutes above zero.
-fn positive_minutes(text: &str) -> Result<f64, String> {
-    match text.parse::<f64>() {
-        Ok(m) if m.is_finite() && m > 0.0 && m <= 1e6 => Ok(m),
-        _ => Err(format!("`{text}` is not a number of minutes above 0")),
-    }
 }

@@ -226,6 +226,36 @@ proptest! {
         prop_assert_eq!(read_back(&ds), widen(&docs));
     }
 
+    /// Arbitrary bytes as an `.idx` (after the magic, or not) and a `.bin`: opening
+    /// either errs or yields a dataset whose every access stays in bounds.
+    #[test]
+    fn random_index_bytes_never_panic(
+        body in prop::collection::vec(any::<u8>(), 0..256),
+        bin in prop::collection::vec(any::<u8>(), 0..64),
+        with_magic in any::<bool>(),
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let prefix = dir.path().join("r");
+        // With the magic, version 1 and a valid dtype code, so the counts and arrays
+        // behind them are what is random.
+        let mut idx = if with_magic {
+            [b"MMIDIDX\x00\x00".as_slice(), &1u64.to_le_bytes(), &[8u8]].concat()
+        } else {
+            Vec::new()
+        };
+        idx.extend_from_slice(&body);
+        std::fs::write(idx_path(&prefix), &idx).unwrap();
+        std::fs::write(bin_path(&prefix), &bin).unwrap();
+        for multimodal in [false, true] {
+            let opened = if multimodal { IndexedDataset::open_multimodal(&prefix) } else { IndexedDataset::open(&prefix) };
+            if let Ok(ds) = opened {
+                for i in 0..ds.len() {
+                    prop_assert!(ds.get_i64(i, 0, None).is_ok());
+                }
+            }
+        }
+    }
+
     #[test]
     fn corrupt_index_never_panics(
         docs in documents(),
