@@ -221,28 +221,41 @@ fn describe_devices(cost: &CostModel, c: &Candidate, stage: usize) -> String {
         .join(" ")
 }
 
+/// The profile of `--profile`, if given (a profile of another model shape is used as
+/// it is, with a warning).
+fn read_profile(path: Option<&std::path::Path>, shape: &ModelShape) -> Result<Option<Profile>> {
+    let Some(path) = path else {
+        return Ok(None);
+    };
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let profile: Profile =
+        serde_json::from_str(&text).with_context(|| format!("profile {}", path.display()))?;
+    if &profile.model != shape {
+        tracing::warn!(
+            "the profile {} was measured for another model shape; its times are used as they are",
+            path.display()
+        );
+    }
+    Ok(Some(profile))
+}
+
+/// What `synerfuse plan` found, with what it needs to print it.
+struct PlanReport<'a> {
+    cost: &'a CostModel,
+    outcome: &'a planner::PlanOutcome,
+    plan: &'a synerfuse_parallel::ParallelPlan,
+    tokens_per_step: f64,
+    planning_s: f64,
+}
+
 pub fn run_plan(args: PlanArgs) -> Result<()> {
     let text = std::fs::read_to_string(&args.cluster)
         .with_context(|| format!("reading {}", args.cluster.display()))?;
     let cluster =
         ClusterSpec::from_toml(&text).with_context(|| args.cluster.display().to_string())?;
     let shape = args.model.shape()?;
-    let profile = match &args.profile {
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading {}", path.display()))?;
-            let p: Profile = serde_json::from_str(&text)
-                .with_context(|| format!("profile {}", path.display()))?;
-            if p.model != shape {
-                tracing::warn!(
-                    "the profile {} was measured for another model shape; its times are used as they are",
-                    path.display()
-                );
-            }
-            Some(p)
-        }
-        None => None,
-    };
+    let profile = read_profile(args.profile.as_deref(), &shape)?;
     let cost = CostModel::new(shape.clone(), cluster, profile);
     let started = Instant::now();
     let outcome = planner::plan(
@@ -254,10 +267,7 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
         },
     )?;
     let planning_s = started.elapsed().as_secs_f64();
-    let best = &outcome.plans[0];
-    let plan = planner::to_parallel_plan(&cost, best)?;
-    let flags = plan.to_synerfuse_args().join(" ");
-    let tokens = (args.global_batch_size * shape.seq_length) as f64;
+    let plan = planner::to_parallel_plan(&cost, &outcome.plans[0])?;
     if let Some(out) = &args.output {
         write_plan(out, &plan)?;
     }
@@ -268,69 +278,108 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
             .context("--uniform-output: no even layout fits this cluster, model and batch")?;
         write_plan(out, &planner::to_parallel_plan(&cost, uniform)?)?;
     }
+    let report = PlanReport {
+        cost: &cost,
+        outcome: &outcome,
+        plan: &plan,
+        tokens_per_step: (args.global_batch_size * shape.seq_length) as f64,
+        planning_s,
+    };
     if args.json {
-        let j = serde_json::json!({
+        println!("{}", report.json());
+        return Ok(());
+    }
+    report.print();
+    if let Some(out) = &args.output {
+        println!(
+            "wrote {} (synerfuse train --plan {})",
+            out.display(),
+            out.display()
+        );
+    }
+    Ok(())
+}
+
+impl PlanReport<'_> {
+    fn best(&self) -> &Candidate {
+        &self.outcome.plans[0]
+    }
+
+    /// `--json`: one object.
+    fn json(&self) -> serde_json::Value {
+        let best = self.best();
+        let p = &best.prediction;
+        serde_json::json!({
             "pipeline_parallel_size": best.layers.len(),
             "data_parallel_size": best.micro_batches.len(),
             "tensor_parallel_size": 1,
             "layers_per_stage": best.layers,
             "micro_batch_size_per_replica": best.micro_batch_sizes,
             "num_micro_batches_per_replica": best.micro_batches,
-            "predicted_step_time_s": best.prediction.step_time_s,
-            "predicted_tokens_per_s": tokens / best.prediction.step_time_s,
-            "bubble_fraction": best.prediction.bubble_fraction,
-            "peak_memory_gb_per_stage": best.prediction.stage_memory_bytes.iter().map(|b| b / 1e9).collect::<Vec<_>>(),
-            "uniform_step_time_s": outcome.uniform.as_ref().map(|u| u.prediction.step_time_s),
-            "synerfuse_flags": flags,
-            "rank_order": plan.topology.order,
-            "candidates_considered": outcome.considered,
-            "planning_time_s": planning_s,
-        });
-        println!("{j}");
-        return Ok(());
+            "predicted_step_time_s": p.step_time_s,
+            "predicted_tokens_per_s": self.tokens_per_step / p.step_time_s,
+            "bubble_fraction": p.bubble_fraction,
+            "peak_memory_gb_per_stage": p.stage_memory_bytes.iter().map(|b| b / 1e9).collect::<Vec<_>>(),
+            "uniform_step_time_s": self.outcome.uniform.as_ref().map(|u| u.prediction.step_time_s),
+            "synerfuse_flags": self.plan.to_synerfuse_args().join(" "),
+            "rank_order": self.plan.topology.order,
+            "candidates_considered": self.outcome.considered,
+            "planning_time_s": self.planning_s,
+        })
     }
-    println!(
-        "best plan: pp {} x dp {} (tp 1), micro-batch size {}, {} candidates in {:.3}s",
-        best.layers.len(),
-        best.micro_batches.len(),
-        best.micro_batch_sizes[0],
-        outcome.considered,
-        planning_s
-    );
-    println!(
-        "| stage | devices | layers | time/micro-batch (ms) | memory (GB) |\n|---|---|---|---|---|"
-    );
-    for i in 0..best.layers.len() {
+
+    /// The human-readable report: the best plan's stages, its prediction against the
+    /// even layout, its flags, and the runners-up.
+    fn print(&self) {
+        let best = self.best();
+        let p = &best.prediction;
         println!(
-            "| {i} | {} | {} | {:.2} | {:.2} |",
-            describe_devices(&cost, best, i),
-            best.layers[i],
-            best.prediction.stage_time_s[i] * 1e3,
-            best.prediction.stage_memory_bytes[i] / 1e9
+            "best plan: pp {} x dp {} (tp 1), micro-batch size {}, {} candidates in {:.3}s",
+            best.layers.len(),
+            best.micro_batches.len(),
+            best.micro_batch_sizes[0],
+            self.outcome.considered,
+            self.planning_s
         );
-    }
-    println!(
-        "replicas: micro-batches {:?} of size {:?}",
-        best.micro_batches, best.micro_batch_sizes
-    );
-    println!(
-        "predicted: {:.4} s per step ({:.0} tokens/s), bubble {:.1}%, DP all-reduce {:.4} s",
-        best.prediction.step_time_s,
-        tokens / best.prediction.step_time_s,
-        best.prediction.bubble_fraction * 100.0,
-        best.prediction.allreduce_s
-    );
-    if let Some(u) = &outcome.uniform {
         println!(
-            "uniform layout (even layers and batches, pp {} x dp {}): {:.4} s per step; the plan is {:.2}x faster",
-            u.layers.len(),
-            u.micro_batches.len(),
-            u.prediction.step_time_s,
-            u.prediction.step_time_s / best.prediction.step_time_s
+            "| stage | devices | layers | time/micro-batch (ms) | memory (GB) |\n|---|---|---|---|---|"
         );
+        for i in 0..best.layers.len() {
+            println!(
+                "| {i} | {} | {} | {:.2} | {:.2} |",
+                describe_devices(self.cost, best, i),
+                best.layers[i],
+                p.stage_time_s[i] * 1e3,
+                p.stage_memory_bytes[i] / 1e9
+            );
+        }
+        println!(
+            "replicas: micro-batches {:?} of size {:?}",
+            best.micro_batches, best.micro_batch_sizes
+        );
+        println!(
+            "predicted: {:.4} s per step ({:.0} tokens/s), bubble {:.1}%, DP all-reduce {:.4} s",
+            p.step_time_s,
+            self.tokens_per_step / p.step_time_s,
+            p.bubble_fraction * 100.0,
+            p.allreduce_s
+        );
+        if let Some(u) = &self.outcome.uniform {
+            println!(
+                "uniform layout (even layers and batches, pp {} x dp {}): {:.4} s per step; the plan is {:.2}x faster",
+                u.layers.len(),
+                u.micro_batches.len(),
+                u.prediction.step_time_s,
+                u.prediction.step_time_s / p.step_time_s
+            );
+        }
+        println!("flags: {}", self.plan.to_synerfuse_args().join(" "));
+        for (k, c) in self.outcome.plans.iter().enumerate().skip(1) {
+            self.print_runner_up(k, c);
+        }
     }
-    println!("flags: {flags}");
-    for (k, c) in outcome.plans.iter().enumerate().skip(1) {
+
+    fn print_runner_up(&self, k: usize, c: &Candidate) {
         let p = &c.prediction;
         let slowest = p
             .stage_time_s
@@ -346,18 +395,10 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
             c.micro_batches,
             c.micro_batch_sizes[0],
             p.step_time_s,
-            (p.step_time_s / best.prediction.step_time_s - 1.0) * 100.0,
+            (p.step_time_s / self.best().prediction.step_time_s - 1.0) * 100.0,
             p.bubble_fraction * 100.0,
             p.allreduce_s,
-            describe_devices(&cost, c, slowest)
+            describe_devices(self.cost, c, slowest)
         );
     }
-    if let Some(out) = &args.output {
-        println!(
-            "wrote {} (synerfuse train --plan {})",
-            out.display(),
-            out.display()
-        );
-    }
-    Ok(())
 }

@@ -244,88 +244,25 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
         costs: HashMap::new(),
         memory,
     };
-    // Fastest first (per-layer time at b = 1), ties by index.
-    let mut order: Vec<usize> = (0..n).collect();
-    let speed: Vec<f64> = (0..n)
-        .map(|i| ctx.costs(i, 1).map(|c| c.layer_s))
-        .collect::<Result<_, _>>()?;
-    order.sort_by(|&a, &b| speed[a].total_cmp(&speed[b]).then(a.cmp(&b)));
-    let mut candidates: Vec<Candidate> = Vec::new();
-    let mut closest: Option<Violation> = None;
-    let mut considered = 0;
-    let note = |v: Violation, closest: &mut Option<Violation>| {
-        if closest.as_ref().is_none_or(|c| v.ratio < c.ratio) {
-            *closest = Some(v);
-        }
-    };
-    let mut sizes: Vec<usize> = request
-        .micro_batch_sizes
-        .iter()
-        .copied()
-        .filter(|&b| b > 0)
-        .collect::<BTreeSet<_>>()
-        .into_iter()
-        .collect();
-    if sizes.is_empty() {
-        sizes.push(1);
-    }
+    let order = fastest_first(&mut ctx)?;
+    let mut search = Search::default();
     for p in (1..=n.min(l)).filter(|p| n % p == 0) {
         let d = n / p;
         for arrangement in [Arrangement::ByReplica, Arrangement::ByStage] {
             let grid = arrange(&order, p, d, arrangement);
-            for &b in &sizes {
-                if g % b != 0 || g / b < d {
-                    continue;
-                }
-                let total = g / b;
-                // The even layout, when it exists.
-                if l % p == 0 && total % d == 0 {
-                    considered += 1;
-                    match evaluate(&mut ctx, &grid, &vec![l / p; p], b, &vec![total / d; d])? {
-                        Ok(pred) => candidates.push(Candidate {
-                            arrangement,
-                            devices: grid.clone(),
-                            layers: vec![l / p; p],
-                            micro_batch_sizes: vec![b; d],
-                            micro_batches: vec![total / d; d],
-                            prediction: pred,
-                            origin: CandidateOrigin::Uniform,
-                        }),
-                        Err(v) => note(v, &mut closest),
-                    }
-                }
-                // Alternate exact splits, starting from micro-batches in proportion to
-                // replica throughput under even layers.
-                let mut m = proportional_split(&mut ctx, &grid, b, total)?;
-                let mut seen = BTreeSet::new();
-                for _ in 0..3 {
-                    let Some(layers) = split_layers(&mut ctx, &grid, b, &m, l)? else {
-                        note(memory_violation(&mut ctx, &grid, b, &m, l)?, &mut closest);
-                        break;
+            for b in micro_batch_sizes(request) {
+                if g % b == 0 && g / b >= d {
+                    let grid = Arranged {
+                        devices: &grid,
+                        arrangement,
                     };
-                    m = split_micro_batches(&mut ctx, &grid, b, &layers, total)?;
-                    if !seen.insert((layers.clone(), m.clone())) {
-                        break;
-                    }
-                    considered += 1;
-                    match evaluate(&mut ctx, &grid, &layers, b, &m)? {
-                        Ok(pred) => candidates.push(Candidate {
-                            arrangement,
-                            devices: grid.clone(),
-                            layers,
-                            micro_batch_sizes: vec![b; d],
-                            micro_batches: m.clone(),
-                            prediction: pred,
-                            origin: CandidateOrigin::Planned,
-                        }),
-                        Err(v) => note(v, &mut closest),
-                    }
+                    search.grid(&mut ctx, grid, b, g / b)?;
                 }
             }
         }
     }
-    if candidates.is_empty() {
-        return Err(PlanningError::Infeasible(closest.map_or(
+    if search.candidates.is_empty() {
+        return Err(PlanningError::Infeasible(search.closest.map_or(
             Infeasibility::BatchTooSmall {
                 global_batch_size: g,
                 devices: n,
@@ -333,46 +270,157 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
             |v| v.reason,
         )));
     }
-    candidates.sort_by(|a, b| {
+    let (plans, uniform) = retime_front(&mut ctx, search.candidates, request.top_k.max(1))?;
+    Ok(PlanOutcome {
+        plans,
+        uniform,
+        considered: search.considered,
+    })
+}
+
+/// Device indices, fastest first (per-layer time at micro-batch size 1), ties by index.
+fn fastest_first(ctx: &mut Ctx<'_>) -> Result<Vec<usize>, PlanningError> {
+    let n = ctx.devices.len();
+    let speed: Vec<f64> = (0..n)
+        .map(|i| ctx.costs(i, 1).map(|c| c.layer_s))
+        .collect::<Result<_, _>>()?;
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| speed[a].total_cmp(&speed[b]).then(a.cmp(&b)));
+    Ok(order)
+}
+
+/// The request's distinct positive micro-batch sizes, ascending (1 when none).
+fn micro_batch_sizes(request: &PlanRequest) -> Vec<usize> {
+    let sizes: BTreeSet<usize> = request
+        .micro_batch_sizes
+        .iter()
+        .copied()
+        .filter(|&b| b > 0)
+        .collect();
+    if sizes.is_empty() {
+        vec![1]
+    } else {
+        sizes.into_iter().collect()
+    }
+}
+
+/// Devices arranged as (stage, replica), and how.
+#[derive(Clone, Copy)]
+struct Arranged<'a> {
+    devices: &'a [Vec<usize>],
+    arrangement: Arrangement,
+}
+
+/// What the search has found so far.
+#[derive(Default)]
+struct Search {
+    candidates: Vec<Candidate>,
+    /// The infeasible candidate closest to fitting.
+    closest: Option<Violation>,
+    considered: usize,
+}
+
+impl Search {
+    /// Evaluates one layout of `grid` and keeps it, or notes why it does not fit.
+    fn consider(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        grid: Arranged<'_>,
+        (layers, b, micro_batches): (Vec<usize>, usize, Vec<usize>),
+        origin: CandidateOrigin,
+    ) -> Result<(), PlanningError> {
+        self.considered += 1;
+        match evaluate(ctx, grid.devices, &layers, b, &micro_batches)? {
+            Ok(prediction) => self.candidates.push(Candidate {
+                arrangement: grid.arrangement,
+                devices: grid.devices.to_vec(),
+                layers,
+                micro_batch_sizes: vec![b; grid.devices[0].len()],
+                micro_batches,
+                prediction,
+                origin,
+            }),
+            Err(v) => self.note(v),
+        }
+        Ok(())
+    }
+
+    fn note(&mut self, v: Violation) {
+        if self.closest.as_ref().is_none_or(|c| v.ratio < c.ratio) {
+            self.closest = Some(v);
+        }
+    }
+
+    /// The layouts of one grid at micro-batch size `b` with `total` micro-batches: the
+    /// even layout when it exists, then alternating exact splits of layers and
+    /// micro-batches, starting from micro-batches in proportion to replica throughput
+    /// under even layers.
+    fn grid(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        grid: Arranged<'_>,
+        b: usize,
+        total: usize,
+    ) -> Result<(), PlanningError> {
+        let devices = grid.devices;
+        let (p, d, l) = (devices.len(), devices[0].len(), ctx.cost.model.num_layers);
+        if l % p == 0 && total % d == 0 {
+            let even = (vec![l / p; p], b, vec![total / d; d]);
+            self.consider(ctx, grid, even, CandidateOrigin::Uniform)?;
+        }
+        let mut m = proportional_split(ctx, devices, b, total)?;
+        let mut seen = BTreeSet::new();
+        for _ in 0..3 {
+            let Some(layers) = split_layers(ctx, devices, b, &m, l)? else {
+                self.note(memory_violation(ctx, devices, b, &m, l)?);
+                break;
+            };
+            m = split_micro_batches(ctx, devices, b, &layers, total)?;
+            if !seen.insert((layers.clone(), m.clone())) {
+                break;
+            }
+            self.consider(ctx, grid, (layers, b, m.clone()), CandidateOrigin::Planned)?;
+        }
+        Ok(())
+    }
+}
+
+/// Re-times the front runners (up to `keep` × 3 planned ones) and every even layout by
+/// simulating their schedules; returns the best `keep` and the best even layout.
+fn retime_front(
+    ctx: &mut Ctx<'_>,
+    mut candidates: Vec<Candidate>,
+    keep: usize,
+) -> Result<(Vec<Candidate>, Option<Candidate>), PlanningError> {
+    let by_time = |a: &Candidate, b: &Candidate| {
         a.prediction
             .step_time_s
             .total_cmp(&b.prediction.step_time_s)
-    });
-    // Re-time the front runners and every even layout by simulating their schedules.
-    let keep = request.top_k.max(1);
+    };
+    candidates.sort_by(by_time);
     let mut front: Vec<Candidate> = Vec::new();
     let mut planned = 0;
-    for c in candidates.iter() {
+    for c in candidates {
         let is_uniform = c.origin == CandidateOrigin::Uniform;
-        if !is_uniform && planned >= keep * 3 {
-            continue;
-        }
-        if front.iter().any(|f| {
+        let duplicate = front.iter().any(|f| {
             f.layers == c.layers && f.micro_batches == c.micro_batches && f.devices == c.devices
-        }) {
+        });
+        if duplicate || (!is_uniform && planned >= keep * 3) {
             continue;
         }
         planned += usize::from(!is_uniform);
-        front.push(c.clone());
+        front.push(c);
     }
     for c in &mut front {
-        c.prediction = simulate_candidate(&mut ctx, c)?;
+        c.prediction = simulate_candidate(ctx, c)?;
     }
-    front.sort_by(|a, b| {
-        a.prediction
-            .step_time_s
-            .total_cmp(&b.prediction.step_time_s)
-    });
+    front.sort_by(by_time);
     let uniform = front
         .iter()
         .find(|c| c.origin == CandidateOrigin::Uniform)
         .cloned();
     front.truncate(keep);
-    Ok(PlanOutcome {
-        plans: front,
-        uniform,
-        considered,
-    })
+    Ok((front, uniform))
 }
 
 /// Device of (stage, replica).

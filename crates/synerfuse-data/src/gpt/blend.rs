@@ -180,6 +180,138 @@ pub struct BlendedDataset {
     cache: Option<CacheRecord>,
 }
 
+/// Megatron's checks of a blend: one weight per dataset, at most 32766 datasets (int16
+/// indices), every weight positive.
+fn check_blend(
+    datasets: &[Arc<GptDataset>],
+    weights: &BlendWeights,
+) -> Result<(), GptDatasetError> {
+    let count = match weights {
+        BlendWeights::Float(w) => w.len(),
+        BlendWeights::Int(w) => w.len(),
+    };
+    if datasets.is_empty() || datasets.len() != count {
+        return Err(BlendError::WeightCount {
+            weights: count,
+            prefixes: datasets.len(),
+        }
+        .into());
+    }
+    if datasets.len() > 32766 {
+        return Err(BlendError::TooMany(datasets.len()).into());
+    }
+    let not_positive = match weights {
+        BlendWeights::Float(w) => w.iter().position(|&w| w.is_nan() || w <= 0.0),
+        BlendWeights::Int(w) => w.iter().position(|&w| w <= 0),
+    };
+    match not_positive {
+        Some(k) => Err(BlendError::NonPositiveWeight {
+            split: datasets[0].split().name(),
+            dataset: datasets[k].dataset_path().to_owned(),
+            weight: match weights {
+                BlendWeights::Float(w) => w[k].to_string(),
+                BlendWeights::Int(w) => w[k].to_string(),
+            },
+        }
+        .into()),
+        None => Ok(()),
+    }
+}
+
+/// The weights the indices are built from: normalised floats for a sized blend, whole
+/// sample counts for an exhaustive one.
+fn blend_weights(
+    weights: BlendWeights,
+    size: Option<u64>,
+) -> Result<BlendWeights, GptDatasetError> {
+    Ok(match (weights, size) {
+        (BlendWeights::Float(w), Some(_)) => BlendWeights::Float(normalize(&w)),
+        (BlendWeights::Int(w), Some(_)) => {
+            BlendWeights::Float(normalize(&w.iter().map(|&x| x as f64).collect::<Vec<_>>()))
+        }
+        (BlendWeights::Float(w), None) => {
+            if w.iter().any(|x| x.fract() != 0.0) {
+                return Err(BlendError::FractionalExhaustiveWeights.into());
+            }
+            BlendWeights::Int(w.iter().map(|&x| x as i64).collect())
+        }
+        (w @ BlendWeights::Int(_), None) => w,
+    })
+}
+
+/// Megatron's description of a blend (its md5 names the cache files).
+fn describe_blend(
+    datasets: &[Arc<GptDataset>],
+    split: Split,
+    weights: &BlendWeights,
+    size: Option<u64>,
+) -> String {
+    let weights_value = match weights {
+        BlendWeights::Float(w) => PyValue::List(w.iter().map(|&x| PyValue::Float(x)).collect()),
+        BlendWeights::Int(w) => PyValue::List(w.iter().map(|&x| PyValue::Int(x)).collect()),
+    };
+    PyValue::Dict(vec![
+        ("class".into(), PyValue::str("BlendedDataset")),
+        (
+            "datasets".into(),
+            PyValue::List(datasets.iter().map(|d| d.identifiers().clone()).collect()),
+        ),
+        ("split".into(), PyValue::str(split.name())),
+        ("weights".into(), weights_value),
+        (
+            "size".into(),
+            size.map_or(PyValue::None, |s| PyValue::Int(s as i64)),
+        ),
+    ])
+    .to_python_json()
+}
+
+/// The cached dataset and sample indices, checked against each other.
+fn load_blending_indices(
+    files: &CacheFiles,
+) -> Result<(IndexArray<i16>, IndexArray<i64>), GptDatasetError> {
+    let index: IndexArray<i16> = npy::read_npy(&files.arrays[0])?;
+    let sample: IndexArray<i64> = npy::read_npy(&files.arrays[1])?;
+    if index.len() != sample.len() {
+        return Err(DataError::corrupt(
+            &files.arrays[1],
+            "shape",
+            format!(
+                "{} entries, the dataset index has {}",
+                sample.len(),
+                index.len()
+            ),
+        )
+        .into());
+    }
+    Ok((index, sample))
+}
+
+/// Megatron's post-build check: no dataset is asked for more samples than it has.
+fn check_dataset_sizes(
+    datasets: &[Arc<GptDataset>],
+    split: Split,
+    index: &[i16],
+) -> Result<(), GptDatasetError> {
+    let mut counts = vec![0usize; datasets.len()];
+    for &d in index {
+        counts[d as usize] += 1;
+    }
+    for (d, (dataset, &needed)) in datasets.iter().zip(&counts).enumerate() {
+        if needed > dataset.len() {
+            return Err(BlendError::DatasetTooSmall {
+                split: split.name(),
+                needed,
+                index: d,
+                dataset: dataset.dataset_path().to_owned(),
+                available: dataset.len(),
+            }
+            .into());
+        }
+    }
+    Ok(())
+}
+
 impl BlendedDataset {
     /// Blends `datasets` with `weights`: `size` samples drawn in proportion to them, or
     /// with `size = None`, every sample of each dataset once (weights are then lengths).
@@ -189,67 +321,10 @@ impl BlendedDataset {
         size: Option<u64>,
         config: &GptDatasetConfig,
     ) -> Result<BlendedDataset, GptDatasetError> {
-        let count = match &weights {
-            BlendWeights::Float(w) => w.len(),
-            BlendWeights::Int(w) => w.len(),
-        };
-        if datasets.is_empty() || datasets.len() != count {
-            return Err(BlendError::WeightCount {
-                weights: count,
-                prefixes: datasets.len(),
-            }
-            .into());
-        }
-        if datasets.len() > 32766 {
-            return Err(BlendError::TooMany(datasets.len()).into());
-        }
+        check_blend(&datasets, &weights)?;
         let split = datasets[0].split();
-        let positive = match &weights {
-            BlendWeights::Float(w) => w.iter().position(|&w| w.is_nan() || w <= 0.0),
-            BlendWeights::Int(w) => w.iter().position(|&w| w <= 0),
-        };
-        if let Some(k) = positive {
-            return Err(BlendError::NonPositiveWeight {
-                split: split.name(),
-                dataset: datasets[k].dataset_path().to_owned(),
-                weight: match &weights {
-                    BlendWeights::Float(w) => w[k].to_string(),
-                    BlendWeights::Int(w) => w[k].to_string(),
-                },
-            }
-            .into());
-        }
-        let weights = match (weights, size) {
-            (BlendWeights::Float(w), Some(_)) => BlendWeights::Float(normalize(&w)),
-            (BlendWeights::Int(w), Some(_)) => {
-                BlendWeights::Float(normalize(&w.iter().map(|&x| x as f64).collect::<Vec<_>>()))
-            }
-            (BlendWeights::Float(w), None) => {
-                if w.iter().any(|x| x.fract() != 0.0) {
-                    return Err(BlendError::FractionalExhaustiveWeights.into());
-                }
-                BlendWeights::Int(w.iter().map(|&x| x as i64).collect())
-            }
-            (w @ BlendWeights::Int(_), None) => w,
-        };
-        let weights_value = match &weights {
-            BlendWeights::Float(w) => PyValue::List(w.iter().map(|&x| PyValue::Float(x)).collect()),
-            BlendWeights::Int(w) => PyValue::List(w.iter().map(|&x| PyValue::Int(x)).collect()),
-        };
-        let description = PyValue::Dict(vec![
-            ("class".into(), PyValue::str("BlendedDataset")),
-            (
-                "datasets".into(),
-                PyValue::List(datasets.iter().map(|d| d.identifiers().clone()).collect()),
-            ),
-            ("split".into(), PyValue::str(split.name())),
-            ("weights".into(), weights_value),
-            (
-                "size".into(),
-                size.map_or(PyValue::None, |s| PyValue::Int(s as i64)),
-            ),
-        ])
-        .to_python_json();
+        let weights = blend_weights(weights, size)?;
+        let description = describe_blend(&datasets, split, &weights, size);
         let hash = md5_hex(&description);
         let files = config.path_to_cache.as_ref().map(|dir| {
             CacheFiles::new(
@@ -260,49 +335,15 @@ impl BlendedDataset {
                 &["dataset_index.npy", "dataset_sample_index.npy"],
             )
         });
-        let mut loaded = false;
-        let (dataset_index, dataset_sample_index) = match &files {
-            Some(files) if files.all_exist() => {
-                loaded = true;
-                let index: IndexArray<i16> = npy::read_npy(&files.arrays[0])?;
-                let sample: IndexArray<i64> = npy::read_npy(&files.arrays[1])?;
-                if index.len() != sample.len() {
-                    return Err(DataError::corrupt(
-                        &files.arrays[1],
-                        "shape",
-                        format!(
-                            "{} entries, the dataset index has {}",
-                            sample.len(),
-                            index.len()
-                        ),
-                    )
-                    .into());
-                }
-                (index, sample)
-            }
-            _ => {
+        let cached = files.as_ref().filter(|f| f.all_exist());
+        let (dataset_index, dataset_sample_index) = match cached {
+            Some(files) => load_blending_indices(files)?,
+            None => {
                 let (index, sample) = match &weights {
                     BlendWeights::Float(w) => build_blending_indices(w, size.unwrap_or(0) as usize),
                     BlendWeights::Int(w) => build_exhaustive_blending_indices(w),
                 };
-                // Megatron's post-build check: no dataset is asked for more samples
-                // than it has.
-                let mut counts = vec![0usize; datasets.len()];
-                for &d in &index {
-                    counts[d as usize] += 1;
-                }
-                for (d, (dataset, &needed)) in datasets.iter().zip(&counts).enumerate() {
-                    if needed > dataset.len() {
-                        return Err(BlendError::DatasetTooSmall {
-                            split: split.name(),
-                            needed,
-                            index: d,
-                            dataset: dataset.dataset_path().to_owned(),
-                            available: dataset.len(),
-                        }
-                        .into());
-                    }
-                }
+                check_dataset_sizes(&datasets, split, &index)?;
                 if let Some(files) = &files {
                     files.write(&description, |path, i| match i {
                         0 => npy::write_npy(path, &index),
@@ -312,6 +353,7 @@ impl BlendedDataset {
                 (index.into(), sample.into())
             }
         };
+        let loaded = cached.is_some();
         Ok(BlendedDataset {
             datasets,
             split,
