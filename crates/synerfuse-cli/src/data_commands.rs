@@ -12,7 +12,8 @@ use synerfuse_data::preprocess::{
     PreprocessStats,
 };
 use synerfuse_data::tokenizer::{
-    build_tokenizer, train_byte_level_bpe, Tokenizer, TokenizerArgs, TokenizerType,
+    build_tokenizer, train_byte_level_bpe, Tokenizer, TokenizerArgs, TokenizerArgument,
+    TokenizerError, TokenizerType,
 };
 use synerfuse_data::IndexedDataset;
 
@@ -52,8 +53,24 @@ impl TokenizerFlags {
         let Some(kind) = self.tokenizer_type else {
             return Ok(None);
         };
-        Ok(Some(build_tokenizer(kind, &self.args())?))
+        Ok(Some(
+            build_tokenizer(kind, &self.args()).map_err(tokenizer_flag_error)?,
+        ))
     }
+}
+
+/// A tokenizer error with the flag behind it.
+pub(crate) fn tokenizer_flag_error(error: TokenizerError) -> anyhow::Error {
+    let flag = match &error {
+        TokenizerError::MissingArgument { argument, .. } => match argument {
+            TokenizerArgument::VocabFile => "--vocab-file",
+            TokenizerArgument::MergeFile => "--merge-file",
+            TokenizerArgument::TokenizerModel => "--tokenizer-model",
+            TokenizerArgument::VocabSize => "--vocab-size",
+        },
+        _ => return error.into(),
+    };
+    anyhow::Error::new(error).context(format!("{flag} is required"))
 }
 
 /// `synerfuse preprocess`: JSONL → `{prefix}_{key}_document.{bin,idx}`.

@@ -1,7 +1,7 @@
 //! `synerfuse index`: build (or load) the GPT sample indices of every split, with
 //! Megatron's flags, cache names and files, so either tool reuses the other's caches.
 
-use crate::data_commands::TokenizerFlags;
+use crate::data_commands::{tokenizer_flag_error, TokenizerFlags};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::json;
@@ -24,7 +24,8 @@ pub(crate) fn gpt_data_config(
         bail!("--tokenizer-type is required: the tokenizer is part of the cache names");
     };
     tokenizer.build()?;
-    let identifiers = megatron_tokenizer_identifiers(kind, &tokenizer.args())?;
+    let identifiers =
+        megatron_tokenizer_identifiers(kind, &tokenizer.args()).map_err(tokenizer_flag_error)?;
     GptDataConfig::from_sources(sources, seed, seq_length, identifiers).map_err(data_flag_error)
 }
 
@@ -39,6 +40,7 @@ pub(crate) fn data_flag_error(error: GptDatasetError) -> anyhow::Error {
         }
         GptDatasetError::Blend(_) => "--data-path",
         GptDatasetError::ZeroSequenceLength => "--seq-length",
+        GptDatasetError::Split(_) => "--split",
         _ => return error.into(),
     };
     anyhow::Error::new(error).context(flags)

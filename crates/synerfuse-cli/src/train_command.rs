@@ -10,7 +10,9 @@ use std::time::Duration;
 use synerfuse_data::gpt::{DataSources, SampleOptions};
 use synerfuse_data::tokenizer::Tokenizer;
 use synerfuse_model::{DeviceRequest, LlamaConfig, MegatronModelArgs};
-use synerfuse_parallel::{ParallelPlan, PlanFlags, ScheduleKind};
+use synerfuse_parallel::{
+    BatchError, LayoutError, ParallelPlan, PlanError, PlanFlags, ScheduleKind,
+};
 use synerfuse_train::comm::{
     launcher_local_rank, launcher_rank, relaunch_under_mpirun, watchdog, MpiCommunicator,
     MpiRuntime,
@@ -307,7 +309,7 @@ impl TrainArgs {
         }
         let Some(path) = &self.plan else {
             return ParallelPlan::from_flags(&self.plan_flags()?, world_size)
-                .context("parallel flags");
+                .map_err(plan_flag_error);
         };
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
@@ -686,6 +688,26 @@ fn log_run(config: &TrainConfig, world_size: usize, threads: usize) {
             .collect::<Vec<_>>()
     );
     tracing::info!("equivalent flags: {}", plan.to_synerfuse_args().join(" "));
+}
+
+/// A plan error with the flags behind it (errors of the flag syntax name their flag).
+fn plan_flag_error(error: PlanError) -> anyhow::Error {
+    let flags = match &error {
+        PlanError::Layout(LayoutError::LayerSumMismatch { expected, .. }) => {
+            format!("--num-layers {expected}")
+        }
+        PlanError::Layout(LayoutError::NotDivisible { num_layers, .. }) => {
+            format!("--num-layers {num_layers}")
+        }
+        PlanError::Batch(BatchError::GlobalBatchMismatch {
+            global_batch_size, ..
+        }) => format!("--global-batch-size {global_batch_size}"),
+        PlanError::Topology(_) => {
+            "--tensor-model-parallel-size / --pipeline-model-parallel-size / --nproc".to_owned()
+        }
+        _ => return anyhow::Error::new(error).context("parallel flags"),
+    };
+    anyhow::Error::new(error).context(flags)
 }
 
 /// A training error with the flags behind it, where the library names only values.

@@ -589,7 +589,7 @@ fn contradictory_flags_are_named() {
                 "--micro-batch-size",
                 "1",
             ],
-            "--num-layers is 4",
+            "--num-layers 4: the stage layout sums to 3 layers but the model has 4",
         ),
         (vec!["--micro-batch-size", "4"], "6"),
         (vec!["--fp16", "--micro-batch-size", "1"], "--bf16"),

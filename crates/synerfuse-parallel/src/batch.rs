@@ -65,9 +65,9 @@ pub enum BatchError {
         problem: String,
     },
     /// The global batch is not what the replicas take.
-    #[error("--global-batch-size is {global_batch_size} but the replicas take {detail}")]
+    #[error("the global batch size is {global_batch_size} but the replicas take {detail}")]
     GlobalBatchMismatch {
-        /// `--global-batch-size`.
+        /// Samples per step.
         global_batch_size: usize,
         /// What they take and why it does not fit.
         detail: String,

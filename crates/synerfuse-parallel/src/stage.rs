@@ -17,17 +17,17 @@ pub enum LayoutError {
         chunk: Option<usize>,
     },
     /// The stages do not hold exactly the model's layers.
-    #[error("the stage layout sums to {actual} layers but --num-layers is {expected}")]
+    #[error("the stage layout sums to {actual} layers but the model has {expected}")]
     LayerSumMismatch {
-        /// `--num-layers`.
+        /// The model's layers.
         expected: usize,
         /// What the layout adds up to.
         actual: usize,
     },
     /// The uniform default cannot split the layers evenly.
-    #[error("--num-layers {num_layers} is not divisible by {stages} pipeline stages × {chunks} virtual chunks; give per-stage layer counts")]
+    #[error("{num_layers} layers are not divisible by {stages} pipeline stages × {chunks} virtual chunks; give per-stage layer counts")]
     NotDivisible {
-        /// `--num-layers`.
+        /// The model's layers.
         num_layers: usize,
         /// Pipeline stages.
         stages: usize,

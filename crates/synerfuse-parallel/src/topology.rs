@@ -193,7 +193,7 @@ pub enum TopologyError {
         product: usize,
     },
     /// Experts must split the data-parallel replicas evenly.
-    #[error("data-parallel size {dp} is not divisible by --expert-model-parallel-size {ep}")]
+    #[error("data-parallel size {dp} is not divisible by the expert-parallel size {ep}")]
     EpNotDividingDp {
         /// Data-parallel size.
         dp: usize,

@@ -85,7 +85,7 @@ pub enum GptIndexError {
         needed: u64,
     },
     /// `--seq-length 0`.
-    #[error("--seq-length must be at least 1")]
+    #[error("the sequence length must be at least 1")]
     ZeroSequenceLength,
     /// A sequence id outside the dataset.
     #[error("sequence id {id} is outside the dataset's {count} sequences")]

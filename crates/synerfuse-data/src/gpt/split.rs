@@ -9,7 +9,7 @@ pub type SplitMatrix = [Option<(f64, f64)>; 3];
 
 /// A `--split` string Megatron would mis-handle or reject.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("--split {split:?}: {problem}")]
+#[error("split {split:?}: {problem}")]
 pub struct SplitError {
     /// The string as given.
     pub split: String,

@@ -23,13 +23,13 @@ use std::str::FromStr;
 /// Why a tokenizer could not be built or used.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
-    /// A flag this tokenizer type requires is missing.
-    #[error("--tokenizer-type {tokenizer} needs {flag}")]
+    /// An argument this tokenizer type requires is missing.
+    #[error("the {tokenizer} tokenizer needs its {argument}")]
     MissingArgument {
         /// The tokenizer type.
         tokenizer: &'static str,
-        /// The missing flag.
-        flag: &'static str,
+        /// The missing argument.
+        argument: TokenizerArgument,
     },
     /// A tokenizer file could not be read.
     #[error("{path}: {source}")]
@@ -61,9 +61,53 @@ pub enum TokenizerError {
         /// The id.
         id: u32,
     },
-    /// A `--tokenizer-type` that does not exist or is not supported here.
-    #[error("`{0}`: {1}")]
-    UnsupportedType(String, String),
+    /// A tokenizer type that does not exist or is not supported here.
+    #[error("`{name}`: {reason}")]
+    UnsupportedType {
+        /// The name given.
+        name: String,
+        /// Why it cannot be used.
+        reason: UnsupportedTokenizer,
+    },
+}
+
+/// Why a tokenizer type cannot be used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum UnsupportedTokenizer {
+    /// BERT's WordPiece tokenizers.
+    #[error("BERT WordPiece is not implemented in synerfuse")]
+    WordPiece,
+    /// Megatron's Llama 3 and Mistral tokenizers.
+    #[error("not implemented in synerfuse yet (Llama3 and Mistral need their own packages in Megatron too; a tokenizer.json of them works as HuggingFaceTokenizer)")]
+    NotYet,
+    /// A name Megatron does not know either.
+    #[error("unknown; expected GPT2BPETokenizer, Llama2Tokenizer, GPTSentencePieceTokenizer, SentencePieceTokenizer, HuggingFaceTokenizer or NullTokenizer")]
+    Unknown,
+}
+
+/// An argument of a tokenizer (Megatron's `--vocab-file`, `--merge-file`,
+/// `--tokenizer-model`, `--vocab-size`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenizerArgument {
+    /// A vocabulary file (GPT-2's `vocab.json`).
+    VocabFile,
+    /// A merges file (GPT-2's `merges.txt`).
+    MergeFile,
+    /// A model file (SentencePiece's `.model`, a `tokenizer.json`).
+    TokenizerModel,
+    /// A vocabulary size (the null tokenizer).
+    VocabSize,
+}
+
+impl std::fmt::Display for TokenizerArgument {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TokenizerArgument::VocabFile => "vocabulary file",
+            TokenizerArgument::MergeFile => "merges file",
+            TokenizerArgument::TokenizerModel => "model file",
+            TokenizerArgument::VocabSize => "vocabulary size",
+        })
+    }
 }
 
 impl TokenizerError {
@@ -132,20 +176,16 @@ impl FromStr for TokenizerType {
             "GPTSentencePieceTokenizer" => Ok(TokenizerType::GptSentencePiece),
             "SentencePieceTokenizer" => Ok(TokenizerType::SentencePiece),
             "HuggingFaceTokenizer" => Ok(TokenizerType::HuggingFace),
-            "BertWordPieceLowerCase" | "BertWordPieceCase" => Err(TokenizerError::UnsupportedType(
-                s.to_owned(),
-                "BERT WordPiece is not implemented in synerfuse".to_owned(),
-            )),
-            "Llama3Tokenizer" | "MistralTokenizer" => Err(TokenizerError::UnsupportedType(
-                s.to_owned(),
-                "not implemented in synerfuse yet (Llama3 and Mistral need their own packages in Megatron too; \
-                 a tokenizer.json of them works as HuggingFaceTokenizer)"
-                    .to_owned(),
-            )),
-            _ => Err(TokenizerError::UnsupportedType(
-                s.to_owned(),
-                "unknown; expected GPT2BPETokenizer, Llama2Tokenizer, GPTSentencePieceTokenizer, SentencePieceTokenizer, HuggingFaceTokenizer or NullTokenizer".to_owned(),
-            )),
+            other => Err(TokenizerError::UnsupportedType {
+                name: other.to_owned(),
+                reason: match other {
+                    "BertWordPieceLowerCase" | "BertWordPieceCase" => {
+                        UnsupportedTokenizer::WordPiece
+                    }
+                    "Llama3Tokenizer" | "MistralTokenizer" => UnsupportedTokenizer::NotYet,
+                    _ => UnsupportedTokenizer::Unknown,
+                },
+            }),
         }
     }
 }
@@ -171,29 +211,20 @@ pub fn megatron_tokenizer_identifiers(
     args: &TokenizerArgs,
 ) -> Result<crate::gpt::PyValue, TokenizerError> {
     use crate::gpt::PyValue;
-    let need = |value: &Option<PathBuf>, flag: &'static str| {
-        value
-            .as_ref()
-            .map(|p| PyValue::Str(p.to_string_lossy().into_owned()))
-            .ok_or(TokenizerError::MissingArgument {
-                tokenizer: kind.name(),
-                flag,
-            })
+    let need = |value: &Option<PathBuf>, argument| {
+        required(kind, value, argument).map(|p| PyValue::Str(p.to_string_lossy().into_owned()))
     };
     let (class, paths, options): (&str, Vec<PyValue>, Vec<(String, PyValue)>) = match kind {
         TokenizerType::Gpt2Bpe => (
             "_GPT2BPETokenizer",
             vec![
-                need(&args.vocab_file, "--vocab-file")?,
-                need(&args.merge_file, "--merge-file")?,
+                need(&args.vocab_file, TokenizerArgument::VocabFile)?,
+                need(&args.merge_file, TokenizerArgument::MergeFile)?,
             ],
             vec![],
         ),
         TokenizerType::Null => {
-            let vocab_size = args.vocab_size.ok_or(TokenizerError::MissingArgument {
-                tokenizer: kind.name(),
-                flag: "--vocab-size",
-            })?;
+            let vocab_size = required(kind, &args.vocab_size, TokenizerArgument::VocabSize)?;
             (
                 "_NullTokenizer",
                 vec![PyValue::None],
@@ -206,13 +237,19 @@ pub fn megatron_tokenizer_identifiers(
                 TokenizerType::GptSentencePiece => "_GPTSentencePieceTokenizer",
                 _ => "_SentencePieceTokenizer",
             },
-            vec![need(&args.tokenizer_model, "--tokenizer-model")?],
+            vec![need(
+                &args.tokenizer_model,
+                TokenizerArgument::TokenizerModel,
+            )?],
             // `--vocab-extra-ids` is 0 (synerfuse has no T5 sentinels).
             vec![("vocab_extra_ids".into(), PyValue::str("0"))],
         ),
         TokenizerType::HuggingFace => (
             "_HuggingFaceTokenizer",
-            vec![need(&args.tokenizer_model, "--tokenizer-model")?],
+            vec![need(
+                &args.tokenizer_model,
+                TokenizerArgument::TokenizerModel,
+            )?],
             vec![],
         ),
     };
@@ -224,43 +261,49 @@ pub fn megatron_tokenizer_identifiers(
     Ok(PyValue::Dict(dict))
 }
 
+/// `value`, or the error naming the `argument` that `kind` needs.
+fn required<T: Clone>(
+    kind: TokenizerType,
+    value: &Option<T>,
+    argument: TokenizerArgument,
+) -> Result<T, TokenizerError> {
+    value.clone().ok_or(TokenizerError::MissingArgument {
+        tokenizer: kind.name(),
+        argument,
+    })
+}
+
 /// Builds a tokenizer of `kind` from its flags, as Megatron's `build_tokenizer`.
 pub fn build_tokenizer(
     kind: TokenizerType,
     args: &TokenizerArgs,
 ) -> Result<Box<dyn Tokenizer>, TokenizerError> {
-    let need = |value: &Option<PathBuf>, flag: &'static str| {
-        value.clone().ok_or(TokenizerError::MissingArgument {
-            tokenizer: kind.name(),
-            flag,
-        })
-    };
+    let need = |value: &Option<PathBuf>, argument| required(kind, value, argument);
     Ok(match kind {
         TokenizerType::Gpt2Bpe => Box::new(Gpt2BpeTokenizer::from_files(
-            &need(&args.vocab_file, "--vocab-file")?,
-            &need(&args.merge_file, "--merge-file")?,
+            &need(&args.vocab_file, TokenizerArgument::VocabFile)?,
+            &need(&args.merge_file, TokenizerArgument::MergeFile)?,
         )?),
         TokenizerType::Llama2 => Box::new(SentencePieceTokenizer::open(
-            &need(&args.tokenizer_model, "--tokenizer-model")?,
+            &need(&args.tokenizer_model, TokenizerArgument::TokenizerModel)?,
             SentencePieceFlavor::Llama2,
         )?),
         TokenizerType::GptSentencePiece => Box::new(SentencePieceTokenizer::open(
-            &need(&args.tokenizer_model, "--tokenizer-model")?,
+            &need(&args.tokenizer_model, TokenizerArgument::TokenizerModel)?,
             SentencePieceFlavor::Gpt,
         )?),
         TokenizerType::SentencePiece => Box::new(SpecialSentencePieceTokenizer::open(&need(
             &args.tokenizer_model,
-            "--tokenizer-model",
+            TokenizerArgument::TokenizerModel,
         )?)?),
         TokenizerType::HuggingFace => Box::new(HuggingFaceTokenizer::open(&need(
             &args.tokenizer_model,
-            "--tokenizer-model",
+            TokenizerArgument::TokenizerModel,
         )?)?),
-        TokenizerType::Null => Box::new(NullTokenizer::new(args.vocab_size.ok_or(
-            TokenizerError::MissingArgument {
-                tokenizer: kind.name(),
-                flag: "--vocab-size",
-            },
+        TokenizerType::Null => Box::new(NullTokenizer::new(required(
+            kind,
+            &args.vocab_size,
+            TokenizerArgument::VocabSize,
         )?)),
     })
 }
