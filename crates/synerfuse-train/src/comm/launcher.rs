@@ -34,6 +34,14 @@ pub fn launcher_local_rank() -> (usize, usize) {
 /// transport without ptrace single-copy (which containers forbid), and OpenMPI's root
 /// check waived when running as root (containers, CI).
 pub fn mpirun_command(ranks: usize, program: &std::path::Path) -> std::process::Command {
+    let mut command = mpirun_options(ranks);
+    command.arg(program);
+    command
+}
+
+/// `mpirun` with [`mpirun_command`]'s options, before the program: callers add options
+/// of their own (a `--timeout`, `-x VAR`), then the program and its arguments.
+pub fn mpirun_options(ranks: usize) -> std::process::Command {
     let mut command = std::process::Command::new("mpirun");
     command
         .args([
@@ -44,8 +52,7 @@ pub fn mpirun_command(ranks: usize, program: &std::path::Path) -> std::process::
             "none",
         ])
         .args(["--mca", "btl", "self,vader"])
-        .args(["--mca", "btl_vader_single_copy_mechanism", "none"])
-        .arg(program);
+        .args(["--mca", "btl_vader_single_copy_mechanism", "none"]);
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } == 0 {
         command

@@ -17,7 +17,7 @@ pub use error::CommError;
 pub use groups::{GroupCommunicator, PendingReduction, ProcessGroups};
 pub use host::{MpiCommunicator, MpiRuntime, PendingAllReduce, PendingSend};
 pub use launcher::{
-    launcher_local_rank, launcher_rank, mpirun_command, relaunch_under_mpirun,
+    launcher_local_rank, launcher_rank, mpirun_command, mpirun_options, relaunch_under_mpirun,
     run_forwarding_signals, without_flag,
 };
 pub use links::{LinkPath, PipelineLinks};
