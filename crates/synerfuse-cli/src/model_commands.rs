@@ -8,7 +8,9 @@ use serde_json::json;
 use std::path::PathBuf;
 use synerfuse_model::hf::load_stage;
 use synerfuse_model::tch::{self, Tensor};
-use synerfuse_model::{generate, DeviceRequest, GenerateOptions, LlamaConfig, Stage};
+use synerfuse_model::{
+    generate, DeviceRequest, GenerateOptions, LlamaConfig, ResolveDevice, Stage,
+};
 use synerfuse_train::checkpoint::Checkpoint;
 
 /// Where the model comes from: exactly one of a Hugging Face directory or a checkpoint.

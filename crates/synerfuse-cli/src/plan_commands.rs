@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
 use synerfuse_model::tch::{self, Device};
-use synerfuse_model::{DeviceRequest, LlamaConfig, MegatronModelArgs};
+use synerfuse_model::{DeviceRequest, LlamaConfig, MegatronModelArgs, ResolveDevice};
 use synerfuse_parallel::cluster::ClusterSpec;
 use synerfuse_parallel::cost::{CostModel, ModelShape, Profile};
 use synerfuse_parallel::planner::{self, Candidate, PlanRequest};

@@ -5,7 +5,7 @@
 //! prints one JSON line.
 
 use synerfuse_model::tch::{self, nn, nn::OptimizerConfig, Kind, Tensor};
-use synerfuse_model::{BackwardFrom, DeviceRequest, LlamaConfig, Stage};
+use synerfuse_model::{BackwardFrom, DeviceRequest, LlamaConfig, ResolveDevice, Stage};
 
 fn main() {
     let a: Vec<String> = std::env::args().skip(1).collect();

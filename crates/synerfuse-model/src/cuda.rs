@@ -57,7 +57,7 @@ pub fn mapped_library() -> Option<PathBuf> {
 
 /// Makes sure libtorch's CUDA backend is registered when this libtorch has one: opens
 /// `libtorch_cuda.so` (once per process) unless it is already mapped. Call it before the
-/// first CUDA query; [`crate::DeviceRequest::resolve`] does.
+/// first CUDA query; [`crate::ResolveDevice::resolve`] does.
 pub fn ensure_loaded() -> &'static CudaSupport {
     static SUPPORT: OnceLock<CudaSupport> = OnceLock::new();
     SUPPORT.get_or_init(|| {

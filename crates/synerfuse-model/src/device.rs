@@ -1,15 +1,12 @@
-//! Which libtorch device a rank computes on.
+//! Which libtorch device a rank computes on: a [`DeviceRequest`] (the plan's and the
+//! user's words) resolved against the GPUs this process sees.
 
-use std::fmt;
-use std::str::FromStr;
+pub use synerfuse_parallel::DeviceRequest;
 use tch::Device;
 
 /// Errors of this crate.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ModelError {
-    /// A device name that is none of `cpu`, `cuda`, `cuda:N`, `auto`.
-    #[error("`{0}` is not a device: expected cpu, cuda, cuda:N or auto")]
-    BadDeviceName(String),
     /// CUDA was asked for but libtorch sees no GPU (or was built without CUDA).
     #[error(
         "device {requested}: no GPU is visible to libtorch (libtorch CUDA support: {support})"
@@ -30,62 +27,32 @@ pub enum ModelError {
     },
 }
 
-/// The device a user asked for (`--device`), before checking the machine has it.
-///
-/// `auto` picks the first GPU when libtorch sees one and the CPU otherwise, which is
-/// what a mixed CPU/GPU job wants from a single flag shared by every rank.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeviceRequest {
-    /// The host CPU.
-    Cpu,
-    /// A GPU; `None` means the first one.
-    Cuda(Option<usize>),
-    /// A GPU when libtorch sees one, else the CPU.
-    Auto,
-}
-
-impl FromStr for DeviceRequest {
-    type Err = ModelError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.trim() {
-            "cpu" => Ok(Self::Cpu),
-            "cuda" | "gpu" => Ok(Self::Cuda(None)),
-            "auto" => Ok(Self::Auto),
-            other => other
-                .strip_prefix("cuda:")
-                .and_then(|index| index.parse::<usize>().ok())
-                .map(|index| Self::Cuda(Some(index)))
-                .ok_or_else(|| ModelError::BadDeviceName(s.to_owned())),
-        }
-    }
-}
-
-impl fmt::Display for DeviceRequest {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Cpu => f.write_str("cpu"),
-            Self::Cuda(None) => f.write_str("cuda"),
-            Self::Cuda(Some(index)) => write!(f, "cuda:{index}"),
-            Self::Auto => f.write_str("auto"),
-        }
-    }
-}
-
-impl DeviceRequest {
+/// Resolution of a [`DeviceRequest`] to a libtorch device.
+pub trait ResolveDevice {
     /// The libtorch device, checked against the GPUs this process can see (loading
     /// libtorch's CUDA backend first when this libtorch has one).
-    pub fn resolve(self) -> Result<Device, ModelError> {
-        self.resolve_for_local_rank(0)
-    }
+    fn resolve(self) -> Result<Device, ModelError>;
 
     /// Like [`Self::resolve`] for the `local_rank`-th process of a node: `cuda` and
     /// `auto` without an index take GPU `local_rank mod count`, so the ranks of a node
     /// spread over its GPUs.
-    pub fn resolve_for_local_rank(self, local_rank: usize) -> Result<Device, ModelError> {
+    fn resolve_for_local_rank(self, local_rank: usize) -> Result<Device, ModelError>;
+
+    /// [`Self::resolve`] for a given number of visible GPUs (pure, for tests).
+    fn resolve_with(self, cuda_devices: usize) -> Result<Device, ModelError>;
+}
+
+impl ResolveDevice for DeviceRequest {
+    fn resolve(self) -> Result<Device, ModelError> {
+        self.resolve_for_local_rank(0)
+    }
+
+    fn resolve_for_local_rank(self, local_rank: usize) -> Result<Device, ModelError> {
         let count = crate::cuda::visible_gpus();
         let spread = match self {
-            Self::Cuda(None) | Self::Auto if count > 0 => Self::Cuda(Some(local_rank % count)),
+            DeviceRequest::Cuda(None) | DeviceRequest::Auto if count > 0 => {
+                DeviceRequest::Cuda(Some(local_rank % count))
+            }
             other => other,
         };
         spread.resolve_with(count).map_err(|e| match e {
@@ -97,17 +64,16 @@ impl DeviceRequest {
         })
     }
 
-    /// [`Self::resolve`] for a given number of visible GPUs (pure, for tests).
-    pub fn resolve_with(self, cuda_devices: usize) -> Result<Device, ModelError> {
+    fn resolve_with(self, cuda_devices: usize) -> Result<Device, ModelError> {
         match self {
-            Self::Cpu => Ok(Device::Cpu),
-            Self::Auto if cuda_devices == 0 => Ok(Device::Cpu),
-            Self::Auto => Ok(Device::Cuda(0)),
-            Self::Cuda(_) if cuda_devices == 0 => Err(ModelError::CudaUnavailable {
+            DeviceRequest::Cpu => Ok(Device::Cpu),
+            DeviceRequest::Auto if cuda_devices == 0 => Ok(Device::Cpu),
+            DeviceRequest::Auto => Ok(Device::Cuda(0)),
+            DeviceRequest::Cuda(_) if cuda_devices == 0 => Err(ModelError::CudaUnavailable {
                 requested: self.to_string(),
                 support: "no GPU counted".to_owned(),
             }),
-            Self::Cuda(index) => {
+            DeviceRequest::Cuda(index) => {
                 let index = index.unwrap_or(0);
                 if index < cuda_devices {
                     Ok(Device::Cuda(index))
@@ -137,29 +103,6 @@ pub fn set_deterministic(seed: u64, threads: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parses_every_form_and_round_trips() {
-        for (text, request) in [
-            ("cpu", DeviceRequest::Cpu),
-            ("cuda", DeviceRequest::Cuda(None)),
-            ("cuda:3", DeviceRequest::Cuda(Some(3))),
-            ("auto", DeviceRequest::Auto),
-        ] {
-            assert_eq!(text.parse::<DeviceRequest>(), Ok(request));
-            assert_eq!(request.to_string(), text);
-        }
-    }
-
-    #[test]
-    fn rejects_unknown_names() {
-        for bad in ["", "tpu", "cuda:", "cuda:x", "cuda:-1"] {
-            assert_eq!(
-                bad.parse::<DeviceRequest>(),
-                Err(ModelError::BadDeviceName(bad.to_owned()))
-            );
-        }
-    }
 
     #[test]
     fn resolves_against_the_visible_gpus() {

@@ -9,7 +9,7 @@ pub mod hf;
 mod llama;
 
 pub use config::{padded_vocab_size, ConfigError, LlamaConfig, MegatronModelArgs};
-pub use device::{set_deterministic, DeviceRequest, ModelError};
+pub use device::{set_deterministic, DeviceRequest, ModelError, ResolveDevice};
 pub use generate::{generate, GenerateOptions};
 pub use llama::{BackwardFrom, ForwardPass, KvCache, Stage, StageError};
 pub use tch;

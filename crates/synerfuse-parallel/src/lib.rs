@@ -13,7 +13,7 @@ mod topology;
 
 pub use batch::{BatchError, ReplicaBatch, ReplicaBatches};
 pub use plan::{
-    ParallelPlan, PlacedDevice, PlanError, PlanFlags, RankPlacement, TopologySpec, UnknownDevice,
+    DeviceRequest, ParallelPlan, PlanError, PlanFlags, RankPlacement, TopologySpec, UnknownDevice,
 };
 pub use schedule::{
     check_schedule, link_in_order, pipeline_schedule, plan_schedule, Instruction, Message, Pass,

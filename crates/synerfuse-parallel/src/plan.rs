@@ -6,11 +6,15 @@ use crate::{BatchError, LayoutError, ReplicaBatches, StageLayout, Topology, Topo
 use crate::{DEFAULT_ORDER, TP_PP_DP_ORDER};
 use serde::{Deserialize, Serialize};
 
-/// The device a rank computes on at run time (`cpu`, `cuda`, `cuda:N`, `auto`), as
-/// opposed to the cluster's name for its kind ([`RankPlacement::kind`]).
+/// The device a rank computes on at run time (`cpu`, `cuda`, `cuda:N`, `auto`), before
+/// checking the machine has it; as opposed to the cluster's name for its kind
+/// ([`RankPlacement::kind`]). `synerfuse_model` resolves it to a libtorch device.
+///
+/// `auto` picks a GPU when libtorch sees one and the CPU otherwise, which is what a
+/// mixed CPU/GPU job wants from a single flag shared by every rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
-pub enum PlacedDevice {
+pub enum DeviceRequest {
     /// The host CPU.
     Cpu,
     /// A GPU: the given index, or the local rank's share of the visible GPUs.
@@ -24,35 +28,35 @@ pub enum PlacedDevice {
 #[error("`{0}` is not a device: expected cpu, cuda, cuda:N or auto")]
 pub struct UnknownDevice(pub String);
 
-impl std::str::FromStr for PlacedDevice {
+impl std::str::FromStr for DeviceRequest {
     type Err = UnknownDevice;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s.trim() {
-            "cpu" => Ok(PlacedDevice::Cpu),
-            "cuda" | "gpu" => Ok(PlacedDevice::Cuda(None)),
-            "auto" => Ok(PlacedDevice::Auto),
+            "cpu" => Ok(DeviceRequest::Cpu),
+            "cuda" | "gpu" => Ok(DeviceRequest::Cuda(None)),
+            "auto" => Ok(DeviceRequest::Auto),
             other => other
                 .strip_prefix("cuda:")
                 .and_then(|index| index.parse().ok())
-                .map(|index| PlacedDevice::Cuda(Some(index)))
+                .map(|index| DeviceRequest::Cuda(Some(index)))
                 .ok_or_else(|| UnknownDevice(s.to_owned())),
         }
     }
 }
 
-impl std::fmt::Display for PlacedDevice {
+impl std::fmt::Display for DeviceRequest {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            PlacedDevice::Cpu => f.write_str("cpu"),
-            PlacedDevice::Cuda(None) => f.write_str("cuda"),
-            PlacedDevice::Cuda(Some(index)) => write!(f, "cuda:{index}"),
-            PlacedDevice::Auto => f.write_str("auto"),
+            DeviceRequest::Cpu => f.write_str("cpu"),
+            DeviceRequest::Cuda(None) => f.write_str("cuda"),
+            DeviceRequest::Cuda(Some(index)) => write!(f, "cuda:{index}"),
+            DeviceRequest::Auto => f.write_str("auto"),
         }
     }
 }
 
-impl TryFrom<String> for PlacedDevice {
+impl TryFrom<String> for DeviceRequest {
     type Error = UnknownDevice;
 
     fn try_from(name: String) -> Result<Self, Self::Error> {
@@ -60,8 +64,8 @@ impl TryFrom<String> for PlacedDevice {
     }
 }
 
-impl From<PlacedDevice> for String {
-    fn from(device: PlacedDevice) -> String {
+impl From<DeviceRequest> for String {
+    fn from(device: DeviceRequest) -> String {
         device.to_string()
     }
 }
@@ -70,7 +74,7 @@ impl From<PlacedDevice> for String {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RankPlacement {
     /// The runtime device.
-    pub device: PlacedDevice,
+    pub device: DeviceRequest,
     /// Emulated speed relative to the device's own (1.0 = as is; 0.5 = half as fast). A
     /// test and benchmark device for clusters without heterogeneity.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -599,14 +603,33 @@ mod tests {
     }
 
     #[test]
+    fn device_requests_parse_every_form_and_round_trip() {
+        for (text, request) in [
+            ("cpu", DeviceRequest::Cpu),
+            ("cuda", DeviceRequest::Cuda(None)),
+            ("cuda:3", DeviceRequest::Cuda(Some(3))),
+            ("auto", DeviceRequest::Auto),
+        ] {
+            assert_eq!(text.parse::<DeviceRequest>(), Ok(request));
+            assert_eq!(request.to_string(), text);
+        }
+        for bad in ["", "tpu", "cuda:", "cuda:x", "cuda:-1"] {
+            assert_eq!(
+                bad.parse::<DeviceRequest>(),
+                Err(UnknownDevice(bad.to_owned()))
+            );
+        }
+    }
+
+    #[test]
     fn toml_and_json_round_trip() {
         let mut plan = hetero_plan();
         plan.ranks = (0..8)
             .map(|r| RankPlacement {
                 device: if r < 4 {
-                    PlacedDevice::Cuda(None)
+                    DeviceRequest::Cuda(None)
                 } else {
-                    PlacedDevice::Cpu
+                    DeviceRequest::Cpu
                 },
                 speed: (r >= 4).then_some(0.5),
                 kind: (r < 4).then(|| "a100-80g".into()),

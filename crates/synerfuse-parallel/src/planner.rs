@@ -6,7 +6,7 @@
 use crate::cluster::Device;
 use crate::cost::{CostModel, StageCosts};
 use crate::{
-    plan_schedule, sim, ParallelPlan, Pass, PlacedDevice, RankPlacement, ReplicaBatch,
+    plan_schedule, sim, DeviceRequest, ParallelPlan, Pass, RankPlacement, ReplicaBatch,
     ReplicaBatches, ScheduleKind, StageLayout, TopologySpec, DEFAULT_ORDER, TP_PP_DP_ORDER,
 };
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
@@ -813,9 +813,9 @@ pub fn to_parallel_plan(
         let accelerator = dev.spec.is_some_and(|s| s.accelerator);
         ranks.push(RankPlacement {
             device: if accelerator {
-                PlacedDevice::Cuda(None)
+                DeviceRequest::Cuda(None)
             } else {
-                PlacedDevice::Cpu
+                DeviceRequest::Cpu
             },
             speed: dev.emulated.then_some(dev.speed),
             kind: Some(dev.kind.clone()),

@@ -18,8 +18,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 use synerfuse_data::gpt::{SampleOptions, SplitDataset};
 use synerfuse_model::tch::{self, Device, Kind, Tensor};
-use synerfuse_model::{DeviceRequest, Stage};
-use synerfuse_parallel::{Coordinates, GroupKind, Instruction, PlacedDevice, Topology};
+use synerfuse_model::{DeviceRequest, ResolveDevice, Stage};
+use synerfuse_parallel::{Coordinates, GroupKind, Instruction, Topology};
 
 mod config;
 mod report;
@@ -46,21 +46,12 @@ pub struct TrainSummary {
     pub saved: Vec<PathBuf>,
 }
 
-/// The runtime device a plan's placement asks for.
-fn requested(device: PlacedDevice) -> DeviceRequest {
-    match device {
-        PlacedDevice::Cpu => DeviceRequest::Cpu,
-        PlacedDevice::Cuda(index) => DeviceRequest::Cuda(index),
-        PlacedDevice::Auto => DeviceRequest::Auto,
-    }
-}
-
 /// The device of this rank: the plan's placement, else the configured device;
 /// `cuda`/`auto` without an index pick GPU `local_rank mod count`.
 fn rank_device(config: &TrainConfig, rank: usize, local_rank: usize) -> Result<Device, TrainError> {
     let placement = config.parallel.plan.ranks.get(rank);
     placement
-        .map_or(config.compute.device, |p| requested(p.device))
+        .map_or(config.compute.device, |p| p.device)
         .resolve_for_local_rank(local_rank)
         .map_err(|source| TrainError::Device { rank, source })
 }
@@ -82,7 +73,7 @@ fn warn_if_emulation_oversubscribes(config: &TrainConfig, world_size: usize) {
         return; // several nodes: each node's share is not known here
     }
     let on_cpu = |r: usize| match config.parallel.plan.ranks.get(r) {
-        Some(p) => p.device == PlacedDevice::Cpu,
+        Some(p) => p.device == DeviceRequest::Cpu,
         None => config.compute.device == DeviceRequest::Cpu,
     };
     let cpu_speed: f64 = (0..world_size)
