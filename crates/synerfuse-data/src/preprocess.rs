@@ -151,26 +151,7 @@ pub fn preprocess(
     tokenizer: &dyn Tokenizer,
     mut progress: impl FnMut(&PreprocessStats),
 ) -> Result<PreprocessStats, PreprocessError> {
-    if config.json_keys.is_empty() {
-        return Err(PreprocessError::NoKeys);
-    }
-    if config.workers == 0 || config.partitions == 0 {
-        return Err(PreprocessError::NoWorkers {
-            workers: config.workers,
-            partitions: config.partitions,
-        });
-    }
-    if config.workers % config.partitions != 0 {
-        return Err(PreprocessError::UnevenWorkers {
-            workers: config.workers,
-            partitions: config.partitions,
-        });
-    }
-    let eod = match (config.append_eod, tokenizer.eod()) {
-        (true, None) => return Err(PreprocessError::NoEod),
-        (true, Some(eod)) => Some(eod),
-        (false, _) => None,
-    };
+    let eod = check_config(config, tokenizer)?;
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(config.workers)
         .thread_name(|i| format!("preprocess-{i}"))
@@ -179,7 +160,6 @@ pub fn preprocess(
             workers: config.workers,
             message: e.to_string(),
         })?;
-
     let dtype = DType::optimal_for_vocab(tokenizer.vocab_size());
     let mut builders = config
         .json_keys
@@ -188,7 +168,6 @@ pub fn preprocess(
             IndexedDatasetBuilder::create(output_prefix_for_key(&config.output_prefix, key), dtype)
         })
         .collect::<Result<Vec<_>, _>>()?;
-
     let order = if config.partitions > 1 && !config.keep_sequential_samples {
         LineOrder::RoundRobin {
             count: config.partitions as u64,
@@ -212,6 +191,12 @@ pub fn preprocess(
                 sender.send(batch).is_ok()
             })
         });
+        let mut writer = BatchWriter {
+            config,
+            builders: &mut builders,
+            stats: &mut stats,
+            line_of: |index| line_number(order, pass, index),
+        };
         for batch in receiver {
             let batch = batch?;
             let encoded: Vec<Result<LineDocuments, String>> = pool.install(|| {
@@ -224,29 +209,9 @@ pub fn preprocess(
                     })
                     .collect()
             });
-            for ((line, documents), text) in (batch.first_line..).zip(encoded).zip(&batch.lines) {
-                stats.bytes += text.as_ref().map_or(0, |t| t.len() as u64 + 1);
-                let line = line_number(order, pass, line);
-                match documents {
-                    Ok(documents) => {
-                        for (builder, (tokens, lengths)) in builders.iter_mut().zip(documents) {
-                            stats.tokens += tokens.len() as u64;
-                            builder.add_document(&tokens, &lengths)?;
-                        }
-                        stats.documents += 1;
-                    }
-                    Err(_) if config.skip_bad_lines => stats.bad_lines += 1,
-                    Err(reason) => {
-                        return Err(PreprocessError::BadLine {
-                            path: config.input.clone(),
-                            line,
-                            reason,
-                        })
-                    }
-                }
-            }
-            stats.elapsed = started.elapsed();
-            progress(&stats);
+            writer.write(&batch, encoded)?;
+            writer.stats.elapsed = started.elapsed();
+            progress(writer.stats);
         }
         reader.join().map_err(|_| PreprocessError::ReaderPanicked)?;
     }
@@ -255,6 +220,73 @@ pub fn preprocess(
     }
     stats.elapsed = started.elapsed();
     Ok(stats)
+}
+
+/// Checks the settings against each other and the tokenizer; the end-of-document id to
+/// append, if asked for.
+fn check_config(
+    config: &PreprocessConfig,
+    tokenizer: &dyn Tokenizer,
+) -> Result<Option<u32>, PreprocessError> {
+    if config.json_keys.is_empty() {
+        return Err(PreprocessError::NoKeys);
+    }
+    if config.workers == 0 || config.partitions == 0 {
+        return Err(PreprocessError::NoWorkers {
+            workers: config.workers,
+            partitions: config.partitions,
+        });
+    }
+    if config.workers % config.partitions != 0 {
+        return Err(PreprocessError::UnevenWorkers {
+            workers: config.workers,
+            partitions: config.partitions,
+        });
+    }
+    match (config.append_eod, tokenizer.eod()) {
+        (true, None) => Err(PreprocessError::NoEod),
+        (true, Some(eod)) => Ok(Some(eod)),
+        (false, _) => Ok(None),
+    }
+}
+
+/// Appends encoded lines to the outputs, in input order, counting as it goes.
+struct BatchWriter<'a, F> {
+    config: &'a PreprocessConfig,
+    builders: &'a mut [IndexedDatasetBuilder],
+    stats: &'a mut PreprocessStats,
+    /// The input line number of the `index`-th line read in this pass.
+    line_of: F,
+}
+
+impl<F: Fn(u64) -> u64> BatchWriter<'_, F> {
+    fn write(
+        &mut self,
+        batch: &Batch,
+        encoded: Vec<Result<LineDocuments, String>>,
+    ) -> Result<(), PreprocessError> {
+        for ((index, documents), text) in (batch.first_line..).zip(encoded).zip(&batch.lines) {
+            self.stats.bytes += text.as_ref().map_or(0, |t| t.len() as u64 + 1);
+            match documents {
+                Ok(documents) => {
+                    for (builder, (tokens, lengths)) in self.builders.iter_mut().zip(documents) {
+                        self.stats.tokens += tokens.len() as u64;
+                        builder.add_document(&tokens, &lengths)?;
+                    }
+                    self.stats.documents += 1;
+                }
+                Err(_) if self.config.skip_bad_lines => self.stats.bad_lines += 1,
+                Err(reason) => {
+                    return Err(PreprocessError::BadLine {
+                        path: self.config.input.clone(),
+                        line: (self.line_of)(index),
+                        reason,
+                    })
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The 1-based input line number of the `index`-th line (1-based) read in `pass`.

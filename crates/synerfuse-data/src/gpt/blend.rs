@@ -572,25 +572,7 @@ fn build_blend(
     sizes: [Option<u64>; 3],
     config: &GptDatasetConfig,
 ) -> Result<[Option<SplitDataset>; 3], GptDatasetError> {
-    let weights = match &blend.weights {
-        Some(w) if w.len() != blend.prefixes.len() => {
-            return Err(BlendError::WeightCount {
-                weights: w.len(),
-                prefixes: blend.prefixes.len(),
-            }
-            .into())
-        }
-        Some(w) => {
-            if let Some(bad) = w.iter().find(|w| !w.is_finite() || **w < 0.0) {
-                return Err(BlendError::BadWeight(*bad).into());
-            }
-            if numpy_sum(w) <= 0.0 {
-                return Err(BlendError::ZeroWeights.into());
-            }
-            Some(normalize(w))
-        }
-        None => None,
-    };
+    let weights = checked_weights(blend)?;
     // Open each prefix once, even if it appears several times.
     let mut opened: HashMap<&str, Arc<IndexedDataset>> = HashMap::new();
     for prefix in &blend.prefixes {
@@ -598,26 +580,8 @@ fn build_blend(
             opened.insert(prefix, Arc::new(IndexedDataset::open(prefix)?));
         }
     }
-    let mid_level = |prefix: &str,
-                     wanted: [Option<u64>; 3]|
-     -> Result<[Option<Arc<GptDataset>>; 3], GptDatasetError> {
-        let dataset = opened[prefix].clone();
-        let ranges = split_ranges(matrix, dataset.len());
-        let mut out: [Option<Arc<GptDataset>>; 3] = [None, None, None];
-        for split in Split::ALL {
-            let i = split.index();
-            if let Some(range) = ranges[i].clone() {
-                out[i] = Some(Arc::new(GptDataset::build(
-                    dataset.clone(),
-                    prefix,
-                    range,
-                    wanted[i],
-                    split,
-                    config,
-                )?));
-            }
-        }
-        Ok(out)
+    let mid_level = |prefix: &str, wanted: [Option<u64>; 3]| {
+        split_datasets(&opened[prefix], prefix, matrix, wanted, config)
     };
     if blend.prefixes.len() == 1 && weights.is_none() {
         let [a, b, c] = mid_level(&blend.prefixes[0], sizes)?;
@@ -627,13 +591,7 @@ fn build_blend(
     let per_dataset: Vec<[Option<u64>; 3]> = match &weights {
         Some(w) => w
             .iter()
-            .map(|&w| {
-                let mut wanted = [None; 3];
-                for (i, size) in sizes.iter().enumerate() {
-                    wanted[i] = size.map(|size| (size as f64 * w * 1.005).ceil() as u64);
-                }
-                wanted
-            })
+            .map(|&w| sizes.map(|size| size.map(|size| (size as f64 * w * 1.005).ceil() as u64)))
             .collect(),
         None => vec![[None; 3]; blend.prefixes.len()],
     };
@@ -644,23 +602,23 @@ fn build_blend(
         .map(|(prefix, wanted)| mid_level(prefix, *wanted))
         .collect::<Result<_, _>>()?;
     let mut out: [Option<SplitDataset>; 3] = [None, None, None];
-    for split in Split::ALL {
+    for split in Split::ALL
+        .into_iter()
+        .filter(|s| matrix[s.index()].is_some())
+    {
         let i = split.index();
-        if matrix[i].is_none() {
-            continue;
-        }
         let datasets: Vec<Arc<GptDataset>> = built
             .iter()
             .map(|d| d[i].clone().expect("split present in the matrix"))
             .collect();
         let (weights_i, size_i) = match &weights {
+            Some(_) if sizes[i].is_none() => {
+                return Err(BlendError::WeightedWithoutSize {
+                    split: split.name(),
+                }
+                .into())
+            }
             Some(w) => {
-                let Some(_) = sizes[i] else {
-                    return Err(BlendError::WeightedWithoutSize {
-                        split: split.name(),
-                    }
-                    .into());
-                };
                 let size: u64 = per_dataset.iter().map(|p| p[i].unwrap_or(0)).sum();
                 (BlendWeights::Float(w.clone()), Some(size))
             }
@@ -670,9 +628,52 @@ fn build_blend(
                 (BlendWeights::Int(lengths), sizes[i].map(|s| s.min(total)))
             }
         };
-        out[i] = Some(SplitDataset::Blended(Arc::new(BlendedDataset::build(
-            datasets, weights_i, size_i, config,
-        )?)));
+        let blended = BlendedDataset::build(datasets, weights_i, size_i, config)?;
+        out[i] = Some(SplitDataset::Blended(Arc::new(blended)));
+    }
+    Ok(out)
+}
+
+/// The blend's weights, normalised, after Megatron's checks (one per prefix, finite,
+/// ≥ 0, not all 0); `None` for an unweighted blend.
+fn checked_weights(blend: &Blend) -> Result<Option<Vec<f64>>, GptDatasetError> {
+    let Some(w) = &blend.weights else {
+        return Ok(None);
+    };
+    if w.len() != blend.prefixes.len() {
+        return Err(BlendError::WeightCount {
+            weights: w.len(),
+            prefixes: blend.prefixes.len(),
+        }
+        .into());
+    }
+    if let Some(bad) = w.iter().find(|w| !w.is_finite() || **w < 0.0) {
+        return Err(BlendError::BadWeight(*bad).into());
+    }
+    if numpy_sum(w) <= 0.0 {
+        return Err(BlendError::ZeroWeights.into());
+    }
+    Ok(Some(normalize(w)))
+}
+
+/// The GPT dataset of each split of `dataset` (Megatron's mid-level datasets), with
+/// `wanted` samples each (`None`: one epoch).
+fn split_datasets(
+    dataset: &Arc<IndexedDataset>,
+    prefix: &str,
+    matrix: &SplitMatrix,
+    wanted: [Option<u64>; 3],
+    config: &GptDatasetConfig,
+) -> Result<[Option<Arc<GptDataset>>; 3], GptDatasetError> {
+    let ranges = split_ranges(matrix, dataset.len());
+    let mut out: [Option<Arc<GptDataset>>; 3] = [None, None, None];
+    for split in Split::ALL {
+        let i = split.index();
+        if let Some(range) = ranges[i].clone() {
+            let built =
+                GptDataset::build(dataset.clone(), prefix, range, wanted[i], split, config)?;
+            out[i] = Some(Arc::new(built));
+        }
     }
     Ok(out)
 }

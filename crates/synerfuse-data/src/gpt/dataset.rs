@@ -238,7 +238,8 @@ impl GptDataset {
                 "shuffle_index.npy",
             ],
         );
-        let (indices, loaded) = if files.all_exist() {
+        let loaded = files.all_exist();
+        let indices = if loaded {
             // Only the epoch count is needed: a sum over the mapped lengths, no copy.
             let tokens: u64 = lengths
                 .iter()
@@ -246,31 +247,8 @@ impl GptDataset {
                 .take(sequences.len())
                 .map(|s| s.max(0) as u64)
                 .sum();
-            let (num_epochs, separate_final_epoch) =
-                epoch_plan(tokens, &index_config).map_err(index_error)?;
-            let document_index: IndexArray<i32> = npy::read_npy(&files.arrays[0])?;
-            let sample_index: IndexArray<[i64; 2]> = npy::read_npy(&files.arrays[1])?;
-            let shuffle_index = read_shuffle_index(&files.arrays[2])?;
-            if sample_index.is_empty() || shuffle_index.len() != sample_index.len() - 1 {
-                return Err(DataError::corrupt(
-                    &files.arrays[2],
-                    "shape",
-                    format!(
-                        "{} samples, but the sample index has {} rows",
-                        shuffle_index.len(),
-                        sample_index.len()
-                    ),
-                )
-                .into());
-            }
-            let indices = GptIndices {
-                document_index,
-                sample_index,
-                shuffle_index,
-                num_epochs,
-                separate_final_epoch,
-            };
-            (indices, true)
+            let epochs = epoch_plan(tokens, &index_config).map_err(index_error)?;
+            load_indices(&files, epochs)?
         } else {
             let sizes: Vec<i32> = lengths.to_vec();
             let split_sequences: Vec<i32> = sequences.map(|i| i as i32).collect();
@@ -284,7 +262,7 @@ impl GptDataset {
                     ShuffleIndex::I64(v) => npy::write_npy(path, v),
                 },
             })?;
-            (indices, false)
+            indices
         };
         Ok(GptDataset {
             dataset,
@@ -412,6 +390,36 @@ fn gpt_identifiers(
         ("split_matrix".into(), matrix),
         ("tokenizer".into(), config.tokenizer.clone()),
     ]))
+}
+
+/// The cached document, sample and shuffle indices, checked against each other;
+/// `(num_epochs, separate_final_epoch)` come from the split's token count.
+fn load_indices(
+    files: &CacheFiles,
+    (num_epochs, separate_final_epoch): (usize, bool),
+) -> Result<GptIndices, GptDatasetError> {
+    let document_index: IndexArray<i32> = npy::read_npy(&files.arrays[0])?;
+    let sample_index: IndexArray<[i64; 2]> = npy::read_npy(&files.arrays[1])?;
+    let shuffle_index = read_shuffle_index(&files.arrays[2])?;
+    if sample_index.is_empty() || shuffle_index.len() != sample_index.len() - 1 {
+        return Err(DataError::corrupt(
+            &files.arrays[2],
+            "shape",
+            format!(
+                "{} samples, but the sample index has {} rows",
+                shuffle_index.len(),
+                sample_index.len()
+            ),
+        )
+        .into());
+    }
+    Ok(GptIndices {
+        document_index,
+        sample_index,
+        shuffle_index,
+        num_epochs,
+        separate_final_epoch,
+    })
 }
 
 fn read_shuffle_index(path: &Path) -> Result<ShuffleIndex, DataError> {
