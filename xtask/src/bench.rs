@@ -106,133 +106,161 @@ fn summarize(root: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The number `key` of a benchmark's JSON (NaN when missing, so a row still prints).
+fn field(v: &serde_json::Value, key: &str) -> f64 {
+    v.get(key).and_then(|x| x.as_f64()).unwrap_or(f64::NAN)
+}
+
 /// The headline rows of one benchmark's JSON.
 fn headlines(name: &'static str, v: &serde_json::Value) -> Vec<Headline> {
-    let f =
-        |v: &serde_json::Value, key: &str| v.get(key).and_then(|x| x.as_f64()).unwrap_or(f64::NAN);
-    let row = |measure: String, value: String, target: String, met: Option<bool>| Headline {
-        benchmark: name,
-        measure,
-        value,
-        target,
-        met,
+    let rows: Vec<(String, String, String, Option<bool>)> = match name {
+        "preprocess" => preprocess_headlines(v),
+        "index" => index_headlines(v),
+        "model" => model_headlines(v),
+        "hetero" => hetero_headlines(v),
+        "planner" => planner_headlines(v),
+        _ => Vec::new(),
     };
+    rows.into_iter()
+        .map(|(measure, value, target, met)| Headline {
+            benchmark: name,
+            measure,
+            value,
+            target,
+            met,
+        })
+        .collect()
+}
+
+/// A headline row: measure, result, target, whether it was met.
+type Row = (String, String, String, Option<bool>);
+
+fn preprocess_headlines(v: &serde_json::Value) -> Vec<Row> {
     let mut out = Vec::new();
-    match name {
-        "preprocess" => {
-            let mb = f(v, "bytes") / 1e6;
-            for r in v["results"].as_array().into_iter().flatten() {
-                let tokenizer = r["tokenizer"].as_str().unwrap_or("?");
-                let target = if tokenizer == "GPT2BPETokenizer" {
-                    4.0
-                } else {
-                    3.0
-                };
-                let ratio = f(r, "ratio");
-                out.push(row(
-                    format!("preprocess {mb:.0} MB JSONL, {tokenizer}, 2 workers: ours vs Megatron's Python"),
-                    format!(
-                        "{:.1} vs {:.1} MB/s = {ratio:.2}x, byte-identical",
-                        f(r, "ours_mb_s"),
-                        f(r, "reference_mb_s")
-                    ),
-                    format!(">= {target}x"),
-                    Some(ratio >= target),
-                ));
-            }
-        }
-        "index" => {
-            let ratio = f(v, "ratio");
-            out.push(row(
-                format!(
-                    "GPT index build, {:.2}B tokens, seq {}: ours vs megatron-core 0.8.0",
-                    f(v, "tokens") / 1e9,
-                    f(v, "seq_length")
-                ),
-                format!(
-                    "{:.2} vs {:.2} s = {ratio:.2}x, caches identical",
-                    f(v, "ours_cold_s"),
-                    f(v, "reference_cold_s")
-                ),
-                ">= 1.5x".into(),
-                Some(ratio >= 1.5),
-            ));
-        }
-        "model" => {
-            let ratio = f(v, "ratio");
-            out.push(row(
-                format!(
-                    "training step, LLaMA {:.0}M, CPU 2 threads: ours vs transformers eager",
-                    f(v, "parameters") / 1e6
-                ),
-                format!(
-                    "{:.0} vs {:.0} tokens/s = {ratio:.3}x",
-                    f(v, "ours_tokens_per_s"),
-                    f(v, "reference_tokens_per_s")
-                ),
-                ">= 1.0x".into(),
-                Some(ratio >= 1.0),
-            ));
-        }
-        "hetero" => {
-            let speedup = f(v, "speedup");
-            let error = f(v, "prediction_error");
-            let acceleration = f(v, "acceleration_ratio");
-            out.push(row(
-                "4 emulated CPU ranks (1 : 1 : 0.5 : 1/3): planned vs best even layout".into(),
-                format!(
-                    "{:.3} vs {:.3} s per step = {speedup:.2}x",
-                    f(v, "planned_step_s"),
-                    f(v, "uniform_step_s")
-                ),
-                ">= 1.3x".into(),
-                Some(speedup >= 1.3),
-            ));
-            out.push(row(
-                "predicted vs measured step time of the plan".into(),
-                format!(
-                    "{:.3} vs {:.3} s = {:.1} % off",
-                    f(v, "predicted_step_s"),
-                    f(v, "planned_step_s"),
-                    error * 100.0
-                ),
-                "within 15 %".into(),
-                Some(error <= 0.15),
-            ));
-            out.push(row(
-                "acceleration ratio (plan ÷ Σ each device alone)".into(),
-                format!("{:.1} %", acceleration * 100.0),
-                ">= 90 %".into(),
-                Some(acceleration >= 0.9),
-            ));
-            if v.get("overlap_speedup_planned").is_some() {
-                out.push(row(
-                    "gradient-reduction overlap + prefetch vs neither (planned; uniform)".into(),
-                    format!(
-                        "{:.3} -> {:.3} s = {:.3}x; {:.3} -> {:.3} s = {:.3}x",
-                        f(v, "planned_serial_step_s"),
-                        f(v, "planned_step_s"),
-                        f(v, "overlap_speedup_planned"),
-                        f(v, "uniform_serial_step_s"),
-                        f(v, "uniform_step_s"),
-                        f(v, "overlap_speedup_uniform")
-                    ),
-                    "reported".into(),
-                    None,
-                ));
-            }
-        }
-        "planner" => {
-            let s = f(v, "planning_s");
-            out.push(row(
-                "planning 1024 devices of 4 kinds, 80 layers".into(),
-                format!("{s:.2} s ({:.2} s for the command)", f(v, "command_s")),
-                "< 2 s".into(),
-                Some(s < 2.0),
-            ));
-        }
-        _ => {}
+    let mb = field(v, "bytes") / 1e6;
+    for r in v["results"].as_array().into_iter().flatten() {
+        let tokenizer = r["tokenizer"].as_str().unwrap_or("?");
+        let target = if tokenizer == "GPT2BPETokenizer" {
+            4.0
+        } else {
+            3.0
+        };
+        let ratio = field(r, "ratio");
+        out.push((
+            format!(
+                "preprocess {mb:.0} MB JSONL, {tokenizer}, 2 workers: ours vs Megatron's Python"
+            ),
+            format!(
+                "{:.1} vs {:.1} MB/s = {ratio:.2}x, byte-identical",
+                field(r, "ours_mb_s"),
+                field(r, "reference_mb_s")
+            ),
+            format!(">= {target}x"),
+            Some(ratio >= target),
+        ));
     }
+    out
+}
+
+fn index_headlines(v: &serde_json::Value) -> Vec<Row> {
+    let mut out = Vec::new();
+    let ratio = field(v, "ratio");
+    out.push((
+        format!(
+            "GPT index build, {:.2}B tokens, seq {}: ours vs megatron-core 0.8.0",
+            field(v, "tokens") / 1e9,
+            field(v, "seq_length")
+        ),
+        format!(
+            "{:.2} vs {:.2} s = {ratio:.2}x, caches identical",
+            field(v, "ours_cold_s"),
+            field(v, "reference_cold_s")
+        ),
+        ">= 1.5x".into(),
+        Some(ratio >= 1.5),
+    ));
+    out
+}
+
+fn model_headlines(v: &serde_json::Value) -> Vec<Row> {
+    let mut out = Vec::new();
+    let ratio = field(v, "ratio");
+    out.push((
+        format!(
+            "training step, LLaMA {:.0}M, CPU 2 threads: ours vs transformers eager",
+            field(v, "parameters") / 1e6
+        ),
+        format!(
+            "{:.0} vs {:.0} tokens/s = {ratio:.3}x",
+            field(v, "ours_tokens_per_s"),
+            field(v, "reference_tokens_per_s")
+        ),
+        ">= 1.0x".into(),
+        Some(ratio >= 1.0),
+    ));
+    out
+}
+
+fn hetero_headlines(v: &serde_json::Value) -> Vec<Row> {
+    let mut out = Vec::new();
+    let speedup = field(v, "speedup");
+    let error = field(v, "prediction_error");
+    let acceleration = field(v, "acceleration_ratio");
+    out.push((
+        "4 emulated CPU ranks (1 : 1 : 0.5 : 1/3): planned vs best even layout".into(),
+        format!(
+            "{:.3} vs {:.3} s per step = {speedup:.2}x",
+            field(v, "planned_step_s"),
+            field(v, "uniform_step_s")
+        ),
+        ">= 1.3x".into(),
+        Some(speedup >= 1.3),
+    ));
+    out.push((
+        "predicted vs measured step time of the plan".into(),
+        format!(
+            "{:.3} vs {:.3} s = {:.1} % off",
+            field(v, "predicted_step_s"),
+            field(v, "planned_step_s"),
+            error * 100.0
+        ),
+        "within 15 %".into(),
+        Some(error <= 0.15),
+    ));
+    out.push((
+        "acceleration ratio (plan ÷ Σ each device alone)".into(),
+        format!("{:.1} %", acceleration * 100.0),
+        ">= 90 %".into(),
+        Some(acceleration >= 0.9),
+    ));
+    if v.get("overlap_speedup_planned").is_some() {
+        out.push((
+            "gradient-reduction overlap + prefetch vs neither (planned; uniform)".into(),
+            format!(
+                "{:.3} -> {:.3} s = {:.3}x; {:.3} -> {:.3} s = {:.3}x",
+                field(v, "planned_serial_step_s"),
+                field(v, "planned_step_s"),
+                field(v, "overlap_speedup_planned"),
+                field(v, "uniform_serial_step_s"),
+                field(v, "uniform_step_s"),
+                field(v, "overlap_speedup_uniform")
+            ),
+            "reported".into(),
+            None,
+        ));
+    }
+    out
+}
+
+fn planner_headlines(v: &serde_json::Value) -> Vec<Row> {
+    let mut out = Vec::new();
+    let s = field(v, "planning_s");
+    out.push((
+        "planning 1024 devices of 4 kinds, 80 layers".into(),
+        format!("{s:.2} s ({:.2} s for the command)", field(v, "command_s")),
+        "< 2 s".into(),
+        Some(s < 2.0),
+    ));
     out
 }
 
@@ -643,4 +671,23 @@ fn model(root: &Path) -> Result<()> {
         }),
     )?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headlines_judge_each_target() {
+        let hetero = serde_json::json!({
+            "speedup": 1.5, "prediction_error": 0.2, "acceleration_ratio": 0.95,
+            "planned_step_s": 1.0, "uniform_step_s": 1.5, "predicted_step_s": 1.2,
+        });
+        let rows = headlines("hetero", &hetero);
+        let met: Vec<Option<bool>> = rows.iter().map(|r| r.met).collect();
+        assert_eq!(met, [Some(true), Some(false), Some(true)]);
+        let planner = serde_json::json!({"planning_s": 0.5, "command_s": 0.7});
+        assert_eq!(headlines("planner", &planner)[0].met, Some(true));
+        assert!(headlines("unknown", &planner).is_empty());
+    }
 }

@@ -87,156 +87,171 @@ fn train(bin: &Path, data: &Data, dir: &Path, extra: &[String], log: &Path) -> C
     cmd
 }
 
-pub fn hetero(root: &Path) -> Result<()> {
-    let bin = release_binary(root)?;
-    let dir = root.join("target/bench/hetero");
-    std::fs::create_dir_all(&dir)?;
-    let data = data(root, &bin, &dir)?;
-    let cluster = root.join(EMULATED_CLUSTER);
+/// What `synerfuse plan --json` said of the emulated cluster.
+struct PlanPrediction {
+    step_s: f64,
+    uniform_step_s: f64,
+    flags: String,
+    /// The plan's largest micro-batch size (the single-device runs use it).
+    micro_batch_size: usize,
+}
+
+/// Profiles the emulated cluster and plans it, writing the plan and the even layout.
+fn profile_and_plan(
+    root: &Path,
+    bin: &Path,
+    plan: &Path,
+    uniform: &Path,
+) -> Result<PlanPrediction> {
+    let dir = plan.parent().context("the plan's directory")?;
     println!(
         "[hetero] profiling on 4 CPU ranks at once, each emulated at {PROFILE_SPEED} of a core"
     );
     let profile = dir.join("profile.json");
     let flags: Vec<String> = model_flags().into_iter().map(str::to_owned).collect();
-    emulated_profile(&bin, &flags, "1,2,4", &profile)?;
+    emulated_profile(bin, &flags, "1,2,4", &profile)?;
     println!("[hetero] planning for speeds {SPEEDS:?}");
-    let plan = dir.join("plan.toml");
-    let uniform = dir.join("uniform.toml");
     let json = run(
-        Command::new(&bin)
-            .args([
-                "plan",
-                "--json",
-                "--micro-batch-sizes",
-                "1,2,4",
-                "--global-batch-size",
-                &GLOBAL_BATCH.to_string(),
-            ])
+        Command::new(bin)
+            .args(["plan", "--json", "--micro-batch-sizes", "1,2,4"])
+            .args(["--global-batch-size", &GLOBAL_BATCH.to_string()])
             .args(model_flags())
-            .args(["--vocab-size", "2048"])
-            .arg("--cluster")
-            .arg(&cluster)
+            .args(["--vocab-size", "2048", "--cluster"])
+            .arg(root.join(EMULATED_CLUSTER))
             .arg("--profile")
             .arg(&profile)
             .arg("--output")
-            .arg(&plan)
+            .arg(plan)
             .arg("--uniform-output")
-            .arg(&uniform),
+            .arg(uniform),
         "plan",
     )?;
-    let plan_json: serde_json::Value = serde_json::from_str(&json).context("plan --json")?;
-    let field = |name: &str| {
-        plan_json
-            .get(name)
-            .with_context(|| format!("plan --json has no {name}"))
+    let j: serde_json::Value = serde_json::from_str(&json).context("plan --json")?;
+    let prediction = PlanPrediction {
+        step_s: number(&j, "predicted_step_time_s")?,
+        uniform_step_s: number(&j, "uniform_step_time_s")?,
+        flags: j["synerfuse_flags"].as_str().unwrap_or("").to_owned(),
+        micro_batch_size: j["micro_batch_size_per_replica"]
+            .as_array()
+            .and_then(|v| v.iter().filter_map(|x| x.as_u64()).max())
+            .context("micro_batch_size_per_replica")? as usize,
     };
-    let predicted = field("predicted_step_time_s")?.as_f64().unwrap_or(f64::NAN);
-    let predicted_uniform = field("uniform_step_time_s")?.as_f64().unwrap_or(f64::NAN);
-    let flags = field("synerfuse_flags")?.as_str().unwrap_or("").to_owned();
-    // The single-device runs use the plan's micro-batch size: the same work per sample.
-    let plan_mbs = field("micro_batch_size_per_replica")?
-        .as_array()
-        .and_then(|v| v.iter().filter_map(|x| x.as_u64()).max())
-        .context("micro_batch_size_per_replica")? as usize;
-    println!("[hetero] plan: {flags}");
-    let s = |x: &str| x.to_owned();
-    // Each layout with the gradient-reduction overlap and data prefetch (the default),
-    // and without them (the reduction after the whole pipeline, micro-batches read
-    // inline), REPEATS times in alternation: each measure is the median of the runs'
-    // median step times, and the runs' spread is reported with it.
-    let serial = [s("--no-overlap-grad-reduce"), s("--num-workers"), s("0")];
-    let configs: [(&Path, &str, &[String]); 4] = [
-        (&plan, "planned", &[]),
-        (&uniform, "uniform", &[]),
-        (&plan, "planned-serial", &serial),
-        (&uniform, "uniform-serial", &serial),
-    ];
+    println!("[hetero] plan: {}", prediction.flags);
+    Ok(prediction)
+}
+
+/// Each layout with the gradient-reduction overlap and data prefetch (the default), and
+/// without them (the reduction after the whole pipeline, micro-batches read inline),
+/// REPEATS times in alternation: the median step time of each run, per setting.
+fn time_layouts(
+    bin: &Path,
+    data: &Data,
+    dir: &Path,
+    configs: &[(&Path, &str, &[String])],
+) -> Result<Vec<Vec<f64>>> {
     let mut steps: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
     for repeat in 0..REPEATS {
         for ((layout, name, extra), times) in configs.iter().zip(&mut steps) {
             let log = dir.join(format!("{name}-{repeat}.jsonl"));
-            let mut flags = vec![
-                s("--nproc"),
-                s("4"),
-                s("--plan"),
-                layout.display().to_string(),
-            ];
+            let mut flags = vec!["--nproc".to_owned(), "4".to_owned(), "--plan".to_owned()];
+            flags.push(layout.display().to_string());
             flags.extend(extra.iter().cloned());
             run(
-                &mut train(&bin, &data, &dir, &flags, &log),
+                &mut train(bin, data, dir, &flags, &log),
                 &format!("train {name}"),
             )?;
             times.push(median_step_s(&log)?);
         }
     }
-    let spread = |times: &[f64]| {
+    for ((_, name, _), times) in configs.iter().zip(&steps) {
         let (lo, hi) = times
             .iter()
             .fold((f64::MAX, f64::MIN), |(l, h), &t| (l.min(t), h.max(t)));
-        format!("{lo:.4}..{hi:.4}")
-    };
-    for ((_, name, _), times) in configs.iter().zip(&steps) {
         println!(
-            "[hetero] {name}: median step {:.4} s over {REPEATS} runs ({} s)",
-            median(times),
-            spread(times)
+            "[hetero] {name}: median step {:.4} s over {REPEATS} runs ({lo:.4}..{hi:.4} s)",
+            median(times)
         );
     }
-    let [planned_s, uniform_s, planned_serial_s, uniform_serial_s] =
-        [0, 1, 2, 3].map(|i| median(&steps[i]));
-    let overlap_planned = planned_serial_s / planned_s;
-    let overlap_uniform = uniform_serial_s / uniform_s;
-    // Each device alone: one rank, the whole global batch, its emulated speed. Emulation
-    // charges CPU time, so the four run at once without slowing each other (their speeds
-    // fit in the machine's cores).
+    Ok(steps)
+}
+
+/// Summed tokens/s of each device alone: one rank, the whole global batch, its emulated
+/// speed. Emulation charges CPU time, so the four run at once without slowing each other
+/// (their speeds fit in the machine's cores).
+fn alone_tokens_per_s(bin: &Path, data: &Data, dir: &Path, micro_batch_size: usize) -> Result<f64> {
     println!("[hetero] each device alone (4 single-rank jobs at once)");
     let mut children = Vec::new();
     for (i, speed) in SPEEDS.iter().enumerate() {
         let log = dir.join(format!("alone{i}.jsonl"));
-        let mut cmd = train(
-            &bin,
-            &data,
-            &dir,
-            &[
-                s("--micro-batch-size"),
-                plan_mbs.to_string(),
-                s("--global-batch-size"),
-                GLOBAL_BATCH.to_string(),
-                s("--threads"),
-                s("1"),
-                s("--emulate-device-speed"),
-                speed.to_string(),
-            ],
-            &log,
-        );
-        children.push((
-            log,
-            cmd.stdout(std::process::Stdio::null())
-                .stderr(std::process::Stdio::null())
-                .spawn()?,
-        ));
+        let flags = [
+            "--micro-batch-size".to_owned(),
+            micro_batch_size.to_string(),
+            "--global-batch-size".to_owned(),
+            GLOBAL_BATCH.to_string(),
+            "--threads".to_owned(),
+            "1".to_owned(),
+            "--emulate-device-speed".to_owned(),
+            speed.to_string(),
+        ];
+        let child = train(bin, data, dir, &flags, &log)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()?;
+        children.push((log, child));
     }
-    let mut alone_tokens_per_s = 0.0;
     let tokens = (GLOBAL_BATCH * 128) as f64;
+    let mut total = 0.0;
     for (log, mut child) in children {
         ensure!(
             child.wait()?.success(),
             "single-device run {} failed",
             log.display()
         );
-        alone_tokens_per_s += tokens / median_step_s(&log)?;
+        total += tokens / median_step_s(&log)?;
     }
-    let planned_tokens_per_s = tokens / planned_s;
+    Ok(total)
+}
+
+pub fn hetero(root: &Path) -> Result<()> {
+    let bin = release_binary(root)?;
+    let dir = root.join("target/bench/hetero");
+    std::fs::create_dir_all(&dir)?;
+    let data = data(root, &bin, &dir)?;
+    let (plan, uniform) = (dir.join("plan.toml"), dir.join("uniform.toml"));
+    let predicted = profile_and_plan(root, &bin, &plan, &uniform)?;
+    let serial = [
+        "--no-overlap-grad-reduce".to_owned(),
+        "--num-workers".to_owned(),
+        "0".to_owned(),
+    ];
+    let configs: [(&Path, &str, &[String]); 4] = [
+        (&plan, "planned", &[]),
+        (&uniform, "uniform", &[]),
+        (&plan, "planned-serial", &serial),
+        (&uniform, "uniform-serial", &serial),
+    ];
+    let steps = time_layouts(&bin, &data, &dir, &configs)?;
+    let [planned_s, uniform_s, planned_serial_s, uniform_serial_s] =
+        [0, 1, 2, 3].map(|i| median(&steps[i]));
+    let alone = alone_tokens_per_s(&bin, &data, &dir, predicted.micro_batch_size)?;
+    let tokens = (GLOBAL_BATCH * 128) as f64;
     let speedup = uniform_s / planned_s;
-    let error = (predicted - planned_s).abs() / planned_s;
-    let acceleration = planned_tokens_per_s / alone_tokens_per_s;
+    let error = (predicted.step_s - planned_s).abs() / planned_s;
+    let acceleration = tokens / planned_s / alone;
+    let (overlap_planned, overlap_uniform) =
+        (planned_serial_s / planned_s, uniform_serial_s / uniform_s);
     println!("| | step time (s) | tokens/s |\n|---|---|---|");
     println!(
-        "| uniform layout | {uniform_s:.4} (predicted {predicted_uniform:.4}) | {:.0} |",
+        "| uniform layout | {uniform_s:.4} (predicted {:.4}) | {:.0} |",
+        predicted.uniform_step_s,
         tokens / uniform_s
     );
-    println!("| planned layout | {planned_s:.4} (predicted {predicted:.4}) | {planned_tokens_per_s:.0} |");
-    println!("| each device alone, summed | | {alone_tokens_per_s:.0} |");
+    println!(
+        "| planned layout | {planned_s:.4} (predicted {:.4}) | {:.0} |",
+        predicted.step_s,
+        tokens / planned_s
+    );
+    println!("| each device alone, summed | | {alone:.0} |");
     println!("speedup of the plan over uniform: {speedup:.2}x (target >= 1.3x)");
     println!(
         "predicted vs measured step time: {:.1}% off (target within 15%)",
@@ -260,8 +275,8 @@ pub fn hetero(root: &Path) -> Result<()> {
             "iterations": ITERS,
             "planned_step_s": planned_s,
             "uniform_step_s": uniform_s,
-            "predicted_step_s": predicted,
-            "predicted_uniform_step_s": predicted_uniform,
+            "predicted_step_s": predicted.step_s,
+            "predicted_uniform_step_s": predicted.uniform_step_s,
             "speedup": speedup,
             "prediction_error": error,
             "acceleration_ratio": acceleration,
@@ -271,7 +286,7 @@ pub fn hetero(root: &Path) -> Result<()> {
             "overlap_speedup_uniform": overlap_uniform,
             "repeats": REPEATS,
             "step_s_runs": steps,
-            "plan_flags": flags,
+            "plan_flags": predicted.flags,
         }),
     )?;
     println!("wrote {}", out.display());
