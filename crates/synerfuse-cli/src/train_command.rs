@@ -299,27 +299,9 @@ impl TrainArgs {
         })
     }
 
-    /// The plan: from `--plan` (parallel flags then conflict), or from the flags.
-    fn plan(&self, world_size: usize) -> Result<ParallelPlan> {
-        if self.tensor_model_parallel_size.is_some_and(|tp| tp != 1) {
-            bail!(
-                "--tensor-model-parallel-size {}: tensor parallelism is not supported yet; use 1 (pipeline and data parallelism are)",
-                self.tensor_model_parallel_size.unwrap_or(1)
-            );
-        }
-        let Some(path) = &self.plan else {
-            return ParallelPlan::from_flags(&self.plan_flags()?, world_size)
-                .map_err(plan_flag_error);
-        };
-        let text =
-            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let plan = if path.extension().is_some_and(|e| e == "json") {
-            ParallelPlan::from_json(&text)
-        } else {
-            ParallelPlan::from_toml(&text)
-        }
-        .with_context(|| format!("plan {}", path.display()))?;
-        let conflicting: Vec<&str> = [
+    /// The layout flags given, which a `--plan` file sets instead.
+    fn flags_set_by_a_plan(&self) -> Vec<&'static str> {
+        [
             (
                 "--pipeline-model-parallel-size",
                 self.pipeline_model_parallel_size.is_some(),
@@ -345,7 +327,30 @@ impl TrainArgs {
         ]
         .into_iter()
         .filter_map(|(flag, given)| given.then_some(flag))
-        .collect();
+        .collect()
+    }
+
+    /// The plan: from `--plan` (parallel flags then conflict), or from the flags.
+    fn plan(&self, world_size: usize) -> Result<ParallelPlan> {
+        if self.tensor_model_parallel_size.is_some_and(|tp| tp != 1) {
+            bail!(
+                "--tensor-model-parallel-size {}: tensor parallelism is not supported yet; use 1 (pipeline and data parallelism are)",
+                self.tensor_model_parallel_size.unwrap_or(1)
+            );
+        }
+        let Some(path) = &self.plan else {
+            return ParallelPlan::from_flags(&self.plan_flags()?, world_size)
+                .map_err(plan_flag_error);
+        };
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let plan = if path.extension().is_some_and(|e| e == "json") {
+            ParallelPlan::from_json(&text)
+        } else {
+            ParallelPlan::from_toml(&text)
+        }
+        .with_context(|| format!("plan {}", path.display()))?;
+        let conflicting = self.flags_set_by_a_plan();
         if !conflicting.is_empty() {
             bail!(
                 "{} cannot be combined with --plan {} (the plan sets the layout)",

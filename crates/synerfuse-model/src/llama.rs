@@ -221,33 +221,17 @@ impl DecoderLayer {
         let q = &q * cos + rotate_half(&q) * sin;
         let k = &k * cos + rotate_half(&k) * sin;
         let (k, v, had_cache) = match cache {
-            Some(cache) => {
-                if cache.layers.len() <= self.index {
-                    cache.layers.resize_with(self.index + 1, || None);
-                }
-                let slot = &mut cache.layers[self.index];
-                let (k, v, had) = match slot.take() {
-                    Some((pk, pv)) => {
-                        (Tensor::cat(&[&pk, &k], 2), Tensor::cat(&[&pv, &v], 2), true)
-                    }
-                    None => (k, v, false),
-                };
-                *slot = Some((k.shallow_clone(), v.shallow_clone()));
-                (k, v, had)
-            }
+            Some(cache) => self.extend_cache(cache, k, v),
             None => (k, v, false),
         };
         // True in the loader's mask means "masked"; libtorch's boolean mask means "attend".
-        let mut allowed = attention_mask.map(|m| m.logical_not());
-        if allowed.is_none() && had_cache && s > 1 {
-            // New queries after cached keys: query i (position start + i) sees keys ..= start + i.
-            let total = k.size()[2];
-            let start = total - s;
-            let keys = Tensor::arange(total, (Kind::Int64, x.device())).unsqueeze(0);
-            let queries =
-                Tensor::arange_start(start, total, (Kind::Int64, x.device())).unsqueeze(1);
-            allowed = Some(keys.le_tensor(&queries));
-        }
+        let allowed = match attention_mask {
+            Some(m) => Some(m.logical_not()),
+            // New queries after cached keys: query i (position start + i) sees keys
+            // ..= start + i.
+            None if had_cache && s > 1 => Some(cached_causal_mask(k.size()[2], s, x.device())),
+            None => None,
+        };
         let causal = allowed.is_none() && s > 1;
         let attn = Tensor::scaled_dot_product_attention(
             &q,
@@ -263,8 +247,12 @@ impl DecoderLayer {
             .transpose(1, 2)
             .reshape([b, s, (c.num_heads * c.head_dim) as i64]);
         let x = x + self.o.forward(&attn);
-        let h = rms_norm(&x, &self.post_attention_norm, c.rms_norm_eps);
-        // Gate and up projections in one GEMM as well.
+        let mlp = self.mlp(&rms_norm(&x, &self.post_attention_norm, c.rms_norm_eps), c);
+        x + mlp
+    }
+
+    /// SwiGLU, with the gate and up projections in one GEMM.
+    fn mlp(&self, h: &Tensor, c: &LlamaConfig) -> Tensor {
         let ffn = c.intermediate_size as i64;
         let gate_up = h.linear(
             &Tensor::cat(&[&self.gate.weight, &self.up.weight], 0),
@@ -275,9 +263,32 @@ impl DecoderLayer {
             .as_ref(),
         );
         let gate_up = gate_up.split_with_sizes([ffn, ffn], -1);
-        let mlp = self.down.forward(&(gate_up[0].silu() * &gate_up[1]));
-        x + mlp
+        self.down.forward(&(gate_up[0].silu() * &gate_up[1]))
     }
+
+    /// Appends this step's keys and values to the layer's cache; returns the keys and
+    /// values to attend over and whether earlier ones were cached.
+    fn extend_cache(&self, cache: &mut KvCache, k: Tensor, v: Tensor) -> (Tensor, Tensor, bool) {
+        if cache.layers.len() <= self.index {
+            cache.layers.resize_with(self.index + 1, || None);
+        }
+        let slot = &mut cache.layers[self.index];
+        let (k, v, had) = match slot.take() {
+            Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2), Tensor::cat(&[&pv, &v], 2), true),
+            None => (k, v, false),
+        };
+        *slot = Some((k.shallow_clone(), v.shallow_clone()));
+        (k, v, had)
+    }
+}
+
+/// The boolean "attend" mask of `queries` new positions after `total - queries` cached
+/// ones: query i sees keys up to its own position.
+fn cached_causal_mask(total: i64, queries: i64, device: Device) -> Tensor {
+    let start = total - queries;
+    let keys = Tensor::arange(total, (Kind::Int64, device)).unsqueeze(0);
+    let positions = Tensor::arange_start(start, total, (Kind::Int64, device)).unsqueeze(1);
+    keys.le_tensor(&positions)
 }
 
 /// A contiguous range of decoder layers, plus the embedding on the first stage and the
