@@ -283,33 +283,24 @@ fn run_one(root: &Path, name: &str) -> Result<()> {
 /// id encoding, the ceiling of any wrapper.
 fn preprocess(root: &Path) -> Result<()> {
     setup::run(root, true)?;
-    let synerfuse = release_binary(root)?;
-    let python = root.join(".venv/bin/python");
-    let script = root.join("xtask/fixtures/bench_preprocess.py");
     let dir = root.join("target/bench/preprocess");
-    let status = Command::new(&python)
-        .arg(&script)
+    let bench = PreprocessBench {
+        synerfuse: release_binary(root)?,
+        python: root.join(".venv/bin/python"),
+        script: root.join("xtask/fixtures/bench_preprocess.py"),
+        corpus: dir.join("corpus.jsonl"),
+        dir,
+        workers: 2,
+    };
+    let status = Command::new(&bench.python)
+        .arg(&bench.script)
         .arg("prepare")
         .arg(root)
-        .arg(&dir)
+        .arg(&bench.dir)
         .status()?;
     ensure!(status.success(), "preparing the corpus failed");
-    let workers = 2;
-    let corpus = dir.join("corpus.jsonl");
-    let bytes = std::fs::metadata(&corpus)?.len() as f64;
-    // (seconds, bytes) of a reference run.
-    let python_timing = |args: &[&str]| -> Result<(f64, f64)> {
-        let out = Command::new(&python).arg(&script).args(args).output()?;
-        ensure!(
-            out.status.success(),
-            "{args:?} failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let line = last_json_line(&stdout).with_context(|| format!("{args:?} printed {stdout}"))?;
-        Ok((number(&line, "seconds")?, number(&line, "bytes")?))
-    };
-    let tok = dir.join("tokenizer");
+    let bytes = std::fs::metadata(&bench.corpus)?.len() as f64;
+    let tok = bench.dir.join("tokenizer");
     let cases: [(&str, &str, Vec<std::ffi::OsString>); 2] = [
         (
             "gpt2",
@@ -330,78 +321,14 @@ fn preprocess(root: &Path) -> Result<()> {
     let mut rows = Vec::new();
     let mut json = Vec::new();
     for (name, kind, flags) in cases {
-        let reference_prefix = dir.join(format!("reference-{name}"));
-        let reference = python_timing(&[
-            "reference",
-            dir.to_str().context("utf-8 path")?,
-            &workers.to_string(),
-            reference_prefix.to_str().context("utf-8 path")?,
-            name,
-        ])?;
-        let ours_prefix = dir.join(format!("ours-{name}"));
-        let started = Instant::now();
-        let ours = Command::new(&synerfuse)
-            .args([
-                "preprocess",
-                "--json-keys",
-                "text",
-                "--append-eod",
-                "--tokenizer-type",
-                kind,
-            ])
-            .args(&flags)
-            .arg("--input")
-            .arg(&corpus)
-            .arg("--output-prefix")
-            .arg(&ours_prefix)
-            .args(["--workers", &workers.to_string()])
-            .output()?;
-        let seconds = started.elapsed().as_secs_f64();
-        ensure!(
-            ours.status.success(),
-            "synerfuse preprocess failed: {}",
-            String::from_utf8_lossy(&ours.stderr)
-        );
-        for ext in ["bin", "idx"] {
-            let a = std::fs::read(format!("{}_text_document.{ext}", ours_prefix.display()))?;
-            let b = std::fs::read(format!(
-                "{}_text_document.{ext}",
-                reference_prefix.display()
-            ))?;
-            ensure!(a == b, "{name}: outputs differ (.{ext})");
-        }
-        let ours_mbs = bytes / seconds / 1e6;
-        let reference_mbs = reference.1 / reference.0 / 1e6;
-        let ratio = ours_mbs / reference_mbs;
-        let target = if name == "gpt2" { 4.0 } else { 3.0 };
-        rows.push(format!("| {kind} | {ours_mbs:.2} | {reference_mbs:.2} | {ratio:.2}x (target >= {target}x) | yes |"));
-        let mut entry = serde_json::json!({
-            "tokenizer": kind,
-            "ours_mb_s": ours_mbs,
-            "reference_mb_s": reference_mbs,
-            "ratio": ratio,
-            "byte_identical": true,
-        });
-        if name == "llama2" {
-            let ceiling = python_timing(&[
-                "ceiling",
-                dir.to_str().context("utf-8 path")?,
-                &workers.to_string(),
-            ])?;
-            let ceiling_mbs = ceiling.1 / ceiling.0 / 1e6;
-            let share = ours_mbs / ceiling_mbs;
-            rows.push(format!(
-                "| SentencePiece library alone (ids only, {workers} threads) | {ceiling_mbs:.2} | | ours = {:.0}% of it (target >= 90%) | |",
-                share * 100.0
-            ));
-            entry["library_ceiling_mb_s"] = ceiling_mbs.into();
-            entry["share_of_ceiling"] = share.into();
-        }
+        let (case_rows, entry) = bench.case(name, kind, &flags, bytes)?;
+        rows.extend(case_rows);
         json.push(entry);
     }
     println!();
     println!(
-        "preprocess, {workers} workers, {:.1} MB of JSONL (Shakespeare, ~4 KB documents)",
+        "preprocess, {} workers, {:.1} MB of JSONL (Shakespeare, ~4 KB documents)",
+        bench.workers,
         bytes / 1e6
     );
     println!();
@@ -416,7 +343,7 @@ fn preprocess(root: &Path) -> Result<()> {
         &root.join("target/bench/preprocess.json"),
         &serde_json::json!({
             "benchmark": "preprocess",
-            "workers": workers,
+            "workers": bench.workers,
             "bytes": bytes,
             "results": json,
         }),
@@ -424,12 +351,121 @@ fn preprocess(root: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The preprocessing bench's programs and corpus.
+struct PreprocessBench {
+    synerfuse: std::path::PathBuf,
+    python: std::path::PathBuf,
+    script: std::path::PathBuf,
+    dir: std::path::PathBuf,
+    corpus: std::path::PathBuf,
+    workers: usize,
+}
+
+impl PreprocessBench {
+    /// (seconds, bytes) of a run of the reference script.
+    fn reference_timing(&self, args: &[&str]) -> Result<(f64, f64)> {
+        let out = Command::new(&self.python)
+            .arg(&self.script)
+            .args(args)
+            .output()?;
+        ensure!(
+            out.status.success(),
+            "{args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let line = last_json_line(&stdout).with_context(|| format!("{args:?} printed {stdout}"))?;
+        Ok((number(&line, "seconds")?, number(&line, "bytes")?))
+    }
+
+    /// One tokenizer: the reference, ours, outputs compared byte for byte; for
+    /// SentencePiece also the library's own id encoding. The table rows and the JSON.
+    fn case(
+        &self,
+        name: &str,
+        kind: &str,
+        flags: &[std::ffi::OsString],
+        bytes: f64,
+    ) -> Result<(Vec<String>, serde_json::Value)> {
+        let (dir, workers) = (&self.dir, self.workers.to_string());
+        let utf8 = |p: &Path| p.to_str().map(str::to_owned).context("utf-8 path");
+        let reference_prefix = dir.join(format!("reference-{name}"));
+        let reference = self.reference_timing(&[
+            "reference",
+            &utf8(dir)?,
+            &workers,
+            &utf8(&reference_prefix)?,
+            name,
+        ])?;
+        let ours_prefix = dir.join(format!("ours-{name}"));
+        let mut command = Command::new(&self.synerfuse);
+        command
+            .args(["preprocess", "--json-keys", "text", "--append-eod"])
+            .args(["--tokenizer-type", kind])
+            .args(flags)
+            .arg("--input")
+            .arg(&self.corpus)
+            .arg("--output-prefix")
+            .arg(&ours_prefix)
+            .args(["--workers", &workers]);
+        let seconds = timed_preprocess(command)?;
+        for ext in ["bin", "idx"] {
+            let file = |prefix: &Path| format!("{}_text_document.{ext}", prefix.display());
+            let same =
+                std::fs::read(file(&ours_prefix))? == std::fs::read(file(&reference_prefix))?;
+            ensure!(same, "{name}: outputs differ (.{ext})");
+        }
+        let ours_mbs = bytes / seconds / 1e6;
+        let reference_mbs = reference.1 / reference.0 / 1e6;
+        let ratio = ours_mbs / reference_mbs;
+        let target = if name == "gpt2" { 4.0 } else { 3.0 };
+        let mut rows = vec![format!(
+            "| {kind} | {ours_mbs:.2} | {reference_mbs:.2} | {ratio:.2}x (target >= {target}x) | yes |"
+        )];
+        let mut entry = serde_json::json!({
+            "tokenizer": kind,
+            "ours_mb_s": ours_mbs,
+            "reference_mb_s": reference_mbs,
+            "ratio": ratio,
+            "byte_identical": true,
+        });
+        if name == "llama2" {
+            let ceiling = self.reference_timing(&["ceiling", &utf8(dir)?, &workers])?;
+            let ceiling_mbs = ceiling.1 / ceiling.0 / 1e6;
+            let share = ours_mbs / ceiling_mbs;
+            rows.push(format!(
+                "| SentencePiece library alone (ids only, {workers} threads) | {ceiling_mbs:.2} | | ours = {:.0}% of it (target >= 90%) | |",
+                share * 100.0
+            ));
+            entry["library_ceiling_mb_s"] = ceiling_mbs.into();
+            entry["share_of_ceiling"] = share.into();
+        }
+        Ok((rows, entry))
+    }
+}
+
+/// Runs a `synerfuse preprocess` command; its wall-clock seconds.
+fn timed_preprocess(mut command: Command) -> Result<f64> {
+    let started = Instant::now();
+    let out = command.output()?;
+    let seconds = started.elapsed().as_secs_f64();
+    ensure!(
+        out.status.success(),
+        "synerfuse preprocess failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(seconds)
+}
+
 /// Cold build of the GPT indices of a synthetic ~1B-token dataset (5M documents of 20–400
 /// tokens), sequence length 4096, about two epochs: `synerfuse index` vs megatron-core
 /// 0.8.0 (numpy + its C++ helpers), best of 3 fresh cache directories each, cache files
 /// identical; then the cost of opening the cached indices (mmap) on each side.
+/// The index bench's sequence length.
+const INDEX_SEQ: u64 = 4096;
+
 fn index(root: &Path) -> Result<()> {
-    const SEQ: u64 = 4096;
+    const SEQ: u64 = INDEX_SEQ;
     const RUNS: usize = 3;
     setup::run(root, true)?;
     let synerfuse = release_binary(root)?;
@@ -465,87 +501,12 @@ fn index(root: &Path) -> Result<()> {
                 std::fs::remove_dir_all(d)?;
             }
         }
-        let out = Command::new(&python)
-            .arg(&script)
-            .arg("reference")
-            .arg(&dir)
-            .arg(&ref_dir)
-            .arg(train_samples.to_string())
-            .arg(SEQ.to_string())
-            .output()?;
-        ensure!(
-            out.status.success(),
-            "megatron-core failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let line = last_json_line(&String::from_utf8_lossy(&out.stdout))?;
-        ref_cold = ref_cold.min(number(&line, "cold")?);
-        ref_load = ref_load.min(number(&line, "load")?);
-        samples.1 = number(&line, "samples")?;
-        for phase in ["cold", "load"] {
-            let out = Command::new(&synerfuse)
-                .arg("index")
-                .arg("--data-path")
-                .arg(&prefix)
-                .args(["--split", "1", "--seq-length", &SEQ.to_string()])
-                .args(["--train-samples", &train_samples.to_string()])
-                .arg("--data-cache-path")
-                .arg(&ours_dir)
-                .args([
-                    "--tokenizer-type",
-                    "NullTokenizer",
-                    "--vocab-size",
-                    "32000",
-                    "--json",
-                ])
-                .output()?;
-            ensure!(
-                out.status.success(),
-                "synerfuse index failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            let line = last_json_line(&String::from_utf8_lossy(&out.stdout))?;
-            let loaded = line["splits"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .flat_map(|split| split["caches"].as_array().into_iter().flatten())
-                .any(|cache| cache["loaded"] == true);
-            ensure!(
-                loaded == (phase == "load"),
-                "{phase} run: unexpected cache state: {line}"
-            );
-            let seconds = number(&line, "seconds")?;
-            if phase == "cold" {
-                ours_cold = ours_cold.min(seconds);
-            } else {
-                ours_load = ours_load.min(seconds);
-            }
-            samples.0 = number(&line["splits"][0], "samples")?;
-        }
-        // Same file names, same arrays (headers may differ in padding across numpy versions).
-        let mut names = Vec::new();
-        for entry in std::fs::read_dir(&ref_dir)? {
-            names.push(entry?.file_name());
-        }
-        ensure!(names.len() == 4, "megatron wrote {} files", names.len());
-        for name in names {
-            let theirs = std::fs::read(ref_dir.join(&name))?;
-            let ours = std::fs::read(ours_dir.join(&name))
-                .with_context(|| format!("synerfuse did not write {name:?}"))?;
-            let payload = |b: &[u8]| -> Vec<u8> {
-                if b.starts_with(b"\x93NUMPY") {
-                    let len = u16::from_le_bytes([b[8], b[9]]) as usize;
-                    b[10 + len..].to_vec()
-                } else {
-                    b.to_vec()
-                }
-            };
-            ensure!(
-                payload(&ours) == payload(&theirs),
-                "{name:?} differs from megatron-core's"
-            );
-        }
+        let (cold, load, n) = reference_index(&python, &script, &dir, &ref_dir, train_samples)?;
+        (ref_cold, ref_load, samples.1) = (ref_cold.min(cold), ref_load.min(load), n);
+        let cold = ours_index(&synerfuse, &prefix, &ours_dir, train_samples, false)?;
+        let load = ours_index(&synerfuse, &prefix, &ours_dir, train_samples, true)?;
+        (ours_cold, ours_load, samples.0) = (ours_cold.min(cold.0), ours_load.min(load.0), load.1);
+        same_caches(&ours_dir, &ref_dir)?;
         if run + 1 < RUNS {
             std::fs::remove_dir_all(&ours_dir)?;
             std::fs::remove_dir_all(&ref_dir)?;
@@ -586,6 +547,105 @@ fn index(root: &Path) -> Result<()> {
             "identical": true,
         }),
     )?;
+    Ok(())
+}
+
+/// megatron-core's cold build, cached open and sample count for the index bench.
+fn reference_index(
+    python: &Path,
+    script: &Path,
+    dir: &Path,
+    cache: &Path,
+    train_samples: u64,
+) -> Result<(f64, f64, f64)> {
+    let out = Command::new(python)
+        .arg(script)
+        .arg("reference")
+        .arg(dir)
+        .arg(cache)
+        .arg(train_samples.to_string())
+        .arg(INDEX_SEQ.to_string())
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "megatron-core failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = last_json_line(&String::from_utf8_lossy(&out.stdout))?;
+    Ok((
+        number(&line, "cold")?,
+        number(&line, "load")?,
+        number(&line, "samples")?,
+    ))
+}
+
+/// `synerfuse index` into `cache`: (seconds, train samples); `load` says whether the
+/// caches must already be there (and be loaded) or be built.
+fn ours_index(
+    synerfuse: &Path,
+    prefix: &Path,
+    cache: &Path,
+    train_samples: u64,
+    load: bool,
+) -> Result<(f64, f64)> {
+    let out = Command::new(synerfuse)
+        .arg("index")
+        .arg("--data-path")
+        .arg(prefix)
+        .args(["--split", "1", "--seq-length", &INDEX_SEQ.to_string()])
+        .args(["--train-samples", &train_samples.to_string()])
+        .arg("--data-cache-path")
+        .arg(cache)
+        .args(["--tokenizer-type", "NullTokenizer", "--vocab-size", "32000"])
+        .arg("--json")
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "synerfuse index failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = last_json_line(&String::from_utf8_lossy(&out.stdout))?;
+    let loaded = line["splits"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|split| split["caches"].as_array().into_iter().flatten())
+        .any(|cache| cache["loaded"] == true);
+    ensure!(
+        loaded == load,
+        "{} run: unexpected cache state: {line}",
+        if load { "load" } else { "cold" }
+    );
+    Ok((
+        number(&line, "seconds")?,
+        number(&line["splits"][0], "samples")?,
+    ))
+}
+
+/// Same file names, same arrays (headers may differ in padding across numpy versions).
+fn same_caches(ours: &Path, theirs: &Path) -> Result<()> {
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(theirs)? {
+        names.push(entry?.file_name());
+    }
+    ensure!(names.len() == 4, "megatron wrote {} files", names.len());
+    let payload = |b: Vec<u8>| -> Vec<u8> {
+        if b.starts_with(b"\x93NUMPY") {
+            let len = u16::from_le_bytes([b[8], b[9]]) as usize;
+            b[10 + len..].to_vec()
+        } else {
+            b
+        }
+    };
+    for name in names {
+        let reference = std::fs::read(theirs.join(&name))?;
+        let mine = std::fs::read(ours.join(&name))
+            .with_context(|| format!("synerfuse did not write {name:?}"))?;
+        ensure!(
+            payload(mine) == payload(reference),
+            "{name:?} differs from megatron-core's"
+        );
+    }
     Ok(())
 }
 
