@@ -457,13 +457,13 @@ fn timed_preprocess(mut command: Command) -> Result<f64> {
     Ok(seconds)
 }
 
+/// The index bench's sequence length.
+const INDEX_SEQ: u64 = 4096;
+
 /// Cold build of the GPT indices of a synthetic ~1B-token dataset (5M documents of 20–400
 /// tokens), sequence length 4096, about two epochs: `synerfuse index` vs megatron-core
 /// 0.8.0 (numpy + its C++ helpers), best of 3 fresh cache directories each, cache files
 /// identical; then the cost of opening the cached indices (mmap) on each side.
-/// The index bench's sequence length.
-const INDEX_SEQ: u64 = 4096;
-
 fn index(root: &Path) -> Result<()> {
     const SEQ: u64 = INDEX_SEQ;
     const RUNS: usize = 3;

@@ -254,7 +254,7 @@ pub struct InspectArgs {
     #[command(flatten)]
     tokenizer: TokenizerFlags,
     /// Documents to show (decoded when a tokenizer is given)
-    #[arg(long, value_parser = crate::values::positive_count, default_value_t = 3)]
+    #[arg(long, default_value_t = 3)]
     documents: usize,
     /// The dataset carries a modes array
     #[arg(long)]

@@ -38,7 +38,9 @@ pub(crate) fn data_flag_error(error: GptDatasetError) -> anyhow::Error {
         GptDatasetError::Blend(BlendError::SplitWithPerSplit | BlendError::MissingSplit) => {
             "--split"
         }
-        GptDatasetError::Blend(_) => "--data-path",
+        GptDatasetError::Blend(_) => {
+            "--data-path (or --train-data-path / --valid-data-path / --test-data-path)"
+        }
         GptDatasetError::ZeroSequenceLength => "--seq-length",
         GptDatasetError::Split(_) => "--split",
         _ => return error.into(),

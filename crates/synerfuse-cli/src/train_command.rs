@@ -244,12 +244,13 @@ pub struct TrainArgs {
     // ---- checkpoints and logs
     #[arg(long, help_heading = "Checkpoints and logs")]
     save: Option<PathBuf>,
-    #[arg(long, value_parser = crate::values::positive_u64, help_heading = "Checkpoints and logs")]
+    /// Save every N iterations (0: only at the end, as Megatron treats 0)
+    #[arg(long, help_heading = "Checkpoints and logs")]
     save_interval: Option<u64>,
     #[arg(long, help_heading = "Checkpoints and logs")]
     load: Option<PathBuf>,
-    /// Stop after an iteration that is a multiple of N (saving first with --save)
-    #[arg(long, value_parser = crate::values::positive_u64, help_heading = "Checkpoints and logs")]
+    /// Stop after an iteration that is a multiple of N (saving first with --save; 0: off)
+    #[arg(long, help_heading = "Checkpoints and logs")]
     exit_interval: Option<u64>,
     #[arg(long, value_parser = crate::values::positive_u64, default_value_t = 100, help_heading = "Checkpoints and logs")]
     log_interval: u64,

@@ -92,7 +92,7 @@ pub enum ClusterError {
         /// Its kind.
         kind: String,
         /// What is wrong.
-        problem: String,
+        problem: GroupProblem,
     },
     /// A network bandwidth that is not a positive number.
     #[error("cluster file: [network] {field} must be positive (got {value})")]
@@ -105,6 +105,40 @@ pub enum ClusterError {
     /// A negative (or NaN) latency.
     #[error("cluster file: [network] latency_us must be ≥ 0 (got {0})")]
     Latency(f64),
+}
+
+/// What is wrong with a `[[group]]`.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum GroupProblem {
+    /// No device.
+    #[error("count must be at least 1")]
+    Empty,
+    /// A kind that is neither in the catalogue nor `custom` nor `cpu`.
+    #[error("unknown kind; use one of {}, \"custom\" or \"cpu\"", catalogue_slugs().join(", "))]
+    UnknownKind,
+    /// A custom group without one of its numbers.
+    #[error("a custom group needs {0}")]
+    CustomWithout(&'static str),
+    /// A number that must be positive.
+    #[error("{field} must be positive (got {value})")]
+    NotPositive {
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: f64,
+    },
+    /// A fraction outside (0, 1].
+    #[error("{field} must be in (0, 1] (got {value})")]
+    NotAFraction {
+        /// `efficiency` or `speed`.
+        field: &'static str,
+        /// Its value.
+        value: f64,
+    },
+}
+
+fn catalogue_slugs() -> Vec<&'static str> {
+    CATALOGUE.iter().map(|(s, _, _)| *s).collect()
 }
 
 /// One `[[group]]`.
@@ -232,21 +266,17 @@ impl ClusterSpec {
             return Err(ClusterError::Headroom(self.memory_headroom));
         }
         for (index, g) in self.group.iter().enumerate() {
-            let err = |problem: String| ClusterError::Group {
+            let err = |problem: GroupProblem| ClusterError::Group {
                 index,
                 kind: g.kind.clone(),
                 problem,
             };
             if g.count == 0 {
-                return Err(err("count must be at least 1".into()));
+                return Err(err(GroupProblem::Empty));
             }
             let custom = g.kind == "custom";
             if !custom && g.kind != "cpu" && catalogue(&g.kind).is_none() {
-                let slugs: Vec<&str> = CATALOGUE.iter().map(|(s, _, _)| *s).collect();
-                return Err(err(format!(
-                    "unknown kind; use one of {}, \"custom\" or \"cpu\"",
-                    slugs.join(", ")
-                )));
+                return Err(err(GroupProblem::UnknownKind));
             }
             if custom {
                 for (field, value) in [
@@ -255,7 +285,7 @@ impl ClusterSpec {
                     ("mem_bw_gbs", g.mem_bw_gbs),
                 ] {
                     if value.is_none() {
-                        return Err(err(format!("a custom group needs {field}")));
+                        return Err(err(GroupProblem::CustomWithout(field)));
                     }
                 }
             }
@@ -264,15 +294,14 @@ impl ClusterSpec {
                 ("memory_gb", g.memory_gb),
                 ("mem_bw_gbs", g.mem_bw_gbs),
             ] {
-                if value.is_some_and(|v| !(v > 0.0 && v.is_finite())) {
-                    return Err(err(format!("{field} must be positive")));
+                if let Some(value) = value.filter(|v| !(*v > 0.0 && v.is_finite())) {
+                    return Err(err(GroupProblem::NotPositive { field, value }));
                 }
             }
-            if g.efficiency.is_some_and(|e| !(e > 0.0 && e <= 1.0)) {
-                return Err(err("efficiency must be in (0, 1]".into()));
-            }
-            if g.speed.is_some_and(|s| !(s > 0.0 && s <= 1.0)) {
-                return Err(err("speed must be in (0, 1]".into()));
+            for (field, value) in [("efficiency", g.efficiency), ("speed", g.speed)] {
+                if let Some(value) = value.filter(|v| !(*v > 0.0 && *v <= 1.0)) {
+                    return Err(err(GroupProblem::NotAFraction { field, value }));
+                }
             }
         }
         let n = &self.network;

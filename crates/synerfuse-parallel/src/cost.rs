@@ -197,12 +197,10 @@ pub struct StageCosts {
 
 /// Why a device cannot be costed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("device kind {kind}: {problem}")]
-pub struct CostError {
-    /// The kind.
-    pub kind: String,
-    /// What is missing.
-    pub problem: String,
+pub enum CostError {
+    /// A kind with neither catalogue numbers nor a profile.
+    #[error("device kind {0}: no catalogue numbers: give a profile (synerfuse profile) or custom numbers")]
+    NoNumbers(String),
 }
 
 /// Compute, memory and communication costs of a model on a cluster.
@@ -237,42 +235,36 @@ impl CostModel {
     /// Per-layer costs of `device` at micro-batch size `b`.
     pub fn stage_costs(&self, device: &Device, b: usize) -> Result<StageCosts, CostError> {
         let measured = self.profile.as_ref().and_then(|p| p.costs(&device.kind, b));
-        let costs =
-            match (measured, device.spec) {
-                (Some(m), _) => StageCosts {
-                    layer_s: m.layer_fwd_s + m.layer_bwd_s,
-                    forward_fraction: m.layer_fwd_s / (m.layer_fwd_s + m.layer_bwd_s).max(1e-30),
-                    embedding_s: m.embedding_s,
-                    head_s: m.head_s,
-                    activation_bytes: m.layer_activation_bytes,
-                },
-                (None, Some(spec)) => {
-                    // Small micro-batches reach less of the peak.
-                    let eta = device.efficiency * (b as f64 / (b as f64 + 0.5));
-                    let rate = spec.tflops_bf16 * 1e12 * eta;
-                    let layer = 3.0 * self.model.layer_forward_flops(b) / rate;
-                    StageCosts {
-                        layer_s: layer,
-                        forward_fraction: 1.0 / 3.0,
-                        embedding_s: (b * self.model.seq_length * self.model.hidden_size) as f64
-                            * self.compute_bytes
-                            * 3.0
-                            / (spec.mem_bw_gbs * 1e9),
-                        head_s: 3.0 * self.model.head_forward_flops(b) / rate,
-                        activation_bytes: self.model.layer_activation_bytes(
-                            b,
-                            self.compute_bytes,
-                            spec.accelerator,
-                        ),
-                    }
+        let costs = match (measured, device.spec) {
+            (Some(m), _) => StageCosts {
+                layer_s: m.layer_fwd_s + m.layer_bwd_s,
+                forward_fraction: m.layer_fwd_s / (m.layer_fwd_s + m.layer_bwd_s).max(1e-30),
+                embedding_s: m.embedding_s,
+                head_s: m.head_s,
+                activation_bytes: m.layer_activation_bytes,
+            },
+            (None, Some(spec)) => {
+                // Small micro-batches reach less of the peak.
+                let eta = device.efficiency * (b as f64 / (b as f64 + 0.5));
+                let rate = spec.tflops_bf16 * 1e12 * eta;
+                let layer = 3.0 * self.model.layer_forward_flops(b) / rate;
+                StageCosts {
+                    layer_s: layer,
+                    forward_fraction: 1.0 / 3.0,
+                    embedding_s: (b * self.model.seq_length * self.model.hidden_size) as f64
+                        * self.compute_bytes
+                        * 3.0
+                        / (spec.mem_bw_gbs * 1e9),
+                    head_s: 3.0 * self.model.head_forward_flops(b) / rate,
+                    activation_bytes: self.model.layer_activation_bytes(
+                        b,
+                        self.compute_bytes,
+                        spec.accelerator,
+                    ),
                 }
-                (None, None) => return Err(CostError {
-                    kind: device.kind.clone(),
-                    problem:
-                        "no catalogue numbers: give a profile (synerfuse profile) or custom numbers"
-                            .into(),
-                }),
-            };
+            }
+            (None, None) => return Err(CostError::NoNumbers(device.kind.clone())),
+        };
         let slow = 1.0 / device.speed;
         Ok(StageCosts {
             layer_s: costs.layer_s * slow,

@@ -385,6 +385,7 @@ impl ParallelPlan {
             order: order.to_owned(),
         };
         let topology = Topology::new(world_size, tp, pp, cp, ep, order)?;
+        let stages = flags.stage_layout()?;
         let batches = ReplicaBatches::from_flags(
             topology.size(crate::Dim::Dp),
             flags.global_batch_size,
@@ -392,7 +393,7 @@ impl ParallelPlan {
             flags.micro_batch_size_per_dp.as_deref(),
             flags.num_micro_batches_per_dp.as_deref(),
         )?;
-        Self::new(spec, flags.stage_layout()?, batches, Vec::new())
+        Self::new(spec, stages, batches, Vec::new())
     }
 }
 

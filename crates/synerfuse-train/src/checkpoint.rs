@@ -74,11 +74,72 @@ pub fn iteration_dir(iteration: u64) -> String {
     format!("iter_{iteration:07}")
 }
 
-fn io_err(path: &Path) -> impl Fn(std::io::Error) -> TrainError + '_ {
-    move |e| TrainError::Checkpoint {
+/// What is wrong with a checkpoint file or directory.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointProblem {
+    /// It cannot be read or written.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    /// `latest` holds no iteration number.
+    #[error("expected an iteration number, found {0:?}")]
+    BadLatest(String),
+    /// A JSON file of another shape.
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+    /// Neither a `latest` file nor a manifest.
+    #[error("no `latest` file and no manifest.json: not a synerfuse checkpoint")]
+    NotACheckpoint,
+    /// The model configuration stored with the checkpoint.
+    #[error(transparent)]
+    Config(#[from] synerfuse_model::ConfigError),
+    /// Optimizer state that does not fit the model.
+    #[error(transparent)]
+    OptimState(#[from] crate::optim::OptimStateError),
+    /// A tensor of another shape than the model's.
+    #[error("tensor {name} has shape {found:?}, the model expects {expected:?}")]
+    Shape {
+        /// The parameter.
+        name: String,
+        /// Its shape in the checkpoint.
+        found: Vec<i64>,
+        /// The model's.
+        expected: Vec<i64>,
+    },
+    /// A tensor no file of the kind holds.
+    #[error("no {prefix}* file holds tensor {name:?}")]
+    MissingTensor {
+        /// `model-` or `optimizer-`.
+        prefix: String,
+        /// The tensor.
+        name: String,
+    },
+    /// A file the manifest does not list.
+    #[error("not listed in manifest.json")]
+    Unlisted,
+    /// A file whose size or hash differs from the manifest's.
+    #[error("corrupt: {found_bytes} bytes with SHA-256 {found_sha256}, the manifest records {bytes} bytes with {sha256}")]
+    Corrupt {
+        /// Bytes found.
+        found_bytes: u64,
+        /// SHA-256 found.
+        found_sha256: String,
+        /// Bytes recorded.
+        bytes: u64,
+        /// SHA-256 recorded.
+        sha256: String,
+    },
+}
+
+/// The error of `path` for `problem`.
+pub(crate) fn problem_at(path: &Path, problem: impl Into<CheckpointProblem>) -> TrainError {
+    TrainError::Checkpoint {
         path: path.to_path_buf(),
-        problem: e.to_string(),
+        problem: problem.into(),
     }
+}
+
+fn io_err(path: &Path) -> impl Fn(std::io::Error) -> TrainError + '_ {
+    move |e| problem_at(path, e)
 }
 
 fn sha256_file(path: &Path) -> Result<ManifestEntry, TrainError> {
@@ -193,10 +254,10 @@ impl Checkpoint {
             return Ok(None);
         }
         let text = std::fs::read_to_string(&latest).map_err(io_err(&latest))?;
-        let iteration: u64 = text.trim().parse().map_err(|_| TrainError::Checkpoint {
-            path: latest.clone(),
-            problem: format!("expected an iteration number, found {:?}", text.trim()),
-        })?;
+        let iteration: u64 = text
+            .trim()
+            .parse()
+            .map_err(|_| problem_at(&latest, CheckpointProblem::BadLatest(text.trim().into())))?;
         Self::open(&load.join(iteration_dir(iteration))).map(Some)
     }
 
@@ -205,16 +266,10 @@ impl Checkpoint {
         let manifest_path = dir.join("manifest.json");
         let text = std::fs::read_to_string(&manifest_path).map_err(io_err(&manifest_path))?;
         let manifest: Manifest =
-            serde_json::from_str(&text).map_err(|e| TrainError::Checkpoint {
-                path: manifest_path.clone(),
-                problem: e.to_string(),
-            })?;
+            serde_json::from_str(&text).map_err(|e| problem_at(&manifest_path, e))?;
         let state_path = verified(dir, &manifest, "state.json")?;
         let text = std::fs::read_to_string(&state_path).map_err(io_err(&state_path))?;
-        let state = serde_json::from_str(&text).map_err(|e| TrainError::Checkpoint {
-            path: state_path.clone(),
-            problem: e.to_string(),
-        })?;
+        let state = serde_json::from_str(&text).map_err(|e| problem_at(&state_path, e))?;
         Ok(Checkpoint {
             dir: dir.to_path_buf(),
             state,
@@ -228,10 +283,7 @@ impl Checkpoint {
         if path.join("manifest.json").exists() {
             return Self::open(path);
         }
-        Self::open_latest(path)?.ok_or_else(|| TrainError::Checkpoint {
-            path: path.to_path_buf(),
-            problem: format!("no `{LATEST}` file and no manifest.json: not a synerfuse checkpoint"),
-        })
+        Self::open_latest(path)?.ok_or_else(|| problem_at(path, CheckpointProblem::NotACheckpoint))
     }
 
     /// The whole model of this checkpoint on `device`, whatever plan wrote it
@@ -240,10 +292,7 @@ impl Checkpoint {
         let source = self.dir.join("state.json");
         let config =
             LlamaConfig::from_hf_json(&self.state.model.to_string(), &source.display().to_string())
-                .map_err(|e| TrainError::Checkpoint {
-                    path: source.clone(),
-                    problem: e.to_string(),
-                })?;
+                .map_err(|e| problem_at(&source, e))?;
         let stage = Stage::new(&config, 0..config.num_layers, device)?;
         let variables = stage.var_store().variables();
         let names: Vec<String> = variables.keys().cloned().collect();
@@ -251,14 +300,12 @@ impl Checkpoint {
         for (name, mut var) in variables {
             let value = &values[&name];
             if value.size() != var.size() {
-                return Err(TrainError::Checkpoint {
-                    path: self.dir.clone(),
-                    problem: format!(
-                        "tensor {name} has shape {:?}, the model expects {:?}",
-                        value.size(),
-                        var.size()
-                    ),
-                });
+                let shape = CheckpointProblem::Shape {
+                    name,
+                    found: value.size(),
+                    expected: var.size(),
+                };
+                return Err(problem_at(&self.dir, shape));
             }
             tch::no_grad(|| var.copy_(&value.to_kind(var.kind()).to_device(device)));
         }
@@ -284,10 +331,11 @@ impl Checkpoint {
             }
         }
         if let Some(missing) = names.iter().find(|n| !found.contains_key(*n)) {
-            return Err(TrainError::Checkpoint {
-                path: self.dir.clone(),
-                problem: format!("no {prefix}* file holds tensor {missing:?}"),
-            });
+            let missing = CheckpointProblem::MissingTensor {
+                prefix: prefix.to_owned(),
+                name: missing.clone(),
+            };
+            return Err(problem_at(&self.dir, missing));
         }
         Ok(found)
     }
@@ -299,19 +347,16 @@ fn verified(dir: &Path, manifest: &Manifest, name: &str) -> Result<PathBuf, Trai
     let want = manifest
         .files
         .get(name)
-        .ok_or_else(|| TrainError::Checkpoint {
-            path: path.clone(),
-            problem: "not listed in manifest.json".into(),
-        })?;
+        .ok_or_else(|| problem_at(&path, CheckpointProblem::Unlisted))?;
     let got = sha256_file(&path)?;
     if &got != want {
-        return Err(TrainError::Checkpoint {
-            path,
-            problem: format!(
-                "corrupt: {} bytes with SHA-256 {}, the manifest records {} bytes with {}",
-                got.bytes, got.sha256, want.bytes, want.sha256
-            ),
-        });
+        let corrupt = CheckpointProblem::Corrupt {
+            found_bytes: got.bytes,
+            found_sha256: got.sha256,
+            bytes: want.bytes,
+            sha256: want.sha256.clone(),
+        };
+        return Err(problem_at(&path, corrupt));
     }
     Ok(path)
 }

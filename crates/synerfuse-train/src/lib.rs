@@ -52,7 +52,7 @@ pub enum TrainError {
         /// The file or directory.
         path: PathBuf,
         /// What is wrong.
-        problem: String,
+        problem: checkpoint::CheckpointProblem,
     },
     /// A log file that cannot be written.
     #[error("{path}: {source}")]

@@ -202,12 +202,20 @@ pub struct AdamW {
 
 /// A checkpointed optimiser state that does not fit this optimiser.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("optimizer state for {name}: {problem}")]
-pub struct OptimStateError {
-    /// The parameter.
-    pub name: String,
-    /// What does not fit.
-    pub problem: String,
+pub enum OptimStateError {
+    /// A parameter the model does not have.
+    #[error("optimizer state for {0}: the model has no such parameter")]
+    UnknownParameter(String),
+    /// A value or moment of another shape.
+    #[error("optimizer state for {name}: shape {found:?}, the model expects {expected:?}")]
+    Shape {
+        /// The parameter.
+        name: String,
+        /// The state's shape.
+        found: Vec<i64>,
+        /// The parameter's.
+        expected: Vec<i64>,
+    },
 }
 
 impl AdamW {
@@ -356,19 +364,16 @@ impl AdamW {
         exp_avg: Option<&Tensor>,
         exp_avg_sq: Option<&Tensor>,
     ) -> Result<(), OptimStateError> {
-        let s = self.params.get_mut(name).ok_or_else(|| OptimStateError {
-            name: name.to_owned(),
-            problem: "the model has no such parameter".into(),
-        })?;
+        let s = self
+            .params
+            .get_mut(name)
+            .ok_or_else(|| OptimStateError::UnknownParameter(name.to_owned()))?;
         for t in [Some(value), exp_avg, exp_avg_sq].into_iter().flatten() {
             if t.size() != s.param.size() {
-                return Err(OptimStateError {
+                return Err(OptimStateError::Shape {
                     name: name.to_owned(),
-                    problem: format!(
-                        "shape {:?}, the model expects {:?}",
-                        t.size(),
-                        s.param.size()
-                    ),
+                    found: t.size(),
+                    expected: s.param.size(),
                 });
             }
         }

@@ -279,6 +279,7 @@ impl PipelineRank<'_> {
     /// gradient, in the wire dtype.
     fn send_result(&self, message: &Message, step: &mut StepState) -> Result<(), TrainError> {
         let fault = || TrainError::Pipeline(PipelineFault::SendBeforeCompute(*message));
+        let started = Instant::now();
         let tensor = match message.payload {
             Payload::Activation => step
                 .passes
@@ -292,7 +293,6 @@ impl PipelineRank<'_> {
                 .ok_or_else(fault)?
                 .to_kind(self.activation_kind),
         };
-        let started = Instant::now();
         self.send(&tensor, message, &mut step.sends)?;
         step.times.communication += started.elapsed();
         Ok(())

@@ -326,10 +326,7 @@ impl<'w> Trainer<'w> {
                     moments.get(&format!("{name}.exp_avg")),
                     moments.get(&format!("{name}.exp_avg_sq")),
                 )
-                .map_err(|e| TrainError::Checkpoint {
-                    path: checkpoint.dir.clone(),
-                    problem: e.to_string(),
-                })?;
+                .map_err(|e| checkpoint::problem_at(&checkpoint.dir, e))?;
         }
         let state = &checkpoint.state;
         self.optimizer.set_steps(state.optimizer_steps);
