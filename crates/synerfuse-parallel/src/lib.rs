@@ -21,5 +21,6 @@ pub use schedule::{
 };
 pub use stage::{LayoutError, StageLayout};
 pub use topology::{
-    Coordinates, Dim, GroupKind, Topology, TopologyError, DEFAULT_ORDER, TP_PP_DP_ORDER,
+    Coordinates, Dim, GroupKind, OrderProblem, Topology, TopologyError, DEFAULT_ORDER,
+    TP_PP_DP_ORDER,
 };

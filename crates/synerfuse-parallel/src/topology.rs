@@ -206,7 +206,7 @@ pub enum TopologyError {
         /// The order as given.
         order: String,
         /// What is wrong.
-        problem: String,
+        problem: OrderProblem,
     },
     /// A group kind that does not exist.
     #[error("unknown group kind {0:?}")]
@@ -218,6 +218,28 @@ pub enum TopologyError {
         rank: usize,
         /// World size.
         world_size: usize,
+    },
+}
+
+/// What is wrong with a rank-order string.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OrderProblem {
+    /// A token that is not a dimension.
+    #[error("{0:?} is not one of tp, cp, ep, dp, pp")]
+    UnknownDim(String),
+    /// A dimension named twice.
+    #[error("{0} appears twice")]
+    Repeated(String),
+    /// Expert parallelism apart from data parallelism.
+    #[error("ep and dp must be adjacent")]
+    EpApartFromDp,
+    /// A dimension of size above 1 left out.
+    #[error("{dim} has size {size} but is not in the order")]
+    Missing {
+        /// The dimension.
+        dim: &'static str,
+        /// Its size.
+        size: usize,
     },
 }
 
@@ -277,26 +299,6 @@ impl Topology {
         if dp % ep != 0 {
             return Err(TopologyError::EpNotDividingDp { dp, ep });
         }
-        let bad = |problem: String| TopologyError::BadOrder {
-            order: order.to_owned(),
-            problem,
-        };
-        let lower = order.to_lowercase();
-        let mut full_order = Vec::new();
-        for token in lower.split('-') {
-            let dim = Dim::parse(token)
-                .ok_or_else(|| bad(format!("{token:?} is not one of tp, cp, ep, dp, pp")))?;
-            if full_order.contains(&dim) {
-                return Err(bad(format!("{token} appears twice")));
-            }
-            full_order.push(dim);
-        }
-        if let Some(at) = full_order.iter().position(|&d| d == Dim::Ep) {
-            let adjacent = |i: Option<usize>| i.and_then(|i| full_order.get(i)) == Some(&Dim::Dp);
-            if !adjacent(at.checked_sub(1)) && !adjacent(Some(at + 1)) {
-                return Err(bad("ep and dp must be adjacent".to_owned()));
-            }
-        }
         let topology = Topology {
             tp,
             cp,
@@ -306,22 +308,48 @@ impl Topology {
             order: order.to_owned(),
             full_order: Vec::new(),
         };
-        for dim in Dim::MEGATRON_ORDER {
-            if !full_order.contains(&dim) {
-                let size = topology.size(dim);
-                if size != 1 {
-                    return Err(bad(format!(
-                        "{} has size {size} but is not in the order",
-                        dim.name()
-                    )));
-                }
-                full_order.push(dim);
-            }
-        }
+        let full_order = topology
+            .full_order(order)
+            .map_err(|problem| TopologyError::BadOrder {
+                order: order.to_owned(),
+                problem,
+            })?;
         Ok(Topology {
             full_order,
             ..topology
         })
+    }
+
+    /// Every dimension in rank order: those of `order` (any case, `-`-separated), then
+    /// Megatron's order for the dimensions of size 1 it leaves out.
+    fn full_order(&self, order: &str) -> Result<Vec<Dim>, OrderProblem> {
+        let mut full_order = Vec::new();
+        for token in order.to_lowercase().split('-') {
+            let dim = Dim::parse(token).ok_or_else(|| OrderProblem::UnknownDim(token.into()))?;
+            if full_order.contains(&dim) {
+                return Err(OrderProblem::Repeated(token.into()));
+            }
+            full_order.push(dim);
+        }
+        if let Some(at) = full_order.iter().position(|&d| d == Dim::Ep) {
+            let adjacent = |i: Option<usize>| i.and_then(|i| full_order.get(i)) == Some(&Dim::Dp);
+            if !adjacent(at.checked_sub(1)) && !adjacent(Some(at + 1)) {
+                return Err(OrderProblem::EpApartFromDp);
+            }
+        }
+        for dim in Dim::MEGATRON_ORDER {
+            if !full_order.contains(&dim) {
+                let size = self.size(dim);
+                if size != 1 {
+                    return Err(OrderProblem::Missing {
+                        dim: dim.name(),
+                        size,
+                    });
+                }
+                full_order.push(dim);
+            }
+        }
+        Ok(full_order)
     }
 
     /// Size of a dimension (`dp` is the whole data-parallel size, experts included).
