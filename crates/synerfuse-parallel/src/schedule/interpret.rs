@@ -4,6 +4,7 @@
 //! [`Observer`]s of the same run.
 
 use super::{Instruction, Message, Pass, Payload, Piece, ScheduleError, Waiting};
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 
 /// What one run of the programs is watched by.
@@ -25,6 +26,50 @@ pub(crate) trait Observer {
 /// (from, to, payload, sending piece): the name both ends give a message.
 type MessageKey = (usize, usize, Payload, Piece);
 
+/// Messages in flight, in send order per name. Schedules send each name once, so the
+/// common case is one map entry, removed on receipt (no queue allocated): the planner
+/// simulates programs of thousands of ranks through this.
+struct Mailbox<S> {
+    first: HashMap<MessageKey, S>,
+    later: HashMap<MessageKey, VecDeque<S>>,
+}
+
+impl<S> Mailbox<S> {
+    fn new() -> Self {
+        Mailbox {
+            first: HashMap::new(),
+            later: HashMap::new(),
+        }
+    }
+
+    fn post(&mut self, key: MessageKey, stamp: S) {
+        match self.first.entry(key) {
+            Entry::Vacant(slot) => {
+                slot.insert(stamp);
+            }
+            Entry::Occupied(_) => self.later.entry(key).or_default().push_back(stamp),
+        }
+    }
+
+    fn take(&mut self, key: &MessageKey) -> Option<S> {
+        let stamp = self.first.remove(key)?;
+        if let Some(queue) = self.later.get_mut(key) {
+            if let Some(next) = queue.pop_front() {
+                self.first.insert(*key, next);
+            }
+            if queue.is_empty() {
+                self.later.remove(key);
+            }
+        }
+        Some(stamp)
+    }
+
+    /// The first (in key order) message not received.
+    fn first_unreceived(&self) -> Option<MessageKey> {
+        self.first.keys().min().copied()
+    }
+}
+
 /// Runs every program against the others: each round, each program runs until it blocks
 /// on a receive. Returns the number of rounds; fails on a deadlock, a peer that is not a
 /// program, a message never received, or whatever `observer` rejects.
@@ -32,80 +77,107 @@ pub(crate) fn interpret<O: Observer>(
     programs: &[Vec<Instruction>],
     observer: &mut O,
 ) -> Result<usize, ScheduleError> {
-    let n = programs.len();
-    let mut next = vec![0usize; n];
-    let mut mailbox: HashMap<MessageKey, VecDeque<O::Stamp>> = HashMap::new();
+    let mut run = Run {
+        programs,
+        next: vec![0; programs.len()],
+        mailbox: Mailbox::new(),
+        observer,
+    };
     let mut rounds = 0;
     loop {
         rounds += 1;
         let mut progressed = false;
-        for (program, instructions) in programs.iter().enumerate() {
-            while let Some(&instruction) = instructions.get(next[program]) {
-                let ran = match instruction {
-                    Instruction::Compute { pass, piece } => {
-                        observer.compute(program, pass, piece)?;
-                        true
-                    }
-                    Instruction::Send(message) => {
-                        if message.peer >= n {
-                            return Err(ScheduleError::UnknownPeer {
-                                program,
-                                peer: message.peer,
-                            });
-                        }
-                        let stamp = observer.send(program, message)?;
-                        let key = (program, message.peer, message.payload, message.piece);
-                        mailbox.entry(key).or_default().push_back(stamp);
-                        true
-                    }
-                    Instruction::Recv(message) => {
-                        let key = (message.peer, program, message.payload, message.piece);
-                        match mailbox.get_mut(&key).and_then(VecDeque::pop_front) {
-                            Some(stamp) => {
-                                observer.receive(program, stamp);
-                                true
-                            }
-                            None => false,
-                        }
-                    }
-                };
-                if !ran {
-                    break;
-                }
-                next[program] += 1;
-                progressed = true;
-            }
+        for program in 0..programs.len() {
+            progressed |= run.until_blocked(program)?;
         }
-        if next.iter().zip(programs).all(|(&at, p)| at == p.len()) {
-            break;
+        if run.finished() {
+            return run.all_received().map(|()| rounds);
         }
         if !progressed {
-            return Err(ScheduleError::Deadlock {
-                waiting: (0..n)
-                    .filter(|&p| next[p] < programs[p].len())
-                    .take(4)
-                    .map(|p| Waiting {
-                        program: p,
-                        step: next[p],
-                        instruction: programs[p][next[p]],
-                    })
-                    .collect(),
-            });
+            return Err(run.deadlock());
         }
     }
-    let mut unreceived: Vec<&MessageKey> = mailbox
-        .iter()
-        .filter(|(_, stamps)| !stamps.is_empty())
-        .map(|(key, _)| key)
-        .collect();
-    unreceived.sort();
-    match unreceived.first() {
-        Some(&&(from, to, payload, piece)) => Err(ScheduleError::Unreceived {
-            from,
-            to,
-            payload,
-            piece,
-        }),
-        None => Ok(rounds),
+}
+
+/// The state of one run: where each program is, and the messages in flight.
+struct Run<'a, O: Observer> {
+    programs: &'a [Vec<Instruction>],
+    next: Vec<usize>,
+    mailbox: Mailbox<O::Stamp>,
+    observer: &'a mut O,
+}
+
+impl<O: Observer> Run<'_, O> {
+    /// Runs `program` until it ends or waits for a message; whether it moved.
+    fn until_blocked(&mut self, program: usize) -> Result<bool, ScheduleError> {
+        let mut moved = false;
+        while let Some(&instruction) = self.programs[program].get(self.next[program]) {
+            if !self.step(program, instruction)? {
+                break;
+            }
+            self.next[program] += 1;
+            moved = true;
+        }
+        Ok(moved)
+    }
+
+    /// Runs one instruction; `false` when it is a receive whose message is not there.
+    fn step(&mut self, program: usize, instruction: Instruction) -> Result<bool, ScheduleError> {
+        match instruction {
+            Instruction::Compute { pass, piece } => self.observer.compute(program, pass, piece)?,
+            Instruction::Send(message) => {
+                if message.peer >= self.programs.len() {
+                    return Err(ScheduleError::UnknownPeer {
+                        program,
+                        peer: message.peer,
+                    });
+                }
+                let stamp = self.observer.send(program, message)?;
+                let key = (program, message.peer, message.payload, message.piece);
+                self.mailbox.post(key, stamp);
+            }
+            Instruction::Recv(message) => {
+                let key = (message.peer, program, message.payload, message.piece);
+                match self.mailbox.take(&key) {
+                    Some(stamp) => self.observer.receive(program, stamp),
+                    None => return Ok(false),
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    fn finished(&self) -> bool {
+        self.next
+            .iter()
+            .zip(self.programs)
+            .all(|(&at, p)| at == p.len())
+    }
+
+    /// The first few programs still waiting, and where.
+    fn deadlock(&self) -> ScheduleError {
+        let waiting = (0..self.programs.len())
+            .filter(|&p| self.next[p] < self.programs[p].len())
+            .take(4)
+            .map(|p| Waiting {
+                program: p,
+                step: self.next[p],
+                instruction: self.programs[p][self.next[p]],
+            })
+            .collect();
+        ScheduleError::Deadlock { waiting }
+    }
+
+    /// Fails on the first (in key order) message sent but never received.
+    fn all_received(&self) -> Result<(), ScheduleError> {
+        match self.mailbox.first_unreceived() {
+            Some((from, to, payload, piece)) => Err(ScheduleError::Unreceived {
+                from,
+                to,
+                payload,
+                piece,
+            }),
+            None => Ok(()),
+        }
     }
 }
