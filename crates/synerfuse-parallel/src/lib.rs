@@ -4,6 +4,7 @@
 mod batch;
 pub mod cluster;
 pub mod cost;
+mod general;
 mod plan;
 pub mod planner;
 mod schedule;
@@ -12,6 +13,7 @@ mod stage;
 mod topology;
 
 pub use batch::{BatchError, ReplicaBatch, ReplicaBatches};
+pub use general::{GeneralPlan, GeneralPlanError, GradientSegment, ReplicaPipeline};
 pub use plan::{
     DeviceRequest, ParallelPlan, PlanError, PlanFlags, RankPlacement, TopologySpec, UnknownDevice,
 };

@@ -1,0 +1,567 @@
+//! The general plan: each data-parallel replica its own pipeline (its own stages, layer
+//! split, micro-batch size and count, and devices), with Megatron's grid as the special
+//! case, and the gradient segments such a plan reduces.
+//!
+//! Ranks are numbered replica by replica, stage by stage, unless a grid plan brought its
+//! own rank order (`from_grid` keeps it, so a converted grid runs on the same ranks).
+
+use crate::{
+    DeviceRequest, GroupKind, LayoutError, ParallelPlan, PlanError, RankPlacement, ReplicaBatch,
+    ReplicaBatches, StageLayout,
+};
+use serde::{Deserialize, Serialize};
+use std::ops::Range;
+
+/// One replica: a pipeline of stages with its own batch and ranks.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplicaPipeline {
+    /// Layers per stage (and virtual chunk).
+    pub stages: StageLayout,
+    /// Micro-batch size and count.
+    pub batch: ReplicaBatch,
+    /// The global rank of each stage, in stage order.
+    pub ranks: Vec<usize>,
+    /// Where each stage's rank computes, in stage order (empty: the run's default device).
+    pub placements: Vec<RankPlacement>,
+}
+
+/// A general plan that cannot be built.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum GeneralPlanError {
+    /// No replica.
+    #[error("a plan needs at least one replica")]
+    NoReplicas,
+    /// A replica's stages that do not hold the model's layers.
+    #[error("replica {replica}: {source}")]
+    Layout {
+        /// The replica.
+        replica: usize,
+        /// Why its layout is refused.
+        source: LayoutError,
+    },
+    /// A replica without samples.
+    #[error("replica {replica}: micro-batch size {micro_batch_size} × {num_micro_batches} micro-batches; both must be at least 1")]
+    EmptyBatch {
+        /// The replica.
+        replica: usize,
+        /// Its micro-batch size.
+        micro_batch_size: usize,
+        /// Its micro-batch count.
+        num_micro_batches: usize,
+    },
+    /// A replica whose rank or placement list is not one per stage.
+    #[error("replica {replica}: {given} {what} for {stages} stages")]
+    PerStage {
+        /// The replica.
+        replica: usize,
+        /// `ranks`, `devices` or `speeds`.
+        what: &'static str,
+        /// Entries given.
+        given: usize,
+        /// Its stages.
+        stages: usize,
+    },
+    /// Ranks that are not each of 0..world size exactly once.
+    #[error("the stages' ranks are not 0..{world_size} each once (rank {rank} is {problem})")]
+    Ranks {
+        /// Stages over all replicas.
+        world_size: usize,
+        /// The offending rank.
+        rank: usize,
+        /// `repeated` or `out of range`.
+        problem: &'static str,
+    },
+    /// A global batch size that differs from the replicas' sum.
+    #[error("the replicas take {actual} samples per step but the global batch size is {expected}")]
+    GlobalBatch {
+        /// The global batch size asked for.
+        expected: usize,
+        /// Σ micro-batch size × count.
+        actual: usize,
+    },
+    /// A grid this plan cannot express yet (tensor, context or expert parallelism).
+    #[error("tensor, context and expert parallel sizes must be 1 in a general plan (got {tp}, {cp}, {ep})")]
+    Unsupported {
+        /// Tensor-parallel size.
+        tp: usize,
+        /// Context-parallel size.
+        cp: usize,
+        /// Expert-parallel size.
+        ep: usize,
+    },
+    /// The grid it came from is inconsistent.
+    #[error(transparent)]
+    Grid(#[from] PlanError),
+    /// TOML that does not parse as a plan.
+    #[error("plan TOML: {0}")]
+    Toml(String),
+    /// A device name that is not one.
+    #[error("replica {replica}: {source}")]
+    Device {
+        /// The replica.
+        replica: usize,
+        /// Why.
+        source: crate::UnknownDevice,
+    },
+}
+
+/// Each data-parallel replica its own pipeline.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GeneralPlan {
+    replicas: Vec<ReplicaPipeline>,
+}
+
+impl GeneralPlan {
+    /// A plan of `replicas`, checked: at least one, every replica with stages that hold
+    /// the same number of layers, samples, one rank (and placement, if any) per stage,
+    /// and the ranks 0..N each once.
+    pub fn new(replicas: Vec<ReplicaPipeline>) -> Result<Self, GeneralPlanError> {
+        let first = replicas.first().ok_or(GeneralPlanError::NoReplicas)?;
+        let num_layers = first.stages.num_layers();
+        for (r, replica) in replicas.iter().enumerate() {
+            check_replica(r, replica, num_layers)?;
+        }
+        let plan = GeneralPlan { replicas };
+        plan.check_ranks()?;
+        Ok(plan)
+    }
+
+    fn check_ranks(&self) -> Result<(), GeneralPlanError> {
+        let world_size = self.world_size();
+        let mut seen = vec![false; world_size];
+        for &rank in self.replicas.iter().flat_map(|r| &r.ranks) {
+            let problem = match seen.get_mut(rank) {
+                None => "out of range",
+                Some(true) => "repeated",
+                Some(slot) => {
+                    *slot = true;
+                    continue;
+                }
+            };
+            return Err(GeneralPlanError::Ranks {
+                world_size,
+                rank,
+                problem,
+            });
+        }
+        Ok(())
+    }
+
+    /// The replicas, in replica (and sample) order.
+    pub fn replicas(&self) -> &[ReplicaPipeline] {
+        &self.replicas
+    }
+
+    /// Ranks over all replicas.
+    pub fn world_size(&self) -> usize {
+        self.replicas.iter().map(|r| r.stages.num_stages()).sum()
+    }
+
+    /// Decoder layers of the model.
+    pub fn num_layers(&self) -> usize {
+        self.replicas[0].stages.num_layers()
+    }
+
+    /// Micro-batch size and count per replica (which samples each takes).
+    pub fn batches(&self) -> ReplicaBatches {
+        ReplicaBatches::new(self.replicas.iter().map(|r| r.batch).collect())
+            .expect("replica batches checked in GeneralPlan::new")
+    }
+
+    /// (replica, stage) of `rank`.
+    pub fn position(&self, rank: usize) -> Option<(usize, usize)> {
+        self.replicas.iter().enumerate().find_map(|(r, replica)| {
+            let stage = replica.ranks.iter().position(|&x| x == rank)?;
+            Some((r, stage))
+        })
+    }
+
+    /// The general form of a grid plan (tensor, context and expert sizes 1), on the
+    /// grid's own ranks.
+    pub fn from_grid(plan: &ParallelPlan) -> Result<Self, GeneralPlanError> {
+        let t = &plan.topology;
+        if t.tp != 1 || t.cp != 1 || t.ep != 1 {
+            return Err(GeneralPlanError::Unsupported {
+                tp: t.tp,
+                cp: t.cp,
+                ep: t.ep,
+            });
+        }
+        let topology = plan.topology()?;
+        let mut pipelines = topology.groups(GroupKind::Pp);
+        pipelines.sort_by_key(|ranks| topology.coordinates(ranks[0]).map_or(usize::MAX, |c| c.dp));
+        let replicas = pipelines
+            .into_iter()
+            .zip(plan.batches.replicas())
+            .map(|(ranks, &batch)| ReplicaPipeline {
+                stages: plan.stages.clone(),
+                batch,
+                placements: ranks
+                    .iter()
+                    .filter_map(|&rank| plan.ranks.get(rank).cloned())
+                    .collect(),
+                ranks,
+            })
+            .collect();
+        Self::new(replicas)
+    }
+
+    /// The gradient segments: the model's pieces (embedding, layers, head) cut at the
+    /// union of every replica's chunk boundaries; each segment is held by one rank per
+    /// replica and reduced over exactly those. In model order, which is the one global
+    /// order every rank reduces in.
+    pub fn segments(&self) -> Vec<GradientSegment> {
+        let pieces = self.num_layers() + 2;
+        let mut cuts = vec![0, pieces];
+        for replica in &self.replicas {
+            for (_, range) in chunk_pieces(&replica.stages) {
+                cuts.extend([range.start, range.end]);
+            }
+        }
+        cuts.sort_unstable();
+        cuts.dedup();
+        cuts.windows(2)
+            .map(|w| GradientSegment {
+                pieces: w[0]..w[1],
+                holders: self
+                    .replicas
+                    .iter()
+                    .map(|replica| {
+                        let stage = chunk_pieces(&replica.stages)
+                            .into_iter()
+                            .find(|(_, range)| range.contains(&w[0]))
+                            .map(|(stage, _)| stage)
+                            .expect("the chunks cover every piece");
+                        replica.ranks[stage]
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+}
+
+/// (stage, model pieces) of every chunk of `stages`, where piece 0 is the embedding,
+/// pieces 1..=L the layers and L + 1 the head: the first chunk of stage 0 also holds the
+/// embedding, the last chunk of the last stage the head.
+fn chunk_pieces(stages: &StageLayout) -> Vec<(usize, Range<usize>)> {
+    let last_stage = stages.num_stages() - 1;
+    let last_chunk = stages.num_chunks() - 1;
+    let mut out = Vec::new();
+    for chunk in 0..stages.num_chunks() {
+        for stage in 0..stages.num_stages() {
+            let layers = stages
+                .chunk_range(stage, chunk)
+                .expect("stage and chunk within the layout");
+            let start = if stage == 0 && chunk == 0 {
+                0
+            } else {
+                layers.start + 1
+            };
+            let end = if stage == last_stage && chunk == last_chunk {
+                layers.end + 2
+            } else {
+                layers.end + 1
+            };
+            out.push((stage, start..end));
+        }
+    }
+    out
+}
+
+fn check_replica(
+    replica: usize,
+    pipeline: &ReplicaPipeline,
+    num_layers: usize,
+) -> Result<(), GeneralPlanError> {
+    if pipeline.stages.num_layers() != num_layers {
+        return Err(GeneralPlanError::Layout {
+            replica,
+            source: LayoutError::LayerSumMismatch {
+                expected: num_layers,
+                actual: pipeline.stages.num_layers(),
+            },
+        });
+    }
+    let b = pipeline.batch;
+    if b.micro_batch_size == 0 || b.num_micro_batches == 0 {
+        return Err(GeneralPlanError::EmptyBatch {
+            replica,
+            micro_batch_size: b.micro_batch_size,
+            num_micro_batches: b.num_micro_batches,
+        });
+    }
+    let stages = pipeline.stages.num_stages();
+    for (what, given) in [
+        ("ranks", pipeline.ranks.len()),
+        ("placements", pipeline.placements.len()),
+    ] {
+        if given != stages && !(what == "placements" && given == 0) {
+            return Err(GeneralPlanError::PerStage {
+                replica,
+                what,
+                given,
+                stages,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A contiguous run of model pieces (0 = embedding, 1..=L layers, L + 1 = head) that
+/// the same rank of every replica holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GradientSegment {
+    /// The pieces.
+    pub pieces: Range<usize>,
+    /// The rank of each replica that holds them, in replica order.
+    pub holders: Vec<usize>,
+}
+
+/// One `[[replica]]` of the file form.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReplicaFile {
+    layers: Vec<usize>,
+    micro_batch_size: usize,
+    num_micro_batches: usize,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    devices: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    speeds: Vec<f64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PlanFile {
+    replica: Vec<ReplicaFile>,
+}
+
+impl GeneralPlan {
+    /// A plan from its file form (`[[replica]]` tables), ranks numbered replica by
+    /// replica, stage by stage; `global_batch_size`, when given, must be the replicas'
+    /// sum.
+    pub fn from_toml(
+        text: &str,
+        global_batch_size: Option<usize>,
+    ) -> Result<Self, GeneralPlanError> {
+        let file: PlanFile =
+            toml::from_str(text).map_err(|e| GeneralPlanError::Toml(e.to_string()))?;
+        let num_layers = file.replica.first().map_or(0, |r| r.layers.iter().sum());
+        let mut next_rank = 0;
+        let mut replicas = Vec::with_capacity(file.replica.len());
+        for (r, replica) in file.replica.into_iter().enumerate() {
+            let stages = replica.layers.len();
+            let layout = StageLayout::new(replica.layers, num_layers)
+                .map_err(|source| GeneralPlanError::Layout { replica: r, source })?;
+            let placements = placements(r, stages, &replica.devices, &replica.speeds)?;
+            replicas.push(ReplicaPipeline {
+                stages: layout,
+                batch: ReplicaBatch {
+                    micro_batch_size: replica.micro_batch_size,
+                    num_micro_batches: replica.num_micro_batches,
+                },
+                ranks: (next_rank..next_rank + stages).collect(),
+                placements,
+            });
+            next_rank += stages;
+        }
+        let plan = Self::new(replicas)?;
+        let actual = plan.batches().global_batch_size();
+        match global_batch_size {
+            Some(expected) if expected != actual => {
+                Err(GeneralPlanError::GlobalBatch { expected, actual })
+            }
+            _ => Ok(plan),
+        }
+    }
+}
+
+/// Placements of a replica's file form: devices and speeds, each empty or one per stage.
+fn placements(
+    replica: usize,
+    stages: usize,
+    devices: &[String],
+    speeds: &[f64],
+) -> Result<Vec<RankPlacement>, GeneralPlanError> {
+    for (what, given) in [("devices", devices.len()), ("speeds", speeds.len())] {
+        if given != 0 && given != stages {
+            return Err(GeneralPlanError::PerStage {
+                replica,
+                what,
+                given,
+                stages,
+            });
+        }
+    }
+    if devices.is_empty() && speeds.is_empty() {
+        return Ok(Vec::new());
+    }
+    (0..stages)
+        .map(|s| {
+            let device = match devices.get(s) {
+                Some(name) => name
+                    .parse()
+                    .map_err(|source| GeneralPlanError::Device { replica, source })?,
+                None => DeviceRequest::Auto,
+            };
+            Ok(RankPlacement {
+                device,
+                speed: speeds.get(s).copied(),
+                kind: None,
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const ASYMMETRIC: &str = r#"
+[[replica]]
+layers = [6]
+micro_batch_size = 2
+num_micro_batches = 1
+
+[[replica]]
+layers = [4, 2]
+micro_batch_size = 1
+num_micro_batches = 2
+devices = ["cpu", "cpu"]
+speeds = [1.0, 0.5]
+"#;
+
+    #[test]
+    fn the_file_form_numbers_ranks_replica_by_replica() {
+        let plan = GeneralPlan::from_toml(ASYMMETRIC, Some(4)).unwrap();
+        assert_eq!(plan.world_size(), 3);
+        assert_eq!(plan.position(0), Some((0, 0)));
+        assert_eq!(plan.position(2), Some((1, 1)));
+        assert_eq!(plan.batches().global_batch_size(), 4);
+        assert_eq!(plan.replicas()[1].placements[1].speed, Some(0.5));
+        assert_eq!(
+            GeneralPlan::from_toml(ASYMMETRIC, Some(5)),
+            Err(GeneralPlanError::GlobalBatch {
+                expected: 5,
+                actual: 4
+            })
+        );
+        // Segments: embedding + layers 0..4 on ranks (0, 1); layers 4..6 + head on (0, 2).
+        let segments = plan.segments();
+        assert_eq!(
+            segments,
+            [
+                GradientSegment {
+                    pieces: 0..5,
+                    holders: vec![0, 1]
+                },
+                GradientSegment {
+                    pieces: 5..8,
+                    holders: vec![0, 2]
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn bad_files_name_the_replica() {
+        let uneven = ASYMMETRIC.replace("layers = [4, 2]", "layers = [4, 3]");
+        assert!(matches!(
+            GeneralPlan::from_toml(&uneven, None),
+            Err(GeneralPlanError::Layout { replica: 1, .. })
+        ));
+        let empty = ASYMMETRIC.replace("num_micro_batches = 2", "num_micro_batches = 0");
+        assert!(matches!(
+            GeneralPlan::from_toml(&empty, None),
+            Err(GeneralPlanError::EmptyBatch { replica: 1, .. })
+        ));
+        let devices = ASYMMETRIC.replace(r#"devices = ["cpu", "cpu"]"#, r#"devices = ["cpu"]"#);
+        assert!(matches!(
+            GeneralPlan::from_toml(&devices, None),
+            Err(GeneralPlanError::PerStage {
+                replica: 1,
+                what: "devices",
+                ..
+            })
+        ));
+        assert!(matches!(
+            GeneralPlan::from_toml("replica = []", None),
+            Err(GeneralPlanError::NoReplicas)
+        ));
+    }
+
+    #[test]
+    fn a_grid_keeps_its_ranks() {
+        let grid = ParallelPlan::from_synerfuse_args(
+            &[
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers",
+                "4",
+                "--micro-batch-size",
+                "1",
+            ],
+            4,
+        )
+        .unwrap();
+        let plan = GeneralPlan::from_grid(&grid).unwrap();
+        let topology = grid.topology().unwrap();
+        for rank in 0..4 {
+            let c = topology.coordinates(rank).unwrap();
+            assert_eq!(plan.position(rank), Some((c.dp, c.pp)));
+        }
+        // A grid's segments are its stages, held by the same stage of every replica.
+        assert_eq!(plan.segments().len(), 2);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(128))]
+
+        /// Random asymmetric plans: the segments partition the model, each is held by
+        /// exactly one rank per replica, and that rank's stage holds the whole segment.
+        #[test]
+        fn segments_partition_the_model_and_are_held_once_per_replica(
+            layers in 1usize..12,
+            cuts in prop::collection::vec(prop::collection::vec(any::<prop::sample::Index>(), 0..4), 1..4),
+        ) {
+            let replicas: Vec<ReplicaPipeline> = {
+                let mut next = 0;
+                cuts.iter().map(|c| {
+                    let mut points: Vec<usize> = c.iter().map(|i| 1 + i.index(layers)).filter(|&p| p < layers).collect();
+                    points.sort_unstable();
+                    points.dedup();
+                    let bounds: Vec<usize> = std::iter::once(0).chain(points).chain(std::iter::once(layers)).collect();
+                    let per_stage: Vec<usize> = bounds.windows(2).map(|w| w[1] - w[0]).collect();
+                    let stages = per_stage.len();
+                    let replica = ReplicaPipeline {
+                        stages: StageLayout::new(per_stage, layers).unwrap(),
+                        batch: ReplicaBatch { micro_batch_size: 1, num_micro_batches: 1 },
+                        ranks: (next..next + stages).collect(),
+                        placements: Vec::new(),
+                    };
+                    next += stages;
+                    replica
+                }).collect()
+            };
+            let plan = GeneralPlan::new(replicas).unwrap();
+            let segments = plan.segments();
+            prop_assert_eq!(segments.first().map(|s| s.pieces.start), Some(0));
+            prop_assert_eq!(segments.last().map(|s| s.pieces.end), Some(layers + 2));
+            for w in segments.windows(2) {
+                prop_assert_eq!(w[0].pieces.end, w[1].pieces.start);
+            }
+            for segment in &segments {
+                prop_assert_eq!(segment.holders.len(), plan.replicas().len());
+                for (r, &rank) in segment.holders.iter().enumerate() {
+                    let (replica, stage) = plan.position(rank).unwrap();
+                    prop_assert_eq!(replica, r);
+                    let held = chunk_pieces(&plan.replicas()[r].stages)
+                        .into_iter()
+                        .any(|(s, range)| s == stage && range.start <= segment.pieces.start && segment.pieces.end <= range.end);
+                    prop_assert!(held, "segment {:?} not within rank {}'s stage", segment.pieces, rank);
+                }
+            }
+        }
+    }
+}
