@@ -11,7 +11,7 @@ use synerfuse_data::gpt::{DataSources, SampleOptions};
 use synerfuse_data::tokenizer::Tokenizer;
 use synerfuse_model::{DeviceRequest, LlamaConfig, MegatronModelArgs};
 use synerfuse_parallel::{
-    BatchError, LayoutError, ParallelPlan, PlanError, PlanFlags, ScheduleKind,
+    BatchError, GeneralPlan, LayoutError, ParallelPlan, PlanError, PlanFlags, ScheduleKind,
 };
 use synerfuse_train::comm::{
     launcher_local_rank, launcher_rank, relaunch_under_mpirun, watchdog, MpiCommunicator,
@@ -345,12 +345,7 @@ impl TrainArgs {
         };
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let plan = if path.extension().is_some_and(|e| e == "json") {
-            ParallelPlan::from_json(&text)
-        } else {
-            ParallelPlan::from_toml(&text)
-        }
-        .with_context(|| format!("plan {}", path.display()))?;
+        let plan = read_plan(path, &text)?;
         let conflicting = self.flags_set_by_a_plan();
         if !conflicting.is_empty() {
             bail!(
@@ -694,6 +689,31 @@ fn log_run(config: &TrainConfig, world_size: usize, threads: usize) {
             .collect::<Vec<_>>()
     );
     tracing::info!("equivalent flags: {}", plan.to_synerfuse_args().join(" "));
+}
+
+/// A plan file: JSON or TOML of a grid plan, or the `[[replica]]` form (each replica its
+/// own pipeline), which trains today when its replicas form a grid.
+fn read_plan(path: &std::path::Path, text: &str) -> Result<ParallelPlan> {
+    let context = || format!("plan {}", path.display());
+    if path.extension().is_some_and(|e| e == "json") {
+        return ParallelPlan::from_json(text).with_context(context);
+    }
+    if !text.lines().any(|l| l.trim() == "[[replica]]") {
+        return ParallelPlan::from_toml(text).with_context(context);
+    }
+    let general = GeneralPlan::from_toml(text, None).with_context(context)?;
+    general.to_grid().with_context(|| {
+        format!(
+            "plan {}: its replicas have different pipelines (layers per stage {:?}); training \
+             such a plan is not implemented yet, only replicas of one shape",
+            path.display(),
+            general
+                .replicas()
+                .iter()
+                .map(|r| r.stages.layers())
+                .collect::<Vec<_>>()
+        )
+    })
 }
 
 /// A plan error with the flags behind it (errors of the flag syntax name their flag).

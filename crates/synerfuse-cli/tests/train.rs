@@ -259,7 +259,15 @@ fn every_plan_matches_a_single_rank() {
     let (ref_losses, ref_params) = run(dir.path(), &data, "single", &["--micro-batch-size", "1"]);
     assert_eq!(ref_losses.len(), 6);
     assert!(ref_losses.iter().all(|l| l.is_finite()));
-    let cases: [(&str, &[&str]); 8] = [
+    // The `[[replica]]` plan file (each replica its own pipeline) with two equal replicas.
+    let replicas = dir.path().join("replicas.toml");
+    std::fs::write(
+        &replicas,
+        "[[replica]]\nlayers = [4]\nmicro_batch_size = 1\nnum_micro_batches = 3\n".repeat(2),
+    )
+    .unwrap();
+    let replicas = replicas.to_str().unwrap();
+    let cases: [(&str, &[&str]); 9] = [
         (
             "PP 2, layers [1,3], 1F1B, mbs 2 x 3",
             &[
@@ -399,6 +407,10 @@ fn every_plan_matches_a_single_rank() {
                 "--num-workers",
                 "0",
             ],
+        ),
+        (
+            "DP 2 from a [[replica]] plan file, mbs 1 x 3 each",
+            &["--nproc", "2", "--plan", replicas],
         ),
     ];
     let mut table = String::from("| plan | max rel. loss diff | max param diff |\n|---|---|---|\n");
@@ -565,7 +577,20 @@ fn a_rank_dying_mid_step_ends_the_job() {
 fn contradictory_flags_are_named() {
     let dir = tempfile::tempdir().unwrap();
     let data = dataset(dir.path());
+    // Replicas of different pipelines: a valid plan the trainer does not run yet.
+    let asymmetric = dir.path().join("asymmetric.toml");
+    std::fs::write(
+        &asymmetric,
+        "[[replica]]\nlayers = [4]\nmicro_batch_size = 3\nnum_micro_batches = 1\n\
+         [[replica]]\nlayers = [3, 1]\nmicro_batch_size = 1\nnum_micro_batches = 3\n",
+    )
+    .unwrap();
+    let asymmetric = asymmetric.to_str().unwrap();
     for (flags, expected) in [
+        (
+            vec!["--nproc", "3", "--plan", asymmetric],
+            "its replicas have different pipelines (layers per stage [[4], [3, 1]])",
+        ),
         (
             vec![
                 "--tensor-model-parallel-size",

@@ -7,7 +7,7 @@
 
 use crate::{
     DeviceRequest, GroupKind, LayoutError, ParallelPlan, PlanError, RankPlacement, ReplicaBatch,
-    ReplicaBatches, StageLayout,
+    ReplicaBatches, StageLayout, TopologySpec, DEFAULT_ORDER, TP_PP_DP_ORDER,
 };
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
@@ -204,6 +204,42 @@ impl GeneralPlan {
             })
             .collect();
         Self::new(replicas)
+    }
+
+    /// The grid this plan is, when every replica has the same stages and the ranks follow
+    /// one of Megatron's orders (tp-pp-dp: replica by replica, or the default: stage by
+    /// stage); `None` for a plan only the general form expresses.
+    pub fn to_grid(&self) -> Option<ParallelPlan> {
+        let stages = &self.replicas[0].stages;
+        if self.replicas.iter().any(|r| &r.stages != stages) {
+            return None;
+        }
+        let mut placements = vec![None; self.world_size()];
+        for replica in &self.replicas {
+            for (&rank, placement) in replica.ranks.iter().zip(&replica.placements) {
+                placements[rank] = Some(placement.clone());
+            }
+        }
+        let ranks: Vec<RankPlacement> = match placements.iter().all(Option::is_some) {
+            true => placements.into_iter().flatten().collect(),
+            false if placements.iter().all(Option::is_none) => Vec::new(),
+            false => return None,
+        };
+        [TP_PP_DP_ORDER, DEFAULT_ORDER]
+            .into_iter()
+            .find_map(|order| {
+                let spec = TopologySpec {
+                    world_size: self.world_size(),
+                    tp: 1,
+                    pp: stages.num_stages(),
+                    cp: 1,
+                    ep: 1,
+                    order: order.to_owned(),
+                };
+                let grid =
+                    ParallelPlan::new(spec, stages.clone(), self.batches(), ranks.clone()).ok()?;
+                (GeneralPlan::from_grid(&grid).ok()? == *self).then_some(grid)
+            })
     }
 
     /// The gradient segments: the model's pieces (embedding, layers, head) cut at the
@@ -513,6 +549,26 @@ speeds = [1.0, 0.5]
         }
         // A grid's segments are its stages, held by the same stage of every replica.
         assert_eq!(plan.segments().len(), 2);
+        // And it converts back, in its own rank order.
+        assert_eq!(plan.to_grid(), Some(grid));
+    }
+
+    #[test]
+    fn a_file_of_equal_replicas_is_a_tp_pp_dp_grid() {
+        let text =
+            "[[replica]]\nlayers = [2, 2]\nmicro_batch_size = 1\nnum_micro_batches = 2\n".repeat(2);
+        let grid = GeneralPlan::from_toml(&text, None)
+            .unwrap()
+            .to_grid()
+            .unwrap();
+        assert_eq!(grid.topology.order, TP_PP_DP_ORDER);
+        assert_eq!(grid.stages.layers(), [2, 2]);
+        assert_eq!(grid.batches.global_batch_size(), 4);
+        // Replicas of different shapes are no grid.
+        assert_eq!(
+            GeneralPlan::from_toml(ASYMMETRIC, None).unwrap().to_grid(),
+            None
+        );
     }
 
     proptest! {
