@@ -180,7 +180,7 @@ impl GeneralPlan {
     /// grid's own ranks.
     pub fn from_grid(plan: &ParallelPlan) -> Result<Self, GeneralPlanError> {
         let t = &plan.topology;
-        if t.tp != 1 || t.cp != 1 || t.ep != 1 {
+        if !t.is_pipeline_and_data_only() {
             return Err(GeneralPlanError::Unsupported {
                 tp: t.tp,
                 cp: t.cp,

@@ -110,7 +110,7 @@ fn check_plan(config: &TrainConfig, world_size: usize) -> Result<Topology, Train
         });
     }
     let t = &plan.topology;
-    if t.tp != 1 || t.cp != 1 || t.ep != 1 {
+    if !t.is_pipeline_and_data_only() {
         return Err(TrainError::UnsupportedParallelism {
             tp: t.tp,
             cp: t.cp,
