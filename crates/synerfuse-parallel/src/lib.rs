@@ -13,7 +13,10 @@ mod stage;
 mod topology;
 
 pub use batch::{BatchError, ReplicaBatch, ReplicaBatches};
-pub use general::{GeneralPlan, GeneralPlanError, GradientSegment, ReplicaPipeline};
+pub use general::{
+    GeneralPlan, GeneralPlanError, GradientReduction, GradientSegment, ReducedParameters,
+    ReplicaPipeline,
+};
 pub use plan::{
     DeviceRequest, ParallelPlan, PlanError, PlanFlags, RankPlacement, TopologySpec, UnknownDevice,
 };

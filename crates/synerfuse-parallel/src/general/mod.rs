@@ -6,11 +6,15 @@
 //! own rank order (`from_grid` keeps it, so a converted grid runs on the same ranks).
 
 use crate::{
-    DeviceRequest, GroupKind, LayoutError, ParallelPlan, PlanError, RankPlacement, ReplicaBatch,
-    ReplicaBatches, StageLayout, TopologySpec, DEFAULT_ORDER, TP_PP_DP_ORDER,
+    pipeline_schedule, GroupKind, Instruction, LayoutError, ParallelPlan, PlanError, RankPlacement,
+    ReplicaBatch, ReplicaBatches, ScheduleError, ScheduleKind, StageLayout, TopologySpec,
+    DEFAULT_ORDER, TP_PP_DP_ORDER,
 };
-use serde::{Deserialize, Serialize};
-use std::ops::Range;
+
+mod file;
+mod reduce;
+
+pub use reduce::{GradientReduction, GradientSegment, ReducedParameters};
 
 /// One replica: a pipeline of stages with its own batch and ranks.
 #[derive(Debug, Clone, PartialEq)]
@@ -103,6 +107,28 @@ pub enum GeneralPlanError {
         /// Why.
         source: crate::UnknownDevice,
     },
+    /// An emulated speed that is not a positive number.
+    #[error("replica {replica}: speed {speed} must be a positive number")]
+    Speed {
+        /// The replica.
+        replica: usize,
+        /// The speed.
+        speed: f64,
+    },
+    /// `ranks` given for some replicas of a file but not all.
+    #[error("replica {replica} has no `ranks` but other replicas do: give them for every replica or none")]
+    PartialRanks {
+        /// The first replica without them.
+        replica: usize,
+    },
+    /// A replica whose pipeline cannot run the schedule.
+    #[error("replica {replica}: {source}")]
+    Schedule {
+        /// The replica.
+        replica: usize,
+        /// Why.
+        source: ScheduleError,
+    },
 }
 
 /// Each data-parallel replica its own pipeline.
@@ -166,6 +192,46 @@ impl GeneralPlan {
     pub fn batches(&self) -> ReplicaBatches {
         ReplicaBatches::new(self.replicas.iter().map(|r| r.batch).collect())
             .expect("replica batches checked in GeneralPlan::new")
+    }
+
+    /// Where `rank` computes, when the plan says.
+    pub fn placement(&self, rank: usize) -> Option<&RankPlacement> {
+        let (replica, stage) = self.position(rank)?;
+        self.replicas[replica].placements.get(stage)
+    }
+
+    /// Each replica's ranks in stage order (its pipeline).
+    pub fn pipelines(&self) -> Vec<Vec<usize>> {
+        self.replicas.iter().map(|r| r.ranks.clone()).collect()
+    }
+
+    /// Every rank's program for one step (indexed by rank; peers are global ranks): each
+    /// replica runs `kind` over its own stages and micro-batches; a replica without
+    /// virtual chunks runs 1F1B where `kind` is interleaved, as Megatron does.
+    pub fn schedule(&self, kind: ScheduleKind) -> Result<Vec<Vec<Instruction>>, GeneralPlanError> {
+        let mut programs = vec![Vec::new(); self.world_size()];
+        for (r, replica) in self.replicas.iter().enumerate() {
+            let (stages, chunks) = (replica.stages.num_stages(), replica.stages.num_chunks());
+            let kind = match kind {
+                ScheduleKind::Interleaved if chunks == 1 => ScheduleKind::OneFOneB,
+                other => other,
+            };
+            let per_stage =
+                pipeline_schedule(kind, stages, chunks, replica.batch.num_micro_batches)
+                    .map_err(|source| GeneralPlanError::Schedule { replica: r, source })?;
+            for (stage, program) in per_stage.into_iter().enumerate() {
+                programs[replica.ranks[stage]] = program
+                    .into_iter()
+                    .map(|i| i.map_peer(|s| replica.ranks[s]))
+                    .collect();
+            }
+        }
+        Ok(programs)
+    }
+
+    /// Whether any replica has virtual chunks (an interleaved schedule's default).
+    pub fn has_chunks(&self) -> bool {
+        self.replicas.iter().any(|r| r.stages.num_chunks() > 1)
     }
 
     /// (replica, stage) of `rank`.
@@ -241,67 +307,6 @@ impl GeneralPlan {
                 (GeneralPlan::from_grid(&grid).ok()? == *self).then_some(grid)
             })
     }
-
-    /// The gradient segments: the model's pieces (embedding, layers, head) cut at the
-    /// union of every replica's chunk boundaries; each segment is held by one rank per
-    /// replica and reduced over exactly those. In model order, which is the one global
-    /// order every rank reduces in.
-    pub fn segments(&self) -> Vec<GradientSegment> {
-        let pieces = self.num_layers() + 2;
-        let mut cuts = vec![0, pieces];
-        for replica in &self.replicas {
-            for (_, range) in chunk_pieces(&replica.stages) {
-                cuts.extend([range.start, range.end]);
-            }
-        }
-        cuts.sort_unstable();
-        cuts.dedup();
-        cuts.windows(2)
-            .map(|w| GradientSegment {
-                pieces: w[0]..w[1],
-                holders: self
-                    .replicas
-                    .iter()
-                    .map(|replica| {
-                        let stage = chunk_pieces(&replica.stages)
-                            .into_iter()
-                            .find(|(_, range)| range.contains(&w[0]))
-                            .map(|(stage, _)| stage)
-                            .expect("the chunks cover every piece");
-                        replica.ranks[stage]
-                    })
-                    .collect(),
-            })
-            .collect()
-    }
-}
-
-/// (stage, model pieces) of every chunk of `stages`, where piece 0 is the embedding,
-/// pieces 1..=L the layers and L + 1 the head: the first chunk of stage 0 also holds the
-/// embedding, the last chunk of the last stage the head.
-fn chunk_pieces(stages: &StageLayout) -> Vec<(usize, Range<usize>)> {
-    let last_stage = stages.num_stages() - 1;
-    let last_chunk = stages.num_chunks() - 1;
-    let mut out = Vec::new();
-    for chunk in 0..stages.num_chunks() {
-        for stage in 0..stages.num_stages() {
-            let layers = stages
-                .chunk_range(stage, chunk)
-                .expect("stage and chunk within the layout");
-            let start = if stage == 0 && chunk == 0 {
-                0
-            } else {
-                layers.start + 1
-            };
-            let end = if stage == last_stage && chunk == last_chunk {
-                layers.end + 2
-            } else {
-                layers.end + 1
-            };
-            out.push((stage, start..end));
-        }
-    }
-    out
 }
 
 fn check_replica(
@@ -343,115 +348,10 @@ fn check_replica(
     Ok(())
 }
 
-/// A contiguous run of model pieces (0 = embedding, 1..=L layers, L + 1 = head) that
-/// the same rank of every replica holds.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GradientSegment {
-    /// The pieces.
-    pub pieces: Range<usize>,
-    /// The rank of each replica that holds them, in replica order.
-    pub holders: Vec<usize>,
-}
-
-/// One `[[replica]]` of the file form.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ReplicaFile {
-    layers: Vec<usize>,
-    micro_batch_size: usize,
-    num_micro_batches: usize,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    devices: Vec<String>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    speeds: Vec<f64>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct PlanFile {
-    replica: Vec<ReplicaFile>,
-}
-
-impl GeneralPlan {
-    /// A plan from its file form (`[[replica]]` tables), ranks numbered replica by
-    /// replica, stage by stage; `global_batch_size`, when given, must be the replicas'
-    /// sum.
-    pub fn from_toml(
-        text: &str,
-        global_batch_size: Option<usize>,
-    ) -> Result<Self, GeneralPlanError> {
-        let file: PlanFile =
-            toml::from_str(text).map_err(|e| GeneralPlanError::Toml(e.to_string()))?;
-        let num_layers = file.replica.first().map_or(0, |r| r.layers.iter().sum());
-        let mut next_rank = 0;
-        let mut replicas = Vec::with_capacity(file.replica.len());
-        for (r, replica) in file.replica.into_iter().enumerate() {
-            let stages = replica.layers.len();
-            let layout = StageLayout::new(replica.layers, num_layers)
-                .map_err(|source| GeneralPlanError::Layout { replica: r, source })?;
-            let placements = placements(r, stages, &replica.devices, &replica.speeds)?;
-            replicas.push(ReplicaPipeline {
-                stages: layout,
-                batch: ReplicaBatch {
-                    micro_batch_size: replica.micro_batch_size,
-                    num_micro_batches: replica.num_micro_batches,
-                },
-                ranks: (next_rank..next_rank + stages).collect(),
-                placements,
-            });
-            next_rank += stages;
-        }
-        let plan = Self::new(replicas)?;
-        let actual = plan.batches().global_batch_size();
-        match global_batch_size {
-            Some(expected) if expected != actual => {
-                Err(GeneralPlanError::GlobalBatch { expected, actual })
-            }
-            _ => Ok(plan),
-        }
-    }
-}
-
-/// Placements of a replica's file form: devices and speeds, each empty or one per stage.
-fn placements(
-    replica: usize,
-    stages: usize,
-    devices: &[String],
-    speeds: &[f64],
-) -> Result<Vec<RankPlacement>, GeneralPlanError> {
-    for (what, given) in [("devices", devices.len()), ("speeds", speeds.len())] {
-        if given != 0 && given != stages {
-            return Err(GeneralPlanError::PerStage {
-                replica,
-                what,
-                given,
-                stages,
-            });
-        }
-    }
-    if devices.is_empty() && speeds.is_empty() {
-        return Ok(Vec::new());
-    }
-    (0..stages)
-        .map(|s| {
-            let device = match devices.get(s) {
-                Some(name) => name
-                    .parse()
-                    .map_err(|source| GeneralPlanError::Device { replica, source })?,
-                None => DeviceRequest::Auto,
-            };
-            Ok(RankPlacement {
-                device,
-                speed: speeds.get(s).copied(),
-                kind: None,
-            })
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ScheduleKind;
     use proptest::prelude::*;
 
     const ASYMMETRIC: &str = r#"
@@ -571,6 +471,92 @@ speeds = [1.0, 0.5]
         );
     }
 
+    #[test]
+    fn the_file_form_round_trips_interleaving_ranks_and_kinds() {
+        let text = r#"
+[[replica]]
+layers = [[1, 1], [1, 1]]
+micro_batch_size = 1
+num_micro_batches = 4
+ranks = [2, 0]
+devices = ["cpu", "cuda:1"]
+kinds = ["cpu", "a100-80g"]
+
+[[replica]]
+layers = [4]
+micro_batch_size = 2
+num_micro_batches = 1
+ranks = [1]
+devices = ["cpu"]
+kinds = ["cpu"]
+"#;
+        let plan = GeneralPlan::from_toml(text, Some(6)).unwrap();
+        assert_eq!(plan.replicas()[0].stages.num_chunks(), 2);
+        assert_eq!(plan.position(0), Some((0, 1)));
+        assert_eq!(plan.placement(0).unwrap().kind.as_deref(), Some("a100-80g"));
+        let written = plan.to_toml().unwrap();
+        assert_eq!(GeneralPlan::from_toml(&written, None).unwrap(), plan);
+        // JSON too (checkpoints), and the grid form older checkpoints stored.
+        let json = serde_json::to_string(&plan).unwrap();
+        assert_eq!(serde_json::from_str::<GeneralPlan>(&json).unwrap(), plan);
+        let grid = ParallelPlan::from_synerfuse_args(
+            &[
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers",
+                "4",
+                "--micro-batch-size",
+                "1",
+            ],
+            4,
+        )
+        .unwrap();
+        let stored = serde_json::to_string(&grid).unwrap();
+        let general: GeneralPlan = serde_json::from_str(&stored).unwrap();
+        assert_eq!(general.to_grid(), Some(grid));
+        // `ranks` on some replicas only is refused by name.
+        let partial = text.replace("ranks = [1]\n", "");
+        assert_eq!(
+            GeneralPlan::from_toml(&partial, None),
+            Err(GeneralPlanError::PartialRanks { replica: 1 })
+        );
+    }
+
+    #[test]
+    fn each_replica_runs_its_own_schedule_and_reductions_follow_the_holders() {
+        let plan = GeneralPlan::from_toml(ASYMMETRIC, None).unwrap();
+        let programs = plan.schedule(ScheduleKind::Interleaved).unwrap();
+        assert_eq!(programs.len(), 3);
+        crate::check_schedule(&programs).unwrap();
+        // Replica 1's stages talk to each other only.
+        assert!(programs[0]
+            .iter()
+            .all(|i| !matches!(i, Instruction::Send(_))));
+        assert!(programs[1]
+            .iter()
+            .any(|i| matches!(i, Instruction::Send(m) if m.peer == 2)));
+        let reductions = plan.gradient_reductions(true);
+        assert_eq!(
+            reductions,
+            [
+                GradientReduction {
+                    parameters: ReducedParameters::Pieces(5..8),
+                    members: vec![0, 2]
+                },
+                GradientReduction {
+                    parameters: ReducedParameters::Pieces(0..5),
+                    members: vec![0, 1]
+                },
+                GradientReduction {
+                    parameters: ReducedParameters::TiedEmbedding,
+                    members: vec![0, 1, 2]
+                },
+            ]
+        );
+        assert_eq!(plan.chunk_pieces(2), vec![(5..8)]);
+        assert_eq!(plan.chunk_pieces(0), vec![(0..8)]);
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(128))]
 
@@ -612,7 +598,7 @@ speeds = [1.0, 0.5]
                 for (r, &rank) in segment.holders.iter().enumerate() {
                     let (replica, stage) = plan.position(rank).unwrap();
                     prop_assert_eq!(replica, r);
-                    let held = chunk_pieces(&plan.replicas()[r].stages)
+                    let held = reduce::chunk_pieces(&plan.replicas()[r].stages)
                         .into_iter()
                         .any(|(s, range)| s == stage && range.start <= segment.pieces.start && segment.pieces.end <= range.end);
                     prop_assert!(held, "segment {:?} not within rank {}'s stage", segment.pieces, rank);

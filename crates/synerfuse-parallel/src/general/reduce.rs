@@ -1,0 +1,141 @@
+//! Which ranks reduce which gradients under a general plan: the model's pieces cut at
+//! the union of every replica's chunk boundaries, each segment summed over the ranks
+//! that hold it, in one global order.
+
+use super::GeneralPlan;
+use crate::StageLayout;
+use std::ops::Range;
+
+/// A contiguous run of model pieces (0 = embedding, 1..=L layers, L + 1 = final norm and
+/// output layer) that the same rank of every replica holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GradientSegment {
+    /// The pieces.
+    pub pieces: Range<usize>,
+    /// The rank of each replica that holds them, in replica order.
+    pub holders: Vec<usize>,
+}
+
+/// The parameters one gradient reduction sums.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReducedParameters {
+    /// The parameters of these model pieces (a tied embedding excepted).
+    Pieces(Range<usize>),
+    /// The embedding tied to the output layer: every copy, on the first and the last
+    /// stage of every replica, summed together (the two copies are one parameter).
+    TiedEmbedding,
+}
+
+/// One all-reduce of a step: what it sums, over which ranks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GradientReduction {
+    /// The parameters.
+    pub parameters: ReducedParameters,
+    /// The ranks that take part, ascending (the communicator's order).
+    pub members: Vec<usize>,
+}
+
+impl GeneralPlan {
+    /// The gradient segments: the model's pieces (embedding, layers, head) cut at the
+    /// union of every replica's chunk boundaries; each segment is held by one rank per
+    /// replica and reduced over exactly those. In model order.
+    pub fn segments(&self) -> Vec<GradientSegment> {
+        let pieces = self.num_layers() + 2;
+        let mut cuts = vec![0, pieces];
+        for replica in &self.replicas {
+            for (_, range) in chunk_pieces(&replica.stages) {
+                cuts.extend([range.start, range.end]);
+            }
+        }
+        cuts.sort_unstable();
+        cuts.dedup();
+        cuts.windows(2)
+            .map(|w| GradientSegment {
+                pieces: w[0]..w[1],
+                holders: self
+                    .replicas
+                    .iter()
+                    .map(|replica| {
+                        let stage = chunk_pieces(&replica.stages)
+                            .into_iter()
+                            .find(|(_, range)| range.contains(&w[0]))
+                            .map(|(stage, _)| stage)
+                            .expect("the chunks cover every piece");
+                        replica.ranks[stage]
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
+    /// Every gradient reduction of a step, in the one global order each rank issues its
+    /// own in (so no two ranks wait on each other): the segments from the output layer
+    /// back to the embedding, the order in which backwards finish them, then the tied
+    /// embedding when `tied_embeddings`.
+    pub fn gradient_reductions(&self, tied_embeddings: bool) -> Vec<GradientReduction> {
+        let segments = self.segments();
+        let mut out: Vec<GradientReduction> = segments
+            .iter()
+            .rev()
+            .map(|s| GradientReduction {
+                parameters: ReducedParameters::Pieces(s.pieces.clone()),
+                members: sorted(s.holders.clone()),
+            })
+            .collect();
+        if tied_embeddings {
+            let (first, last) = (&segments[0], &segments[segments.len() - 1]);
+            out.push(GradientReduction {
+                parameters: ReducedParameters::TiedEmbedding,
+                members: sorted(first.holders.iter().chain(&last.holders).copied().collect()),
+            });
+        }
+        out
+    }
+
+    /// The model pieces of each chunk `rank` holds, in chunk order (empty for a rank
+    /// outside the plan).
+    pub fn chunk_pieces(&self, rank: usize) -> Vec<Range<usize>> {
+        let Some((replica, stage)) = self.position(rank) else {
+            return Vec::new();
+        };
+        chunk_pieces(&self.replicas[replica].stages)
+            .into_iter()
+            .filter(|(s, _)| *s == stage)
+            .map(|(_, pieces)| pieces)
+            .collect()
+    }
+}
+
+fn sorted(mut ranks: Vec<usize>) -> Vec<usize> {
+    ranks.sort_unstable();
+    ranks.dedup();
+    ranks
+}
+
+/// (stage, model pieces) of every chunk of `stages`, in chunk-major order: the first
+/// chunk of stage 0 also holds the embedding (piece 0), the last chunk of the last stage
+/// the final norm and output layer (piece L + 1).
+pub(super) fn chunk_pieces(stages: &StageLayout) -> Vec<(usize, Range<usize>)> {
+    let last_stage = stages.num_stages() - 1;
+    let last_chunk = stages.num_chunks() - 1;
+    let mut out = Vec::new();
+    for chunk in 0..stages.num_chunks() {
+        for stage in 0..stages.num_stages() {
+            let layers = stages
+                .chunk_range(stage, chunk)
+                .expect("stage and chunk within the layout");
+            let start = if stage == 0 && chunk == 0 {
+                0
+            } else {
+                layers.start + 1
+            };
+            let end = if stage == last_stage && chunk == last_chunk {
+                layers.end + 2
+            } else {
+                layers.end + 1
+            };
+            out.push((stage, start..end));
+        }
+    }
+    out
+}
