@@ -195,9 +195,12 @@ pub struct PlanArgs {
     json: bool,
 }
 
+/// Writes `plan` in the general plan's file form (`[[replica]]` tables, which keep the
+/// grid's rank order), under a temporary name first.
 fn write_plan(path: &std::path::Path, plan: &synerfuse_parallel::ParallelPlan) -> Result<()> {
+    let text = synerfuse_parallel::GeneralPlan::from_grid(plan)?.to_toml()?;
     let tmp = path.with_extension("toml.tmp");
-    std::fs::write(&tmp, plan.to_toml()?).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
     Ok(())
 }

@@ -11,7 +11,8 @@ use synerfuse_data::gpt::{DataSources, SampleOptions};
 use synerfuse_data::tokenizer::Tokenizer;
 use synerfuse_model::{DeviceRequest, LlamaConfig, MegatronModelArgs};
 use synerfuse_parallel::{
-    BatchError, GeneralPlan, LayoutError, ParallelPlan, PlanError, PlanFlags, ScheduleKind,
+    BatchError, GeneralPlan, GeneralPlanError, LayoutError, ParallelPlan, PlanError, PlanFlags,
+    ScheduleKind,
 };
 use synerfuse_train::comm::{
     launcher_local_rank, launcher_rank, relaunch_under_mpirun, watchdog, MpiCommunicator,
@@ -332,7 +333,7 @@ impl TrainArgs {
     }
 
     /// The plan: from `--plan` (parallel flags then conflict), or from the flags.
-    fn plan(&self, world_size: usize) -> Result<ParallelPlan> {
+    fn plan(&self, world_size: usize) -> Result<GeneralPlan> {
         if self.tensor_model_parallel_size.is_some_and(|tp| tp != 1) {
             bail!(
                 "--tensor-model-parallel-size {}: tensor parallelism is not supported yet; use 1 (pipeline and data parallelism are)",
@@ -340,8 +341,9 @@ impl TrainArgs {
             );
         }
         let Some(path) = &self.plan else {
-            return ParallelPlan::from_flags(&self.plan_flags()?, world_size)
-                .map_err(plan_flag_error);
+            let grid = ParallelPlan::from_flags(&self.plan_flags()?, world_size)
+                .map_err(plan_flag_error)?;
+            return general_from_grid(&grid);
         };
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
@@ -354,29 +356,25 @@ impl TrainArgs {
                 path.display()
             );
         }
-        if let Some(gbs) = self.global_batch_size {
-            if gbs != plan.batches.global_batch_size() {
-                bail!(
-                    "--global-batch-size {gbs} differs from the plan's {} ({})",
-                    plan.batches.global_batch_size(),
-                    path.display()
-                );
-            }
+        let global_batch = plan.batches().global_batch_size();
+        if let Some(gbs) = self.global_batch_size.filter(|&gbs| gbs != global_batch) {
+            bail!(
+                "--global-batch-size {gbs} differs from the plan's {global_batch} (the sum of its replicas' micro-batch size x count; {})",
+                path.display()
+            );
         }
-        if let Some(layers) = self.num_layers {
-            if layers != plan.stages.num_layers() {
-                bail!(
-                    "--num-layers {layers} differs from the plan's {} ({})",
-                    plan.stages.num_layers(),
-                    path.display()
-                );
-            }
+        if let Some(layers) = self.num_layers.filter(|&l| l != plan.num_layers()) {
+            bail!(
+                "--num-layers {layers} differs from the plan's {} ({})",
+                plan.num_layers(),
+                path.display()
+            );
         }
-        if plan.topology.world_size != world_size {
+        if plan.world_size() != world_size {
             bail!(
                 "the plan {} is for {} ranks but the job has {world_size}",
                 path.display(),
-                plan.topology.world_size
+                plan.world_size()
             );
         }
         Ok(plan)
@@ -443,15 +441,13 @@ impl TrainArgs {
     }
 
     /// The run's configuration, grouped as the trainer takes it.
-    fn train_config(&self, model: LlamaConfig, plan: ParallelPlan) -> Result<TrainConfig> {
-        let schedule = self
-            .pipeline_schedule
-            .unwrap_or(if plan.stages.num_chunks() > 1 {
-                ScheduleKind::Interleaved
-            } else {
-                ScheduleKind::OneFOneB
-            });
-        let lr = self.lr_schedule(plan.batches.global_batch_size() as u64)?;
+    fn train_config(&self, model: LlamaConfig, plan: GeneralPlan) -> Result<TrainConfig> {
+        let schedule = self.pipeline_schedule.unwrap_or(if plan.has_chunks() {
+            ScheduleKind::Interleaved
+        } else {
+            ScheduleKind::OneFOneB
+        });
+        let lr = self.lr_schedule(plan.batches().global_batch_size() as u64)?;
         Ok(TrainConfig {
             model,
             parallel: ParallelConfig {
@@ -629,7 +625,7 @@ fn train_rank(args: &TrainArgs, world: &MpiCommunicator) -> Result<()> {
         .tokenizer
         .build()?
         .context("--tokenizer-type is required")?;
-    let model = args.model(tokenizer.vocab_size(), plan.stages.num_layers())?;
+    let model = args.model(tokenizer.vocab_size(), plan.num_layers())?;
     if model.vocab_size < tokenizer.vocab_size() {
         bail!(
             "the model's vocabulary ({}) is smaller than the tokenizer's ({})",
@@ -637,7 +633,7 @@ fn train_rank(args: &TrainArgs, world: &MpiCommunicator) -> Result<()> {
             tokenizer.vocab_size()
         );
     }
-    let gbs = plan.batches.global_batch_size() as u64;
+    let gbs = plan.batches().global_batch_size() as u64;
     let samples = args.train_iters.checked_mul(gbs).with_context(|| {
         format!(
             "--train-iters {} x global batch {gbs} samples overflows",
@@ -679,40 +675,53 @@ fn train_rank(args: &TrainArgs, world: &MpiCommunicator) -> Result<()> {
 fn log_run(config: &TrainConfig, world_size: usize, threads: usize) {
     let plan = &config.parallel.plan;
     tracing::info!(
-        "training {} parameters on {world_size} ranks: layers per stage {:?}, (mbs, micro-batches) per replica {:?}, {threads} threads per rank",
+        "training {} parameters on {world_size} ranks: {} replicas, layers per stage {:?}, (mbs, micro-batches) {:?}, {threads} threads per rank",
         config.model.num_parameters(),
-        plan.stages.layers(),
-        plan.batches
-            .replicas()
+        plan.replicas().len(),
+        plan.replicas()
             .iter()
-            .map(|r| (r.micro_batch_size, r.num_micro_batches))
+            .map(|r| r.stages.layers())
+            .collect::<Vec<_>>(),
+        plan.replicas()
+            .iter()
+            .map(|r| (r.batch.micro_batch_size, r.batch.num_micro_batches))
             .collect::<Vec<_>>()
     );
-    tracing::info!("equivalent flags: {}", plan.to_synerfuse_args().join(" "));
+    match plan.to_grid() {
+        Some(grid) => tracing::info!("equivalent flags: {}", grid.to_synerfuse_args().join(" ")),
+        None => tracing::info!(
+            "each replica its own pipeline (no grid, so no equivalent flags); gradients reduced over {} groups of holders",
+            plan.gradient_reductions(config.model.tie_word_embeddings).len()
+        ),
+    }
 }
 
-/// A plan file: JSON or TOML of a grid plan, or the `[[replica]]` form (each replica its
-/// own pipeline), which trains today when its replicas form a grid.
-fn read_plan(path: &std::path::Path, text: &str) -> Result<ParallelPlan> {
+/// A plan file: the `[[replica]]` form (each replica its own pipeline; TOML, or JSON as
+/// checkpoints store it), or a grid plan in TOML or JSON.
+fn read_plan(path: &std::path::Path, text: &str) -> Result<GeneralPlan> {
     let context = || format!("plan {}", path.display());
     if path.extension().is_some_and(|e| e == "json") {
-        return ParallelPlan::from_json(text).with_context(context);
+        if text.contains("\"replica\"") {
+            return serde_json::from_str(text).with_context(context);
+        }
+        let grid = ParallelPlan::from_json(text).with_context(context)?;
+        return general_from_grid(&grid).with_context(context);
     }
     if !text.lines().any(|l| l.trim() == "[[replica]]") {
-        return ParallelPlan::from_toml(text).with_context(context);
+        let grid = ParallelPlan::from_toml(text).with_context(context)?;
+        return general_from_grid(&grid).with_context(context);
     }
-    let general = GeneralPlan::from_toml(text, None).with_context(context)?;
-    general.to_grid().with_context(|| {
-        format!(
-            "plan {}: its replicas have different pipelines (layers per stage {:?}); training \
-             such a plan is not implemented yet, only replicas of one shape",
-            path.display(),
-            general
-                .replicas()
-                .iter()
-                .map(|r| r.stages.layers())
-                .collect::<Vec<_>>()
-        )
+    GeneralPlan::from_toml(text, None).with_context(context)
+}
+
+/// The general form of a grid plan; tensor, context and expert parallelism, which the
+/// trainer does not run yet, are named by flag.
+fn general_from_grid(grid: &ParallelPlan) -> Result<GeneralPlan> {
+    GeneralPlan::from_grid(grid).map_err(|e| match e {
+        GeneralPlanError::Unsupported { tp, cp, ep } => anyhow::Error::new(e).context(format!(
+            "--tensor-model-parallel-size {tp} / --context-parallel-size {cp} / --expert-model-parallel-size {ep}: only pipeline and data parallelism are supported for now"
+        )),
+        e => e.into(),
     })
 }
 
@@ -739,14 +748,13 @@ fn plan_flag_error(error: PlanError) -> anyhow::Error {
 /// A training error with the flags behind it, where the library names only values.
 fn train_flag_error(error: TrainError) -> anyhow::Error {
     let flags = match &error {
-        TrainError::UnsupportedParallelism { tp, cp, ep } => format!(
-            "--tensor-model-parallel-size {tp} / --context-parallel-size {cp} / --expert-model-parallel-size {ep}"
-        ),
         TrainError::LayerCount { model, .. } => format!("--num-layers {model}"),
         TrainError::EmulatedSpeedCount { .. } | TrainError::EmulatedSpeed { .. } => {
             "--emulate-device-speed".to_owned()
         }
-        TrainError::ChunksWithoutPipeline => "--num-layers-per-virtual-pipeline-stage".to_owned(),
+        TrainError::ChunksWithoutPipeline { .. } => {
+            "--num-layers-per-virtual-pipeline-stage".to_owned()
+        }
         TrainError::WorldSize { .. } => "--nproc / mpirun -np".to_owned(),
         _ => return error.into(),
     };

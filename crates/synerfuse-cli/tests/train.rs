@@ -267,7 +267,27 @@ fn every_plan_matches_a_single_rank() {
     )
     .unwrap();
     let replicas = replicas.to_str().unwrap();
-    let cases: [(&str, &[&str]); 9] = [
+    // Asymmetric plans: each replica its own pipeline.
+    let asymmetric = |name: &str, replicas: &[(&str, usize, usize)]| {
+        let path = dir.path().join(format!("{name}.toml"));
+        let text: String = replicas
+            .iter()
+            .map(|(layers, mbs, count)| {
+                format!("[[replica]]\nlayers = {layers}\nmicro_batch_size = {mbs}\nnum_micro_batches = {count}\n")
+            })
+            .collect();
+        std::fs::write(&path, text).unwrap();
+        path.display().to_string()
+    };
+    let one_and_two = asymmetric("one-and-two", &[("[4]", 3, 1), ("[3, 1]", 1, 3)]);
+    let three_shapes = asymmetric(
+        "three-shapes",
+        &[("[2, 1, 1]", 1, 1), ("[2, 2]", 2, 1), ("[4]", 3, 1)],
+    );
+    let interleaved = asymmetric("interleaved", &[("[[1, 1], [1, 1]]", 1, 4), ("[4]", 2, 1)]);
+    let two_splits = asymmetric("two-splits", &[("[1, 3]", 1, 3), ("[2, 2]", 3, 1)]);
+    let two_of_one = asymmetric("two-of-one", &[("[1, 3]", 2, 2), ("[4]", 1, 2)]);
+    let cases: [(&str, &[&str]); 13] = [
         (
             "PP 2, layers [1,3], 1F1B, mbs 2 x 3",
             &[
@@ -412,6 +432,28 @@ fn every_plan_matches_a_single_rank() {
             "DP 2 from a [[replica]] plan file, mbs 1 x 3 each",
             &["--nproc", "2", "--plan", replicas],
         ),
+        (
+            "asymmetric [4] + [3,1], mbs 3 x 1 and 1 x 3",
+            &["--nproc", "3", "--plan", &one_and_two],
+        ),
+        (
+            "asymmetric [2,1,1] + [2,2] + [4], mbs 1, 2, 3",
+            &["--nproc", "6", "--plan", &three_shapes],
+        ),
+        (
+            "asymmetric interleaved [[1,1],[1,1]] (1 x 4) + [4] (2 x 1)",
+            &["--nproc", "3", "--plan", &interleaved],
+        ),
+        (
+            "asymmetric [1,3] + [2,2], mbs 1 x 3 and 3 x 1, reduction after the pipeline",
+            &[
+                "--nproc",
+                "4",
+                "--plan",
+                &two_splits,
+                "--no-overlap-grad-reduce",
+            ],
+        ),
     ];
     let mut table = String::from("| plan | max rel. loss diff | max param diff |\n|---|---|---|\n");
     for (i, (label, flags)) in cases.iter().enumerate() {
@@ -448,6 +490,45 @@ fn every_plan_matches_a_single_rank() {
     ));
     assert!(loss_diff < 1e-3, "bf16 losses {losses:?} vs {ref_losses:?}");
     assert!(params.values().all(|t| t.kind() == Kind::Float));
+    let (losses, params) = run(
+        dir.path(),
+        &data,
+        "bf16-asymmetric",
+        &["--nproc", "3", "--plan", &one_and_two, "--bf16"],
+    );
+    let loss_diff = max_rel_loss_diff(&ref_losses, &losses);
+    table.push_str(&format!(
+        "| bf16, asymmetric [4] + [3,1] (fp32 masters) | {loss_diff:.2e} | {:.2e} |\n",
+        max_param_diff(&ref_params, &params)
+    ));
+    assert!(
+        loss_diff < 1e-3,
+        "bf16 asymmetric losses {losses:?} vs {ref_losses:?}"
+    );
+    // Untied embedding and output layer: the embedding and the head are separate
+    // segments with separate holders.
+    let untie = "--untie-embeddings-and-output-weights";
+    let (untied_losses, untied_params) = run(
+        dir.path(),
+        &data,
+        "untied-single",
+        &[untie, "--micro-batch-size", "1"],
+    );
+    let (losses, params) = run(
+        dir.path(),
+        &data,
+        "untied-asymmetric",
+        &["--nproc", "3", "--plan", &two_of_one, untie],
+    );
+    let loss_diff = max_rel_loss_diff(&untied_losses, &losses);
+    let param_diff = max_param_diff(&untied_params, &params);
+    table.push_str(&format!(
+        "| untied embeddings, asymmetric [1,3] + [4] | {loss_diff:.2e} | {param_diff:.2e} |\n"
+    ));
+    assert!(
+        loss_diff < 1e-5 && param_diff < 1e-5,
+        "untied: losses {losses:?} vs {untied_losses:?}, params {param_diff:e}"
+    );
     println!("single-rank losses: {ref_losses:?}\n{table}");
 }
 
@@ -1148,7 +1229,10 @@ fn plan_writes_what_train_runs() {
     args.extend(model);
     let j = plan_json(&args);
     let text = std::fs::read_to_string(&plan).unwrap();
-    assert!(text.contains("speed = 0.25"), "{text}");
+    assert!(
+        text.contains("[[replica]]") && text.contains("0.25"),
+        "{text}"
+    );
     let data = dataset(dir.path());
     let mut train = common(dir.path(), &data, 3);
     train.extend([

@@ -24,7 +24,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use synerfuse_model::tch::{self, Tensor};
 use synerfuse_model::{LlamaConfig, Stage};
-use synerfuse_parallel::ParallelPlan;
+use synerfuse_parallel::GeneralPlan;
 
 /// The name of the file that points at the newest checkpoint.
 pub const LATEST: &str = "latest";
@@ -45,8 +45,9 @@ pub struct CheckpointState {
     pub rng_seed: u64,
     /// The model, as a Hugging Face `config.json`.
     pub model: serde_json::Value,
-    /// The plan the checkpoint was written under.
-    pub plan: ParallelPlan,
+    /// The plan the checkpoint was written under (older checkpoints stored a grid plan,
+    /// which reads as its general form).
+    pub plan: GeneralPlan,
     /// Whether the run trained in bf16 (parameters are stored in fp32 either way).
     pub bf16: bool,
 }

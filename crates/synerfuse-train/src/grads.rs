@@ -8,60 +8,156 @@
 //! its last backward of the step has ended (non-blocking MPI, or NCCL on its own stream)
 //! and overlaps the rest of the pipeline; the optimizer reads the reduced buffer.
 
-use crate::comm::{CommError, GroupCommunicator, PendingReduction};
+use crate::comm::{CommError, PendingReduction, SetGroups};
 use std::collections::BTreeMap;
+use std::ops::Range;
 use synerfuse_model::tch::{self, Kind, Tensor};
 use synerfuse_model::Stage;
-use synerfuse_parallel::{Instruction, Pass};
+use synerfuse_parallel::{GradientReduction, Instruction, Pass, ReducedParameters};
+
+/// The name of the embedding, which the last stage also holds as its output layer when
+/// the two are tied.
+pub const EMBEDDING: &str = "model.embed_tokens.weight";
+
+/// The model piece a parameter belongs to (0 = embedding, 1..=L layers, L + 1 = final
+/// norm and output layer), for a chunk that holds `pieces`: the embedding's name on a
+/// chunk without piece 0 is the tied output layer's copy.
+pub fn parameter_piece(name: &str, pieces: &Range<usize>, num_layers: usize) -> usize {
+    let layer = name
+        .strip_prefix("model.layers.")
+        .and_then(|rest| rest.split('.').next())
+        .and_then(|index| index.parse::<usize>().ok());
+    match layer {
+        Some(index) => index + 1,
+        None if name == EMBEDDING && pieces.start == 0 => 0,
+        None => num_layers + 1,
+    }
+}
+
+/// Which of `reductions` (one rank's, in global order) sums the parameter `name` of a
+/// chunk holding `pieces`; `None` if none does (a plan that does not cover the model).
+pub fn reduction_of(
+    name: &str,
+    pieces: &Range<usize>,
+    num_layers: usize,
+    reductions: &[GradientReduction],
+) -> Option<usize> {
+    let tied = reductions
+        .iter()
+        .position(|r| r.parameters == ReducedParameters::TiedEmbedding);
+    match tied {
+        Some(index) if name == EMBEDDING => Some(index),
+        _ => {
+            let piece = parameter_piece(name, pieces, num_layers);
+            reductions.iter().position(
+                |r| matches!(&r.parameters, ReducedParameters::Pieces(p) if p.contains(&piece)),
+            )
+        }
+    }
+}
 
 /// One chunk's buffer and the parameters viewing into it.
 struct ChunkGrads {
     buffer: Tensor,
-    /// (global name, parameter, fp32 view into `buffer`), sorted by name.
+    /// (global name, parameter, fp32 view into `buffer`), grouped by reduction.
     params: Vec<(String, Tensor, Tensor)>,
     backwards_left: usize,
+}
+
+/// One reduction of this rank: a contiguous range of one chunk's buffer.
+struct Reduction {
+    members: Vec<usize>,
+    chunk: usize,
+    elements: Range<i64>,
     pending: Option<PendingReduction>,
 }
 
-/// The fp32 main gradients of a rank's stage chunks.
+/// The fp32 main gradients of a rank's stage chunks, and their reductions.
 pub struct MainGrads {
     chunks: Vec<ChunkGrads>,
+    /// This rank's reductions, in the plan's global order.
+    reductions: Vec<Reduction>,
+    /// Reductions started this step (a prefix of `reductions`).
+    started: usize,
     every_micro_batch: bool,
 }
 
+/// A parameter no reduction of the plan covers.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("parameter {name} (chunk {chunk}) is in none of this rank's gradient reductions")]
+pub struct UnreducedParameter {
+    /// The parameter.
+    pub name: String,
+    /// Its chunk.
+    pub chunk: usize,
+}
+
 impl MainGrads {
-    /// Buffers for `chunks` (one per virtual chunk) on their device. With
-    /// `every_micro_batch` (bf16 training) gradients move into fp32 after each backward.
-    pub fn new(chunks: &[Stage], every_micro_batch: bool) -> Self {
-        let chunks = chunks
+    /// Buffers for `chunks` (one per virtual chunk, holding `chunk_pieces`) on their
+    /// device, each laid out so every one of `reductions` (this rank's, in the plan's
+    /// global order) is one contiguous range. With `every_micro_batch` (bf16 training)
+    /// gradients move into fp32 after each backward.
+    pub fn new(
+        chunks: &[Stage],
+        chunk_pieces: &[Range<usize>],
+        num_layers: usize,
+        reductions: &[GradientReduction],
+        every_micro_batch: bool,
+    ) -> Result<Self, UnreducedParameter> {
+        let mut spans: Vec<Option<(usize, Range<i64>)>> = vec![None; reductions.len()];
+        let mut grads = Vec::with_capacity(chunks.len());
+        for (chunk, (stage, pieces)) in chunks.iter().zip(chunk_pieces).enumerate() {
+            let mut named = Vec::new();
+            for (name, param) in stage.var_store().variables() {
+                let index =
+                    reduction_of(&name, pieces, num_layers, reductions).ok_or_else(|| {
+                        UnreducedParameter {
+                            name: name.clone(),
+                            chunk,
+                        }
+                    })?;
+                named.push((index, name, param));
+            }
+            named.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+            let numel: i64 = named.iter().map(|(_, _, p)| p.numel() as i64).sum();
+            let buffer = Tensor::zeros([numel], (Kind::Float, stage.device()));
+            let mut offset = 0;
+            let mut params = Vec::with_capacity(named.len());
+            for (index, name, param) in named {
+                let n = param.numel() as i64;
+                let span = spans[index].get_or_insert((chunk, offset..offset));
+                span.1.end = offset + n;
+                params.push((
+                    name,
+                    param.shallow_clone(),
+                    buffer.narrow(0, offset, n).view(param.size().as_slice()),
+                ));
+                offset += n;
+            }
+            grads.push(ChunkGrads {
+                buffer,
+                params,
+                backwards_left: 0,
+            });
+        }
+        let reductions = reductions
             .iter()
-            .map(|stage| {
-                let named: BTreeMap<String, Tensor> =
-                    stage.var_store().variables().into_iter().collect();
-                let numel: i64 = named.values().map(|p| p.numel() as i64).sum();
-                let buffer = Tensor::zeros([numel], (Kind::Float, stage.device()));
-                let mut offset = 0;
-                let params = named
-                    .into_iter()
-                    .map(|(name, param)| {
-                        let n = param.numel() as i64;
-                        let view = buffer.narrow(0, offset, n).view(param.size().as_slice());
-                        offset += n;
-                        (name, param, view)
-                    })
-                    .collect();
-                ChunkGrads {
-                    buffer,
-                    params,
-                    backwards_left: 0,
+            .zip(spans)
+            .filter_map(|(r, span)| {
+                span.map(|(chunk, elements)| Reduction {
+                    members: r.members.clone(),
+                    chunk,
+                    elements,
                     pending: None,
-                }
+                })
             })
             .collect();
-        MainGrads {
-            chunks,
+        Ok(MainGrads {
+            chunks: grads,
+            reductions,
+            started: 0,
             every_micro_batch,
-        }
+        })
     }
 
     /// Zeroes the buffers and counts each chunk's backwards in this step's `program`.
@@ -75,62 +171,72 @@ impl MainGrads {
                 })
                 .count();
         }
+        self.started = 0;
     }
 
     /// Called after each backward of `chunk`: moves gradients into the fp32 buffer when
-    /// due, and after the chunk's last backward of the step starts its reduction over
-    /// `dp` (when `overlap`; otherwise [`Self::finish`] does).
+    /// due, and when `overlap`, starts the reductions that are next in the global order
+    /// and whose chunk has run its last backward of the step.
     pub fn after_backward(
         &mut self,
         chunk: usize,
-        dp: Option<&GroupCommunicator>,
+        groups: &SetGroups,
         overlap: bool,
     ) -> Result<(), CommError> {
         let every = self.every_micro_batch;
         let c = &mut self.chunks[chunk];
         c.backwards_left = c.backwards_left.saturating_sub(1);
-        let last = c.backwards_left == 0;
-        if every || last {
+        if every || c.backwards_left == 0 {
             c.accumulate();
         }
-        if last && overlap {
-            if let Some(dp) = dp {
-                c.pending = Some(dp.start_all_reduce_sum(&c.buffer)?);
+        if overlap {
+            self.start_ready(groups)?;
+        }
+        Ok(())
+    }
+
+    /// Starts reductions in the global order while their chunk is complete: each rank
+    /// issues its reductions in the same relative order, so none waits on another.
+    fn start_ready(&mut self, groups: &SetGroups) -> Result<(), CommError> {
+        while let Some(reduction) = self.reductions.get_mut(self.started) {
+            let chunk = &self.chunks[reduction.chunk];
+            if chunk.backwards_left > 0 {
+                break;
             }
+            if let Some(group) = groups.get(&reduction.members) {
+                let span = &reduction.elements;
+                let slice = chunk.buffer.narrow(0, span.start, span.end - span.start);
+                reduction.pending = Some(group.start_all_reduce_sum(&slice)?);
+            }
+            self.started += 1;
         }
         Ok(())
     }
 
     /// Lets reductions in flight progress (MPI moves only inside MPI calls).
     pub fn progress(&mut self) {
-        for chunk in &mut self.chunks {
-            if let Some(pending) = &mut chunk.pending {
+        for reduction in &mut self.reductions[..self.started] {
+            if let Some(pending) = &mut reduction.pending {
                 pending.progress();
             }
         }
     }
 
-    /// Completes every chunk's reduction over `dp` (starting those not yet started, in
-    /// chunk order, the same on every member) and waits for them all.
-    pub fn finish(&mut self, dp: Option<&GroupCommunicator>) -> Result<(), CommError> {
-        let mut first_error = None;
+    /// Completes every reduction (starting those not yet started, in the global order)
+    /// and waits for them all.
+    pub fn finish(&mut self, groups: &SetGroups) -> Result<(), CommError> {
         for chunk in &mut self.chunks {
             if chunk.backwards_left > 0 {
                 // A chunk without backwards this step (none in any valid program).
                 chunk.backwards_left = 0;
                 chunk.accumulate();
             }
-            if let (None, Some(dp), None) = (&chunk.pending, dp, &first_error) {
-                match dp.start_all_reduce_sum(&chunk.buffer) {
-                    Ok(pending) => chunk.pending = Some(pending),
-                    Err(e) => first_error = Some(e),
-                }
-            }
         }
+        let mut first_error = self.start_ready(groups).err();
         // Every started reduction is waited for, even after an error: they write into
         // the buffers.
-        for chunk in &mut self.chunks {
-            if let Some(pending) = chunk.pending.take() {
+        for reduction in &mut self.reductions {
+            if let Some(pending) = reduction.pending.take() {
                 if let Err(e) = pending.wait() {
                     first_error.get_or_insert(e);
                 }
@@ -235,7 +341,19 @@ mod tests {
         for (_, mut p) in stage.var_store().variables() {
             p.zero_grad();
         }
-        let mut main = MainGrads::new(std::slice::from_ref(&stage), every_micro_batch);
+        let whole = vec![GradientReduction {
+            parameters: ReducedParameters::Pieces(0..3),
+            members: vec![0],
+        }];
+        let mut main = MainGrads::new(
+            std::slice::from_ref(&stage),
+            &[0..3],
+            1,
+            &whole,
+            every_micro_batch,
+        )
+        .unwrap();
+        let alone = SetGroups::none();
         let program: Vec<Instruction> = (0..MICRO_BATCHES)
             .map(|micro_batch| {
                 Instruction::backward(synerfuse_parallel::Piece::new(micro_batch, 0))
@@ -244,9 +362,9 @@ mod tests {
         main.begin_step(&program);
         for _ in 0..MICRO_BATCHES {
             backward(&stage, &tokens, MICRO_BATCHES as f64);
-            main.after_backward(0, None, true).unwrap();
+            main.after_backward(0, &alone, true).unwrap();
         }
-        main.finish(None).unwrap();
+        main.finish(&alone).unwrap();
         relative_error(&main.grads(), &reference)
     }
 

@@ -70,16 +70,12 @@ pub enum TrainError {
         /// Ranks in the job.
         job: usize,
     },
-    /// Parallelism the trainer does not run yet.
-    #[error("tensor, context and expert parallel sizes must be 1 for now (got {tp}, {cp}, {ep}); pipeline and data parallelism are supported")]
-    UnsupportedParallelism {
-        /// Tensor-parallel size.
-        tp: usize,
-        /// Context-parallel size.
-        cp: usize,
-        /// Expert-parallel size.
-        ep: usize,
-    },
+    /// A general plan that cannot run (a replica's schedule, a conversion).
+    #[error(transparent)]
+    GeneralPlan(#[from] synerfuse_parallel::GeneralPlanError),
+    /// A parameter the plan's gradient reductions miss (a bug, reported).
+    #[error(transparent)]
+    UnreducedParameter(#[from] grads::UnreducedParameter),
     /// The plan's stages and the model disagree on the layer count.
     #[error("the plan's stages hold {plan} layers but the model has {model}")]
     LayerCount {
@@ -89,8 +85,11 @@ pub enum TrainError {
         model: usize,
     },
     /// Virtual pipeline chunks without a pipeline.
-    #[error("virtual pipeline chunks need at least two pipeline stages")]
-    ChunksWithoutPipeline,
+    #[error("replica {replica}: virtual pipeline chunks need at least two pipeline stages")]
+    ChunksWithoutPipeline {
+        /// The replica.
+        replica: usize,
+    },
     /// A stage chunk with no layers.
     #[error("pipeline stage {stage} chunk {chunk} has no layers")]
     EmptyChunk {

@@ -248,10 +248,128 @@ impl GroupPath {
     }
 }
 
+/// Checks every group's path (two members on one GPU is refused) and has rank 0 log
+/// where each rank computes. Every rank checks every group, so a refused layout stops all
+/// ranks rather than only the members of the bad group.
+fn check_and_log(
+    world: &MpiCommunicator,
+    devices: &[RankDevice],
+    groups: impl IntoIterator<Item = Vec<usize>>,
+) -> Result<(), CommError> {
+    for group in groups {
+        GroupPath::of(&group, devices)?;
+    }
+    if world.rank() == 0 {
+        for (r, d) in devices.iter().enumerate() {
+            tracing::info!("rank {r} computes on {}", d.describe());
+        }
+    }
+    Ok(())
+}
+
+impl GroupCommunicator {
+    /// The communicator of the group `members` (world ranks, in `comm`'s order) made of
+    /// `comm`, with NCCL when every member computes on CUDA and can load it.
+    fn over(
+        comm: MpiCommunicator,
+        members: &[usize],
+        devices: &[RankDevice],
+    ) -> Result<Self, CommError> {
+        let rank = members[comm.rank()];
+        let nccl = match GroupPath::of(members, devices)? {
+            GroupPath::Nccl => {
+                let ordinal = devices[rank].cuda.expect("NCCL groups are all on CUDA");
+                Some(NcclCommunicator::new(&comm, ordinal)?)
+            }
+            GroupPath::NcclMissing { ranks } => {
+                if members[0] == rank {
+                    tracing::warn!(
+                        "{}: every member computes on CUDA but NCCL cannot be loaded on rank(s) {ranks:?}; its collectives are staged through host memory over MPI",
+                        comm.name()
+                    );
+                }
+                None
+            }
+            GroupPath::Mpi => None,
+        };
+        Ok(GroupCommunicator { mpi: comm, nccl })
+    }
+}
+
+/// Communicators over any sets of ranks (a replica's pipeline, the holders of a
+/// gradient segment), one per distinct set of two or more ranks, NCCL where every
+/// member computes on CUDA: the groups of a general plan, which no grid describes.
+pub struct SetGroups {
+    groups: HashMap<Vec<usize>, GroupCommunicator>,
+    devices: Vec<RankDevice>,
+}
+
+impl SetGroups {
+    /// Splits `world` once per distinct set (members are sorted; sets of one rank need
+    /// no communicator). Collective: every rank passes the same sets; this rank computes
+    /// on `device`.
+    pub fn new(
+        world: &MpiCommunicator,
+        device: Device,
+        sets: impl IntoIterator<Item = Vec<usize>>,
+    ) -> Result<Self, CommError> {
+        let sets: std::collections::BTreeSet<Vec<usize>> = sets
+            .into_iter()
+            .map(|mut s| {
+                s.sort_unstable();
+                s.dedup();
+                s
+            })
+            .filter(|s| s.len() > 1)
+            .collect();
+        if let Some(&rank) = sets.iter().flatten().find(|&&r| r >= world.size()) {
+            return Err(CommError::Shape {
+                rank: world.rank(),
+                op: "SetGroups::new",
+                problem: format!(
+                    "a group names rank {rank} but the job has {} ranks",
+                    world.size()
+                ),
+            });
+        }
+        let devices = RankDevice::gather(world, device)?;
+        check_and_log(world, &devices, sets.iter().cloned())?;
+        let rank = world.rank();
+        let mut groups = HashMap::new();
+        for members in sets {
+            let key = members.iter().position(|&r| r == rank);
+            if let Some(comm) = world.split(key.map(|_| 0), key.unwrap_or(0)) {
+                let comm = comm.with_name(format!("the group of ranks {members:?}"));
+                let group = GroupCommunicator::over(comm, &members, &devices)?;
+                groups.insert(members, group);
+            }
+        }
+        Ok(SetGroups { groups, devices })
+    }
+
+    /// No communicators, as in a single-rank job.
+    #[cfg(test)]
+    pub(crate) fn none() -> Self {
+        SetGroups {
+            groups: HashMap::new(),
+            devices: Vec::new(),
+        }
+    }
+
+    /// The communicator of `members` (sorted), if this rank is one of two or more.
+    pub fn get(&self, members: &[usize]) -> Option<&GroupCommunicator> {
+        self.groups.get(members)
+    }
+
+    /// Every rank's device, in world rank order.
+    pub(crate) fn devices(&self) -> &[RankDevice] {
+        &self.devices
+    }
+}
+
 /// This rank's communicator for each group kind it belongs to.
 pub struct ProcessGroups {
     groups: HashMap<GroupKind, (Vec<usize>, GroupCommunicator)>,
-    devices: Vec<RankDevice>,
 }
 
 impl ProcessGroups {
@@ -281,18 +399,11 @@ impl ProcessGroups {
         }
         let devices = RankDevice::gather(world, device)?;
         let rank = world.rank();
-        // Every rank checks every group, so a refused layout stops all ranks here rather
-        // than only the members of the bad group.
-        for kind in GroupKind::ALL {
-            for group in topology.groups(kind) {
-                GroupPath::of(&group, &devices)?;
-            }
-        }
-        if rank == 0 {
-            for (r, d) in devices.iter().enumerate() {
-                tracing::info!("rank {r} computes on {}", d.describe());
-            }
-        }
+        check_and_log(
+            world,
+            &devices,
+            GroupKind::ALL.iter().flat_map(|&k| topology.groups(k)),
+        )?;
         let mut groups = HashMap::new();
         for kind in GroupKind::ALL {
             let all = topology.groups(kind);
@@ -307,37 +418,17 @@ impl ProcessGroups {
             if let Some(comm) = world.split(color, key) {
                 let members = mine.expect("a communicator only for members").1.clone();
                 let comm = comm.with_name(format!("the {kind} group {members:?}"));
-                let nccl = match GroupPath::of(&members, &devices)? {
-                    GroupPath::Nccl => {
-                        let ordinal = devices[rank].cuda.expect("NCCL groups are all on CUDA");
-                        Some(NcclCommunicator::new(&comm, ordinal)?)
-                    }
-                    GroupPath::NcclMissing { ranks } => {
-                        if members[0] == rank {
-                            tracing::warn!(
-                                "{}: every member computes on CUDA but NCCL cannot be loaded on rank(s) {ranks:?}; its collectives are staged through host memory over MPI",
-                                comm.name()
-                            );
-                        }
-                        None
-                    }
-                    GroupPath::Mpi => None,
-                };
-                groups.insert(kind, (members, GroupCommunicator { mpi: comm, nccl }));
+                let group = GroupCommunicator::over(comm, &members, &devices)?;
+                groups.insert(kind, (members, group));
             }
         }
-        Ok(ProcessGroups { groups, devices })
+        Ok(ProcessGroups { groups })
     }
 
     /// The communicator of `kind`, or `None` if this rank is in no such group (e.g. a
     /// middle pipeline stage and the embedding group).
     pub fn get(&self, kind: GroupKind) -> Option<&GroupCommunicator> {
         self.groups.get(&kind).map(|(_, c)| c)
-    }
-
-    /// Every rank's device, in world rank order.
-    pub(crate) fn devices(&self) -> &[RankDevice] {
-        &self.devices
     }
 
     /// The global ranks of this rank's group of `kind`, in communicator order.

@@ -14,7 +14,7 @@
 //! receive waits for its own link's stream.
 
 use super::groups::RankDevice;
-use super::{CommError, MpiCommunicator, NcclCommunicator, ProcessGroups};
+use super::{CommError, MpiCommunicator, NcclCommunicator, SetGroups};
 use std::collections::{BTreeSet, HashMap};
 use synerfuse_parallel::{link_in_order, Instruction};
 use tch::Tensor;
@@ -64,34 +64,28 @@ pub struct PipelineLinks {
 }
 
 impl PipelineLinks {
-    /// Links between neighbouring members of each `pipelines` entry (world ranks in
-    /// stage order; with `wrap`, the last stage sends to the first too, as interleaved
-    /// schedules do). `programs` are every rank's programs. Collective over `world`
-    /// in effect: NCCL links are set up in one global order, so no two ranks wait on
-    /// each other. Rank 0 logs every link's path.
+    /// The links of `programs` (every rank's, peers are world ranks): one between each
+    /// pair of ranks where one sends to the other. Collective over `world` in effect:
+    /// NCCL links are set up in one global link order, so no two ranks wait on each
+    /// other. Rank 0 logs every link's path.
     pub fn new(
         world: &MpiCommunicator,
-        groups: &ProcessGroups,
-        pipelines: &[Vec<usize>],
-        wrap: bool,
+        groups: &SetGroups,
         programs: &[Vec<Instruction>],
     ) -> Result<Self, CommError> {
         let devices = groups.devices();
-        let mut links = BTreeSet::new();
-        for pipeline in pipelines {
-            let n = pipeline.len();
-            let last = if wrap && n > 1 {
-                n
-            } else {
-                n.saturating_sub(1)
-            };
-            for i in 0..last {
-                let (a, b) = (pipeline[i], pipeline[(i + 1) % n]);
-                if a != b {
-                    links.insert((a.min(b), a.max(b)));
-                }
-            }
-        }
+        let links: BTreeSet<(usize, usize)> = programs
+            .iter()
+            .enumerate()
+            .flat_map(|(rank, program)| {
+                program.iter().filter_map(move |i| match i {
+                    Instruction::Send(m) if m.peer != rank => {
+                        Some((rank.min(m.peer), rank.max(m.peer)))
+                    }
+                    _ => None,
+                })
+            })
+            .collect();
         let me = world.rank();
         let mut nccl = HashMap::new();
         for (a, b) in links {

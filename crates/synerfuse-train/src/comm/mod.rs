@@ -14,7 +14,7 @@ mod nccl;
 pub mod watchdog;
 
 pub use error::CommError;
-pub use groups::{GroupCommunicator, PendingReduction, ProcessGroups};
+pub use groups::{GroupCommunicator, PendingReduction, ProcessGroups, SetGroups};
 pub use host::{MpiCommunicator, MpiRuntime, PendingAllReduce, PendingSend};
 pub use launcher::{
     launcher_local_rank, launcher_rank, mpirun_command, mpirun_options, relaunch_under_mpirun,

@@ -4,7 +4,7 @@
 use crate::optim::{AdamWConfig, LrSchedule};
 use std::path::PathBuf;
 use synerfuse_model::{DeviceRequest, LlamaConfig};
-use synerfuse_parallel::{ParallelPlan, ScheduleKind};
+use synerfuse_parallel::{GeneralPlan, ScheduleKind};
 
 /// Everything a run is configured with.
 #[derive(Debug, Clone)]
@@ -30,11 +30,13 @@ pub struct TrainConfig {
 /// The plan and its schedule.
 #[derive(Debug, Clone)]
 pub struct ParallelConfig {
-    /// Layers per stage, micro-batches per replica, devices per rank.
-    pub plan: ParallelPlan,
-    /// Pipeline schedule.
+    /// Each replica's pipeline: layers per stage, micro-batches, devices per rank (a
+    /// grid plan converts with `GeneralPlan::from_grid`).
+    pub plan: GeneralPlan,
+    /// Pipeline schedule of every replica (replicas without virtual chunks run 1F1B
+    /// where this is interleaved).
     pub schedule: ScheduleKind,
-    /// Start each chunk's data-parallel reduction as soon as its last backward ends
+    /// Start each gradient reduction as soon as its chunk's last backward ends
     /// (Megatron's `--overlap-grad-reduce`; off with `--no-overlap-grad-reduce`).
     pub overlap_grad_reduce: bool,
 }

@@ -1,14 +1,16 @@
 //! The training loop of one rank: its stage chunks, its replica's micro-batches, the
 //! pipeline step, the gradient reductions, AdamW, metrics and checkpoints.
 //!
-//! Gradients are exact for the global batch whatever the plan: the last stage divides
-//! each replica's summed token losses by the global number of loss tokens of the step,
-//! so the data-parallel reduction is a plain sum (ARCHITECTURE.md, "How a training step runs").
+//! Every plan is a general plan: each replica its own pipeline (a grid is the case where
+//! they are all alike). Gradients are exact for the global batch whatever the plan: the
+//! last stage divides each replica's summed token losses by the global number of loss
+//! tokens of the step, so each gradient segment's reduction over its holders is a plain
+//! sum (ARCHITECTURE.md, "How a training step runs").
 
 use crate::checkpoint::{self, Checkpoint, CheckpointState};
-use crate::comm::{GroupCommunicator, MpiCommunicator, PipelineLinks, ProcessGroups};
+use crate::comm::{MpiCommunicator, PipelineLinks, SetGroups};
 use crate::emulation::Emulation;
-use crate::grads::MainGrads;
+use crate::grads::{MainGrads, EMBEDDING};
 use crate::loader::{Prefetcher, ReplicaLoader};
 use crate::optim::{clip_factor, AdamW};
 use crate::pipeline::{PipelineEvent, PipelineRank, StepTimes};
@@ -19,7 +21,7 @@ use std::time::Instant;
 use synerfuse_data::gpt::{SampleOptions, SplitDataset};
 use synerfuse_model::tch::{self, Device, Kind, Tensor};
 use synerfuse_model::{DeviceRequest, ResolveDevice, Stage};
-use synerfuse_parallel::{Coordinates, GroupKind, Instruction, Topology};
+use synerfuse_parallel::{GradientReduction, Instruction};
 
 mod config;
 mod report;
@@ -29,9 +31,6 @@ pub use config::{
     ParallelConfig, TrainConfig,
 };
 use report::{StepLog, StepOutcome, StepResult};
-
-/// The embedding's parameter name (tied copies are reduced over the embedding group).
-const EMBEDDING: &str = "model.embed_tokens.weight";
 
 /// How a run ended.
 #[derive(Debug, Clone, PartialEq)]
@@ -49,7 +48,7 @@ pub struct TrainSummary {
 /// The device of this rank: the plan's placement, else the configured device;
 /// `cuda`/`auto` without an index pick GPU `local_rank mod count`.
 fn rank_device(config: &TrainConfig, rank: usize, local_rank: usize) -> Result<Device, TrainError> {
-    let placement = config.parallel.plan.ranks.get(rank);
+    let placement = config.parallel.plan.placement(rank);
     placement
         .map_or(config.compute.device, |p| p.device)
         .resolve_for_local_rank(local_rank)
@@ -60,7 +59,7 @@ fn rank_device(config: &TrainConfig, rank: usize, local_rank: usize) -> Result<D
 fn emulated_speed(config: &TrainConfig, rank: usize) -> Option<f64> {
     match &config.compute.emulate_speed {
         Some(speeds) => speeds.get(rank).copied(),
-        None => config.parallel.plan.ranks.get(rank).and_then(|p| p.speed),
+        None => config.parallel.plan.placement(rank).and_then(|p| p.speed),
     }
 }
 
@@ -72,7 +71,7 @@ fn warn_if_emulation_oversubscribes(config: &TrainConfig, world_size: usize) {
     if local_size != world_size {
         return; // several nodes: each node's share is not known here
     }
-    let on_cpu = |r: usize| match config.parallel.plan.ranks.get(r) {
+    let on_cpu = |r: usize| match config.parallel.plan.placement(r) {
         Some(p) => p.device == DeviceRequest::Cpu,
         None => config.compute.device == DeviceRequest::Cpu,
     };
@@ -99,32 +98,32 @@ fn injected_fault(rank: usize, iteration: u64) -> bool {
     matches!(parts.as_slice(), ["exit", r, i] if r.parse() == Ok(rank) && i.parse() == Ok(iteration))
 }
 
-/// Checks the plan against the job and the model before anything is built.
-fn check_plan(config: &TrainConfig, world_size: usize) -> Result<Topology, TrainError> {
+/// Checks the plan against the job and the model before anything is built; returns
+/// `rank`'s (replica, stage).
+fn check_plan(
+    config: &TrainConfig,
+    world_size: usize,
+    rank: usize,
+) -> Result<(usize, usize), TrainError> {
     let plan = &config.parallel.plan;
-    let topology = plan.topology()?;
-    if topology.world_size() != world_size {
+    if plan.world_size() != world_size {
         return Err(TrainError::WorldSize {
-            plan: topology.world_size(),
+            plan: plan.world_size(),
             job: world_size,
         });
     }
-    let t = &plan.topology;
-    if !t.is_pipeline_and_data_only() {
-        return Err(TrainError::UnsupportedParallelism {
-            tp: t.tp,
-            cp: t.cp,
-            ep: t.ep,
-        });
-    }
-    if plan.stages.num_layers() != config.model.num_layers {
+    if plan.num_layers() != config.model.num_layers {
         return Err(TrainError::LayerCount {
-            plan: plan.stages.num_layers(),
+            plan: plan.num_layers(),
             model: config.model.num_layers,
         });
     }
-    if plan.stages.num_chunks() > 1 && plan.stages.num_stages() == 1 {
-        return Err(TrainError::ChunksWithoutPipeline);
+    if let Some(replica) = plan
+        .replicas()
+        .iter()
+        .position(|r| r.stages.num_chunks() > 1 && r.stages.num_stages() == 1)
+    {
+        return Err(TrainError::ChunksWithoutPipeline { replica });
     }
     if let Some(speeds) = &config.compute.emulate_speed {
         if speeds.len() != world_size {
@@ -134,7 +133,9 @@ fn check_plan(config: &TrainConfig, world_size: usize) -> Result<Topology, Train
             });
         }
     }
-    Ok(topology)
+    Ok(plan
+        .position(rank)
+        .expect("a plan of the job's size places every rank"))
 }
 
 /// This rank's emulated device, if any, announced in the log.
@@ -164,18 +165,18 @@ fn rank_emulation(
 /// from `--finetune-from-hf`.
 fn build_chunks(
     config: &TrainConfig,
-    coords: Coordinates,
+    (replica, stage_index): (usize, usize),
     device: Device,
 ) -> Result<Vec<Stage>, TrainError> {
-    let stages = &config.parallel.plan.stages;
+    let stages = &config.parallel.plan.replicas()[replica].stages;
     let mut chunks = Vec::with_capacity(stages.num_chunks());
     for chunk in 0..stages.num_chunks() {
         let layers = stages
-            .chunk_range(coords.pp, chunk)
+            .chunk_range(stage_index, chunk)
             .expect("stage and chunk within the layout");
         if layers.is_empty() {
             return Err(TrainError::EmptyChunk {
-                stage: coords.pp,
+                stage: stage_index,
                 chunk,
             });
         }
@@ -219,12 +220,15 @@ fn build_optimizer(config: &TrainConfig, chunks: &mut [Stage]) -> Result<AdamW, 
 pub struct Trainer<'w> {
     config: TrainConfig,
     world: &'w MpiCommunicator,
-    groups: ProcessGroups,
+    /// This rank's communicators: its replica's pipeline and its gradient reductions.
+    groups: SetGroups,
+    /// This replica's ranks, ascending (the norm's group).
+    pipeline: Vec<usize>,
     /// How activations reach the neighbouring stages.
     links: PipelineLinks,
     chunks: Vec<Stage>,
     optimizer: AdamW,
-    /// fp32 main gradients, one buffer per chunk.
+    /// fp32 main gradients, one buffer per chunk, and their reductions.
     grads: MainGrads,
     program: Vec<Instruction>,
     loader: Prefetcher,
@@ -248,36 +252,54 @@ impl<'w> Trainer<'w> {
         local_rank: usize,
     ) -> Result<Self, TrainError> {
         let rank = world.rank();
-        let topology = check_plan(&config, world.size())?;
-        let coords = topology.coordinates(rank)?;
+        let (replica, stage_index) = check_plan(&config, world.size(), rank)?;
         let device = rank_device(&config, rank, local_rank)?;
         let emulation = rank_emulation(&config, rank, device)?;
         if rank == 0 {
             warn_if_emulation_oversubscribes(&config, world.size());
         }
-        let groups = ProcessGroups::with_devices(world, &topology, device)?;
-        let mut chunks = build_chunks(&config, coords, device)?;
-        let optimizer = build_optimizer(&config, &mut chunks)?;
         let plan = &config.parallel.plan;
-        let mut programs = synerfuse_parallel::plan_schedule(plan, config.parallel.schedule)?;
-        let pipelines = topology.groups(GroupKind::Pp);
-        let links = PipelineLinks::new(world, &groups, &pipelines, chunks.len() > 1, &programs)?;
+        let reductions = plan.gradient_reductions(config.model.tie_word_embeddings);
+        let mut pipeline = plan.replicas()[replica].ranks.clone();
+        pipeline.sort_unstable();
+        let sets = plan.pipelines().into_iter();
+        let groups = SetGroups::new(
+            world,
+            device,
+            sets.chain(reductions.iter().map(|r| r.members.clone())),
+        )?;
+        let mut chunks = build_chunks(&config, (replica, stage_index), device)?;
+        let optimizer = build_optimizer(&config, &mut chunks)?;
+        let mut programs = plan.schedule(config.parallel.schedule)?;
+        let links = PipelineLinks::new(world, &groups, &programs)?;
         let program = programs.swap_remove(rank);
-        let loader = ReplicaLoader::new(dataset, plan.batches.clone(), coords.dp, sample_options)?;
+        let loader = ReplicaLoader::new(dataset, plan.batches(), replica, sample_options)?;
         let loader = Prefetcher::new(loader, config.data.prefetch);
-        let grads = MainGrads::new(&chunks, config.compute.bf16);
+        let mine: Vec<GradientReduction> = reductions
+            .into_iter()
+            .filter(|r| r.members.contains(&rank))
+            .collect();
+        let grads = MainGrads::new(
+            &chunks,
+            &plan.chunk_pieces(rank),
+            plan.num_layers(),
+            &mine,
+            config.compute.bf16,
+        )?;
+        let num_stages = plan.replicas()[replica].stages.num_stages();
         let mut trainer = Trainer {
             world,
             groups,
+            pipeline,
             links,
             chunks,
             optimizer,
             grads,
             program,
             loader,
-            stage_index: coords.pp,
-            num_stages: plan.stages.num_stages(),
-            replica: coords.dp,
+            stage_index,
+            num_stages,
+            replica,
             emulation,
             iteration: 0,
             consumed_samples: 0,
@@ -335,19 +357,20 @@ impl<'w> Trainer<'w> {
         tch::manual_seed(state.rng_seed as i64);
         if self.world.rank() == 0 {
             tracing::info!(
-                "loaded checkpoint {} (iteration {}, {} consumed samples, written under a plan of {} stages x {} replicas)",
+                "loaded checkpoint {} (iteration {}, {} consumed samples, written under a plan of {} replicas with layers per stage {:?})",
                 checkpoint.dir.display(),
                 state.iteration,
                 state.consumed_samples,
-                state.plan.stages.num_stages(),
-                state.plan.batches.dp_size()
+                state.plan.replicas().len(),
+                state
+                    .plan
+                    .replicas()
+                    .iter()
+                    .map(|r| r.stages.layers())
+                    .collect::<Vec<_>>()
             );
         }
         Ok(())
-    }
-
-    fn group(&self, kind: GroupKind) -> Option<&GroupCommunicator> {
-        self.groups.get(kind).filter(|g| g.size() > 1)
     }
 
     /// Whether this rank holds the last stage's tied copy of the embedding (which the
@@ -362,10 +385,11 @@ impl<'w> Trainer<'w> {
     pub fn train(&mut self) -> Result<TrainSummary, TrainError> {
         let rank = self.world.rank();
         let mut log = StepLog::open(&self.config, rank, self.world.size())?;
-        let global_batch = self.config.parallel.plan.batches.global_batch_size() as u64;
+        let plan = &self.config.parallel.plan;
+        let global_batch = plan.batches().global_batch_size() as u64;
         // This rank's replica's tokens per step (every stage of a replica sees the same).
-        let replica_tokens = self.config.parallel.plan.batches.replicas()[self.replica].samples()
-            * self.config.batch.sequence_length;
+        let replica_tokens =
+            plan.replicas()[self.replica].batch.samples() * self.config.batch.sequence_length;
         let train_iters = self.config.batch.train_iters;
         let mut summary = TrainSummary {
             iteration: self.iteration,
@@ -427,15 +451,19 @@ impl<'w> Trainer<'w> {
         );
     }
 
-    /// The global batch's loss tokens: this replica's, summed over the replicas.
+    /// The global batch's loss tokens: each replica's (counted on its first stage),
+    /// summed over the world.
     fn global_loss_tokens(
         &self,
         micro_batches: &[crate::loader::MicroBatch],
     ) -> Result<f64, TrainError> {
-        let local: f64 = micro_batches.iter().map(|m| m.loss_tokens()).sum();
+        let local: f64 = match self.stage_index {
+            0 => micro_batches.iter().map(|m| m.loss_tokens()).sum(),
+            _ => 0.0,
+        };
         let mut tokens = Tensor::from_slice(&[local]);
-        if let Some(dp) = self.group(GroupKind::Dp) {
-            dp.all_reduce_sum(&mut tokens)?;
+        if self.world.size() > 1 {
+            self.world.all_reduce_sum(&mut tokens)?;
         }
         let global = tokens.double_value(&[0]);
         if global <= 0.0 {
@@ -504,13 +532,13 @@ impl<'w> Trainer<'w> {
             },
             emulation: self.emulation,
         };
-        let dp = self.groups.get(GroupKind::Dp).filter(|g| g.size() > 1);
+        let groups = &self.groups;
         let overlap = self.config.parallel.overlap_grad_reduce;
         let main_grads = &mut self.grads;
         let mut on_event = |event: PipelineEvent| -> Result<(), TrainError> {
             match event {
                 PipelineEvent::BackwardDone { chunk } => {
-                    main_grads.after_backward(chunk, dp, overlap)?
+                    main_grads.after_backward(chunk, groups, overlap)?
                 }
                 PipelineEvent::Between => main_grads.progress(),
             }
@@ -525,20 +553,12 @@ impl<'w> Trainer<'w> {
         )
     }
 
-    /// The fp32 main gradients reduced over the replicas (and the tied embedding over
-    /// its group), with their global norm: every parameter once (the tied copy on the
-    /// last stage skipped), summed over the stages of this pipeline.
+    /// The fp32 main gradients, each segment reduced over its holders (the tied
+    /// embedding over every copy), with their global norm: every parameter once (the
+    /// tied copy on the last stage skipped), summed over the stages of this replica.
     fn reduced_gradients(&mut self) -> Result<(BTreeMap<String, Tensor>, f64), TrainError> {
-        let dp = self.groups.get(GroupKind::Dp).filter(|g| g.size() > 1);
-        self.grads.finish(dp)?;
-        let mut grads = self.grads.grads();
-        if self.config.model.tie_word_embeddings {
-            if let (Some(group), Some(g)) =
-                (self.group(GroupKind::Embedding), grads.get_mut(EMBEDDING))
-            {
-                group.all_reduce_sum(g)?;
-            }
-        }
+        self.grads.finish(&self.groups)?;
+        let grads = self.grads.grads();
         let skip_tied = self.holds_tied_copy();
         let mut norm_sq = Tensor::from_slice(&[grads
             .iter()
@@ -548,8 +568,8 @@ impl<'w> Trainer<'w> {
                 (&g * &g).sum(Kind::Double).double_value(&[])
             })
             .sum::<f64>()]);
-        if let Some(pp) = self.group(GroupKind::Pp) {
-            pp.all_reduce_sum(&mut norm_sq)?;
+        if let Some(pipeline) = self.groups.get(&self.pipeline) {
+            pipeline.all_reduce_sum(&mut norm_sq)?;
         }
         Ok((grads, norm_sq.double_value(&[0]).sqrt()))
     }
