@@ -250,6 +250,20 @@ fn run(
     (losses(&log), parameters(&save))
 }
 
+/// A `[[replica]]` plan file `name.toml` in `dir` of (layers, micro-batch size, count)
+/// per replica; returns its path.
+fn replica_plan(dir: &Path, name: &str, replicas: &[(&str, usize, usize)]) -> String {
+    let path = dir.join(format!("{name}.toml"));
+    let text: String = replicas
+        .iter()
+        .map(|(layers, mbs, count)| {
+            format!("[[replica]]\nlayers = {layers}\nmicro_batch_size = {mbs}\nnum_micro_batches = {count}\n")
+        })
+        .collect();
+    std::fs::write(&path, text).unwrap();
+    path.display().to_string()
+}
+
 /// The equivalence table (ARCHITECTURE.md): any plan trains exactly what one rank trains
 /// on the same global batch.
 #[test]
@@ -268,17 +282,8 @@ fn every_plan_matches_a_single_rank() {
     .unwrap();
     let replicas = replicas.to_str().unwrap();
     // Asymmetric plans: each replica its own pipeline.
-    let asymmetric = |name: &str, replicas: &[(&str, usize, usize)]| {
-        let path = dir.path().join(format!("{name}.toml"));
-        let text: String = replicas
-            .iter()
-            .map(|(layers, mbs, count)| {
-                format!("[[replica]]\nlayers = {layers}\nmicro_batch_size = {mbs}\nnum_micro_batches = {count}\n")
-            })
-            .collect();
-        std::fs::write(&path, text).unwrap();
-        path.display().to_string()
-    };
+    let asymmetric =
+        |name: &str, replicas: &[(&str, usize, usize)]| replica_plan(dir.path(), name, replicas);
     let one_and_two = asymmetric("one-and-two", &[("[4]", 3, 1), ("[3, 1]", 1, 3)]);
     let three_shapes = asymmetric(
         "three-shapes",
@@ -533,7 +538,8 @@ fn every_plan_matches_a_single_rank() {
 }
 
 /// Stopping at iteration 3 and resuming gives the uninterrupted run's losses for 4..6,
-/// under the same plan and under another one; a corrupt checkpoint is refused by name.
+/// under the same plan, another grid, an asymmetric plan, and from an asymmetric plan's
+/// checkpoint under a grid; a corrupt checkpoint is refused by name.
 #[test]
 fn resume_continues_exactly_under_any_plan() {
     let dir = tempfile::tempdir().unwrap();
@@ -555,7 +561,28 @@ fn resume_continues_exactly_under_any_plan() {
         std::fs::read_to_string(save.join("latest")).unwrap().trim(),
         "3"
     );
+    // Resumes from `save` under `flags`; the losses of iterations 4..6.
+    let resume = |save: &Path, name: &str, flags: &[&str]| {
+        let log = dir
+            .path()
+            .join(format!("resumed-{}.jsonl", name.replace(' ', "-")));
+        let mut args = common(dir.path(), &data, 6);
+        args.extend(strings(flags));
+        args.extend([
+            "--load".into(),
+            save.display().to_string(),
+            "--log-json".into(),
+            log.display().to_string(),
+        ]);
+        ok(&synerfuse(&args), name);
+        losses(&log)
+    };
+    let asymmetric = replica_plan(dir.path(), "asymmetric", &[("[4]", 2, 1), ("[3, 1]", 1, 4)]);
     for (name, flags) in [
+        (
+            "asymmetric [4] + [3,1]",
+            vec!["--nproc", "3", "--plan", &asymmetric],
+        ),
         ("same plan", vec!["--micro-batch-size", "2"]),
         (
             "PP 2 x DP 2, layers [3,1], mbs [2,1] counts [1,4]",
@@ -581,20 +608,42 @@ fn resume_continues_exactly_under_any_plan() {
             ],
         ),
     ] {
-        let log = dir.path().join(format!("resumed-{}.jsonl", name.len()));
-        let mut args = common(dir.path(), &data, 6);
-        args.extend(strings(&flags));
-        args.extend([
-            "--load".into(),
-            save.display().to_string(),
-            "--log-json".into(),
-            log.display().to_string(),
-        ]);
-        ok(&synerfuse(&args), name);
-        let resumed = losses(&log);
+        let resumed = resume(&save, name, &flags);
         let diff = max_rel_loss_diff(&full[3..], &resumed);
         assert!(diff < 1e-5, "{name}: {resumed:?} vs {:?}", &full[3..]);
     }
+    // And back: an asymmetric run stopped at 3 resumes under a grid.
+    let save = dir.path().join("asymmetric-stopped");
+    let mut args = common(dir.path(), &data, 6);
+    args.extend(strings(&[
+        "--nproc",
+        "3",
+        "--plan",
+        &asymmetric,
+        "--exit-interval",
+        "3",
+        "--save-interval",
+        "3",
+    ]));
+    args.extend(["--save".into(), save.display().to_string()]);
+    ok(&synerfuse(&args), "asymmetric run stopped at 3");
+    let state = std::fs::read_to_string(save.join("iter_0000003/state.json")).unwrap();
+    assert!(state.contains("\"replica\""), "{state}");
+    let flags = [
+        "--nproc",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--micro-batch-size",
+        "2",
+    ];
+    let resumed = resume(&save, "grid from asymmetric", &flags);
+    let diff = max_rel_loss_diff(&full[3..], &resumed);
+    assert!(
+        diff < 1e-5,
+        "grid from asymmetric: {resumed:?} vs {:?}",
+        &full[3..]
+    );
     // Flip one byte of a parameter file: the load names the file.
     let shard = std::fs::read_dir(save.join("iter_0000003"))
         .unwrap()
@@ -658,19 +707,36 @@ fn a_rank_dying_mid_step_ends_the_job() {
 fn contradictory_flags_are_named() {
     let dir = tempfile::tempdir().unwrap();
     let data = dataset(dir.path());
-    // Replicas of different pipelines: a valid plan the trainer does not run yet.
-    let asymmetric = dir.path().join("asymmetric.toml");
-    std::fs::write(
-        &asymmetric,
-        "[[replica]]\nlayers = [4]\nmicro_batch_size = 3\nnum_micro_batches = 1\n\
-         [[replica]]\nlayers = [3, 1]\nmicro_batch_size = 1\nnum_micro_batches = 3\n",
-    )
-    .unwrap();
-    let asymmetric = asymmetric.to_str().unwrap();
+    // `[[replica]]` plans that cannot run are named before any rank starts.
+    let plan =
+        |name: &str, replicas: &[(&str, usize, usize)]| replica_plan(dir.path(), name, replicas);
+    let three_ranks = plan("three-ranks", &[("[4]", 3, 1), ("[3, 1]", 1, 3)]);
+    let five_layers = plan("five-layers", &[("[5]", 3, 1), ("[3, 2]", 1, 3)]);
+    let uneven = plan("uneven", &[("[4]", 3, 1), ("[3, 2]", 1, 3)]);
+    let no_samples = plan("no-samples", &[("[4]", 3, 1), ("[2, 2]", 3, 0)]);
+    let no_stages = plan("no-stages", &[("[4]", 3, 1), ("[]", 3, 1)]);
+    let five_samples = plan("five-samples", &[("[4]", 2, 1), ("[3, 1]", 1, 3)]);
     for (flags, expected) in [
         (
-            vec!["--nproc", "3", "--plan", asymmetric],
-            "its replicas have different pipelines (layers per stage [[4], [3, 1]])",
+            vec!["--nproc", "2", "--plan", &three_ranks],
+            "is for 3 ranks but the job has 2",
+        ),
+        (
+            vec!["--nproc", "3", "--plan", &five_layers],
+            "--num-layers 4 differs from the plan's 5",
+        ),
+        (
+            vec!["--nproc", "3", "--plan", &uneven],
+            "replica 1: the stage layout sums to 5 layers but the model has 4",
+        ),
+        (
+            vec!["--nproc", "3", "--plan", &no_samples],
+            "replica 1: micro-batch size 3 × 0 micro-batches",
+        ),
+        (vec!["--nproc", "2", "--plan", &no_stages], "replica 1: "),
+        (
+            vec!["--nproc", "3", "--plan", &five_samples],
+            "--global-batch-size 6 differs from the plan's 5",
         ),
         (
             vec![
