@@ -347,7 +347,7 @@ mod tests {
         }];
         let mut main = MainGrads::new(
             std::slice::from_ref(&stage),
-            &[0..3],
+            std::slice::from_ref(&(0..3)),
             1,
             &whole,
             every_micro_batch,
