@@ -106,6 +106,17 @@ fn spec_example_b_multimodal_is_byte_identical() {
     );
 }
 
+/// An output prefix in a directory not made yet (`--output-prefix data/shk`) works.
+#[test]
+fn builder_makes_the_output_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = dir.path().join("data/nested/shk");
+    let mut builder = IndexedDatasetBuilder::create(&prefix, DType::U16).unwrap();
+    builder.add_document(&[1u32, 2, 3], &[3]).unwrap();
+    builder.finalize().unwrap();
+    assert_eq!(IndexedDataset::open(&prefix).unwrap().len(), 1);
+}
+
 #[test]
 fn builder_refuses_bad_input_with_named_errors() {
     let dir = tempfile::tempdir().unwrap();

@@ -74,6 +74,11 @@ impl IndexedDatasetBuilder {
     }
 
     fn create_with(prefix: &Path, dtype: DType, multimodal: bool) -> Result<Self, DataError> {
+        // `--output-prefix data/corpus` into a `data/` not made yet, as `tokenizer train`
+        // makes its output directory too.
+        if let Some(parent) = prefix.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(DataError::io(parent))?;
+        }
         let idx = idx_path(prefix);
         let mut builder = Self {
             prefix: prefix.to_path_buf(),
