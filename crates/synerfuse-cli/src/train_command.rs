@@ -689,10 +689,13 @@ fn log_run(config: &TrainConfig, world_size: usize, threads: usize) {
     );
     match plan.to_grid() {
         Some(grid) => tracing::info!("equivalent flags: {}", grid.to_synerfuse_args().join(" ")),
-        None => tracing::info!(
-            "each replica its own pipeline (no grid, so no equivalent flags); gradients reduced over {} groups of holders",
-            plan.gradient_reductions(config.model.tie_word_embeddings).len()
-        ),
+        None => tracing::info!("each replica its own pipeline (no grid, so no equivalent flags)"),
+    }
+    for reduction in plan.gradient_reductions(config.model.tie_word_embeddings) {
+        tracing::info!(
+            "gradient reduction: {}",
+            reduction.describe(plan.num_layers())
+        );
     }
 }
 

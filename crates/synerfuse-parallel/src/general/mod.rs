@@ -554,6 +554,15 @@ kinds = ["cpu"]
             ]
         );
         assert_eq!(plan.chunk_pieces(2), vec![(5..8)]);
+        let described: Vec<String> = reductions.iter().map(|r| r.describe(6)).collect();
+        assert_eq!(
+            described,
+            [
+                "layers 4..6, final norm and output layer over ranks [0, 2]",
+                "embedding, layers 0..4 over ranks [0, 1]",
+                "the tied embedding and output layer over ranks [0, 1, 2]",
+            ]
+        );
         assert_eq!(plan.chunk_pieces(0), vec![(0..8)]);
     }
 

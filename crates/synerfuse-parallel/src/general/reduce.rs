@@ -35,6 +35,31 @@ pub struct GradientReduction {
     pub members: Vec<usize>,
 }
 
+impl GradientReduction {
+    /// What it sums, for people: `embedding, layers 0..4 over ranks [0, 1]` (layers as
+    /// global index ranges of a model of `num_layers`).
+    pub fn describe(&self, num_layers: usize) -> String {
+        let what = match &self.parameters {
+            ReducedParameters::TiedEmbedding => "the tied embedding and output layer".to_owned(),
+            ReducedParameters::Pieces(pieces) => {
+                let mut parts = Vec::new();
+                if pieces.start == 0 {
+                    parts.push("embedding".to_owned());
+                }
+                let layers = pieces.start.max(1) - 1..(pieces.end - 1).min(num_layers);
+                if !layers.is_empty() {
+                    parts.push(format!("layers {}..{}", layers.start, layers.end));
+                }
+                if pieces.end == num_layers + 2 {
+                    parts.push("final norm and output layer".to_owned());
+                }
+                parts.join(", ")
+            }
+        };
+        format!("{what} over ranks {:?}", self.members)
+    }
+}
+
 impl GeneralPlan {
     /// The gradient segments: the model's pieces (embedding, layers, head) cut at the
     /// union of every replica's chunk boundaries; each segment is held by one rank per
