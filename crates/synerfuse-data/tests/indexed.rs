@@ -106,15 +106,20 @@ fn spec_example_b_multimodal_is_byte_identical() {
     );
 }
 
-/// An output prefix in a directory not made yet (`--output-prefix data/shk`) works.
+/// An output prefix in a directory that does not exist is named, as the prefix given.
 #[test]
-fn builder_makes_the_output_directory() {
+fn a_missing_output_directory_is_named() {
     let dir = tempfile::tempdir().unwrap();
-    let prefix = dir.path().join("data/nested/shk");
-    let mut builder = IndexedDatasetBuilder::create(&prefix, DType::U16).unwrap();
-    builder.add_document(&[1u32, 2, 3], &[3]).unwrap();
-    builder.finalize().unwrap();
-    assert_eq!(IndexedDataset::open(&prefix).unwrap().len(), 1);
+    let prefix = dir.path().join("data/shk");
+    let err = IndexedDatasetBuilder::create(&prefix, DType::U16)
+        .err()
+        .expect("no directory, no builder");
+    let message = err.to_string();
+    assert!(
+        message.contains(&*prefix.to_string_lossy()) && message.contains("does not exist"),
+        "{message}"
+    );
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
 
 #[test]

@@ -74,10 +74,16 @@ impl IndexedDatasetBuilder {
     }
 
     fn create_with(prefix: &Path, dtype: DType, multimodal: bool) -> Result<Self, DataError> {
-        // `--output-prefix data/corpus` into a `data/` not made yet, as `tokenizer train`
-        // makes its output directory too.
+        // As Megatron, the output directory must exist; say so of the prefix given rather
+        // than of a temporary file name.
         if let Some(parent) = prefix.parent().filter(|p| !p.as_os_str().is_empty()) {
-            std::fs::create_dir_all(parent).map_err(DataError::io(parent))?;
+            if !parent.is_dir() {
+                let missing = std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    format!("the output directory {} does not exist", parent.display()),
+                );
+                return Err(DataError::io(prefix)(missing));
+            }
         }
         let idx = idx_path(prefix);
         let mut builder = Self {
