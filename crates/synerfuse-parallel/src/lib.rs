@@ -11,6 +11,7 @@ mod schedule;
 pub mod sim;
 mod stage;
 mod topology;
+pub mod tp;
 
 pub use batch::{BatchError, ReplicaBatch, ReplicaBatches};
 pub use general::{
@@ -29,3 +30,4 @@ pub use topology::{
     Coordinates, Dim, GroupKind, OrderProblem, Topology, TopologyError, DEFAULT_ORDER,
     TP_PP_DP_ORDER,
 };
+pub use tp::{TpLayout, TpShard, TpSplitError};
