@@ -7,6 +7,7 @@ mod device;
 mod generate;
 pub mod hf;
 mod llama;
+pub mod tp;
 
 pub use config::{padded_vocab_size, ConfigError, LlamaConfig, MegatronModelArgs};
 pub use device::{set_deterministic, DeviceRequest, ModelError, ResolveDevice};

@@ -8,10 +8,11 @@
 
 use crate::LlamaConfig;
 use std::ops::Range;
+use synerfuse_parallel::TpShard;
 use tch::{nn, Device, Kind, Tensor};
 
 /// A stage layout that does not fit the model.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, thiserror::Error)]
 pub enum StageError {
     /// The layer range is empty or past the last layer.
     #[error("layers {start}..{end} do not fit a model of {num_layers} layers")]
@@ -40,6 +41,27 @@ pub enum StageError {
         hidden_size: usize,
         /// The input's shape.
         shape: Vec<i64>,
+    },
+    /// A shard that does not fit the model (its ranges past the model's sizes).
+    #[error("tensor-parallel shard {shard:?} does not fit the model")]
+    BadShard {
+        /// The shard.
+        shard: TpShard,
+    },
+    /// A tensor-parallel shard run without its group's collectives, or a whole stage's
+    /// pass given to the tensor-parallel backward (or the reverse).
+    #[error("a tensor-parallel shard runs with its group's collectives (forward_train_tp / backward_tp), a whole stage without")]
+    Sharded,
+    /// A backward from a loss on a stage without the output layer.
+    #[error("a backward from the loss needs the last stage (the output layer)")]
+    NotLastStage,
+    /// A collective between tensor-parallel segments failed.
+    #[error("tensor-parallel {op}: {source}")]
+    Collective {
+        /// The collective.
+        op: &'static str,
+        /// Why.
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// Generation asked of a stage that is not the whole model.
     #[error("generation needs the whole model in one stage")]
@@ -82,7 +104,7 @@ impl Linear {
 }
 
 /// RMSNorm as transformers computes it: in fp32, then back to the input dtype.
-fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
+pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
     let kind = x.kind();
     let h = x.to_kind(Kind::Float);
     let variance = h.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
@@ -134,7 +156,7 @@ impl KvCache {
     }
 }
 
-struct DecoderLayer {
+pub(crate) struct DecoderLayer {
     index: usize,
     input_norm: Tensor,
     post_attention_norm: Tensor,
@@ -148,18 +170,23 @@ struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    fn new(path: &nn::Path, index: usize, c: &LlamaConfig) -> DecoderLayer {
+    /// The layer's part on `shard`: its query groups' heads, its FFN columns; the row-
+    /// parallel output biases live on shard 0 only, so the sum over shards adds them once.
+    fn new(path: &nn::Path, index: usize, c: &LlamaConfig, shard: &TpShard) -> DecoderLayer {
         let p = path / "model" / "layers" / index;
         let attn = &p / "self_attn";
         let mlp = &p / "mlp";
         let std = c.init_std;
         // Megatron scales the init of the two output projections by 1/sqrt(2·layers).
         let out_std = std / (2.0 * c.num_layers as f64).sqrt();
-        let (h, q, kv) = (
+        let groups = shard.query_groups.len();
+        let (h, q, kv, ffn) = (
             c.hidden_size,
-            c.num_heads * c.head_dim,
-            c.num_kv_heads * c.head_dim,
+            groups * (c.num_heads / c.num_kv_heads) * c.head_dim,
+            groups * c.head_dim,
+            shard.ffn_columns.len(),
         );
+        let first = shard.rank == 0;
         DecoderLayer {
             index,
             input_norm: (&p / "input_layernorm").var("weight", &[h as i64], nn::Init::Const(1.0)),
@@ -171,16 +198,10 @@ impl DecoderLayer {
             q: Linear::new(&attn / "q_proj", h, q, c.attention_bias, std),
             k: Linear::new(&attn / "k_proj", h, kv, c.attention_bias, std),
             v: Linear::new(&attn / "v_proj", h, kv, c.attention_bias, std),
-            o: Linear::new(&attn / "o_proj", q, h, c.attention_bias, out_std),
-            gate: Linear::new(&mlp / "gate_proj", h, c.intermediate_size, c.mlp_bias, std),
-            up: Linear::new(&mlp / "up_proj", h, c.intermediate_size, c.mlp_bias, std),
-            down: Linear::new(
-                &mlp / "down_proj",
-                c.intermediate_size,
-                h,
-                c.mlp_bias,
-                out_std,
-            ),
+            o: Linear::new(&attn / "o_proj", q, h, c.attention_bias && first, out_std),
+            gate: Linear::new(&mlp / "gate_proj", h, ffn, c.mlp_bias, std),
+            up: Linear::new(&mlp / "up_proj", h, ffn, c.mlp_bias, std),
+            down: Linear::new(&mlp / "down_proj", ffn, h, c.mlp_bias && first, out_std),
         }
     }
 
@@ -194,12 +215,30 @@ impl DecoderLayer {
         attention_mask: Option<&Tensor>,
         cache: Option<&mut KvCache>,
     ) -> Tensor {
+        let x = x + self.attention_out(x, c, cos, sin, attention_mask, cache);
+        let mlp = self.mlp_out(&x, c);
+        x + mlp
+    }
+
+    /// The attention block's output (before the residual): normed input, this shard's
+    /// heads, its slice of the output projection (a partial sum under tensor parallelism).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attention_out(
+        &self,
+        x: &Tensor,
+        c: &LlamaConfig,
+        cos: &Tensor,
+        sin: &Tensor,
+        attention_mask: Option<&Tensor>,
+        cache: Option<&mut KvCache>,
+    ) -> Tensor {
         let (b, s) = (x.size()[0], x.size()[1]);
         let hd = c.head_dim as i64;
         let h = rms_norm(x, &self.input_norm, c.rms_norm_eps);
         // One GEMM for q, k and v (the weights stay separate parameters with
         // transformers' names; concatenating them costs far less than two extra GEMMs).
-        let (nq, nkv) = (c.num_heads as i64 * hd, c.num_kv_heads as i64 * hd);
+        let (nq, nkv) = (self.q.weight.size()[0], self.k.weight.size()[0]);
+        let (heads, kv_heads) = (nq / hd, nkv / hd);
         let qkv = h.linear(
             &Tensor::cat(&[&self.q.weight, &self.k.weight, &self.v.weight], 0),
             match (&self.q.bias, &self.k.bias, &self.v.bias) {
@@ -209,15 +248,9 @@ impl DecoderLayer {
             .as_ref(),
         );
         let parts = qkv.split_with_sizes([nq, nkv, nkv], -1);
-        let q = parts[0]
-            .view([b, s, c.num_heads as i64, hd])
-            .transpose(1, 2);
-        let k = parts[1]
-            .view([b, s, c.num_kv_heads as i64, hd])
-            .transpose(1, 2);
-        let v = parts[2]
-            .view([b, s, c.num_kv_heads as i64, hd])
-            .transpose(1, 2);
+        let q = parts[0].view([b, s, heads, hd]).transpose(1, 2);
+        let k = parts[1].view([b, s, kv_heads, hd]).transpose(1, 2);
+        let v = parts[2].view([b, s, kv_heads, hd]).transpose(1, 2);
         let q = &q * cos + rotate_half(&q) * sin;
         let k = &k * cos + rotate_half(&k) * sin;
         let (k, v, had_cache) = match cache {
@@ -243,17 +276,15 @@ impl DecoderLayer {
             (c.head_dim as f64).powf(-0.5),
             c.num_kv_heads != c.num_heads,
         );
-        let attn = attn
-            .transpose(1, 2)
-            .reshape([b, s, (c.num_heads * c.head_dim) as i64]);
-        let x = x + self.o.forward(&attn);
-        let mlp = self.mlp(&rms_norm(&x, &self.post_attention_norm, c.rms_norm_eps), c);
-        x + mlp
+        let attn = attn.transpose(1, 2).reshape([b, s, nq]);
+        self.o.forward(&attn)
     }
 
-    /// SwiGLU, with the gate and up projections in one GEMM.
-    fn mlp(&self, h: &Tensor, c: &LlamaConfig) -> Tensor {
-        let ffn = c.intermediate_size as i64;
+    /// The MLP block's output (before the residual): normed input, SwiGLU over this
+    /// shard's FFN columns, with the gate and up projections in one GEMM.
+    pub(crate) fn mlp_out(&self, x: &Tensor, c: &LlamaConfig) -> Tensor {
+        let h = rms_norm(x, &self.post_attention_norm, c.rms_norm_eps);
+        let ffn = self.gate.weight.size()[0];
         let gate_up = h.linear(
             &Tensor::cat(&[&self.gate.weight, &self.up.weight], 0),
             match (&self.gate.bias, &self.up.bias) {
@@ -303,6 +334,9 @@ pub struct Stage {
     head: Option<Tensor>,
     inv_freq: Tensor,
     recompute: bool,
+    /// What this rank holds of the stage's tensors (the whole stage without tensor
+    /// parallelism).
+    shard: TpShard,
 }
 
 impl std::fmt::Debug for Stage {
@@ -325,6 +359,24 @@ impl Stage {
         layers: Range<usize>,
         device: Device,
     ) -> Result<Stage, StageError> {
+        let whole = TpShard::whole(
+            config.num_kv_heads,
+            config.intermediate_size,
+            config.vocab_size,
+        );
+        Self::new_sharded(config, layers, whole, device)
+    }
+
+    /// One tensor-parallel rank's part of the stage: its query groups' heads, FFN columns
+    /// and vocabulary rows (Megatron's column- and row-parallel split); norms whole on
+    /// every rank, the row-parallel output biases on shard 0. Parameters keep their global
+    /// names; [`Stage::shard_of`] says which slice of the whole tensor each holds.
+    pub fn new_sharded(
+        config: &LlamaConfig,
+        layers: Range<usize>,
+        shard: TpShard,
+        device: Device,
+    ) -> Result<Stage, StageError> {
         if layers.start >= layers.end || layers.end > config.num_layers {
             return Err(StageError::BadRange {
                 start: layers.start,
@@ -332,10 +384,19 @@ impl Stage {
                 num_layers: config.num_layers,
             });
         }
+        let fits = |r: &Range<usize>, n: usize| r.start < r.end && r.end <= n;
+        if !(fits(&shard.query_groups, config.num_kv_heads)
+            && fits(&shard.ffn_columns, config.intermediate_size)
+            && fits(&shard.vocab_rows, config.vocab_size))
+            || config.num_kv_heads == 0
+            || config.num_heads % config.num_kv_heads != 0
+        {
+            return Err(StageError::BadShard { shard });
+        }
         let vs = nn::VarStore::new(device);
         let root = vs.root();
         let (first, last) = (layers.start == 0, layers.end == config.num_layers);
-        let (v, h) = (config.vocab_size as i64, config.hidden_size as i64);
+        let (v, h) = (shard.vocab_rows.len() as i64, config.hidden_size as i64);
         let std = config.init_std;
         // With tied weights the last stage keeps its own copy of the embedding under the
         // same name (Megatron's embedding group keeps the copies in sync).
@@ -351,7 +412,7 @@ impl Stage {
         });
         let decoder = layers
             .clone()
-            .map(|i| DecoderLayer::new(&root, i, config))
+            .map(|i| DecoderLayer::new(&root, i, config, &shard))
             .collect();
         let norm =
             last.then(|| (&root / "model" / "norm").var("weight", &[h], nn::Init::Const(1.0)));
@@ -388,22 +449,73 @@ impl Stage {
             head,
             inv_freq,
             recompute: false,
+            shard,
         })
+    }
+
+    /// This rank's part of the stage.
+    pub fn shard(&self) -> &TpShard {
+        &self.shard
+    }
+
+    /// Which slice of the whole tensor `name` this shard holds, as (dimension, range),
+    /// or `None` for a tensor held whole (norms, and everything without tensor
+    /// parallelism). Checkpoints and weight loading cut and join shards by it.
+    pub fn shard_of(&self, name: &str) -> Option<(usize, Range<i64>)> {
+        if self.shard.is_whole() {
+            return None;
+        }
+        let c = &self.config;
+        let hd = c.head_dim;
+        let per_group = c.num_heads / c.num_kv_heads;
+        let scaled = |r: &Range<usize>, k: usize| (r.start * k) as i64..(r.end * k) as i64;
+        let groups = &self.shard.query_groups;
+        let rows = |r: Range<i64>| Some((0, r));
+        let columns = |r: Range<i64>| Some((1, r));
+        let leaf = name.rsplit('.').nth(1).unwrap_or("");
+        let weight = name.ends_with(".weight");
+        match leaf {
+            "q_proj" => rows(scaled(groups, per_group * hd)),
+            "k_proj" | "v_proj" => rows(scaled(groups, hd)),
+            "o_proj" if weight => columns(scaled(groups, per_group * hd)),
+            "gate_proj" | "up_proj" => rows(scaled(&self.shard.ffn_columns, 1)),
+            "down_proj" if weight => columns(scaled(&self.shard.ffn_columns, 1)),
+            "embed_tokens" | "lm_head" => rows(scaled(&self.shard.vocab_rows, 1)),
+            _ => None,
+        }
+    }
+
+    /// The whole tensor's shape of parameter `name` held as `local` shape.
+    fn whole_shape(&self, name: &str, local: &[i64]) -> Vec<i64> {
+        let c = &self.config;
+        let mut shape = local.to_vec();
+        if let Some((dim, _)) = self.shard_of(name) {
+            let leaf = name.rsplit('.').nth(1).unwrap_or("");
+            shape[dim] = match leaf {
+                "q_proj" | "o_proj" => (c.num_heads * c.head_dim) as i64,
+                "k_proj" | "v_proj" => (c.num_kv_heads * c.head_dim) as i64,
+                "gate_proj" | "up_proj" | "down_proj" => c.intermediate_size as i64,
+                _ => c.vocab_size as i64,
+            };
+        }
+        shape
     }
 
     /// Re-draws every parameter from its own generator, seeded by `seed` and the
     /// parameter's global name, with Megatron's init (normal with `init_std`, output
     /// projections scaled by 1/sqrt(2·layers), norms 1, biases 0). The values then do not
     /// depend on how layers are split into stages or on the device, so every pipeline
-    /// layout starts from the same model (and a tied head's copy equals the embedding).
+    /// layout starts from the same model (and a tied head's copy equals the embedding);
+    /// a tensor-parallel shard takes its slice of the whole tensor.
     pub fn init_by_name(&mut self, seed: u64) {
         let std = self.config.init_std;
         let out_std = std / (2.0 * self.config.num_layers as f64).sqrt();
         for (name, mut var) in self.vs.variables() {
+            let size = self.whole_shape(&name, &var.size());
             let value = if name.ends_with("norm.weight") {
-                Tensor::ones(var.size(), (Kind::Float, Device::Cpu))
+                Tensor::ones(size, (Kind::Float, Device::Cpu))
             } else if name.ends_with(".bias") {
-                Tensor::zeros(var.size(), (Kind::Float, Device::Cpu))
+                Tensor::zeros(size, (Kind::Float, Device::Cpu))
             } else {
                 let scale = if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight")
                 {
@@ -412,7 +524,12 @@ impl Stage {
                     std
                 };
                 tch::manual_seed(name_seed(seed, &name));
-                Tensor::randn(var.size(), (Kind::Float, Device::Cpu)) * scale
+                Tensor::randn(size, (Kind::Float, Device::Cpu)) * scale
+            };
+            // A shard takes its slice of the whole tensor drawn by name.
+            let value = match self.shard_of(&name) {
+                Some((dim, r)) => value.narrow(dim as i64, r.start, r.end - r.start),
+                None => value,
             };
             tch::no_grad(|| var.copy_(&value.to_kind(var.kind()).to_device(var.device())));
         }
@@ -500,39 +617,20 @@ impl Stage {
         attention_mask: Option<&Tensor>,
         mut cache: Option<&mut KvCache>,
     ) -> Result<Tensor, StageError> {
+        if !self.shard.is_whole() {
+            return Err(StageError::Sharded);
+        }
         let mut x = match &self.embedding {
             Some(embedding) => {
-                if input.dim() != 2 || !matches!(input.kind(), Kind::Int64 | Kind::Int) {
-                    return Err(StageError::NotTokenIds {
-                        shape: input.size(),
-                        kind: input.kind(),
-                    });
-                }
+                self.check_tokens(input)?;
                 Tensor::embedding(embedding, input, -1, false, false)
             }
             None => {
-                if input.dim() != 3 || input.size()[2] != self.config.hidden_size as i64 {
-                    return Err(StageError::NotHiddenStates {
-                        layers: self.layers.clone(),
-                        hidden_size: self.config.hidden_size,
-                        shape: input.size(),
-                    });
-                }
+                self.check_hidden(input)?;
                 input.shallow_clone()
             }
         };
-        let (b, s) = (x.size()[0], x.size()[1]);
-        let default_positions;
-        let positions = match position_ids {
-            Some(p) => p,
-            None => {
-                default_positions = Tensor::arange(s, (Kind::Int64, x.device()))
-                    .unsqueeze(0)
-                    .expand([b, s], false);
-                &default_positions
-            }
-        };
-        let (cos, sin) = rotary_tables(&self.inv_freq, positions, x.kind());
+        let (cos, sin) = self.rotary(&x, position_ids);
         for layer in &self.decoder {
             x = layer.forward(
                 &x,
@@ -548,6 +646,53 @@ impl Stage {
             x = h.linear::<Tensor>(head, None);
         }
         Ok(x)
+    }
+
+    pub(crate) fn check_tokens(&self, input: &Tensor) -> Result<(), StageError> {
+        if input.dim() != 2 || !matches!(input.kind(), Kind::Int64 | Kind::Int) {
+            return Err(StageError::NotTokenIds {
+                shape: input.size(),
+                kind: input.kind(),
+            });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn check_hidden(&self, input: &Tensor) -> Result<(), StageError> {
+        if input.dim() != 3 || input.size()[2] != self.config.hidden_size as i64 {
+            return Err(StageError::NotHiddenStates {
+                layers: self.layers.clone(),
+                hidden_size: self.config.hidden_size,
+                shape: input.size(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Rotary `cos`/`sin` tables for hidden states `x` at `position_ids` (default `0..s`).
+    pub(crate) fn rotary(&self, x: &Tensor, position_ids: Option<&Tensor>) -> (Tensor, Tensor) {
+        let (b, s) = (x.size()[0], x.size()[1]);
+        match position_ids {
+            Some(p) => rotary_tables(&self.inv_freq, p, x.kind()),
+            None => {
+                let positions = Tensor::arange(s, (Kind::Int64, x.device()))
+                    .unsqueeze(0)
+                    .expand([b, s], false);
+                rotary_tables(&self.inv_freq, &positions, x.kind())
+            }
+        }
+    }
+
+    pub(crate) fn decoder_layers(&self) -> &[DecoderLayer] {
+        &self.decoder
+    }
+
+    pub(crate) fn norm_and_head(&self) -> Option<(&Tensor, &Tensor)> {
+        self.norm.as_ref().zip(self.head.as_ref())
+    }
+
+    pub(crate) fn embedding_weight(&self) -> Option<&Tensor> {
+        self.embedding.as_ref()
     }
 
     /// Masked next-token cross-entropy of last-stage `logits` `[b, s, vocab]` against
@@ -602,6 +747,7 @@ impl Stage {
                 output,
                 graph: None,
                 saved,
+                regions: Vec::new(),
             })
         } else {
             let output = self.forward(&input, position_ids, attention_mask)?;
@@ -609,6 +755,7 @@ impl Stage {
                 output: output.shallow_clone(),
                 graph: Some(output),
                 saved,
+                regions: Vec::new(),
             })
         }
     }
@@ -622,6 +769,9 @@ impl Stage {
         pass: ForwardPass,
         loss_or_output_grad: BackwardFrom<'_>,
     ) -> Result<Option<Tensor>, StageError> {
+        if !pass.regions.is_empty() {
+            return Err(StageError::Sharded);
+        }
         let output = match pass.graph {
             Some(graph) => graph,
             None => self.forward(
@@ -656,10 +806,10 @@ pub enum BackwardFrom<'a> {
     Loss(&'a dyn Fn(&Tensor) -> Tensor),
 }
 
-struct SavedInputs {
-    input: Tensor,
-    position_ids: Option<Tensor>,
-    attention_mask: Option<Tensor>,
+pub(crate) struct SavedInputs {
+    pub(crate) input: Tensor,
+    pub(crate) position_ids: Option<Tensor>,
+    pub(crate) attention_mask: Option<Tensor>,
 }
 
 /// One micro-batch's forward through a stage, kept until its backward.
@@ -668,4 +818,25 @@ pub struct ForwardPass {
     pub output: Tensor,
     graph: Option<Tensor>,
     saved: SavedInputs,
+    /// The regions of a tensor-parallel pass (empty for a whole stage).
+    regions: Vec<crate::tp::Region>,
+}
+
+impl ForwardPass {
+    pub(crate) fn regions(
+        output: Tensor,
+        regions: Vec<crate::tp::Region>,
+        saved: SavedInputs,
+    ) -> Self {
+        ForwardPass {
+            output,
+            graph: None,
+            saved,
+            regions,
+        }
+    }
+
+    pub(crate) fn into_regions(self) -> (Vec<crate::tp::Region>, SavedInputs) {
+        (self.regions, self.saved)
+    }
 }

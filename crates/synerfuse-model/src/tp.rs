@@ -1,0 +1,295 @@
+//! Tensor-parallel execution of a sharded [`Stage`]: Megatron's column- and row-parallel
+//! layers and vocabulary-parallel embedding and cross-entropy, without custom autograd.
+//!
+//! tch cannot put a collective inside the autograd graph, so a tensor-parallel forward is
+//! cut into *regions* at every collective, each starting from a leaf input: the
+//! embedding lookup of this rank's vocabulary rows, each attention and each MLP block
+//! (whose row-parallel output is a partial sum), and the output layer. Between regions the
+//! forward all-reduces the partial outputs (Megatron's `g`); the backward runs the regions
+//! in reverse, feeding each partial output the full output gradient (the backward of an
+//! all-reduce is the identity) and all-reducing the gradient of each region's replicated
+//! input (Megatron's `f`). The full logits are never gathered: the loss is computed from
+//! each rank's vocabulary slice with three small collectives per micro-batch.
+
+use crate::llama::{rms_norm, ForwardPass, SavedInputs};
+use crate::{Stage, StageError};
+use tch::{Kind, Tensor};
+
+/// A collective's failure, as the communicator reports it.
+pub type CollectiveError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The collectives a tensor-parallel stage needs, over its tensor-parallel group
+/// (implemented over MPI/NCCL by synerfuse-train, and over threads in tests).
+pub trait TpCollectives {
+    /// The element-wise sum over the group, as a new tensor.
+    fn all_reduce_sum(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError>;
+    /// Every member's tensor stacked along a new first dimension, in rank order.
+    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError>;
+}
+
+fn collective<T>(op: &'static str, result: Result<T, CollectiveError>) -> Result<T, StageError> {
+    result.map_err(|source| StageError::Collective { op, source })
+}
+
+/// One region of a tensor-parallel forward, kept for its backward.
+pub(crate) enum Region {
+    /// This rank's rows of the embedding looked up (zeros for other ranks' tokens).
+    Embedding { partial: Tensor },
+    /// An attention or MLP block: its replicated leaf input and its partial output.
+    Block { input: Tensor, partial: Tensor },
+    /// The final norm and this rank's slice of the output layer.
+    Head { input: Tensor, logits: Tensor },
+}
+
+/// Where a tensor-parallel backward starts.
+pub enum TpBackwardFrom<'a> {
+    /// The gradient of the stage output (hidden states), from the next stage.
+    OutputGrad(&'a Tensor),
+    /// The last stage's loss: `scale` × Σ per-token cross-entropy where `loss_mask` is 1.
+    Loss {
+        /// Target ids `[b, s]`.
+        labels: &'a Tensor,
+        /// 1 where a token counts (all when `None`).
+        loss_mask: Option<&'a Tensor>,
+        /// The factor of the summed loss (1 / the step's global loss tokens).
+        scale: f64,
+    },
+}
+
+/// Per-token cross-entropy over a vocabulary split across the group, and its gradient.
+struct VocabParallelLoss {
+    /// `[n]` per-token loss (0 where the label is -100).
+    per_token: Tensor,
+    /// `[n, local vocab]` d loss_token / d logits (softmax − one-hot), 0 for ignored labels.
+    grad: Tensor,
+}
+
+impl Stage {
+    /// A training forward of a tensor-parallel shard: the output (hidden states, or this
+    /// rank's vocabulary slice of the logits `[b, s, local vocab]` on the last stage) and
+    /// the regions its backward runs. Collective over the group: every rank calls it with
+    /// the same input. (Recomputation does not apply to tensor-parallel passes yet.)
+    pub fn forward_train_tp(
+        &self,
+        input: &Tensor,
+        position_ids: Option<&Tensor>,
+        attention_mask: Option<&Tensor>,
+        tp: &dyn TpCollectives,
+    ) -> Result<ForwardPass, StageError> {
+        let mut regions = Vec::new();
+        let leaf = (!self.is_first()).then(|| input.detach().set_requires_grad(true));
+        let mut x = match &leaf {
+            Some(leaf) => {
+                self.check_hidden(leaf)?;
+                leaf.detach()
+            }
+            None => {
+                let partial = self.embed_local(input)?;
+                let x = collective("all-reduce", tp.all_reduce_sum(&partial.detach()))?;
+                regions.push(Region::Embedding { partial });
+                x
+            }
+        };
+        let (cos, sin) = self.rotary(&x, position_ids);
+        let c = self.config();
+        for layer in self.decoder_layers() {
+            for attention in [true, false] {
+                let input = x.detach().set_requires_grad(true);
+                let partial = if attention {
+                    layer.attention_out(&input, c, &cos, &sin, attention_mask, None)
+                } else {
+                    layer.mlp_out(&input, c)
+                };
+                let sum = collective("all-reduce", tp.all_reduce_sum(&partial.detach()))?;
+                x = &x + sum;
+                regions.push(Region::Block { input, partial });
+            }
+        }
+        let output = match self.norm_and_head() {
+            Some((norm, head)) => {
+                let input = x.set_requires_grad(true);
+                let logits = rms_norm(&input, norm, c.rms_norm_eps).linear::<Tensor>(head, None);
+                let output = logits.detach();
+                regions.push(Region::Head { input, logits });
+                output
+            }
+            None => x,
+        };
+        Ok(ForwardPass::regions(
+            output,
+            regions,
+            SavedInputs {
+                input: leaf.unwrap_or_else(|| input.shallow_clone()),
+                position_ids: position_ids.map(Tensor::shallow_clone),
+                attention_mask: attention_mask.map(Tensor::shallow_clone),
+            },
+        ))
+    }
+
+    /// Backpropagates a tensor-parallel `pass` region by region; accumulates this shard's
+    /// parameter gradients and returns the gradient of the stage input (replicated on
+    /// every rank of the group; none on the first stage). Collective over the group.
+    pub fn backward_tp(
+        &self,
+        pass: ForwardPass,
+        from: TpBackwardFrom<'_>,
+        tp: &dyn TpCollectives,
+    ) -> Result<Option<Tensor>, StageError> {
+        let (mut regions, saved) = pass.into_regions();
+        let mut grad = match (&from, regions.last()) {
+            (TpBackwardFrom::OutputGrad(g), _) => Some(g.shallow_clone()),
+            (TpBackwardFrom::Loss { .. }, Some(Region::Head { .. })) => None,
+            _ => return Err(StageError::NotLastStage),
+        };
+        while let Some(region) = regions.pop() {
+            grad = Some(match region {
+                Region::Head { input, logits } => {
+                    let TpBackwardFrom::Loss {
+                        labels,
+                        loss_mask,
+                        scale,
+                    } = &from
+                    else {
+                        return Err(StageError::NotLastStage);
+                    };
+                    let loss = self.vocab_parallel_loss(&logits.detach(), labels, tp)?;
+                    let weight = token_weights(&loss.per_token, *loss_mask, *scale);
+                    let g = (loss.grad * weight.unsqueeze(-1)).view(logits.size().as_slice());
+                    backward_from(&logits, &g);
+                    collective("all-reduce", tp.all_reduce_sum(&input.grad()))?
+                }
+                Region::Block { input, partial } => {
+                    let g = grad.take().expect("a block's output gradient");
+                    backward_from(&partial, &g);
+                    let through = collective("all-reduce", tp.all_reduce_sum(&input.grad()))?;
+                    g + through
+                }
+                Region::Embedding { partial } => {
+                    let g = grad.take().expect("the embedding's output gradient");
+                    backward_from(&partial, &g);
+                    return Ok(None);
+                }
+            });
+        }
+        let _ = saved;
+        Ok(grad)
+    }
+
+    /// Sums the norm weights' gradients over the group. A norm sits inside the region
+    /// that follows it, so each rank's backward reaches it only through its own heads or
+    /// columns and leaves a partial gradient; call this once per step, after the step's
+    /// last backward, on every rank of the group (one collective for all norms).
+    pub fn all_reduce_norm_grads(&self, tp: &dyn TpCollectives) -> Result<(), StageError> {
+        // By name: every rank of the group lays the norms out in the same order.
+        let named: std::collections::BTreeMap<String, Tensor> =
+            self.var_store().variables().into_iter().collect();
+        let mut norms: Vec<Tensor> = named
+            .iter()
+            .filter(|(name, _)| name.ends_with("norm.weight"))
+            .map(|(_, p)| p.grad())
+            .filter(Tensor::defined)
+            .collect();
+        if self.shard().is_whole() || norms.is_empty() {
+            return Ok(());
+        }
+        let flat = Tensor::cat(
+            &norms.iter().map(|g| g.reshape([-1])).collect::<Vec<_>>(),
+            0,
+        );
+        let summed = collective("all-reduce", tp.all_reduce_sum(&flat))?;
+        let mut offset = 0;
+        tch::no_grad(|| {
+            for grad in &mut norms {
+                let n = grad.numel() as i64;
+                grad.copy_(&summed.narrow(0, offset, n).view(grad.size().as_slice()));
+                offset += n;
+            }
+        });
+        Ok(())
+    }
+
+    /// The masked loss of this rank's logits slice `[b, s, local vocab]`: (Σ per-token
+    /// loss where `loss_mask` is 1, the number of such tokens), the same on every rank of
+    /// the group. Collective over the group.
+    pub fn parallel_loss(
+        &self,
+        logits: &Tensor,
+        labels: &Tensor,
+        loss_mask: Option<&Tensor>,
+        tp: &dyn TpCollectives,
+    ) -> Result<(f64, f64), StageError> {
+        let loss = tch::no_grad(|| self.vocab_parallel_loss(logits, labels, tp))?;
+        let weight = token_weights(&loss.per_token, loss_mask, 1.0);
+        let sum = (&loss.per_token * &weight)
+            .sum(Kind::Double)
+            .double_value(&[]);
+        let count = match loss_mask {
+            Some(m) => m.to_kind(Kind::Double).sum(Kind::Double).double_value(&[]),
+            None => loss.per_token.numel() as f64,
+        };
+        Ok((sum, count))
+    }
+
+    /// Megatron's vocabulary-parallel cross-entropy: the max, the sum of exponentials and
+    /// the target logit are combined over the group; the gradient is softmax − one-hot on
+    /// this rank's slice.
+    fn vocab_parallel_loss(
+        &self,
+        logits: &Tensor,
+        labels: &Tensor,
+        tp: &dyn TpCollectives,
+    ) -> Result<VocabParallelLoss, StageError> {
+        let rows = &self.shard().vocab_rows;
+        let local = rows.len() as i64;
+        let logits = logits.to_kind(Kind::Float).reshape([-1, local]);
+        let labels = labels.reshape([-1]);
+        let local_max = logits.amax([-1], false);
+        let max = collective("all-gather", tp.all_gather(&local_max))?.amax([0], false);
+        let shifted = logits - max.unsqueeze(-1);
+        let exp = shifted.exp();
+        let sum_exp = collective(
+            "all-reduce",
+            tp.all_reduce_sum(&exp.sum_dim_intlist(-1, false, Kind::Float)),
+        )?;
+        let start = rows.start as i64;
+        let here = labels.ge(start).logical_and(&labels.lt(start + local));
+        let index = (&labels - start).clamp(0, local - 1).unsqueeze(-1);
+        let target_local =
+            shifted.gather(-1, &index, false).squeeze_dim(-1) * here.to_kind(Kind::Float);
+        let target = collective("all-reduce", tp.all_reduce_sum(&target_local))?;
+        let counted = labels.ne(-100).to_kind(Kind::Float);
+        let per_token = (sum_exp.log() - target) * &counted;
+        let one_hot = Tensor::zeros_like(&shifted).scatter_value(-1, &index, 1.0)
+            * here.to_kind(Kind::Float).unsqueeze(-1);
+        let grad = (exp / sum_exp.unsqueeze(-1) - one_hot) * counted.unsqueeze(-1);
+        Ok(VocabParallelLoss { per_token, grad })
+    }
+
+    /// This rank's embedding rows looked up; tokens of other ranks' rows give zeros.
+    fn embed_local(&self, tokens: &Tensor) -> Result<Tensor, StageError> {
+        let embedding = self.embedding_weight().ok_or(StageError::NotLastStage)?;
+        self.check_tokens(tokens)?;
+        let rows = &self.shard().vocab_rows;
+        let (start, n) = (rows.start as i64, rows.len() as i64);
+        let here = tokens.ge(start).logical_and(&tokens.lt(start + n));
+        let local = (tokens - start).clamp(0, n - 1);
+        let looked_up = Tensor::embedding(embedding, &local, -1, false, false);
+        Ok(looked_up * here.unsqueeze(-1).to_kind(embedding.kind()))
+    }
+}
+
+/// Backpropagates from `output` given its gradient (libtorch's `backward(gradient)`).
+fn backward_from(output: &Tensor, grad: &Tensor) {
+    (output * grad.to_kind(output.kind()))
+        .sum(Kind::Float)
+        .backward();
+}
+
+/// Each token's weight in the summed loss: `scale` where the mask is 1, shaped like
+/// `per_token`.
+fn token_weights(per_token: &Tensor, loss_mask: Option<&Tensor>, scale: f64) -> Tensor {
+    match loss_mask {
+        Some(m) => m.to_kind(Kind::Float).reshape([-1]) * scale,
+        None => Tensor::ones_like(per_token) * scale,
+    }
+}

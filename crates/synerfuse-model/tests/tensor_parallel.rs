@@ -1,0 +1,275 @@
+//! A tensor-parallel stage (one thread per rank, the collectives over shared memory) is
+//! the whole stage: the same logits slices, loss, input gradient and parameter gradients
+//! (each shard's slice of the whole gradient), for even and uneven shares, GQA, tied and
+//! untied embeddings.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Barrier, Mutex};
+use synerfuse_model::tch::{self, Device, Kind, Tensor};
+use synerfuse_model::tp::{CollectiveError, TpBackwardFrom, TpCollectives};
+use synerfuse_model::{BackwardFrom, LlamaConfig, Stage};
+use synerfuse_parallel::TpLayout;
+
+/// Collectives between threads: every rank puts its tensor in a slot, all read all.
+struct ThreadGroup {
+    rank: usize,
+    slots: Arc<Mutex<Vec<Option<Tensor>>>>,
+    barrier: Arc<Barrier>,
+}
+
+impl TpCollectives for ThreadGroup {
+    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
+        self.slots.lock().unwrap()[self.rank] = Some(tensor.detach().copy());
+        self.barrier.wait();
+        let all = {
+            let slots = self.slots.lock().unwrap();
+            let tensors: Vec<&Tensor> = slots.iter().map(|s| s.as_ref().unwrap()).collect();
+            Tensor::stack(&tensors, 0)
+        };
+        self.barrier.wait();
+        Ok(all)
+    }
+
+    fn all_reduce_sum(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
+        Ok(self
+            .all_gather(tensor)?
+            .sum_dim_intlist(0, false, tensor.kind()))
+    }
+}
+
+fn config(tied: bool) -> LlamaConfig {
+    LlamaConfig {
+        vocab_size: 64,
+        hidden_size: 32,
+        intermediate_size: 48,
+        num_layers: 3,
+        num_heads: 8,
+        num_kv_heads: 4,
+        head_dim: 4,
+        max_position_embeddings: 32,
+        rope_theta: 10_000.0,
+        rms_norm_eps: 1e-5,
+        tie_word_embeddings: tied,
+        attention_bias: false,
+        mlp_bias: false,
+        init_std: 0.1,
+    }
+}
+
+/// What one run leaves: the output, the loss sum, the input gradient, parameter gradients.
+struct Outcome {
+    output: Tensor,
+    loss: f64,
+    input_grad: Option<Tensor>,
+    grads: BTreeMap<String, Tensor>,
+    slices: BTreeMap<String, (usize, std::ops::Range<i64>)>,
+}
+
+struct Inputs {
+    input: Tensor,
+    labels: Tensor,
+    mask: Tensor,
+    output_grad: Tensor,
+}
+
+fn inputs(c: &LlamaConfig, first: bool) -> Inputs {
+    tch::manual_seed(5);
+    let (b, s, h) = (2, 6, c.hidden_size as i64);
+    let input = if first {
+        Tensor::randint(c.vocab_size as i64, [b, s], (Kind::Int64, Device::Cpu))
+    } else {
+        Tensor::randn([b, s, h], (Kind::Float, Device::Cpu))
+    };
+    Inputs {
+        input,
+        labels: Tensor::randint(c.vocab_size as i64, [b, s], (Kind::Int64, Device::Cpu)),
+        mask: Tensor::randint(2, [b, s], (Kind::Float, Device::Cpu)),
+        output_grad: Tensor::randn([b, s, h], (Kind::Float, Device::Cpu)),
+    }
+}
+
+const SCALE: f64 = 1.0 / 7.0;
+
+fn grads(stage: &Stage) -> BTreeMap<String, Tensor> {
+    stage
+        .var_store()
+        .variables()
+        .into_iter()
+        .map(|(n, p)| (n, p.grad().copy()))
+        .collect()
+}
+
+fn whole(c: &LlamaConfig, layers: std::ops::Range<usize>, x: &Inputs) -> Outcome {
+    let mut stage = Stage::new(c, layers, Device::Cpu).unwrap();
+    stage.init_by_name(3);
+    let pass = stage.forward_train(&x.input, None, None).unwrap();
+    let output = pass.output.shallow_clone();
+    let mut loss = 0.0;
+    let input_grad = if stage.is_last() {
+        loss = Stage::loss(&output, &x.labels, Some(&x.mask))
+            .0
+            .double_value(&[]);
+        let loss_of = |logits: &Tensor| Stage::loss(logits, &x.labels, Some(&x.mask)).0 * SCALE;
+        stage.backward(pass, BackwardFrom::Loss(&loss_of)).unwrap()
+    } else {
+        stage
+            .backward(pass, BackwardFrom::OutputGrad(&x.output_grad))
+            .unwrap()
+    };
+    Outcome {
+        output,
+        loss,
+        input_grad,
+        grads: grads(&stage),
+        slices: BTreeMap::new(),
+    }
+}
+
+fn sharded(
+    c: &LlamaConfig,
+    layers: std::ops::Range<usize>,
+    shares: &[u32],
+    x: &Inputs,
+) -> Vec<Outcome> {
+    let layout = TpLayout::new(
+        Some(shares),
+        shares.len(),
+        c.num_kv_heads,
+        c.intermediate_size,
+        c.vocab_size,
+    )
+    .unwrap();
+    let slots = Arc::new(Mutex::new((0..shares.len()).map(|_| None).collect()));
+    let barrier = Arc::new(Barrier::new(shares.len()));
+    let threads: Vec<_> = (0..shares.len())
+        .map(|rank| {
+            let group = ThreadGroup {
+                rank,
+                slots: Arc::clone(&slots),
+                barrier: Arc::clone(&barrier),
+            };
+            let (c, layers, shard) = (c.clone(), layers.clone(), layout.shard(rank).unwrap());
+            let (input, labels, mask, output_grad) = (
+                x.input.copy(),
+                x.labels.copy(),
+                x.mask.copy(),
+                x.output_grad.copy(),
+            );
+            std::thread::spawn(move || {
+                tch::set_num_threads(1);
+                let mut stage = Stage::new_sharded(&c, layers, shard, Device::Cpu).unwrap();
+                stage.init_by_name(3);
+                let pass = stage.forward_train_tp(&input, None, None, &group).unwrap();
+                let output = pass.output.shallow_clone();
+                let (loss, from) = if stage.is_last() {
+                    let (sum, _) = stage
+                        .parallel_loss(&output, &labels, Some(&mask), &group)
+                        .unwrap();
+                    let from = TpBackwardFrom::Loss {
+                        labels: &labels,
+                        loss_mask: Some(&mask),
+                        scale: SCALE,
+                    };
+                    (sum, from)
+                } else {
+                    (0.0, TpBackwardFrom::OutputGrad(&output_grad))
+                };
+                let input_grad = stage.backward_tp(pass, from, &group).unwrap();
+                stage.all_reduce_norm_grads(&group).unwrap();
+                let slices = stage
+                    .var_store()
+                    .variables()
+                    .into_keys()
+                    .filter_map(|n| stage.shard_of(&n).map(|s| (n, s)))
+                    .collect();
+                Outcome {
+                    output,
+                    loss,
+                    input_grad,
+                    grads: grads(&stage),
+                    slices,
+                }
+            })
+        })
+        .collect();
+    threads.into_iter().map(|t| t.join().unwrap()).collect()
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.size(), b.size());
+    (a - b).abs().max().double_value(&[])
+}
+
+/// Checks every rank against the whole stage; returns the largest difference seen.
+fn compare(whole: &Outcome, ranks: &[Outcome], last: bool) -> f64 {
+    let mut worst: f64 = 0.0;
+    let vocab_dim = 2;
+    let mut offset = 0;
+    for rank in ranks {
+        if last {
+            // Each rank's logits are its vocabulary slice of the whole logits.
+            let n = rank.output.size()[2];
+            worst = worst.max(max_diff(
+                &rank.output,
+                &whole.output.narrow(vocab_dim, offset, n),
+            ));
+            offset += n;
+            assert!(
+                (rank.loss - whole.loss).abs() < 1e-5 * whole.loss.abs(),
+                "{} vs {}",
+                rank.loss,
+                whole.loss
+            );
+        } else {
+            worst = worst.max(max_diff(&rank.output, &whole.output));
+        }
+        match (&rank.input_grad, &whole.input_grad) {
+            (Some(a), Some(b)) => worst = worst.max(max_diff(a, b)),
+            (None, None) => {}
+            _ => panic!("input gradients differ in presence"),
+        }
+        for (name, grad) in &rank.grads {
+            let reference = &whole.grads[name];
+            let reference = match rank.slices.get(name) {
+                Some((dim, r)) => reference.narrow(*dim as i64, r.start, r.end - r.start),
+                None => reference.shallow_clone(),
+            };
+            let d = max_diff(grad, &reference);
+            assert!(d < 1e-5, "{name}: gradient differs by {d}");
+            worst = worst.max(d);
+        }
+    }
+    worst
+}
+
+#[test]
+fn a_sharded_whole_model_equals_the_whole_stage() {
+    for (tied, shares) in [
+        (true, vec![1, 1]),
+        (false, vec![1, 1]),
+        (true, vec![3, 1]),
+        (false, vec![2, 1, 1]),
+    ] {
+        let c = config(tied);
+        let x = inputs(&c, true);
+        let reference = whole(&c, 0..3, &x);
+        let ranks = sharded(&c, 0..3, &shares, &x);
+        let worst = compare(&reference, &ranks, true);
+        eprintln!("tied {tied}, shares {shares:?}: max difference {worst:.2e}");
+        assert!(worst < 1e-5, "tied {tied}, shares {shares:?}: {worst}");
+    }
+}
+
+#[test]
+fn a_sharded_middle_stage_passes_the_same_activations_and_gradients() {
+    let c = config(false);
+    let x = inputs(&c, false);
+    let reference = whole(&c, 1..2, &x);
+    let ranks = sharded(&c, 1..2, &[3, 1], &x);
+    let worst = compare(&reference, &ranks, false);
+    assert!(worst < 1e-5, "{worst}");
+    // A shard refuses the whole-stage path rather than returning partial sums.
+    let layout = TpLayout::new(None, 2, 4, 48, 64).unwrap();
+    let stage = Stage::new_sharded(&c, 1..2, layout.shard(0).unwrap(), Device::Cpu).unwrap();
+    assert!(stage.forward(&x.input, None, None).is_err());
+}
