@@ -380,6 +380,14 @@ impl TrainArgs {
         Ok(plan)
     }
 
+    /// Where the layout came from, for errors about it: the plan file or the flags.
+    fn layout_source(&self) -> String {
+        match &self.plan {
+            Some(path) => format!("plan {}", path.display()),
+            None => "--pipeline-schedule / --num-micro-batches-per-dp / --num-layers-per-virtual-pipeline-stage".to_owned(),
+        }
+    }
+
     /// The data flags as typed values.
     fn sources(&self) -> DataSources {
         DataSources {
@@ -440,13 +448,19 @@ impl TrainArgs {
         })
     }
 
-    /// The run's configuration, grouped as the trainer takes it.
-    fn train_config(&self, model: LlamaConfig, plan: GeneralPlan) -> Result<TrainConfig> {
-        let schedule = self.pipeline_schedule.unwrap_or(if plan.has_chunks() {
+    /// `--pipeline-schedule`, else interleaved when a replica has virtual chunks, else
+    /// 1F1B.
+    fn schedule_kind(&self, plan: &GeneralPlan) -> ScheduleKind {
+        self.pipeline_schedule.unwrap_or(if plan.has_chunks() {
             ScheduleKind::Interleaved
         } else {
             ScheduleKind::OneFOneB
-        });
+        })
+    }
+
+    /// The run's configuration, grouped as the trainer takes it.
+    fn train_config(&self, model: LlamaConfig, plan: GeneralPlan) -> Result<TrainConfig> {
+        let schedule = self.schedule_kind(&plan);
         let lr = self.lr_schedule(plan.batches().global_batch_size() as u64)?;
         Ok(TrainConfig {
             model,
@@ -583,7 +597,9 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     }
     if let (Some(n), None) = (args.nproc, launcher_rank()) {
         // Refuse a layout that cannot work here, once, before starting n ranks.
-        args.plan(n)?;
+        let plan = args.plan(n)?;
+        plan.schedule(args.schedule_kind(&plan))
+            .map_err(|e| anyhow::Error::new(e).context(args.layout_source()))?;
         let status = relaunch(n)?;
         if !status.success() {
             bail!("the {n}-rank job failed ({status}); see the ranks' messages above");
@@ -689,12 +705,15 @@ fn log_run(config: &TrainConfig, world_size: usize, threads: usize) {
     );
     match plan.to_grid() {
         Some(grid) => tracing::info!("equivalent flags: {}", grid.to_synerfuse_args().join(" ")),
-        None => tracing::info!("each replica its own pipeline (no grid, so no equivalent flags)"),
+        None => tracing::info!(
+            "no equivalent flags: the replicas differ in stages, or their ranks or devices follow no grid order"
+        ),
     }
-    for reduction in plan.gradient_reductions(config.model.tie_word_embeddings) {
+    let tied = config.model.tie_word_embeddings;
+    for reduction in plan.gradient_reductions(tied) {
         tracing::info!(
             "gradient reduction: {}",
-            reduction.describe(plan.num_layers())
+            reduction.describe(plan.num_layers(), tied)
         );
     }
 }
@@ -705,7 +724,7 @@ fn read_plan(path: &std::path::Path, text: &str) -> Result<GeneralPlan> {
     let context = || format!("plan {}", path.display());
     if path.extension().is_some_and(|e| e == "json") {
         if text.contains("\"replica\"") {
-            return serde_json::from_str(text).with_context(context);
+            return GeneralPlan::from_json(text).with_context(context);
         }
         let grid = ParallelPlan::from_json(text).with_context(context)?;
         return general_from_grid(&grid).with_context(context);

@@ -716,6 +716,8 @@ fn contradictory_flags_are_named() {
     let no_samples = plan("no-samples", &[("[4]", 3, 1), ("[2, 2]", 3, 0)]);
     let no_stages = plan("no-stages", &[("[4]", 3, 1), ("[]", 3, 1)]);
     let five_samples = plan("five-samples", &[("[4]", 2, 1), ("[3, 1]", 1, 3)]);
+    let odd_interleaved = plan("odd-interleaved", &[("[[1, 1], [1, 1]]", 2, 3)]);
+    let one_stage_chunks = plan("one-stage-chunks", &[("[[2], [2]]", 6, 1)]);
     for (flags, expected) in [
         (
             vec!["--nproc", "2", "--plan", &three_ranks],
@@ -727,7 +729,7 @@ fn contradictory_flags_are_named() {
         ),
         (
             vec!["--nproc", "3", "--plan", &uneven],
-            "replica 1: the stage layout sums to 5 layers but the model has 4",
+            "replica 1 holds 5 layers but replica 0 holds 4",
         ),
         (
             vec!["--nproc", "3", "--plan", &no_samples],
@@ -737,6 +739,14 @@ fn contradictory_flags_are_named() {
         (
             vec!["--nproc", "3", "--plan", &five_samples],
             "--global-batch-size 6 differs from the plan's 5",
+        ),
+        (
+            vec!["--nproc", "2", "--plan", &odd_interleaved],
+            "replica 0: the interleaved schedule needs the micro-batch count (3)",
+        ),
+        (
+            vec!["--nproc", "1", "--plan", &one_stage_chunks],
+            "replica 0: virtual pipeline chunks need at least two pipeline stages",
         ),
         (
             vec![

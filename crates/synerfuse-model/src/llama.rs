@@ -506,7 +506,8 @@ impl Stage {
     /// projections scaled by 1/sqrt(2·layers), norms 1, biases 0). The values then do not
     /// depend on how layers are split into stages or on the device, so every pipeline
     /// layout starts from the same model (and a tied head's copy equals the embedding);
-    /// a tensor-parallel shard takes its slice of the whole tensor.
+    /// a tensor-parallel shard takes its slice of the whole tensor. It reseeds libtorch's
+    /// global generator, so stages of one process are initialised one at a time.
     pub fn init_by_name(&mut self, seed: u64) {
         let std = self.config.init_std;
         let out_std = std / (2.0 * self.config.num_layers as f64).sqrt();

@@ -10,6 +10,8 @@ use synerfuse_model::tp::{CollectiveError, TpBackwardFrom, TpCollectives};
 use synerfuse_model::{BackwardFrom, LlamaConfig, Stage};
 use synerfuse_parallel::TpLayout;
 
+static INIT: Mutex<()> = Mutex::new(());
+
 /// Collectives between threads: every rank puts its tensor in a slot, all read all.
 struct ThreadGroup {
     rank: usize,
@@ -157,8 +159,13 @@ fn sharded(
             );
             std::thread::spawn(move || {
                 tch::set_num_threads(1);
-                let mut stage = Stage::new_sharded(&c, layers, shard, Device::Cpu).unwrap();
-                stage.init_by_name(3);
+                // init_by_name draws from libtorch's global generator: one thread at a time.
+                let stage = {
+                    let _one_at_a_time = INIT.lock().unwrap();
+                    let mut stage = Stage::new_sharded(&c, layers, shard, Device::Cpu).unwrap();
+                    stage.init_by_name(3);
+                    stage
+                };
                 let pass = stage.forward_train_tp(&input, None, None, &group).unwrap();
                 let output = pass.output.shallow_clone();
                 let (loss, from) = if stage.is_last() {

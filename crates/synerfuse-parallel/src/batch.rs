@@ -31,6 +31,14 @@ pub enum BatchError {
     #[error("a batch layout needs at least one data-parallel replica")]
     NoReplicas,
     /// A replica with an empty micro-batch or no micro-batch.
+    #[error(
+        "data-parallel replica {replica}: micro-batch size × count overflows the samples of a step"
+    )]
+    Overflow {
+        /// The replica where the running total overflows.
+        replica: usize,
+    },
+    /// A replica with no samples.
     #[error("data-parallel replica {replica}: micro-batch size {micro_batch_size} × {num_micro_batches} micro-batches; both must be at least 1")]
     EmptyReplica {
         /// The replica.
@@ -271,12 +279,15 @@ impl ReplicaBatches {
                 num_micro_batches: r.num_micro_batches,
             });
         }
-        let offsets = std::iter::once(0)
-            .chain(replicas.iter().scan(0, |total, r| {
-                *total += r.samples();
-                Some(*total)
-            }))
-            .collect();
+        let mut offsets = vec![0usize];
+        for (replica, r) in replicas.iter().enumerate() {
+            let total = r
+                .micro_batch_size
+                .checked_mul(r.num_micro_batches)
+                .and_then(|n| n.checked_add(offsets[replica]))
+                .ok_or(BatchError::Overflow { replica })?;
+            offsets.push(total);
+        }
         Ok(Self { replicas, offsets })
     }
 

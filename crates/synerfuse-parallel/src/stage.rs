@@ -102,18 +102,8 @@ struct StageLayoutRepr {
 impl TryFrom<StageLayoutRepr> for StageLayout {
     type Error = LayoutError;
     fn try_from(repr: StageLayoutRepr) -> Result<Self, LayoutError> {
-        let stages = repr.layers.first().map_or(0, Vec::len);
-        let chunks = repr.layers.len();
-        let pieces: Vec<usize> = repr.layers.into_iter().flatten().collect();
-        if pieces.len() != stages * chunks {
-            return Err(LayoutError::ChunkShape {
-                given: pieces.len(),
-                stages,
-                chunks,
-            });
-        }
-        let total = pieces.iter().sum();
-        StageLayout::interleaved(pieces, stages, total)
+        let total = repr.layers.iter().flatten().sum();
+        StageLayout::from_per_chunk(repr.layers, total)
     }
 }
 
@@ -168,6 +158,22 @@ impl StageLayout {
             });
         }
         Ok(Self { pieces, stages })
+    }
+
+    /// A layout from `layers[v][p]`, the layers of chunk v on stage p (every chunk with
+    /// one count per stage), checked against the model's layer count.
+    pub fn from_per_chunk(layers: Vec<Vec<usize>>, num_layers: usize) -> Result<Self, LayoutError> {
+        let stages = layers.first().map_or(0, Vec::len);
+        let chunks = layers.len();
+        let pieces: Vec<usize> = layers.into_iter().flatten().collect();
+        if pieces.len() != stages * chunks {
+            return Err(LayoutError::ChunkShape {
+                given: pieces.len(),
+                stages,
+                chunks,
+            });
+        }
+        Self::interleaved(pieces, stages, num_layers)
     }
 
     /// Megatron's default: the same number of layers on every stage.

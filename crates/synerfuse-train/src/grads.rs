@@ -1,12 +1,15 @@
 //! Megatron's main gradients: one persistent fp32 buffer per stage chunk, reused every
-//! step, each parameter's gradient a view into it.
+//! step, each parameter's gradient a view into it, laid out so each of the rank's
+//! gradient reductions (the plan's segments it holds, and the tied embedding) is one
+//! contiguous slice.
 //!
 //! Under `--bf16` the micro-batch gradients libtorch produces in bf16 are added into the
 //! fp32 buffer after every backward, so a step's sum over many micro-batches is not
 //! rounded to bf16 at each addition; in fp32 they accumulate in the parameters and are
-//! moved into the buffer once. The data-parallel reduction of a chunk starts as soon as
-//! its last backward of the step has ended (non-blocking MPI, or NCCL on its own stream)
-//! and overlaps the rest of the pipeline; the optimizer reads the reduced buffer.
+//! moved into the buffer once. A reduction starts as soon as its chunk has run its last
+//! backward of the step and every reduction before it in the plan's global order has
+//! started (non-blocking MPI, or NCCL on its own stream), and overlaps the rest of the
+//! pipeline; the optimizer reads the reduced buffer.
 
 use crate::comm::{CommError, PendingReduction, SetGroups};
 use std::collections::BTreeMap;
@@ -21,16 +24,16 @@ pub const EMBEDDING: &str = "model.embed_tokens.weight";
 
 /// The model piece a parameter belongs to (0 = embedding, 1..=L layers, L + 1 = final
 /// norm and output layer), for a chunk that holds `pieces`: the embedding's name on a
-/// chunk without piece 0 is the tied output layer's copy.
-pub fn parameter_piece(name: &str, pieces: &Range<usize>, num_layers: usize) -> usize {
-    let layer = name
-        .strip_prefix("model.layers.")
-        .and_then(|rest| rest.split('.').next())
-        .and_then(|index| index.parse::<usize>().ok());
-    match layer {
-        Some(index) => index + 1,
-        None if name == EMBEDDING && pieces.start == 0 => 0,
-        None => num_layers + 1,
+/// chunk without piece 0 is the tied output layer's copy. `None` for a name of no piece.
+pub fn parameter_piece(name: &str, pieces: &Range<usize>, num_layers: usize) -> Option<usize> {
+    if let Some(rest) = name.strip_prefix("model.layers.") {
+        let index: usize = rest.split('.').next()?.parse().ok()?;
+        return (index < num_layers).then_some(index + 1);
+    }
+    match name {
+        EMBEDDING if pieces.start == 0 => Some(0),
+        EMBEDDING | "model.norm.weight" | "lm_head.weight" => Some(num_layers + 1),
+        _ => None,
     }
 }
 
@@ -48,7 +51,7 @@ pub fn reduction_of(
     match tied {
         Some(index) if name == EMBEDDING => Some(index),
         _ => {
-            let piece = parameter_piece(name, pieces, num_layers);
+            let piece = parameter_piece(name, pieces, num_layers)?;
             reductions.iter().position(
                 |r| matches!(&r.parameters, ReducedParameters::Pieces(p) if p.contains(&piece)),
             )
@@ -118,27 +121,12 @@ impl MainGrads {
                     })?;
                 named.push((index, name, param));
             }
-            named.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
-            let numel: i64 = named.iter().map(|(_, _, p)| p.numel() as i64).sum();
-            let buffer = Tensor::zeros([numel], (Kind::Float, stage.device()));
-            let mut offset = 0;
-            let mut params = Vec::with_capacity(named.len());
-            for (index, name, param) in named {
-                let n = param.numel() as i64;
-                let span = spans[index].get_or_insert((chunk, offset..offset));
-                span.1.end = offset + n;
-                params.push((
-                    name,
-                    param.shallow_clone(),
-                    buffer.narrow(0, offset, n).view(param.size().as_slice()),
-                ));
-                offset += n;
-            }
-            grads.push(ChunkGrads {
-                buffer,
-                params,
-                backwards_left: 0,
-            });
+            grads.push(ChunkGrads::laid_out(
+                chunk,
+                stage.device(),
+                named,
+                &mut spans,
+            ));
         }
         let reductions = reductions
             .iter()
@@ -256,6 +244,37 @@ impl MainGrads {
 }
 
 impl ChunkGrads {
+    /// A buffer holding `named` (reduction index, name, parameter) sorted by reduction and
+    /// name; records each reduction's (chunk, element range) in `spans`.
+    fn laid_out(
+        chunk: usize,
+        device: tch::Device,
+        mut named: Vec<(usize, String, Tensor)>,
+        spans: &mut [Option<(usize, Range<i64>)>],
+    ) -> Self {
+        named.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+        let numel: i64 = named.iter().map(|(_, _, p)| p.numel() as i64).sum();
+        let buffer = Tensor::zeros([numel], (Kind::Float, device));
+        let mut offset = 0;
+        let mut params = Vec::with_capacity(named.len());
+        for (index, name, param) in named {
+            let n = param.numel() as i64;
+            let span = spans[index].get_or_insert((chunk, offset..offset));
+            // Segments are cut at every chunk boundary, so a reduction lies in one
+            // chunk, contiguous after sorting.
+            debug_assert!(span.0 == chunk && span.1.end == offset);
+            span.1.end = offset + n;
+            let view = buffer.narrow(0, offset, n).view(param.size().as_slice());
+            params.push((name, param, view));
+            offset += n;
+        }
+        ChunkGrads {
+            buffer,
+            params,
+            backwards_left: 0,
+        }
+    }
+
     /// Adds each parameter's gradient into its fp32 view and zeroes it.
     fn accumulate(&mut self) {
         tch::no_grad(|| {

@@ -30,7 +30,11 @@ struct ReplicaFile {
     devices: Vec<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     speeds: Vec<f64>,
-    /// The cluster file's device kind of each stage, for people and tools.
+    /// Which stages' speeds emulate a device (default: all of them); written only when a
+    /// replica mixes emulated and real devices, whose speed is then written as 1.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    emulated: Vec<bool>,
+    /// The cluster file's device kind of each stage, for people and tools ("" for none).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     kinds: Vec<String>,
 }
@@ -94,6 +98,13 @@ impl GeneralPlan {
         }
     }
 
+    /// A plan from the JSON of its file form (as checkpoints store it).
+    pub fn from_json(text: &str) -> Result<Self, GeneralPlanError> {
+        let file: PlanFile =
+            serde_json::from_str(text).map_err(|e| GeneralPlanError::Toml(e.to_string()))?;
+        Self::from_file(file)
+    }
+
     /// The file form: one `[[replica]]` table per replica; `ranks` only where they are
     /// not numbered replica by replica.
     pub fn to_toml(&self) -> Result<String, GeneralPlanError> {
@@ -102,8 +113,8 @@ impl GeneralPlan {
 
     fn from_file(file: PlanFile) -> Result<Self, GeneralPlanError> {
         let num_layers = file.replica.first().map_or(0, |r| match &r.layers {
-            LayersFile::PerStage(l) => l.iter().sum(),
-            LayersFile::PerChunk(c) => c.iter().flatten().sum(),
+            LayersFile::PerStage(l) => l.iter().fold(0usize, |a, &b| a.saturating_add(b)),
+            LayersFile::PerChunk(c) => c.iter().flatten().fold(0usize, |a, &b| a.saturating_add(b)),
         });
         let given_ranks = file.replica.iter().filter(|r| r.ranks.is_some()).count();
         if given_ranks != 0 && given_ranks != file.replica.len() {
@@ -115,10 +126,24 @@ impl GeneralPlan {
         let mut next_rank = 0;
         let mut replicas = Vec::with_capacity(file.replica.len());
         for (r, replica) in file.replica.into_iter().enumerate() {
-            let stages = layout(replica.layers, num_layers)
-                .map_err(|source| GeneralPlanError::Layout { replica: r, source })?;
+            let stages = layout(replica.layers, num_layers).map_err(|source| match source {
+                crate::LayoutError::LayerSumMismatch { actual, .. } => {
+                    GeneralPlanError::ReplicaLayers {
+                        replica: r,
+                        layers: actual,
+                        first: num_layers,
+                    }
+                }
+                source => GeneralPlanError::Layout { replica: r, source },
+            })?;
             let n = stages.num_stages();
-            let placements = placements(r, n, &replica.devices, &replica.speeds, &replica.kinds)?;
+            let given = PlacementLists {
+                devices: &replica.devices,
+                speeds: &replica.speeds,
+                emulated: &replica.emulated,
+                kinds: &replica.kinds,
+            };
+            let placements = placements(r, n, given)?;
             replicas.push(ReplicaPipeline {
                 stages,
                 batch: ReplicaBatch {
@@ -159,12 +184,22 @@ impl GeneralPlan {
                     ),
                 };
                 let p = &r.placements;
-                let speeds: Vec<f64> = match p.iter().any(|p| p.speed.is_some()) {
-                    true => p.iter().map(|p| p.speed.unwrap_or(1.0)).collect(),
-                    false => Vec::new(),
-                };
-                let kinds: Vec<String> = match p.iter().all(|p| p.kind.is_some()) {
-                    true => p.iter().filter_map(|p| p.kind.clone()).collect(),
+                let (speeds, emulated): (Vec<f64>, Vec<bool>) =
+                    match p.iter().filter(|p| p.speed.is_some()).count() {
+                        0 => (Vec::new(), Vec::new()),
+                        n if n == p.len() => {
+                            (p.iter().filter_map(|p| p.speed).collect(), Vec::new())
+                        }
+                        _ => (
+                            p.iter().map(|p| p.speed.unwrap_or(1.0)).collect(),
+                            p.iter().map(|p| p.speed.is_some()).collect(),
+                        ),
+                    };
+                let kinds: Vec<String> = match p.iter().any(|p| p.kind.is_some()) {
+                    true => p
+                        .iter()
+                        .map(|p| p.kind.clone().unwrap_or_default())
+                        .collect(),
                     false => Vec::new(),
                 };
                 ReplicaFile {
@@ -174,6 +209,7 @@ impl GeneralPlan {
                     ranks: (!sequential).then(|| r.ranks.clone()),
                     devices: p.iter().map(|p| p.device.to_string()).collect(),
                     speeds,
+                    emulated,
                     kinds,
                 }
             })
@@ -185,20 +221,16 @@ impl GeneralPlan {
 fn layout(layers: LayersFile, num_layers: usize) -> Result<StageLayout, crate::LayoutError> {
     match layers {
         LayersFile::PerStage(per_stage) => StageLayout::new(per_stage, num_layers),
-        LayersFile::PerChunk(per_chunk) => {
-            let stages = per_chunk.first().map_or(0, Vec::len);
-            let chunks = per_chunk.len();
-            let pieces: Vec<usize> = per_chunk.into_iter().flatten().collect();
-            if pieces.len() != stages * chunks {
-                return Err(crate::LayoutError::ChunkShape {
-                    given: pieces.len(),
-                    stages,
-                    chunks,
-                });
-            }
-            StageLayout::interleaved(pieces, stages, num_layers)
-        }
+        LayersFile::PerChunk(per_chunk) => StageLayout::from_per_chunk(per_chunk, num_layers),
     }
+}
+
+/// A replica's per-stage placement lists as the file gives them.
+struct PlacementLists<'a> {
+    devices: &'a [String],
+    speeds: &'a [f64],
+    emulated: &'a [bool],
+    kinds: &'a [String],
 }
 
 /// Placements of a replica's file form: devices, speeds and kinds, each empty or one
@@ -206,24 +238,24 @@ fn layout(layers: LayersFile, num_layers: usize) -> Result<StageLayout, crate::L
 fn placements(
     replica: usize,
     stages: usize,
-    devices: &[String],
-    speeds: &[f64],
-    kinds: &[String],
+    given: PlacementLists<'_>,
 ) -> Result<Vec<RankPlacement>, GeneralPlanError> {
-    for (what, given) in [
-        ("devices", devices.len()),
-        ("speeds", speeds.len()),
-        ("kinds", kinds.len()),
-    ] {
-        if given != 0 && given != stages {
-            return Err(GeneralPlanError::PerStage {
-                replica,
-                what,
-                given,
-                stages,
-            });
-        }
-    }
+    let PlacementLists {
+        devices,
+        speeds,
+        emulated,
+        kinds,
+    } = given;
+    super::check_per_stage(
+        replica,
+        stages,
+        &[
+            ("devices", devices.len()),
+            ("speeds", speeds.len()),
+            ("emulated", emulated.len()),
+            ("kinds", kinds.len()),
+        ],
+    )?;
     if devices.is_empty() && speeds.is_empty() && kinds.is_empty() {
         return Ok(Vec::new());
     }
@@ -235,15 +267,17 @@ fn placements(
                     .map_err(|source| GeneralPlanError::Device { replica, source })?,
                 None => DeviceRequest::Auto,
             };
-            if let Some(&speed) = speeds.get(s) {
-                if !(speed > 0.0 && speed.is_finite()) {
-                    return Err(GeneralPlanError::Speed { replica, speed });
-                }
+            let speed = speeds
+                .get(s)
+                .copied()
+                .filter(|_| emulated.get(s).copied().unwrap_or(true));
+            if let Some(speed) = speed.filter(|&v| !(v > 0.0 && v <= 1.0)) {
+                return Err(GeneralPlanError::Speed { replica, speed });
             }
             Ok(RankPlacement {
                 device,
-                speed: speeds.get(s).copied(),
-                kind: kinds.get(s).cloned(),
+                speed,
+                kind: kinds.get(s).filter(|k| !k.is_empty()).cloned(),
             })
         })
         .collect()

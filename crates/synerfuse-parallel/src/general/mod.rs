@@ -2,8 +2,9 @@
 //! split, micro-batch size and count, and devices), with Megatron's grid as the special
 //! case, and the gradient segments such a plan reduces.
 //!
-//! Ranks are numbered replica by replica, stage by stage, unless a grid plan brought its
-//! own rank order (`from_grid` keeps it, so a converted grid runs on the same ranks).
+//! Ranks are numbered replica by replica, stage by stage, unless the plan brings its own
+//! rank order: a grid's (`from_grid` keeps it, so a converted grid runs on the same
+//! ranks), or the `ranks` of a plan file.
 
 use crate::{
     pipeline_schedule, GroupKind, Instruction, LayoutError, ParallelPlan, PlanError, RankPlacement,
@@ -42,6 +43,22 @@ pub enum GeneralPlanError {
         replica: usize,
         /// Why its layout is refused.
         source: LayoutError,
+    },
+    /// A replica whose stages hold another number of layers than replica 0's.
+    #[error("replica {replica} holds {layers} layers but replica 0 holds {first}; every replica holds the whole model")]
+    ReplicaLayers {
+        /// The replica.
+        replica: usize,
+        /// Its layers.
+        layers: usize,
+        /// Replica 0's layers.
+        first: usize,
+    },
+    /// Virtual chunks on a replica of one stage.
+    #[error("replica {replica}: virtual pipeline chunks need at least two pipeline stages")]
+    ChunksWithoutPipeline {
+        /// The replica.
+        replica: usize,
     },
     /// A replica without samples.
     #[error("replica {replica}: micro-batch size {micro_batch_size} × {num_micro_batches} micro-batches; both must be at least 1")]
@@ -96,8 +113,8 @@ pub enum GeneralPlanError {
     /// The grid it came from is inconsistent.
     #[error(transparent)]
     Grid(#[from] PlanError),
-    /// TOML that does not parse as a plan.
-    #[error("plan TOML: {0}")]
+    /// TOML (or JSON) that does not parse as a plan.
+    #[error("plan file: {0}")]
     Toml(String),
     /// A device name that is not one.
     #[error("replica {replica}: {source}")]
@@ -107,8 +124,10 @@ pub enum GeneralPlanError {
         /// Why.
         source: crate::UnknownDevice,
     },
-    /// An emulated speed that is not a positive number.
-    #[error("replica {replica}: speed {speed} must be a positive number")]
+    /// An emulated speed outside (0, 1].
+    #[error(
+        "replica {replica}: speed {speed} must be in (0, 1] (a fraction of the device's own speed)"
+    )]
     Speed {
         /// The replica.
         replica: usize,
@@ -315,13 +334,14 @@ fn check_replica(
     num_layers: usize,
 ) -> Result<(), GeneralPlanError> {
     if pipeline.stages.num_layers() != num_layers {
-        return Err(GeneralPlanError::Layout {
+        return Err(GeneralPlanError::ReplicaLayers {
             replica,
-            source: LayoutError::LayerSumMismatch {
-                expected: num_layers,
-                actual: pipeline.stages.num_layers(),
-            },
+            layers: pipeline.stages.num_layers(),
+            first: num_layers,
         });
+    }
+    if pipeline.stages.num_chunks() > 1 && pipeline.stages.num_stages() == 1 {
+        return Err(GeneralPlanError::ChunksWithoutPipeline { replica });
     }
     let b = pipeline.batch;
     if b.micro_batch_size == 0 || b.num_micro_batches == 0 {
@@ -332,11 +352,29 @@ fn check_replica(
         });
     }
     let stages = pipeline.stages.num_stages();
-    for (what, given) in [
-        ("ranks", pipeline.ranks.len()),
-        ("placements", pipeline.placements.len()),
-    ] {
-        if given != stages && !(what == "placements" && given == 0) {
+    if pipeline.ranks.len() != stages {
+        return Err(GeneralPlanError::PerStage {
+            replica,
+            what: "ranks",
+            given: pipeline.ranks.len(),
+            stages,
+        });
+    }
+    check_per_stage(
+        replica,
+        stages,
+        &[("placements", pipeline.placements.len())],
+    )
+}
+
+/// Each list of `given` (name, length) is empty or one per stage.
+pub(super) fn check_per_stage(
+    replica: usize,
+    stages: usize,
+    given: &[(&'static str, usize)],
+) -> Result<(), GeneralPlanError> {
+    for &(what, given) in given {
+        if given != 0 && given != stages {
             return Err(GeneralPlanError::PerStage {
                 replica,
                 what,
@@ -403,10 +441,28 @@ speeds = [1.0, 0.5]
     #[test]
     fn bad_files_name_the_replica() {
         let uneven = ASYMMETRIC.replace("layers = [4, 2]", "layers = [4, 3]");
-        assert!(matches!(
+        assert_eq!(
             GeneralPlan::from_toml(&uneven, None),
-            Err(GeneralPlanError::Layout { replica: 1, .. })
-        ));
+            Err(GeneralPlanError::ReplicaLayers {
+                replica: 1,
+                layers: 7,
+                first: 6
+            })
+        );
+        // Chunks on a single stage, and a speed above the device's own.
+        let chunks = ASYMMETRIC.replace("layers = [6]", "layers = [[3], [3]]");
+        assert_eq!(
+            GeneralPlan::from_toml(&chunks, None),
+            Err(GeneralPlanError::ChunksWithoutPipeline { replica: 0 })
+        );
+        let fast = ASYMMETRIC.replace("speeds = [1.0, 0.5]", "speeds = [1.5, 0.5]");
+        assert_eq!(
+            GeneralPlan::from_toml(&fast, None),
+            Err(GeneralPlanError::Speed {
+                replica: 1,
+                speed: 1.5
+            })
+        );
         let empty = ASYMMETRIC.replace("num_micro_batches = 2", "num_micro_batches = 0");
         assert!(matches!(
             GeneralPlan::from_toml(&empty, None),
@@ -514,6 +570,14 @@ kinds = ["cpu"]
         let stored = serde_json::to_string(&grid).unwrap();
         let general: GeneralPlan = serde_json::from_str(&stored).unwrap();
         assert_eq!(general.to_grid(), Some(grid));
+        // A replica mixing an emulated and a real device keeps both as they are.
+        let mut mixed = plan.replicas().to_vec();
+        mixed[0].placements[1].speed = Some(0.5);
+        mixed[0].placements[0].kind = None;
+        let mixed = GeneralPlan::new(mixed).unwrap();
+        let written = mixed.to_toml().unwrap();
+        assert!(written.contains("emulated = [false, true]"), "{written}");
+        assert_eq!(GeneralPlan::from_toml(&written, None).unwrap(), mixed);
         // `ranks` on some replicas only is refused by name.
         let partial = text.replace("ranks = [1]\n", "");
         assert_eq!(
@@ -554,14 +618,23 @@ kinds = ["cpu"]
             ]
         );
         assert_eq!(plan.chunk_pieces(2), vec![(5..8)]);
-        let described: Vec<String> = reductions.iter().map(|r| r.describe(6)).collect();
+        let described: Vec<String> = reductions.iter().map(|r| r.describe(6, true)).collect();
         assert_eq!(
             described,
             [
-                "layers 4..6, final norm and output layer over ranks [0, 2]",
-                "embedding, layers 0..4 over ranks [0, 1]",
+                "layers 4..6, final norm over ranks [0, 2]",
+                "layers 0..4 over ranks [0, 1]",
                 "the tied embedding and output layer over ranks [0, 1, 2]",
             ]
+        );
+        let untied = plan.gradient_reductions(false);
+        assert_eq!(
+            untied[1].describe(6, false),
+            "embedding, layers 0..4 over ranks [0, 1]"
+        );
+        assert_eq!(
+            untied[0].describe(6, false),
+            "layers 4..6, final norm and output layer over ranks [0, 2]"
         );
         assert_eq!(plan.chunk_pieces(0), vec![(0..8)]);
     }

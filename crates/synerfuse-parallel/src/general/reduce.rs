@@ -37,13 +37,14 @@ pub struct GradientReduction {
 
 impl GradientReduction {
     /// What it sums, for people: `embedding, layers 0..4 over ranks [0, 1]` (layers as
-    /// global index ranges of a model of `num_layers`).
-    pub fn describe(&self, num_layers: usize) -> String {
+    /// global index ranges of a model of `num_layers`; with `tied_embeddings` the
+    /// embedding and output layer are the tied reduction's, not their segments').
+    pub fn describe(&self, num_layers: usize, tied_embeddings: bool) -> String {
         let what = match &self.parameters {
             ReducedParameters::TiedEmbedding => "the tied embedding and output layer".to_owned(),
             ReducedParameters::Pieces(pieces) => {
                 let mut parts = Vec::new();
-                if pieces.start == 0 {
+                if pieces.start == 0 && !tied_embeddings {
                     parts.push("embedding".to_owned());
                 }
                 let layers = pieces.start.max(1) - 1..(pieces.end - 1).min(num_layers);
@@ -51,7 +52,10 @@ impl GradientReduction {
                     parts.push(format!("layers {}..{}", layers.start, layers.end));
                 }
                 if pieces.end == num_layers + 2 {
-                    parts.push("final norm and output layer".to_owned());
+                    parts.push(match tied_embeddings {
+                        true => "final norm".to_owned(),
+                        false => "final norm and output layer".to_owned(),
+                    });
                 }
                 parts.join(", ")
             }

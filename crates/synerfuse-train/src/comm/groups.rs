@@ -1,6 +1,7 @@
-//! A communicator for every group kind a rank belongs to, with members in Megatron's
-//! order (communicator rank i is the group's i-th member): NCCL where every member is a
-//! CUDA rank, MPI with host staging otherwise.
+//! Communicators over groups of ranks: [`SetGroups`] over any sets of ranks (what the
+//! trainer uses: one per gradient reduction's members), [`ProcessGroups`] over a grid's
+//! group kinds in Megatron's order (the multi-rank communicator checks). NCCL where every
+//! member is a CUDA rank, MPI with host staging otherwise.
 
 use super::nccl::PendingNccl;
 use super::{CommError, MpiCommunicator, NcclCommunicator, PendingAllReduce};
@@ -296,9 +297,9 @@ impl GroupCommunicator {
     }
 }
 
-/// Communicators over any sets of ranks (a replica's pipeline, the holders of a
-/// gradient segment), one per distinct set of two or more ranks, NCCL where every
-/// member computes on CUDA: the groups of a general plan, which no grid describes.
+/// Communicators over any sets of ranks (the holders of a gradient segment, every copy of
+/// a tied embedding), one per distinct set of two or more ranks, NCCL where every member
+/// computes on CUDA: the groups of a general plan, which no grid describes.
 pub struct SetGroups {
     groups: HashMap<Vec<usize>, GroupCommunicator>,
     devices: Vec<RankDevice>,
@@ -336,11 +337,22 @@ impl SetGroups {
         check_and_log(world, &devices, sets.iter().cloned())?;
         let rank = world.rank();
         let mut groups = HashMap::new();
+        // The first NCCL communicator's stream carries every group's collectives: one
+        // stream runs them in issue order, which is the plan's global order on every rank.
+        let mut first_nccl: Option<Vec<usize>> = None;
         for members in sets {
             let key = members.iter().position(|&r| r == rank);
             if let Some(comm) = world.split(key.map(|_| 0), key.unwrap_or(0)) {
                 let comm = comm.with_name(format!("the group of ranks {members:?}"));
-                let group = GroupCommunicator::over(comm, &members, &devices)?;
+                let mut group = GroupCommunicator::over(comm, &members, &devices)?;
+                if let Some(nccl) = group.nccl.as_mut() {
+                    match first_nccl.as_ref().and_then(|m| groups.get(m)) {
+                        Some(GroupCommunicator {
+                            nccl: Some(first), ..
+                        }) => nccl.share_stream_of(first),
+                        _ => first_nccl = Some(members.clone()),
+                    }
+                }
                 groups.insert(members, group);
             }
         }

@@ -60,6 +60,14 @@ impl Drop for PendingNccl {
 }
 
 impl NcclCommunicator {
+    /// Runs this communicator's work on `other`'s stream from now on: collectives of
+    /// several communicators on one stream run in the order they are issued, so ranks
+    /// that issue them in one global order cannot deadlock on NCCL kernels that wait for
+    /// each other across communicators.
+    pub(crate) fn share_stream_of(&mut self, other: &NcclCommunicator) {
+        self.stream = Arc::clone(&other.stream);
+    }
+
     /// Whether NCCL and the CUDA driver library can be loaded in this process.
     pub fn available() -> bool {
         // SAFETY: these only try to dlopen the libraries.

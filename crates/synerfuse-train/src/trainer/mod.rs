@@ -220,10 +220,8 @@ fn build_optimizer(config: &TrainConfig, chunks: &mut [Stage]) -> Result<AdamW, 
 pub struct Trainer<'w> {
     config: TrainConfig,
     world: &'w MpiCommunicator,
-    /// This rank's communicators: its replica's pipeline and its gradient reductions.
+    /// This rank's communicators for its gradient reductions.
     groups: SetGroups,
-    /// This replica's ranks, ascending (the norm's group).
-    pipeline: Vec<usize>,
     /// How activations reach the neighbouring stages.
     links: PipelineLinks,
     chunks: Vec<Stage>,
@@ -260,14 +258,7 @@ impl<'w> Trainer<'w> {
         }
         let plan = &config.parallel.plan;
         let reductions = plan.gradient_reductions(config.model.tie_word_embeddings);
-        let mut pipeline = plan.replicas()[replica].ranks.clone();
-        pipeline.sort_unstable();
-        let sets = plan.pipelines().into_iter();
-        let groups = SetGroups::new(
-            world,
-            device,
-            sets.chain(reductions.iter().map(|r| r.members.clone())),
-        )?;
+        let groups = SetGroups::new(world, device, reductions.iter().map(|r| r.members.clone()))?;
         let mut chunks = build_chunks(&config, (replica, stage_index), device)?;
         let optimizer = build_optimizer(&config, &mut chunks)?;
         let mut programs = plan.schedule(config.parallel.schedule)?;
@@ -290,7 +281,6 @@ impl<'w> Trainer<'w> {
         let mut trainer = Trainer {
             world,
             groups,
-            pipeline,
             links,
             chunks,
             optimizer,
@@ -555,21 +545,27 @@ impl<'w> Trainer<'w> {
 
     /// The fp32 main gradients, each segment reduced over its holders (the tied
     /// embedding over every copy), with their global norm: every parameter once (the
-    /// tied copy on the last stage skipped), summed over the stages of this replica.
+    /// tied copy on the last stage skipped), from replica 0's ranks and summed over the
+    /// world, so every replica clips by the very same factor (replicas of different
+    /// pipelines would sum their squares in different orders).
     fn reduced_gradients(&mut self) -> Result<(BTreeMap<String, Tensor>, f64), TrainError> {
         self.grads.finish(&self.groups)?;
         let grads = self.grads.grads();
         let skip_tied = self.holds_tied_copy();
-        let mut norm_sq = Tensor::from_slice(&[grads
-            .iter()
-            .filter(|(n, _)| !(skip_tied && n.as_str() == EMBEDDING))
-            .map(|(_, g)| {
-                let g = g.to_kind(Kind::Double);
-                (&g * &g).sum(Kind::Double).double_value(&[])
-            })
-            .sum::<f64>()]);
-        if let Some(pipeline) = self.groups.get(&self.pipeline) {
-            pipeline.all_reduce_sum(&mut norm_sq)?;
+        let local: f64 = match self.replica {
+            0 => grads
+                .iter()
+                .filter(|(n, _)| !(skip_tied && n.as_str() == EMBEDDING))
+                .map(|(_, g)| {
+                    let g = g.to_kind(Kind::Double);
+                    (&g * &g).sum(Kind::Double).double_value(&[])
+                })
+                .sum(),
+            _ => 0.0,
+        };
+        let mut norm_sq = Tensor::from_slice(&[local]);
+        if self.world.size() > 1 {
+            self.world.all_reduce_sum(&mut norm_sq)?;
         }
         Ok((grads, norm_sq.double_value(&[0]).sqrt()))
     }
