@@ -377,6 +377,12 @@ impl TrainArgs {
                 plan.world_size()
             );
         }
+        if plan.has_tensor_parallelism() {
+            bail!(
+                "plan {}: tensor-parallel stages (tp > 1) are not run by the trainer yet; give every stage one rank",
+                path.display()
+            );
+        }
         Ok(plan)
     }
 
@@ -710,7 +716,7 @@ fn log_run(config: &TrainConfig, world_size: usize, threads: usize) {
         ),
     }
     let tied = config.model.tie_word_embeddings;
-    for reduction in plan.gradient_reductions(tied) {
+    for reduction in plan.gradient_reductions(tied).unwrap_or_default() {
         tracing::info!(
             "gradient reduction: {}",
             reduction.describe(plan.num_layers(), tied)

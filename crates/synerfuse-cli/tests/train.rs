@@ -718,6 +718,13 @@ fn contradictory_flags_are_named() {
     let five_samples = plan("five-samples", &[("[4]", 2, 1), ("[3, 1]", 1, 3)]);
     let odd_interleaved = plan("odd-interleaved", &[("[[1, 1], [1, 1]]", 2, 3)]);
     let one_stage_chunks = plan("one-stage-chunks", &[("[[2], [2]]", 6, 1)]);
+    let tensor_parallel = dir.path().join("tensor-parallel.toml");
+    std::fs::write(
+        &tensor_parallel,
+        "[[replica]]\nlayers = [2, 2]\ntp = [2, 1]\nmicro_batch_size = 3\nnum_micro_batches = 2\n",
+    )
+    .unwrap();
+    let tensor_parallel = tensor_parallel.display().to_string();
     for (flags, expected) in [
         (
             vec!["--nproc", "2", "--plan", &three_ranks],
@@ -743,6 +750,10 @@ fn contradictory_flags_are_named() {
         (
             vec!["--nproc", "2", "--plan", &odd_interleaved],
             "replica 0: the interleaved schedule needs the micro-batch count (3)",
+        ),
+        (
+            vec!["--nproc", "3", "--plan", &tensor_parallel],
+            "tensor-parallel stages (tp > 1) are not run by the trainer yet",
         ),
         (
             vec!["--nproc", "1", "--plan", &one_stage_chunks],

@@ -84,6 +84,17 @@ pub enum TrainError {
         /// The model's layers.
         model: usize,
     },
+    /// A plan with tensor-parallel stages, which the model runs (`Stage::new_sharded`)
+    /// but the trainer does not wire up yet.
+    #[error("replica {replica} stage {stage} runs on {size} tensor-parallel ranks; the trainer does not run tensor parallelism yet (each stage on one rank)")]
+    TensorParallelism {
+        /// The replica.
+        replica: usize,
+        /// The stage.
+        stage: usize,
+        /// Its tensor-parallel size.
+        size: usize,
+    },
     /// Virtual pipeline chunks without a pipeline.
     #[error("replica {replica}: virtual pipeline chunks need at least two pipeline stages")]
     ChunksWithoutPipeline {

@@ -54,15 +54,15 @@ fn replica(layers: usize, draw: &ReplicaDraw, first_rank: usize) -> ReplicaPipel
     };
     let stages = pieces.len() / chunks;
     let num_micro_batches = if chunks > 1 { stages * factor } else { *factor };
-    ReplicaPipeline {
-        stages: StageLayout::interleaved(pieces, stages, layers).unwrap(),
-        batch: ReplicaBatch {
+    ReplicaPipeline::single_ranks(
+        StageLayout::interleaved(pieces, stages, layers).unwrap(),
+        ReplicaBatch {
             micro_batch_size: *mbs,
             num_micro_batches,
         },
-        ranks: (first_rank..first_rank + stages).collect(),
-        placements: Vec::new(),
-    }
+        (first_rank..first_rank + stages).collect(),
+        Vec::new(),
+    )
 }
 
 fn plan(layers: usize, draws: &[ReplicaDraw]) -> GeneralPlan {
@@ -93,7 +93,7 @@ proptest! {
     ) {
         let plan = plan(layers, &draws);
         let config = tiny(layers, tied);
-        let reductions = plan.gradient_reductions(tied);
+        let reductions = plan.gradient_reductions(tied).unwrap();
         // parameter name → (holding ranks, members of the reduction each holder uses).
         let mut holders: BTreeMap<String, Vec<usize>> = BTreeMap::new();
         let mut used: BTreeMap<String, Vec<Vec<usize>>> = BTreeMap::new();

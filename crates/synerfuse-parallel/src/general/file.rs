@@ -23,18 +23,25 @@ struct ReplicaFile {
     layers: LayersFile,
     micro_batch_size: usize,
     num_micro_batches: usize,
-    /// The global rank of each stage (default: replica by replica, stage by stage).
+    /// Each stage's tensor-parallel size (default: 1 each).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    tp: Vec<usize>,
+    /// Each stage's tensor-parallel shares (default: even).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    tp_shares: Vec<Vec<u32>>,
+    /// The global rank of each rank of the replica, stage by stage, a stage's
+    /// tensor-parallel ranks together (default: numbered replica by replica).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     ranks: Option<Vec<usize>>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     devices: Vec<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     speeds: Vec<f64>,
-    /// Which stages' speeds emulate a device (default: all of them); written only when a
+    /// Which ranks' speeds emulate a device (default: all of them); written only when a
     /// replica mixes emulated and real devices, whose speed is then written as 1.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     emulated: Vec<bool>,
-    /// The cluster file's device kind of each stage, for people and tools ("" for none).
+    /// The cluster file's device kind of each rank, for people and tools ("" for none).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     kinds: Vec<String>,
 }
@@ -126,36 +133,9 @@ impl GeneralPlan {
         let mut next_rank = 0;
         let mut replicas = Vec::with_capacity(file.replica.len());
         for (r, replica) in file.replica.into_iter().enumerate() {
-            let stages = layout(replica.layers, num_layers).map_err(|source| match source {
-                crate::LayoutError::LayerSumMismatch { actual, .. } => {
-                    GeneralPlanError::ReplicaLayers {
-                        replica: r,
-                        layers: actual,
-                        first: num_layers,
-                    }
-                }
-                source => GeneralPlanError::Layout { replica: r, source },
-            })?;
-            let n = stages.num_stages();
-            let given = PlacementLists {
-                devices: &replica.devices,
-                speeds: &replica.speeds,
-                emulated: &replica.emulated,
-                kinds: &replica.kinds,
-            };
-            let placements = placements(r, n, given)?;
-            replicas.push(ReplicaPipeline {
-                stages,
-                batch: ReplicaBatch {
-                    micro_batch_size: replica.micro_batch_size,
-                    num_micro_batches: replica.num_micro_batches,
-                },
-                ranks: replica
-                    .ranks
-                    .unwrap_or_else(|| (next_rank..next_rank + n).collect()),
-                placements,
-            });
-            next_rank += n;
+            let pipeline = replica_pipeline(r, replica, num_layers, next_rank)?;
+            next_rank += pipeline.all_ranks().count();
+            replicas.push(pipeline);
         }
         Self::new(replicas)
     }
@@ -164,57 +144,133 @@ impl GeneralPlan {
         let sequential = self
             .replicas
             .iter()
-            .flat_map(|r| &r.ranks)
+            .flat_map(ReplicaPipeline::all_ranks)
             .enumerate()
-            .all(|(i, &rank)| i == rank);
-        let replica = self
-            .replicas
+            .all(|(i, rank)| i == rank);
+        PlanFile {
+            replica: self
+                .replicas
+                .iter()
+                .map(|r| replica_file(r, sequential))
+                .collect(),
+        }
+    }
+}
+
+/// Replica `r` of a file whose ranks are numbered from `first_rank` unless it lists them.
+fn replica_pipeline(
+    r: usize,
+    replica: ReplicaFile,
+    num_layers: usize,
+    first_rank: usize,
+) -> Result<ReplicaPipeline, GeneralPlanError> {
+    let stages = layout(replica.layers, num_layers).map_err(|source| match source {
+        crate::LayoutError::LayerSumMismatch { actual, .. } => GeneralPlanError::ReplicaLayers {
+            replica: r,
+            layers: actual,
+            first: num_layers,
+        },
+        source => GeneralPlanError::Layout { replica: r, source },
+    })?;
+    let n = stages.num_stages();
+    super::check_per_stage(
+        r,
+        n,
+        &[
+            ("tp", replica.tp.len()),
+            ("tp_shares", replica.tp_shares.len()),
+        ],
+    )?;
+    let tp = match replica.tp.is_empty() {
+        true => vec![1; n],
+        false => replica.tp,
+    };
+    let total = tp.iter().fold(0usize, |a, &b| a.saturating_add(b));
+    let flat = replica
+        .ranks
+        .unwrap_or_else(|| (first_rank..first_rank.saturating_add(total)).collect());
+    super::check_per_rank(r, total, &[("ranks", flat.len())])?;
+    let mut rest = flat.as_slice();
+    let ranks = tp
+        .iter()
+        .map(|&size| {
+            let (stage, tail) = rest.split_at(size.min(rest.len()));
+            rest = tail;
+            stage.to_vec()
+        })
+        .collect();
+    let given = PlacementLists {
+        devices: &replica.devices,
+        speeds: &replica.speeds,
+        emulated: &replica.emulated,
+        kinds: &replica.kinds,
+    };
+    Ok(ReplicaPipeline {
+        stages,
+        batch: ReplicaBatch {
+            micro_batch_size: replica.micro_batch_size,
+            num_micro_batches: replica.num_micro_batches,
+        },
+        ranks,
+        tp_shares: replica.tp_shares.into_iter().map(Some).collect(),
+        placements: placements(r, total, given)?,
+    })
+}
+
+/// The file form of `r`; its `ranks` only when the plan's are not `sequential`.
+fn replica_file(r: &ReplicaPipeline, sequential: bool) -> ReplicaFile {
+    let p = &r.placements;
+    let (speeds, emulated): (Vec<f64>, Vec<bool>) =
+        match p.iter().filter(|p| p.speed.is_some()).count() {
+            0 => (Vec::new(), Vec::new()),
+            n if n == p.len() => (p.iter().filter_map(|p| p.speed).collect(), Vec::new()),
+            _ => (
+                p.iter().map(|p| p.speed.unwrap_or(1.0)).collect(),
+                p.iter().map(|p| p.speed.is_some()).collect(),
+            ),
+        };
+    let kinds: Vec<String> = match p.iter().any(|p| p.kind.is_some()) {
+        true => p
             .iter()
-            .map(|r| {
-                let layers = match r.stages.num_chunks() {
-                    1 => LayersFile::PerStage(r.stages.layers()),
-                    chunks => LayersFile::PerChunk(
-                        (0..chunks)
-                            .map(|c| {
-                                (0..r.stages.num_stages())
-                                    .map(|s| r.stages.chunk_range(s, c).map_or(0, |l| l.len()))
-                                    .collect()
-                            })
-                            .collect(),
-                    ),
-                };
-                let p = &r.placements;
-                let (speeds, emulated): (Vec<f64>, Vec<bool>) =
-                    match p.iter().filter(|p| p.speed.is_some()).count() {
-                        0 => (Vec::new(), Vec::new()),
-                        n if n == p.len() => {
-                            (p.iter().filter_map(|p| p.speed).collect(), Vec::new())
-                        }
-                        _ => (
-                            p.iter().map(|p| p.speed.unwrap_or(1.0)).collect(),
-                            p.iter().map(|p| p.speed.is_some()).collect(),
-                        ),
-                    };
-                let kinds: Vec<String> = match p.iter().any(|p| p.kind.is_some()) {
-                    true => p
-                        .iter()
-                        .map(|p| p.kind.clone().unwrap_or_default())
-                        .collect(),
-                    false => Vec::new(),
-                };
-                ReplicaFile {
-                    layers,
-                    micro_batch_size: r.batch.micro_batch_size,
-                    num_micro_batches: r.batch.num_micro_batches,
-                    ranks: (!sequential).then(|| r.ranks.clone()),
-                    devices: p.iter().map(|p| p.device.to_string()).collect(),
-                    speeds,
-                    emulated,
-                    kinds,
-                }
-            })
-            .collect();
-        PlanFile { replica }
+            .map(|p| p.kind.clone().unwrap_or_default())
+            .collect(),
+        false => Vec::new(),
+    };
+    let stages = r.stages.num_stages();
+    let tp: Vec<usize> = (0..stages).map(|s| r.tp_size(s)).collect();
+    ReplicaFile {
+        layers: layers_file(&r.stages),
+        micro_batch_size: r.batch.micro_batch_size,
+        num_micro_batches: r.batch.num_micro_batches,
+        tp_shares: match r.tp_shares.iter().any(Option::is_some) {
+            true => (0..stages).map(|s| r.shares(s)).collect(),
+            false => Vec::new(),
+        },
+        tp: match tp.iter().any(|&t| t > 1) {
+            true => tp,
+            false => Vec::new(),
+        },
+        ranks: (!sequential).then(|| r.all_ranks().collect()),
+        devices: p.iter().map(|p| p.device.to_string()).collect(),
+        speeds,
+        emulated,
+        kinds,
+    }
+}
+
+/// Layers per stage, or per chunk and stage when interleaved.
+fn layers_file(stages: &StageLayout) -> LayersFile {
+    match stages.num_chunks() {
+        1 => LayersFile::PerStage(stages.layers()),
+        chunks => LayersFile::PerChunk(
+            (0..chunks)
+                .map(|c| {
+                    (0..stages.num_stages())
+                        .map(|s| stages.chunk_range(s, c).map_or(0, |l| l.len()))
+                        .collect()
+                })
+                .collect(),
+        ),
     }
 }
 
@@ -234,10 +290,10 @@ struct PlacementLists<'a> {
 }
 
 /// Placements of a replica's file form: devices, speeds and kinds, each empty or one
-/// per stage.
+/// per rank of the replica.
 fn placements(
     replica: usize,
-    stages: usize,
+    ranks: usize,
     given: PlacementLists<'_>,
 ) -> Result<Vec<RankPlacement>, GeneralPlanError> {
     let PlacementLists {
@@ -246,9 +302,9 @@ fn placements(
         emulated,
         kinds,
     } = given;
-    super::check_per_stage(
+    super::check_per_rank(
         replica,
-        stages,
+        ranks,
         &[
             ("devices", devices.len()),
             ("speeds", speeds.len()),
@@ -259,7 +315,7 @@ fn placements(
     if devices.is_empty() && speeds.is_empty() && kinds.is_empty() {
         return Ok(Vec::new());
     }
-    (0..stages)
+    (0..ranks)
         .map(|s| {
             let device = match devices.get(s) {
                 Some(name) => name

@@ -7,7 +7,7 @@
 //! ranks), or the `ranks` of a plan file.
 
 use crate::{
-    pipeline_schedule, GroupKind, Instruction, LayoutError, ParallelPlan, PlanError, RankPlacement,
+    pipeline_schedule, Instruction, LayoutError, ParallelPlan, PlanError, RankPlacement,
     ReplicaBatch, ReplicaBatches, ScheduleError, ScheduleKind, StageLayout, TopologySpec,
     DEFAULT_ORDER, TP_PP_DP_ORDER,
 };
@@ -17,17 +17,69 @@ mod reduce;
 
 pub use reduce::{GradientReduction, GradientSegment, ReducedParameters};
 
-/// One replica: a pipeline of stages with its own batch and ranks.
+/// One replica: a pipeline of stages with its own batch and ranks; a stage runs on one
+/// rank or on a tensor-parallel group of its own size and shares.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReplicaPipeline {
     /// Layers per stage (and virtual chunk).
     pub stages: StageLayout,
     /// Micro-batch size and count.
     pub batch: ReplicaBatch,
-    /// The global rank of each stage, in stage order.
-    pub ranks: Vec<usize>,
-    /// Where each stage's rank computes, in stage order (empty: the run's default device).
+    /// Each stage's global ranks, in stage order: one rank, or the stage's tensor-parallel
+    /// group in tensor-parallel order.
+    pub ranks: Vec<Vec<usize>>,
+    /// Each stage's tensor-parallel shares (empty, or one entry per stage; `None`: even).
+    pub tp_shares: Vec<Option<Vec<u32>>>,
+    /// Where each rank computes, in the order of `ranks` flattened (empty: the run's
+    /// default device).
     pub placements: Vec<RankPlacement>,
+}
+
+impl ReplicaPipeline {
+    /// A replica whose stages each run on one rank: `ranks[stage]`.
+    pub fn single_ranks(
+        stages: StageLayout,
+        batch: ReplicaBatch,
+        ranks: Vec<usize>,
+        placements: Vec<RankPlacement>,
+    ) -> Self {
+        ReplicaPipeline {
+            stages,
+            batch,
+            ranks: ranks.into_iter().map(|r| vec![r]).collect(),
+            tp_shares: Vec::new(),
+            placements,
+        }
+    }
+
+    /// The replica's ranks, stage by stage.
+    pub fn all_ranks(&self) -> impl Iterator<Item = usize> + '_ {
+        self.ranks.iter().flatten().copied()
+    }
+
+    /// The tensor-parallel size of `stage`.
+    pub fn tp_size(&self, stage: usize) -> usize {
+        self.ranks[stage].len()
+    }
+
+    /// The tensor-parallel shares of `stage` in lowest terms (all 1 when even).
+    pub fn shares(&self, stage: usize) -> Vec<u32> {
+        match self.tp_shares.get(stage).and_then(Option::as_ref) {
+            Some(shares) => {
+                let g = shares.iter().fold(0, |a, &b| gcd(a, b)).max(1);
+                shares.iter().map(|s| s / g).collect()
+            }
+            None => vec![1; self.tp_size(stage)],
+        }
+    }
+}
+
+fn gcd(a: u32, b: u32) -> u32 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
 }
 
 /// A general plan that cannot be built.
@@ -81,6 +133,39 @@ pub enum GeneralPlanError {
         given: usize,
         /// Its stages.
         stages: usize,
+    },
+    /// A placement list that is not one per rank of the replica.
+    #[error("replica {replica}: {given} {what} for its {ranks} ranks")]
+    PerRank {
+        /// The replica.
+        replica: usize,
+        /// `devices`, `speeds`, `kinds` or `placements`.
+        what: &'static str,
+        /// Entries given.
+        given: usize,
+        /// The replica's ranks.
+        ranks: usize,
+    },
+    /// A stage without ranks, or tensor-parallel shares that are not one positive share
+    /// per rank of the stage.
+    #[error("replica {replica} stage {stage}: tensor-parallel shares {shares:?} for {size} ranks (one positive share per rank, at least one rank)")]
+    TpShares {
+        /// The replica.
+        replica: usize,
+        /// The stage.
+        stage: usize,
+        /// The shares given.
+        shares: Vec<u32>,
+        /// The stage's ranks.
+        size: usize,
+    },
+    /// Holders of one gradient reduction with different tensor-parallel splits.
+    #[error("{what} is held by stages with different tensor-parallel shares {shares:?}; reducing shards of different splits is not supported yet")]
+    MixedTensorParallel {
+        /// What is held: a segment's pieces or the tied embedding.
+        what: String,
+        /// Each holder's shares in lowest terms.
+        shares: Vec<Vec<u32>>,
     },
     /// Ranks that are not each of 0..world size exactly once.
     #[error("the stages' ranks are not 0..{world_size} each once (rank {rank} is {problem})")]
@@ -174,7 +259,7 @@ impl GeneralPlan {
     fn check_ranks(&self) -> Result<(), GeneralPlanError> {
         let world_size = self.world_size();
         let mut seen = vec![false; world_size];
-        for &rank in self.replicas.iter().flat_map(|r| &r.ranks) {
+        for rank in self.replicas.iter().flat_map(ReplicaPipeline::all_ranks) {
             let problem = match seen.get_mut(rank) {
                 None => "out of range",
                 Some(true) => "repeated",
@@ -199,7 +284,14 @@ impl GeneralPlan {
 
     /// Ranks over all replicas.
     pub fn world_size(&self) -> usize {
-        self.replicas.iter().map(|r| r.stages.num_stages()).sum()
+        self.replicas.iter().map(|r| r.all_ranks().count()).sum()
+    }
+
+    /// Whether some stage runs on a tensor-parallel group.
+    pub fn has_tensor_parallelism(&self) -> bool {
+        self.replicas
+            .iter()
+            .any(|r| r.ranks.iter().any(|s| s.len() > 1))
     }
 
     /// Decoder layers of the model.
@@ -215,13 +307,18 @@ impl GeneralPlan {
 
     /// Where `rank` computes, when the plan says.
     pub fn placement(&self, rank: usize) -> Option<&RankPlacement> {
-        let (replica, stage) = self.position(rank)?;
-        self.replicas[replica].placements.get(stage)
+        let (replica, _) = self.position(rank)?;
+        let replica = &self.replicas[replica];
+        let index = replica.all_ranks().position(|r| r == rank)?;
+        replica.placements.get(index)
     }
 
-    /// Each replica's ranks in stage order (its pipeline).
+    /// Each replica's ranks, stage by stage (its pipeline).
     pub fn pipelines(&self) -> Vec<Vec<usize>> {
-        self.replicas.iter().map(|r| r.ranks.clone()).collect()
+        self.replicas
+            .iter()
+            .map(|r| r.all_ranks().collect())
+            .collect()
     }
 
     /// Every rank's program for one step (indexed by rank; peers are global ranks): each
@@ -239,10 +336,9 @@ impl GeneralPlan {
                 pipeline_schedule(kind, stages, chunks, replica.batch.num_micro_batches)
                     .map_err(|source| GeneralPlanError::Schedule { replica: r, source })?;
             for (stage, program) in per_stage.into_iter().enumerate() {
-                programs[replica.ranks[stage]] = program
-                    .into_iter()
-                    .map(|i| i.map_peer(|s| replica.ranks[s]))
-                    .collect();
+                for (tp, &rank) in replica.ranks[stage].iter().enumerate() {
+                    programs[rank] = tp_program(&program, &replica.ranks, stage, tp);
+                }
             }
         }
         Ok(programs)
@@ -256,16 +352,24 @@ impl GeneralPlan {
     /// (replica, stage) of `rank`.
     pub fn position(&self, rank: usize) -> Option<(usize, usize)> {
         self.replicas.iter().enumerate().find_map(|(r, replica)| {
-            let stage = replica.ranks.iter().position(|&x| x == rank)?;
+            let stage = replica.ranks.iter().position(|s| s.contains(&rank))?;
             Some((r, stage))
         })
     }
 
-    /// The general form of a grid plan (tensor, context and expert sizes 1), on the
-    /// grid's own ranks.
+    /// `rank`'s index in its stage's tensor-parallel group (0 without one).
+    pub fn tp_rank(&self, rank: usize) -> Option<usize> {
+        let (replica, stage) = self.position(rank)?;
+        self.replicas[replica].ranks[stage]
+            .iter()
+            .position(|&r| r == rank)
+    }
+
+    /// The general form of a grid plan (context and expert sizes 1; tensor parallelism
+    /// even on every stage), on the grid's own ranks.
     pub fn from_grid(plan: &ParallelPlan) -> Result<Self, GeneralPlanError> {
         let t = &plan.topology;
-        if !t.is_pipeline_and_data_only() {
+        if t.cp != 1 || t.ep != 1 {
             return Err(GeneralPlanError::Unsupported {
                 tp: t.tp,
                 cp: t.cp,
@@ -273,19 +377,37 @@ impl GeneralPlan {
             });
         }
         let topology = plan.topology()?;
-        let mut pipelines = topology.groups(GroupKind::Pp);
-        pipelines.sort_by_key(|ranks| topology.coordinates(ranks[0]).map_or(usize::MAX, |c| c.dp));
-        let replicas = pipelines
-            .into_iter()
-            .zip(plan.batches.replicas())
-            .map(|(ranks, &batch)| ReplicaPipeline {
-                stages: plan.stages.clone(),
-                batch,
-                placements: ranks
-                    .iter()
-                    .filter_map(|&rank| plan.ranks.get(rank).cloned())
-                    .collect(),
-                ranks,
+        let rank_of = |dp: usize, pp: usize, tp: usize| {
+            topology
+                .rank(&crate::Coordinates {
+                    tp,
+                    cp: 0,
+                    ep: 0,
+                    dp,
+                    pp,
+                })
+                .expect("coordinates within the grid")
+        };
+        let replicas = plan
+            .batches
+            .replicas()
+            .iter()
+            .enumerate()
+            .map(|(dp, &batch)| {
+                let ranks: Vec<Vec<usize>> = (0..t.pp)
+                    .map(|pp| (0..t.tp).map(|tp| rank_of(dp, pp, tp)).collect())
+                    .collect();
+                ReplicaPipeline {
+                    stages: plan.stages.clone(),
+                    batch,
+                    placements: ranks
+                        .iter()
+                        .flatten()
+                        .filter_map(|&rank| plan.ranks.get(rank).cloned())
+                        .collect(),
+                    ranks,
+                    tp_shares: Vec::new(),
+                }
             })
             .collect();
         Self::new(replicas)
@@ -296,12 +418,20 @@ impl GeneralPlan {
     /// stage); `None` for a plan only the general form expresses.
     pub fn to_grid(&self) -> Option<ParallelPlan> {
         let stages = &self.replicas[0].stages;
-        if self.replicas.iter().any(|r| &r.stages != stages) {
+        let tp = self.replicas[0].tp_size(0);
+        let even = |r: &ReplicaPipeline| {
+            (0..r.stages.num_stages()).all(|s| r.tp_size(s) == tp && r.shares(s) == vec![1; tp])
+        };
+        if self
+            .replicas
+            .iter()
+            .any(|r| &r.stages != stages || !even(r))
+        {
             return None;
         }
         let mut placements = vec![None; self.world_size()];
         for replica in &self.replicas {
-            for (&rank, placement) in replica.ranks.iter().zip(&replica.placements) {
+            for (rank, placement) in replica.all_ranks().zip(&replica.placements) {
                 placements[rank] = Some(placement.clone());
             }
         }
@@ -315,7 +445,7 @@ impl GeneralPlan {
             .find_map(|order| {
                 let spec = TopologySpec {
                     world_size: self.world_size(),
-                    tp: 1,
+                    tp,
                     pp: stages.num_stages(),
                     cp: 1,
                     ep: 1,
@@ -360,11 +490,70 @@ fn check_replica(
             stages,
         });
     }
-    check_per_stage(
-        replica,
-        stages,
-        &[("placements", pipeline.placements.len())],
-    )
+    check_per_stage(replica, stages, &[("tp_shares", pipeline.tp_shares.len())])?;
+    for (stage, ranks) in pipeline.ranks.iter().enumerate() {
+        let shares = pipeline.tp_shares.get(stage).and_then(Option::as_ref);
+        let bad_shares = shares.is_some_and(|s| s.len() != ranks.len() || s.contains(&0));
+        if ranks.is_empty() || bad_shares {
+            return Err(GeneralPlanError::TpShares {
+                replica,
+                stage,
+                shares: shares.cloned().unwrap_or_default(),
+                size: ranks.len(),
+            });
+        }
+    }
+    let ranks = pipeline.all_ranks().count();
+    check_per_rank(replica, ranks, &[("placements", pipeline.placements.len())])
+}
+
+/// Each list of `given` (name, length) is empty or one per rank of the replica.
+pub(super) fn check_per_rank(
+    replica: usize,
+    ranks: usize,
+    given: &[(&'static str, usize)],
+) -> Result<(), GeneralPlanError> {
+    match given.iter().find(|&&(_, n)| n != 0 && n != ranks) {
+        Some(&(what, given)) => Err(GeneralPlanError::PerRank {
+            replica,
+            what,
+            given,
+            ranks,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Stage `stage`'s program (peers are stage indices) for its tensor-parallel rank `tp`,
+/// peers mapped to global ranks: receiver j of a stage of `a` ranks takes its input from
+/// rank j mod a of the sending stage (without sequence parallelism every rank of a group
+/// holds the whole activation), so a sender sends to every receiver it serves.
+fn tp_program(
+    program: &[Instruction],
+    ranks: &[Vec<usize>],
+    stage: usize,
+    tp: usize,
+) -> Vec<Instruction> {
+    let size = ranks[stage].len();
+    program
+        .iter()
+        .flat_map(|&instruction| -> Vec<Instruction> {
+            match instruction {
+                Instruction::Send(m) => ranks[m.peer]
+                    .iter()
+                    .enumerate()
+                    .filter(|(j, _)| j % size == tp)
+                    .map(|(_, &peer)| Instruction::Send(crate::Message { peer, ..m }))
+                    .collect(),
+                Instruction::Recv(m) => {
+                    let senders = &ranks[m.peer];
+                    let peer = senders[tp % senders.len()];
+                    vec![Instruction::Recv(crate::Message { peer, ..m })]
+                }
+                compute => vec![compute],
+            }
+        })
+        .collect()
 }
 
 /// Each list of `given` (name, length) is empty or one per stage.
@@ -428,11 +617,13 @@ speeds = [1.0, 0.5]
             [
                 GradientSegment {
                     pieces: 0..5,
-                    holders: vec![0, 1]
+                    holders: vec![vec![0], vec![1]],
+                    shares: vec![vec![1], vec![1]],
                 },
                 GradientSegment {
                     pieces: 5..8,
-                    holders: vec![0, 2]
+                    holders: vec![vec![0], vec![2]],
+                    shares: vec![vec![1], vec![1]],
                 },
             ]
         );
@@ -471,10 +662,11 @@ speeds = [1.0, 0.5]
         let devices = ASYMMETRIC.replace(r#"devices = ["cpu", "cpu"]"#, r#"devices = ["cpu"]"#);
         assert!(matches!(
             GeneralPlan::from_toml(&devices, None),
-            Err(GeneralPlanError::PerStage {
+            Err(GeneralPlanError::PerRank {
                 replica: 1,
                 what: "devices",
-                ..
+                given: 1,
+                ranks: 2
             })
         ));
         assert!(matches!(
@@ -599,7 +791,7 @@ kinds = ["cpu"]
         assert!(programs[1]
             .iter()
             .any(|i| matches!(i, Instruction::Send(m) if m.peer == 2)));
-        let reductions = plan.gradient_reductions(true);
+        let reductions = plan.gradient_reductions(true).unwrap();
         assert_eq!(
             reductions,
             [
@@ -627,7 +819,7 @@ kinds = ["cpu"]
                 "the tied embedding and output layer over ranks [0, 1, 2]",
             ]
         );
-        let untied = plan.gradient_reductions(false);
+        let untied = plan.gradient_reductions(false).unwrap();
         assert_eq!(
             untied[1].describe(6, false),
             "embedding, layers 0..4 over ranks [0, 1]"
@@ -637,6 +829,104 @@ kinds = ["cpu"]
             "layers 4..6, final norm and output layer over ranks [0, 2]"
         );
         assert_eq!(plan.chunk_pieces(0), vec![(0..8)]);
+    }
+
+    const TENSOR_PARALLEL: &str = r#"
+[[replica]]
+layers = [2, 4]
+tp = [2, 1]
+tp_shares = [[3, 1], [1]]
+micro_batch_size = 2
+num_micro_batches = 2
+
+[[replica]]
+layers = [2, 4]
+tp = [2, 1]
+tp_shares = [[3, 1], [1]]
+micro_batch_size = 1
+num_micro_batches = 2
+"#;
+
+    #[test]
+    fn stages_run_on_tensor_parallel_groups_of_their_own() {
+        let plan = GeneralPlan::from_toml(TENSOR_PARALLEL, Some(6)).unwrap();
+        assert_eq!(plan.world_size(), 6);
+        assert!(plan.has_tensor_parallelism());
+        assert_eq!(plan.replicas()[1].ranks, [vec![3, 4], vec![5]]);
+        assert_eq!((plan.position(4), plan.tp_rank(4)), (Some((1, 0)), Some(1)));
+        assert_eq!(plan.replicas()[0].shares(0), [3, 1]);
+        assert_eq!(
+            GeneralPlan::from_toml(&plan.to_toml().unwrap(), None).unwrap(),
+            plan
+        );
+        // Stage 1 (one rank) takes its input from TP rank 0 of stage 0 and sends its
+        // gradient to both; the schedule still runs to the end.
+        let programs = plan.schedule(ScheduleKind::OneFOneB).unwrap();
+        crate::check_schedule(&programs).unwrap();
+        let sends = |rank: usize| -> Vec<usize> {
+            programs[rank]
+                .iter()
+                .filter_map(|i| match i {
+                    Instruction::Send(m) => Some(m.peer),
+                    _ => None,
+                })
+                .collect()
+        };
+        assert!(sends(0).iter().all(|&p| p == 2) && !sends(0).is_empty());
+        assert!(sends(1).is_empty());
+        assert!(sends(2).contains(&0) && sends(2).contains(&1));
+        // Each shard index is reduced over the replicas' ranks of that index.
+        let reductions = plan.gradient_reductions(false).unwrap();
+        let members: Vec<Vec<usize>> = reductions.iter().map(|r| r.members.clone()).collect();
+        assert_eq!(members, [vec![2, 5], vec![0, 3], vec![1, 4]]);
+        // A tied embedding split 3 : 1 on the first stage but whole on the last is not.
+        assert!(matches!(
+            plan.gradient_reductions(true),
+            Err(GeneralPlanError::MixedTensorParallel { .. })
+        ));
+        // Nor are shards of one segment split differently in two replicas.
+        let mixed = TENSOR_PARALLEL.replacen("tp = [2, 1]\ntp_shares = [[3, 1], [1]]\n", "", 1);
+        let mixed = GeneralPlan::from_toml(&mixed, None).unwrap();
+        assert!(matches!(
+            mixed.gradient_reductions(false),
+            Err(GeneralPlanError::MixedTensorParallel { .. })
+        ));
+        // Shares that are not one positive share per rank are refused.
+        let bad = TENSOR_PARALLEL.replacen("[[3, 1], [1]]", "[[3, 0], [1]]", 1);
+        assert!(matches!(
+            GeneralPlan::from_toml(&bad, None),
+            Err(GeneralPlanError::TpShares {
+                replica: 0,
+                stage: 0,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn a_tensor_parallel_grid_converts_both_ways() {
+        let grid = ParallelPlan::from_synerfuse_args(
+            &[
+                "--tensor-model-parallel-size",
+                "2",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers",
+                "4",
+                "--micro-batch-size",
+                "1",
+            ],
+            8,
+        )
+        .unwrap();
+        let plan = GeneralPlan::from_grid(&grid).unwrap();
+        let topology = grid.topology().unwrap();
+        for rank in 0..8 {
+            let c = topology.coordinates(rank).unwrap();
+            assert_eq!(plan.position(rank), Some((c.dp, c.pp)));
+            assert_eq!(plan.tp_rank(rank), Some(c.tp));
+        }
+        assert_eq!(plan.to_grid(), Some(grid));
     }
 
     proptest! {
@@ -658,12 +948,12 @@ kinds = ["cpu"]
                     let bounds: Vec<usize> = std::iter::once(0).chain(points).chain(std::iter::once(layers)).collect();
                     let per_stage: Vec<usize> = bounds.windows(2).map(|w| w[1] - w[0]).collect();
                     let stages = per_stage.len();
-                    let replica = ReplicaPipeline {
-                        stages: StageLayout::new(per_stage, layers).unwrap(),
-                        batch: ReplicaBatch { micro_batch_size: 1, num_micro_batches: 1 },
-                        ranks: (next..next + stages).collect(),
-                        placements: Vec::new(),
-                    };
+                    let replica = ReplicaPipeline::single_ranks(
+                        StageLayout::new(per_stage, layers).unwrap(),
+                        ReplicaBatch { micro_batch_size: 1, num_micro_batches: 1 },
+                        (next..next + stages).collect(),
+                        Vec::new(),
+                    );
                     next += stages;
                     replica
                 }).collect()
@@ -677,7 +967,9 @@ kinds = ["cpu"]
             }
             for segment in &segments {
                 prop_assert_eq!(segment.holders.len(), plan.replicas().len());
-                for (r, &rank) in segment.holders.iter().enumerate() {
+                for (r, holders) in segment.holders.iter().enumerate() {
+                    prop_assert_eq!(holders.len(), 1);
+                    let rank = holders[0];
                     let (replica, stage) = plan.position(rank).unwrap();
                     prop_assert_eq!(replica, r);
                     let held = reduce::chunk_pieces(&plan.replicas()[r].stages)

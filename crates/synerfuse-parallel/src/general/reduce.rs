@@ -2,18 +2,21 @@
 //! the union of every replica's chunk boundaries, each segment summed over the ranks
 //! that hold it, in one global order.
 
-use super::GeneralPlan;
+use super::{GeneralPlan, GeneralPlanError};
 use crate::StageLayout;
 use std::ops::Range;
 
 /// A contiguous run of model pieces (0 = embedding, 1..=L layers, L + 1 = final norm and
-/// output layer) that the same rank of every replica holds.
+/// output layer) that one stage of every replica holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GradientSegment {
     /// The pieces.
     pub pieces: Range<usize>,
-    /// The rank of each replica that holds them, in replica order.
-    pub holders: Vec<usize>,
+    /// The ranks of the stage of each replica that holds them (its tensor-parallel group
+    /// in order, or one rank), in replica order.
+    pub holders: Vec<Vec<usize>>,
+    /// That stage's tensor-parallel shares in lowest terms, per replica.
+    pub shares: Vec<Vec<u32>>,
 }
 
 /// The parameters one gradient reduction sums.
@@ -79,20 +82,29 @@ impl GeneralPlan {
         cuts.sort_unstable();
         cuts.dedup();
         cuts.windows(2)
-            .map(|w| GradientSegment {
-                pieces: w[0]..w[1],
-                holders: self
+            .map(|w| {
+                let stages: Vec<usize> = self
                     .replicas
                     .iter()
                     .map(|replica| {
-                        let stage = chunk_pieces(&replica.stages)
+                        chunk_pieces(&replica.stages)
                             .into_iter()
                             .find(|(_, range)| range.contains(&w[0]))
                             .map(|(stage, _)| stage)
-                            .expect("the chunks cover every piece");
-                        replica.ranks[stage]
+                            .expect("the chunks cover every piece")
                     })
-                    .collect(),
+                    .collect();
+                let (holders, shares) = self
+                    .replicas
+                    .iter()
+                    .zip(stages)
+                    .map(|(replica, stage)| (replica.ranks[stage].clone(), replica.shares(stage)))
+                    .unzip();
+                GradientSegment {
+                    pieces: w[0]..w[1],
+                    holders,
+                    shares,
+                }
             })
             .collect()
     }
@@ -100,25 +112,42 @@ impl GeneralPlan {
     /// Every gradient reduction of a step, in the one global order each rank issues its
     /// own in (so no two ranks wait on each other): the segments from the output layer
     /// back to the embedding, the order in which backwards finish them, then the tied
-    /// embedding when `tied_embeddings`.
-    pub fn gradient_reductions(&self, tied_embeddings: bool) -> Vec<GradientReduction> {
+    /// embedding when `tied_embeddings`. A segment held by tensor-parallel stages is
+    /// reduced once per shard index, over the ranks of that index; its holders must split
+    /// it alike (as must the first and last stages holding a tied embedding).
+    pub fn gradient_reductions(
+        &self,
+        tied_embeddings: bool,
+    ) -> Result<Vec<GradientReduction>, GeneralPlanError> {
         let segments = self.segments();
-        let mut out: Vec<GradientReduction> = segments
-            .iter()
-            .rev()
-            .map(|s| GradientReduction {
-                parameters: ReducedParameters::Pieces(s.pieces.clone()),
-                members: sorted(s.holders.clone()),
-            })
-            .collect();
+        let mut out = Vec::new();
+        for segment in segments.iter().rev() {
+            let what = || format!("model pieces {:?}", segment.pieces);
+            let size = same_split(&segment.shares, what)?;
+            out.extend((0..size).map(|j| GradientReduction {
+                parameters: ReducedParameters::Pieces(segment.pieces.clone()),
+                members: sorted(segment.holders.iter().map(|h| h[j]).collect()),
+            }));
+        }
         if tied_embeddings {
             let (first, last) = (&segments[0], &segments[segments.len() - 1]);
-            out.push(GradientReduction {
-                parameters: ReducedParameters::TiedEmbedding,
-                members: sorted(first.holders.iter().chain(&last.holders).copied().collect()),
-            });
+            let shares: Vec<Vec<u32>> = first.shares.iter().chain(&last.shares).cloned().collect();
+            let size = same_split(&shares, || "the tied embedding".to_owned())?;
+            out.extend((0..size).map(|j| {
+                GradientReduction {
+                    parameters: ReducedParameters::TiedEmbedding,
+                    members: sorted(
+                        first
+                            .holders
+                            .iter()
+                            .chain(&last.holders)
+                            .map(|h| h[j])
+                            .collect(),
+                    ),
+                }
+            }));
         }
-        out
+        Ok(out)
     }
 
     /// The model pieces of each chunk `rank` holds, in chunk order (empty for a rank
@@ -132,6 +161,20 @@ impl GeneralPlan {
             .filter(|(s, _)| *s == stage)
             .map(|(_, pieces)| pieces)
             .collect()
+    }
+}
+
+/// The common tensor-parallel size of holders that split alike, or the error naming `what`.
+fn same_split(
+    shares: &[Vec<u32>],
+    what: impl FnOnce() -> String,
+) -> Result<usize, GeneralPlanError> {
+    match shares.iter().all(|s| s == &shares[0]) {
+        true => Ok(shares[0].len()),
+        false => Err(GeneralPlanError::MixedTensorParallel {
+            what: what(),
+            shares: shares.to_vec(),
+        }),
     }
 }
 

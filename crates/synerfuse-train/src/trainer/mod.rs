@@ -125,6 +125,15 @@ fn check_plan(
     {
         return Err(TrainError::ChunksWithoutPipeline { replica });
     }
+    for (replica, r) in plan.replicas().iter().enumerate() {
+        if let Some(stage) = (0..r.stages.num_stages()).find(|&s| r.tp_size(s) > 1) {
+            return Err(TrainError::TensorParallelism {
+                replica,
+                stage,
+                size: r.tp_size(stage),
+            });
+        }
+    }
     if let Some(speeds) = &config.compute.emulate_speed {
         if speeds.len() != world_size {
             return Err(TrainError::EmulatedSpeedCount {
@@ -257,7 +266,7 @@ impl<'w> Trainer<'w> {
             warn_if_emulation_oversubscribes(&config, world.size());
         }
         let plan = &config.parallel.plan;
-        let reductions = plan.gradient_reductions(config.model.tie_word_embeddings);
+        let reductions = plan.gradient_reductions(config.model.tie_word_embeddings)?;
         let groups = SetGroups::new(world, device, reductions.iter().map(|r| r.members.clone()))?;
         let mut chunks = build_chunks(&config, (replica, stage_index), device)?;
         let optimizer = build_optimizer(&config, &mut chunks)?;
