@@ -675,30 +675,38 @@ speeds = [1.0, 0.5]
         ));
     }
 
-    #[test]
-    fn a_grid_keeps_its_ranks() {
-        let grid = ParallelPlan::from_synerfuse_args(
-            &[
-                "--pipeline-model-parallel-size",
-                "2",
-                "--num-layers",
-                "4",
-                "--micro-batch-size",
-                "1",
-            ],
-            4,
-        )
-        .unwrap();
+    /// The grid of `flags` on `world` ranks in general form: every rank keeps its grid
+    /// coordinates, and the plan converts back to the same grid.
+    fn grid_round_trip(flags: &[&str], world: usize) -> GeneralPlan {
+        let grid = ParallelPlan::from_synerfuse_args(flags, world).unwrap();
         let plan = GeneralPlan::from_grid(&grid).unwrap();
         let topology = grid.topology().unwrap();
-        for rank in 0..4 {
+        for rank in 0..world {
             let c = topology.coordinates(rank).unwrap();
             assert_eq!(plan.position(rank), Some((c.dp, c.pp)));
+            assert_eq!(plan.tp_rank(rank), Some(c.tp));
         }
+        assert_eq!(plan.to_grid(), Some(grid));
+        plan
+    }
+
+    #[test]
+    fn a_grid_keeps_its_ranks() {
+        let flags = [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers",
+            "4",
+            "--micro-batch-size",
+            "1",
+        ];
+        let plan = grid_round_trip(&flags, 4);
         // A grid's segments are its stages, held by the same stage of every replica.
         assert_eq!(plan.segments().len(), 2);
-        // And it converts back, in its own rank order.
-        assert_eq!(plan.to_grid(), Some(grid));
+        // With tensor parallelism too.
+        let tp = [&["--tensor-model-parallel-size", "2"][..], &flags[..]].concat();
+        let plan = grid_round_trip(&tp, 8);
+        assert!(plan.has_tensor_parallelism());
     }
 
     #[test]
@@ -901,32 +909,6 @@ num_micro_batches = 2
                 ..
             })
         ));
-    }
-
-    #[test]
-    fn a_tensor_parallel_grid_converts_both_ways() {
-        let grid = ParallelPlan::from_synerfuse_args(
-            &[
-                "--tensor-model-parallel-size",
-                "2",
-                "--pipeline-model-parallel-size",
-                "2",
-                "--num-layers",
-                "4",
-                "--micro-batch-size",
-                "1",
-            ],
-            8,
-        )
-        .unwrap();
-        let plan = GeneralPlan::from_grid(&grid).unwrap();
-        let topology = grid.topology().unwrap();
-        for rank in 0..8 {
-            let c = topology.coordinates(rank).unwrap();
-            assert_eq!(plan.position(rank), Some((c.dp, c.pp)));
-            assert_eq!(plan.tp_rank(rank), Some(c.tp));
-        }
-        assert_eq!(plan.to_grid(), Some(grid));
     }
 
     proptest! {
