@@ -12,7 +12,7 @@ use synerfuse_data::tokenizer::Tokenizer;
 use synerfuse_model::{DeviceRequest, LlamaConfig, MegatronModelArgs};
 use synerfuse_parallel::{
     BatchError, GeneralPlan, GeneralPlanError, LayoutError, ParallelPlan, PlanError, PlanFlags,
-    ScheduleKind,
+    ScheduleKind, TpLayout,
 };
 use synerfuse_train::comm::{
     launcher_local_rank, launcher_rank, relaunch_under_mpirun, watchdog, MpiCommunicator,
@@ -334,12 +334,6 @@ impl TrainArgs {
 
     /// The plan: from `--plan` (parallel flags then conflict), or from the flags.
     fn plan(&self, world_size: usize) -> Result<GeneralPlan> {
-        if self.tensor_model_parallel_size.is_some_and(|tp| tp != 1) {
-            bail!(
-                "--tensor-model-parallel-size {}: tensor parallelism is not supported yet; use 1 (pipeline and data parallelism are)",
-                self.tensor_model_parallel_size.unwrap_or(1)
-            );
-        }
         let Some(path) = &self.plan else {
             let grid = ParallelPlan::from_flags(&self.plan_flags()?, world_size)
                 .map_err(plan_flag_error)?;
@@ -375,12 +369,6 @@ impl TrainArgs {
                 "the plan {} is for {} ranks but the job has {world_size}",
                 path.display(),
                 plan.world_size()
-            );
-        }
-        if plan.has_tensor_parallelism() {
-            bail!(
-                "plan {}: tensor-parallel stages (tp > 1) are not run by the trainer yet; give every stage one rank",
-                path.display()
             );
         }
         Ok(plan)
@@ -606,6 +594,8 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         let plan = args.plan(n)?;
         plan.schedule(args.schedule_kind(&plan))
             .map_err(|e| anyhow::Error::new(e).context(args.layout_source()))?;
+        plan.gradient_reductions(!args.untie_embeddings_and_output_weights)
+            .map_err(|e| anyhow::Error::new(e).context(args.layout_source()))?;
         let status = relaunch(n)?;
         if !status.success() {
             bail!("the {n}-rank job failed ({status}); see the ranks' messages above");
@@ -715,6 +705,25 @@ fn log_run(config: &TrainConfig, world_size: usize, threads: usize) {
             "no equivalent flags: the replicas differ in stages, or their ranks or devices follow no grid order"
         ),
     }
+    for (replica, r) in plan.replicas().iter().enumerate() {
+        for stage in (0..r.stages.num_stages()).filter(|&s| r.tp_size(s) > 1) {
+            let m = &config.model;
+            let shares = r.shares(stage);
+            if let Ok(layout) = TpLayout::new(
+                Some(&shares),
+                shares.len(),
+                m.num_kv_heads,
+                m.intermediate_size,
+                m.vocab_size,
+            ) {
+                tracing::info!(
+                    "replica {replica} stage {stage}: tensor-parallel ranks {:?}, {}",
+                    r.ranks[stage],
+                    layout.describe()
+                );
+            }
+        }
+    }
     let tied = config.model.tie_word_embeddings;
     for reduction in plan.gradient_reductions(tied).unwrap_or_default() {
         tracing::info!(
@@ -742,12 +751,12 @@ fn read_plan(path: &std::path::Path, text: &str) -> Result<GeneralPlan> {
     GeneralPlan::from_toml(text, None).with_context(context)
 }
 
-/// The general form of a grid plan; tensor, context and expert parallelism, which the
-/// trainer does not run yet, are named by flag.
+/// The general form of a grid plan; context and expert parallelism, which the trainer
+/// does not run yet, are named by flag.
 fn general_from_grid(grid: &ParallelPlan) -> Result<GeneralPlan> {
     GeneralPlan::from_grid(grid).map_err(|e| match e {
-        GeneralPlanError::Unsupported { tp, cp, ep } => anyhow::Error::new(e).context(format!(
-            "--tensor-model-parallel-size {tp} / --context-parallel-size {cp} / --expert-model-parallel-size {ep}: only pipeline and data parallelism are supported for now"
+        GeneralPlanError::Unsupported { cp, ep } => anyhow::Error::new(e).context(format!(
+            "--context-parallel-size {cp} / --expert-model-parallel-size {ep}: only tensor, pipeline and data parallelism are supported for now"
         )),
         e => e.into(),
     })
@@ -784,6 +793,7 @@ fn train_flag_error(error: TrainError) -> anyhow::Error {
             "--num-layers-per-virtual-pipeline-stage".to_owned()
         }
         TrainError::WorldSize { .. } => "--nproc / mpirun -np".to_owned(),
+        TrainError::RecomputeWithTensorParallelism { .. } => "--recompute-activations".to_owned(),
         _ => return error.into(),
     };
     anyhow::Error::new(error).context(flags)

@@ -2,267 +2,13 @@
 //! equivalence of every plan with a single rank, resume, faults, metrics.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use synerfuse_model::tch::{Kind, Tensor};
 
-const BIN: &str = env!("CARGO_BIN_EXE_synerfuse");
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn tokenizer_dir() -> PathBuf {
-    root().join("crates/synerfuse-data/tests/fixtures/tokenizers/shakespeare-bpe")
-}
-
-/// Runs synerfuse to completion in its own process group; a run that outlives
-/// `LIMIT` (a deadlock) is killed with its mpirun and ranks, and the test fails.
-fn synerfuse(args: &[String]) -> Output {
-    synerfuse_with_env(args, &[])
-}
-
-const LIMIT: Duration = Duration::from_secs(240);
-
-fn synerfuse_with_env(args: &[String], env: &[(&str, &str)]) -> Output {
-    use std::os::unix::process::CommandExt;
-    let logs = tempfile::tempdir().unwrap();
-    let (out_path, err_path) = (logs.path().join("out"), logs.path().join("err"));
-    let mut child = Command::new(BIN)
-        .args(args)
-        .envs(env.iter().copied())
-        .env_remove("LD_LIBRARY_PATH")
-        .env("OMP_NUM_THREADS", "1")
-        .stdout(std::fs::File::create(&out_path).unwrap())
-        .stderr(std::fs::File::create(&err_path).unwrap())
-        .process_group(0)
-        .spawn()
-        .expect("run synerfuse");
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if started.elapsed() > LIMIT {
-            let _ = Command::new("kill")
-                .args(["-KILL", "--", &format!("-{}", child.id())])
-                .status();
-            let _ = child.wait();
-            panic!(
-                "synerfuse {args:?} did not finish in {LIMIT:?} (deadlock?)\nstderr:\n{}",
-                std::fs::read_to_string(&err_path).unwrap_or_default()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    Output {
-        status,
-        stdout: std::fs::read(&out_path).unwrap(),
-        stderr: std::fs::read(&err_path).unwrap(),
-    }
-}
-
-fn ok(out: &Output, what: &str) {
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\nstdout:\n{}\nstderr:\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn strings(args: &[&str]) -> Vec<String> {
-    args.iter().map(|s| s.to_string()).collect()
-}
-
-/// Shakespeare (the fixture corpus of 32 play excerpts) preprocessed with the
-/// Shakespeare BPE tokenizer into `dir`.
-fn dataset(dir: &Path) -> PathBuf {
-    let tok = tokenizer_dir();
-    let prefix = dir.join("shk");
-    let out = synerfuse(&strings(&[
-        "preprocess",
-        "--input",
-        root()
-            .join("crates/synerfuse-data/tests/fixtures/megatron/corpus.jsonl")
-            .to_str()
-            .unwrap(),
-        "--output-prefix",
-        prefix.to_str().unwrap(),
-        "--tokenizer-type",
-        "GPT2BPETokenizer",
-        "--vocab-file",
-        tok.join("vocab.json").to_str().unwrap(),
-        "--merge-file",
-        tok.join("merges.txt").to_str().unwrap(),
-        "--append-eod",
-        "--workers",
-        "1",
-    ]));
-    ok(&out, "preprocess");
-    dir.join("shk_text_document")
-}
-
-/// A tiny LLaMA (4 layers, GQA, tied embeddings), fp32, global batch 6, 6 iterations
-/// with warm-up and cosine decay over 6 iterations.
-fn common(dir: &Path, data: &Path, iters: u64) -> Vec<String> {
-    let tok = tokenizer_dir();
-    let mut args = strings(&[
-        "train",
-        "--num-layers",
-        "4",
-        "--hidden-size",
-        "32",
-        "--num-attention-heads",
-        "4",
-        "--group-query-attention",
-        "--num-query-groups",
-        "2",
-        "--ffn-hidden-size",
-        "64",
-        "--seq-length",
-        "32",
-        "--disable-bias-linear",
-        "--swiglu",
-        "--normalization",
-        "RMSNorm",
-        "--lr",
-        "3e-3",
-        "--min-lr",
-        "1e-4",
-        "--lr-warmup-iters",
-        "1",
-        "--lr-decay-style",
-        "cosine",
-        "--weight-decay",
-        "0.1",
-        "--adam-beta2",
-        "0.95",
-        "--clip-grad",
-        "1.0",
-        "--global-batch-size",
-        "6",
-        "--split",
-        "100,0,0",
-        "--tokenizer-type",
-        "GPT2BPETokenizer",
-        "--seed",
-        "7",
-        "--device",
-        "cpu",
-        "--log-interval",
-        "1",
-    ]);
-    args.extend([
-        "--train-iters".into(),
-        iters.to_string(),
-        "--lr-decay-iters".into(),
-        iters.to_string(),
-        "--data-path".into(),
-        data.display().to_string(),
-        "--data-cache-path".into(),
-        dir.join("cache").display().to_string(),
-        "--vocab-file".into(),
-        tok.join("vocab.json").display().to_string(),
-        "--merge-file".into(),
-        tok.join("merges.txt").display().to_string(),
-    ]);
-    args
-}
-
-fn losses(path: &Path) -> Vec<f64> {
-    std::fs::read_to_string(path)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).expect("json line");
-            v["loss"].as_f64().expect("loss")
-        })
-        .collect()
-}
-
-/// Every parameter of the newest checkpoint in `save`, by name.
-fn parameters(save: &Path) -> BTreeMap<String, Tensor> {
-    let iteration = std::fs::read_to_string(save.join("latest")).expect("latest");
-    let dir = save.join(format!(
-        "iter_{:07}",
-        iteration.trim().parse::<u64>().unwrap()
-    ));
-    let mut out = BTreeMap::new();
-    for entry in std::fs::read_dir(&dir).unwrap() {
-        let path = entry.unwrap().path();
-        let name = path.file_name().unwrap().to_string_lossy().into_owned();
-        if name.starts_with("model-") {
-            for (n, t) in synerfuse_model::hf::read_safetensors(&path, |_| true).unwrap() {
-                assert!(out.insert(n.clone(), t).is_none(), "{n} stored twice");
-            }
-        }
-    }
-    out
-}
-
-fn max_param_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f64 {
-    assert_eq!(
-        a.keys().collect::<Vec<_>>(),
-        b.keys().collect::<Vec<_>>(),
-        "checkpoints hold different parameters"
-    );
-    a.iter()
-        .map(|(n, t)| {
-            (t.to_kind(Kind::Double) - b[n].to_kind(Kind::Double))
-                .abs()
-                .max()
-                .double_value(&[])
-        })
-        .fold(0.0, f64::max)
-}
-
-fn max_rel_loss_diff(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len(), "{a:?} vs {b:?}");
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs() / x.abs())
-        .fold(0.0, f64::max)
-}
-
-/// Runs `synerfuse train` with `extra` flags, logging to `name.jsonl` and saving to
-/// `name/`; returns (losses, final parameters).
-fn run(
-    dir: &Path,
-    data: &Path,
-    name: &str,
-    extra: &[&str],
-) -> (Vec<f64>, BTreeMap<String, Tensor>) {
-    let mut args = common(dir, data, 6);
-    args.extend(strings(extra));
-    let log = dir.join(format!("{name}.jsonl"));
-    let save = dir.join(name);
-    args.extend([
-        "--log-json".into(),
-        log.display().to_string(),
-        "--save".into(),
-        save.display().to_string(),
-    ]);
-    let out = synerfuse(&args);
-    ok(&out, name);
-    (losses(&log), parameters(&save))
-}
-
-/// A `[[replica]]` plan file `name.toml` in `dir` of (layers, micro-batch size, count)
-/// per replica; returns its path.
-fn replica_plan(dir: &Path, name: &str, replicas: &[(&str, usize, usize)]) -> String {
-    let path = dir.join(format!("{name}.toml"));
-    let text: String = replicas
-        .iter()
-        .map(|(layers, mbs, count)| {
-            format!("[[replica]]\nlayers = {layers}\nmicro_batch_size = {mbs}\nnum_micro_batches = {count}\n")
-        })
-        .collect();
-    std::fs::write(&path, text).unwrap();
-    path.display().to_string()
-}
+mod support;
+use support::*;
 
 /// The equivalence table (ARCHITECTURE.md): any plan trains exactly what one rank trains
 /// on the same global batch.
@@ -701,8 +447,8 @@ fn a_rank_dying_mid_step_ends_the_job() {
     );
 }
 
-/// Bad settings are named: tensor parallelism, a plan plus layout flags, a rank count
-/// that does not fit.
+/// Bad settings are named: tensor-parallel splits the model cannot take, a plan plus
+/// layout flags, a rank count that does not fit.
 #[test]
 fn contradictory_flags_are_named() {
     let dir = tempfile::tempdir().unwrap();
@@ -718,6 +464,13 @@ fn contradictory_flags_are_named() {
     let five_samples = plan("five-samples", &[("[4]", 2, 1), ("[3, 1]", 1, 3)]);
     let odd_interleaved = plan("odd-interleaved", &[("[[1, 1], [1, 1]]", 2, 3)]);
     let one_stage_chunks = plan("one-stage-chunks", &[("[[2], [2]]", 6, 1)]);
+    let empty_share = dir.path().join("empty-share.toml");
+    std::fs::write(
+        &empty_share,
+        "[[replica]]\nlayers = [4]\ntp = [2]\ntp_shares = [[7, 1]]\nmicro_batch_size = 1\nnum_micro_batches = 6\n",
+    )
+    .unwrap();
+    let empty_share = empty_share.to_str().unwrap();
     let tensor_parallel = dir.path().join("tensor-parallel.toml");
     std::fs::write(
         &tensor_parallel,
@@ -752,8 +505,36 @@ fn contradictory_flags_are_named() {
             "replica 0: the interleaved schedule needs the micro-batch count (3)",
         ),
         (
+            // Tied embeddings on stages of different tensor-parallel splits.
             vec!["--nproc", "3", "--plan", &tensor_parallel],
-            "tensor-parallel stages (tp > 1) are not run by the trainer yet",
+            "the tied embedding is held by stages with different tensor-parallel shares",
+        ),
+        (
+            vec![
+                "--nproc",
+                "3",
+                "--tensor-model-parallel-size",
+                "3",
+                "--micro-batch-size",
+                "2",
+            ],
+            "2 query groups (--num-query-groups) do not divide over tensor-parallel size 3",
+        ),
+        (
+            vec!["--nproc", "2", "--plan", &empty_share],
+            "tensor-parallel shares [7, 1] leave rank 1 with no query groups",
+        ),
+        (
+            vec![
+                "--nproc",
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+                "--micro-batch-size",
+                "1",
+                "--recompute-activations",
+            ],
+            "--recompute-activations",
         ),
         (
             vec!["--nproc", "1", "--plan", &one_stage_chunks],
@@ -766,7 +547,7 @@ fn contradictory_flags_are_named() {
                 "--micro-batch-size",
                 "1",
             ],
-            "--tensor-model-parallel-size 2",
+            "--tensor-model-parallel-size",
         ),
         (
             vec![

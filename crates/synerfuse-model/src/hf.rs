@@ -124,7 +124,8 @@ pub fn load_stage(dir: &Path, layers: Range<usize>, device: Device) -> Result<St
 }
 
 /// Overwrites the stage's parameters with the checkpoint's tensors of the same names
-/// (the embedding stands in for a tied `lm_head`).
+/// (the embedding stands in for a tied `lm_head`); a tensor-parallel shard takes its
+/// slice of each.
 pub fn load_weights(stage: &mut Stage, dir: &Path) -> Result<(), HfError> {
     let files = weight_map(dir)?;
     let mut by_file: BTreeMap<PathBuf, Vec<(String, Tensor)>> = BTreeMap::new();
@@ -151,16 +152,16 @@ pub fn load_weights(stage: &mut Stage, dir: &Path) -> Result<(), HfError> {
                 problem: format!("{name}: dtype {:?} is not a float type", view.dtype()),
             })?;
             let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
-            if shape != var.size() {
+            let expected = stage.whole_shape(&name, &var.size());
+            if shape != expected {
                 return Err(HfError::Tensor {
                     path: file.clone(),
-                    problem: format!(
-                        "{name}: shape {shape:?}, the model expects {:?}",
-                        var.size()
-                    ),
+                    problem: format!("{name}: shape {shape:?}, the model expects {expected:?}"),
                 });
             }
-            let value = Tensor::from_data_size(view.data(), &shape, kind);
+            // A tensor-parallel shard takes its slice of the whole tensor.
+            let value =
+                stage.local_slice(&name, &Tensor::from_data_size(view.data(), &shape, kind));
             tch::no_grad(|| var.copy_(&value.to_kind(var.kind())));
         }
     }

@@ -485,8 +485,31 @@ impl Stage {
         }
     }
 
+    /// This shard's slice of `whole`, the whole tensor of parameter `name` (itself for a
+    /// tensor held whole): how checkpoints and Hugging Face weights fill a shard.
+    pub fn local_slice(&self, name: &str, whole: &Tensor) -> Tensor {
+        match self.shard_of(name) {
+            Some((dim, r)) => whole.narrow(dim as i64, r.start, r.end - r.start),
+            None => whole.shallow_clone(),
+        }
+    }
+
+    /// Whether this rank's `name` is the group's only copy or its own slice: false for a
+    /// tensor every rank of the group holds whole (the norms) on ranks other than 0, so
+    /// norms and checkpoints count each value once.
+    pub fn holds_unique(&self, name: &str) -> bool {
+        self.shard.rank == 0 || self.shard_of(name).is_some()
+    }
+
+    /// Whether each rank of the group holds only a partial gradient of `name`, to be
+    /// summed over the group once per step: the norms, held whole on every rank but
+    /// reached only through the rank's own heads, columns or vocabulary rows.
+    pub fn grad_summed_over_group(&self, name: &str) -> bool {
+        !self.shard.is_whole() && name.ends_with("norm.weight")
+    }
+
     /// The whole tensor's shape of parameter `name` held as `local` shape.
-    fn whole_shape(&self, name: &str, local: &[i64]) -> Vec<i64> {
+    pub(crate) fn whole_shape(&self, name: &str, local: &[i64]) -> Vec<i64> {
         let c = &self.config;
         let mut shape = local.to_vec();
         if let Some((dim, _)) = self.shard_of(name) {
@@ -528,10 +551,7 @@ impl Stage {
                 Tensor::randn(size, (Kind::Float, Device::Cpu)) * scale
             };
             // A shard takes its slice of the whole tensor drawn by name.
-            let value = match self.shard_of(&name) {
-                Some((dim, r)) => value.narrow(dim as i64, r.start, r.end - r.start),
-                None => value,
-            };
+            let value = self.local_slice(&name, &value);
             tch::no_grad(|| var.copy_(&value.to_kind(var.kind()).to_device(var.device())));
         }
     }

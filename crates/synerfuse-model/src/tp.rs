@@ -185,29 +185,108 @@ impl Stage {
             self.var_store().variables().into_iter().collect();
         let mut norms: Vec<Tensor> = named
             .iter()
-            .filter(|(name, _)| name.ends_with("norm.weight"))
+            .filter(|(name, _)| self.grad_summed_over_group(name))
             .map(|(_, p)| p.grad())
             .filter(Tensor::defined)
             .collect();
-        if self.shard().is_whole() || norms.is_empty() {
-            return Ok(());
-        }
-        let flat = Tensor::cat(
-            &norms.iter().map(|g| g.reshape([-1])).collect::<Vec<_>>(),
-            0,
-        );
-        let summed = collective("all-reduce", tp.all_reduce_sum(&flat))?;
-        let mut offset = 0;
-        tch::no_grad(|| {
-            for grad in &mut norms {
-                let n = grad.numel() as i64;
-                grad.copy_(&summed.narrow(0, offset, n).view(grad.size().as_slice()));
-                offset += n;
-            }
-        });
-        Ok(())
+        all_reduce_in_place(&mut norms, tp)
     }
 
+    /// The whole tensor of parameter `name` from every rank's `local` slice (its value,
+    /// or an optimizer moment of it), on every rank of the group: slices of unequal
+    /// shares are padded to the longest for the all-gather, then cut back. A tensor held
+    /// whole is returned as is. Collective over the group (every rank, same name).
+    pub fn gather_whole(
+        &self,
+        name: &str,
+        local: &Tensor,
+        tp: &dyn TpCollectives,
+    ) -> Result<Tensor, StageError> {
+        let Some((dim, _)) = self.shard_of(name) else {
+            return Ok(local.shallow_clone());
+        };
+        let (dim, own) = (dim as i64, self.local_rows(name, local)?);
+        // Each member's (start, length): the group's member order need not be its
+        // tensor-parallel order, so the slices are placed by where they start.
+        let span = Tensor::from_slice(&[own.start, own.end - own.start]).to_device(local.device());
+        let spans: Vec<i64> = Vec::try_from(
+            collective("all-gather", tp.all_gather(&span))?
+                .reshape([-1])
+                .to_device(tch::Device::Cpu),
+        )
+        .map_err(|e| StageError::Collective {
+            op: "all-gather",
+            source: Box::new(e),
+        })?;
+        let mut spans: Vec<(usize, i64, i64)> = spans
+            .chunks(2)
+            .enumerate()
+            .map(|(member, s)| (member, s[0], s[1]))
+            .collect();
+        spans.sort_by_key(|&(_, start, _)| start);
+        let longest = spans.iter().map(|s| s.2).max().unwrap_or(0);
+        let mut padded_shape = local.size();
+        padded_shape[dim as usize] = longest;
+        let padded = Tensor::zeros(padded_shape.as_slice(), (local.kind(), local.device()));
+        tch::no_grad(|| padded.narrow(dim, 0, own.end - own.start).copy_(local));
+        let gathered = collective("all-gather", tp.all_gather(&padded))?;
+        let pieces: Vec<Tensor> = spans
+            .iter()
+            .map(|&(member, _, n)| gathered.get(member as i64).narrow(dim, 0, n))
+            .collect();
+        Ok(Tensor::cat(&pieces, dim))
+    }
+}
+
+impl Stage {
+    /// The slice of the whole tensor `name` this shard holds, checked against `local`'s
+    /// size along the sharded dimension.
+    fn local_rows(&self, name: &str, local: &Tensor) -> Result<std::ops::Range<i64>, StageError> {
+        match self.shard_of(name) {
+            Some((dim, rows)) if local.size().get(dim) == Some(&(rows.end - rows.start)) => {
+                Ok(rows)
+            }
+            _ => Err(StageError::BadShard {
+                shard: self.shard().clone(),
+            }),
+        }
+    }
+}
+
+/// Sums `tensors` over the group in one collective and writes the sums back in place.
+fn all_reduce_in_place(tensors: &mut [Tensor], tp: &dyn TpCollectives) -> Result<(), StageError> {
+    reduce_flat_in_place(tensors, |flat| {
+        *flat = collective("all-reduce", tp.all_reduce_sum(flat))?;
+        Ok(())
+    })
+}
+
+/// Flattens `tensors` into one buffer, lets `reduce` combine it in place (one collective
+/// for them all), and copies the result back into each tensor.
+pub fn reduce_flat_in_place<E>(
+    tensors: &mut [Tensor],
+    reduce: impl FnOnce(&mut Tensor) -> Result<(), E>,
+) -> Result<(), E> {
+    if tensors.is_empty() {
+        return Ok(());
+    }
+    let mut flat = Tensor::cat(
+        &tensors.iter().map(|g| g.reshape([-1])).collect::<Vec<_>>(),
+        0,
+    );
+    reduce(&mut flat)?;
+    let mut offset = 0;
+    tch::no_grad(|| {
+        for tensor in tensors.iter_mut() {
+            let n = tensor.numel() as i64;
+            tensor.copy_(&flat.narrow(0, offset, n).view(tensor.size().as_slice()));
+            offset += n;
+        }
+    });
+    Ok(())
+}
+
+impl Stage {
     /// The masked loss of this rank's logits slice `[b, s, local vocab]`: (Σ per-token
     /// loss where `loss_mask` is 1, the number of such tokens), the same on every rank of
     /// the group. Collective over the group.

@@ -10,6 +10,8 @@ use synerfuse_model::tp::{CollectiveError, TpBackwardFrom, TpCollectives};
 use synerfuse_model::{BackwardFrom, LlamaConfig, Stage};
 use synerfuse_parallel::TpLayout;
 
+/// libtorch's global generator (inputs, `init_by_name`): one user at a time, also across
+/// the tests of this process.
 static INIT: Mutex<()> = Mutex::new(());
 
 /// Collectives between threads: every rank puts its tensor in a slot, all read all.
@@ -65,6 +67,8 @@ struct Outcome {
     input_grad: Option<Tensor>,
     grads: BTreeMap<String, Tensor>,
     slices: BTreeMap<String, (usize, std::ops::Range<i64>)>,
+    /// Every parameter's whole value (gathered from the shards on a sharded rank).
+    params: BTreeMap<String, Tensor>,
 }
 
 struct Inputs {
@@ -75,6 +79,7 @@ struct Inputs {
 }
 
 fn inputs(c: &LlamaConfig, first: bool) -> Inputs {
+    let _one_at_a_time = INIT.lock().unwrap();
     tch::manual_seed(5);
     let (b, s, h) = (2, 6, c.hidden_size as i64);
     let input = if first {
@@ -102,8 +107,12 @@ fn grads(stage: &Stage) -> BTreeMap<String, Tensor> {
 }
 
 fn whole(c: &LlamaConfig, layers: std::ops::Range<usize>, x: &Inputs) -> Outcome {
-    let mut stage = Stage::new(c, layers, Device::Cpu).unwrap();
-    stage.init_by_name(3);
+    let stage = {
+        let _one_at_a_time = INIT.lock().unwrap();
+        let mut stage = Stage::new(c, layers, Device::Cpu).unwrap();
+        stage.init_by_name(3);
+        stage
+    };
     let pass = stage.forward_train(&x.input, None, None).unwrap();
     let output = pass.output.shallow_clone();
     let mut loss = 0.0;
@@ -124,6 +133,7 @@ fn whole(c: &LlamaConfig, layers: std::ops::Range<usize>, x: &Inputs) -> Outcome
         input_grad,
         grads: grads(&stage),
         slices: BTreeMap::new(),
+        params: stage.var_store().variables().into_iter().collect(),
     }
 }
 
@@ -189,12 +199,20 @@ fn sharded(
                     .into_keys()
                     .filter_map(|n| stage.shard_of(&n).map(|s| (n, s)))
                     .collect();
+                // By name, so every rank gathers in the same order.
+                let named: BTreeMap<String, Tensor> =
+                    stage.var_store().variables().into_iter().collect();
+                let params = named
+                    .iter()
+                    .map(|(n, p)| (n.clone(), stage.gather_whole(n, p, &group).unwrap()))
+                    .collect();
                 Outcome {
                     output,
                     loss,
                     input_grad,
                     grads: grads(&stage),
                     slices,
+                    params,
                 }
             })
         })
@@ -244,6 +262,12 @@ fn compare(whole: &Outcome, ranks: &[Outcome], last: bool) -> f64 {
             let d = max_diff(grad, &reference);
             assert!(d < 1e-5, "{name}: gradient differs by {d}");
             worst = worst.max(d);
+            // The shards gathered by name are the whole stage's tensor, bit for bit.
+            let gathered = max_diff(&rank.params[name], &whole.params[name]);
+            assert!(
+                gathered == 0.0,
+                "{name}: gathered shards differ by {gathered}"
+            );
         }
     }
     worst

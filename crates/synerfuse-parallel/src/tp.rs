@@ -136,6 +136,23 @@ impl TpLayout {
         })
     }
 
+    /// What each rank holds, for the log: the shares and each split with its rounding
+    /// (`shares [3, 1]: query groups 3 + 1 of 4, FFN columns 48 + 16 of 64, ...`).
+    pub fn describe(&self) -> String {
+        let split = |ranges: &[Range<usize>], what: &str| {
+            let counts: Vec<String> = ranges.iter().map(|r| r.len().to_string()).collect();
+            let total = ranges.last().map_or(0, |r| r.end);
+            format!("{what} {} of {total}", counts.join(" + "))
+        };
+        format!(
+            "shares {:?}: {}, {}, {}",
+            self.shares,
+            split(&self.query_groups, "query groups"),
+            split(&self.ffn_columns, "FFN columns"),
+            split(&self.vocab_rows, "vocabulary rows")
+        )
+    }
+
     /// Ranks in the group.
     pub fn size(&self) -> usize {
         self.shares.len()
@@ -198,6 +215,10 @@ mod tests {
         assert_eq!(layout.ffn_columns, [0..32, 32..64]);
         // The vocabulary rounds instead of padding.
         assert_eq!(layout.vocab_rows, [0..51, 51..101]);
+        assert_eq!(
+            layout.describe(),
+            "shares [1, 1]: query groups 2 + 2 of 4, FFN columns 32 + 32 of 64, vocabulary rows 51 + 50 of 101"
+        );
         assert_eq!(
             TpLayout::new(None, 2, 3, 64, 100),
             Err(TpSplitError::NotDivisible {

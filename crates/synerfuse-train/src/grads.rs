@@ -11,7 +11,7 @@
 //! started (non-blocking MPI, or NCCL on its own stream), and overlaps the rest of the
 //! pipeline; the optimizer reads the reduced buffer.
 
-use crate::comm::{CommError, PendingReduction, SetGroups};
+use crate::comm::{CommError, GroupCommunicator, PendingReduction, SetGroups};
 use std::collections::BTreeMap;
 use std::ops::Range;
 use synerfuse_model::tch::{self, Kind, Tensor};
@@ -64,6 +64,9 @@ struct ChunkGrads {
     buffer: Tensor,
     /// (global name, parameter, fp32 view into `buffer`), grouped by reduction.
     params: Vec<(String, Tensor, Tensor)>,
+    /// Indices into `params` of the gradients each tensor-parallel rank holds partially
+    /// (the norms), summed over the group once the chunk's step is complete.
+    group_summed: Vec<usize>,
     backwards_left: usize,
 }
 
@@ -83,6 +86,8 @@ pub struct MainGrads {
     /// Reductions started this step (a prefix of `reductions`).
     started: usize,
     every_micro_batch: bool,
+    /// The tensor-parallel group's members, sorted (empty without tensor parallelism).
+    tp_group: Vec<usize>,
 }
 
 /// A parameter no reduction of the plan covers.
@@ -145,7 +150,26 @@ impl MainGrads {
             reductions,
             started: 0,
             every_micro_batch,
+            tp_group: Vec::new(),
         })
+    }
+
+    /// Sums, over the tensor-parallel group `members`, the gradients the `chunks`' shards
+    /// hold partially ([`Stage::grad_summed_over_group`]) as each chunk completes its
+    /// step, before its reductions over the replicas start.
+    pub fn summing_over(mut self, mut members: Vec<usize>, chunks: &[Stage]) -> Self {
+        members.sort_unstable();
+        if members.len() < 2 {
+            return self;
+        }
+        for (grads, stage) in self.chunks.iter_mut().zip(chunks) {
+            grads.group_summed = (grads.params.iter().enumerate())
+                .filter(|(_, (name, _, _))| stage.grad_summed_over_group(name))
+                .map(|(i, _)| i)
+                .collect();
+        }
+        self.tp_group = members;
+        self
     }
 
     /// Zeroes the buffers and counts each chunk's backwards in this step's `program`.
@@ -176,6 +200,9 @@ impl MainGrads {
         c.backwards_left = c.backwards_left.saturating_sub(1);
         if every || c.backwards_left == 0 {
             c.accumulate();
+        }
+        if c.backwards_left == 0 {
+            c.sum_over_group(groups.get(&self.tp_group))?;
         }
         if overlap {
             self.start_ready(groups)?;
@@ -218,6 +245,7 @@ impl MainGrads {
                 // A chunk without backwards this step (none in any valid program).
                 chunk.backwards_left = 0;
                 chunk.accumulate();
+                chunk.sum_over_group(groups.get(&self.tp_group))?;
             }
         }
         let mut first_error = self.start_ready(groups).err();
@@ -271,8 +299,21 @@ impl ChunkGrads {
         ChunkGrads {
             buffer,
             params,
+            group_summed: Vec::new(),
             backwards_left: 0,
         }
+    }
+
+    /// Sums the partially held gradients over the tensor-parallel group (one blocking
+    /// collective; every rank of the group completes its chunks in the same order).
+    fn sum_over_group(&mut self, group: Option<&GroupCommunicator>) -> Result<(), CommError> {
+        let Some(group) = group.filter(|_| !self.group_summed.is_empty()) else {
+            return Ok(());
+        };
+        let mut views: Vec<Tensor> = (self.group_summed.iter())
+            .map(|&i| self.params[i].2.shallow_clone())
+            .collect();
+        synerfuse_model::tp::reduce_flat_in_place(&mut views, |flat| group.all_reduce_sum(flat))
     }
 
     /// Adds each parameter's gradient into its fp32 view and zeroes it.

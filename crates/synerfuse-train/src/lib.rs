@@ -84,10 +84,20 @@ pub enum TrainError {
         /// The model's layers.
         model: usize,
     },
-    /// A plan with tensor-parallel stages, which the model runs (`Stage::new_sharded`)
-    /// but the trainer does not wire up yet.
-    #[error("replica {replica} stage {stage} runs on {size} tensor-parallel ranks; the trainer does not run tensor parallelism yet (each stage on one rank)")]
-    TensorParallelism {
+    /// A tensor-parallel stage whose shares cannot divide the model.
+    #[error("replica {replica} stage {stage}: {source}")]
+    TensorParallelSplit {
+        /// The replica.
+        replica: usize,
+        /// The stage.
+        stage: usize,
+        /// Which constraint the split breaks.
+        source: synerfuse_parallel::TpSplitError,
+    },
+    /// Activation recomputation asked of a tensor-parallel stage, which does not
+    /// recompute yet.
+    #[error("replica {replica} stage {stage} runs on {size} tensor-parallel ranks: --recompute-activations is not supported with tensor parallelism yet")]
+    RecomputeWithTensorParallelism {
         /// The replica.
         replica: usize,
         /// The stage.

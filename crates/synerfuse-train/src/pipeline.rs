@@ -5,13 +5,14 @@
 //! Each rank holds one [`Stage`] per virtual chunk, with its own layer count, and runs as
 //! many micro-batches as its replica's plan says; replicas never talk to each other here.
 
-use crate::comm::{MpiCommunicator, PendingSend, PipelineLinks};
+use crate::comm::{GroupCommunicator, MpiCommunicator, PendingSend, PipelineLinks};
 use crate::emulation::{ComputeSpan, Emulation};
 use crate::loader::MicroBatch;
 use crate::TrainError;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 use synerfuse_model::tch::{Device, Kind, Tensor};
+use synerfuse_model::tp::TpBackwardFrom;
 use synerfuse_model::{BackwardFrom, ForwardPass, Stage};
 use synerfuse_parallel::{Instruction, Message, Pass, Payload, Piece};
 
@@ -47,6 +48,9 @@ pub struct PipelineRank<'a> {
     pub world: &'a MpiCommunicator,
     /// Which neighbours are reached over NCCL (the rest over MPI).
     pub links: &'a PipelineLinks,
+    /// The stage's tensor-parallel group, when it has one (every chunk of a rank is in
+    /// the same stage, so in the same group).
+    pub tp: Option<&'a GroupCommunicator>,
     /// Dtype of activations on the wire.
     pub activation_kind: Kind,
     /// Emulated slowdown, if any.
@@ -103,6 +107,8 @@ struct StepState {
     passes: HashMap<Piece, ForwardPass>,
     /// Input gradients waiting to be sent.
     input_grads: HashMap<Piece, Tensor>,
+    /// Sends left of each piece's input gradient (one per receiving rank).
+    gradient_sends: HashMap<Piece, usize>,
     sends: Sends,
     times: StepTimes,
     loss: StepLoss,
@@ -142,6 +148,13 @@ impl PipelineRank<'_> {
             .map(|mb| BatchTensors::new(mb, sequence_length, device))
             .collect();
         let mut step = StepState::default();
+        for instruction in program {
+            if let Instruction::Send(m) = instruction {
+                if m.payload == Payload::Gradient {
+                    *step.gradient_sends.entry(m.piece).or_insert(0) += 1;
+                }
+            }
+        }
         for &instruction in program {
             let event = match instruction {
                 Instruction::Recv(message) => {
@@ -218,15 +231,23 @@ impl PipelineRank<'_> {
             step.take_received(Payload::Activation, from, fault)?
         };
         let span = ComputeSpan::start();
-        let pass = stage.forward_train(
-            &input,
-            Some(&batch.position_ids),
-            batch.attention_mask.as_ref(),
-        )?;
+        let (positions, mask) = (Some(&batch.position_ids), batch.attention_mask.as_ref());
+        let pass = match self.tp {
+            Some(tp) => stage.forward_train_tp(&input, positions, mask, tp)?,
+            None => stage.forward_train(&input, positions, mask)?,
+        };
         if stage.is_last() {
-            let (sum, count) = tch_no_grad_loss(&pass.output, batch);
-            step.loss.loss_sum += sum;
-            step.loss.loss_tokens += count;
+            let (sum, count) = match self.tp {
+                Some(tp) => {
+                    stage.parallel_loss(&pass.output, &batch.labels, Some(&batch.loss_mask), tp)?
+                }
+                None => tch_no_grad_loss(&pass.output, batch),
+            };
+            // Every rank of a tensor-parallel group has the loss; its rank 0 reports it.
+            if stage.shard().rank == 0 {
+                step.loss.loss_sum += sum;
+                step.loss.loss_tokens += count;
+            }
         }
         step.times.compute += Emulation::account(self.emulation.as_ref(), span);
         step.passes.insert(piece, pass);
@@ -248,11 +269,23 @@ impl PipelineRank<'_> {
         ))?;
         let span = ComputeSpan::start();
         let input_grad = if stage.is_last() {
-            let loss_of = |logits: &Tensor| {
-                let (sum, _) = Stage::loss(logits, &batch.labels, Some(&batch.loss_mask));
-                sum / loss_normaliser
-            };
-            stage.backward(pass, BackwardFrom::Loss(&loss_of))?
+            match self.tp {
+                Some(tp) => {
+                    let from = TpBackwardFrom::Loss {
+                        labels: &batch.labels,
+                        loss_mask: Some(&batch.loss_mask),
+                        scale: 1.0 / loss_normaliser,
+                    };
+                    stage.backward_tp(pass, from, tp)?
+                }
+                None => {
+                    let loss_of = |logits: &Tensor| {
+                        let (sum, _) = Stage::loss(logits, &batch.labels, Some(&batch.loss_mask));
+                        sum / loss_normaliser
+                    };
+                    stage.backward(pass, BackwardFrom::Loss(&loss_of))?
+                }
+            }
         } else {
             // Named by the sender: the next stage's same chunk, or stage 0's next chunk
             // when this is the last stage.
@@ -266,7 +299,10 @@ impl PipelineRank<'_> {
             let fault = PipelineFault::BackwardBeforeGradient(piece);
             let grad = step.take_received(Payload::Gradient, from, fault)?;
             let grad = grad.to_kind(pass.output.kind());
-            stage.backward(pass, BackwardFrom::OutputGrad(&grad))?
+            match self.tp {
+                Some(tp) => stage.backward_tp(pass, TpBackwardFrom::OutputGrad(&grad), tp)?,
+                None => stage.backward(pass, BackwardFrom::OutputGrad(&grad))?,
+            }
         };
         step.times.compute += Emulation::account(self.emulation.as_ref(), span);
         if let Some(g) = input_grad {
@@ -287,11 +323,20 @@ impl PipelineRank<'_> {
                 .ok_or_else(fault)?
                 .output
                 .to_kind(self.activation_kind),
-            Payload::Gradient => step
-                .input_grads
-                .remove(&message.piece)
-                .ok_or_else(fault)?
-                .to_kind(self.activation_kind),
+            Payload::Gradient => {
+                // A stage on fewer tensor-parallel ranks than the one before it sends
+                // the same gradient to several of them: kept until its last send.
+                let left = step.gradient_sends.entry(message.piece).or_insert(0);
+                *left = left.saturating_sub(1);
+                let grad = if *left == 0 {
+                    step.input_grads.remove(&message.piece)
+                } else {
+                    step.input_grads
+                        .get(&message.piece)
+                        .map(Tensor::shallow_clone)
+                };
+                grad.ok_or_else(fault)?.to_kind(self.activation_kind)
+            }
         };
         self.send(&tensor, message, &mut step.sends)?;
         step.times.communication += started.elapsed();

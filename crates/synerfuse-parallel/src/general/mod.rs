@@ -185,11 +185,9 @@ pub enum GeneralPlanError {
         /// Σ micro-batch size × count.
         actual: usize,
     },
-    /// A grid this plan cannot express yet (tensor, context or expert parallelism).
-    #[error("tensor, context and expert parallel sizes must be 1 in a general plan (got {tp}, {cp}, {ep})")]
+    /// A grid this plan cannot express yet (context or expert parallelism).
+    #[error("context and expert parallel sizes must be 1 in a general plan (got {cp}, {ep})")]
     Unsupported {
-        /// Tensor-parallel size.
-        tp: usize,
         /// Context-parallel size.
         cp: usize,
         /// Expert-parallel size.
@@ -370,11 +368,7 @@ impl GeneralPlan {
     pub fn from_grid(plan: &ParallelPlan) -> Result<Self, GeneralPlanError> {
         let t = &plan.topology;
         if t.cp != 1 || t.ep != 1 {
-            return Err(GeneralPlanError::Unsupported {
-                tp: t.tp,
-                cp: t.cp,
-                ep: t.ep,
-            });
+            return Err(GeneralPlanError::Unsupported { cp: t.cp, ep: t.ep });
         }
         let topology = plan.topology()?;
         let rank_of = |dp: usize, pp: usize, tp: usize| {

@@ -111,6 +111,26 @@ impl GroupCommunicator {
     }
 }
 
+/// A tensor-parallel group's collectives, for the model's tensor-parallel forward and
+/// backward (NCCL on CUDA groups, MPI with host staging otherwise).
+impl synerfuse_model::tp::TpCollectives for GroupCommunicator {
+    fn all_reduce_sum(
+        &self,
+        tensor: &Tensor,
+    ) -> Result<Tensor, synerfuse_model::tp::CollectiveError> {
+        let mut sum = tensor.detach().contiguous().copy();
+        GroupCommunicator::all_reduce_sum(self, &mut sum)?;
+        Ok(sum)
+    }
+
+    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor, synerfuse_model::tp::CollectiveError> {
+        Ok(GroupCommunicator::all_gather(
+            self,
+            &tensor.detach().contiguous(),
+        )?)
+    }
+}
+
 /// A reduction in flight: the caller leaves its tensor alone until [`Self::wait`].
 pub enum PendingReduction {
     /// On an NCCL stream.

@@ -8,7 +8,7 @@
 //! sum (ARCHITECTURE.md, "How a training step runs").
 
 use crate::checkpoint::{self, Checkpoint, CheckpointState};
-use crate::comm::{MpiCommunicator, PipelineLinks, SetGroups};
+use crate::comm::{GroupCommunicator, MpiCommunicator, PipelineLinks, SetGroups};
 use crate::emulation::Emulation;
 use crate::grads::{MainGrads, EMBEDDING};
 use crate::loader::{Prefetcher, ReplicaLoader};
@@ -21,7 +21,7 @@ use std::time::Instant;
 use synerfuse_data::gpt::{SampleOptions, SplitDataset};
 use synerfuse_model::tch::{self, Device, Kind, Tensor};
 use synerfuse_model::{DeviceRequest, ResolveDevice, Stage};
-use synerfuse_parallel::{GradientReduction, Instruction};
+use synerfuse_parallel::{GradientReduction, Instruction, TpLayout};
 
 mod config;
 mod report;
@@ -126,12 +126,15 @@ fn check_plan(
         return Err(TrainError::ChunksWithoutPipeline { replica });
     }
     for (replica, r) in plan.replicas().iter().enumerate() {
-        if let Some(stage) = (0..r.stages.num_stages()).find(|&s| r.tp_size(s) > 1) {
-            return Err(TrainError::TensorParallelism {
-                replica,
-                stage,
-                size: r.tp_size(stage),
-            });
+        for stage in (0..r.stages.num_stages()).filter(|&s| r.tp_size(s) > 1) {
+            tp_layout(config, replica, stage)?;
+            if config.compute.recompute {
+                return Err(TrainError::RecomputeWithTensorParallelism {
+                    replica,
+                    stage,
+                    size: r.tp_size(stage),
+                });
+            }
         }
     }
     if let Some(speeds) = &config.compute.emulate_speed {
@@ -145,6 +148,26 @@ fn check_plan(
     Ok(plan
         .position(rank)
         .expect("a plan of the job's size places every rank"))
+}
+
+/// How the tensor-parallel group of `replica`'s `stage` divides the model (one rank
+/// holding everything when the stage has no group).
+fn tp_layout(config: &TrainConfig, replica: usize, stage: usize) -> Result<TpLayout, TrainError> {
+    let r = &config.parallel.plan.replicas()[replica];
+    let m = &config.model;
+    let shares = r.shares(stage);
+    TpLayout::new(
+        Some(&shares),
+        shares.len(),
+        m.num_kv_heads,
+        m.intermediate_size,
+        m.vocab_size,
+    )
+    .map_err(|source| TrainError::TensorParallelSplit {
+        replica,
+        stage,
+        source,
+    })
 }
 
 /// This rank's emulated device, if any, announced in the log.
@@ -175,9 +198,13 @@ fn rank_emulation(
 fn build_chunks(
     config: &TrainConfig,
     (replica, stage_index): (usize, usize),
+    tp_rank: usize,
     device: Device,
 ) -> Result<Vec<Stage>, TrainError> {
     let stages = &config.parallel.plan.replicas()[replica].stages;
+    let shard = tp_layout(config, replica, stage_index)?
+        .shard(tp_rank)
+        .expect("a rank's tensor-parallel index is within its group");
     let mut chunks = Vec::with_capacity(stages.num_chunks());
     for chunk in 0..stages.num_chunks() {
         let layers = stages
@@ -189,7 +216,7 @@ fn build_chunks(
                 chunk,
             });
         }
-        let mut stage = Stage::new(&config.model, layers, device)?;
+        let mut stage = Stage::new_sharded(&config.model, layers, shard.clone(), device)?;
         stage.init_by_name(config.batch.seed);
         stage.set_recompute(config.compute.recompute);
         if let Some(dir) = &config.checkpoint.finetune_from_hf {
@@ -242,6 +269,9 @@ pub struct Trainer<'w> {
     stage_index: usize,
     num_stages: usize,
     replica: usize,
+    /// The world ranks of this rank's stage: its tensor-parallel group (one rank
+    /// without tensor parallelism).
+    tp_group: Vec<usize>,
     emulation: Option<Emulation>,
     iteration: u64,
     consumed_samples: u64,
@@ -267,8 +297,18 @@ impl<'w> Trainer<'w> {
         }
         let plan = &config.parallel.plan;
         let reductions = plan.gradient_reductions(config.model.tie_word_embeddings)?;
-        let groups = SetGroups::new(world, device, reductions.iter().map(|r| r.members.clone()))?;
-        let mut chunks = build_chunks(&config, (replica, stage_index), device)?;
+        let tp_groups = plan
+            .replicas()
+            .iter()
+            .flat_map(|r| r.ranks.iter().filter(|g| g.len() > 1).cloned());
+        let sets = reductions
+            .iter()
+            .map(|r| r.members.clone())
+            .chain(tp_groups);
+        let groups = SetGroups::new(world, device, sets)?;
+        let tp_group = plan.replicas()[replica].ranks[stage_index].clone();
+        let tp_rank = plan.tp_rank(rank).unwrap_or(0);
+        let mut chunks = build_chunks(&config, (replica, stage_index), tp_rank, device)?;
         let optimizer = build_optimizer(&config, &mut chunks)?;
         let mut programs = plan.schedule(config.parallel.schedule)?;
         let links = PipelineLinks::new(world, &groups, &programs)?;
@@ -285,7 +325,8 @@ impl<'w> Trainer<'w> {
             plan.num_layers(),
             &mine,
             config.compute.bf16,
-        )?;
+        )?
+        .summing_over(tp_group.clone(), &chunks);
         let num_stages = plan.replicas()[replica].stages.num_stages();
         let mut trainer = Trainer {
             world,
@@ -299,6 +340,7 @@ impl<'w> Trainer<'w> {
             stage_index,
             num_stages,
             replica,
+            tp_group,
             emulation,
             iteration: 0,
             consumed_samples: 0,
@@ -339,13 +381,16 @@ impl<'w> Trainer<'w> {
             .flat_map(|n| [format!("{n}.exp_avg"), format!("{n}.exp_avg_sq")])
             .collect();
         let moments = checkpoint.tensors("optimizer-", &moment_names)?;
+        // Tensors are stored whole by global name; a tensor-parallel shard takes its slice.
+        let stage = &self.chunks[0];
+        let slice = |t: Option<&Tensor>, name: &str| t.map(|t| stage.local_slice(name, t));
         for name in &names {
             self.optimizer
                 .load_param(
                     name,
-                    &values[name],
-                    moments.get(&format!("{name}.exp_avg")),
-                    moments.get(&format!("{name}.exp_avg_sq")),
+                    &stage.local_slice(name, &values[name]),
+                    slice(moments.get(&format!("{name}.exp_avg")), name).as_ref(),
+                    slice(moments.get(&format!("{name}.exp_avg_sq")), name).as_ref(),
                 )
                 .map_err(|e| checkpoint::problem_at(&checkpoint.dir, e))?;
         }
@@ -370,6 +415,16 @@ impl<'w> Trainer<'w> {
             );
         }
         Ok(())
+    }
+
+    /// The communicator of this rank's tensor-parallel group, if its stage has one.
+    fn tp_communicator<'g>(
+        groups: &'g SetGroups,
+        tp_group: &[usize],
+    ) -> Option<&'g GroupCommunicator> {
+        let mut members = tp_group.to_vec();
+        members.sort_unstable();
+        groups.get(&members)
     }
 
     /// Whether this rank holds the last stage's tied copy of the embedding (which the
@@ -456,9 +511,11 @@ impl<'w> Trainer<'w> {
         &self,
         micro_batches: &[crate::loader::MicroBatch],
     ) -> Result<f64, TrainError> {
-        let local: f64 = match self.stage_index {
-            0 => micro_batches.iter().map(|m| m.loss_tokens()).sum(),
-            _ => 0.0,
+        // Once per replica: its first stage's tensor-parallel rank 0.
+        let counts = self.stage_index == 0 && self.chunks[0].shard().rank == 0;
+        let local: f64 = match counts {
+            true => micro_batches.iter().map(|m| m.loss_tokens()).sum(),
+            false => 0.0,
         };
         let mut tokens = Tensor::from_slice(&[local]);
         if self.world.size() > 1 {
@@ -524,6 +581,7 @@ impl<'w> Trainer<'w> {
             num_stages: self.num_stages,
             world: self.world,
             links: &self.links,
+            tp: Self::tp_communicator(&self.groups, &self.tp_group),
             activation_kind: if self.config.compute.bf16 {
                 Kind::BFloat16
             } else {
@@ -561,10 +619,12 @@ impl<'w> Trainer<'w> {
         self.grads.finish(&self.groups)?;
         let grads = self.grads.grads();
         let skip_tied = self.holds_tied_copy();
+        let stage = &self.chunks[0];
         let local: f64 = match self.replica {
             0 => grads
                 .iter()
                 .filter(|(n, _)| !(skip_tied && n.as_str() == EMBEDDING))
+                .filter(|(n, _)| stage.holds_unique(n))
                 .map(|(_, g)| {
                     let g = g.to_kind(Kind::Double);
                     (&g * &g).sum(Kind::Double).double_value(&[])
@@ -620,18 +680,28 @@ impl<'w> Trainer<'w> {
         Ok(dir)
     }
 
-    /// This stage's parameters and AdamW moments, into the staging directory.
+    /// This stage's parameters and AdamW moments, whole (a tensor-parallel group's
+    /// shards gathered to its rank 0, which writes), into the staging directory.
     fn write_shard(&self, save: &std::path::Path) -> Result<(), TrainError> {
         let skip_tied = self.holds_tied_copy();
+        let stage = &self.chunks[0];
+        let tp = Self::tp_communicator(&self.groups, &self.tp_group);
+        let whole = |name: &str, t: &Tensor| match tp {
+            Some(tp) => stage.gather_whole(name, t, tp),
+            None => Ok(t.shallow_clone()),
+        };
         let mut params = Vec::new();
         let mut moments = Vec::new();
         for (name, value, m, v) in self.optimizer.state() {
             if skip_tied && name == EMBEDDING {
                 continue;
             }
-            params.push((name.to_owned(), value.to_kind(Kind::Float)));
-            moments.push((format!("{name}.exp_avg"), m.shallow_clone()));
-            moments.push((format!("{name}.exp_avg_sq"), v.shallow_clone()));
+            params.push((name.to_owned(), whole(name, &value.to_kind(Kind::Float))?));
+            moments.push((format!("{name}.exp_avg"), whole(name, m)?));
+            moments.push((format!("{name}.exp_avg_sq"), whole(name, v)?));
+        }
+        if stage.shard().rank != 0 {
+            return Ok(());
         }
         checkpoint::write_shard(
             &checkpoint::staging_dir(save, self.iteration),

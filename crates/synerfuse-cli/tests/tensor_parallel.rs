@@ -1,0 +1,149 @@
+//! Tensor parallelism in `synerfuse train`: the equivalence table's tensor-parallel rows
+//! (even and uneven shares, per-stage sizes, with pipelines and hetero data parallelism)
+//! and resuming a tensor-parallel checkpoint on one rank.
+
+mod support;
+use support::*;
+
+/// A `[[replica]]` plan file `name.toml` in `dir` with the given text; returns its path.
+fn plan_file(dir: &std::path::Path, name: &str, text: &str) -> String {
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path.display().to_string()
+}
+
+/// Each row trains what one rank trains (losses at every step and final parameters,
+/// < 1e-5), against the single-rank run of the same model.
+#[test]
+fn tensor_parallel_plans_match_a_single_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let data = dataset(d);
+    let untie = "--untie-embeddings-and-output-weights";
+    // Single-rank references: the tiny model (GQA, 2 query groups, tied), untied, and
+    // with a key/value head per query head (so shares [3, 1] can split 4 groups 3 : 1).
+    let mha = |extra: &[&str]| {
+        let mut args = common(d, &data, 6);
+        let gqa = args
+            .iter()
+            .position(|a| a == "--group-query-attention")
+            .unwrap();
+        args.drain(gqa..gqa + 3); // --group-query-attention --num-query-groups 2
+        args.extend(strings(extra));
+        args
+    };
+    let references = [
+        (
+            "tied",
+            run(d, &data, "single", &["--micro-batch-size", "1"]),
+        ),
+        (
+            "untied",
+            run(
+                d,
+                &data,
+                "single-untied",
+                &[untie, "--micro-batch-size", "1"],
+            ),
+        ),
+        (
+            "mha",
+            run_args(d, "single-mha", mha(&["--micro-batch-size", "1"])),
+        ),
+    ];
+    let per_stage = plan_file(
+        d,
+        "per-stage",
+        "[[replica]]\nlayers = [1, 3]\ntp = [2, 1]\nmicro_batch_size = 2\nnum_micro_batches = 3\n",
+    );
+    let shares = plan_file(
+        d,
+        "shares",
+        "[[replica]]\nlayers = [4]\ntp = [2]\ntp_shares = [[3, 1]]\nmicro_batch_size = 1\nnum_micro_batches = 6\n",
+    );
+    let per_replica = plan_file(
+        d,
+        "per-replica",
+        "[[replica]]\nlayers = [4]\ntp = [2]\nmicro_batch_size = 2\nnum_micro_batches = 1\n\n\
+         [[replica]]\nlayers = [1, 3]\ntp = [2, 2]\nmicro_batch_size = 1\nnum_micro_batches = 4\n",
+    );
+    let cases: Vec<(&str, &str, Vec<&str>)> = vec![
+        (
+            "TP 2, mbs 1 x 6",
+            "tied",
+            vec![
+                "--nproc",
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+                "--micro-batch-size",
+                "1",
+            ],
+        ),
+        (
+            "TP 2 x PP 2 [1,3] x DP 2, mbs [2,1] counts [2,2]",
+            "tied",
+            vec![
+                "--nproc",
+                "8",
+                "--tensor-model-parallel-size",
+                "2",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--hetero-pipeline-stages",
+                "2",
+                "1",
+                "3",
+                "--micro-batch-size-per-dp",
+                "1",
+                "2",
+                "1",
+                "1",
+                "--num-micro-batches-per-dp",
+                "1",
+                "2",
+                "1",
+                "2",
+            ],
+        ),
+        (
+            "per-stage TP [2,1] by plan, layers [1,3], untied",
+            "untied",
+            vec!["--nproc", "3", "--plan", &per_stage, untie],
+        ),
+        (
+            "per-replica plan: [4] on TP 2 (2 x 1) + [1,3] on TP [2,2] (1 x 4)",
+            "tied",
+            vec!["--nproc", "6", "--plan", &per_replica],
+        ),
+    ];
+    let mut table = String::from("| plan | max rel. loss diff | max param diff |\n|---|---|---|\n");
+    for (i, (label, reference, flags)) in cases.iter().enumerate() {
+        let (ref_losses, ref_params) = &references.iter().find(|r| r.0 == *reference).unwrap().1;
+        let (losses, params) = run(d, &data, &format!("tp-case{i}"), flags);
+        let loss_diff = max_rel_loss_diff(ref_losses, &losses);
+        let param_diff = max_param_diff(ref_params, &params);
+        table.push_str(&format!(
+            "| {label} | {loss_diff:.2e} | {param_diff:.2e} |\n"
+        ));
+        assert!(
+            loss_diff < 1e-5 && param_diff < 1e-5,
+            "{label}: losses {losses:?} vs {ref_losses:?} (rel {loss_diff:e}), params {param_diff:e}"
+        );
+    }
+    // Uneven shares: heads, FFN columns and vocabulary rows split 3 : 1.
+    let label = "TP 2 shares [3,1] (query groups, FFN, vocabulary 3 : 1), MHA";
+    let (losses, params) = run_args(d, "tp-shares", mha(&["--nproc", "2", "--plan", &shares]));
+    let (ref_losses, ref_params) = &references[2].1;
+    let loss_diff = max_rel_loss_diff(ref_losses, &losses);
+    let param_diff = max_param_diff(ref_params, &params);
+    table.push_str(&format!(
+        "| {label} | {loss_diff:.2e} | {param_diff:.2e} |
+"
+    ));
+    assert!(
+        loss_diff < 1e-5 && param_diff < 1e-5,
+        "{label}: losses {losses:?} vs {ref_losses:?} (rel {loss_diff:e}), params {param_diff:e}"
+    );
+    println!("{table}");
+}
