@@ -904,19 +904,53 @@ fn finetune_from_hf_starts_from_its_weights() {
         ])),
         "preprocess",
     );
-    let save = dir.path().join("ckpt");
-    let out = synerfuse(&strings(&[
+    let original: BTreeMap<String, Tensor> =
+        synerfuse_model::hf::read_safetensors(&hf.join("model.safetensors"), |_| true)
+            .unwrap()
+            .into_iter()
+            .filter(|(n, _)| n != "lm_head.weight")
+            .collect();
+    // Whole stages, and uneven tensor-parallel shards (each takes its slice of every
+    // tensor; saved whole again).
+    let shares = dir.path().join("shares.toml");
+    std::fs::write(
+        &shares,
+        "[[replica]]\nlayers = [3]\ntp = [3]\ntp_shares = [[2, 1, 1]]\nmicro_batch_size = 2\nnum_micro_batches = 2\n",
+    )
+    .unwrap();
+    for (name, layout) in [
+        (
+            "pp3",
+            vec![
+                "--pipeline-model-parallel-size",
+                "3",
+                "--micro-batch-size",
+                "2",
+            ],
+        ),
+        ("tp3", vec!["--plan", shares.to_str().unwrap()]),
+    ] {
+        finetune_with_zero_lr(dir.path(), &hf, name, &layout);
+        let saved = parameters(&dir.path().join(name));
+        assert_eq!(max_param_diff(&original, &saved), 0.0, "{name}");
+    }
+}
+
+/// One iteration at learning rate 0 from the weights in `hf` on 3 ranks laid out by
+/// `layout`, saved to `dir/name`.
+fn finetune_with_zero_lr(dir: &Path, hf: &Path, name: &str, layout: &[&str]) {
+    let save = dir.join(name);
+    let mut args = strings(&[
         "train",
         "--nproc",
         "3",
         "--finetune-from-hf",
         hf.to_str().unwrap(),
-        "--pipeline-model-parallel-size",
-        "3",
+    ]);
+    args.extend(strings(layout));
+    args.extend(strings(&[
         "--seq-length",
         "16",
-        "--micro-batch-size",
-        "2",
         "--global-batch-size",
         "4",
         "--train-iters",
@@ -924,7 +958,7 @@ fn finetune_from_hf_starts_from_its_weights() {
         "--lr",
         "0",
         "--data-path",
-        dir.path().join("ids_text_document").to_str().unwrap(),
+        dir.join("ids_text_document").to_str().unwrap(),
         "--split",
         "100,0,0",
         "--tokenizer-type",
@@ -936,15 +970,7 @@ fn finetune_from_hf_starts_from_its_weights() {
         "--save",
         save.to_str().unwrap(),
     ]));
-    ok(&out, "finetune");
-    let saved = parameters(&save);
-    let original: BTreeMap<String, Tensor> =
-        synerfuse_model::hf::read_safetensors(&hf.join("model.safetensors"), |_| true)
-            .unwrap()
-            .into_iter()
-            .filter(|(n, _)| n != "lm_head.weight")
-            .collect();
-    assert_eq!(max_param_diff(&original, &saved), 0.0);
+    ok(&synerfuse(&args), name);
 }
 
 fn plan_json(args: &[&str]) -> serde_json::Value {
