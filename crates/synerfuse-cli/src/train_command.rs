@@ -147,8 +147,10 @@ pub struct TrainArgs {
     /// No effect: the attention kernels choose their own accumulation precision
     #[arg(long, help_heading = "Megatron compatibility")]
     attention_softmax_in_fp32: bool,
-    /// No effect at tensor-parallel size 1 (Megatron turns it off there too)
-    #[arg(long, help_heading = "Megatron compatibility")]
+    /// Sequence parallelism on tensor-parallel stages: norms and residuals on each
+    /// rank's sequence rows (the sequence length must divide over the stage's
+    /// tensor-parallel size); no effect on stages of one rank, as in Megatron
+    #[arg(long)]
     sequence_parallel: bool,
     /// Overlap each chunk's data-parallel gradient reduction with the rest of the
     /// pipeline (the default here; accepted for Megatron's scripts)
@@ -462,6 +464,7 @@ impl TrainArgs {
                 plan,
                 schedule,
                 overlap_grad_reduce: !self.no_overlap_grad_reduce,
+                sequence_parallel: self.sequence_parallel,
             },
             batch: BatchConfig {
                 sequence_length: self.seq_length,
@@ -717,9 +720,14 @@ fn log_run(config: &TrainConfig, world_size: usize, threads: usize) {
                 m.vocab_size,
             ) {
                 tracing::info!(
-                    "replica {replica} stage {stage}: tensor-parallel ranks {:?}, {}",
+                    "replica {replica} stage {stage}: tensor-parallel ranks {:?}, {}{}",
                     r.ranks[stage],
-                    layout.describe()
+                    layout.describe(),
+                    match config.parallel.sequence_parallel {
+                        true =>
+                            ", sequence parallel (norms and residuals on each rank's sequence rows)",
+                        false => "",
+                    }
                 );
             }
         }
@@ -794,6 +802,7 @@ fn train_flag_error(error: TrainError) -> anyhow::Error {
         }
         TrainError::WorldSize { .. } => "--nproc / mpirun -np".to_owned(),
         TrainError::RecomputeWithTensorParallelism { .. } => "--recompute-activations".to_owned(),
+        TrainError::SequenceParallel { .. } => "--sequence-parallel / --seq-length".to_owned(),
         _ => return error.into(),
     };
     anyhow::Error::new(error).context(flags)

@@ -81,6 +81,19 @@ fn tensor_parallel_plans_match_a_single_rank() {
             ],
         ),
         (
+            "TP 2 + sequence parallelism, mbs 2 x 3",
+            "tied",
+            vec![
+                "--nproc",
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--micro-batch-size",
+                "2",
+            ],
+        ),
+        (
             "TP 2 x PP 2 [1,3] x DP 2, mbs [2,1] counts [2,2]",
             "tied",
             vec![
@@ -107,13 +120,14 @@ fn tensor_parallel_plans_match_a_single_rank() {
             ],
         ),
         (
-            "TP 2 x PP 2 interleaved (2 chunks of 1 layer), mbs 1 x 6",
+            "TP 2 + SP x PP 2 interleaved (2 chunks of 1 layer), mbs 1 x 6",
             "tied",
             vec![
                 "--nproc",
                 "4",
                 "--tensor-model-parallel-size",
                 "2",
+                "--sequence-parallel",
                 "--pipeline-model-parallel-size",
                 "2",
                 "--num-layers-per-virtual-pipeline-stage",

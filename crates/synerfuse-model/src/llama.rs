@@ -55,6 +55,14 @@ pub enum StageError {
     /// A backward from a loss on a stage without the output layer.
     #[error("a backward from the loss needs the last stage (the output layer)")]
     NotLastStage,
+    /// Sequence parallelism over a sequence the group cannot split evenly.
+    #[error("sequence parallelism splits the sequence over the tensor-parallel group: sequence length {sequence} does not divide over {size} ranks")]
+    SequenceNotDivisible {
+        /// The sequence length.
+        sequence: i64,
+        /// Ranks in the group.
+        size: usize,
+    },
     /// A collective between tensor-parallel segments failed.
     #[error("tensor-parallel {op}: {source}")]
     Collective {
@@ -232,9 +240,33 @@ impl DecoderLayer {
         attention_mask: Option<&Tensor>,
         cache: Option<&mut KvCache>,
     ) -> Tensor {
-        let (b, s) = (x.size()[0], x.size()[1]);
+        let h = self.block_norm(true, x, c);
+        self.attention_core(&h, c, cos, sin, attention_mask, cache)
+    }
+
+    /// The norm that opens the attention block (`attention`) or the MLP block: per
+    /// token, so sequence parallelism runs it on each rank's sequence rows.
+    pub(crate) fn block_norm(&self, attention: bool, x: &Tensor, c: &LlamaConfig) -> Tensor {
+        let weight = match attention {
+            true => &self.input_norm,
+            false => &self.post_attention_norm,
+        };
+        rms_norm(x, weight, c.rms_norm_eps)
+    }
+
+    /// [`Self::attention_out`] after its norm: `h` is the normed input.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attention_core(
+        &self,
+        h: &Tensor,
+        c: &LlamaConfig,
+        cos: &Tensor,
+        sin: &Tensor,
+        attention_mask: Option<&Tensor>,
+        cache: Option<&mut KvCache>,
+    ) -> Tensor {
+        let (b, s) = (h.size()[0], h.size()[1]);
         let hd = c.head_dim as i64;
-        let h = rms_norm(x, &self.input_norm, c.rms_norm_eps);
         // One GEMM for q, k and v (the weights stay separate parameters with
         // transformers' names; concatenating them costs far less than two extra GEMMs).
         let (nq, nkv) = (self.q.weight.size()[0], self.k.weight.size()[0]);
@@ -262,7 +294,7 @@ impl DecoderLayer {
             Some(m) => Some(m.logical_not()),
             // New queries after cached keys: query i (position start + i) sees keys
             // ..= start + i.
-            None if had_cache && s > 1 => Some(cached_causal_mask(k.size()[2], s, x.device())),
+            None if had_cache && s > 1 => Some(cached_causal_mask(k.size()[2], s, h.device())),
             None => None,
         };
         let causal = allowed.is_none() && s > 1;
@@ -283,7 +315,11 @@ impl DecoderLayer {
     /// The MLP block's output (before the residual): normed input, SwiGLU over this
     /// shard's FFN columns, with the gate and up projections in one GEMM.
     pub(crate) fn mlp_out(&self, x: &Tensor, c: &LlamaConfig) -> Tensor {
-        let h = rms_norm(x, &self.post_attention_norm, c.rms_norm_eps);
+        self.mlp_core(&self.block_norm(false, x, c))
+    }
+
+    /// [`Self::mlp_out`] after its norm: `h` is the normed input.
+    pub(crate) fn mlp_core(&self, h: &Tensor) -> Tensor {
         let ffn = self.gate.weight.size()[0];
         let gate_up = h.linear(
             &Tensor::cat(&[&self.gate.weight, &self.up.weight], 0),
@@ -334,6 +370,9 @@ pub struct Stage {
     head: Option<Tensor>,
     inv_freq: Tensor,
     recompute: bool,
+    /// Megatron's sequence parallelism under tensor parallelism: norms and residuals on
+    /// each rank's sequence rows.
+    sequence_parallel: bool,
     /// What this rank holds of the stage's tensors (the whole stage without tensor
     /// parallelism).
     shard: TpShard,
@@ -449,6 +488,7 @@ impl Stage {
             head,
             inv_freq,
             recompute: false,
+            sequence_parallel: false,
             shard,
         })
     }
@@ -600,6 +640,18 @@ impl Stage {
     /// `backward` runs the forward again (less memory, one more forward).
     pub fn set_recompute(&mut self, recompute: bool) {
         self.recompute = recompute;
+    }
+
+    /// Megatron's sequence parallelism for a tensor-parallel shard: between its
+    /// collectives the residual stream, the norms and the stage's input and output
+    /// gradients are held as each rank's rows of the sequence (an all-gather before and a
+    /// reduce-scatter after every parallel region instead of one all-reduce).
+    pub fn set_sequence_parallel(&mut self, sequence_parallel: bool) {
+        self.sequence_parallel = sequence_parallel;
+    }
+
+    pub(crate) fn sequence_parallel(&self) -> bool {
+        self.sequence_parallel && !self.shard.is_whole()
     }
 
     /// The stage's computation: token ids `[b, s]` (first stage) or hidden states

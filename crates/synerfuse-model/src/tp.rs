@@ -19,25 +19,93 @@ use tch::{Kind, Tensor};
 pub type CollectiveError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The collectives a tensor-parallel stage needs, over its tensor-parallel group
-/// (implemented over MPI/NCCL by synerfuse-train, and over threads in tests).
+/// (implemented over MPI/NCCL by synerfuse-train, and over threads in tests). Members are
+/// numbered in the collectives' order, which sequence parallelism follows (the group's
+/// member order need not be its tensor-parallel order).
 pub trait TpCollectives {
+    /// This member's index in the collectives' order.
+    fn rank(&self) -> usize;
+    /// Members.
+    fn size(&self) -> usize;
     /// The element-wise sum over the group, as a new tensor.
     fn all_reduce_sum(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError>;
-    /// Every member's tensor stacked along a new first dimension, in rank order.
+    /// Every member's tensor stacked along a new first dimension, in member order.
     fn all_gather(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError>;
+    /// The element-wise sum over the group, cut into `size` equal parts along the first
+    /// dimension: this member's part.
+    fn reduce_scatter_sum(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError>;
 }
 
 fn collective<T>(op: &'static str, result: Result<T, CollectiveError>) -> Result<T, StageError> {
     result.map_err(|source| StageError::Collective { op, source })
 }
 
+/// How a region's partial outputs are combined and its input gradients restored: whole
+/// sequences (all-reduce), or sequence rows (sequence parallelism: reduce-scatter
+/// forward, all-gather backward).
+#[derive(Clone, Copy)]
+struct Sequence<'a> {
+    tp: &'a dyn TpCollectives,
+    parallel: bool,
+}
+
+impl Sequence<'_> {
+    /// The sum of every member's `partial` `[b, s, h]` (a region's output, or the
+    /// gradient of its replicated input): whole, or this member's rows.
+    fn combine(&self, partial: &Tensor) -> Result<Tensor, StageError> {
+        if !self.parallel {
+            return collective("all-reduce", self.tp.all_reduce_sum(partial));
+        }
+        self.rows_per_member(partial.size()[1])?;
+        let by_position = partial.transpose(0, 1).contiguous();
+        let mine = collective("reduce-scatter", self.tp.reduce_scatter_sum(&by_position))?;
+        Ok(mine.transpose(0, 1))
+    }
+
+    /// This member's rows of a whole-sequence `x` `[b, s, ...]` (all of it without
+    /// sequence parallelism).
+    fn rows(&self, x: &Tensor) -> Result<Tensor, StageError> {
+        if !self.parallel {
+            return Ok(x.shallow_clone());
+        }
+        let n = self.rows_per_member(x.size()[1])?;
+        Ok(x.narrow(1, self.tp.rank() as i64 * n, n))
+    }
+
+    /// Each member's rows of a sequence of `sequence` positions (an even split, as
+    /// Megatron's).
+    fn rows_per_member(&self, sequence: i64) -> Result<i64, StageError> {
+        let size = self.tp.size();
+        match sequence % size as i64 {
+            0 => Ok(sequence / size as i64),
+            _ => Err(StageError::SequenceNotDivisible { sequence, size }),
+        }
+    }
+
+    /// The whole sequence from every member's rows `[b, s / size, ...]` (itself without
+    /// sequence parallelism).
+    fn whole(&self, rows: &Tensor) -> Result<Tensor, StageError> {
+        if !self.parallel {
+            return Ok(rows.shallow_clone());
+        }
+        let gathered = collective("all-gather", self.tp.all_gather(&rows.contiguous()))?;
+        let mut shape = rows.size();
+        shape[1] *= self.tp.size() as i64;
+        Ok(gathered.transpose(0, 1).reshape(shape.as_slice()))
+    }
+}
+
 /// One region of a tensor-parallel forward, kept for its backward.
 pub(crate) enum Region {
     /// This rank's rows of the embedding looked up (zeros for other ranks' tokens).
     Embedding { partial: Tensor },
-    /// An attention or MLP block: its replicated leaf input and its partial output.
+    /// A norm on this rank's sequence rows (sequence parallelism): its leaf input and
+    /// output, which the next region all-gathers.
+    Norm { input: Tensor, normed: Tensor },
+    /// An attention or MLP block: its replicated leaf input (the residual stream, or
+    /// under sequence parallelism the gathered normed rows) and its partial output.
     Block { input: Tensor, partial: Tensor },
-    /// The final norm and this rank's slice of the output layer.
+    /// The final norm (unless sequence-parallel) and this rank's slice of the output layer.
     Head { input: Tensor, logits: Tensor },
 }
 
@@ -68,7 +136,8 @@ impl Stage {
     /// A training forward of a tensor-parallel shard: the output (hidden states, or this
     /// rank's vocabulary slice of the logits `[b, s, local vocab]` on the last stage) and
     /// the regions its backward runs. Collective over the group: every rank calls it with
-    /// the same input. (Recomputation does not apply to tensor-parallel passes yet.)
+    /// the same input. Stage inputs and outputs are whole sequences, also under sequence
+    /// parallelism. (Recomputation does not apply to tensor-parallel passes yet.)
     pub fn forward_train_tp(
         &self,
         input: &Tensor,
@@ -76,44 +145,60 @@ impl Stage {
         attention_mask: Option<&Tensor>,
         tp: &dyn TpCollectives,
     ) -> Result<ForwardPass, StageError> {
+        let seq = Sequence {
+            tp,
+            parallel: self.sequence_parallel(),
+        };
         let mut regions = Vec::new();
         let leaf = (!self.is_first()).then(|| input.detach().set_requires_grad(true));
-        let mut x = match &leaf {
+        let (mut x, (cos, sin)) = match &leaf {
             Some(leaf) => {
                 self.check_hidden(leaf)?;
-                leaf.detach()
+                (seq.rows(&leaf.detach())?, self.rotary(leaf, position_ids))
             }
             None => {
                 let partial = self.embed_local(input)?;
-                let x = collective("all-reduce", tp.all_reduce_sum(&partial.detach()))?;
+                let x = seq.combine(&partial.detach())?;
+                let tables = self.rotary(&partial, position_ids);
                 regions.push(Region::Embedding { partial });
-                x
+                (x, tables)
             }
         };
-        let (cos, sin) = self.rotary(&x, position_ids);
         let c = self.config();
         for layer in self.decoder_layers() {
             for attention in [true, false] {
-                let input = x.detach().set_requires_grad(true);
-                let partial = if attention {
-                    layer.attention_out(&input, c, &cos, &sin, attention_mask, None)
-                } else {
-                    layer.mlp_out(&input, c)
+                let input = self.region_input(&x, &seq, &mut regions, |x| {
+                    layer.block_norm(attention, x, c)
+                })?;
+                let partial = match (attention, seq.parallel) {
+                    (true, true) => {
+                        layer.attention_core(&input, c, &cos, &sin, attention_mask, None)
+                    }
+                    (true, false) => {
+                        layer.attention_out(&input, c, &cos, &sin, attention_mask, None)
+                    }
+                    (false, true) => layer.mlp_core(&input),
+                    (false, false) => layer.mlp_out(&input, c),
                 };
-                let sum = collective("all-reduce", tp.all_reduce_sum(&partial.detach()))?;
-                x = &x + sum;
+                x = &x + seq.combine(&partial.detach())?;
                 regions.push(Region::Block { input, partial });
             }
         }
         let output = match self.norm_and_head() {
             Some((norm, head)) => {
-                let input = x.set_requires_grad(true);
-                let logits = rms_norm(&input, norm, c.rms_norm_eps).linear::<Tensor>(head, None);
+                let input = self.region_input(&x, &seq, &mut regions, |x| {
+                    rms_norm(x, norm, c.rms_norm_eps)
+                })?;
+                let normed = match seq.parallel {
+                    true => input.shallow_clone(),
+                    false => rms_norm(&input, norm, c.rms_norm_eps),
+                };
+                let logits = normed.linear::<Tensor>(head, None);
                 let output = logits.detach();
                 regions.push(Region::Head { input, logits });
                 output
             }
-            None => x,
+            None => seq.whole(&x)?,
         };
         Ok(ForwardPass::regions(
             output,
@@ -126,23 +211,50 @@ impl Stage {
         ))
     }
 
+    /// The leaf input of the next parallel region: the residual stream `x` itself, or
+    /// under sequence parallelism `norm` of this rank's rows (a [`Region::Norm`] of its
+    /// own) gathered into the whole sequence.
+    fn region_input(
+        &self,
+        x: &Tensor,
+        seq: &Sequence<'_>,
+        regions: &mut Vec<Region>,
+        norm: impl FnOnce(&Tensor) -> Tensor,
+    ) -> Result<Tensor, StageError> {
+        if !seq.parallel {
+            return Ok(x.detach().set_requires_grad(true));
+        }
+        let input = x.detach().set_requires_grad(true);
+        let normed = norm(&input);
+        let gathered = seq.whole(&normed.detach())?;
+        regions.push(Region::Norm { input, normed });
+        Ok(gathered.set_requires_grad(true))
+    }
+
     /// Backpropagates a tensor-parallel `pass` region by region; accumulates this shard's
-    /// parameter gradients and returns the gradient of the stage input (replicated on
-    /// every rank of the group; none on the first stage). Collective over the group.
+    /// parameter gradients and returns the gradient of the stage input (the whole
+    /// sequence, replicated on every rank of the group; none on the first stage).
+    /// Collective over the group.
     pub fn backward_tp(
         &self,
         pass: ForwardPass,
         from: TpBackwardFrom<'_>,
         tp: &dyn TpCollectives,
     ) -> Result<Option<Tensor>, StageError> {
-        let (mut regions, saved) = pass.into_regions();
-        let mut grad = match (&from, regions.last()) {
-            (TpBackwardFrom::OutputGrad(g), _) => Some(g.shallow_clone()),
-            (TpBackwardFrom::Loss { .. }, Some(Region::Head { .. })) => None,
+        let seq = Sequence {
+            tp,
+            parallel: self.sequence_parallel(),
+        };
+        let (mut regions, _saved) = pass.into_regions();
+        // The gradient of the residual stream (this rank's rows under sequence
+        // parallelism), and that of a sequence-parallel norm's output.
+        let (mut grad, mut normed_grad) = match (&from, regions.last()) {
+            (TpBackwardFrom::OutputGrad(g), _) => (Some(seq.rows(g)?), None),
+            (TpBackwardFrom::Loss { .. }, Some(Region::Head { .. })) => (None, None),
             _ => return Err(StageError::NotLastStage),
         };
         while let Some(region) = regions.pop() {
-            grad = Some(match region {
+            match region {
                 Region::Head { input, logits } => {
                     let TpBackwardFrom::Loss {
                         labels,
@@ -156,23 +268,38 @@ impl Stage {
                     let weight = token_weights(&loss.per_token, *loss_mask, *scale);
                     let g = (loss.grad * weight.unsqueeze(-1)).view(logits.size().as_slice());
                     backward_from(&logits, &g);
-                    collective("all-reduce", tp.all_reduce_sum(&input.grad()))?
+                    let through = seq.combine(&input.grad())?;
+                    match seq.parallel {
+                        true => normed_grad = Some(through),
+                        false => grad = Some(through),
+                    }
+                }
+                Region::Norm { input, normed } => {
+                    let g = normed_grad.take().expect("a norm's output gradient");
+                    backward_from(&normed, &g);
+                    let residual = grad.take();
+                    grad = Some(match residual {
+                        Some(r) => r + input.grad(),
+                        None => input.grad(),
+                    });
                 }
                 Region::Block { input, partial } => {
-                    let g = grad.take().expect("a block's output gradient");
-                    backward_from(&partial, &g);
-                    let through = collective("all-reduce", tp.all_reduce_sum(&input.grad()))?;
-                    g + through
+                    let g = grad.as_ref().expect("a block's output gradient");
+                    backward_from(&partial, &seq.whole(g)?);
+                    let through = seq.combine(&input.grad())?;
+                    match seq.parallel {
+                        true => normed_grad = Some(through),
+                        false => grad = Some(through + g),
+                    }
                 }
                 Region::Embedding { partial } => {
                     let g = grad.take().expect("the embedding's output gradient");
-                    backward_from(&partial, &g);
+                    backward_from(&partial, &seq.whole(&g)?);
                     return Ok(None);
                 }
-            });
+            }
         }
-        let _ = saved;
-        Ok(grad)
+        grad.map(|g| seq.whole(&g)).transpose()
     }
 
     /// Sums the norm weights' gradients over the group. A norm sits inside the region

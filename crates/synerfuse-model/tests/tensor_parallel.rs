@@ -22,6 +22,20 @@ struct ThreadGroup {
 }
 
 impl TpCollectives for ThreadGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.slots.lock().unwrap().len()
+    }
+
+    fn reduce_scatter_sum(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
+        let sum = self.all_reduce_sum(tensor)?;
+        let n = sum.size()[0] / self.size() as i64;
+        Ok(sum.narrow(0, self.rank as i64 * n, n))
+    }
+
     fn all_gather(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
         self.slots.lock().unwrap()[self.rank] = Some(tensor.detach().copy());
         self.barrier.wait();
@@ -141,6 +155,7 @@ fn sharded(
     c: &LlamaConfig,
     layers: std::ops::Range<usize>,
     shares: &[u32],
+    sequence_parallel: bool,
     x: &Inputs,
 ) -> Vec<Outcome> {
     let layout = TpLayout::new(
@@ -174,6 +189,7 @@ fn sharded(
                     let _one_at_a_time = INIT.lock().unwrap();
                     let mut stage = Stage::new_sharded(&c, layers, shard, Device::Cpu).unwrap();
                     stage.init_by_name(3);
+                    stage.set_sequence_parallel(sequence_parallel);
                     stage
                 };
                 let pass = stage.forward_train_tp(&input, None, None, &group).unwrap();
@@ -275,19 +291,23 @@ fn compare(whole: &Outcome, ranks: &[Outcome], last: bool) -> f64 {
 
 #[test]
 fn a_sharded_whole_model_equals_the_whole_stage() {
-    for (tied, shares) in [
-        (true, vec![1, 1]),
-        (false, vec![1, 1]),
-        (true, vec![3, 1]),
-        (false, vec![2, 1, 1]),
+    for (tied, shares, sp) in [
+        (true, vec![1, 1], false),
+        (false, vec![1, 1], false),
+        (true, vec![3, 1], false),
+        (false, vec![2, 1, 1], false),
+        (true, vec![1, 1], true),
+        (false, vec![3, 1], true),
+        (true, vec![2, 1, 1], true),
     ] {
         let c = config(tied);
         let x = inputs(&c, true);
         let reference = whole(&c, 0..3, &x);
-        let ranks = sharded(&c, 0..3, &shares, &x);
+        let ranks = sharded(&c, 0..3, &shares, sp, &x);
         let worst = compare(&reference, &ranks, true);
-        eprintln!("tied {tied}, shares {shares:?}: max difference {worst:.2e}");
-        assert!(worst < 1e-5, "tied {tied}, shares {shares:?}: {worst}");
+        let what = format!("tied {tied}, shares {shares:?}, sequence parallel {sp}");
+        eprintln!("{what}: max difference {worst:.2e}");
+        assert!(worst < 1e-5, "{what}: {worst}");
     }
 }
 
@@ -296,9 +316,11 @@ fn a_sharded_middle_stage_passes_the_same_activations_and_gradients() {
     let c = config(false);
     let x = inputs(&c, false);
     let reference = whole(&c, 1..2, &x);
-    let ranks = sharded(&c, 1..2, &[3, 1], &x);
-    let worst = compare(&reference, &ranks, false);
-    assert!(worst < 1e-5, "{worst}");
+    for sp in [false, true] {
+        let ranks = sharded(&c, 1..2, &[3, 1], sp, &x);
+        let worst = compare(&reference, &ranks, false);
+        assert!(worst < 1e-5, "sequence parallel {sp}: {worst}");
+    }
     // A shard refuses the whole-stage path rather than returning partial sums.
     let layout = TpLayout::new(None, 2, 4, 48, 64).unwrap();
     let stage = Stage::new_sharded(&c, 1..2, layout.shard(0).unwrap(), Device::Cpu).unwrap();

@@ -94,6 +94,18 @@ pub enum TrainError {
         /// Which constraint the split breaks.
         source: synerfuse_parallel::TpSplitError,
     },
+    /// Sequence parallelism on a stage whose group cannot split the sequence evenly.
+    #[error("replica {replica} stage {stage}: sequence parallelism splits the sequence over the stage's {size} tensor-parallel ranks, but the sequence length {sequence} does not divide by {size}")]
+    SequenceParallel {
+        /// The replica.
+        replica: usize,
+        /// The stage.
+        stage: usize,
+        /// Its tensor-parallel size.
+        size: usize,
+        /// The sequence length.
+        sequence: usize,
+    },
     /// Activation recomputation asked of a tensor-parallel stage, which does not
     /// recompute yet.
     #[error("replica {replica} stage {stage} runs on {size} tensor-parallel ranks: --recompute-activations is not supported with tensor parallelism yet")]

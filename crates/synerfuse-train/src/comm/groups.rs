@@ -114,6 +114,24 @@ impl GroupCommunicator {
 /// A tensor-parallel group's collectives, for the model's tensor-parallel forward and
 /// backward (NCCL on CUDA groups, MPI with host staging otherwise).
 impl synerfuse_model::tp::TpCollectives for GroupCommunicator {
+    fn rank(&self) -> usize {
+        GroupCommunicator::rank(self)
+    }
+
+    fn size(&self) -> usize {
+        GroupCommunicator::size(self)
+    }
+
+    fn reduce_scatter_sum(
+        &self,
+        tensor: &Tensor,
+    ) -> Result<Tensor, synerfuse_model::tp::CollectiveError> {
+        Ok(GroupCommunicator::reduce_scatter_sum(
+            self,
+            &tensor.detach().contiguous(),
+        )?)
+    }
+
     fn all_reduce_sum(
         &self,
         tensor: &Tensor,

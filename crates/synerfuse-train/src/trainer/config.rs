@@ -39,6 +39,9 @@ pub struct ParallelConfig {
     /// Start each gradient reduction as soon as its chunk's last backward ends
     /// (Megatron's `--overlap-grad-reduce`; off with `--no-overlap-grad-reduce`).
     pub overlap_grad_reduce: bool,
+    /// Megatron's `--sequence-parallel` on every tensor-parallel stage (no effect on
+    /// stages of one rank).
+    pub sequence_parallel: bool,
 }
 
 /// Sequence length and how long the run is.

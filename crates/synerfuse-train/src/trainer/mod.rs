@@ -128,6 +128,15 @@ fn check_plan(
     for (replica, r) in plan.replicas().iter().enumerate() {
         for stage in (0..r.stages.num_stages()).filter(|&s| r.tp_size(s) > 1) {
             tp_layout(config, replica, stage)?;
+            let (sequence, size) = (config.batch.sequence_length, r.tp_size(stage));
+            if config.parallel.sequence_parallel && sequence % size != 0 {
+                return Err(TrainError::SequenceParallel {
+                    replica,
+                    stage,
+                    size,
+                    sequence,
+                });
+            }
             if config.compute.recompute {
                 return Err(TrainError::RecomputeWithTensorParallelism {
                     replica,
@@ -219,6 +228,7 @@ fn build_chunks(
         let mut stage = Stage::new_sharded(&config.model, layers, shard.clone(), device)?;
         stage.init_by_name(config.batch.seed);
         stage.set_recompute(config.compute.recompute);
+        stage.set_sequence_parallel(config.parallel.sequence_parallel);
         if let Some(dir) = &config.checkpoint.finetune_from_hf {
             synerfuse_model::hf::load_weights(&mut stage, dir)?;
         }
