@@ -11,8 +11,8 @@ use synerfuse_data::gpt::{DataSources, SampleOptions};
 use synerfuse_data::tokenizer::Tokenizer;
 use synerfuse_model::{DeviceRequest, LlamaConfig, MegatronModelArgs};
 use synerfuse_parallel::{
-    BatchError, GeneralPlan, GeneralPlanError, LayoutError, ParallelPlan, PlanError, PlanFlags,
-    ScheduleKind, TpLayout,
+    BatchError, GeneralPlan, GeneralPlanError, LayoutError, MeshFlags, ParallelPlan, PlanError,
+    PlanFlags, ProcessMeshes, ScheduleKind, TpLayout,
 };
 use synerfuse_train::comm::{
     launcher_local_rank, launcher_rank, relaunch_under_mpirun, watchdog, MpiCommunicator,
@@ -54,9 +54,26 @@ pub struct TrainArgs {
     /// A plan written by `synerfuse plan` (layers per stage, batches per replica, devices)
     #[arg(long, help_heading = "Parallelism")]
     plan: Option<PathBuf>,
-    /// Must be 1 for now
+    /// Ranks per tensor-parallel group (Megatron's column/row-parallel layers and
+    /// vocabulary-parallel embedding and loss) [default: 1]
     #[arg(long, value_parser = crate::values::positive_count, help_heading = "Parallelism")]
     tensor_model_parallel_size: Option<usize>,
+    /// FlagScale/SynerFuse: lay the job out by --hetero-process-meshes
+    #[arg(long, help_heading = "Parallelism")]
+    enable_hetero: bool,
+    /// `TP CP EP DP PP` per mesh: runs of consecutive pipeline stages, each mesh with its
+    /// own tensor-parallel size (CP = EP = 1; every mesh the same DP)
+    #[arg(long, value_parser = crate::values::positive_count, num_args = 1.., help_heading = "Parallelism")]
+    hetero_process_meshes: Vec<usize>,
+    /// One device type per mesh (names, e.g. A800 BI150)
+    #[arg(long, num_args = 1.., help_heading = "Parallelism")]
+    hetero_device_types: Vec<String>,
+    /// The device type of this process's ranks: each rank checks it is its mesh's
+    #[arg(long, help_heading = "Parallelism")]
+    hetero_current_device_type: Option<String>,
+    /// Layers per pipeline stage over all meshes' stages [default: even]
+    #[arg(long, value_parser = crate::values::positive_count, num_args = 1.., help_heading = "Parallelism")]
+    hetero_pipeline_layer_split: Vec<usize>,
     #[arg(long, value_parser = crate::values::positive_count, help_heading = "Parallelism")]
     pipeline_model_parallel_size: Option<usize>,
     /// SynerFuse: `n0 l.. n1 l..`, layers per pipeline stage by device group
@@ -307,6 +324,18 @@ impl TrainArgs {
     fn flags_set_by_a_plan(&self) -> Vec<&'static str> {
         [
             (
+                "--tensor-model-parallel-size",
+                self.tensor_model_parallel_size.is_some(),
+            ),
+            (
+                "--hetero-process-meshes",
+                !self.hetero_process_meshes.is_empty(),
+            ),
+            (
+                "--hetero-pipeline-layer-split",
+                !self.hetero_pipeline_layer_split.is_empty(),
+            ),
+            (
                 "--pipeline-model-parallel-size",
                 self.pipeline_model_parallel_size.is_some(),
             ),
@@ -336,6 +365,14 @@ impl TrainArgs {
 
     /// The plan: from `--plan` (parallel flags then conflict), or from the flags.
     fn plan(&self, world_size: usize) -> Result<GeneralPlan> {
+        if self.enable_hetero || !self.hetero_process_meshes.is_empty() {
+            return self.mesh_plan(world_size).map(|(plan, _)| plan);
+        }
+        if !self.hetero_pipeline_layer_split.is_empty() {
+            bail!(
+                "--hetero-pipeline-layer-split needs --enable-hetero and --hetero-process-meshes"
+            );
+        }
         let Some(path) = &self.plan else {
             let grid = ParallelPlan::from_flags(&self.plan_flags()?, world_size)
                 .map_err(plan_flag_error)?;
@@ -374,6 +411,86 @@ impl TrainArgs {
             );
         }
         Ok(plan)
+    }
+
+    /// The plan of `--enable-hetero --hetero-process-meshes ...` and its meshes.
+    fn mesh_plan(&self, world_size: usize) -> Result<(GeneralPlan, ProcessMeshes)> {
+        match (self.enable_hetero, self.hetero_process_meshes.is_empty()) {
+            (false, _) => bail!("--hetero-process-meshes needs --enable-hetero"),
+            (true, true) => {
+                bail!("--enable-hetero needs --hetero-process-meshes TP CP EP DP PP ...")
+            }
+            _ => {}
+        }
+        let mut conflicting = self.flags_set_by_a_plan();
+        conflicting.retain(|f| {
+            !matches!(
+                *f,
+                "--hetero-process-meshes"
+                    | "--hetero-pipeline-layer-split"
+                    | "--micro-batch-size"
+                    | "--pipeline-model-parallel-size"
+                    | "--tensor-model-parallel-size"
+            )
+        });
+        if self.plan.is_some() {
+            conflicting.push("--plan");
+        }
+        if !conflicting.is_empty() {
+            bail!(
+                "{} cannot be combined with --hetero-process-meshes (the meshes set the layout)",
+                conflicting.join(", ")
+            );
+        }
+        let flags = MeshFlags {
+            meshes: self.hetero_process_meshes.clone(),
+            device_types: self.hetero_device_types.clone(),
+            current_device_type: self.hetero_current_device_type.clone(),
+            layer_split: (!self.hetero_pipeline_layer_split.is_empty())
+                .then(|| self.hetero_pipeline_layer_split.clone()),
+            pipeline_model_parallel_size: self.pipeline_model_parallel_size,
+            num_layers: self.num_layers()?.context("--num-layers is required")?,
+            micro_batch_size: self.micro_batch_size,
+            global_batch_size: self.global_batch_size,
+        };
+        let meshes = ProcessMeshes::parse(&flags)?;
+        if let Some(tp) = self.tensor_model_parallel_size {
+            if let Some(m) = meshes.meshes().iter().position(|m| m.tp != tp) {
+                bail!(
+                    "--tensor-model-parallel-size {tp} differs from mesh {m}'s tensor-parallel size {} (each mesh sets its own; leave the flag out)",
+                    meshes.meshes()[m].tp
+                );
+            }
+        }
+        if meshes.world_size() != world_size {
+            bail!(
+                "--hetero-process-meshes hold {} ranks (the sum of TP x DP x PP) but the job has {world_size}",
+                meshes.world_size()
+            );
+        }
+        Ok((meshes.plan(&flags)?, meshes))
+    }
+
+    /// With `--hetero-current-device-type`, checks that `rank` belongs to a mesh of that
+    /// device type (each launch of a multi-type job passes its own type).
+    fn check_current_device_type(&self, rank: usize, world_size: usize) -> Result<()> {
+        let Some(current) = &self.hetero_current_device_type else {
+            return Ok(());
+        };
+        if !self.enable_hetero {
+            bail!("--hetero-current-device-type needs --enable-hetero and --hetero-process-meshes");
+        }
+        let (_, meshes) = self.mesh_plan(world_size)?;
+        if let Some(m) = meshes.mesh_of(rank) {
+            let mesh = &meshes.meshes()[m];
+            if &mesh.device_type != current {
+                bail!(
+                    "rank {rank} belongs to mesh {m} (device type {}) but its --hetero-current-device-type is {current}",
+                    mesh.device_type
+                );
+            }
+        }
+        Ok(())
     }
 
     /// Where the layout came from, for errors about it: the plan file or the flags.
@@ -636,6 +753,7 @@ fn train_rank(args: &TrainArgs, world: &MpiCommunicator) -> Result<()> {
     let threads = args.threads.unwrap_or((cores / local_size).max(1));
     synerfuse_model::tch::set_num_threads(threads as i32);
     let plan = args.plan(world.size())?;
+    args.check_current_device_type(world.rank(), world.size())?;
     let tokenizer = args
         .tokenizer
         .build()?

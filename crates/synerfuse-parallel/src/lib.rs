@@ -15,8 +15,8 @@ pub mod tp;
 
 pub use batch::{BatchError, ReplicaBatch, ReplicaBatches};
 pub use general::{
-    GeneralPlan, GeneralPlanError, GradientReduction, GradientSegment, ReducedParameters,
-    ReplicaPipeline,
+    GeneralPlan, GeneralPlanError, GradientReduction, GradientSegment, MeshError, MeshFlags,
+    ProcessMesh, ProcessMeshes, ReducedParameters, ReplicaPipeline,
 };
 pub use plan::{
     DeviceRequest, ParallelPlan, PlanError, PlanFlags, RankPlacement, TopologySpec, UnknownDevice,

@@ -13,8 +13,10 @@ use crate::{
 };
 
 mod file;
+mod meshes;
 mod reduce;
 
+pub use meshes::{MeshError, MeshFlags, ProcessMesh, ProcessMeshes};
 pub use reduce::{GradientReduction, GradientSegment, ReducedParameters};
 
 /// One replica: a pipeline of stages with its own batch and ranks; a stage runs on one
