@@ -17,21 +17,22 @@ TENSORBOARD_LOGS_PATH=${TENSORBOARD_LOGS_PATH:-/data2/share/llama-dataset/tb}
 TOKENIZER_PATH=${TOKENIZER_PATH:-/data2/nfs/llama-dataset/tokenizer.model}
 DATA_PATH=${DATA_PATH:-/data2/nfs/llama-dataset/merged-1t/merged-1t}
 
-# 7 B
-HIDDEN_SIZE=4096
-FFN_HIDDEN_SIZE=11008
+# 7 B. synerfuse: sizes may be overridden from the environment (CI trains a scaled-down
+# copy of this very script on CPU ranks: DEVICE=cpu HIDDEN_SIZE=32 ...).
+HIDDEN_SIZE=${HIDDEN_SIZE:-4096}
+FFN_HIDDEN_SIZE=${FFN_HIDDEN_SIZE:-11008}
 NUM_LAYERS=8
-NUM_HEADS=32
-SEQ_LENGTH=4096
+NUM_HEADS=${NUM_HEADS:-32}
+SEQ_LENGTH=${SEQ_LENGTH:-4096}
 
-TRAIN_STEPS=5
+TRAIN_STEPS=${TRAIN_STEPS:-5}
 
-# synerfuse: no tensor parallelism yet, so the original TP 2 x PP 2 (x DP 2) on 8 GPUs
-# becomes PP 2 x DP 4.
-TP=1
+# TP 2 x PP 2 x DP 2 on 8 GPUs, as in the original.
+TP=2
 PP=2
 MBS=2
-GBS=128
+GBS=${GBS:-128}
+DEVICE=${DEVICE:-cuda}
 
 LLAMA_MODEL_ARGS=(
     --micro-batch-size ${MBS}
@@ -82,7 +83,7 @@ TRAINING_ARGS=(
     --attention-dropout 0
     --hidden-dropout 0
     --untie-embeddings-and-output-weights
-    --sequence-parallel              # synerfuse: no effect at TP 1 (as in Megatron)
+    --sequence-parallel
     --distributed-backend nccl
     --initial-loss-scale 65536       # fp16 only; unused
     --min-loss-scale 1.0
@@ -121,7 +122,7 @@ case "$LAUNCHER" in
 esac
 
 cmd=(
-    "${LAUNCH[@]}" "$SYNERFUSE" train --device cuda
+    "${LAUNCH[@]}" "$SYNERFUSE" train --device "$DEVICE"
     "${LLAMA_MODEL_ARGS[@]}"
     "${HETERO_ARGS[@]}"
     "${TRAINING_ARGS[@]}"

@@ -634,9 +634,18 @@ impl TrainArgs {
                 bail!("--transformer-impl {implementation}: use local or transformer_engine");
             }
         }
+        // Said once, by rank 0 (or before the launch).
+        if launcher_rank().is_some_and(|(rank, _)| rank != 0) {
+            return Ok(());
+        }
         if self.use_distributed_optimizer {
             tracing::warn!(
                 "--use-distributed-optimizer: the optimizer state is not sharded; each data-parallel rank keeps its stage's full AdamW state (the updates are the same)"
+            );
+        }
+        if let (Some(groups), false) = (self.num_query_groups, self.group_query_attention) {
+            tracing::warn!(
+                "--num-query-groups {groups} has no effect without --group-query-attention (as in Megatron): every attention head has its own key/value head"
             );
         }
         Ok(())

@@ -288,3 +288,71 @@ fn tensor_parallel_checkpoints_resume_under_another_split() {
         assert!(diff < 1e-5, "{name}: {resumed:?} vs {:?}", &full[3..]);
     }
 }
+
+/// `examples/run.sh` itself (SynerFuse's flags: TP 2 x PP 2 with stages of 2 and 6
+/// layers, DP 2, sequence parallelism, bf16, untied embeddings) trains a scaled-down
+/// model on 8 CPU ranks: only sizes, paths and the device come from the environment.
+#[test]
+fn the_ported_run_sh_trains_scaled_down() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = |p: &str| dir.path().join(p).display().to_string();
+    let tokenizer = root()
+        .join("crates/synerfuse-data/tests/fixtures/tokenizers/sentencepiece/llama-bpe.model");
+    let corpus = root().join("crates/synerfuse-data/tests/fixtures/megatron/corpus.jsonl");
+    let out = synerfuse(&strings(&[
+        "preprocess",
+        "--input",
+        corpus.to_str().unwrap(),
+        "--output-prefix",
+        &d("shk"),
+        "--tokenizer-type",
+        "Llama2Tokenizer",
+        "--tokenizer-model",
+        tokenizer.to_str().unwrap(),
+        "--append-eod",
+        "--workers",
+        "1",
+    ]));
+    ok(&out, "preprocess");
+    let env = [
+        ("SYNERFUSE", BIN.to_owned()),
+        ("DEVICE", "cpu".into()),
+        ("HIDDEN_SIZE", "32".into()),
+        ("FFN_HIDDEN_SIZE", "64".into()),
+        ("NUM_HEADS", "4".into()),
+        ("SEQ_LENGTH", "32".into()),
+        ("GBS", "16".into()),
+        ("TRAIN_STEPS", "3".into()),
+        ("TOKENIZER_PATH", tokenizer.display().to_string()),
+        ("DATA_PATH", d("shk_text_document")),
+        ("CHECKPOINT_PATH", d("ckpt")),
+        ("TENSORBOARD_LOGS_PATH", d("tb")),
+        // Eight ranks on this machine's cores, over shared memory.
+        ("OMPI_MCA_rmaps_base_oversubscribe", "1".into()),
+        ("OMPI_MCA_hwloc_base_binding_policy", "none".into()),
+        ("OMPI_MCA_btl", "self,vader".into()),
+        ("OMPI_MCA_btl_vader_single_copy_mechanism", "none".into()),
+        ("OMPI_ALLOW_RUN_AS_ROOT", "1".into()),
+        ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1".into()),
+        ("OMP_NUM_THREADS", "1".into()),
+    ];
+    let script = root().join("examples/run.sh");
+    let out = run_command_with_limit(
+        std::process::Command::new("bash")
+            .arg(&script)
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str()))),
+    );
+    ok(&out, "examples/run.sh");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("--tensor-model-parallel-size 2"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("iteration        3/       3 | consumed samples:           48 |"),
+        "{stdout}"
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("sequence parallel"), "{stderr}");
+    assert!(dir.path().join("ckpt/latest").exists());
+}

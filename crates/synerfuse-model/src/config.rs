@@ -335,13 +335,8 @@ impl LlamaConfig {
                     "is required with --group-query-attention".into(),
                 ))
             }
-            (false, Some(_)) => {
-                return Err(err(
-                    "--num-query-groups",
-                    "needs --group-query-attention".into(),
-                ))
-            }
-            (false, None) => args.num_attention_heads,
+            // As in Megatron, the group count counts only with --group-query-attention.
+            (false, _) => args.num_attention_heads,
         };
         let config = LlamaConfig {
             vocab_size: padded_vocab_size(
@@ -431,8 +426,19 @@ mod tests {
         assert_eq!(c.max_position_embeddings, 512);
         let bad = MegatronModelArgs {
             num_query_groups: Some(3),
-            ..args
+            ..args.clone()
         };
         assert!(LlamaConfig::from_megatron(&bad, 8000).is_err());
+        // Without --group-query-attention the group count has no effect (Megatron's
+        // run.sh files pass it anyway).
+        let mha = MegatronModelArgs {
+            group_query_attention: false,
+            num_query_groups: Some(3),
+            ..args
+        };
+        assert_eq!(
+            LlamaConfig::from_megatron(&mha, 8000).unwrap().num_kv_heads,
+            8
+        );
     }
 }

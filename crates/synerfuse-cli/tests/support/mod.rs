@@ -30,19 +30,24 @@ pub fn synerfuse(args: &[String]) -> Output {
 pub const LIMIT: Duration = Duration::from_secs(240);
 
 pub fn synerfuse_with_env(args: &[String], env: &[(&str, &str)]) -> Output {
+    run_command_with_limit(Command::new(BIN).args(args).envs(env.iter().copied()))
+}
+
+/// Runs `command` (without `LD_LIBRARY_PATH`, one OpenMP thread) to completion in its own
+/// process group; one that outlives `LIMIT` (a deadlock) is killed with everything it
+/// started, and the test fails.
+pub fn run_command_with_limit(command: &mut Command) -> Output {
     use std::os::unix::process::CommandExt;
     let logs = tempfile::tempdir().unwrap();
     let (out_path, err_path) = (logs.path().join("out"), logs.path().join("err"));
-    let mut child = Command::new(BIN)
-        .args(args)
-        .envs(env.iter().copied())
+    let mut child = command
         .env_remove("LD_LIBRARY_PATH")
         .env("OMP_NUM_THREADS", "1")
         .stdout(std::fs::File::create(&out_path).unwrap())
         .stderr(std::fs::File::create(&err_path).unwrap())
         .process_group(0)
         .spawn()
-        .expect("run synerfuse");
+        .expect("run the command");
     let started = Instant::now();
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
@@ -54,7 +59,7 @@ pub fn synerfuse_with_env(args: &[String], env: &[(&str, &str)]) -> Output {
                 .status();
             let _ = child.wait();
             panic!(
-                "synerfuse {args:?} did not finish in {LIMIT:?} (deadlock?)\nstderr:\n{}",
+                "{command:?} did not finish in {LIMIT:?} (deadlock?)\nstderr:\n{}",
                 std::fs::read_to_string(&err_path).unwrap_or_default()
             );
         }
