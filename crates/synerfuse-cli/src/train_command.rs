@@ -928,7 +928,6 @@ fn train_flag_error(error: TrainError) -> anyhow::Error {
             "--num-layers-per-virtual-pipeline-stage".to_owned()
         }
         TrainError::WorldSize { .. } => "--nproc / mpirun -np".to_owned(),
-        TrainError::RecomputeWithTensorParallelism { .. } => "--recompute-activations".to_owned(),
         TrainError::SequenceParallel { .. } => "--sequence-parallel / --seq-length".to_owned(),
         _ => return error.into(),
     };

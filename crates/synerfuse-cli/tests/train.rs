@@ -553,18 +553,7 @@ fn contradictory_flags_are_named() {
             vec!["--nproc", "2", "--plan", &empty_share],
             "tensor-parallel shares [7, 1] leave rank 1 with no query groups",
         ),
-        (
-            vec![
-                "--nproc",
-                "2",
-                "--tensor-model-parallel-size",
-                "2",
-                "--micro-batch-size",
-                "1",
-                "--recompute-activations",
-            ],
-            "--recompute-activations",
-        ),
+
         (
             vec!["--nproc", "1", "--plan", &one_stage_chunks],
             "replica 0: virtual pipeline chunks need at least two pipeline stages",
@@ -604,6 +593,26 @@ fn contradictory_flags_are_named() {
         assert!(!out.status.success(), "{flags:?} must fail");
         assert!(stderr.contains(expected), "{flags:?}: {stderr}");
     }
+    // Sequence parallelism over a sequence the tensor-parallel group cannot split.
+    let mut args = common(dir.path(), &data, 6);
+    let seq = args.iter().position(|a| a == "--seq-length").unwrap();
+    args[seq + 1] = "33".into();
+    args.extend(strings(&[
+        "--nproc",
+        "2",
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--micro-batch-size",
+        "1",
+    ]));
+    let out = synerfuse(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "sequence 33 over TP 2 must fail");
+    assert!(
+        stderr.contains("sequence length 33 does not divide by 2"),
+        "{stderr}"
+    );
 }
 
 /// SIGTERM finishes the step, saves, and exits cleanly; logs go to JSON and TensorBoard.

@@ -650,6 +650,10 @@ impl Stage {
         self.sequence_parallel = sequence_parallel;
     }
 
+    pub(crate) fn recomputes(&self) -> bool {
+        self.recompute
+    }
+
     pub(crate) fn sequence_parallel(&self) -> bool {
         self.sequence_parallel && !self.shard.is_whole()
     }

@@ -137,7 +137,8 @@ impl Stage {
     /// rank's vocabulary slice of the logits `[b, s, local vocab]` on the last stage) and
     /// the regions its backward runs. Collective over the group: every rank calls it with
     /// the same input. Stage inputs and outputs are whole sequences, also under sequence
-    /// parallelism. (Recomputation does not apply to tensor-parallel passes yet.)
+    /// parallelism. With recomputation only the inputs are kept, and the backward runs
+    /// the forward (and its collectives) again.
     pub fn forward_train_tp(
         &self,
         input: &Tensor,
@@ -145,6 +146,33 @@ impl Stage {
         attention_mask: Option<&Tensor>,
         tp: &dyn TpCollectives,
     ) -> Result<ForwardPass, StageError> {
+        let saved = SavedInputs {
+            input: match self.is_first() {
+                true => input.shallow_clone(),
+                false => input.detach(),
+            },
+            position_ids: position_ids.map(Tensor::shallow_clone),
+            attention_mask: attention_mask.map(Tensor::shallow_clone),
+        };
+        let (output, regions) = match self.recomputes() {
+            true => {
+                let (output, _) =
+                    tch::no_grad(|| self.tp_regions(input, position_ids, attention_mask, tp))?;
+                (output, Vec::new())
+            }
+            false => self.tp_regions(input, position_ids, attention_mask, tp)?,
+        };
+        Ok(ForwardPass::regions(output, regions, saved))
+    }
+
+    /// The tensor-parallel forward: its output and the regions its backward runs.
+    fn tp_regions(
+        &self,
+        input: &Tensor,
+        position_ids: Option<&Tensor>,
+        attention_mask: Option<&Tensor>,
+        tp: &dyn TpCollectives,
+    ) -> Result<(Tensor, Vec<Region>), StageError> {
         let seq = Sequence {
             tp,
             parallel: self.sequence_parallel(),
@@ -200,15 +228,7 @@ impl Stage {
             }
             None => seq.whole(&x)?,
         };
-        Ok(ForwardPass::regions(
-            output,
-            regions,
-            SavedInputs {
-                input: leaf.unwrap_or_else(|| input.shallow_clone()),
-                position_ids: position_ids.map(Tensor::shallow_clone),
-                attention_mask: attention_mask.map(Tensor::shallow_clone),
-            },
-        ))
+        Ok((output, regions))
     }
 
     /// The leaf input of the next parallel region: the residual stream `x` itself, or
@@ -245,7 +265,12 @@ impl Stage {
             tp,
             parallel: self.sequence_parallel(),
         };
-        let (mut regions, _saved) = pass.into_regions();
+        let (mut regions, saved) = pass.into_regions();
+        if regions.is_empty() {
+            // A recomputed pass: its forward again, with the graph this time.
+            let (positions, mask) = (saved.position_ids.as_ref(), saved.attention_mask.as_ref());
+            regions = self.tp_regions(&saved.input, positions, mask, tp)?.1;
+        }
         // The gradient of the residual stream (this rank's rows under sequence
         // parallelism), and that of a sequence-parallel norm's output.
         let (mut grad, mut normed_grad) = match (&from, regions.last()) {

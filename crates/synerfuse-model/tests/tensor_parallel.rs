@@ -1,7 +1,7 @@
 //! A tensor-parallel stage (one thread per rank, the collectives over shared memory) is
 //! the whole stage: the same logits slices, loss, input gradient and parameter gradients
 //! (each shard's slice of the whole gradient), for even and uneven shares, GQA, tied and
-//! untied embeddings.
+//! untied embeddings, with and without sequence parallelism and recomputation.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Barrier, Mutex};
@@ -155,7 +155,7 @@ fn sharded(
     c: &LlamaConfig,
     layers: std::ops::Range<usize>,
     shares: &[u32],
-    sequence_parallel: bool,
+    (sequence_parallel, recompute): (bool, bool),
     x: &Inputs,
 ) -> Vec<Outcome> {
     let layout = TpLayout::new(
@@ -190,6 +190,7 @@ fn sharded(
                     let mut stage = Stage::new_sharded(&c, layers, shard, Device::Cpu).unwrap();
                     stage.init_by_name(3);
                     stage.set_sequence_parallel(sequence_parallel);
+                    stage.set_recompute(recompute);
                     stage
                 };
                 let pass = stage.forward_train_tp(&input, None, None, &group).unwrap();
@@ -291,21 +292,25 @@ fn compare(whole: &Outcome, ranks: &[Outcome], last: bool) -> f64 {
 
 #[test]
 fn a_sharded_whole_model_equals_the_whole_stage() {
-    for (tied, shares, sp) in [
-        (true, vec![1, 1], false),
-        (false, vec![1, 1], false),
-        (true, vec![3, 1], false),
-        (false, vec![2, 1, 1], false),
-        (true, vec![1, 1], true),
-        (false, vec![3, 1], true),
-        (true, vec![2, 1, 1], true),
+    for (tied, shares, sp, recompute) in [
+        (true, vec![1, 1], false, false),
+        (false, vec![1, 1], false, false),
+        (true, vec![3, 1], false, false),
+        (false, vec![2, 1, 1], false, false),
+        (true, vec![1, 1], true, false),
+        (false, vec![3, 1], true, false),
+        (true, vec![2, 1, 1], true, false),
+        (true, vec![3, 1], false, true),
+        (false, vec![1, 1], true, true),
     ] {
         let c = config(tied);
         let x = inputs(&c, true);
         let reference = whole(&c, 0..3, &x);
-        let ranks = sharded(&c, 0..3, &shares, sp, &x);
+        let ranks = sharded(&c, 0..3, &shares, (sp, recompute), &x);
         let worst = compare(&reference, &ranks, true);
-        let what = format!("tied {tied}, shares {shares:?}, sequence parallel {sp}");
+        let what = format!(
+            "tied {tied}, shares {shares:?}, sequence parallel {sp}, recompute {recompute}"
+        );
         eprintln!("{what}: max difference {worst:.2e}");
         assert!(worst < 1e-5, "{what}: {worst}");
     }
@@ -316,10 +321,13 @@ fn a_sharded_middle_stage_passes_the_same_activations_and_gradients() {
     let c = config(false);
     let x = inputs(&c, false);
     let reference = whole(&c, 1..2, &x);
-    for sp in [false, true] {
-        let ranks = sharded(&c, 1..2, &[3, 1], sp, &x);
+    for (sp, recompute) in [(false, false), (true, false), (true, true)] {
+        let ranks = sharded(&c, 1..2, &[3, 1], (sp, recompute), &x);
         let worst = compare(&reference, &ranks, false);
-        assert!(worst < 1e-5, "sequence parallel {sp}: {worst}");
+        assert!(
+            worst < 1e-5,
+            "sequence parallel {sp}, recompute {recompute}: {worst}"
+        );
     }
     // A shard refuses the whole-stage path rather than returning partial sums.
     let layout = TpLayout::new(None, 2, 4, 48, 64).unwrap();

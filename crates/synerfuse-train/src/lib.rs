@@ -106,17 +106,6 @@ pub enum TrainError {
         /// The sequence length.
         sequence: usize,
     },
-    /// Activation recomputation asked of a tensor-parallel stage, which does not
-    /// recompute yet.
-    #[error("replica {replica} stage {stage} runs on {size} tensor-parallel ranks: --recompute-activations is not supported with tensor parallelism yet")]
-    RecomputeWithTensorParallelism {
-        /// The replica.
-        replica: usize,
-        /// The stage.
-        stage: usize,
-        /// Its tensor-parallel size.
-        size: usize,
-    },
     /// Virtual pipeline chunks without a pipeline.
     #[error("replica {replica}: virtual pipeline chunks need at least two pipeline stages")]
     ChunksWithoutPipeline {

@@ -137,13 +137,6 @@ fn check_plan(
                     sequence,
                 });
             }
-            if config.compute.recompute {
-                return Err(TrainError::RecomputeWithTensorParallelism {
-                    replica,
-                    stage,
-                    size: r.tp_size(stage),
-                });
-            }
         }
     }
     if let Some(speeds) = &config.compute.emulate_speed {
