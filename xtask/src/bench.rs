@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::Instant;
 
 /// Every benchmark, in the order `cargo xtask bench` runs them.
-const ALL: [&str; 5] = ["preprocess", "index", "model", "hetero", "planner"];
+const ALL: [&str; 6] = ["preprocess", "index", "model", "hetero", "tp", "planner"];
 
 pub fn run(root: &Path, name: Option<&str>) -> Result<()> {
     match name {
@@ -118,6 +118,7 @@ fn headlines(name: &'static str, v: &serde_json::Value) -> Vec<Headline> {
         "index" => index_headlines(v),
         "model" => model_headlines(v),
         "hetero" => hetero_headlines(v),
+        "tp" => tp_headlines(v),
         "planner" => planner_headlines(v),
         _ => Vec::new(),
     };
@@ -252,6 +253,20 @@ fn hetero_headlines(v: &serde_json::Value) -> Vec<Row> {
     out
 }
 
+fn tp_headlines(v: &serde_json::Value) -> Vec<Row> {
+    let speedup = field(v, "speedup");
+    vec![(
+        "one TP group of 2 emulated CPU ranks (1 : 0.5): shares [2, 1] vs even".into(),
+        format!(
+            "{:.3} vs {:.3} s per step = {speedup:.2}x (ideal 1.5x)",
+            field(v, "by_speed_step_s"),
+            field(v, "even_step_s")
+        ),
+        ">= 1.3x".into(),
+        Some(speedup >= 1.3),
+    )]
+}
+
 fn planner_headlines(v: &serde_json::Value) -> Vec<Row> {
     let mut out = Vec::new();
     let s = field(v, "planning_s");
@@ -270,9 +285,10 @@ fn run_one(root: &Path, name: &str) -> Result<()> {
         "index" => index(root),
         "model" => model(root),
         "hetero" => crate::bench_hetero::hetero(root),
+        "tp" => crate::bench_tp::tp(root),
         "planner" => crate::bench_hetero::planner(root),
         other => bail!(
-            "unknown benchmark {other:?}; available: preprocess, index, model, hetero, planner"
+            "unknown benchmark {other:?}; available: preprocess, index, model, hetero, tp, planner"
         ),
     }
 }

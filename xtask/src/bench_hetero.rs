@@ -2,8 +2,8 @@
 //! runs on an emulated heterogeneous CPU cluster, and its speed on a large cluster.
 
 use crate::common::{
-    data, emulated_profile, last_json_line, median, number, release_binary, run, write_json, Data,
-    EMULATED_CLUSTER, PROFILE_SPEED,
+    data, emulated_profile, last_json_line, median, median_step_s, number, release_binary, run,
+    train_command, write_json, Data, EMULATED_CLUSTER, PROFILE_SPEED,
 };
 use anyhow::{ensure, Context, Result};
 use std::path::Path;
@@ -38,52 +38,9 @@ fn model_flags() -> Vec<&'static str> {
 /// Runs of each layout and setting, for the spread of the step time.
 const REPEATS: usize = 3;
 
-/// Median `elapsed_ms` of iterations after the first 5 of a `--log-json` file, in s.
-fn median_step_s(log: &Path) -> Result<f64> {
-    let text = std::fs::read_to_string(log).with_context(|| log.display().to_string())?;
-    let mut ms: Vec<f64> = text
-        .lines()
-        .skip(5)
-        .map(|l| number(&last_json_line(l)?, "elapsed_ms"))
-        .collect::<Result<_>>()?;
-    ensure!(!ms.is_empty(), "{} has too few iterations", log.display());
-    ms.sort_by(f64::total_cmp);
-    Ok(ms[ms.len() / 2] / 1e3)
-}
-
 fn train(bin: &Path, data: &Data, dir: &Path, extra: &[String], log: &Path) -> Command {
-    let mut cmd = Command::new(bin);
-    cmd.arg("train")
-        .args(model_flags())
-        .args([
-            "--disable-bias-linear",
-            "--train-iters",
-            &ITERS.to_string(),
-            "--lr",
-            "1e-3",
-            "--device",
-            "cpu",
-        ])
-        .args([
-            "--split",
-            "100,0,0",
-            "--tokenizer-type",
-            "GPT2BPETokenizer",
-            "--log-interval",
-            "5",
-        ])
-        .arg("--data-path")
-        .arg(&data.prefix)
-        .arg("--data-cache-path")
-        .arg(dir.join("cache"))
-        .arg("--vocab-file")
-        .arg(&data.vocab)
-        .arg("--merge-file")
-        .arg(&data.merges)
-        .arg("--log-json")
-        .arg(log)
-        .args(extra);
-    let _ = std::fs::remove_file(log);
+    let mut cmd = train_command(bin, data, dir, ITERS, log);
+    cmd.args(model_flags()).args(extra);
     cmd
 }
 

@@ -143,3 +143,53 @@ pub fn data(root: &Path, bin: &Path, dir: &Path) -> Result<Data> {
     }
     Ok(data)
 }
+
+/// Median `elapsed_ms` of iterations after the first 5 of a `--log-json` file, in s.
+pub fn median_step_s(log: &Path) -> Result<f64> {
+    let text = std::fs::read_to_string(log).with_context(|| log.display().to_string())?;
+    let mut ms: Vec<f64> = text
+        .lines()
+        .skip(5)
+        .map(|l| number(&last_json_line(l)?, "elapsed_ms"))
+        .collect::<Result<_>>()?;
+    ensure!(!ms.is_empty(), "{} has too few iterations", log.display());
+    ms.sort_by(f64::total_cmp);
+    Ok(ms[ms.len() / 2] / 1e3)
+}
+
+/// `synerfuse train` on CPU ranks over the benchmark data for `iters` iterations, logging
+/// every iteration's record to `log` (removed first); the caller adds the model and the
+/// layout.
+pub fn train_command(bin: &Path, data: &Data, dir: &Path, iters: usize, log: &Path) -> Command {
+    let mut cmd = Command::new(bin);
+    cmd.arg("train")
+        .args([
+            "--disable-bias-linear",
+            "--train-iters",
+            &iters.to_string(),
+            "--lr",
+            "1e-3",
+            "--device",
+            "cpu",
+        ])
+        .args([
+            "--split",
+            "100,0,0",
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
+            "--log-interval",
+            "5",
+        ])
+        .arg("--data-path")
+        .arg(&data.prefix)
+        .arg("--data-cache-path")
+        .arg(dir.join("cache"))
+        .arg("--vocab-file")
+        .arg(&data.vocab)
+        .arg("--merge-file")
+        .arg(&data.merges)
+        .arg("--log-json")
+        .arg(log);
+    let _ = std::fs::remove_file(log);
+    cmd
+}

@@ -8,6 +8,7 @@
 
 mod bench;
 mod bench_hetero;
+mod bench_tp;
 mod common;
 mod demo;
 mod setup;
@@ -42,7 +43,7 @@ enum Command {
     /// Benchmarks against references measured in the same run; without NAME all of them,
     /// then target/bench/results.json and results.md.
     Bench {
-        /// One benchmark: preprocess, index, model, hetero or planner
+        /// One benchmark: preprocess, index, model, hetero, tp or planner
         name: Option<String>,
     },
     /// The five-minute tour on this machine: Shakespeare, tokenizer, preprocess, profile,

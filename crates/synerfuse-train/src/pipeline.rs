@@ -9,10 +9,11 @@ use crate::comm::{GroupCommunicator, MpiCommunicator, PendingSend, PipelineLinks
 use crate::emulation::{ComputeSpan, Emulation};
 use crate::loader::MicroBatch;
 use crate::TrainError;
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 use synerfuse_model::tch::{Device, Kind, Tensor};
-use synerfuse_model::tp::TpBackwardFrom;
+use synerfuse_model::tp::{CollectiveError, TpBackwardFrom, TpCollectives};
 use synerfuse_model::{BackwardFrom, ForwardPass, Stage};
 use synerfuse_parallel::{Instruction, Message, Pass, Payload, Piece};
 
@@ -230,14 +231,15 @@ impl PipelineRank<'_> {
             let fault = PipelineFault::ForwardBeforeInput(piece);
             step.take_received(Payload::Activation, from, fault)?
         };
-        let span = ComputeSpan::start();
+        let clock = PassClock::start(self.tp, self.emulation.as_ref());
+        let tp = self.tp.map(|_| &clock);
         let (positions, mask) = (Some(&batch.position_ids), batch.attention_mask.as_ref());
-        let pass = match self.tp {
+        let pass = match tp {
             Some(tp) => stage.forward_train_tp(&input, positions, mask, tp)?,
             None => stage.forward_train(&input, positions, mask)?,
         };
         if stage.is_last() {
-            let (sum, count) = match self.tp {
+            let (sum, count) = match tp {
                 Some(tp) => {
                     stage.parallel_loss(&pass.output, &batch.labels, Some(&batch.loss_mask), tp)?
                 }
@@ -249,7 +251,7 @@ impl PipelineRank<'_> {
                 step.loss.loss_tokens += count;
             }
         }
-        step.times.compute += Emulation::account(self.emulation.as_ref(), span);
+        clock.stop(&mut step.times);
         step.passes.insert(piece, pass);
         Ok(())
     }
@@ -267,9 +269,10 @@ impl PipelineRank<'_> {
         let pass = step.passes.remove(&piece).ok_or(TrainError::Pipeline(
             PipelineFault::BackwardWithoutForward(piece),
         ))?;
-        let span = ComputeSpan::start();
+        let clock = PassClock::start(self.tp, self.emulation.as_ref());
+        let tp = self.tp.map(|_| &clock);
         let input_grad = if stage.is_last() {
-            match self.tp {
+            match tp {
                 Some(tp) => {
                     let from = TpBackwardFrom::Loss {
                         labels: &batch.labels,
@@ -299,12 +302,12 @@ impl PipelineRank<'_> {
             let fault = PipelineFault::BackwardBeforeGradient(piece);
             let grad = step.take_received(Payload::Gradient, from, fault)?;
             let grad = grad.to_kind(pass.output.kind());
-            match self.tp {
+            match tp {
                 Some(tp) => stage.backward_tp(pass, TpBackwardFrom::OutputGrad(&grad), tp)?,
                 None => stage.backward(pass, BackwardFrom::OutputGrad(&grad))?,
             }
         };
-        step.times.compute += Emulation::account(self.emulation.as_ref(), span);
+        clock.stop(&mut step.times);
         if let Some(g) = input_grad {
             step.input_grads.insert(piece, g);
         }
@@ -395,6 +398,78 @@ impl PipelineRank<'_> {
         };
         step.times.waiting += started.elapsed();
         Ok(buffer)
+    }
+}
+
+/// One pass's clock: its computation (emulated when the rank stands in for a slower
+/// device) and, on a tensor-parallel stage, the group's collectives between its
+/// computations, timed apart: an emulated device is slowed down in each computation
+/// between collectives, as the real one would be, and waiting for the group counts as
+/// communication.
+struct PassClock<'a> {
+    group: Option<&'a GroupCommunicator>,
+    emulation: Option<&'a Emulation>,
+    span: Cell<ComputeSpan>,
+    compute: Cell<Duration>,
+    communication: Cell<Duration>,
+}
+
+impl<'a> PassClock<'a> {
+    fn start(group: Option<&'a GroupCommunicator>, emulation: Option<&'a Emulation>) -> Self {
+        PassClock {
+            group,
+            emulation,
+            span: Cell::new(ComputeSpan::start()),
+            compute: Cell::new(Duration::ZERO),
+            communication: Cell::new(Duration::ZERO),
+        }
+    }
+
+    /// Ends the computation so far, runs `op` on the group, starts the next computation.
+    fn collective<T>(
+        &self,
+        op: impl FnOnce(&GroupCommunicator) -> Result<T, CollectiveError>,
+    ) -> Result<T, CollectiveError> {
+        let group = self
+            .group
+            .ok_or("a collective on a stage without a group")?;
+        let computed = Emulation::account(self.emulation, self.span.get());
+        self.compute.set(self.compute.get() + computed);
+        let started = Instant::now();
+        let result = op(group);
+        self.communication
+            .set(self.communication.get() + started.elapsed());
+        self.span.set(ComputeSpan::start());
+        result
+    }
+
+    /// Ends the pass: its times into `times`.
+    fn stop(self, times: &mut StepTimes) {
+        let last = Emulation::account(self.emulation, self.span.get());
+        times.compute += self.compute.get() + last;
+        times.communication += self.communication.get();
+    }
+}
+
+impl TpCollectives for PassClock<'_> {
+    fn rank(&self) -> usize {
+        self.group.map_or(0, GroupCommunicator::rank)
+    }
+
+    fn size(&self) -> usize {
+        self.group.map_or(1, GroupCommunicator::size)
+    }
+
+    fn all_reduce_sum(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
+        self.collective(|g| TpCollectives::all_reduce_sum(g, tensor))
+    }
+
+    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
+        self.collective(|g| TpCollectives::all_gather(g, tensor))
+    }
+
+    fn reduce_scatter_sum(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
+        self.collective(|g| TpCollectives::reduce_scatter_sum(g, tensor))
     }
 }
 
