@@ -137,11 +137,12 @@ fn tensor_parallel_plans_match_a_single_rank() {
             ],
         ),
         (
-            "per-stage TP [2,1] x DP 2 by --hetero-process-meshes, layers [1,3], untied",
+            "per-stage TP [2,1] + SP x DP 2 by --hetero-process-meshes, layers [1,3], untied",
             "untied",
             vec![
                 "--nproc",
                 "6",
+                "--sequence-parallel",
                 "--enable-hetero",
                 "--hetero-process-meshes",
                 "2",

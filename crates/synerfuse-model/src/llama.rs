@@ -373,6 +373,10 @@ pub struct Stage {
     /// Megatron's sequence parallelism under tensor parallelism: norms and residuals on
     /// each rank's sequence rows.
     sequence_parallel: bool,
+    /// Under sequence parallelism: whether the stage input arrives, and its output
+    /// leaves, as this rank's sequence rows (between stages of equal tensor-parallel
+    /// size) rather than whole.
+    sequence_rows_io: (bool, bool),
     /// What this rank holds of the stage's tensors (the whole stage without tensor
     /// parallelism).
     shard: TpShard,
@@ -489,6 +493,7 @@ impl Stage {
             inv_freq,
             recompute: false,
             sequence_parallel: false,
+            sequence_rows_io: (false, false),
             shard,
         })
     }
@@ -656,6 +661,24 @@ impl Stage {
 
     pub(crate) fn sequence_parallel(&self) -> bool {
         self.sequence_parallel && !self.shard.is_whole()
+    }
+
+    /// Under sequence parallelism, whether the stage input arrives (`input`) and its
+    /// output leaves (`output`) as this rank's rows of the sequence, as Megatron passes
+    /// them between stages of the same tensor-parallel size; whole otherwise (a
+    /// neighbour of another size, or the first stage's token ids and the last's logits).
+    pub fn set_sequence_rows_io(&mut self, input: bool, output: bool) {
+        self.sequence_rows_io = (input, output);
+    }
+
+    /// Whether the stage input is this rank's sequence rows.
+    pub fn takes_sequence_rows(&self) -> bool {
+        self.sequence_parallel() && !self.is_first() && self.sequence_rows_io.0
+    }
+
+    /// Whether the stage output is this rank's sequence rows.
+    pub fn gives_sequence_rows(&self) -> bool {
+        self.sequence_parallel() && !self.is_last() && self.sequence_rows_io.1
     }
 
     /// The stage's computation: token ids `[b, s]` (first stage) or hidden states

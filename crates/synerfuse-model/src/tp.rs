@@ -95,6 +95,21 @@ impl Sequence<'_> {
     }
 }
 
+/// The positions of the whole sequence of which `rows` `[b, s / size, h]` are one
+/// member's rows: `position_ids` when given (they cover the whole sequence), else
+/// `0..s` for each sample.
+fn whole_positions(rows: &Tensor, position_ids: Option<&Tensor>, size: usize) -> Tensor {
+    match position_ids {
+        Some(p) => p.shallow_clone(),
+        None => {
+            let (b, s) = (rows.size()[0], rows.size()[1] * size as i64);
+            Tensor::arange(s, (Kind::Int64, rows.device()))
+                .unsqueeze(0)
+                .expand([b, s], false)
+        }
+    }
+}
+
 /// One region of a tensor-parallel forward, kept for its backward.
 pub(crate) enum Region {
     /// This rank's rows of the embedding looked up (zeros for other ranks' tokens).
@@ -136,9 +151,9 @@ impl Stage {
     /// A training forward of a tensor-parallel shard: the output (hidden states, or this
     /// rank's vocabulary slice of the logits `[b, s, local vocab]` on the last stage) and
     /// the regions its backward runs. Collective over the group: every rank calls it with
-    /// the same input. Stage inputs and outputs are whole sequences, also under sequence
-    /// parallelism. With recomputation only the inputs are kept, and the backward runs
-    /// the forward (and its collectives) again.
+    /// the same input (or, see [`Stage::set_sequence_rows_io`], its own sequence rows of
+    /// it). With recomputation only the inputs are kept, and the backward runs the forward
+    /// (and its collectives) again.
     pub fn forward_train_tp(
         &self,
         input: &Tensor,
@@ -180,6 +195,11 @@ impl Stage {
         let mut regions = Vec::new();
         let leaf = (!self.is_first()).then(|| input.detach().set_requires_grad(true));
         let (mut x, (cos, sin)) = match &leaf {
+            Some(leaf) if self.takes_sequence_rows() => {
+                self.check_hidden(leaf)?;
+                let positions = whole_positions(leaf, position_ids, tp.size());
+                (leaf.detach(), self.rotary(leaf, Some(&positions)))
+            }
             Some(leaf) => {
                 self.check_hidden(leaf)?;
                 (seq.rows(&leaf.detach())?, self.rotary(leaf, position_ids))
@@ -226,6 +246,7 @@ impl Stage {
                 regions.push(Region::Head { input, logits });
                 output
             }
+            None if self.gives_sequence_rows() => x,
             None => seq.whole(&x)?,
         };
         Ok((output, regions))
@@ -253,8 +274,8 @@ impl Stage {
 
     /// Backpropagates a tensor-parallel `pass` region by region; accumulates this shard's
     /// parameter gradients and returns the gradient of the stage input (the whole
-    /// sequence, replicated on every rank of the group; none on the first stage).
-    /// Collective over the group.
+    /// sequence, replicated on every rank of the group, or this rank's rows when the input
+    /// came as rows; none on the first stage). Collective over the group.
     pub fn backward_tp(
         &self,
         pass: ForwardPass,
@@ -274,6 +295,9 @@ impl Stage {
         // The gradient of the residual stream (this rank's rows under sequence
         // parallelism), and that of a sequence-parallel norm's output.
         let (mut grad, mut normed_grad) = match (&from, regions.last()) {
+            (TpBackwardFrom::OutputGrad(g), _) if self.gives_sequence_rows() => {
+                (Some(g.shallow_clone()), None)
+            }
             (TpBackwardFrom::OutputGrad(g), _) => (Some(seq.rows(g)?), None),
             (TpBackwardFrom::Loss { .. }, Some(Region::Head { .. })) => (None, None),
             _ => return Err(StageError::NotLastStage),
@@ -324,7 +348,10 @@ impl Stage {
                 }
             }
         }
-        grad.map(|g| seq.whole(&g)).transpose()
+        match self.takes_sequence_rows() {
+            true => Ok(grad),
+            false => grad.map(|g| seq.whole(&g)).transpose(),
+        }
     }
 
     /// Sums the norm weights' gradients over the group. A norm sits inside the region

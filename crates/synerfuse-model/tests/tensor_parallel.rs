@@ -151,11 +151,20 @@ fn whole(c: &LlamaConfig, layers: std::ops::Range<usize>, x: &Inputs) -> Outcome
     }
 }
 
+/// How the shards run.
+#[derive(Debug, Clone, Copy, Default)]
+struct Mode {
+    sequence_parallel: bool,
+    recompute: bool,
+    /// A middle stage's input and output as each rank's sequence rows.
+    rows_io: bool,
+}
+
 fn sharded(
     c: &LlamaConfig,
     layers: std::ops::Range<usize>,
     shares: &[u32],
-    (sequence_parallel, recompute): (bool, bool),
+    mode: Mode,
     x: &Inputs,
 ) -> Vec<Outcome> {
     let layout = TpLayout::new(
@@ -176,11 +185,16 @@ fn sharded(
                 barrier: Arc::clone(&barrier),
             };
             let (c, layers, shard) = (c.clone(), layers.clone(), layout.shard(rank).unwrap());
+            // With rows in and out, each rank gets its rows of the input and output gradient.
+            let rows = |t: &Tensor| match mode.rows_io {
+                true => t.chunk(shares.len() as i64, 1)[rank].copy(),
+                false => t.copy(),
+            };
             let (input, labels, mask, output_grad) = (
-                x.input.copy(),
+                rows(&x.input),
                 x.labels.copy(),
                 x.mask.copy(),
-                x.output_grad.copy(),
+                rows(&x.output_grad),
             );
             std::thread::spawn(move || {
                 tch::set_num_threads(1);
@@ -189,8 +203,9 @@ fn sharded(
                     let _one_at_a_time = INIT.lock().unwrap();
                     let mut stage = Stage::new_sharded(&c, layers, shard, Device::Cpu).unwrap();
                     stage.init_by_name(3);
-                    stage.set_sequence_parallel(sequence_parallel);
-                    stage.set_recompute(recompute);
+                    stage.set_sequence_parallel(mode.sequence_parallel);
+                    stage.set_recompute(mode.recompute);
+                    stage.set_sequence_rows_io(mode.rows_io, mode.rows_io);
                     stage
                 };
                 let pass = stage.forward_train_tp(&input, None, None, &group).unwrap();
@@ -234,7 +249,24 @@ fn sharded(
             })
         })
         .collect();
-    threads.into_iter().map(|t| t.join().unwrap()).collect()
+    let mut ranks: Vec<Outcome> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    if mode.rows_io {
+        // The ranks' rows, joined, are the whole output and input gradient.
+        let join = |t: Vec<&Tensor>| Tensor::cat(&t, 1);
+        let output = join(ranks.iter().map(|r| &r.output).collect());
+        let input_grad = join(
+            ranks
+                .iter()
+                .map(|r| r.input_grad.as_ref().unwrap())
+                .collect(),
+        );
+        for r in &mut ranks {
+            assert!(r.output.size()[1] < output.size()[1], "rows expected");
+            r.output = output.shallow_clone();
+            r.input_grad = Some(input_grad.shallow_clone());
+        }
+    }
+    ranks
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
@@ -306,7 +338,12 @@ fn a_sharded_whole_model_equals_the_whole_stage() {
         let c = config(tied);
         let x = inputs(&c, true);
         let reference = whole(&c, 0..3, &x);
-        let ranks = sharded(&c, 0..3, &shares, (sp, recompute), &x);
+        let mode = Mode {
+            sequence_parallel: sp,
+            recompute,
+            rows_io: false,
+        };
+        let ranks = sharded(&c, 0..3, &shares, mode, &x);
         let worst = compare(&reference, &ranks, true);
         let what = format!(
             "tied {tied}, shares {shares:?}, sequence parallel {sp}, recompute {recompute}"
@@ -321,13 +358,21 @@ fn a_sharded_middle_stage_passes_the_same_activations_and_gradients() {
     let c = config(false);
     let x = inputs(&c, false);
     let reference = whole(&c, 1..2, &x);
-    for (sp, recompute) in [(false, false), (true, false), (true, true)] {
-        let ranks = sharded(&c, 1..2, &[3, 1], (sp, recompute), &x);
+    for (sequence_parallel, recompute, rows_io) in [
+        (false, false, false),
+        (true, false, false),
+        (true, true, false),
+        (true, false, true),
+        (true, true, true),
+    ] {
+        let mode = Mode {
+            sequence_parallel,
+            recompute,
+            rows_io,
+        };
+        let ranks = sharded(&c, 1..2, &[3, 1], mode, &x);
         let worst = compare(&reference, &ranks, false);
-        assert!(
-            worst < 1e-5,
-            "sequence parallel {sp}, recompute {recompute}: {worst}"
-        );
+        assert!(worst < 1e-5, "{mode:?}: {worst}");
     }
     // A shard refuses the whole-stage path rather than returning partial sums.
     let layout = TpLayout::new(None, 2, 4, 48, 64).unwrap();

@@ -86,7 +86,8 @@ pub struct MainGrads {
     /// Reductions started this step (a prefix of `reductions`).
     started: usize,
     every_micro_batch: bool,
-    /// The tensor-parallel group's members, sorted (empty without tensor parallelism).
+    /// The tensor-parallel group's members, in tensor-parallel order (empty without
+    /// tensor parallelism).
     tp_group: Vec<usize>,
 }
 
@@ -157,8 +158,7 @@ impl MainGrads {
     /// Sums, over the tensor-parallel group `members`, the gradients the `chunks`' shards
     /// hold partially ([`Stage::grad_summed_over_group`]) as each chunk completes its
     /// step, before its reductions over the replicas start.
-    pub fn summing_over(mut self, mut members: Vec<usize>, chunks: &[Stage]) -> Self {
-        members.sort_unstable();
+    pub fn summing_over(mut self, members: Vec<usize>, chunks: &[Stage]) -> Self {
         if members.len() < 2 {
             return self;
         }

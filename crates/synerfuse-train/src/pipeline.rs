@@ -94,6 +94,9 @@ pub enum PipelineFault {
     /// A send of a result not computed.
     #[error("send of the {} of {} before computing it", .0.payload, .0.piece)]
     SendBeforeCompute(Message),
+    /// A message for a chunk this rank does not hold.
+    #[error("the {} of {} is for a chunk this rank does not hold", .0.payload, .0.piece)]
+    NoChunkFor(Message),
     /// Forwards left without their backward at the step's end.
     #[error("{0} forward passes had no backward")]
     Unfinished(usize),
@@ -375,7 +378,8 @@ impl PipelineRank<'_> {
         step: &mut StepState,
     ) -> Result<Tensor, TrainError> {
         let hidden = self.chunks[0].config().hidden_size as i64;
-        let shape = [rows, sequence_length as i64, hidden];
+        let sequence = self.received_sequence(message, sequence_length)?;
+        let shape = [rows, sequence, hidden];
         let (peer, sends) = (message.peer, &mut step.sends);
         let device = self.chunks[0].device();
         let started = Instant::now();
@@ -470,6 +474,40 @@ impl TpCollectives for PassClock<'_> {
 
     fn reduce_scatter_sum(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
         self.collective(|g| TpCollectives::reduce_scatter_sum(g, tensor))
+    }
+}
+
+impl PipelineRank<'_> {
+    /// The sequence length of what `message` brings: the whole sequence, or this rank's
+    /// rows of it when the chunk it is for passes sequence rows with that neighbour
+    /// (sequence parallelism between stages of equal tensor-parallel size).
+    fn received_sequence(
+        &self,
+        message: &Message,
+        sequence_length: usize,
+    ) -> Result<i64, TrainError> {
+        let Piece { chunk, .. } = message.piece;
+        let last_stage = self.stage_index + 1 == self.num_stages;
+        // The chunk the message is for: named by the sender (see forward and backward).
+        let receiver = match message.payload {
+            Payload::Activation if self.stage_index == 0 => chunk.checked_add(1),
+            Payload::Gradient if last_stage => chunk.checked_sub(1),
+            _ => Some(chunk),
+        };
+        let fault = || TrainError::Pipeline(PipelineFault::NoChunkFor(*message));
+        let stage = self
+            .chunks
+            .get(receiver.ok_or_else(fault)?)
+            .ok_or_else(fault)?;
+        let rows = match message.payload {
+            Payload::Activation => stage.takes_sequence_rows(),
+            Payload::Gradient => stage.gives_sequence_rows(),
+        };
+        let size = self.tp.map_or(1, GroupCommunicator::size);
+        Ok(match rows {
+            true => (sequence_length / size) as i64,
+            false => sequence_length as i64,
+        })
     }
 }
 

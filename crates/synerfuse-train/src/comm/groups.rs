@@ -344,23 +344,17 @@ pub struct SetGroups {
 }
 
 impl SetGroups {
-    /// Splits `world` once per distinct set (members are sorted; sets of one rank need
-    /// no communicator). Collective: every rank passes the same sets; this rank computes
-    /// on `device`.
+    /// Splits `world` once per distinct set (members in the order given, which is the
+    /// communicator's: ascending for reductions, tensor-parallel order for a stage's group;
+    /// sets of one rank need no communicator). Collective: every rank passes the same
+    /// sets; this rank computes on `device`.
     pub fn new(
         world: &MpiCommunicator,
         device: Device,
         sets: impl IntoIterator<Item = Vec<usize>>,
     ) -> Result<Self, CommError> {
-        let sets: std::collections::BTreeSet<Vec<usize>> = sets
-            .into_iter()
-            .map(|mut s| {
-                s.sort_unstable();
-                s.dedup();
-                s
-            })
-            .filter(|s| s.len() > 1)
-            .collect();
+        let sets: std::collections::BTreeSet<Vec<usize>> =
+            sets.into_iter().filter(|s| s.len() > 1).collect();
         if let Some(&rank) = sets.iter().flatten().find(|&&r| r >= world.size()) {
             return Err(CommError::Shape {
                 rank: world.rank(),
@@ -406,7 +400,8 @@ impl SetGroups {
         }
     }
 
-    /// The communicator of `members` (sorted), if this rank is one of two or more.
+    /// The communicator of `members` (in the order its set was given), if this rank is one
+    /// of two or more.
     pub fn get(&self, members: &[usize]) -> Option<&GroupCommunicator> {
         self.groups.get(members)
     }

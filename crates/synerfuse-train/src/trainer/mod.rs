@@ -222,12 +222,39 @@ fn build_chunks(
         stage.init_by_name(config.batch.seed);
         stage.set_recompute(config.compute.recompute);
         stage.set_sequence_parallel(config.parallel.sequence_parallel);
+        let (input, output) = neighbours_of_equal_tp(config, (replica, stage_index), chunk);
+        stage.set_sequence_rows_io(input, output);
         if let Some(dir) = &config.checkpoint.finetune_from_hf {
             synerfuse_model::hf::load_weights(&mut stage, dir)?;
         }
         chunks.push(stage);
     }
     Ok(chunks)
+}
+
+/// Whether the stage chunk that feeds `chunk` of `replica`'s `stage`, and the one it
+/// feeds, run on tensor-parallel groups of the stage's own size: under sequence
+/// parallelism activations then travel as each rank's sequence rows (as in Megatron),
+/// whole otherwise.
+fn neighbours_of_equal_tp(
+    config: &TrainConfig,
+    (replica, stage): (usize, usize),
+    chunk: usize,
+) -> (bool, bool) {
+    let r = &config.parallel.plan.replicas()[replica];
+    let (stages, chunks) = (r.stages.num_stages(), r.stages.num_chunks());
+    let previous = match (stage, chunk) {
+        (0, 0) => None,
+        (0, _) => Some(stages - 1),
+        _ => Some(stage - 1),
+    };
+    let next = match (stage + 1 == stages, chunk + 1 == chunks) {
+        (true, true) => None,
+        (true, false) => Some(0),
+        (false, _) => Some(stage + 1),
+    };
+    let equal = |s: Option<usize>| s.is_some_and(|s| r.tp_size(s) == r.tp_size(stage));
+    (equal(previous), equal(next))
 }
 
 /// AdamW over `chunks`. Under bf16 the chunks are cast after their fp32 values are
@@ -420,16 +447,14 @@ impl<'w> Trainer<'w> {
         Ok(())
     }
 
-    /// The communicator of this rank's tensor-parallel group, if its stage has one.
+    /// The communicator of this rank's tensor-parallel group, if its stage has one (its
+    /// members in tensor-parallel order, which sequence parallelism's rows follow).
     fn tp_communicator<'g>(
         groups: &'g SetGroups,
         tp_group: &[usize],
     ) -> Option<&'g GroupCommunicator> {
-        let mut members = tp_group.to_vec();
-        members.sort_unstable();
-        groups.get(&members)
+        groups.get(tp_group)
     }
-
     /// Whether this rank holds the last stage's tied copy of the embedding (which the
     /// norm and checkpoints skip: the first stage's copy is the parameter).
     fn holds_tied_copy(&self) -> bool {
