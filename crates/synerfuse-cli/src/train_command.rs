@@ -723,8 +723,6 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         let plan = args.plan(n)?;
         plan.schedule(args.schedule_kind(&plan))
             .map_err(|e| anyhow::Error::new(e).context(args.layout_source()))?;
-        plan.gradient_reductions(!args.untie_embeddings_and_output_weights)
-            .map_err(|e| anyhow::Error::new(e).context(args.layout_source()))?;
         let status = relaunch(n)?;
         if !status.success() {
             bail!("the {n}-rank job failed ({status}); see the ranks' messages above");
@@ -860,7 +858,7 @@ fn log_run(config: &TrainConfig, world_size: usize, threads: usize) {
         }
     }
     let tied = config.model.tie_word_embeddings;
-    for reduction in plan.gradient_reductions(tied).unwrap_or_default() {
+    for reduction in plan.gradient_reductions(tied) {
         tracing::info!(
             "gradient reduction: {}",
             reduction.describe(plan.num_layers(), tied)

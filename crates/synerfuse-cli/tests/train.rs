@@ -474,7 +474,7 @@ fn contradictory_flags_are_named() {
     let tensor_parallel = dir.path().join("tensor-parallel.toml");
     std::fs::write(
         &tensor_parallel,
-        "[[replica]]\nlayers = [2, 2]\ntp = [2, 1]\nmicro_batch_size = 3\nnum_micro_batches = 2\n",
+        "[[replica]]\nlayers = [2, 2]\ntp = [2, 1]\ntp_shares = [[5, 1], [1]]\nmicro_batch_size = 3\nnum_micro_batches = 2\n",
     )
     .unwrap();
     let tensor_parallel = tensor_parallel.display().to_string();
@@ -505,9 +505,9 @@ fn contradictory_flags_are_named() {
             "replica 0: the interleaved schedule needs the micro-batch count (3)",
         ),
         (
-            // Tied embeddings on stages of different tensor-parallel splits.
+            // Shares that leave a rank without a query group (of 2).
             vec!["--nproc", "3", "--plan", &tensor_parallel],
-            "the tied embedding is held by stages with different tensor-parallel shares",
+            "tensor-parallel shares [5, 1] leave rank 1 with no query groups",
         ),
         (
             vec![

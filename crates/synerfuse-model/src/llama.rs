@@ -373,9 +373,9 @@ pub struct Stage {
     /// Megatron's sequence parallelism under tensor parallelism: norms and residuals on
     /// each rank's sequence rows.
     sequence_parallel: bool,
-    /// Under sequence parallelism: whether the stage input arrives, and its output
-    /// leaves, as this rank's sequence rows (between stages of equal tensor-parallel
-    /// size) rather than whole.
+    /// Under sequence parallelism: whether the input gradient and the output leave as
+    /// this rank's sequence rows (to a neighbour of equal tensor-parallel size) rather
+    /// than whole (see [`Stage::set_sequence_rows_io`]).
     sequence_rows_io: (bool, bool),
     /// What this rank holds of the stage's tensors (the whole stage without tensor
     /// parallelism).
@@ -553,6 +553,31 @@ impl Stage {
         !self.shard.is_whole() && name.ends_with("norm.weight")
     }
 
+    /// Every parameter of the stage with its whole shape, by name: what the ranks of its
+    /// tensor-parallel group hold between them (the row-parallel output biases too,
+    /// which only shard 0 holds). Ranks that split the stage differently agree on it, so
+    /// a gradient reduction across splits lays its whole tensors out by it.
+    pub fn whole_parameters(&self) -> std::collections::BTreeMap<String, Vec<i64>> {
+        let mut whole: std::collections::BTreeMap<String, Vec<i64>> = (self.vs.variables())
+            .into_iter()
+            .map(|(name, t)| {
+                let shape = self.whole_shape(&name, &t.size());
+                (name, shape)
+            })
+            .collect();
+        let (c, h) = (&self.config, self.config.hidden_size as i64);
+        for i in self.layers.clone() {
+            let layer = format!("model.layers.{i}");
+            if c.attention_bias {
+                whole.insert(format!("{layer}.self_attn.o_proj.bias"), vec![h]);
+            }
+            if c.mlp_bias {
+                whole.insert(format!("{layer}.mlp.down_proj.bias"), vec![h]);
+            }
+        }
+        whole
+    }
+
     /// The whole tensor's shape of parameter `name` held as `local` shape.
     pub(crate) fn whole_shape(&self, name: &str, local: &[i64]) -> Vec<i64> {
         let c = &self.config;
@@ -663,22 +688,35 @@ impl Stage {
         self.sequence_parallel && !self.shard.is_whole()
     }
 
-    /// Under sequence parallelism, whether the stage input arrives (`input`) and its
-    /// output leaves (`output`) as this rank's rows of the sequence, as Megatron passes
-    /// them between stages of the same tensor-parallel size; whole otherwise (a
-    /// neighbour of another size, or the first stage's token ids and the last's logits).
-    pub fn set_sequence_rows_io(&mut self, input: bool, output: bool) {
-        self.sequence_rows_io = (input, output);
+    /// Under sequence parallelism a stage's input and its output's gradient arrive as
+    /// this rank's rows of the sequence (each receiver gets what it owns); what it sends
+    /// stays rows when the neighbour's tensor-parallel group has the stage's own size
+    /// (`previous` for the input gradient, `next` for the output, as Megatron passes
+    /// them), and is gathered whole otherwise, for the sender to cut into each
+    /// receiver's rows.
+    pub fn set_sequence_rows_io(&mut self, previous: bool, next: bool) {
+        self.sequence_rows_io = (previous, next);
     }
 
-    /// Whether the stage input is this rank's sequence rows.
+    /// Whether the stage input arrives as this rank's sequence rows.
     pub fn takes_sequence_rows(&self) -> bool {
-        self.sequence_parallel() && !self.is_first() && self.sequence_rows_io.0
+        self.sequence_parallel() && !self.is_first()
     }
 
-    /// Whether the stage output is this rank's sequence rows.
+    /// Whether the gradient of the stage output arrives as this rank's sequence rows.
+    pub fn takes_output_grad_rows(&self) -> bool {
+        self.sequence_parallel() && !self.is_last()
+    }
+
+    /// Whether the stage output leaves as this rank's sequence rows (else whole).
     pub fn gives_sequence_rows(&self) -> bool {
         self.sequence_parallel() && !self.is_last() && self.sequence_rows_io.1
+    }
+
+    /// Whether the gradient of the stage input leaves as this rank's sequence rows
+    /// (else whole).
+    pub fn gives_input_grad_rows(&self) -> bool {
+        self.sequence_parallel() && !self.is_first() && self.sequence_rows_io.0
     }
 
     /// The stage's computation: token ids `[b, s]` (first stage) or hidden states

@@ -151,8 +151,8 @@ impl Stage {
     /// A training forward of a tensor-parallel shard: the output (hidden states, or this
     /// rank's vocabulary slice of the logits `[b, s, local vocab]` on the last stage) and
     /// the regions its backward runs. Collective over the group: every rank calls it with
-    /// the same input (or, see [`Stage::set_sequence_rows_io`], its own sequence rows of
-    /// it). With recomputation only the inputs are kept, and the backward runs the forward
+    /// the same input (or, under sequence parallelism, its own sequence rows of it; see
+    /// [`Stage::set_sequence_rows_io`]). With recomputation only the inputs are kept, and the backward runs the forward
     /// (and its collectives) again.
     pub fn forward_train_tp(
         &self,
@@ -274,8 +274,9 @@ impl Stage {
 
     /// Backpropagates a tensor-parallel `pass` region by region; accumulates this shard's
     /// parameter gradients and returns the gradient of the stage input (the whole
-    /// sequence, replicated on every rank of the group, or this rank's rows when the input
-    /// came as rows; none on the first stage). Collective over the group.
+    /// sequence, replicated on every rank of the group, or this rank's rows when
+    /// [`Stage::gives_input_grad_rows`]; none on the first stage). Under sequence
+    /// parallelism `from`'s output gradient is this rank's rows. Collective over the group.
     pub fn backward_tp(
         &self,
         pass: ForwardPass,
@@ -295,7 +296,7 @@ impl Stage {
         // The gradient of the residual stream (this rank's rows under sequence
         // parallelism), and that of a sequence-parallel norm's output.
         let (mut grad, mut normed_grad) = match (&from, regions.last()) {
-            (TpBackwardFrom::OutputGrad(g), _) if self.gives_sequence_rows() => {
+            (TpBackwardFrom::OutputGrad(g), _) if self.takes_output_grad_rows() => {
                 (Some(g.shallow_clone()), None)
             }
             (TpBackwardFrom::OutputGrad(g), _) => (Some(seq.rows(g)?), None),
@@ -348,7 +349,7 @@ impl Stage {
                 }
             }
         }
-        match self.takes_sequence_rows() {
+        match self.gives_input_grad_rows() {
             true => Ok(grad),
             false => grad.map(|g| seq.whole(&g)).transpose(),
         }

@@ -156,7 +156,8 @@ fn whole(c: &LlamaConfig, layers: std::ops::Range<usize>, x: &Inputs) -> Outcome
 struct Mode {
     sequence_parallel: bool,
     recompute: bool,
-    /// A middle stage's input and output as each rank's sequence rows.
+    /// A middle stage's output and input gradient as each rank's sequence rows (its
+    /// input and output gradient come as rows under any sequence parallelism).
     rows_io: bool,
 }
 
@@ -185,8 +186,9 @@ fn sharded(
                 barrier: Arc::clone(&barrier),
             };
             let (c, layers, shard) = (c.clone(), layers.clone(), layout.shard(rank).unwrap());
-            // With rows in and out, each rank gets its rows of the input and output gradient.
-            let rows = |t: &Tensor| match mode.rows_io {
+            // Under sequence parallelism each rank of a stage after the first gets its rows
+            // of the input and output gradient (the tests' middle stages are not last).
+            let rows = |t: &Tensor| match mode.sequence_parallel && layers.start > 0 {
                 true => t.chunk(shares.len() as i64, 1)[rank].copy(),
                 false => t.copy(),
             };

@@ -75,7 +75,67 @@ struct Reduction {
     members: Vec<usize>,
     chunk: usize,
     elements: Range<i64>,
+    /// For a reduction of whole tensors: where this rank's slices go.
+    staging: Option<WholeStaging>,
     pending: Option<PendingReduction>,
+}
+
+/// A reduction of whole tensors, whose holders split them differently: this rank adds
+/// its slices into zeroed whole tensors laid out alike on every member (by name, see
+/// [`Stage::whole_parameters`]), the sum is reduced, and each slice is taken back.
+struct WholeStaging {
+    buffer: Tensor,
+    /// (main gradient view, its slot in `buffer`, whether this rank adds it: a tensor
+    /// every rank of a tensor-parallel group holds whole is added by its rank 0 only).
+    parts: Vec<(Tensor, Tensor, bool)>,
+}
+
+impl WholeStaging {
+    /// The layout of `names` (whole shapes, in name order) on `stage`'s device, with the
+    /// slots of the gradients this rank holds among `params`.
+    fn new(
+        stage: &Stage,
+        names: &BTreeMap<String, Vec<i64>>,
+        params: &[(String, Tensor, Tensor)],
+    ) -> Self {
+        let numel: i64 = names.values().map(|s| s.iter().product::<i64>()).sum();
+        let buffer = Tensor::zeros([numel], (Kind::Float, stage.device()));
+        let held: BTreeMap<&str, &Tensor> =
+            params.iter().map(|(n, _, v)| (n.as_str(), v)).collect();
+        let mut parts = Vec::new();
+        let mut offset = 0;
+        for (name, shape) in names {
+            let n: i64 = shape.iter().product();
+            let whole = buffer.narrow(0, offset, n).view(shape.as_slice());
+            offset += n;
+            let Some(view) = held.get(name.as_str()) else {
+                continue;
+            };
+            let slot = match stage.shard_of(name) {
+                Some((dim, r)) => whole.narrow(dim as i64, r.start, r.end - r.start),
+                None => whole,
+            };
+            parts.push((view.shallow_clone(), slot, stage.holds_unique(name)));
+        }
+        WholeStaging { buffer, parts }
+    }
+
+    /// Zeroes the whole tensors and adds this rank's slices.
+    fn fill(&mut self) {
+        let _ = self.buffer.zero_();
+        for (view, slot, adds) in &mut self.parts {
+            if *adds {
+                slot.copy_(view);
+            }
+        }
+    }
+
+    /// Takes this rank's slices of the reduced whole tensors back.
+    fn take_back(&mut self) {
+        for (view, slot, _) in &mut self.parts {
+            view.copy_(slot);
+        }
+    }
 }
 
 /// The fp32 main gradients of a rank's stage chunks, and their reductions.
@@ -134,14 +194,22 @@ impl MainGrads {
                 &mut spans,
             ));
         }
-        let reductions = reductions
-            .iter()
-            .zip(spans)
-            .filter_map(|(r, span)| {
-                span.map(|(chunk, elements)| Reduction {
+        let reductions = (reductions.iter().enumerate().zip(spans))
+            .filter_map(|((index, r), span)| {
+                let (chunk, elements) = span?;
+                let staging = r.whole.then(|| {
+                    let (stage, pieces) = (&chunks[chunk], &chunk_pieces[chunk]);
+                    let mut names = stage.whole_parameters();
+                    names.retain(|name, _| {
+                        reduction_of(name, pieces, num_layers, reductions) == Some(index)
+                    });
+                    WholeStaging::new(stage, &names, &grads[chunk].params)
+                });
+                Some(Reduction {
                     members: r.members.clone(),
                     chunk,
                     elements,
+                    staging,
                     pending: None,
                 })
             })
@@ -220,8 +288,14 @@ impl MainGrads {
             }
             if let Some(group) = groups.get(&reduction.members) {
                 let span = &reduction.elements;
-                let slice = chunk.buffer.narrow(0, span.start, span.end - span.start);
-                reduction.pending = Some(group.start_all_reduce_sum(&slice)?);
+                let summed = match &mut reduction.staging {
+                    Some(staging) => {
+                        staging.fill();
+                        staging.buffer.shallow_clone()
+                    }
+                    None => chunk.buffer.narrow(0, span.start, span.end - span.start),
+                };
+                reduction.pending = Some(group.start_all_reduce_sum(&summed)?);
             }
             self.started += 1;
         }
@@ -253,8 +327,12 @@ impl MainGrads {
         // the buffers.
         for reduction in &mut self.reductions {
             if let Some(pending) = reduction.pending.take() {
-                if let Err(e) = pending.wait() {
-                    first_error.get_or_insert(e);
+                match (pending.wait(), &mut reduction.staging) {
+                    (Err(e), _) => {
+                        first_error.get_or_insert(e);
+                    }
+                    (Ok(()), Some(staging)) => staging.take_back(),
+                    (Ok(()), None) => {}
                 }
             }
         }
@@ -404,6 +482,7 @@ mod tests {
         let whole = vec![GradientReduction {
             parameters: ReducedParameters::Pieces(0..3),
             members: vec![0],
+            whole: false,
         }];
         let mut main = MainGrads::new(
             std::slice::from_ref(&stage),

@@ -10,7 +10,7 @@ use crate::emulation::{ComputeSpan, Emulation};
 use crate::loader::MicroBatch;
 use crate::TrainError;
 use std::cell::Cell;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 use synerfuse_model::tch::{Device, Kind, Tensor};
 use synerfuse_model::tp::{CollectiveError, TpBackwardFrom, TpCollectives};
@@ -52,6 +52,9 @@ pub struct PipelineRank<'a> {
     /// The stage's tensor-parallel group, when it has one (every chunk of a rank is in
     /// the same stage, so in the same group).
     pub tp: Option<&'a GroupCommunicator>,
+    /// Under sequence parallelism, each neighbour's sequence rows: (its index in its
+    /// stage's tensor-parallel group, the group's size); empty without.
+    pub peer_rows: &'a BTreeMap<usize, (usize, usize)>,
     /// Dtype of activations on the wire.
     pub activation_kind: Kind,
     /// Emulated slowdown, if any.
@@ -318,17 +321,17 @@ impl PipelineRank<'_> {
     }
 
     /// Sends the result `message` names: a forward's output or a backward's input
-    /// gradient, in the wire dtype.
+    /// gradient, in the wire dtype; under sequence parallelism only the receiver's
+    /// sequence rows of it.
     fn send_result(&self, message: &Message, step: &mut StepState) -> Result<(), TrainError> {
         let fault = || TrainError::Pipeline(PipelineFault::SendBeforeCompute(*message));
         let started = Instant::now();
-        let tensor = match message.payload {
-            Payload::Activation => step
-                .passes
-                .get(&message.piece)
-                .ok_or_else(fault)?
-                .output
-                .to_kind(self.activation_kind),
+        let chunk = self.chunks.get(message.piece.chunk).ok_or_else(fault)?;
+        let (tensor, in_rows) = match message.payload {
+            Payload::Activation => {
+                let pass = step.passes.get(&message.piece).ok_or_else(fault)?;
+                (pass.output.shallow_clone(), chunk.gives_sequence_rows())
+            }
             Payload::Gradient => {
                 // A stage on fewer tensor-parallel ranks than the one before it sends
                 // the same gradient to several of them: kept until its last send.
@@ -341,9 +344,18 @@ impl PipelineRank<'_> {
                         .get(&message.piece)
                         .map(Tensor::shallow_clone)
                 };
-                grad.ok_or_else(fault)?.to_kind(self.activation_kind)
+                (grad.ok_or_else(fault)?, chunk.gives_input_grad_rows())
             }
         };
+        let tensor = match (in_rows, self.peer_rows.get(&message.peer)) {
+            // Whole: cut out the receiver's rows (the sequence divides, checked at launch).
+            (false, Some(&(index, size))) if size > 1 => {
+                let n = tensor.size()[1] / size as i64;
+                tensor.narrow(1, index as i64 * n, n)
+            }
+            _ => tensor,
+        };
+        let tensor = tensor.to_kind(self.activation_kind).contiguous();
         self.send(&tensor, message, &mut step.sends)?;
         step.times.communication += started.elapsed();
         Ok(())
@@ -478,9 +490,8 @@ impl TpCollectives for PassClock<'_> {
 }
 
 impl PipelineRank<'_> {
-    /// The sequence length of what `message` brings: the whole sequence, or this rank's
-    /// rows of it when the chunk it is for passes sequence rows with that neighbour
-    /// (sequence parallelism between stages of equal tensor-parallel size).
+    /// The sequence length of what `message` brings: the whole sequence, or under
+    /// sequence parallelism this rank's rows of it (every sender cuts them out).
     fn received_sequence(
         &self,
         message: &Message,
@@ -501,7 +512,7 @@ impl PipelineRank<'_> {
             .ok_or_else(fault)?;
         let rows = match message.payload {
             Payload::Activation => stage.takes_sequence_rows(),
-            Payload::Gradient => stage.gives_sequence_rows(),
+            Payload::Gradient => stage.takes_output_grad_rows(),
         };
         let size = self.tp.map_or(1, GroupCommunicator::size);
         Ok(match rows {

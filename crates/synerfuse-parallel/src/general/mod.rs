@@ -161,14 +161,6 @@ pub enum GeneralPlanError {
         /// The stage's ranks.
         size: usize,
     },
-    /// Holders of one gradient reduction with different tensor-parallel splits.
-    #[error("{what} is held by stages with different tensor-parallel shares {shares:?}; reducing shards of different splits is not supported yet")]
-    MixedTensorParallel {
-        /// What is held: a segment's pieces or the tied embedding.
-        what: String,
-        /// Each holder's shares in lowest terms.
-        shares: Vec<Vec<u32>>,
-    },
     /// Ranks that are not each of 0..world size exactly once.
     #[error("the stages' ranks are not 0..{world_size} each once (rank {rank} is {problem})")]
     Ranks {
@@ -795,21 +787,24 @@ kinds = ["cpu"]
         assert!(programs[1]
             .iter()
             .any(|i| matches!(i, Instruction::Send(m) if m.peer == 2)));
-        let reductions = plan.gradient_reductions(true).unwrap();
+        let reductions = plan.gradient_reductions(true);
         assert_eq!(
             reductions,
             [
                 GradientReduction {
                     parameters: ReducedParameters::Pieces(5..8),
-                    members: vec![0, 2]
+                    members: vec![0, 2],
+                    whole: false,
                 },
                 GradientReduction {
                     parameters: ReducedParameters::Pieces(0..5),
-                    members: vec![0, 1]
+                    members: vec![0, 1],
+                    whole: false,
                 },
                 GradientReduction {
                     parameters: ReducedParameters::TiedEmbedding,
-                    members: vec![0, 1, 2]
+                    members: vec![0, 1, 2],
+                    whole: false,
                 },
             ]
         );
@@ -823,7 +818,7 @@ kinds = ["cpu"]
                 "the tied embedding and output layer over ranks [0, 1, 2]",
             ]
         );
-        let untied = plan.gradient_reductions(false).unwrap();
+        let untied = plan.gradient_reductions(false);
         assert_eq!(
             untied[1].describe(6, false),
             "embedding, layers 0..4 over ranks [0, 1]"
@@ -880,21 +875,35 @@ num_micro_batches = 2
         assert!(sends(1).is_empty());
         assert!(sends(2).contains(&0) && sends(2).contains(&1));
         // Each shard index is reduced over the replicas' ranks of that index.
-        let reductions = plan.gradient_reductions(false).unwrap();
-        let members: Vec<Vec<usize>> = reductions.iter().map(|r| r.members.clone()).collect();
-        assert_eq!(members, [vec![2, 5], vec![0, 3], vec![1, 4]]);
-        // A tied embedding split 3 : 1 on the first stage but whole on the last is not.
-        assert!(matches!(
-            plan.gradient_reductions(true),
-            Err(GeneralPlanError::MixedTensorParallel { .. })
-        ));
-        // Nor are shards of one segment split differently in two replicas.
+        let reductions = plan.gradient_reductions(false);
+        let members = |reductions: &[GradientReduction]| -> Vec<(Vec<usize>, bool)> {
+            reductions
+                .iter()
+                .map(|r| (r.members.clone(), r.whole))
+                .collect()
+        };
+        assert_eq!(
+            members(&reductions),
+            [
+                (vec![2, 5], false),
+                (vec![0, 3], false),
+                (vec![1, 4], false)
+            ]
+        );
+        // A tied embedding split 3 : 1 on the first stage but whole on the last is
+        // summed whole over every holder.
+        let tied = plan.gradient_reductions(true);
+        assert_eq!(members(&tied[3..]), [((0..6).collect(), true)]);
+        assert!(tied[3]
+            .describe(6, true)
+            .ends_with("(whole tensors: the holders split them differently)"));
+        // So are the shards of a segment split differently in two replicas.
         let mixed = TENSOR_PARALLEL.replacen("tp = [2, 1]\ntp_shares = [[3, 1], [1]]\n", "", 1);
         let mixed = GeneralPlan::from_toml(&mixed, None).unwrap();
-        assert!(matches!(
-            mixed.gradient_reductions(false),
-            Err(GeneralPlanError::MixedTensorParallel { .. })
-        ));
+        assert_eq!(
+            members(&mixed.gradient_reductions(false)),
+            [(vec![1, 4], false), (vec![0, 2, 3], true)]
+        );
         // Shares that are not one positive share per rank are refused.
         let bad = TENSOR_PARALLEL.replacen("[[3, 1], [1]]", "[[3, 0], [1]]", 1);
         assert!(matches!(

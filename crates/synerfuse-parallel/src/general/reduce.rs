@@ -2,7 +2,7 @@
 //! the union of every replica's chunk boundaries, each segment summed over the ranks
 //! that hold it, in one global order.
 
-use super::{GeneralPlan, GeneralPlanError};
+use super::GeneralPlan;
 use crate::StageLayout;
 use std::ops::Range;
 
@@ -36,6 +36,11 @@ pub struct GradientReduction {
     pub parameters: ReducedParameters,
     /// The ranks that take part, ascending (the communicator's order).
     pub members: Vec<usize>,
+    /// Whether it sums whole tensors: its holders split them differently (tensor-parallel
+    /// stages of other sizes or shares), so each member adds its slices into the whole
+    /// tensors and takes its slices of the sum back. Otherwise every member holds the
+    /// same slices (one reduction per shard index) and sums them in place.
+    pub whole: bool,
 }
 
 impl GradientReduction {
@@ -63,7 +68,11 @@ impl GradientReduction {
                 parts.join(", ")
             }
         };
-        format!("{what} over ranks {:?}", self.members)
+        let whole = match self.whole {
+            true => " (whole tensors: the holders split them differently)",
+            false => "",
+        };
+        format!("{what} over ranks {:?}{whole}", self.members)
     }
 }
 
@@ -113,41 +122,28 @@ impl GeneralPlan {
     /// own in (so no two ranks wait on each other): the segments from the output layer
     /// back to the embedding, the order in which backwards finish them, then the tied
     /// embedding when `tied_embeddings`. A segment held by tensor-parallel stages is
-    /// reduced once per shard index, over the ranks of that index; its holders must split
-    /// it alike (as must the first and last stages holding a tied embedding).
-    pub fn gradient_reductions(
-        &self,
-        tied_embeddings: bool,
-    ) -> Result<Vec<GradientReduction>, GeneralPlanError> {
+    /// reduced once per shard index, over the ranks of that index, when its holders split
+    /// it alike; otherwise once, whole, over all of them (likewise the tied embedding
+    /// over the first and last stages).
+    pub fn gradient_reductions(&self, tied_embeddings: bool) -> Vec<GradientReduction> {
         let segments = self.segments();
         let mut out = Vec::new();
         for segment in segments.iter().rev() {
-            let what = || format!("model pieces {:?}", segment.pieces);
-            let size = same_split(&segment.shares, what)?;
-            out.extend((0..size).map(|j| GradientReduction {
-                parameters: ReducedParameters::Pieces(segment.pieces.clone()),
-                members: sorted(segment.holders.iter().map(|h| h[j]).collect()),
-            }));
+            let parameters = ReducedParameters::Pieces(segment.pieces.clone());
+            out.extend(reductions(parameters, &segment.holders, &segment.shares));
         }
         if tied_embeddings {
             let (first, last) = (&segments[0], &segments[segments.len() - 1]);
+            let holders: Vec<Vec<usize>> =
+                first.holders.iter().chain(&last.holders).cloned().collect();
             let shares: Vec<Vec<u32>> = first.shares.iter().chain(&last.shares).cloned().collect();
-            let size = same_split(&shares, || "the tied embedding".to_owned())?;
-            out.extend((0..size).map(|j| {
-                GradientReduction {
-                    parameters: ReducedParameters::TiedEmbedding,
-                    members: sorted(
-                        first
-                            .holders
-                            .iter()
-                            .chain(&last.holders)
-                            .map(|h| h[j])
-                            .collect(),
-                    ),
-                }
-            }));
+            out.extend(reductions(
+                ReducedParameters::TiedEmbedding,
+                &holders,
+                &shares,
+            ));
         }
-        Ok(out)
+        out
     }
 
     /// The model pieces of each chunk `rank` holds, in chunk order (empty for a rank
@@ -164,18 +160,28 @@ impl GeneralPlan {
     }
 }
 
-/// The common tensor-parallel size of holders that split alike, or the error naming `what`.
-fn same_split(
+/// The reductions of `parameters` held by `holders` (each a stage's tensor-parallel
+/// group) split by `shares`: one per shard index when every holder splits alike, else
+/// one of the whole tensors over every holder.
+fn reductions(
+    parameters: ReducedParameters,
+    holders: &[Vec<usize>],
     shares: &[Vec<u32>],
-    what: impl FnOnce() -> String,
-) -> Result<usize, GeneralPlanError> {
-    match shares.iter().all(|s| s == &shares[0]) {
-        true => Ok(shares[0].len()),
-        false => Err(GeneralPlanError::MixedTensorParallel {
-            what: what(),
-            shares: shares.to_vec(),
-        }),
+) -> Vec<GradientReduction> {
+    if shares.iter().all(|s| s == &shares[0]) {
+        return (0..shares[0].len())
+            .map(|j| GradientReduction {
+                parameters: parameters.clone(),
+                members: sorted(holders.iter().map(|h| h[j]).collect()),
+                whole: false,
+            })
+            .collect();
     }
+    vec![GradientReduction {
+        parameters,
+        members: sorted(holders.iter().flatten().copied().collect()),
+        whole: true,
+    }]
 }
 
 fn sorted(mut ranks: Vec<usize>) -> Vec<usize> {

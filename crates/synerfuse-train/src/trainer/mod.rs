@@ -234,8 +234,8 @@ fn build_chunks(
 
 /// Whether the stage chunk that feeds `chunk` of `replica`'s `stage`, and the one it
 /// feeds, run on tensor-parallel groups of the stage's own size: under sequence
-/// parallelism activations then travel as each rank's sequence rows (as in Megatron),
-/// whole otherwise.
+/// parallelism what the stage sends them then stays each rank's sequence rows (as in
+/// Megatron); otherwise it is gathered whole and cut into each receiver's rows.
 fn neighbours_of_equal_tp(
     config: &TrainConfig,
     (replica, stage): (usize, usize),
@@ -255,6 +255,25 @@ fn neighbours_of_equal_tp(
     };
     let equal = |s: Option<usize>| s.is_some_and(|s| r.tp_size(s) == r.tp_size(stage));
     (equal(previous), equal(next))
+}
+
+/// Under sequence parallelism, each rank's sequence rows as (its index in its stage's
+/// tensor-parallel group, the group's size): what a neighbour sends it (empty without
+/// sequence parallelism: everything travels whole).
+fn sequence_rows(config: &TrainConfig) -> BTreeMap<usize, (usize, usize)> {
+    if !config.parallel.sequence_parallel {
+        return BTreeMap::new();
+    }
+    let replicas = config.parallel.plan.replicas();
+    let stages = replicas.iter().flat_map(|r| r.ranks.iter());
+    stages
+        .flat_map(|group| {
+            group
+                .iter()
+                .enumerate()
+                .map(|(i, &rank)| (rank, (i, group.len())))
+        })
+        .collect()
 }
 
 /// AdamW over `chunks`. Under bf16 the chunks are cast after their fp32 values are
@@ -302,6 +321,8 @@ pub struct Trainer<'w> {
     /// The world ranks of this rank's stage: its tensor-parallel group (one rank
     /// without tensor parallelism).
     tp_group: Vec<usize>,
+    /// Under sequence parallelism, each rank's sequence rows (see [`sequence_rows`]).
+    peer_rows: BTreeMap<usize, (usize, usize)>,
     emulation: Option<Emulation>,
     iteration: u64,
     consumed_samples: u64,
@@ -326,7 +347,7 @@ impl<'w> Trainer<'w> {
             warn_if_emulation_oversubscribes(&config, world.size());
         }
         let plan = &config.parallel.plan;
-        let reductions = plan.gradient_reductions(config.model.tie_word_embeddings)?;
+        let reductions = plan.gradient_reductions(config.model.tie_word_embeddings);
         let tp_groups = plan
             .replicas()
             .iter()
@@ -371,6 +392,7 @@ impl<'w> Trainer<'w> {
             num_stages,
             replica,
             tp_group,
+            peer_rows: sequence_rows(&config),
             emulation,
             iteration: 0,
             consumed_samples: 0,
@@ -610,6 +632,7 @@ impl<'w> Trainer<'w> {
             world: self.world,
             links: &self.links,
             tp: Self::tp_communicator(&self.groups, &self.tp_group),
+            peer_rows: &self.peer_rows,
             activation_kind: if self.config.compute.bf16 {
                 Kind::BFloat16
             } else {
