@@ -44,6 +44,8 @@ enum Command {
     Score(model_commands::ScoreArgs),
     /// Continue a prompt with a Hugging Face LLaMA or a training checkpoint (KV cache, greedy or top-k)
     Generate(model_commands::GenerateArgs),
+    /// Write a training checkpoint as a Hugging Face LLaMA directory (config.json, safetensors shards, index)
+    Export(model_commands::ExportArgs),
     /// Merge every .bin/.idx dataset of a directory into one (Megatron's merge_datasets.py)
     Merge(data_commands::MergeArgs),
     /// Show counts, dtype, length statistics and the first documents of a dataset
@@ -104,6 +106,7 @@ fn run() -> Result<()> {
         Command::Topology(args) => topology_command::run_topology(args),
         Command::Score(args) => model_commands::run_score(args),
         Command::Generate(args) => model_commands::run_generate(args),
+        Command::Export(args) => model_commands::run_export(args),
         Command::Inspect(args) => data_commands::run_inspect(args),
         Command::Tokenizer(command) => data_commands::run_tokenizer(command),
     }

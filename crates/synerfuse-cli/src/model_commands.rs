@@ -1,12 +1,13 @@
 //! `synerfuse score` and `synerfuse generate`: a Hugging Face LLaMA checkpoint, or a
-//! synerfuse training checkpoint, run by synerfuse-model.
+//! synerfuse training checkpoint, run by synerfuse-model; `synerfuse export`: a training
+//! checkpoint as a Hugging Face directory.
 
 use crate::data_commands::TokenizerFlags;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::json;
 use std::path::PathBuf;
-use synerfuse_model::hf::load_stage;
+use synerfuse_model::hf::{export_pretrained, load_stage, ExportOptions};
 use synerfuse_model::tch::{self, Tensor};
 use synerfuse_model::{
     generate, DeviceRequest, GenerateOptions, LlamaConfig, ResolveDevice, Stage,
@@ -164,6 +165,48 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
         "{}",
         json!({"prompt_tokens": prompt, "tokens": ids, "text": text,
                "tokens_per_second": ids.len() as f64 / seconds.max(1e-9)})
+    );
+    Ok(())
+}
+
+/// `synerfuse export`.
+#[derive(Args, Debug)]
+pub struct ExportArgs {
+    /// A `synerfuse train --save` directory (its `latest` checkpoint) or one `iter_N` in it
+    #[arg(long)]
+    load: PathBuf,
+    /// The Hugging Face directory to create (it must not exist)
+    #[arg(long)]
+    output: PathBuf,
+    /// Largest safetensors shard, as transformers' max_shard_size: bytes, or 500MB, 5GB, 2GiB
+    #[arg(long, default_value = "5GB", value_parser = crate::values::byte_size)]
+    max_shard_size: u64,
+    /// Write bfloat16 weights (default: float32, the checkpoint's own precision)
+    #[arg(long)]
+    bf16: bool,
+}
+
+/// Loads the checkpoint's whole model on the CPU and writes it as transformers does.
+pub fn run_export(args: ExportArgs) -> Result<()> {
+    let checkpoint = Checkpoint::open_any(&args.load)?;
+    let model = checkpoint.load_model(tch::Device::Cpu)?;
+    let options = ExportOptions {
+        max_shard_bytes: args.max_shard_size,
+        kind: match args.bf16 {
+            true => tch::Kind::BFloat16,
+            false => tch::Kind::Float,
+        },
+    };
+    export_pretrained(&model, &args.output, options)
+        .with_context(|| format!("--output {}", args.output.display()))?;
+    println!(
+        "{}",
+        json!({
+            "exported": checkpoint.dir.display().to_string(),
+            "iteration": checkpoint.state.iteration,
+            "output": args.output.display().to_string(),
+            "parameters": model.config().num_parameters(),
+        })
     );
     Ok(())
 }

@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::PathBuf;
 use std::time::Duration;
-use synerfuse_data::gpt::{DataSources, SampleOptions};
+use synerfuse_data::gpt::{DataSources, SampleBudget, SampleOptions};
 use synerfuse_data::tokenizer::Tokenizer;
 use synerfuse_model::{DeviceRequest, LlamaConfig, MegatronModelArgs};
 use synerfuse_parallel::{
@@ -18,11 +18,11 @@ use synerfuse_train::comm::{
     launcher_local_rank, launcher_rank, relaunch_under_mpirun, watchdog, MpiCommunicator,
     MpiRuntime,
 };
-use synerfuse_train::loader::{build_train_split, LoaderError};
+use synerfuse_train::loader::{build_splits, LoaderError};
 use synerfuse_train::optim::{AdamWConfig, DecayStyle, LrSchedule, LrScheduleError};
 use synerfuse_train::trainer::{
-    BatchConfig, CheckpointConfig, ComputeConfig, DataConfig, LoggingConfig, OptimizerConfig,
-    ParallelConfig,
+    BatchConfig, CheckpointConfig, ComputeConfig, DataConfig, EvalConfig, LoggingConfig,
+    OptimizerConfig, ParallelConfig,
 };
 use synerfuse_train::{signals, TrainConfig, TrainError, Trainer};
 
@@ -242,6 +242,21 @@ pub struct TrainArgs {
     fp16: bool,
     #[arg(long, default_value_t = 1234, help_heading = "Optimisation")]
     seed: u32,
+
+    // ---- evaluation
+    /// Global batches per evaluation: of the validation split every --eval-interval
+    /// iterations and at the end, of the test split at the end (0: none)
+    #[arg(long, default_value_t = 100, help_heading = "Evaluation")]
+    eval_iters: u64,
+    /// Evaluate the validation split after every this many iterations
+    #[arg(long, default_value_t = 1000, value_parser = crate::values::positive_u64, help_heading = "Evaluation")]
+    eval_interval: u64,
+    /// Only evaluate the validation and test splits, at the iteration --load restores
+    #[arg(long, help_heading = "Evaluation")]
+    skip_train: bool,
+    /// Accepted: the validation perplexity always goes to TensorBoard
+    #[arg(long, help_heading = "Megatron compatibility")]
+    log_validation_ppl_to_tensorboard: bool,
 
     // ---- data
     #[arg(long, num_args = 1.., help_heading = "Data")]
@@ -571,6 +586,28 @@ impl TrainArgs {
         })
     }
 
+    /// Samples of each split, as Megatron sizes them: `--train-iters` global batches;
+    /// for evaluation `(train_iters / eval_interval + 1) · eval_iters` validation and
+    /// `eval_iters` test batches (none without evaluation).
+    fn split_samples(&self, global_batch: u64) -> Result<[Option<u64>; 3]> {
+        let budget = SampleBudget {
+            train_iters: Some(self.train_iters),
+            global_batch_size: Some(global_batch),
+            eval_interval: self.eval_interval,
+            eval_iters: self.eval_iters,
+            ..Default::default()
+        };
+        let [train, valid, test] = budget.split_sizes().map_err(|e| {
+            anyhow::Error::new(e).context("--train-iters / --eval-iters / --global-batch-size")
+        })?;
+        let evaluating = self.eval_iters > 0;
+        Ok([
+            train,
+            valid.filter(|_| evaluating),
+            test.filter(|_| evaluating),
+        ])
+    }
+
     /// The run's configuration, grouped as the trainer takes it.
     fn train_config(&self, model: LlamaConfig, plan: GeneralPlan) -> Result<TrainConfig> {
         let schedule = self.schedule_kind(&plan);
@@ -618,6 +655,11 @@ impl TrainArgs {
                 log_interval: self.log_interval,
                 log_json: self.log_json.clone(),
                 tensorboard_dir: self.tensorboard_dir.clone(),
+            },
+            eval: EvalConfig {
+                iters: self.eval_iters,
+                interval: self.eval_interval,
+                skip_train: self.skip_train,
             },
         })
     }
@@ -774,24 +816,20 @@ fn train_rank(args: &TrainArgs, world: &MpiCommunicator) -> Result<()> {
         );
     }
     let gbs = plan.batches().global_batch_size() as u64;
-    let samples = args.train_iters.checked_mul(gbs).with_context(|| {
-        format!(
-            "--train-iters {} x global batch {gbs} samples overflows",
-            args.train_iters
-        )
-    })?;
     let data = gpt_data_config(&args.sources(), args.seed, args.seq_length, &args.tokenizer)?;
-    let dataset = build_train_split(world, &data, samples).map_err(|e| match e {
+    let datasets = build_splits(world, &data, args.split_samples(gbs)?).map_err(|e| match e {
         LoaderError::Dataset(e) => data_flag_error(e).context("building the sample indices"),
-        LoaderError::NoTrainData => anyhow::Error::new(e).context("--split"),
         e => e.into(),
     })?;
+    if datasets.train.is_none() && !args.skip_train {
+        return Err(anyhow::Error::new(LoaderError::NoTrainData).context("--split"));
+    }
     let sample_options = args.sample_options(tokenizer.as_ref())?;
     let config = args.train_config(model, plan)?;
     if world.rank() == 0 {
         log_run(&config, world.size(), threads);
     }
-    let mut trainer = Trainer::new(world, config, dataset, sample_options, local_rank)
+    let mut trainer = Trainer::new(world, config, datasets, sample_options, local_rank)
         .map_err(train_flag_error)?;
     let summary = trainer.train().map_err(train_flag_error)?;
     if world.rank() == 0 {

@@ -26,6 +26,37 @@ pub(crate) fn positive_u64(text: &str) -> Result<u64, String> {
     }
 }
 
+/// A size in bytes as transformers writes `max_shard_size`: a whole number of bytes, or
+/// with a unit: `KB`, `MB`, `GB`, `TB` (powers of 1000) or `KiB`, `MiB`, `GiB`, `TiB`
+/// (powers of 1024); at least 1.
+pub(crate) fn byte_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, unit) = t.split_at(split);
+    let scale: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "TB" => 1_000_000_000_000,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "TiB" => 1 << 40,
+        _ => {
+            return Err(format!(
+                "`{text}`: use bytes, or KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+            ))
+        }
+    };
+    let n: u64 = number(digits, "a size in bytes")?;
+    match n.checked_mul(scale) {
+        Some(0) => Err(format!("`{text}` is not a size of at least 1 byte")),
+        Some(bytes) => Ok(bytes),
+        None => Err(format!("`{text}` does not fit in 64 bits")),
+    }
+}
+
 fn finite(text: &str) -> Result<f64, String> {
     let x = number::<f64>(text, "a number")?;
     if x.is_finite() {
@@ -103,5 +134,11 @@ mod tests {
         assert_eq!(speed("1"), Ok(1.0));
         assert!(speed("0").is_err());
         assert!(positive_minutes("0").is_err());
+        assert_eq!(byte_size("5GB"), Ok(5_000_000_000));
+        assert_eq!(byte_size("2MiB"), Ok(2 << 20));
+        assert_eq!(byte_size("100"), Ok(100));
+        assert!(byte_size("0KB").is_err());
+        assert!(byte_size("5 GBs").is_err());
+        assert!(byte_size("GB").is_err());
     }
 }

@@ -807,6 +807,10 @@ fn shakespeare_end_to_end_on_four_hetero_ranks() {
         &d("shk_text_document"),
         "--split",
         "969,30,1",
+        "--eval-iters",
+        "5",
+        "--eval-interval",
+        "100",
         "--tokenizer-type",
         "GPT2BPETokenizer",
         "--vocab-file",
@@ -846,9 +850,36 @@ fn shakespeare_end_to_end_on_four_hetero_ranks() {
         stdout.contains("iteration      200/     200 | consumed samples:         1600 |"),
         "{stdout}"
     );
+    // The held-out plays: validation at iterations 100 and 200 and at the end, then the
+    // test split; the model has learned something that carries over.
+    let records = json_records(Path::new(&log));
+    let evaluations: Vec<(&str, u64, f64)> = records
+        .iter()
+        .filter_map(|v| {
+            let split = v.get("evaluation")?.as_str()?;
+            Some((split, v["iteration"].as_u64()?, v["lm_loss"].as_f64()?))
+        })
+        .collect();
+    let points: Vec<(&str, u64)> = evaluations.iter().map(|e| (e.0, e.1)).collect();
+    let expected = [
+        ("validation", 100),
+        ("validation", 200),
+        ("validation", 200),
+        ("test", 200),
+    ];
+    assert_eq!(points, expected);
+    println!("validation and test losses: {evaluations:?}");
+    assert!(
+        evaluations.iter().all(|e| e.2 < start - 1.0),
+        "{evaluations:?}"
+    );
+    assert!(stdout.contains(" validation loss at iteration 200 on test set | lm loss value: "));
     // Per-rank tokens/s: each rank reports its replica's tokens (4 and 4 samples of 64).
-    let last = std::fs::read_to_string(&log).unwrap();
-    let record: serde_json::Value = serde_json::from_str(last.lines().last().unwrap()).unwrap();
+    let record = records
+        .iter()
+        .rev()
+        .find(|v| v.get("evaluation").is_none())
+        .unwrap();
     let ranks = record["ranks"].as_array().unwrap();
     assert_eq!(ranks.len(), 4);
     let job = record["tokens_per_s"].as_f64().unwrap();

@@ -258,7 +258,6 @@ pub fn save_pretrained(stages: &[&Stage], dir: &Path) -> Result<(), HfError> {
             problem: format!("no stage holds layer {missing}; a checkpoint needs every layer"),
         });
     }
-    std::fs::create_dir_all(dir).map_err(io(dir))?;
     let mut seen = std::collections::HashSet::new();
     let shards: Vec<Vec<(String, Tensor)>> = stages
         .iter()
@@ -273,8 +272,20 @@ pub fn save_pretrained(stages: &[&Stage], dir: &Path) -> Result<(), HfError> {
             vars
         })
         .collect();
+    write_pretrained(dir, &config.to_hf_json(), &shards)
+}
+
+/// `config.json` and the safetensors of `shards` in `dir`: one `model.safetensors`, or
+/// `model-0000i-of-0000n.safetensors` files and `model.safetensors.index.json`;
+/// `config.json` last.
+fn write_pretrained(
+    dir: &Path,
+    config_json: &str,
+    shards: &[Vec<(String, Tensor)>],
+) -> Result<(), HfError> {
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
     let config_tmp = dir.join("config.json.tmp");
-    std::fs::write(&config_tmp, config.to_hf_json()).map_err(io(&config_tmp))?;
+    std::fs::write(&config_tmp, config_json).map_err(io(&config_tmp))?;
     if shards.len() == 1 {
         write_safetensors(&dir.join("model.safetensors"), &shards[0])?;
     } else {
@@ -297,4 +308,106 @@ pub fn save_pretrained(stages: &[&Stage], dir: &Path) -> Result<(), HfError> {
     }
     let config_path = dir.join("config.json");
     std::fs::rename(&config_tmp, &config_path).map_err(io(&config_path))
+}
+
+/// How [`export_pretrained`] writes a model.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ExportOptions {
+    /// The largest shard in bytes (transformers' `max_shard_size`); one
+    /// `model.safetensors` when everything fits, and a tensor larger than it alone in its
+    /// shard.
+    pub max_shard_bytes: u64,
+    /// The dtype written, `Kind::Float` or `Kind::BFloat16` (`config.json`'s
+    /// `torch_dtype` says which).
+    pub kind: Kind,
+}
+
+impl Default for ExportOptions {
+    /// transformers' default shard size (5 GB), fp32.
+    fn default() -> Self {
+        ExportOptions {
+            max_shard_bytes: 5_000_000_000,
+            kind: Kind::Float,
+        }
+    }
+}
+
+/// Writes the whole model `stage` as transformers' `save_pretrained` does (`config.json`,
+/// safetensors shards of at most `options.max_shard_bytes` in model order, and their
+/// index) into the new directory `dir`. It is built under a temporary name beside `dir`
+/// and renamed, so `dir` is either absent or complete; an existing `dir` is refused.
+pub fn export_pretrained(stage: &Stage, dir: &Path, options: ExportOptions) -> Result<(), HfError> {
+    let config = stage.config();
+    if stage.layers() != (0..config.num_layers) || !stage.shard().is_whole() {
+        return Err(HfError::Tensor {
+            path: dir.to_path_buf(),
+            problem: "an export needs the whole model on one stage".into(),
+        });
+    }
+    let torch_dtype = match options.kind {
+        Kind::Float => "float32",
+        Kind::BFloat16 => "bfloat16",
+        other => {
+            return Err(HfError::Tensor {
+                path: dir.to_path_buf(),
+                problem: format!("{other:?}: export writes float32 or bfloat16"),
+            })
+        }
+    };
+    if dir.exists() {
+        return Err(HfError::Tensor {
+            path: dir.to_path_buf(),
+            problem: "already exists; export writes a new directory".into(),
+        });
+    }
+    let mut config_json: serde_json::Value =
+        serde_json::from_str(&config.to_hf_json()).expect("our own json");
+    config_json["torch_dtype"] = torch_dtype.into();
+    let mut tensors: Vec<(String, Tensor)> = stage
+        .var_store()
+        .variables()
+        .into_iter()
+        .map(|(name, t)| (name, t.detach().to_kind(options.kind)))
+        .collect();
+    tensors.sort_by_key(|(name, _)| model_order(name, config.num_layers));
+    let mut shards: Vec<Vec<(String, Tensor)>> = vec![Vec::new()];
+    let mut bytes = 0u64;
+    for (name, t) in tensors {
+        let size = (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+        let current = shards.last_mut().expect("one shard at least");
+        if !current.is_empty() && bytes + size > options.max_shard_bytes {
+            shards.push(Vec::new());
+            bytes = 0;
+        }
+        shards
+            .last_mut()
+            .expect("one shard at least")
+            .push((name, t));
+        bytes += size;
+    }
+    let file_name = dir
+        .file_name()
+        .map_or_else(|| "export".into(), |n| n.to_string_lossy().into_owned());
+    let partial = dir.with_file_name(format!(".{file_name}.partial"));
+    if partial.exists() {
+        std::fs::remove_dir_all(&partial).map_err(io(&partial))?;
+    }
+    let config_text = serde_json::to_string_pretty(&config_json).expect("json");
+    write_pretrained(&partial, &config_text, &shards)?;
+    std::fs::rename(&partial, dir).map_err(io(dir))
+}
+
+/// A tensor's place in the model (embedding, layers in order, norm and head), then its
+/// name: the order shards are filled in.
+fn model_order(name: &str, num_layers: usize) -> (usize, String) {
+    let piece = match name.strip_prefix("model.layers.") {
+        Some(rest) => rest
+            .split('.')
+            .next()
+            .and_then(|i| i.parse::<usize>().ok())
+            .map_or(num_layers + 1, |i| i + 1),
+        None if name.starts_with("model.embed_tokens") => 0,
+        None => num_layers + 1,
+    };
+    (piece, name.to_owned())
 }

@@ -22,8 +22,9 @@ pub use plan::{
     DeviceRequest, ParallelPlan, PlanError, PlanFlags, RankPlacement, TopologySpec, UnknownDevice,
 };
 pub use schedule::{
-    check_schedule, link_in_order, pipeline_schedule, plan_schedule, Instruction, Message, Pass,
-    Payload, Piece, ScheduleError, ScheduleKind, ScheduleReport, UnknownScheduleKind, Waiting,
+    check_forward_only, check_schedule, forward_only, link_in_order, pipeline_schedule,
+    plan_schedule, Instruction, Message, Pass, Payload, Piece, ScheduleError, ScheduleKind,
+    ScheduleReport, UnknownScheduleKind, Waiting,
 };
 pub use stage::{LayoutError, StageLayout};
 pub use topology::{

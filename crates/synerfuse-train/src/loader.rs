@@ -51,17 +51,30 @@ pub enum LoaderError {
     },
 }
 
-/// The train split of `config`, sized to `samples`, on every rank of `world`: rank 0
-/// builds the indices (and writes their caches) first, the others then load its caches,
-/// so no two ranks write one cache. Collective over `world`.
-pub fn build_train_split(
+/// The three splits of a run's data; a split without documents, or not asked for, is
+/// `None`.
+#[derive(Debug, Clone, Default)]
+pub struct SplitDatasets {
+    /// The train split.
+    pub train: Option<SplitDataset>,
+    /// The validation split.
+    pub valid: Option<SplitDataset>,
+    /// The test split.
+    pub test: Option<SplitDataset>,
+}
+
+/// The splits of `config`, each sized to its entry of `samples` (`None`: not built), on
+/// every rank of `world`: rank 0 builds the indices (and writes their caches) first, the
+/// others then load its caches, so no two ranks write one cache. Collective over
+/// `world`.
+pub fn build_splits(
     world: &MpiCommunicator,
     config: &GptDataConfig,
-    samples: u64,
-) -> Result<SplitDataset, LoaderError> {
-    let build = || -> Result<SplitDataset, LoaderError> {
-        let [train, _, _] = build_split_datasets(config, [Some(samples), None, None])?;
-        train.ok_or(LoaderError::NoTrainData)
+    samples: [Option<u64>; 3],
+) -> Result<SplitDatasets, LoaderError> {
+    let build = || -> Result<SplitDatasets, LoaderError> {
+        let [train, valid, test] = build_split_datasets(config, samples)?;
+        Ok(SplitDatasets { train, valid, test })
     };
     if world.rank() == 0 {
         let built = build();
@@ -71,6 +84,18 @@ pub fn build_train_split(
         world.barrier();
         build()
     }
+}
+
+/// The train split of `config`, sized to `samples` (see [`build_splits`]). Collective
+/// over `world`.
+pub fn build_train_split(
+    world: &MpiCommunicator,
+    config: &GptDataConfig,
+    samples: u64,
+) -> Result<SplitDataset, LoaderError> {
+    build_splits(world, config, [Some(samples), None, None])?
+        .train
+        .ok_or(LoaderError::NoTrainData)
 }
 
 /// Dataset indices of each micro-batch of `replica` in the step that starts after

@@ -70,7 +70,7 @@ impl IterationRecord {
 }
 
 /// `value` as Python's `'{:.6E}'.format(value)` (Megatron's log format): `3.000000E-04`.
-fn python_exp(value: f64) -> String {
+pub(crate) fn python_exp(value: f64) -> String {
     if !value.is_finite() {
         return format!("{value}");
     }
@@ -81,8 +81,9 @@ fn python_exp(value: f64) -> String {
     format!("{mantissa}E{sign}{:02}", exponent.abs())
 }
 
-/// `--log-json FILE`: one JSON object per line and iteration, flushed after each line so
-/// a killed run keeps what it logged.
+/// `--log-json FILE`: one JSON object per line and iteration (and one per evaluation,
+/// which has an `evaluation` field), flushed after each line so a killed run keeps what
+/// it logged.
 pub struct JsonLog {
     path: PathBuf,
     out: BufWriter<File>,
@@ -104,8 +105,8 @@ impl JsonLog {
         })
     }
 
-    /// Writes one record.
-    pub fn write(&mut self, record: &IterationRecord) -> std::io::Result<()> {
+    /// Writes one record (an [`IterationRecord`], or an evaluation's).
+    pub fn write<T: serde::Serialize>(&mut self, record: &T) -> std::io::Result<()> {
         let line = serde_json::to_string(record).expect("record serialises");
         writeln!(self.out, "{line}")?;
         self.out.flush()

@@ -103,6 +103,9 @@ pub enum PipelineFault {
     /// Forwards left without their backward at the step's end.
     #[error("{0} forward passes had no backward")]
     Unfinished(usize),
+    /// A backward in a forward-only (evaluation) program.
+    #[error("backward of {0} in a forward-only program")]
+    BackwardInEvaluation(Piece),
 }
 
 /// What one step holds between instructions: messages and passes by piece.
@@ -116,6 +119,9 @@ struct StepState {
     input_grads: HashMap<Piece, Tensor>,
     /// Sends left of each piece's input gradient (one per receiving rank).
     gradient_sends: HashMap<Piece, usize>,
+    /// In evaluation, sends left of each piece's output, whose pass is dropped after
+    /// its last send.
+    activation_sends: HashMap<Piece, usize>,
     sends: Sends,
     times: StepTimes,
     loss: StepLoss,
@@ -149,6 +155,39 @@ impl PipelineRank<'_> {
         loss_normaliser: f64,
         on_event: &mut dyn FnMut(PipelineEvent) -> Result<(), TrainError>,
     ) -> Result<(StepLoss, StepTimes), TrainError> {
+        let mode = Mode::Train { loss_normaliser };
+        self.execute(program, micro_batches, sequence_length, mode, on_event)
+    }
+
+    /// Runs a forward-only `program` ([`synerfuse_parallel::forward_only`]) over
+    /// `micro_batches` without gradients: the last stage's loss sum and tokens, each pass
+    /// dropped once its output is sent (evaluation).
+    pub fn evaluate(
+        &self,
+        program: &[Instruction],
+        micro_batches: &[MicroBatch],
+        sequence_length: usize,
+    ) -> Result<(StepLoss, StepTimes), TrainError> {
+        synerfuse_model::tch::no_grad(|| {
+            let mut on_event = |_| Ok(());
+            self.execute(
+                program,
+                micro_batches,
+                sequence_length,
+                Mode::Evaluate,
+                &mut on_event,
+            )
+        })
+    }
+
+    fn execute(
+        &self,
+        program: &[Instruction],
+        micro_batches: &[MicroBatch],
+        sequence_length: usize,
+        mode: Mode,
+        on_event: &mut dyn FnMut(PipelineEvent) -> Result<(), TrainError>,
+    ) -> Result<(StepLoss, StepTimes), TrainError> {
         let device = self.chunks[0].device();
         let inputs: Vec<BatchTensors> = micro_batches
             .iter()
@@ -157,37 +196,66 @@ impl PipelineRank<'_> {
         let mut step = StepState::default();
         for instruction in program {
             if let Instruction::Send(m) = instruction {
-                if m.payload == Payload::Gradient {
-                    *step.gradient_sends.entry(m.piece).or_insert(0) += 1;
-                }
+                let sends = match m.payload {
+                    Payload::Gradient => &mut step.gradient_sends,
+                    Payload::Activation => &mut step.activation_sends,
+                };
+                *sends.entry(m.piece).or_insert(0) += 1;
             }
         }
         for &instruction in program {
-            let event = match instruction {
-                Instruction::Recv(message) => {
+            let event = match (instruction, mode) {
+                (Instruction::Recv(message), _) => {
                     let rows = inputs[message.piece.micro_batch].rows;
                     let buffer = self.receive(rows, sequence_length, &message, &mut step)?;
                     step.received
                         .insert((message.payload, message.piece), buffer);
                     PipelineEvent::Between
                 }
-                Instruction::Compute {
-                    pass: Pass::Forward,
-                    piece,
-                } => {
+                (
+                    Instruction::Compute {
+                        pass: Pass::Forward,
+                        piece,
+                    },
+                    _,
+                ) => {
                     self.forward(piece, &inputs[piece.micro_batch], &mut step)?;
+                    if mode == Mode::Evaluate && !step.activation_sends.contains_key(&piece) {
+                        step.passes.remove(&piece);
+                    }
                     PipelineEvent::Between
                 }
-                Instruction::Compute {
-                    pass: Pass::Backward,
-                    piece,
-                } => {
+                (
+                    Instruction::Compute {
+                        pass: Pass::Backward,
+                        piece,
+                    },
+                    Mode::Train { loss_normaliser },
+                ) => {
                     let batch = &inputs[piece.micro_batch];
                     self.backward(piece, batch, loss_normaliser, &mut step)?;
                     PipelineEvent::BackwardDone { chunk: piece.chunk }
                 }
-                Instruction::Send(message) => {
+                (
+                    Instruction::Compute {
+                        pass: Pass::Backward,
+                        piece,
+                    },
+                    Mode::Evaluate,
+                ) => {
+                    return Err(TrainError::Pipeline(PipelineFault::BackwardInEvaluation(
+                        piece,
+                    )));
+                }
+                (Instruction::Send(message), _) => {
                     self.send_result(&message, &mut step)?;
+                    if mode == Mode::Evaluate && message.payload == Payload::Activation {
+                        let left = step.activation_sends.entry(message.piece).or_insert(1);
+                        *left -= 1;
+                        if *left == 0 {
+                            step.passes.remove(&message.piece);
+                        }
+                    }
                     PipelineEvent::Between
                 }
             };
@@ -520,6 +588,15 @@ impl PipelineRank<'_> {
             false => sequence_length as i64,
         })
     }
+}
+
+/// What a program is run for.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Mode {
+    /// Forwards and backwards; the loss divided by the step's global loss tokens.
+    Train { loss_normaliser: f64 },
+    /// Forwards only, without gradients.
+    Evaluate,
 }
 
 /// Sends in flight during a step.

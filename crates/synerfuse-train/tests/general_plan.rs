@@ -8,7 +8,8 @@ use std::collections::BTreeMap;
 use synerfuse_model::tch::Device;
 use synerfuse_model::{LlamaConfig, Stage};
 use synerfuse_parallel::{
-    check_schedule, GeneralPlan, ReplicaBatch, ReplicaPipeline, ScheduleKind, StageLayout,
+    check_forward_only, check_schedule, forward_only, GeneralPlan, ReplicaBatch, ReplicaPipeline,
+    ScheduleKind, StageLayout,
 };
 use synerfuse_train::grads::reduction_of;
 use synerfuse_train::loader::replica_sample_ranges;
@@ -134,10 +135,14 @@ proptest! {
         samples.sort_unstable();
         let expected: Vec<u64> = (consumed..consumed + batches.global_batch_size() as u64).collect();
         prop_assert_eq!(samples, expected);
-        // Each replica's schedule runs to the end (no deadlock, every message received).
+        // Each replica's schedule runs to the end (no deadlock, every message received),
+        // and so does its forward-only (evaluation) program.
         for kind in [ScheduleKind::OneFOneB, ScheduleKind::Interleaved] {
             let kind = if plan.has_chunks() { ScheduleKind::Interleaved } else { kind };
-            check_schedule(&plan.schedule(kind).unwrap()).unwrap();
+            let programs = plan.schedule(kind).unwrap();
+            check_schedule(&programs).unwrap();
+            let forward: Vec<_> = programs.iter().map(|p| forward_only(p)).collect();
+            check_forward_only(&forward).unwrap();
         }
     }
 }

@@ -181,14 +181,21 @@ pub fn common(dir: &Path, data: &Path, iters: u64) -> Vec<String> {
     args
 }
 
-pub fn losses(path: &Path) -> Vec<f64> {
+/// The records of a `--log-json` file.
+pub fn json_records(path: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
         .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).expect("json line");
-            v["loss"].as_f64().expect("loss")
-        })
+        .map(|l| serde_json::from_str(l).expect("json line"))
+        .collect()
+}
+
+/// The iterations' losses of a `--log-json` file (evaluation records left out).
+pub fn losses(path: &Path) -> Vec<f64> {
+    json_records(path)
+        .iter()
+        .filter(|v| v.get("evaluation").is_none())
+        .map(|v| v["loss"].as_f64().expect("loss"))
         .collect()
 }
 

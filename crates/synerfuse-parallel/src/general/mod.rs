@@ -862,6 +862,8 @@ num_micro_batches = 2
         // gradient to both; the schedule still runs to the end.
         let programs = plan.schedule(ScheduleKind::OneFOneB).unwrap();
         crate::check_schedule(&programs).unwrap();
+        let forward: Vec<_> = programs.iter().map(|p| crate::forward_only(p)).collect();
+        crate::check_forward_only(&forward).unwrap();
         let sends = |rank: usize| -> Vec<usize> {
             programs[rank]
                 .iter()

@@ -451,6 +451,15 @@ struct Checker {
 }
 
 impl Checker {
+    fn new(programs: usize) -> Self {
+        Checker {
+            done: vec![Default::default(); programs],
+            in_flight: vec![0; programs],
+            peak: vec![0; programs],
+            computed_at: HashMap::new(),
+        }
+    }
+
     fn computed(&self, program: usize, pass: Pass) -> &HashSet<Piece> {
         &self.done[program][pass as usize]
     }
@@ -501,13 +510,7 @@ impl Observer for Checker {
 /// then backwarded exactly once per program, and that nothing is sent before it is
 /// computed. `programs[i]` names its peers by index into `programs`.
 pub fn check_schedule(programs: &[Vec<Instruction>]) -> Result<ScheduleReport, ScheduleError> {
-    let n = programs.len();
-    let mut checker = Checker {
-        done: vec![Default::default(); n],
-        in_flight: vec![0; n],
-        peak: vec![0; n],
-        computed_at: HashMap::new(),
-    };
+    let mut checker = Checker::new(programs.len());
     let rounds = interpret(programs, &mut checker)?;
     for (program, [forwards, backwards]) in checker.done.iter().enumerate() {
         if forwards.len() != backwards.len() {
@@ -517,6 +520,46 @@ pub fn check_schedule(programs: &[Vec<Instruction>]) -> Result<ScheduleReport, S
                 backwards: backwards.len(),
             });
         }
+    }
+    Ok(ScheduleReport {
+        peak_in_flight: checker.peak,
+        rounds,
+        computed_at: checker.computed_at,
+    })
+}
+
+/// The forward-only program of a training `program` (evaluation): its forwards and the
+/// activations they send and receive, in the same order; backwards and gradients
+/// dropped. Dropping matched sends and receives cannot make ranks wait on each other
+/// that did not in the training programs, so forward-only programs of a valid schedule
+/// finish too (checked by [`check_forward_only`]).
+pub fn forward_only(program: &[Instruction]) -> Vec<Instruction> {
+    program
+        .iter()
+        .copied()
+        .filter(|i| match i {
+            Instruction::Compute { pass, .. } => *pass == Pass::Forward,
+            Instruction::Send(m) | Instruction::Recv(m) => m.payload == Payload::Activation,
+        })
+        .collect()
+}
+
+/// [`check_schedule`] for forward-only programs: every program finishes, every send is
+/// received, each piece is forwarded once and sent only after it is computed.
+pub fn check_forward_only(programs: &[Vec<Instruction>]) -> Result<ScheduleReport, ScheduleError> {
+    let mut checker = Checker::new(programs.len());
+    let rounds = interpret(programs, &mut checker)?;
+    if let Some((program, [_, backwards])) = checker
+        .done
+        .iter()
+        .enumerate()
+        .find(|(_, [_, backwards])| !backwards.is_empty())
+    {
+        return Err(ScheduleError::Unbalanced {
+            program,
+            forwards: checker.done[program][0].len(),
+            backwards: backwards.len(),
+        });
     }
     Ok(ScheduleReport {
         peak_in_flight: checker.peak,

@@ -25,6 +25,52 @@ pub struct TrainConfig {
     pub checkpoint: CheckpointConfig,
     /// Log lines, JSON log and TensorBoard.
     pub logging: LoggingConfig,
+    /// Evaluation on the validation and test splits.
+    pub eval: EvalConfig,
+}
+
+/// Evaluation on the validation and test splits, as Megatron runs it: every
+/// `interval` iterations `iters` global batches of the validation split (continuing
+/// where the last evaluation stopped), and at the end of training the validation split
+/// once more and the test split from its start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EvalConfig {
+    /// Global batches per evaluation (`--eval-iters`; 0 = no evaluation).
+    pub iters: u64,
+    /// Evaluate the validation split after every this many iterations
+    /// (`--eval-interval`).
+    pub interval: u64,
+    /// Evaluate only, at the loaded iteration (`--skip-train`).
+    pub skip_train: bool,
+}
+
+impl Default for EvalConfig {
+    /// Megatron's defaults: 100 global batches every 1000 iterations.
+    fn default() -> Self {
+        EvalConfig {
+            iters: 100,
+            interval: 1000,
+            skip_train: false,
+        }
+    }
+}
+
+impl EvalConfig {
+    /// Whether the validation split is evaluated after `iteration`.
+    pub fn due(&self, iteration: u64) -> bool {
+        self.iters > 0 && every(Some(self.interval), iteration)
+    }
+
+    /// Validation samples that evaluations up to `iteration` consumed (Megatron's
+    /// `consumed_valid_samples` on resume).
+    pub fn consumed_valid_samples(&self, iteration: u64, global_batch: u64) -> u64 {
+        match self.interval {
+            0 => 0,
+            n => (iteration / n)
+                .saturating_mul(self.iters)
+                .saturating_mul(global_batch),
+        }
+    }
 }
 
 /// The plan and its schedule.

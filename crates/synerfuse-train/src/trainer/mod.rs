@@ -11,25 +11,27 @@ use crate::checkpoint::{self, Checkpoint, CheckpointState};
 use crate::comm::{GroupCommunicator, MpiCommunicator, PipelineLinks, SetGroups};
 use crate::emulation::Emulation;
 use crate::grads::{MainGrads, EMBEDDING};
-use crate::loader::{Prefetcher, ReplicaLoader};
+use crate::loader::{LoaderError, Prefetcher, ReplicaLoader, SplitDatasets};
 use crate::optim::{clip_factor, AdamW};
 use crate::pipeline::{PipelineEvent, PipelineRank, StepTimes};
 use crate::{signals, TrainError};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
-use synerfuse_data::gpt::{SampleOptions, SplitDataset};
+use synerfuse_data::gpt::SampleOptions;
 use synerfuse_model::tch::{self, Device, Kind, Tensor};
 use synerfuse_model::{DeviceRequest, ResolveDevice, Stage};
 use synerfuse_parallel::{GradientReduction, Instruction, TpLayout};
 
 mod config;
+mod eval;
 mod report;
 
 pub use config::{
-    BatchConfig, CheckpointConfig, ComputeConfig, DataConfig, LoggingConfig, OptimizerConfig,
-    ParallelConfig, TrainConfig,
+    BatchConfig, CheckpointConfig, ComputeConfig, DataConfig, EvalConfig, LoggingConfig,
+    OptimizerConfig, ParallelConfig, TrainConfig,
 };
+pub use eval::{EvalSplit, Evaluation};
 use report::{StepLog, StepOutcome, StepResult};
 
 /// How a run ended.
@@ -43,6 +45,8 @@ pub struct TrainSummary {
     pub stopped_by_signal: bool,
     /// Checkpoint directories written.
     pub saved: Vec<PathBuf>,
+    /// Evaluations run, in order.
+    pub evaluations: Vec<Evaluation>,
 }
 
 /// The device of this rank: the plan's placement, else the configured device;
@@ -314,7 +318,13 @@ pub struct Trainer<'w> {
     /// fp32 main gradients, one buffer per chunk, and their reductions.
     grads: MainGrads,
     program: Vec<Instruction>,
-    loader: Prefetcher,
+    /// The forward-only program evaluations run.
+    eval_program: Vec<Instruction>,
+    /// The train split's loader (none when only evaluating without train data).
+    loader: Option<Prefetcher>,
+    /// The validation and test splits' loaders, when evaluating.
+    valid: Option<ReplicaLoader>,
+    test: Option<ReplicaLoader>,
     stage_index: usize,
     num_stages: usize,
     replica: usize,
@@ -335,7 +345,7 @@ impl<'w> Trainer<'w> {
     pub fn new(
         world: &'w MpiCommunicator,
         config: TrainConfig,
-        dataset: SplitDataset,
+        datasets: SplitDatasets,
         sample_options: SampleOptions,
         local_rank: usize,
     ) -> Result<Self, TrainError> {
@@ -364,8 +374,19 @@ impl<'w> Trainer<'w> {
         let mut programs = plan.schedule(config.parallel.schedule)?;
         let links = PipelineLinks::new(world, &groups, &programs)?;
         let program = programs.swap_remove(rank);
-        let loader = ReplicaLoader::new(dataset, plan.batches(), replica, sample_options)?;
-        let loader = Prefetcher::new(loader, config.data.prefetch);
+        let eval_program = synerfuse_parallel::forward_only(&program);
+        let loader_of = |split: Option<_>| {
+            let new = |d| ReplicaLoader::new(d, plan.batches(), replica, sample_options);
+            split.map(new).transpose()
+        };
+        let loader = match (loader_of(datasets.train)?, config.eval.skip_train) {
+            (Some(train), _) => Some(Prefetcher::new(train, config.data.prefetch)),
+            (None, true) => None,
+            (None, false) => return Err(LoaderError::NoTrainData.into()),
+        };
+        let evaluating = config.eval.iters > 0;
+        let valid = loader_of(datasets.valid.filter(|_| evaluating))?;
+        let test = loader_of(datasets.test.filter(|_| evaluating))?;
         let mine: Vec<GradientReduction> = reductions
             .into_iter()
             .filter(|r| r.members.contains(&rank))
@@ -387,7 +408,10 @@ impl<'w> Trainer<'w> {
             optimizer,
             grads,
             program,
+            eval_program,
             loader,
+            valid,
+            test,
             stage_index,
             num_stages,
             replica,
@@ -477,6 +501,14 @@ impl<'w> Trainer<'w> {
     ) -> Option<&'g GroupCommunicator> {
         groups.get(tp_group)
     }
+    /// The dtype of activations between stages.
+    fn activation_kind(&self) -> Kind {
+        match self.config.compute.bf16 {
+            true => Kind::BFloat16,
+            false => Kind::Float,
+        }
+    }
+
     /// Whether this rank holds the last stage's tied copy of the embedding (which the
     /// norm and checkpoints skip: the first stage's copy is the parameter).
     fn holds_tied_copy(&self) -> bool {
@@ -485,7 +517,8 @@ impl<'w> Trainer<'w> {
             && self.stage_index + 1 == self.num_stages
     }
 
-    /// Trains until `--train-iters`, an `--exit-interval` or a stop signal.
+    /// Trains until `--train-iters`, an `--exit-interval` or a stop signal, evaluating
+    /// as configured (only evaluating under `--skip-train`).
     pub fn train(&mut self) -> Result<TrainSummary, TrainError> {
         let rank = self.world.rank();
         let mut log = StepLog::open(&self.config, rank, self.world.size())?;
@@ -494,13 +527,23 @@ impl<'w> Trainer<'w> {
         // This rank's replica's tokens per step (every stage of a replica sees the same).
         let replica_tokens =
             plan.replicas()[self.replica].batch.samples() * self.config.batch.sequence_length;
-        let train_iters = self.config.batch.train_iters;
+        let (train_iters, eval) = (self.config.batch.train_iters, self.config.eval);
         let mut summary = TrainSummary {
             iteration: self.iteration,
             losses: Vec::new(),
             stopped_by_signal: false,
             saved: Vec::new(),
+            evaluations: Vec::new(),
         };
+        if eval.skip_train {
+            if rank == 0 {
+                tracing::info!("skipping training (--skip-train is on)");
+            }
+            summary.evaluations = self.evaluate_at_end(0, &mut log)?;
+            return Ok(summary);
+        }
+        let mut consumed_valid = eval.consumed_valid_samples(self.iteration, global_batch);
+        let mut ended_early = false;
         while self.iteration < train_iters {
             let started = Instant::now();
             let step = self.step()?;
@@ -512,6 +555,13 @@ impl<'w> Trainer<'w> {
             summary.iteration = self.iteration;
             summary.losses.push(outcome.loss);
             log.record(rank, self.iteration, self.consumed_samples, &outcome)?;
+            if eval.due(self.iteration) {
+                let split = EvalSplit::Validation;
+                if let Some(e) = self.evaluate(split, consumed_valid, false, &mut log)? {
+                    consumed_valid += e.samples;
+                    summary.evaluations.push(e);
+                }
+            }
             let checkpointing = &self.config.checkpoint;
             if checkpointing.save_due(self.iteration, train_iters, outcome.any_stop) {
                 summary.saved.push(self.save()?);
@@ -523,13 +573,19 @@ impl<'w> Trainer<'w> {
                         self.iteration
                     );
                 }
+                ended_early = true;
                 break;
             }
             if outcome.any_stop {
                 self.log_stop();
                 summary.stopped_by_signal = true;
+                ended_early = true;
                 break;
             }
+        }
+        if !ended_early {
+            let at_end = self.evaluate_at_end(consumed_valid, &mut log)?;
+            summary.evaluations.extend(at_end);
         }
         Ok(summary)
     }
@@ -582,7 +638,10 @@ impl<'w> Trainer<'w> {
 
     /// One iteration: the pipeline, the gradient reductions, the optimizer step.
     fn step(&mut self) -> Result<StepResult, TrainError> {
-        let micro_batches = self.loader.step(self.consumed_samples)?;
+        let micro_batches = match &mut self.loader {
+            Some(loader) => loader.step(self.consumed_samples)?,
+            None => return Err(LoaderError::NoTrainData.into()),
+        };
         let mut times = StepTimes::default();
         let started = Instant::now();
         let loss_tokens = self.global_loss_tokens(&micro_batches)?;
@@ -633,11 +692,7 @@ impl<'w> Trainer<'w> {
             links: &self.links,
             tp: Self::tp_communicator(&self.groups, &self.tp_group),
             peer_rows: &self.peer_rows,
-            activation_kind: if self.config.compute.bf16 {
-                Kind::BFloat16
-            } else {
-                Kind::Float
-            },
+            activation_kind: self.activation_kind(),
             emulation: self.emulation,
         };
         let groups = &self.groups;

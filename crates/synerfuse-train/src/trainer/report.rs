@@ -1,6 +1,7 @@
 //! What a step reports: every rank's loss and times gathered in one all-gather, and rank
 //! 0's log line, JSON record and TensorBoard scalars.
 
+use super::eval::{EvalSplit, Evaluation};
 use super::TrainConfig;
 use crate::comm::MpiCommunicator;
 use crate::metrics::{IterationRecord, JsonLog, RankTimes, TensorBoardWriter};
@@ -199,4 +200,66 @@ impl StepLog {
         }
         Ok(())
     }
+
+    /// Logs an evaluation (on rank 0; a no-op elsewhere): Megatron's lines, a JSON
+    /// record, and with `tensorboard` its scalars (`lm loss validation` and its `ppl`,
+    /// by iteration and `vs samples`; `lm loss test` for the test split).
+    pub fn record_evaluation(
+        &mut self,
+        rank: usize,
+        evaluation: &Evaluation,
+        consumed_samples: u64,
+        tensorboard: bool,
+    ) -> Result<(), TrainError> {
+        if rank != 0 {
+            return Ok(());
+        }
+        println!("{}", evaluation.log_lines());
+        if let Some(json) = &mut self.json {
+            let record = EvaluationRecord {
+                evaluation: evaluation.split,
+                iteration: evaluation.iteration,
+                at_end: evaluation.at_end,
+                consumed_samples,
+                samples: evaluation.samples,
+                lm_loss: evaluation.loss,
+                lm_loss_ppl: evaluation.ppl(),
+            };
+            json.write(&record).map_err(io_error(json.path()))?;
+        }
+        if let Some(tb) = self.tensorboard.as_mut().filter(|_| tensorboard) {
+            let tag = match evaluation.split {
+                EvalSplit::Validation => "lm loss validation",
+                EvalSplit::Test => "lm loss test",
+            };
+            let (loss, ppl) = (evaluation.loss, evaluation.ppl());
+            let (ppl_tag, vs, ppl_vs) = (
+                format!("{tag} ppl"),
+                format!("{tag} vs samples"),
+                format!("{tag} ppl vs samples"),
+            );
+            let by_iteration = [(tag, loss), (ppl_tag.as_str(), ppl)];
+            tb.scalars(evaluation.iteration, &by_iteration)
+                .map_err(io_error(tb.path()))?;
+            let by_samples = [(vs.as_str(), loss), (ppl_vs.as_str(), ppl)];
+            tb.scalars(consumed_samples, &by_samples)
+                .map_err(io_error(tb.path()))?;
+        }
+        Ok(())
+    }
+}
+
+/// An evaluation's line in the JSON log.
+#[derive(serde::Serialize)]
+struct EvaluationRecord {
+    /// `validation` or `test`.
+    evaluation: EvalSplit,
+    iteration: u64,
+    at_end: bool,
+    /// Training samples consumed.
+    consumed_samples: u64,
+    /// Samples evaluated.
+    samples: u64,
+    lm_loss: f64,
+    lm_loss_ppl: f64,
 }

@@ -1,0 +1,158 @@
+//! Evaluation as Megatron runs it: `--eval-iters` global batches of the validation split
+//! through a forward-only program every `--eval-interval` iterations (each evaluation
+//! continuing where the last stopped), and at the end of training the validation split
+//! again and the test split from its start. The loss is the sum over every loss token
+//! of those batches divided by their number, so it does not depend on the plan.
+
+use super::report::StepLog;
+use super::Trainer;
+use crate::pipeline::PipelineRank;
+use crate::TrainError;
+use synerfuse_model::tch::{Kind, Tensor};
+
+/// Which split an evaluation reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EvalSplit {
+    /// The validation split.
+    Validation,
+    /// The test split.
+    Test,
+}
+
+/// One evaluation's result.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Evaluation {
+    /// The split read.
+    pub split: EvalSplit,
+    /// Training iterations completed when it ran.
+    pub iteration: u64,
+    /// Whether it is one of the end-of-training evaluations.
+    pub at_end: bool,
+    /// Mean loss over the evaluated loss tokens.
+    pub loss: f64,
+    /// Samples evaluated.
+    pub samples: u64,
+}
+
+impl Evaluation {
+    /// Perplexity as Megatron reports it: `exp(min(20, loss))`.
+    pub fn ppl(&self) -> f64 {
+        self.loss.min(20.0).exp()
+    }
+
+    /// Megatron's name for the evaluation point: `iteration 200` during training,
+    /// `iteration 400 on validation set` / `on test set` at its end.
+    pub fn prefix(&self) -> String {
+        match (self.at_end, self.split) {
+            (false, _) => format!("iteration {}", self.iteration),
+            (true, EvalSplit::Validation) => {
+                format!("iteration {} on validation set", self.iteration)
+            }
+            (true, EvalSplit::Test) => format!("iteration {} on test set", self.iteration),
+        }
+    }
+
+    /// Megatron's three lines: dashes, `validation loss at ... | lm loss value: ... |
+    /// lm loss PPL: ... |`, dashes.
+    pub fn log_lines(&self) -> String {
+        let line = format!(
+            " validation loss at {} | lm loss value: {} | lm loss PPL: {} | ",
+            self.prefix(),
+            crate::metrics::python_exp(self.loss),
+            crate::metrics::python_exp(self.ppl()),
+        );
+        let dashes = "-".repeat(line.chars().count() + 1);
+        format!("{dashes}\n{line}\n{dashes}")
+    }
+}
+
+impl Trainer<'_> {
+    /// Evaluates `split` from its sample `consumed` on (collective over the world);
+    /// `None` when the run has no such split or evaluates nothing.
+    pub(super) fn evaluate(
+        &mut self,
+        split: EvalSplit,
+        consumed: u64,
+        at_end: bool,
+        log: &mut StepLog,
+    ) -> Result<Option<Evaluation>, TrainError> {
+        let loader = match split {
+            EvalSplit::Validation => self.valid.as_ref(),
+            EvalSplit::Test => self.test.as_ref(),
+        };
+        let Some(loader) = loader else {
+            return Ok(None);
+        };
+        let global_batch = loader.batches().global_batch_size() as u64;
+        let iters = self.config.eval.iters;
+        if at_end && self.world.rank() == 0 {
+            tracing::info!("evaluating on {} samples", iters * global_batch);
+        }
+        let (mut loss_sum, mut loss_tokens) = (0.0, 0.0);
+        for i in 0..iters {
+            let micro_batches = loader.step(consumed + i * global_batch)?;
+            let (loss, _) = self.forward_only(&micro_batches)?;
+            loss_sum += loss.loss_sum;
+            loss_tokens += loss.loss_tokens;
+        }
+        let mut totals = Tensor::from_slice(&[loss_sum, loss_tokens]).to_kind(Kind::Double);
+        if self.world.size() > 1 {
+            self.world.all_reduce_sum(&mut totals)?;
+        }
+        let (loss_sum, loss_tokens) = (totals.double_value(&[0]), totals.double_value(&[1]));
+        if loss_tokens <= 0.0 {
+            return Err(TrainError::NoLossTokens {
+                consumed_samples: consumed,
+            });
+        }
+        let evaluation = Evaluation {
+            split,
+            iteration: self.iteration,
+            at_end,
+            loss: loss_sum / loss_tokens,
+            samples: iters * global_batch,
+        };
+        let tensorboard = !self.config.eval.skip_train;
+        log.record_evaluation(
+            self.world.rank(),
+            &evaluation,
+            self.consumed_samples,
+            tensorboard,
+        )?;
+        Ok(Some(evaluation))
+    }
+
+    /// Megatron's end of training: the validation split from `consumed_valid`, then the
+    /// test split from its start.
+    pub(super) fn evaluate_at_end(
+        &mut self,
+        consumed_valid: u64,
+        log: &mut StepLog,
+    ) -> Result<Vec<Evaluation>, TrainError> {
+        let valid = self.evaluate(EvalSplit::Validation, consumed_valid, true, log)?;
+        let test = self.evaluate(EvalSplit::Test, 0, true, log)?;
+        Ok(valid.into_iter().chain(test).collect())
+    }
+
+    /// This rank's forward-only program over `micro_batches`: its loss sum and tokens (on
+    /// a last stage's tensor-parallel rank 0; zero elsewhere).
+    fn forward_only(
+        &self,
+        micro_batches: &[crate::loader::MicroBatch],
+    ) -> Result<(crate::pipeline::StepLoss, crate::pipeline::StepTimes), TrainError> {
+        let pipeline = PipelineRank {
+            chunks: &self.chunks,
+            stage_index: self.stage_index,
+            num_stages: self.num_stages,
+            world: self.world,
+            links: &self.links,
+            tp: Self::tp_communicator(&self.groups, &self.tp_group),
+            peer_rows: &self.peer_rows,
+            activation_kind: self.activation_kind(),
+            emulation: self.emulation,
+        };
+        let sequence_length = self.config.batch.sequence_length;
+        pipeline.evaluate(&self.eval_program, micro_batches, sequence_length)
+    }
+}
