@@ -7,7 +7,10 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::PathBuf;
 use std::time::Duration;
-use synerfuse_data::gpt::{DataSources, SampleBudget, SampleOptions};
+use synerfuse_data::gpt::{
+    build_mock_split_datasets, build_split_datasets, DataSources, MockDocuments, SampleBudget,
+    SampleOptions,
+};
 use synerfuse_data::tokenizer::Tokenizer;
 use synerfuse_model::{DeviceRequest, LlamaConfig, MegatronModelArgs};
 use synerfuse_parallel::{
@@ -261,6 +264,9 @@ pub struct TrainArgs {
     // ---- data
     #[arg(long, num_args = 1.., help_heading = "Data")]
     data_path: Vec<String>,
+    /// Megatron's synthetic documents instead of --data-path (split 1,1,1, as Megatron)
+    #[arg(long, conflicts_with_all = ["data_path", "split", "data_cache_path"], help_heading = "Data")]
+    mock_data: bool,
     #[arg(long, help_heading = "Data")]
     split: Option<String>,
     #[arg(long, help_heading = "Data")]
@@ -816,15 +822,35 @@ fn train_rank(args: &TrainArgs, world: &MpiCommunicator) -> Result<()> {
         );
     }
     let gbs = plan.batches().global_batch_size() as u64;
-    let data = gpt_data_config(&args.sources(), args.seed, args.seq_length, &args.tokenizer)?;
-    let datasets = build_splits(world, &data, args.split_samples(gbs)?).map_err(|e| match e {
+    let sample_options = args.sample_options(tokenizer.as_ref())?;
+    let mock_max = i64::from(MockDocuments::MAX_SEQUENCE_LENGTH - 1).max(sample_options.eod);
+    if args.mock_data && model.vocab_size as i64 <= mock_max {
+        bail!(
+            "--mock-data: Megatron's mock documents hold token ids up to {mock_max}, beyond the model's vocabulary of {} (a tokenizer with a larger vocabulary, e.g. NullTokenizer --vocab-size 4096)",
+            model.vocab_size
+        );
+    }
+    let sizes = args.split_samples(gbs)?;
+    let datasets = match args.mock_data {
+        true => {
+            let (seed, length, eod) = (args.seed, args.seq_length, sample_options.eod);
+            build_splits(world, || {
+                build_mock_split_datasets(seed, length, eod, sizes)
+            })
+        }
+        false => {
+            let data =
+                gpt_data_config(&args.sources(), args.seed, args.seq_length, &args.tokenizer)?;
+            build_splits(world, || build_split_datasets(&data, sizes))
+        }
+    }
+    .map_err(|e| match e {
         LoaderError::Dataset(e) => data_flag_error(e).context("building the sample indices"),
         e => e.into(),
     })?;
     if datasets.train.is_none() && !args.skip_train {
         return Err(anyhow::Error::new(LoaderError::NoTrainData).context("--split"));
     }
-    let sample_options = args.sample_options(tokenizer.as_ref())?;
     let config = args.train_config(model, plan)?;
     if world.rank() == 0 {
         log_run(&config, world.size(), threads);

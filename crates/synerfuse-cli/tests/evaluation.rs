@@ -187,3 +187,83 @@ fn validation_and_test_losses_do_not_depend_on_the_plan() {
         .iter()
         .all(|v| v.get("evaluation").is_some()));
 }
+
+/// `--mock-data` trains and evaluates on Megatron's synthetic documents, the same under
+/// a single rank and a pipeline; with --data-path it is refused, and a vocabulary smaller
+/// than its token ids is named.
+#[test]
+fn mock_data_trains_and_evaluates_alike_under_any_plan() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let args = |name: &str, extra: &[&str]| {
+        let mut args = strings(&[
+            "train",
+            "--mock-data",
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "32",
+            "--num-attention-heads",
+            "4",
+            "--ffn-hidden-size",
+            "64",
+            "--seq-length",
+            "256",
+            "--disable-bias-linear",
+            "--swiglu",
+            "--normalization",
+            "RMSNorm",
+            "--lr",
+            "3e-3",
+            "--global-batch-size",
+            "4",
+            "--micro-batch-size",
+            "2",
+            "--train-iters",
+            "3",
+            "--eval-iters",
+            "1",
+            "--eval-interval",
+            "2",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "4096",
+            "--device",
+            "cpu",
+            "--seed",
+            "5",
+        ]);
+        args.extend(strings(extra));
+        args.extend(strings(&[
+            "--log-json",
+            d.join(format!("{name}.jsonl")).to_str().unwrap(),
+        ]));
+        args
+    };
+    ok(&synerfuse(&args("single", &[])), "single rank");
+    let pp = ["--nproc", "2", "--pipeline-model-parallel-size", "2"];
+    ok(&synerfuse(&args("pp", &pp)), "PP 2");
+    let (single, pp) = (d.join("single.jsonl"), d.join("pp.jsonl"));
+    assert_eq!(losses(&single).len(), 3);
+    assert!(max_rel_loss_diff(&losses(&single), &losses(&pp)) < 1e-5);
+    let evaluations =
+        |log: &std::path::Path| -> Vec<f64> { evaluations(log).into_iter().map(|e| e.3).collect() };
+    // Validation at iteration 2 and at the end, then the test split.
+    assert_eq!(evaluations(&single).len(), 3);
+    assert!(max_rel_loss_diff(&evaluations(&single), &evaluations(&pp)) < 1e-5);
+
+    let both = synerfuse(&args("both", &["--data-path", "x"]));
+    assert!(!both.status.success());
+    assert!(String::from_utf8_lossy(&both.stderr).contains("--mock-data"));
+    let mut small = args("small", &[]);
+    let vocab = small.iter().position(|a| a == "--vocab-size").unwrap();
+    small[vocab + 1] = "1000".into();
+    let small = synerfuse(&small);
+    assert!(!small.status.success());
+    let stderr = String::from_utf8_lossy(&small.stderr);
+    assert!(
+        stderr.contains("--mock-data") && stderr.contains("4095"),
+        "{stderr}"
+    );
+}

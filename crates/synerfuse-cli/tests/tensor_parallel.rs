@@ -333,6 +333,25 @@ fn tensor_parallel_checkpoints_resume_under_another_split() {
         let diff = max_rel_loss_diff(&full[3..], &resumed);
         assert!(diff < 1e-5, "{name}: {resumed:?} vs {:?}", &full[3..]);
     }
+    // A checkpoint of another model (a wider FFN) is refused by name on TP shards, not
+    // cut into slices that happen to fit.
+    let mut args = common(d, &data, 6);
+    let ffn = args.iter().position(|a| a == "--ffn-hidden-size").unwrap();
+    args[ffn + 1] = "48".into();
+    args.extend(strings(&tp2));
+    args.extend([
+        "--load".into(),
+        d.join("TP-2-then-one-rank").display().to_string(),
+    ]);
+    let out = synerfuse(&args);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("has shape")
+            && stderr.contains("the model expects")
+            && !stderr.contains("panicked"),
+        "{stderr}"
+    );
 }
 
 /// `examples/run.sh` itself (SynerFuse's flags: TP 2 x PP 2 with stages of 2 and 6

@@ -579,7 +579,7 @@ impl Stage {
     }
 
     /// The whole tensor's shape of parameter `name` held as `local` shape.
-    pub(crate) fn whole_shape(&self, name: &str, local: &[i64]) -> Vec<i64> {
+    pub fn whole_shape(&self, name: &str, local: &[i64]) -> Vec<i64> {
         let c = &self.config;
         let mut shape = local.to_vec();
         if let Some((dim, _)) = self.shard_of(name) {

@@ -63,17 +63,15 @@ pub struct SplitDatasets {
     pub test: Option<SplitDataset>,
 }
 
-/// The splits of `config`, each sized to its entry of `samples` (`None`: not built), on
-/// every rank of `world`: rank 0 builds the indices (and writes their caches) first, the
-/// others then load its caches, so no two ranks write one cache. Collective over
-/// `world`.
+/// The splits `build` makes (each sized as the caller asked), on every rank of
+/// `world`: rank 0 builds the indices (and writes their caches) first, the others then
+/// load its caches, so no two ranks write one cache. Collective over `world`.
 pub fn build_splits(
     world: &MpiCommunicator,
-    config: &GptDataConfig,
-    samples: [Option<u64>; 3],
+    build: impl Fn() -> Result<[Option<SplitDataset>; 3], GptDatasetError>,
 ) -> Result<SplitDatasets, LoaderError> {
     let build = || -> Result<SplitDatasets, LoaderError> {
-        let [train, valid, test] = build_split_datasets(config, samples)?;
+        let [train, valid, test] = build()?;
         Ok(SplitDatasets { train, valid, test })
     };
     if world.rank() == 0 {
@@ -93,9 +91,11 @@ pub fn build_train_split(
     config: &GptDataConfig,
     samples: u64,
 ) -> Result<SplitDataset, LoaderError> {
-    build_splits(world, config, [Some(samples), None, None])?
-        .train
-        .ok_or(LoaderError::NoTrainData)
+    build_splits(world, || {
+        build_split_datasets(config, [Some(samples), None, None])
+    })?
+    .train
+    .ok_or(LoaderError::NoTrainData)
 }
 
 /// Dataset indices of each micro-batch of `replica` in the step that starts after

@@ -9,7 +9,7 @@ use super::dataset::{
 use super::describe::{md5_hex, PyValue};
 use super::npy::{self, IndexArray};
 use super::split::{split_ranges, SplitMatrix};
-use super::{GptSample, SampleOptions};
+use super::{DocumentSource, GptSample, MockDocuments, SampleOptions};
 use crate::{DataError, IndexedDataset};
 use rayon::prelude::*;
 use std::collections::HashMap;
@@ -428,7 +428,7 @@ impl BlendedDataset {
     /// (dataset, sample within it) of blended sample `idx`.
     pub fn locate(&self, idx: usize) -> Result<(usize, usize), DataError> {
         let out_of_range = |what: String| DataError::OutOfRange {
-            path: self.datasets[0].indexed_dataset().prefix().to_path_buf(),
+            path: self.datasets[0].documents().origin().to_path_buf(),
             what: "sequence",
             detail: what,
         };
@@ -564,6 +564,43 @@ pub fn build_split_datasets(
             Ok(out)
         }
     }
+}
+
+/// Megatron's `--mock-data` splits: [`MockDocuments`] ending in `eod`, split `1,1,1`
+/// whatever `--split` says (megatron-core sets it so when no data path is given), each
+/// sized by `sizes` (`None`: one epoch), with `seed` and `sequence_length` as for real
+/// data. Nothing is cached.
+pub fn build_mock_split_datasets(
+    seed: u32,
+    sequence_length: usize,
+    eod: i64,
+    sizes: [Option<u64>; 3],
+) -> Result<[Option<SplitDataset>; 3], GptDatasetError> {
+    if sequence_length == 0 {
+        return Err(GptDatasetError::ZeroSequenceLength);
+    }
+    let config = GptDatasetConfig {
+        seed,
+        sequence_length,
+        split: Some("1,1,1".to_owned()),
+        path_to_cache: None,
+        tokenizer: PyValue::None,
+        add_extra_token: true,
+        drop_last_partial_validation: true,
+    };
+    let matrix = config.split_matrix()?.expect("split set above");
+    let documents: Arc<dyn DocumentSource> = Arc::new(MockDocuments::new(eod));
+    let ranges = split_ranges(&matrix, documents.sequence_count());
+    let mut out: [Option<SplitDataset>; 3] = [None, None, None];
+    for split in Split::ALL {
+        let i = split.index();
+        if let Some(range) = ranges[i].clone() {
+            let built =
+                GptDataset::build(documents.clone(), "mock", range, sizes[i], split, &config)?;
+            out[i] = Some(SplitDataset::Gpt(Arc::new(built)));
+        }
+    }
+    Ok(out)
 }
 
 fn build_blend(

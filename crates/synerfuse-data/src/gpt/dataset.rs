@@ -5,9 +5,10 @@ use super::describe::{md5_hex, PyValue};
 use super::index::{epoch_plan, GptIndexError};
 use super::npy::{self, IndexArray, NpyElement};
 use super::split::{parse_split, SplitError, SplitMatrix};
+use super::DocumentSource;
 use super::{build_gpt_indices, sample_tokens, GptIndexConfig, GptIndices, ShuffleIndex};
 use super::{build_sample, GptSample, SampleOptions};
-use crate::{DataError, IndexedDataset};
+use crate::DataError;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -178,7 +179,7 @@ pub struct CacheRecord {
 /// One split of one tokenized dataset, ready to serve samples.
 #[derive(Debug)]
 pub struct GptDataset {
-    dataset: Arc<IndexedDataset>,
+    dataset: Arc<dyn DocumentSource>,
     dataset_path: String,
     split: Split,
     num_samples: Option<u64>,
@@ -193,7 +194,7 @@ impl GptDataset {
     /// Builds (or loads from the cache) the indices of `split` over the sequences
     /// `sequences` of `dataset`, whose prefix was typed as `dataset_path`.
     pub fn build(
-        dataset: Arc<IndexedDataset>,
+        dataset: Arc<dyn DocumentSource>,
         dataset_path: &str,
         sequences: Range<usize>,
         num_samples: Option<u64>,
@@ -215,12 +216,30 @@ impl GptDataset {
             split: split.name(),
             problem,
         };
-        let lengths = dataset.sequence_lengths();
-        if sequences.end > lengths.len() {
+        let count = dataset.sequence_count();
+        if sequences.end > count {
             return Err(index_error(GptIndexError::BadSequence {
                 id: sequences.end as i32 - 1,
-                count: lengths.len(),
+                count,
             }));
+        }
+        let build = || {
+            let sizes: Vec<i32> = dataset.lengths();
+            let split_sequences: Vec<i32> = sequences.clone().map(|i| i as i32).collect();
+            build_gpt_indices(&sizes, &split_sequences, &index_config).map_err(index_error)
+        };
+        if !dataset.cached() {
+            return Ok(GptDataset {
+                indices: build()?,
+                dataset,
+                dataset_path: dataset_path.to_owned(),
+                split,
+                num_samples,
+                identifiers,
+                description,
+                hash,
+                cache: None,
+            });
         }
         let cache_dir = config.path_to_cache.clone().unwrap_or_else(|| {
             Path::new(dataset_path)
@@ -240,20 +259,12 @@ impl GptDataset {
         );
         let loaded = files.all_exist();
         let indices = if loaded {
-            // Only the epoch count is needed: a sum over the mapped lengths, no copy.
-            let tokens: u64 = lengths
-                .iter()
-                .skip(sequences.start)
-                .take(sequences.len())
-                .map(|s| s.max(0) as u64)
-                .sum();
+            // Only the epoch count is needed: a sum over the lengths.
+            let tokens = dataset.tokens_in(sequences.clone());
             let epochs = epoch_plan(tokens, &index_config).map_err(index_error)?;
             load_indices(&files, epochs)?
         } else {
-            let sizes: Vec<i32> = lengths.to_vec();
-            let split_sequences: Vec<i32> = sequences.map(|i| i as i32).collect();
-            let indices =
-                build_gpt_indices(&sizes, &split_sequences, &index_config).map_err(index_error)?;
+            let indices = build()?;
             files.write(&description, |path, i| match i {
                 0 => npy::write_npy(path, &indices.document_index),
                 1 => npy::write_npy(path, &indices.sample_index),
@@ -305,9 +316,9 @@ impl GptDataset {
         self.num_samples
     }
 
-    /// The underlying tokenized dataset.
-    pub fn indexed_dataset(&self) -> &IndexedDataset {
-        &self.dataset
+    /// The documents it cuts samples from.
+    pub fn documents(&self) -> &dyn DocumentSource {
+        self.dataset.as_ref()
     }
 
     /// The document, sample and shuffle indices.
@@ -337,7 +348,7 @@ impl GptDataset {
 
     /// Sample `idx` as model inputs.
     pub fn sample(&self, idx: usize, options: &SampleOptions) -> Result<GptSample, DataError> {
-        let text = sample_tokens(&self.dataset, &self.indices, idx, options)?;
+        let text = sample_tokens(self.dataset.as_ref(), &self.indices, idx, options)?;
         Ok(build_sample(&text, options))
     }
 }

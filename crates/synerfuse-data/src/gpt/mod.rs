@@ -7,6 +7,7 @@ mod blend;
 mod config;
 mod dataset;
 mod describe;
+mod documents;
 mod index;
 mod npy;
 mod random;
@@ -14,12 +15,14 @@ mod sample;
 mod split;
 
 pub use blend::{
-    build_blending_indices, build_exhaustive_blending_indices, build_split_datasets, normalize,
-    numpy_sum, Blend, BlendWeights, BlendedDataset, GptDataConfig, SplitDataset,
+    build_blending_indices, build_exhaustive_blending_indices, build_mock_split_datasets,
+    build_split_datasets, normalize, numpy_sum, Blend, BlendWeights, BlendedDataset, GptDataConfig,
+    SplitDataset,
 };
 pub use config::{BudgetError, DataSources, SampleBudget, DEFAULT_SPLIT};
 pub use dataset::{BlendError, CacheRecord, GptDataset, GptDatasetConfig, GptDatasetError, Split};
 pub use describe::{md5_hex, python_float_repr, PyValue};
+pub use documents::{DocumentSource, MockDocuments};
 pub use index::{build_gpt_indices, GptIndexConfig, GptIndexError, GptIndices, ShuffleIndex};
 pub use npy::{IndexArray, NpyElement};
 pub use random::RandomState;

@@ -1,8 +1,9 @@
 //! One GPT sample: its tokens read through the indices, and the model inputs built
 //! from them (Megatron's `_query_document_sample_shuffle_indices` and `__getitem__`).
 
+use super::DocumentSource;
 use super::GptIndices;
-use crate::{DataError, IndexedDataset};
+use crate::DataError;
 
 /// How a sample becomes model inputs (Megatron's dataset flags).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,13 +45,13 @@ pub struct GptSample {
 /// The `S + X` token ids of sample `idx` (in served order), padded with `pad` when the
 /// last partial sample is short.
 pub fn sample_tokens(
-    dataset: &IndexedDataset,
+    dataset: &dyn DocumentSource,
     indices: &GptIndices,
     idx: usize,
     options: &SampleOptions,
 ) -> Result<Vec<i64>, DataError> {
     let out_of_range = || DataError::OutOfRange {
-        path: dataset.prefix().to_path_buf(),
+        path: dataset.origin().to_path_buf(),
         what: "sequence",
         detail: format!("sample {idx} of {}", indices.shuffle_index.len()),
     };
@@ -170,7 +171,7 @@ mod tests {
     use super::*;
     use crate::gpt::build_gpt_indices;
     use crate::gpt::index::WORKED_EXAMPLE;
-    use crate::{DType, IndexedDatasetBuilder};
+    use crate::{DType, IndexedDataset, IndexedDatasetBuilder};
 
     fn options(flags: bool) -> SampleOptions {
         SampleOptions {

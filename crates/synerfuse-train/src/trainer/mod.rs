@@ -457,16 +457,39 @@ impl<'w> Trainer<'w> {
             .flat_map(|n| [format!("{n}.exp_avg"), format!("{n}.exp_avg_sq")])
             .collect();
         let moments = checkpoint.tensors("optimizer-", &moment_names)?;
-        // Tensors are stored whole by global name; a tensor-parallel shard takes its slice.
+        // Tensors are stored whole by global name; a tensor-parallel shard takes its slice
+        // of a tensor of the whole shape (another model's tensor is refused, not cut).
         let stage = &self.chunks[0];
-        let slice = |t: Option<&Tensor>, name: &str| t.map(|t| stage.local_slice(name, t));
+        let local_shapes: BTreeMap<String, Vec<i64>> = (self.chunks.iter())
+            .flat_map(|c| c.var_store().variables())
+            .map(|(name, t)| (name, t.size()))
+            .collect();
+        let slice = |t: &Tensor, name: &str| -> Result<Tensor, TrainError> {
+            let local = local_shapes.get(name).map_or(&[][..], Vec::as_slice);
+            let expected = stage.whole_shape(name, local);
+            if !local.is_empty() && t.size() != expected {
+                let shape = checkpoint::CheckpointProblem::Shape {
+                    name: name.to_owned(),
+                    found: t.size(),
+                    expected,
+                };
+                return Err(checkpoint::problem_at(&checkpoint.dir, shape));
+            }
+            Ok(stage.local_slice(name, t))
+        };
         for name in &names {
+            let moment = |which: &str| {
+                (moments.get(&format!("{name}.{which}")))
+                    .map(|t| slice(t, name))
+                    .transpose()
+            };
+            let (exp_avg, exp_avg_sq) = (moment("exp_avg")?, moment("exp_avg_sq")?);
             self.optimizer
                 .load_param(
                     name,
-                    &stage.local_slice(name, &values[name]),
-                    slice(moments.get(&format!("{name}.exp_avg")), name).as_ref(),
-                    slice(moments.get(&format!("{name}.exp_avg_sq")), name).as_ref(),
+                    &slice(&values[name], name)?,
+                    exp_avg.as_ref(),
+                    exp_avg_sq.as_ref(),
                 )
                 .map_err(|e| checkpoint::problem_at(&checkpoint.dir, e))?;
         }
