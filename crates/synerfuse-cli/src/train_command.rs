@@ -187,9 +187,9 @@ pub struct TrainArgs {
     /// step's on a background thread while this one computes
     #[arg(long, default_value_t = 2, help_heading = "Data")]
     num_workers: usize,
-    /// Accepted; the optimizer state is not sharded: every data-parallel rank holds all
-    /// of its stage's AdamW state (same updates, more memory)
-    #[arg(long, help_heading = "Megatron compatibility")]
+    /// Shard the AdamW state (fp32 masters and moments) over each gradient reduction's
+    /// holders, in proportion to their memory (a plan's memory_gb; equal otherwise)
+    #[arg(long, help_heading = "Optimisation")]
     use_distributed_optimizer: bool,
     /// nccl or gloo: synerfuse uses NCCL for groups of CUDA ranks and MPI otherwise
     #[arg(long, help_heading = "Megatron compatibility")]
@@ -640,6 +640,7 @@ impl TrainArgs {
                     weight_decay: self.weight_decay,
                 },
                 clip_grad: self.clip_grad,
+                distributed: self.use_distributed_optimizer,
             },
             compute: ComputeConfig {
                 bf16: self.bf16,
@@ -685,11 +686,6 @@ impl TrainArgs {
         // Said once, by rank 0 (or before the launch).
         if launcher_rank().is_some_and(|(rank, _)| rank != 0) {
             return Ok(());
-        }
-        if self.use_distributed_optimizer {
-            tracing::warn!(
-                "--use-distributed-optimizer: the optimizer state is not sharded; each data-parallel rank keeps its stage's full AdamW state (the updates are the same)"
-            );
         }
         if let (Some(groups), false) = (self.num_query_groups, self.group_query_attention) {
             tracing::warn!(

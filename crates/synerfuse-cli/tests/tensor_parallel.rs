@@ -6,12 +6,6 @@ mod support;
 use support::*;
 
 /// A `[[replica]]` plan file `name.toml` in `dir` with the given text; returns its path.
-fn plan_file(dir: &std::path::Path, name: &str, text: &str) -> String {
-    let path = dir.join(format!("{name}.toml"));
-    std::fs::write(&path, text).unwrap();
-    path.display().to_string()
-}
-
 /// Each row trains what one rank trains (losses at every step and final parameters,
 /// < 1e-5), against the single-rank run of the same model.
 #[test]

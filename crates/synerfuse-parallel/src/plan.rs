@@ -82,6 +82,10 @@ pub struct RankPlacement {
     /// The cluster file's device kind (`a100-80g`, `cpu`, ...), for people and tools.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kind: Option<String>,
+    /// The device's memory in GB: the distributed optimizer gives each rank a share of
+    /// the state in proportion to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_gb: Option<f64>,
 }
 
 /// Sizes and rank order, as a plan stores them.
@@ -642,6 +646,7 @@ mod tests {
                 },
                 speed: (r >= 4).then_some(0.5),
                 kind: (r < 4).then(|| "a100-80g".into()),
+                memory_gb: (r < 4).then_some(80.0),
             })
             .collect();
         let toml = plan.to_toml().unwrap();

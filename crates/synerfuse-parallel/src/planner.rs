@@ -819,6 +819,7 @@ pub fn to_parallel_plan(
             },
             speed: dev.emulated.then_some(dev.speed),
             kind: Some(dev.kind.clone()),
+            memory_gb: dev.spec.map(|s| s.memory_gb),
         });
     }
     let batches = ReplicaBatches::new(

@@ -64,6 +64,8 @@ struct ChunkGrads {
     buffer: Tensor,
     /// (global name, parameter, fp32 view into `buffer`), grouped by reduction.
     params: Vec<(String, Tensor, Tensor)>,
+    /// Where each of `params` starts in `buffer`.
+    offsets: Vec<i64>,
     /// Indices into `params` of the gradients each tensor-parallel rank holds partially
     /// (the norms), summed over the group once the chunk's step is complete.
     group_summed: Vec<usize>,
@@ -75,6 +77,8 @@ struct Reduction {
     members: Vec<usize>,
     chunk: usize,
     elements: Range<i64>,
+    /// Whether it sums whole tensors (see `GradientReduction::whole`).
+    whole: bool,
     /// For a reduction of whole tensors: where this rank's slices go.
     staging: Option<WholeStaging>,
     pending: Option<PendingReduction>,
@@ -151,6 +155,19 @@ pub struct MainGrads {
     tp_group: Vec<usize>,
 }
 
+/// One of a rank's gradient reductions as the distributed optimizer sees it.
+pub struct ReductionLayout {
+    /// The ranks that reduce it, ascending.
+    pub members: Vec<usize>,
+    /// Whether it sums whole tensors (holders of different splits; not sharded).
+    pub whole: bool,
+    /// Its fp32 main gradients, contiguous (summed once the step's reductions finish).
+    pub grads: Tensor,
+    /// Its parameters in buffer order: (global name, parameter, offset in `grads`,
+    /// elements).
+    pub params: Vec<(String, Tensor, i64, i64)>,
+}
+
 /// A parameter no reduction of the plan covers.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("parameter {name} (chunk {chunk}) is in none of this rank's gradient reductions")]
@@ -209,6 +226,7 @@ impl MainGrads {
                     members: r.members.clone(),
                     chunk,
                     elements,
+                    whole: r.whole,
                     staging,
                     pending: None,
                 })
@@ -339,6 +357,36 @@ impl MainGrads {
         first_error.map_or(Ok(()), Err)
     }
 
+    /// This rank's reductions as the distributed optimizer shards them, in the global
+    /// order.
+    pub fn layouts(&self) -> Vec<ReductionLayout> {
+        self.reductions
+            .iter()
+            .map(|r| {
+                let chunk = &self.chunks[r.chunk];
+                let span = &r.elements;
+                let params = (chunk.params.iter().zip(&chunk.offsets))
+                    .filter(|(_, start)| span.contains(start))
+                    .map(|((name, param, view), start)| {
+                        let numel = view.numel() as i64;
+                        (
+                            name.clone(),
+                            param.shallow_clone(),
+                            start - span.start,
+                            numel,
+                        )
+                    })
+                    .collect();
+                ReductionLayout {
+                    members: r.members.clone(),
+                    whole: r.whole,
+                    grads: chunk.buffer.narrow(0, span.start, span.end - span.start),
+                    params,
+                }
+            })
+            .collect()
+    }
+
     /// Every parameter's fp32 gradient by global name.
     pub fn grads(&self) -> BTreeMap<String, Tensor> {
         self.chunks
@@ -363,6 +411,7 @@ impl ChunkGrads {
         let buffer = Tensor::zeros([numel], (Kind::Float, device));
         let mut offset = 0;
         let mut params = Vec::with_capacity(named.len());
+        let mut offsets = Vec::with_capacity(named.len());
         for (index, name, param) in named {
             let n = param.numel() as i64;
             let span = spans[index].get_or_insert((chunk, offset..offset));
@@ -372,11 +421,13 @@ impl ChunkGrads {
             span.1.end = offset + n;
             let view = buffer.narrow(0, offset, n).view(param.size().as_slice());
             params.push((name, param, view));
+            offsets.push(offset);
             offset += n;
         }
         ChunkGrads {
             buffer,
             params,
+            offsets,
             group_summed: Vec::new(),
             backwards_left: 0,
         }

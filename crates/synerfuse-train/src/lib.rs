@@ -12,6 +12,7 @@ pub mod pipeline;
 pub mod profiler;
 pub mod signals;
 pub mod trainer;
+pub mod zero;
 
 pub use trainer::{TrainConfig, TrainSummary, Trainer};
 

@@ -342,6 +342,15 @@ impl AdamW {
         }
     }
 
+    /// Bytes of its state: the fp32 moments, and fp32 masters where parameters are held
+    /// in a lower precision.
+    pub fn state_bytes(&self) -> u64 {
+        let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+        (self.params.values())
+            .map(|s| bytes(&s.exp_avg) + bytes(&s.exp_avg_sq) + s.master.as_ref().map_or(0, bytes))
+            .sum()
+    }
+
     /// Parameter names, sorted.
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.params.keys().map(String::as_str)

@@ -287,6 +287,13 @@ pub fn run_args(dir: &Path, name: &str, mut args: Vec<String>) -> Outcome {
     (losses(&log), parameters(&save))
 }
 
+/// A plan file `name.toml` in `dir` holding `text`; returns its path.
+pub fn plan_file(dir: &Path, name: &str, text: &str) -> String {
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path.display().to_string()
+}
+
 /// A `[[replica]]` plan file `name.toml` in `dir` of (layers, micro-batch size, count)
 /// per replica; returns its path.
 pub fn replica_plan(dir: &Path, name: &str, replicas: &[(&str, usize, usize)]) -> String {

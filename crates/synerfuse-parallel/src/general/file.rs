@@ -44,6 +44,9 @@ struct ReplicaFile {
     /// The cluster file's device kind of each rank, for people and tools ("" for none).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     kinds: Vec<String>,
+    /// Each rank's device memory in GB (the distributed optimizer's shares).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    memory_gb: Vec<f64>,
 }
 
 /// The whole file.
@@ -204,6 +207,7 @@ fn replica_pipeline(
         speeds: &replica.speeds,
         emulated: &replica.emulated,
         kinds: &replica.kinds,
+        memory_gb: &replica.memory_gb,
     };
     Ok(ReplicaPipeline {
         stages,
@@ -236,6 +240,10 @@ fn replica_file(r: &ReplicaPipeline, sequential: bool) -> ReplicaFile {
             .collect(),
         false => Vec::new(),
     };
+    let memory_gb: Vec<f64> = match p.iter().all(|p| p.memory_gb.is_some()) {
+        true => p.iter().filter_map(|p| p.memory_gb).collect(),
+        false => Vec::new(),
+    };
     let stages = r.stages.num_stages();
     let tp: Vec<usize> = (0..stages).map(|s| r.tp_size(s)).collect();
     ReplicaFile {
@@ -255,6 +263,7 @@ fn replica_file(r: &ReplicaPipeline, sequential: bool) -> ReplicaFile {
         speeds,
         emulated,
         kinds,
+        memory_gb,
     }
 }
 
@@ -287,6 +296,7 @@ struct PlacementLists<'a> {
     speeds: &'a [f64],
     emulated: &'a [bool],
     kinds: &'a [String],
+    memory_gb: &'a [f64],
 }
 
 /// Placements of a replica's file form: devices, speeds and kinds, each empty or one
@@ -301,6 +311,7 @@ fn placements(
         speeds,
         emulated,
         kinds,
+        memory_gb,
     } = given;
     super::check_per_rank(
         replica,
@@ -310,9 +321,13 @@ fn placements(
             ("speeds", speeds.len()),
             ("emulated", emulated.len()),
             ("kinds", kinds.len()),
+            ("memory_gb", memory_gb.len()),
         ],
     )?;
-    if devices.is_empty() && speeds.is_empty() && kinds.is_empty() {
+    if let Some(&memory) = memory_gb.iter().find(|&&m| !(m > 0.0 && m.is_finite())) {
+        return Err(GeneralPlanError::Memory { replica, memory });
+    }
+    if devices.is_empty() && speeds.is_empty() && kinds.is_empty() && memory_gb.is_empty() {
         return Ok(Vec::new());
     }
     (0..ranks)
@@ -334,6 +349,7 @@ fn placements(
                 device,
                 speed,
                 kind: kinds.get(s).filter(|k| !k.is_empty()).cloned(),
+                memory_gb: memory_gb.get(s).copied(),
             })
         })
         .collect()

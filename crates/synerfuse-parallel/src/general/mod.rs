@@ -161,6 +161,14 @@ pub enum GeneralPlanError {
         /// The stage's ranks.
         size: usize,
     },
+    /// A device memory that is not a positive number of GB.
+    #[error("replica {replica}: memory_gb {memory} is not a positive number of GB")]
+    Memory {
+        /// The replica.
+        replica: usize,
+        /// The value given.
+        memory: f64,
+    },
     /// Ranks that are not each of 0..world size exactly once.
     #[error("the stages' ranks are not 0..{world_size} each once (rank {rank} is {problem})")]
     Ranks {
@@ -303,6 +311,22 @@ impl GeneralPlan {
         let replica = &self.replicas[replica];
         let index = replica.all_ranks().position(|r| r == rank)?;
         replica.placements.get(index)
+    }
+
+    /// The distributed optimizer's shares of `ranks`: each rank's device memory (in
+    /// tenths of a GB) when the plan gives every one of them, else equal.
+    pub fn memory_shares(&self, ranks: &[usize]) -> Vec<u32> {
+        let memory: Option<Vec<f64>> = ranks
+            .iter()
+            .map(|&r| self.placement(r).and_then(|p| p.memory_gb))
+            .collect();
+        match memory {
+            Some(gb) => gb
+                .iter()
+                .map(|g| ((g * 10.0).round() as u32).max(1))
+                .collect(),
+            None => vec![1; ranks.len()],
+        }
     }
 
     /// Each replica's ranks, stage by stage (its pipeline).
@@ -828,6 +852,25 @@ kinds = ["cpu"]
             "layers 4..6, final norm and output layer over ranks [0, 2]"
         );
         assert_eq!(plan.chunk_pieces(0), vec![(0..8)]);
+    }
+
+    #[test]
+    fn memory_sizes_the_distributed_optimizer_shares() {
+        let text = "[[replica]]\nlayers = [4]\nmicro_batch_size = 1\nnum_micro_batches = 1\nmemory_gb = [80]\n\n\
+                    [[replica]]\nlayers = [1, 3]\nmicro_batch_size = 1\nnum_micro_batches = 1\nmemory_gb = [16, 24.5]\n";
+        let plan = GeneralPlan::from_toml(text, None).unwrap();
+        assert_eq!(plan.memory_shares(&[0, 1, 2]), [800, 160, 245]);
+        assert_eq!(
+            GeneralPlan::from_toml(&plan.to_toml().unwrap(), None).unwrap(),
+            plan
+        );
+        let equal = GeneralPlan::from_toml(ASYMMETRIC, None).unwrap();
+        assert_eq!(equal.memory_shares(&[0, 1]), [1, 1]);
+        let bad = text.replace("memory_gb = [80]", "memory_gb = [0]");
+        assert!(matches!(
+            GeneralPlan::from_toml(&bad, None),
+            Err(GeneralPlanError::Memory { replica: 0, .. })
+        ));
     }
 
     const TENSOR_PARALLEL: &str = r#"

@@ -110,6 +110,9 @@ pub struct OptimizerConfig {
     pub adam: AdamWConfig,
     /// Clip by this global gradient norm (`--clip-grad`, 0 = off).
     pub clip_grad: f64,
+    /// Shard the optimizer state over each gradient reduction's holders
+    /// (`--use-distributed-optimizer`, see [`crate::zero`]).
+    pub distributed: bool,
 }
 
 /// How each rank computes.

@@ -14,8 +14,9 @@ use crate::grads::{MainGrads, EMBEDDING};
 use crate::loader::{LoaderError, Prefetcher, ReplicaLoader, SplitDatasets};
 use crate::optim::{clip_factor, AdamW};
 use crate::pipeline::{PipelineEvent, PipelineRank, StepTimes};
+use crate::zero::DistributedOptimizer;
 use crate::{signals, TrainError};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::Instant;
 use synerfuse_data::gpt::SampleOptions;
@@ -280,14 +281,15 @@ fn sequence_rows(config: &TrainConfig) -> BTreeMap<usize, (usize, usize)> {
         .collect()
 }
 
-/// AdamW over `chunks`. Under bf16 the chunks are cast after their fp32 values are
-/// taken, so those become the optimizer's master weights exactly.
-fn build_optimizer(config: &TrainConfig, chunks: &mut [Stage]) -> Result<AdamW, TrainError> {
-    let fp32_values: Vec<(String, Tensor)> = chunks
-        .iter()
-        .flat_map(|s| s.var_store().variables())
-        .map(|(n, t)| (n, t.detach().copy()))
-        .collect();
+/// AdamW over `chunks`' parameters outside `sharded` (the distributed optimizer's).
+/// Under bf16 the chunks are cast after their fp32 values were taken (`fp32_values`),
+/// so those become the optimizer's master weights exactly.
+fn build_optimizer(
+    config: &TrainConfig,
+    chunks: &mut [Stage],
+    fp32_values: &BTreeMap<String, Tensor>,
+    sharded: &BTreeSet<String>,
+) -> Result<AdamW, TrainError> {
     if config.compute.bf16 {
         for stage in chunks.iter_mut() {
             stage.set_kind(Kind::BFloat16);
@@ -295,10 +297,11 @@ fn build_optimizer(config: &TrainConfig, chunks: &mut [Stage]) -> Result<AdamW, 
     }
     let mut optimizer = AdamW::new(
         config.optimizer.adam,
-        chunks.iter().flat_map(|s| s.var_store().variables()),
+        (chunks.iter().flat_map(|s| s.var_store().variables()))
+            .filter(|(name, _)| !sharded.contains(name)),
     );
     if config.compute.bf16 {
-        for (name, value) in &fp32_values {
+        for (name, value) in fp32_values.iter().filter(|(n, _)| !sharded.contains(*n)) {
             optimizer.load_param(name, value, None, None)?;
         }
     }
@@ -315,6 +318,8 @@ pub struct Trainer<'w> {
     links: PipelineLinks,
     chunks: Vec<Stage>,
     optimizer: AdamW,
+    /// The distributed optimizer's shards (`--use-distributed-optimizer`).
+    zero: Option<DistributedOptimizer>,
     /// fp32 main gradients, one buffer per chunk, and their reductions.
     grads: MainGrads,
     program: Vec<Instruction>,
@@ -370,7 +375,10 @@ impl<'w> Trainer<'w> {
         let tp_group = plan.replicas()[replica].ranks[stage_index].clone();
         let tp_rank = plan.tp_rank(rank).unwrap_or(0);
         let mut chunks = build_chunks(&config, (replica, stage_index), tp_rank, device)?;
-        let optimizer = build_optimizer(&config, &mut chunks)?;
+        let fp32_values: BTreeMap<String, Tensor> = (chunks.iter())
+            .flat_map(|s| s.var_store().variables())
+            .map(|(n, t)| (n, t.detach().copy()))
+            .collect();
         let mut programs = plan.schedule(config.parallel.schedule)?;
         let links = PipelineLinks::new(world, &groups, &programs)?;
         let program = programs.swap_remove(rank);
@@ -399,6 +407,28 @@ impl<'w> Trainer<'w> {
             config.compute.bf16,
         )?
         .summing_over(tp_group.clone(), &chunks);
+        let zero = config.optimizer.distributed.then(|| {
+            let shares = |members: &[usize]| plan.memory_shares(members);
+            let adam = config.optimizer.adam;
+            DistributedOptimizer::new(adam, grads.layouts(), shares, rank, &fp32_values)
+        });
+        let sharded = zero
+            .as_ref()
+            .map(DistributedOptimizer::names)
+            .unwrap_or_default();
+        let optimizer = build_optimizer(&config, &mut chunks, &fp32_values, &sharded)?;
+        drop(fp32_values);
+        tracing::info!(
+            "optimizer state: {} bytes{}",
+            optimizer.state_bytes() + zero.as_ref().map_or(0, DistributedOptimizer::state_bytes),
+            match &zero {
+                Some(z) => format!(
+                    " ({} of them this rank's shards of the distributed optimizer)",
+                    z.state_bytes()
+                ),
+                None => String::new(),
+            }
+        );
         let num_stages = plan.replicas()[replica].stages.num_stages();
         let mut trainer = Trainer {
             world,
@@ -406,6 +436,7 @@ impl<'w> Trainer<'w> {
             links,
             chunks,
             optimizer,
+            zero,
             grads,
             program,
             eval_program,
@@ -450,7 +481,12 @@ impl<'w> Trainer<'w> {
     }
 
     fn restore(&mut self, checkpoint: &Checkpoint) -> Result<(), TrainError> {
-        let names: Vec<String> = self.optimizer.names().map(str::to_owned).collect();
+        let sharded = (self.zero.as_ref())
+            .map(DistributedOptimizer::names)
+            .unwrap_or_default();
+        let names: Vec<String> = (self.optimizer.names().map(str::to_owned))
+            .chain(sharded.iter().cloned())
+            .collect();
         let values = checkpoint.tensors("model-", &names)?;
         let moment_names: Vec<String> = names
             .iter()
@@ -477,6 +513,7 @@ impl<'w> Trainer<'w> {
             }
             Ok(stage.local_slice(name, t))
         };
+        let mut restored: BTreeMap<String, [Option<Tensor>; 3]> = BTreeMap::new();
         for name in &names {
             let moment = |which: &str| {
                 (moments.get(&format!("{name}.{which}")))
@@ -484,17 +521,44 @@ impl<'w> Trainer<'w> {
                     .transpose()
             };
             let (exp_avg, exp_avg_sq) = (moment("exp_avg")?, moment("exp_avg_sq")?);
+            let value = slice(&values[name], name)?;
+            if sharded.contains(name) {
+                // The parameter itself here; its master and moments in the shards below.
+                let local = local_shapes.get(name).cloned().unwrap_or_default();
+                if value.size() != local {
+                    let shape = checkpoint::CheckpointProblem::Shape {
+                        name: name.clone(),
+                        found: value.size(),
+                        expected: local,
+                    };
+                    return Err(checkpoint::problem_at(&checkpoint.dir, shape));
+                }
+                restored.insert(name.clone(), [Some(value), exp_avg, exp_avg_sq]);
+                continue;
+            }
             self.optimizer
-                .load_param(
-                    name,
-                    &slice(&values[name], name)?,
-                    exp_avg.as_ref(),
-                    exp_avg_sq.as_ref(),
-                )
+                .load_param(name, &value, exp_avg.as_ref(), exp_avg_sq.as_ref())
                 .map_err(|e| checkpoint::problem_at(&checkpoint.dir, e))?;
         }
         let state = &checkpoint.state;
         self.optimizer.set_steps(state.optimizer_steps);
+        if let Some(zero) = &mut self.zero {
+            for (name, mut param) in self.chunks.iter().flat_map(|c| c.var_store().variables()) {
+                if let Some([Some(value), ..]) = restored.get(&name) {
+                    tch::no_grad(|| param.copy_(&value.to_kind(param.kind())));
+                }
+            }
+            let get = |i: usize| {
+                let restored = &restored;
+                move |name: &str| {
+                    restored
+                        .get(name)
+                        .and_then(|t| t[i].as_ref().map(Tensor::shallow_clone))
+                }
+            };
+            zero.load(&get(0), &get(1), &get(2));
+            zero.set_steps(state.optimizer_steps);
+        }
         self.iteration = state.iteration;
         self.consumed_samples = state.consumed_samples;
         tch::manual_seed(state.rng_seed as i64);
@@ -690,6 +754,9 @@ impl<'w> Trainer<'w> {
         let lr = self.config.optimizer.lr.lr(self.consumed_samples);
         let factor = clip_factor(grad_norm, self.config.optimizer.clip_grad);
         self.optimizer.step_with_grads(lr, &grads, factor);
+        if let Some(zero) = &mut self.zero {
+            zero.step(lr, factor, &self.groups)?;
+        }
         times.compute += started.elapsed();
         Ok(StepResult {
             loss_sum: loss.loss_sum,
@@ -781,8 +848,13 @@ impl<'w> Trainer<'w> {
             checkpoint::prepare(&save, self.iteration)?;
         }
         self.world.barrier();
+        // The distributed optimizer's shards, whole again (collective over its holders).
+        let sharded = match &self.zero {
+            Some(zero) => zero.gather_state(&self.groups)?,
+            None => Vec::new(),
+        };
         if self.replica == 0 {
-            self.write_shard(&save)?;
+            self.write_shard(&save, &sharded)?;
         }
         self.world.barrier();
         let dir = save.join(checkpoint::iteration_dir(self.iteration));
@@ -811,7 +883,11 @@ impl<'w> Trainer<'w> {
 
     /// This stage's parameters and AdamW moments, whole (a tensor-parallel group's
     /// shards gathered to its rank 0, which writes), into the staging directory.
-    fn write_shard(&self, save: &std::path::Path) -> Result<(), TrainError> {
+    fn write_shard(
+        &self,
+        save: &std::path::Path,
+        sharded: &[(String, [Tensor; 3])],
+    ) -> Result<(), TrainError> {
         let skip_tied = self.holds_tied_copy();
         let stage = &self.chunks[0];
         let tp = Self::tp_communicator(&self.groups, &self.tp_group);
@@ -821,7 +897,13 @@ impl<'w> Trainer<'w> {
         };
         let mut params = Vec::new();
         let mut moments = Vec::new();
-        for (name, value, m, v) in self.optimizer.state() {
+        let gathered = sharded
+            .iter()
+            .map(|(n, [value, m, v])| (n.as_str(), value, m, v));
+        let mut state: Vec<_> = self.optimizer.state().chain(gathered).collect();
+        // By name, so every rank of a tensor-parallel group gathers in the same order.
+        state.sort_by_key(|(name, ..)| *name);
+        for (name, value, m, v) in state {
             if skip_tied && name == EMBEDDING {
                 continue;
             }

@@ -1,0 +1,193 @@
+//! `--use-distributed-optimizer`: each gradient reduction's holders keep their shard of
+//! the AdamW state (sized by their memory), and the parameters equal a single rank's.
+
+mod support;
+
+use support::*;
+
+/// Each rank's (total optimizer state bytes, bytes of its distributed-optimizer shards)
+/// from the `optimizer state:` log lines.
+fn state_bytes(stderr: &str, ranks: usize) -> Vec<(u64, u64)> {
+    (0..ranks)
+        .map(|r| {
+            let line = stderr
+                .lines()
+                .find(|l| l.contains(&format!("r={r}}}")) && l.contains("optimizer state: "))
+                .unwrap_or_else(|| panic!("no optimizer state line of rank {r} in\n{stderr}"));
+            let number = |after: &str| -> Option<u64> {
+                let rest = &line[line.find(after)? + after.len()..];
+                rest.split(' ').next()?.parse().ok()
+            };
+            (
+                number("optimizer state: ").unwrap(),
+                number("bytes (").unwrap_or(0),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn sharded_optimizer_state_gives_a_single_ranks_parameters() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let data = dataset(d);
+    let (ref_losses, ref_params) = run(d, &data, "single", &["--micro-batch-size", "1"]);
+    // Replica 0 on one 80 GB device, replica 1's two stages on 16 and 24 GB devices: the
+    // embedding and layer 0 are sharded 80 : 16, the rest 80 : 24, the tied embedding
+    // 80 : 16 : 24.
+    let memory = plan_file(
+        d,
+        "memory",
+        "[[replica]]\nlayers = [4]\nmicro_batch_size = 2\nnum_micro_batches = 2\nmemory_gb = [80]\n\n\
+         [[replica]]\nlayers = [1, 3]\nmicro_batch_size = 1\nnum_micro_batches = 2\nmemory_gb = [16, 24]\n",
+    );
+    let zero = "--use-distributed-optimizer";
+    let cases: Vec<(&str, Vec<&str>)> = vec![
+        (
+            "grid PP 2 x DP 2, mbs 1 x 3",
+            vec![
+                "--nproc",
+                "4",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--micro-batch-size",
+                "1",
+                zero,
+            ],
+        ),
+        (
+            "hetero DP 2, mbs [2,1] x counts [2,2]",
+            vec![
+                "--nproc",
+                "2",
+                "--micro-batch-size-per-dp",
+                "1",
+                "2",
+                "1",
+                "1",
+                "--num-micro-batches-per-dp",
+                "1",
+                "2",
+                "1",
+                "2",
+                zero,
+            ],
+        ),
+        (
+            "TP 2 x DP 2, mbs 1 x 3",
+            vec![
+                "--nproc",
+                "4",
+                "--tensor-model-parallel-size",
+                "2",
+                "--micro-batch-size",
+                "1",
+                zero,
+            ],
+        ),
+        (
+            "per-replica plan, memory 80 | 16 + 24 GB",
+            vec!["--nproc", "3", "--plan", &memory, zero],
+        ),
+    ];
+    let mut table =
+        String::from("| plan | max rel. loss diff | max rel. param diff |\n|---|---|---|\n");
+    for (i, (label, flags)) in cases.iter().enumerate() {
+        let name = format!("zero{i}");
+        let (losses, params) = run(d, &data, &name, flags);
+        let loss_diff = max_rel_loss_diff(&ref_losses, &losses);
+        let param_diff = max_rel_param_diff(&params, &ref_params);
+        table.push_str(&format!(
+            "| {label} | {loss_diff:.2e} | {param_diff:.2e} |\n"
+        ));
+        assert!(
+            loss_diff < 1e-5 && param_diff < 1e-5,
+            "{label}: {loss_diff:e} {param_diff:e}"
+        );
+    }
+    println!("{table}");
+
+    // Each rank holds its share of the state: the shards of the memory plan add up to 12
+    // bytes (fp32 master and two moments) per parameter, split by memory.
+    let mut args = common(d, &data, 2);
+    args.extend(strings(&["--nproc", "3", "--plan", &memory, zero]));
+    let out = synerfuse(&args);
+    ok(&out, "memory plan");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let bytes = state_bytes(&stderr, 3);
+    let parameters: i64 = ref_params.values().map(|t| t.numel() as i64).sum();
+    let shards: u64 = bytes.iter().map(|b| b.1).sum();
+    println!("optimizer state per rank (total, shards): {bytes:?}; {parameters} parameters");
+    assert_eq!(shards, 12 * parameters as u64);
+    assert!(
+        bytes.iter().all(|b| b.0 == b.1),
+        "every reduction has two holders: {bytes:?}"
+    );
+    assert!(
+        bytes[0].1 > bytes[2].1 && bytes[2].1 > bytes[1].1,
+        "{bytes:?}"
+    );
+    // Without it, every rank holds the whole state of its stage.
+    let mut args = common(d, &data, 2);
+    args.extend(strings(&["--nproc", "3", "--plan", &memory]));
+    let out = synerfuse(&args);
+    ok(&out, "memory plan, replicated optimizer");
+    let whole = state_bytes(&String::from_utf8_lossy(&out.stderr), 3);
+    assert_eq!(whole[0], (8 * parameters as u64, 0));
+}
+
+/// A run with the distributed optimizer stopped at iteration 3 resumes without it on
+/// one rank, and a one-rank run resumes with it on another plan, each with the
+/// uninterrupted run's losses: the shards are saved whole by global name.
+#[test]
+fn distributed_optimizer_checkpoints_resume_under_any_plan() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let data = dataset(d);
+    let (full, _) = run(d, &data, "full", &["--micro-batch-size", "1"]);
+    let memory = plan_file(
+        d,
+        "memory",
+        "[[replica]]\nlayers = [4]\nmicro_batch_size = 2\nnum_micro_batches = 2\nmemory_gb = [80]\n\n\
+         [[replica]]\nlayers = [1, 3]\nmicro_batch_size = 1\nnum_micro_batches = 2\nmemory_gb = [16, 24]\n",
+    );
+    let zero = [
+        "--nproc",
+        "3",
+        "--plan",
+        memory.as_str(),
+        "--use-distributed-optimizer",
+    ];
+    let single = ["--micro-batch-size", "1"];
+    for (name, first, then) in [
+        ("sharded-then-single", &zero[..], &single[..]),
+        ("single-then-sharded", &single[..], &zero[..]),
+    ] {
+        let save = d.join(name);
+        let mut args = common(d, &data, 6);
+        args.extend(strings(first));
+        args.extend(strings(&[
+            "--exit-interval",
+            "3",
+            "--save-interval",
+            "3",
+            "--save",
+        ]));
+        args.push(save.display().to_string());
+        ok(&synerfuse(&args), &format!("{name}: stopped at 3"));
+        let log = d.join(format!("{name}.jsonl"));
+        let mut args = common(d, &data, 6);
+        args.extend(strings(then));
+        args.extend([
+            "--load".into(),
+            save.display().to_string(),
+            "--log-json".into(),
+        ]);
+        args.push(log.display().to_string());
+        ok(&synerfuse(&args), &format!("{name}: resumed"));
+        let resumed = losses(&log);
+        let diff = max_rel_loss_diff(&full[3..], &resumed);
+        println!("{name}: resumed losses within {diff:.2e}");
+        assert!(diff < 1e-5, "{name}: {resumed:?} vs {:?}", &full[3..]);
+    }
+}

@@ -1,0 +1,263 @@
+//! Megatron's distributed optimizer (`--use-distributed-optimizer`, ZeRO-1): each
+//! gradient reduction's holders split its elements into shards, in proportion to their
+//! device memory ([`synerfuse_parallel::GeneralPlan::memory_shares`]; equal by default).
+//! A rank keeps the fp32 master weights and Adam moments of its shard only, updates
+//! them from the reduced gradients, and the holders all-gather the updated values into
+//! every copy of the parameters. The update is AdamW's, element for element, so the
+//! parameters equal those of the replicated optimizer.
+//!
+//! Reductions over one rank, and reductions of whole tensors (holders of different
+//! tensor-parallel splits), keep the replicated optimizer.
+
+use crate::comm::{CommError, SetGroups};
+use crate::grads::ReductionLayout;
+use crate::optim::AdamWConfig;
+use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
+use synerfuse_model::tch::{self, Kind, Tensor};
+use synerfuse_parallel::tp::split_units;
+
+/// The distributed optimizer's state on one rank: its shard of every sharded reduction.
+pub struct DistributedOptimizer {
+    config: AdamWConfig,
+    reductions: Vec<ShardedReduction>,
+    step: u64,
+}
+
+/// One reduction's shard on this rank.
+struct ShardedReduction {
+    members: Vec<usize>,
+    /// Every member's elements of the reduction, in member order.
+    shards: Vec<Range<i64>>,
+    /// This rank's index among the members.
+    me: usize,
+    /// The reduction's parameters in buffer order: (name, parameter, offset, elements).
+    params: Vec<(String, Tensor, i64, i64)>,
+    /// The reduced gradients of the whole reduction.
+    grads: Tensor,
+    /// fp32 master weights of this rank's shard.
+    master: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+}
+
+impl ShardedReduction {
+    fn own(&self) -> Range<i64> {
+        self.shards[self.me].clone()
+    }
+
+    /// The pieces of parameters within this rank's shard: (parameter index, range in
+    /// the shard, range in the parameter's flattened elements).
+    fn segments(&self) -> Vec<(usize, Range<i64>, Range<i64>)> {
+        let own = self.own();
+        self.params
+            .iter()
+            .enumerate()
+            .filter_map(|(i, (_, _, offset, numel))| {
+                let (start, end) = (own.start.max(*offset), own.end.min(offset + numel));
+                (start < end).then(|| {
+                    let in_shard = start - own.start..end - own.start;
+                    (i, in_shard, start - offset..end - offset)
+                })
+            })
+            .collect()
+    }
+
+    /// The whole reduction's flat fp32 `values` (one tensor per parameter, by name)
+    /// narrowed to this rank's shard.
+    fn shard_of(&self, values: &dyn Fn(&str) -> Option<Tensor>) -> Option<Tensor> {
+        let flat: Option<Vec<Tensor>> = (self.params.iter())
+            .map(|(name, ..)| values(name).map(|t| t.to_kind(Kind::Float).reshape([-1])))
+            .collect();
+        let own = self.own();
+        let device = self.grads.device();
+        Some(
+            Tensor::cat(&flat?, 0)
+                .narrow(0, own.start, own.end - own.start)
+                .to_device(device),
+        )
+    }
+}
+
+impl DistributedOptimizer {
+    /// Shards every reduction of `layouts` over two or more ranks (not of whole tensors)
+    /// among its members by `shares` (each member's share, in member order), for this
+    /// `rank`; the masters start from `fp32_values` (by name).
+    pub fn new(
+        config: AdamWConfig,
+        layouts: Vec<ReductionLayout>,
+        shares: impl Fn(&[usize]) -> Vec<u32>,
+        rank: usize,
+        fp32_values: &BTreeMap<String, Tensor>,
+    ) -> Self {
+        let reductions = layouts
+            .into_iter()
+            .filter(|l| l.members.len() > 1 && !l.whole)
+            .map(|l| {
+                let elements = l.grads.numel();
+                let shards = split_units(&shares(&l.members), elements)
+                    .into_iter()
+                    .map(|r| r.start as i64..r.end as i64)
+                    .collect();
+                let me = l.members.iter().position(|&m| m == rank).unwrap_or(0);
+                let mut r = ShardedReduction {
+                    members: l.members,
+                    shards,
+                    me,
+                    params: l.params,
+                    grads: l.grads,
+                    master: Tensor::new(),
+                    exp_avg: Tensor::new(),
+                    exp_avg_sq: Tensor::new(),
+                };
+                let master = r
+                    .shard_of(&|name| fp32_values.get(name).map(Tensor::shallow_clone))
+                    .expect("every parameter has its fp32 value");
+                r.exp_avg = master.zeros_like();
+                r.exp_avg_sq = master.zeros_like();
+                r.master = master;
+                r
+            })
+            .collect();
+        DistributedOptimizer {
+            config,
+            reductions,
+            step: 0,
+        }
+    }
+
+    /// The parameters whose state it holds (the replicated optimizer holds the rest).
+    pub fn names(&self) -> BTreeSet<String> {
+        (self.reductions.iter())
+            .flat_map(|r| r.params.iter().map(|(name, ..)| name.clone()))
+            .collect()
+    }
+
+    /// Bytes of this rank's state: fp32 masters and two moments of its shards.
+    pub fn state_bytes(&self) -> u64 {
+        (self.reductions.iter())
+            .map(|r| 3 * 4 * (r.own().end - r.own().start) as u64)
+            .sum()
+    }
+
+    /// Sets the step count (bias correction) when resuming.
+    pub fn set_steps(&mut self, steps: u64) {
+        self.step = steps;
+    }
+
+    /// One AdamW step of every shard at `lr` with its reduced gradients times
+    /// `grad_scale` (torch's update, as [`crate::optim::AdamW`]: decoupled decay on
+    /// matrices, then the bias-corrected Adam step), then the members all-gather the
+    /// updated values into their parameters. Collective over every reduction's members,
+    /// in the global order.
+    pub fn step(&mut self, lr: f64, grad_scale: f64, groups: &SetGroups) -> Result<(), CommError> {
+        self.step += 1;
+        let c = self.config;
+        let t = self.step as i32;
+        let (bias1, bias2) = (1.0 - c.beta1.powi(t), 1.0 - c.beta2.powi(t));
+        for r in &mut self.reductions {
+            let own = r.own();
+            tch::no_grad(|| {
+                let mut grad = r.grads.narrow(0, own.start, own.end - own.start);
+                if grad_scale != 1.0 {
+                    grad = &grad * grad_scale;
+                }
+                if c.weight_decay != 0.0 {
+                    for (i, in_shard, _) in r.segments() {
+                        if r.params[i].1.dim() > 1 {
+                            let length = in_shard.end - in_shard.start;
+                            let mut piece = r.master.narrow(0, in_shard.start, length);
+                            let _ = piece.g_mul_scalar_(1.0 - lr * c.weight_decay);
+                        }
+                    }
+                }
+                let _ = r.exp_avg.g_mul_scalar_(c.beta1);
+                let _ = r.exp_avg.g_add_(&(&grad * (1.0 - c.beta1)));
+                let _ = r.exp_avg_sq.g_mul_scalar_(c.beta2);
+                let _ = r.exp_avg_sq.addcmul_(&grad, &(&grad * (1.0 - c.beta2)));
+                let denom = r.exp_avg_sq.sqrt() / bias2.sqrt() + c.eps;
+                let update = (&r.exp_avg / denom) * (-lr / bias1);
+                let _ = r.master.g_add_(&update);
+            });
+            let values = gather(r, &r.master, groups)?;
+            tch::no_grad(|| {
+                for (_, param, offset, numel) in &r.params {
+                    let value = values
+                        .narrow(0, *offset, *numel)
+                        .view(param.size().as_slice());
+                    let mut param = param.shallow_clone();
+                    param.copy_(&value.to_kind(param.kind()));
+                }
+            });
+        }
+        Ok(())
+    }
+
+    /// `(name, fp32 value, exp_avg, exp_avg_sq)` of every parameter it holds, whole
+    /// (this rank's tensor-parallel slice), gathered from the shards of every member:
+    /// what a checkpoint stores. Collective over every reduction's members.
+    pub fn gather_state(
+        &self,
+        groups: &SetGroups,
+    ) -> Result<Vec<(String, [Tensor; 3])>, CommError> {
+        let mut out = Vec::new();
+        for r in &self.reductions {
+            let [values, m, v] =
+                [&r.master, &r.exp_avg, &r.exp_avg_sq].map(|t| gather(r, t, groups));
+            let (values, m, v) = (values?, m?, v?);
+            for (name, param, offset, numel) in &r.params {
+                let whole = |t: &Tensor| t.narrow(0, *offset, *numel).view(param.size().as_slice());
+                out.push((name.clone(), [whole(&values), whole(&m), whole(&v)]));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Restores this rank's shards from whole tensors by name (the parameter's local
+    /// shape): `values` for the masters, `exp_avg` and `exp_avg_sq` for the moments (zero
+    /// where a checkpoint has none).
+    pub fn load(
+        &mut self,
+        values: &dyn Fn(&str) -> Option<Tensor>,
+        exp_avg: &dyn Fn(&str) -> Option<Tensor>,
+        exp_avg_sq: &dyn Fn(&str) -> Option<Tensor>,
+    ) {
+        for r in &mut self.reductions {
+            let [master, m, v] = [values, exp_avg, exp_avg_sq].map(|f| r.shard_of(f));
+            tch::no_grad(|| {
+                if let Some(master) = master {
+                    r.master.copy_(&master);
+                }
+                match m {
+                    Some(m) => r.exp_avg.copy_(&m),
+                    None => {
+                        let _ = r.exp_avg.zero_();
+                    }
+                }
+                match v {
+                    Some(v) => r.exp_avg_sq.copy_(&v),
+                    None => {
+                        let _ = r.exp_avg_sq.zero_();
+                    }
+                }
+            });
+        }
+    }
+}
+
+/// Every member's shard of `r` (this rank's is `local`) joined into the reduction's
+/// whole flat fp32 tensor: shards padded to the longest for one all-gather, then cut.
+fn gather(r: &ShardedReduction, local: &Tensor, groups: &SetGroups) -> Result<Tensor, CommError> {
+    let group = groups
+        .get(&r.members)
+        .expect("every reduction of two or more ranks has its communicator");
+    let longest = r.shards.iter().map(|s| s.end - s.start).max().unwrap_or(0);
+    let padded = Tensor::zeros([longest], (Kind::Float, local.device()));
+    let mut head = padded.narrow(0, 0, local.numel() as i64);
+    tch::no_grad(|| head.copy_(local));
+    let gathered = group.all_gather(&padded)?;
+    let pieces: Vec<Tensor> = (r.shards.iter().enumerate())
+        .map(|(i, s)| gathered.get(i as i64).narrow(0, 0, s.end - s.start))
+        .collect();
+    Ok(Tensor::cat(&pieces, 0))
+}
