@@ -79,6 +79,9 @@ struct Reduction {
     elements: Range<i64>,
     /// Whether it sums whole tensors (see `GradientReduction::whole`).
     whole: bool,
+    /// Under the distributed optimizer, each member's elements (a reduce-scatter leaves
+    /// each member the sum of its own only).
+    shards: Option<Vec<Range<i64>>>,
     /// For a reduction of whole tensors: where this rank's slices go.
     staging: Option<WholeStaging>,
     pending: Option<PendingReduction>,
@@ -159,8 +162,9 @@ pub struct MainGrads {
 pub struct ReductionLayout {
     /// The ranks that reduce it, ascending.
     pub members: Vec<usize>,
-    /// Whether it sums whole tensors (holders of different splits; not sharded).
-    pub whole: bool,
+    /// Each member's shard of its elements, when the distributed optimizer shards it
+    /// ([`MainGrads::sharded`]); only this rank's shard of `grads` is then summed.
+    pub shards: Option<Vec<Range<i64>>>,
     /// Its fp32 main gradients, contiguous (summed once the step's reductions finish).
     pub grads: Tensor,
     /// Its parameters in buffer order: (global name, parameter, offset in `grads`,
@@ -227,6 +231,7 @@ impl MainGrads {
                     chunk,
                     elements,
                     whole: r.whole,
+                    shards: None,
                     staging,
                     pending: None,
                 })
@@ -255,6 +260,22 @@ impl MainGrads {
                 .collect();
         }
         self.tp_group = members;
+        self
+    }
+
+    /// For the distributed optimizer: splits every reduction over two or more ranks (not
+    /// of whole tensors) into its members' shards by `shares` (each member's, in member
+    /// order); those reductions then reduce-scatter, each member getting the sum of its
+    /// own shard only.
+    pub fn sharded(mut self, shares: impl Fn(&[usize]) -> Vec<u32>) -> Self {
+        for r in self.reductions.iter_mut() {
+            if r.members.len() > 1 && !r.whole {
+                let elements = (r.elements.end - r.elements.start) as usize;
+                let shards = synerfuse_parallel::tp::split_units(&shares(&r.members), elements);
+                let shards = shards.into_iter().map(|s| s.start as i64..s.end as i64);
+                r.shards = Some(shards.collect());
+            }
+        }
         self
     }
 
@@ -306,14 +327,19 @@ impl MainGrads {
             }
             if let Some(group) = groups.get(&reduction.members) {
                 let span = &reduction.elements;
-                let summed = match &mut reduction.staging {
-                    Some(staging) => {
+                let slice = chunk.buffer.narrow(0, span.start, span.end - span.start);
+                reduction.pending = Some(match (&mut reduction.staging, &reduction.shards) {
+                    (Some(staging), _) => {
                         staging.fill();
-                        staging.buffer.shallow_clone()
+                        group.start_all_reduce_sum(&staging.buffer)?
                     }
-                    None => chunk.buffer.narrow(0, span.start, span.end - span.start),
-                };
-                reduction.pending = Some(group.start_all_reduce_sum(&summed)?);
+                    (None, Some(shards)) => {
+                        let counts: Vec<usize> =
+                            shards.iter().map(|s| (s.end - s.start) as usize).collect();
+                        group.start_reduce_scatter_sum(&slice, &counts)?
+                    }
+                    (None, None) => group.start_all_reduce_sum(&slice)?,
+                });
             }
             self.started += 1;
         }
@@ -379,7 +405,7 @@ impl MainGrads {
                     .collect();
                 ReductionLayout {
                     members: r.members.clone(),
-                    whole: r.whole,
+                    shards: r.shards.clone(),
                     grads: chunk.buffer.narrow(0, span.start, span.end - span.start),
                     params,
                 }

@@ -1,10 +1,11 @@
 //! Megatron's distributed optimizer (`--use-distributed-optimizer`, ZeRO-1): each
 //! gradient reduction's holders split its elements into shards, in proportion to their
 //! device memory ([`synerfuse_parallel::GeneralPlan::memory_shares`]; equal by default).
-//! A rank keeps the fp32 master weights and Adam moments of its shard only, updates
-//! them from the reduced gradients, and the holders all-gather the updated values into
-//! every copy of the parameters. The update is AdamW's, element for element, so the
-//! parameters equal those of the replicated optimizer.
+//! The gradients are reduce-scattered (each holder gets the sum of its shard), a rank
+//! keeps the fp32 master weights and Adam moments of its shard only and updates them,
+//! and the holders all-gather the updated values into every copy of the parameters. The
+//! update is AdamW's, element for element, so the parameters equal those of the
+//! replicated optimizer.
 //!
 //! Reductions over one rank, and reductions of whole tensors (holders of different
 //! tensor-parallel splits), keep the replicated optimizer.
@@ -15,7 +16,6 @@ use crate::optim::AdamWConfig;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use synerfuse_model::tch::{self, Kind, Tensor};
-use synerfuse_parallel::tp::split_units;
 
 /// The distributed optimizer's state on one rank: its shard of every sharded reduction.
 pub struct DistributedOptimizer {
@@ -80,26 +80,19 @@ impl ShardedReduction {
 }
 
 impl DistributedOptimizer {
-    /// Shards every reduction of `layouts` over two or more ranks (not of whole tensors)
-    /// among its members by `shares` (each member's share, in member order), for this
-    /// `rank`; the masters start from `fp32_values` (by name).
+    /// The shards of every reduction of `layouts` that [`crate::grads::MainGrads::sharded`]
+    /// split, for this `rank`; the masters start from `fp32_values` (by name).
     pub fn new(
         config: AdamWConfig,
         layouts: Vec<ReductionLayout>,
-        shares: impl Fn(&[usize]) -> Vec<u32>,
         rank: usize,
         fp32_values: &BTreeMap<String, Tensor>,
     ) -> Self {
         let reductions = layouts
             .into_iter()
-            .filter(|l| l.members.len() > 1 && !l.whole)
-            .map(|l| {
-                let elements = l.grads.numel();
-                let shards = split_units(&shares(&l.members), elements)
-                    .into_iter()
-                    .map(|r| r.start as i64..r.end as i64)
-                    .collect();
-                let me = l.members.iter().position(|&m| m == rank).unwrap_or(0);
+            .filter_map(|l| {
+                let shards = l.shards?;
+                let me = l.members.iter().position(|&m| m == rank)?;
                 let mut r = ShardedReduction {
                     members: l.members,
                     shards,
@@ -116,7 +109,7 @@ impl DistributedOptimizer {
                 r.exp_avg = master.zeros_like();
                 r.exp_avg_sq = master.zeros_like();
                 r.master = master;
-                r
+                Some(r)
             })
             .collect();
         DistributedOptimizer {
@@ -124,6 +117,29 @@ impl DistributedOptimizer {
             reductions,
             step: 0,
         }
+    }
+
+    /// Σ g² over this rank's shards of the reduced gradients, of the parameters `counted`
+    /// says to count (a tensor every rank of a tensor-parallel group holds whole counts
+    /// on its rank 0 only): the shards of one reduction partition it, so summed over the
+    /// world every element counts once.
+    pub fn grad_norm_squared(&self, counted: impl Fn(&str) -> bool) -> f64 {
+        let mut sum = 0.0;
+        for r in &self.reductions {
+            let own = r.own();
+            for (i, in_shard, _) in r.segments() {
+                if counted(&r.params[i].0) {
+                    let g = r.grads.narrow(
+                        0,
+                        own.start + in_shard.start,
+                        in_shard.end - in_shard.start,
+                    );
+                    let g = g.to_kind(Kind::Double);
+                    sum += (&g * &g).sum(Kind::Double).double_value(&[]);
+                }
+            }
+        }
+        sum
     }
 
     /// The parameters whose state it holds (the replicated optimizer holds the rest).

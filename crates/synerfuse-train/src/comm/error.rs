@@ -16,6 +16,18 @@ pub enum CommError {
         /// The tensor's dtype.
         kind: Kind,
     },
+    /// Reduce-scatter counts that are not one per rank adding up to the tensor.
+    #[error("rank {rank}: reduce-scatter counts {counts:?} for {size} ranks do not cover a tensor of {elements} elements")]
+    ScatterCounts {
+        /// The rank that saw the error.
+        rank: usize,
+        /// The counts given.
+        counts: Vec<usize>,
+        /// Ranks of the communicator.
+        size: usize,
+        /// The tensor's elements.
+        elements: usize,
+    },
     /// A source, destination or root that is not a rank of the communicator.
     #[error("rank {rank}: peer rank {peer} is outside this communicator of {size} ranks")]
     InvalidPeer {

@@ -65,6 +65,22 @@ impl GroupCommunicator {
         })
     }
 
+    /// Starts summing the fp32 1-D `tensor` over the group so that member `r` gets
+    /// its piece, the `counts[r]` elements after `counts[..r]` (see
+    /// [`MpiCommunicator::start_reduce_scatter_sum`]). NCCL's reduce-scatter takes
+    /// equal pieces only, so an NCCL group sums the whole tensor (a superset: every
+    /// piece holds its sum).
+    pub fn start_reduce_scatter_sum(
+        &self,
+        tensor: &Tensor,
+        counts: &[usize],
+    ) -> Result<PendingReduction, CommError> {
+        Ok(match self.nccl_for(tensor) {
+            Some(nccl) => PendingReduction::Nccl(nccl.start_all_reduce_sum(tensor)?),
+            None => PendingReduction::Mpi(self.mpi.start_reduce_scatter_sum(tensor, counts)?),
+        })
+    }
+
     /// Copies `root`'s tensor into every member's.
     pub fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<(), CommError> {
         match self.nccl_for(tensor) {

@@ -116,6 +116,8 @@ pub struct PendingAllReduce {
     _recv: Tensor,
     /// (host result, the caller's device tensor) when the result must be copied back.
     copy_back: Option<(Tensor, Tensor)>,
+    /// A reduce-scatter's receive counts, which MPI reads until it completes.
+    _counts: Vec<i32>,
     group: Arc<str>,
 }
 
@@ -449,6 +451,82 @@ impl MpiCommunicator {
             _send: send,
             copy_back: (!on_host).then(|| (recv.shallow_clone(), tensor.shallow_clone())),
             _recv: recv,
+            _counts: Vec::new(),
+            group: Arc::clone(&self.name),
+        })
+    }
+
+    /// Starts summing the fp32 1-D `tensor` over the group and returns at once; rank `r`
+    /// gets its piece of the sum, elements `counts[..r].sum()..` of length `counts[r]`,
+    /// in that piece of `tensor` when [`PendingAllReduce::wait`] returns (the rest of
+    /// `tensor` is left as it was). The caller leaves `tensor` alone until then.
+    pub fn start_reduce_scatter_sum(
+        &self,
+        tensor: &Tensor,
+        counts: &[usize],
+    ) -> Result<PendingAllReduce, CommError> {
+        use mpi::raw::AsRaw;
+        let numel = tensor.numel();
+        if tensor.kind() != Kind::Float {
+            return Err(CommError::UnsupportedDtype {
+                rank: self.rank,
+                op: "start_reduce_scatter_sum",
+                kind: tensor.kind(),
+            });
+        }
+        if counts.len() != self.size || counts.iter().sum::<usize>() != numel {
+            return Err(CommError::ScatterCounts {
+                rank: self.rank,
+                counts: counts.to_vec(),
+                size: self.size,
+                elements: numel,
+            });
+        }
+        if numel > MAX_ELEMENTS_PER_CALL {
+            return Err(CommError::TooLarge {
+                rank: self.rank,
+                op: "start_reduce_scatter_sum",
+                elements: numel,
+            });
+        }
+        let start: usize = counts[..self.rank].iter().sum();
+        let own = tensor.narrow(0, start as i64, counts[self.rank] as i64);
+        let on_host = tensor.device() == Device::Cpu && own.is_contiguous();
+        let send = tch::no_grad(|| tensor.detach().to_device(Device::Cpu).contiguous().copy());
+        let recv = match on_host {
+            true => own.shallow_clone(),
+            false => {
+                let pinned = Tensor::empty([counts[self.rank] as i64], (Kind::Float, Device::Cpu));
+                if matches!(tensor.device(), Device::Cuda(_)) {
+                    pinned.pin_memory(tensor.device())
+                } else {
+                    pinned
+                }
+            }
+        };
+        let counts: Vec<i32> = counts.iter().map(|&c| c as i32).collect();
+        let mut request = std::mem::MaybeUninit::uninit();
+        // SAFETY: `send` (`numel` fp32 elements) and `recv` (this rank's count) are
+        // contiguous CPU tensors, and `counts` one entry per rank; PendingAllReduce keeps
+        // all three alive until the request has completed.
+        unsafe {
+            mpi::ffi::MPI_Ireduce_scatter(
+                send.data_ptr() as *const std::ffi::c_void,
+                recv.data_ptr(),
+                counts.as_ptr(),
+                mpi::ffi::RSMPI_FLOAT,
+                mpi::ffi::RSMPI_SUM,
+                self.comm.as_raw(),
+                request.as_mut_ptr(),
+            );
+        }
+        Ok(PendingAllReduce {
+            // SAFETY: MPI_Ireduce_scatter has initialised the request.
+            requests: vec![unsafe { request.assume_init() }],
+            _send: send,
+            copy_back: (!on_host).then(|| (recv.shallow_clone(), own)),
+            _recv: recv,
+            _counts: counts,
             group: Arc::clone(&self.name),
         })
     }

@@ -407,10 +407,13 @@ impl<'w> Trainer<'w> {
             config.compute.bf16,
         )?
         .summing_over(tp_group.clone(), &chunks);
+        let grads = match config.optimizer.distributed {
+            true => grads.sharded(|members| plan.memory_shares(members)),
+            false => grads,
+        };
         let zero = config.optimizer.distributed.then(|| {
-            let shares = |members: &[usize]| plan.memory_shares(members);
             let adam = config.optimizer.adam;
-            DistributedOptimizer::new(adam, grads.layouts(), shares, rank, &fp32_values)
+            DistributedOptimizer::new(adam, grads.layouts(), rank, &fp32_values)
         });
         let sharded = zero
             .as_ref()
@@ -808,18 +811,28 @@ impl<'w> Trainer<'w> {
 
     /// The fp32 main gradients, each segment reduced over its holders (the tied
     /// embedding over every copy), with their global norm: every parameter once (the
-    /// tied copy on the last stage skipped), from replica 0's ranks and summed over the
-    /// world, so every replica clips by the very same factor (replicas of different
-    /// pipelines would sum their squares in different orders).
+    /// tied copy on the last stage skipped), from replica 0's ranks (the distributed
+    /// optimizer's from each holder's own shard) and summed over the world, so every
+    /// replica clips by the very same factor (replicas of different pipelines would sum
+    /// their squares in different orders).
     fn reduced_gradients(&mut self) -> Result<(BTreeMap<String, Tensor>, f64), TrainError> {
         self.grads.finish(&self.groups)?;
         let grads = self.grads.grads();
         let skip_tied = self.holds_tied_copy();
         let stage = &self.chunks[0];
-        let local: f64 = match self.replica {
+        // The distributed optimizer's parameters: each holder's own shard.
+        let (sharded, from_shards) = match &self.zero {
+            Some(zero) => (
+                zero.names(),
+                zero.grad_norm_squared(|n| stage.holds_unique(n)),
+            ),
+            None => Default::default(),
+        };
+        let replicated: f64 = match self.replica {
             0 => grads
                 .iter()
                 .filter(|(n, _)| !(skip_tied && n.as_str() == EMBEDDING))
+                .filter(|(n, _)| !sharded.contains(n.as_str()))
                 .filter(|(n, _)| stage.holds_unique(n))
                 .map(|(_, g)| {
                     let g = g.to_kind(Kind::Double);
@@ -828,6 +841,7 @@ impl<'w> Trainer<'w> {
                 .sum(),
             _ => 0.0,
         };
+        let local = from_shards + replicated;
         let mut norm_sq = Tensor::from_slice(&[local]);
         if self.world.size() > 1 {
             self.world.all_reduce_sum(&mut norm_sq)?;
