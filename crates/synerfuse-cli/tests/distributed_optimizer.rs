@@ -191,3 +191,58 @@ fn distributed_optimizer_checkpoints_resume_under_any_plan() {
         assert!(diff < 1e-5, "{name}: {resumed:?} vs {:?}", &full[3..]);
     }
 }
+
+/// Each rank's measured state (parameters, gradients, fp32 main gradients, optimizer
+/// state) is what the planner's memory model predicts for its stage, within 10 %, in
+/// fp32 and bf16; the activation high-water mark is reported once measured.
+#[test]
+fn measured_state_bytes_match_the_planner_memory_model() {
+    use synerfuse_parallel::cost::{ModelShape, STATE_BYTES_PER_PARAM};
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let data = dataset(d);
+    for (name, extra) in [("fp32", vec![]), ("bf16", vec!["--bf16"])] {
+        let mut flags = vec![
+            "--nproc",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--hetero-pipeline-stages",
+            "2",
+            "1",
+            "3",
+            "--micro-batch-size",
+            "2",
+        ];
+        flags.extend(extra);
+        let (_, params) = run(d, &data, name, &flags);
+        let embedding = &params["model.embed_tokens.weight"];
+        let shape = ModelShape {
+            num_layers: 4,
+            hidden_size: 32,
+            num_heads: 4,
+            num_kv_heads: 2,
+            ffn_hidden_size: 64,
+            vocab_size: embedding.size()[0] as usize,
+            seq_length: 32,
+            tied: true,
+        };
+        let records = json_records(&d.join(format!("{name}.jsonl")));
+        let ranks = records.last().unwrap()["ranks"].as_array().unwrap().clone();
+        for (rank, (layers, first, last)) in
+            [(1, true, false), (3, false, true)].into_iter().enumerate()
+        {
+            let predicted = shape.stage_params(layers, first, last) * STATE_BYTES_PER_PARAM;
+            let measured = ranks[rank]["state_bytes"].as_f64().unwrap();
+            let activations = ranks[rank]["activation_peak_bytes"].as_u64();
+            println!(
+                "{name} rank {rank}: state {measured} B measured, {predicted} B predicted; activations {activations:?} B"
+            );
+            assert!(
+                (measured / predicted - 1.0).abs() < 0.10,
+                "{name} rank {rank}"
+            );
+            assert!(activations.is_some_and(|a| a > 0), "{name} rank {rank}");
+        }
+    }
+}

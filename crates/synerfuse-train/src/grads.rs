@@ -413,6 +413,15 @@ impl MainGrads {
             .collect()
     }
 
+    /// Bytes of its fp32 buffers (and of the whole-tensor reductions' staging).
+    pub fn bytes(&self) -> u64 {
+        let buffers = self.chunks.iter().map(|c| &c.buffer);
+        let staging = (self.reductions.iter())
+            .filter_map(|r| r.staging.as_ref())
+            .map(|s| &s.buffer);
+        crate::memory::tensor_bytes(buffers.chain(staging))
+    }
+
     /// Every parameter's fp32 gradient by global name.
     pub fn grads(&self) -> BTreeMap<String, Tensor> {
         self.chunks

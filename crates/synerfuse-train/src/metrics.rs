@@ -17,6 +17,10 @@ pub struct RankTimes {
     /// Tokens of this rank's replica per second of the step (every stage of a replica
     /// processes the same tokens).
     pub tokens_per_s: f64,
+    /// Bytes of its parameters, gradients, fp32 main gradients and optimizer state.
+    pub state_bytes: u64,
+    /// Its activation high-water mark in bytes (see [`crate::memory`]), once measured.
+    pub activation_peak_bytes: Option<u64>,
 }
 
 /// One iteration's numbers, as the log line and the JSON log carry them.

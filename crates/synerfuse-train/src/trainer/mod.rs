@@ -12,6 +12,7 @@ use crate::comm::{GroupCommunicator, MpiCommunicator, PipelineLinks, SetGroups};
 use crate::emulation::Emulation;
 use crate::grads::{MainGrads, EMBEDDING};
 use crate::loader::{LoaderError, Prefetcher, ReplicaLoader, SplitDatasets};
+use crate::memory::{HighWater, MemoryProbe, MemoryReport};
 use crate::optim::{clip_factor, AdamW};
 use crate::pipeline::{PipelineEvent, PipelineRank, StepTimes};
 use crate::zero::DistributedOptimizer;
@@ -320,6 +321,12 @@ pub struct Trainer<'w> {
     optimizer: AdamW,
     /// The distributed optimizer's shards (`--use-distributed-optimizer`).
     zero: Option<DistributedOptimizer>,
+    /// This rank's memory, measured.
+    memory: MemoryReport,
+    /// Steps this process has run.
+    steps_run: u64,
+    /// Where this rank's memory in use is read.
+    memory_probe: Option<MemoryProbe>,
     /// fp32 main gradients, one buffer per chunk, and their reductions.
     grads: MainGrads,
     program: Vec<Instruction>,
@@ -421,9 +428,10 @@ impl<'w> Trainer<'w> {
             .unwrap_or_default();
         let optimizer = build_optimizer(&config, &mut chunks, &fp32_values, &sharded)?;
         drop(fp32_values);
+        let optimizer_bytes =
+            optimizer.state_bytes() + zero.as_ref().map_or(0, DistributedOptimizer::state_bytes);
         tracing::info!(
-            "optimizer state: {} bytes{}",
-            optimizer.state_bytes() + zero.as_ref().map_or(0, DistributedOptimizer::state_bytes),
+            "optimizer state: {optimizer_bytes} bytes{}",
             match &zero {
                 Some(z) => format!(
                     " ({} of them this rank's shards of the distributed optimizer)",
@@ -431,6 +439,25 @@ impl<'w> Trainer<'w> {
                 ),
                 None => String::new(),
             }
+        );
+        let tensors: Vec<Tensor> = (chunks.iter())
+            .flat_map(|c| c.var_store().variables().into_values())
+            .collect();
+        let parameters = crate::memory::tensor_bytes(&tensors);
+        let memory = MemoryReport {
+            parameters,
+            gradients: parameters,
+            main_gradients: grads.bytes(),
+            optimizer: optimizer_bytes,
+            activations_peak: None,
+        };
+        tracing::info!(
+            "memory: parameters {} B, their gradients {} B, fp32 main gradients {} B, optimizer state {} B: {} B of state",
+            memory.parameters,
+            memory.gradients,
+            memory.main_gradients,
+            memory.optimizer,
+            memory.state()
         );
         let num_stages = plan.replicas()[replica].stages.num_stages();
         let mut trainer = Trainer {
@@ -440,6 +467,9 @@ impl<'w> Trainer<'w> {
             chunks,
             optimizer,
             zero,
+            memory,
+            steps_run: 0,
+            memory_probe: MemoryProbe::for_device(device),
             grads,
             program,
             eval_program,
@@ -738,7 +768,20 @@ impl<'w> Trainer<'w> {
         times.communication += started.elapsed();
         self.optimizer.zero_grad();
         self.grads.begin_step(&self.program);
-        let (loss, pipeline_times) = self.run_pipeline(&micro_batches, loss_tokens)?;
+        let mut high_water = self.memory_probe.as_ref().and_then(HighWater::start);
+        let (loss, pipeline_times) =
+            self.run_pipeline(&micro_batches, loss_tokens, high_water.as_mut())?;
+        // This process's first step also allocates the gradients: its peak is not the
+        // activations'.
+        self.steps_run += 1;
+        if let Some(peak) = high_water.filter(|_| self.steps_run > 1) {
+            let before = self.memory.activations_peak;
+            let peak = before.unwrap_or(0).max(peak.above_base());
+            self.memory.activations_peak = Some(peak);
+            if before.is_none() {
+                tracing::info!("activation high-water mark: {peak} B above the step's start");
+            }
+        }
         times.compute += pipeline_times.compute;
         times.communication += pipeline_times.communication;
         times.waiting += pipeline_times.waiting;
@@ -767,6 +810,7 @@ impl<'w> Trainer<'w> {
             lr,
             grad_norm,
             times,
+            memory: self.memory,
         })
     }
 
@@ -776,6 +820,7 @@ impl<'w> Trainer<'w> {
         &mut self,
         micro_batches: &[crate::loader::MicroBatch],
         loss_tokens: f64,
+        mut high_water: Option<&mut HighWater>,
     ) -> Result<(crate::pipeline::StepLoss, StepTimes), TrainError> {
         let pipeline = PipelineRank {
             chunks: &self.chunks,
@@ -792,6 +837,9 @@ impl<'w> Trainer<'w> {
         let overlap = self.config.parallel.overlap_grad_reduce;
         let main_grads = &mut self.grads;
         let mut on_event = |event: PipelineEvent| -> Result<(), TrainError> {
+            if let Some(high_water) = high_water.as_deref_mut() {
+                high_water.sample();
+            }
             match event {
                 PipelineEvent::BackwardDone { chunk } => {
                     main_grads.after_backward(chunk, groups, overlap)?

@@ -4,6 +4,7 @@
 use super::eval::{EvalSplit, Evaluation};
 use super::TrainConfig;
 use crate::comm::MpiCommunicator;
+use crate::memory::MemoryReport;
 use crate::metrics::{IterationRecord, JsonLog, RankTimes, TensorBoardWriter};
 use crate::pipeline::StepTimes;
 use crate::TrainError;
@@ -23,6 +24,8 @@ pub(super) struct StepResult {
     pub grad_norm: f64,
     /// Where this rank's time went.
     pub times: StepTimes,
+    /// This rank's memory.
+    pub memory: MemoryReport,
 }
 
 /// One rank's row of the step's all-gather.
@@ -34,6 +37,9 @@ struct RankRow {
     elapsed_ms: f64,
     stop: bool,
     replica_tokens: f64,
+    state_bytes: f64,
+    /// Negative when not measured.
+    activation_peak_bytes: f64,
 }
 
 /// The step as every rank saw it.
@@ -70,6 +76,8 @@ impl StepOutcome {
             ms(elapsed),
             f64::from(u8::from(stop)),
             replica_tokens as f64,
+            step.memory.state() as f64,
+            step.memory.activations_peak.map_or(-1.0, |b| b as f64),
         ]);
         let all = world.all_gather(&mine)?;
         let rows: Vec<RankRow> = (0..world.size())
@@ -83,6 +91,8 @@ impl StepOutcome {
                     elapsed_ms: at(4),
                     stop: at(5) > 0.0,
                     replica_tokens: at(6),
+                    state_bytes: at(7),
+                    activation_peak_bytes: at(8),
                 }
             })
             .collect();
@@ -178,6 +188,9 @@ impl StepLog {
                     communication_ms: r.communication_ms,
                     idle_ms: (r.elapsed_ms - r.compute_ms - r.communication_ms).max(0.0),
                     tokens_per_s: r.replica_tokens / seconds,
+                    state_bytes: r.state_bytes as u64,
+                    activation_peak_bytes: (r.activation_peak_bytes >= 0.0)
+                        .then_some(r.activation_peak_bytes as u64),
                 })
                 .collect(),
         };

@@ -1,0 +1,128 @@
+//! What a rank's training occupies, measured: its parameters, gradients, fp32 main
+//! gradients and optimizer state as the runtime holds them (counted tensor by tensor),
+//! and the activation high-water mark of a step: the memory in use sampled between the
+//! pipeline's instructions, above what was in use when the step began. On a CPU rank
+//! that is the C allocator's bytes in use (glibc's `mallinfo2`, every arena and mmapped
+//! block), which libtorch's CPU tensors come from; on a CUDA rank the device's memory in
+//! use (`cuMemGetInfo`), which includes the blocks libtorch's caching allocator keeps
+//! reserved, so it bounds the activations from above (its own statistics are not
+//! reachable through tch).
+
+use std::sync::Arc;
+use synerfuse_model::tch::Device;
+
+/// A rank's memory, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct MemoryReport {
+    /// Its parameters (in their training dtype).
+    pub parameters: u64,
+    /// Their gradients, as libtorch allocates them (the parameters' dtype).
+    pub gradients: u64,
+    /// The fp32 main-gradient buffers (and staging of whole-tensor reductions).
+    pub main_gradients: u64,
+    /// Optimizer state: moments and fp32 masters (its shards only under the distributed
+    /// optimizer).
+    pub optimizer: u64,
+    /// The highest bytes in use above the step's start, over the steps after the first
+    /// (the first also allocates the gradients); `None` until measured or off glibc.
+    pub activations_peak: Option<u64>,
+}
+
+impl MemoryReport {
+    /// Parameters, gradients, main gradients and optimizer state together: what the
+    /// planner's memory model calls a stage's state.
+    pub fn state(&self) -> u64 {
+        self.parameters + self.gradients + self.main_gradients + self.optimizer
+    }
+}
+
+/// Bytes the C allocator has handed out and not taken back, where it can say (glibc).
+pub fn allocated_bytes() -> Option<u64> {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallinfo2 only reads the allocator's own statistics.
+        let info = unsafe { libc::mallinfo2() };
+        Some((info.uordblks + info.hblkhd) as u64)
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        None
+    }
+}
+
+/// Where a rank's memory in use is read.
+#[derive(Clone)]
+pub enum MemoryProbe {
+    /// The C allocator's bytes in use.
+    Host,
+    /// The device's memory in use, through its primary context (the one libtorch uses).
+    Cuda(Arc<cudarc::driver::CudaContext>),
+}
+
+impl MemoryProbe {
+    /// The probe of a rank on `device`; `None` where nothing can be read (no glibc, or
+    /// no CUDA driver).
+    pub fn for_device(device: Device) -> Option<Self> {
+        match device {
+            Device::Cuda(ordinal) => {
+                // SAFETY: only looks for the driver library (cudarc would panic on a
+                // call without it).
+                let driver = unsafe { cudarc::driver::sys::is_culib_present() };
+                let context = driver.then(|| cudarc::driver::CudaContext::new(ordinal).ok());
+                context.flatten().map(MemoryProbe::Cuda)
+            }
+            _ => allocated_bytes().map(|_| MemoryProbe::Host),
+        }
+    }
+
+    /// Bytes in use now.
+    pub fn in_use(&self) -> Option<u64> {
+        match self {
+            MemoryProbe::Host => allocated_bytes(),
+            MemoryProbe::Cuda(context) => {
+                context.bind_to_thread().ok()?;
+                let (free, total) = cudarc::driver::result::mem_get_info().ok()?;
+                Some(total.saturating_sub(free) as u64)
+            }
+        }
+    }
+}
+
+/// The high-water mark of a [`MemoryProbe`] above a baseline.
+#[derive(Clone)]
+pub struct HighWater {
+    probe: MemoryProbe,
+    base: u64,
+    peak: u64,
+}
+
+impl HighWater {
+    /// Starts at what `probe` reads now; `None` where it cannot read.
+    pub fn start(probe: &MemoryProbe) -> Option<Self> {
+        let base = probe.in_use()?;
+        Some(HighWater {
+            probe: probe.clone(),
+            base,
+            peak: base,
+        })
+    }
+
+    /// Takes a sample.
+    pub fn sample(&mut self) {
+        if let Some(now) = self.probe.in_use() {
+            self.peak = self.peak.max(now);
+        }
+    }
+
+    /// The highest sample above the baseline.
+    pub fn above_base(&self) -> u64 {
+        self.peak.saturating_sub(self.base)
+    }
+}
+
+/// Bytes of `tensors`' elements.
+pub fn tensor_bytes<'a>(tensors: impl IntoIterator<Item = &'a tch::Tensor>) -> u64 {
+    (tensors.into_iter())
+        .map(|t| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
+        .sum()
+}
