@@ -163,29 +163,7 @@ fn distributed_optimizer_checkpoints_resume_under_any_plan() {
         ("sharded-then-single", &zero[..], &single[..]),
         ("single-then-sharded", &single[..], &zero[..]),
     ] {
-        let save = d.join(name);
-        let mut args = common(d, &data, 6);
-        args.extend(strings(first));
-        args.extend(strings(&[
-            "--exit-interval",
-            "3",
-            "--save-interval",
-            "3",
-            "--save",
-        ]));
-        args.push(save.display().to_string());
-        ok(&synerfuse(&args), &format!("{name}: stopped at 3"));
-        let log = d.join(format!("{name}.jsonl"));
-        let mut args = common(d, &data, 6);
-        args.extend(strings(then));
-        args.extend([
-            "--load".into(),
-            save.display().to_string(),
-            "--log-json".into(),
-        ]);
-        args.push(log.display().to_string());
-        ok(&synerfuse(&args), &format!("{name}: resumed"));
-        let resumed = losses(&log);
+        let resumed = stop_and_resume(d, &data, name, first, then);
         let diff = max_rel_loss_diff(&full[3..], &resumed);
         println!("{name}: resumed losses within {diff:.2e}");
         assert!(diff < 1e-5, "{name}: {resumed:?} vs {:?}", &full[3..]);

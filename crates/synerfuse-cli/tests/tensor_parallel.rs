@@ -301,29 +301,7 @@ fn tensor_parallel_checkpoints_resume_under_another_split() {
             &shares_flags[..],
         ),
     ] {
-        let save = d.join(name.replace(' ', "-"));
-        let mut args = common(d, &data, 6);
-        args.extend(strings(first));
-        args.extend(strings(&[
-            "--exit-interval",
-            "3",
-            "--save-interval",
-            "3",
-            "--save",
-        ]));
-        args.push(save.display().to_string());
-        ok(&synerfuse(&args), &format!("{name}: stopped at 3"));
-        let log = d.join(format!("{}.jsonl", name.replace(' ', "-")));
-        let mut args = common(d, &data, 6);
-        args.extend(strings(then));
-        args.extend([
-            "--load".into(),
-            save.display().to_string(),
-            "--log-json".into(),
-        ]);
-        args.push(log.display().to_string());
-        ok(&synerfuse(&args), &format!("{name}: resumed"));
-        let resumed = losses(&log);
+        let resumed = stop_and_resume(d, &data, &name.replace(' ', "-"), first, then);
         let diff = max_rel_loss_diff(&full[3..], &resumed);
         assert!(diff < 1e-5, "{name}: {resumed:?} vs {:?}", &full[3..]);
     }

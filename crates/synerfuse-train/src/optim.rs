@@ -175,6 +175,35 @@ impl Default for AdamWConfig {
     }
 }
 
+impl AdamWConfig {
+    /// The bias corrections of step `step`: (1 − β1^step, 1 − β2^step).
+    pub(crate) fn bias_corrections(&self, step: u64) -> (f64, f64) {
+        let t = step as i32;
+        (1.0 - self.beta1.powi(t), 1.0 - self.beta2.powi(t))
+    }
+
+    /// torch's Adam moment update and bias-corrected step at `lr`, in place, from the
+    /// fp32 `grad` (decoupled weight decay is the caller's, applied to `value` first).
+    /// The replicated and the distributed optimizer both update through it, so their
+    /// parameters agree element for element.
+    pub(crate) fn adam_update(
+        &self,
+        value: &mut Tensor,
+        (exp_avg, exp_avg_sq): (&mut Tensor, &mut Tensor),
+        grad: &Tensor,
+        lr: f64,
+        (bias1, bias2): (f64, f64),
+    ) {
+        let _ = exp_avg.g_mul_scalar_(self.beta1);
+        let _ = exp_avg.g_add_(&(grad * (1.0 - self.beta1)));
+        let _ = exp_avg_sq.g_mul_scalar_(self.beta2);
+        let _ = exp_avg_sq.addcmul_(grad, &(grad * (1.0 - self.beta2)));
+        let denom = exp_avg_sq.sqrt() / bias2.sqrt() + self.eps;
+        let update = (&*exp_avg / denom) * (-lr / bias1);
+        let _ = value.g_add_(&update.to_kind(value.kind()));
+    }
+}
+
 struct ParamState {
     param: Tensor,
     /// fp32 master copy when the model computes in another dtype (`--bf16`).
@@ -305,29 +334,19 @@ impl AdamW {
     pub fn step_with_grads(&mut self, lr: f64, grads: &BTreeMap<String, Tensor>, grad_scale: f64) {
         self.step += 1;
         let c = self.config;
-        let t = self.step as i32;
-        let bias1 = 1.0 - c.beta1.powi(t);
-        let bias2 = 1.0 - c.beta2.powi(t);
+        let biases = c.bias_corrections(self.step);
         tch::no_grad(|| {
             for (name, s) in self.params.iter_mut() {
                 let Some(grad) = grads.get(name) else {
                     continue;
                 };
-                let mut grad = grad.to_kind(Kind::Float);
-                if grad_scale != 1.0 {
-                    grad = &grad * grad_scale;
-                }
+                let grad = scaled(&grad.to_kind(Kind::Float), grad_scale);
                 let mut value = s.value().shallow_clone();
                 if s.decay && c.weight_decay != 0.0 {
                     let _ = value.g_mul_scalar_(1.0 - lr * c.weight_decay);
                 }
-                let _ = s.exp_avg.g_mul_scalar_(c.beta1);
-                let _ = s.exp_avg.g_add_(&(&grad * (1.0 - c.beta1)));
-                let _ = s.exp_avg_sq.g_mul_scalar_(c.beta2);
-                let _ = s.exp_avg_sq.addcmul_(&grad, &(&grad * (1.0 - c.beta2)));
-                let denom = s.exp_avg_sq.sqrt() / bias2.sqrt() + c.eps;
-                let update = (&s.exp_avg / denom) * (-lr / bias1);
-                let _ = value.g_add_(&update.to_kind(value.kind()));
+                let moments = (&mut s.exp_avg, &mut s.exp_avg_sq);
+                c.adam_update(&mut value, moments, &grad, lr, biases);
                 if s.master.is_some() {
                     s.param.copy_(&value);
                 }
@@ -407,6 +426,14 @@ impl AdamW {
     /// Sets the step count (bias correction) when resuming.
     pub fn set_steps(&mut self, steps: u64) {
         self.step = steps;
+    }
+}
+
+/// `grad` times the clipping factor `scale` (itself when 1).
+pub(crate) fn scaled(grad: &Tensor, scale: f64) -> Tensor {
+    match scale == 1.0 {
+        true => grad.shallow_clone(),
+        false => grad * scale,
     }
 }
 

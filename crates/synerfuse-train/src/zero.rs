@@ -12,7 +12,7 @@
 
 use crate::comm::{CommError, SetGroups};
 use crate::grads::ReductionLayout;
-use crate::optim::AdamWConfig;
+use crate::optim::{scaled, AdamWConfig};
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use synerfuse_model::tch::{self, Kind, Tensor};
@@ -169,15 +169,12 @@ impl DistributedOptimizer {
     pub fn step(&mut self, lr: f64, grad_scale: f64, groups: &SetGroups) -> Result<(), CommError> {
         self.step += 1;
         let c = self.config;
-        let t = self.step as i32;
-        let (bias1, bias2) = (1.0 - c.beta1.powi(t), 1.0 - c.beta2.powi(t));
+        let biases = c.bias_corrections(self.step);
         for r in &mut self.reductions {
             let own = r.own();
             tch::no_grad(|| {
-                let mut grad = r.grads.narrow(0, own.start, own.end - own.start);
-                if grad_scale != 1.0 {
-                    grad = &grad * grad_scale;
-                }
+                let grad = r.grads.narrow(0, own.start, own.end - own.start);
+                let grad = scaled(&grad, grad_scale);
                 if c.weight_decay != 0.0 {
                     for (i, in_shard, _) in r.segments() {
                         if r.params[i].1.dim() > 1 {
@@ -187,13 +184,8 @@ impl DistributedOptimizer {
                         }
                     }
                 }
-                let _ = r.exp_avg.g_mul_scalar_(c.beta1);
-                let _ = r.exp_avg.g_add_(&(&grad * (1.0 - c.beta1)));
-                let _ = r.exp_avg_sq.g_mul_scalar_(c.beta2);
-                let _ = r.exp_avg_sq.addcmul_(&grad, &(&grad * (1.0 - c.beta2)));
-                let denom = r.exp_avg_sq.sqrt() / bias2.sqrt() + c.eps;
-                let update = (&r.exp_avg / denom) * (-lr / bias1);
-                let _ = r.master.g_add_(&update);
+                let moments = (&mut r.exp_avg, &mut r.exp_avg_sq);
+                c.adam_update(&mut r.master, moments, &grad, lr, biases);
             });
             let values = gather(r, &r.master, groups)?;
             tch::no_grad(|| {

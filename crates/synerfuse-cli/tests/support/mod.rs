@@ -287,6 +287,40 @@ pub fn run_args(dir: &Path, name: &str, mut args: Vec<String>) -> Outcome {
     (losses(&log), parameters(&save))
 }
 
+/// Trains `common`'s 6 iterations with `first`'s flags, stopping (and saving) at
+/// iteration 3, then resumes with `then`'s flags; returns the resumed iterations' losses.
+pub fn stop_and_resume(
+    dir: &Path,
+    data: &Path,
+    name: &str,
+    first: &[&str],
+    then: &[&str],
+) -> Vec<f64> {
+    let save = dir.join(name);
+    let mut args = common(dir, data, 6);
+    args.extend(strings(first));
+    args.extend(strings(&[
+        "--exit-interval",
+        "3",
+        "--save-interval",
+        "3",
+        "--save",
+    ]));
+    args.push(save.display().to_string());
+    ok(&synerfuse(&args), &format!("{name}: stopped at 3"));
+    let log = dir.join(format!("{name}.jsonl"));
+    let mut args = common(dir, data, 6);
+    args.extend(strings(then));
+    args.extend([
+        "--load".into(),
+        save.display().to_string(),
+        "--log-json".into(),
+    ]);
+    args.push(log.display().to_string());
+    ok(&synerfuse(&args), &format!("{name}: resumed"));
+    losses(&log)
+}
+
 /// A plan file `name.toml` in `dir` holding `text`; returns its path.
 pub fn plan_file(dir: &Path, name: &str, text: &str) -> String {
     let path = dir.join(format!("{name}.toml"));
