@@ -819,8 +819,8 @@ fn train_rank(args: &TrainArgs, world: &MpiCommunicator) -> Result<()> {
     }
     let gbs = plan.batches().global_batch_size() as u64;
     let sample_options = args.sample_options(tokenizer.as_ref())?;
-    let mock_max = i64::from(MockDocuments::MAX_SEQUENCE_LENGTH - 1).max(sample_options.eod);
-    if args.mock_data && model.vocab_size as i64 <= mock_max {
+    let mock_max = (args.mock_data).then(|| MockDocuments::new(sample_options.eod).max_token());
+    if let Some(mock_max) = mock_max.filter(|&m| model.vocab_size as i64 <= m) {
         bail!(
             "--mock-data: Megatron's mock documents hold token ids up to {mock_max}, beyond the model's vocabulary of {} (a tokenizer with a larger vocabulary, e.g. NullTokenizer --vocab-size 4096)",
             model.vocab_size

@@ -33,16 +33,17 @@ pub(crate) fn byte_size(text: &str) -> Result<u64, String> {
     let t = text.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (digits, unit) = t.split_at(split);
-    let scale: u64 = match unit.trim() {
+    // transformers' convert_file_size_to_int upper-cases the unit.
+    let scale: u64 = match unit.trim().to_ascii_uppercase().as_str() {
         "" | "B" => 1,
         "KB" => 1_000,
         "MB" => 1_000_000,
         "GB" => 1_000_000_000,
         "TB" => 1_000_000_000_000,
-        "KiB" => 1 << 10,
-        "MiB" => 1 << 20,
-        "GiB" => 1 << 30,
-        "TiB" => 1 << 40,
+        "KIB" => 1 << 10,
+        "MIB" => 1 << 20,
+        "GIB" => 1 << 30,
+        "TIB" => 1 << 40,
         _ => {
             return Err(format!(
                 "`{text}`: use bytes, or KB, MB, GB, TB, KiB, MiB, GiB, TiB"
@@ -136,6 +137,7 @@ mod tests {
         assert!(positive_minutes("0").is_err());
         assert_eq!(byte_size("5GB"), Ok(5_000_000_000));
         assert_eq!(byte_size("2MiB"), Ok(2 << 20));
+        assert_eq!(byte_size("5gb"), Ok(5_000_000_000));
         assert_eq!(byte_size("100"), Ok(100));
         assert!(byte_size("0KB").is_err());
         assert!(byte_size("5 GBs").is_err());

@@ -73,8 +73,10 @@ impl From<DeviceRequest> for String {
 /// What a rank computes on.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RankPlacement {
-    /// The runtime device.
-    pub device: DeviceRequest,
+    /// The runtime device; `None` (a plan file that names memory or speeds but no
+    /// devices) leaves it to the job's `--device`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<DeviceRequest>,
     /// Emulated speed relative to the device's own (1.0 = as is; 0.5 = half as fast). A
     /// test and benchmark device for clusters without heterogeneity.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -639,11 +641,11 @@ mod tests {
         let mut plan = hetero_plan();
         plan.ranks = (0..8)
             .map(|r| RankPlacement {
-                device: if r < 4 {
+                device: Some(if r < 4 {
                     DeviceRequest::Cuda(None)
                 } else {
                     DeviceRequest::Cpu
-                },
+                }),
                 speed: (r >= 4).then_some(0.5),
                 kind: (r < 4).then(|| "a100-80g".into()),
                 memory_gb: (r < 4).then_some(80.0),

@@ -812,11 +812,11 @@ pub fn to_parallel_plan(
         let dev = &devices[candidate.devices[c.pp][c.dp]];
         let accelerator = dev.spec.is_some_and(|s| s.accelerator);
         ranks.push(RankPlacement {
-            device: if accelerator {
+            device: Some(if accelerator {
                 DeviceRequest::Cuda(None)
             } else {
                 DeviceRequest::Cpu
-            },
+            }),
             speed: dev.emulated.then_some(dev.speed),
             kind: Some(dev.kind.clone()),
             memory_gb: dev.spec.map(|s| s.memory_gb),

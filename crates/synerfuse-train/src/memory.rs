@@ -1,12 +1,15 @@
 //! What a rank's training occupies, measured: its parameters, gradients, fp32 main
 //! gradients and optimizer state as the runtime holds them (counted tensor by tensor),
 //! and the activation high-water mark of a step: the memory in use sampled between the
-//! pipeline's instructions, above what was in use when the step began. On a CPU rank
-//! that is the C allocator's bytes in use (glibc's `mallinfo2`, every arena and mmapped
-//! block), which libtorch's CPU tensors come from; on a CUDA rank the device's memory in
-//! use (`cuMemGetInfo`), which includes the blocks libtorch's caching allocator keeps
-//! reserved, so it bounds the activations from above (its own statistics are not
-//! reachable through tch).
+//! pipeline's instructions, above the rank's state. On a CPU rank that is the C
+//! allocator's bytes in use (glibc's `mallinfo2`, every arena and mmapped block), which
+//! libtorch's CPU tensors come from, above what was in use when the step began. On a
+//! CUDA rank it is the device's memory in use (`cuMemGetInfo`) above what was in use
+//! once the state was built (plus the gradients the first step allocates): libtorch's
+//! caching allocator keeps the blocks of a step reserved for the next, so a per-step
+//! baseline would read zero after the first; the figure includes what the cache holds
+//! beyond the live activations, so it bounds them from above (the allocator's own
+//! statistics are not reachable through tch).
 
 use std::sync::Arc;
 use synerfuse_model::tch::Device;
@@ -36,12 +39,23 @@ impl MemoryReport {
     }
 }
 
-/// Bytes the C allocator has handed out and not taken back, where it can say (glibc).
+/// Bytes the C allocator has handed out and not taken back, where it can say (glibc
+/// 2.33 and later: `mallinfo2`, looked up at run time so that the binaries still load on
+/// older systems, where this is `None`).
 pub fn allocated_bytes() -> Option<u64> {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
+        type MallInfo2 = unsafe extern "C" fn() -> libc::mallinfo2;
+        static MALLINFO2: std::sync::OnceLock<Option<MallInfo2>> = std::sync::OnceLock::new();
+        let mallinfo2 = MALLINFO2.get_or_init(|| {
+            // SAFETY: a symbol lookup; the symbol, where present, is glibc's mallinfo2
+            // with this signature.
+            let symbol = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"mallinfo2".as_ptr()) };
+            (!symbol.is_null())
+                .then(|| unsafe { std::mem::transmute::<*mut libc::c_void, MallInfo2>(symbol) })
+        });
         // SAFETY: mallinfo2 only reads the allocator's own statistics.
-        let info = unsafe { libc::mallinfo2() };
+        let info = unsafe { (*mallinfo2)?() };
         Some((info.uordblks + info.hblkhd) as u64)
     }
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
@@ -55,21 +69,34 @@ pub fn allocated_bytes() -> Option<u64> {
 pub enum MemoryProbe {
     /// The C allocator's bytes in use.
     Host,
-    /// The device's memory in use, through its primary context (the one libtorch uses).
-    Cuda(Arc<cudarc::driver::CudaContext>),
+    /// The device's memory in use, through its primary context (the one libtorch uses),
+    /// and the bytes in use once the rank's state is allocated: the fixed baseline of
+    /// every step.
+    Cuda {
+        /// The device's primary context.
+        context: Arc<cudarc::driver::CudaContext>,
+        /// Bytes in use with the state allocated.
+        state_base: u64,
+    },
 }
 
 impl MemoryProbe {
-    /// The probe of a rank on `device`; `None` where nothing can be read (no glibc, or
-    /// no CUDA driver).
-    pub fn for_device(device: Device) -> Option<Self> {
+    /// The probe of a rank on `device`, made once its state is allocated but for
+    /// `pending` bytes (the gradients its first backward allocates); `None` where
+    /// nothing can be read (no glibc, or no CUDA driver).
+    pub fn for_device(device: Device, pending: u64) -> Option<Self> {
         match device {
             Device::Cuda(ordinal) => {
                 // SAFETY: only looks for the driver library (cudarc would panic on a
                 // call without it).
                 let driver = unsafe { cudarc::driver::sys::is_culib_present() };
                 let context = driver.then(|| cudarc::driver::CudaContext::new(ordinal).ok());
-                context.flatten().map(MemoryProbe::Cuda)
+                let context = context.flatten()?;
+                let in_use = cuda_in_use(&context)?;
+                Some(MemoryProbe::Cuda {
+                    context,
+                    state_base: in_use + pending,
+                })
             }
             _ => allocated_bytes().map(|_| MemoryProbe::Host),
         }
@@ -79,13 +106,25 @@ impl MemoryProbe {
     pub fn in_use(&self) -> Option<u64> {
         match self {
             MemoryProbe::Host => allocated_bytes(),
-            MemoryProbe::Cuda(context) => {
-                context.bind_to_thread().ok()?;
-                let (free, total) = cudarc::driver::result::mem_get_info().ok()?;
-                Some(total.saturating_sub(free) as u64)
-            }
+            MemoryProbe::Cuda { context, .. } => cuda_in_use(context),
         }
     }
+
+    /// What a step's high-water mark is measured above: the bytes in use when the step
+    /// begins on the host, the state's on a device.
+    fn step_base(&self) -> Option<u64> {
+        match self {
+            MemoryProbe::Host => allocated_bytes(),
+            MemoryProbe::Cuda { state_base, .. } => Some(*state_base),
+        }
+    }
+}
+
+/// The device memory in use, all processes' (the rank's device is its own).
+fn cuda_in_use(context: &cudarc::driver::CudaContext) -> Option<u64> {
+    context.bind_to_thread().ok()?;
+    let (free, total) = cudarc::driver::result::mem_get_info().ok()?;
+    Some(total.saturating_sub(free) as u64)
 }
 
 /// The high-water mark of a [`MemoryProbe`] above a baseline.
@@ -97,9 +136,9 @@ pub struct HighWater {
 }
 
 impl HighWater {
-    /// Starts at what `probe` reads now; `None` where it cannot read.
+    /// Starts at the probe's baseline for a step; `None` where it cannot read.
     pub fn start(probe: &MemoryProbe) -> Option<Self> {
-        let base = probe.in_use()?;
+        let base = probe.step_base()?;
         Some(HighWater {
             probe: probe.clone(),
             base,

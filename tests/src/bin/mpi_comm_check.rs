@@ -45,6 +45,7 @@ fn check_all(world: &MpiCommunicator) -> Result<(), String> {
     broadcast_copies_root(world)?;
     send_recv_pair(world)?;
     gather_and_reduce_scatter(world)?;
+    collectives_in_rounds(world)?;
     process_groups(world)?;
     simultaneous_isends(world)?;
     Ok(())
@@ -77,6 +78,48 @@ fn gather_and_reduce_scatter(world: &MpiCommunicator) -> Result<(), String> {
         return Err(
             "reduce_scatter_sum accepted a leading dimension not divisible by the group".into(),
         );
+    }
+    Ok(())
+}
+
+/// The distributed optimizer's reduce-scatter (uneven pieces) and all-gather give the
+/// same result in one call and in rounds of a few elements (as tensors past MPI's `int`
+/// counts are sent).
+fn collectives_in_rounds(world: &MpiCommunicator) -> Result<(), String> {
+    let (rank, n) = (world.rank(), world.size());
+    let counts: Vec<usize> = (0..n).map(|r| 3 * r + 2).collect();
+    let numel: usize = counts.iter().sum();
+    let start: usize = counts[..rank].iter().sum();
+    let mine = Tensor::arange(numel as i64, (Kind::Float, Device::Cpu)) * (rank + 1) as f64;
+    let total = Tensor::arange(numel as i64, (Kind::Float, Device::Cpu)) * (n * (n + 1) / 2) as f64;
+    let want = total.narrow(0, start as i64, counts[rank] as i64);
+    for max_per_call in [1 << 30, 7, 1] {
+        let tensor = mine.copy();
+        let pending = world
+            .start_reduce_scatter_sum_in_rounds(&tensor, &counts, max_per_call)
+            .map_err(|e| e.to_string())?;
+        pending.wait();
+        let got = tensor.narrow(0, start as i64, counts[rank] as i64);
+        if max_abs_diff(&got, &want) > 0.0 {
+            return Err(format!(
+                "reduce-scatter in rounds of {max_per_call} gave {got:?}"
+            ));
+        }
+        let gathered = world
+            .all_gather_in_rounds(&mine.view([-1, 1]), max_per_call)
+            .map_err(|e| e.to_string())?;
+        let stacked = Tensor::stack(
+            &(0..n)
+                .map(|r| Tensor::arange(numel as i64, (Kind::Float, Device::Cpu)) * (r + 1) as f64)
+                .collect::<Vec<_>>(),
+            0,
+        )
+        .view([n as i64, -1, 1]);
+        if max_abs_diff(&gathered, &stacked) > 0.0 {
+            return Err(format!(
+                "all_gather in rounds of {max_per_call} gave {gathered:?}"
+            ));
+        }
     }
     Ok(())
 }

@@ -87,6 +87,12 @@ impl MockDocuments {
             .collect();
         MockDocuments { lengths, eod }
     }
+
+    /// The largest token id the documents hold: a model's vocabulary must exceed it.
+    pub fn max_token(&self) -> i64 {
+        let longest = self.lengths.iter().copied().max().unwrap_or(0);
+        i64::from(longest - 1).max(self.eod)
+    }
 }
 
 impl DocumentSource for MockDocuments {
@@ -256,6 +262,17 @@ fn seed_sequence_state(entropy: u32, words: usize) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn max_token_is_the_largest_id_held() {
+        let docs = MockDocuments::new(3);
+        let longest = (0..docs.sequence_count())
+            .max_by_key(|&i| docs.lengths[i])
+            .unwrap();
+        let held = docs.get_i64(longest, 0, None).unwrap();
+        assert_eq!(docs.max_token(), *held.iter().max().unwrap());
+        assert_eq!(MockDocuments::new(50_000).max_token(), 50_000);
+    }
 
     /// Vectors from numpy 2.4: `SeedSequence(0).generate_state(8)`,
     /// `default_rng(0).integers(1, 4096, size=100000, dtype=np.int32)` (head, tail and

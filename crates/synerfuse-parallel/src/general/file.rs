@@ -3,7 +3,7 @@
 //! grid plans older checkpoints stored).
 
 use super::{GeneralPlan, GeneralPlanError, ReplicaPipeline};
-use crate::{DeviceRequest, ParallelPlan, RankPlacement, ReplicaBatch, StageLayout};
+use crate::{ParallelPlan, RankPlacement, ReplicaBatch, StageLayout};
 use serde::{Deserialize, Serialize};
 
 /// A replica's layers: one count per stage (`[4, 2]`), or per chunk and stage for an
@@ -259,7 +259,12 @@ fn replica_file(r: &ReplicaPipeline, sequential: bool) -> ReplicaFile {
             false => Vec::new(),
         },
         ranks: (!sequential).then(|| r.all_ranks().collect()),
-        devices: p.iter().map(|p| p.device.to_string()).collect(),
+        devices: match p.iter().all(|p| p.device.is_some()) {
+            true => (p.iter().flat_map(|p| p.device))
+                .map(|d| d.to_string())
+                .collect(),
+            false => Vec::new(),
+        },
         speeds,
         emulated,
         kinds,
@@ -333,10 +338,11 @@ fn placements(
     (0..ranks)
         .map(|s| {
             let device = match devices.get(s) {
-                Some(name) => name
-                    .parse()
-                    .map_err(|source| GeneralPlanError::Device { replica, source })?,
-                None => DeviceRequest::Auto,
+                Some(name) => Some(
+                    name.parse()
+                        .map_err(|source| GeneralPlanError::Device { replica, source })?,
+                ),
+                None => None,
             };
             let speed = speeds
                 .get(s)

@@ -860,6 +860,9 @@ kinds = ["cpu"]
                     [[replica]]\nlayers = [1, 3]\nmicro_batch_size = 1\nnum_micro_batches = 1\nmemory_gb = [16, 24.5]\n";
         let plan = GeneralPlan::from_toml(text, None).unwrap();
         assert_eq!(plan.memory_shares(&[0, 1, 2]), [800, 160, 245]);
+        // Memory alone names no device: the job's --device stays in force.
+        assert_eq!(plan.placement(1).unwrap().device, None);
+        assert!(!plan.to_toml().unwrap().contains("devices"));
         assert_eq!(
             GeneralPlan::from_toml(&plan.to_toml().unwrap(), None).unwrap(),
             plan

@@ -109,6 +109,23 @@ impl Drop for PendingSend {
     }
 }
 
+/// Rounds of a reduce-scatter whose pieces have `counts` elements, each round at most
+/// `max_per_call` elements in all: per round, per rank, (offset in its piece, count).
+/// Each piece is cut in `rounds` nearly equal parts, so a round carries at most
+/// `⌈count/rounds⌉` of each piece.
+fn scatter_rounds(counts: &[usize], max_per_call: usize) -> Vec<Vec<(usize, usize)>> {
+    let numel: usize = counts.iter().sum();
+    let room = max_per_call.saturating_sub(counts.len()).max(1);
+    let rounds = numel.div_ceil(room).max(1);
+    (0..rounds)
+        .map(|k| {
+            (counts.iter())
+                .map(|&c| (k * c / rounds, (k + 1) * c / rounds - k * c / rounds))
+                .collect()
+        })
+        .collect()
+}
+
 /// A sum-all-reduce in flight, from [`MpiCommunicator::start_all_reduce_sum`].
 pub struct PendingAllReduce {
     requests: Vec<mpi::ffi::MPI_Request>,
@@ -465,6 +482,20 @@ impl MpiCommunicator {
         tensor: &Tensor,
         counts: &[usize],
     ) -> Result<PendingAllReduce, CommError> {
+        self.start_reduce_scatter_sum_in_rounds(tensor, counts, MAX_ELEMENTS_PER_CALL)
+    }
+
+    /// [`Self::start_reduce_scatter_sum`] in rounds of at most `max_per_call` elements
+    /// (MPI counts are `int`): round `k` reduces the `k`-th part of every rank's piece, so
+    /// each round's send buffer is those parts laid end to end and its receive buffer a
+    /// contiguous part of this rank's piece. Public for the tests of the rounds.
+    #[doc(hidden)]
+    pub fn start_reduce_scatter_sum_in_rounds(
+        &self,
+        tensor: &Tensor,
+        counts: &[usize],
+        max_per_call: usize,
+    ) -> Result<PendingAllReduce, CommError> {
         use mpi::raw::AsRaw;
         let numel = tensor.numel();
         if tensor.kind() != Kind::Float {
@@ -482,17 +513,19 @@ impl MpiCommunicator {
                 elements: numel,
             });
         }
-        if numel > MAX_ELEMENTS_PER_CALL {
-            return Err(CommError::TooLarge {
-                rank: self.rank,
-                op: "start_reduce_scatter_sum",
-                elements: numel,
-            });
-        }
-        let start: usize = counts[..self.rank].iter().sum();
-        let own = tensor.narrow(0, start as i64, counts[self.rank] as i64);
+        let rounds = scatter_rounds(counts, max_per_call);
+        let starts: Vec<usize> = (counts.iter())
+            .scan(0, |at, &c| Some(std::mem::replace(at, *at + c)))
+            .collect();
+        let own = tensor.narrow(0, starts[self.rank] as i64, counts[self.rank] as i64);
         let on_host = tensor.device() == Device::Cpu && own.is_contiguous();
-        let send = tch::no_grad(|| tensor.detach().to_device(Device::Cpu).contiguous().copy());
+        let host = tch::no_grad(|| tensor.detach().to_device(Device::Cpu));
+        // Every round's parts, round after round: one buffer MPI reads from.
+        let parts: Vec<Tensor> = (rounds.iter())
+            .flat_map(|round| round.iter().zip(&starts))
+            .map(|(&(offset, count), &start)| host.narrow(0, (start + offset) as i64, count as i64))
+            .collect();
+        let send = tch::no_grad(|| Tensor::cat(&parts, 0).contiguous());
         let recv = match on_host {
             true => own.shallow_clone(),
             false => {
@@ -504,29 +537,36 @@ impl MpiCommunicator {
                 }
             }
         };
-        let counts: Vec<i32> = counts.iter().map(|&c| c as i32).collect();
-        let mut request = std::mem::MaybeUninit::uninit();
-        // SAFETY: `send` (`numel` fp32 elements) and `recv` (this rank's count) are
-        // contiguous CPU tensors, and `counts` one entry per rank; PendingAllReduce keeps
-        // all three alive until the request has completed.
-        unsafe {
-            mpi::ffi::MPI_Ireduce_scatter(
-                send.data_ptr() as *const std::ffi::c_void,
-                recv.data_ptr(),
-                counts.as_ptr(),
-                mpi::ffi::RSMPI_FLOAT,
-                mpi::ffi::RSMPI_SUM,
-                self.comm.as_raw(),
-                request.as_mut_ptr(),
-            );
+        let round_counts: Vec<i32> = (rounds.iter().flatten()).map(|&(_, c)| c as i32).collect();
+        let mut requests = Vec::with_capacity(rounds.len());
+        let mut sent = 0;
+        for (k, round) in rounds.iter().enumerate() {
+            let offset = round[self.rank].0;
+            let mut request = std::mem::MaybeUninit::uninit();
+            // SAFETY: `send` holds every round's parts (this round's at `sent`), `recv`
+            // this rank's piece (this round's part at `offset`), and `round_counts` one
+            // entry per rank per round; PendingAllReduce keeps the three alive until the
+            // requests have completed.
+            unsafe {
+                mpi::ffi::MPI_Ireduce_scatter(
+                    (send.data_ptr() as *const f32).add(sent) as *const std::ffi::c_void,
+                    (recv.data_ptr() as *mut f32).add(offset) as *mut std::ffi::c_void,
+                    round_counts.as_ptr().add(k * self.size),
+                    mpi::ffi::RSMPI_FLOAT,
+                    mpi::ffi::RSMPI_SUM,
+                    self.comm.as_raw(),
+                    request.as_mut_ptr(),
+                );
+                requests.push(request.assume_init());
+            }
+            sent += round.iter().map(|&(_, c)| c).sum::<usize>();
         }
         Ok(PendingAllReduce {
-            // SAFETY: MPI_Ireduce_scatter has initialised the request.
-            requests: vec![unsafe { request.assume_init() }],
+            requests,
             _send: send,
             copy_back: (!on_host).then(|| (recv.shallow_clone(), own)),
             _recv: recv,
-            _counts: counts,
+            _counts: round_counts,
             group: Arc::clone(&self.name),
         })
     }
@@ -563,6 +603,18 @@ impl MpiCommunicator {
     /// Every rank's `tensor` (same shape and dtype everywhere) concatenated along a new
     /// leading dimension in rank order: `[size, ...shape]`, on `tensor`'s device.
     pub fn all_gather(&self, tensor: &Tensor) -> Result<Tensor, CommError> {
+        self.all_gather_in_rounds(tensor, MAX_ELEMENTS_PER_CALL)
+    }
+
+    /// [`Self::all_gather`] in rounds of at most `max_per_call` elements received (MPI
+    /// counts are `int`): round `k` gathers the `k`-th part of every rank's tensor.
+    /// Public for the tests of the rounds.
+    #[doc(hidden)]
+    pub fn all_gather_in_rounds(
+        &self,
+        tensor: &Tensor,
+        max_per_call: usize,
+    ) -> Result<Tensor, CommError> {
         use mpi::collective::CommunicatorCollectives;
         let mut source = tensor.shallow_clone();
         let staging = HostStaging::new(&mut source, tensor.kind());
@@ -570,21 +622,25 @@ impl MpiCommunicator {
         shape.extend(tensor.size());
         let out = Tensor::empty(shape.as_slice(), (tensor.kind(), Device::Cpu));
         let numel = staging.host.numel();
-        if numel * self.size > MAX_ELEMENTS_PER_CALL {
-            return Err(CommError::TooLarge {
-                rank: self.rank,
-                op: "all_gather",
-                elements: numel * self.size,
-            });
-        }
+        let per_round = (max_per_call / self.size).max(1);
+        let flat_out = out.view([self.size as i64, numel as i64]);
         let _wait = waiting("all_gather", &self.name, None);
         with_element_type!(tensor.kind(), self.rank, "all_gather", T => {
-            if numel > 0 {
-                // SAFETY: both are contiguous CPU tensors of `T`-sized elements.
-                let send = unsafe { std::slice::from_raw_parts(staging.host.data_ptr() as *const T, numel) };
-                // SAFETY: `out` holds `numel * size` elements of `T`'s size.
-                let recv = unsafe { std::slice::from_raw_parts_mut(out.data_ptr() as *mut T, numel * self.size) };
-                self.comm.all_gather_into(send, recv);
+            // SAFETY: a contiguous CPU tensor of `numel` `T`-sized elements.
+            let send = unsafe { std::slice::from_raw_parts(staging.host.data_ptr() as *const T, numel) };
+            for (k, part) in send.chunks(per_round).enumerate() {
+                // One round gathers straight into `out`.
+                let round = match part.len() == numel {
+                    true => flat_out.shallow_clone(),
+                    false => Tensor::empty([self.size as i64, part.len() as i64], (tensor.kind(), Device::Cpu)),
+                };
+                // SAFETY: `round` holds `part.len() * size` elements of `T`'s size.
+                let recv = unsafe { std::slice::from_raw_parts_mut(round.data_ptr() as *mut T, part.len() * self.size) };
+                self.comm.all_gather_into(part, recv);
+                if part.len() != numel {
+                    let at = (k * per_round) as i64;
+                    tch::no_grad(|| flat_out.narrow(1, at, part.len() as i64).copy_(&round));
+                }
             }
         });
         Ok(out.to_device(tensor.device()))

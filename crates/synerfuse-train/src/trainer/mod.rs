@@ -56,7 +56,8 @@ pub struct TrainSummary {
 fn rank_device(config: &TrainConfig, rank: usize, local_rank: usize) -> Result<Device, TrainError> {
     let placement = config.parallel.plan.placement(rank);
     placement
-        .map_or(config.compute.device, |p| p.device)
+        .and_then(|p| p.device)
+        .unwrap_or(config.compute.device)
         .resolve_for_local_rank(local_rank)
         .map_err(|source| TrainError::Device { rank, source })
 }
@@ -77,9 +78,9 @@ fn warn_if_emulation_oversubscribes(config: &TrainConfig, world_size: usize) {
     if local_size != world_size {
         return; // several nodes: each node's share is not known here
     }
-    let on_cpu = |r: usize| match config.parallel.plan.placement(r) {
-        Some(p) => p.device == DeviceRequest::Cpu,
-        None => config.compute.device == DeviceRequest::Cpu,
+    let on_cpu = |r: usize| {
+        let placed = config.parallel.plan.placement(r).and_then(|p| p.device);
+        placed.unwrap_or(config.compute.device) == DeviceRequest::Cpu
     };
     let cpu_speed: f64 = (0..world_size)
         .filter(|&r| on_cpu(r))
@@ -469,7 +470,7 @@ impl<'w> Trainer<'w> {
             zero,
             memory,
             steps_run: 0,
-            memory_probe: MemoryProbe::for_device(device),
+            memory_probe: MemoryProbe::for_device(device, memory.gradients),
             grads,
             program,
             eval_program,
@@ -779,7 +780,7 @@ impl<'w> Trainer<'w> {
             let peak = before.unwrap_or(0).max(peak.above_base());
             self.memory.activations_peak = Some(peak);
             if before.is_none() {
-                tracing::info!("activation high-water mark: {peak} B above the step's start");
+                tracing::info!("activation high-water mark: {peak} B above the state");
             }
         }
         times.compute += pipeline_times.compute;
