@@ -10,7 +10,7 @@ use synerfuse_model::tch::{self, Device};
 use synerfuse_model::{DeviceRequest, LlamaConfig, MegatronModelArgs, ResolveDevice};
 use synerfuse_parallel::cluster::ClusterSpec;
 use synerfuse_parallel::cost::{CostModel, ModelShape, Profile};
-use synerfuse_parallel::planner::{self, Candidate, PlanRequest};
+use synerfuse_parallel::planner::{self, BehindBy, Candidate, PlanRequest};
 use synerfuse_train::comm::{launcher_local_rank, launcher_rank, MpiRuntime};
 use synerfuse_train::profiler::{self, ProfileConfig, ProfileError};
 
@@ -193,16 +193,27 @@ pub struct PlanArgs {
     /// Print one JSON object
     #[arg(long)]
     json: bool,
+    /// Draw the best plan's simulated step per rank here (SVG: forward, backward,
+    /// waiting, the data-parallel reduction, the optimizer)
+    #[arg(long)]
+    timeline: Option<PathBuf>,
+}
+
+/// Writes `text` to `path` under a temporary name first.
+fn write_atomically(path: &std::path::Path, text: &str) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
 }
 
 /// Writes `plan` in the general plan's file form (`[[replica]]` tables, which keep the
 /// grid's rank order), under a temporary name first.
 fn write_plan(path: &std::path::Path, plan: &synerfuse_parallel::ParallelPlan) -> Result<()> {
     let text = synerfuse_parallel::GeneralPlan::from_grid(plan)?.to_toml()?;
-    let tmp = path.with_extension("toml.tmp");
-    std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
-    Ok(())
+    write_atomically(path, &text)
 }
 
 fn describe_devices(cost: &CostModel, c: &Candidate, stage: usize) -> String {
@@ -281,6 +292,13 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
             .context("--uniform-output: no even layout fits this cluster, model and batch")?;
         write_plan(out, &planner::to_parallel_plan(&cost, uniform)?)?;
     }
+    if let Some(out) = &args.timeline {
+        let timeline = planner::timeline(&cost, &outcome.plans[0])?;
+        write_atomically(
+            out,
+            &synerfuse_parallel::timeline::Timeline::svg(&[timeline]),
+        )?;
+    }
     let report = PlanReport {
         cost: &cost,
         outcome: &outcome,
@@ -299,6 +317,9 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
             out.display(),
             out.display()
         );
+    }
+    if let Some(out) = &args.timeline {
+        println!("wrote {} (the best plan's simulated step)", out.display());
     }
     Ok(())
 }
@@ -328,6 +349,35 @@ impl PlanReport<'_> {
             "rank_order": self.plan.topology.order,
             "candidates_considered": self.outcome.considered,
             "planning_time_s": self.planning_s,
+            "bound_tokens_per_s": self.outcome.bound.tokens_per_s,
+            "device_alone_tokens_per_s": self.outcome.bound.device_tokens_per_s,
+            "fraction_of_bound": self.fraction_of_bound(best),
+            "optimizer_unpriced_kinds": self.outcome.unpriced_optimizer,
+            "runner_ups": self.outcome.plans[1..].iter().map(|c| self.runner_up_json(c)).collect::<Vec<_>>(),
+        })
+    }
+
+    fn fraction_of_bound(&self, c: &Candidate) -> f64 {
+        (self.outcome.bound).fraction(self.tokens_per_step, c.prediction.step_time_s)
+    }
+
+    fn runner_up_json(&self, c: &Candidate) -> serde_json::Value {
+        let behind = BehindBy::of(&c.prediction, &self.best().prediction);
+        let (part, extra_s) = match behind {
+            BehindBy::Compute { extra_s } => ("compute", extra_s),
+            BehindBy::Waiting { extra_s } => ("waiting", extra_s),
+            BehindBy::AfterPipeline { extra_s } => ("after_pipeline", extra_s),
+        };
+        serde_json::json!({
+            "pipeline_parallel_size": c.layers.len(),
+            "data_parallel_size": c.micro_batches.len(),
+            "layers_per_stage": c.layers,
+            "micro_batch_size_per_replica": c.micro_batch_sizes,
+            "num_micro_batches_per_replica": c.micro_batches,
+            "origin": c.origin.to_string(),
+            "predicted_step_time_s": c.prediction.step_time_s,
+            "fraction_of_bound": self.fraction_of_bound(c),
+            "behind_by": { "part": part, "extra_s": extra_s, "reason": behind.to_string() },
         })
     }
 
@@ -361,12 +411,24 @@ impl PlanReport<'_> {
             best.micro_batches, best.micro_batch_sizes
         );
         println!(
-            "predicted: {:.4} s per step ({:.0} tokens/s), bubble {:.1}%, DP all-reduce {:.4} s",
+            "predicted: {:.4} s per step ({:.0} tokens/s), bubble {:.1}%, DP all-reduce {:.4} s, optimizer {:.4} s",
             p.step_time_s,
             self.tokens_per_step / p.step_time_s,
             p.bubble_fraction * 100.0,
-            p.allreduce_s
+            p.allreduce_s,
+            p.optimizer_s
         );
+        println!(
+            "bound: {:.0} tokens/s (each device training the model alone, added up); the plan reaches {:.1}% of it",
+            self.outcome.bound.tokens_per_s,
+            self.fraction_of_bound(best) * 100.0
+        );
+        if !self.outcome.unpriced_optimizer.is_empty() {
+            println!(
+                "the optimizer step is not priced on {} (profile them with synerfuse profile)",
+                self.outcome.unpriced_optimizer.join(", ")
+            );
+        }
         if let Some(u) = &self.outcome.uniform {
             println!(
                 "uniform layout (even layers and batches, pp {} x dp {}): {:.4} s per step; the plan is {:.2}x faster",
@@ -391,7 +453,7 @@ impl PlanReport<'_> {
             .max_by(|a, b| a.1.total_cmp(b.1))
             .map_or(0, |(i, _)| i);
         println!(
-            "runner-up {k}: pp {} x dp {}, layers {:?}, micro-batches {:?} x {}: {:.4} s (+{:.1}%): bubble {:.1}%, all-reduce {:.4} s, slowest stage {slowest} ({})",
+            "runner-up {k}: pp {} x dp {}, layers {:?}, micro-batches {:?} x {}: {:.4} s (+{:.1}%, {:.1}% of the bound): {}; bubble {:.1}%, all-reduce {:.4} s, slowest stage {slowest} ({})",
             c.layers.len(),
             c.micro_batches.len(),
             c.layers,
@@ -399,6 +461,8 @@ impl PlanReport<'_> {
             c.micro_batch_sizes[0],
             p.step_time_s,
             (p.step_time_s / self.best().prediction.step_time_s - 1.0) * 100.0,
+            self.fraction_of_bound(c) * 100.0,
+            BehindBy::of(p, &self.best().prediction),
             p.bubble_fraction * 100.0,
             p.allreduce_s,
             describe_devices(self.cost, c, slowest)

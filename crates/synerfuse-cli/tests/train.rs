@@ -1116,6 +1116,33 @@ fn plan_writes_what_train_runs() {
         .as_str()
         .unwrap()
         .contains("--global-batch-size 64"));
+    // The bound: each device alone, added up; the plan reaches a share of it, and every
+    // runner-up says which part of its step is longer.
+    let alone: f64 = (j["device_alone_tokens_per_s"].as_array().unwrap().iter())
+        .map(|v| v.as_f64().unwrap())
+        .sum();
+    assert!((j["bound_tokens_per_s"].as_f64().unwrap() - alone).abs() < 1e-6 * alone);
+    let fraction = j["fraction_of_bound"].as_f64().unwrap();
+    let tokens_per_s = j["predicted_tokens_per_s"].as_f64().unwrap();
+    assert!(fraction > 0.0 && fraction <= 1.0, "{j}");
+    assert!((fraction * alone - tokens_per_s).abs() < 1e-6 * tokens_per_s);
+    for runner_up in j["runner_ups"].as_array().unwrap() {
+        assert!(runner_up["behind_by"]["extra_s"].as_f64().unwrap() >= 0.0);
+        assert!(runner_up["fraction_of_bound"].as_f64().unwrap() <= fraction);
+    }
+    assert_eq!(j["runner_ups"].as_array().unwrap().len(), 2, "{j}");
+    // The best plan's step drawn per rank.
+    let svg_dir = tempfile::tempdir().unwrap();
+    let svg = svg_dir.path().join("step.svg");
+    let mut drawn = args.clone();
+    drawn.extend(["--timeline", svg.to_str().unwrap()]);
+    plan_json(&drawn);
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        svg.starts_with("<svg") && svg.contains("rank 15: "),
+        "{svg}"
+    );
+    assert!(svg.contains("<title>forward 0:") && svg.contains("DP reduction"));
 
     // Infeasible: a 7B-class model on T4s names memory, the stage and the device.
     let dir = tempfile::tempdir().unwrap();
@@ -1410,4 +1437,71 @@ fn sigterm_to_the_nproc_parent_saves_and_leaves_no_process() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("SIGTERM"), "{stderr}");
     assert!(stderr.contains("no mask materialised"), "{stderr}");
+}
+
+/// `synerfuse profile` measures what the planner prices (passes per micro-batch size,
+/// the optimizer step per parameter, the link), and `synerfuse plan --profile` uses it:
+/// with the optimizer measured, no device kind is left unpriced.
+#[test]
+fn profile_prices_what_plan_uses() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = dir.path().join("profile.json");
+    let model = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--ffn-hidden-size",
+        "64",
+        "--vocab-size",
+        "256",
+        "--seq-length",
+        "16",
+    ];
+    let mut args = strings(&[
+        "profile",
+        "--nproc",
+        "2",
+        "--device",
+        "cpu",
+        "--device-kind",
+        "cpu",
+        "--micro-batch-sizes",
+        "1,2",
+        "--repeats",
+        "2",
+        "--output",
+        profile.to_str().unwrap(),
+    ]);
+    args.extend(strings(&model));
+    ok(&synerfuse(&args), "profile");
+    let measured: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&profile).unwrap()).unwrap();
+    for b in ["1", "2"] {
+        let costs = &measured["devices"]["cpu"][b];
+        let per_param = costs["optimizer_s_per_param"].as_f64().unwrap();
+        assert!(per_param > 0.0 && per_param < 1e-5, "{costs}");
+        assert!(costs["layer_fwd_s"].as_f64().unwrap() > 0.0, "{costs}");
+    }
+    let cluster = dir.path().join("cpus.toml");
+    std::fs::write(
+        &cluster,
+        "[[group]]\nkind = \"cpu\"\ncount = 2\nnode = \"here\"\n[network]\nintra_node_gbs = 5\ninter_node_gbs = 5\n",
+    )
+    .unwrap();
+    let mut args = vec![
+        "--cluster",
+        cluster.to_str().unwrap(),
+        "--profile",
+        profile.to_str().unwrap(),
+        "--global-batch-size",
+        "4",
+    ];
+    args.extend(model);
+    let j = plan_json(&args);
+    assert_eq!(j["optimizer_unpriced_kinds"], serde_json::json!([]), "{j}");
+    let fraction = j["fraction_of_bound"].as_f64().unwrap();
+    assert!(fraction > 0.0 && fraction <= 1.0, "{j}");
 }

@@ -242,10 +242,11 @@ pub struct Device {
 }
 
 impl Device {
-    /// The key of its compute costs: kind and emulated speed (devices that share it
-    /// are interchangeable).
-    pub fn class(&self) -> (String, u64) {
-        (self.kind.clone(), self.speed.to_bits())
+    /// The key of its compute costs: its group (kind, numbers, efficiency) and emulated
+    /// speed (devices that share it are interchangeable; two groups of one kind with
+    /// different numbers are not).
+    pub fn class(&self) -> (usize, u64) {
+        (self.group, self.speed.to_bits())
     }
 }
 

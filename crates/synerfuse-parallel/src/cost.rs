@@ -144,6 +144,9 @@ pub struct MeasuredCosts {
     pub head_s: f64,
     /// Activation bytes one layer keeps per micro-batch (measured or estimated).
     pub layer_activation_bytes: f64,
+    /// The optimizer step per parameter, s (absent from profiles older than it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer_s_per_param: Option<f64>,
 }
 
 /// Measured network figures.
@@ -189,6 +192,7 @@ impl Profile {
             embedding_s: c.embedding_s * r,
             head_s: c.head_s * r,
             layer_activation_bytes: c.layer_activation_bytes * r,
+            optimizer_s_per_param: c.optimizer_s_per_param,
         })
     }
 }
@@ -221,6 +225,11 @@ pub enum CostError {
 /// gradient 4 + two moments 8; bf16, parameter 2 + gradient 2 + main gradient 4 + fp32
 /// master 4 + moments 8.
 pub const STATE_BYTES_PER_PARAM: f64 = 20.0;
+
+/// Bytes of memory traffic of one AdamW step per parameter: the fp32 value, gradient
+/// and two moments read, the value and moments written, the training copy written
+/// (bf16).
+pub const OPTIMIZER_BYTES_PER_PARAM: f64 = 30.0;
 
 /// Compute, memory and communication costs of a model on a cluster.
 #[derive(Debug, Clone)]
@@ -291,6 +300,23 @@ impl CostModel {
             head_s: costs.head_s * slow,
             ..costs
         })
+    }
+
+    /// Seconds of the optimizer step over `params` parameters on `device`: measured per
+    /// parameter where profiled, else an accelerator's memory traffic over its
+    /// bandwidth; `None` where neither is known (a CPU kind not profiled for it).
+    pub fn optimizer_seconds(&self, device: &Device, params: f64) -> Option<f64> {
+        let measured = (self.profile.as_ref())
+            .and_then(|p| p.costs(&device.kind, 1))
+            .and_then(|c| c.optimizer_s_per_param);
+        let per_param = match (measured, device.spec) {
+            (Some(s), _) => s,
+            (None, Some(spec)) if spec.accelerator => {
+                OPTIMIZER_BYTES_PER_PARAM / (spec.mem_bw_gbs * 1e9)
+            }
+            _ => return None,
+        };
+        Some(params * per_param / device.speed)
     }
 
     /// Usable memory of `device` in bytes (after headroom and runtime context), or

@@ -10,6 +10,7 @@ pub mod planner;
 mod schedule;
 pub mod sim;
 mod stage;
+pub mod timeline;
 mod topology;
 pub mod tp;
 

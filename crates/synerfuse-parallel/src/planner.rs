@@ -5,6 +5,7 @@
 
 use crate::cluster::Device;
 use crate::cost::{CostModel, StageCosts};
+use crate::timeline::{RankTimeline, Span, SpanKind, Timeline};
 use crate::{
     plan_schedule, sim, DeviceRequest, ParallelPlan, Pass, RankPlacement, ReplicaBatch,
     ReplicaBatches, ScheduleKind, StageLayout, TopologySpec, DEFAULT_ORDER, TP_PP_DP_ORDER,
@@ -77,6 +78,9 @@ pub struct Prediction {
     pub pipeline_s: f64,
     /// Slowest stage's gradient all-reduce, s.
     pub allreduce_s: f64,
+    /// Slowest rank's optimizer step, s (0 where not priced: see
+    /// [`PlanOutcome::unpriced_optimizer`]).
+    pub optimizer_s: f64,
     /// Idle fraction of rank-time.
     pub bubble_fraction: f64,
     /// Per stage, the largest per-micro-batch time over replicas, s.
@@ -195,17 +199,146 @@ pub struct PlanOutcome {
     pub uniform: Option<Candidate>,
     /// Candidates considered.
     pub considered: usize,
+    /// What a perfect heterogeneous job would reach on this cluster.
+    pub bound: ThroughputBound,
+    /// Device kinds whose optimizer step has no price (a CPU kind without a profiled
+    /// optimizer): the step times leave it out for them.
+    pub unpriced_optimizer: Vec<String>,
+}
+
+/// The throughput a perfect heterogeneous job would reach: every device training the
+/// whole model alone (memory aside) at its best micro-batch size, their throughputs
+/// added, with no communication and no bubble.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ThroughputBound {
+    /// Tokens per second of each device alone, in cluster order.
+    pub device_tokens_per_s: Vec<f64>,
+    /// Their sum.
+    pub tokens_per_s: f64,
+}
+
+impl ThroughputBound {
+    /// The share of the bound a step of `step_time_s` over `tokens` reaches.
+    pub fn fraction(&self, tokens: f64, step_time_s: f64) -> f64 {
+        tokens / step_time_s / self.tokens_per_s.max(1e-30)
+    }
+}
+
+/// Where a step's time goes, rank by rank added up into three parts: the busiest
+/// rank's compute, the rest of the pipeline (waiting: bubble and transfers), and what
+/// follows it (the data-parallel reduction beyond its overlap, the optimizer).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepBreakdown {
+    /// The busiest rank's forward and backward time, s.
+    pub compute_s: f64,
+    /// The pipeline's time beyond that, s.
+    pub waiting_s: f64,
+    /// The step's time beyond the pipeline, s.
+    pub after_pipeline_s: f64,
+}
+
+impl Prediction {
+    /// The step split into [`StepBreakdown`]'s parts (they add up to the step).
+    pub fn breakdown(&self) -> StepBreakdown {
+        let compute_s = self.busy_s.iter().flatten().copied().fold(0.0, f64::max);
+        StepBreakdown {
+            compute_s,
+            waiting_s: (self.pipeline_s - compute_s).max(0.0),
+            after_pipeline_s: self.step_time_s - self.pipeline_s.max(compute_s),
+        }
+    }
+}
+
+/// Why a plan is slower than the best: the part of the step that grew most.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum BehindBy {
+    /// Its busiest rank computes longer (a less even split of the work).
+    Compute {
+        /// Seconds more than the best plan's.
+        extra_s: f64,
+    },
+    /// Its pipeline waits longer (bubble, transfers).
+    Waiting {
+        /// Seconds more than the best plan's.
+        extra_s: f64,
+    },
+    /// Its data-parallel reduction or optimizer step takes longer past the pipeline.
+    AfterPipeline {
+        /// Seconds more than the best plan's.
+        extra_s: f64,
+    },
+}
+
+impl BehindBy {
+    /// Why `plan` is behind `best` (the part with the largest increase).
+    pub fn of(plan: &Prediction, best: &Prediction) -> Self {
+        let (a, b) = (plan.breakdown(), best.breakdown());
+        let parts = [
+            BehindBy::Compute {
+                extra_s: a.compute_s - b.compute_s,
+            },
+            BehindBy::Waiting {
+                extra_s: a.waiting_s - b.waiting_s,
+            },
+            BehindBy::AfterPipeline {
+                extra_s: a.after_pipeline_s - b.after_pipeline_s,
+            },
+        ];
+        parts
+            .into_iter()
+            .max_by(|x, y| x.extra_s().total_cmp(&y.extra_s()))
+            .expect("three parts")
+    }
+
+    /// The seconds it adds.
+    pub fn extra_s(&self) -> f64 {
+        match *self {
+            BehindBy::Compute { extra_s }
+            | BehindBy::Waiting { extra_s }
+            | BehindBy::AfterPipeline { extra_s } => extra_s,
+        }
+    }
+}
+
+impl std::fmt::Display for BehindBy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ms = self.extra_s() * 1e3;
+        match self {
+            BehindBy::Compute { .. } => write!(f, "its busiest rank computes {ms:.1} ms longer"),
+            BehindBy::Waiting { .. } => write!(
+                f,
+                "its pipeline waits {ms:.1} ms longer (bubble, transfers)"
+            ),
+            BehindBy::AfterPipeline { .. } => {
+                write!(
+                    f,
+                    "its gradient reduction and optimizer step end {ms:.1} ms later"
+                )
+            }
+        }
+    }
 }
 
 struct Ctx<'a> {
     cost: &'a CostModel,
     devices: Vec<Device>,
     /// (device class, b) → costs.
-    costs: HashMap<((String, u64), usize), StageCosts>,
+    costs: HashMap<((usize, u64), usize), StageCosts>,
     memory: Vec<Option<f64>>,
 }
 
-impl Ctx<'_> {
+impl<'a> Ctx<'a> {
+    fn new(cost: &'a CostModel) -> Self {
+        let devices = cost.cluster.devices();
+        let memory = devices.iter().map(|d| cost.usable_memory(d)).collect();
+        Ctx {
+            cost,
+            devices,
+            costs: HashMap::new(),
+            memory,
+        }
+    }
+
     fn costs(&mut self, device: usize, b: usize) -> Result<StageCosts, PlanningError> {
         let dev = &self.devices[device];
         let key = (dev.class(), b);
@@ -227,8 +360,8 @@ struct Violation {
 
 /// Plans `request` on `cost`'s cluster and model.
 pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, PlanningError> {
-    let devices = cost.cluster.devices();
-    let n = devices.len();
+    let mut ctx = Ctx::new(cost);
+    let n = ctx.devices.len();
     let l = cost.model.num_layers;
     let g = request.global_batch_size;
     if l == 0 || g == 0 {
@@ -237,13 +370,6 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
             global_batch_size: g,
         });
     }
-    let memory = devices.iter().map(|d| cost.usable_memory(d)).collect();
-    let mut ctx = Ctx {
-        cost,
-        devices,
-        costs: HashMap::new(),
-        memory,
-    };
     let order = fastest_first(&mut ctx)?;
     let mut search = Search::default();
     for p in (1..=n.min(l)).filter(|p| n % p == 0) {
@@ -271,10 +397,57 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
         )));
     }
     let (plans, uniform) = retime_front(&mut ctx, search.candidates, request.top_k.max(1))?;
+    let bound = throughput_bound(&mut ctx, request)?;
+    let mut unpriced_optimizer: Vec<String> = (ctx.devices.iter())
+        .filter(|d| cost.optimizer_seconds(d, 1.0).is_none())
+        .map(|d| d.kind.clone())
+        .collect();
+    unpriced_optimizer.sort();
+    unpriced_optimizer.dedup();
     Ok(PlanOutcome {
         plans,
         uniform,
         considered: search.considered,
+        bound,
+        unpriced_optimizer,
+    })
+}
+
+/// Each device alone: the global batch through the whole model at the request's best
+/// micro-batch size that divides it, plus its optimizer step.
+fn throughput_bound(
+    ctx: &mut Ctx<'_>,
+    request: &PlanRequest,
+) -> Result<ThroughputBound, PlanningError> {
+    let g = request.global_batch_size;
+    let mut sizes: Vec<usize> = micro_batch_sizes(request);
+    sizes.retain(|&b| g % b == 0);
+    if sizes.is_empty() {
+        sizes.push(1);
+    }
+    let model = &ctx.cost.model;
+    let (layers, params) = (
+        model.num_layers as f64,
+        model.stage_params(model.num_layers, true, true),
+    );
+    let tokens = (g * model.seq_length) as f64;
+    let mut device_tokens_per_s = Vec::with_capacity(ctx.devices.len());
+    for i in 0..ctx.devices.len() {
+        let optimizer = ctx
+            .cost
+            .optimizer_seconds(&ctx.devices[i], params)
+            .unwrap_or(0.0);
+        let mut best = f64::INFINITY;
+        for &b in &sizes {
+            let k = ctx.costs(i, b)?;
+            let pass = layers * k.layer_s + k.embedding_s + k.head_s;
+            best = best.min((g / b) as f64 * pass + optimizer);
+        }
+        device_tokens_per_s.push(tokens / best);
+    }
+    Ok(ThroughputBound {
+        tokens_per_s: device_tokens_per_s.iter().sum(),
+        device_tokens_per_s,
     })
 }
 
@@ -537,8 +710,9 @@ fn evaluate(
     let pipeline_s = (0..d)
         .map(|r| pipeline_time(&t, &c, r, m[r]))
         .fold(0.0, f64::max);
-    let allreduce_s = allreduce_time(ctx, grid, layers);
-    let step = pipeline_s + allreduce_s;
+    let allreduce_s = max(&allreduce_times(ctx, grid, layers));
+    let optimizer_s = max(&optimizer_times(ctx, grid, layers).concat());
+    let step = pipeline_s + allreduce_s + optimizer_s;
     let busy: Vec<Vec<f64>> = (0..p)
         .map(|i| (0..d).map(|r| t[i][r] * m[r] as f64).collect())
         .collect();
@@ -547,6 +721,7 @@ fn evaluate(
         step_time_s: step,
         pipeline_s,
         allreduce_s,
+        optimizer_s,
         bubble_fraction: 1.0 - total_busy / (step * (p * d) as f64).max(1e-30),
         stage_time_s: t
             .iter()
@@ -558,7 +733,13 @@ fn evaluate(
     }))
 }
 
-fn allreduce_time(ctx: &Ctx<'_>, grid: &[Vec<usize>], layers: &[usize]) -> f64 {
+/// The largest of `values` (0 for none).
+fn max(values: &[f64]) -> f64 {
+    values.iter().copied().fold(0.0, f64::max)
+}
+
+/// Per stage, the fp32 gradient all-reduce over its replicas, s.
+fn allreduce_times(ctx: &Ctx<'_>, grid: &[Vec<usize>], layers: &[usize]) -> Vec<f64> {
     let p = grid.len();
     let m = &ctx.cost.model;
     (0..p)
@@ -573,7 +754,25 @@ fn allreduce_time(ctx: &Ctx<'_>, grid: &[Vec<usize>], layers: &[usize]) -> f64 {
             let devs: Vec<&Device> = grid[i].iter().map(|&k| &ctx.devices[k]).collect();
             ctx.cost.allreduce_seconds(&devs, params * 4.0)
         })
-        .fold(0.0, f64::max)
+        .collect()
+}
+
+/// Per (stage, replica), the optimizer step over the stage's parameters, s (0 where
+/// not priced).
+fn optimizer_times(ctx: &Ctx<'_>, grid: &[Vec<usize>], layers: &[usize]) -> Grid<f64> {
+    let p = grid.len();
+    (0..p)
+        .map(|i| {
+            let params = ctx.cost.model.stage_params(layers[i], i == 0, i + 1 == p);
+            (grid[i].iter())
+                .map(|&k| {
+                    ctx.cost
+                        .optimizer_seconds(&ctx.devices[k], params)
+                        .unwrap_or(0.0)
+                })
+                .collect()
+        })
+        .collect()
 }
 
 /// Micro-batches in proportion to each replica's throughput under even layers, at
@@ -841,9 +1040,19 @@ pub fn to_parallel_plan(
     )
 }
 
-/// Re-times a candidate by simulating its 1F1B schedule (with p2p times) and adding the
-/// DP all-reduce.
+/// Re-times a candidate by simulating its 1F1B schedule (with p2p times), each stage's
+/// gradient reduction starting when its last replica finishes, and the optimizer step
+/// once every reduction is done (the gradient norm is global).
 fn simulate_candidate(ctx: &mut Ctx<'_>, c: &Candidate) -> Result<Prediction, PlanningError> {
+    Ok(simulate_step(ctx, c, false)?.0)
+}
+
+/// The simulated step of `c`, with every rank's spans when `record`.
+fn simulate_step(
+    ctx: &mut Ctx<'_>,
+    c: &Candidate,
+    record: bool,
+) -> Result<(Prediction, Vec<RankTimeline>), PlanningError> {
     let plan = to_parallel_plan(ctx.cost, c)?;
     let programs = plan_schedule(&plan, ScheduleKind::OneFOneB)?;
     let topology = plan.topology()?;
@@ -862,40 +1071,94 @@ fn simulate_candidate(ctx: &mut Ctx<'_>, c: &Candidate) -> Result<Prediction, Pl
     }
     let devices = &ctx.devices;
     let cost = ctx.cost;
-    let report = sim::simulate(
-        &programs,
-        |rank, pass, _| {
-            let (i, r) = coords[rank];
-            let f = fractions[rank];
-            match pass {
-                Pass::Forward => t[i][r] * f,
-                Pass::Backward => t[i][r] * (1.0 - f),
-            }
-        },
-        |from, to| {
-            let (a, b_) = (coords[from], coords[to]);
-            cost.p2p_seconds(
-                &devices[c.devices[a.0][a.1]],
-                &devices[c.devices[b_.0][b_.1]],
-                b,
-            )
-        },
-    )
+    let op_seconds = |rank: usize, pass: Pass, _| {
+        let (i, r) = coords[rank];
+        let f = fractions[rank];
+        match pass {
+            Pass::Forward => t[i][r] * f,
+            Pass::Backward => t[i][r] * (1.0 - f),
+        }
+    };
+    let message_seconds = |from: usize, to: usize| {
+        let (a, b_) = (coords[from], coords[to]);
+        cost.p2p_seconds(
+            &devices[c.devices[a.0][a.1]],
+            &devices[c.devices[b_.0][b_.1]],
+            b,
+        )
+    };
+    let report = match record {
+        true => sim::simulate_spans(&programs, op_seconds, message_seconds),
+        false => sim::simulate(&programs, op_seconds, message_seconds),
+    }
     .map_err(crate::PlanError::from)?;
-    let allreduce_s = allreduce_time(ctx, &c.devices, &c.layers);
-    let step = report.makespan_s + allreduce_s;
+    let reduce = allreduce_times(ctx, &c.devices, &c.layers);
+    let optimizer = optimizer_times(ctx, &c.devices, &c.layers);
+    // Each stage's reduction starts when the last of its replicas finishes.
+    let mut stage_done = vec![0.0f64; p];
+    for (rank, &(i, _)) in coords.iter().enumerate() {
+        stage_done[i] = stage_done[i].max(report.finish_s[rank]);
+    }
+    let reduced: Vec<f64> = (0..p).map(|i| stage_done[i] + reduce[i]).collect();
+    let all_reduced = max(&reduced);
+    let optimizer_s = max(&optimizer.concat());
+    let step = all_reduced + optimizer_s;
     let total_busy: f64 = report.busy_s.iter().sum();
-    Ok(Prediction {
+    let prediction = Prediction {
         step_time_s: step,
         pipeline_s: report.makespan_s,
-        allreduce_s,
+        allreduce_s: max(&reduce),
+        optimizer_s,
         bubble_fraction: 1.0 - total_busy / (step * report.busy_s.len() as f64).max(1e-30),
         simulated: true,
+        stage_time_s: c.prediction.stage_time_s[..p].to_vec(),
         ..c.prediction.clone()
-    })
-    .map(|mut pred| {
-        pred.stage_time_s.truncate(p);
-        pred
+    };
+    let mut rows = Vec::with_capacity(if record { coords.len() } else { 0 });
+    for (rank, mut spans) in report.spans.into_iter().enumerate() {
+        let (i, r) = coords[rank];
+        let mut span = |kind, start_s: f64, end_s: f64| {
+            if end_s > start_s {
+                spans.push(Span {
+                    kind,
+                    start_s,
+                    end_s,
+                    micro_batch: None,
+                });
+            }
+        };
+        span(SpanKind::Wait, report.finish_s[rank], stage_done[i]);
+        span(SpanKind::Reduce, stage_done[i], reduced[i]);
+        span(SpanKind::Wait, reduced[i], all_reduced);
+        span(
+            SpanKind::Optimizer,
+            all_reduced,
+            all_reduced + optimizer[i][r],
+        );
+        let dev = &devices[c.devices[i][r]];
+        rows.push(RankTimeline {
+            label: format!("rank {rank}: stage {i}, replica {r}, {}", dev.kind),
+            spans,
+        });
+    }
+    Ok((prediction, rows))
+}
+
+/// The simulated step of `candidate` on `cost`'s cluster, rank by rank.
+pub fn timeline(cost: &CostModel, candidate: &Candidate) -> Result<Timeline, PlanningError> {
+    let mut ctx = Ctx::new(cost);
+    let (prediction, ranks) = simulate_step(&mut ctx, candidate, true)?;
+    let layers: Vec<String> = candidate.layers.iter().map(usize::to_string).collect();
+    Ok(Timeline {
+        title: format!(
+            "predicted: pp {} x dp {}, layers [{}], micro-batch size {}, step {:.4} s",
+            candidate.layers.len(),
+            candidate.micro_batches.len(),
+            layers.join(", "),
+            candidate.micro_batch_sizes[0],
+            prediction.step_time_s
+        ),
+        ranks,
     })
 }
 
@@ -1021,12 +1284,63 @@ mod tests {
                             }
                         }
                         prop_assert!(to_parallel_plan(&cost, c).is_ok());
+                        // No plan beats every device working alone.
+                        let fraction = outcome.bound.fraction((g * 512) as f64, c.prediction.step_time_s);
+                        prop_assert!(fraction > 0.0 && fraction <= 1.0 + 1e-9, "{}", fraction);
+                        // The drawn step is the predicted one, each rank's passes its busy time.
+                        let drawn = timeline(&cost, c).unwrap();
+                        prop_assert_eq!(drawn.ranks.len(), n);
+                        prop_assert!((drawn.step_s() - c.prediction.step_time_s).abs() < 1e-9 * c.prediction.step_time_s);
+                        let passes: f64 = drawn.ranks.iter().map(|r| r.seconds(SpanKind::Forward) + r.seconds(SpanKind::Backward)).sum();
+                        let busy: f64 = c.prediction.busy_s.iter().flatten().sum();
+                        prop_assert!((passes - busy).abs() < 1e-6 * busy);
+                    }
+                    let best = &outcome.plans[0].prediction;
+                    for c in &outcome.plans[1..] {
+                        let behind = BehindBy::of(&c.prediction, best);
+                        prop_assert!(behind.extra_s() >= -1e-12, "{:?}", behind);
                     }
                     if let Some(u) = &outcome.uniform {
                         prop_assert!(outcome.plans[0].prediction.step_time_s <= u.prediction.step_time_s * (1.0 + 1e-12));
                     }
                 }
             }
+        }
+
+        /// The bound is each device alone: its best micro-batch size through the whole
+        /// model, plus its optimizer step, added over devices.
+        #[test]
+        fn bound_adds_each_device_alone(
+            tflops in proptest::collection::vec(10.0f64..400.0, 1..=3),
+            g in 1usize..=16,
+        ) {
+            use crate::cluster::ClusterSpec;
+            use crate::cost::ModelShape;
+            let mut toml = String::new();
+            for t in &tflops {
+                toml.push_str(&format!("[[group]]\nkind = \"custom\"\ncount = 2\ntflops_bf16 = {t}\nmemory_gb = 80\nmem_bw_gbs = 1000\n"));
+            }
+            toml.push_str("[network]\nintra_node_gbs = 100\ninter_node_gbs = 10\n");
+            let cluster = ClusterSpec::from_toml(&toml).unwrap();
+            let model = ModelShape {
+                num_layers: 4, hidden_size: 256, num_heads: 8, num_kv_heads: 8,
+                ffn_hidden_size: 768, vocab_size: 1000, seq_length: 128, tied: false,
+            };
+            let cost = CostModel::new(model.clone(), cluster, None);
+            let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 1 };
+            let mut ctx = Ctx::new(&cost);
+            let bound = throughput_bound(&mut ctx, &request).unwrap();
+            let params = model.stage_params(4, true, true);
+            for (dev, &rate) in cost.cluster.devices().iter().zip(&bound.device_tokens_per_s) {
+                let step = [1usize, 2, 4].into_iter().filter(|b| g % b == 0).map(|b| {
+                    let k = cost.stage_costs(dev, b).unwrap();
+                    (g / b) as f64 * (4.0 * k.layer_s + k.embedding_s + k.head_s)
+                }).fold(f64::INFINITY, f64::min) + cost.optimizer_seconds(dev, params).unwrap();
+                prop_assert!((rate - (g * 128) as f64 / step).abs() < 1e-9 * rate);
+            }
+            let sum: f64 = bound.device_tokens_per_s.iter().sum();
+            prop_assert!((bound.tokens_per_s - sum).abs() < 1e-9 * sum);
+            prop_assert_eq!(bound.device_tokens_per_s.len(), 2 * tflops.len());
         }
 
         /// The greedy replica split equals brute force on small cases.

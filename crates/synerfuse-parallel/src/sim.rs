@@ -3,6 +3,7 @@
 //! arrive after the link's time, receives wait for arrival.
 
 use crate::schedule::interpret::{interpret, Observer};
+use crate::timeline::{Span, SpanKind};
 use crate::{Instruction, Message, Pass, Piece, ScheduleError};
 
 /// What a simulated step looks like.
@@ -14,6 +15,8 @@ pub struct SimReport {
     pub busy_s: Vec<f64>,
     /// The last finish.
     pub makespan_s: f64,
+    /// Each rank's spans, when asked for ([`simulate_spans`]); empty otherwise.
+    pub spans: Vec<Vec<Span>>,
 }
 
 impl SimReport {
@@ -27,12 +30,28 @@ impl SimReport {
     }
 }
 
-/// The simulator's view of a run: each program's clock and busy time.
+/// The simulator's view of a run: each program's clock and busy time (and its spans,
+/// when recorded).
 struct Clocks<Op, Link> {
     op_seconds: Op,
     message_seconds: Link,
     clock: Vec<f64>,
     busy: Vec<f64>,
+    spans: Option<Vec<Vec<Span>>>,
+}
+
+impl<Op, Link> Clocks<Op, Link> {
+    fn record(&mut self, rank: usize, kind: SpanKind, start_s: f64, micro_batch: Option<usize>) {
+        let end_s = self.clock[rank];
+        if let Some(spans) = self.spans.as_mut().filter(|_| end_s > start_s) {
+            spans[rank].push(Span {
+                kind,
+                start_s,
+                end_s,
+                micro_batch,
+            });
+        }
+    }
 }
 
 impl<Op, Link> Observer for Clocks<Op, Link>
@@ -45,8 +64,14 @@ where
 
     fn compute(&mut self, rank: usize, pass: Pass, piece: Piece) -> Result<(), ScheduleError> {
         let t = (self.op_seconds)(rank, pass, piece);
+        let start = self.clock[rank];
         self.clock[rank] += t;
         self.busy[rank] += t;
+        let kind = match pass {
+            Pass::Forward => SpanKind::Forward,
+            Pass::Backward => SpanKind::Backward,
+        };
+        self.record(rank, kind, start, Some(piece.micro_batch));
         Ok(())
     }
 
@@ -55,7 +80,9 @@ where
     }
 
     fn receive(&mut self, rank: usize, arrival: f64) {
-        self.clock[rank] = self.clock[rank].max(arrival);
+        let start = self.clock[rank];
+        self.clock[rank] = start.max(arrival);
+        self.record(rank, SpanKind::Wait, start, None);
     }
 }
 
@@ -67,11 +94,30 @@ pub fn simulate(
     op_seconds: impl Fn(usize, Pass, Piece) -> f64,
     message_seconds: impl Fn(usize, usize) -> f64,
 ) -> Result<SimReport, ScheduleError> {
+    run(programs, op_seconds, message_seconds, false)
+}
+
+/// [`simulate`], recording each rank's passes and waits as [`Span`]s (for a timeline).
+pub fn simulate_spans(
+    programs: &[Vec<Instruction>],
+    op_seconds: impl Fn(usize, Pass, Piece) -> f64,
+    message_seconds: impl Fn(usize, usize) -> f64,
+) -> Result<SimReport, ScheduleError> {
+    run(programs, op_seconds, message_seconds, true)
+}
+
+fn run(
+    programs: &[Vec<Instruction>],
+    op_seconds: impl Fn(usize, Pass, Piece) -> f64,
+    message_seconds: impl Fn(usize, usize) -> f64,
+    record: bool,
+) -> Result<SimReport, ScheduleError> {
     let mut clocks = Clocks {
         op_seconds,
         message_seconds,
         clock: vec![0.0; programs.len()],
         busy: vec![0.0; programs.len()],
+        spans: record.then(|| vec![Vec::new(); programs.len()]),
     };
     interpret(programs, &mut clocks)?;
     let makespan_s = clocks.clock.iter().copied().fold(0.0, f64::max);
@@ -79,6 +125,7 @@ pub fn simulate(
         finish_s: clocks.clock,
         busy_s: clocks.busy,
         makespan_s,
+        spans: clocks.spans.unwrap_or_default(),
     })
 }
 
@@ -113,6 +160,24 @@ mod tests {
                     );
                     let bubble = (p - 1) as f64 / (m + p - 1) as f64;
                     assert!((report.bubble_fraction() - bubble).abs() < 1e-9);
+                    let spans = simulate_spans(
+                        &programs,
+                        |_, pass, _| match pass {
+                            Pass::Forward => tf,
+                            Pass::Backward => tb,
+                        },
+                        |_, _| 0.0,
+                    )
+                    .unwrap()
+                    .spans;
+                    // Every rank: m forwards and m backwards, the rest waiting.
+                    for rank in &spans {
+                        let passes = rank.iter().filter(|s| s.kind != SpanKind::Wait);
+                        assert_eq!(passes.count(), 2 * m);
+                        let end = rank.last().map_or(0.0, |s| s.end_s);
+                        let covered: f64 = rank.iter().map(|s| s.end_s - s.start_s).sum();
+                        assert!((end - covered).abs() < 1e-9, "spans tile the rank's time");
+                    }
                 }
             }
         }

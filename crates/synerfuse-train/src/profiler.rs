@@ -1,10 +1,11 @@
 //! Measures what the planner needs on the ranks it runs on: the forward and backward
-//! time of a decoder layer, the embedding and the head per micro-batch size (with the
-//! trainer's own stage code, so what is profiled is what trains), and the links between
-//! the ranks.
+//! time of a decoder layer, the embedding and the head per micro-batch size, and the
+//! optimizer step per parameter (with the trainer's own stage and optimizer code, so what
+//! is profiled is what trains), and the links between the ranks.
 
 use crate::comm::{CommError, MpiCommunicator};
 use crate::emulation::{ComputeSpan, Emulation};
+use crate::optim::{AdamW, AdamWConfig};
 use std::collections::BTreeMap;
 use std::time::Instant;
 use synerfuse_model::tch::{self, Device, Kind, Tensor};
@@ -117,6 +118,44 @@ pub fn time_stage(
     Ok((median(forwards), median(backwards)))
 }
 
+/// Seconds per parameter of the trainer's AdamW step over `stage`'s parameters (median
+/// of `repeats` after one warm-up); under emulation, scaled back to speed 1.
+fn time_optimizer(
+    stage: &Stage,
+    repeats: usize,
+    emulation: Option<&Emulation>,
+) -> Result<f64, ProfileError> {
+    if repeats == 0 {
+        return Err(ProfileError::NoRepeats);
+    }
+    let params: Vec<(String, Tensor)> = stage.var_store().variables().into_iter().collect();
+    let count: i64 = params.iter().map(|(_, t)| t.numel() as i64).sum();
+    for (_, t) in &params {
+        let mut grad = t.grad();
+        if !grad.defined() {
+            // One backward's worth of gradient, so that the step does its full work.
+            (t * 1.0).sum(Kind::Float).backward();
+            grad = t.grad();
+        }
+        let _ = tch::no_grad(|| grad.fill_(1e-3));
+    }
+    let mut optimizer = AdamW::new(AdamWConfig::default(), params);
+    let scale = emulation.map_or(1.0, |e| e.speed);
+    let mut seconds = Vec::with_capacity(repeats);
+    for round in 0..repeats + 1 {
+        let span = ComputeSpan::start();
+        optimizer.step(1e-4);
+        if let Device::Cuda(i) = stage.device() {
+            tch::Cuda::synchronize(i as i64);
+        }
+        let elapsed = Emulation::account(emulation, span).as_secs_f64() * scale;
+        if round > 0 {
+            seconds.push(elapsed);
+        }
+    }
+    Ok(median(seconds) / count.max(1) as f64)
+}
+
 /// Costs per micro-batch size on `device`, the mean over the ranks of `world` (which run
 /// at the same time, sharing the machine as training will). Collective over `world`.
 pub fn profile_device(
@@ -135,6 +174,10 @@ pub fn profile_device(
     let mut base = config.model.clone();
     base.num_layers = 3;
     let (s, repeats) = (config.sequence_length, config.repeats);
+    let optimizer_s_per_param = {
+        let stage = Stage::new(&base, 1..2, device)?;
+        time_optimizer(&stage, repeats, emulation.as_ref())?
+    };
     let mut table = BTreeMap::new();
     for &b in &config.micro_batch_sizes {
         // A middle layer alone, then the first and last stages with one layer each: the
@@ -151,6 +194,7 @@ pub fn profile_device(
             lb,
             (ff + fb - lf - lb).max(0.0),
             (hf + hb - lf - lb).max(0.0),
+            optimizer_s_per_param,
         ];
         let mut t = Tensor::from_slice(&costs);
         world.all_reduce_sum(&mut t)?;
@@ -166,6 +210,7 @@ pub fn profile_device(
                 embedding_s: mean[2],
                 head_s: mean[3],
                 layer_activation_bytes: shape.layer_activation_bytes(b, 4.0, device != Device::Cpu),
+                optimizer_s_per_param: Some(mean[4]),
             },
         );
     }
