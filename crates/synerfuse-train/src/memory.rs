@@ -51,8 +51,11 @@ pub fn allocated_bytes() -> Option<u64> {
             // SAFETY: a symbol lookup; the symbol, where present, is glibc's mallinfo2
             // with this signature.
             let symbol = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"mallinfo2".as_ptr()) };
-            (!symbol.is_null())
-                .then(|| unsafe { std::mem::transmute::<*mut libc::c_void, MallInfo2>(symbol) })
+            (!symbol.is_null()).then(|| {
+                // SAFETY: a non-null address of glibc's mallinfo2, whose signature is
+                // MallInfo2's; a function pointer has a data pointer's size here.
+                unsafe { std::mem::transmute::<*mut libc::c_void, MallInfo2>(symbol) }
+            })
         });
         // SAFETY: mallinfo2 only reads the allocator's own statistics.
         let info = unsafe { (*mallinfo2)?() };
