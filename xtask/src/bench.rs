@@ -276,6 +276,20 @@ fn planner_headlines(v: &serde_json::Value) -> Vec<Row> {
         "< 2 s".into(),
         Some(s < 2.0),
     ));
+    if let Some(large) = v["large_planning_s"].as_f64() {
+        out.push((
+            format!(
+                "planning {} devices of 6 kinds, 80 layers",
+                v["large_devices"].as_u64().unwrap_or(0)
+            ),
+            format!(
+                "{large:.2} s ({:.2} s for the command)",
+                field(v, "large_command_s")
+            ),
+            "< 10 s".into(),
+            Some(large < 10.0),
+        ));
+    }
     out
 }
 

@@ -250,14 +250,14 @@ pub fn hetero(root: &Path) -> Result<()> {
     Ok(())
 }
 
-pub fn planner(root: &Path) -> Result<()> {
-    let bin = release_binary(root)?;
-    let dir = root.join("target/bench");
-    std::fs::create_dir_all(&dir)?;
-    let cluster = dir.join("planner-1024.toml");
+/// Planning time on a large cluster: `nodes` nodes of 8 devices, shared out among
+/// `kinds`; returns (planner seconds, whole-command seconds).
+fn time_planning(bin: &Path, dir: &Path, kinds: &[&str], nodes: usize) -> Result<(f64, f64)> {
+    let devices = nodes * 8;
+    let cluster = dir.join(format!("planner-{devices}.toml"));
     let mut text = String::new();
-    for (i, kind) in ["h100-sxm", "a100-80g", "l40s", "a10"].iter().enumerate() {
-        for node in 0..32 {
+    for (i, kind) in kinds.iter().enumerate() {
+        for node in 0..nodes / kinds.len() + usize::from(i < nodes % kinds.len()) {
             text.push_str(&format!(
                 "[[group]]\nkind = \"{kind}\"\ncount = 8\nnode = \"{kind}-{i}-{node}\"\n"
             ));
@@ -267,7 +267,7 @@ pub fn planner(root: &Path) -> Result<()> {
     std::fs::write(&cluster, text)?;
     let started = std::time::Instant::now();
     let json = run(
-        Command::new(&bin)
+        Command::new(bin)
             .args([
                 "plan",
                 "--json",
@@ -294,7 +294,22 @@ pub fn planner(root: &Path) -> Result<()> {
     )?;
     let wall = started.elapsed().as_secs_f64();
     let planning = number(&last_json_line(&json)?, "planning_time_s")?;
-    println!("planning 1024 devices of 4 kinds (128 nodes), 80 layers: {planning:.3} s in the planner, {wall:.3} s for the whole command (target < 2 s)");
+    println!(
+        "planning {devices} devices of {} kinds ({} nodes), 80 layers: {planning:.3} s in the planner, {wall:.3} s for the whole command",
+        kinds.len(),
+        nodes
+    );
+    Ok((planning, wall))
+}
+
+pub fn planner(root: &Path) -> Result<()> {
+    let bin = release_binary(root)?;
+    let dir = root.join("target/bench");
+    std::fs::create_dir_all(&dir)?;
+    let four = ["h100-sxm", "a100-80g", "l40s", "a10"];
+    let six = ["h100-sxm", "a100-80g", "l40s", "a10", "mi300x", "v100"];
+    let (planning, wall) = time_planning(&bin, &dir, &four, 128)?;
+    let (planning_8192, wall_8192) = time_planning(&bin, &dir, &six, 1024)?;
     write_json(
         &dir.join("planner.json"),
         &serde_json::json!({
@@ -304,6 +319,10 @@ pub fn planner(root: &Path) -> Result<()> {
             "layers": 80,
             "planning_s": planning,
             "command_s": wall,
+            "large_devices": 8192,
+            "large_kinds": 6,
+            "large_planning_s": planning_8192,
+            "large_command_s": wall_8192,
         }),
     )?;
     Ok(())

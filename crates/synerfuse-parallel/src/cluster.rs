@@ -12,6 +12,7 @@
 //! ```
 
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 /// One row of the device catalogue (vendors' dense, non-sparse peaks).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -365,16 +366,42 @@ impl ClusterSpec {
 
     /// Per-direction bandwidth between two devices in bytes/s.
     pub fn bandwidth(&self, a: &Device, b: &Device) -> f64 {
+        self.node_bandwidth(&a.node, &b.node)
+    }
+
+    /// Per-direction bandwidth between devices on nodes `a` and `b` in bytes/s.
+    pub fn node_bandwidth(&self, a: &str, b: &str) -> f64 {
         let n = &self.network;
-        let gbs = if a.node == b.node {
+        let gbs = if a == b {
             n.intra_node_gbs
         } else {
             n.link
                 .iter()
-                .find(|l| (l.a == a.node && l.b == b.node) || (l.a == b.node && l.b == a.node))
+                .find(|l| (l.a == a && l.b == b) || (l.a == b && l.b == a))
                 .map_or(n.inter_node_gbs, |l| l.gbs)
         };
         gbs * 1e9
+    }
+
+    /// The slowest link between two of `nodes` (distinct names), bytes/s: what
+    /// [`Self::node_bandwidth`] gives over every pair, without visiting every pair.
+    pub fn slowest_inter_node(&self, nodes: &[&str]) -> f64 {
+        let here: std::collections::BTreeSet<&str> = nodes.iter().copied().collect();
+        // Named links between two of these nodes, the first naming of a pair counting
+        // (as node_bandwidth finds it).
+        let mut named: BTreeMap<(&str, &str), f64> = BTreeMap::new();
+        for l in &self.network.link {
+            let (a, b) = (
+                l.a.as_str().min(l.b.as_str()),
+                l.a.as_str().max(l.b.as_str()),
+            );
+            if a != b && here.contains(a) && here.contains(b) {
+                named.entry((a, b)).or_insert(l.gbs * 1e9);
+            }
+        }
+        let pairs = here.len() * here.len().saturating_sub(1) / 2;
+        let default = (named.len() < pairs).then_some(self.network.inter_node_gbs * 1e9);
+        (named.values().copied().chain(default)).fold(f64::INFINITY, f64::min)
     }
 
     /// Message latency in seconds.
@@ -386,6 +413,53 @@ impl ClusterSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The slowest inter-node link equals the minimum over every pair of nodes.
+    #[test]
+    fn slowest_inter_node_equals_every_pair() {
+        let link = |a: &str, b: &str, gbs| NodeLink {
+            a: a.into(),
+            b: b.into(),
+            gbs,
+        };
+        let mut cluster = ClusterSpec::from_toml(
+            "[[group]]\nkind = \"a100-80g\"\ncount = 1\n[network]\nintra_node_gbs = 100\ninter_node_gbs = 10\n",
+        )
+        .unwrap();
+        let nodes = ["n0", "n1", "n2"];
+        let cases = [
+            vec![],
+            vec![link("n0", "n1", 3.0)],
+            vec![
+                link("n1", "n0", 30.0),
+                link("n0", "n2", 20.0),
+                link("n2", "n1", 25.0),
+            ],
+            vec![
+                link("n0", "n1", 30.0),
+                link("n0", "n1", 1.0),
+                link("n5", "n0", 1.0),
+            ],
+        ];
+        for links in cases {
+            cluster.network.link = links;
+            for k in 2..=3 {
+                let here = &nodes[..k];
+                let mut brute = f64::INFINITY;
+                for a in here {
+                    for b in here.iter().filter(|b| *b != a) {
+                        brute = brute.min(cluster.node_bandwidth(a, b));
+                    }
+                }
+                assert_eq!(
+                    cluster.slowest_inter_node(here),
+                    brute,
+                    "{:?}",
+                    cluster.network.link
+                );
+            }
+        }
+    }
 
     #[test]
     fn minimal_form_and_errors() {

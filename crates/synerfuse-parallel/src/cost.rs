@@ -380,14 +380,8 @@ impl CostModel {
             return 2.0 * (d - 1.0) * lat + 2.0 * (d - 1.0) / d * bytes / intra;
         }
         // Slowest inter-node link among the nodes in the group.
-        let mut inter = f64::INFINITY;
-        for a in devices {
-            for b in devices {
-                if a.node != b.node {
-                    inter = inter.min(self.cluster.bandwidth(a, b));
-                }
-            }
-        }
+        let names: Vec<&str> = nodes.keys().copied().collect();
+        let inter = self.cluster.slowest_inter_node(&names);
         let g = *nodes.values().max().unwrap_or(&1) as f64;
         let n = nodes.len() as f64;
         2.0 * (d as f64 - 1.0) * lat
