@@ -387,10 +387,10 @@ impl PlanReport<'_> {
         let best = self.best();
         let p = &best.prediction;
         println!(
-            "best plan: pp {} x dp {} (tp 1), micro-batch size {}, {} candidates in {:.3}s",
+            "best plan: pp {} x dp {} (tp 1), {}, {} candidates in {:.3}s",
             best.layers.len(),
             best.micro_batches.len(),
-            best.micro_batch_sizes[0],
+            best.micro_batch_size_text(),
             self.outcome.considered,
             self.planning_s
         );
@@ -453,12 +453,12 @@ impl PlanReport<'_> {
             .max_by(|a, b| a.1.total_cmp(b.1))
             .map_or(0, |(i, _)| i);
         println!(
-            "runner-up {k}: pp {} x dp {}, layers {:?}, micro-batches {:?} x {}: {:.4} s (+{:.1}%, {:.1}% of the bound): {}; bubble {:.1}%, all-reduce {:.4} s, slowest stage {slowest} ({})",
+            "runner-up {k}: pp {} x dp {}, layers {:?}, micro-batches {:?}, {}: {:.4} s (+{:.1}%, {:.1}% of the bound): {}; bubble {:.1}%, all-reduce {:.4} s, slowest stage {slowest} ({})",
             c.layers.len(),
             c.micro_batches.len(),
             c.layers,
             c.micro_batches,
-            c.micro_batch_sizes[0],
+            c.micro_batch_size_text(),
             p.step_time_s,
             (p.step_time_s / self.best().prediction.step_time_s - 1.0) * 100.0,
             self.fraction_of_bound(c) * 100.0,

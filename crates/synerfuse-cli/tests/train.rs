@@ -1236,6 +1236,49 @@ fn plan_writes_what_train_runs() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("device emulation"), "{stderr}");
     println!("planned {j}");
+
+    // Micro-batch sizes per replica: the slow rank's memory holds one sample's logits,
+    // the fast rank computes a sample fastest at size 4 (4 x 1 + 1 x 2 = 6 samples).
+    let mixed = dir.path().join("mixed.toml");
+    std::fs::write(
+        &mixed,
+        "[[group]]\nkind = \"cpu\"\ncount = 1\nnode = \"here\"\ntflops_bf16 = 0.05\nmemory_gb = 4\n\
+         [[group]]\nkind = \"cpu\"\ncount = 1\nnode = \"here\"\ntflops_bf16 = 0.05\nmemory_gb = 0.003\nspeed = 0.75\n\
+         [network]\nintra_node_gbs = 5\ninter_node_gbs = 5\n",
+    )
+    .unwrap();
+    let mixed_plan = dir.path().join("mixed-plan.toml");
+    let mut args = vec![
+        "--cluster",
+        mixed.to_str().unwrap(),
+        "--global-batch-size",
+        "6",
+        "--output",
+        mixed_plan.to_str().unwrap(),
+    ];
+    args.extend(model);
+    let j = plan_json(&args);
+    assert_eq!(
+        j["micro_batch_size_per_replica"],
+        serde_json::json!([4, 1]),
+        "{j}"
+    );
+    assert_eq!(
+        j["num_micro_batches_per_replica"],
+        serde_json::json!([1, 2]),
+        "{j}"
+    );
+    let mut train = common(dir.path(), &data, 3);
+    train.extend([
+        "--nproc".into(),
+        "2".into(),
+        "--plan".into(),
+        mixed_plan.display().to_string(),
+    ]);
+    ok(
+        &synerfuse(&train),
+        "train --plan with micro-batch sizes per replica",
+    );
 }
 
 /// The processes (pid, environment) whose command line contains `marker`.

@@ -1,7 +1,11 @@
 //! The planner: for every (pp, dp) factorization, device arrangement and micro-batch
-//! size, an exact layer split (dynamic programme on the slowest stage, subject to
-//! memory) alternated with an exact replica split (greedy on monotone pipeline times),
-//! scored by the 1F1B formula, the best re-timed by simulating the real schedule.
+//! size (one for every replica, or one per replica), an exact layer split (dynamic
+//! programme on the slowest stage, subject to memory) alternated with an exact split of
+//! the batch over the replicas (greedy on monotone pipeline times; with sizes that
+//! differ, a bisection over reachable sample totals), scored by the 1F1B formula, the
+//! best re-timed by simulating the real schedule.
+
+mod samples;
 
 use crate::cluster::Device;
 use crate::cost::{CostModel, StageCosts};
@@ -11,6 +15,13 @@ use crate::{
     ReplicaBatches, ScheduleKind, StageLayout, TopologySpec, DEFAULT_ORDER, TP_PP_DP_ORDER,
 };
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
+
+pub use samples::{min_max_samples, ReplicaPace};
+
+/// Most assignments of micro-batch sizes to replicas tried one by one per grid; past
+/// it, replicas of the same devices share a size, and past that each replica takes the
+/// size at which it computes a sample fastest.
+const SIZE_ASSIGNMENTS: usize = 32;
 
 /// What to plan for.
 #[derive(Debug, Clone, PartialEq)]
@@ -49,6 +60,17 @@ pub struct Candidate {
     pub prediction: Prediction,
     /// How the layout was found.
     pub origin: CandidateOrigin,
+}
+
+impl Candidate {
+    /// "micro-batch size 2" when every replica has the same, else "micro-batch sizes
+    /// [4, 1]" (per replica).
+    pub fn micro_batch_size_text(&self) -> String {
+        match self.micro_batch_sizes.split_first() {
+            Some((b, rest)) if rest.iter().all(|x| x == b) => format!("micro-batch size {b}"),
+            _ => format!("micro-batch sizes {:?}", self.micro_batch_sizes),
+        }
+    }
 }
 
 /// Where a candidate's layout comes from.
@@ -207,8 +229,8 @@ pub struct PlanOutcome {
 }
 
 /// The throughput a perfect heterogeneous job would reach: every device training the
-/// whole model alone (memory aside) at its best micro-batch size, their throughputs
-/// added, with no communication and no bubble.
+/// whole model alone (memory aside) at its fastest micro-batch size per sample, their
+/// throughputs added, with no communication and no bubble.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ThroughputBound {
     /// Tokens per second of each device alone, in cluster order.
@@ -375,15 +397,19 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
     for p in (1..=n.min(l)).filter(|p| n % p == 0) {
         let d = n / p;
         for arrangement in [Arrangement::ByReplica, Arrangement::ByStage] {
-            let grid = arrange(&order, p, d, arrangement);
-            for b in micro_batch_sizes(request) {
+            let devices = arrange(&order, p, d, arrangement);
+            let grid = Arranged {
+                devices: &devices,
+                arrangement,
+            };
+            let sizes = micro_batch_sizes(request);
+            for &b in &sizes {
                 if g % b == 0 && g / b >= d {
-                    let grid = Arranged {
-                        devices: &grid,
-                        arrangement,
-                    };
                     search.grid(&mut ctx, grid, b, g / b)?;
                 }
+            }
+            if d > 1 && sizes.len() > 1 {
+                search.mixed(&mut ctx, grid, g, &sizes)?;
             }
         }
     }
@@ -413,18 +439,15 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
     })
 }
 
-/// Each device alone: the global batch through the whole model at the request's best
-/// micro-batch size that divides it, plus its optimizer step.
+/// Each device alone: the global batch through the whole model at the pace of the
+/// request's micro-batch size it computes a sample fastest at (whether or not it
+/// divides the batch: plans mix sizes), plus its optimizer step.
 fn throughput_bound(
     ctx: &mut Ctx<'_>,
     request: &PlanRequest,
 ) -> Result<ThroughputBound, PlanningError> {
     let g = request.global_batch_size;
-    let mut sizes: Vec<usize> = micro_batch_sizes(request);
-    sizes.retain(|&b| g % b == 0);
-    if sizes.is_empty() {
-        sizes.push(1);
-    }
+    let sizes = micro_batch_sizes(request);
     let model = &ctx.cost.model;
     let (layers, params) = (
         model.num_layers as f64,
@@ -441,7 +464,7 @@ fn throughput_bound(
         for &b in &sizes {
             let k = ctx.costs(i, b)?;
             let pass = layers * k.layer_s + k.embedding_s + k.head_s;
-            best = best.min((g / b) as f64 * pass + optimizer);
+            best = best.min(g as f64 / b as f64 * pass + optimizer);
         }
         device_tokens_per_s.push(tokens / best);
     }
@@ -499,16 +522,16 @@ impl Search {
         &mut self,
         ctx: &mut Ctx<'_>,
         grid: Arranged<'_>,
-        (layers, b, micro_batches): (Vec<usize>, usize, Vec<usize>),
+        (layers, sizes, micro_batches): (Vec<usize>, Vec<usize>, Vec<usize>),
         origin: CandidateOrigin,
     ) -> Result<(), PlanningError> {
         self.considered += 1;
-        match evaluate(ctx, grid.devices, &layers, b, &micro_batches)? {
+        match evaluate(ctx, grid.devices, &layers, &sizes, &micro_batches)? {
             Ok(prediction) => self.candidates.push(Candidate {
                 arrangement: grid.arrangement,
                 devices: grid.devices.to_vec(),
                 layers,
-                micro_batch_sizes: vec![b; grid.devices[0].len()],
+                micro_batch_sizes: sizes,
                 micro_batches,
                 prediction,
                 origin,
@@ -538,24 +561,164 @@ impl Search {
         let devices = grid.devices;
         let (p, d, l) = (devices.len(), devices[0].len(), ctx.cost.model.num_layers);
         if l % p == 0 && total % d == 0 {
-            let even = (vec![l / p; p], b, vec![total / d; d]);
+            let even = (vec![l / p; p], vec![b; d], vec![total / d; d]);
             self.consider(ctx, grid, even, CandidateOrigin::Uniform)?;
         }
-        let mut m = proportional_split(ctx, devices, b, total)?;
-        let mut seen = BTreeSet::new();
-        for _ in 0..3 {
-            let Some(layers) = split_layers(ctx, devices, b, &m, l)? else {
-                self.note(memory_violation(ctx, devices, b, &m, l)?);
-                break;
-            };
-            m = split_micro_batches(ctx, devices, b, &layers, total)?;
-            if !seen.insert((layers.clone(), m.clone())) {
-                break;
+        let m = proportional_split(ctx, devices, b, total)?;
+        self.alternate(ctx, grid, &vec![b; d], b * total, m)
+    }
+
+    /// The layouts of one grid whose replicas take micro-batch sizes of their own: for
+    /// each assignment of [`size_assignments`] in which the sizes differ, the batch split
+    /// under even layers, then alternating exact splits.
+    fn mixed(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        grid: Arranged<'_>,
+        samples: usize,
+        sizes: &[usize],
+    ) -> Result<(), PlanningError> {
+        let devices = grid.devices;
+        let even = even_layers(ctx.cost.model.num_layers, devices.len());
+        for assigned in size_assignments(ctx, devices, &even, sizes)? {
+            if assigned.iter().all(|&b| b == assigned[0]) {
+                continue;
             }
-            self.consider(ctx, grid, (layers, b, m.clone()), CandidateOrigin::Planned)?;
+            if let Some(m) = split_samples(ctx, devices, &assigned, &even, samples)? {
+                self.alternate(ctx, grid, &assigned, samples, m)?;
+            }
         }
         Ok(())
     }
+
+    /// From micro-batch counts `m`, alternates the exact layer split for the counts and
+    /// the exact batch split for the layers, keeping each new layout, until one repeats
+    /// (three rounds at most).
+    fn alternate(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        grid: Arranged<'_>,
+        sizes: &[usize],
+        samples: usize,
+        mut m: Vec<usize>,
+    ) -> Result<(), PlanningError> {
+        let (devices, l) = (grid.devices, ctx.cost.model.num_layers);
+        let mut seen = BTreeSet::new();
+        for _ in 0..3 {
+            let Some(layers) = split_layers(ctx, devices, sizes, &m, l)? else {
+                self.note(memory_violation(ctx, devices, sizes, &m, l)?);
+                break;
+            };
+            let Some(split) = split_samples(ctx, devices, sizes, &layers, samples)? else {
+                break;
+            };
+            m = split;
+            if !seen.insert((layers.clone(), m.clone())) {
+                break;
+            }
+            let layout = (layers, sizes.to_vec(), m.clone());
+            self.consider(ctx, grid, layout, CandidateOrigin::Planned)?;
+        }
+        Ok(())
+    }
+}
+
+/// `l` layers over `p` stages as evenly as they go, the first stages one more.
+fn even_layers(l: usize, p: usize) -> Vec<usize> {
+    (0..p).map(|i| l / p + usize::from(i < l % p)).collect()
+}
+
+/// Micro-batch sizes per replica to try: every assignment of `sizes` when there are at
+/// most [`SIZE_ASSIGNMENTS`]; else every assignment per kind of replica (replicas on
+/// the same device classes and memory take the same size) when those are few enough;
+/// else each kind the size at which it computes a sample fastest among those that fit
+/// its memory under `layers` (the smallest when none fits).
+fn size_assignments(
+    ctx: &mut Ctx<'_>,
+    grid: &[Vec<usize>],
+    layers: &[usize],
+    sizes: &[usize],
+) -> Result<Vec<Vec<usize>>, PlanningError> {
+    let d = grid[0].len();
+    // A replica's kind: its devices' classes and memory, stage by stage.
+    type ReplicaKind = Vec<((usize, u64), Option<u64>)>;
+    let mut kinds: Vec<ReplicaKind> = Vec::new();
+    let kind_of: Vec<usize> = (0..d)
+        .map(|r| {
+            let key: ReplicaKind = (grid.iter())
+                .map(|stage| {
+                    (
+                        ctx.devices[stage[r]].class(),
+                        ctx.memory[stage[r]].map(f64::to_bits),
+                    )
+                })
+                .collect();
+            kinds.iter().position(|k| *k == key).unwrap_or_else(|| {
+                kinds.push(key);
+                kinds.len() - 1
+            })
+        })
+        .collect();
+    let assignments = |units: usize| {
+        (sizes.len().checked_pow(u32::try_from(units).ok()?)).filter(|&n| n <= SIZE_ASSIGNMENTS)
+    };
+    // The `k`-th assignment of sizes to `units` units, in base |sizes|.
+    let nth = |mut k: usize, units: usize| -> Vec<usize> {
+        (0..units)
+            .map(|_| {
+                let size = sizes[k % sizes.len()];
+                k /= sizes.len();
+                size
+            })
+            .collect()
+    };
+    if let Some(n) = assignments(d) {
+        return Ok((0..n).map(|k| nth(k, d)).collect());
+    }
+    let per_kind: Vec<Vec<usize>> = match assignments(kinds.len()) {
+        Some(n) => (0..n).map(|k| nth(k, kinds.len())).collect(),
+        None => {
+            let mut fastest = Vec::with_capacity(kinds.len());
+            for kind in 0..kinds.len() {
+                let r = kind_of
+                    .iter()
+                    .position(|&k| k == kind)
+                    .expect("a replica per kind");
+                fastest.push(fastest_size(ctx, grid, layers, r, sizes)?);
+            }
+            vec![fastest]
+        }
+    };
+    Ok(per_kind
+        .into_iter()
+        .map(|of_kind| kind_of.iter().map(|&k| of_kind[k]).collect())
+        .collect())
+}
+
+/// The size at which replica `r` computes a sample fastest (its slowest stage's time per
+/// sample) among those that fit its memory with every micro-batch of 1F1B in flight.
+fn fastest_size(
+    ctx: &mut Ctx<'_>,
+    grid: &[Vec<usize>],
+    layers: &[usize],
+    r: usize,
+    sizes: &[usize],
+) -> Result<usize, PlanningError> {
+    let p = grid.len();
+    let mut best: Option<(f64, usize)> = None;
+    for &b in sizes {
+        let (t, _) = stage_times(ctx, grid, layers, &vec![b; grid[0].len()])?;
+        let mut fits = true;
+        for (i, &own) in layers.iter().enumerate() {
+            let (need, have) = memory_need(ctx, grid, i, r, own, b, p)?;
+            fits &= have.is_none_or(|have| need <= have);
+        }
+        let per_sample = t.iter().map(|s| s[r]).fold(0.0, f64::max) / b as f64;
+        if fits && best.is_none_or(|(s, _)| per_sample < s) {
+            best = Some((per_sample, b));
+        }
+    }
+    Ok(best.map_or(sizes[0], |(_, b)| b))
 }
 
 /// Re-times the front runners (up to `keep` × 3 planned ones) and every even layout by
@@ -576,7 +739,10 @@ fn retime_front(
     for c in candidates {
         let is_uniform = c.origin == CandidateOrigin::Uniform;
         let duplicate = front.iter().any(|f| {
-            f.layers == c.layers && f.micro_batches == c.micro_batches && f.devices == c.devices
+            f.layers == c.layers
+                && f.micro_batches == c.micro_batches
+                && f.micro_batch_sizes == c.micro_batch_sizes
+                && f.devices == c.devices
         });
         if duplicate || (!is_uniform && planned >= keep * 3) {
             continue;
@@ -612,16 +778,26 @@ fn arrange(order: &[usize], p: usize, d: usize, arrangement: Arrangement) -> Vec
 /// Values by (stage, replica).
 type Grid<T> = Vec<Vec<T>>;
 
-/// One distinct replica of a stage, as the layer DP sees it: per-layer time, extra time
-/// (embedding/head), micro-batches, micro-batches in flight, usable memory, costs.
-type StageRow = (f64, f64, f64, usize, Option<f64>, StageCosts);
+/// One distinct replica of a stage, as the layer DP sees it.
+#[derive(Clone)]
+struct StageRow {
+    per_layer_s: f64,
+    /// Embedding and head time.
+    extra_s: f64,
+    micro_batches: f64,
+    in_flight: usize,
+    usable_bytes: Option<f64>,
+    costs: StageCosts,
+    micro_batch_size: usize,
+}
 
-/// Per (stage, replica): per-micro-batch time, and p2p seconds to the next stage.
+/// Per (stage, replica): per-micro-batch time (at the replica's micro-batch size in
+/// `sizes`), and p2p seconds to the next stage.
 fn stage_times(
     ctx: &mut Ctx<'_>,
     grid: &[Vec<usize>],
     layers: &[usize],
-    b: usize,
+    sizes: &[usize],
 ) -> Result<(Grid<f64>, Grid<f64>), PlanningError> {
     let p = grid.len();
     let d = grid[0].len();
@@ -629,6 +805,7 @@ fn stage_times(
     let mut c = vec![vec![0.0; d]; p];
     for i in 0..p {
         for r in 0..d {
+            let b = sizes[r];
             let k = ctx.costs(grid[i][r], b)?;
             t[i][r] = layers[i] as f64 * k.layer_s
                 + if i == 0 { k.embedding_s } else { 0.0 }
@@ -674,7 +851,7 @@ fn evaluate(
     ctx: &mut Ctx<'_>,
     grid: &[Vec<usize>],
     layers: &[usize],
-    b: usize,
+    sizes: &[usize],
     m: &[usize],
 ) -> Result<Result<Prediction, Violation>, PlanningError> {
     let p = grid.len();
@@ -682,7 +859,7 @@ fn evaluate(
     let mut stage_memory = vec![0.0f64; p];
     for i in 0..p {
         for r in 0..d {
-            let (need, have) = memory_need(ctx, grid, i, r, layers[i], b, m[r])?;
+            let (need, have) = memory_need(ctx, grid, i, r, layers[i], sizes[r], m[r])?;
             stage_memory[i] = stage_memory[i].max(need);
             if let Some(have) = have {
                 if need > have {
@@ -698,7 +875,7 @@ fn evaluate(
                             device: dev.index,
                             need_bytes: need,
                             usable_bytes: have,
-                            micro_batch_size: b,
+                            micro_batch_size: sizes[r],
                             in_flight: (p - i).min(m[r]),
                         }),
                     }));
@@ -706,7 +883,7 @@ fn evaluate(
             }
         }
     }
-    let (t, c) = stage_times(ctx, grid, layers, b)?;
+    let (t, c) = stage_times(ctx, grid, layers, sizes)?;
     let pipeline_s = (0..d)
         .map(|r| pipeline_time(&t, &c, r, m[r]))
         .fold(0.0, f64::max);
@@ -785,9 +962,8 @@ fn proportional_split(
 ) -> Result<Vec<usize>, PlanningError> {
     let p = grid.len();
     let d = grid[0].len();
-    let l = ctx.cost.model.num_layers;
-    let even: Vec<usize> = (0..p).map(|i| l / p + usize::from(i < l % p)).collect();
-    let (t, _) = stage_times(ctx, grid, &even, b)?;
+    let even = even_layers(ctx.cost.model.num_layers, p);
+    let (t, _) = stage_times(ctx, grid, &even, &vec![b; d])?;
     let rate: Vec<f64> = (0..d)
         .map(|r| 1.0 / t.iter().map(|s| s[r]).fold(1e-30, f64::max))
         .collect();
@@ -841,16 +1017,31 @@ pub fn min_max_split(
     m
 }
 
-fn split_micro_batches(
+/// The exact min-max split of `samples` over the replicas at micro-batch sizes
+/// `sizes` under `layers`; `None` when no counts make `samples`.
+fn split_samples(
     ctx: &mut Ctx<'_>,
     grid: &[Vec<usize>],
-    b: usize,
+    sizes: &[usize],
     layers: &[usize],
-    total: usize,
-) -> Result<Vec<usize>, PlanningError> {
-    let (t, c) = stage_times(ctx, grid, layers, b)?;
+    samples: usize,
+) -> Result<Option<Vec<usize>>, PlanningError> {
+    let (t, c) = stage_times(ctx, grid, layers, sizes)?;
     let d = grid[0].len();
-    Ok(min_max_split(total, |r, m| pipeline_time(&t, &c, r, m), d))
+    let b = sizes[0];
+    if sizes.iter().all(|&s| s == b) {
+        let fits = samples % b == 0 && samples / b >= d;
+        let time = |r, m| pipeline_time(&t, &c, r, m);
+        return Ok(fits.then(|| min_max_split(samples / b, time, d)));
+    }
+    let paces: Vec<ReplicaPace> = (0..d)
+        .map(|r| ReplicaPace {
+            micro_batch_size: sizes[r],
+            first_s: pipeline_time(&t, &c, r, 1),
+            each_s: t.iter().map(|s| s[r]).fold(0.0, f64::max),
+        })
+        .collect();
+    Ok(min_max_samples(samples, &paces))
 }
 
 /// Exact contiguous split of `l` layers over `costs.len()` stages minimising the largest
@@ -901,7 +1092,7 @@ pub fn min_max_layers(l: usize, costs: &[&dyn Fn(usize) -> Option<f64>]) -> Opti
 fn split_layers(
     ctx: &mut Ctx<'_>,
     grid: &[Vec<usize>],
-    b: usize,
+    sizes: &[usize],
     m: &[usize],
     l: usize,
 ) -> Result<Option<Vec<usize>>, PlanningError> {
@@ -914,7 +1105,7 @@ fn split_layers(
         let mut stage_rows = Vec::new();
         let mut seen = BTreeSet::new();
         for r in 0..d {
-            let dev = stage_devices[r];
+            let (dev, b) = (stage_devices[r], sizes[r]);
             let k = ctx.costs(dev, b)?;
             let extra =
                 if i == 0 { k.embedding_s } else { 0.0 } + if i + 1 == p { k.head_s } else { 0.0 };
@@ -923,16 +1114,18 @@ fn split_layers(
                 extra.to_bits(),
                 m[r],
                 ctx.memory[dev].map(f64::to_bits),
+                b,
             );
             if seen.insert(key) {
-                stage_rows.push((
-                    k.layer_s,
-                    extra,
-                    m[r] as f64,
-                    (p - i).min(m[r]),
-                    ctx.memory[dev],
-                    k,
-                ));
+                stage_rows.push(StageRow {
+                    per_layer_s: k.layer_s,
+                    extra_s: extra,
+                    micro_batches: m[r] as f64,
+                    in_flight: (p - i).min(m[r]),
+                    usable_bytes: ctx.memory[dev],
+                    costs: k,
+                    micro_batch_size: b,
+                });
             }
         }
         rows.push(stage_rows);
@@ -943,14 +1136,17 @@ fn split_layers(
             let stage_rows = rows[i].clone();
             let f: Box<dyn Fn(usize) -> Option<f64>> = Box::new(move |layers: usize| {
                 let mut worst = 0.0f64;
-                for (per_layer, extra, weight, in_flight, have, k) in &stage_rows {
-                    if let Some(have) = have {
-                        let need = cost.memory_bytes(k, layers, i == 0, i + 1 == p, *in_flight, b);
-                        if need > *have {
+                for row in &stage_rows {
+                    if let Some(have) = row.usable_bytes {
+                        let (first, last) = (i == 0, i + 1 == p);
+                        let (k, b) = (&row.costs, row.micro_batch_size);
+                        let need = cost.memory_bytes(k, layers, first, last, row.in_flight, b);
+                        if need > have {
                             return None;
                         }
                     }
-                    worst = worst.max(weight * (layers as f64 * per_layer + extra));
+                    let time = layers as f64 * row.per_layer_s + row.extra_s;
+                    worst = worst.max(row.micro_batches * time);
                 }
                 Some(worst)
             });
@@ -966,13 +1162,13 @@ fn split_layers(
 fn memory_violation(
     ctx: &mut Ctx<'_>,
     grid: &[Vec<usize>],
-    b: usize,
+    sizes: &[usize],
     m: &[usize],
     l: usize,
 ) -> Result<Violation, PlanningError> {
     let p = grid.len();
-    let even: Vec<usize> = (0..p).map(|i| l / p + usize::from(i < l % p)).collect();
-    match evaluate(ctx, grid, &even, b, m)? {
+    let even = even_layers(l, p);
+    match evaluate(ctx, grid, &even, sizes, m)? {
         Err(v) => Ok(v),
         Ok(_) => Ok(Violation {
             ratio: 1.0,
@@ -1057,8 +1253,8 @@ fn simulate_step(
     let programs = plan_schedule(&plan, ScheduleKind::OneFOneB)?;
     let topology = plan.topology()?;
     let p = c.layers.len();
-    let b = c.micro_batch_sizes[0];
-    let (t, _) = stage_times(ctx, &c.devices, &c.layers, b)?;
+    let sizes = &c.micro_batch_sizes;
+    let (t, _) = stage_times(ctx, &c.devices, &c.layers, sizes)?;
     let coords: Vec<(usize, usize)> = (0..plan.topology.world_size)
         .map(|r| {
             let x = topology.coordinates(r).expect("rank in topology");
@@ -1067,7 +1263,7 @@ fn simulate_step(
         .collect();
     let mut fractions = vec![0.0; coords.len()];
     for (rank, &(i, r)) in coords.iter().enumerate() {
-        fractions[rank] = ctx.costs(c.devices[i][r], b)?.forward_fraction;
+        fractions[rank] = ctx.costs(c.devices[i][r], sizes[r])?.forward_fraction;
     }
     let devices = &ctx.devices;
     let cost = ctx.cost;
@@ -1084,7 +1280,7 @@ fn simulate_step(
         cost.p2p_seconds(
             &devices[c.devices[a.0][a.1]],
             &devices[c.devices[b_.0][b_.1]],
-            b,
+            sizes[a.1],
         )
     };
     let report = match record {
@@ -1151,11 +1347,11 @@ pub fn timeline(cost: &CostModel, candidate: &Candidate) -> Result<Timeline, Pla
     let layers: Vec<String> = candidate.layers.iter().map(usize::to_string).collect();
     Ok(Timeline {
         title: format!(
-            "predicted: pp {} x dp {}, layers [{}], micro-batch size {}, step {:.4} s",
+            "predicted: pp {} x dp {}, layers [{}], {}, step {:.4} s",
             candidate.layers.len(),
             candidate.micro_batches.len(),
             layers.join(", "),
-            candidate.micro_batch_sizes[0],
+            candidate.micro_batch_size_text(),
             prediction.step_time_s
         ),
         ranks,
@@ -1307,8 +1503,8 @@ mod tests {
             }
         }
 
-        /// The bound is each device alone: its best micro-batch size through the whole
-        /// model, plus its optimizer step, added over devices.
+        /// The bound is each device alone: the batch through the whole model at its
+        /// fastest pace per sample, plus its optimizer step, added over devices.
         #[test]
         fn bound_adds_each_device_alone(
             tflops in proptest::collection::vec(10.0f64..400.0, 1..=3),
@@ -1332,15 +1528,83 @@ mod tests {
             let bound = throughput_bound(&mut ctx, &request).unwrap();
             let params = model.stage_params(4, true, true);
             for (dev, &rate) in cost.cluster.devices().iter().zip(&bound.device_tokens_per_s) {
-                let step = [1usize, 2, 4].into_iter().filter(|b| g % b == 0).map(|b| {
+                let step = [1usize, 2, 4].into_iter().map(|b| {
                     let k = cost.stage_costs(dev, b).unwrap();
-                    (g / b) as f64 * (4.0 * k.layer_s + k.embedding_s + k.head_s)
+                    g as f64 / b as f64 * (4.0 * k.layer_s + k.embedding_s + k.head_s)
                 }).fold(f64::INFINITY, f64::min) + cost.optimizer_seconds(dev, params).unwrap();
                 prop_assert!((rate - (g * 128) as f64 / step).abs() < 1e-9 * rate);
             }
             let sum: f64 = bound.device_tokens_per_s.iter().sum();
             prop_assert!((bound.tokens_per_s - sum).abs() < 1e-9 * sum);
             prop_assert_eq!(bound.device_tokens_per_s.len(), 2 * tflops.len());
+        }
+
+        /// With one layer (one stage), the best plan equals brute force over every
+        /// micro-batch size and count per replica (memory included): sizes may differ.
+        #[test]
+        fn per_replica_sizes_match_brute_force(
+            devices in proptest::collection::vec((10.0f64..400.0, 1.0f64..3.0), 1..=3),
+            g in 1usize..=12,
+        ) {
+            use crate::cluster::ClusterSpec;
+            use crate::cost::ModelShape;
+            let mut toml = String::new();
+            for (tflops, mem) in &devices {
+                toml.push_str(&format!(
+                    "[[group]]\nkind = \"custom\"\ncount = 1\nnode = \"n\"\ntflops_bf16 = {tflops}\nmemory_gb = {mem}\nmem_bw_gbs = 1000\n"
+                ));
+            }
+            toml.push_str("[network]\nintra_node_gbs = 100\ninter_node_gbs = 10\n");
+            let cluster = ClusterSpec::from_toml(&toml).unwrap();
+            let model = ModelShape {
+                num_layers: 1, hidden_size: 1024, num_heads: 8, num_kv_heads: 8,
+                ffn_hidden_size: 3072, vocab_size: 32_000, seq_length: 1024, tied: false,
+            };
+            let cost = CostModel::new(model, cluster, None);
+            let sizes = [1usize, 2, 4];
+            let request = PlanRequest { global_batch_size: g, micro_batch_sizes: sizes.to_vec(), top_k: 1 };
+            let devs = cost.cluster.devices();
+            let d = devs.len();
+            let params = cost.model.stage_params(1, true, true);
+            let all: Vec<&Device> = devs.iter().collect();
+            let after = cost.allreduce_seconds(&all, params * 4.0)
+                + devs.iter().map(|x| cost.optimizer_seconds(x, params).unwrap()).fold(0.0, f64::max);
+            // Every (size, count) per replica whose samples add up to g.
+            let mut brute: Option<f64> = None;
+            let choices: Vec<(usize, usize)> = sizes.iter().flat_map(|&b| (1..=g / b).map(move |m| (b, m))).collect();
+            let mut pick = vec![0usize; d];
+            'all: loop {
+                let chosen: Vec<(usize, usize)> = pick.iter().map(|&k| choices[k]).collect();
+                if chosen.iter().map(|(b, m)| b * m).sum::<usize>() == g {
+                    let mut worst = 0.0f64;
+                    let mut fits = true;
+                    for (dev, &(b, m)) in devs.iter().zip(&chosen) {
+                        let k = cost.stage_costs(dev, b).unwrap();
+                        let need = cost.memory_bytes(&k, 1, true, true, 1, b);
+                        fits &= need <= cost.usable_memory(dev).unwrap();
+                        worst = worst.max(m as f64 * (k.layer_s + k.embedding_s + k.head_s));
+                    }
+                    if fits {
+                        brute = Some(brute.map_or(worst + after, |x: f64| x.min(worst + after)));
+                    }
+                }
+                for slot in pick.iter_mut() {
+                    *slot += 1;
+                    if *slot < choices.len() {
+                        continue 'all;
+                    }
+                    *slot = 0;
+                }
+                break;
+            }
+            match (plan(&cost, &request), brute) {
+                (Ok(outcome), Some(best)) => {
+                    let got = outcome.plans[0].prediction.step_time_s;
+                    prop_assert!((got - best).abs() < 1e-9 * best, "{:?}: {} vs brute force {}", outcome.plans[0].micro_batch_sizes, got, best);
+                }
+                (Err(PlanningError::Infeasible(_)), None) => {}
+                (got, brute) => prop_assert!(false, "{:?} vs brute force {:?}", got.map(|o| o.plans[0].clone()), brute),
+            }
         }
 
         /// The greedy replica split equals brute force on small cases.
