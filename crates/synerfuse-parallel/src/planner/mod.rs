@@ -707,13 +707,14 @@ fn fastest_size(
     let p = grid.len();
     let mut best: Option<(f64, usize)> = None;
     for &b in sizes {
-        let (t, _) = stage_times(ctx, grid, layers, &vec![b; grid[0].len()])?;
-        let mut fits = true;
+        let (mut fits, mut slowest) = (true, 0.0f64);
         for (i, &own) in layers.iter().enumerate() {
             let (need, have) = memory_need(ctx, grid, i, r, own, b, p)?;
             fits &= have.is_none_or(|have| need <= have);
+            let k = ctx.costs(grid[i][r], b)?;
+            slowest = slowest.max(stage_seconds(&k, own, i, p));
         }
-        let per_sample = t.iter().map(|s| s[r]).fold(0.0, f64::max) / b as f64;
+        let per_sample = slowest / b as f64;
         if fits && best.is_none_or(|(s, _)| per_sample < s) {
             best = Some((per_sample, b));
         }
@@ -807,9 +808,7 @@ fn stage_times(
         for r in 0..d {
             let b = sizes[r];
             let k = ctx.costs(grid[i][r], b)?;
-            t[i][r] = layers[i] as f64 * k.layer_s
-                + if i == 0 { k.embedding_s } else { 0.0 }
-                + if i + 1 == p { k.head_s } else { 0.0 };
+            t[i][r] = stage_seconds(&k, layers[i], i, p);
             if i + 1 < p {
                 c[i][r] =
                     ctx.cost
@@ -818,6 +817,14 @@ fn stage_times(
         }
     }
     Ok((t, c))
+}
+
+/// One micro-batch's forward and backward through stage `i` of `p` holding `layers`
+/// layers (and the embedding or head at the ends).
+fn stage_seconds(k: &StageCosts, layers: usize, i: usize, p: usize) -> f64 {
+    layers as f64 * k.layer_s
+        + if i == 0 { k.embedding_s } else { 0.0 }
+        + if i + 1 == p { k.head_s } else { 0.0 }
 }
 
 /// The 1F1B time of a replica: fill and drain plus (m − 1) of its slowest stage.

@@ -45,16 +45,16 @@ impl ReplicaPace {
 
 /// Micro-batch counts, at least one per replica, whose samples add up to `samples`
 /// and whose slowest replica is as fast as any such counts allow; `None` when no counts
-/// add up (sizes that cannot make `samples`).
+/// add up (sizes that cannot make `samples`). Times are finite and non-negative.
 ///
-/// Replicas of the same pace are grouped, the answer is the least of the finitely many
-/// times a replica can take, found by bisection; each test asks whether some counts
-/// within the time make `samples`, by a reachability table over sample totals per
-/// distinct micro-batch size (whose counts form an interval).
+/// Replicas of the same pace are grouped; the least time within which some counts make
+/// `samples` is found by bisection, each test a reachability table over sample totals
+/// per distinct micro-batch size (whose total counts form an interval).
 pub fn min_max_samples(samples: usize, paces: &[ReplicaPace]) -> Option<Vec<usize>> {
     if paces.is_empty() || paces.iter().any(|p| p.micro_batch_size == 0) {
         return None;
     }
+    debug_assert!(paces.iter().all(|p| p.first_s >= 0.0 && p.each_s >= 0.0));
     let mut groups: BTreeMap<(usize, u64, u64), Vec<usize>> = BTreeMap::new();
     for (r, p) in paces.iter().enumerate() {
         let key = (p.micro_batch_size, p.first_s.to_bits(), p.each_s.to_bits());
@@ -64,26 +64,27 @@ pub fn min_max_samples(samples: usize, paces: &[ReplicaPace]) -> Option<Vec<usiz
         .into_values()
         .map(|members| (paces[members[0]], members))
         .collect();
-    let mut limits: Vec<f64> = groups
-        .iter()
-        .flat_map(|(p, _)| (1..=samples / p.micro_batch_size).map(|m| p.time(m)))
-        .collect();
-    limits.sort_by(f64::total_cmp);
-    limits.dedup();
     let counts_within = |limit: f64| counts_within(samples, &groups, limit, paces.len());
-    let (mut lo, mut hi) = (0usize, limits.len().checked_sub(1)?);
-    let mut best = counts_within(limits[hi])?;
-    while lo < hi {
-        let mid = (lo + hi) / 2;
-        match counts_within(limits[mid]) {
+    // Bisection on the bit patterns of non-negative doubles (ordered as the numbers)
+    // down to adjacent doubles: the least feasible limit is then a replica's exact time.
+    let most = (groups.iter())
+        .map(|(p, _)| p.time((samples / p.micro_batch_size).max(1)))
+        .fold(0.0, f64::max);
+    let mut best = counts_within(most)?;
+    if let Some(counts) = counts_within(0.0) {
+        return Some(counts);
+    }
+    let (mut lo, mut hi) = (0u64, most.to_bits());
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        match counts_within(f64::from_bits(mid)) {
             Some(counts) => {
                 best = counts;
                 hi = mid;
             }
-            None => lo = mid + 1,
+            None => lo = mid,
         }
     }
-    // `best` holds the counts of the least feasible limit, `limits[hi]`.
     Some(best)
 }
 
