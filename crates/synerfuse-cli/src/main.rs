@@ -7,6 +7,7 @@ mod env_report;
 mod index_command;
 mod model_commands;
 mod plan_commands;
+mod timeline_command;
 mod topology_command;
 mod train_command;
 mod values;
@@ -50,6 +51,8 @@ enum Command {
     Merge(data_commands::MergeArgs),
     /// Show counts, dtype, length statistics and the first documents of a dataset
     Inspect(data_commands::InspectArgs),
+    /// Draw a training run's measured step per rank (from --log-json) under the plan's prediction (SVG)
+    Timeline(timeline_command::TimelineArgs),
     /// Tokenizer tools: train a byte-level BPE for corpora that have no tokenizer
     #[command(subcommand)]
     Tokenizer(data_commands::TokenizerCommand),
@@ -102,6 +105,7 @@ fn run() -> Result<()> {
         Command::Index(args) => index_command::run_index(args),
         Command::Profile(args) => plan_commands::run_profile(*args),
         Command::Plan(args) => plan_commands::run_plan(*args),
+        Command::Timeline(args) => timeline_command::run(args),
         Command::Train(args) => train_command::run_train(*args),
         Command::Topology(args) => topology_command::run_topology(args),
         Command::Score(args) => model_commands::run_score(args),

@@ -194,13 +194,14 @@ pub struct PlanArgs {
     #[arg(long)]
     json: bool,
     /// Draw the best plan's simulated step per rank here (SVG: forward, backward,
-    /// waiting, the data-parallel reduction, the optimizer)
+    /// waiting, the data-parallel reduction, the optimizer; FILE.json: the spans, for
+    /// `synerfuse timeline --predicted`)
     #[arg(long)]
     timeline: Option<PathBuf>,
 }
 
 /// Writes `text` to `path` under a temporary name first.
-fn write_atomically(path: &std::path::Path, text: &str) -> Result<()> {
+pub(crate) fn write_atomically(path: &std::path::Path, text: &str) -> Result<()> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
@@ -294,10 +295,11 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
     }
     if let Some(out) = &args.timeline {
         let timeline = planner::timeline(&cost, &outcome.plans[0])?;
-        write_atomically(
-            out,
-            &synerfuse_parallel::timeline::Timeline::svg(&[timeline]),
-        )?;
+        let text = match out.extension().is_some_and(|e| e == "json") {
+            true => serde_json::to_string_pretty(&timeline)?,
+            false => synerfuse_parallel::timeline::Timeline::svg(&[timeline]),
+        };
+        write_atomically(out, &text)?;
     }
     let report = PlanReport {
         cost: &cost,

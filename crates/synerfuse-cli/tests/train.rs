@@ -1223,19 +1223,77 @@ fn plan_writes_what_train_runs() {
         text.contains("[[replica]]") && text.contains("0.25"),
         "{text}"
     );
+    let predicted = dir.path().join("predicted.json");
+    args.extend(["--timeline", predicted.to_str().unwrap()]);
+    plan_json(&args);
     let data = dataset(dir.path());
+    let log = dir.path().join("log.jsonl");
     let mut train = common(dir.path(), &data, 3);
     train.extend([
         "--nproc".into(),
         "4".into(),
         "--plan".into(),
         plan.display().to_string(),
+        "--log-json".into(),
+        log.display().to_string(),
     ]);
     let out = synerfuse(&train);
     ok(&out, "train --plan");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("device emulation"), "{stderr}");
     println!("planned {j}");
+    // Every rank's measured step: each pass's forward and backward, in time order within
+    // the step, then the reduction and the optimizer; drawn under the prediction.
+    let last = json_records(&log).pop().unwrap();
+    let samples_per_rank: Vec<u64> = (j["micro_batch_size_per_replica"].as_array().unwrap())
+        .iter()
+        .zip(j["num_micro_batches_per_replica"].as_array().unwrap())
+        .map(|(b, m)| b.as_u64().unwrap() * m.as_u64().unwrap())
+        .collect();
+    assert_eq!(samples_per_rank.iter().sum::<u64>(), 6);
+    let step_s = last["elapsed_ms"].as_f64().unwrap() / 1e3;
+    for rank in last["ranks"].as_array().unwrap() {
+        let spans = rank["spans"].as_array().unwrap();
+        let count = |kind: &str| spans.iter().filter(|s| s["kind"] == kind).count();
+        assert!(
+            count("forward") >= 1 && count("forward") == count("backward"),
+            "{rank}"
+        );
+        assert_eq!((count("reduce"), count("optimizer")), (1, 1), "{rank}");
+        let mut end = 0.0;
+        for span in spans {
+            let (a, b) = (
+                span["start_s"].as_f64().unwrap(),
+                span["end_s"].as_f64().unwrap(),
+            );
+            assert!(end <= a && a <= b && b <= step_s + 1e-3, "{rank}");
+            end = b;
+        }
+    }
+    let svg = dir.path().join("step.svg");
+    let out = synerfuse(&strings(&[
+        "timeline",
+        log.to_str().unwrap(),
+        "--predicted",
+        predicted.to_str().unwrap(),
+        "--output",
+        svg.to_str().unwrap(),
+    ]));
+    ok(&out, "timeline");
+    let drawn = std::fs::read_to_string(&svg).unwrap();
+    assert!(drawn.contains("predicted: pp") && drawn.contains("measured: iteration 3"));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("predicted step"));
+    // A log without spans says what to do.
+    let bare = dir.path().join("bare.jsonl");
+    std::fs::write(&bare, "{\"iteration\": 1, \"ranks\": [{}]}\n").unwrap();
+    let out = synerfuse(&strings(&[
+        "timeline",
+        bare.to_str().unwrap(),
+        "--output",
+        svg.to_str().unwrap(),
+    ]));
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no record with every rank's spans"));
 
     // Micro-batch sizes per replica: the slow rank's memory holds one sample's logits,
     // the fast rank computes a sample fastest at size 4 (4 x 1 + 1 x 2 = 6 samples).

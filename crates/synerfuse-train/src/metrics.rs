@@ -6,7 +6,7 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 /// One rank's time in one iteration, in milliseconds.
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct RankTimes {
     /// Forward/backward/optimizer computation (with emulated slowdown).
     pub compute_ms: f64,
@@ -21,6 +21,10 @@ pub struct RankTimes {
     pub state_bytes: u64,
     /// Its activation high-water mark in bytes (see [`crate::memory`]), once measured.
     pub activation_peak_bytes: Option<u64>,
+    /// What it did when, seconds from the step's start (on the iterations whose log
+    /// line is printed; `synerfuse timeline` draws them).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub spans: Option<Vec<synerfuse_parallel::timeline::Span>>,
 }
 
 /// One iteration's numbers, as the log line and the JSON log carry them.

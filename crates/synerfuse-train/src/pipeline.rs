@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use synerfuse_model::tch::{Device, Kind, Tensor};
 use synerfuse_model::tp::{CollectiveError, TpBackwardFrom, TpCollectives};
 use synerfuse_model::{BackwardFrom, ForwardPass, Stage};
+use synerfuse_parallel::timeline::{Span, SpanKind};
 use synerfuse_parallel::{Instruction, Message, Pass, Payload, Piece};
 
 /// Where a rank's time went in one step.
@@ -59,6 +60,8 @@ pub struct PipelineRank<'a> {
     pub activation_kind: Kind,
     /// Emulated slowdown, if any.
     pub emulation: Option<Emulation>,
+    /// When the step began: the origin of the spans [`PipelineRank::run`] records.
+    pub step_start: Instant,
 }
 
 /// What the pipeline tells its caller as it runs a program.
@@ -73,6 +76,31 @@ pub enum PipelineEvent {
     /// An instruction other than a backward has ended (a moment to progress
     /// communication in flight).
     Between,
+}
+
+/// What a rank does while it runs `instruction`: a receive blocks until the message
+/// arrives.
+fn span_kind(instruction: Instruction) -> SpanKind {
+    match instruction {
+        Instruction::Recv(_) => SpanKind::Wait,
+        Instruction::Send(_) => SpanKind::Send,
+        Instruction::Compute {
+            pass: Pass::Forward,
+            ..
+        } => SpanKind::Forward,
+        Instruction::Compute {
+            pass: Pass::Backward,
+            ..
+        } => SpanKind::Backward,
+    }
+}
+
+/// The piece an instruction computes or carries.
+fn instruction_piece(instruction: Instruction) -> Piece {
+    match instruction {
+        Instruction::Recv(m) | Instruction::Send(m) => m.piece,
+        Instruction::Compute { piece, .. } => piece,
+    }
 }
 
 /// The tag of a message: its sending piece and what it carries.
@@ -125,6 +153,8 @@ struct StepState {
     sends: Sends,
     times: StepTimes,
     loss: StepLoss,
+    /// What each instruction took, from the step's start.
+    spans: Vec<Span>,
 }
 
 impl StepState {
@@ -146,7 +176,9 @@ impl PipelineRank<'_> {
     /// step) before its backward, so gradients summed over replicas are the global-batch
     /// gradient. Parameter gradients accumulate in the stages; `on_event` hears of each
     /// backward's end (and of every other instruction's), so the caller can move and
-    /// reduce gradients while the pipeline runs on.
+    /// reduce gradients while the pipeline runs on. Returns, with the loss and the
+    /// times, each instruction's span from `step_start` (passes, sends, waiting for a
+    /// message).
     pub fn run(
         &self,
         program: &[Instruction],
@@ -154,7 +186,7 @@ impl PipelineRank<'_> {
         sequence_length: usize,
         loss_normaliser: f64,
         on_event: &mut dyn FnMut(PipelineEvent) -> Result<(), TrainError>,
-    ) -> Result<(StepLoss, StepTimes), TrainError> {
+    ) -> Result<(StepLoss, StepTimes, Vec<Span>), TrainError> {
         let mode = Mode::Train { loss_normaliser };
         self.execute(program, micro_batches, sequence_length, mode, on_event)
     }
@@ -170,14 +202,20 @@ impl PipelineRank<'_> {
     ) -> Result<(StepLoss, StepTimes), TrainError> {
         synerfuse_model::tch::no_grad(|| {
             let mut on_event = |_| Ok(());
-            self.execute(
+            let (loss, times, _) = self.execute(
                 program,
                 micro_batches,
                 sequence_length,
                 Mode::Evaluate,
                 &mut on_event,
-            )
+            )?;
+            Ok((loss, times))
         })
+    }
+
+    /// Seconds since the step began.
+    fn now_s(&self) -> f64 {
+        self.step_start.elapsed().as_secs_f64()
     }
 
     fn execute(
@@ -187,7 +225,7 @@ impl PipelineRank<'_> {
         sequence_length: usize,
         mode: Mode,
         on_event: &mut dyn FnMut(PipelineEvent) -> Result<(), TrainError>,
-    ) -> Result<(StepLoss, StepTimes), TrainError> {
+    ) -> Result<(StepLoss, StepTimes, Vec<Span>), TrainError> {
         let device = self.chunks[0].device();
         let inputs: Vec<BatchTensors> = micro_batches
             .iter()
@@ -204,6 +242,7 @@ impl PipelineRank<'_> {
             }
         }
         for &instruction in program {
+            let start_s = self.now_s();
             let event = match (instruction, mode) {
                 (Instruction::Recv(message), _) => {
                     let rows = inputs[message.piece.micro_batch].rows;
@@ -259,12 +298,18 @@ impl PipelineRank<'_> {
                     PipelineEvent::Between
                 }
             };
+            step.spans.push(Span {
+                kind: span_kind(instruction),
+                start_s,
+                end_s: self.now_s(),
+                micro_batch: Some(instruction_piece(instruction).micro_batch),
+            });
             // Gradient bookkeeping between instructions counts as computation.
             let started = Instant::now();
             on_event(event)?;
             step.times.compute += started.elapsed();
         }
-        let started = Instant::now();
+        let (started, start_s) = (Instant::now(), self.now_s());
         let sends = &mut step.sends;
         self.links.exchange(&sends.nccl, None)?;
         sends.in_flight.append(&mut sends.nccl);
@@ -274,12 +319,18 @@ impl PipelineRank<'_> {
             send.wait();
         }
         step.times.communication += started.elapsed();
+        step.spans.push(Span {
+            kind: SpanKind::Send,
+            start_s,
+            end_s: self.now_s(),
+            micro_batch: None,
+        });
         if !step.passes.is_empty() {
             return Err(TrainError::Pipeline(PipelineFault::Unfinished(
                 step.passes.len(),
             )));
         }
-        Ok((step.loss, step.times))
+        Ok((step.loss, step.times, step.spans))
     }
 
     /// The forward of `piece`: its input is the batch's tokens on the first stage's

@@ -151,6 +151,7 @@ impl Trainer<'_> {
             peer_rows: &self.peer_rows,
             activation_kind: self.activation_kind(),
             emulation: self.emulation,
+            step_start: std::time::Instant::now(),
         };
         let sequence_length = self.config.batch.sequence_length;
         pipeline.evaluate(&self.eval_program, micro_batches, sequence_length)

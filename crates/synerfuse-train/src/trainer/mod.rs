@@ -23,6 +23,7 @@ use std::time::Instant;
 use synerfuse_data::gpt::SampleOptions;
 use synerfuse_model::tch::{self, Device, Kind, Tensor};
 use synerfuse_model::{DeviceRequest, ResolveDevice, Stage};
+use synerfuse_parallel::timeline::{Span, SpanKind};
 use synerfuse_parallel::{GradientReduction, Instruction, TpLayout};
 
 mod config;
@@ -667,10 +668,13 @@ impl<'w> Trainer<'w> {
         let mut ended_early = false;
         while self.iteration < train_iters {
             let started = Instant::now();
-            let step = self.step()?;
+            let step = self.step(started)?;
             let stop = signals::stop_requested();
+            let elapsed = started.elapsed();
+            // Every rank's spans on the steps whose JSON record carries them.
+            let with_spans = log.keeps_spans(self.iteration + 1);
             let outcome =
-                StepOutcome::gather(self.world, step, started.elapsed(), stop, replica_tokens)?;
+                StepOutcome::gather(self.world, step, elapsed, stop, replica_tokens, with_spans)?;
             self.iteration += 1;
             self.consumed_samples += global_batch;
             summary.iteration = self.iteration;
@@ -757,21 +761,33 @@ impl<'w> Trainer<'w> {
         Ok(global)
     }
 
-    /// One iteration: the pipeline, the gradient reductions, the optimizer step.
-    fn step(&mut self) -> Result<StepResult, TrainError> {
+    /// One iteration (begun at `step_start`): the pipeline, the gradient reductions, the
+    /// optimizer step.
+    fn step(&mut self, step_start: Instant) -> Result<StepResult, TrainError> {
         let micro_batches = match &mut self.loader {
             Some(loader) => loader.step(self.consumed_samples)?,
             None => return Err(LoaderError::NoTrainData.into()),
         };
+        let since_start = || step_start.elapsed().as_secs_f64();
+        let span = |kind, start_s| Span {
+            kind,
+            start_s,
+            end_s: since_start(),
+            micro_batch: None,
+        };
         let mut times = StepTimes::default();
         let started = Instant::now();
+        let mut spans = vec![];
         let loss_tokens = self.global_loss_tokens(&micro_batches)?;
+        // Counting the global batch's loss tokens waits for every rank.
+        spans.push(span(SpanKind::Wait, 0.0));
         times.communication += started.elapsed();
         self.optimizer.zero_grad();
         self.grads.begin_step(&self.program);
         let mut high_water = self.memory_probe.as_ref().and_then(HighWater::start);
-        let (loss, pipeline_times) =
-            self.run_pipeline(&micro_batches, loss_tokens, high_water.as_mut())?;
+        let (loss, pipeline_times, pipeline_spans) =
+            self.run_pipeline(&micro_batches, loss_tokens, high_water.as_mut(), step_start)?;
+        spans.extend(pipeline_spans);
         // This process's first step also allocates the gradients: its peak is not the
         // activations'.
         self.steps_run += 1;
@@ -794,10 +810,11 @@ impl<'w> Trainer<'w> {
             );
             std::process::exit(3);
         }
-        let started = Instant::now();
+        let (started, start_s) = (Instant::now(), since_start());
         let (grads, grad_norm) = self.reduced_gradients()?;
         times.communication += started.elapsed();
-        let started = Instant::now();
+        spans.push(span(SpanKind::Reduce, start_s));
+        let (started, start_s) = (Instant::now(), since_start());
         let lr = self.config.optimizer.lr.lr(self.consumed_samples);
         let factor = clip_factor(grad_norm, self.config.optimizer.clip_grad);
         self.optimizer.step_with_grads(lr, &grads, factor);
@@ -805,6 +822,7 @@ impl<'w> Trainer<'w> {
             zero.step(lr, factor, &self.groups)?;
         }
         times.compute += started.elapsed();
+        spans.push(span(SpanKind::Optimizer, start_s));
         Ok(StepResult {
             loss_sum: loss.loss_sum,
             loss_tokens,
@@ -812,6 +830,7 @@ impl<'w> Trainer<'w> {
             grad_norm,
             times,
             memory: self.memory,
+            spans,
         })
     }
 
@@ -822,7 +841,8 @@ impl<'w> Trainer<'w> {
         micro_batches: &[crate::loader::MicroBatch],
         loss_tokens: f64,
         mut high_water: Option<&mut HighWater>,
-    ) -> Result<(crate::pipeline::StepLoss, StepTimes), TrainError> {
+        step_start: Instant,
+    ) -> Result<(crate::pipeline::StepLoss, StepTimes, Vec<Span>), TrainError> {
         let pipeline = PipelineRank {
             chunks: &self.chunks,
             stage_index: self.stage_index,
@@ -833,6 +853,7 @@ impl<'w> Trainer<'w> {
             peer_rows: &self.peer_rows,
             activation_kind: self.activation_kind(),
             emulation: self.emulation,
+            step_start,
         };
         let groups = &self.groups;
         let overlap = self.config.parallel.overlap_grad_reduce;

@@ -10,9 +10,10 @@ use crate::pipeline::StepTimes;
 use crate::TrainError;
 use std::time::Duration;
 use synerfuse_model::tch::Tensor;
+use synerfuse_parallel::timeline::{Span, SpanKind};
 
 /// What one rank's step produced.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(super) struct StepResult {
     /// Σ token loss on this rank (0 off the last stage).
     pub loss_sum: f64,
@@ -26,6 +27,8 @@ pub(super) struct StepResult {
     pub times: StepTimes,
     /// This rank's memory.
     pub memory: MemoryReport,
+    /// What it did when, from the step's start.
+    pub spans: Vec<Span>,
 }
 
 /// One rank's row of the step's all-gather.
@@ -56,17 +59,25 @@ pub(super) struct StepOutcome {
     /// Some rank received a stop signal.
     pub any_stop: bool,
     rows: Vec<RankRow>,
+    /// Every rank's spans, when gathered.
+    spans: Option<Vec<Vec<Span>>>,
 }
 
 impl StepOutcome {
-    /// All-gathers each rank's loss, times and stop flag (one small collective per step).
+    /// All-gathers each rank's loss, times and stop flag (one small collective per
+    /// step), and with `with_spans` every rank's spans (two more).
     pub fn gather(
         world: &MpiCommunicator,
         step: StepResult,
         elapsed: Duration,
         stop: bool,
         replica_tokens: usize,
+        with_spans: bool,
     ) -> Result<Self, TrainError> {
+        let spans = match with_spans {
+            true => Some(gather_spans(world, &step.spans)?),
+            false => None,
+        };
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         let mine = Tensor::from_slice(&[
             step.loss_sum,
@@ -103,13 +114,53 @@ impl StepOutcome {
             step_ms: rows.iter().map(|r| r.elapsed_ms).fold(0.0, f64::max),
             any_stop: rows.iter().any(|r| r.stop),
             rows,
+            spans,
         })
     }
+}
+
+/// Every rank's spans, on every rank: the counts, then the spans padded to the
+/// longest, four numbers each (kind, micro-batch or −1, start, end).
+fn gather_spans(world: &MpiCommunicator, spans: &[Span]) -> Result<Vec<Vec<Span>>, TrainError> {
+    let counts = world.all_gather(&Tensor::from_slice(&[spans.len() as f64]))?;
+    let counts = Vec::<f64>::try_from(counts.flatten(0, -1)).unwrap_or_default();
+    let longest = counts.iter().fold(0.0f64, |a, &b| a.max(b)) as usize;
+    let mut mine = vec![0.0f64; longest.max(1) * 4];
+    for (k, span) in spans.iter().enumerate() {
+        let kind = SpanKind::ALL.iter().position(|&x| x == span.kind);
+        mine[4 * k..4 * k + 4].copy_from_slice(&[
+            kind.unwrap_or_default() as f64,
+            span.micro_batch.map_or(-1.0, |m| m as f64),
+            span.start_s,
+            span.end_s,
+        ]);
+    }
+    let all = world.all_gather(&Tensor::from_slice(&mine))?;
+    let all = Vec::<f64>::try_from(all.flatten(0, -1)).unwrap_or_default();
+    let per_rank = longest.max(1) * 4;
+    Ok((counts.iter().enumerate())
+        .map(|(r, &n)| {
+            (0..n as usize)
+                .filter_map(|k| {
+                    let at = r * per_rank + 4 * k;
+                    let v = all.get(at..at + 4)?;
+                    Some(Span {
+                        kind: *SpanKind::ALL.get(v[0] as usize)?,
+                        micro_batch: (v[1] >= 0.0).then_some(v[1] as usize),
+                        start_s: v[2],
+                        end_s: v[3],
+                    })
+                })
+                .collect()
+        })
+        .collect())
 }
 
 /// Rank 0's outputs for each step: the log line, the JSON log, TensorBoard.
 pub(super) struct StepLog {
     json: Option<JsonLog>,
+    /// `--log-json` was given (rank 0 writes it).
+    log_json: bool,
     tensorboard: Option<TensorBoardWriter>,
     log_interval: u64,
     train_iters: u64,
@@ -143,6 +194,7 @@ impl StepLog {
         let model = &config.model;
         Ok(StepLog {
             json,
+            log_json: logging.log_json.is_some(),
             tensorboard,
             log_interval: logging.log_interval.max(1),
             train_iters: config.batch.train_iters,
@@ -152,6 +204,13 @@ impl StepLog {
                 + 12.0 * (model.num_layers * model.hidden_size * sequence_length) as f64,
             world_size,
         })
+    }
+
+    /// Whether the JSON record of `iteration` carries every rank's spans (`synerfuse
+    /// timeline` draws them): with `--log-json`, on the iterations the log line is
+    /// printed. The same answer on every rank (the spans are gathered collectively).
+    pub fn keeps_spans(&self, iteration: u64) -> bool {
+        self.log_json && (iteration % self.log_interval == 0 || iteration == self.train_iters)
     }
 
     /// Logs the step that ended at `iteration` (on rank 0; a no-op elsewhere).
@@ -166,7 +225,7 @@ impl StepLog {
             return Ok(());
         }
         let seconds = outcome.step_ms / 1e3;
-        let record = IterationRecord {
+        let mut record = IterationRecord {
             iteration,
             train_iters: self.train_iters,
             consumed_samples,
@@ -191,9 +250,15 @@ impl StepLog {
                     state_bytes: r.state_bytes as u64,
                     activation_peak_bytes: (r.activation_peak_bytes >= 0.0)
                         .then_some(r.activation_peak_bytes as u64),
+                    spans: None,
                 })
                 .collect(),
         };
+        if let Some(spans) = &outcome.spans {
+            for (row, spans) in record.ranks.iter_mut().zip(spans) {
+                row.spans = Some(spans.clone());
+            }
+        }
         if iteration % self.log_interval == 0 || iteration == self.train_iters {
             println!("{}", record.log_line());
         }
