@@ -96,7 +96,8 @@ pub fn run(root: &Path) -> Result<()> {
     steps.say(&format!(
         "planning for {CLUSTER}: 4 CPU ranks at relative speeds 1 : 1 : 0.5 : 1/3 (0.5, 0.5, 0.25, 0.167 of a core)"
     ));
-    let plan_table = plan_cluster(&bin, &cluster, &profile, &plan)?;
+    let predicted = demo.join("predicted-step.json");
+    let plan_table = plan_cluster(&bin, &cluster, &profile, &plan, &predicted)?;
     print!("{plan_table}");
 
     let checkpoints = demo.join("checkpoints");
@@ -108,7 +109,9 @@ pub fn run(root: &Path) -> Result<()> {
     ));
     let done = std::fs::read_to_string(checkpoints.join("latest"))
         .is_ok_and(|t| t.trim() == ITERS.to_string())
-        && read_log(&log).is_ok_and(|r| r.len() == ITERS);
+        && read_log(&log).is_ok_and(|r| r.len() == ITERS)
+        // A log from before the trainer recorded spans cannot be drawn.
+        && std::fs::read_to_string(&log).is_ok_and(|t| t.contains("\"spans\""));
     if done {
         println!("reusing the finished run in {}", checkpoints.display());
     } else {
@@ -118,6 +121,23 @@ pub fn run(root: &Path) -> Result<()> {
     }
     let records = read_log(&log)?;
     ensure!(!records.is_empty(), "{} has no iterations", log.display());
+
+    let svg = demo.join("step-timeline.svg");
+    steps.say(&format!(
+        "drawing the last step as measured under the plan's prediction: {}",
+        svg.display()
+    ));
+    let drawn = run_command(
+        Command::new(&bin)
+            .arg("timeline")
+            .arg(&log)
+            .arg("--predicted")
+            .arg(&predicted)
+            .arg("--output")
+            .arg(&svg),
+        "synerfuse timeline",
+    )?;
+    print!("{drawn}");
 
     let png = demo.join("loss.png");
     steps.say(&format!("plotting {}", png.display()));
@@ -143,7 +163,13 @@ pub fn run(root: &Path) -> Result<()> {
 }
 
 /// `synerfuse plan` for the emulated cluster, writing `plan`; returns its table.
-fn plan_cluster(bin: &Path, cluster: &Path, profile: &Path, plan: &Path) -> Result<String> {
+fn plan_cluster(
+    bin: &Path,
+    cluster: &Path,
+    profile: &Path,
+    plan: &Path,
+    timeline: &Path,
+) -> Result<String> {
     run_command(
         Command::new(bin)
             .args(["plan", "--micro-batch-sizes", "1,2"])
@@ -154,7 +180,9 @@ fn plan_cluster(bin: &Path, cluster: &Path, profile: &Path, plan: &Path) -> Resu
             .arg("--profile")
             .arg(profile)
             .arg("--output")
-            .arg(plan),
+            .arg(plan)
+            .arg("--timeline")
+            .arg(timeline),
         "synerfuse plan",
     )
 }

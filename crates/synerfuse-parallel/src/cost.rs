@@ -226,6 +226,10 @@ pub enum CostError {
 /// master 4 + moments 8.
 pub const STATE_BYTES_PER_PARAM: f64 = 20.0;
 
+/// Device-to-host copy bandwidth of a host-staged send (PCIe 4.0 x16: 32 GB/s per
+/// direction, ~0.8 of it achieved).
+pub const HOST_COPY_BYTES_PER_S: f64 = 25e9;
+
 /// Bytes of memory traffic of one AdamW step per parameter: the fp32 value, gradient
 /// and two moments read, the value and moments written, the training copy written
 /// (bf16).
@@ -351,12 +355,29 @@ impl CostModel {
 
     /// Seconds to send one activation of a `b`-sample micro-batch from `a` to `b_dev`.
     pub fn p2p_seconds(&self, a: &Device, b_dev: &Device, b: usize) -> f64 {
+        let t = self.transfer(a, b_dev, b);
+        t.sender_s + t.transit_s
+    }
+
+    /// One activation of a `b`-sample micro-batch from `a` to `b_dev`, split between
+    /// its sender and the link: the sender pays the per-message latency and, when an
+    /// accelerator sends to a CPU rank (a host-staged link), the copy to host memory
+    /// ([`HOST_COPY_BYTES_PER_S`]); the bytes then cross the link while it goes on.
+    pub fn transfer(&self, a: &Device, b_dev: &Device, b: usize) -> crate::sim::Transfer {
         let bytes = self.model.activation_message_bytes(b, self.compute_bytes);
         let (bw, lat) = match self.profile.as_ref().and_then(|p| p.network) {
             Some(n) if a.node == b_dev.node => (n.p2p_bytes_per_s, n.latency_s),
             _ => (self.cluster.bandwidth(a, b_dev), self.cluster.latency()),
         };
-        lat + bytes / bw
+        let accelerator = |d: &Device| d.spec.is_some_and(|s| s.accelerator);
+        let staging = match accelerator(a) && !accelerator(b_dev) {
+            true => bytes / HOST_COPY_BYTES_PER_S,
+            false => 0.0,
+        };
+        crate::sim::Transfer {
+            sender_s: lat + staging,
+            transit_s: bytes / bw,
+        }
     }
 
     /// Seconds of the fp32 gradient all-reduce of `bytes` over `devices` (ring over the

@@ -1,10 +1,21 @@
 //! Discrete-event simulation of per-rank pipeline programs: each rank runs its
-//! instructions in order; computations take their time, sends are non-blocking and
-//! arrive after the link's time, receives wait for arrival.
+//! instructions in order; computations take their time, a send occupies its sender
+//! while it posts the message (then the bytes travel on their own), receives wait for
+//! arrival.
 
 use crate::schedule::interpret::{interpret, Observer};
 use crate::timeline::{Span, SpanKind};
 use crate::{Instruction, Message, Pass, Piece, ScheduleError};
+
+/// One message's cost: the time its sender is occupied posting it (per-message
+/// overhead, a staging copy), and the time the bytes then take to arrive.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Transfer {
+    /// Seconds the sender spends on the send.
+    pub sender_s: f64,
+    /// Seconds from the send's end to the message's arrival.
+    pub transit_s: f64,
+}
 
 /// What a simulated step looks like.
 #[derive(Debug, Clone, PartialEq)]
@@ -57,7 +68,7 @@ impl<Op, Link> Clocks<Op, Link> {
 impl<Op, Link> Observer for Clocks<Op, Link>
 where
     Op: Fn(usize, Pass, Piece) -> f64,
-    Link: Fn(usize, usize) -> f64,
+    Link: Fn(usize, usize) -> Transfer,
 {
     /// Arrival time.
     type Stamp = f64;
@@ -76,7 +87,11 @@ where
     }
 
     fn send(&mut self, rank: usize, message: Message) -> Result<f64, ScheduleError> {
-        Ok(self.clock[rank] + (self.message_seconds)(rank, message.peer))
+        let transfer = (self.message_seconds)(rank, message.peer);
+        let start = self.clock[rank];
+        self.clock[rank] += transfer.sender_s;
+        self.record(rank, SpanKind::Send, start, Some(message.piece.micro_batch));
+        Ok(self.clock[rank] + transfer.transit_s)
     }
 
     fn receive(&mut self, rank: usize, arrival: f64) {
@@ -92,16 +107,17 @@ where
 pub fn simulate(
     programs: &[Vec<Instruction>],
     op_seconds: impl Fn(usize, Pass, Piece) -> f64,
-    message_seconds: impl Fn(usize, usize) -> f64,
+    message_seconds: impl Fn(usize, usize) -> Transfer,
 ) -> Result<SimReport, ScheduleError> {
     run(programs, op_seconds, message_seconds, false)
 }
 
-/// [`simulate`], recording each rank's passes and waits as [`Span`]s (for a timeline).
+/// [`simulate`], recording each rank's passes, sends and waits as [`Span`]s (for a
+/// timeline).
 pub fn simulate_spans(
     programs: &[Vec<Instruction>],
     op_seconds: impl Fn(usize, Pass, Piece) -> f64,
-    message_seconds: impl Fn(usize, usize) -> f64,
+    message_seconds: impl Fn(usize, usize) -> Transfer,
 ) -> Result<SimReport, ScheduleError> {
     run(programs, op_seconds, message_seconds, true)
 }
@@ -109,7 +125,7 @@ pub fn simulate_spans(
 fn run(
     programs: &[Vec<Instruction>],
     op_seconds: impl Fn(usize, Pass, Piece) -> f64,
-    message_seconds: impl Fn(usize, usize) -> f64,
+    message_seconds: impl Fn(usize, usize) -> Transfer,
     record: bool,
 ) -> Result<SimReport, ScheduleError> {
     let mut clocks = Clocks {
@@ -149,7 +165,7 @@ mod tests {
                             Pass::Forward => tf,
                             Pass::Backward => tb,
                         },
-                        |_, _| 0.0,
+                        |_, _| Transfer::default(),
                     )
                     .unwrap();
                     let want = (m + p - 1) as f64 * (tf + tb);
@@ -166,7 +182,7 @@ mod tests {
                             Pass::Forward => tf,
                             Pass::Backward => tb,
                         },
-                        |_, _| 0.0,
+                        |_, _| Transfer::default(),
                     )
                     .unwrap()
                     .spans;
@@ -181,5 +197,28 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A send holds its sender for `sender_s`; the message arrives `transit_s` later.
+    /// Two stages, one micro-batch: F0 | send | … ; stage 1 waits for the arrival.
+    #[test]
+    fn sends_occupy_their_sender() {
+        let programs = pipeline_schedule(ScheduleKind::OneFOneB, 2, 1, 1).unwrap();
+        let transfer = Transfer {
+            sender_s: 0.25,
+            transit_s: 0.5,
+        };
+        let report = simulate_spans(&programs, |_, _, _| 1.0, |_, _| transfer).unwrap();
+        // Stage 0: F (1) + send (0.25); arrival at 1.75; stage 1: F, B (2) and its send of
+        // the gradient (0.25) end at 4.0; arrival at 4.5; stage 0's B ends at 5.5.
+        assert!((report.finish_s[1] - 4.0).abs() < 1e-12, "{report:?}");
+        assert!((report.finish_s[0] - 5.5).abs() < 1e-12, "{report:?}");
+        let sends: f64 = report.spans[0]
+            .iter()
+            .filter(|s| s.kind == SpanKind::Send)
+            .map(|s| s.end_s - s.start_s)
+            .sum();
+        assert!((sends - 0.25).abs() < 1e-12);
+        assert_eq!(report.busy_s, vec![2.0, 2.0]);
     }
 }

@@ -1284,7 +1284,7 @@ fn simulate_step(
     };
     let message_seconds = |from: usize, to: usize| {
         let (a, b_) = (coords[from], coords[to]);
-        cost.p2p_seconds(
+        cost.transfer(
             &devices[c.devices[a.0][a.1]],
             &devices[c.devices[b_.0][b_.1]],
             sizes[a.1],
