@@ -6,19 +6,22 @@ use crate::common::{
     train_command, write_json, Data, EMULATED_CLUSTER, PROFILE_SPEED,
 };
 use anyhow::{ensure, Context, Result};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// The emulated cluster (examples/clusters/emulated-cpu.toml): 4 CPU ranks at relative
 /// speeds 1 : 1 : 0.5 : 1/3, in cores (emulation charges CPU time / speed), 1.42 cores
 /// in all so that a 2-core machine runs them without contention.
 const SPEEDS: [f64; 4] = [0.5, 0.5, 0.25, 0.16667];
-const ITERS: usize = 20;
-/// 2 × 17: the speeds' shares (6 : 6 : 3 : 2 of 17) divide it, so a perfect split exists
-/// and the acceleration ratio measures the runtime rather than integer rounding (with 36,
-/// the best split at the plan's micro-batch size 2 is 10 % off perfect). The uniform
-/// baseline is the best even layout at the same global batch (pp 2 × dp 2 here, as at 36).
-const GLOBAL_BATCH: usize = 34;
+/// Steps per run; the median of steps 6 and later is the run's step time.
+const ITERS: usize = 12;
+/// Global batches planned and run. None is chosen for the speeds: their shares (6 : 6 :
+/// 3 : 2 of 17) divide none of them, so each plan pays its own rounding.
+const GLOBAL_BATCHES: [usize; 3] = [32, 36, 64];
+/// Micro-batch sizes open to the plan and to the even layouts alike.
+const MICRO_BATCH_SIZES: &str = "1,2,4";
+/// Runs of the plan and of the best even layout (the median and the spread).
+const REPEATS: usize = 3;
 
 fn model_flags() -> Vec<&'static str> {
     vec![
@@ -35,116 +38,139 @@ fn model_flags() -> Vec<&'static str> {
     ]
 }
 
-/// Runs of each layout and setting, for the spread of the step time.
-const REPEATS: usize = 3;
-
 fn train(bin: &Path, data: &Data, dir: &Path, extra: &[String], log: &Path) -> Command {
     let mut cmd = train_command(bin, data, dir, ITERS, log);
     cmd.args(model_flags()).args(extra);
     cmd
 }
 
-/// What `synerfuse plan --json` said of the emulated cluster.
-struct PlanPrediction {
-    step_s: f64,
-    uniform_step_s: f64,
+/// A layout to run: its plan file, what it is, and the planner's predicted step.
+struct Layout {
+    file: PathBuf,
+    label: String,
+    predicted_s: f64,
+}
+
+/// What `synerfuse plan --json` said for one global batch: the plan, every even layout
+/// it considered, and the largest micro-batch size of the plan.
+struct Planned {
+    plan: Layout,
+    evens: Vec<Layout>,
     flags: String,
-    /// The plan's largest micro-batch size (the single-device runs use it).
     micro_batch_size: usize,
 }
 
-/// Profiles the emulated cluster and plans it, writing the plan and the even layout.
-fn profile_and_plan(
+/// Plans `global_batch` on the emulated cluster with `profile`, writing the plan and
+/// every even layout under `dir`.
+fn plan_batch(
     root: &Path,
     bin: &Path,
-    plan: &Path,
-    uniform: &Path,
-) -> Result<PlanPrediction> {
-    let dir = plan.parent().context("the plan's directory")?;
-    println!(
-        "[hetero] profiling on 4 CPU ranks at once, each emulated at {PROFILE_SPEED} of a core"
-    );
-    let profile = dir.join("profile.json");
-    let flags: Vec<String> = model_flags().into_iter().map(str::to_owned).collect();
-    emulated_profile(bin, &flags, "1,2,4", &profile)?;
-    println!("[hetero] planning for speeds {SPEEDS:?}");
+    profile: &Path,
+    dir: &Path,
+    global_batch: usize,
+) -> Result<Planned> {
+    let plan = dir.join(format!("plan-{global_batch}.toml"));
+    let evens_dir = dir.join(format!("even-{global_batch}"));
+    let _ = std::fs::remove_dir_all(&evens_dir);
     let json = run(
         Command::new(bin)
-            .args(["plan", "--json", "--micro-batch-sizes", "1,2,4"])
-            .args(["--global-batch-size", &GLOBAL_BATCH.to_string()])
+            .args(["plan", "--json", "--micro-batch-sizes", MICRO_BATCH_SIZES])
+            .args(["--global-batch-size", &global_batch.to_string()])
             .args(model_flags())
             .args(["--vocab-size", "2048", "--cluster"])
             .arg(root.join(EMULATED_CLUSTER))
             .arg("--profile")
-            .arg(&profile)
+            .arg(profile)
             .arg("--output")
-            .arg(plan)
-            .arg("--uniform-output")
-            .arg(uniform),
+            .arg(&plan)
+            .arg("--uniform-layouts-dir")
+            .arg(&evens_dir),
         "plan",
     )?;
     let j: serde_json::Value = serde_json::from_str(&json).context("plan --json")?;
-    let prediction = PlanPrediction {
-        step_s: number(&j, "predicted_step_time_s")?,
-        uniform_step_s: number(&j, "uniform_step_time_s")?,
+    let layers: Vec<u64> = (j["layers_per_stage"].as_array().into_iter().flatten())
+        .filter_map(|x| x.as_u64())
+        .collect();
+    let sizes = &j["micro_batch_size_per_replica"];
+    let counts = &j["num_micro_batches_per_replica"];
+    let plan = Layout {
+        label: format!("plan: layers {layers:?}, micro-batch sizes {sizes}, counts {counts}"),
+        file: plan,
+        predicted_s: number(&j, "predicted_step_time_s")?,
+    };
+    let evens = (j["uniform_layouts"].as_array().into_iter().flatten())
+        .enumerate()
+        .map(|(k, u)| {
+            Ok(Layout {
+                file: evens_dir.join(format!("uniform-{k}.toml")),
+                label: format!(
+                    "even pp {} x dp {}, micro-batch size {} ({})",
+                    u["pipeline_parallel_size"],
+                    u["data_parallel_size"],
+                    u["micro_batch_size"],
+                    u["arrangement"].as_str().unwrap_or("")
+                ),
+                predicted_s: number(u, "predicted_step_time_s")?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    ensure!(
+        !evens.is_empty(),
+        "no even layout fits global batch {global_batch}"
+    );
+    Ok(Planned {
+        plan,
+        evens,
         flags: j["synerfuse_flags"].as_str().unwrap_or("").to_owned(),
-        micro_batch_size: j["micro_batch_size_per_replica"]
+        micro_batch_size: sizes
             .as_array()
             .and_then(|v| v.iter().filter_map(|x| x.as_u64()).max())
             .context("micro_batch_size_per_replica")? as usize,
-    };
-    println!("[hetero] plan: {}", prediction.flags);
-    Ok(prediction)
+    })
 }
 
-/// Each layout with the gradient-reduction overlap and data prefetch (the default), and
-/// without them (the reduction after the whole pipeline, micro-batches read inline),
-/// REPEATS times in alternation: the median step time of each run, per setting.
-fn time_layouts(
-    bin: &Path,
-    data: &Data,
-    dir: &Path,
-    configs: &[(&Path, &str, &[String])],
-) -> Result<Vec<Vec<f64>>> {
-    let mut steps: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
-    for repeat in 0..REPEATS {
-        for ((layout, name, extra), times) in configs.iter().zip(&mut steps) {
-            let log = dir.join(format!("{name}-{repeat}.jsonl"));
-            let mut flags = vec!["--nproc".to_owned(), "4".to_owned(), "--plan".to_owned()];
-            flags.push(layout.display().to_string());
-            flags.extend(extra.iter().cloned());
-            run(
-                &mut train(bin, data, dir, &flags, &log),
-                &format!("train {name}"),
-            )?;
-            times.push(median_step_s(&log)?);
-        }
-    }
-    for ((_, name, _), times) in configs.iter().zip(&steps) {
-        let (lo, hi) = times
-            .iter()
-            .fold((f64::MAX, f64::MIN), |(l, h), &t| (l.min(t), h.max(t)));
-        println!(
-            "[hetero] {name}: median step {:.4} s over {REPEATS} runs ({lo:.4}..{hi:.4} s)",
-            median(times)
-        );
-    }
-    Ok(steps)
+/// One run of `layout` on the 4 emulated ranks: its median step time.
+fn measure(bin: &Path, data: &Data, dir: &Path, layout: &Layout, run_name: &str) -> Result<f64> {
+    let log = dir.join(format!("{run_name}.jsonl"));
+    let flags = [
+        "--nproc".to_owned(),
+        "4".to_owned(),
+        "--plan".to_owned(),
+        layout.file.display().to_string(),
+    ];
+    run(
+        &mut train(bin, data, dir, &flags, &log),
+        &format!("train {}", layout.label),
+    )?;
+    let step = median_step_s(&log)?;
+    println!(
+        "[hetero] {}: {step:.4} s per step (predicted {:.4} s, {:+.1}%)",
+        layout.label,
+        layout.predicted_s,
+        (layout.predicted_s / step - 1.0) * 100.0
+    );
+    Ok(step)
 }
 
 /// Summed tokens/s of each device alone: one rank, the whole global batch, its emulated
 /// speed. Emulation charges CPU time, so the four run at once without slowing each other
 /// (their speeds fit in the machine's cores).
-fn alone_tokens_per_s(bin: &Path, data: &Data, dir: &Path, micro_batch_size: usize) -> Result<f64> {
-    println!("[hetero] each device alone (4 single-rank jobs at once)");
+fn alone_tokens_per_s(
+    bin: &Path,
+    data: &Data,
+    dir: &Path,
+    global_batch: usize,
+    micro_batch_size: usize,
+) -> Result<f64> {
+    println!("[hetero] each device alone (4 single-rank jobs at once), micro-batch size {micro_batch_size}");
     let mut children = Vec::new();
     for (i, speed) in SPEEDS.iter().enumerate() {
-        let log = dir.join(format!("alone{i}.jsonl"));
+        let log = dir.join(format!("alone-{global_batch}-{i}.jsonl"));
         let flags = [
             "--micro-batch-size".to_owned(),
             micro_batch_size.to_string(),
             "--global-batch-size".to_owned(),
-            GLOBAL_BATCH.to_string(),
+            global_batch.to_string(),
             "--threads".to_owned(),
             "1".to_owned(),
             "--emulate-device-speed".to_owned(),
@@ -156,7 +182,7 @@ fn alone_tokens_per_s(bin: &Path, data: &Data, dir: &Path, micro_batch_size: usi
             .spawn()?;
         children.push((log, child));
     }
-    let tokens = (GLOBAL_BATCH * 128) as f64;
+    let tokens = (global_batch * 128) as f64;
     let mut total = 0.0;
     for (log, mut child) in children {
         ensure!(
@@ -169,83 +195,128 @@ fn alone_tokens_per_s(bin: &Path, data: &Data, dir: &Path, micro_batch_size: usi
     Ok(total)
 }
 
+/// One global batch: every even layout once, the plan and the fastest measured even
+/// layout REPEATS times in alternation, each device alone; the batch's JSON row.
+fn one_batch(
+    root: &Path,
+    bin: &Path,
+    data: &Data,
+    dir: &Path,
+    profile: &Path,
+    global_batch: usize,
+) -> Result<serde_json::Value> {
+    let planned = plan_batch(root, bin, profile, dir, global_batch)?;
+    println!(
+        "[hetero] global batch {global_batch}: {}",
+        planned.plan.label
+    );
+    let mut evens = Vec::new();
+    for (k, layout) in planned.evens.iter().enumerate() {
+        evens.push(measure(
+            bin,
+            data,
+            dir,
+            layout,
+            &format!("even-{global_batch}-{k}"),
+        )?);
+    }
+    let best = (0..evens.len())
+        .min_by(|&a, &b| evens[a].total_cmp(&evens[b]))
+        .expect("an even layout");
+    let mut best_runs = vec![evens[best]];
+    let mut plan_runs = Vec::new();
+    for repeat in 0..REPEATS {
+        let name = format!("plan-{global_batch}-{repeat}");
+        plan_runs.push(measure(bin, data, dir, &planned.plan, &name)?);
+        if repeat > 0 {
+            let name = format!("best-even-{global_batch}-{repeat}");
+            best_runs.push(measure(bin, data, dir, &planned.evens[best], &name)?);
+        }
+    }
+    // Alone at the plan's largest micro-batch size that divides the batch.
+    let size = (1..=planned.micro_batch_size)
+        .rev()
+        .find(|b| global_batch % b == 0)
+        .unwrap_or(1);
+    let alone = alone_tokens_per_s(bin, data, dir, global_batch, size)?;
+    let tokens = (global_batch * 128) as f64;
+    let (plan_s, best_s) = (median(&plan_runs), median(&best_runs));
+    let ratios: Vec<f64> = plan_runs.iter().map(|s| tokens / s / alone).collect();
+    // Predicted against measured for every layout run (each run of the plan).
+    let mut errors: Vec<f64> = (planned.evens.iter().zip(&evens))
+        .map(|(l, m)| (l.predicted_s - m).abs() / m)
+        .collect();
+    errors.extend(
+        plan_runs
+            .iter()
+            .map(|m| (planned.plan.predicted_s - m).abs() / m),
+    );
+    let plan_errors: Vec<f64> = errors[evens.len()..].to_vec();
+    println!(
+        "[hetero] global batch {global_batch}: plan {plan_s:.4} s (runs {:?}) vs best measured even layout {best_s:.4} s ({}) = {:.2}x; acceleration ratio {:.1}% (runs {:?})",
+        plan_runs,
+        planned.evens[best].label,
+        best_s / plan_s,
+        median(&ratios) * 100.0,
+        ratios
+    );
+    Ok(serde_json::json!({
+        "global_batch_size": global_batch,
+        "plan": planned.plan.label,
+        "plan_flags": planned.flags,
+        "plan_predicted_step_s": planned.plan.predicted_s,
+        "plan_step_s_runs": plan_runs,
+        "plan_step_s": plan_s,
+        "best_even": planned.evens[best].label,
+        "best_even_predicted_step_s": planned.evens[best].predicted_s,
+        "best_even_step_s_runs": best_runs,
+        "best_even_step_s": best_s,
+        "best_even_predicted_best": best == 0,
+        "speedup": best_s / plan_s,
+        "evens": (planned.evens.iter().zip(&evens)).map(|(l, m)| serde_json::json!({
+            "layout": l.label, "predicted_step_s": l.predicted_s, "step_s": m,
+        })).collect::<Vec<_>>(),
+        "alone_tokens_per_s": alone,
+        "acceleration_ratio_runs": ratios,
+        "acceleration_ratio": median(&ratios),
+        "plan_prediction_errors": plan_errors,
+        "max_prediction_error": errors.iter().copied().fold(0.0, f64::max),
+    }))
+}
+
 pub fn hetero(root: &Path) -> Result<()> {
     let bin = release_binary(root)?;
     let dir = root.join("target/bench/hetero");
     std::fs::create_dir_all(&dir)?;
     let data = data(root, &bin, &dir)?;
-    let (plan, uniform) = (dir.join("plan.toml"), dir.join("uniform.toml"));
-    let predicted = profile_and_plan(root, &bin, &plan, &uniform)?;
-    let serial = [
-        "--no-overlap-grad-reduce".to_owned(),
-        "--num-workers".to_owned(),
-        "0".to_owned(),
-    ];
-    let configs: [(&Path, &str, &[String]); 4] = [
-        (&plan, "planned", &[]),
-        (&uniform, "uniform", &[]),
-        (&plan, "planned-serial", &serial),
-        (&uniform, "uniform-serial", &serial),
-    ];
-    let steps = time_layouts(&bin, &data, &dir, &configs)?;
-    let [planned_s, uniform_s, planned_serial_s, uniform_serial_s] =
-        [0, 1, 2, 3].map(|i| median(&steps[i]));
-    let alone = alone_tokens_per_s(&bin, &data, &dir, predicted.micro_batch_size)?;
-    let tokens = (GLOBAL_BATCH * 128) as f64;
-    let speedup = uniform_s / planned_s;
-    let error = (predicted.step_s - planned_s).abs() / planned_s;
-    let acceleration = tokens / planned_s / alone;
-    let (overlap_planned, overlap_uniform) =
-        (planned_serial_s / planned_s, uniform_serial_s / uniform_s);
-    println!("| | step time (s) | tokens/s |\n|---|---|---|");
     println!(
-        "| uniform layout | {uniform_s:.4} (predicted {:.4}) | {:.0} |",
-        predicted.uniform_step_s,
-        tokens / uniform_s
+        "[hetero] profiling on 4 CPU ranks at once, each emulated at {PROFILE_SPEED} of a core"
     );
-    println!(
-        "| planned layout | {planned_s:.4} (predicted {:.4}) | {:.0} |",
-        predicted.step_s,
-        tokens / planned_s
-    );
-    println!("| each device alone, summed | | {alone:.0} |");
-    println!("speedup of the plan over uniform: {speedup:.2}x (target >= 1.3x)");
-    println!(
-        "predicted vs measured step time: {:.1}% off (target within 15%)",
-        error * 100.0
-    );
-    println!(
-        "acceleration ratio: {:.1}% of the devices' summed throughput (target >= 90%)",
-        acceleration * 100.0
-    );
-    println!(
-        "overlap + prefetch vs neither: planned {planned_serial_s:.4} -> {planned_s:.4} s = {overlap_planned:.3}x, \
-         uniform {uniform_serial_s:.4} -> {uniform_s:.4} s = {overlap_uniform:.3}x (no target; > 1 is a gain)"
-    );
+    let profile = dir.join("profile.json");
+    let flags: Vec<String> = model_flags().into_iter().map(str::to_owned).collect();
+    emulated_profile(&bin, &flags, MICRO_BATCH_SIZES, &profile)?;
+    let mut batches = Vec::new();
+    for global_batch in GLOBAL_BATCHES {
+        batches.push(one_batch(root, &bin, &data, &dir, &profile, global_batch)?);
+    }
+    let worst = |key: &str, pick: fn(f64, f64) -> f64, start: f64| {
+        (batches.iter())
+            .filter_map(|b| b[key].as_f64())
+            .fold(start, pick)
+    };
+    let summary = serde_json::json!({
+        "benchmark": "hetero",
+        "speeds": SPEEDS,
+        "iterations": ITERS,
+        "repeats": REPEATS,
+        "micro_batch_sizes": MICRO_BATCH_SIZES,
+        "batches": batches,
+        "min_speedup": worst("speedup", f64::min, f64::MAX),
+        "min_acceleration_ratio": worst("acceleration_ratio", f64::min, f64::MAX),
+        "max_prediction_error": worst("max_prediction_error", f64::max, 0.0),
+    });
     let out = root.join("target/bench/hetero.json");
-    write_json(
-        &out,
-        &serde_json::json!({
-            "benchmark": "hetero",
-            "speeds": SPEEDS,
-            "global_batch_size": GLOBAL_BATCH,
-            "iterations": ITERS,
-            "planned_step_s": planned_s,
-            "uniform_step_s": uniform_s,
-            "predicted_step_s": predicted.step_s,
-            "predicted_uniform_step_s": predicted.uniform_step_s,
-            "speedup": speedup,
-            "prediction_error": error,
-            "acceleration_ratio": acceleration,
-            "planned_serial_step_s": planned_serial_s,
-            "uniform_serial_step_s": uniform_serial_s,
-            "overlap_speedup_planned": overlap_planned,
-            "overlap_speedup_uniform": overlap_uniform,
-            "repeats": REPEATS,
-            "step_s_runs": steps,
-            "plan_flags": predicted.flags,
-        }),
-    )?;
+    write_json(&out, &summary)?;
     println!("wrote {}", out.display());
     Ok(())
 }

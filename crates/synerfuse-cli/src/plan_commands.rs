@@ -190,6 +190,10 @@ pub struct PlanArgs {
     /// Also write the even layout (the baseline) as a plan here
     #[arg(long)]
     uniform_output: Option<PathBuf>,
+    /// Also write every feasible even layout considered as DIR/uniform-K.toml, K in the
+    /// order of --json's uniform_layouts (predicted fastest first)
+    #[arg(long, value_name = "DIR")]
+    uniform_layouts_dir: Option<PathBuf>,
     /// Print one JSON object
     #[arg(long)]
     json: bool,
@@ -293,6 +297,13 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
             .context("--uniform-output: no even layout fits this cluster, model and batch")?;
         write_plan(out, &planner::to_parallel_plan(&cost, uniform)?)?;
     }
+    if let Some(dir) = &args.uniform_layouts_dir {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        for (k, layout) in outcome.uniform_layouts.iter().enumerate() {
+            let path = dir.join(format!("uniform-{k}.toml"));
+            write_plan(&path, &planner::to_parallel_plan(&cost, layout)?)?;
+        }
+    }
     if let Some(out) = &args.timeline {
         let timeline = planner::timeline(&cost, &outcome.plans[0])?;
         let text = match out.extension().is_some_and(|e| e == "json") {
@@ -347,6 +358,14 @@ impl PlanReport<'_> {
             "bubble_fraction": p.bubble_fraction,
             "peak_memory_gb_per_stage": p.stage_memory_bytes.iter().map(|b| b / 1e9).collect::<Vec<_>>(),
             "uniform_step_time_s": self.outcome.uniform.as_ref().map(|u| u.prediction.step_time_s),
+            "uniform_layouts": self.outcome.uniform_layouts.iter().map(|u| serde_json::json!({
+                "pipeline_parallel_size": u.layers.len(),
+                "data_parallel_size": u.micro_batches.len(),
+                "micro_batch_size": u.micro_batch_sizes[0],
+                "num_micro_batches": u.micro_batches[0],
+                "arrangement": format!("{:?}", u.arrangement),
+                "predicted_step_time_s": u.prediction.step_time_s,
+            })).collect::<Vec<_>>(),
             "synerfuse_flags": self.plan.to_synerfuse_args().join(" "),
             "rank_order": self.plan.topology.order,
             "candidates_considered": self.outcome.considered,

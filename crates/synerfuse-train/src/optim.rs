@@ -194,13 +194,16 @@ impl AdamWConfig {
         lr: f64,
         (bias1, bias2): (f64, f64),
     ) {
-        let _ = exp_avg.g_mul_scalar_(self.beta1);
-        let _ = exp_avg.g_add_(&(grad * (1.0 - self.beta1)));
+        // torch's single-tensor Adam, in place but for three temporaries.
+        let _ = exp_avg.lerp_(grad, 1.0 - self.beta1);
         let _ = exp_avg_sq.g_mul_scalar_(self.beta2);
         let _ = exp_avg_sq.addcmul_(grad, &(grad * (1.0 - self.beta2)));
-        let denom = exp_avg_sq.sqrt() / bias2.sqrt() + self.eps;
-        let update = (&*exp_avg / denom) * (-lr / bias1);
-        let _ = value.g_add_(&update.to_kind(value.kind()));
+        let mut denom = exp_avg_sq.sqrt();
+        let _ = denom.g_div_scalar_(bias2.sqrt());
+        let _ = denom.g_add_scalar_(self.eps);
+        let mut update = &*exp_avg / &denom;
+        let _ = update.g_mul_scalar_(-lr / bias1);
+        let _ = value.g_add_(&update);
     }
 }
 

@@ -219,6 +219,10 @@ pub struct PlanOutcome {
     /// The best even layout (uniform layers and batches) over every factorization,
     /// when one is feasible: the baseline the plans are compared with.
     pub uniform: Option<Candidate>,
+    /// Every feasible even layout considered (each factorization, arrangement and
+    /// micro-batch size once), predicted fastest first: the baselines a benchmark runs
+    /// to measure the best one rather than trust the prediction.
+    pub uniform_layouts: Vec<Candidate>,
     /// Candidates considered.
     pub considered: usize,
     /// What a perfect heterogeneous job would reach on this cluster.
@@ -422,7 +426,8 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
             |v| v.reason,
         )));
     }
-    let (plans, uniform) = retime_front(&mut ctx, search.candidates, request.top_k.max(1))?;
+    let (plans, uniform_layouts) = retime_front(&mut ctx, search.candidates, request.top_k.max(1))?;
+    let uniform = uniform_layouts.first().cloned();
     let bound = throughput_bound(&mut ctx, request)?;
     let mut unpriced_optimizer: Vec<String> = (ctx.devices.iter())
         .filter(|d| cost.optimizer_seconds(d, 1.0).is_none())
@@ -433,6 +438,7 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
     Ok(PlanOutcome {
         plans,
         uniform,
+        uniform_layouts,
         considered: search.considered,
         bound,
         unpriced_optimizer,
@@ -723,12 +729,13 @@ fn fastest_size(
 }
 
 /// Re-times the front runners (up to `keep` × 3 planned ones) and every even layout by
-/// simulating their schedules; returns the best `keep` and the best even layout.
+/// simulating their schedules; returns the best `keep` and every distinct even layout,
+/// fastest first.
 fn retime_front(
     ctx: &mut Ctx<'_>,
     mut candidates: Vec<Candidate>,
     keep: usize,
-) -> Result<(Vec<Candidate>, Option<Candidate>), PlanningError> {
+) -> Result<(Vec<Candidate>, Vec<Candidate>), PlanningError> {
     let by_time = |a: &Candidate, b: &Candidate| {
         a.prediction
             .step_time_s
@@ -755,10 +762,10 @@ fn retime_front(
         c.prediction = simulate_candidate(ctx, c)?;
     }
     front.sort_by(by_time);
-    let uniform = front
-        .iter()
-        .find(|c| c.origin == CandidateOrigin::Uniform)
-        .cloned();
+    let uniform: Vec<Candidate> = (front.iter())
+        .filter(|c| c.origin == CandidateOrigin::Uniform)
+        .cloned()
+        .collect();
     front.truncate(keep);
     Ok((front, uniform))
 }
@@ -1505,6 +1512,17 @@ mod tests {
                     }
                     if let Some(u) = &outcome.uniform {
                         prop_assert!(outcome.plans[0].prediction.step_time_s <= u.prediction.step_time_s * (1.0 + 1e-12));
+                    }
+                    // Every even layout: even layers and batches, distinct, fastest first.
+                    prop_assert_eq!(outcome.uniform.as_ref(), outcome.uniform_layouts.first());
+                    for (k, u) in outcome.uniform_layouts.iter().enumerate() {
+                        prop_assert!(u.layers.iter().all(|&l| l == u.layers[0]));
+                        prop_assert!(u.micro_batches.iter().all(|&m| m == u.micro_batches[0]));
+                        prop_assert!(u.micro_batch_sizes.iter().all(|&b| b == u.micro_batch_sizes[0]));
+                        if let Some(next) = outcome.uniform_layouts.get(k + 1) {
+                            prop_assert!(u.prediction.step_time_s <= next.prediction.step_time_s);
+                            prop_assert!(u.devices != next.devices || u.micro_batch_sizes != next.micro_batch_sizes || u.layers != next.layers);
+                        }
                     }
                 }
             }

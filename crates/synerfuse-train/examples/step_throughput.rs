@@ -1,11 +1,13 @@
-//! Training-step throughput of one LLaMA stage on this machine: forward, backward and an
-//! AdamW step on random tokens, timed after warm-up. Used by `cargo xtask bench model`.
+//! Training-step throughput of one LLaMA stage on this machine: forward, backward and
+//! the trainer's own AdamW step (`synerfuse_train::optim::AdamW`) on random tokens, timed
+//! after warm-up. Used by `cargo xtask bench model`.
 //!
 //! `step_throughput HIDDEN LAYERS HEADS KV_HEADS FFN VOCAB SEQ BATCH STEPS THREADS DEVICE DTYPE`
 //! prints one JSON line.
 
-use synerfuse_model::tch::{self, nn, nn::OptimizerConfig, Kind, Tensor};
+use synerfuse_model::tch::{self, Kind, Tensor};
 use synerfuse_model::{BackwardFrom, DeviceRequest, LlamaConfig, ResolveDevice, Stage};
+use synerfuse_train::optim::{AdamW, AdamWConfig};
 
 fn main() {
     let a: Vec<String> = std::env::args().skip(1).collect();
@@ -41,7 +43,9 @@ fn main() {
     tch::manual_seed(0);
     let mut stage = Stage::new(&config, 0..layers, device).unwrap();
     stage.set_kind(kind);
-    let mut optimizer = nn::AdamW::default().build(stage.var_store(), 1e-4).unwrap();
+    // The defaults are torch.optim.AdamW's (β 0.9, 0.999, ε 1e-8, decay 0.01), as the
+    // reference uses them.
+    let mut optimizer = AdamW::new(AdamWConfig::default(), stage.var_store().variables());
     let tokens = Tensor::randint(
         vocab as i64,
         [batch as i64, seq as i64 + 1],
@@ -59,11 +63,11 @@ fn main() {
         last_loss.set(loss.double_value(&[]));
         loss
     };
-    let step = |optimizer: &mut nn::Optimizer| -> f64 {
+    let step = |optimizer: &mut AdamW| -> f64 {
         optimizer.zero_grad();
         let pass = stage.forward_train(&inputs, None, None).unwrap();
         stage.backward(pass, BackwardFrom::Loss(&loss_of)).unwrap();
-        optimizer.step();
+        optimizer.step(1e-4);
         last_loss.get()
     };
     let warmup = 2;
