@@ -209,12 +209,12 @@ fn hetero_headlines(v: &serde_json::Value) -> Vec<Row> {
         let g = b["global_batch_size"].as_u64().unwrap_or(0);
         let speedup = field(b, "speedup");
         out.push((
-            format!("4 emulated CPU ranks (1 : 1 : 0.5 : 1/3), global batch {g}: plan vs best measured even layout"),
+            format!("4 emulated CPU ranks (1 : 1 : 0.5 : 1/3), global batch {g}: plan vs best measured grid layout"),
             format!(
                 "{:.3} vs {:.3} s per step = {speedup:.2}x ({})",
                 field(b, "plan_step_s"),
-                field(b, "best_even_step_s"),
-                b["best_even"].as_str().unwrap_or("")
+                field(b, "best_grid_step_s"),
+                b["best_grid"].as_str().unwrap_or("")
             ),
             ">= 1.3x".into(),
             Some(speedup >= 1.3),
@@ -242,6 +242,27 @@ fn hetero_headlines(v: &serde_json::Value) -> Vec<Row> {
             ),
             ">= 95 %".into(),
             Some(acceleration >= 0.95),
+        ));
+    }
+    if let Some(skewed) = v.get("skewed") {
+        let speedup = field(skewed, "speedup");
+        out.push((
+            format!(
+                "memory-skewed cluster (1 rank holding the model, 3 at 1/4 its speed holding a third), global batch {}: {} vs best measured grid layout",
+                skewed["global_batch_size"].as_u64().unwrap_or(0),
+                match skewed["written_kind"].as_str() {
+                    Some("per_replica_pipelines") => "per-replica pipelines",
+                    _ => "the planner's grid plan",
+                }
+            ),
+            format!(
+                "{:.3} vs {:.3} s per step = {speedup:.2}x ({})",
+                field(skewed, "plan_step_s"),
+                field(skewed, "best_grid_step_s"),
+                skewed["best_grid"].as_str().unwrap_or("")
+            ),
+            ">= 1.15x".into(),
+            Some(speedup >= 1.15),
         ));
     }
     if !batches.is_empty() {
@@ -776,14 +797,23 @@ mod tests {
         let hetero = serde_json::json!({
             "batches": [{
                 "global_batch_size": 32, "speedup": 1.5, "plan_step_s": 1.0,
-                "best_even_step_s": 1.5, "best_even": "even pp 2 x dp 2",
+                "best_grid_step_s": 1.5, "best_grid": "even pp 2 x dp 2",
                 "acceleration_ratio": 0.94, "acceleration_ratio_runs": [0.93, 0.94, 0.96],
             }],
+            "skewed": {
+                "global_batch_size": 16, "speedup": 1.1, "plan_step_s": 1.0,
+                "best_grid_step_s": 1.1, "written_kind": "per_replica_pipelines",
+            },
             "max_prediction_error": 0.05,
         });
         let rows = headlines("hetero", &hetero);
         let met: Vec<Option<bool>> = rows.iter().map(|r| r.met).collect();
-        assert_eq!(met, [Some(true), Some(false), Some(true)]);
+        assert_eq!(met, [Some(true), Some(false), Some(false), Some(true)]);
+        assert!(
+            rows[2].measure.contains("per-replica pipelines"),
+            "{}",
+            rows[2].measure
+        );
         assert!(rows[1].value.contains("(93.0–96.0 %)"), "{}", rows[1].value);
         let planner = serde_json::json!({"planning_s": 0.5, "command_s": 0.7});
         assert_eq!(headlines("planner", &planner)[0].met, Some(true));

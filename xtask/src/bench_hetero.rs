@@ -51,38 +51,49 @@ struct Layout {
     predicted_s: f64,
 }
 
-/// What `synerfuse plan --json` said for one global batch: the plan, every even layout
-/// it considered, and the largest micro-batch size of the plan.
+/// A cluster and global batch to plan and run.
+struct Scenario {
+    /// The file-name stem of its plans and logs.
+    name: String,
+    cluster: PathBuf,
+    global_batch: usize,
+    /// Whether each device also runs alone (the acceleration ratio).
+    alone: bool,
+}
+
+/// What `synerfuse plan --json` said for one scenario: the plan written, every grid
+/// layout it considered (each even layout, and its best grid plan where per-replica
+/// pipelines were written instead), and the largest micro-batch size of the plan.
 struct Planned {
     plan: Layout,
-    evens: Vec<Layout>,
+    /// `grid` or `per_replica_pipelines`.
+    written_kind: String,
+    grids: Vec<Layout>,
     flags: String,
     micro_batch_size: usize,
 }
 
-/// Plans `global_batch` on the emulated cluster with `profile`, writing the plan and
-/// every even layout under `dir`.
-fn plan_batch(
-    root: &Path,
-    bin: &Path,
-    profile: &Path,
-    dir: &Path,
-    global_batch: usize,
-) -> Result<Planned> {
-    let plan = dir.join(format!("plan-{global_batch}.toml"));
-    let evens_dir = dir.join(format!("even-{global_batch}"));
+/// Plans the scenario with `profile`, writing the plan, the best grid plan and every
+/// even layout under `dir`.
+fn plan_batch(bin: &Path, profile: &Path, dir: &Path, scenario: &Scenario) -> Result<Planned> {
+    let name = &scenario.name;
+    let plan = dir.join(format!("plan-{name}.toml"));
+    let grid = dir.join(format!("grid-{name}.toml"));
+    let evens_dir = dir.join(format!("even-{name}"));
     let _ = std::fs::remove_dir_all(&evens_dir);
     let json = run(
         Command::new(bin)
             .args(["plan", "--json", "--micro-batch-sizes", MICRO_BATCH_SIZES])
-            .args(["--global-batch-size", &global_batch.to_string()])
+            .args(["--global-batch-size", &scenario.global_batch.to_string()])
             .args(model_flags())
             .args(["--vocab-size", "2048", "--cluster"])
-            .arg(root.join(EMULATED_CLUSTER))
+            .arg(&scenario.cluster)
             .arg("--profile")
             .arg(profile)
             .arg("--output")
             .arg(&plan)
+            .arg("--grid-output")
+            .arg(&grid)
             .arg("--uniform-layouts-dir")
             .arg(&evens_dir),
         "plan",
@@ -93,12 +104,27 @@ fn plan_batch(
         .collect();
     let sizes = &j["micro_batch_size_per_replica"];
     let counts = &j["num_micro_batches_per_replica"];
-    let plan = Layout {
-        label: format!("plan: layers {layers:?}, micro-batch sizes {sizes}, counts {counts}"),
-        file: plan,
-        predicted_s: number(&j, "predicted_step_time_s")?,
+    let grid_label = format!(
+        "grid plan: pp {} x dp {}, layers {layers:?}, micro-batch sizes {sizes}, counts {counts}",
+        j["pipeline_parallel_size"], j["data_parallel_size"]
+    );
+    // The written plan: the grid plan, or per-replica pipelines where they are faster.
+    let written = &j["written_plan"];
+    let written_kind = written["kind"].as_str().unwrap_or("grid").to_owned();
+    let pooled = written_kind == "per_replica_pipelines";
+    let label = match pooled {
+        true => format!(
+            "per-replica pipelines: {}",
+            j["per_replica_pipelines"]["replicas"]
+        ),
+        false => grid_label.clone(),
     };
-    let evens = (j["uniform_layouts"].as_array().into_iter().flatten())
+    let plan = Layout {
+        label,
+        file: plan,
+        predicted_s: number(written, "predicted_step_time_s")?,
+    };
+    let mut grids = (j["uniform_layouts"].as_array().into_iter().flatten())
         .enumerate()
         .map(|(k, u)| {
             Ok(Layout {
@@ -114,13 +140,18 @@ fn plan_batch(
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    ensure!(
-        !evens.is_empty(),
-        "no even layout fits global batch {global_batch}"
-    );
+    if pooled {
+        grids.push(Layout {
+            file: grid,
+            label: grid_label,
+            predicted_s: number(&j, "predicted_step_time_s")?,
+        });
+    }
+    ensure!(!grids.is_empty(), "no grid layout fits scenario {name}");
     Ok(Planned {
         plan,
-        evens,
+        written_kind,
+        grids,
         flags: j["synerfuse_flags"].as_str().unwrap_or("").to_owned(),
         micro_batch_size: sizes
             .as_array()
@@ -195,55 +226,45 @@ fn alone_tokens_per_s(
     Ok(total)
 }
 
-/// One global batch: every even layout once, the plan and the fastest measured even
-/// layout REPEATS times in alternation, each device alone; the batch's JSON row.
-fn one_batch(
-    root: &Path,
+/// One scenario: every grid layout once, the plan and the fastest measured grid layout
+/// REPEATS times in alternation, each device alone where asked; its JSON row.
+fn one_scenario(
     bin: &Path,
     data: &Data,
     dir: &Path,
     profile: &Path,
-    global_batch: usize,
+    scenario: &Scenario,
 ) -> Result<serde_json::Value> {
-    let planned = plan_batch(root, bin, profile, dir, global_batch)?;
-    println!(
-        "[hetero] global batch {global_batch}: {}",
-        planned.plan.label
-    );
-    let mut evens = Vec::new();
-    for (k, layout) in planned.evens.iter().enumerate() {
-        evens.push(measure(
+    let (name, global_batch) = (&scenario.name, scenario.global_batch);
+    let planned = plan_batch(bin, profile, dir, scenario)?;
+    println!("[hetero] {name}: {}", planned.plan.label);
+    let mut grids = Vec::new();
+    for (k, layout) in planned.grids.iter().enumerate() {
+        grids.push(measure(
             bin,
             data,
             dir,
             layout,
-            &format!("even-{global_batch}-{k}"),
+            &format!("grid-{name}-{k}"),
         )?);
     }
-    let best = (0..evens.len())
-        .min_by(|&a, &b| evens[a].total_cmp(&evens[b]))
-        .expect("an even layout");
-    let mut best_runs = vec![evens[best]];
+    let best = (0..grids.len())
+        .min_by(|&a, &b| grids[a].total_cmp(&grids[b]))
+        .expect("a grid layout");
+    let mut best_runs = vec![grids[best]];
     let mut plan_runs = Vec::new();
     for repeat in 0..REPEATS {
-        let name = format!("plan-{global_batch}-{repeat}");
-        plan_runs.push(measure(bin, data, dir, &planned.plan, &name)?);
+        let run_name = format!("plan-{name}-{repeat}");
+        plan_runs.push(measure(bin, data, dir, &planned.plan, &run_name)?);
         if repeat > 0 {
-            let name = format!("best-even-{global_batch}-{repeat}");
-            best_runs.push(measure(bin, data, dir, &planned.evens[best], &name)?);
+            let run_name = format!("best-grid-{name}-{repeat}");
+            best_runs.push(measure(bin, data, dir, &planned.grids[best], &run_name)?);
         }
     }
-    // Alone at the plan's largest micro-batch size that divides the batch.
-    let size = (1..=planned.micro_batch_size)
-        .rev()
-        .find(|b| global_batch % b == 0)
-        .unwrap_or(1);
-    let alone = alone_tokens_per_s(bin, data, dir, global_batch, size)?;
     let tokens = (global_batch * 128) as f64;
     let (plan_s, best_s) = (median(&plan_runs), median(&best_runs));
-    let ratios: Vec<f64> = plan_runs.iter().map(|s| tokens / s / alone).collect();
     // Predicted against measured for every layout run (each run of the plan).
-    let mut errors: Vec<f64> = (planned.evens.iter().zip(&evens))
+    let mut errors: Vec<f64> = (planned.grids.iter().zip(&grids))
         .map(|(l, m)| (l.predicted_s - m).abs() / m)
         .collect();
     errors.extend(
@@ -251,38 +272,80 @@ fn one_batch(
             .iter()
             .map(|m| (planned.plan.predicted_s - m).abs() / m),
     );
-    let plan_errors: Vec<f64> = errors[evens.len()..].to_vec();
-    println!(
-        "[hetero] global batch {global_batch}: plan {plan_s:.4} s (runs {:?}) vs best measured even layout {best_s:.4} s ({}) = {:.2}x; acceleration ratio {:.1}% (runs {:?})",
-        plan_runs,
-        planned.evens[best].label,
-        best_s / plan_s,
-        median(&ratios) * 100.0,
-        ratios
-    );
-    Ok(serde_json::json!({
+    let plan_errors: Vec<f64> = errors[grids.len()..].to_vec();
+    let mut row = serde_json::json!({
+        "scenario": name,
         "global_batch_size": global_batch,
         "plan": planned.plan.label,
+        "written_kind": planned.written_kind,
         "plan_flags": planned.flags,
         "plan_predicted_step_s": planned.plan.predicted_s,
         "plan_step_s_runs": plan_runs,
         "plan_step_s": plan_s,
-        "best_even": planned.evens[best].label,
-        "best_even_predicted_step_s": planned.evens[best].predicted_s,
-        "best_even_step_s_runs": best_runs,
-        "best_even_step_s": best_s,
-        "best_even_predicted_best": best == 0,
+        "best_grid": planned.grids[best].label,
+        "best_grid_predicted_step_s": planned.grids[best].predicted_s,
+        "best_grid_step_s_runs": best_runs,
+        "best_grid_step_s": best_s,
+        "best_grid_predicted_best": best == 0,
         "speedup": best_s / plan_s,
-        "evens": (planned.evens.iter().zip(&evens)).map(|(l, m)| serde_json::json!({
+        "grids": (planned.grids.iter().zip(&grids)).map(|(l, m)| serde_json::json!({
             "layout": l.label, "predicted_step_s": l.predicted_s, "step_s": m,
         })).collect::<Vec<_>>(),
-        "alone_tokens_per_s": alone,
-        "acceleration_ratio_runs": ratios,
-        "acceleration_ratio": median(&ratios),
         "plan_prediction_errors": plan_errors,
         "max_prediction_error": errors.iter().copied().fold(0.0, f64::max),
-    }))
+    });
+    let mut line = format!(
+        "[hetero] {name}: plan {plan_s:.4} s (runs {plan_runs:?}) vs best measured grid layout {best_s:.4} s ({}) = {:.2}x",
+        planned.grids[best].label,
+        best_s / plan_s,
+    );
+    if scenario.alone {
+        // Alone at the plan's largest micro-batch size that divides the batch.
+        let size = (1..=planned.micro_batch_size)
+            .rev()
+            .find(|b| global_batch % b == 0)
+            .unwrap_or(1);
+        let alone = alone_tokens_per_s(bin, data, dir, global_batch, size)?;
+        let ratios: Vec<f64> = plan_runs.iter().map(|s| tokens / s / alone).collect();
+        line += &format!(
+            "; acceleration ratio {:.1}% (runs {ratios:?})",
+            median(&ratios) * 100.0
+        );
+        row["alone_tokens_per_s"] = alone.into();
+        row["acceleration_ratio"] = median(&ratios).into();
+        row["acceleration_ratio_runs"] = ratios.into();
+    }
+    println!("{line}");
+    Ok(row)
 }
+
+/// The memory-skewed cluster: one fast rank whose memory holds the whole model's training
+/// state and three at a quarter of its speed with 30 MB, which (by the planner's memory
+/// model) hold three layers and the embedding or head but not half the model: a grid
+/// (every replica the same stages) can only be one four-stage pipeline, while per-replica
+/// pipelines keep the fast rank whole beside a pipeline of the slow three.
+const SKEWED_CLUSTER: &str = "\
+[[group]]
+kind = \"cpu\"
+count = 1
+node = \"localhost\"
+speed = 0.5
+memory_gb = 1
+
+[[group]]
+kind = \"cpu\"
+count = 3
+node = \"localhost\"
+speed = 0.125
+memory_gb = 0.03
+
+[network]
+intra_node_gbs = 5
+inter_node_gbs = 5
+latency_us = 20
+";
+/// Its global batch (shares 4 : 1 : 1 : 1 of 7 do not divide it).
+const SKEWED_GLOBAL_BATCH: usize = 16;
 
 pub fn hetero(root: &Path) -> Result<()> {
     let bin = release_binary(root)?;
@@ -297,10 +360,25 @@ pub fn hetero(root: &Path) -> Result<()> {
     emulated_profile(&bin, &flags, MICRO_BATCH_SIZES, &profile)?;
     let mut batches = Vec::new();
     for global_batch in GLOBAL_BATCHES {
-        batches.push(one_batch(root, &bin, &data, &dir, &profile, global_batch)?);
+        let scenario = Scenario {
+            name: global_batch.to_string(),
+            cluster: root.join(EMULATED_CLUSTER),
+            global_batch,
+            alone: true,
+        };
+        batches.push(one_scenario(&bin, &data, &dir, &profile, &scenario)?);
     }
+    let skewed_cluster = dir.join("skewed-cluster.toml");
+    std::fs::write(&skewed_cluster, SKEWED_CLUSTER)?;
+    let skewed = Scenario {
+        name: "skewed".into(),
+        cluster: skewed_cluster,
+        global_batch: SKEWED_GLOBAL_BATCH,
+        alone: false,
+    };
+    let skewed = one_scenario(&bin, &data, &dir, &profile, &skewed)?;
     let worst = |key: &str, pick: fn(f64, f64) -> f64, start: f64| {
-        (batches.iter())
+        (batches.iter().chain([&skewed]))
             .filter_map(|b| b[key].as_f64())
             .fold(start, pick)
     };
@@ -311,6 +389,7 @@ pub fn hetero(root: &Path) -> Result<()> {
         "repeats": REPEATS,
         "micro_batch_sizes": MICRO_BATCH_SIZES,
         "batches": batches,
+        "skewed": skewed,
         "min_speedup": worst("speedup", f64::min, f64::MAX),
         "min_acceleration_ratio": worst("acceleration_ratio", f64::min, f64::MAX),
         "max_prediction_error": worst("max_prediction_error", f64::max, 0.0),

@@ -10,7 +10,7 @@ use synerfuse_model::tch::{self, Device};
 use synerfuse_model::{DeviceRequest, LlamaConfig, MegatronModelArgs, ResolveDevice};
 use synerfuse_parallel::cluster::ClusterSpec;
 use synerfuse_parallel::cost::{CostModel, ModelShape, Profile};
-use synerfuse_parallel::planner::{self, BehindBy, Candidate, PlanRequest};
+use synerfuse_parallel::planner::{self, BehindBy, Candidate, PlanRequest, PooledCandidate};
 use synerfuse_train::comm::{launcher_local_rank, launcher_rank, MpiRuntime};
 use synerfuse_train::profiler::{self, ProfileConfig, ProfileError};
 
@@ -187,6 +187,10 @@ pub struct PlanArgs {
     /// Where to write the best plan (TOML, for `synerfuse train --plan`)
     #[arg(long)]
     output: Option<PathBuf>,
+    /// Also write the best grid plan (every replica the same stages) here, even when
+    /// per-replica pipelines beat it and go to --output
+    #[arg(long)]
+    grid_output: Option<PathBuf>,
     /// Also write the even layout (the baseline) as a plan here
     #[arg(long)]
     uniform_output: Option<PathBuf>,
@@ -287,7 +291,16 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
     )?;
     let planning_s = started.elapsed().as_secs_f64();
     let plan = planner::to_parallel_plan(&cost, &outcome.plans[0])?;
+    // Per-replica pipelines are written when they beat the best grid plan.
+    let pooled = (outcome.pooled.as_ref())
+        .filter(|p| p.step_time_s < outcome.plans[0].prediction.step_time_s);
     if let Some(out) = &args.output {
+        match pooled {
+            Some(p) => write_atomically(out, &planner::to_general_plan(&cost, p)?.to_toml()?)?,
+            None => write_plan(out, &plan)?,
+        }
+    }
+    if let Some(out) = &args.grid_output {
         write_plan(out, &plan)?;
     }
     if let Some(out) = &args.uniform_output {
@@ -305,7 +318,10 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
         }
     }
     if let Some(out) = &args.timeline {
-        let timeline = planner::timeline(&cost, &outcome.plans[0])?;
+        let timeline = match pooled {
+            Some(p) => planner::pooled_timeline(&cost, p)?,
+            None => planner::timeline(&cost, &outcome.plans[0])?,
+        };
         let text = match out.extension().is_some_and(|e| e == "json") {
             true => serde_json::to_string_pretty(&timeline)?,
             false => synerfuse_parallel::timeline::Timeline::svg(&[timeline]),
@@ -375,6 +391,54 @@ impl PlanReport<'_> {
             "fraction_of_bound": self.fraction_of_bound(best),
             "optimizer_unpriced_kinds": self.outcome.unpriced_optimizer,
             "runner_ups": self.outcome.plans[1..].iter().map(|c| self.runner_up_json(c)).collect::<Vec<_>>(),
+            "per_replica_pipelines": self.outcome.pooled.as_ref().map(|p| self.pooled_json(p)),
+            "written_plan": match self.pooled_wins() {
+                Some(p) => serde_json::json!({
+                    "kind": "per_replica_pipelines",
+                    "predicted_step_time_s": p.step_time_s,
+                }),
+                None => serde_json::json!({
+                    "kind": "grid",
+                    "predicted_step_time_s": p.step_time_s,
+                }),
+            },
+        })
+    }
+
+    /// The per-replica-pipeline plan, when it beats the best grid plan (and is written).
+    fn pooled_wins(&self) -> Option<&PooledCandidate> {
+        (self.outcome.pooled.as_ref())
+            .filter(|p| p.step_time_s < self.best().prediction.step_time_s)
+    }
+
+    /// Each replica of a per-replica-pipeline plan: its devices, layers and batch.
+    fn pooled_replicas(&self, p: &PooledCandidate) -> Vec<serde_json::Value> {
+        let devices = self.cost.cluster.devices();
+        let mut out = Vec::new();
+        for pool in &p.pools {
+            for (r, &m) in pool.micro_batches.iter().enumerate() {
+                let kinds: Vec<&str> = (pool.devices.iter())
+                    .map(|row| devices[row[r]].kind.as_str())
+                    .collect();
+                out.push(serde_json::json!({
+                    "devices": kinds,
+                    "layers": pool.layers,
+                    "micro_batch_size": pool.micro_batch_size,
+                    "num_micro_batches": m,
+                }));
+            }
+        }
+        out
+    }
+
+    fn pooled_json(&self, p: &PooledCandidate) -> serde_json::Value {
+        serde_json::json!({
+            "predicted_step_time_s": p.step_time_s,
+            "predicted_tokens_per_s": self.tokens_per_step / p.step_time_s,
+            "fraction_of_bound": self.outcome.bound.fraction(self.tokens_per_step, p.step_time_s),
+            "reduce_s": p.reduce_s,
+            "optimizer_s": p.optimizer_s,
+            "replicas": self.pooled_replicas(p),
         })
     }
 
@@ -460,8 +524,37 @@ impl PlanReport<'_> {
             );
         }
         println!("flags: {}", self.plan.to_synerfuse_args().join(" "));
+        if let Some(pooled) = &self.outcome.pooled {
+            self.print_pooled(pooled);
+        }
         for (k, c) in self.outcome.plans.iter().enumerate().skip(1) {
             self.print_runner_up(k, c);
+        }
+    }
+
+    /// The per-replica-pipeline plan: each replica, its step against the grid plan's.
+    fn print_pooled(&self, p: &PooledCandidate) {
+        let grid = self.best().prediction.step_time_s;
+        let verdict = match self.pooled_wins() {
+            Some(_) => {
+                "faster than the grid plan: written instead of it (no SynerFuse flags express it)"
+            }
+            None => "slower than the grid plan",
+        };
+        println!(
+            "per-replica pipelines (devices pooled by kind): {:.4} s per step, {:.2}x the grid plan's speed, {:.1}% of the bound; {verdict}",
+            p.step_time_s,
+            grid / p.step_time_s,
+            self.outcome.bound.fraction(self.tokens_per_step, p.step_time_s) * 100.0
+        );
+        for (r, replica) in self.pooled_replicas(p).iter().enumerate() {
+            println!(
+                "  replica {r}: {} layers {} micro-batches {} x {}",
+                replica["devices"],
+                replica["layers"],
+                replica["num_micro_batches"],
+                replica["micro_batch_size"]
+            );
         }
     }
 

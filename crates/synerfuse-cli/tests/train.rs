@@ -1337,6 +1337,53 @@ fn plan_writes_what_train_runs() {
         &synerfuse(&train),
         "train --plan with micro-batch sizes per replica",
     );
+
+    // Per-replica pipelines: two slow ranks whose memory holds half the model pipeline it
+    // between them, the fast rank a replica of its own; the only grid is one pipeline of
+    // all three.
+    let pooled = dir.path().join("pooled.toml");
+    std::fs::write(
+        &pooled,
+        "[[group]]\nkind = \"cpu\"\ncount = 1\nnode = \"here\"\ntflops_bf16 = 0.05\nmemory_gb = 4\n\
+         [[group]]\nkind = \"cpu\"\ncount = 2\nnode = \"here\"\ntflops_bf16 = 0.05\nmemory_gb = 0.0016\nspeed = 0.5\n\
+         [network]\nintra_node_gbs = 5\ninter_node_gbs = 5\n",
+    )
+    .unwrap();
+    let pooled_plan = dir.path().join("pooled-plan.toml");
+    let mut args = vec![
+        "--cluster",
+        pooled.to_str().unwrap(),
+        "--global-batch-size",
+        "6",
+        "--output",
+        pooled_plan.to_str().unwrap(),
+    ];
+    args.extend(model);
+    let j = plan_json(&args);
+    assert_eq!(j["written_plan"]["kind"], "per_replica_pipelines", "{j}");
+    assert_eq!(j["pipeline_parallel_size"], 3, "{j}");
+    let replicas = j["per_replica_pipelines"]["replicas"].as_array().unwrap();
+    let depths: Vec<usize> = (replicas.iter())
+        .map(|r| r["layers"].as_array().unwrap().len())
+        .collect();
+    assert_eq!(depths, [1, 2], "{j}");
+    assert!(
+        j["written_plan"]["predicted_step_time_s"].as_f64().unwrap()
+            < j["predicted_step_time_s"].as_f64().unwrap()
+    );
+    let text = std::fs::read_to_string(&pooled_plan).unwrap();
+    assert_eq!(text.matches("[[replica]]").count(), 2, "{text}");
+    let mut train = common(dir.path(), &data, 3);
+    train.extend([
+        "--nproc".into(),
+        "3".into(),
+        "--plan".into(),
+        pooled_plan.display().to_string(),
+    ]);
+    ok(
+        &synerfuse(&train),
+        "train --plan with per-replica pipelines",
+    );
 }
 
 /// The processes (pid, environment) whose command line contains `marker`.

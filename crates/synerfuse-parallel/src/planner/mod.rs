@@ -5,6 +5,7 @@
 //! differ, a bisection over reachable sample totals), scored by the 1F1B formula, the
 //! best re-timed by simulating the real schedule.
 
+mod pooled;
 mod samples;
 
 use crate::cluster::Device;
@@ -16,6 +17,7 @@ use crate::{
 };
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
 
+pub use pooled::{plan_pooled, pooled_timeline, to_general_plan, PoolLayout, PooledCandidate};
 pub use samples::{min_max_samples, ReplicaPace};
 
 /// Most assignments of micro-batch sizes to replicas tried one by one per grid; past
@@ -132,6 +134,10 @@ pub enum PlanningError {
     /// A candidate that does not form a plan (a planner bug, reported).
     #[error(transparent)]
     Plan(#[from] crate::PlanError),
+    /// A per-replica-pipeline candidate that does not form a plan (a planner bug,
+    /// reported).
+    #[error(transparent)]
+    General(#[from] crate::GeneralPlanError),
     /// Every candidate breaks a constraint; the closest one's binding constraint.
     #[error("no feasible plan: {0}")]
     Infeasible(Infeasibility),
@@ -223,6 +229,10 @@ pub struct PlanOutcome {
     /// micro-batch size once), predicted fastest first: the baselines a benchmark runs
     /// to measure the best one rather than trust the prediction.
     pub uniform_layouts: Vec<Candidate>,
+    /// The best plan whose replicas are pipelines of their own shape (devices pooled by
+    /// class), when the cluster has several pools and one fits: `synerfuse plan` writes
+    /// it when it beats the best grid plan.
+    pub pooled: Option<PooledCandidate>,
     /// Candidates considered.
     pub considered: usize,
     /// What a perfect heterogeneous job would reach on this cluster.
@@ -435,10 +445,12 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
         .collect();
     unpriced_optimizer.sort();
     unpriced_optimizer.dedup();
+    let pooled = plan_pooled(cost, g, &micro_batch_sizes(request))?;
     Ok(PlanOutcome {
         plans,
         uniform,
         uniform_layouts,
+        pooled,
         considered: search.considered,
         bound,
         unpriced_optimizer,
@@ -1053,6 +1065,7 @@ fn split_samples(
             micro_batch_size: sizes[r],
             first_s: pipeline_time(&t, &c, r, 1),
             each_s: t.iter().map(|s| s[r]).fold(0.0, f64::max),
+            most_micro_batches: usize::MAX,
         })
         .collect();
     Ok(min_max_samples(samples, &paces))
@@ -1218,18 +1231,7 @@ pub fn to_parallel_plan(
     let mut ranks = Vec::with_capacity(p * d);
     for rank in 0..p * d {
         let c = topology.coordinates(rank)?;
-        let dev = &devices[candidate.devices[c.pp][c.dp]];
-        let accelerator = dev.spec.is_some_and(|s| s.accelerator);
-        ranks.push(RankPlacement {
-            device: Some(if accelerator {
-                DeviceRequest::Cuda(None)
-            } else {
-                DeviceRequest::Cpu
-            }),
-            speed: dev.emulated.then_some(dev.speed),
-            kind: Some(dev.kind.clone()),
-            memory_gb: dev.spec.map(|s| s.memory_gb),
-        });
+        ranks.push(placement(&devices[candidate.devices[c.pp][c.dp]]));
     }
     let batches = ReplicaBatches::new(
         candidate
@@ -1248,6 +1250,21 @@ pub fn to_parallel_plan(
         batches,
         ranks,
     )
+}
+
+/// Where a rank on `dev` computes: CUDA for an accelerator, else the CPU; its emulated
+/// speed, kind and memory.
+fn placement(dev: &Device) -> RankPlacement {
+    let accelerator = dev.spec.is_some_and(|s| s.accelerator);
+    RankPlacement {
+        device: Some(match accelerator {
+            true => DeviceRequest::Cuda(None),
+            false => DeviceRequest::Cpu,
+        }),
+        speed: dev.emulated.then_some(dev.speed),
+        kind: Some(dev.kind.clone()),
+        memory_gb: dev.spec.map(|s| s.memory_gb),
+    }
 }
 
 /// Re-times a candidate by simulating its 1F1B schedule (with p2p times), each stage's

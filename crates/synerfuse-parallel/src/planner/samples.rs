@@ -14,6 +14,9 @@ pub struct ReplicaPace {
     pub first_s: f64,
     /// Seconds each further micro-batch adds.
     pub each_s: f64,
+    /// The most micro-batches the replica holds (memory: a pipeline stage keeps up to
+    /// its depth in flight); `usize::MAX` when any count fits.
+    pub most_micro_batches: usize,
 }
 
 impl ReplicaPace {
@@ -24,6 +27,7 @@ impl ReplicaPace {
 
     /// The most micro-batches, at most `cap`, that end within `limit_s` (0: not one).
     fn most_within(&self, limit_s: f64, cap: usize) -> usize {
+        let cap = cap.min(self.most_micro_batches);
         if cap == 0 || self.time(1) > limit_s {
             return 0;
         }
@@ -55,9 +59,14 @@ pub fn min_max_samples(samples: usize, paces: &[ReplicaPace]) -> Option<Vec<usiz
         return None;
     }
     debug_assert!(paces.iter().all(|p| p.first_s >= 0.0 && p.each_s >= 0.0));
-    let mut groups: BTreeMap<(usize, u64, u64), Vec<usize>> = BTreeMap::new();
+    let mut groups: BTreeMap<(usize, u64, u64, usize), Vec<usize>> = BTreeMap::new();
     for (r, p) in paces.iter().enumerate() {
-        let key = (p.micro_batch_size, p.first_s.to_bits(), p.each_s.to_bits());
+        let key = (
+            p.micro_batch_size,
+            p.first_s.to_bits(),
+            p.each_s.to_bits(),
+            p.most_micro_batches,
+        );
         groups.entry(key).or_default().push(r);
     }
     let groups: Vec<(ReplicaPace, Vec<usize>)> = groups
@@ -68,7 +77,10 @@ pub fn min_max_samples(samples: usize, paces: &[ReplicaPace]) -> Option<Vec<usiz
     // Bisection on the bit patterns of non-negative doubles (ordered as the numbers)
     // down to adjacent doubles: the least feasible limit is then a replica's exact time.
     let most = (groups.iter())
-        .map(|(p, _)| p.time((samples / p.micro_batch_size).max(1)))
+        .map(|(p, _)| {
+            let m = (samples / p.micro_batch_size).min(p.most_micro_batches);
+            p.time(m.max(1))
+        })
         .fold(0.0, f64::max);
     let mut best = counts_within(most)?;
     if let Some(counts) = counts_within(0.0) {
@@ -201,17 +213,24 @@ mod tests {
         /// exactly when no counts make the samples.
         #[test]
         fn sample_split_matches_brute_force(
-            replicas in proptest::collection::vec((1usize..=4, 0.0f64..5.0, 0.0f64..4.0), 1..=4),
+            replicas in proptest::collection::vec((1usize..=4, 0.0f64..5.0, 0.0f64..4.0, 1usize..=6), 1..=4),
             samples in 1usize..=20,
         ) {
+            // A cap of 6 stands for none.
             let paces: Vec<ReplicaPace> = replicas
                 .iter()
-                .map(|&(b, first_s, each_s)| ReplicaPace { micro_batch_size: b, first_s, each_s })
+                .map(|&(b, first_s, each_s, most)| ReplicaPace {
+                    micro_batch_size: b,
+                    first_s,
+                    each_s,
+                    most_micro_batches: if most == 6 { usize::MAX } else { most },
+                })
                 .collect();
             let sizes: Vec<usize> = paces.iter().map(|p| p.micro_batch_size).collect();
             let worst = |m: &[usize]| (0..m.len()).map(|r| paces[r].time(m[r])).fold(0.0, f64::max);
             let brute = all_counts(samples, &sizes)
                 .into_iter()
+                .filter(|m| m.iter().zip(&paces).all(|(&c, p)| c <= p.most_micro_batches))
                 .map(|m| worst(&m))
                 .min_by(f64::total_cmp);
             match (min_max_samples(samples, &paces), brute) {
@@ -232,6 +251,7 @@ mod tests {
             micro_batch_size: 2,
             first_s: 1.0,
             each_s: 1.0,
+            most_micro_batches: usize::MAX,
         };
         assert_eq!(min_max_samples(12, &[pace; 3]), Some(vec![2, 2, 2]));
         assert_eq!(min_max_samples(7, &[pace; 3]), None);

@@ -1,0 +1,884 @@
+//! Plans whose replicas are pipelines of their own shape (the general plan): the devices
+//! pooled by class (group and speed), each pool cut into replicas of one depth with one
+//! layer split and micro-batch size, the batch split over every replica of every pool.
+//! A pool of small devices can pipeline deep while a pool of large ones keeps whole
+//! replicas, which no grid (every replica the same stages) expresses.
+
+use super::samples::{min_max_samples, ReplicaPace};
+use super::{
+    arrange, max, pipeline_time, placement, split_layers, stage_times, Arrangement, Ctx, Grid,
+    PlanningError,
+};
+use crate::cost::CostModel;
+use crate::general::{GeneralPlan, GeneralPlanError, ReplicaPipeline};
+use crate::timeline::{RankTimeline, Span, SpanKind};
+use crate::{sim, Pass, ReplicaBatch, ScheduleKind, StageLayout};
+
+/// The most combinations of pool options tried: each pool keeps its fastest options
+/// per device, as many as keep the product under this (every option on small clusters).
+const MOST_COMBINATIONS: usize = 81;
+
+/// One pool's part of a plan: its replicas, each `layers.len()` stages deep.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolLayout {
+    /// Device index of (stage, replica), in the cluster's order.
+    pub devices: Grid<usize>,
+    /// Layers per stage, the same for each of its replicas.
+    pub layers: Vec<usize>,
+    /// Micro-batch size of its replicas.
+    pub micro_batch_size: usize,
+    /// Micro-batches of each of its replicas.
+    pub micro_batches: Vec<usize>,
+}
+
+/// A plan of pools with its predicted step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PooledCandidate {
+    /// The pools, fastest first; their replicas in this order are the plan's.
+    pub pools: Vec<PoolLayout>,
+    /// One training step, s (simulated schedule, the reduction, the optimizer).
+    pub step_time_s: f64,
+    /// The slowest replica's pipeline, s.
+    pub pipeline_s: f64,
+    /// The gradient reduction of the busiest rank, s.
+    pub reduce_s: f64,
+    /// The slowest rank's optimizer step, s.
+    pub optimizer_s: f64,
+}
+
+impl PooledCandidate {
+    /// Every replica: (pool, index in the pool).
+    fn replicas(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        (self.pools.iter().enumerate())
+            .flat_map(|(k, pool)| (0..pool.micro_batches.len()).map(move |r| (k, r)))
+    }
+}
+
+/// One way to cut a pool: depth, micro-batch size, and the layer split that fits.
+#[derive(Clone)]
+struct PoolOption {
+    devices: Grid<usize>,
+    layers: Vec<usize>,
+    micro_batch_size: usize,
+    /// Samples per second per device in the steady state.
+    rate: f64,
+}
+
+/// The best plan whose replicas are pipelines of their own shape, when the cluster has
+/// more than one pool of devices and one fits; `None` otherwise.
+pub fn plan_pooled(
+    cost: &CostModel,
+    global_batch: usize,
+    sizes: &[usize],
+) -> Result<Option<PooledCandidate>, PlanningError> {
+    let mut ctx = Ctx::new(cost);
+    let pools = pools(&mut ctx)?;
+    if pools.len() < 2 {
+        return Ok(None);
+    }
+    let mut options = Vec::with_capacity(pools.len());
+    for pool in &pools {
+        options.push(pool_options(&mut ctx, pool, sizes)?);
+    }
+    // Each other pool takes at least one micro-batch of the smallest size: an option
+    // whose replicas need more than the rest of the batch cannot be part of a plan.
+    let smallest = sizes.iter().copied().min().unwrap_or(1);
+    let room = global_batch.saturating_sub((pools.len() - 1) * smallest);
+    for pool_options in &mut options {
+        pool_options.retain(|o| o.devices[0].len() * o.micro_batch_size <= room);
+    }
+    if options.iter().any(Vec::is_empty) {
+        return Ok(None);
+    }
+    let keep = options_kept(&options.iter().map(Vec::len).collect::<Vec<_>>());
+    let mut best: Option<(f64, Vec<PoolLayout>)> = None;
+    for choice in combinations(
+        &options
+            .iter()
+            .map(|o| o.len().min(keep))
+            .collect::<Vec<_>>(),
+    ) {
+        let chosen: Vec<&PoolOption> = choice
+            .iter()
+            .enumerate()
+            .map(|(k, &i)| &options[k][i])
+            .collect();
+        if let Some((step, layouts)) = balance(&mut ctx, &chosen, global_batch)? {
+            if best.as_ref().is_none_or(|(s, _)| step < *s) {
+                best = Some((step, layouts));
+            }
+        }
+    }
+    let Some((_, layouts)) = best else {
+        return Ok(None);
+    };
+    let (candidate, _) = simulate(&mut ctx, layouts, false)?;
+    Ok(Some(candidate))
+}
+
+/// Options kept per pool: the most k with every pool's min(k, options) multiplying to at
+/// most [`MOST_COMBINATIONS`] (at least 1).
+fn options_kept(counts: &[usize]) -> usize {
+    let product = |k: usize| counts.iter().map(|&n| n.min(k)).product::<usize>();
+    let most = counts.iter().copied().max().unwrap_or(1);
+    (1..=most)
+        .take_while(|&k| product(k) <= MOST_COMBINATIONS)
+        .last()
+        .unwrap_or(1)
+}
+
+/// What pools devices: their class (group, speed) and usable memory's bits.
+type PoolKey = ((usize, u64), Option<u64>);
+
+/// Device indices pooled by class and usable memory, fastest pool first (per-layer time
+/// at micro-batch size 1).
+fn pools(ctx: &mut Ctx<'_>) -> Result<Vec<Vec<usize>>, PlanningError> {
+    let mut pools: Vec<(PoolKey, Vec<usize>)> = Vec::new();
+    for i in 0..ctx.devices.len() {
+        let key = (ctx.devices[i].class(), ctx.memory[i].map(f64::to_bits));
+        match pools.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, members)) => members.push(i),
+            None => pools.push((key, vec![i])),
+        }
+    }
+    let mut speed = Vec::with_capacity(pools.len());
+    for (_, members) in &pools {
+        speed.push(ctx.costs(members[0], 1)?.layer_s);
+    }
+    let mut order: Vec<usize> = (0..pools.len()).collect();
+    order.sort_by(|&a, &b| speed[a].total_cmp(&speed[b]));
+    Ok(order.into_iter().map(|k| pools[k].1.clone()).collect())
+}
+
+/// A pool's feasible cuts (every depth dividing it and size), its fastest per device
+/// first: the layer split that fits with every 1F1B micro-batch in flight.
+fn pool_options(
+    ctx: &mut Ctx<'_>,
+    pool: &[usize],
+    sizes: &[usize],
+) -> Result<Vec<PoolOption>, PlanningError> {
+    let (n, l) = (pool.len(), ctx.cost.model.num_layers);
+    let mut options = Vec::new();
+    for p in (1..=n.min(l)).filter(|p| n % p == 0) {
+        let d = n / p;
+        let devices = arrange(pool, p, d, Arrangement::ByReplica);
+        for &b in sizes {
+            let bs = vec![b; d];
+            // Split for a full pipeline; a pool that only fits with fewer micro-batches in
+            // flight is tried with one per replica (the batch split decides).
+            let layers = match split_layers(ctx, &devices, &bs, &vec![p; d], l)? {
+                Some(layers) => Some(layers),
+                None => split_layers(ctx, &devices, &bs, &vec![1; d], l)?,
+            };
+            let Some(layers) = layers else {
+                continue;
+            };
+            let (t, _) = stage_times(ctx, &devices, &layers, &bs)?;
+            let slowest = t.iter().map(|s| s[0]).fold(0.0, f64::max);
+            options.push(PoolOption {
+                rate: (d * b) as f64 / slowest.max(1e-30) / n as f64,
+                devices: devices.clone(),
+                layers,
+                micro_batch_size: b,
+            });
+        }
+    }
+    options.sort_by(|a, b| b.rate.total_cmp(&a.rate));
+    Ok(options)
+}
+
+/// Every index vector below `limits`, the first index fastest.
+fn combinations(limits: &[usize]) -> Vec<Vec<usize>> {
+    let mut out = vec![Vec::new()];
+    for &limit in limits {
+        out = (out.into_iter())
+            .flat_map(|prefix| {
+                (0..limit).map(move |i| {
+                    let mut next = prefix.clone();
+                    next.push(i);
+                    next
+                })
+            })
+            .collect();
+    }
+    out
+}
+
+/// The batch split over the pools' replicas (exact min-max over samples), then each
+/// pool's layers re-split for its counts, twice; the closed-form step and the layouts,
+/// or `None` when the sizes cannot make the batch or a split stops fitting.
+fn balance(
+    ctx: &mut Ctx<'_>,
+    chosen: &[&PoolOption],
+    global_batch: usize,
+) -> Result<Option<(f64, Vec<PoolLayout>)>, PlanningError> {
+    let mut layouts: Vec<PoolLayout> = (chosen.iter())
+        .map(|o| PoolLayout {
+            devices: o.devices.clone(),
+            layers: o.layers.clone(),
+            micro_batch_size: o.micro_batch_size,
+            micro_batches: vec![1; o.devices[0].len()],
+        })
+        .collect();
+    for _ in 0..2 {
+        let mut paces = Vec::new();
+        for pool in &layouts {
+            let d = pool.micro_batches.len();
+            let (t, c) = stage_times(
+                ctx,
+                &pool.devices,
+                &pool.layers,
+                &vec![pool.micro_batch_size; d],
+            )?;
+            let most = most_micro_batches(ctx, pool)?;
+            for r in 0..d {
+                paces.push(ReplicaPace {
+                    micro_batch_size: pool.micro_batch_size,
+                    first_s: pipeline_time(&t, &c, r, 1),
+                    each_s: t.iter().map(|s| s[r]).fold(0.0, f64::max),
+                    most_micro_batches: most,
+                });
+            }
+        }
+        let Some(counts) = min_max_samples(global_batch, &paces) else {
+            return Ok(None);
+        };
+        let mut counts = counts.into_iter();
+        for pool in &mut layouts {
+            let d = pool.micro_batches.len();
+            pool.micro_batches = counts.by_ref().take(d).collect();
+            let bs = vec![pool.micro_batch_size; d];
+            let l = ctx.cost.model.num_layers;
+            match split_layers(ctx, &pool.devices, &bs, &pool.micro_batches, l)? {
+                Some(layers) => pool.layers = layers,
+                None => return Ok(None),
+            }
+        }
+    }
+    let step = closed_form_step_s(ctx, &layouts)?;
+    Ok(Some(polish(ctx, layouts, step)?))
+}
+
+/// Whether every rank of every pool holds its stage with its 1F1B micro-batches in
+/// flight.
+fn fits_all(ctx: &mut Ctx<'_>, layouts: &[PoolLayout]) -> Result<bool, PlanningError> {
+    for pool in layouts {
+        let (p, b) = (pool.layers.len(), pool.micro_batch_size);
+        for (i, row) in pool.devices.iter().enumerate() {
+            for (&dev, &m) in row.iter().zip(&pool.micro_batches) {
+                let k = ctx.costs(dev, b)?;
+                let in_flight = (p - i).min(m);
+                let need =
+                    (ctx.cost).memory_bytes(&k, pool.layers[i], i == 0, i + 1 == p, in_flight, b);
+                if ctx.memory[dev].is_some_and(|have| need > have) {
+                    return Ok(false);
+                }
+            }
+        }
+    }
+    Ok(true)
+}
+
+/// The most micro-batches per replica the pool's ranks hold with its layers (a stage
+/// keeps at most its depth in flight, so fitting that many fits any count).
+fn most_micro_batches(ctx: &mut Ctx<'_>, pool: &PoolLayout) -> Result<usize, PlanningError> {
+    let p = pool.layers.len();
+    let mut most = 0;
+    for m in 1..=p {
+        let trial = PoolLayout {
+            micro_batches: vec![m; pool.micro_batches.len()],
+            ..pool.clone()
+        };
+        if !fits_all(ctx, std::slice::from_ref(&trial))? {
+            return Ok(most);
+        }
+        most = m;
+    }
+    Ok(usize::MAX)
+}
+
+/// Local moves the min-max splits do not see (they balance compute, not the reduction
+/// and optimizer a stage's parameters cost, nor a short pipeline's sum of stages): a
+/// layer to a neighbouring stage, a micro-batch to another replica of the same size;
+/// each kept while the closed-form step falls and every rank fits.
+fn polish(
+    ctx: &mut Ctx<'_>,
+    mut layouts: Vec<PoolLayout>,
+    mut step: f64,
+) -> Result<(f64, Vec<PoolLayout>), PlanningError> {
+    let replicas: usize = layouts.iter().map(|p| p.micro_batches.len()).sum();
+    loop {
+        let mut moves = Vec::new();
+        for (k, pool) in layouts.iter().enumerate() {
+            for i in 0..pool.layers.len().saturating_sub(1) {
+                for (from, to) in [(i, i + 1), (i + 1, i)] {
+                    moves.push(Move::Layer {
+                        pool: Some(k),
+                        from,
+                        to,
+                    });
+                    // The same move in every pool of the depth keeps their
+                    // boundaries shared (fewer reduction segments).
+                    moves.push(Move::Layer {
+                        pool: None,
+                        from,
+                        to,
+                    });
+                }
+            }
+        }
+        if replicas <= MOST_COMBINATIONS {
+            let slots: Vec<(usize, usize)> = (layouts.iter().enumerate())
+                .flat_map(|(k, p)| (0..p.micro_batches.len()).map(move |r| (k, r)))
+                .collect();
+            for &from in &slots {
+                for &to in &slots {
+                    let size = |(k, _): (usize, usize)| layouts[k].micro_batch_size;
+                    if from != to && size(from) == size(to) {
+                        moves.push(Move::MicroBatch { from, to });
+                    }
+                }
+            }
+        }
+        let mut improved = false;
+        for m in moves {
+            let Some(next) = m.apply(&layouts) else {
+                continue;
+            };
+            if !fits_all(ctx, &next)? {
+                continue;
+            }
+            let s = closed_form_step_s(ctx, &next)?;
+            if s < step * (1.0 - 1e-12) {
+                (step, layouts, improved) = (s, next, true);
+            }
+        }
+        if !improved {
+            return Ok((step, layouts));
+        }
+    }
+}
+
+/// One step of [`polish`].
+#[derive(Clone, Copy)]
+enum Move {
+    /// A layer from one stage of a pool's replicas to a neighbouring one; with no pool,
+    /// in every pool deep enough.
+    Layer {
+        pool: Option<usize>,
+        from: usize,
+        to: usize,
+    },
+    /// A micro-batch from one replica (pool, index) to another of the same size.
+    MicroBatch {
+        from: (usize, usize),
+        to: (usize, usize),
+    },
+}
+
+impl Move {
+    /// The layouts after the move, `None` when it empties a stage or a replica.
+    fn apply(self, layouts: &[PoolLayout]) -> Option<Vec<PoolLayout>> {
+        let mut next = layouts.to_vec();
+        match self {
+            Move::Layer { pool, from, to } => {
+                for (k, layout) in next.iter_mut().enumerate() {
+                    let moved = pool.map_or(layout.layers.len() > from.max(to), |p| p == k);
+                    if moved {
+                        let layers = &mut layout.layers;
+                        layers[from] = layers[from].checked_sub(1).filter(|&n| n > 0)?;
+                        layers[to] += 1;
+                    }
+                }
+            }
+            Move::MicroBatch { from, to } => {
+                let m = &mut next[from.0].micro_batches[from.1];
+                *m = m.checked_sub(1).filter(|&n| n > 0)?;
+                next[to.0].micro_batches[to.1] += 1;
+            }
+        }
+        Some(next)
+    }
+}
+
+/// The step in closed form: the slowest replica's 1F1B, the busiest rank's reduction,
+/// the slowest optimizer step.
+fn closed_form_step_s(ctx: &mut Ctx<'_>, layouts: &[PoolLayout]) -> Result<f64, PlanningError> {
+    let candidate = PooledCandidate {
+        pools: layouts.to_vec(),
+        step_time_s: 0.0,
+        pipeline_s: pipelines_s(ctx, layouts)?,
+        reduce_s: 0.0,
+        optimizer_s: 0.0,
+    };
+    let reduce = max(&reduce_s(ctx, &candidate));
+    Ok(candidate.pipeline_s + reduce + optimizer_s(ctx, &candidate))
+}
+
+/// The slowest replica's 1F1B closed form.
+fn pipelines_s(ctx: &mut Ctx<'_>, layouts: &[PoolLayout]) -> Result<f64, PlanningError> {
+    let mut slowest = 0.0f64;
+    for pool in layouts {
+        let d = pool.micro_batches.len();
+        let (t, c) = stage_times(
+            ctx,
+            &pool.devices,
+            &pool.layers,
+            &vec![pool.micro_batch_size; d],
+        )?;
+        for (r, &m) in pool.micro_batches.iter().enumerate() {
+            slowest = slowest.max(pipeline_time(&t, &c, r, m));
+        }
+    }
+    Ok(slowest)
+}
+
+/// Each replica's stage boundaries in pieces (embedding = 0, layer i = i + 1, head =
+/// L + 1), per replica the (start, end) piece range of each stage and its device.
+fn stage_pieces(c: &PooledCandidate, l: usize) -> Vec<Vec<(usize, usize, usize)>> {
+    c.replicas()
+        .map(|(k, r)| {
+            let pool = &c.pools[k];
+            let p = pool.layers.len();
+            let mut start = 1;
+            (0..p)
+                .map(|i| {
+                    let from = if i == 0 { 0 } else { start };
+                    start += pool.layers[i];
+                    let to = if i + 1 == p { l + 2 } else { start };
+                    (from, to, pool.devices[i][r])
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Per rank (replica by replica, stage by stage), the seconds of its gradient
+/// reduction: each segment between the union of every replica's boundaries all-reduced
+/// over its holders (one per replica), a rank's segments one after another.
+fn reduce_s(ctx: &Ctx<'_>, c: &PooledCandidate) -> Vec<f64> {
+    let model = &ctx.cost.model;
+    let l = model.num_layers;
+    let stages = stage_pieces(c, l);
+    let mut cuts: Vec<usize> = stages.iter().flatten().map(|&(from, _, _)| from).collect();
+    cuts.push(l + 2);
+    cuts.sort_unstable();
+    cuts.dedup();
+    let params = |from: usize, to: usize| {
+        (from..to)
+            .map(|piece| match piece {
+                0 => model.embedding_params(),
+                x if x == l + 1 => model.embedding_params(),
+                _ => model.layer_params(),
+            })
+            .sum::<f64>()
+    };
+    // Rank of (replica, stage): replica by replica, stage by stage.
+    let first_rank: Vec<usize> = (stages.iter())
+        .scan(0, |next, s| {
+            let first = *next;
+            *next += s.len();
+            Some(first)
+        })
+        .collect();
+    let mut seconds = vec![0.0; stages.iter().map(Vec::len).sum()];
+    for w in cuts.windows(2) {
+        let (from, to) = (w[0], w[1]);
+        let holders: Vec<(usize, usize)> = (stages.iter().enumerate())
+            .map(|(r, s)| {
+                (
+                    r,
+                    s.iter()
+                        .position(|&(a, b, _)| a <= from && to <= b)
+                        .expect("a stage holds each segment"),
+                )
+            })
+            .collect();
+        let devices: Vec<&crate::cluster::Device> = holders
+            .iter()
+            .map(|&(r, i)| &ctx.devices[stages[r][i].2])
+            .collect();
+        let t = ctx.cost.allreduce_seconds(&devices, params(from, to) * 4.0);
+        for (r, i) in holders {
+            seconds[first_rank[r] + i] += t;
+        }
+    }
+    seconds
+}
+
+/// The slowest rank's optimizer step over its own parameters (0 where not priced).
+fn optimizer_s(ctx: &Ctx<'_>, c: &PooledCandidate) -> f64 {
+    let mut slowest = 0.0f64;
+    for pool in &c.pools {
+        let p = pool.layers.len();
+        for (i, row) in pool.devices.iter().enumerate() {
+            let params = ctx
+                .cost
+                .model
+                .stage_params(pool.layers[i], i == 0, i + 1 == p);
+            for &dev in row {
+                let s = ctx.cost.optimizer_seconds(&ctx.devices[dev], params);
+                slowest = slowest.max(s.unwrap_or(0.0));
+            }
+        }
+    }
+    slowest
+}
+
+/// The plan `synerfuse train --plan` runs: the pools' replicas in order, ranks replica
+/// by replica, stage by stage.
+pub fn to_general_plan(
+    cost: &CostModel,
+    candidate: &PooledCandidate,
+) -> Result<GeneralPlan, GeneralPlanError> {
+    let devices = cost.cluster.devices();
+    let mut next_rank = 0;
+    let mut replicas = Vec::new();
+    for (k, r) in candidate.replicas() {
+        let pool = &candidate.pools[k];
+        let p = pool.layers.len();
+        let ranks: Vec<usize> = (next_rank..next_rank + p).collect();
+        next_rank += p;
+        let stages =
+            StageLayout::new(pool.layers.clone(), cost.model.num_layers).map_err(|source| {
+                GeneralPlanError::Layout {
+                    replica: replicas.len(),
+                    source,
+                }
+            })?;
+        replicas.push(ReplicaPipeline::single_ranks(
+            stages,
+            ReplicaBatch {
+                micro_batch_size: pool.micro_batch_size,
+                num_micro_batches: pool.micro_batches[r],
+            },
+            ranks,
+            (0..p)
+                .map(|i| placement(&devices[pool.devices[i][r]]))
+                .collect(),
+        ));
+    }
+    GeneralPlan::new(replicas)
+}
+
+/// Simulates the plan's 1F1B programs (every replica at once, each message at its
+/// link's cost), then the reduction once every replica has finished and the optimizer;
+/// the candidate with its times, and each rank's spans when `record`.
+fn simulate(
+    ctx: &mut Ctx<'_>,
+    pools: Vec<PoolLayout>,
+    record: bool,
+) -> Result<(PooledCandidate, Vec<RankTimeline>), PlanningError> {
+    let mut candidate = PooledCandidate {
+        pools,
+        step_time_s: 0.0,
+        pipeline_s: 0.0,
+        reduce_s: 0.0,
+        optimizer_s: 0.0,
+    };
+    let plan = to_general_plan(ctx.cost, &candidate)?;
+    let programs = plan.schedule(ScheduleKind::OneFOneB)?;
+    // Per rank: its device, micro-batch size and per-micro-batch time.
+    let mut ranks = Vec::new();
+    for pool in &candidate.pools {
+        let d = pool.micro_batches.len();
+        let (t, _) = stage_times(
+            ctx,
+            &pool.devices,
+            &pool.layers,
+            &vec![pool.micro_batch_size; d],
+        )?;
+        for r in 0..d {
+            for (i, row) in t.iter().enumerate() {
+                let dev = pool.devices[i][r];
+                let f = ctx.costs(dev, pool.micro_batch_size)?.forward_fraction;
+                ranks.push((dev, pool.micro_batch_size, row[r], f));
+            }
+        }
+    }
+    let (devices, cost) = (&ctx.devices, ctx.cost);
+    let op_seconds = |rank: usize, pass: Pass, _| {
+        let (_, _, t, f) = ranks[rank];
+        match pass {
+            Pass::Forward => t * f,
+            Pass::Backward => t * (1.0 - f),
+        }
+    };
+    let message_seconds = |from: usize, to: usize| {
+        let b = ranks[from].1;
+        cost.transfer(&devices[ranks[from].0], &devices[ranks[to].0], b)
+    };
+    let report = match record {
+        true => sim::simulate_spans(&programs, op_seconds, message_seconds),
+        false => sim::simulate(&programs, op_seconds, message_seconds),
+    }
+    .map_err(crate::PlanError::from)?;
+    let reduce = reduce_s(ctx, &candidate);
+    let optimizer = optimizer_s(ctx, &candidate);
+    let done = report.makespan_s;
+    candidate.pipeline_s = done;
+    candidate.reduce_s = max(&reduce);
+    candidate.optimizer_s = optimizer;
+    candidate.step_time_s = done + candidate.reduce_s + optimizer;
+    let mut rows = Vec::new();
+    for (rank, mut spans) in report.spans.into_iter().enumerate() {
+        let mut span = |kind, start_s: f64, end_s: f64| {
+            if end_s > start_s {
+                spans.push(Span {
+                    kind,
+                    start_s,
+                    end_s,
+                    micro_batch: None,
+                });
+            }
+        };
+        span(SpanKind::Wait, report.finish_s[rank], done);
+        span(SpanKind::Reduce, done, done + reduce[rank]);
+        span(
+            SpanKind::Wait,
+            done + reduce[rank],
+            done + candidate.reduce_s,
+        );
+        let after = done + candidate.reduce_s;
+        span(SpanKind::Optimizer, after, after + optimizer);
+        let (replica, stage) = plan.position(rank).unwrap_or_default();
+        rows.push(RankTimeline {
+            label: format!(
+                "rank {rank}: replica {replica}, stage {stage}, {}",
+                devices[ranks[rank].0].kind
+            ),
+            spans,
+        });
+    }
+    Ok((candidate, rows))
+}
+
+/// The simulated step of a per-replica-pipeline plan, rank by rank.
+pub fn pooled_timeline(
+    cost: &CostModel,
+    candidate: &PooledCandidate,
+) -> Result<crate::timeline::Timeline, PlanningError> {
+    let mut ctx = Ctx::new(cost);
+    let (simulated, ranks) = simulate(&mut ctx, candidate.pools.clone(), true)?;
+    Ok(crate::timeline::Timeline {
+        title: format!(
+            "predicted: {} replicas of their own pipelines, step {:.4} s",
+            candidate.replicas().count(),
+            simulated.step_time_s
+        ),
+        ranks,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::ClusterSpec;
+    use crate::cost::ModelShape;
+    use proptest::prelude::*;
+
+    fn cost(toml: &str, layers: usize, hidden: usize) -> CostModel {
+        let cluster = ClusterSpec::from_toml(toml).unwrap();
+        let model = ModelShape {
+            num_layers: layers,
+            hidden_size: hidden,
+            num_heads: 32,
+            num_kv_heads: 32,
+            ffn_hidden_size: hidden * 8 / 3,
+            vocab_size: 32_000,
+            seq_length: 2048,
+            tied: false,
+        };
+        CostModel::new(model, cluster, None)
+    }
+
+    /// One 80 GB device holds a 1.3B-parameter model's training state (27 GB) whole;
+    /// 16 GB T4s need four stages for it. The pooled plan keeps the A100 a replica of its
+    /// own and pipelines the T4s four deep, which no grid expresses (a grid's replicas
+    /// all have the same stages).
+    #[test]
+    fn small_devices_pipeline_while_a_large_one_stays_whole() {
+        let cost = cost(
+            "[[group]]\nkind = \"a100-80g\"\ncount = 1\nnode = \"a\"\n\
+             [[group]]\nkind = \"t4\"\ncount = 4\nnode = \"a\"\n\
+             [network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n",
+            24,
+            2048,
+        );
+        let pooled = plan_pooled(&cost, 32, &[1, 2])
+            .unwrap()
+            .expect("a pooled plan");
+        let depths: Vec<usize> = pooled.pools.iter().map(|p| p.layers.len()).collect();
+        assert_eq!(depths, [1, 4], "{pooled:?}");
+        let plan = to_general_plan(&cost, &pooled).unwrap();
+        assert_eq!(plan.replicas().len(), 2);
+        assert_eq!(plan.batches().global_batch_size(), 32);
+        assert!(plan.to_grid().is_none(), "no grid expresses it");
+        // The planner's outcome carries it beside the grid plans.
+        let request = super::super::PlanRequest {
+            global_batch_size: 32,
+            micro_batch_sizes: vec![1, 2],
+            top_k: 1,
+        };
+        let outcome = super::super::plan(&cost, &request).unwrap();
+        assert_eq!(outcome.pooled.as_ref(), Some(&pooled));
+    }
+
+    /// Every way to write `total` as `parts` positive summands.
+    fn compositions(total: usize, parts: usize) -> Vec<Vec<usize>> {
+        if parts == 1 {
+            return vec![vec![total]];
+        }
+        (1..total.saturating_sub(parts - 2))
+            .flat_map(|first| {
+                compositions(total - first, parts - 1)
+                    .into_iter()
+                    .map(move |rest| [vec![first], rest].concat())
+            })
+            .collect()
+    }
+
+    /// Every count per replica (each at least 1) whose samples make `g`.
+    fn every_count(sizes: &[usize], g: usize) -> Vec<Vec<usize>> {
+        let Some((&b, rest)) = sizes.split_first() else {
+            return if g == 0 { vec![Vec::new()] } else { Vec::new() };
+        };
+        (1..=g / b)
+            .flat_map(|m| {
+                every_count(rest, g - m * b)
+                    .into_iter()
+                    .map(move |tail| [vec![m], tail].concat())
+            })
+            .collect()
+    }
+
+    /// The least closed-form step over every plan of the planner's pools: per pool every
+    /// depth dividing it, micro-batch size and layer split, per replica every count,
+    /// every rank within its memory.
+    fn brute_force(cost: &CostModel, g: usize, sizes: &[usize]) -> Option<(f64, Vec<PoolLayout>)> {
+        let mut ctx = Ctx::new(cost);
+        let l = cost.model.num_layers;
+        let mut cuts_per_pool = Vec::new();
+        for pool in pools(&mut ctx).unwrap() {
+            let n = pool.len();
+            let mut cuts = Vec::new();
+            for p in (1..=n.min(l)).filter(|p| n % p == 0) {
+                for &b in sizes {
+                    for layers in compositions(l, p) {
+                        cuts.push((arrange(&pool, p, n / p, Arrangement::ByReplica), layers, b));
+                    }
+                }
+            }
+            cuts_per_pool.push(cuts);
+        }
+        let limits: Vec<usize> = cuts_per_pool.iter().map(Vec::len).collect();
+        let mut best: Option<(f64, Vec<PoolLayout>)> = None;
+        for choice in combinations(&limits) {
+            let cuts: Vec<_> = (choice.iter().enumerate())
+                .map(|(k, &i)| cuts_per_pool[k][i].clone())
+                .collect();
+            let replica_sizes: Vec<usize> = (cuts.iter())
+                .flat_map(|(devices, _, b)| vec![*b; devices[0].len()])
+                .collect();
+            for counts in every_count(&replica_sizes, g) {
+                let mut counts = counts.into_iter();
+                let layouts: Vec<PoolLayout> = (cuts.iter())
+                    .map(|(devices, layers, b)| PoolLayout {
+                        devices: devices.clone(),
+                        layers: layers.clone(),
+                        micro_batch_size: *b,
+                        micro_batches: counts.by_ref().take(devices[0].len()).collect(),
+                    })
+                    .collect();
+                if !fits_all(&mut ctx, &layouts).unwrap() {
+                    continue;
+                }
+                let step = closed_form_step_s(&mut ctx, &layouts).unwrap();
+                if best.as_ref().is_none_or(|(s, _)| step < *s) {
+                    best = Some((step, layouts));
+                }
+            }
+        }
+        best
+    }
+
+    /// How far the planner's step may be above the least: its layer splits and batch
+    /// split are exact each for the other fixed, and a local search (one layer or one
+    /// micro-batch moved at a time) then stops at a local minimum. Measured: 10,210
+    /// random cases in a row found the least; the next stopped 0.95 % short (a layer and
+    /// a micro-batch had to move together); 20,000 more stayed within this gap.
+    const LOCAL_SEARCH_GAP: f64 = 0.02;
+
+    proptest! {
+        /// On clusters small enough to try every per-replica-pipeline plan, the planner's
+        /// finds one exactly when one exists, and its step (closed form) is the least but
+        /// for the local search's gap.
+        #[test]
+        fn pooled_plans_match_brute_force(
+            groups in proptest::collection::vec((10.0f64..400.0, 2.0f64..40.0, 1usize..=3), 2..=2),
+            layers in 2usize..=4,
+            g in 1usize..=8,
+        ) {
+            let mut toml = String::new();
+            for (i, (tflops, mem, count)) in groups.iter().enumerate() {
+                toml.push_str(&format!(
+                    "[[group]]\nkind = \"custom\"\ncount = {count}\nnode = \"n{i}\"\ntflops_bf16 = {tflops}\nmemory_gb = {mem}\nmem_bw_gbs = 1000\n"
+                ));
+            }
+            toml.push_str("[network]\nintra_node_gbs = 100\ninter_node_gbs = 10\n");
+            let cost = cost(&toml, layers, 1024);
+            let found = plan_pooled(&cost, g, &[1, 2]).unwrap();
+            let best = brute_force(&cost, g, &[1, 2]);
+            prop_assert_eq!(found.is_some(), best.is_some(), "{:?} vs {:?}", found, best);
+            if let (Some(found), Some((best, layouts))) = (found, best) {
+                let step = closed_form_step_s(&mut Ctx::new(&cost), &found.pools).unwrap();
+                prop_assert!(step <= best * (1.0 + LOCAL_SEARCH_GAP), "planner {} s: {:?}, brute force {} s: {:?}", step, found.pools, best, layouts);
+            }
+        }
+
+        /// Every pooled plan is a valid general plan: the global batch, each rank's
+        /// memory, the schedule; its step is the drawn one and within the bound.
+        #[test]
+        fn pooled_plans_are_valid(
+            groups in proptest::collection::vec((10.0f64..400.0, 4.0f64..80.0, 1usize..=3), 2..=3),
+            layers in 2usize..=8,
+            g in 1usize..=16,
+        ) {
+            let mut toml = String::new();
+            for (i, (tflops, mem, count)) in groups.iter().enumerate() {
+                toml.push_str(&format!(
+                    "[[group]]\nkind = \"custom\"\ncount = {count}\nnode = \"n{i}\"\ntflops_bf16 = {tflops}\nmemory_gb = {mem}\nmem_bw_gbs = 1000\n"
+                ));
+            }
+            toml.push_str("[network]\nintra_node_gbs = 100\ninter_node_gbs = 10\n");
+            let cost = cost(&toml, layers, 1024);
+            let Some(pooled) = plan_pooled(&cost, g, &[1, 2]).unwrap() else {
+                return Ok(());
+            };
+            let plan = to_general_plan(&cost, &pooled).unwrap();
+            prop_assert_eq!(plan.batches().global_batch_size(), g);
+            prop_assert_eq!(plan.world_size(), cost.cluster.devices().len());
+            prop_assert!(plan.schedule(ScheduleKind::OneFOneB).is_ok());
+            let devices = cost.cluster.devices();
+            for pool in &pooled.pools {
+                let p = pool.layers.len();
+                prop_assert_eq!(pool.layers.iter().sum::<usize>(), layers);
+                for (i, row) in pool.devices.iter().enumerate() {
+                    for (r, &dev) in row.iter().enumerate() {
+                        let b = pool.micro_batch_size;
+                        let k = cost.stage_costs(&devices[dev], b).unwrap();
+                        let in_flight = (p - i).min(pool.micro_batches[r]);
+                        let need = cost.memory_bytes(&k, pool.layers[i], i == 0, i + 1 == p, in_flight, b);
+                        prop_assert!(need <= cost.usable_memory(&devices[dev]).unwrap() + 1.0);
+                    }
+                }
+            }
+            let drawn = pooled_timeline(&cost, &pooled).unwrap();
+            prop_assert!((drawn.step_s() - pooled.step_time_s).abs() < 1e-9 * pooled.step_time_s);
+            let request = super::super::PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2], top_k: 1 };
+            let bound = super::super::throughput_bound(&mut Ctx::new(&cost), &request).unwrap();
+            let fraction = bound.fraction((g * 2048) as f64, pooled.step_time_s);
+            prop_assert!(fraction > 0.0 && fraction <= 1.0 + 1e-9, "{}", fraction);
+        }
+    }
+}
