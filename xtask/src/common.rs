@@ -145,12 +145,12 @@ pub fn data(root: &Path, bin: &Path, dir: &Path) -> Result<Data> {
 }
 
 /// Median `elapsed_ms` of iterations after the first 5 of a `--log-json` file (its
-/// evaluation records left out), in s.
+/// evaluation and speed-change records left out), in s.
 pub fn median_step_s(log: &Path) -> Result<f64> {
     let text = std::fs::read_to_string(log).with_context(|| log.display().to_string())?;
     let mut ms: Vec<f64> = text
         .lines()
-        .filter(|l| !l.contains("\"evaluation\""))
+        .filter(|l| l.contains("\"elapsed_ms\""))
         .skip(5)
         .map(|l| number(&last_json_line(l)?, "elapsed_ms"))
         .collect::<Result<_>>()?;

@@ -275,7 +275,8 @@ struct Record {
 fn read_log(path: &Path) -> Result<Vec<Record>> {
     let text = std::fs::read_to_string(path).with_context(|| path.display().to_string())?;
     text.lines()
-        .filter(|l| !l.trim().is_empty() && !l.contains("\"evaluation\""))
+        // Iteration records only (not evaluations or speed changes).
+        .filter(|l| l.contains("\"elapsed_ms\""))
         .map(|line| {
             let v: serde_json::Value = serde_json::from_str(line)
                 .with_context(|| format!("{}: {line}", path.display()))?;

@@ -23,9 +23,10 @@ use synerfuse_train::comm::{
 };
 use synerfuse_train::loader::{build_splits, LoaderError};
 use synerfuse_train::optim::{AdamWConfig, DecayStyle, LrSchedule, LrScheduleError};
+use synerfuse_train::replan::{SpeedChange, WatchConfig};
 use synerfuse_train::trainer::{
     BatchConfig, CheckpointConfig, ComputeConfig, DataConfig, EvalConfig, LoggingConfig,
-    OptimizerConfig, ParallelConfig,
+    OptimizerConfig, ParallelConfig, ReplanConfig,
 };
 use synerfuse_train::{signals, TrainConfig, TrainError, Trainer};
 
@@ -45,6 +46,18 @@ pub struct TrainArgs {
     /// and benchmark device)
     #[arg(long, value_parser = crate::values::speed, value_delimiter = ',', help_heading = "Launch")]
     emulate_device_speed: Option<Vec<f64>>,
+    /// ITER:RANK:SPEED: from iteration ITER on, emulate RANK at SPEED (repeatable; a test
+    /// and benchmark of stragglers)
+    #[arg(long, value_name = "ITER:RANK:SPEED", help_heading = "Launch")]
+    emulate_speed_change: Vec<SpeedChange>,
+    /// A rank's forward and backward time per step off what the plan assumed by more than
+    /// this fraction (0.2 = 20 %) on every one of --replan-window steps is a sustained
+    /// change of its speed, logged
+    #[arg(long, value_parser = crate::values::positive, default_value_t = 0.2, help_heading = "Launch")]
+    replan_threshold: f64,
+    /// Steps a change must last (and the first steps that set each rank's assumed pace)
+    #[arg(long, value_parser = crate::values::positive_count, default_value_t = 10, help_heading = "Launch")]
+    replan_window: usize,
     /// Intra-op threads per rank [default: this machine's cores / ranks on it]
     #[arg(long, value_parser = crate::values::positive_count, help_heading = "Launch")]
     threads: Option<usize>,
@@ -647,6 +660,7 @@ impl TrainArgs {
                 recompute: self.recompute_activations,
                 device: self.device,
                 emulate_speed: self.emulate_device_speed.clone(),
+                speed_changes: self.emulate_speed_change.clone(),
             },
             data: DataConfig {
                 prefetch: self.num_workers > 0,
@@ -667,6 +681,12 @@ impl TrainArgs {
                 iters: self.eval_iters,
                 interval: self.eval_interval,
                 skip_train: self.skip_train,
+            },
+            replan: ReplanConfig {
+                watch: WatchConfig {
+                    threshold: self.replan_threshold,
+                    window: self.replan_window,
+                },
             },
         })
     }

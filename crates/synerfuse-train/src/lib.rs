@@ -11,6 +11,7 @@ pub mod metrics;
 pub mod optim;
 pub mod pipeline;
 pub mod profiler;
+pub mod replan;
 pub mod signals;
 pub mod trainer;
 pub mod zero;
@@ -129,6 +130,18 @@ pub enum TrainError {
         given: usize,
         /// Ranks in the job.
         ranks: usize,
+    },
+    /// An `--emulate-speed-change` for a rank the job does not have.
+    #[error("--emulate-speed-change {iteration}:{rank}:{speed}: the job has ranks 0 to {last}")]
+    SpeedChangeRank {
+        /// The change's iteration.
+        iteration: u64,
+        /// Its rank.
+        rank: usize,
+        /// Its speed.
+        speed: f64,
+        /// The job's last rank.
+        last: usize,
     },
     /// An emulated speed outside (0, 1].
     #[error("rank {rank}: emulated device speed {speed} must be in (0, 1]")]

@@ -190,11 +190,12 @@ pub fn json_records(path: &Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
-/// The iterations' losses of a `--log-json` file (evaluation records left out).
+/// The iterations' losses of a `--log-json` file (evaluation and speed-change records
+/// left out).
 pub fn losses(path: &Path) -> Vec<f64> {
     json_records(path)
         .iter()
-        .filter(|v| v.get("evaluation").is_none())
+        .filter(|v| v.get("elapsed_ms").is_some())
         .map(|v| v["loss"].as_f64().expect("loss"))
         .collect()
 }

@@ -2,6 +2,7 @@
 //! flags; a library user builds it directly.
 
 use crate::optim::{AdamWConfig, LrSchedule};
+use crate::replan::{SpeedChange, WatchConfig};
 use std::path::PathBuf;
 use synerfuse_model::{DeviceRequest, LlamaConfig};
 use synerfuse_parallel::{GeneralPlan, ScheduleKind};
@@ -27,6 +28,16 @@ pub struct TrainConfig {
     pub logging: LoggingConfig,
     /// Evaluation on the validation and test splits.
     pub eval: EvalConfig,
+    /// Watching the ranks' speeds.
+    pub replan: ReplanConfig,
+}
+
+/// Watching the ranks' speeds while training (the first part of re-planning: a
+/// sustained change is logged; the plan does not change yet).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct ReplanConfig {
+    /// When a change of a rank's pace counts as sustained.
+    pub watch: WatchConfig,
 }
 
 /// Evaluation on the validation and test splits, as Megatron runs it: every
@@ -127,6 +138,9 @@ pub struct ComputeConfig {
     /// One emulated speed factor per rank, overriding the plan's
     /// (`--emulate-device-speed`).
     pub emulate_speed: Option<Vec<f64>>,
+    /// Emulated speeds that change during the run (`--emulate-speed-change`), for tests
+    /// and benchmarks of stragglers.
+    pub speed_changes: Vec<SpeedChange>,
 }
 
 /// How micro-batches are read.

@@ -15,6 +15,7 @@ use crate::loader::{LoaderError, Prefetcher, ReplicaLoader, SplitDatasets};
 use crate::memory::{HighWater, MemoryProbe, MemoryReport};
 use crate::optim::{clip_factor, AdamW};
 use crate::pipeline::{PipelineEvent, PipelineRank, StepTimes};
+use crate::replan::SpeedWatch;
 use crate::zero::DistributedOptimizer;
 use crate::{signals, TrainError};
 use std::collections::{BTreeMap, BTreeSet};
@@ -32,7 +33,7 @@ mod report;
 
 pub use config::{
     BatchConfig, CheckpointConfig, ComputeConfig, DataConfig, EvalConfig, LoggingConfig,
-    OptimizerConfig, ParallelConfig, TrainConfig,
+    OptimizerConfig, ParallelConfig, ReplanConfig, TrainConfig,
 };
 pub use eval::{EvalSplit, Evaluation};
 use report::{StepLog, StepOutcome, StepResult};
@@ -146,6 +147,14 @@ fn check_plan(
                 });
             }
         }
+    }
+    if let Some(c) = (config.compute.speed_changes.iter()).find(|c| c.rank >= world_size) {
+        return Err(TrainError::SpeedChangeRank {
+            iteration: c.iteration,
+            rank: c.rank,
+            speed: c.speed,
+            last: world_size - 1,
+        });
     }
     if let Some(speeds) = &config.compute.emulate_speed {
         if speeds.len() != world_size {
@@ -348,6 +357,10 @@ pub struct Trainer<'w> {
     /// Under sequence parallelism, each rank's sequence rows (see [`sequence_rows`]).
     peer_rows: BTreeMap<usize, (usize, usize)>,
     emulation: Option<Emulation>,
+    /// This rank's device (an emulated speed change needs it).
+    device: Device,
+    /// Every rank's pace, watched for sustained changes.
+    watch: SpeedWatch,
     iteration: u64,
     consumed_samples: u64,
 }
@@ -484,6 +497,8 @@ impl<'w> Trainer<'w> {
             tp_group,
             peer_rows: sequence_rows(&config),
             emulation,
+            device,
+            watch: SpeedWatch::new(world.size(), config.replan.watch),
             iteration: 0,
             consumed_samples: 0,
             config,
@@ -667,6 +682,7 @@ impl<'w> Trainer<'w> {
         let mut consumed_valid = eval.consumed_valid_samples(self.iteration, global_batch);
         let mut ended_early = false;
         while self.iteration < train_iters {
+            self.change_emulated_speed();
             let started = Instant::now();
             let step = self.step(started)?;
             let stop = signals::stop_requested();
@@ -680,6 +696,8 @@ impl<'w> Trainer<'w> {
             summary.iteration = self.iteration;
             summary.losses.push(outcome.loss);
             log.record(rank, self.iteration, self.consumed_samples, &outcome)?;
+            let shifts = self.watch.observe(&outcome.pace_s());
+            log.record_speed_shifts(rank, self.iteration, &shifts)?;
             if eval.due(self.iteration) {
                 let split = EvalSplit::Validation;
                 if let Some(e) = self.evaluate(split, consumed_valid, false, &mut log)? {
@@ -713,6 +731,29 @@ impl<'w> Trainer<'w> {
             summary.evaluations.extend(at_end);
         }
         Ok(summary)
+    }
+
+    /// Applies this rank's `--emulate-speed-change` for the coming iteration (the latest
+    /// change at or before it, so a resumed run is at the speed it would have had).
+    fn change_emulated_speed(&mut self) {
+        let (rank, next) = (self.world.rank(), self.iteration + 1);
+        let Some(change) = (self.config.compute.speed_changes.iter())
+            .filter(|c| c.rank == rank && c.iteration <= next)
+            .max_by_key(|c| c.iteration)
+        else {
+            return;
+        };
+        if self.emulation.map(|e| e.speed) == Some(change.speed) {
+            return;
+        }
+        tracing::info!(
+            "device emulation: from iteration {next} this rank runs at {:.3}x (--emulate-speed-change)",
+            change.speed
+        );
+        self.emulation = Some(Emulation {
+            speed: change.speed,
+            device: self.device,
+        });
     }
 
     /// Rank 0 says which signal stopped the run and whether it was saved.

@@ -7,6 +7,7 @@ use crate::comm::MpiCommunicator;
 use crate::memory::MemoryReport;
 use crate::metrics::{IterationRecord, JsonLog, RankTimes, TensorBoardWriter};
 use crate::pipeline::StepTimes;
+use crate::replan::SpeedShift;
 use crate::TrainError;
 use std::time::Duration;
 use synerfuse_model::tch::Tensor;
@@ -43,6 +44,8 @@ struct RankRow {
     state_bytes: f64,
     /// Negative when not measured.
     activation_peak_bytes: f64,
+    /// Forward and backward time (what waiting does not inflate).
+    pace_ms: f64,
 }
 
 /// The step as every rank saw it.
@@ -79,6 +82,10 @@ impl StepOutcome {
             false => None,
         };
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let pace_s: f64 = (step.spans.iter())
+            .filter(|s| matches!(s.kind, SpanKind::Forward | SpanKind::Backward))
+            .map(|s| s.end_s - s.start_s)
+            .sum();
         let mine = Tensor::from_slice(&[
             step.loss_sum,
             ms(step.times.compute),
@@ -89,6 +96,7 @@ impl StepOutcome {
             replica_tokens as f64,
             step.memory.state() as f64,
             step.memory.activations_peak.map_or(-1.0, |b| b as f64),
+            pace_s * 1e3,
         ]);
         let all = world.all_gather(&mine)?;
         let rows: Vec<RankRow> = (0..world.size())
@@ -104,6 +112,7 @@ impl StepOutcome {
                     replica_tokens: at(6),
                     state_bytes: at(7),
                     activation_peak_bytes: at(8),
+                    pace_ms: at(9),
                 }
             })
             .collect();
@@ -116,6 +125,13 @@ impl StepOutcome {
             rows,
             spans,
         })
+    }
+}
+
+impl StepOutcome {
+    /// Every rank's forward and backward seconds, in rank order.
+    pub fn pace_s(&self) -> Vec<f64> {
+        self.rows.iter().map(|r| r.pace_ms / 1e3).collect()
     }
 }
 
@@ -325,6 +341,68 @@ impl StepLog {
         }
         Ok(())
     }
+}
+
+impl StepLog {
+    /// Logs each rank whose pace changed for good (on rank 0; a no-op elsewhere): a
+    /// warning, a JSON record, a TensorBoard scalar per rank (`relative speed rank R`).
+    pub fn record_speed_shifts(
+        &mut self,
+        rank: usize,
+        iteration: u64,
+        shifts: &[SpeedShift],
+    ) -> Result<(), TrainError> {
+        if rank != 0 {
+            return Ok(());
+        }
+        for shift in shifts {
+            tracing::warn!(
+                "rank {}: {:.4} s of forward and backward per step over the last steps against the {:.4} s assumed: {:.2}x the speed the plan assumed (iteration {iteration}); the plan is kept (re-planning while training is not built yet)",
+                shift.rank,
+                shift.measured_s,
+                shift.assumed_s,
+                shift.relative_speed()
+            );
+            if let Some(json) = &mut self.json {
+                let record = SpeedShiftRecord {
+                    speed_shift: SpeedShiftFields {
+                        iteration,
+                        rank: shift.rank,
+                        assumed_s: shift.assumed_s,
+                        measured_s: shift.measured_s,
+                        relative_speed: shift.relative_speed(),
+                    },
+                };
+                json.write(&record).map_err(io_error(json.path()))?;
+            }
+            if let Some(tb) = &mut self.tensorboard {
+                let tag = format!("relative speed rank {}", shift.rank);
+                tb.scalars(iteration, &[(tag.as_str(), shift.relative_speed())])
+                    .map_err(io_error(tb.path()))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A sustained change of a rank's pace in the JSON log (nested, so readers of iteration
+/// records pass over it).
+#[derive(serde::Serialize)]
+struct SpeedShiftRecord {
+    speed_shift: SpeedShiftFields,
+}
+
+#[derive(serde::Serialize)]
+struct SpeedShiftFields {
+    /// The iteration that made the change sustained.
+    iteration: u64,
+    rank: usize,
+    /// Forward and backward seconds per step assumed before.
+    assumed_s: f64,
+    /// The median over the last window of steps.
+    measured_s: f64,
+    /// assumed ÷ measured.
+    relative_speed: f64,
 }
 
 /// An evaluation's line in the JSON log.

@@ -1,0 +1,290 @@
+//! Ranks whose speed changes while training: the watch that notices a sustained change
+//! (the first part of re-planning), and the emulated changes that tests and benchmarks
+//! make happen (`--emulate-speed-change`).
+//!
+//! A rank's pace is its forward and backward seconds per step, which waiting for other
+//! ranks does not inflate. What the plan assumed of a rank is the median of its steps
+//! `window` + 1 to 2 × `window` (the plan's pace as this run realises it: an emulated
+//! speed or a profile predicts it only up to the machine's noise; the first `window`
+//! steps are warm-up, while allocators and caches fill); a change is sustained when every
+//! one of the last `window` steps is off that pace by more than the threshold in the
+//! same direction. The rank is then assumed at its new pace, so a change is reported
+//! once. Every rank runs the watch on the same gathered times, so every rank reaches the
+//! same verdicts, which a collective switch of plans will need.
+
+use std::collections::VecDeque;
+use std::str::FromStr;
+
+/// When the watch calls a change sustained.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WatchConfig {
+    /// Relative deviation from the assumed pace (`--replan-threshold`, 0.2 = 20 %).
+    pub threshold: f64,
+    /// Steps every one of which must deviate; also the steps that set the assumed pace
+    /// (`--replan-window`).
+    pub window: usize,
+}
+
+impl Default for WatchConfig {
+    fn default() -> Self {
+        WatchConfig {
+            threshold: 0.2,
+            window: 10,
+        }
+    }
+}
+
+/// A rank's sustained change of pace.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SpeedShift {
+    /// The world rank.
+    pub rank: usize,
+    /// Forward and backward seconds per step it was assumed at.
+    pub assumed_s: f64,
+    /// Its median over the last window steps, now assumed.
+    pub measured_s: f64,
+}
+
+impl SpeedShift {
+    /// Its speed relative to what was assumed (0.25: four times slower).
+    pub fn relative_speed(&self) -> f64 {
+        self.assumed_s / self.measured_s
+    }
+}
+
+/// One rank's assumed pace and recent steps.
+#[derive(Debug, Clone, Default)]
+struct RankPace {
+    /// Warm-up steps seen.
+    warmed: usize,
+    assumed_s: Option<f64>,
+    recent: VecDeque<f64>,
+}
+
+/// Watches every rank's pace; see the module documentation.
+#[derive(Debug, Clone)]
+pub struct SpeedWatch {
+    config: WatchConfig,
+    ranks: Vec<RankPace>,
+}
+
+impl SpeedWatch {
+    /// A watch over `ranks` ranks (a window of 0 counts as 1).
+    pub fn new(ranks: usize, config: WatchConfig) -> Self {
+        let config = WatchConfig {
+            window: config.window.max(1),
+            ..config
+        };
+        SpeedWatch {
+            config,
+            ranks: vec![RankPace::default(); ranks],
+        }
+    }
+
+    /// Records one step's pace per rank (seconds, in rank order); returns the ranks
+    /// whose change became sustained with this step.
+    pub fn observe(&mut self, pace_s: &[f64]) -> Vec<SpeedShift> {
+        let WatchConfig { threshold, window } = self.config;
+        let mut shifts = Vec::new();
+        for (rank, (watch, &seconds)) in self.ranks.iter_mut().zip(pace_s).enumerate() {
+            if watch.warmed < window {
+                watch.warmed += 1;
+                continue;
+            }
+            watch.recent.push_back(seconds);
+            if watch.recent.len() > window {
+                watch.recent.pop_front();
+            }
+            if watch.recent.len() < window {
+                continue;
+            }
+            let Some(assumed_s) = watch.assumed_s else {
+                watch.assumed_s = Some(median(&watch.recent));
+                watch.recent.clear();
+                continue;
+            };
+            let slower = watch
+                .recent
+                .iter()
+                .all(|&s| s > assumed_s * (1.0 + threshold));
+            let faster = watch
+                .recent
+                .iter()
+                .all(|&s| s < assumed_s / (1.0 + threshold));
+            if slower || faster {
+                let measured_s = median(&watch.recent);
+                shifts.push(SpeedShift {
+                    rank,
+                    assumed_s,
+                    measured_s,
+                });
+                watch.assumed_s = Some(measured_s);
+                watch.recent.clear();
+            }
+        }
+        shifts
+    }
+}
+
+/// The median (upper for an even count) of a non-empty window.
+fn median(values: &VecDeque<f64>) -> f64 {
+    let mut sorted: Vec<f64> = values.iter().copied().collect();
+    sorted.sort_by(f64::total_cmp);
+    sorted[sorted.len() / 2]
+}
+
+/// `--emulate-speed-change ITER:RANK:SPEED`: from iteration `iteration` (1-based, as the
+/// log counts) on, `rank` is emulated at `speed`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SpeedChange {
+    /// The first iteration at the new speed.
+    pub iteration: u64,
+    /// The world rank.
+    pub rank: usize,
+    /// Its new emulated speed, in (0, 1].
+    pub speed: f64,
+}
+
+/// Why an `ITER:RANK:SPEED` does not parse.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SpeedChangeError {
+    /// Not three fields.
+    #[error("`{0}`: expected ITER:RANK:SPEED, e.g. 20:1:0.25")]
+    Form(String),
+    /// A field that is not a number of its kind.
+    #[error("`{text}`: {field} `{value}` is not {expected}")]
+    Field {
+        /// The whole value.
+        text: String,
+        /// Which field.
+        field: &'static str,
+        /// The field's text.
+        value: String,
+        /// What it should be.
+        expected: &'static str,
+    },
+    /// A speed outside (0, 1].
+    #[error("`{text}`: speed {speed} is outside (0, 1]")]
+    Speed {
+        /// The whole value.
+        text: String,
+        /// The speed.
+        speed: f64,
+    },
+}
+
+impl FromStr for SpeedChange {
+    type Err = SpeedChangeError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let [iteration, rank, speed] = text.split(':').collect::<Vec<_>>()[..] else {
+            return Err(SpeedChangeError::Form(text.to_owned()));
+        };
+        let field = |field, value: &str, expected| SpeedChangeError::Field {
+            text: text.to_owned(),
+            field,
+            value: value.to_owned(),
+            expected,
+        };
+        let iteration: u64 = (iteration.parse().ok())
+            .filter(|&i| i > 0)
+            .ok_or_else(|| field("ITER", iteration, "an iteration (1 or more)"))?;
+        let rank: usize = (rank.parse()).map_err(|_| field("RANK", rank, "a rank (0 or more)"))?;
+        let speed: f64 = (speed.parse()).map_err(|_| field("SPEED", speed, "a number"))?;
+        if !(speed > 0.0 && speed <= 1.0) {
+            return Err(SpeedChangeError::Speed {
+                text: text.to_owned(),
+                speed,
+            });
+        }
+        Ok(SpeedChange {
+            iteration,
+            rank,
+            speed,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const WINDOW: usize = 4;
+
+    fn watch() -> SpeedWatch {
+        SpeedWatch::new(
+            2,
+            WatchConfig {
+                threshold: 0.2,
+                window: WINDOW,
+            },
+        )
+    }
+
+    /// Rank 1's pace per step: 1 s with a little noise, then `slow` s over `steps`.
+    fn shifts(slow: f64, from: usize, steps: usize, total: usize) -> Vec<(usize, SpeedShift)> {
+        let mut watch = watch();
+        let mut out = Vec::new();
+        for step in 0..total {
+            let noise = 1.0 + 0.05 * ((step * 7 % 5) as f64 - 2.0) / 2.0;
+            let rank1 = if (from..from + steps).contains(&step) {
+                slow * noise
+            } else {
+                noise
+            };
+            for shift in watch.observe(&[noise, rank1]) {
+                out.push((step, shift));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_sustained_slowdown_is_reported_once_after_a_window() {
+        let got = shifts(4.0, 10, 30, 40);
+        assert_eq!(got.len(), 1, "{got:?}");
+        let (step, shift) = got[0];
+        assert_eq!((step, shift.rank), (10 + WINDOW - 1, 1));
+        // A slow warm-up is not what the plan assumed.
+        assert!(shifts(4.0, 0, WINDOW, 40).is_empty());
+        assert!((shift.relative_speed() - 0.25).abs() < 0.03, "{shift:?}");
+    }
+
+    #[test]
+    fn a_slowdown_shorter_than_the_window_is_not() {
+        assert!(shifts(4.0, 10, WINDOW - 1, 40).is_empty());
+        // Noise within the threshold never is.
+        assert!(shifts(1.1, 10, 30, 40).is_empty());
+    }
+
+    #[test]
+    fn a_recovery_is_a_change_too() {
+        let got = shifts(4.0, 10, 12, 40);
+        let speeds: Vec<f64> = got.iter().map(|(_, s)| s.relative_speed()).collect();
+        assert_eq!(speeds.len(), 2, "{got:?}");
+        assert!(speeds[0] < 0.3 && speeds[1] > 3.0, "{speeds:?}");
+    }
+
+    #[test]
+    fn speed_changes_parse_or_say_why() {
+        let change: SpeedChange = "20:1:0.25".parse().unwrap();
+        assert_eq!(
+            change,
+            SpeedChange {
+                iteration: 20,
+                rank: 1,
+                speed: 0.25
+            }
+        );
+        for (text, says) in [
+            ("20:1", "expected ITER:RANK:SPEED"),
+            ("0:1:0.5", "ITER `0`"),
+            ("20:x:0.5", "RANK `x`"),
+            ("20:1:fast", "SPEED `fast`"),
+            ("20:1:1.5", "outside (0, 1]"),
+        ] {
+            let error = text.parse::<SpeedChange>().unwrap_err().to_string();
+            assert!(error.contains(says), "{text}: {error}");
+        }
+    }
+}
