@@ -802,6 +802,19 @@ mod tests {
         best
     }
 
+    /// A cluster of custom groups (TFLOPS, memory GB, count), each on a node of its own,
+    /// and a model of `layers` layers.
+    fn custom_cluster(groups: &[(f64, f64, usize)], layers: usize) -> CostModel {
+        let mut toml = String::new();
+        for (i, (tflops, mem, count)) in groups.iter().enumerate() {
+            toml.push_str(&format!(
+                "[[group]]\nkind = \"custom\"\ncount = {count}\nnode = \"n{i}\"\ntflops_bf16 = {tflops}\nmemory_gb = {mem}\nmem_bw_gbs = 1000\n"
+            ));
+        }
+        toml.push_str("[network]\nintra_node_gbs = 100\ninter_node_gbs = 10\n");
+        cost(&toml, layers, 1024)
+    }
+
     /// How far the planner's step may be above the least: its layer splits and batch
     /// split are exact each for the other fixed, and a local search (one layer or one
     /// micro-batch moved at a time) then stops at a local minimum. Measured: 10,210
@@ -819,14 +832,7 @@ mod tests {
             layers in 2usize..=4,
             g in 1usize..=8,
         ) {
-            let mut toml = String::new();
-            for (i, (tflops, mem, count)) in groups.iter().enumerate() {
-                toml.push_str(&format!(
-                    "[[group]]\nkind = \"custom\"\ncount = {count}\nnode = \"n{i}\"\ntflops_bf16 = {tflops}\nmemory_gb = {mem}\nmem_bw_gbs = 1000\n"
-                ));
-            }
-            toml.push_str("[network]\nintra_node_gbs = 100\ninter_node_gbs = 10\n");
-            let cost = cost(&toml, layers, 1024);
+            let cost = custom_cluster(&groups, layers);
             let found = plan_pooled(&cost, g, &[1, 2]).unwrap();
             let best = brute_force(&cost, g, &[1, 2]);
             prop_assert_eq!(found.is_some(), best.is_some(), "{:?} vs {:?}", found, best);
@@ -844,14 +850,7 @@ mod tests {
             layers in 2usize..=8,
             g in 1usize..=16,
         ) {
-            let mut toml = String::new();
-            for (i, (tflops, mem, count)) in groups.iter().enumerate() {
-                toml.push_str(&format!(
-                    "[[group]]\nkind = \"custom\"\ncount = {count}\nnode = \"n{i}\"\ntflops_bf16 = {tflops}\nmemory_gb = {mem}\nmem_bw_gbs = 1000\n"
-                ));
-            }
-            toml.push_str("[network]\nintra_node_gbs = 100\ninter_node_gbs = 10\n");
-            let cost = cost(&toml, layers, 1024);
+            let cost = custom_cluster(&groups, layers);
             let Some(pooled) = plan_pooled(&cost, g, &[1, 2]).unwrap() else {
                 return Ok(());
             };
