@@ -46,6 +46,14 @@ pub struct PooledCandidate {
     pub optimizer_s: f64,
 }
 
+impl PoolLayout {
+    /// Per (stage, replica) the seconds of one micro-batch, and of its send to the next stage.
+    fn stage_times(&self, ctx: &mut Ctx<'_>) -> Result<(Grid<f64>, Grid<f64>), PlanningError> {
+        let sizes = vec![self.micro_batch_size; self.micro_batches.len()];
+        stage_times(ctx, &self.devices, &self.layers, &sizes)
+    }
+}
+
 impl PooledCandidate {
     /// Every replica: (pool, index in the pool).
     fn replicas(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
@@ -224,12 +232,7 @@ fn balance(
         let mut paces = Vec::new();
         for pool in &layouts {
             let d = pool.micro_batches.len();
-            let (t, c) = stage_times(
-                ctx,
-                &pool.devices,
-                &pool.layers,
-                &vec![pool.micro_batch_size; d],
-            )?;
+            let (t, c) = pool.stage_times(ctx)?;
             let most = most_micro_batches(ctx, pool)?;
             for r in 0..d {
                 paces.push(ReplicaPace {
@@ -419,13 +422,7 @@ fn closed_form_step_s(ctx: &mut Ctx<'_>, layouts: &[PoolLayout]) -> Result<f64, 
 fn pipelines_s(ctx: &mut Ctx<'_>, layouts: &[PoolLayout]) -> Result<f64, PlanningError> {
     let mut slowest = 0.0f64;
     for pool in layouts {
-        let d = pool.micro_batches.len();
-        let (t, c) = stage_times(
-            ctx,
-            &pool.devices,
-            &pool.layers,
-            &vec![pool.micro_batch_size; d],
-        )?;
+        let (t, c) = pool.stage_times(ctx)?;
         for (r, &m) in pool.micro_batches.iter().enumerate() {
             slowest = slowest.max(pipeline_time(&t, &c, r, m));
         }
@@ -582,12 +579,7 @@ fn simulate(
     let mut ranks = Vec::new();
     for pool in &candidate.pools {
         let d = pool.micro_batches.len();
-        let (t, _) = stage_times(
-            ctx,
-            &pool.devices,
-            &pool.layers,
-            &vec![pool.micro_batch_size; d],
-        )?;
+        let (t, _) = pool.stage_times(ctx)?;
         for r in 0..d {
             for (i, row) in t.iter().enumerate() {
                 let dev = pool.devices[i][r];
