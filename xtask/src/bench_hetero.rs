@@ -75,7 +75,7 @@ struct Planned {
 
 /// Plans the scenario with `profile`, writing the plan, the best grid plan and every
 /// even layout under `dir`.
-fn plan_batch(bin: &Path, profile: &Path, dir: &Path, scenario: &Scenario) -> Result<Planned> {
+fn plan_scenario(bin: &Path, profile: &Path, dir: &Path, scenario: &Scenario) -> Result<Planned> {
     let name = &scenario.name;
     let plan = dir.join(format!("plan-{name}.toml"));
     let grid = dir.join(format!("grid-{name}.toml"));
@@ -152,11 +152,21 @@ fn plan_batch(bin: &Path, profile: &Path, dir: &Path, scenario: &Scenario) -> Re
         plan,
         written_kind,
         grids,
-        flags: j["synerfuse_flags"].as_str().unwrap_or("").to_owned(),
-        micro_batch_size: sizes
-            .as_array()
-            .and_then(|v| v.iter().filter_map(|x| x.as_u64()).max())
-            .context("micro_batch_size_per_replica")? as usize,
+        // Per-replica pipelines have no SynerFuse flags.
+        flags: match pooled {
+            true => String::new(),
+            false => j["synerfuse_flags"].as_str().unwrap_or("").to_owned(),
+        },
+        micro_batch_size: match pooled {
+            true => &j["per_replica_pipelines"]["replicas"],
+            false => sizes,
+        }
+        .as_array()
+        .and_then(|v| {
+            let size = |x: &serde_json::Value| x.get("micro_batch_size").unwrap_or(x).as_u64();
+            v.iter().filter_map(size).max()
+        })
+        .context("the written plan's micro-batch sizes")? as usize,
     })
 }
 
@@ -236,7 +246,7 @@ fn one_scenario(
     scenario: &Scenario,
 ) -> Result<serde_json::Value> {
     let (name, global_batch) = (&scenario.name, scenario.global_batch);
-    let planned = plan_batch(bin, profile, dir, scenario)?;
+    let planned = plan_scenario(bin, profile, dir, scenario)?;
     println!("[hetero] {name}: {}", planned.plan.label);
     let mut grids = Vec::new();
     for (k, layout) in planned.grids.iter().enumerate() {
@@ -286,7 +296,9 @@ fn one_scenario(
         "best_grid_predicted_step_s": planned.grids[best].predicted_s,
         "best_grid_step_s_runs": best_runs,
         "best_grid_step_s": best_s,
-        "best_grid_predicted_best": best == 0,
+        "best_grid_predicted_best": (0..grids.len()).all(|k| {
+            planned.grids[best].predicted_s <= planned.grids[k].predicted_s
+        }),
         "speedup": best_s / plan_s,
         "grids": (planned.grids.iter().zip(&grids)).map(|(l, m)| serde_json::json!({
             "layout": l.label, "predicted_step_s": l.predicted_s, "step_s": m,
@@ -390,7 +402,9 @@ pub fn hetero(root: &Path) -> Result<()> {
         "micro_batch_sizes": MICRO_BATCH_SIZES,
         "batches": batches,
         "skewed": skewed,
-        "min_speedup": worst("speedup", f64::min, f64::MAX),
+        "min_speedup": (batches.iter())
+            .filter_map(|b| b["speedup"].as_f64())
+            .fold(f64::MAX, f64::min),
         "min_acceleration_ratio": worst("acceleration_ratio", f64::min, f64::MAX),
         "max_prediction_error": worst("max_prediction_error", f64::max, 0.0),
     });

@@ -292,8 +292,7 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
     let planning_s = started.elapsed().as_secs_f64();
     let plan = planner::to_parallel_plan(&cost, &outcome.plans[0])?;
     // Per-replica pipelines are written when they beat the best grid plan.
-    let pooled = (outcome.pooled.as_ref())
-        .filter(|p| p.step_time_s < outcome.plans[0].prediction.step_time_s);
+    let pooled = outcome.pooled_wins();
     if let Some(out) = &args.output {
         match pooled {
             Some(p) => write_atomically(out, &planner::to_general_plan(&cost, p)?.to_toml()?)?,
@@ -407,8 +406,7 @@ impl PlanReport<'_> {
 
     /// The per-replica-pipeline plan, when it beats the best grid plan (and is written).
     fn pooled_wins(&self) -> Option<&PooledCandidate> {
-        (self.outcome.pooled.as_ref())
-            .filter(|p| p.step_time_s < self.best().prediction.step_time_s)
+        self.outcome.pooled_wins()
     }
 
     /// Each replica of a per-replica-pipeline plan: its devices, layers and batch.
@@ -542,7 +540,7 @@ impl PlanReport<'_> {
             None => "slower than the grid plan",
         };
         println!(
-            "per-replica pipelines (devices pooled by kind): {:.4} s per step, {:.2}x the grid plan's speed, {:.1}% of the bound; {verdict}",
+            "per-replica pipelines (devices pooled by group, speed and memory): {:.4} s per step, {:.2}x the grid plan's speed, {:.1}% of the bound; {verdict}",
             p.step_time_s,
             grid / p.step_time_s,
             self.outcome.bound.fraction(self.tokens_per_step, p.step_time_s) * 100.0

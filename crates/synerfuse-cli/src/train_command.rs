@@ -53,10 +53,10 @@ pub struct TrainArgs {
     /// A rank's forward and backward time per step off what the plan assumed by more than
     /// this fraction (0.2 = 20 %) on every one of --replan-window steps is a sustained
     /// change of its speed, logged
-    #[arg(long, value_parser = crate::values::positive, default_value_t = 0.2, help_heading = "Launch")]
+    #[arg(long, value_parser = crate::values::positive, default_value_t = WatchConfig::default().threshold, help_heading = "Launch")]
     replan_threshold: f64,
     /// Steps a change must last (and the first steps that set each rank's assumed pace)
-    #[arg(long, value_parser = crate::values::positive_count, default_value_t = 10, help_heading = "Launch")]
+    #[arg(long, value_parser = crate::values::positive_count, default_value_t = WatchConfig::default().window, help_heading = "Launch")]
     replan_window: usize,
     /// Intra-op threads per rank [default: this machine's cores / ranks on it]
     #[arg(long, value_parser = crate::values::positive_count, help_heading = "Launch")]

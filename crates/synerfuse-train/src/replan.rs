@@ -110,7 +110,7 @@ impl SpeedWatch {
             let faster = watch
                 .recent
                 .iter()
-                .all(|&s| s < assumed_s / (1.0 + threshold));
+                .all(|&s| s < assumed_s * (1.0 - threshold));
             if slower || faster {
                 let measured_s = median(&watch.recent);
                 shifts.push(SpeedShift {

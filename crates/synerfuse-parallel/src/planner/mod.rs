@@ -1267,6 +1267,15 @@ fn placement(dev: &Device) -> RankPlacement {
     }
 }
 
+impl PlanOutcome {
+    /// The per-replica-pipeline plan, when it beats the best grid plan by more than 1 %
+    /// (the grid plan, which SynerFuse's flags also express, wins ties and noise).
+    pub fn pooled_wins(&self) -> Option<&PooledCandidate> {
+        let grid = self.plans.first()?.prediction.step_time_s;
+        (self.pooled.as_ref()).filter(|p| p.step_time_s < grid * 0.99)
+    }
+}
+
 /// Re-times a candidate by simulating its 1F1B schedule (with p2p times), each stage's
 /// gradient reduction starting when its last replica finishes, and the optimizer step
 /// once every reduction is done (the gradient norm is global).

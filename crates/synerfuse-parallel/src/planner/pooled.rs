@@ -127,7 +127,8 @@ pub fn plan_pooled(
 /// Options kept per pool: the most k with every pool's min(k, options) multiplying to at
 /// most [`MOST_COMBINATIONS`] (at least 1).
 fn options_kept(counts: &[usize]) -> usize {
-    let product = |k: usize| counts.iter().map(|&n| n.min(k)).product::<usize>();
+    // Saturating: a cluster of many pools would overflow the product.
+    let product = |k: usize| (counts.iter()).fold(1usize, |a, &n| a.saturating_mul(n.min(k)));
     let most = counts.iter().copied().max().unwrap_or(1);
     (1..=most)
         .take_while(|&k| product(k) <= MOST_COMBINATIONS)
@@ -309,40 +310,8 @@ fn polish(
     mut layouts: Vec<PoolLayout>,
     mut step: f64,
 ) -> Result<(f64, Vec<PoolLayout>), PlanningError> {
-    let replicas: usize = layouts.iter().map(|p| p.micro_batches.len()).sum();
     loop {
-        let mut moves = Vec::new();
-        for (k, pool) in layouts.iter().enumerate() {
-            for i in 0..pool.layers.len().saturating_sub(1) {
-                for (from, to) in [(i, i + 1), (i + 1, i)] {
-                    moves.push(Move::Layer {
-                        pool: Some(k),
-                        from,
-                        to,
-                    });
-                    // The same move in every pool of the depth keeps their
-                    // boundaries shared (fewer reduction segments).
-                    moves.push(Move::Layer {
-                        pool: None,
-                        from,
-                        to,
-                    });
-                }
-            }
-        }
-        if replicas <= MOST_COMBINATIONS {
-            let slots: Vec<(usize, usize)> = (layouts.iter().enumerate())
-                .flat_map(|(k, p)| (0..p.micro_batches.len()).map(move |r| (k, r)))
-                .collect();
-            for &from in &slots {
-                for &to in &slots {
-                    let size = |(k, _): (usize, usize)| layouts[k].micro_batch_size;
-                    if from != to && size(from) == size(to) {
-                        moves.push(Move::MicroBatch { from, to });
-                    }
-                }
-            }
-        }
+        let moves = moves(ctx, &layouts)?;
         let mut improved = false;
         for m in moves {
             let Some(next) = m.apply(&layouts) else {
@@ -360,6 +329,47 @@ fn polish(
             return Ok((step, layouts));
         }
     }
+}
+
+/// The moves [`polish`] tries: each layer move in one pool and in every pool at once,
+/// and a micro-batch from the slowest replica to each other of its size (moving counts
+/// moves no parameters, so only the slowest replica's can shorten the step).
+fn moves(ctx: &mut Ctx<'_>, layouts: &[PoolLayout]) -> Result<Vec<Move>, PlanningError> {
+    let mut moves = Vec::new();
+    let pairs = |p: usize| (1..p).flat_map(|i| [(i - 1, i), (i, i - 1)]);
+    for (k, pool) in layouts.iter().enumerate() {
+        for (from, to) in pairs(pool.layers.len()) {
+            let pool = Some(k);
+            moves.push(Move::Layer { pool, from, to });
+        }
+    }
+    let deepest = layouts.iter().map(|p| p.layers.len()).max().unwrap_or(1);
+    for (from, to) in pairs(deepest) {
+        moves.push(Move::Layer {
+            pool: None,
+            from,
+            to,
+        });
+    }
+    let mut slowest = ((0, 0), f64::MIN);
+    for (k, pool) in layouts.iter().enumerate() {
+        let (t, c) = pool.stage_times(ctx)?;
+        for (r, &m) in pool.micro_batches.iter().enumerate() {
+            let time = pipeline_time(&t, &c, r, m);
+            if time > slowest.1 {
+                slowest = ((k, r), time);
+            }
+        }
+    }
+    let from = slowest.0;
+    for (k, pool) in layouts.iter().enumerate() {
+        for r in 0..pool.micro_batches.len() {
+            if (k, r) != from && pool.micro_batch_size == layouts[from.0].micro_batch_size {
+                moves.push(Move::MicroBatch { from, to: (k, r) });
+            }
+        }
+    }
+    Ok(moves)
 }
 
 /// One step of [`polish`].
