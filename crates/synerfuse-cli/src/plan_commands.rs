@@ -391,7 +391,7 @@ impl PlanReport<'_> {
             "optimizer_unpriced_kinds": self.outcome.unpriced_optimizer,
             "runner_ups": self.outcome.plans[1..].iter().map(|c| self.runner_up_json(c)).collect::<Vec<_>>(),
             "per_replica_pipelines": self.outcome.pooled.as_ref().map(|p| self.pooled_json(p)),
-            "written_plan": match self.pooled_wins() {
+            "written_plan": match self.outcome.pooled_wins() {
                 Some(p) => serde_json::json!({
                     "kind": "per_replica_pipelines",
                     "predicted_step_time_s": p.step_time_s,
@@ -402,11 +402,6 @@ impl PlanReport<'_> {
                 }),
             },
         })
-    }
-
-    /// The per-replica-pipeline plan, when it beats the best grid plan (and is written).
-    fn pooled_wins(&self) -> Option<&PooledCandidate> {
-        self.outcome.pooled_wins()
     }
 
     /// Each replica of a per-replica-pipeline plan: its devices, layers and batch.
@@ -533,7 +528,7 @@ impl PlanReport<'_> {
     /// The per-replica-pipeline plan: each replica, its step against the grid plan's.
     fn print_pooled(&self, p: &PooledCandidate) {
         let grid = self.best().prediction.step_time_s;
-        let verdict = match self.pooled_wins() {
+        let verdict = match self.outcome.pooled_wins() {
             Some(_) => {
                 "faster than the grid plan: written instead of it (no SynerFuse flags express it)"
             }
