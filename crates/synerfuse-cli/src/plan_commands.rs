@@ -178,6 +178,10 @@ pub struct PlanArgs {
     /// Micro-batch sizes to consider
     #[arg(long, value_parser = crate::values::positive_count, value_delimiter = ',', default_value = "1,2,4,8")]
     micro_batch_sizes: Vec<usize>,
+    /// Tensor-parallel sizes to consider for per-replica pipelines (groups of a node's
+    /// devices, unequal ones with unequal shares; 1: none)
+    #[arg(long, value_parser = crate::values::positive_count, value_delimiter = ',', default_value = "1,2,4,8")]
+    tensor_model_parallel_sizes: Vec<usize>,
     /// A `synerfuse profile` output (overrides the catalogue)
     #[arg(long)]
     profile: Option<PathBuf>,
@@ -287,10 +291,14 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
             global_batch_size: args.global_batch_size,
             micro_batch_sizes: args.micro_batch_sizes.clone(),
             top_k: args.top_k,
+            tensor_parallel_sizes: args.tensor_model_parallel_sizes.clone(),
         },
     )?;
     let planning_s = started.elapsed().as_secs_f64();
-    let plan = planner::to_parallel_plan(&cost, &outcome.plans[0])?;
+    let Some(best) = outcome.plans.first() else {
+        return report_pooled_only(&args, &cost, &outcome, planning_s);
+    };
+    let plan = planner::to_parallel_plan(&cost, best)?;
     // Per-replica pipelines are written when they beat the best grid plan.
     let pooled = outcome.pooled_wins();
     if let Some(out) = &args.output {
@@ -339,9 +347,20 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
         return Ok(());
     }
     report.print();
+    print_written(&args, pooled);
+    Ok(())
+}
+
+/// Where the plan and its timeline went, and how to train it.
+fn print_written(args: &PlanArgs, pooled: Option<&PooledCandidate>) {
     if let Some(out) = &args.output {
+        // The planner prices tensor-parallel groups with sequence parallelism.
+        let sp = match pooled.is_some_and(|p| p.groups.iter().any(|g| g.size() > 1)) {
+            true => " --sequence-parallel",
+            false => "",
+        };
         println!(
-            "wrote {} (synerfuse train --plan {})",
+            "wrote {} (synerfuse train --plan {}{sp})",
             out.display(),
             out.display()
         );
@@ -349,6 +368,57 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
     if let Some(out) = &args.timeline {
         println!("wrote {} (the best plan's simulated step)", out.display());
     }
+}
+
+/// When no grid plan fits but per-replica pipelines do: that plan alone.
+fn report_pooled_only(
+    args: &PlanArgs,
+    cost: &CostModel,
+    outcome: &planner::PlanOutcome,
+    planning_s: f64,
+) -> Result<()> {
+    let p = outcome
+        .pooled
+        .as_ref()
+        .context("the planner returned no plan")?;
+    if args.grid_output.is_some() || args.uniform_output.is_some() {
+        anyhow::bail!(
+            "--grid-output / --uniform-output: no grid plan (every replica the same stages) fits this cluster, model and batch; only per-replica pipelines do"
+        );
+    }
+    if let Some(out) = &args.output {
+        write_atomically(out, &planner::to_general_plan(cost, p)?.to_toml()?)?;
+    }
+    if let Some(out) = &args.timeline {
+        let timeline = planner::pooled_timeline(cost, p)?;
+        let text = match out.extension().is_some_and(|e| e == "json") {
+            true => serde_json::to_string_pretty(&timeline)?,
+            false => synerfuse_parallel::timeline::Timeline::svg(&[timeline]),
+        };
+        write_atomically(out, &text)?;
+    }
+    let tokens_per_step = (args.global_batch_size * cost.model.seq_length) as f64;
+    let replicas = pooled_replicas(cost, p);
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "candidates_considered": outcome.considered,
+                "planning_time_s": planning_s,
+                "bound_tokens_per_s": outcome.bound.tokens_per_s,
+                "device_alone_tokens_per_s": outcome.bound.device_tokens_per_s,
+                "per_replica_pipelines": pooled_json(outcome, p, replicas, tokens_per_step),
+                "written_plan": {"kind": "per_replica_pipelines", "predicted_step_time_s": p.step_time_s},
+            })
+        );
+        return Ok(());
+    }
+    println!(
+        "no grid plan (every replica the same stages) fits; per-replica pipelines do ({} candidates considered in {planning_s:.2} s)",
+        outcome.considered
+    );
+    print_pooled_replicas(outcome, p, &replicas, tokens_per_step);
+    print_written(args, Some(p));
     Ok(())
 }
 
@@ -404,35 +474,9 @@ impl PlanReport<'_> {
         })
     }
 
-    /// Each replica of a per-replica-pipeline plan: its devices, layers and batch.
-    fn pooled_replicas(&self, p: &PooledCandidate) -> Vec<serde_json::Value> {
-        let devices = self.cost.cluster.devices();
-        let mut out = Vec::new();
-        for pool in &p.pools {
-            for (r, &m) in pool.micro_batches.iter().enumerate() {
-                let kinds: Vec<&str> = (pool.devices.iter())
-                    .map(|row| devices[row[r]].kind.as_str())
-                    .collect();
-                out.push(serde_json::json!({
-                    "devices": kinds,
-                    "layers": pool.layers,
-                    "micro_batch_size": pool.micro_batch_size,
-                    "num_micro_batches": m,
-                }));
-            }
-        }
-        out
-    }
-
     fn pooled_json(&self, p: &PooledCandidate) -> serde_json::Value {
-        serde_json::json!({
-            "predicted_step_time_s": p.step_time_s,
-            "predicted_tokens_per_s": self.tokens_per_step / p.step_time_s,
-            "fraction_of_bound": self.outcome.bound.fraction(self.tokens_per_step, p.step_time_s),
-            "reduce_s": p.reduce_s,
-            "optimizer_s": p.optimizer_s,
-            "replicas": self.pooled_replicas(p),
-        })
+        let replicas = pooled_replicas(self.cost, p);
+        pooled_json(self.outcome, p, replicas, self.tokens_per_step)
     }
 
     fn fraction_of_bound(&self, c: &Candidate) -> f64 {
@@ -540,14 +584,8 @@ impl PlanReport<'_> {
             grid / p.step_time_s,
             self.outcome.bound.fraction(self.tokens_per_step, p.step_time_s) * 100.0
         );
-        for (r, replica) in self.pooled_replicas(p).iter().enumerate() {
-            println!(
-                "  replica {r}: {} layers {} micro-batches {} x {}",
-                replica["devices"],
-                replica["layers"],
-                replica["num_micro_batches"],
-                replica["micro_batch_size"]
-            );
+        for (r, replica) in pooled_replicas(self.cost, p).iter().enumerate() {
+            print_replica(r, replica);
         }
     }
 
@@ -575,4 +613,91 @@ impl PlanReport<'_> {
             describe_devices(self.cost, c, slowest)
         );
     }
+}
+
+/// Each replica of a per-replica-pipeline plan: its devices (a tensor-parallel group's
+/// kinds joined by `+`), layers, shares and batch.
+fn pooled_replicas(cost: &CostModel, p: &PooledCandidate) -> Vec<serde_json::Value> {
+    let devices = cost.cluster.devices();
+    let mut out = Vec::new();
+    for pool in &p.pools {
+        for (r, &m) in pool.micro_batches.iter().enumerate() {
+            let groups: Vec<_> = pool.devices.iter().map(|row| &p.groups[row[r]]).collect();
+            let kinds: Vec<String> = (groups.iter())
+                .map(|g| {
+                    let kinds: Vec<&str> = g
+                        .members
+                        .iter()
+                        .map(|&i| devices[i].kind.as_str())
+                        .collect();
+                    kinds.join("+")
+                })
+                .collect();
+            let shares: Vec<&[u32]> = groups.iter().map(|g| g.shares.as_slice()).collect();
+            out.push(serde_json::json!({
+                "devices": kinds,
+                "layers": pool.layers,
+                "tensor_parallel_shares": shares,
+                "micro_batch_size": pool.micro_batch_size,
+                "num_micro_batches": m,
+            }));
+        }
+    }
+    out
+}
+
+fn pooled_json(
+    outcome: &planner::PlanOutcome,
+    p: &PooledCandidate,
+    replicas: Vec<serde_json::Value>,
+    tokens_per_step: f64,
+) -> serde_json::Value {
+    serde_json::json!({
+        "predicted_step_time_s": p.step_time_s,
+        "predicted_tokens_per_s": tokens_per_step / p.step_time_s,
+        "fraction_of_bound": outcome.bound.fraction(tokens_per_step, p.step_time_s),
+        "tensor_parallel_size": p.groups.iter().map(|g| g.size()).max().unwrap_or(1),
+        "reduce_s": p.reduce_s,
+        "optimizer_s": p.optimizer_s,
+        "replicas": replicas,
+    })
+}
+
+/// The per-replica-pipeline plan's step and replicas.
+fn print_pooled_replicas(
+    outcome: &planner::PlanOutcome,
+    p: &PooledCandidate,
+    replicas: &[serde_json::Value],
+    tokens_per_step: f64,
+) {
+    println!(
+        "per-replica pipelines: {:.4} s per step ({:.0} tokens/s), {:.1}% of the bound ({:.0} tokens/s: each device training the model alone, added up)",
+        p.step_time_s,
+        tokens_per_step / p.step_time_s,
+        outcome.bound.fraction(tokens_per_step, p.step_time_s) * 100.0,
+        outcome.bound.tokens_per_s
+    );
+    for (r, replica) in replicas.iter().enumerate() {
+        print_replica(r, replica);
+    }
+}
+
+/// `  replica 0: ["a100+v100"] layers [36] (tensor-parallel shares [[5, 2]]) micro-batches 8 x 2`.
+fn print_replica(r: usize, replica: &serde_json::Value) {
+    let shares = match replica["tensor_parallel_shares"].as_array() {
+        Some(s) if s.iter().any(|g| g.as_array().is_some_and(|g| g.len() > 1)) => {
+            format!(
+                " (tensor-parallel shares {})",
+                replica["tensor_parallel_shares"]
+            )
+        }
+        _ => String::new(),
+    };
+    println!(
+        "  replica {r}: {} layers {}{shares} micro-batches {} x {}",
+        replica["devices"],
+        replica["layers"],
+        replica["num_micro_batches"],
+        replica["micro_batch_size"]
+    );
 }

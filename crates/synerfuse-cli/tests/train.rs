@@ -1213,6 +1213,9 @@ fn plan_writes_what_train_runs() {
         cpus.to_str().unwrap(),
         "--global-batch-size",
         "6",
+        // One dimension at a time: tensor parallelism has its own case below.
+        "--tensor-model-parallel-sizes",
+        "1",
         "--output",
         plan.to_str().unwrap(),
     ];
@@ -1311,6 +1314,8 @@ fn plan_writes_what_train_runs() {
         mixed.to_str().unwrap(),
         "--global-batch-size",
         "6",
+        "--tensor-model-parallel-sizes",
+        "1",
         "--output",
         mixed_plan.to_str().unwrap(),
     ];
@@ -1355,6 +1360,8 @@ fn plan_writes_what_train_runs() {
         pooled.to_str().unwrap(),
         "--global-batch-size",
         "6",
+        "--tensor-model-parallel-sizes",
+        "1",
         "--output",
         pooled_plan.to_str().unwrap(),
     ];
@@ -1383,6 +1390,56 @@ fn plan_writes_what_train_runs() {
     ok(
         &synerfuse(&train),
         "train --plan with per-replica pipelines",
+    );
+
+    // Tensor parallelism with unequal shares: neither rank holds the model alone, and one
+    // stage split 8 : 3 over both (two query groups go one each, the FFN columns make up
+    // the difference) beats the two-stage pipeline.
+    let tp = dir.path().join("tp.toml");
+    std::fs::write(
+        &tp,
+        "[[group]]\nkind = \"cpu\"\ncount = 1\nnode = \"here\"\ntflops_bf16 = 0.05\nmemory_gb = 0.0018\n\
+         [[group]]\nkind = \"cpu\"\ncount = 1\nnode = \"here\"\ntflops_bf16 = 0.05\nmemory_gb = 0.0018\nspeed = 0.5\n\
+         [network]\nintra_node_gbs = 5\ninter_node_gbs = 5\n",
+    )
+    .unwrap();
+    let tp_plan = dir.path().join("tp-plan.toml");
+    let mut args = vec![
+        "--cluster",
+        tp.to_str().unwrap(),
+        "--global-batch-size",
+        "6",
+        "--output",
+        tp_plan.to_str().unwrap(),
+    ];
+    args.extend(model);
+    let j = plan_json(&args);
+    assert_eq!(j["written_plan"]["kind"], "per_replica_pipelines", "{j}");
+    assert_eq!(j["per_replica_pipelines"]["tensor_parallel_size"], 2, "{j}");
+    let shares = &j["per_replica_pipelines"]["replicas"][0]["tensor_parallel_shares"][0];
+    assert!(shares[0].as_u64() > shares[1].as_u64(), "{j}");
+    let text = std::fs::read_to_string(&tp_plan).unwrap();
+    assert!(
+        text.contains("tp = [2]") && text.contains("tp_shares"),
+        "{text}"
+    );
+    let mut train = common(dir.path(), &data, 3);
+    train.extend([
+        "--nproc".into(),
+        "2".into(),
+        "--plan".into(),
+        tp_plan.display().to_string(),
+        "--sequence-parallel".into(),
+    ]);
+    let out = synerfuse(&train);
+    ok(
+        &out,
+        "train --plan with a tensor-parallel group of unequal shares",
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!("shares [{}, {}]", shares[0], shares[1])),
+        "{stderr}"
     );
 }
 

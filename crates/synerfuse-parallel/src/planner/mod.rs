@@ -7,6 +7,7 @@
 
 mod pooled;
 mod samples;
+mod tensor;
 
 use crate::cluster::Device;
 use crate::cost::{CostModel, StageCosts};
@@ -19,6 +20,7 @@ use std::collections::{BTreeSet, BinaryHeap, HashMap};
 
 pub use pooled::{plan_pooled, pooled_timeline, to_general_plan, PoolLayout, PooledCandidate};
 pub use samples::{min_max_samples, ReplicaPace};
+pub use tensor::{best_group, TpGroup, MOST_SHARE};
 
 /// Most assignments of micro-batch sizes to replicas tried one by one per grid; past
 /// it, replicas of the same devices share a size, and past that each replica takes the
@@ -34,6 +36,22 @@ pub struct PlanRequest {
     pub micro_batch_sizes: Vec<usize>,
     /// Plans to keep.
     pub top_k: usize,
+    /// Tensor-parallel sizes to try for per-replica pipelines (within a node; empty: 1).
+    pub tensor_parallel_sizes: Vec<usize>,
+}
+
+impl PlanRequest {
+    /// The distinct positive tensor-parallel sizes, ascending (1 when none).
+    fn tp_sizes(&self) -> Vec<usize> {
+        let sizes: BTreeSet<usize> = (self.tensor_parallel_sizes.iter())
+            .copied()
+            .filter(|&t| t > 0)
+            .collect();
+        match sizes.is_empty() {
+            true => vec![1],
+            false => sizes.into_iter().collect(),
+        }
+    }
 }
 
 /// How devices are arranged into stages and replicas.
@@ -220,7 +238,7 @@ impl std::fmt::Display for MemoryShortfall {
 /// The planner's answer.
 #[derive(Debug, Clone)]
 pub struct PlanOutcome {
-    /// The best plans, best first.
+    /// The best grid plans, best first (none when only per-replica pipelines fit).
     pub plans: Vec<Candidate>,
     /// The best even layout (uniform layers and batches) over every factorization,
     /// when one is feasible: the baseline the plans are compared with.
@@ -229,9 +247,9 @@ pub struct PlanOutcome {
     /// micro-batch size once), predicted fastest first: the baselines a benchmark runs
     /// to measure the best one rather than trust the prediction.
     pub uniform_layouts: Vec<Candidate>,
-    /// The best plan whose replicas are pipelines of their own shape (devices pooled by
-    /// class), when the cluster has several pools and one fits: `synerfuse plan` writes
-    /// it when it beats the best grid plan.
+    /// The best plan whose replicas are pipelines of their own shape (devices, or
+    /// tensor-parallel groups of a node, pooled by class), when one fits: `synerfuse
+    /// plan` writes it when it beats the best grid plan or no grid plan fits.
     pub pooled: Option<PooledCandidate>,
     /// Candidates considered.
     pub considered: usize,
@@ -357,33 +375,124 @@ impl std::fmt::Display for BehindBy {
 
 struct Ctx<'a> {
     cost: &'a CostModel,
+    /// Per unit (a device, or a tensor-parallel group), the device that stands for it in
+    /// sends and reports: its first member.
     devices: Vec<Device>,
-    /// (device class, b) → costs.
-    costs: HashMap<((usize, u64), usize), StageCosts>,
+    /// Per unit, its devices and shares.
+    groups: Vec<TpGroup>,
+    /// Per unit, an id shared by the units of the same member classes and shares.
+    classes: Vec<usize>,
+    /// The cluster's devices.
+    all: Vec<Device>,
+    /// (unit class, b) → costs.
+    costs: HashMap<(usize, usize), StageCosts>,
+    /// Per unit, the usable bytes of a whole stage's state (a group's: as its most
+    /// loaded member holds its share).
     memory: Vec<Option<f64>>,
 }
 
 impl<'a> Ctx<'a> {
+    /// Every device a unit of its own, in the cluster's order.
     fn new(cost: &'a CostModel) -> Self {
         let devices = cost.cluster.devices();
-        let memory = devices.iter().map(|d| cost.usable_memory(d)).collect();
+        let groups = (0..devices.len()).map(TpGroup::single).collect();
+        Self::with_groups(cost, devices, groups)
+    }
+
+    /// Units of `size` devices of one node (fastest first within the node), each a
+    /// tensor-parallel group with its best shares; `None` when the cluster does not cut
+    /// into such groups.
+    fn tensor_parallel(cost: &'a CostModel, size: usize) -> Result<Option<Self>, PlanningError> {
+        if size <= 1 {
+            return Ok(Some(Self::new(cost)));
+        }
+        let mut single = Self::new(cost);
+        let order = fastest_first(&mut single)?;
+        let layer_s: Vec<f64> = (0..single.devices.len())
+            .map(|i| single.costs(i, 1).map(|c| c.layer_s))
+            .collect::<Result<_, _>>()?;
+        let devices = single.all;
+        Ok(
+            tensor::tp_groups(&cost.model, &devices, &order, &layer_s, size)
+                .map(|groups| Self::with_groups(cost, devices, groups)),
+        )
+    }
+
+    fn with_groups(cost: &'a CostModel, all: Vec<Device>, groups: Vec<TpGroup>) -> Self {
+        // A unit's class: its members' classes and its shares.
+        type UnitClass = (Vec<(usize, u64)>, Vec<u32>);
+        let mut ids: HashMap<UnitClass, usize> = HashMap::new();
+        let classes = (groups.iter())
+            .map(|g| {
+                let key = (
+                    g.members.iter().map(|&i| all[i].class()).collect(),
+                    g.shares.clone(),
+                );
+                let next = ids.len();
+                *ids.entry(key).or_insert(next)
+            })
+            .collect();
+        let memory = (groups.iter())
+            .map(|g| {
+                (g.members.iter().zip(&g.state))
+                    .filter_map(|(&i, share)| Some(cost.usable_memory(&all[i])? / share))
+                    .reduce(f64::min)
+            })
+            .collect();
         Ctx {
             cost,
-            devices,
+            devices: groups.iter().map(|g| all[g.members[0]].clone()).collect(),
+            groups,
+            classes,
+            all,
             costs: HashMap::new(),
             memory,
         }
     }
 
-    fn costs(&mut self, device: usize, b: usize) -> Result<StageCosts, PlanningError> {
-        let dev = &self.devices[device];
-        let key = (dev.class(), b);
+    /// A unit's costs at micro-batch size `b`: a group's slowest member on its share,
+    /// plus the group's collectives (with sequence parallelism, per layer two
+    /// all-gathers and two reduce-scatters forward and as many backward, together four
+    /// all-reduces of the activation; one each for the embedding and the head).
+    fn costs(&mut self, unit: usize, b: usize) -> Result<StageCosts, PlanningError> {
+        let key = (self.classes[unit], b);
         if let Some(c) = self.costs.get(&key) {
             return Ok(*c);
         }
-        let c = self.cost.stage_costs(dev, b)?;
+        let group = &self.groups[unit];
+        let each: Vec<StageCosts> = (group.members.iter())
+            .map(|&i| self.cost.stage_costs(&self.all[i], b))
+            .collect::<Result<_, _>>()?;
+        let mut c = each[0];
+        if group.size() > 1 {
+            let members: Vec<&Device> = group.members.iter().map(|&i| &self.all[i]).collect();
+            let bytes = (self.cost.model).activation_message_bytes(b, self.cost.compute_bytes);
+            let collective = self.cost.allreduce_seconds(&members, bytes);
+            let layer_s: Vec<f64> = each.iter().map(|k| k.layer_s).collect();
+            c.layer_s = group.layer_s(&layer_s) + 4.0 * collective;
+            c.embedding_s = each.iter().map(|k| k.embedding_s).fold(0.0, f64::max) + collective;
+            c.head_s = (each.iter().zip(&group.vocab))
+                .map(|(k, v)| k.head_s * v)
+                .fold(0.0, f64::max)
+                + collective;
+        }
         self.costs.insert(key, c);
         Ok(c)
+    }
+
+    /// The optimizer step of a unit holding `params` parameters, s: its slowest member
+    /// on its share (`None` where no member is priced).
+    fn optimizer_seconds(&self, unit: usize, params: f64) -> Option<f64> {
+        let group = &self.groups[unit];
+        (group.members.iter().zip(&group.state))
+            .filter_map(|(&i, share)| self.cost.optimizer_seconds(&self.all[i], params * share))
+            .reduce(f64::max)
+    }
+
+    /// The largest fraction of a stage's parameters a member of the unit holds: what its
+    /// gradient reduction carries.
+    fn state_fraction(&self, unit: usize) -> f64 {
+        self.groups[unit].state.iter().copied().fold(0.0, f64::max)
     }
 }
 
@@ -427,7 +536,10 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
             }
         }
     }
-    if search.candidates.is_empty() {
+    // Per-replica pipelines may fit where no grid does (a small device in a pipeline of
+    // its own, or a tensor-parallel group).
+    let pooled = plan_pooled(cost, g, &micro_batch_sizes(request), &request.tp_sizes())?;
+    if search.candidates.is_empty() && pooled.is_none() {
         return Err(PlanningError::Infeasible(search.closest.map_or(
             Infeasibility::BatchTooSmall {
                 global_batch_size: g,
@@ -436,7 +548,10 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
             |v| v.reason,
         )));
     }
-    let (plans, uniform_layouts) = retime_front(&mut ctx, search.candidates, request.top_k.max(1))?;
+    let (plans, uniform_layouts) = match search.candidates.is_empty() {
+        true => (Vec::new(), Vec::new()),
+        false => retime_front(&mut ctx, search.candidates, request.top_k.max(1))?,
+    };
     let uniform = uniform_layouts.first().cloned();
     let bound = throughput_bound(&mut ctx, request)?;
     let mut unpriced_optimizer: Vec<String> = (ctx.devices.iter())
@@ -445,7 +560,6 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
         .collect();
     unpriced_optimizer.sort();
     unpriced_optimizer.dedup();
-    let pooled = plan_pooled(cost, g, &micro_batch_sizes(request))?;
     Ok(PlanOutcome {
         plans,
         uniform,
@@ -659,14 +773,14 @@ fn size_assignments(
 ) -> Result<Vec<Vec<usize>>, PlanningError> {
     let d = grid[0].len();
     // A replica's kind: its devices' classes and memory, stage by stage.
-    type ReplicaKind = Vec<((usize, u64), Option<u64>)>;
+    type ReplicaKind = Vec<(usize, Option<u64>)>;
     let mut kinds: Vec<ReplicaKind> = Vec::new();
     let kind_of: Vec<usize> = (0..d)
         .map(|r| {
             let key: ReplicaKind = (grid.iter())
                 .map(|stage| {
                     (
-                        ctx.devices[stage[r]].class(),
+                        ctx.classes[stage[r]],
                         ctx.memory[stage[r]].map(f64::to_bits),
                     )
                 })
@@ -1268,11 +1382,12 @@ fn placement(dev: &Device) -> RankPlacement {
 }
 
 impl PlanOutcome {
-    /// The per-replica-pipeline plan, when it beats the best grid plan by more than 1 %
-    /// (the grid plan, which SynerFuse's flags also express, wins ties and noise).
+    /// The per-replica-pipeline plan, when no grid plan fits or it beats the best by
+    /// more than 1 % (the grid plan, which SynerFuse's flags also express, wins ties and
+    /// noise).
     pub fn pooled_wins(&self) -> Option<&PooledCandidate> {
-        let grid = self.plans.first()?.prediction.step_time_s;
-        (self.pooled.as_ref()).filter(|p| p.step_time_s < grid * 0.99)
+        let grid = self.plans.first().map(|c| c.prediction.step_time_s);
+        (self.pooled.as_ref()).filter(|p| grid.is_none_or(|g| p.step_time_s < g * 0.99))
     }
 }
 
@@ -1491,7 +1606,7 @@ mod tests {
                 tied: false,
             };
             let cost = CostModel::new(model, cluster, None);
-            let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 3 };
+            let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 3, tensor_parallel_sizes: vec![1] };
             let n = cost.cluster.devices().len();
             match plan(&cost, &request) {
                 Err(PlanningError::Infeasible(
@@ -1531,13 +1646,19 @@ mod tests {
                         let busy: f64 = c.prediction.busy_s.iter().flatten().sum();
                         prop_assert!((passes - busy).abs() < 1e-6 * busy);
                     }
-                    let best = &outcome.plans[0].prediction;
+                    // No grid fits only where per-replica pipelines do, and then they are written.
+                    let Some(first) = outcome.plans.first() else {
+                        prop_assert!(outcome.pooled.is_some() && outcome.pooled_wins().is_some());
+                        prop_assert!(outcome.uniform.is_none());
+                        return Ok(());
+                    };
+                    let best = &first.prediction;
                     for c in &outcome.plans[1..] {
                         let behind = BehindBy::of(&c.prediction, best);
                         prop_assert!(behind.extra_s() >= -1e-12, "{:?}", behind);
                     }
                     if let Some(u) = &outcome.uniform {
-                        prop_assert!(outcome.plans[0].prediction.step_time_s <= u.prediction.step_time_s * (1.0 + 1e-12));
+                        prop_assert!(best.step_time_s <= u.prediction.step_time_s * (1.0 + 1e-12));
                     }
                     // Every even layout: even layers and batches, distinct, fastest first.
                     prop_assert_eq!(outcome.uniform.as_ref(), outcome.uniform_layouts.first());
@@ -1574,7 +1695,7 @@ mod tests {
                 ffn_hidden_size: 768, vocab_size: 1000, seq_length: 128, tied: false,
             };
             let cost = CostModel::new(model.clone(), cluster, None);
-            let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 1 };
+            let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 1, tensor_parallel_sizes: vec![1] };
             let mut ctx = Ctx::new(&cost);
             let bound = throughput_bound(&mut ctx, &request).unwrap();
             let params = model.stage_params(4, true, true);
@@ -1613,7 +1734,7 @@ mod tests {
             };
             let cost = CostModel::new(model, cluster, None);
             let sizes = [1usize, 2, 4];
-            let request = PlanRequest { global_batch_size: g, micro_batch_sizes: sizes.to_vec(), top_k: 1 };
+            let request = PlanRequest { global_batch_size: g, micro_batch_sizes: sizes.to_vec(), top_k: 1, tensor_parallel_sizes: vec![1] };
             let devs = cost.cluster.devices();
             let d = devs.len();
             let params = cost.model.stage_params(1, true, true);

@@ -7,7 +7,7 @@
 use super::samples::{min_max_samples, ReplicaPace};
 use super::{
     arrange, max, pipeline_time, placement, split_layers, stage_times, Arrangement, Ctx, Grid,
-    PlanningError,
+    PlanningError, TpGroup,
 };
 use crate::cost::CostModel;
 use crate::general::{GeneralPlan, GeneralPlanError, ReplicaPipeline};
@@ -21,7 +21,7 @@ const MOST_COMBINATIONS: usize = 81;
 /// One pool's part of a plan: its replicas, each `layers.len()` stages deep.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PoolLayout {
-    /// Device index of (stage, replica), in the cluster's order.
+    /// Unit of (stage, replica): an index into the candidate's `groups`.
     pub devices: Grid<usize>,
     /// Layers per stage, the same for each of its replicas.
     pub layers: Vec<usize>,
@@ -36,6 +36,8 @@ pub struct PoolLayout {
 pub struct PooledCandidate {
     /// The pools, fastest first; their replicas in this order are the plan's.
     pub pools: Vec<PoolLayout>,
+    /// What each unit of the pools is: one device, or a tensor-parallel group.
+    pub groups: Vec<TpGroup>,
     /// One training step, s (simulated schedule, the reduction, the optimizer).
     pub step_time_s: f64,
     /// The slowest replica's pipeline, s.
@@ -57,9 +59,14 @@ impl PoolLayout {
 impl PooledCandidate {
     /// Every replica: (pool, index in the pool).
     fn replicas(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
-        (self.pools.iter().enumerate())
-            .flat_map(|(k, pool)| (0..pool.micro_batches.len()).map(move |r| (k, r)))
+        replicas(&self.pools)
     }
+}
+
+/// Every replica of `pools`: (pool, index in the pool).
+fn replicas(pools: &[PoolLayout]) -> impl Iterator<Item = (usize, usize)> + '_ {
+    (pools.iter().enumerate())
+        .flat_map(|(k, pool)| (0..pool.micro_batches.len()).map(move |r| (k, r)))
 }
 
 /// One way to cut a pool: depth, micro-batch size, and the layer split that fits.
@@ -72,21 +79,46 @@ struct PoolOption {
     rate: f64,
 }
 
-/// The best plan whose replicas are pipelines of their own shape, when the cluster has
-/// more than one pool of devices and one fits; `None` otherwise.
+/// The best plan whose replicas are pipelines of their own shape, over every
+/// tensor-parallel size of `tp_sizes` the cluster's nodes cut into; `None` when none
+/// fits, or when the cluster is one pool of devices and no tensor-parallel size above 1
+/// is asked for (the grid planner covers that).
 pub fn plan_pooled(
     cost: &CostModel,
     global_batch: usize,
     sizes: &[usize],
+    tp_sizes: &[usize],
 ) -> Result<Option<PooledCandidate>, PlanningError> {
-    let mut ctx = Ctx::new(cost);
-    let pools = pools(&mut ctx)?;
-    if pools.len() < 2 {
+    let mut best: Option<PooledCandidate> = None;
+    for &t in tp_sizes {
+        let Some(mut ctx) = Ctx::tensor_parallel(cost, t)? else {
+            continue;
+        };
+        let found = plan_units(&mut ctx, global_batch, sizes, t > 1)?;
+        if let Some(c) = found {
+            if best.as_ref().is_none_or(|b| c.step_time_s < b.step_time_s) {
+                best = Some(c);
+            }
+        }
+    }
+    Ok(best)
+}
+
+/// The best plan over `ctx`'s units (devices, or tensor-parallel groups), when more
+/// than one pool of them (or `one_pool`) and one fits.
+fn plan_units(
+    ctx: &mut Ctx<'_>,
+    global_batch: usize,
+    sizes: &[usize],
+    one_pool: bool,
+) -> Result<Option<PooledCandidate>, PlanningError> {
+    let pools = pools(ctx)?;
+    if pools.len() < 2 && !one_pool {
         return Ok(None);
     }
     let mut options = Vec::with_capacity(pools.len());
     for pool in &pools {
-        options.push(pool_options(&mut ctx, pool, sizes)?);
+        options.push(pool_options(ctx, pool, sizes)?);
     }
     // Each other pool takes at least one micro-batch of the smallest size: an option
     // whose replicas need more than the rest of the batch cannot be part of a plan.
@@ -111,7 +143,7 @@ pub fn plan_pooled(
             .enumerate()
             .map(|(k, &i)| &options[k][i])
             .collect();
-        if let Some((step, layouts)) = balance(&mut ctx, &chosen, global_batch)? {
+        if let Some((step, layouts)) = balance(ctx, &chosen, global_batch)? {
             if best.as_ref().is_none_or(|(s, _)| step < *s) {
                 best = Some((step, layouts));
             }
@@ -120,7 +152,7 @@ pub fn plan_pooled(
     let Some((_, layouts)) = best else {
         return Ok(None);
     };
-    let (candidate, _) = simulate(&mut ctx, layouts, false)?;
+    let (candidate, _) = simulate(ctx, layouts, false)?;
     Ok(Some(candidate))
 }
 
@@ -137,14 +169,14 @@ fn options_kept(counts: &[usize]) -> usize {
 }
 
 /// What pools devices: their class (group, speed) and usable memory's bits.
-type PoolKey = ((usize, u64), Option<u64>);
+type PoolKey = (usize, Option<u64>);
 
 /// Device indices pooled by class and usable memory, fastest pool first (per-layer time
 /// at micro-batch size 1).
 fn pools(ctx: &mut Ctx<'_>) -> Result<Vec<Vec<usize>>, PlanningError> {
     let mut pools: Vec<(PoolKey, Vec<usize>)> = Vec::new();
     for i in 0..ctx.devices.len() {
-        let key = (ctx.devices[i].class(), ctx.memory[i].map(f64::to_bits));
+        let key = (ctx.classes[i], ctx.memory[i].map(f64::to_bits));
         match pools.iter_mut().find(|(k, _)| *k == key) {
             Some((_, members)) => members.push(i),
             None => pools.push((key, vec![i])),
@@ -417,15 +449,8 @@ impl Move {
 /// The step in closed form: the slowest replica's 1F1B, the busiest rank's reduction,
 /// the slowest optimizer step.
 fn closed_form_step_s(ctx: &mut Ctx<'_>, layouts: &[PoolLayout]) -> Result<f64, PlanningError> {
-    let candidate = PooledCandidate {
-        pools: layouts.to_vec(),
-        step_time_s: 0.0,
-        pipeline_s: pipelines_s(ctx, layouts)?,
-        reduce_s: 0.0,
-        optimizer_s: 0.0,
-    };
-    let reduce = max(&reduce_s(ctx, &candidate));
-    Ok(candidate.pipeline_s + reduce + optimizer_s(ctx, &candidate))
+    let reduce = max(&reduce_s(ctx, layouts));
+    Ok(pipelines_s(ctx, layouts)? + reduce + optimizer_s(ctx, layouts))
 }
 
 /// The slowest replica's 1F1B closed form.
@@ -442,10 +467,10 @@ fn pipelines_s(ctx: &mut Ctx<'_>, layouts: &[PoolLayout]) -> Result<f64, Plannin
 
 /// Each replica's stage boundaries in pieces (embedding = 0, layer i = i + 1, head =
 /// L + 1), per replica the (start, end) piece range of each stage and its device.
-fn stage_pieces(c: &PooledCandidate, l: usize) -> Vec<Vec<(usize, usize, usize)>> {
-    c.replicas()
+fn stage_pieces(pools: &[PoolLayout], l: usize) -> Vec<Vec<(usize, usize, usize)>> {
+    replicas(pools)
         .map(|(k, r)| {
-            let pool = &c.pools[k];
+            let pool = &pools[k];
             let p = pool.layers.len();
             let mut start = 1;
             (0..p)
@@ -460,13 +485,14 @@ fn stage_pieces(c: &PooledCandidate, l: usize) -> Vec<Vec<(usize, usize, usize)>
         .collect()
 }
 
-/// Per rank (replica by replica, stage by stage), the seconds of its gradient
-/// reduction: each segment between the union of every replica's boundaries all-reduced
-/// over its holders (one per replica), a rank's segments one after another.
-fn reduce_s(ctx: &Ctx<'_>, c: &PooledCandidate) -> Vec<f64> {
+/// Per (replica, stage), replica by replica, the seconds of its gradient reduction: each
+/// segment between the union of every replica's boundaries all-reduced over its
+/// holders (one per replica; a tensor-parallel group's members each their share, side
+/// by side), a stage's segments one after another.
+fn reduce_s(ctx: &Ctx<'_>, pools: &[PoolLayout]) -> Vec<f64> {
     let model = &ctx.cost.model;
     let l = model.num_layers;
-    let stages = stage_pieces(c, l);
+    let stages = stage_pieces(pools, l);
     let mut cuts: Vec<usize> = stages.iter().flatten().map(|&(from, _, _)| from).collect();
     cuts.push(l + 2);
     cuts.sort_unstable();
@@ -505,7 +531,10 @@ fn reduce_s(ctx: &Ctx<'_>, c: &PooledCandidate) -> Vec<f64> {
             .iter()
             .map(|&(r, i)| &ctx.devices[stages[r][i].2])
             .collect();
-        let t = ctx.cost.allreduce_seconds(&devices, params(from, to) * 4.0);
+        let share = (holders.iter())
+            .map(|&(r, i)| ctx.state_fraction(stages[r][i].2))
+            .fold(0.0, f64::max);
+        let t = (ctx.cost).allreduce_seconds(&devices, params(from, to) * 4.0 * share);
         for (r, i) in holders {
             seconds[first_rank[r] + i] += t;
         }
@@ -514,17 +543,17 @@ fn reduce_s(ctx: &Ctx<'_>, c: &PooledCandidate) -> Vec<f64> {
 }
 
 /// The slowest rank's optimizer step over its own parameters (0 where not priced).
-fn optimizer_s(ctx: &Ctx<'_>, c: &PooledCandidate) -> f64 {
+fn optimizer_s(ctx: &Ctx<'_>, pools: &[PoolLayout]) -> f64 {
     let mut slowest = 0.0f64;
-    for pool in &c.pools {
+    for pool in pools {
         let p = pool.layers.len();
         for (i, row) in pool.devices.iter().enumerate() {
             let params = ctx
                 .cost
                 .model
                 .stage_params(pool.layers[i], i == 0, i + 1 == p);
-            for &dev in row {
-                let s = ctx.cost.optimizer_seconds(&ctx.devices[dev], params);
+            for &unit in row {
+                let s = ctx.optimizer_seconds(unit, params);
                 slowest = slowest.max(s.unwrap_or(0.0));
             }
         }
@@ -533,7 +562,7 @@ fn optimizer_s(ctx: &Ctx<'_>, c: &PooledCandidate) -> f64 {
 }
 
 /// The plan `synerfuse train --plan` runs: the pools' replicas in order, ranks replica
-/// by replica, stage by stage.
+/// by replica, stage by stage, a tensor-parallel group's members together.
 pub fn to_general_plan(
     cost: &CostModel,
     candidate: &PooledCandidate,
@@ -543,9 +572,6 @@ pub fn to_general_plan(
     let mut replicas = Vec::new();
     for (k, r) in candidate.replicas() {
         let pool = &candidate.pools[k];
-        let p = pool.layers.len();
-        let ranks: Vec<usize> = (next_rank..next_rank + p).collect();
-        next_rank += p;
         let stages =
             StageLayout::new(pool.layers.clone(), cost.model.num_layers).map_err(|source| {
                 GeneralPlanError::Layout {
@@ -553,17 +579,32 @@ pub fn to_general_plan(
                     source,
                 }
             })?;
-        replicas.push(ReplicaPipeline::single_ranks(
+        let groups: Vec<&TpGroup> = (pool.devices.iter())
+            .map(|row| &candidate.groups[row[r]])
+            .collect();
+        let mut ranks = Vec::with_capacity(groups.len());
+        for group in &groups {
+            ranks.push((next_rank..next_rank + group.size()).collect());
+            next_rank += group.size();
+        }
+        let even = |g: &TpGroup| g.shares.iter().all(|&s| s == g.shares[0]);
+        replicas.push(ReplicaPipeline {
             stages,
-            ReplicaBatch {
+            batch: ReplicaBatch {
                 micro_batch_size: pool.micro_batch_size,
                 num_micro_batches: pool.micro_batches[r],
             },
             ranks,
-            (0..p)
-                .map(|i| placement(&devices[pool.devices[i][r]]))
+            tp_shares: match groups.iter().all(|g| even(g)) {
+                true => Vec::new(),
+                false => (groups.iter())
+                    .map(|g| (!even(g)).then(|| g.shares.clone()))
+                    .collect(),
+            },
+            placements: (groups.iter())
+                .flat_map(|g| g.members.iter().map(|&i| placement(&devices[i])))
                 .collect(),
-        ));
+        });
     }
     GeneralPlan::new(replicas)
 }
@@ -578,6 +619,7 @@ fn simulate(
 ) -> Result<(PooledCandidate, Vec<RankTimeline>), PlanningError> {
     let mut candidate = PooledCandidate {
         pools,
+        groups: ctx.groups.clone(),
         step_time_s: 0.0,
         pipeline_s: 0.0,
         reduce_s: 0.0,
@@ -585,22 +627,26 @@ fn simulate(
     };
     let plan = to_general_plan(ctx.cost, &candidate)?;
     let programs = plan.schedule(ScheduleKind::OneFOneB)?;
-    // Per rank: its device, micro-batch size and per-micro-batch time.
-    let mut ranks = Vec::new();
+    // Per rank: its device, micro-batch size, per-micro-batch time, forward fraction,
+    // and its (replica, stage) position.
+    let mut ranks: Vec<(usize, usize, f64, f64, usize)> = Vec::new();
     for pool in &candidate.pools {
         let d = pool.micro_batches.len();
         let (t, _) = pool.stage_times(ctx)?;
         for r in 0..d {
             for (i, row) in t.iter().enumerate() {
-                let dev = pool.devices[i][r];
-                let f = ctx.costs(dev, pool.micro_batch_size)?.forward_fraction;
-                ranks.push((dev, pool.micro_batch_size, row[r], f));
+                let unit = pool.devices[i][r];
+                let f = ctx.costs(unit, pool.micro_batch_size)?.forward_fraction;
+                let position = ranks.last().map_or(0, |&(.., p)| p + 1);
+                for &dev in &ctx.groups[unit].members {
+                    ranks.push((dev, pool.micro_batch_size, row[r], f, position));
+                }
             }
         }
     }
-    let (devices, cost) = (&ctx.devices, ctx.cost);
+    let (devices, cost) = (&ctx.all, ctx.cost);
     let op_seconds = |rank: usize, pass: Pass, _| {
-        let (_, _, t, f) = ranks[rank];
+        let (_, _, t, f, _) = ranks[rank];
         match pass {
             Pass::Forward => t * f,
             Pass::Backward => t * (1.0 - f),
@@ -615,8 +661,8 @@ fn simulate(
         false => sim::simulate(&programs, op_seconds, message_seconds),
     }
     .map_err(crate::PlanError::from)?;
-    let reduce = reduce_s(ctx, &candidate);
-    let optimizer = optimizer_s(ctx, &candidate);
+    let reduce = reduce_s(ctx, &candidate.pools);
+    let optimizer = optimizer_s(ctx, &candidate.pools);
     let done = report.makespan_s;
     candidate.pipeline_s = done;
     candidate.reduce_s = max(&reduce);
@@ -635,12 +681,9 @@ fn simulate(
             }
         };
         span(SpanKind::Wait, report.finish_s[rank], done);
-        span(SpanKind::Reduce, done, done + reduce[rank]);
-        span(
-            SpanKind::Wait,
-            done + reduce[rank],
-            done + candidate.reduce_s,
-        );
+        let reduce = reduce[ranks[rank].4];
+        span(SpanKind::Reduce, done, done + reduce);
+        span(SpanKind::Wait, done + reduce, done + candidate.reduce_s);
         let after = done + candidate.reduce_s;
         span(SpanKind::Optimizer, after, after + optimizer);
         let (replica, stage) = plan.position(rank).unwrap_or_default();
@@ -660,7 +703,7 @@ pub fn pooled_timeline(
     cost: &CostModel,
     candidate: &PooledCandidate,
 ) -> Result<crate::timeline::Timeline, PlanningError> {
-    let mut ctx = Ctx::new(cost);
+    let mut ctx = Ctx::with_groups(cost, cost.cluster.devices(), candidate.groups.clone());
     let (simulated, ranks) = simulate(&mut ctx, candidate.pools.clone(), true)?;
     Ok(crate::timeline::Timeline {
         title: format!(
@@ -707,7 +750,7 @@ mod tests {
             24,
             2048,
         );
-        let pooled = plan_pooled(&cost, 32, &[1, 2])
+        let pooled = plan_pooled(&cost, 32, &[1, 2], &[1])
             .unwrap()
             .expect("a pooled plan");
         let depths: Vec<usize> = pooled.pools.iter().map(|p| p.layers.len()).collect();
@@ -721,6 +764,7 @@ mod tests {
             global_batch_size: 32,
             micro_batch_sizes: vec![1, 2],
             top_k: 1,
+            tensor_parallel_sizes: vec![1],
         };
         let outcome = super::super::plan(&cost, &request).unwrap();
         assert_eq!(outcome.pooled.as_ref(), Some(&pooled));
@@ -804,6 +848,34 @@ mod tests {
         best
     }
 
+    /// A 32 GB V100 cannot hold a 2.4B-parameter model's 48 GB of state, nor give its
+    /// node's A100 a replica of its own; as a tensor-parallel group the two hold it
+    /// together, the A100 the larger share (312 vs 125 TFLOPS).
+    #[test]
+    fn unequal_devices_of_a_node_share_a_stage() {
+        let cost = cost(
+            "[[group]]\nkind = \"a100-80g\"\ncount = 1\nnode = \"a\"\n\
+             [[group]]\nkind = \"v100\"\ncount = 1\nnode = \"a\"\n\
+             [network]\nintra_node_gbs = 300\ninter_node_gbs = 12\n",
+            36,
+            2304,
+        );
+        assert_eq!(plan_pooled(&cost, 16, &[1, 2], &[1]).unwrap(), None);
+        let pooled = plan_pooled(&cost, 16, &[1, 2], &[1, 2])
+            .unwrap()
+            .expect("a tensor-parallel plan");
+        assert_eq!(pooled.groups.len(), 1);
+        let shares = &pooled.groups[0].shares;
+        assert!(shares[0] > 2 * shares[1], "{shares:?}");
+        let plan = to_general_plan(&cost, &pooled).unwrap();
+        let replica = &plan.replicas()[0];
+        assert_eq!(replica.ranks, [[0, 1]]);
+        assert_eq!(replica.tp_shares, [Some(shares.clone())]);
+        assert_eq!(plan.batches().global_batch_size(), 16);
+        let timeline = pooled_timeline(&cost, &pooled).unwrap();
+        assert_eq!(timeline.ranks.len(), 2);
+    }
+
     /// A cluster of custom groups (TFLOPS, memory GB, count), each on a node of its own,
     /// and a model of `layers` layers.
     fn custom_cluster(groups: &[(f64, f64, usize)], layers: usize) -> CostModel {
@@ -835,7 +907,7 @@ mod tests {
             g in 1usize..=8,
         ) {
             let cost = custom_cluster(&groups, layers);
-            let found = plan_pooled(&cost, g, &[1, 2]).unwrap();
+            let found = plan_pooled(&cost, g, &[1, 2], &[1]).unwrap();
             let best = brute_force(&cost, g, &[1, 2]);
             prop_assert_eq!(found.is_some(), best.is_some(), "{:?} vs {:?}", found, best);
             if let (Some(found), Some((best, layouts))) = (found, best) {
@@ -845,15 +917,20 @@ mod tests {
         }
 
         /// Every pooled plan is a valid general plan: the global batch, each rank's
-        /// memory, the schedule; its step is the drawn one and within the bound.
+        /// memory (a tensor-parallel member its share), the schedule; its step is the
+        /// drawn one and within the bound.
         #[test]
         fn pooled_plans_are_valid(
             groups in proptest::collection::vec((10.0f64..400.0, 4.0f64..80.0, 1usize..=3), 2..=3),
             layers in 2usize..=8,
             g in 1usize..=16,
+            one_node in any::<bool>(),
         ) {
-            let cost = custom_cluster(&groups, layers);
-            let Some(pooled) = plan_pooled(&cost, g, &[1, 2]).unwrap() else {
+            let mut cost = custom_cluster(&groups, layers);
+            if one_node {
+                cost.cluster.group.iter_mut().for_each(|x| x.node = Some("n".into()));
+            }
+            let Some(pooled) = plan_pooled(&cost, g, &[1, 2], &[1, 2]).unwrap() else {
                 return Ok(());
             };
             let plan = to_general_plan(&cost, &pooled).unwrap();
@@ -865,18 +942,22 @@ mod tests {
                 let p = pool.layers.len();
                 prop_assert_eq!(pool.layers.iter().sum::<usize>(), layers);
                 for (i, row) in pool.devices.iter().enumerate() {
-                    for (r, &dev) in row.iter().enumerate() {
+                    for (r, &unit) in row.iter().enumerate() {
+                        let group = &pooled.groups[unit];
                         let b = pool.micro_batch_size;
-                        let k = cost.stage_costs(&devices[dev], b).unwrap();
+                        let k = cost.stage_costs(&devices[group.members[0]], b).unwrap();
                         let in_flight = (p - i).min(pool.micro_batches[r]);
                         let need = cost.memory_bytes(&k, pool.layers[i], i == 0, i + 1 == p, in_flight, b);
-                        prop_assert!(need <= cost.usable_memory(&devices[dev]).unwrap() + 1.0);
+                        for (&dev, share) in group.members.iter().zip(&group.state) {
+                            prop_assert_eq!(&devices[dev].node, &devices[group.members[0]].node);
+                            prop_assert!(need * share <= cost.usable_memory(&devices[dev]).unwrap() + 1.0);
+                        }
                     }
                 }
             }
             let drawn = pooled_timeline(&cost, &pooled).unwrap();
             prop_assert!((drawn.step_s() - pooled.step_time_s).abs() < 1e-9 * pooled.step_time_s);
-            let request = super::super::PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2], top_k: 1 };
+            let request = super::super::PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2], top_k: 1, tensor_parallel_sizes: vec![1] };
             let bound = super::super::throughput_bound(&mut Ctx::new(&cost), &request).unwrap();
             let fraction = bound.fraction((g * 2048) as f64, pooled.step_time_s);
             prop_assert!(fraction > 0.0 && fraction <= 1.0 + 1e-9, "{}", fraction);

@@ -1,0 +1,310 @@
+//! Tensor-parallel groups as the planner prices them: devices of one node that hold one
+//! stage together, each with a share of the stage's query groups, FFN columns and
+//! vocabulary rows ([`TpLayout`]). Unequal devices get unequal shares: the ones that
+//! make the group's slowest member finish first, found among every share vector
+//! up to [`MOST_SHARE`].
+
+use crate::cluster::Device;
+use crate::cost::ModelShape;
+use crate::tp::TpLayout;
+use std::collections::HashMap;
+
+/// The largest share tried (shares are in lowest terms, so `[8, 1]` is the most uneven
+/// split of two devices).
+pub const MOST_SHARE: u32 = 8;
+
+/// One position of a pipeline: a device alone, or a tensor-parallel group.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TpGroup {
+    /// Device indices in tensor-parallel rank order (fastest first).
+    pub members: Vec<usize>,
+    /// Shares in lowest terms (all 1: even, as Megatron splits).
+    pub shares: Vec<u32>,
+    /// Each member's fraction of a layer's FLOPs under the shares' whole-unit rounding.
+    pub work: Vec<f64>,
+    /// Each member's fraction of a layer's parameters (and, with sequence parallelism,
+    /// of its activations).
+    pub state: Vec<f64>,
+    /// Each member's fraction of the vocabulary rows.
+    pub vocab: Vec<f64>,
+}
+
+impl TpGroup {
+    /// A device alone.
+    pub fn single(device: usize) -> Self {
+        TpGroup {
+            members: vec![device],
+            shares: vec![1],
+            work: vec![1.0],
+            state: vec![1.0],
+            vocab: vec![1.0],
+        }
+    }
+
+    /// The group of `members` with `shares`, or `None` when the shares cannot split the
+    /// model (a member left without a query group, or even shares that do not divide).
+    pub fn new(model: &ModelShape, members: Vec<usize>, shares: Vec<u32>) -> Option<Self> {
+        let even = shares.iter().all(|&s| s == shares[0]);
+        let layout = TpLayout::new(
+            (!even).then_some(shares.as_slice()),
+            members.len(),
+            model.num_kv_heads,
+            model.ffn_hidden_size,
+            model.vocab_size,
+        )
+        .ok()?;
+        let (attention_flops, ffn_flops) = layer_flops(model);
+        let (attention_params, ffn_params) = layer_params(model);
+        let (q, f, v) = (
+            model.num_kv_heads as f64,
+            model.ffn_hidden_size as f64,
+            model.vocab_size as f64,
+        );
+        let part = |a: f64, b: f64, k: usize| {
+            (a * layout.query_groups[k].len() as f64 / q
+                + b * layout.ffn_columns[k].len() as f64 / f)
+                / (a + b)
+        };
+        let n = members.len();
+        Some(TpGroup {
+            work: (0..n)
+                .map(|k| part(attention_flops, ffn_flops, k))
+                .collect(),
+            state: (0..n)
+                .map(|k| part(attention_params, ffn_params, k))
+                .collect(),
+            vocab: (0..n)
+                .map(|k| layout.vocab_rows[k].len() as f64 / v)
+                .collect(),
+            members,
+            shares: layout.shares,
+        })
+    }
+
+    /// Tensor-parallel size.
+    pub fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    /// The layer time of the group's slowest member, given each member's whole-layer
+    /// time.
+    pub fn layer_s(&self, member_layer_s: &[f64]) -> f64 {
+        (self.work.iter().zip(member_layer_s))
+            .map(|(w, t)| w * t)
+            .fold(0.0, f64::max)
+    }
+}
+
+/// Forward FLOPs of a layer per token: attention (projections and scores, split by
+/// query groups) and FFN (split by columns).
+fn layer_flops(model: &ModelShape) -> (f64, f64) {
+    let (h, f, s) = (
+        model.hidden_size as f64,
+        model.ffn_hidden_size as f64,
+        model.seq_length as f64,
+    );
+    let kv = (model.hidden_size * model.num_kv_heads / model.num_heads.max(1)) as f64;
+    (
+        2.0 * (2.0 * h * h + 2.0 * h * kv) + 4.0 * s * h,
+        6.0 * h * f,
+    )
+}
+
+/// A layer's parameters split by query groups and by FFN columns (the norms, replicated,
+/// are left out).
+fn layer_params(model: &ModelShape) -> (f64, f64) {
+    let (h, f) = (model.hidden_size as f64, model.ffn_hidden_size as f64);
+    let kv = (model.hidden_size * model.num_kv_heads / model.num_heads.max(1)) as f64;
+    (2.0 * h * h + 2.0 * h * kv, 3.0 * h * f)
+}
+
+/// The shares for `members` (each with its whole-layer time in `layer_s`, fastest
+/// first) under which the slowest member finishes first: every non-increasing share
+/// vector in lowest terms up to [`MOST_SHARE`] (a faster device never gets less), ties
+/// to the smallest total. `None` when no shares split the model.
+pub fn best_group(model: &ModelShape, members: &[usize], layer_s: &[f64]) -> Option<TpGroup> {
+    let mut best: Option<(f64, u32, TpGroup)> = None;
+    let mut shares = vec![MOST_SHARE; members.len()];
+    loop {
+        if gcd_all(&shares) == 1 || shares.iter().all(|&s| s == 1) {
+            if let Some(group) = TpGroup::new(model, members.to_vec(), shares.clone()) {
+                let (time, total) = (group.layer_s(layer_s), shares.iter().sum::<u32>());
+                let better = best.as_ref().is_none_or(|(t, n, _)| {
+                    time < t * (1.0 - 1e-12) || (time <= t * (1.0 + 1e-12) && total < *n)
+                });
+                if better {
+                    best = Some((time, total, group));
+                }
+            }
+        }
+        if !next_non_increasing(&mut shares) {
+            return best.map(|(_, _, g)| g);
+        }
+    }
+}
+
+/// The next non-increasing vector with entries in 1..=MOST_SHARE, counting down from
+/// all MOST_SHARE; false after all ones.
+fn next_non_increasing(shares: &mut [u32]) -> bool {
+    let Some(k) = shares.iter().rposition(|&s| s > 1) else {
+        return false;
+    };
+    shares[k] -= 1;
+    let top = shares[k];
+    for s in &mut shares[k + 1..] {
+        *s = top;
+    }
+    true
+}
+
+fn gcd_all(shares: &[u32]) -> u32 {
+    fn gcd(a: u32, b: u32) -> u32 {
+        if b == 0 {
+            a
+        } else {
+            gcd(b, a % b)
+        }
+    }
+    shares.iter().fold(0, |a, &b| gcd(a, b))
+}
+
+/// Devices cut into tensor-parallel groups of `size` within each node (in the order
+/// `order` lists them, fastest first), each with its best shares; `None` when a node's
+/// device count is not a multiple of `size` or some group's shares cannot split the
+/// model. Size 1: every device alone.
+pub fn tp_groups(
+    model: &ModelShape,
+    devices: &[Device],
+    order: &[usize],
+    layer_s: &[f64],
+    size: usize,
+) -> Option<Vec<TpGroup>> {
+    if size <= 1 {
+        return Some(order.iter().map(|&i| TpGroup::single(i)).collect());
+    }
+    let mut nodes: Vec<(&str, Vec<usize>)> = Vec::new();
+    for &i in order {
+        let node = devices[i].node.as_str();
+        match nodes.iter_mut().find(|(n, _)| *n == node) {
+            Some((_, members)) => members.push(i),
+            None => nodes.push((node, vec![i])),
+        }
+    }
+    // Groups of the same speeds take the same shares: searched once.
+    let mut shares: HashMap<Vec<u64>, Option<Vec<u32>>> = HashMap::new();
+    let mut groups = Vec::new();
+    for (_, members) in nodes {
+        if members.len() % size != 0 {
+            return None;
+        }
+        for chunk in members.chunks(size) {
+            let times: Vec<f64> = chunk.iter().map(|&i| layer_s[i]).collect();
+            let key = times.iter().map(|t| t.to_bits()).collect();
+            let best = shares
+                .entry(key)
+                .or_insert_with(|| best_group(model, chunk, &times).map(|g| g.shares))
+                .clone()?;
+            groups.push(TpGroup::new(model, chunk.to_vec(), best)?);
+        }
+    }
+    Some(groups)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn model(kv_heads: usize, ffn: usize) -> ModelShape {
+        ModelShape {
+            num_layers: 4,
+            hidden_size: 64 * kv_heads,
+            num_heads: 2 * kv_heads,
+            num_kv_heads: kv_heads,
+            ffn_hidden_size: ffn,
+            vocab_size: 1000,
+            seq_length: 256,
+            tied: false,
+        }
+    }
+
+    /// The least slowest-member time over every share vector in 1..=MOST_SHARE.
+    fn brute_force(model: &ModelShape, layer_s: &[f64]) -> Option<f64> {
+        let t = layer_s.len();
+        let mut best: Option<f64> = None;
+        let mut shares = vec![1u32; t];
+        loop {
+            let members: Vec<usize> = (0..t).collect();
+            if let Some(g) = TpGroup::new(model, members, shares.clone()) {
+                let time = g.layer_s(layer_s);
+                best = Some(best.map_or(time, |b: f64| b.min(time)));
+            }
+            let Some(k) = shares.iter().position(|&s| s < MOST_SHARE) else {
+                return best;
+            };
+            shares[k] += 1;
+            shares[..k].fill(1);
+        }
+    }
+
+    #[test]
+    fn unequal_devices_take_unequal_shares() {
+        let model = model(8, 512);
+        // A device twice as fast as the other takes two thirds of the layer.
+        let group = best_group(&model, &[0, 1], &[1.0, 2.0]).unwrap();
+        assert_eq!(group.shares, [2, 1]);
+        let even = TpGroup::new(&model, vec![0, 1], vec![1, 1]).unwrap();
+        assert!(group.layer_s(&[1.0, 2.0]) < 0.75 * even.layer_s(&[1.0, 2.0]));
+        // Equal devices split evenly, as Megatron.
+        assert_eq!(
+            best_group(&model, &[0, 1], &[1.0, 1.0]).unwrap().shares,
+            [1, 1]
+        );
+        // Two query groups cannot give three devices one each.
+        assert!(best_group(&super::tests::model(2, 512), &[0, 1, 2], &[1.0; 3]).is_none());
+    }
+
+    #[test]
+    fn groups_stay_within_a_node() {
+        let toml = "[[group]]\nkind = \"a100-80g\"\ncount = 3\nnode = \"n0\"\n[[group]]\nkind = \"v100\"\ncount = 1\nnode = \"n0\"\n[[group]]\nkind = \"t4\"\ncount = 2\nnode = \"n1\"\n[network]\nintra_node_gbs = 300\ninter_node_gbs = 25\n";
+        let devices = crate::cluster::ClusterSpec::from_toml(toml)
+            .unwrap()
+            .devices();
+        let model = model(8, 512);
+        let layer_s = [1.0, 1.0, 1.0, 2.5, 5.0, 5.0];
+        let order: Vec<usize> = (0..6).collect();
+        let groups = tp_groups(&model, &devices, &order, &layer_s, 2).unwrap();
+        let members: Vec<&[usize]> = groups.iter().map(|g| g.members.as_slice()).collect();
+        assert_eq!(members, [&[0, 1][..], &[2, 3], &[4, 5]]);
+        assert_eq!(groups[0].shares, [1, 1]);
+        assert!(
+            groups[1].shares[0] > groups[1].shares[1],
+            "{:?}",
+            groups[1].shares
+        );
+        // Node n0's four devices do not cut into groups of three.
+        assert!(tp_groups(&model, &devices, &order, &layer_s, 3).is_none());
+    }
+
+    proptest! {
+        /// The shares found are as fast as the best of every share vector up to
+        /// MOST_SHARE (the non-increasing ones in lowest terms lose nothing).
+        #[test]
+        fn best_shares_match_brute_force(
+            kv_heads in prop::sample::select(vec![1usize, 2, 4, 8]),
+            ffn in prop::sample::select(vec![96usize, 128, 344, 512]),
+            speeds in prop::collection::vec(1u32..=8, 1..=3),
+        ) {
+            let model = model(kv_heads, ffn);
+            let mut layer_s: Vec<f64> = speeds.iter().map(|&s| 1.0 / f64::from(s)).collect();
+            layer_s.sort_by(f64::total_cmp);
+            let members: Vec<usize> = (0..layer_s.len()).collect();
+            let found = best_group(&model, &members, &layer_s).map(|g| g.layer_s(&layer_s));
+            let brute = brute_force(&model, &layer_s);
+            match (found, brute) {
+                (Some(a), Some(b)) => prop_assert!((a - b).abs() <= 1e-12 * b, "{} vs {}", a, b),
+                (a, b) => prop_assert_eq!(a.is_some(), b.is_some()),
+            }
+        }
+    }
+}
