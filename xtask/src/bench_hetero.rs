@@ -49,6 +49,9 @@ struct Layout {
     file: PathBuf,
     label: String,
     predicted_s: f64,
+    /// Flags it was priced with beside `--plan` (recomputation, the distributed
+    /// optimizer, sequence parallelism).
+    train_flags: Vec<String>,
 }
 
 /// A cluster and global batch to plan and run.
@@ -123,6 +126,7 @@ fn plan_scenario(bin: &Path, profile: &Path, dir: &Path, scenario: &Scenario) ->
         label,
         file: plan,
         predicted_s: number(written, "predicted_step_time_s")?,
+        train_flags: train_flags(written),
     };
     let mut grids = (j["uniform_layouts"].as_array().into_iter().flatten())
         .enumerate()
@@ -137,6 +141,7 @@ fn plan_scenario(bin: &Path, profile: &Path, dir: &Path, scenario: &Scenario) ->
                     u["arrangement"].as_str().unwrap_or("")
                 ),
                 predicted_s: number(u, "predicted_step_time_s")?,
+                train_flags: train_flags(u),
             })
         })
         .collect::<Result<Vec<_>>>()?;
@@ -145,6 +150,7 @@ fn plan_scenario(bin: &Path, profile: &Path, dir: &Path, scenario: &Scenario) ->
             file: grid,
             label: grid_label,
             predicted_s: number(&j, "predicted_step_time_s")?,
+            train_flags: train_flags(&j),
         });
     }
     ensure!(!grids.is_empty(), "no grid layout fits scenario {name}");
@@ -170,15 +176,24 @@ fn plan_scenario(bin: &Path, profile: &Path, dir: &Path, scenario: &Scenario) ->
     })
 }
 
+/// The `synerfuse train` flags `synerfuse plan` priced a plan with (its JSON's
+/// `train_flags`).
+fn train_flags(j: &serde_json::Value) -> Vec<String> {
+    (j["train_flags"].as_array().into_iter().flatten())
+        .filter_map(|f| f.as_str().map(str::to_owned))
+        .collect()
+}
+
 /// One run of `layout` on the 4 emulated ranks: its median step time.
 fn measure(bin: &Path, data: &Data, dir: &Path, layout: &Layout, run_name: &str) -> Result<f64> {
     let log = dir.join(format!("{run_name}.jsonl"));
-    let flags = [
+    let mut flags = vec![
         "--nproc".to_owned(),
         "4".to_owned(),
         "--plan".to_owned(),
         layout.file.display().to_string(),
     ];
+    flags.extend(layout.train_flags.iter().cloned());
     run(
         &mut train(bin, data, dir, &flags, &log),
         &format!("train {}", layout.label),

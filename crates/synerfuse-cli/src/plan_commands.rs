@@ -182,6 +182,14 @@ pub struct PlanArgs {
     /// devices, unequal ones with unequal shares; 1: none)
     #[arg(long, value_parser = crate::values::positive_count, value_delimiter = ',', default_value = "1,2,4,8")]
     tensor_model_parallel_sizes: Vec<usize>,
+    /// Whether plans recompute activations: auto (where it makes a plan fit or faster),
+    /// on (bare flag) or off
+    #[arg(long, value_name = "auto|on|off", default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
+    recompute_activations: planner::Choice,
+    /// Whether grid plans shard the optimizer over each stage's replicas (in proportion
+    /// to memory): auto, on (bare flag) or off
+    #[arg(long, value_name = "auto|on|off", default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
+    use_distributed_optimizer: planner::Choice,
     /// A `synerfuse profile` output (overrides the catalogue)
     #[arg(long)]
     profile: Option<PathBuf>,
@@ -292,6 +300,8 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
             micro_batch_sizes: args.micro_batch_sizes.clone(),
             top_k: args.top_k,
             tensor_parallel_sizes: args.tensor_model_parallel_sizes.clone(),
+            recompute: args.recompute_activations,
+            distributed_optimizer: args.use_distributed_optimizer,
         },
     )?;
     let planning_s = started.elapsed().as_secs_f64();
@@ -347,20 +357,26 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
         return Ok(());
     }
     report.print();
-    print_written(&args, pooled);
+    print_written(&args, &report.written_flags());
     Ok(())
 }
 
+/// The `synerfuse train` flags a per-replica-pipeline plan was priced with: its
+/// options, and sequence parallelism with tensor-parallel groups.
+fn pooled_train_flags(p: &PooledCandidate) -> Vec<&'static str> {
+    let mut flags = p.options.train_flags();
+    if p.groups.iter().any(|g| g.size() > 1) {
+        flags.push("--sequence-parallel");
+    }
+    flags
+}
+
 /// Where the plan and its timeline went, and how to train it.
-fn print_written(args: &PlanArgs, pooled: Option<&PooledCandidate>) {
+fn print_written(args: &PlanArgs, flags: &[&str]) {
     if let Some(out) = &args.output {
-        // The planner prices tensor-parallel groups with sequence parallelism.
-        let sp = match pooled.is_some_and(|p| p.groups.iter().any(|g| g.size() > 1)) {
-            true => " --sequence-parallel",
-            false => "",
-        };
+        let flags: String = flags.iter().map(|f| format!(" {f}")).collect();
         println!(
-            "wrote {} (synerfuse train --plan {}{sp})",
+            "wrote {} (synerfuse train --plan {}{flags})",
             out.display(),
             out.display()
         );
@@ -408,7 +424,11 @@ fn report_pooled_only(
                 "bound_tokens_per_s": outcome.bound.tokens_per_s,
                 "device_alone_tokens_per_s": outcome.bound.device_tokens_per_s,
                 "per_replica_pipelines": pooled_json(outcome, p, replicas, tokens_per_step),
-                "written_plan": {"kind": "per_replica_pipelines", "predicted_step_time_s": p.step_time_s},
+                "written_plan": {
+                    "kind": "per_replica_pipelines",
+                    "predicted_step_time_s": p.step_time_s,
+                    "train_flags": pooled_train_flags(p),
+                },
             })
         );
         return Ok(());
@@ -418,7 +438,7 @@ fn report_pooled_only(
         outcome.considered
     );
     print_pooled_replicas(outcome, p, &replicas, tokens_per_step);
-    print_written(args, Some(p));
+    print_written(args, &pooled_train_flags(p));
     Ok(())
 }
 
@@ -450,8 +470,12 @@ impl PlanReport<'_> {
                 "num_micro_batches": u.micro_batches[0],
                 "arrangement": format!("{:?}", u.arrangement),
                 "predicted_step_time_s": u.prediction.step_time_s,
+                "train_flags": u.options.train_flags(),
             })).collect::<Vec<_>>(),
-            "synerfuse_flags": self.plan.to_synerfuse_args().join(" "),
+            "synerfuse_flags": self.synerfuse_flags(),
+            "train_flags": best.options.train_flags(),
+            "recompute_activations": best.options.recompute,
+            "use_distributed_optimizer": best.options.distributed_optimizer,
             "rank_order": self.plan.topology.order,
             "candidates_considered": self.outcome.considered,
             "planning_time_s": self.planning_s,
@@ -465,13 +489,36 @@ impl PlanReport<'_> {
                 Some(p) => serde_json::json!({
                     "kind": "per_replica_pipelines",
                     "predicted_step_time_s": p.step_time_s,
+                    "train_flags": pooled_train_flags(p),
                 }),
                 None => serde_json::json!({
                     "kind": "grid",
                     "predicted_step_time_s": p.step_time_s,
+                    "train_flags": best.options.train_flags(),
                 }),
             },
         })
+    }
+
+    /// SynerFuse's flags for the best grid plan, with its options.
+    fn synerfuse_flags(&self) -> String {
+        let mut flags = self.plan.to_synerfuse_args();
+        flags.extend(
+            self.best()
+                .options
+                .train_flags()
+                .iter()
+                .map(|f| f.to_string()),
+        );
+        flags.join(" ")
+    }
+
+    /// The `synerfuse train` flags beside `--plan` of the plan written.
+    fn written_flags(&self) -> Vec<&'static str> {
+        match self.outcome.pooled_wins() {
+            Some(p) => pooled_train_flags(p),
+            None => self.best().options.train_flags(),
+        }
     }
 
     fn pooled_json(&self, p: &PooledCandidate) -> serde_json::Value {
@@ -509,10 +556,11 @@ impl PlanReport<'_> {
         let best = self.best();
         let p = &best.prediction;
         println!(
-            "best plan: pp {} x dp {} (tp 1), {}, {} candidates in {:.3}s",
+            "best plan: pp {} x dp {} (tp 1), {}{}, {} candidates in {:.3}s",
             best.layers.len(),
             best.micro_batches.len(),
             best.micro_batch_size_text(),
+            options_text(best.options),
             self.outcome.considered,
             self.planning_s
         );
@@ -560,7 +608,7 @@ impl PlanReport<'_> {
                 u.prediction.step_time_s / p.step_time_s
             );
         }
-        println!("flags: {}", self.plan.to_synerfuse_args().join(" "));
+        println!("flags: {}", self.synerfuse_flags());
         if let Some(pooled) = &self.outcome.pooled {
             self.print_pooled(pooled);
         }
@@ -598,12 +646,13 @@ impl PlanReport<'_> {
             .max_by(|a, b| a.1.total_cmp(b.1))
             .map_or(0, |(i, _)| i);
         println!(
-            "runner-up {k}: pp {} x dp {}, layers {:?}, micro-batches {:?}, {}: {:.4} s (+{:.1}%, {:.1}% of the bound): {}; bubble {:.1}%, all-reduce {:.4} s, slowest stage {slowest} ({})",
+            "runner-up {k}: pp {} x dp {}, layers {:?}, micro-batches {:?}, {}{}: {:.4} s (+{:.1}%, {:.1}% of the bound): {}; bubble {:.1}%, all-reduce {:.4} s, slowest stage {slowest} ({})",
             c.layers.len(),
             c.micro_batches.len(),
             c.layers,
             c.micro_batches,
             c.micro_batch_size_text(),
+            options_text(c.options),
             p.step_time_s,
             (p.step_time_s / self.best().prediction.step_time_s - 1.0) * 100.0,
             self.fraction_of_bound(c) * 100.0,
@@ -657,6 +706,7 @@ fn pooled_json(
         "predicted_tokens_per_s": tokens_per_step / p.step_time_s,
         "fraction_of_bound": outcome.bound.fraction(tokens_per_step, p.step_time_s),
         "tensor_parallel_size": p.groups.iter().map(|g| g.size()).max().unwrap_or(1),
+        "train_flags": pooled_train_flags(p),
         "reduce_s": p.reduce_s,
         "optimizer_s": p.optimizer_s,
         "replicas": replicas,
@@ -700,4 +750,13 @@ fn print_replica(r: usize, replica: &serde_json::Value) {
         replica["num_micro_batches"],
         replica["micro_batch_size"]
     );
+}
+
+/// `, --recompute-activations` and the like, or nothing.
+fn options_text(options: planner::TrainOptions) -> String {
+    options
+        .train_flags()
+        .iter()
+        .map(|f| format!(", {f}"))
+        .collect()
 }

@@ -1213,9 +1213,14 @@ fn plan_writes_what_train_runs() {
         cpus.to_str().unwrap(),
         "--global-batch-size",
         "6",
-        // One dimension at a time: tensor parallelism has its own case below.
+        // One dimension at a time: tensor parallelism, recomputation and the distributed
+        // optimizer have their own cases below.
         "--tensor-model-parallel-sizes",
         "1",
+        "--recompute-activations",
+        "off",
+        "--use-distributed-optimizer",
+        "off",
         "--output",
         plan.to_str().unwrap(),
     ];
@@ -1316,6 +1321,10 @@ fn plan_writes_what_train_runs() {
         "6",
         "--tensor-model-parallel-sizes",
         "1",
+        "--recompute-activations",
+        "off",
+        "--use-distributed-optimizer",
+        "off",
         "--output",
         mixed_plan.to_str().unwrap(),
     ];
@@ -1362,6 +1371,10 @@ fn plan_writes_what_train_runs() {
         "6",
         "--tensor-model-parallel-sizes",
         "1",
+        "--recompute-activations",
+        "off",
+        "--use-distributed-optimizer",
+        "off",
         "--output",
         pooled_plan.to_str().unwrap(),
     ];
@@ -1423,15 +1436,12 @@ fn plan_writes_what_train_runs() {
         text.contains("tp = [2]") && text.contains("tp_shares"),
         "{text}"
     );
-    let mut train = common(dir.path(), &data, 3);
-    train.extend([
-        "--nproc".into(),
-        "2".into(),
-        "--plan".into(),
-        tp_plan.display().to_string(),
-        "--sequence-parallel".into(),
-    ]);
-    let out = synerfuse(&train);
+    assert_eq!(
+        j["written_plan"]["train_flags"],
+        serde_json::json!(["--sequence-parallel"]),
+        "{j}"
+    );
+    let out = train_planned(dir.path(), &data, &tp_plan, &j);
     ok(
         &out,
         "train --plan with a tensor-parallel group of unequal shares",
@@ -1441,6 +1451,66 @@ fn plan_writes_what_train_runs() {
         stderr.contains(&format!("shares [{}, {}]", shares[0], shares[1])),
         "{stderr}"
     );
+
+    // The distributed optimizer: two equal ranks hold the model whole only with the
+    // optimizer state sharded between them (and recomputation, asked for, with it).
+    let sharded = dir.path().join("sharded.toml");
+    std::fs::write(
+        &sharded,
+        "[[group]]\nkind = \"cpu\"\ncount = 2\nnode = \"here\"\ntflops_bf16 = 0.05\nmemory_gb = 0.0024\n\
+         [network]\nintra_node_gbs = 5\ninter_node_gbs = 5\n",
+    )
+    .unwrap();
+    let sharded_plan = dir.path().join("sharded-plan.toml");
+    let mut args = vec![
+        "--cluster",
+        sharded.to_str().unwrap(),
+        "--global-batch-size",
+        "6",
+        "--tensor-model-parallel-sizes",
+        "1",
+        "--recompute-activations",
+        "--output",
+        sharded_plan.to_str().unwrap(),
+    ];
+    args.extend(model);
+    let j = plan_json(&args);
+    assert_eq!(j["data_parallel_size"], 2, "{j}");
+    assert_eq!(
+        j["written_plan"]["train_flags"],
+        serde_json::json!(["--recompute-activations", "--use-distributed-optimizer"]),
+        "{j}"
+    );
+    let out = train_planned(dir.path(), &data, &sharded_plan, &j);
+    ok(
+        &out,
+        "train --plan with the distributed optimizer and recomputation",
+    );
+}
+
+/// `synerfuse train --plan PLAN` on its ranks with the flags `synerfuse plan` printed
+/// for it (`j`: its `--json`), 3 iterations.
+fn train_planned(
+    dir: &std::path::Path,
+    data: &std::path::Path,
+    plan: &std::path::Path,
+    j: &serde_json::Value,
+) -> std::process::Output {
+    let text = std::fs::read_to_string(plan).unwrap();
+    let ranks = synerfuse_parallel::GeneralPlan::from_toml(&text, None)
+        .unwrap()
+        .world_size();
+    let mut train = common(dir, data, 3);
+    train.extend([
+        "--nproc".into(),
+        ranks.to_string(),
+        "--plan".into(),
+        plan.display().to_string(),
+    ]);
+    for flag in j["written_plan"]["train_flags"].as_array().unwrap() {
+        train.push(flag.as_str().unwrap().to_owned());
+    }
+    synerfuse(&train)
 }
 
 /// The processes (pid, environment) whose command line contains `marker`.

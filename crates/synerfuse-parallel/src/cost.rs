@@ -250,6 +250,30 @@ pub struct CostModel {
     /// gradient, fp32 gradient buffer, two fp32 moments; bf16 adds the master and halves
     /// parameter and gradient).
     pub state_bytes_per_param: f64,
+    /// `--recompute-activations`: each stage's forward runs again in its backward, and
+    /// a micro-batch in flight keeps only its input.
+    pub recompute: bool,
+    /// `--use-distributed-optimizer`: the optimizer's state and step sharded over the
+    /// replicas of a stage, in proportion to their memory.
+    pub distributed_optimizer: bool,
+}
+
+/// What a rank holds of its stage, for [`CostModel::memory_bytes`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StageHolding {
+    /// Decoder layers.
+    pub layers: usize,
+    /// Whether it holds the embedding.
+    pub first: bool,
+    /// Whether it holds the final norm and output layer.
+    pub last: bool,
+    /// Micro-batches whose activations it keeps at once (1F1B: min(p − i, m)).
+    pub in_flight: usize,
+    /// Their size.
+    pub micro_batch_size: usize,
+    /// Its share of the stage's optimizer state under the distributed optimizer (1:
+    /// all of it).
+    pub optimizer_share: f64,
 }
 
 impl CostModel {
@@ -261,6 +285,8 @@ impl CostModel {
             profile,
             compute_bytes: 2.0,
             state_bytes_per_param: STATE_BYTES_PER_PARAM,
+            recompute: false,
+            distributed_optimizer: false,
         }
     }
 
@@ -297,11 +323,21 @@ impl CostModel {
             }
             (None, None) => return Err(CostError::NoNumbers(device.kind.clone())),
         };
-        let slow = 1.0 / device.speed;
+        // Recomputed, a stage's forward runs twice: once without its graph, again in its
+        // backward.
+        let (again, forward_fraction) = match self.recompute {
+            true => (
+                1.0 + costs.forward_fraction,
+                costs.forward_fraction / (1.0 + costs.forward_fraction),
+            ),
+            false => (1.0, costs.forward_fraction),
+        };
+        let slow = again / device.speed;
         Ok(StageCosts {
             layer_s: costs.layer_s * slow,
             embedding_s: costs.embedding_s * slow,
             head_s: costs.head_s * slow,
+            forward_fraction,
             ..costs
         })
     }
@@ -331,26 +367,37 @@ impl CostModel {
         Some(spec.memory_gb * 1e9 * (1.0 - self.cluster.memory_headroom) - context)
     }
 
-    /// Bytes a rank needs holding `layers` layers (plus embedding/head when first/last)
-    /// with `in_flight` micro-batches of size `b` (1F1B: min(p − i, m)).
-    #[allow(clippy::too_many_arguments)]
-    pub fn memory_bytes(
-        &self,
-        costs: &StageCosts,
-        layers: usize,
-        first: bool,
-        last: bool,
-        in_flight: usize,
-        b: usize,
-    ) -> f64 {
+    /// Bytes a rank needs holding its stage ([`StageHolding`]): the stage's state (the
+    /// optimizer's part only its share under the distributed optimizer), the activations
+    /// of its micro-batches in flight (only their inputs when recomputed, plus one
+    /// micro-batch's graph rebuilt for its backward), and the logits on the last stage.
+    pub fn memory_bytes(&self, costs: &StageCosts, stage: &StageHolding) -> f64 {
         let m = &self.model;
-        let mut bytes = m.stage_params(layers, first, last) * self.state_bytes_per_param
-            + (in_flight * layers) as f64 * costs.activation_bytes;
-        if last {
+        let (layers, b) = (stage.layers, stage.micro_batch_size);
+        let params = m.stage_params(layers, stage.first, stage.last);
+        let mut bytes = params * self.state_bytes_per_param;
+        if self.distributed_optimizer {
+            bytes -= params * self.optimizer_bytes_per_param() * (1.0 - stage.optimizer_share);
+        }
+        bytes += match self.recompute {
+            true => {
+                stage.in_flight as f64 * m.activation_message_bytes(b, self.compute_bytes)
+                    + layers as f64 * costs.activation_bytes
+            }
+            false => (stage.in_flight * layers) as f64 * costs.activation_bytes,
+        };
+        if stage.last {
             // Logits and their fp32 gradient for one micro-batch.
             bytes += (b * m.seq_length * m.vocab_size) as f64 * (self.compute_bytes + 4.0);
         }
         bytes
+    }
+
+    /// Bytes per parameter the distributed optimizer shards: the state less the
+    /// parameter, its gradient (both in the compute dtype) and the fp32 main gradient
+    /// (12 in bf16: master and moments; 8 in fp32: the moments).
+    pub fn optimizer_bytes_per_param(&self) -> f64 {
+        (self.state_bytes_per_param - 2.0 * self.compute_bytes - 4.0).max(0.0)
     }
 
     /// Seconds to send one activation of a `b`-sample micro-batch from `a` to `b_dev`.

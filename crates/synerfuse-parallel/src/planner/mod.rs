@@ -10,7 +10,7 @@ mod samples;
 mod tensor;
 
 use crate::cluster::Device;
-use crate::cost::{CostModel, StageCosts};
+use crate::cost::{CostModel, StageCosts, StageHolding};
 use crate::timeline::{RankTimeline, Span, SpanKind, Timeline};
 use crate::{
     plan_schedule, sim, DeviceRequest, ParallelPlan, Pass, RankPlacement, ReplicaBatch,
@@ -38,9 +38,100 @@ pub struct PlanRequest {
     pub top_k: usize,
     /// Tensor-parallel sizes to try for per-replica pipelines (within a node; empty: 1).
     pub tensor_parallel_sizes: Vec<usize>,
+    /// Whether plans recompute activations (every stage of the plan, or none).
+    pub recompute: Choice,
+    /// Whether grid plans shard the optimizer over each stage's replicas.
+    pub distributed_optimizer: Choice,
+}
+
+/// Whether a plan uses an option: never, always, or where it makes the plan fit or
+/// faster (ties go to off).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Choice {
+    /// Never.
+    Off,
+    /// Always.
+    On,
+    /// Both tried.
+    #[default]
+    Auto,
+}
+
+/// A choice other than `auto`, `on` or `off`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?}: expected auto, on or off")]
+pub struct ChoiceError(pub String);
+
+impl std::str::FromStr for Choice {
+    type Err = ChoiceError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text {
+            "auto" => Ok(Choice::Auto),
+            "on" => Ok(Choice::On),
+            "off" => Ok(Choice::Off),
+            _ => Err(ChoiceError(text.to_owned())),
+        }
+    }
+}
+
+impl Choice {
+    fn values(self) -> &'static [bool] {
+        match self {
+            Choice::Off => &[false],
+            Choice::On => &[true],
+            Choice::Auto => &[false, true],
+        }
+    }
+}
+
+/// How a plan trains beside its layout: what its memory and time were priced with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct TrainOptions {
+    /// `--recompute-activations`.
+    pub recompute: bool,
+    /// `--use-distributed-optimizer`.
+    pub distributed_optimizer: bool,
+}
+
+impl TrainOptions {
+    /// `cost` priced with these options.
+    pub fn cost(&self, cost: &CostModel) -> CostModel {
+        CostModel {
+            recompute: self.recompute,
+            distributed_optimizer: self.distributed_optimizer,
+            ..cost.clone()
+        }
+    }
+
+    /// The `synerfuse train` flags that ask for them.
+    pub fn train_flags(&self) -> Vec<&'static str> {
+        let mut flags = Vec::new();
+        if self.recompute {
+            flags.push("--recompute-activations");
+        }
+        if self.distributed_optimizer {
+            flags.push("--use-distributed-optimizer");
+        }
+        flags
+    }
 }
 
 impl PlanRequest {
+    /// The options grid plans are searched with, off before on.
+    fn grid_options(&self) -> Vec<TrainOptions> {
+        let mut options = Vec::new();
+        for &distributed_optimizer in self.distributed_optimizer.values() {
+            for &recompute in self.recompute.values() {
+                options.push(TrainOptions {
+                    recompute,
+                    distributed_optimizer,
+                });
+            }
+        }
+        options
+    }
+
     /// The distinct positive tensor-parallel sizes, ascending (1 when none).
     fn tp_sizes(&self) -> Vec<usize> {
         let sizes: BTreeSet<usize> = (self.tensor_parallel_sizes.iter())
@@ -80,6 +171,8 @@ pub struct Candidate {
     pub prediction: Prediction,
     /// How the layout was found.
     pub origin: CandidateOrigin,
+    /// What it trains with beside its layout.
+    pub options: TrainOptions,
 }
 
 impl Candidate {
@@ -515,32 +608,30 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
             global_batch_size: g,
         });
     }
-    let order = fastest_first(&mut ctx)?;
-    let mut search = Search::default();
-    for p in (1..=n.min(l)).filter(|p| n % p == 0) {
-        let d = n / p;
-        for arrangement in [Arrangement::ByReplica, Arrangement::ByStage] {
-            let devices = arrange(&order, p, d, arrangement);
-            let grid = Arranged {
-                devices: &devices,
-                arrangement,
-            };
-            let sizes = micro_batch_sizes(request);
-            for &b in &sizes {
-                if g % b == 0 && g / b >= d {
-                    search.grid(&mut ctx, grid, b, g / b)?;
-                }
+    let keep = request.top_k.max(1);
+    let (mut plans, mut uniform_layouts, mut considered) = (Vec::new(), Vec::new(), 0);
+    let mut closest: Option<Violation> = None;
+    for options in request.grid_options() {
+        let variant = options.cost(cost);
+        let mut ctx = Ctx::new(&variant);
+        let search = grid_search(&mut ctx, request)?;
+        considered += search.considered;
+        if let Some(v) = search.closest {
+            if closest.as_ref().is_none_or(|c| v.ratio < c.ratio) {
+                closest = Some(v);
             }
-            if d > 1 && sizes.len() > 1 {
-                search.mixed(&mut ctx, grid, g, &sizes)?;
-            }
+        }
+        if !search.candidates.is_empty() {
+            let (front, uniform) = retime_front(&mut ctx, search.candidates, keep)?;
+            plans.extend(front);
+            uniform_layouts.extend(uniform);
         }
     }
     // Per-replica pipelines may fit where no grid does (a small device in a pipeline of
     // its own, or a tensor-parallel group).
-    let pooled = plan_pooled(cost, g, &micro_batch_sizes(request), &request.tp_sizes())?;
-    if search.candidates.is_empty() && pooled.is_none() {
-        return Err(PlanningError::Infeasible(search.closest.map_or(
+    let pooled = plan_pooled_options(cost, request)?;
+    if plans.is_empty() && pooled.is_none() {
+        return Err(PlanningError::Infeasible(closest.map_or(
             Infeasibility::BatchTooSmall {
                 global_batch_size: g,
                 devices: n,
@@ -548,10 +639,32 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
             |v| v.reason,
         )));
     }
-    let (plans, uniform_layouts) = match search.candidates.is_empty() {
-        true => (Vec::new(), Vec::new()),
-        false => retime_front(&mut ctx, search.candidates, request.top_k.max(1))?,
+    // Fastest first; on ties the options tried first (off before on).
+    let by_time = |a: &Candidate, b: &Candidate| {
+        (a.prediction.step_time_s).total_cmp(&b.prediction.step_time_s)
     };
+    plans.sort_by(by_time);
+    let mut seen = Vec::new();
+    plans.retain(|c| {
+        let plan = (c.devices.clone(), c.layers.clone(), c.micro_batches.clone());
+        let plan = (plan, c.micro_batch_sizes.clone(), c.options);
+        let new = !seen.contains(&plan);
+        seen.push(plan);
+        new
+    });
+    plans.truncate(keep);
+    uniform_layouts.sort_by(by_time);
+    let mut seen = Vec::new();
+    uniform_layouts.retain(|u| {
+        let layout = (
+            u.devices.clone(),
+            u.layers.clone(),
+            u.micro_batch_sizes.clone(),
+        );
+        let new = !seen.contains(&layout);
+        seen.push(layout);
+        new
+    });
     let uniform = uniform_layouts.first().cloned();
     let bound = throughput_bound(&mut ctx, request)?;
     let mut unpriced_optimizer: Vec<String> = (ctx.devices.iter())
@@ -565,10 +678,75 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
         uniform,
         uniform_layouts,
         pooled,
-        considered: search.considered,
+        considered,
         bound,
         unpriced_optimizer,
     })
+}
+
+/// Every grid of every factorization and arrangement at every micro-batch size (one
+/// for all replicas, or one each), on `ctx`'s costs.
+fn grid_search(ctx: &mut Ctx<'_>, request: &PlanRequest) -> Result<Search, PlanningError> {
+    let (n, l, g) = (
+        ctx.devices.len(),
+        ctx.cost.model.num_layers,
+        request.global_batch_size,
+    );
+    let order = fastest_first(ctx)?;
+    let mut search = Search::default();
+    let sizes = micro_batch_sizes(request);
+    for p in (1..=n.min(l)).filter(|p| n % p == 0) {
+        let d = n / p;
+        for arrangement in [Arrangement::ByReplica, Arrangement::ByStage] {
+            let devices = arrange(&order, p, d, arrangement);
+            let grid = Arranged {
+                devices: &devices,
+                arrangement,
+            };
+            for &b in &sizes {
+                if g % b == 0 && g / b >= d {
+                    search.grid(ctx, grid, b, g / b)?;
+                }
+            }
+            if d > 1 && sizes.len() > 1 {
+                search.mixed(ctx, grid, g, &sizes)?;
+            }
+        }
+    }
+    Ok(search)
+}
+
+/// The best per-replica-pipeline plan with and without recomputation (as asked): the
+/// distributed optimizer's shards are not priced for them (its flag, when asked for,
+/// only lowers what they need).
+fn plan_pooled_options(
+    cost: &CostModel,
+    request: &PlanRequest,
+) -> Result<Option<PooledCandidate>, PlanningError> {
+    let (g, sizes, tp) = (
+        request.global_batch_size,
+        micro_batch_sizes(request),
+        request.tp_sizes(),
+    );
+    let mut best: Option<PooledCandidate> = None;
+    for &recompute in request.recompute.values() {
+        let options = TrainOptions {
+            recompute,
+            distributed_optimizer: request.distributed_optimizer == Choice::On,
+        };
+        let variant = TrainOptions {
+            distributed_optimizer: false,
+            ..options
+        }
+        .cost(cost);
+        if let Some(mut c) = plan_pooled(&variant, g, &sizes, &tp)? {
+            c.options = options;
+            if best.as_ref().is_none_or(|b| c.step_time_s < b.step_time_s) {
+                best = Some(c);
+            }
+        }
+    }
+    Ok(best)
 }
 
 /// Each device alone: the global batch through the whole model at the pace of the
@@ -660,6 +838,12 @@ impl Search {
         self.considered += 1;
         match evaluate(ctx, grid.devices, &layers, &sizes, &micro_batches)? {
             Ok(prediction) => self.candidates.push(Candidate {
+                options: TrainOptions {
+                    recompute: ctx.cost.recompute,
+                    // One replica has nothing to shard over.
+                    distributed_optimizer: ctx.cost.distributed_optimizer
+                        && micro_batches.len() > 1,
+                },
                 arrangement: grid.arrangement,
                 devices: grid.devices.to_vec(),
                 layers,
@@ -923,6 +1107,7 @@ struct StageRow {
     usable_bytes: Option<f64>,
     costs: StageCosts,
     micro_batch_size: usize,
+    optimizer_share: f64,
 }
 
 /// Per (stage, replica): per-micro-batch time (at the replica's micro-batch size in
@@ -980,10 +1165,32 @@ fn memory_need(
 ) -> Result<(f64, Option<f64>), PlanningError> {
     let p = grid.len();
     let k = ctx.costs(grid[i][r], b)?;
-    let need = ctx
-        .cost
-        .memory_bytes(&k, layers, i == 0, i + 1 == p, (p - i).min(m), b);
+    let need = ctx.cost.memory_bytes(
+        &k,
+        &StageHolding {
+            layers,
+            first: i == 0,
+            last: i + 1 == p,
+            in_flight: (p - i).min(m),
+            micro_batch_size: b,
+            optimizer_share: optimizer_share(ctx, &grid[i], grid[i][r]),
+        },
+    );
     Ok((need, ctx.memory[grid[i][r]]))
+}
+
+/// A unit's share of its stage's optimizer state: under the distributed optimizer in
+/// proportion to its memory among the stage's replicas (equal where memory is not
+/// known), else all of it.
+fn optimizer_share(ctx: &Ctx<'_>, stage: &[usize], unit: usize) -> f64 {
+    if !ctx.cost.distributed_optimizer || stage.len() <= 1 {
+        return 1.0;
+    }
+    let memory: Option<Vec<f64>> = stage.iter().map(|&u| ctx.memory[u]).collect();
+    match (memory, ctx.memory[unit]) {
+        (Some(all), Some(mine)) => mine / all.iter().sum::<f64>().max(1.0),
+        _ => 1.0 / stage.len() as f64,
+    }
 }
 
 /// Scores a layout by the closed form; `Err(violation)` when a rank runs out of memory.
@@ -1083,9 +1290,8 @@ fn optimizer_times(ctx: &Ctx<'_>, grid: &[Vec<usize>], layers: &[usize]) -> Grid
             let params = ctx.cost.model.stage_params(layers[i], i == 0, i + 1 == p);
             (grid[i].iter())
                 .map(|&k| {
-                    ctx.cost
-                        .optimizer_seconds(&ctx.devices[k], params)
-                        .unwrap_or(0.0)
+                    let share = optimizer_share(ctx, &grid[i], k);
+                    ctx.optimizer_seconds(k, params * share).unwrap_or(0.0)
                 })
                 .collect()
         })
@@ -1250,12 +1456,14 @@ fn split_layers(
             let k = ctx.costs(dev, b)?;
             let extra =
                 if i == 0 { k.embedding_s } else { 0.0 } + if i + 1 == p { k.head_s } else { 0.0 };
+            let share = optimizer_share(ctx, stage_devices, dev);
             let key = (
                 k.layer_s.to_bits(),
                 extra.to_bits(),
                 m[r],
                 ctx.memory[dev].map(f64::to_bits),
                 b,
+                share.to_bits(),
             );
             if seen.insert(key) {
                 stage_rows.push(StageRow {
@@ -1266,6 +1474,7 @@ fn split_layers(
                     usable_bytes: ctx.memory[dev],
                     costs: k,
                     micro_batch_size: b,
+                    optimizer_share: share,
                 });
             }
         }
@@ -1279,9 +1488,15 @@ fn split_layers(
                 let mut worst = 0.0f64;
                 for row in &stage_rows {
                     if let Some(have) = row.usable_bytes {
-                        let (first, last) = (i == 0, i + 1 == p);
-                        let (k, b) = (&row.costs, row.micro_batch_size);
-                        let need = cost.memory_bytes(k, layers, first, last, row.in_flight, b);
+                        let holding = StageHolding {
+                            layers,
+                            first: i == 0,
+                            last: i + 1 == p,
+                            in_flight: row.in_flight,
+                            micro_batch_size: row.micro_batch_size,
+                            optimizer_share: row.optimizer_share,
+                        };
+                        let need = cost.memory_bytes(&row.costs, &holding);
                         if need > have {
                             return None;
                         }
@@ -1497,7 +1712,8 @@ fn simulate_step(
 
 /// The simulated step of `candidate` on `cost`'s cluster, rank by rank.
 pub fn timeline(cost: &CostModel, candidate: &Candidate) -> Result<Timeline, PlanningError> {
-    let mut ctx = Ctx::new(cost);
+    let variant = candidate.options.cost(cost);
+    let mut ctx = Ctx::new(&variant);
     let (prediction, ranks) = simulate_step(&mut ctx, candidate, true)?;
     let layers: Vec<String> = candidate.layers.iter().map(usize::to_string).collect();
     Ok(Timeline {
@@ -1517,6 +1733,126 @@ pub fn timeline(cost: &CostModel, candidate: &Candidate) -> Result<Timeline, Pla
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// A 1.1B-parameter model at sequence 4096 on A10s (24 GB), `count` on one node.
+    fn a10s(count: usize, seq_length: usize) -> CostModel {
+        let cluster = crate::cluster::ClusterSpec::from_toml(&format!(
+            "[[group]]\nkind = \"a10\"\ncount = {count}\nnode = \"a\"\n[network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n"
+        ))
+        .unwrap();
+        let model = crate::cost::ModelShape {
+            num_layers: 24,
+            hidden_size: 2048,
+            num_heads: 16,
+            num_kv_heads: 16,
+            ffn_hidden_size: 5632,
+            vocab_size: 32_000,
+            seq_length,
+            tied: false,
+        };
+        CostModel::new(model, cluster, None)
+    }
+
+    fn request(g: usize, recompute: Choice, distributed_optimizer: Choice) -> PlanRequest {
+        PlanRequest {
+            global_batch_size: g,
+            micro_batch_sizes: vec![1, 2, 4],
+            top_k: 3,
+            tensor_parallel_sizes: vec![1],
+            recompute,
+            distributed_optimizer,
+        }
+    }
+
+    /// Two A10s hold the model's state in a two-stage pipeline but not its activations
+    /// at sequence 4096: recomputing them makes it fit, at a forward's extra cost.
+    #[test]
+    fn recomputation_makes_a_plan_fit() {
+        let cost = a10s(2, 4096);
+        let off = plan(&cost, &request(16, Choice::Off, Choice::Off));
+        assert!(
+            matches!(
+                off,
+                Err(PlanningError::Infeasible(Infeasibility::OutOfMemory(_)))
+            ),
+            "{off:?}"
+        );
+        let outcome = plan(&cost, &request(16, Choice::Auto, Choice::Off)).unwrap();
+        let best = &outcome.plans[0];
+        assert!(best.options.recompute, "{best:?}");
+        assert_eq!(best.options.train_flags(), ["--recompute-activations"]);
+        // Each stage's forward runs twice: a third more compute than without.
+        let plain = plan(&a10s(2, 2048), &request(32, Choice::Off, Choice::Off)).unwrap();
+        let busy = |c: &Candidate| c.prediction.busy_s.iter().flatten().sum::<f64>();
+        let again = plan(&a10s(2, 2048), &request(32, Choice::On, Choice::Off)).unwrap();
+        let same = (again.plans.iter())
+            .find(|c| {
+                c.layers == plain.plans[0].layers && c.micro_batches == plain.plans[0].micro_batches
+            })
+            .expect("the same layout with recomputation");
+        let ratio = busy(same) / busy(&plain.plans[0]);
+        assert!((ratio - 4.0 / 3.0).abs() < 1e-9, "{ratio}");
+    }
+
+    /// Four A10s: without the distributed optimizer two replicas of two stages run out of
+    /// memory at micro-batch size 2; sharding the optimizer state over the replicas
+    /// makes that plan fit, and it beats the four-stage pipeline.
+    #[test]
+    fn distributed_optimizer_makes_a_faster_plan_fit() {
+        let cost = a10s(4, 2048);
+        let off = plan(&cost, &request(16, Choice::Off, Choice::Off)).unwrap();
+        assert!(!off
+            .plans
+            .iter()
+            .any(|c| c.layers.len() == 2 && c.micro_batch_sizes[0] == 2));
+        let auto = plan(&cost, &request(16, Choice::Off, Choice::Auto)).unwrap();
+        let best = &auto.plans[0];
+        assert!(best.options.distributed_optimizer, "{best:?}");
+        assert_eq!((best.layers.len(), best.micro_batch_sizes[0]), (2, 2));
+        assert!(best.prediction.step_time_s < off.plans[0].prediction.step_time_s);
+        // Each rank holds its share of the optimizer state: half, on equal devices.
+        let variant = best.options.cost(&cost);
+        let mut ctx = Ctx::new(&variant);
+        let (need, have) = memory_need(
+            &mut ctx,
+            &best.devices,
+            0,
+            0,
+            best.layers[0],
+            2,
+            best.micro_batches[0],
+        )
+        .unwrap();
+        let whole = plan_memory_without_sharding(&cost, best);
+        let optimizer = cost.model.stage_params(best.layers[0], true, false)
+            * variant.optimizer_bytes_per_param();
+        assert!(
+            (whole - need - optimizer / 2.0).abs() < 1.0,
+            "{whole} {need} {optimizer}"
+        );
+        assert!(need <= have.unwrap() && whole > have.unwrap());
+    }
+
+    /// Stage 0's need of `c` on its first rank, the optimizer state whole.
+    fn plan_memory_without_sharding(cost: &CostModel, c: &Candidate) -> f64 {
+        let variant = TrainOptions {
+            distributed_optimizer: false,
+            ..c.options
+        }
+        .cost(cost);
+        let mut ctx = Ctx::new(&variant);
+        memory_need(
+            &mut ctx,
+            &c.devices,
+            0,
+            0,
+            c.layers[0],
+            c.micro_batch_sizes[0],
+            c.micro_batches[0],
+        )
+        .unwrap()
+        .0
+    }
 
     fn compositions(total: usize, parts: usize) -> Vec<Vec<usize>> {
         if parts == 1 {
@@ -1606,7 +1942,7 @@ mod tests {
                 tied: false,
             };
             let cost = CostModel::new(model, cluster, None);
-            let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 3, tensor_parallel_sizes: vec![1] };
+            let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 3, tensor_parallel_sizes: vec![1], recompute: Choice::Auto, distributed_optimizer: Choice::Auto };
             let n = cost.cluster.devices().len();
             match plan(&cost, &request) {
                 Err(PlanningError::Infeasible(
@@ -1625,12 +1961,24 @@ mod tests {
                         let samples: usize = c.micro_batch_sizes.iter().zip(&c.micro_batches).map(|(b, m)| b * m).sum();
                         prop_assert_eq!(samples, g);
                         prop_assert!(c.micro_batches.iter().all(|&m| m >= 1));
+                        // Each rank holds its stage with the plan's options (its share
+                        // of the optimizer in proportion to memory when sharded).
+                        let priced = c.options.cost(&cost);
                         for i in 0..p {
+                            let stage_memory: f64 = c.devices[i].iter().map(|&x| cost.usable_memory(&devices[x]).unwrap()).sum();
                             for r in 0..d {
                                 let dev = &devices[c.devices[i][r]];
                                 let b = c.micro_batch_sizes[r];
-                                let k = cost.stage_costs(dev, b).unwrap();
-                                let need = cost.memory_bytes(&k, c.layers[i], i == 0, i + 1 == p, (p - i).min(c.micro_batches[r]), b);
+                                let k = priced.stage_costs(dev, b).unwrap();
+                                let holding = StageHolding {
+                                    layers: c.layers[i],
+                                    first: i == 0,
+                                    last: i + 1 == p,
+                                    in_flight: (p - i).min(c.micro_batches[r]),
+                                    micro_batch_size: b,
+                                    optimizer_share: cost.usable_memory(dev).unwrap() / stage_memory,
+                                };
+                                let need = priced.memory_bytes(&k, &holding);
                                 prop_assert!(need <= cost.usable_memory(dev).unwrap() + 1.0);
                             }
                         }
@@ -1695,7 +2043,7 @@ mod tests {
                 ffn_hidden_size: 768, vocab_size: 1000, seq_length: 128, tied: false,
             };
             let cost = CostModel::new(model.clone(), cluster, None);
-            let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 1, tensor_parallel_sizes: vec![1] };
+            let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 1, tensor_parallel_sizes: vec![1], recompute: Choice::Off, distributed_optimizer: Choice::Off };
             let mut ctx = Ctx::new(&cost);
             let bound = throughput_bound(&mut ctx, &request).unwrap();
             let params = model.stage_params(4, true, true);
@@ -1734,7 +2082,7 @@ mod tests {
             };
             let cost = CostModel::new(model, cluster, None);
             let sizes = [1usize, 2, 4];
-            let request = PlanRequest { global_batch_size: g, micro_batch_sizes: sizes.to_vec(), top_k: 1, tensor_parallel_sizes: vec![1] };
+            let request = PlanRequest { global_batch_size: g, micro_batch_sizes: sizes.to_vec(), top_k: 1, tensor_parallel_sizes: vec![1], recompute: Choice::Off, distributed_optimizer: Choice::Off };
             let devs = cost.cluster.devices();
             let d = devs.len();
             let params = cost.model.stage_params(1, true, true);
@@ -1752,7 +2100,7 @@ mod tests {
                     let mut fits = true;
                     for (dev, &(b, m)) in devs.iter().zip(&chosen) {
                         let k = cost.stage_costs(dev, b).unwrap();
-                        let need = cost.memory_bytes(&k, 1, true, true, 1, b);
+                        let need = cost.memory_bytes(&k, &StageHolding { layers: 1, first: true, last: true, in_flight: 1, micro_batch_size: b, optimizer_share: 1.0 });
                         fits &= need <= cost.usable_memory(dev).unwrap();
                         worst = worst.max(m as f64 * (k.layer_s + k.embedding_s + k.head_s));
                     }

@@ -7,9 +7,9 @@
 use super::samples::{min_max_samples, ReplicaPace};
 use super::{
     arrange, max, pipeline_time, placement, split_layers, stage_times, Arrangement, Ctx, Grid,
-    PlanningError, TpGroup,
+    PlanningError, TpGroup, TrainOptions,
 };
-use crate::cost::CostModel;
+use crate::cost::{CostModel, StageHolding};
 use crate::general::{GeneralPlan, GeneralPlanError, ReplicaPipeline};
 use crate::timeline::{RankTimeline, Span, SpanKind};
 use crate::{sim, Pass, ReplicaBatch, ScheduleKind, StageLayout};
@@ -38,6 +38,8 @@ pub struct PooledCandidate {
     pub pools: Vec<PoolLayout>,
     /// What each unit of the pools is: one device, or a tensor-parallel group.
     pub groups: Vec<TpGroup>,
+    /// What it trains with beside its layout.
+    pub options: TrainOptions,
     /// One training step, s (simulated schedule, the reduction, the optimizer).
     pub step_time_s: f64,
     /// The slowest replica's pipeline, s.
@@ -303,9 +305,15 @@ fn fits_all(ctx: &mut Ctx<'_>, layouts: &[PoolLayout]) -> Result<bool, PlanningE
         for (i, row) in pool.devices.iter().enumerate() {
             for (&dev, &m) in row.iter().zip(&pool.micro_batches) {
                 let k = ctx.costs(dev, b)?;
-                let in_flight = (p - i).min(m);
-                let need =
-                    (ctx.cost).memory_bytes(&k, pool.layers[i], i == 0, i + 1 == p, in_flight, b);
+                let holding = StageHolding {
+                    layers: pool.layers[i],
+                    first: i == 0,
+                    last: i + 1 == p,
+                    in_flight: (p - i).min(m),
+                    micro_batch_size: b,
+                    optimizer_share: 1.0,
+                };
+                let need = ctx.cost.memory_bytes(&k, &holding);
                 if ctx.memory[dev].is_some_and(|have| need > have) {
                     return Ok(false);
                 }
@@ -620,6 +628,10 @@ fn simulate(
     let mut candidate = PooledCandidate {
         pools,
         groups: ctx.groups.clone(),
+        options: TrainOptions {
+            recompute: ctx.cost.recompute,
+            distributed_optimizer: ctx.cost.distributed_optimizer,
+        },
         step_time_s: 0.0,
         pipeline_s: 0.0,
         reduce_s: 0.0,
@@ -703,7 +715,12 @@ pub fn pooled_timeline(
     cost: &CostModel,
     candidate: &PooledCandidate,
 ) -> Result<crate::timeline::Timeline, PlanningError> {
-    let mut ctx = Ctx::with_groups(cost, cost.cluster.devices(), candidate.groups.clone());
+    let variant = TrainOptions {
+        distributed_optimizer: false,
+        ..candidate.options
+    }
+    .cost(cost);
+    let mut ctx = Ctx::with_groups(&variant, cost.cluster.devices(), candidate.groups.clone());
     let (simulated, ranks) = simulate(&mut ctx, candidate.pools.clone(), true)?;
     Ok(crate::timeline::Timeline {
         title: format!(
@@ -765,6 +782,8 @@ mod tests {
             micro_batch_sizes: vec![1, 2],
             top_k: 1,
             tensor_parallel_sizes: vec![1],
+            recompute: super::super::Choice::Off,
+            distributed_optimizer: super::super::Choice::Off,
         };
         let outcome = super::super::plan(&cost, &request).unwrap();
         assert_eq!(outcome.pooled.as_ref(), Some(&pooled));
@@ -947,7 +966,8 @@ mod tests {
                         let b = pool.micro_batch_size;
                         let k = cost.stage_costs(&devices[group.members[0]], b).unwrap();
                         let in_flight = (p - i).min(pool.micro_batches[r]);
-                        let need = cost.memory_bytes(&k, pool.layers[i], i == 0, i + 1 == p, in_flight, b);
+                        let holding = StageHolding { layers: pool.layers[i], first: i == 0, last: i + 1 == p, in_flight, micro_batch_size: b, optimizer_share: 1.0 };
+                        let need = cost.memory_bytes(&k, &holding);
                         for (&dev, share) in group.members.iter().zip(&group.state) {
                             prop_assert_eq!(&devices[dev].node, &devices[group.members[0]].node);
                             prop_assert!(need * share <= cost.usable_memory(&devices[dev]).unwrap() + 1.0);
@@ -957,7 +977,7 @@ mod tests {
             }
             let drawn = pooled_timeline(&cost, &pooled).unwrap();
             prop_assert!((drawn.step_s() - pooled.step_time_s).abs() < 1e-9 * pooled.step_time_s);
-            let request = super::super::PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2], top_k: 1, tensor_parallel_sizes: vec![1] };
+            let request = super::super::PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2], top_k: 1, tensor_parallel_sizes: vec![1], recompute: super::super::Choice::Off, distributed_optimizer: super::super::Choice::Off };
             let bound = super::super::throughput_bound(&mut Ctx::new(&cost), &request).unwrap();
             let fraction = bound.fraction((g * 2048) as f64, pooled.step_time_s);
             prop_assert!(fraction > 0.0 && fraction <= 1.0 + 1e-9, "{}", fraction);
