@@ -16,8 +16,10 @@ use crate::{
     plan_schedule, sim, DeviceRequest, ParallelPlan, Pass, RankPlacement, ReplicaBatch,
     ReplicaBatches, ScheduleKind, StageLayout, TopologySpec, DEFAULT_ORDER, TP_PP_DP_ORDER,
 };
+use std::cell::Cell;
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
 
+use pooled::plan_pooled_noting_memory;
 pub use pooled::{plan_pooled, pooled_timeline, to_general_plan, PoolLayout, PooledCandidate};
 pub use samples::{min_max_samples, ReplicaPace};
 pub use tensor::{best_group, TpGroup, MOST_SHARE};
@@ -482,6 +484,9 @@ struct Ctx<'a> {
     /// Per unit, the usable bytes of a whole stage's state (a group's: as its most
     /// loaded member holds its share).
     memory: Vec<Option<f64>>,
+    /// Whether memory has ruled anything out: options that only save memory are
+    /// searched only where it has.
+    memory_bound: Cell<bool>,
 }
 
 impl<'a> Ctx<'a> {
@@ -540,7 +545,17 @@ impl<'a> Ctx<'a> {
             all,
             costs: HashMap::new(),
             memory,
+            memory_bound: Cell::new(false),
         }
+    }
+
+    /// Whether `need` bytes exceed `have` (none: no limit), noted.
+    fn exceeds(&self, need: f64, have: Option<f64>) -> bool {
+        let over = have.is_some_and(|have| need > have);
+        if over {
+            self.memory_bound.set(true);
+        }
+        over
     }
 
     /// A unit's costs at micro-batch size `b`: a group's slowest member on its share,
@@ -609,27 +624,60 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
         });
     }
     let keep = request.top_k.max(1);
-    let (mut plans, mut uniform_layouts, mut considered) = (Vec::new(), Vec::new(), 0);
+    let (mut candidates, mut considered) = (Vec::new(), 0);
     let mut closest: Option<Violation> = None;
-    for options in request.grid_options() {
-        let variant = options.cost(cost);
-        let mut ctx = Ctx::new(&variant);
-        let search = grid_search(&mut ctx, request)?;
+    let variants: Vec<(TrainOptions, CostModel)> = (request.grid_options().into_iter())
+        .map(|options| (options, options.cost(cost)))
+        .collect();
+    // Per option, whether memory ruled anything out, and the layouts found without it.
+    let mut searched: HashMap<TrainOptions, (bool, Vec<Candidate>)> = HashMap::new();
+    let optimizer_priced = (ctx.devices.iter()).any(|d| cost.optimizer_seconds(d, 1.0).is_some());
+    for (options, variant) in &variants {
+        let (options, mut ctx) = (*options, Ctx::new(variant));
+        // Whether memory bound the search without recomputation, or without sharding.
+        let bound = |recompute, distributed_optimizer| {
+            let options = TrainOptions {
+                recompute,
+                distributed_optimizer,
+            };
+            searched.get(&options).map(|(bound, _)| *bound)
+        };
+        let (unsharded, d) = (bound(false, false), options.distributed_optimizer);
+        let search = if options.recompute && bound(false, d) == Some(false) {
+            // Recomputation only saves memory at a cost in time: tried where memory bound.
+            Search::default()
+        } else if !options.recompute && d && unsharded == Some(false) {
+            // Sharding saves memory and the optimizer's time: where memory did not bind,
+            // the same layouts re-priced (nothing to gain where the optimizer is unpriced).
+            match optimizer_priced {
+                true => reprice(&mut ctx, &searched[&TrainOptions::default()].1)?,
+                false => Search::default(),
+            }
+        } else {
+            grid_search(&mut ctx, request)?
+        };
         considered += search.considered;
         if let Some(v) = search.closest {
             if closest.as_ref().is_none_or(|c| v.ratio < c.ratio) {
                 closest = Some(v);
             }
         }
-        if !search.candidates.is_empty() {
-            let (front, uniform) = retime_front(&mut ctx, search.candidates, keep)?;
-            plans.extend(front);
-            uniform_layouts.extend(uniform);
-        }
+        let found = search.candidates.clone();
+        searched.insert(options, (ctx.memory_bound.get(), found));
+        candidates.extend(search.candidates);
     }
     // Per-replica pipelines may fit where no grid does (a small device in a pipeline of
     // its own, or a tensor-parallel group).
     let pooled = plan_pooled_options(cost, request)?;
+    let (plans, uniform_layouts) = match candidates.is_empty() {
+        true => (Vec::new(), Vec::new()),
+        false => {
+            let mut ctxs: HashMap<TrainOptions, Ctx<'_>> = (variants.iter())
+                .map(|(options, variant)| (*options, Ctx::new(variant)))
+                .collect();
+            retime_front(&mut ctxs, candidates, keep)?
+        }
+    };
     if plans.is_empty() && pooled.is_none() {
         return Err(PlanningError::Infeasible(closest.map_or(
             Infeasibility::BatchTooSmall {
@@ -639,32 +687,6 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
             |v| v.reason,
         )));
     }
-    // Fastest first; on ties the options tried first (off before on).
-    let by_time = |a: &Candidate, b: &Candidate| {
-        (a.prediction.step_time_s).total_cmp(&b.prediction.step_time_s)
-    };
-    plans.sort_by(by_time);
-    let mut seen = Vec::new();
-    plans.retain(|c| {
-        let plan = (c.devices.clone(), c.layers.clone(), c.micro_batches.clone());
-        let plan = (plan, c.micro_batch_sizes.clone(), c.options);
-        let new = !seen.contains(&plan);
-        seen.push(plan);
-        new
-    });
-    plans.truncate(keep);
-    uniform_layouts.sort_by(by_time);
-    let mut seen = Vec::new();
-    uniform_layouts.retain(|u| {
-        let layout = (
-            u.devices.clone(),
-            u.layers.clone(),
-            u.micro_batch_sizes.clone(),
-        );
-        let new = !seen.contains(&layout);
-        seen.push(layout);
-        new
-    });
     let uniform = uniform_layouts.first().cloned();
     let bound = throughput_bound(&mut ctx, request)?;
     let mut unpriced_optimizer: Vec<String> = (ctx.devices.iter())
@@ -716,6 +738,24 @@ fn grid_search(ctx: &mut Ctx<'_>, request: &PlanRequest) -> Result<Search, Plann
     Ok(search)
 }
 
+/// `found`'s layouts priced again on `ctx`'s costs (those that still fit).
+fn reprice(ctx: &mut Ctx<'_>, found: &[Candidate]) -> Result<Search, PlanningError> {
+    let mut search = Search::default();
+    for c in found {
+        let grid = Arranged {
+            devices: &c.devices,
+            arrangement: c.arrangement,
+        };
+        let layout = (
+            c.layers.clone(),
+            c.micro_batch_sizes.clone(),
+            c.micro_batches.clone(),
+        );
+        search.consider(ctx, grid, layout, c.origin)?;
+    }
+    Ok(search)
+}
+
 /// The best per-replica-pipeline plan with and without recomputation (as asked): the
 /// distributed optimizer's shards are not priced for them (its flag, when asked for,
 /// only lowers what they need).
@@ -728,8 +768,12 @@ fn plan_pooled_options(
         micro_batch_sizes(request),
         request.tp_sizes(),
     );
-    let mut best: Option<PooledCandidate> = None;
+    let (mut best, mut bound): (Option<PooledCandidate>, Option<bool>) = (None, None);
     for &recompute in request.recompute.values() {
+        // Recomputation only saves memory at a cost in time: tried where memory bound.
+        if recompute && bound == Some(false) {
+            continue;
+        }
         let options = TrainOptions {
             recompute,
             distributed_optimizer: request.distributed_optimizer == Choice::On,
@@ -739,7 +783,9 @@ fn plan_pooled_options(
             ..options
         }
         .cost(cost);
-        if let Some(mut c) = plan_pooled(&variant, g, &sizes, &tp)? {
+        let (found, memory_bound) = plan_pooled_noting_memory(&variant, g, &sizes, &tp)?;
+        bound = Some(memory_bound);
+        if let Some(mut c) = found {
             c.options = options;
             if best.as_ref().is_none_or(|b| c.step_time_s < b.step_time_s) {
                 best = Some(c);
@@ -1021,12 +1067,13 @@ fn fastest_size(
     sizes: &[usize],
 ) -> Result<usize, PlanningError> {
     let p = grid.len();
+    let shares = Shares::of_grid(ctx, grid);
     let mut best: Option<(f64, usize)> = None;
     for &b in sizes {
         let (mut fits, mut slowest) = (true, 0.0f64);
         for (i, &own) in layers.iter().enumerate() {
-            let (need, have) = memory_need(ctx, grid, i, r, own, b, p)?;
-            fits &= have.is_none_or(|have| need <= have);
+            let (need, have) = memory_need(ctx, grid, &shares, (i, r), own, b, p)?;
+            fits &= !ctx.exceeds(need, have);
             let k = ctx.costs(grid[i][r], b)?;
             slowest = slowest.max(stage_seconds(&k, own, i, p));
         }
@@ -1042,7 +1089,7 @@ fn fastest_size(
 /// simulating their schedules; returns the best `keep` and every distinct even layout,
 /// fastest first.
 fn retime_front(
-    ctx: &mut Ctx<'_>,
+    ctxs: &mut HashMap<TrainOptions, Ctx<'_>>,
     mut candidates: Vec<Candidate>,
     keep: usize,
 ) -> Result<(Vec<Candidate>, Vec<Candidate>), PlanningError> {
@@ -1051,6 +1098,8 @@ fn retime_front(
             .step_time_s
             .total_cmp(&b.prediction.step_time_s)
     };
+    // Fastest first; on ties the options searched first (off before on). A layout found
+    // under several options keeps its fastest.
     candidates.sort_by(by_time);
     let mut front: Vec<Candidate> = Vec::new();
     let mut planned = 0;
@@ -1069,6 +1118,14 @@ fn retime_front(
         front.push(c);
     }
     for c in &mut front {
+        // A single replica's candidate carries no sharding: priced alike either way.
+        let ctx = match ctxs.contains_key(&c.options) {
+            true => ctxs.get_mut(&c.options),
+            false => ctxs
+                .values_mut()
+                .find(|x| x.cost.recompute == c.options.recompute),
+        }
+        .expect("a context for each option searched");
         c.prediction = simulate_candidate(ctx, c)?;
     }
     front.sort_by(by_time);
@@ -1153,12 +1210,13 @@ fn pipeline_time(t: &[Vec<f64>], c: &[Vec<f64>], r: usize, m: usize) -> f64 {
     sum + comm + (m.saturating_sub(1)) as f64 * max
 }
 
-/// Memory check of one (stage, replica).
+/// Memory check of one (stage, replica) of `grid`, whose stages' optimizer shares are
+/// `shares`.
 fn memory_need(
     ctx: &mut Ctx<'_>,
     grid: &[Vec<usize>],
-    i: usize,
-    r: usize,
+    shares: &[Shares],
+    (i, r): (usize, usize),
     layers: usize,
     b: usize,
     m: usize,
@@ -1173,23 +1231,49 @@ fn memory_need(
             last: i + 1 == p,
             in_flight: (p - i).min(m),
             micro_batch_size: b,
-            optimizer_share: optimizer_share(ctx, &grid[i], grid[i][r]),
+            optimizer_share: shares[i].of(ctx, grid[i][r]),
         },
     );
     Ok((need, ctx.memory[grid[i][r]]))
 }
 
-/// A unit's share of its stage's optimizer state: under the distributed optimizer in
-/// proportion to its memory among the stage's replicas (equal where memory is not
-/// known), else all of it.
-fn optimizer_share(ctx: &Ctx<'_>, stage: &[usize], unit: usize) -> f64 {
-    if !ctx.cost.distributed_optimizer || stage.len() <= 1 {
-        return 1.0;
+/// How a stage's optimizer state divides over its replicas: under the distributed
+/// optimizer in proportion to their memory (equally where memory is not known), else
+/// not at all.
+#[derive(Clone, Copy)]
+struct Shares {
+    sharded: bool,
+    replicas: usize,
+    /// Their memory together, when every one's is known.
+    memory: Option<f64>,
+}
+
+impl Shares {
+    fn of_stage(ctx: &Ctx<'_>, stage: &[usize]) -> Self {
+        let sharded = ctx.cost.distributed_optimizer && stage.len() > 1;
+        Shares {
+            sharded,
+            replicas: stage.len(),
+            memory: match sharded {
+                true => stage.iter().map(|&u| ctx.memory[u]).sum(),
+                false => None,
+            },
+        }
     }
-    let memory: Option<Vec<f64>> = stage.iter().map(|&u| ctx.memory[u]).collect();
-    match (memory, ctx.memory[unit]) {
-        (Some(all), Some(mine)) => mine / all.iter().sum::<f64>().max(1.0),
-        _ => 1.0 / stage.len() as f64,
+
+    fn of_grid(ctx: &Ctx<'_>, grid: &[Vec<usize>]) -> Vec<Self> {
+        grid.iter()
+            .map(|stage| Self::of_stage(ctx, stage))
+            .collect()
+    }
+
+    /// `unit`'s share.
+    fn of(&self, ctx: &Ctx<'_>, unit: usize) -> f64 {
+        match (self.sharded, self.memory, ctx.memory[unit]) {
+            (false, ..) => 1.0,
+            (true, Some(all), Some(mine)) => mine / all.max(1.0),
+            _ => 1.0 / self.replicas as f64,
+        }
     }
 }
 
@@ -1203,13 +1287,14 @@ fn evaluate(
 ) -> Result<Result<Prediction, Violation>, PlanningError> {
     let p = grid.len();
     let d = grid[0].len();
+    let shares = Shares::of_grid(ctx, grid);
     let mut stage_memory = vec![0.0f64; p];
     for i in 0..p {
         for r in 0..d {
-            let (need, have) = memory_need(ctx, grid, i, r, layers[i], sizes[r], m[r])?;
+            let (need, have) = memory_need(ctx, grid, &shares, (i, r), layers[i], sizes[r], m[r])?;
             stage_memory[i] = stage_memory[i].max(need);
             if let Some(have) = have {
-                if need > have {
+                if ctx.exceeds(need, Some(have)) {
                     let dev = &ctx.devices[grid[i][r]];
                     return Ok(Err(Violation {
                         ratio: need / have.max(1.0),
@@ -1288,9 +1373,10 @@ fn optimizer_times(ctx: &Ctx<'_>, grid: &[Vec<usize>], layers: &[usize]) -> Grid
     (0..p)
         .map(|i| {
             let params = ctx.cost.model.stage_params(layers[i], i == 0, i + 1 == p);
+            let shares = Shares::of_stage(ctx, &grid[i]);
             (grid[i].iter())
                 .map(|&k| {
-                    let share = optimizer_share(ctx, &grid[i], k);
+                    let share = shares.of(ctx, k);
                     ctx.optimizer_seconds(k, params * share).unwrap_or(0.0)
                 })
                 .collect()
@@ -1451,12 +1537,13 @@ fn split_layers(
     for (i, stage_devices) in grid.iter().enumerate() {
         let mut stage_rows = Vec::new();
         let mut seen = BTreeSet::new();
+        let shares = Shares::of_stage(ctx, stage_devices);
         for r in 0..d {
             let (dev, b) = (stage_devices[r], sizes[r]);
             let k = ctx.costs(dev, b)?;
             let extra =
                 if i == 0 { k.embedding_s } else { 0.0 } + if i + 1 == p { k.head_s } else { 0.0 };
-            let share = optimizer_share(ctx, stage_devices, dev);
+            let share = shares.of(ctx, dev);
             let key = (
                 k.layer_s.to_bits(),
                 extra.to_bits(),
@@ -1480,8 +1567,8 @@ fn split_layers(
         }
         rows.push(stage_rows);
     }
-    let cost = ctx.cost;
-    let closures: Vec<Box<dyn Fn(usize) -> Option<f64>>> = (0..p)
+    let (cost, bound) = (ctx.cost, &ctx.memory_bound);
+    let closures: Vec<Box<dyn Fn(usize) -> Option<f64> + '_>> = (0..p)
         .map(|i| {
             let stage_rows = rows[i].clone();
             let f: Box<dyn Fn(usize) -> Option<f64>> = Box::new(move |layers: usize| {
@@ -1496,8 +1583,8 @@ fn split_layers(
                             micro_batch_size: row.micro_batch_size,
                             optimizer_share: row.optimizer_share,
                         };
-                        let need = cost.memory_bytes(&row.costs, &holding);
-                        if need > have {
+                        if cost.memory_bytes(&row.costs, &holding) > have {
+                            bound.set(true);
                             return None;
                         }
                     }
@@ -1813,11 +1900,12 @@ mod tests {
         // Each rank holds its share of the optimizer state: half, on equal devices.
         let variant = best.options.cost(&cost);
         let mut ctx = Ctx::new(&variant);
+        let shares = Shares::of_grid(&ctx, &best.devices);
         let (need, have) = memory_need(
             &mut ctx,
             &best.devices,
-            0,
-            0,
+            &shares,
+            (0, 0),
             best.layers[0],
             2,
             best.micro_batches[0],
@@ -1841,11 +1929,12 @@ mod tests {
         }
         .cost(cost);
         let mut ctx = Ctx::new(&variant);
+        let shares = Shares::of_grid(&ctx, &c.devices);
         memory_need(
             &mut ctx,
             &c.devices,
-            0,
-            0,
+            &shares,
+            (0, 0),
             c.layers[0],
             c.micro_batch_sizes[0],
             c.micro_batches[0],

@@ -91,19 +91,30 @@ pub fn plan_pooled(
     sizes: &[usize],
     tp_sizes: &[usize],
 ) -> Result<Option<PooledCandidate>, PlanningError> {
-    let mut best: Option<PooledCandidate> = None;
+    Ok(plan_pooled_noting_memory(cost, global_batch, sizes, tp_sizes)?.0)
+}
+
+/// [`plan_pooled`], and whether memory ruled anything out.
+pub(super) fn plan_pooled_noting_memory(
+    cost: &CostModel,
+    global_batch: usize,
+    sizes: &[usize],
+    tp_sizes: &[usize],
+) -> Result<(Option<PooledCandidate>, bool), PlanningError> {
+    let (mut best, mut bound): (Option<PooledCandidate>, bool) = (None, false);
     for &t in tp_sizes {
         let Some(mut ctx) = Ctx::tensor_parallel(cost, t)? else {
             continue;
         };
         let found = plan_units(&mut ctx, global_batch, sizes, t > 1)?;
+        bound |= ctx.memory_bound.get();
         if let Some(c) = found {
             if best.as_ref().is_none_or(|b| c.step_time_s < b.step_time_s) {
                 best = Some(c);
             }
         }
     }
-    Ok(best)
+    Ok((best, bound))
 }
 
 /// The best plan over `ctx`'s units (devices, or tensor-parallel groups), when more
@@ -314,7 +325,7 @@ fn fits_all(ctx: &mut Ctx<'_>, layouts: &[PoolLayout]) -> Result<bool, PlanningE
                     optimizer_share: 1.0,
                 };
                 let need = ctx.cost.memory_bytes(&k, &holding);
-                if ctx.memory[dev].is_some_and(|have| need > have) {
+                if ctx.exceeds(need, ctx.memory[dev]) {
                     return Ok(false);
                 }
             }
