@@ -1754,12 +1754,25 @@ fn profile_prices_what_plan_uses() {
     ok(&synerfuse(&args), "profile");
     let measured: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&profile).unwrap()).unwrap();
-    for b in ["1", "2"] {
-        let costs = &measured["devices"]["cpu"][b];
+    let mut activations = Vec::new();
+    for b in [1, 2] {
+        let costs = &measured["devices"]["cpu"][b.to_string()];
         let per_param = costs["optimizer_s_per_param"].as_f64().unwrap();
         assert!(per_param > 0.0 && per_param < 1e-5, "{costs}");
         assert!(costs["layer_fwd_s"].as_f64().unwrap() > 0.0, "{costs}");
+        // A layer's activations measured as the trainer measures them (the allocator's
+        // bytes in use), near the analytical estimate (fp32, unfused attention) but not it.
+        let bytes = costs["layer_activation_bytes"].as_f64().unwrap();
+        let estimate = 4.0
+            * (16.0 * b as f64 * (8.0 * 32.0 + 4.0 * 32.0 + 4.0 * 64.0)
+                + 2.0 * 4.0 * 256.0 * b as f64);
+        assert!(
+            bytes != estimate && bytes > estimate / 4.0 && bytes < estimate * 4.0,
+            "{bytes} vs {estimate}"
+        );
+        activations.push(bytes);
     }
+    assert!(activations[1] > activations[0], "{activations:?}");
     let cluster = dir.path().join("cpus.toml");
     std::fs::write(
         &cluster,

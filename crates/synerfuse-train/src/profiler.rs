@@ -1,10 +1,12 @@
 //! Measures what the planner needs on the ranks it runs on: the forward and backward
-//! time of a decoder layer, the embedding and the head per micro-batch size, and the
-//! optimizer step per parameter (with the trainer's own stage and optimizer code, so what
-//! is profiled is what trains), and the links between the ranks.
+//! time of a decoder layer, the embedding and the head per micro-batch size, the bytes a
+//! layer keeps for its backward, and the optimizer step per parameter (with the
+//! trainer's own stage and optimizer code, so what is profiled is what trains), and the
+//! links between the ranks.
 
 use crate::comm::{CommError, MpiCommunicator};
 use crate::emulation::{ComputeSpan, Emulation};
+use crate::memory::MemoryProbe;
 use crate::optim::{AdamW, AdamWConfig};
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -189,12 +191,17 @@ pub fn profile_device(
         let (lf, lb) = time(1..2)?;
         let (ff, fb) = time(0..1)?;
         let (hf, hb) = time(2..3)?;
+        let activation_bytes = match layer_activation_bytes(&config.model, b, s, device)? {
+            Some(measured) => measured,
+            None => shape.layer_activation_bytes(b, 4.0, device != Device::Cpu),
+        };
         let costs = [
             lf,
             lb,
             (ff + fb - lf - lb).max(0.0),
             (hf + hb - lf - lb).max(0.0),
             optimizer_s_per_param,
+            activation_bytes,
         ];
         let mut t = Tensor::from_slice(&costs);
         world.all_reduce_sum(&mut t)?;
@@ -209,12 +216,63 @@ pub fn profile_device(
                 layer_bwd_s: mean[1],
                 embedding_s: mean[2],
                 head_s: mean[3],
-                layer_activation_bytes: shape.layer_activation_bytes(b, 4.0, device != Device::Cpu),
+                layer_activation_bytes: mean[5],
                 optimizer_s_per_param: Some(mean[4]),
             },
         );
     }
     Ok(table)
+}
+
+/// Bytes one middle layer keeps for its backward per micro-batch of `b`, measured as
+/// the training loop measures a rank's activations (the C allocator's bytes in use,
+/// [`MemoryProbe`]): what a two-layer stage's forward keeps less a one-layer stage's,
+/// the median of three. `None` where the probe cannot tell: off glibc, or on a CUDA
+/// device (libtorch's caching allocator keeps freed blocks in the driver's count and
+/// tch exposes no allocator statistics), where the analytical estimate stands.
+fn layer_activation_bytes(
+    model: &LlamaConfig,
+    b: usize,
+    s: usize,
+    device: Device,
+) -> Result<Option<f64>, ProfileError> {
+    let probe = match device {
+        Device::Cpu => MemoryProbe::for_device(device, 0),
+        _ => None,
+    };
+    let Some(probe) = probe else {
+        return Ok(None);
+    };
+    let mut base = model.clone();
+    base.num_layers = 4;
+    let input = Tensor::randn(
+        [b as i64, s as i64, model.hidden_size as i64],
+        (Kind::Float, device),
+    );
+    let stages = [
+        Stage::new(&base, 1..2, device)?,
+        Stage::new(&base, 1..3, device)?,
+    ];
+    // One forward and backward each first: what is built lazily is not counted.
+    for stage in &stages {
+        let pass = stage.forward_train(&input, None, None)?;
+        let grad = pass.output.ones_like();
+        stage.backward(pass, BackwardFrom::OutputGrad(&grad))?;
+    }
+    let mut differences = Vec::new();
+    for _ in 0..3 {
+        let mut kept = Vec::new();
+        for stage in &stages {
+            let before = probe.in_use();
+            let pass = stage.forward_train(&input, None, None)?;
+            kept.push(before.zip(probe.in_use()).map(|(a, z)| z.saturating_sub(a)));
+            drop(pass);
+        }
+        if let [Some(one), Some(two)] = kept[..] {
+            differences.push(two.saturating_sub(one) as f64);
+        }
+    }
+    Ok((!differences.is_empty()).then(|| median(differences)))
 }
 
 /// Median seconds of `repeats` round trips of `tensor` from rank 0 to rank 1 (rank 1
