@@ -230,10 +230,11 @@ pub(crate) fn write_atomically(path: &std::path::Path, text: &str) -> Result<()>
     Ok(())
 }
 
-/// Writes `plan` in the general plan's file form (`[[replica]]` tables, which keep the
-/// grid's rank order), under a temporary name first.
-fn write_plan(path: &std::path::Path, plan: &synerfuse_parallel::ParallelPlan) -> Result<()> {
-    let text = synerfuse_parallel::GeneralPlan::from_grid(plan)?.to_toml()?;
+/// Writes the grid plan `c` in the general plan's file form (`[[replica]]` tables, which
+/// keep the grid's rank order and say which stages recompute), under a temporary name
+/// first.
+fn write_plan(path: &std::path::Path, cost: &CostModel, c: &Candidate) -> Result<()> {
+    let text = planner::to_general_grid_plan(cost, c)?.to_toml()?;
     write_atomically(path, &text)
 }
 
@@ -314,24 +315,24 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
     if let Some(out) = &args.output {
         match pooled {
             Some(p) => write_atomically(out, &planner::to_general_plan(&cost, p)?.to_toml()?)?,
-            None => write_plan(out, &plan)?,
+            None => write_plan(out, &cost, best)?,
         }
     }
     if let Some(out) = &args.grid_output {
-        write_plan(out, &plan)?;
+        write_plan(out, &cost, best)?;
     }
     if let Some(out) = &args.uniform_output {
         let uniform = outcome
             .uniform
             .as_ref()
             .context("--uniform-output: no even layout fits this cluster, model and batch")?;
-        write_plan(out, &planner::to_parallel_plan(&cost, uniform)?)?;
+        write_plan(out, &cost, uniform)?;
     }
     if let Some(dir) = &args.uniform_layouts_dir {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         for (k, layout) in outcome.uniform_layouts.iter().enumerate() {
             let path = dir.join(format!("uniform-{k}.toml"));
-            write_plan(&path, &planner::to_parallel_plan(&cost, layout)?)?;
+            write_plan(&path, &cost, layout)?;
         }
     }
     if let Some(out) = &args.timeline {
@@ -474,7 +475,7 @@ impl PlanReport<'_> {
             })).collect::<Vec<_>>(),
             "synerfuse_flags": self.synerfuse_flags(),
             "train_flags": best.options.train_flags(),
-            "recompute_activations": best.options.recompute,
+            "recompute_per_stage_and_replica": best.recompute,
             "use_distributed_optimizer": best.options.distributed_optimizer,
             "rank_order": self.plan.topology.order,
             "candidates_considered": self.outcome.considered,
@@ -500,16 +501,15 @@ impl PlanReport<'_> {
         })
     }
 
-    /// SynerFuse's flags for the best grid plan, with its options.
+    /// SynerFuse's flags for the best grid plan, with its options (its flags recompute
+    /// every stage or none: `--recompute-activations` when any stage recomputes).
     fn synerfuse_flags(&self) -> String {
+        let best = self.best();
         let mut flags = self.plan.to_synerfuse_args();
-        flags.extend(
-            self.best()
-                .options
-                .train_flags()
-                .iter()
-                .map(|f| f.to_string()),
-        );
+        if best.recompute.iter().flatten().any(|&x| x) {
+            flags.push("--recompute-activations".into());
+        }
+        flags.extend(best.options.train_flags().iter().map(|f| f.to_string()));
         flags.join(" ")
     }
 
@@ -580,6 +580,12 @@ impl PlanReport<'_> {
             "replicas: micro-batches {:?} of size {:?}",
             best.micro_batches, best.micro_batch_sizes
         );
+        if best.recompute.iter().flatten().any(|&x| x) {
+            println!(
+                "recomputes its activations (per stage, per replica; in the plan file): {:?}",
+                best.recompute
+            );
+        }
         println!(
             "predicted: {:.4} s per step ({:.0} tokens/s), bubble {:.1}%, DP all-reduce {:.4} s, optimizer {:.4} s",
             p.step_time_s,
@@ -686,6 +692,7 @@ fn pooled_replicas(cost: &CostModel, p: &PooledCandidate) -> Vec<serde_json::Val
             out.push(serde_json::json!({
                 "devices": kinds,
                 "layers": pool.layers,
+                "recompute": p.recompute.get(out.len()),
                 "tensor_parallel_shares": shares,
                 "micro_batch_size": pool.micro_batch_size,
                 "num_micro_batches": m,
@@ -734,6 +741,12 @@ fn print_pooled_replicas(
 
 /// `  replica 0: ["a100+v100"] layers [36] (tensor-parallel shares [[5, 2]]) micro-batches 8 x 2`.
 fn print_replica(r: usize, replica: &serde_json::Value) {
+    let recompute = match replica["recompute"].as_array() {
+        Some(flags) if flags.iter().any(|x| x.as_bool() == Some(true)) => {
+            format!(" (recomputes {})", replica["recompute"])
+        }
+        _ => String::new(),
+    };
     let shares = match replica["tensor_parallel_shares"].as_array() {
         Some(s) if s.iter().any(|g| g.as_array().is_some_and(|g| g.len() > 1)) => {
             format!(
@@ -744,7 +757,7 @@ fn print_replica(r: usize, replica: &serde_json::Value) {
         _ => String::new(),
     };
     println!(
-        "  replica {r}: {} layers {}{shares} micro-batches {} x {}",
+        "  replica {r}: {} layers {}{shares}{recompute} micro-batches {} x {}",
         replica["devices"],
         replica["layers"],
         replica["num_micro_batches"],

@@ -74,6 +74,11 @@ fn tensor_parallel_plans_match_a_single_rank() {
         "[[replica]]\nlayers = [4]\ntp = [2]\nmicro_batch_size = 2\nnum_micro_batches = 1\n\n\
          [[replica]]\nlayers = [1, 3]\ntp = [2, 2]\nmicro_batch_size = 1\nnum_micro_batches = 4\n",
     );
+    let recompute = plan_file(
+        d,
+        "recompute",
+        "[[replica]]\nlayers = [1, 3]\ntp = [2, 1]\nrecompute = [true, false]\nmicro_batch_size = 2\nnum_micro_batches = 3\n",
+    );
     let cases: Vec<(&str, &str, Vec<&str>)> = vec![
         (
             "TP 2, mbs 1 x 6",
@@ -214,6 +219,11 @@ fn tensor_parallel_plans_match_a_single_rank() {
             "replicas split alike and differently: [4] on TP 2 (2 x 2) + [2,2] on TP [1,2] (1 x 2)",
             "tied",
             vec!["--nproc", "5", "--plan", &mixed],
+        ),
+        (
+            "recomputation per stage by plan: stage 0 (TP 2) recomputes, stage 1 does not",
+            "tied",
+            vec!["--nproc", "3", "--plan", &recompute],
         ),
     ];
     let mut table = String::from(

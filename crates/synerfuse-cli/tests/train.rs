@@ -1422,6 +1422,8 @@ fn plan_writes_what_train_runs() {
         tp.to_str().unwrap(),
         "--global-batch-size",
         "6",
+        "--recompute-activations",
+        "off",
         "--output",
         tp_plan.to_str().unwrap(),
     ];
@@ -1452,8 +1454,33 @@ fn plan_writes_what_train_runs() {
         "{stderr}"
     );
 
+    // Recomputation where needed: on the same two ranks, a pipeline whose first stage
+    // holds three layers only by recomputing them; its second stage does not.
+    let recompute_plan = dir.path().join("recompute-plan.toml");
+    let mut args = vec![
+        "--cluster",
+        tp.to_str().unwrap(),
+        "--global-batch-size",
+        "6",
+        "--tensor-model-parallel-sizes",
+        "1",
+        "--output",
+        recompute_plan.to_str().unwrap(),
+    ];
+    args.extend(model);
+    let j = plan_json(&args);
+    assert_eq!(
+        j["recompute_per_stage_and_replica"],
+        serde_json::json!([[true], [false]]),
+        "{j}"
+    );
+    let text = std::fs::read_to_string(&recompute_plan).unwrap();
+    assert!(text.contains("recompute = [true, false]"), "{text}");
+    let out = train_planned(dir.path(), &data, &recompute_plan, &j);
+    ok(&out, "train --plan recomputing its first stage only");
+
     // The distributed optimizer: two equal ranks hold the model whole only with the
-    // optimizer state sharded between them (and recomputation, asked for, with it).
+    // optimizer state sharded between them; recomputation asked for on every stage.
     let sharded = dir.path().join("sharded.toml");
     std::fs::write(
         &sharded,
@@ -1478,9 +1505,12 @@ fn plan_writes_what_train_runs() {
     assert_eq!(j["data_parallel_size"], 2, "{j}");
     assert_eq!(
         j["written_plan"]["train_flags"],
-        serde_json::json!(["--recompute-activations", "--use-distributed-optimizer"]),
+        serde_json::json!(["--use-distributed-optimizer"]),
         "{j}"
     );
+    // Which stages recompute is in the plan file (here, asked for, every stage).
+    let text = std::fs::read_to_string(&sharded_plan).unwrap();
+    assert_eq!(text.matches("recompute = [true]").count(), 2, "{text}");
     let out = train_planned(dir.path(), &data, &sharded_plan, &j);
     ok(
         &out,

@@ -212,6 +212,21 @@ pub struct StageCosts {
     pub activation_bytes: f64,
 }
 
+impl StageCosts {
+    /// The costs of a stage that recomputes: its forward runs twice, once without its
+    /// graph and again in its backward.
+    pub fn recomputed(&self) -> StageCosts {
+        let again = 1.0 + self.forward_fraction;
+        StageCosts {
+            layer_s: self.layer_s * again,
+            embedding_s: self.embedding_s * again,
+            head_s: self.head_s * again,
+            forward_fraction: self.forward_fraction / again,
+            ..*self
+        }
+    }
+}
+
 /// Why a device cannot be costed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum CostError {
@@ -250,12 +265,24 @@ pub struct CostModel {
     /// gradient, fp32 gradient buffer, two fp32 moments; bf16 adds the master and halves
     /// parameter and gradient).
     pub state_bytes_per_param: f64,
-    /// `--recompute-activations`: each stage's forward runs again in its backward, and
-    /// a micro-batch in flight keeps only its input.
-    pub recompute: bool,
+    /// Which stages recompute their activations: a recomputing stage's forward runs
+    /// again in its backward, and a micro-batch in flight keeps only its input.
+    pub recompute: Recompute,
     /// `--use-distributed-optimizer`: the optimizer's state and step sharded over the
     /// replicas of a stage, in proportion to their memory.
     pub distributed_optimizer: bool,
+}
+
+/// Which stages of a plan recompute their activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Recompute {
+    /// None.
+    #[default]
+    Never,
+    /// Those that would not fit otherwise.
+    WhereNeeded,
+    /// Every stage (`--recompute-activations`).
+    Always,
 }
 
 /// What a rank holds of its stage, for [`CostModel::memory_bytes`].
@@ -274,6 +301,8 @@ pub struct StageHolding {
     /// Its share of the stage's optimizer state under the distributed optimizer (1:
     /// all of it).
     pub optimizer_share: f64,
+    /// Whether it recomputes its activations.
+    pub recompute: bool,
 }
 
 impl CostModel {
@@ -285,7 +314,7 @@ impl CostModel {
             profile,
             compute_bytes: 2.0,
             state_bytes_per_param: STATE_BYTES_PER_PARAM,
-            recompute: false,
+            recompute: Recompute::Never,
             distributed_optimizer: false,
         }
     }
@@ -323,21 +352,11 @@ impl CostModel {
             }
             (None, None) => return Err(CostError::NoNumbers(device.kind.clone())),
         };
-        // Recomputed, a stage's forward runs twice: once without its graph, again in its
-        // backward.
-        let (again, forward_fraction) = match self.recompute {
-            true => (
-                1.0 + costs.forward_fraction,
-                costs.forward_fraction / (1.0 + costs.forward_fraction),
-            ),
-            false => (1.0, costs.forward_fraction),
-        };
-        let slow = again / device.speed;
+        let slow = 1.0 / device.speed;
         Ok(StageCosts {
             layer_s: costs.layer_s * slow,
             embedding_s: costs.embedding_s * slow,
             head_s: costs.head_s * slow,
-            forward_fraction,
             ..costs
         })
     }
@@ -379,7 +398,7 @@ impl CostModel {
         if self.distributed_optimizer {
             bytes -= params * self.optimizer_bytes_per_param() * (1.0 - stage.optimizer_share);
         }
-        bytes += match self.recompute {
+        bytes += match stage.recompute {
             true => {
                 stage.in_flight as f64 * m.activation_message_bytes(b, self.compute_bytes)
                     + layers as f64 * costs.activation_bytes

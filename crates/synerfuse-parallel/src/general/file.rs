@@ -29,6 +29,9 @@ struct ReplicaFile {
     /// Each stage's tensor-parallel shares (default: even).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     tp_shares: Vec<Vec<u32>>,
+    /// Whether each stage recomputes its activations in the backward (default: none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    recompute: Vec<bool>,
     /// The global rank of each rank of the replica, stage by stage, a stage's
     /// tensor-parallel ranks together (default: numbered replica by replica).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -182,6 +185,7 @@ fn replica_pipeline(
         &[
             ("tp", replica.tp.len()),
             ("tp_shares", replica.tp_shares.len()),
+            ("recompute", replica.recompute.len()),
         ],
     )?;
     let tp = match replica.tp.is_empty() {
@@ -217,6 +221,7 @@ fn replica_pipeline(
         },
         ranks,
         tp_shares: replica.tp_shares.into_iter().map(Some).collect(),
+        recompute: replica.recompute,
         placements: placements(r, total, given)?,
     })
 }
@@ -256,6 +261,10 @@ fn replica_file(r: &ReplicaPipeline, sequential: bool) -> ReplicaFile {
         },
         tp: match tp.iter().any(|&t| t > 1) {
             true => tp,
+            false => Vec::new(),
+        },
+        recompute: match r.recompute.iter().any(|&x| x) {
+            true => (0..stages).map(|s| r.recomputes(s)).collect(),
             false => Vec::new(),
         },
         ranks: (!sequential).then(|| r.all_ranks().collect()),

@@ -245,6 +245,7 @@ impl ProcessMeshes {
                 batch: batches.replicas()[d],
                 ranks: self.stage_ranks(d),
                 tp_shares: Vec::new(),
+                recompute: Vec::new(),
                 placements: Vec::new(),
             })
             .collect();

@@ -32,6 +32,9 @@ pub struct ReplicaPipeline {
     pub ranks: Vec<Vec<usize>>,
     /// Each stage's tensor-parallel shares (empty, or one entry per stage; `None`: even).
     pub tp_shares: Vec<Option<Vec<u32>>>,
+    /// Which stages recompute their activations in the backward (empty: none, unless
+    /// the run asks all to).
+    pub recompute: Vec<bool>,
     /// Where each rank computes, in the order of `ranks` flattened (empty: the run's
     /// default device).
     pub placements: Vec<RankPlacement>,
@@ -50,6 +53,7 @@ impl ReplicaPipeline {
             batch,
             ranks: ranks.into_iter().map(|r| vec![r]).collect(),
             tp_shares: Vec::new(),
+            recompute: Vec::new(),
             placements,
         }
     }
@@ -57,6 +61,11 @@ impl ReplicaPipeline {
     /// The replica's ranks, stage by stage.
     pub fn all_ranks(&self) -> impl Iterator<Item = usize> + '_ {
         self.ranks.iter().flatten().copied()
+    }
+
+    /// Whether `stage` recomputes its activations by the plan.
+    pub fn recomputes(&self, stage: usize) -> bool {
+        self.recompute.get(stage).copied().unwrap_or(false)
     }
 
     /// The tensor-parallel size of `stage`.
@@ -419,6 +428,7 @@ impl GeneralPlan {
                         .collect(),
                     ranks,
                     tp_shares: Vec::new(),
+                    recompute: Vec::new(),
                 }
             })
             .collect();

@@ -10,7 +10,7 @@ mod samples;
 mod tensor;
 
 use crate::cluster::Device;
-use crate::cost::{CostModel, StageCosts, StageHolding};
+use crate::cost::{CostModel, Recompute, StageCosts, StageHolding};
 use crate::timeline::{RankTimeline, Span, SpanKind, Timeline};
 use crate::{
     plan_schedule, sim, DeviceRequest, ParallelPlan, Pass, RankPlacement, ReplicaBatch,
@@ -40,7 +40,7 @@ pub struct PlanRequest {
     pub top_k: usize,
     /// Tensor-parallel sizes to try for per-replica pipelines (within a node; empty: 1).
     pub tensor_parallel_sizes: Vec<usize>,
-    /// Whether plans recompute activations (every stage of the plan, or none).
+    /// Whether plans recompute activations (auto: the stages that need it).
     pub recompute: Choice,
     /// Whether grid plans shard the optimizer over each stage's replicas.
     pub distributed_optimizer: Choice,
@@ -85,13 +85,23 @@ impl Choice {
             Choice::Auto => &[false, true],
         }
     }
+
+    /// As a choice of which stages recompute: off none, on all, auto none and then
+    /// those that need it.
+    fn recompute(self) -> &'static [Recompute] {
+        match self {
+            Choice::Off => &[Recompute::Never],
+            Choice::On => &[Recompute::Always],
+            Choice::Auto => &[Recompute::Never, Recompute::WhereNeeded],
+        }
+    }
 }
 
 /// How a plan trains beside its layout: what its memory and time were priced with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct TrainOptions {
-    /// `--recompute-activations`.
-    pub recompute: bool,
+    /// Which stages may recompute their activations (the plan file says which do).
+    pub recompute: Recompute,
     /// `--use-distributed-optimizer`.
     pub distributed_optimizer: bool,
 }
@@ -106,16 +116,13 @@ impl TrainOptions {
         }
     }
 
-    /// The `synerfuse train` flags that ask for them.
+    /// The `synerfuse train` flags that ask for them beside `--plan` (which stages
+    /// recompute is in the plan file).
     pub fn train_flags(&self) -> Vec<&'static str> {
-        let mut flags = Vec::new();
-        if self.recompute {
-            flags.push("--recompute-activations");
+        match self.distributed_optimizer {
+            true => vec!["--use-distributed-optimizer"],
+            false => Vec::new(),
         }
-        if self.distributed_optimizer {
-            flags.push("--use-distributed-optimizer");
-        }
-        flags
     }
 }
 
@@ -124,7 +131,7 @@ impl PlanRequest {
     fn grid_options(&self) -> Vec<TrainOptions> {
         let mut options = Vec::new();
         for &distributed_optimizer in self.distributed_optimizer.values() {
-            for &recompute in self.recompute.values() {
+            for &recompute in self.recompute.recompute() {
                 options.push(TrainOptions {
                     recompute,
                     distributed_optimizer,
@@ -175,6 +182,8 @@ pub struct Candidate {
     pub origin: CandidateOrigin,
     /// What it trains with beside its layout.
     pub options: TrainOptions,
+    /// Whether (stage, replica) recomputes its activations.
+    pub recompute: Grid<bool>,
 }
 
 impl Candidate {
@@ -642,11 +651,17 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
             };
             searched.get(&options).map(|(bound, _)| *bound)
         };
-        let (unsharded, d) = (bound(false, false), options.distributed_optimizer);
-        let search = if options.recompute && bound(false, d) == Some(false) {
+        let (d, plain) = (
+            options.distributed_optimizer,
+            options.recompute == Recompute::Never,
+        );
+        let unsharded = bound(Recompute::Never, false);
+        let search = if options.recompute == Recompute::WhereNeeded
+            && bound(Recompute::Never, d) == Some(false)
+        {
             // Recomputation only saves memory at a cost in time: tried where memory bound.
             Search::default()
-        } else if !options.recompute && d && unsharded == Some(false) {
+        } else if plain && d && unsharded == Some(false) {
             // Sharding saves memory and the optimizer's time: where memory did not bind,
             // the same layouts re-priced (nothing to gain where the optimizer is unpriced).
             match optimizer_priced {
@@ -769,9 +784,9 @@ fn plan_pooled_options(
         request.tp_sizes(),
     );
     let (mut best, mut bound): (Option<PooledCandidate>, Option<bool>) = (None, None);
-    for &recompute in request.recompute.values() {
+    for &recompute in request.recompute.recompute() {
         // Recomputation only saves memory at a cost in time: tried where memory bound.
-        if recompute && bound == Some(false) {
+        if recompute == Recompute::WhereNeeded && bound == Some(false) {
             continue;
         }
         let options = TrainOptions {
@@ -884,6 +899,10 @@ impl Search {
         self.considered += 1;
         match evaluate(ctx, grid.devices, &layers, &sizes, &micro_batches)? {
             Ok(prediction) => self.candidates.push(Candidate {
+                recompute: (stage_fits(ctx, grid.devices, &layers, &sizes, &micro_batches)?)
+                    .iter()
+                    .map(|row| row.iter().map(|f| f.recompute).collect())
+                    .collect(),
                 options: TrainOptions {
                     recompute: ctx.cost.recompute,
                     // One replica has nothing to shard over.
@@ -1072,10 +1091,19 @@ fn fastest_size(
     for &b in sizes {
         let (mut fits, mut slowest) = (true, 0.0f64);
         for (i, &own) in layers.iter().enumerate() {
-            let (need, have) = memory_need(ctx, grid, &shares, (i, r), own, b, p)?;
-            fits &= !ctx.exceeds(need, have);
-            let k = ctx.costs(grid[i][r], b)?;
-            slowest = slowest.max(stage_seconds(&k, own, i, p));
+            let unit = grid[i][r];
+            let holding = StageHolding {
+                layers: own,
+                first: i == 0,
+                last: i + 1 == p,
+                in_flight: p - i,
+                micro_batch_size: b,
+                optimizer_share: shares[i].of(ctx, unit),
+                recompute: false,
+            };
+            let fit = stage_fit(ctx, unit, holding)?;
+            fits &= !ctx.exceeds(fit.need, ctx.memory[unit]);
+            slowest = slowest.max(stage_seconds(&fit.costs, own, i, p));
         }
         let per_sample = slowest / b as f64;
         if fits && best.is_none_or(|(s, _)| per_sample < s) {
@@ -1156,9 +1184,6 @@ type Grid<T> = Vec<Vec<T>>;
 /// One distinct replica of a stage, as the layer DP sees it.
 #[derive(Clone)]
 struct StageRow {
-    per_layer_s: f64,
-    /// Embedding and head time.
-    extra_s: f64,
     micro_batches: f64,
     in_flight: usize,
     usable_bytes: Option<f64>,
@@ -1168,22 +1193,24 @@ struct StageRow {
 }
 
 /// Per (stage, replica): per-micro-batch time (at the replica's micro-batch size in
-/// `sizes`), and p2p seconds to the next stage.
+/// `sizes`, recomputing where [`stage_fit`] says with `m` micro-batches), and p2p
+/// seconds to the next stage.
 fn stage_times(
     ctx: &mut Ctx<'_>,
     grid: &[Vec<usize>],
     layers: &[usize],
     sizes: &[usize],
+    m: &[usize],
 ) -> Result<(Grid<f64>, Grid<f64>), PlanningError> {
     let p = grid.len();
     let d = grid[0].len();
+    let fits = stage_fits(ctx, grid, layers, sizes, m)?;
     let mut t = vec![vec![0.0; d]; p];
     let mut c = vec![vec![0.0; d]; p];
     for i in 0..p {
         for r in 0..d {
             let b = sizes[r];
-            let k = ctx.costs(grid[i][r], b)?;
-            t[i][r] = stage_seconds(&k, layers[i], i, p);
+            t[i][r] = stage_seconds(&fits[i][r].costs, layers[i], i, p);
             if i + 1 < p {
                 c[i][r] =
                     ctx.cost
@@ -1211,7 +1238,7 @@ fn pipeline_time(t: &[Vec<f64>], c: &[Vec<f64>], r: usize, m: usize) -> f64 {
 }
 
 /// Memory check of one (stage, replica) of `grid`, whose stages' optimizer shares are
-/// `shares`.
+/// `shares`: (need, usable).
 fn memory_need(
     ctx: &mut Ctx<'_>,
     grid: &[Vec<usize>],
@@ -1222,19 +1249,86 @@ fn memory_need(
     m: usize,
 ) -> Result<(f64, Option<f64>), PlanningError> {
     let p = grid.len();
-    let k = ctx.costs(grid[i][r], b)?;
-    let need = ctx.cost.memory_bytes(
-        &k,
-        &StageHolding {
-            layers,
-            first: i == 0,
-            last: i + 1 == p,
-            in_flight: (p - i).min(m),
-            micro_batch_size: b,
-            optimizer_share: shares[i].of(ctx, grid[i][r]),
+    let holding = StageHolding {
+        layers,
+        first: i == 0,
+        last: i + 1 == p,
+        in_flight: (p - i).min(m),
+        micro_batch_size: b,
+        optimizer_share: shares[i].of(ctx, grid[i][r]),
+        recompute: false,
+    };
+    let fit = stage_fit(ctx, grid[i][r], holding)?;
+    Ok((fit.need, ctx.memory[grid[i][r]]))
+}
+
+/// A unit holding a stage: the costs it runs at, whether it recomputes (by the
+/// context's [`Recompute`]: where needed, when it would not fit otherwise), and the
+/// bytes it needs so.
+#[derive(Debug, Clone, Copy)]
+struct StageFit {
+    costs: StageCosts,
+    recompute: bool,
+    need: f64,
+}
+
+fn stage_fit(
+    ctx: &mut Ctx<'_>,
+    unit: usize,
+    holding: StageHolding,
+) -> Result<StageFit, PlanningError> {
+    let plain = ctx.costs(unit, holding.micro_batch_size)?;
+    let need = |recompute| {
+        let holding = StageHolding {
+            recompute,
+            ..holding
+        };
+        ctx.cost.memory_bytes(&plain, &holding)
+    };
+    let recompute = match ctx.cost.recompute {
+        Recompute::Never => false,
+        Recompute::Always => true,
+        Recompute::WhereNeeded => ctx.memory[unit].is_some_and(|have| need(false) > have),
+    };
+    Ok(StageFit {
+        costs: match recompute {
+            true => plain.recomputed(),
+            false => plain,
         },
-    );
-    Ok((need, ctx.memory[grid[i][r]]))
+        recompute,
+        need: need(recompute),
+    })
+}
+
+/// [`stage_fit`] of every (stage, replica) of `grid` with `layers`, micro-batch sizes
+/// `sizes` and counts `m`.
+fn stage_fits(
+    ctx: &mut Ctx<'_>,
+    grid: &[Vec<usize>],
+    layers: &[usize],
+    sizes: &[usize],
+    m: &[usize],
+) -> Result<Grid<StageFit>, PlanningError> {
+    let p = grid.len();
+    let shares = Shares::of_grid(ctx, grid);
+    let mut fits = Vec::with_capacity(p);
+    for i in 0..p {
+        let mut row = Vec::with_capacity(grid[i].len());
+        for (r, &unit) in grid[i].iter().enumerate() {
+            let holding = StageHolding {
+                layers: layers[i],
+                first: i == 0,
+                last: i + 1 == p,
+                in_flight: (p - i).min(m[r]),
+                micro_batch_size: sizes[r],
+                optimizer_share: shares[i].of(ctx, unit),
+                recompute: false,
+            };
+            row.push(stage_fit(ctx, unit, holding)?);
+        }
+        fits.push(row);
+    }
+    Ok(fits)
 }
 
 /// How a stage's optimizer state divides over its replicas: under the distributed
@@ -1315,7 +1409,7 @@ fn evaluate(
             }
         }
     }
-    let (t, c) = stage_times(ctx, grid, layers, sizes)?;
+    let (t, c) = stage_times(ctx, grid, layers, sizes, m)?;
     let pipeline_s = (0..d)
         .map(|r| pipeline_time(&t, &c, r, m[r]))
         .fold(0.0, f64::max);
@@ -1395,7 +1489,8 @@ fn proportional_split(
     let p = grid.len();
     let d = grid[0].len();
     let even = even_layers(ctx.cost.model.num_layers, p);
-    let (t, _) = stage_times(ctx, grid, &even, &vec![b; d])?;
+    // Every stage with its pipeline's depth in flight, as a long batch keeps it.
+    let (t, _) = stage_times(ctx, grid, &even, &vec![b; d], &vec![p; d])?;
     let rate: Vec<f64> = (0..d)
         .map(|r| 1.0 / t.iter().map(|s| s[r]).fold(1e-30, f64::max))
         .collect();
@@ -1458,7 +1553,7 @@ fn split_samples(
     layers: &[usize],
     samples: usize,
 ) -> Result<Option<Vec<usize>>, PlanningError> {
-    let (t, c) = stage_times(ctx, grid, layers, sizes)?;
+    let (t, c) = stage_times(ctx, grid, layers, sizes, &vec![grid.len(); grid[0].len()])?;
     let d = grid[0].len();
     let b = sizes[0];
     if sizes.iter().all(|&s| s == b) {
@@ -1541,12 +1636,10 @@ fn split_layers(
         for r in 0..d {
             let (dev, b) = (stage_devices[r], sizes[r]);
             let k = ctx.costs(dev, b)?;
-            let extra =
-                if i == 0 { k.embedding_s } else { 0.0 } + if i + 1 == p { k.head_s } else { 0.0 };
             let share = shares.of(ctx, dev);
             let key = (
                 k.layer_s.to_bits(),
-                extra.to_bits(),
+                (k.embedding_s.to_bits(), k.head_s.to_bits()),
                 m[r],
                 ctx.memory[dev].map(f64::to_bits),
                 b,
@@ -1554,8 +1647,6 @@ fn split_layers(
             );
             if seen.insert(key) {
                 stage_rows.push(StageRow {
-                    per_layer_s: k.layer_s,
-                    extra_s: extra,
                     micro_batches: m[r] as f64,
                     in_flight: (p - i).min(m[r]),
                     usable_bytes: ctx.memory[dev],
@@ -1574,22 +1665,39 @@ fn split_layers(
             let f: Box<dyn Fn(usize) -> Option<f64>> = Box::new(move |layers: usize| {
                 let mut worst = 0.0f64;
                 for row in &stage_rows {
-                    if let Some(have) = row.usable_bytes {
+                    let holding = StageHolding {
+                        layers,
+                        first: i == 0,
+                        last: i + 1 == p,
+                        in_flight: row.in_flight,
+                        micro_batch_size: row.micro_batch_size,
+                        optimizer_share: row.optimizer_share,
+                        recompute: false,
+                    };
+                    let need = |recompute| {
                         let holding = StageHolding {
-                            layers,
-                            first: i == 0,
-                            last: i + 1 == p,
-                            in_flight: row.in_flight,
-                            micro_batch_size: row.micro_batch_size,
-                            optimizer_share: row.optimizer_share,
+                            recompute,
+                            ..holding
                         };
-                        if cost.memory_bytes(&row.costs, &holding) > have {
-                            bound.set(true);
-                            return None;
-                        }
+                        cost.memory_bytes(&row.costs, &holding)
+                    };
+                    let over =
+                        |recompute| row.usable_bytes.is_some_and(|have| need(recompute) > have);
+                    // As stage_fit decides, for this many layers.
+                    let recompute = match cost.recompute {
+                        Recompute::Never => false,
+                        Recompute::Always => true,
+                        Recompute::WhereNeeded => over(false),
+                    };
+                    if over(recompute) {
+                        bound.set(true);
+                        return None;
                     }
-                    let time = layers as f64 * row.per_layer_s + row.extra_s;
-                    worst = worst.max(row.micro_batches * time);
+                    let k = match recompute {
+                        true => row.costs.recomputed(),
+                        false => row.costs,
+                    };
+                    worst = worst.max(row.micro_batches * stage_seconds(&k, layers, i, p));
                 }
                 Some(worst)
             });
@@ -1668,6 +1776,25 @@ pub fn to_parallel_plan(
     )
 }
 
+/// The candidate as the file `synerfuse plan` writes: its grid plan in the general
+/// form (the grid's rank order kept), with the stages that recompute their activations.
+pub fn to_general_grid_plan(
+    cost: &CostModel,
+    candidate: &Candidate,
+) -> Result<crate::GeneralPlan, PlanningError> {
+    let general = crate::GeneralPlan::from_grid(&to_parallel_plan(cost, candidate)?)?;
+    if !candidate.recompute.iter().flatten().any(|&x| x) {
+        return Ok(general);
+    }
+    let replicas = (general.replicas().iter().enumerate())
+        .map(|(r, replica)| crate::general::ReplicaPipeline {
+            recompute: candidate.recompute.iter().map(|row| row[r]).collect(),
+            ..replica.clone()
+        })
+        .collect();
+    Ok(crate::GeneralPlan::new(replicas)?)
+}
+
 /// Where a rank on `dev` computes: CUDA for an accelerator, else the CPU; its emulated
 /// speed, kind and memory.
 fn placement(dev: &Device) -> RankPlacement {
@@ -1711,7 +1838,8 @@ fn simulate_step(
     let topology = plan.topology()?;
     let p = c.layers.len();
     let sizes = &c.micro_batch_sizes;
-    let (t, _) = stage_times(ctx, &c.devices, &c.layers, sizes)?;
+    let (t, _) = stage_times(ctx, &c.devices, &c.layers, sizes, &c.micro_batches)?;
+    let fits = stage_fits(ctx, &c.devices, &c.layers, sizes, &c.micro_batches)?;
     let coords: Vec<(usize, usize)> = (0..plan.topology.world_size)
         .map(|r| {
             let x = topology.coordinates(r).expect("rank in topology");
@@ -1720,7 +1848,7 @@ fn simulate_step(
         .collect();
     let mut fractions = vec![0.0; coords.len()];
     for (rank, &(i, r)) in coords.iter().enumerate() {
-        fractions[rank] = ctx.costs(c.devices[i][r], sizes[r])?.forward_fraction;
+        fractions[rank] = fits[i][r].costs.forward_fraction;
     }
     let devices = &ctx.devices;
     let cost = ctx.cost;
@@ -1866,8 +1994,15 @@ mod tests {
         );
         let outcome = plan(&cost, &request(16, Choice::Auto, Choice::Off)).unwrap();
         let best = &outcome.plans[0];
-        assert!(best.options.recompute, "{best:?}");
-        assert_eq!(best.options.train_flags(), ["--recompute-activations"]);
+        assert_eq!(best.options.recompute, Recompute::WhereNeeded, "{best:?}");
+        // Only the stages that need it: the last keeps one micro-batch in flight, the
+        // first two.
+        let stages: Vec<bool> = best.recompute.iter().map(|row| row[0]).collect();
+        assert_eq!(stages, [true, false], "{best:?}");
+        // The plan file says so; no train flag is needed.
+        assert!(best.options.train_flags().is_empty());
+        let file = to_general_grid_plan(&cost, best).unwrap();
+        assert_eq!(file.replicas()[0].recompute, [true, false]);
         // Each stage's forward runs twice: a third more compute than without.
         let plain = plan(&a10s(2, 2048), &request(32, Choice::Off, Choice::Off)).unwrap();
         let busy = |c: &Candidate| c.prediction.busy_s.iter().flatten().sum::<f64>();
@@ -2066,6 +2201,7 @@ mod tests {
                                     in_flight: (p - i).min(c.micro_batches[r]),
                                     micro_batch_size: b,
                                     optimizer_share: cost.usable_memory(dev).unwrap() / stage_memory,
+                                    recompute: c.recompute[i][r],
                                 };
                                 let need = priced.memory_bytes(&k, &holding);
                                 prop_assert!(need <= cost.usable_memory(dev).unwrap() + 1.0);
@@ -2189,7 +2325,7 @@ mod tests {
                     let mut fits = true;
                     for (dev, &(b, m)) in devs.iter().zip(&chosen) {
                         let k = cost.stage_costs(dev, b).unwrap();
-                        let need = cost.memory_bytes(&k, &StageHolding { layers: 1, first: true, last: true, in_flight: 1, micro_batch_size: b, optimizer_share: 1.0 });
+                        let need = cost.memory_bytes(&k, &StageHolding { layers: 1, first: true, last: true, in_flight: 1, micro_batch_size: b, optimizer_share: 1.0, recompute: false });
                         fits &= need <= cost.usable_memory(dev).unwrap();
                         worst = worst.max(m as f64 * (k.layer_s + k.embedding_s + k.head_s));
                     }

@@ -6,8 +6,8 @@
 
 use super::samples::{min_max_samples, ReplicaPace};
 use super::{
-    arrange, max, pipeline_time, placement, split_layers, stage_times, Arrangement, Ctx, Grid,
-    PlanningError, TpGroup, TrainOptions,
+    arrange, max, pipeline_time, placement, split_layers, stage_fit, stage_fits, stage_times,
+    Arrangement, Ctx, Grid, PlanningError, TpGroup, TrainOptions,
 };
 use crate::cost::{CostModel, StageHolding};
 use crate::general::{GeneralPlan, GeneralPlanError, ReplicaPipeline};
@@ -40,6 +40,9 @@ pub struct PooledCandidate {
     pub groups: Vec<TpGroup>,
     /// What it trains with beside its layout.
     pub options: TrainOptions,
+    /// Whether each stage of each replica (in the plan's order) recomputes its
+    /// activations.
+    pub recompute: Vec<Vec<bool>>,
     /// One training step, s (simulated schedule, the reduction, the optimizer).
     pub step_time_s: f64,
     /// The slowest replica's pipeline, s.
@@ -54,7 +57,13 @@ impl PoolLayout {
     /// Per (stage, replica) the seconds of one micro-batch, and of its send to the next stage.
     fn stage_times(&self, ctx: &mut Ctx<'_>) -> Result<(Grid<f64>, Grid<f64>), PlanningError> {
         let sizes = vec![self.micro_batch_size; self.micro_batches.len()];
-        stage_times(ctx, &self.devices, &self.layers, &sizes)
+        stage_times(
+            ctx,
+            &self.devices,
+            &self.layers,
+            &sizes,
+            &self.micro_batches,
+        )
     }
 }
 
@@ -227,7 +236,7 @@ fn pool_options(
             let Some(layers) = layers else {
                 continue;
             };
-            let (t, _) = stage_times(ctx, &devices, &layers, &bs)?;
+            let (t, _) = stage_times(ctx, &devices, &layers, &bs, &vec![p; d])?;
             let slowest = t.iter().map(|s| s[0]).fold(0.0, f64::max);
             options.push(PoolOption {
                 rate: (d * b) as f64 / slowest.max(1e-30) / n as f64,
@@ -315,7 +324,6 @@ fn fits_all(ctx: &mut Ctx<'_>, layouts: &[PoolLayout]) -> Result<bool, PlanningE
         let (p, b) = (pool.layers.len(), pool.micro_batch_size);
         for (i, row) in pool.devices.iter().enumerate() {
             for (&dev, &m) in row.iter().zip(&pool.micro_batches) {
-                let k = ctx.costs(dev, b)?;
                 let holding = StageHolding {
                     layers: pool.layers[i],
                     first: i == 0,
@@ -323,9 +331,10 @@ fn fits_all(ctx: &mut Ctx<'_>, layouts: &[PoolLayout]) -> Result<bool, PlanningE
                     in_flight: (p - i).min(m),
                     micro_batch_size: b,
                     optimizer_share: 1.0,
+                    recompute: false,
                 };
-                let need = ctx.cost.memory_bytes(&k, &holding);
-                if ctx.exceeds(need, ctx.memory[dev]) {
+                let fit = stage_fit(ctx, dev, holding)?;
+                if ctx.exceeds(fit.need, ctx.memory[dev]) {
                     return Ok(false);
                 }
             }
@@ -614,6 +623,10 @@ pub fn to_general_plan(
                 num_micro_batches: pool.micro_batches[r],
             },
             ranks,
+            recompute: match candidate.recompute.get(replicas.len()) {
+                Some(flags) if flags.iter().any(|&x| x) => flags.clone(),
+                _ => Vec::new(),
+            },
             tp_shares: match groups.iter().all(|g| even(g)) {
                 true => Vec::new(),
                 false => (groups.iter())
@@ -639,6 +652,7 @@ fn simulate(
     let mut candidate = PooledCandidate {
         pools,
         groups: ctx.groups.clone(),
+        recompute: Vec::new(),
         options: TrainOptions {
             recompute: ctx.cost.recompute,
             distributed_optimizer: ctx.cost.distributed_optimizer,
@@ -656,10 +670,21 @@ fn simulate(
     for pool in &candidate.pools {
         let d = pool.micro_batches.len();
         let (t, _) = pool.stage_times(ctx)?;
+        let sizes = vec![pool.micro_batch_size; d];
+        let fits = stage_fits(
+            ctx,
+            &pool.devices,
+            &pool.layers,
+            &sizes,
+            &pool.micro_batches,
+        )?;
         for r in 0..d {
+            candidate
+                .recompute
+                .push(fits.iter().map(|row| row[r].recompute).collect());
             for (i, row) in t.iter().enumerate() {
                 let unit = pool.devices[i][r];
-                let f = ctx.costs(unit, pool.micro_batch_size)?.forward_fraction;
+                let f = fits[i][r].costs.forward_fraction;
                 let position = ranks.last().map_or(0, |&(.., p)| p + 1);
                 for &dev in &ctx.groups[unit].members {
                     ranks.push((dev, pool.micro_batch_size, row[r], f, position));
@@ -977,7 +1002,7 @@ mod tests {
                         let b = pool.micro_batch_size;
                         let k = cost.stage_costs(&devices[group.members[0]], b).unwrap();
                         let in_flight = (p - i).min(pool.micro_batches[r]);
-                        let holding = StageHolding { layers: pool.layers[i], first: i == 0, last: i + 1 == p, in_flight, micro_batch_size: b, optimizer_share: 1.0 };
+                        let holding = StageHolding { layers: pool.layers[i], first: i == 0, last: i + 1 == p, in_flight, micro_batch_size: b, optimizer_share: 1.0, recompute: false };
                         let need = cost.memory_bytes(&k, &holding);
                         for (&dev, share) in group.members.iter().zip(&group.state) {
                             prop_assert_eq!(&devices[dev].node, &devices[group.members[0]].node);

@@ -237,7 +237,9 @@ fn build_chunks(
         }
         let mut stage = Stage::new_sharded(&config.model, layers, shard.clone(), device)?;
         stage.init_by_name(config.batch.seed);
-        stage.set_recompute(config.compute.recompute);
+        // The run's --recompute-activations, or the plan's for this stage.
+        let replica_plan = &config.parallel.plan.replicas()[replica];
+        stage.set_recompute(config.compute.recompute || replica_plan.recomputes(stage_index));
         stage.set_sequence_parallel(config.parallel.sequence_parallel);
         let (input, output) = neighbours_of_equal_tp(config, (replica, stage_index), chunk);
         stage.set_sequence_rows_io(input, output);
