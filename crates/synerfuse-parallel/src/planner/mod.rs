@@ -1185,11 +1185,11 @@ type Grid<T> = Vec<Vec<T>>;
 #[derive(Clone)]
 struct StageRow {
     micro_batches: f64,
-    in_flight: usize,
     usable_bytes: Option<f64>,
     costs: StageCosts,
-    micro_batch_size: usize,
-    optimizer_share: f64,
+    /// Bytes needed as (fixed, per layer), without and with recomputation.
+    need: (f64, f64),
+    recomputed_need: (f64, f64),
 }
 
 /// Per (stage, replica): per-micro-batch time (at the replica's micro-batch size in
@@ -1646,13 +1646,29 @@ fn split_layers(
                 share.to_bits(),
             );
             if seen.insert(key) {
+                // A rank's need is affine in its layers: two points give it.
+                let need = |recompute, layers| {
+                    let holding = StageHolding {
+                        layers,
+                        first: i == 0,
+                        last: i + 1 == p,
+                        in_flight: (p - i).min(m[r]),
+                        micro_batch_size: b,
+                        optimizer_share: share,
+                        recompute,
+                    };
+                    ctx.cost.memory_bytes(&k, &holding)
+                };
+                let affine = |recompute| {
+                    let base = need(recompute, 0);
+                    (base, need(recompute, 1) - base)
+                };
                 stage_rows.push(StageRow {
                     micro_batches: m[r] as f64,
-                    in_flight: (p - i).min(m[r]),
                     usable_bytes: ctx.memory[dev],
                     costs: k,
-                    micro_batch_size: b,
-                    optimizer_share: share,
+                    need: affine(false),
+                    recomputed_need: affine(true),
                 });
             }
         }
@@ -1665,24 +1681,14 @@ fn split_layers(
             let f: Box<dyn Fn(usize) -> Option<f64>> = Box::new(move |layers: usize| {
                 let mut worst = 0.0f64;
                 for row in &stage_rows {
-                    let holding = StageHolding {
-                        layers,
-                        first: i == 0,
-                        last: i + 1 == p,
-                        in_flight: row.in_flight,
-                        micro_batch_size: row.micro_batch_size,
-                        optimizer_share: row.optimizer_share,
-                        recompute: false,
-                    };
-                    let need = |recompute| {
-                        let holding = StageHolding {
-                            recompute,
-                            ..holding
+                    let over = |recompute| {
+                        let (fixed, per_layer) = match recompute {
+                            true => row.recomputed_need,
+                            false => row.need,
                         };
-                        cost.memory_bytes(&row.costs, &holding)
+                        let need = fixed + per_layer * layers as f64;
+                        row.usable_bytes.is_some_and(|have| need > have)
                     };
-                    let over =
-                        |recompute| row.usable_bytes.is_some_and(|have| need(recompute) > have);
                     // As stage_fit decides, for this many layers.
                     let recompute = match cost.recompute {
                         Recompute::Never => false,
