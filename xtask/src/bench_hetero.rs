@@ -298,6 +298,8 @@ fn one_scenario(
             .map(|m| (planned.plan.predicted_s - m).abs() / m),
     );
     let plan_errors: Vec<f64> = errors[grids.len()..].to_vec();
+    // The best grid layout's repeated runs count too.
+    errors.extend((best_runs.iter()).map(|m| (planned.grids[best].predicted_s - m).abs() / m));
     let mut row = serde_json::json!({
         "scenario": name,
         "global_batch_size": global_batch,

@@ -182,12 +182,12 @@ pub struct PlanArgs {
     /// devices, unequal ones with unequal shares; 1: none)
     #[arg(long, value_parser = crate::values::positive_count, value_delimiter = ',', default_value = "1,2,4,8")]
     tensor_model_parallel_sizes: Vec<usize>,
-    /// Whether plans recompute activations: auto (where it makes a plan fit or faster),
-    /// on (bare flag) or off
+    /// Whether plans recompute activations: auto (each stage that would not fit
+    /// otherwise), on (bare flag: every stage) or off
     #[arg(long, value_name = "auto|on|off", default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
     recompute_activations: planner::Choice,
-    /// Whether grid plans shard the optimizer over each stage's replicas (in proportion
-    /// to memory): auto, on (bare flag) or off
+    /// Whether plans shard the optimizer over each stage's replicas (in proportion to
+    /// memory; priced for grid plans): auto, on (bare flag) or off
     #[arg(long, value_name = "auto|on|off", default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
     use_distributed_optimizer: planner::Choice,
     /// A `synerfuse profile` output (overrides the catalogue)
@@ -398,9 +398,12 @@ fn report_pooled_only(
         .pooled
         .as_ref()
         .context("the planner returned no plan")?;
-    if args.grid_output.is_some() || args.uniform_output.is_some() {
+    if args.grid_output.is_some()
+        || args.uniform_output.is_some()
+        || args.uniform_layouts_dir.is_some()
+    {
         anyhow::bail!(
-            "--grid-output / --uniform-output: no grid plan (every replica the same stages) fits this cluster, model and batch; only per-replica pipelines do"
+            "--grid-output / --uniform-output / --uniform-layouts-dir: no grid plan (every replica the same stages) fits this cluster, model and batch; only per-replica pipelines do"
         );
     }
     if let Some(out) = &args.output {

@@ -907,7 +907,13 @@ fn log_run(config: &TrainConfig, world_size: usize, threads: usize) {
             .map(|r| (r.batch.micro_batch_size, r.batch.num_micro_batches))
             .collect::<Vec<_>>()
     );
+    let recomputing =
+        (plan.replicas().iter()).any(|r| (0..r.stages.num_stages()).any(|s| r.recomputes(s)));
     match plan.to_grid() {
+        // SynerFuse's flags recompute every stage or none.
+        Some(_) if recomputing => tracing::info!(
+            "no equivalent flags: the plan recomputes some stages (SynerFuse's --recompute-activations recomputes every stage)"
+        ),
         Some(grid) => tracing::info!("equivalent flags: {}", grid.to_synerfuse_args().join(" ")),
         None => tracing::info!(
             "no equivalent flags: the replicas differ in stages, or their ranks or devices follow no grid order"

@@ -42,7 +42,8 @@ pub struct PlanRequest {
     pub tensor_parallel_sizes: Vec<usize>,
     /// Whether plans recompute activations (auto: the stages that need it).
     pub recompute: Choice,
-    /// Whether grid plans shard the optimizer over each stage's replicas.
+    /// Whether plans shard the optimizer over each stage's replicas (priced for grid
+    /// plans; per-replica pipelines carry the flag when it is on, priced without it).
     pub distributed_optimizer: Choice,
 }
 
@@ -1332,8 +1333,8 @@ fn stage_fits(
 }
 
 /// How a stage's optimizer state divides over its replicas: under the distributed
-/// optimizer in proportion to their memory (equally where memory is not known), else
-/// not at all.
+/// optimizer in proportion to their devices' memory, as the trainer divides it (equally
+/// where memory is not known), else not at all.
 #[derive(Clone, Copy)]
 struct Shares {
     sharded: bool,
@@ -1349,10 +1350,17 @@ impl Shares {
             sharded,
             replicas: stage.len(),
             memory: match sharded {
-                true => stage.iter().map(|&u| ctx.memory[u]).sum(),
+                true => stage.iter().map(|&u| Self::weight(ctx, u)).sum(),
                 false => None,
             },
         }
+    }
+
+    /// A unit's weight as the trainer shards by it (`GeneralPlan::memory_shares`): its
+    /// device's memory in tenths of a GB, as the plan file gives it.
+    fn weight(ctx: &Ctx<'_>, unit: usize) -> Option<f64> {
+        let gb = ctx.devices[unit].spec?.memory_gb;
+        Some((gb * 10.0).round().max(1.0))
     }
 
     fn of_grid(ctx: &Ctx<'_>, grid: &[Vec<usize>]) -> Vec<Self> {
@@ -1363,7 +1371,7 @@ impl Shares {
 
     /// `unit`'s share.
     fn of(&self, ctx: &Ctx<'_>, unit: usize) -> f64 {
-        match (self.sharded, self.memory, ctx.memory[unit]) {
+        match (self.sharded, self.memory, Self::weight(ctx, unit)) {
             (false, ..) => 1.0,
             (true, Some(all), Some(mine)) => mine / all.max(1.0),
             _ => 1.0 / self.replicas as f64,
@@ -1640,6 +1648,7 @@ fn split_layers(
             let key = (
                 k.layer_s.to_bits(),
                 (k.embedding_s.to_bits(), k.head_s.to_bits()),
+                (k.activation_bytes.to_bits(), k.forward_fraction.to_bits()),
                 m[r],
                 ctx.memory[dev].map(f64::to_bits),
                 b,

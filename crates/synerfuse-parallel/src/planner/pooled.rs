@@ -100,7 +100,12 @@ pub fn plan_pooled(
     sizes: &[usize],
     tp_sizes: &[usize],
 ) -> Result<Option<PooledCandidate>, PlanningError> {
-    Ok(plan_pooled_noting_memory(cost, global_batch, sizes, tp_sizes)?.0)
+    // The distributed optimizer's shards are not priced for per-replica pipelines.
+    let cost = CostModel {
+        distributed_optimizer: false,
+        ..cost.clone()
+    };
+    Ok(plan_pooled_noting_memory(&cost, global_batch, sizes, tp_sizes)?.0)
 }
 
 /// [`plan_pooled`], and whether memory ruled anything out.
@@ -193,8 +198,8 @@ fn options_kept(counts: &[usize]) -> usize {
 /// What pools devices: their class (group, speed) and usable memory's bits.
 type PoolKey = (usize, Option<u64>);
 
-/// Device indices pooled by class and usable memory, fastest pool first (per-layer time
-/// at micro-batch size 1).
+/// Unit indices (devices, or tensor-parallel groups) pooled by unit class and usable
+/// memory, fastest pool first (per-layer time at micro-batch size 1).
 fn pools(ctx: &mut Ctx<'_>) -> Result<Vec<Vec<usize>>, PlanningError> {
     let mut pools: Vec<(PoolKey, Vec<usize>)> = Vec::new();
     for i in 0..ctx.devices.len() {
@@ -515,8 +520,9 @@ fn stage_pieces(pools: &[PoolLayout], l: usize) -> Vec<Vec<(usize, usize, usize)
 
 /// Per (replica, stage), replica by replica, the seconds of its gradient reduction: each
 /// segment between the union of every replica's boundaries all-reduced over its
-/// holders (one per replica; a tensor-parallel group's members each their share, side
-/// by side), a stage's segments one after another.
+/// holders (one per replica; tensor-parallel groups of the same shares each member its
+/// share, side by side; groups split otherwise the whole tensors over every member), a
+/// stage's segments one after another.
 fn reduce_s(ctx: &Ctx<'_>, pools: &[PoolLayout]) -> Vec<f64> {
     let model = &ctx.cost.model;
     let l = model.num_layers;
@@ -559,10 +565,25 @@ fn reduce_s(ctx: &Ctx<'_>, pools: &[PoolLayout]) -> Vec<f64> {
             .iter()
             .map(|&(r, i)| &ctx.devices[stages[r][i].2])
             .collect();
-        let share = (holders.iter())
-            .map(|&(r, i)| ctx.state_fraction(stages[r][i].2))
-            .fold(0.0, f64::max);
-        let t = (ctx.cost).allreduce_seconds(&devices, params(from, to) * 4.0 * share);
+        // Holders split alike reduce share by share, side by side; otherwise the trainer
+        // reduces whole tensors over every member of every holder.
+        let units: Vec<usize> = holders.iter().map(|&(r, i)| stages[r][i].2).collect();
+        let alike = (units.iter()).all(|&u| ctx.groups[u].shares == ctx.groups[units[0]].shares);
+        let t = match alike {
+            true => {
+                let share = units
+                    .iter()
+                    .map(|&u| ctx.state_fraction(u))
+                    .fold(0.0, f64::max);
+                (ctx.cost).allreduce_seconds(&devices, params(from, to) * 4.0 * share)
+            }
+            false => {
+                let members: Vec<&crate::cluster::Device> = (units.iter())
+                    .flat_map(|&u| ctx.groups[u].members.iter().map(|&m| &ctx.all[m]))
+                    .collect();
+                (ctx.cost).allreduce_seconds(&members, params(from, to) * 4.0)
+            }
+        };
         for (r, i) in holders {
             seconds[first_rank[r] + i] += t;
         }
@@ -929,6 +950,43 @@ mod tests {
         assert_eq!(plan.batches().global_batch_size(), 16);
         let timeline = pooled_timeline(&cost, &pooled).unwrap();
         assert_eq!(timeline.ranks.len(), 2);
+    }
+
+    /// Two tensor-parallel replicas split unlike ([1, 1] on two A100s, [5, 2] on an A100
+    /// and a V100) reduce whole tensors over all four ranks, as the trainer does; split
+    /// alike, each rank its share beside its peer.
+    #[test]
+    fn groups_split_unlike_reduce_whole_tensors() {
+        let cost = cost(
+            "[[group]]\nkind = \"a100-80g\"\ncount = 3\nnode = \"a\"\n\
+             [[group]]\nkind = \"v100\"\ncount = 1\nnode = \"a\"\n\
+             [network]\nintra_node_gbs = 300\ninter_node_gbs = 12\n",
+            4,
+            1024,
+        );
+        let ctx = Ctx::tensor_parallel(&cost, 2).unwrap().unwrap();
+        assert_ne!(ctx.groups[0].shares, ctx.groups[1].shares);
+        let layout = |unit| PoolLayout {
+            devices: vec![vec![unit]],
+            layers: vec![4],
+            micro_batch_size: 1,
+            micro_batches: vec![1],
+        };
+        let params = cost.model.stage_params(4, true, true) - cost.model.hidden_size as f64;
+        let all: Vec<&crate::cluster::Device> = ctx.all.iter().collect();
+        let whole = cost.allreduce_seconds(&all, params * 4.0);
+        let reduce = reduce_s(&ctx, &[layout(0), layout(1)]);
+        assert!(
+            (reduce[0] - whole).abs() < 1e-12 * whole,
+            "{reduce:?} vs {whole}"
+        );
+        let pair = [&ctx.devices[0], &ctx.devices[0]];
+        let alike = reduce_s(&ctx, &[layout(0), layout(0)]);
+        let half = cost.allreduce_seconds(&pair, params * 4.0 * ctx.state_fraction(0));
+        assert!(
+            (alike[0] - half).abs() < 1e-12 * half,
+            "{alike:?} vs {half}"
+        );
     }
 
     /// A cluster of custom groups (TFLOPS, memory GB, count), each on a node of its own,

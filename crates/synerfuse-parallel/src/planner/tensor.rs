@@ -119,26 +119,54 @@ fn layer_params(model: &ModelShape) -> (f64, f64) {
 }
 
 /// The shares for `members` (each with its whole-layer time in `layer_s`, fastest
-/// first) under which the slowest member finishes first: every non-increasing share
-/// vector in lowest terms up to [`MOST_SHARE`] (a faster device never gets less), ties
-/// to the smallest total. `None` when no shares split the model.
+/// first) under which the slowest member finishes first among [`candidate_shares`] (a
+/// faster device never gets less), ties to the smallest total. `None` when no shares
+/// split the model (more members than query groups, or a member left without one).
 pub fn best_group(model: &ModelShape, members: &[usize], layer_s: &[f64]) -> Option<TpGroup> {
+    // Every member needs a query group.
+    if members.len() > model.num_kv_heads {
+        return None;
+    }
     let mut best: Option<(f64, u32, TpGroup)> = None;
-    let mut shares = vec![MOST_SHARE; members.len()];
+    for shares in candidate_shares(layer_s) {
+        let Some(group) = TpGroup::new(model, members.to_vec(), shares) else {
+            continue;
+        };
+        let (time, total) = (group.layer_s(layer_s), group.shares.iter().sum::<u32>());
+        let better = best.as_ref().is_none_or(|(t, n, _)| {
+            time < t * (1.0 - 1e-12) || (time <= t * (1.0 + 1e-12) && total < *n)
+        });
+        if better {
+            best = Some((time, total, group));
+        }
+    }
+    best.map(|(_, _, g)| g)
+}
+
+/// The share vectors tried: every non-increasing one in lowest terms up to [`MOST_SHARE`]
+/// for groups of at most [`MOST_SHARE`] (6,435 for eight); for larger groups, whose count
+/// would explode, even shares and the speeds rounded at each scale up to it.
+fn candidate_shares(layer_s: &[f64]) -> Vec<Vec<u32>> {
+    let n = layer_s.len();
+    if n > MOST_SHARE as usize {
+        let fastest = layer_s.iter().copied().fold(f64::INFINITY, f64::min);
+        let mut out = vec![vec![1; n]];
+        for scale in 1..=MOST_SHARE {
+            let shares: Vec<u32> = (layer_s.iter())
+                .map(|&t| ((f64::from(scale) * fastest / t).round() as u32).max(1))
+                .collect();
+            out.push(shares);
+        }
+        return out;
+    }
+    let mut out = Vec::new();
+    let mut shares = vec![MOST_SHARE; n];
     loop {
         if gcd_all(&shares) == 1 || shares.iter().all(|&s| s == 1) {
-            if let Some(group) = TpGroup::new(model, members.to_vec(), shares.clone()) {
-                let (time, total) = (group.layer_s(layer_s), shares.iter().sum::<u32>());
-                let better = best.as_ref().is_none_or(|(t, n, _)| {
-                    time < t * (1.0 - 1e-12) || (time <= t * (1.0 + 1e-12) && total < *n)
-                });
-                if better {
-                    best = Some((time, total, group));
-                }
-            }
+            out.push(shares.clone());
         }
         if !next_non_increasing(&mut shares) {
-            return best.map(|(_, _, g)| g);
+            return out;
         }
     }
 }
