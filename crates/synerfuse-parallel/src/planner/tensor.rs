@@ -119,9 +119,11 @@ fn layer_params(model: &ModelShape) -> (f64, f64) {
 }
 
 /// The shares for `members` (each with its whole-layer time in `layer_s`, fastest
-/// first) under which the slowest member finishes first among [`candidate_shares`] (a
-/// faster device never gets less), ties to the smallest total. `None` when no shares
-/// split the model (more members than query groups, or a member left without one).
+/// first) under which the slowest member finishes first (a faster device never gets
+/// less), ties to the smallest total: among every non-increasing share vector in lowest
+/// terms up to [`MOST_SHARE`] for groups of at most that many members, else among even
+/// shares and the speeds rounded at each scale up to it. `None` when no shares split the
+/// model (more members than query groups, or a member left without one).
 pub fn best_group(model: &ModelShape, members: &[usize], layer_s: &[f64]) -> Option<TpGroup> {
     // Every member needs a query group.
     if members.len() > model.num_kv_heads {
