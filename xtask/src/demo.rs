@@ -97,7 +97,7 @@ pub fn run(root: &Path) -> Result<()> {
         "planning for {CLUSTER}: 4 CPU ranks at relative speeds 1 : 1 : 0.5 : 1/3 (0.5, 0.5, 0.25, 0.167 of a core)"
     ));
     let predicted = demo.join("predicted-step.json");
-    let plan_table = plan_cluster(&bin, &cluster, &profile, &plan, &predicted)?;
+    let (plan_table, train_flags) = plan_cluster(&bin, &cluster, &profile, &plan, &predicted)?;
     print!("{plan_table}");
 
     let checkpoints = demo.join("checkpoints");
@@ -117,7 +117,7 @@ pub fn run(root: &Path) -> Result<()> {
     } else {
         let _ = std::fs::remove_dir_all(&checkpoints);
         let _ = std::fs::remove_dir_all(demo.join("tensorboard"));
-        train_with_plan(&bin, &demo, &plan, &data)?;
+        train_with_plan(&bin, &demo, (&plan, &train_flags), &data)?;
     }
     let records = read_log(&log)?;
     ensure!(!records.is_empty(), "{} has no iterations", log.display());
@@ -162,38 +162,62 @@ pub fn run(root: &Path) -> Result<()> {
     Ok(())
 }
 
-/// `synerfuse plan` for the emulated cluster, writing `plan`; returns its table.
+/// `synerfuse plan` for the emulated cluster, writing `plan`; returns its table and the
+/// `synerfuse train` flags the plan was priced with beside its file (`--json`'s
+/// `written_plan.train_flags`).
 fn plan_cluster(
     bin: &Path,
     cluster: &Path,
     profile: &Path,
     plan: &Path,
     timeline: &Path,
-) -> Result<String> {
-    run_command(
-        Command::new(bin)
+) -> Result<(String, Vec<String>)> {
+    let request = |command: &mut Command| {
+        command
             .args(["plan", "--micro-batch-sizes", "1,2"])
             .args(["--global-batch-size", &GLOBAL_BATCH.to_string()])
             .args(model_flags())
             .args(["--vocab-size", "2048", "--cluster"])
             .arg(cluster)
             .arg("--profile")
-            .arg(profile)
-            .arg("--output")
+            .arg(profile);
+    };
+    let mut json = Command::new(bin);
+    request(&mut json);
+    let json: serde_json::Value =
+        serde_json::from_str(&run_command(json.arg("--json"), "synerfuse plan --json")?)
+            .context("synerfuse plan --json")?;
+    let flags = (json["written_plan"]["train_flags"]
+        .as_array()
+        .into_iter()
+        .flatten())
+    .filter_map(|f| f.as_str().map(str::to_owned))
+    .collect();
+    let mut text = Command::new(bin);
+    request(&mut text);
+    let table = run_command(
+        text.arg("--output")
             .arg(plan)
             .arg("--timeline")
             .arg(timeline),
         "synerfuse plan",
-    )
+    )?;
+    Ok((table, flags))
 }
 
-/// `synerfuse train` with the plan on 4 ranks: checkpoint, JSON log and TensorBoard
-/// under `demo`.
-fn train_with_plan(bin: &Path, demo: &Path, plan: &Path, data: &Data) -> Result<()> {
+/// `synerfuse train` with the plan (and the flags it was priced with) on 4 ranks:
+/// checkpoint, JSON log and TensorBoard under `demo`.
+fn train_with_plan(
+    bin: &Path,
+    demo: &Path,
+    (plan, flags): (&Path, &[String]),
+    data: &Data,
+) -> Result<()> {
     let checkpoints = demo.join("checkpoints");
     let status = Command::new(bin)
         .args(["train", "--nproc", "4", "--plan"])
         .arg(plan)
+        .args(flags)
         .args(model_flags())
         .args([
             "--disable-bias-linear",
