@@ -1092,18 +1092,8 @@ fn fastest_size(
     for &b in sizes {
         let (mut fits, mut slowest) = (true, 0.0f64);
         for (i, &own) in layers.iter().enumerate() {
-            let unit = grid[i][r];
-            let holding = StageHolding {
-                layers: own,
-                first: i == 0,
-                last: i + 1 == p,
-                in_flight: p - i,
-                micro_batch_size: b,
-                optimizer_share: shares[i].of(ctx, unit),
-                recompute: false,
-            };
-            let fit = stage_fit(ctx, unit, holding)?;
-            fits &= !ctx.exceeds(fit.need, ctx.memory[unit]);
+            let fit = grid_fit(ctx, grid, &shares, (i, r), own, b, p)?;
+            fits &= !ctx.exceeds(fit.need, ctx.memory[grid[i][r]]);
             slowest = slowest.max(stage_seconds(&fit.costs, own, i, p));
         }
         let per_sample = slowest / b as f64;
@@ -1249,6 +1239,21 @@ fn memory_need(
     b: usize,
     m: usize,
 ) -> Result<(f64, Option<f64>), PlanningError> {
+    let fit = grid_fit(ctx, grid, shares, (i, r), layers, b, m)?;
+    Ok((fit.need, ctx.memory[grid[i][r]]))
+}
+
+/// [`stage_fit`] of (stage, replica) of `grid` holding `layers` layers with `m`
+/// micro-batches of `b` samples (1F1B keeps min(p − i, m) in flight).
+fn grid_fit(
+    ctx: &mut Ctx<'_>,
+    grid: &[Vec<usize>],
+    shares: &[Shares],
+    (i, r): (usize, usize),
+    layers: usize,
+    b: usize,
+    m: usize,
+) -> Result<StageFit, PlanningError> {
     let p = grid.len();
     let holding = StageHolding {
         layers,
@@ -1259,8 +1264,7 @@ fn memory_need(
         optimizer_share: shares[i].of(ctx, grid[i][r]),
         recompute: false,
     };
-    let fit = stage_fit(ctx, grid[i][r], holding)?;
-    Ok((fit.need, ctx.memory[grid[i][r]]))
+    stage_fit(ctx, grid[i][r], holding)
 }
 
 /// A unit holding a stage: the costs it runs at, whether it recomputes (by the
@@ -1315,17 +1319,16 @@ fn stage_fits(
     let mut fits = Vec::with_capacity(p);
     for i in 0..p {
         let mut row = Vec::with_capacity(grid[i].len());
-        for (r, &unit) in grid[i].iter().enumerate() {
-            let holding = StageHolding {
-                layers: layers[i],
-                first: i == 0,
-                last: i + 1 == p,
-                in_flight: (p - i).min(m[r]),
-                micro_batch_size: sizes[r],
-                optimizer_share: shares[i].of(ctx, unit),
-                recompute: false,
-            };
-            row.push(stage_fit(ctx, unit, holding)?);
+        for r in 0..grid[i].len() {
+            row.push(grid_fit(
+                ctx,
+                grid,
+                &shares,
+                (i, r),
+                layers[i],
+                sizes[r],
+                m[r],
+            )?);
         }
         fits.push(row);
     }
