@@ -6,6 +6,7 @@
 //! best re-timed by simulating the real schedule.
 
 mod pooled;
+mod running;
 mod samples;
 mod tensor;
 
@@ -21,6 +22,7 @@ use std::collections::{BTreeSet, BinaryHeap, HashMap};
 
 use pooled::plan_pooled_noting_memory;
 pub use pooled::{plan_pooled, pooled_timeline, to_general_plan, PoolLayout, PooledCandidate};
+pub use running::{best_plan_for, fitted_cost, predict_step_s, ReplanError, RunningJob};
 pub use samples::{min_max_samples, ReplicaPace};
 pub use tensor::{best_group, TpGroup, MOST_SHARE};
 
@@ -1749,6 +1751,22 @@ fn memory_violation(
     }
 }
 
+/// The device index of each rank of the candidate's grid plan, in rank order.
+pub fn grid_rank_devices(candidate: &Candidate) -> Result<Vec<usize>, crate::PlanError> {
+    let (p, d) = (candidate.layers.len(), candidate.micro_batches.len());
+    let order = match candidate.arrangement {
+        Arrangement::ByReplica => TP_PP_DP_ORDER,
+        Arrangement::ByStage => DEFAULT_ORDER,
+    };
+    let topology = crate::Topology::new(p * d, 1, p, 1, 1, order)?;
+    (0..p * d)
+        .map(|rank| -> Result<usize, crate::PlanError> {
+            let c = topology.coordinates(rank)?;
+            Ok(candidate.devices[c.pp][c.dp])
+        })
+        .collect()
+}
+
 /// The candidate as a plan `synerfuse train --plan` runs.
 pub fn to_parallel_plan(
     cost: &CostModel,
@@ -1769,12 +1787,9 @@ pub fn to_parallel_plan(
         ep: 1,
         order: order.into(),
     };
-    let topology = crate::Topology::new(p * d, 1, p, 1, 1, order)?;
-    let mut ranks = Vec::with_capacity(p * d);
-    for rank in 0..p * d {
-        let c = topology.coordinates(rank)?;
-        ranks.push(placement(&devices[candidate.devices[c.pp][c.dp]]));
-    }
+    let ranks = (grid_rank_devices(candidate)?.into_iter())
+        .map(|device| placement(&devices[device]))
+        .collect();
     let batches = ReplicaBatches::new(
         candidate
             .micro_batch_sizes

@@ -72,6 +72,17 @@ impl PooledCandidate {
     fn replicas(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
         replicas(&self.pools)
     }
+
+    /// The device index of each rank of [`to_general_plan`]'s plan, in rank order.
+    pub fn rank_devices(&self) -> Vec<usize> {
+        (self.replicas())
+            .flat_map(|(k, r)| {
+                let pool = &self.pools[k];
+                (pool.devices.iter())
+                    .flat_map(move |row| self.groups[row[r]].members.iter().copied())
+            })
+            .collect()
+    }
 }
 
 /// Every replica of `pools`: (pool, index in the pool).
@@ -665,7 +676,7 @@ pub fn to_general_plan(
 /// Simulates the plan's 1F1B programs (every replica at once, each message at its
 /// link's cost), then the reduction once every replica has finished and the optimizer;
 /// the candidate with its times, and each rank's spans when `record`.
-fn simulate(
+pub(super) fn simulate(
     ctx: &mut Ctx<'_>,
     pools: Vec<PoolLayout>,
     record: bool,

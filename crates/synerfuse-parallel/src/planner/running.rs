@@ -1,0 +1,392 @@
+//! Re-planning a running job (`synerfuse train --replan`): its measured paces as a cost
+//! model, any plan of its ranks priced on that model, and the planner's best plan placed
+//! on the job's own ranks.
+//!
+//! The fitted model prices a layer by its FLOPs at one TFLOP/s and gives each rank the
+//! speed at which its current work (the forward and backward of its stage's layers, its
+//! share under tensor parallelism, the embedding and head where it holds them) takes
+//! its measured pace: it then predicts every rank's current pace, and other plans by
+//! moving work at those rates. The plan running and the candidates are priced by one
+//! simulation (every replica's schedule, the reduction, the optimizer), so that their
+//! difference is not the difference of two models.
+
+use super::pooled::{self, PoolLayout};
+use super::{
+    grid_rank_devices, plan, to_general_grid_plan, to_general_plan, Ctx, PlanRequest,
+    PlanningError, TpGroup,
+};
+use crate::cluster::{ClusterSpec, DeviceGroup, Network};
+use crate::cost::{CostModel, MeasuredCosts, MeasuredNetwork, ModelShape, Profile, Recompute};
+use crate::general::{GeneralPlan, GeneralPlanError, ReplicaPipeline};
+use std::collections::BTreeMap;
+
+/// The kind of every rank of a fitted cluster: its numbers are the fitted profile's.
+const FITTED_KIND: &str = "cpu";
+/// The rate a FLOP is priced at before a rank's speed: one TFLOP/s.
+const UNIT_RATE: f64 = 1e12;
+
+/// What a running job tells the re-planner.
+#[derive(Debug, Clone)]
+pub struct RunningJob<'a> {
+    /// The plan it runs.
+    pub plan: &'a GeneralPlan,
+    /// The model, at the run's sequence length.
+    pub model: ModelShape,
+    /// Each rank's forward and backward seconds per step under `plan`, in rank order.
+    pub paces_s: &'a [f64],
+    /// Each rank's host, in rank order (ranks of one host share its links).
+    pub hosts: &'a [String],
+    /// The network as measured between the job's ranks, if it was.
+    pub network: Option<MeasuredNetwork>,
+    /// Whether every stage recomputes its activations (`--recompute-activations`).
+    pub recompute: bool,
+    /// Bytes per activation element on the wire (4 in fp32, 2 in bf16).
+    pub compute_bytes: f64,
+}
+
+/// Why a running job cannot be re-planned.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ReplanError {
+    /// Not one pace (or host) per rank.
+    #[error("re-planning needs one {what} per rank: got {got} for {ranks} ranks")]
+    PerRank {
+        /// `pace` or `host`.
+        what: &'static str,
+        /// How many were given.
+        got: usize,
+        /// Ranks of the plan.
+        ranks: usize,
+    },
+    /// A pace that is not a positive time.
+    #[error("rank {rank}'s measured pace ({pace_s} s) is not a positive time")]
+    Pace {
+        /// The rank.
+        rank: usize,
+        /// Its pace.
+        pace_s: f64,
+    },
+    /// A plan with virtual pipeline chunks (not priced by the simulation here).
+    #[error("re-planning a plan with virtual pipeline chunks (an interleaved schedule) is not supported")]
+    Interleaved,
+    /// Tensor-parallel shares that do not split the model.
+    #[error("replica {replica}, stage {stage}: tensor-parallel shares {shares:?} do not split the model")]
+    Shares {
+        /// The replica.
+        replica: usize,
+        /// The stage.
+        stage: usize,
+        /// The shares.
+        shares: Vec<u32>,
+    },
+    /// The planner found nothing.
+    #[error(transparent)]
+    Planning(#[from] PlanningError),
+    /// A plan that does not form (a planner bug, reported).
+    #[error(transparent)]
+    General(#[from] GeneralPlanError),
+    /// A grid plan that does not form (a planner bug, reported).
+    #[error(transparent)]
+    Plan(#[from] crate::PlanError),
+}
+
+/// The costs of one micro-batch of one sample at speed 1: FLOPs at [`UNIT_RATE`].
+fn unit_costs(model: &ModelShape) -> MeasuredCosts {
+    let layer = model.layer_forward_flops(1) / UNIT_RATE;
+    MeasuredCosts {
+        layer_fwd_s: layer,
+        layer_bwd_s: 2.0 * layer,
+        embedding_s: 3.0 * (model.seq_length * model.hidden_size) as f64 / UNIT_RATE,
+        head_s: 3.0 * model.head_forward_flops(1) / UNIT_RATE,
+        layer_activation_bytes: model.layer_activation_bytes(1, 4.0, false),
+        optimizer_s_per_param: None,
+    }
+}
+
+/// The tensor-parallel group of `replica`'s `stage` (a rank alone without one).
+fn stage_group(
+    model: &ModelShape,
+    plan: &GeneralPlan,
+    replica: usize,
+    stage: usize,
+) -> Result<TpGroup, ReplanError> {
+    let r = &plan.replicas()[replica];
+    let ranks = r.ranks[stage].clone();
+    if ranks.len() == 1 {
+        return Ok(TpGroup::single(ranks[0]));
+    }
+    let shares = r.shares(stage);
+    TpGroup::new(model, ranks, shares.clone()).ok_or(ReplanError::Shares {
+        replica,
+        stage,
+        shares,
+    })
+}
+
+/// `rank`'s forward and backward seconds per step under `job.plan` at speed 1.
+fn unit_work_s(
+    job: &RunningJob<'_>,
+    unit: &MeasuredCosts,
+    rank: usize,
+) -> Result<f64, ReplanError> {
+    let plan = job.plan;
+    let (replica, stage) = plan.position(rank).expect("the plan places its ranks");
+    let r = &plan.replicas()[replica];
+    let group = stage_group(&job.model, plan, replica, stage)?;
+    let member = group.members.iter().position(|&m| m == rank).unwrap_or(0);
+    let layers = r.stages.layers()[stage] as f64;
+    let recompute = job.recompute || r.recomputes(stage);
+    let layer_s =
+        unit.layer_fwd_s * f64::from(u8::from(recompute)) + unit.layer_fwd_s + unit.layer_bwd_s;
+    let first = match stage {
+        0 => unit.embedding_s,
+        _ => 0.0,
+    };
+    let last = match stage + 1 == r.stages.num_stages() {
+        true => unit.head_s * group.vocab[member],
+        false => 0.0,
+    };
+    let per_sample = layers * layer_s * group.work[member] + first + last;
+    Ok(per_sample * (r.batch.micro_batch_size * r.batch.num_micro_batches) as f64)
+}
+
+/// The cost model of the running job: one device per rank (on its host), each at the
+/// speed its measured pace shows (see the module documentation).
+pub fn fitted_cost(job: &RunningJob<'_>) -> Result<CostModel, ReplanError> {
+    let ranks = job.plan.world_size();
+    for (what, got) in [("pace", job.paces_s.len()), ("host", job.hosts.len())] {
+        if got != ranks {
+            return Err(ReplanError::PerRank { what, got, ranks });
+        }
+    }
+    let unit = unit_costs(&job.model);
+    let mut groups = Vec::with_capacity(ranks);
+    for (rank, (&pace_s, host)) in job.paces_s.iter().zip(job.hosts).enumerate() {
+        if !(pace_s > 0.0 && pace_s.is_finite()) {
+            return Err(ReplanError::Pace { rank, pace_s });
+        }
+        groups.push(DeviceGroup {
+            kind: FITTED_KIND.to_owned(),
+            count: 1,
+            node: Some(host.clone()),
+            tflops_bf16: None,
+            memory_gb: None,
+            mem_bw_gbs: None,
+            efficiency: None,
+            speed: Some(unit_work_s(job, &unit, rank)? / pace_s),
+        });
+    }
+    let measured = job.network.filter(|n| n.p2p_bytes_per_s > 0.0);
+    let cluster = ClusterSpec {
+        memory_headroom: 0.1,
+        group: groups,
+        network: Network {
+            intra_node_gbs: measured.map_or(100.0, |n| n.p2p_bytes_per_s / 1e9),
+            inter_node_gbs: 12.5,
+            latency_us: measured.map_or(10.0, |n| n.latency_s * 1e6),
+            link: Vec::new(),
+        },
+    };
+    let profile = Profile {
+        model: job.model.clone(),
+        devices: BTreeMap::from([(FITTED_KIND.to_owned(), BTreeMap::from([(1, unit)]))]),
+        network: measured,
+    };
+    let mut cost = CostModel::new(job.model.clone(), cluster, Some(profile));
+    cost.compute_bytes = job.compute_bytes;
+    cost.recompute = match job.recompute {
+        true => Recompute::Always,
+        false => Recompute::Never,
+    };
+    Ok(cost)
+}
+
+/// The simulated step of `plan` on `cost`'s cluster, rank `r` on device `r`: each
+/// replica a pipeline of its own, priced as the planner prices per-replica pipelines.
+pub fn predict_step_s(cost: &CostModel, plan: &GeneralPlan) -> Result<f64, ReplanError> {
+    if plan.has_chunks() {
+        return Err(ReplanError::Interleaved);
+    }
+    let (mut groups, mut pools) = (Vec::new(), Vec::new());
+    for (replica, r) in plan.replicas().iter().enumerate() {
+        let mut devices = Vec::with_capacity(r.ranks.len());
+        for stage in 0..r.ranks.len() {
+            devices.push(vec![groups.len()]);
+            groups.push(stage_group(&cost.model, plan, replica, stage)?);
+        }
+        pools.push(PoolLayout {
+            devices,
+            layers: r.stages.layers(),
+            micro_batch_size: r.batch.micro_batch_size,
+            micro_batches: vec![r.batch.num_micro_batches],
+        });
+    }
+    let mut ctx = Ctx::with_groups(cost, cost.cluster.devices(), groups);
+    let (candidate, _) = pooled::simulate(&mut ctx, pools, false)?;
+    Ok(candidate.step_time_s)
+}
+
+/// The planner's best plan for `request` on `cost`'s cluster (the best grid plan or the
+/// best per-replica-pipeline plan, whichever [`predict_step_s`] prices faster), with
+/// rank `r` on device `r` and each rank keeping its placement in `current`; and its
+/// predicted step.
+pub fn best_plan_for(
+    cost: &CostModel,
+    request: &PlanRequest,
+    current: &GeneralPlan,
+) -> Result<(GeneralPlan, f64), ReplanError> {
+    let outcome = plan(cost, request)?;
+    let mut found = Vec::new();
+    if let Some(grid) = outcome.plans.first() {
+        let general = to_general_grid_plan(cost, grid)?;
+        found.push(on_devices(&general, &grid_rank_devices(grid)?, current)?);
+    }
+    if let Some(pooled) = &outcome.pooled {
+        let general = to_general_plan(cost, pooled)?;
+        found.push(on_devices(&general, &pooled.rank_devices(), current)?);
+    }
+    let mut best: Option<(GeneralPlan, f64)> = None;
+    for plan in found {
+        let step_s = predict_step_s(cost, &plan)?;
+        if best.as_ref().is_none_or(|(_, s)| step_s < *s) {
+            best = Some((plan, step_s));
+        }
+    }
+    // `plan` returns an error when neither kind of plan fits.
+    Ok(best.expect("the planner found a plan"))
+}
+
+/// `plan` with its rank `k` renamed `device_of[k]`, each rank placed as in `current`.
+fn on_devices(
+    plan: &GeneralPlan,
+    device_of: &[usize],
+    current: &GeneralPlan,
+) -> Result<GeneralPlan, GeneralPlanError> {
+    let replicas = (plan.replicas().iter())
+        .map(|r| {
+            let ranks: Vec<Vec<usize>> = (r.ranks.iter())
+                .map(|stage| stage.iter().map(|&k| device_of[k]).collect())
+                .collect();
+            let placements: Option<Vec<_>> = (ranks.iter().flatten())
+                .map(|&rank| current.placement(rank).cloned())
+                .collect();
+            ReplicaPipeline {
+                ranks,
+                placements: placements.unwrap_or_default(),
+                ..r.clone()
+            }
+        })
+        .collect();
+    GeneralPlan::new(replicas)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::planner::Choice;
+    use crate::{ReplicaBatch, StageLayout};
+
+    fn model() -> ModelShape {
+        ModelShape {
+            num_layers: 4,
+            hidden_size: 64,
+            num_heads: 4,
+            num_kv_heads: 4,
+            ffn_hidden_size: 128,
+            vocab_size: 256,
+            seq_length: 32,
+            tied: false,
+        }
+    }
+
+    /// `ranks` data-parallel replicas of the whole model, 4 micro-batches of 1 each.
+    fn data_parallel(ranks: usize) -> GeneralPlan {
+        let replicas = (0..ranks)
+            .map(|r| {
+                ReplicaPipeline::single_ranks(
+                    StageLayout::new(vec![4], 4).unwrap(),
+                    ReplicaBatch {
+                        micro_batch_size: 1,
+                        num_micro_batches: 4,
+                    },
+                    vec![r],
+                    Vec::new(),
+                )
+            })
+            .collect();
+        GeneralPlan::new(replicas).unwrap()
+    }
+
+    fn job<'a>(plan: &'a GeneralPlan, paces_s: &'a [f64], hosts: &'a [String]) -> RunningJob<'a> {
+        RunningJob {
+            plan,
+            model: model(),
+            paces_s,
+            hosts,
+            network: None,
+            recompute: false,
+            compute_bytes: 4.0,
+        }
+    }
+
+    fn request(global_batch_size: usize) -> PlanRequest {
+        PlanRequest {
+            global_batch_size,
+            micro_batch_sizes: vec![1, 2],
+            top_k: 1,
+            tensor_parallel_sizes: vec![1],
+            recompute: Choice::Off,
+            distributed_optimizer: Choice::Off,
+        }
+    }
+
+    #[test]
+    fn the_fitted_model_predicts_the_measured_paces() {
+        let plan = data_parallel(4);
+        let hosts = vec!["h".to_owned(); 4];
+        let paces = [1.0, 4.0, 1.0, 1.0];
+        let cost = fitted_cost(&job(&plan, &paces, &hosts)).unwrap();
+        let step = predict_step_s(&cost, &plan).unwrap();
+        // The slowest replica, plus a reduction of a small model's gradients.
+        assert!((4.0..4.1).contains(&step), "{step}");
+    }
+
+    #[test]
+    fn a_slow_rank_gets_less_work_and_every_rank_a_place() {
+        let plan = data_parallel(4);
+        let hosts = vec!["h".to_owned(); 4];
+        let paces = [1.0, 4.0, 1.0, 1.0];
+        let cost = fitted_cost(&job(&plan, &paces, &hosts)).unwrap();
+        let (best, step) = best_plan_for(&cost, &request(16), &plan).unwrap();
+        assert_eq!(best.world_size(), 4);
+        assert_eq!(best.batches().global_batch_size(), 16);
+        // Rank 1 computes a sample in 1 s, the others in 0.25 s: 5 samples each for
+        // ranks 0, 2, 3 and 1 for rank 1 take 1.25 s, against 4 s now.
+        assert!(step < 1.6, "{step}: {best:?}");
+        let (replica, _) = best.position(1).unwrap();
+        let samples = |r: &ReplicaPipeline| r.batch.micro_batch_size * r.batch.num_micro_batches;
+        let slow = samples(&best.replicas()[replica]);
+        assert!(
+            best.replicas().iter().all(|r| samples(r) >= slow),
+            "{best:?}"
+        );
+    }
+
+    #[test]
+    fn bad_paces_are_refused_by_rank() {
+        let plan = data_parallel(2);
+        let hosts = vec!["h".to_owned(); 2];
+        let error = fitted_cost(&job(&plan, &[1.0, 0.0], &hosts)).unwrap_err();
+        assert_eq!(
+            error,
+            ReplanError::Pace {
+                rank: 1,
+                pace_s: 0.0
+            }
+        );
+        let error = fitted_cost(&job(&plan, &[1.0], &hosts)).unwrap_err();
+        assert!(
+            error.to_string().contains("one pace per rank: got 1 for 2"),
+            "{error}"
+        );
+    }
+}
