@@ -23,7 +23,7 @@ use synerfuse_train::comm::{
 };
 use synerfuse_train::loader::{build_splits, LoaderError};
 use synerfuse_train::optim::{AdamWConfig, DecayStyle, LrSchedule, LrScheduleError};
-use synerfuse_train::replan::{SpeedChange, WatchConfig};
+use synerfuse_train::replan::{ReplanMode, SpeedChange, WatchConfig};
 use synerfuse_train::trainer::{
     BatchConfig, CheckpointConfig, ComputeConfig, DataConfig, EvalConfig, LoggingConfig,
     OptimizerConfig, ParallelConfig, ReplanConfig,
@@ -52,9 +52,15 @@ pub struct TrainArgs {
     emulate_speed_change: Vec<SpeedChange>,
     /// A rank's forward and backward time per step off what the plan assumed by more than
     /// this fraction (0.2 = 20 %) on every one of --replan-window steps is a sustained
-    /// change of its speed, logged
+    /// change of its speed, logged (and re-planned for under --replan auto)
     #[arg(long, value_parser = crate::values::positive, default_value_t = WatchConfig::default().threshold, help_heading = "Launch")]
     replan_threshold: f64,
+    /// auto: when a rank's speed changes for good, plan again with every rank's measured
+    /// speed and switch plans in the running job when the predicted gain over the
+    /// remaining iterations exceeds the cost of switching; off: only log whether it would
+    /// have paid
+    #[arg(long, default_value = "off", value_name = "auto|off", help_heading = "Launch")]
+    replan: ReplanMode,
     /// Steps a change must last (and the first steps that set each rank's assumed pace)
     #[arg(long, value_parser = crate::values::positive_count, default_value_t = WatchConfig::default().window, help_heading = "Launch")]
     replan_window: usize,
@@ -687,6 +693,7 @@ impl TrainArgs {
                     threshold: self.replan_threshold,
                     window: self.replan_window,
                 },
+                mode: self.replan,
             },
         })
     }

@@ -342,6 +342,37 @@ impl Checkpoint {
     }
 }
 
+/// Whole tensors by global name and the run's state: what a rank restores from (a
+/// checkpoint on disk, or the state moved between ranks when a run switches plans).
+pub trait StateSource {
+    /// The tensors named in `names` of the `model-` or `optimizer-` part; a missing
+    /// name is an error naming it.
+    fn tensors(&self, prefix: &str, names: &[String])
+        -> Result<HashMap<String, Tensor>, TrainError>;
+    /// The run's state.
+    fn state(&self) -> &CheckpointState;
+    /// Where problems are reported.
+    fn origin(&self) -> &Path;
+}
+
+impl StateSource for Checkpoint {
+    fn tensors(
+        &self,
+        prefix: &str,
+        names: &[String],
+    ) -> Result<HashMap<String, Tensor>, TrainError> {
+        Checkpoint::tensors(self, prefix, names)
+    }
+
+    fn state(&self) -> &CheckpointState {
+        &self.state
+    }
+
+    fn origin(&self) -> &Path {
+        &self.dir
+    }
+}
+
 /// The path of `name` in `dir`, after checking its size and SHA-256 against `manifest`.
 fn verified(dir: &Path, manifest: &Manifest, name: &str) -> Result<PathBuf, TrainError> {
     let path = dir.join(name);

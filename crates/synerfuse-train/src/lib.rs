@@ -131,6 +131,14 @@ pub enum TrainError {
         /// Ranks in the job.
         ranks: usize,
     },
+    /// Re-planning could not go on (the run stops rather than train on a broken plan).
+    #[error("re-planning after iteration {iteration}: {reason}")]
+    Replan {
+        /// The iteration after which it was tried.
+        iteration: u64,
+        /// What went wrong.
+        reason: String,
+    },
     /// An `--emulate-speed-change` for a rank the job does not have.
     #[error("--emulate-speed-change {iteration}:{rank}:{speed}: the job has ranks 0 to {last}")]
     SpeedChangeRank {

@@ -1,6 +1,6 @@
-//! Ranks whose speed changes while training: the watch that notices a sustained change
-//! (the first part of re-planning), and the emulated changes that tests and benchmarks
-//! make happen (`--emulate-speed-change`).
+//! Ranks whose speed changes while training: the watch that notices a sustained change,
+//! the decision to re-plan (`--replan`) as it is logged, and the emulated changes that
+//! tests and benchmarks make happen (`--emulate-speed-change`).
 //!
 //! A rank's pace is its forward and backward seconds per step, which waiting for other
 //! ranks does not inflate. What the plan assumed of a rank is the median of its steps
@@ -126,11 +126,142 @@ impl SpeedWatch {
     }
 }
 
+impl SpeedWatch {
+    /// Every rank's assumed pace, once every rank has one (seconds, in rank order).
+    pub fn paces_s(&self) -> Option<Vec<f64>> {
+        self.ranks.iter().map(|r| r.assumed_s).collect()
+    }
+}
+
 /// The median (upper for an even count) of a non-empty window.
 fn median(values: &VecDeque<f64>) -> f64 {
     let mut sorted: Vec<f64> = values.iter().copied().collect();
     sorted.sort_by(f64::total_cmp);
     sorted[sorted.len() / 2]
+}
+
+/// `--replan`: whether a run switches to a better plan when a rank's speed changes for
+/// good.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReplanMode {
+    /// Keep the plan; the log says whether a switch would have paid.
+    #[default]
+    Off,
+    /// Switch at the next step boundary when the predicted gain over the remaining
+    /// iterations exceeds the cost of switching.
+    Auto,
+}
+
+/// A `--replan` value other than `auto` or `off`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?}: expected auto or off")]
+pub struct ReplanModeError(pub String);
+
+impl FromStr for ReplanMode {
+    type Err = ReplanModeError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text {
+            "auto" => Ok(ReplanMode::Auto),
+            "off" => Ok(ReplanMode::Off),
+            _ => Err(ReplanModeError(text.to_owned())),
+        }
+    }
+}
+
+/// The least predicted improvement of the step a switch is made for: below it, the
+/// fitted model's error could turn the switch into a loss.
+pub const LEAST_IMPROVEMENT: f64 = 0.05;
+
+/// One re-planning decision, as the log, the JSON log and TensorBoard show it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ReplanDecision {
+    /// The iteration after which it was made.
+    pub iteration: u64,
+    /// Each rank's forward and backward seconds per step, as measured.
+    pub paces_s: Vec<f64>,
+    /// The step, measured (median of the last window of steps).
+    pub measured_step_s: f64,
+    /// The plan running, predicted at the measured paces.
+    pub current_step_s: f64,
+    /// The best plan found, predicted at the measured paces.
+    pub proposed_step_s: f64,
+    /// Layers per stage of each replica of the best plan.
+    pub proposed_layers: Vec<Vec<usize>>,
+    /// Micro-batch size and count of each replica of the best plan.
+    pub proposed_batches: Vec<(usize, usize)>,
+    /// Iterations left to train.
+    pub remaining_iterations: u64,
+    /// (current − proposed) × remaining iterations, s.
+    pub gain_s: f64,
+    /// What switching costs, s.
+    pub switch_cost_s: f64,
+    /// Where the cost comes from.
+    pub cost_basis: String,
+    /// Whether the run switched.
+    pub switched: bool,
+}
+
+impl ReplanDecision {
+    /// Whether switching pays: the gain exceeds the cost and the step improves by at
+    /// least [`LEAST_IMPROVEMENT`].
+    pub fn pays(&self) -> bool {
+        self.gain_s > self.switch_cost_s
+            && self.proposed_step_s < self.current_step_s * (1.0 - LEAST_IMPROVEMENT)
+    }
+}
+
+/// The step measured once a switch has settled, against the step before it and the
+/// prediction.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct SwitchOutcome {
+    /// The iteration after which the run switched.
+    pub switched_after: u64,
+    /// The iteration this was measured at.
+    pub iteration: u64,
+    /// The measured step before the switch, s.
+    pub before_step_s: f64,
+    /// The predicted step of the new plan, s.
+    pub predicted_step_s: f64,
+    /// The measured step since (median of the window after it), s.
+    pub after_step_s: f64,
+    /// How long the switch took (the slowest rank), s.
+    pub switch_s: f64,
+}
+
+/// The last `window` step times, for their median.
+#[derive(Debug, Clone)]
+pub struct RecentSteps {
+    window: usize,
+    times: VecDeque<f64>,
+}
+
+impl RecentSteps {
+    /// Keeps the last `window` steps (at least one).
+    pub fn new(window: usize) -> Self {
+        RecentSteps {
+            window: window.max(1),
+            times: VecDeque::new(),
+        }
+    }
+
+    /// Records a step's seconds.
+    pub fn push(&mut self, seconds: f64) {
+        self.times.push_back(seconds);
+        if self.times.len() > self.window {
+            self.times.pop_front();
+        }
+    }
+
+    /// Whether a whole window has been seen.
+    pub fn full(&self) -> bool {
+        self.times.len() == self.window
+    }
+
+    /// The median of the steps kept (`None` before the first).
+    pub fn median(&self) -> Option<f64> {
+        (!self.times.is_empty()).then(|| median(&self.times))
+    }
 }
 
 /// `--emulate-speed-change ITER:RANK:SPEED`: from iteration `iteration` (1-based, as the

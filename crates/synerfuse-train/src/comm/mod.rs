@@ -6,7 +6,7 @@
 //! loaded at run time, so CPU-only machines build and run without CUDA installed.
 
 mod error;
-mod groups;
+pub(crate) mod groups;
 mod host;
 mod launcher;
 mod links;

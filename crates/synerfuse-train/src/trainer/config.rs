@@ -2,7 +2,7 @@
 //! flags; a library user builds it directly.
 
 use crate::optim::{AdamWConfig, LrSchedule};
-use crate::replan::{SpeedChange, WatchConfig};
+use crate::replan::{ReplanMode, SpeedChange, WatchConfig};
 use std::path::PathBuf;
 use synerfuse_model::{DeviceRequest, LlamaConfig};
 use synerfuse_parallel::{GeneralPlan, ScheduleKind};
@@ -32,12 +32,14 @@ pub struct TrainConfig {
     pub replan: ReplanConfig,
 }
 
-/// Watching the ranks' speeds while training (the first part of re-planning: a
-/// sustained change is logged; the plan does not change yet).
+/// Watching the ranks' speeds while training, and re-planning when one changes for good.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct ReplanConfig {
     /// When a change of a rank's pace counts as sustained.
     pub watch: WatchConfig,
+    /// `--replan auto|off`: switch to a better plan when it pays, or only say whether it
+    /// would have.
+    pub mode: ReplanMode,
 }
 
 /// Evaluation on the validation and test splits, as Megatron runs it: every

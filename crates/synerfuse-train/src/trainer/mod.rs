@@ -7,7 +7,7 @@
 //! tokens of the step, so each gradient segment's reduction over its holders is a plain
 //! sum (ARCHITECTURE.md, "How a training step runs").
 
-use crate::checkpoint::{self, Checkpoint, CheckpointState};
+use crate::checkpoint::{self, Checkpoint, CheckpointState, StateSource};
 use crate::comm::{GroupCommunicator, MpiCommunicator, PipelineLinks, SetGroups};
 use crate::emulation::Emulation;
 use crate::grads::{MainGrads, EMBEDDING};
@@ -30,6 +30,7 @@ use synerfuse_parallel::{GradientReduction, Instruction, TpLayout};
 mod config;
 mod eval;
 mod report;
+mod switch;
 
 pub use config::{
     BatchConfig, CheckpointConfig, ComputeConfig, DataConfig, EvalConfig, LoggingConfig,
@@ -363,6 +364,14 @@ pub struct Trainer<'w> {
     device: Device,
     /// Every rank's pace, watched for sustained changes.
     watch: SpeedWatch,
+    /// Step times and switches, for re-planning.
+    replanning: switch::Replanning,
+    /// Seconds this rank took to build the trainer (what a switch does again).
+    setup_s: f64,
+    /// What a switch builds the new plan's loaders from.
+    datasets: SplitDatasets,
+    sample_options: SampleOptions,
+    local_rank: usize,
     iteration: u64,
     consumed_samples: u64,
 }
@@ -378,6 +387,7 @@ impl<'w> Trainer<'w> {
         sample_options: SampleOptions,
         local_rank: usize,
     ) -> Result<Self, TrainError> {
+        let started = Instant::now();
         let rank = world.rank();
         let (replica, stage_index) = check_plan(&config, world.size(), rank)?;
         let device = rank_device(&config, rank, local_rank)?;
@@ -411,6 +421,7 @@ impl<'w> Trainer<'w> {
             let new = |d| ReplicaLoader::new(d, plan.batches(), replica, sample_options);
             split.map(new).transpose()
         };
+        let kept = datasets.clone();
         let loader = match (loader_of(datasets.train)?, config.eval.skip_train) {
             (Some(train), _) => Some(Prefetcher::new(train, config.data.prefetch)),
             (None, true) => None,
@@ -501,11 +512,17 @@ impl<'w> Trainer<'w> {
             emulation,
             device,
             watch: SpeedWatch::new(world.size(), config.replan.watch),
+            replanning: switch::Replanning::new(config.replan.watch.window),
+            setup_s: 0.0,
+            datasets: kept,
+            sample_options,
+            local_rank,
             iteration: 0,
             consumed_samples: 0,
             config,
         };
         trainer.load_latest()?;
+        trainer.setup_s = started.elapsed().as_secs_f64();
         Ok(trainer)
     }
 
@@ -520,7 +537,26 @@ impl<'w> Trainer<'w> {
             return Ok(());
         };
         match Checkpoint::open_latest(&load)? {
-            Some(checkpoint) => self.restore(&checkpoint),
+            Some(checkpoint) => {
+                self.restore(&checkpoint)?;
+                let state = &checkpoint.state;
+                if self.world.rank() == 0 {
+                    tracing::info!(
+                        "loaded checkpoint {} (iteration {}, {} consumed samples, written under a plan of {} replicas with layers per stage {:?})",
+                        checkpoint.dir.display(),
+                        state.iteration,
+                        state.consumed_samples,
+                        state.plan.replicas().len(),
+                        state
+                            .plan
+                            .replicas()
+                            .iter()
+                            .map(|r| r.stages.layers())
+                            .collect::<Vec<_>>()
+                    );
+                }
+                Ok(())
+            }
             None => {
                 tracing::warn!(
                     "--load {}: no checkpoint found (no `{}` file); training from scratch",
@@ -532,19 +568,21 @@ impl<'w> Trainer<'w> {
         }
     }
 
-    fn restore(&mut self, checkpoint: &Checkpoint) -> Result<(), TrainError> {
+    /// Takes this rank's parameters, moments and the run's position from `source`, by
+    /// global name (whatever plan wrote them).
+    fn restore(&mut self, source: &dyn StateSource) -> Result<(), TrainError> {
         let sharded = (self.zero.as_ref())
             .map(DistributedOptimizer::names)
             .unwrap_or_default();
         let names: Vec<String> = (self.optimizer.names().map(str::to_owned))
             .chain(sharded.iter().cloned())
             .collect();
-        let values = checkpoint.tensors("model-", &names)?;
+        let values = source.tensors("model-", &names)?;
         let moment_names: Vec<String> = names
             .iter()
             .flat_map(|n| [format!("{n}.exp_avg"), format!("{n}.exp_avg_sq")])
             .collect();
-        let moments = checkpoint.tensors("optimizer-", &moment_names)?;
+        let moments = source.tensors("optimizer-", &moment_names)?;
         // Tensors are stored whole by global name; a tensor-parallel shard takes its slice
         // of a tensor of the whole shape (another model's tensor is refused, not cut).
         let stage = &self.chunks[0];
@@ -561,7 +599,7 @@ impl<'w> Trainer<'w> {
                     found: t.size(),
                     expected,
                 };
-                return Err(checkpoint::problem_at(&checkpoint.dir, shape));
+                return Err(checkpoint::problem_at(source.origin(), shape));
             }
             Ok(stage.local_slice(name, t))
         };
@@ -583,16 +621,16 @@ impl<'w> Trainer<'w> {
                         found: value.size(),
                         expected: local,
                     };
-                    return Err(checkpoint::problem_at(&checkpoint.dir, shape));
+                    return Err(checkpoint::problem_at(source.origin(), shape));
                 }
                 restored.insert(name.clone(), [Some(value), exp_avg, exp_avg_sq]);
                 continue;
             }
             self.optimizer
                 .load_param(name, &value, exp_avg.as_ref(), exp_avg_sq.as_ref())
-                .map_err(|e| checkpoint::problem_at(&checkpoint.dir, e))?;
+                .map_err(|e| checkpoint::problem_at(source.origin(), e))?;
         }
-        let state = &checkpoint.state;
+        let state = source.state();
         self.optimizer.set_steps(state.optimizer_steps);
         if let Some(zero) = &mut self.zero {
             for (name, mut param) in self.chunks.iter().flat_map(|c| c.var_store().variables()) {
@@ -614,21 +652,6 @@ impl<'w> Trainer<'w> {
         self.iteration = state.iteration;
         self.consumed_samples = state.consumed_samples;
         tch::manual_seed(state.rng_seed as i64);
-        if self.world.rank() == 0 {
-            tracing::info!(
-                "loaded checkpoint {} (iteration {}, {} consumed samples, written under a plan of {} replicas with layers per stage {:?})",
-                checkpoint.dir.display(),
-                state.iteration,
-                state.consumed_samples,
-                state.plan.replicas().len(),
-                state
-                    .plan
-                    .replicas()
-                    .iter()
-                    .map(|r| r.stages.layers())
-                    .collect::<Vec<_>>()
-            );
-        }
         Ok(())
     }
 
@@ -661,11 +684,7 @@ impl<'w> Trainer<'w> {
     pub fn train(&mut self) -> Result<TrainSummary, TrainError> {
         let rank = self.world.rank();
         let mut log = StepLog::open(&self.config, rank, self.world.size())?;
-        let plan = &self.config.parallel.plan;
-        let global_batch = plan.batches().global_batch_size() as u64;
-        // This rank's replica's tokens per step (every stage of a replica sees the same).
-        let replica_tokens =
-            plan.replicas()[self.replica].batch.samples() * self.config.batch.sequence_length;
+        let global_batch = self.config.parallel.plan.batches().global_batch_size() as u64;
         let (train_iters, eval) = (self.config.batch.train_iters, self.config.eval);
         let mut summary = TrainSummary {
             iteration: self.iteration,
@@ -691,6 +710,7 @@ impl<'w> Trainer<'w> {
             let elapsed = started.elapsed();
             // Every rank's spans on the steps whose JSON record carries them.
             let with_spans = log.keeps_spans(self.iteration + 1);
+            let replica_tokens = self.replica_tokens();
             let outcome =
                 StepOutcome::gather(self.world, step, elapsed, stop, replica_tokens, with_spans)?;
             self.iteration += 1;
@@ -700,6 +720,10 @@ impl<'w> Trainer<'w> {
             log.record(rank, self.iteration, self.consumed_samples, &outcome)?;
             let shifts = self.watch.observe(&outcome.pace_s());
             log.record_speed_shifts(rank, self.iteration, &shifts)?;
+            self.note_step(&mut log, outcome.step_ms / 1e3)?;
+            if !shifts.is_empty() && self.iteration < train_iters {
+                self.replan(&mut log)?;
+            }
             if eval.due(self.iteration) {
                 let split = EvalSplit::Validation;
                 if let Some(e) = self.evaluate(split, consumed_valid, false, &mut log)? {
@@ -733,6 +757,12 @@ impl<'w> Trainer<'w> {
             summary.evaluations.extend(at_end);
         }
         Ok(summary)
+    }
+
+    /// This rank's replica's tokens per step (every stage of a replica sees the same).
+    fn replica_tokens(&self) -> usize {
+        let replica = &self.config.parallel.plan.replicas()[self.replica];
+        replica.batch.samples() * self.config.batch.sequence_length
     }
 
     /// Applies this rank's `--emulate-speed-change` for the coming iteration (the latest
@@ -986,18 +1016,7 @@ impl<'w> Trainer<'w> {
         self.world.barrier();
         let dir = save.join(checkpoint::iteration_dir(self.iteration));
         if rank == 0 {
-            let state = CheckpointState {
-                iteration: self.iteration,
-                consumed_samples: self.consumed_samples,
-                optimizer_steps: self.optimizer.steps(),
-                seed: self.config.batch.seed,
-                rng_seed: self.config.batch.seed.wrapping_add(self.iteration),
-                model: serde_json::from_str(&self.config.model.to_hf_json())
-                    .unwrap_or(serde_json::Value::Null),
-                plan: self.config.parallel.plan.clone(),
-                bf16: self.config.compute.bf16,
-            };
-            checkpoint::commit(&save, &state)?;
+            checkpoint::commit(&save, &self.checkpoint_state())?;
             tracing::info!(
                 "saved checkpoint {} (iteration {})",
                 dir.display(),
@@ -1008,13 +1027,29 @@ impl<'w> Trainer<'w> {
         Ok(dir)
     }
 
-    /// This stage's parameters and AdamW moments, whole (a tensor-parallel group's
-    /// shards gathered to its rank 0, which writes), into the staging directory.
-    fn write_shard(
+    /// Where the run is, as a checkpoint records it.
+    fn checkpoint_state(&self) -> CheckpointState {
+        CheckpointState {
+            iteration: self.iteration,
+            consumed_samples: self.consumed_samples,
+            optimizer_steps: self.optimizer.steps(),
+            seed: self.config.batch.seed,
+            rng_seed: self.config.batch.seed.wrapping_add(self.iteration),
+            model: serde_json::from_str(&self.config.model.to_hf_json())
+                .unwrap_or(serde_json::Value::Null),
+            plan: self.config.parallel.plan.clone(),
+            bf16: self.config.compute.bf16,
+        }
+    }
+
+    /// This stage's parameters (fp32) and AdamW moments by name, `[value, exp_avg,
+    /// exp_avg_sq]`, whole: a tensor-parallel group's shards gathered (collective over
+    /// it), whole on its rank 0; the last stage's copy of a tied embedding left out.
+    /// `sharded`: the distributed optimizer's state, gathered.
+    fn whole_state(
         &self,
-        save: &std::path::Path,
         sharded: &[(String, [Tensor; 3])],
-    ) -> Result<(), TrainError> {
+    ) -> Result<Vec<(String, [Tensor; 3])>, TrainError> {
         let skip_tied = self.holds_tied_copy();
         let stage = &self.chunks[0];
         let tp = Self::tp_communicator(&self.groups, &self.tp_group);
@@ -1022,24 +1057,40 @@ impl<'w> Trainer<'w> {
             Some(tp) => stage.gather_whole(name, t, tp),
             None => Ok(t.shallow_clone()),
         };
-        let mut params = Vec::new();
-        let mut moments = Vec::new();
         let gathered = sharded
             .iter()
             .map(|(n, [value, m, v])| (n.as_str(), value, m, v));
         let mut state: Vec<_> = self.optimizer.state().chain(gathered).collect();
         // By name, so every rank of a tensor-parallel group gathers in the same order.
         state.sort_by_key(|(name, ..)| *name);
+        let mut out = Vec::with_capacity(state.len());
         for (name, value, m, v) in state {
             if skip_tied && name == EMBEDDING {
                 continue;
             }
-            params.push((name.to_owned(), whole(name, &value.to_kind(Kind::Float))?));
-            moments.push((format!("{name}.exp_avg"), whole(name, m)?));
-            moments.push((format!("{name}.exp_avg_sq"), whole(name, v)?));
+            let value = whole(name, &value.to_kind(Kind::Float))?;
+            out.push((name.to_owned(), [value, whole(name, m)?, whole(name, v)?]));
         }
-        if stage.shard().rank != 0 {
+        Ok(out)
+    }
+
+    /// This stage's parameters and AdamW moments, whole (a tensor-parallel group's
+    /// shards gathered to its rank 0, which writes), into the staging directory.
+    fn write_shard(
+        &self,
+        save: &std::path::Path,
+        sharded: &[(String, [Tensor; 3])],
+    ) -> Result<(), TrainError> {
+        let state = self.whole_state(sharded)?;
+        if self.chunks[0].shard().rank != 0 {
             return Ok(());
+        }
+        let mut params = Vec::new();
+        let mut moments = Vec::new();
+        for (name, [value, m, v]) in state {
+            moments.push((format!("{name}.exp_avg"), m));
+            moments.push((format!("{name}.exp_avg_sq"), v));
+            params.push((name, value));
         }
         checkpoint::write_shard(
             &checkpoint::staging_dir(save, self.iteration),

@@ -7,7 +7,7 @@ use crate::comm::MpiCommunicator;
 use crate::memory::MemoryReport;
 use crate::metrics::{IterationRecord, JsonLog, RankTimes, TensorBoardWriter};
 use crate::pipeline::StepTimes;
-use crate::replan::SpeedShift;
+use crate::replan::{ReplanDecision, SpeedShift, SwitchOutcome};
 use crate::TrainError;
 use std::time::Duration;
 use synerfuse_model::tch::Tensor;
@@ -357,7 +357,7 @@ impl StepLog {
         }
         for shift in shifts {
             tracing::warn!(
-                "rank {}: {:.4} s of forward and backward per step over the last steps against the {:.4} s assumed: {:.2}x the speed the plan assumed (iteration {iteration}); the plan is kept (re-planning while training is not built yet)",
+                "rank {}: {:.4} s of forward and backward per step over the last steps against the {:.4} s assumed: {:.2}x the speed the plan assumed (iteration {iteration})",
                 shift.rank,
                 shift.measured_s,
                 shift.assumed_s,
@@ -383,6 +383,96 @@ impl StepLog {
         }
         Ok(())
     }
+}
+
+impl StepLog {
+    /// Logs a re-planning decision (rank 0 calls it): a line, a JSON record
+    /// (`replan`), TensorBoard scalars (`replan predicted step s`, `replan gain s`,
+    /// `replan switch cost s`, `replan switched`).
+    pub fn record_replan(&mut self, decision: &ReplanDecision) -> Result<(), TrainError> {
+        let verdict = match (decision.switched, decision.pays()) {
+            (true, _) => "switching now",
+            (false, true) => "a switch would have paid (--replan off keeps the plan)",
+            (false, false) => "a switch would not pay; the plan is kept",
+        };
+        tracing::info!(
+            "re-planning after iteration {}: ranks' forward and backward {:?} s per step; the plan running predicted at {:.4} s per step (measured {:.4} s), the best plan at {:.4} s (layers per stage {:?}, micro-batch size and count per replica {:?}); gain over the {} remaining iterations {:.2} s against a switch cost of {:.2} s ({}): {verdict}",
+            decision.iteration,
+            decision.paces_s.iter().map(|p| (p * 1e4).round() / 1e4).collect::<Vec<_>>(),
+            decision.current_step_s,
+            decision.measured_step_s,
+            decision.proposed_step_s,
+            decision.proposed_layers,
+            decision.proposed_batches,
+            decision.remaining_iterations,
+            decision.gain_s,
+            decision.switch_cost_s,
+            decision.cost_basis,
+        );
+        if let Some(json) = &mut self.json {
+            let record = ReplanRecord { replan: decision };
+            json.write(&record).map_err(io_error(json.path()))?;
+        }
+        if let Some(tb) = &mut self.tensorboard {
+            let scalars = [
+                ("replan predicted step s", decision.proposed_step_s),
+                ("replan gain s", decision.gain_s),
+                ("replan switch cost s", decision.switch_cost_s),
+                ("replan switched", f64::from(u8::from(decision.switched))),
+            ];
+            tb.scalars(decision.iteration, &scalars)
+                .map_err(io_error(tb.path()))?;
+        }
+        Ok(())
+    }
+
+    /// Logs the step measured once a switch settled (on rank 0): a line, a JSON record
+    /// (`replan_outcome`), TensorBoard scalars (`replan measured step s`, `replan switch s`).
+    pub fn record_switch_outcome(
+        &mut self,
+        rank: usize,
+        outcome: &SwitchOutcome,
+    ) -> Result<(), TrainError> {
+        if rank != 0 {
+            return Ok(());
+        }
+        tracing::info!(
+            "re-planning after iteration {}: measured {:.4} s per step since the switch against {:.4} s before it ({:.2}x) and {:.4} s predicted; the switch took {:.3} s",
+            outcome.switched_after,
+            outcome.after_step_s,
+            outcome.before_step_s,
+            outcome.before_step_s / outcome.after_step_s.max(1e-12),
+            outcome.predicted_step_s,
+            outcome.switch_s,
+        );
+        if let Some(json) = &mut self.json {
+            let record = SwitchOutcomeRecord {
+                replan_outcome: outcome,
+            };
+            json.write(&record).map_err(io_error(json.path()))?;
+        }
+        if let Some(tb) = &mut self.tensorboard {
+            let scalars = [
+                ("replan measured step s", outcome.after_step_s),
+                ("replan switch s", outcome.switch_s),
+            ];
+            tb.scalars(outcome.iteration, &scalars)
+                .map_err(io_error(tb.path()))?;
+        }
+        Ok(())
+    }
+}
+
+/// A re-planning decision in the JSON log (nested, as below).
+#[derive(serde::Serialize)]
+struct ReplanRecord<'a> {
+    replan: &'a ReplanDecision,
+}
+
+/// What a switch measured, in the JSON log.
+#[derive(serde::Serialize)]
+struct SwitchOutcomeRecord<'a> {
+    replan_outcome: &'a SwitchOutcome,
 }
 
 /// A sustained change of a rank's pace in the JSON log (nested, so readers of iteration

@@ -1,0 +1,379 @@
+//! Re-planning while training: when the watch reports a sustained change of a rank's
+//! pace, rank 0 plans again with every rank's measured pace, prices the gain over the
+//! remaining iterations against the cost of switching and, under `--replan auto`, every
+//! rank switches at this step boundary: the state of each new stage gathered from its
+//! current holders by global name (as checkpoints store it), the communicators and the
+//! optimizer rebuilt, the iteration and data position kept. No restart, no disk.
+
+use super::report::StepLog;
+use super::Trainer;
+use crate::checkpoint::{CheckpointProblem, CheckpointState, StateSource};
+use crate::comm::groups::RankDevice;
+use crate::replan::{RecentSteps, ReplanDecision, ReplanMode, SpeedWatch, SwitchOutcome};
+use crate::TrainError;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use synerfuse_model::tch::{Device, Kind, Tensor};
+use synerfuse_parallel::planner::{self, Choice, PlanRequest, RunningJob};
+use synerfuse_parallel::GeneralPlan;
+
+/// Micro-batch sizes a re-plan tries.
+const MICRO_BATCH_SIZES: [usize; 4] = [1, 2, 4, 8];
+
+/// What re-planning keeps from step to step, and across a switch.
+#[derive(Debug, Clone)]
+pub(super) struct Replanning {
+    /// The last window of step times.
+    recent: RecentSteps,
+    /// How long the last switch took (the slowest rank), s.
+    last_switch_s: Option<f64>,
+    /// A switch whose effect is being measured.
+    settling: Option<Settling>,
+}
+
+/// A switch being measured: the steps after its first.
+#[derive(Debug, Clone)]
+struct Settling {
+    outcome: SwitchOutcome,
+    /// Steps after the switch seen.
+    seen: usize,
+    after: RecentSteps,
+}
+
+impl Replanning {
+    pub(super) fn new(window: usize) -> Self {
+        Replanning {
+            recent: RecentSteps::new(window),
+            last_switch_s: None,
+            settling: None,
+        }
+    }
+}
+
+/// What rank 0 tells every rank when the run switches.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Switch {
+    decision: ReplanDecision,
+    plan: GeneralPlan,
+}
+
+/// The whole state of replica 0 as every rank received it: what a switch restores from.
+struct MovedState {
+    tensors: HashMap<String, Tensor>,
+    state: CheckpointState,
+    origin: PathBuf,
+}
+
+impl StateSource for MovedState {
+    fn tensors(
+        &self,
+        prefix: &str,
+        names: &[String],
+    ) -> Result<HashMap<String, Tensor>, TrainError> {
+        // Parameters by their names, moments by `NAME.exp_avg` and `NAME.exp_avg_sq`.
+        let mut found = HashMap::with_capacity(names.len());
+        for name in names {
+            let Some(t) = self.tensors.get(name) else {
+                let missing = CheckpointProblem::MissingTensor {
+                    prefix: prefix.to_owned(),
+                    name: name.clone(),
+                };
+                return Err(crate::checkpoint::problem_at(&self.origin, missing));
+            };
+            found.insert(name.clone(), t.shallow_clone());
+        }
+        Ok(found)
+    }
+
+    fn state(&self) -> &CheckpointState {
+        &self.state
+    }
+
+    fn origin(&self) -> &Path {
+        &self.origin
+    }
+}
+
+/// `bytes` of rank `root`, on every rank of `world`.
+fn broadcast_bytes(
+    world: &crate::comm::MpiCommunicator,
+    bytes: &[u8],
+    root: usize,
+) -> Result<Vec<u8>, TrainError> {
+    let mut length = Tensor::from_slice(&[bytes.len() as i64]);
+    world.broadcast(&mut length, root)?;
+    let length = length.int64_value(&[0]) as usize;
+    let mut data = match world.rank() == root {
+        true => Tensor::from_slice(bytes),
+        false => Tensor::zeros([length as i64], (Kind::Uint8, Device::Cpu)),
+    };
+    if length > 0 {
+        world.broadcast(&mut data, root)?;
+    }
+    Ok(Vec::<u8>::try_from(&data).unwrap_or_default())
+}
+
+impl<'w> Trainer<'w> {
+    /// Records a step's time; once a switch has settled (a step after it, then a
+    /// window), logs the step it measured against the one before and the prediction.
+    pub(super) fn note_step(&mut self, log: &mut StepLog, step_s: f64) -> Result<(), TrainError> {
+        self.replanning.recent.push(step_s);
+        let Some(settling) = &mut self.replanning.settling else {
+            return Ok(());
+        };
+        settling.seen += 1;
+        if settling.seen == 1 {
+            return Ok(()); // its first step allocates what the new stage needs
+        }
+        settling.after.push(step_s);
+        if !settling.after.full() {
+            return Ok(());
+        }
+        let mut outcome = settling.outcome.clone();
+        outcome.iteration = self.iteration;
+        outcome.after_step_s = settling.after.median().unwrap_or_default();
+        self.replanning.settling = None;
+        log.record_switch_outcome(self.world.rank(), &outcome)
+    }
+
+    /// After the watch reported a sustained change: plans again with every rank's
+    /// measured pace, logs the decision and, when it pays under `--replan auto`,
+    /// switches. Collective.
+    pub(super) fn replan(&mut self, log: &mut StepLog) -> Result<(), TrainError> {
+        let Some(paces_s) = self.watch.paces_s() else {
+            return Ok(());
+        };
+        let hosts: Vec<String> = RankDevice::gather(self.world, self.device)?
+            .iter()
+            .map(|d| format!("host{:x}", d.host))
+            .collect();
+        let network = match self.world.size() > 1 {
+            true => Some(crate::profiler::measure_network(self.world).map_err(|e| {
+                TrainError::Replan {
+                    iteration: self.iteration,
+                    reason: e.to_string(),
+                }
+            })?),
+            false => None,
+        };
+        let (switch_cost_s, cost_basis) = self.switch_cost()?;
+        // Rank 0 decides and tells the others: the planner's ties must not fall apart
+        // between processes.
+        let mut message = Vec::new();
+        if self.world.rank() == 0 {
+            let job = RunningJob {
+                plan: &self.config.parallel.plan,
+                model: crate::profiler::model_shape(
+                    &self.config.model,
+                    self.config.batch.sequence_length,
+                ),
+                paces_s: &paces_s,
+                hosts: &hosts,
+                network,
+                recompute: self.config.compute.recompute,
+                compute_bytes: if self.config.compute.bf16 { 2.0 } else { 4.0 },
+            };
+            match self.decide(&job, switch_cost_s, cost_basis) {
+                Ok(switch) => {
+                    log.record_replan(&switch.decision)?;
+                    if switch.decision.switched {
+                        message = serde_json::to_vec(&switch).unwrap_or_default();
+                    }
+                }
+                Err(reason) => tracing::warn!(
+                    "re-planning after iteration {}: {reason}; the plan is kept",
+                    self.iteration
+                ),
+            }
+        }
+        let message = broadcast_bytes(self.world, &message, 0)?;
+        if message.is_empty() {
+            return Ok(());
+        }
+        let switch: Switch = serde_json::from_slice(&message).map_err(|e| TrainError::Replan {
+            iteration: self.iteration,
+            reason: format!("the new plan did not reach every rank intact: {e}"),
+        })?;
+        self.switch_plan(switch)
+    }
+
+    /// What a switch costs, s, and where that figure comes from: the last switch's
+    /// measured time, else this job's measured set-up (building the model, the
+    /// communicators and the optimizer, as a switch does) twice over, for moving the
+    /// state too. The slowest rank's. Collective.
+    fn switch_cost(&self) -> Result<(f64, &'static str), TrainError> {
+        if let Some(s) = self.replanning.last_switch_s {
+            return Ok((s, "the last switch, measured"));
+        }
+        let slowest = self.world_max(self.setup_s)?;
+        Ok((
+            2.0 * slowest,
+            "twice this job's measured set-up (the model, communicators and optimizer built, and the state moved)",
+        ))
+    }
+
+    /// The largest `value` over the world. Collective.
+    fn world_max(&self, value: f64) -> Result<f64, TrainError> {
+        let all = self.world.all_gather(&Tensor::from_slice(&[value]))?;
+        let all = Vec::<f64>::try_from(all.flatten(0, -1)).unwrap_or_default();
+        Ok(all.into_iter().fold(value, f64::max))
+    }
+
+    /// Rank 0's decision: the best plan at the measured paces, priced against the plan
+    /// running (both by the fitted model).
+    fn decide(
+        &self,
+        job: &RunningJob<'_>,
+        switch_cost_s: f64,
+        cost_basis: &str,
+    ) -> Result<Switch, planner::ReplanError> {
+        let cost = planner::fitted_cost(job)?;
+        let current_step_s = planner::predict_step_s(&cost, job.plan)?;
+        let global = job.plan.batches().global_batch_size();
+        let request = PlanRequest {
+            global_batch_size: global,
+            micro_batch_sizes: MICRO_BATCH_SIZES.to_vec(),
+            top_k: 1,
+            tensor_parallel_sizes: vec![1],
+            recompute: Choice::Off,
+            distributed_optimizer: match self.config.optimizer.distributed {
+                true => Choice::On,
+                false => Choice::Off,
+            },
+        };
+        let (plan, proposed_step_s) = planner::best_plan_for(&cost, &request, job.plan)?;
+        let remaining_iterations = self.config.batch.train_iters - self.iteration;
+        let mut decision = ReplanDecision {
+            iteration: self.iteration,
+            paces_s: job.paces_s.to_vec(),
+            measured_step_s: self.replanning.recent.median().unwrap_or_default(),
+            current_step_s,
+            proposed_step_s,
+            proposed_layers: plan.replicas().iter().map(|r| r.stages.layers()).collect(),
+            proposed_batches: (plan.replicas().iter())
+                .map(|r| (r.batch.micro_batch_size, r.batch.num_micro_batches))
+                .collect(),
+            remaining_iterations,
+            gain_s: (current_step_s - proposed_step_s) * remaining_iterations as f64,
+            switch_cost_s,
+            cost_basis: cost_basis.to_owned(),
+            switched: false,
+        };
+        decision.switched = self.config.replan.mode == ReplanMode::Auto
+            && decision.pays()
+            && plan != *job.plan;
+        Ok(Switch { decision, plan })
+    }
+
+    /// Every rank's whole state of replica 0 (the distributed optimizer's shards
+    /// gathered, tensor-parallel shards gathered, each stage's holder broadcasting to
+    /// every rank). Collective.
+    fn move_state(&self) -> Result<MovedState, TrainError> {
+        let sharded = match &self.zero {
+            Some(zero) => zero.gather_state(&self.groups)?,
+            None => Vec::new(),
+        };
+        let mine = match self.replica {
+            0 => self.whole_state(&sharded)?,
+            _ => Vec::new(),
+        };
+        drop(sharded);
+        let mut tensors = HashMap::new();
+        let holders: Vec<usize> = (self.config.parallel.plan.replicas()[0].ranks.iter())
+            .map(|group| group[0])
+            .collect();
+        for root in holders {
+            let sending = self.world.rank() == root;
+            let header: Vec<(String, Vec<i64>)> = match sending {
+                true => (mine.iter())
+                    .map(|(name, [value, ..])| (name.clone(), value.size()))
+                    .collect(),
+                false => Vec::new(),
+            };
+            let header = serde_json::to_vec(&header).unwrap_or_default();
+            let header: Vec<(String, Vec<i64>)> =
+                serde_json::from_slice(&broadcast_bytes(self.world, &header, root)?)
+                    .unwrap_or_default();
+            let numel = |shape: &[i64]| shape.iter().product::<i64>();
+            let total: i64 = header.iter().map(|(_, s)| 3 * numel(s)).sum();
+            let mut flat = match sending {
+                true => {
+                    let parts: Vec<Tensor> = (mine.iter())
+                        .flat_map(|(_, three)| three.iter().map(|t| t.to_kind(Kind::Float).to_device(Device::Cpu).flatten(0, -1)))
+                        .collect();
+                    Tensor::cat(&parts, 0)
+                }
+                false => Tensor::zeros([total], (Kind::Float, Device::Cpu)),
+            };
+            if total > 0 {
+                self.world.broadcast(&mut flat, root)?;
+            }
+            let mut at = 0;
+            for (name, shape) in header {
+                let n = numel(&shape);
+                for suffix in ["", ".exp_avg", ".exp_avg_sq"] {
+                    let t = flat.narrow(0, at, n).reshape(&shape);
+                    tensors.insert(format!("{name}{suffix}"), t);
+                    at += n;
+                }
+            }
+        }
+        Ok(MovedState {
+            tensors,
+            state: self.checkpoint_state(),
+            origin: PathBuf::from(format!("(state moved between ranks after iteration {})", self.iteration)),
+        })
+    }
+
+    /// Switches this rank to the decision's plan at this step boundary. Collective.
+    fn switch_plan(&mut self, switch: Switch) -> Result<(), TrainError> {
+        let started = Instant::now();
+        let before_step_s = self.replanning.recent.median().unwrap_or_default();
+        let moved = self.move_state()?;
+        let mut config = self.config.clone();
+        config.parallel.plan = switch.plan;
+        config.checkpoint.load = None;
+        config.checkpoint.finetune_from_hf = None;
+        let mut next = Trainer::new(
+            self.world,
+            config,
+            self.datasets.clone(),
+            self.sample_options,
+            self.local_rank,
+        )?;
+        next.restore(&moved)?;
+        drop(moved);
+        next.setup_s = self.setup_s;
+        next.replanning = self.replanning.clone();
+        let old = std::mem::replace(self, next);
+        drop(old);
+        let switch_s = self.world_max(started.elapsed().as_secs_f64())?;
+        let window = self.config.replan.watch.window;
+        self.replanning.recent = RecentSteps::new(window);
+        self.replanning.last_switch_s = Some(switch_s);
+        self.watch = SpeedWatch::new(self.world.size(), self.config.replan.watch);
+        let predicted_step_s = switch.decision.proposed_step_s;
+        self.replanning.settling = Some(Settling {
+            outcome: SwitchOutcome {
+                switched_after: self.iteration,
+                iteration: self.iteration,
+                before_step_s,
+                predicted_step_s,
+                after_step_s: 0.0,
+                switch_s,
+            },
+            seen: 0,
+            after: RecentSteps::new(window),
+        });
+        if self.world.rank() == 0 {
+            tracing::info!(
+                "re-planned after iteration {}: switched in {switch_s:.3} s to layers per stage {:?} and micro-batches {:?} per replica",
+                self.iteration,
+                self.config.parallel.plan.replicas().iter().map(|r| r.stages.layers()).collect::<Vec<_>>(),
+                self.config.parallel.plan.replicas().iter().map(|r| (r.batch.micro_batch_size, r.batch.num_micro_batches)).collect::<Vec<_>>(),
+            );
+        }
+        Ok(())
+    }
+}
