@@ -59,7 +59,12 @@ pub struct TrainArgs {
     /// speed and switch plans in the running job when the predicted gain over the
     /// remaining iterations exceeds the cost of switching; off: only log whether it would
     /// have paid
-    #[arg(long, default_value = "off", value_name = "auto|off", help_heading = "Launch")]
+    #[arg(
+        long,
+        default_value = "off",
+        value_name = "auto|off",
+        help_heading = "Launch"
+    )]
     replan: ReplanMode,
     /// Steps a change must last (and the first steps that set each rank's assumed pace)
     #[arg(long, value_parser = crate::values::positive_count, default_value_t = WatchConfig::default().window, help_heading = "Launch")]

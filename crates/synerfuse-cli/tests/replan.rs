@@ -117,3 +117,177 @@ fn a_speed_change_for_a_rank_the_job_lacks_is_refused() {
         "{stderr}"
     );
 }
+
+/// The scenario of re-planning: 4 emulated ranks, `iters` iterations with `extra` (the
+/// layout and speeds); its JSON log's records and its stderr.
+fn four_ranks(
+    dir: &std::path::Path,
+    data: &std::path::Path,
+    name: &str,
+    iters: u64,
+    extra: &[&str],
+) -> (Vec<serde_json::Value>, String) {
+    let log = dir.join(format!("{name}.jsonl"));
+    let mut args = steady_model(common(dir, data, iters));
+    args.extend(strings(&[
+        "--nproc",
+        "4",
+        "--threads",
+        "1",
+        "--replan-threshold",
+        "0.5",
+        "--log-json",
+    ]));
+    args.push(log.display().to_string());
+    args.extend(strings(extra));
+    let out = synerfuse(&args);
+    ok(&out, name);
+    assert_eq!(
+        losses(&log).len() as u64,
+        iters,
+        "{name}: every iteration logged"
+    );
+    (
+        json_records(&log),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `args` with a model whose steps last ~0.1 s at speed 0.5, long enough that the
+/// machine's hiccups average out, global batches of 16, and a learning rate under which
+/// fp32's reassociation stays small over 60 iterations (at 3e-3 a single rank's losses
+/// with micro-batches of 4 and of 1 drift 6e-5 apart by iteration 53; at 3e-4, 1e-7).
+fn steady_model(mut args: Vec<String>) -> Vec<String> {
+    for (flag, value) in [
+        ("--global-batch-size", "16"),
+        ("--lr", "3e-4"),
+        ("--min-lr", "1e-5"),
+        ("--hidden-size", "128"),
+        ("--ffn-hidden-size", "256"),
+        ("--seq-length", "128"),
+    ] {
+        let at = args.iter().position(|a| a == flag).expect(flag);
+        args[at + 1] = value.to_owned();
+    }
+    args
+}
+
+/// The records of one kind (`replan`, `replan_outcome`).
+fn nested(records: &[serde_json::Value], key: &str) -> Vec<serde_json::Value> {
+    records.iter().filter_map(|r| r.get(key).cloned()).collect()
+}
+
+/// The median step time of the last `n` iterations, s.
+fn last_median_s(records: &[serde_json::Value], n: usize) -> f64 {
+    let steps: Vec<f64> = (records.iter())
+        .filter_map(|r| r.get("elapsed_ms").and_then(|v| v.as_f64()))
+        .collect();
+    let mut last = steps[steps.len() - n..].to_vec();
+    last.sort_by(f64::total_cmp);
+    last[n / 2] / 1e3
+}
+
+const SLOWER: [&str; 2] = ["--emulate-speed-change", "20:1:0.125"];
+/// One micro-batch per sample, every rank at speed 0.5.
+const SPEEDS: [&str; 4] = [
+    "--micro-batch-size",
+    "1",
+    "--emulate-device-speed",
+    "0.5,0.5,0.5,0.5",
+];
+
+// Rank 1 drops to a quarter of its speed at iteration 20 of 60. With --replan auto the
+// run switches once (after the window of 10 slow steps) to a plan that gives rank 1
+// fewer samples; its losses are a single rank's; its last 20 steps are as fast as a
+// fresh run of the plan it switched to, at the new speeds from the start. With
+// --replan off it stays slow, and says a switch would have paid.
+#[test]
+fn a_rank_slowing_for_good_makes_the_run_switch_once_without_changing_a_loss() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dataset(dir.path());
+    let auto = [&SPEEDS[..], &SLOWER[..], &["--replan", "auto"]].concat();
+    let (records, stderr) = four_ranks(dir.path(), &data, "auto", 60, &auto);
+    let decisions = nested(&records, "replan");
+    let switched: Vec<_> = (decisions.iter())
+        .filter(|d| d["switched"].as_bool() == Some(true))
+        .collect();
+    assert_eq!(switched.len(), 1, "{decisions:?}\n{stderr}");
+    let decision = switched[0];
+    assert!(decision["gain_s"].as_f64() > decision["switch_cost_s"].as_f64());
+    assert!(stderr.contains("switching now"), "{stderr}");
+    let outcomes = nested(&records, "replan_outcome");
+    assert_eq!(
+        outcomes.len(),
+        1,
+        "the gain after the switch measured: {records:?}"
+    );
+
+    // Continuity: the losses of one rank training the same global batches.
+    let log = dir.path().join("single.jsonl");
+    let mut single = steady_model(common(dir.path(), &data, 60));
+    single.extend(strings(&["--micro-batch-size", "4"]));
+    single.extend(strings(&["--log-json", log.to_str().unwrap()]));
+    ok(&synerfuse(&single), "single rank");
+    let reference = losses(&log);
+    let replanned = losses(&dir.path().join("auto.jsonl"));
+    for (i, (a, b)) in replanned.iter().zip(&reference).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-5 * b.abs(),
+            "iteration {}: {a} vs {b}",
+            i + 1
+        );
+    }
+
+    // A fresh run of the plan switched to, at the new speeds from its first step.
+    let plan = dir.path().join("replanned.json");
+    std::fs::write(&plan, decision["proposed_plan"].to_string()).unwrap();
+    let fresh_args = [
+        "--plan",
+        plan.to_str().unwrap(),
+        "--emulate-device-speed",
+        "0.5,0.125,0.5,0.5",
+    ];
+    let (fresh, _) = four_ranks(dir.path(), &data, "fresh", 30, &fresh_args);
+    let (after, fresh) = (last_median_s(&records, 20), last_median_s(&fresh, 20));
+    assert!(
+        (after - fresh).abs() <= 0.1 * fresh,
+        "last 20 steps: {after:.4} s after the switch, {fresh:.4} s fresh"
+    );
+
+    let off = [&SPEEDS[..], &SLOWER[..], &["--replan", "off"]].concat();
+    let (records, stderr) = four_ranks(dir.path(), &data, "off", 60, &off);
+    let decisions = nested(&records, "replan");
+    assert!(
+        decisions
+            .iter()
+            .all(|d| d["switched"].as_bool() == Some(false))
+            && !decisions.is_empty(),
+        "{decisions:?}"
+    );
+    assert!(stderr.contains("a switch would have paid"), "{stderr}");
+    let slow = last_median_s(&records, 20);
+    assert!(
+        slow > 1.5 * after,
+        "--replan off: {slow:.4} s per step against {after:.4} s"
+    );
+}
+
+// Three slow steps are shorter than the window: no change is sustained, nothing is
+// re-planned.
+#[test]
+fn a_short_slowdown_does_not_make_the_run_switch() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dataset(dir.path());
+    let short = [
+        &SPEEDS[..],
+        &["--emulate-speed-change", "20:1:0.125"],
+        &["--emulate-speed-change", "23:1:0.5"],
+        &["--replan", "auto"],
+    ]
+    .concat();
+    let (records, stderr) = four_ranks(dir.path(), &data, "short", 40, &short);
+    let switched = (nested(&records, "replan").iter())
+        .filter(|d| d["switched"].as_bool() == Some(true))
+        .count();
+    assert_eq!(switched, 0, "{stderr}");
+}

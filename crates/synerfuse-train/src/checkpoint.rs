@@ -347,8 +347,11 @@ impl Checkpoint {
 pub trait StateSource {
     /// The tensors named in `names` of the `model-` or `optimizer-` part; a missing
     /// name is an error naming it.
-    fn tensors(&self, prefix: &str, names: &[String])
-        -> Result<HashMap<String, Tensor>, TrainError>;
+    fn tensors(
+        &self,
+        prefix: &str,
+        names: &[String],
+    ) -> Result<HashMap<String, Tensor>, TrainError>;
     /// The run's state.
     fn state(&self) -> &CheckpointState;
     /// Where problems are reported.

@@ -190,6 +190,8 @@ pub struct ReplanDecision {
     pub proposed_layers: Vec<Vec<usize>>,
     /// Micro-batch size and count of each replica of the best plan.
     pub proposed_batches: Vec<(usize, usize)>,
+    /// The best plan, on the job's ranks (the `[[replica]]` form of a plan file).
+    pub proposed_plan: synerfuse_parallel::GeneralPlan,
     /// Iterations left to train.
     pub remaining_iterations: u64,
     /// (current − proposed) × remaining iterations, s.

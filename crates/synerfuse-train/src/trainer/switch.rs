@@ -16,7 +16,6 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use synerfuse_model::tch::{Device, Kind, Tensor};
 use synerfuse_parallel::planner::{self, Choice, PlanRequest, RunningJob};
-use synerfuse_parallel::GeneralPlan;
 
 /// Micro-batch sizes a re-plan tries.
 const MICRO_BATCH_SIZES: [usize; 4] = [1, 2, 4, 8];
@@ -49,13 +48,6 @@ impl Replanning {
             settling: None,
         }
     }
-}
-
-/// What rank 0 tells every rank when the run switches.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct Switch {
-    decision: ReplanDecision,
-    plan: GeneralPlan,
 }
 
 /// The whole state of replica 0 as every rank received it: what a switch restores from.
@@ -175,10 +167,10 @@ impl<'w> Trainer<'w> {
                 compute_bytes: if self.config.compute.bf16 { 2.0 } else { 4.0 },
             };
             match self.decide(&job, switch_cost_s, cost_basis) {
-                Ok(switch) => {
-                    log.record_replan(&switch.decision)?;
-                    if switch.decision.switched {
-                        message = serde_json::to_vec(&switch).unwrap_or_default();
+                Ok(decision) => {
+                    log.record_replan(&decision)?;
+                    if decision.switched {
+                        message = serde_json::to_vec(&decision).unwrap_or_default();
                     }
                 }
                 Err(reason) => tracing::warn!(
@@ -191,11 +183,12 @@ impl<'w> Trainer<'w> {
         if message.is_empty() {
             return Ok(());
         }
-        let switch: Switch = serde_json::from_slice(&message).map_err(|e| TrainError::Replan {
-            iteration: self.iteration,
-            reason: format!("the new plan did not reach every rank intact: {e}"),
-        })?;
-        self.switch_plan(switch)
+        let decision: ReplanDecision =
+            serde_json::from_slice(&message).map_err(|e| TrainError::Replan {
+                iteration: self.iteration,
+                reason: format!("the new plan did not reach every rank intact: {e}"),
+            })?;
+        self.switch_plan(decision)
     }
 
     /// What a switch costs, s, and where that figure comes from: the last switch's
@@ -227,7 +220,7 @@ impl<'w> Trainer<'w> {
         job: &RunningJob<'_>,
         switch_cost_s: f64,
         cost_basis: &str,
-    ) -> Result<Switch, planner::ReplanError> {
+    ) -> Result<ReplanDecision, planner::ReplanError> {
         let cost = planner::fitted_cost(job)?;
         let current_step_s = planner::predict_step_s(&cost, job.plan)?;
         let global = job.plan.batches().global_batch_size();
@@ -254,6 +247,7 @@ impl<'w> Trainer<'w> {
             proposed_batches: (plan.replicas().iter())
                 .map(|r| (r.batch.micro_batch_size, r.batch.num_micro_batches))
                 .collect(),
+            proposed_plan: plan,
             remaining_iterations,
             gain_s: (current_step_s - proposed_step_s) * remaining_iterations as f64,
             switch_cost_s,
@@ -262,8 +256,8 @@ impl<'w> Trainer<'w> {
         };
         decision.switched = self.config.replan.mode == ReplanMode::Auto
             && decision.pays()
-            && plan != *job.plan;
-        Ok(Switch { decision, plan })
+            && decision.proposed_plan != *job.plan;
+        Ok(decision)
     }
 
     /// Every rank's whole state of replica 0 (the distributed optimizer's shards
@@ -300,7 +294,11 @@ impl<'w> Trainer<'w> {
             let mut flat = match sending {
                 true => {
                     let parts: Vec<Tensor> = (mine.iter())
-                        .flat_map(|(_, three)| three.iter().map(|t| t.to_kind(Kind::Float).to_device(Device::Cpu).flatten(0, -1)))
+                        .flat_map(|(_, three)| {
+                            three.iter().map(|t| {
+                                t.to_kind(Kind::Float).to_device(Device::Cpu).flatten(0, -1)
+                            })
+                        })
                         .collect();
                     Tensor::cat(&parts, 0)
                 }
@@ -322,17 +320,20 @@ impl<'w> Trainer<'w> {
         Ok(MovedState {
             tensors,
             state: self.checkpoint_state(),
-            origin: PathBuf::from(format!("(state moved between ranks after iteration {})", self.iteration)),
+            origin: PathBuf::from(format!(
+                "(state moved between ranks after iteration {})",
+                self.iteration
+            )),
         })
     }
 
     /// Switches this rank to the decision's plan at this step boundary. Collective.
-    fn switch_plan(&mut self, switch: Switch) -> Result<(), TrainError> {
+    fn switch_plan(&mut self, decision: ReplanDecision) -> Result<(), TrainError> {
         let started = Instant::now();
         let before_step_s = self.replanning.recent.median().unwrap_or_default();
         let moved = self.move_state()?;
         let mut config = self.config.clone();
-        config.parallel.plan = switch.plan;
+        config.parallel.plan = decision.proposed_plan;
         config.checkpoint.load = None;
         config.checkpoint.finetune_from_hf = None;
         let mut next = Trainer::new(
@@ -353,7 +354,7 @@ impl<'w> Trainer<'w> {
         self.replanning.recent = RecentSteps::new(window);
         self.replanning.last_switch_s = Some(switch_s);
         self.watch = SpeedWatch::new(self.world.size(), self.config.replan.watch);
-        let predicted_step_s = switch.decision.proposed_step_s;
+        let predicted_step_s = decision.proposed_step_s;
         self.replanning.settling = Some(Settling {
             outcome: SwitchOutcome {
                 switched_after: self.iteration,
