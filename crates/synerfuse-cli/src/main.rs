@@ -7,6 +7,7 @@ mod env_report;
 mod index_command;
 mod model_commands;
 mod plan_commands;
+mod restart;
 mod timeline_command;
 mod topology_command;
 mod train_command;

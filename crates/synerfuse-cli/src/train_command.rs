@@ -799,11 +799,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         let plan = args.plan(n)?;
         plan.schedule(args.schedule_kind(&plan))
             .map_err(|e| anyhow::Error::new(e).context(args.layout_source()))?;
-        let status = relaunch(n)?;
-        if !status.success() {
-            bail!("the {n}-rank job failed ({status}); see the ranks' messages above");
-        }
-        return Ok(());
+        return crate::restart::run_restarting(n, args.save.as_deref());
     }
     if args.fp16 {
         bail!("--fp16 is not supported (no loss scaling); use --bf16");

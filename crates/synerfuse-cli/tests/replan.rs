@@ -291,3 +291,74 @@ fn a_short_slowdown_does_not_make_the_run_switch() {
         .count();
     assert_eq!(switched, 0, "{stderr}");
 }
+
+// Rank 2 of 4 dies in the middle of iteration 21 (after the checkpoint of iteration 20):
+// the survivors end, the lowest leaving which rank was lost and a plan for the three
+// of them under --save; the --nproc job starts again on them from iteration 20 and
+// finishes, with the losses of an uninterrupted run.
+#[test]
+fn a_lost_rank_restarts_the_job_on_the_survivors_from_the_last_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dataset(dir.path());
+    let save = dir.path().join("ckpt");
+    let log = dir.path().join("lost.jsonl");
+    let mut args = steady_model(common(dir.path(), &data, 30));
+    args.extend(strings(&[
+        "--nproc",
+        "4",
+        "--micro-batch-size",
+        "1",
+        "--threads",
+        "1",
+        "--save-interval",
+        "5",
+        "--save",
+        save.to_str().unwrap(),
+        "--log-json",
+        log.to_str().unwrap(),
+    ]));
+    let out = synerfuse_with_env(&args, &[("SYNERFUSE_FAULT_INJECT", "exit:2:21")]);
+    ok(&out, "a job that lost a rank");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("rank 2 lost (its process is gone)")
+            && stderr.contains("exiting with code 75"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("restarting on the 3 survivors from the checkpoint of iteration 20"),
+        "{stderr}"
+    );
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(save.join("lost-ranks.json")).unwrap())
+            .unwrap();
+    assert_eq!(record["lost"], serde_json::json!([2]), "{record}");
+    assert_eq!(
+        record["survivors"],
+        serde_json::json!([0, 1, 3]),
+        "{record}"
+    );
+    let plan = std::fs::read_to_string(save.join("survivors-plan.toml")).unwrap();
+    assert_eq!(plan.matches("[[replica]]").count(), 3, "{plan}");
+
+    // Each iteration logged once (the 21st of the first launch died with rank 2), with
+    // the losses of one rank training the same global batches.
+    let iterations: Vec<u64> = (json_records(&log).iter())
+        .filter(|r| r.get("elapsed_ms").is_some())
+        .map(|r| r["iteration"].as_u64().unwrap())
+        .collect();
+    assert_eq!(iterations, (1..=30).collect::<Vec<_>>());
+    let reference = dir.path().join("single.jsonl");
+    let mut single = steady_model(common(dir.path(), &data, 30));
+    single.extend(strings(&["--micro-batch-size", "4", "--log-json"]));
+    single.push(reference.display().to_string());
+    ok(&synerfuse(&single), "single rank");
+    let (got, want) = (losses(&log), losses(&reference));
+    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-5 * b.abs(),
+            "iteration {}: {a} vs {b}",
+            i + 1
+        );
+    }
+}

@@ -71,7 +71,7 @@ impl From<DeviceRequest> for String {
 }
 
 /// What a rank computes on.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct RankPlacement {
     /// The runtime device; `None` (a plan file that names memory or speeds but no
     /// devices) leaves it to the job's `--device`.

@@ -6,6 +6,7 @@ pub mod comm;
 pub mod emulation;
 pub mod grads;
 pub mod loader;
+pub mod lost;
 pub mod memory;
 pub mod metrics;
 pub mod optim;

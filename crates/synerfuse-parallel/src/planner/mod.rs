@@ -22,7 +22,9 @@ use std::collections::{BTreeSet, BinaryHeap, HashMap};
 
 use pooled::plan_pooled_noting_memory;
 pub use pooled::{plan_pooled, pooled_timeline, to_general_plan, PoolLayout, PooledCandidate};
-pub use running::{best_plan_for, fitted_cost, predict_step_s, ReplanError, RunningJob};
+pub use running::{
+    best_plan_for, fitted_cost, fitted_cost_of, predict_step_s, ReplanError, RunningJob,
+};
 pub use samples::{min_max_samples, ReplicaPace};
 pub use tensor::{best_group, TpGroup, MOST_SHARE};
 

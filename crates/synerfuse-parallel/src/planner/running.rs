@@ -18,6 +18,7 @@ use super::{
 use crate::cluster::{ClusterSpec, DeviceGroup, Network};
 use crate::cost::{CostModel, MeasuredCosts, MeasuredNetwork, ModelShape, Profile, Recompute};
 use crate::general::{GeneralPlan, GeneralPlanError, ReplicaPipeline};
+use crate::RankPlacement;
 use std::collections::BTreeMap;
 
 /// The kind of every rank of a fitted cluster: its numbers are the fitted profile's.
@@ -152,6 +153,13 @@ fn unit_work_s(
 /// The cost model of the running job: one device per rank (on its host), each at the
 /// speed its measured pace shows (see the module documentation).
 pub fn fitted_cost(job: &RunningJob<'_>) -> Result<CostModel, ReplanError> {
+    let all: Vec<usize> = (0..job.plan.world_size()).collect();
+    fitted_cost_of(job, &all)
+}
+
+/// [`fitted_cost`] over the ranks `kept` only (the survivors of a lost rank): device `i`
+/// is rank `kept[i]`.
+pub fn fitted_cost_of(job: &RunningJob<'_>, kept: &[usize]) -> Result<CostModel, ReplanError> {
     let ranks = job.plan.world_size();
     for (what, got) in [("pace", job.paces_s.len()), ("host", job.hosts.len())] {
         if got != ranks {
@@ -159,8 +167,9 @@ pub fn fitted_cost(job: &RunningJob<'_>) -> Result<CostModel, ReplanError> {
         }
     }
     let unit = unit_costs(&job.model);
-    let mut groups = Vec::with_capacity(ranks);
-    for (rank, (&pace_s, host)) in job.paces_s.iter().zip(job.hosts).enumerate() {
+    let mut groups = Vec::with_capacity(kept.len());
+    for &rank in kept {
+        let (pace_s, host) = (job.paces_s[rank], &job.hosts[rank]);
         if !(pace_s > 0.0 && pace_s.is_finite()) {
             return Err(ReplanError::Pace { rank, pace_s });
         }
@@ -227,22 +236,22 @@ pub fn predict_step_s(cost: &CostModel, plan: &GeneralPlan) -> Result<f64, Repla
 
 /// The planner's best plan for `request` on `cost`'s cluster (the best grid plan or the
 /// best per-replica-pipeline plan, whichever [`predict_step_s`] prices faster), with
-/// rank `r` on device `r` and each rank keeping its placement in `current`; and its
-/// predicted step.
+/// rank `r` on device `r`, placed at `placements[r]` (where every rank has one); and
+/// its predicted step.
 pub fn best_plan_for(
     cost: &CostModel,
     request: &PlanRequest,
-    current: &GeneralPlan,
+    placements: &[Option<RankPlacement>],
 ) -> Result<(GeneralPlan, f64), ReplanError> {
     let outcome = plan(cost, request)?;
     let mut found = Vec::new();
     if let Some(grid) = outcome.plans.first() {
         let general = to_general_grid_plan(cost, grid)?;
-        found.push(on_devices(&general, &grid_rank_devices(grid)?, current)?);
+        found.push(on_devices(&general, &grid_rank_devices(grid)?, placements)?);
     }
     if let Some(pooled) = &outcome.pooled {
         let general = to_general_plan(cost, pooled)?;
-        found.push(on_devices(&general, &pooled.rank_devices(), current)?);
+        found.push(on_devices(&general, &pooled.rank_devices(), placements)?);
     }
     let mut best: Option<(GeneralPlan, f64)> = None;
     for plan in found {
@@ -255,11 +264,11 @@ pub fn best_plan_for(
     Ok(best.expect("the planner found a plan"))
 }
 
-/// `plan` with its rank `k` renamed `device_of[k]`, each rank placed as in `current`.
+/// `plan` with its rank `k` renamed `device_of[k]`, rank `r` placed at `placements[r]`.
 fn on_devices(
     plan: &GeneralPlan,
     device_of: &[usize],
-    current: &GeneralPlan,
+    placements: &[Option<RankPlacement>],
 ) -> Result<GeneralPlan, GeneralPlanError> {
     let replicas = (plan.replicas().iter())
         .map(|r| {
@@ -267,7 +276,7 @@ fn on_devices(
                 .map(|stage| stage.iter().map(|&k| device_of[k]).collect())
                 .collect();
             let placements: Option<Vec<_>> = (ranks.iter().flatten())
-                .map(|&rank| current.placement(rank).cloned())
+                .map(|&rank| placements.get(rank).cloned().flatten())
                 .collect();
             ReplicaPipeline {
                 ranks,
@@ -356,7 +365,7 @@ mod tests {
         let hosts = vec!["h".to_owned(); 4];
         let paces = [1.0, 4.0, 1.0, 1.0];
         let cost = fitted_cost(&job(&plan, &paces, &hosts)).unwrap();
-        let (best, step) = best_plan_for(&cost, &request(16), &plan).unwrap();
+        let (best, step) = best_plan_for(&cost, &request(16), &[]).unwrap();
         assert_eq!(best.world_size(), 4);
         assert_eq!(best.batches().global_batch_size(), 16);
         // Rank 1 computes a sample in 1 s, the others in 0.25 s: 5 samples each for
@@ -388,5 +397,27 @@ mod tests {
             error.to_string().contains("one pace per rank: got 1 for 2"),
             "{error}"
         );
+    }
+
+    #[test]
+    fn survivors_get_a_plan_of_their_own() {
+        let plan = data_parallel(4);
+        let hosts = vec!["h".to_owned(); 4];
+        let paces = [1.0, 1.0, 1.0, 1.0];
+        let kept = [0, 1, 3];
+        let cost = fitted_cost_of(&job(&plan, &paces, &hosts), &kept).unwrap();
+        let placements: Vec<_> = (kept.iter())
+            .map(|&r| {
+                Some(RankPlacement {
+                    kind: Some(format!("rank {r}")),
+                    ..RankPlacement::default()
+                })
+            })
+            .collect();
+        let (best, _) = best_plan_for(&cost, &request(16), &placements).unwrap();
+        assert_eq!(best.world_size(), 3);
+        assert_eq!(best.batches().global_batch_size(), 16);
+        // Survivor 2 was rank 3.
+        assert_eq!(best.placement(2).unwrap().kind.as_deref(), Some("rank 3"));
     }
 }

@@ -83,9 +83,38 @@ pub fn without_flag(args: impl IntoIterator<Item = String>, flag: &str) -> Vec<S
 /// without its `--nproc` flag (which asked for the re-launch), forwarding stop signals
 /// as [`run_forwarding_signals`] does; returns `mpirun`'s status.
 pub fn relaunch_under_mpirun(nproc: usize) -> std::io::Result<std::process::ExitStatus> {
+    let args = without_flag(std::env::args().skip(1), "--nproc");
+    launch_under_mpirun(nproc, &args, Survival::EndWithRank, &[])
+}
+
+/// What `mpirun` does with the other ranks when one dies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Survival {
+    /// Ends them (OpenMPI's default).
+    EndWithRank,
+    /// Leaves them running (OpenMPI's `orte_enable_recovery`), so they can end
+    /// cleanly, saying which rank was lost ([`crate::lost`]).
+    Survive,
+}
+
+/// Runs this program with `args` under `mpirun -np nproc` on this machine, forwarding
+/// stop signals as [`run_forwarding_signals`] does, without the environment variables
+/// `env_remove`; returns `mpirun`'s status.
+pub fn launch_under_mpirun(
+    nproc: usize,
+    args: &[String],
+    survival: Survival,
+    env_remove: &[&str],
+) -> std::io::Result<std::process::ExitStatus> {
     let exe = std::env::current_exe()?;
-    let mut command = mpirun_command(nproc, &exe);
-    command.args(without_flag(std::env::args().skip(1), "--nproc"));
+    let mut command = mpirun_options(nproc);
+    if survival == Survival::Survive {
+        command.args(["--mca", "orte_enable_recovery", "1"]);
+    }
+    command.arg(&exe).args(args);
+    for name in env_remove {
+        command.env_remove(name);
+    }
     tracing::info!(
         "launching {nproc} ranks: mpirun -np {nproc} {}",
         exe.display()

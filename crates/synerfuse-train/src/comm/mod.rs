@@ -17,8 +17,8 @@ pub use error::CommError;
 pub use groups::{GroupCommunicator, PendingReduction, ProcessGroups, SetGroups};
 pub use host::{MpiCommunicator, MpiRuntime, PendingAllReduce, PendingSend};
 pub use launcher::{
-    launcher_local_rank, launcher_rank, mpirun_command, mpirun_options, relaunch_under_mpirun,
-    run_forwarding_signals, without_flag,
+    launch_under_mpirun, launcher_local_rank, launcher_rank, mpirun_command, mpirun_options,
+    relaunch_under_mpirun, run_forwarding_signals, without_flag, Survival,
 };
 pub use links::{LinkPath, PipelineLinks};
 pub use nccl::{NcclCommunicator, PendingNccl};

@@ -23,6 +23,10 @@ pub const TIMEOUT_EXIT_CODE: i32 = 124;
 const ABORT_GRACE: Duration = Duration::from_secs(10);
 /// How often the watchdog looks at the current wait.
 const CHECK_INTERVAL: Duration = Duration::from_millis(100);
+/// How long a wait goes on after a local peer's process was seen gone before the peer
+/// counts as lost (a collective the peer finished just before it exited completes well
+/// within it).
+const LOST_GRACE: Duration = Duration::from_secs(3);
 /// How long a polling thread has to abort itself before the watchdog does.
 const HANDOFF: Duration = Duration::from_secs(2);
 
@@ -78,8 +82,8 @@ pub(crate) fn set_local_peers(peers: Vec<(usize, u32)>) {
     *LOCAL_PEERS.lock().unwrap_or_else(|e| e.into_inner()) = peers;
 }
 
-/// "rank 1 (pid 42, this host) is stopped" for every local peer that is not running.
-fn peers_not_running() -> Vec<String> {
+/// `(rank, pid, "is stopped" or "has exited")` of every local peer that is not running.
+fn peer_states() -> Vec<(usize, u32, &'static str)> {
     let peers = LOCAL_PEERS
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -93,14 +97,32 @@ fn peers_not_running() -> Vec<String> {
                     .rsplit_once(')')
                     .and_then(|(_, rest)| rest.trim().chars().next())
                 {
-                    Some('T') | Some('t') => "is stopped",
-                    Some('Z') | Some('X') => "has exited",
+                    Some('T') | Some('t') => STOPPED,
+                    Some('Z') | Some('X') => EXITED,
                     _ => return None,
                 },
-                Err(_) => "has exited",
+                Err(_) => EXITED,
             };
-            Some(format!("rank {rank} (pid {pid}, this host) {state}"))
+            Some((rank, pid, state))
         })
+        .collect()
+}
+
+const STOPPED: &str = "is stopped";
+const EXITED: &str = "has exited";
+
+/// "rank 1 (pid 42, this host) is stopped" for every local peer that is not running.
+fn peers_not_running() -> Vec<String> {
+    (peer_states().into_iter())
+        .map(|(rank, pid, state)| format!("rank {rank} (pid {pid}, this host) {state}"))
+        .collect()
+}
+
+/// The local peers whose process is gone.
+fn peers_gone() -> Vec<usize> {
+    (peer_states().into_iter())
+        .filter(|&(.., state)| state == EXITED)
+        .map(|(rank, ..)| rank)
         .collect()
 }
 
@@ -127,22 +149,72 @@ impl Drop for WaitGuard {
 }
 
 fn watch() {
+    // When the current wait (its start) first saw local peers' processes gone, and
+    // which: survivors that end later are not lost ranks.
+    let mut gone_since: Option<(Instant, Instant, Vec<usize>)> = None;
     loop {
         std::thread::sleep(CHECK_INTERVAL);
         let limit = timeout();
-        let expired = CURRENT
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-            .filter(|w| w.started.elapsed() > limit)
-            .map(describe);
+        let (expired, wait_started) = {
+            let current = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
+            let expired = (current.as_ref())
+                .filter(|w| w.started.elapsed() > limit)
+                .map(describe);
+            (expired, current.as_ref().map(|w| w.started))
+        };
         if let Some(message) = expired {
             *EXPIRED.lock().unwrap_or_else(|e| e.into_inner()) = Some(message);
             EXPIRED_FLAG.store(true, Ordering::SeqCst);
             std::thread::sleep(HANDOFF);
             abort_job();
         }
+        let Some(wait_started) = wait_started else {
+            gone_since = None;
+            continue;
+        };
+        let gone = peers_gone();
+        if gone.is_empty() {
+            gone_since = None;
+            continue;
+        }
+        match &gone_since {
+            Some((noticed, started, lost)) if *started == wait_started => {
+                if noticed.elapsed() >= LOST_GRACE {
+                    end_lost(lost.clone());
+                }
+            }
+            _ => gone_since = Some((Instant::now(), wait_started, gone)),
+        }
     }
+}
+
+/// Ends this survivor of lost ranks: the survivors' plan written (by the lowest
+/// survivor), a message, [`crate::lost::LOST_RANK_EXIT_CODE`]. No MPI call: the lost
+/// rank would never answer.
+fn end_lost(lost: Vec<usize>) -> ! {
+    let code = crate::lost::LOST_RANK_EXIT_CODE;
+    if ABORTING.swap(true, Ordering::SeqCst) {
+        std::thread::sleep(ABORT_GRACE);
+        // SAFETY: _exit has no preconditions and does not return.
+        unsafe { libc::_exit(code) }
+    }
+    let rank = WORLD_RANK.load(Ordering::SeqCst);
+    let what = crate::lost::write_survivors_plan(rank, &lost);
+    let who = match lost.as_slice() {
+        [one] => format!("rank {one} lost (its process is gone) while this rank waited for it"),
+        many => format!(
+            "ranks {} lost (their processes are gone) while this rank waited for them",
+            many.iter()
+                .map(usize::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
+    eprintln!(
+        "error: rank {rank}: {who}; {what}; exiting with code {code}: restart on the survivors from the last checkpoint"
+    );
+    // SAFETY: as above.
+    unsafe { libc::_exit(code) }
 }
 
 fn describe(wait: &Wait) -> String {

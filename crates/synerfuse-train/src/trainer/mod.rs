@@ -522,6 +522,7 @@ impl<'w> Trainer<'w> {
             config,
         };
         trainer.load_latest()?;
+        trainer.remember_for_survivors()?;
         trainer.setup_s = started.elapsed().as_secs_f64();
         Ok(trainer)
     }
@@ -718,6 +719,7 @@ impl<'w> Trainer<'w> {
             summary.iteration = self.iteration;
             summary.losses.push(outcome.loss);
             log.record(rank, self.iteration, self.consumed_samples, &outcome)?;
+            crate::lost::remember_paces(&outcome.pace_s());
             let shifts = self.watch.observe(&outcome.pace_s());
             log.record_speed_shifts(rank, self.iteration, &shifts)?;
             self.note_step(&mut log, outcome.step_ms / 1e3)?;

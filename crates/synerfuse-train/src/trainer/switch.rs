@@ -136,10 +136,7 @@ impl<'w> Trainer<'w> {
         let Some(paces_s) = self.watch.paces_s() else {
             return Ok(());
         };
-        let hosts: Vec<String> = RankDevice::gather(self.world, self.device)?
-            .iter()
-            .map(|d| format!("host{:x}", d.host))
-            .collect();
+        let hosts = self.hosts()?;
         let network = match self.world.size() > 1 {
             true => Some(crate::profiler::measure_network(self.world).map_err(|e| {
                 TrainError::Replan {
@@ -164,7 +161,7 @@ impl<'w> Trainer<'w> {
                 hosts: &hosts,
                 network,
                 recompute: self.config.compute.recompute,
-                compute_bytes: if self.config.compute.bf16 { 2.0 } else { 4.0 },
+                compute_bytes: self.compute_bytes(),
             };
             match self.decide(&job, switch_cost_s, cost_basis) {
                 Ok(decision) => {
@@ -189,6 +186,45 @@ impl<'w> Trainer<'w> {
                 reason: format!("the new plan did not reach every rank intact: {e}"),
             })?;
         self.switch_plan(decision)
+    }
+
+    /// Every rank's host, in rank order. Collective.
+    fn hosts(&self) -> Result<Vec<String>, TrainError> {
+        Ok(RankDevice::gather(self.world, self.device)?
+            .iter()
+            .map(|d| format!("host{:x}", d.host))
+            .collect())
+    }
+
+    /// Under `--save`, keeps what a plan for the survivors of a lost rank is made from
+    /// (the paces follow each step). Collective.
+    pub(super) fn remember_for_survivors(&self) -> Result<(), TrainError> {
+        let Some(save) = self.config.checkpoint.save.clone() else {
+            return Ok(());
+        };
+        let plan = &self.config.parallel.plan;
+        crate::lost::remember(crate::lost::JobSnapshot {
+            save,
+            plan: plan.clone(),
+            paces_s: vec![1.0; plan.world_size()],
+            hosts: self.hosts()?,
+            model: crate::profiler::model_shape(
+                &self.config.model,
+                self.config.batch.sequence_length,
+            ),
+            compute_bytes: self.compute_bytes(),
+            recompute: self.config.compute.recompute,
+            distributed_optimizer: self.config.optimizer.distributed,
+        });
+        Ok(())
+    }
+
+    /// Bytes per activation element on the wire.
+    fn compute_bytes(&self) -> f64 {
+        match self.config.compute.bf16 {
+            true => 2.0,
+            false => 4.0,
+        }
     }
 
     /// What a switch costs, s, and where that figure comes from: the last switch's
@@ -235,7 +271,10 @@ impl<'w> Trainer<'w> {
                 false => Choice::Off,
             },
         };
-        let (plan, proposed_step_s) = planner::best_plan_for(&cost, &request, job.plan)?;
+        let placements: Vec<_> = (0..job.plan.world_size())
+            .map(|r| job.plan.placement(r).cloned())
+            .collect();
+        let (plan, proposed_step_s) = planner::best_plan_for(&cost, &request, &placements)?;
         let remaining_iterations = self.config.batch.train_iters - self.iteration;
         let mut decision = ReplanDecision {
             iteration: self.iteration,

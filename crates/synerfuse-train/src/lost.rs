@@ -1,0 +1,186 @@
+//! A rank lost while training (its process gone: a failed device, a preemption, a
+//! crash). The survivors on its host notice it while they wait for it (the watchdog sees
+//! its process gone), and end cleanly: the lowest survivor writes, into the `--save`
+//! directory, which ranks were lost ([`LOST_RANKS_FILE`]) and a plan for the survivors
+//! ([`SURVIVORS_PLAN_FILE`], planned as re-planning plans, at the ranks' last measured
+//! paces); every survivor then exits with [`LOST_RANK_EXIT_CODE`]. A `--nproc` job
+//! restarts itself on the survivors from the last checkpoint with that plan; a script
+//! under `mpirun` or `srun` does the same from the exit code and the files.
+//!
+//! Ranks on other hosts do not see the process go: they end when their wait outlasts
+//! `--distributed-timeout-minutes`, as before.
+
+use crate::checkpoint::LATEST;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use synerfuse_parallel::cost::ModelShape;
+use synerfuse_parallel::planner::{self, Choice, PlanRequest, RunningJob};
+use synerfuse_parallel::GeneralPlan;
+
+/// The exit status of a survivor of a lost rank (`EX_TEMPFAIL`: try again, on the
+/// survivors).
+pub const LOST_RANK_EXIT_CODE: i32 = 75;
+/// Which ranks were lost, in the `--save` directory.
+pub const LOST_RANKS_FILE: &str = "lost-ranks.json";
+/// The survivors' plan, in the `--save` directory.
+pub const SURVIVORS_PLAN_FILE: &str = "survivors-plan.toml";
+
+/// What [`LOST_RANKS_FILE`] says.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LostRanks {
+    /// The world ranks lost.
+    pub lost: Vec<usize>,
+    /// The job's ranks before.
+    pub world_size: usize,
+    /// The ranks that survived, in the order the survivors' plan numbers them (survivor
+    /// `i` of the plan was rank `survivors[i]`).
+    pub survivors: Vec<usize>,
+    /// The checkpoint the restart resumes from (`None`: none was saved yet).
+    pub checkpoint_iteration: Option<u64>,
+    /// The survivors' plan file.
+    pub plan: PathBuf,
+    /// The survivors' plan's predicted step, s.
+    pub predicted_step_s: f64,
+}
+
+impl LostRanks {
+    /// The record of `save`, if there is one.
+    pub fn read(save: &Path) -> Option<LostRanks> {
+        let text = std::fs::read_to_string(save.join(LOST_RANKS_FILE)).ok()?;
+        serde_json::from_str(&text).ok()
+    }
+}
+
+/// What a survivors' plan is made from, kept up to date by the trainer.
+#[derive(Debug, Clone)]
+pub(crate) struct JobSnapshot {
+    /// `--save`.
+    pub save: PathBuf,
+    /// The plan running.
+    pub plan: GeneralPlan,
+    /// Each rank's latest forward and backward seconds per step.
+    pub paces_s: Vec<f64>,
+    /// Each rank's host.
+    pub hosts: Vec<String>,
+    /// The model at the run's sequence length.
+    pub model: ModelShape,
+    /// 4 in fp32, 2 in bf16.
+    pub compute_bytes: f64,
+    /// `--recompute-activations`.
+    pub recompute: bool,
+    /// `--use-distributed-optimizer`.
+    pub distributed_optimizer: bool,
+}
+
+static SNAPSHOT: Mutex<Option<JobSnapshot>> = Mutex::new(None);
+
+/// Keeps `snapshot` for the survivors' plan, should a rank be lost.
+pub(crate) fn remember(snapshot: JobSnapshot) {
+    *SNAPSHOT.lock().unwrap_or_else(|e| e.into_inner()) = Some(snapshot);
+}
+
+/// Updates the ranks' latest paces.
+pub(crate) fn remember_paces(paces_s: &[f64]) {
+    if let Some(s) = SNAPSHOT.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+        if paces_s.len() == s.paces_s.len() && paces_s.iter().all(|&p| p > 0.0) {
+            s.paces_s = paces_s.to_vec();
+        }
+    }
+}
+
+/// The survivors' plan, written with [`LOST_RANKS_FILE`] into `--save` when `rank` is
+/// the lowest survivor; what happened, for its message. Runs on the watchdog thread
+/// while the main thread is stuck waiting for the lost rank.
+pub(crate) fn write_survivors_plan(rank: usize, lost: &[usize]) -> String {
+    let Some(snapshot) = SNAPSHOT.lock().unwrap_or_else(|e| e.into_inner()).clone() else {
+        return "no --save: nothing to restart from".to_owned();
+    };
+    let world_size = snapshot.plan.world_size();
+    let survivors: Vec<usize> = (0..world_size).filter(|r| !lost.contains(r)).collect();
+    if survivors.first() != Some(&rank) {
+        return format!(
+            "rank {} writes the survivors' plan to {}",
+            survivors.first().copied().unwrap_or_default(),
+            snapshot.save.display()
+        );
+    }
+    match plan_for_survivors(&snapshot, &survivors) {
+        Ok((plan, predicted_step_s)) => match write(&snapshot, lost, &survivors, &plan, predicted_step_s) {
+            Ok(path) => format!(
+                "wrote {} and the survivors' plan {} ({} ranks, predicted {predicted_step_s:.4} s per step)",
+                snapshot.save.join(LOST_RANKS_FILE).display(),
+                path.display(),
+                survivors.len()
+            ),
+            Err(e) => format!("could not write the survivors' plan into {}: {e}", snapshot.save.display()),
+        },
+        Err(e) => format!("no plan for the survivors: {e}"),
+    }
+}
+
+/// The best plan for `survivors` at their last paces.
+fn plan_for_survivors(
+    snapshot: &JobSnapshot,
+    survivors: &[usize],
+) -> Result<(GeneralPlan, f64), planner::ReplanError> {
+    let job = RunningJob {
+        plan: &snapshot.plan,
+        model: snapshot.model.clone(),
+        paces_s: &snapshot.paces_s,
+        hosts: &snapshot.hosts,
+        network: None,
+        recompute: snapshot.recompute,
+        compute_bytes: snapshot.compute_bytes,
+    };
+    let cost = planner::fitted_cost_of(&job, survivors)?;
+    let request = PlanRequest {
+        global_batch_size: snapshot.plan.batches().global_batch_size(),
+        micro_batch_sizes: vec![1, 2, 4, 8],
+        top_k: 1,
+        tensor_parallel_sizes: vec![1],
+        recompute: Choice::Off,
+        distributed_optimizer: match snapshot.distributed_optimizer {
+            true => Choice::On,
+            false => Choice::Off,
+        },
+    };
+    let placements: Vec<_> = (survivors.iter())
+        .map(|&r| snapshot.plan.placement(r).cloned())
+        .collect();
+    planner::best_plan_for(&cost, &request, &placements)
+}
+
+/// Writes the plan, then the record naming it (each under a temporary name, renamed).
+fn write(
+    snapshot: &JobSnapshot,
+    lost: &[usize],
+    survivors: &[usize],
+    plan: &GeneralPlan,
+    predicted_step_s: f64,
+) -> Result<PathBuf, String> {
+    let save = &snapshot.save;
+    std::fs::create_dir_all(save).map_err(|e| e.to_string())?;
+    let path = save.join(SURVIVORS_PLAN_FILE);
+    let text = plan.to_toml().map_err(|e| e.to_string())?;
+    let checkpoint_iteration = std::fs::read_to_string(save.join(LATEST))
+        .ok()
+        .and_then(|t| t.trim().parse().ok());
+    let record = LostRanks {
+        lost: lost.to_vec(),
+        world_size: snapshot.plan.world_size(),
+        survivors: survivors.to_vec(),
+        checkpoint_iteration,
+        plan: path.clone(),
+        predicted_step_s,
+    };
+    let json = serde_json::to_string_pretty(&record).map_err(|e| e.to_string())?;
+    atomically(&path, &text)?;
+    atomically(&save.join(LOST_RANKS_FILE), &json)?;
+    Ok(path)
+}
+
+fn atomically(path: &Path, text: &str) -> Result<(), String> {
+    let temp = path.with_extension("tmp");
+    std::fs::write(&temp, text).map_err(|e| format!("{}: {e}", temp.display()))?;
+    std::fs::rename(&temp, path).map_err(|e| format!("{}: {e}", path.display()))
+}
