@@ -8,7 +8,15 @@ use std::process::Command;
 use std::time::Instant;
 
 /// Every benchmark, in the order `cargo xtask bench` runs them.
-const ALL: [&str; 6] = ["preprocess", "index", "model", "hetero", "tp", "planner"];
+const ALL: [&str; 7] = [
+    "preprocess",
+    "index",
+    "model",
+    "hetero",
+    "tp",
+    "planner",
+    "replan",
+];
 
 pub fn run(root: &Path, name: Option<&str>) -> Result<()> {
     match name {
@@ -120,6 +128,7 @@ fn headlines(name: &'static str, v: &serde_json::Value) -> Vec<Headline> {
         "hetero" => hetero_headlines(v),
         "tp" => tp_headlines(v),
         "planner" => planner_headlines(v),
+        "replan" => replan_headlines(v),
         _ => Vec::new(),
     };
     rows.into_iter()
@@ -317,6 +326,33 @@ fn planner_headlines(v: &serde_json::Value) -> Vec<Row> {
     out
 }
 
+fn replan_headlines(v: &serde_json::Value) -> Vec<Row> {
+    let vs_fresh = field(v, "after_vs_fresh");
+    vec![
+        (
+            "4 emulated ranks, rank 1 4x slower from iteration 20 of 60: last 20 steps after the switch vs a fresh run of the new plan".into(),
+            format!(
+                "{:.4} vs {:.4} s per step = {vs_fresh:.3}x",
+                field(v, "after_switch_step_s"),
+                field(v, "fresh_step_s")
+            ),
+            "<= 1.10x".into(),
+            Some(vs_fresh <= 1.10),
+        ),
+        (
+            "the same, --replan auto vs off: steps after the switch, whole run; time to switch".into(),
+            format!(
+                "{:.2}x, {:.2}x; {:.3} s",
+                field(v, "gain_vs_off"),
+                field(v, "run_speedup"),
+                field(v, "switch_s")
+            ),
+            String::new(),
+            None,
+        ),
+    ]
+}
+
 fn run_one(root: &Path, name: &str) -> Result<()> {
     match name {
         "preprocess" => preprocess(root),
@@ -325,8 +361,9 @@ fn run_one(root: &Path, name: &str) -> Result<()> {
         "hetero" => crate::bench_hetero::hetero(root),
         "tp" => crate::bench_tp::tp(root),
         "planner" => crate::bench_hetero::planner(root),
+        "replan" => crate::bench_replan::replan(root),
         other => bail!(
-            "unknown benchmark {other:?}; available: preprocess, index, model, hetero, tp, planner"
+            "unknown benchmark {other:?}; available: preprocess, index, model, hetero, tp, planner, replan"
         ),
     }
 }

@@ -8,6 +8,7 @@
 
 mod bench;
 mod bench_hetero;
+mod bench_replan;
 mod bench_tp;
 mod common;
 mod demo;
@@ -43,7 +44,7 @@ enum Command {
     /// Benchmarks against references measured in the same run; without NAME all of them,
     /// then target/bench/results.json and results.md.
     Bench {
-        /// One benchmark: preprocess, index, model, hetero, tp or planner
+        /// One benchmark: preprocess, index, model, hetero, tp, planner or replan
         name: Option<String>,
     },
     /// The five-minute tour on this machine: Shakespeare, tokenizer, preprocess, profile,
