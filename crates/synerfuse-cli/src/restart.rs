@@ -5,15 +5,14 @@
 //! then starts again on the survivors, from the last checkpoint, with that plan.
 
 use anyhow::{bail, Context, Result};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::SystemTime;
-use synerfuse_train::comm::{launch_under_mpirun, without_flag, Survival};
-use synerfuse_train::lost::{LostRanks, LOST_RANKS_FILE};
+use synerfuse_train::comm::{launch_under_mpirun, ranks_done, without_flag, Survival};
+use synerfuse_train::lost::{LostRanks, LOST_RANKS_FILE, SURVIVOR_MARKER_PREFIX};
 
 /// The flags that set a layout: a restart replaces them with the survivors' plan.
-const LAYOUT_FLAGS: [&str; 15] = [
+const LAYOUT_FLAGS: [&str; 14] = [
     "--plan",
-    "--load",
     "--tensor-model-parallel-size",
     "--pipeline-model-parallel-size",
     "--hetero-process-meshes",
@@ -41,25 +40,43 @@ pub fn run_restarting(nproc: usize, save: Option<&Path>) -> Result<()> {
         Some(_) => Survival::Survive,
         None => Survival::EndWithRank,
     };
+    let done = DoneDir::new()?;
     loop {
         let launched = SystemTime::now();
         let hidden: &[&str] = if launches > 0 { &[FAULT_INJECT] } else { &[] };
-        let status = launch_under_mpirun(ranks, &args, survival, hidden)
+        done.clear();
+        let status = launch_under_mpirun(ranks, &args, survival, hidden, Some(&done.0))
             .context("could not start mpirun (install OpenMPI: `cargo xtask setup`)")?;
         launches += 1;
+        // Every rank ended cleanly, whatever `mpirun` says (it exits 0 when it kept
+        // survivors alive), or not, whatever it says.
+        let succeeded = ranks_done(&done.0) == ranks;
+        if let Some(save) = save {
+            remove_survivor_markers(save);
+        }
         let lost = save.and_then(|save| written_since(save, launched));
         let Some(lost) = lost else {
-            if status.success() {
+            if succeeded {
                 return Ok(());
             }
-            bail!("the {ranks}-rank job failed ({status}); see the ranks' messages above");
+            bail!(
+                "the {ranks}-rank job failed (mpirun: {status}; {} of {ranks} ranks ended cleanly); see the ranks' messages above",
+                ranks_done(&done.0)
+            );
         };
         let save = save.expect("a lost-rank record lies under --save");
-        if lost.survivors.is_empty() || lost.world_size != ranks {
+        let record = save.join(LOST_RANKS_FILE);
+        if lost.world_size != ranks {
             bail!(
-                "the {ranks}-rank job lost ranks {:?} and left no survivors to restart on ({})",
-                lost.lost,
-                save.join(LOST_RANKS_FILE).display()
+                "{} describes a job of {} ranks, not this {ranks}-rank one",
+                record.display(),
+                lost.world_size
+            );
+        }
+        if lost.survivors.is_empty() {
+            bail!(
+                "the {ranks}-rank job lost every rank ({})",
+                record.display()
             );
         }
         tracing::warn!(
@@ -78,12 +95,49 @@ pub fn run_restarting(nproc: usize, save: Option<&Path>) -> Result<()> {
     }
 }
 
+/// A folder of its own where the ranks of each launch mark their clean end, removed
+/// with it.
+struct DoneDir(PathBuf);
+
+impl DoneDir {
+    fn new() -> Result<Self> {
+        let dir = std::env::temp_dir().join(format!("synerfuse-done-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).with_context(|| dir.display().to_string())?;
+        Ok(DoneDir(dir))
+    }
+
+    /// Forgets the marks of the last launch.
+    fn clear(&self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+        let _ = std::fs::create_dir_all(&self.0);
+    }
+}
+
+impl Drop for DoneDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 fn list(ranks: &[usize]) -> String {
     ranks
         .iter()
         .map(usize::to_string)
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// Removes the markers the survivors of a lost rank leave (`synerfuse_train::lost`).
+fn remove_survivor_markers(save: &Path) {
+    let Ok(entries) = std::fs::read_dir(save) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        if name.to_string_lossy().starts_with(SURVIVOR_MARKER_PREFIX) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
 }
 
 /// The lost-rank record of `save`, if written since `launched`.
@@ -97,20 +151,26 @@ fn written_since(save: &Path, launched: SystemTime) -> Option<LostRanks> {
 }
 
 /// `args` for the survivors: the layout flags replaced by `--plan` of the survivors'
-/// plan and `--load` of `save`; the emulation flags of lost ranks dropped and the
-/// others' ranks renumbered.
+/// plan, and `--load` by `save` when a checkpoint was saved there; the emulation flags of
+/// lost ranks dropped and the others' ranks renumbered.
 pub fn survivor_args(args: Vec<String>, lost: &LostRanks, save: &Path) -> Vec<String> {
-    let mut args = LAYOUT_FLAGS
-        .iter()
-        .fold(args, |args, flag| without_values(args, flag));
+    let resume = lost.checkpoint_iteration.is_some();
+    let replaced = LAYOUT_FLAGS.iter().chain(resume.then_some(&"--load"));
+    let mut args = replaced.fold(args, |args, flag| without_values(args, flag));
     let new_rank = |old: usize| lost.survivors.iter().position(|&r| r == old);
-    args = map_values(args, "--emulate-device-speed", |speeds| {
-        let speeds: Vec<&str> = speeds.split(',').collect();
-        let kept: Vec<&str> = (lost.survivors.iter())
-            .filter_map(|&r| speeds.get(r).copied())
-            .collect();
-        Some(kept.join(","))
+    // Every occurrence's speeds, in rank order, then the survivors' in one flag.
+    let speed_flag = "--emulate-device-speed";
+    let mut speeds = Vec::new();
+    args = map_values(args, speed_flag, |list| {
+        speeds.extend(list.split(',').map(str::to_owned));
+        None
     });
+    let kept: Vec<&str> = (lost.survivors.iter())
+        .filter_map(|&r| speeds.get(r).map(String::as_str))
+        .collect();
+    if !kept.is_empty() {
+        args.extend([speed_flag.to_owned(), kept.join(",")]);
+    }
     args = map_values(args, "--emulate-speed-change", |change| {
         let [iteration, rank, speed] = change.split(':').collect::<Vec<_>>()[..] else {
             return Some(change.to_owned());
@@ -118,12 +178,10 @@ pub fn survivor_args(args: Vec<String>, lost: &LostRanks, save: &Path) -> Vec<St
         let rank = new_rank(rank.parse().ok()?)?;
         Some(format!("{iteration}:{rank}:{speed}"))
     });
-    args.extend([
-        "--plan".to_owned(),
-        lost.plan.display().to_string(),
-        "--load".to_owned(),
-        save.display().to_string(),
-    ]);
+    args.extend(["--plan".to_owned(), lost.plan.display().to_string()]);
+    if resume {
+        args.extend(["--load".to_owned(), save.display().to_string()]);
+    }
     args
 }
 
@@ -147,7 +205,11 @@ fn without_values(args: Vec<String>, flag: &str) -> Vec<String> {
 
 /// `args` with each value of `flag` (`--flag V` or `--flag=V`) mapped by `f`; a value
 /// mapped to `None` is dropped with its flag.
-fn map_values(args: Vec<String>, flag: &str, f: impl Fn(&str) -> Option<String>) -> Vec<String> {
+fn map_values(
+    args: Vec<String>,
+    flag: &str,
+    mut f: impl FnMut(&str) -> Option<String>,
+) -> Vec<String> {
     let with_value = format!("{flag}=");
     let mut out = Vec::with_capacity(args.len());
     let mut args = args.into_iter();
@@ -160,7 +222,7 @@ fn map_values(args: Vec<String>, flag: &str, f: impl Fn(&str) -> Option<String>)
                 continue;
             }
         };
-        if let Some(mapped) = value.as_deref().and_then(&f) {
+        if let Some(mapped) = value.as_deref().and_then(&mut f) {
             out.extend([flag.to_owned(), mapped]);
         }
     }
@@ -173,6 +235,32 @@ mod tests {
 
     fn strings(v: &[&str]) -> Vec<String> {
         v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn without_a_checkpoint_the_restart_keeps_the_users_load() {
+        let lost = LostRanks {
+            lost: vec![0],
+            world_size: 2,
+            survivors: vec![1],
+            checkpoint_iteration: None,
+            plan: "/s/survivors-plan.toml".into(),
+            predicted_step_s: 1.0,
+        };
+        let args = strings(&["train", "--load", "/old", "--emulate-device-speed", "0.5,1"]);
+        let got = survivor_args(args, &lost, Path::new("/s"));
+        assert_eq!(
+            got,
+            strings(&[
+                "train",
+                "--load",
+                "/old",
+                "--emulate-device-speed",
+                "1",
+                "--plan",
+                "/s/survivors-plan.toml"
+            ])
+        );
     }
 
     #[test]
@@ -196,7 +284,8 @@ mod tests {
             "1",
             "--micro-batch-size=2",
             "--emulate-device-speed",
-            "0.5,0.25,1",
+            "0.5,0.25",
+            "--emulate-device-speed=1",
             "--emulate-speed-change",
             "5:1:0.5",
             "--emulate-speed-change=6:2:0.5",
@@ -211,10 +300,10 @@ mod tests {
                 "train",
                 "--lr",
                 "1",
-                "--emulate-device-speed",
-                "0.5,1",
                 "--emulate-speed-change",
                 "6:1:0.5",
+                "--emulate-device-speed",
+                "0.5,1",
                 "--plan",
                 "/s/survivors-plan.toml",
                 "--load",

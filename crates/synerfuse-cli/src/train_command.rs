@@ -811,6 +811,12 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     let runtime = MpiRuntime::init()?;
     let world = runtime.world();
     let result = train_rank(&args, &world);
+    if result.is_ok() {
+        // The --nproc launcher counts these marks: `mpirun` that keeps survivors of a
+        // lost rank alive exits 0 whatever the ranks did.
+        synerfuse_train::comm::mark_rank_done(world.rank())
+            .context("marking this rank's end for the --nproc launcher")?;
+    }
     if let Err(error) = &result {
         if world.size() > 1 {
             // The other ranks may be waiting for this one: end the whole job now.

@@ -1,5 +1,7 @@
-//! Stragglers (the first part of re-planning): a rank whose emulated speed drops for good
-//! is noticed once, after --replan-window steps, and logged; a shorter slow-down is not.
+//! Re-planning while training: a rank whose emulated speed drops for good is noticed once,
+//! after --replan-window steps, and logged; a shorter slow-down is not. With --replan auto
+//! the run switches plans in process, its losses a single rank's; a lost rank restarts
+//! the job on the survivors.
 
 mod support;
 
@@ -228,15 +230,7 @@ fn a_rank_slowing_for_good_makes_the_run_switch_once_without_changing_a_loss() {
     single.extend(strings(&["--micro-batch-size", "4"]));
     single.extend(strings(&["--log-json", log.to_str().unwrap()]));
     ok(&synerfuse(&single), "single rank");
-    let reference = losses(&log);
-    let replanned = losses(&dir.path().join("auto.jsonl"));
-    for (i, (a, b)) in replanned.iter().zip(&reference).enumerate() {
-        assert!(
-            (a - b).abs() <= 1e-5 * b.abs(),
-            "iteration {}: {a} vs {b}",
-            i + 1
-        );
-    }
+    same_losses(&losses(&dir.path().join("auto.jsonl")), &losses(&log));
 
     // A fresh run of the plan switched to, at the new speeds from its first step.
     let plan = dir.path().join("replanned.json");
@@ -286,6 +280,10 @@ fn a_short_slowdown_does_not_make_the_run_switch() {
     ]
     .concat();
     let (records, stderr) = four_ranks(dir.path(), &data, "short", 40, &short);
+    assert!(
+        stderr.contains("from iteration 20 this rank runs at 0.125x"),
+        "the slow-down happened: {stderr}"
+    );
     let switched = (nested(&records, "replan").iter())
         .filter(|d| d["switched"].as_bool() == Some(true))
         .count();
@@ -353,12 +351,59 @@ fn a_lost_rank_restarts_the_job_on_the_survivors_from_the_last_checkpoint() {
     single.extend(strings(&["--micro-batch-size", "4", "--log-json"]));
     single.push(reference.display().to_string());
     ok(&synerfuse(&single), "single rank");
-    let (got, want) = (losses(&log), losses(&reference));
-    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+    same_losses(&losses(&log), &losses(&reference));
+}
+
+/// Equal within 1e-5 relative, iteration by iteration, and as many.
+fn same_losses(got: &[f64], want: &[f64]) {
+    assert_eq!(got.len(), want.len(), "iterations");
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
         assert!(
             (a - b).abs() <= 1e-5 * b.abs(),
             "iteration {}: {a} vs {b}",
             i + 1
         );
     }
+}
+
+// A switch out of a pipeline (pp 2 x dp 2, the tied embedding's copy on each replica's
+// last stage) under the distributed optimizer: the state moves by name out of shards and
+// stages, and the losses stay a single rank's.
+#[test]
+fn a_switch_out_of_a_pipeline_under_the_distributed_optimizer_keeps_the_losses() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dataset(dir.path());
+    let args = [
+        &SPEEDS[..],
+        &[
+            "--pipeline-model-parallel-size",
+            "2",
+            "--use-distributed-optimizer",
+        ],
+        &[
+            "--emulate-speed-change",
+            "10:1:0.125",
+            "--replan-window",
+            "4",
+        ],
+        &["--replan", "auto"],
+    ]
+    .concat();
+    let (records, stderr) = four_ranks(dir.path(), &data, "pipeline", 24, &args);
+    let switched: Vec<_> = (nested(&records, "replan").into_iter())
+        .filter(|d| d["switched"].as_bool() == Some(true))
+        .collect();
+    assert_eq!(switched.len(), 1, "{stderr}");
+    let layers = &switched[0]["proposed_layers"];
+    assert_ne!(
+        layers,
+        &serde_json::json!([[2, 2], [2, 2]]),
+        "a new plan: {layers}"
+    );
+    let log = dir.path().join("single.jsonl");
+    let mut single = steady_model(common(dir.path(), &data, 24));
+    single.extend(strings(&["--micro-batch-size", "4", "--log-json"]));
+    single.push(log.display().to_string());
+    ok(&synerfuse(&single), "single rank");
+    same_losses(&losses(&dir.path().join("pipeline.jsonl")), &losses(&log));
 }

@@ -1,9 +1,10 @@
 //! A rank lost while training (its process gone: a failed device, a preemption, a
 //! crash). The survivors on its host notice it while they wait for it (the watchdog sees
-//! its process gone), and end cleanly: the lowest survivor writes, into the `--save`
-//! directory, which ranks were lost ([`LOST_RANKS_FILE`]) and a plan for the survivors
+//! its process gone), and end cleanly: each leaves a marker under `--save` (so a survivor
+//! that notices later does not count it lost), the lowest survivor of the host writes
+//! which ranks were lost ([`LOST_RANKS_FILE`]) and a plan for the survivors
 //! ([`SURVIVORS_PLAN_FILE`], planned as re-planning plans, at the ranks' last measured
-//! paces); every survivor then exits with [`LOST_RANK_EXIT_CODE`]. A `--nproc` job
+//! paces), and every survivor exits with [`LOST_RANK_EXIT_CODE`]. A `--nproc` job
 //! restarts itself on the survivors from the last checkpoint with that plan; a script
 //! under `mpirun` or `srun` does the same from the exit code and the files.
 //!
@@ -88,34 +89,67 @@ pub(crate) fn remember_paces(paces_s: &[f64]) {
     }
 }
 
-/// The survivors' plan, written with [`LOST_RANKS_FILE`] into `--save` when `rank` is
-/// the lowest survivor; what happened, for its message. Runs on the watchdog thread
-/// while the main thread is stuck waiting for the lost rank.
-pub(crate) fn write_survivors_plan(rank: usize, lost: &[usize]) -> String {
-    let Some(snapshot) = SNAPSHOT.lock().unwrap_or_else(|e| e.into_inner()).clone() else {
-        return "no --save: nothing to restart from".to_owned();
+/// The marker a survivor leaves under `--save` before it exits, so that survivors who
+/// notice the loss later do not count it among the lost.
+pub fn survivor_marker(save: &Path, rank: usize, pid: u32) -> PathBuf {
+    save.join(format!("{SURVIVOR_MARKER_PREFIX}{rank}-{pid}"))
+}
+
+/// The start of [`survivor_marker`]'s file names.
+pub const SURVIVOR_MARKER_PREFIX: &str = ".survivor-rank-";
+
+/// This rank (`rank`, on a host with the other ranks `local`, `(rank, pid)`) ends as a
+/// survivor of the peers `gone`: it leaves its marker, counts as lost the gone peers
+/// that left none, and, when it is the lowest survivor on this host, writes the
+/// survivors' plan and [`LOST_RANKS_FILE`] into `--save`. Returns the lost ranks and
+/// what happened, for its message. Runs on the watchdog thread while the main thread
+/// is stuck waiting for the lost rank.
+pub(crate) fn end_as_survivor(
+    rank: usize,
+    gone: &[(usize, u32)],
+    local: &[(usize, u32)],
+) -> (Vec<usize>, String) {
+    let snapshot = SNAPSHOT.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let Some(snapshot) = snapshot else {
+        let lost = gone.iter().map(|&(r, _)| r).collect();
+        return (lost, "no --save, so no plan for the survivors".to_owned());
     };
+    let save = &snapshot.save;
+    let _ = std::fs::create_dir_all(save);
+    let _ = std::fs::write(survivor_marker(save, rank, std::process::id()), b"");
+    let lost: Vec<usize> = (gone.iter())
+        .filter(|&&(r, pid)| !survivor_marker(save, r, pid).exists())
+        .map(|&(r, _)| r)
+        .collect();
+    let writer = (local.iter().map(|&(r, _)| r))
+        .filter(|r| !lost.contains(r))
+        .chain([rank])
+        .min()
+        .unwrap_or(rank);
     let world_size = snapshot.plan.world_size();
     let survivors: Vec<usize> = (0..world_size).filter(|r| !lost.contains(r)).collect();
-    if survivors.first() != Some(&rank) {
-        return format!(
-            "rank {} writes the survivors' plan to {}",
-            survivors.first().copied().unwrap_or_default(),
-            snapshot.save.display()
+    if writer != rank {
+        let what = format!(
+            "rank {writer} writes the survivors' plan to {}",
+            save.display()
         );
+        return (lost, what);
     }
-    match plan_for_survivors(&snapshot, &survivors) {
-        Ok((plan, predicted_step_s)) => match write(&snapshot, lost, &survivors, &plan, predicted_step_s) {
-            Ok(path) => format!(
-                "wrote {} and the survivors' plan {} ({} ranks, predicted {predicted_step_s:.4} s per step)",
-                snapshot.save.join(LOST_RANKS_FILE).display(),
-                path.display(),
-                survivors.len()
-            ),
-            Err(e) => format!("could not write the survivors' plan into {}: {e}", snapshot.save.display()),
-        },
+    let what = match plan_for_survivors(&snapshot, &survivors) {
+        Ok((plan, predicted_step_s)) => {
+            match write(&snapshot, &lost, &survivors, &plan, predicted_step_s) {
+                Ok(path) => format!(
+                    "wrote {} and the survivors' plan {} ({} ranks, predicted {predicted_step_s:.4} s per step)",
+                    save.join(LOST_RANKS_FILE).display(),
+                    path.display(),
+                    survivors.len()
+                ),
+                Err(e) => format!("could not write the survivors' plan into {}: {e}", save.display()),
+            }
+        }
         Err(e) => format!("no plan for the survivors: {e}"),
-    }
+    };
+    (lost, what)
 }
 
 /// The best plan for `survivors` at their last paces.
@@ -179,8 +213,13 @@ fn write(
     Ok(path)
 }
 
+/// Writes `text` to a temporary name of this process, flushed to disk, then renames it.
 fn atomically(path: &Path, text: &str) -> Result<(), String> {
-    let temp = path.with_extension("tmp");
-    std::fs::write(&temp, text).map_err(|e| format!("{}: {e}", temp.display()))?;
+    use std::io::Write;
+    let temp = path.with_extension(format!("tmp{}", std::process::id()));
+    let at = |e: std::io::Error| format!("{}: {e}", temp.display());
+    let mut file = std::fs::File::create(&temp).map_err(at)?;
+    file.write_all(text.as_bytes()).map_err(at)?;
+    file.sync_all().map_err(at)?;
     std::fs::rename(&temp, path).map_err(|e| format!("{}: {e}", path.display()))
 }

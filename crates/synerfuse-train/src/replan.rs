@@ -180,6 +180,9 @@ pub struct ReplanDecision {
     pub iteration: u64,
     /// Each rank's forward and backward seconds per step, as measured.
     pub paces_s: Vec<f64>,
+    /// Each rank's speed as the paces show it (its work per second), relative to the
+    /// fastest rank's.
+    pub speeds: Vec<f64>,
     /// The step, measured (median of the last window of steps).
     pub measured_step_s: f64,
     /// The plan running, predicted at the measured paces.

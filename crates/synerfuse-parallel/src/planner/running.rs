@@ -135,7 +135,9 @@ fn unit_work_s(
     let group = stage_group(&job.model, plan, replica, stage)?;
     let member = group.members.iter().position(|&m| m == rank).unwrap_or(0);
     let layers = r.stages.layers()[stage] as f64;
-    let recompute = job.recompute || r.recomputes(stage);
+    // A stage the plan alone recomputes is priced without: its rank's speed absorbs it,
+    // as the simulation, which recomputes everywhere or nowhere, does not charge it.
+    let recompute = job.recompute;
     let layer_s =
         unit.layer_fwd_s * f64::from(u8::from(recompute)) + unit.layer_fwd_s + unit.layer_bwd_s;
     let first = match stage {
@@ -275,12 +277,16 @@ fn on_devices(
             let ranks: Vec<Vec<usize>> = (r.ranks.iter())
                 .map(|stage| stage.iter().map(|&k| device_of[k]).collect())
                 .collect();
-            let placements: Option<Vec<_>> = (ranks.iter().flatten())
-                .map(|&rank| placements.get(rank).cloned().flatten())
+            // Every rank its own placement (a default one where it has none), or none
+            // at all when no rank has one.
+            let placed = placements.iter().any(Option::is_some);
+            let placements = (ranks.iter().flatten())
+                .filter(|_| placed)
+                .map(|&rank| placements.get(rank).cloned().flatten().unwrap_or_default())
                 .collect();
             ReplicaPipeline {
                 ranks,
-                placements: placements.unwrap_or_default(),
+                placements,
                 ..r.clone()
             }
         })

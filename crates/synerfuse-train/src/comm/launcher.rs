@@ -84,7 +84,33 @@ pub fn without_flag(args: impl IntoIterator<Item = String>, flag: &str) -> Vec<S
 /// as [`run_forwarding_signals`] does; returns `mpirun`'s status.
 pub fn relaunch_under_mpirun(nproc: usize) -> std::io::Result<std::process::ExitStatus> {
     let args = without_flag(std::env::args().skip(1), "--nproc");
-    launch_under_mpirun(nproc, &args, Survival::EndWithRank, &[])
+    launch_under_mpirun(nproc, &args, Survival::EndWithRank, &[], None)
+}
+
+/// The environment variable naming the folder where each rank of a launched job marks
+/// its clean end ([`mark_rank_done`]): under [`Survival::Survive`] `mpirun` exits 0 even
+/// when a rank failed, so the marks are what says the job succeeded.
+pub const DONE_DIR_ENV: &str = "SYNERFUSE_DONE_DIR";
+
+/// Marks this rank's clean end for the launcher that set [`DONE_DIR_ENV`] (a no-op
+/// otherwise).
+pub fn mark_rank_done(rank: usize) -> std::io::Result<()> {
+    match std::env::var_os(DONE_DIR_ENV) {
+        Some(dir) => std::fs::write(
+            std::path::Path::new(&dir).join(format!("rank-{rank}.done")),
+            b"",
+        ),
+        None => Ok(()),
+    }
+}
+
+/// How many ranks marked their clean end in `dir`.
+pub fn ranks_done(dir: &std::path::Path) -> usize {
+    std::fs::read_dir(dir).map_or(0, |entries| {
+        (entries.flatten())
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".done"))
+            .count()
+    })
 }
 
 /// What `mpirun` does with the other ranks when one dies.
@@ -99,12 +125,14 @@ pub enum Survival {
 
 /// Runs this program with `args` under `mpirun -np nproc` on this machine, forwarding
 /// stop signals as [`run_forwarding_signals`] does, without the environment variables
-/// `env_remove`; returns `mpirun`'s status.
+/// `env_remove`, with [`DONE_DIR_ENV`] set to `done_dir` when given; returns `mpirun`'s
+/// status.
 pub fn launch_under_mpirun(
     nproc: usize,
     args: &[String],
     survival: Survival,
     env_remove: &[&str],
+    done_dir: Option<&std::path::Path>,
 ) -> std::io::Result<std::process::ExitStatus> {
     let exe = std::env::current_exe()?;
     let mut command = mpirun_options(nproc);
@@ -114,6 +142,9 @@ pub fn launch_under_mpirun(
     command.arg(&exe).args(args);
     for name in env_remove {
         command.env_remove(name);
+    }
+    if let Some(dir) = done_dir {
+        command.env(DONE_DIR_ENV, dir);
     }
     tracing::info!(
         "launching {nproc} ranks: mpirun -np {nproc} {}",

@@ -118,11 +118,11 @@ fn peers_not_running() -> Vec<String> {
         .collect()
 }
 
-/// The local peers whose process is gone.
-fn peers_gone() -> Vec<usize> {
+/// `(rank, pid)` of the local peers whose process is gone.
+fn peers_gone() -> Vec<(usize, u32)> {
     (peer_states().into_iter())
         .filter(|&(.., state)| state == EXITED)
-        .map(|(rank, ..)| rank)
+        .map(|(rank, pid, _)| (rank, pid))
         .collect()
 }
 
@@ -148,10 +148,16 @@ impl Drop for WaitGuard {
     }
 }
 
+/// When a wait (known by its start) first saw local peers' processes gone, and which
+/// (`(rank, pid)`): survivors that end later are not lost ranks.
+struct GoneSince {
+    noticed: Instant,
+    wait_started: Instant,
+    gone: Vec<(usize, u32)>,
+}
+
 fn watch() {
-    // When the current wait (its start) first saw local peers' processes gone, and
-    // which: survivors that end later are not lost ranks.
-    let mut gone_since: Option<(Instant, Instant, Vec<usize>)> = None;
+    let mut gone_since: Option<GoneSince> = None;
     loop {
         std::thread::sleep(CHECK_INTERVAL);
         let limit = timeout();
@@ -178,20 +184,26 @@ fn watch() {
             continue;
         }
         match &gone_since {
-            Some((noticed, started, lost)) if *started == wait_started => {
-                if noticed.elapsed() >= LOST_GRACE {
-                    end_lost(lost.clone());
+            Some(since) if since.wait_started == wait_started => {
+                if since.noticed.elapsed() >= LOST_GRACE {
+                    end_lost(since.gone.clone());
                 }
             }
-            _ => gone_since = Some((Instant::now(), wait_started, gone)),
+            _ => {
+                gone_since = Some(GoneSince {
+                    noticed: Instant::now(),
+                    wait_started,
+                    gone,
+                })
+            }
         }
     }
 }
 
-/// Ends this survivor of lost ranks: the survivors' plan written (by the lowest
-/// survivor), a message, [`crate::lost::LOST_RANK_EXIT_CODE`]. No MPI call: the lost
-/// rank would never answer.
-fn end_lost(lost: Vec<usize>) -> ! {
+/// Ends this survivor of the local peers `gone` (see [`crate::lost`]): the survivors'
+/// plan written (by the host's lowest survivor), a message,
+/// [`crate::lost::LOST_RANK_EXIT_CODE`]. No MPI call: the lost rank would never answer.
+fn end_lost(gone: Vec<(usize, u32)>) -> ! {
     let code = crate::lost::LOST_RANK_EXIT_CODE;
     if ABORTING.swap(true, Ordering::SeqCst) {
         std::thread::sleep(ABORT_GRACE);
@@ -199,7 +211,15 @@ fn end_lost(lost: Vec<usize>) -> ! {
         unsafe { libc::_exit(code) }
     }
     let rank = WORLD_RANK.load(Ordering::SeqCst);
-    let what = crate::lost::write_survivors_plan(rank, &lost);
+    let local = LOCAL_PEERS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    let ended = std::panic::catch_unwind(|| crate::lost::end_as_survivor(rank, &gone, &local));
+    let (lost, what) = ended.unwrap_or_else(|_| {
+        let lost = gone.iter().map(|&(r, _)| r).collect();
+        (lost, "writing the survivors' plan failed".to_owned())
+    });
     let who = match lost.as_slice() {
         [one] => format!("rank {one} lost (its process is gone) while this rank waited for it"),
         many => format!(
@@ -210,9 +230,7 @@ fn end_lost(lost: Vec<usize>) -> ! {
                 .join(", ")
         ),
     };
-    eprintln!(
-        "error: rank {rank}: {who}; {what}; exiting with code {code}: restart on the survivors from the last checkpoint"
-    );
+    eprintln!("error: rank {rank}: {who}; {what}; exiting with code {code} (a lost rank)");
     // SAFETY: as above.
     unsafe { libc::_exit(code) }
 }

@@ -723,7 +723,8 @@ impl<'w> Trainer<'w> {
             let shifts = self.watch.observe(&outcome.pace_s());
             log.record_speed_shifts(rank, self.iteration, &shifts)?;
             self.note_step(&mut log, outcome.step_ms / 1e3)?;
-            if !shifts.is_empty() && self.iteration < train_iters {
+            let ending = outcome.any_stop || self.config.checkpoint.exit_due(self.iteration);
+            if !shifts.is_empty() && self.iteration < train_iters && !ending {
                 self.replan(&mut log)?;
             }
             if eval.due(self.iteration) {

@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use synerfuse_model::tch::{Device, Kind, Tensor};
 use synerfuse_parallel::planner::{self, Choice, PlanRequest, RunningJob};
+use synerfuse_parallel::GeneralPlan;
 
 /// Micro-batch sizes a re-plan tries.
 const MICRO_BATCH_SIZES: [usize; 4] = [1, 2, 4, 8];
@@ -149,7 +150,7 @@ impl<'w> Trainer<'w> {
         let (switch_cost_s, cost_basis) = self.switch_cost()?;
         // Rank 0 decides and tells the others: the planner's ties must not fall apart
         // between processes.
-        let mut message = Vec::new();
+        let (mut message, mut failure) = (Vec::new(), None);
         if self.world.rank() == 0 {
             let job = RunningJob {
                 plan: &self.config.parallel.plan,
@@ -164,28 +165,35 @@ impl<'w> Trainer<'w> {
                 compute_bytes: self.compute_bytes(),
             };
             match self.decide(&job, switch_cost_s, cost_basis) {
-                Ok(decision) => {
-                    log.record_replan(&decision)?;
-                    if decision.switched {
-                        message = serde_json::to_vec(&decision).unwrap_or_default();
-                    }
-                }
-                Err(reason) => tracing::warn!(
-                    "re-planning after iteration {}: {reason}; the plan is kept",
-                    self.iteration
-                ),
+                Ok(decision) => message = serde_json::to_vec(&decision).unwrap_or_default(),
+                Err(reason) => failure = Some(reason),
             }
         }
         let message = broadcast_bytes(self.world, &message, 0)?;
+        if let Some(reason) = failure {
+            tracing::warn!(
+                "re-planning after iteration {}: {reason}; the plan is kept",
+                self.iteration
+            );
+        }
         if message.is_empty() {
             return Ok(());
         }
         let decision: ReplanDecision =
             serde_json::from_slice(&message).map_err(|e| TrainError::Replan {
                 iteration: self.iteration,
-                reason: format!("the new plan did not reach every rank intact: {e}"),
+                reason: format!("the decision did not reach every rank intact: {e}"),
             })?;
-        self.switch_plan(decision)
+        // Rank 0's log may fail; the others switch all the same, so it switches too and
+        // reports the failure after.
+        let logged = match self.world.rank() {
+            0 => log.record_replan(&decision),
+            _ => Ok(()),
+        };
+        if decision.switched {
+            self.switch_plan(decision)?;
+        }
+        logged
     }
 
     /// Every rank's host, in rank order. Collective.
@@ -258,6 +266,13 @@ impl<'w> Trainer<'w> {
         cost_basis: &str,
     ) -> Result<ReplanDecision, planner::ReplanError> {
         let cost = planner::fitted_cost(job)?;
+        let fitted: Vec<f64> = cost
+            .cluster
+            .group
+            .iter()
+            .map(|g| g.speed.unwrap_or(1.0))
+            .collect();
+        let fastest = fitted.iter().copied().fold(f64::MIN_POSITIVE, f64::max);
         let current_step_s = planner::predict_step_s(&cost, job.plan)?;
         let global = job.plan.batches().global_batch_size();
         let request = PlanRequest {
@@ -279,6 +294,7 @@ impl<'w> Trainer<'w> {
         let mut decision = ReplanDecision {
             iteration: self.iteration,
             paces_s: job.paces_s.to_vec(),
+            speeds: fitted.iter().map(|s| s / fastest).collect(),
             measured_step_s: self.replanning.recent.median().unwrap_or_default(),
             current_step_s,
             proposed_step_s,
@@ -299,10 +315,31 @@ impl<'w> Trainer<'w> {
         Ok(decision)
     }
 
-    /// Every rank's whole state of replica 0 (the distributed optimizer's shards
-    /// gathered, tensor-parallel shards gathered, each stage's holder broadcasting to
-    /// every rank). Collective.
-    fn move_state(&self) -> Result<MovedState, TrainError> {
+    /// Whether this rank holds parameter `name` under `plan` (by the global names'
+    /// layout: `model.layers.N.*`, the embedding on the first stage (and the last when
+    /// tied), the final norm and head on the last).
+    fn holds_under(&self, plan: &GeneralPlan, name: &str) -> bool {
+        let Some((replica, stage)) = plan.position(self.world.rank()) else {
+            return false;
+        };
+        let stages = &plan.replicas()[replica].stages;
+        let (first, last) = (stage == 0, stage + 1 == stages.num_stages());
+        if let Some(rest) = name.strip_prefix("model.layers.") {
+            let index = rest.split('.').next().and_then(|i| i.parse::<usize>().ok());
+            return (0..stages.num_chunks())
+                .filter_map(|chunk| stages.chunk_range(stage, chunk))
+                .any(|layers| index.is_some_and(|i| layers.contains(&i)));
+        }
+        if name.starts_with("model.embed_tokens") {
+            return first || (last && self.config.model.tie_word_embeddings);
+        }
+        last
+    }
+
+    /// The state of replica 0 that this rank holds under `plan`, whole (the distributed
+    /// optimizer's shards gathered, tensor-parallel shards gathered, each stage's holder
+    /// broadcasting its stage to every rank, which keeps its own part). Collective.
+    fn move_state(&self, plan: &GeneralPlan) -> Result<MovedState, TrainError> {
         let sharded = match &self.zero {
             Some(zero) => zero.gather_state(&self.groups)?,
             None => Vec::new(),
@@ -348,10 +385,13 @@ impl<'w> Trainer<'w> {
             }
             let mut at = 0;
             for (name, shape) in header {
-                let n = numel(&shape);
+                let (n, kept) = (numel(&shape), self.holds_under(plan, &name));
                 for suffix in ["", ".exp_avg", ".exp_avg_sq"] {
-                    let t = flat.narrow(0, at, n).reshape(&shape);
-                    tensors.insert(format!("{name}{suffix}"), t);
+                    if kept {
+                        // A copy: the broadcast buffer is freed after this stage.
+                        let t = flat.narrow(0, at, n).reshape(&shape).copy();
+                        tensors.insert(format!("{name}{suffix}"), t);
+                    }
                     at += n;
                 }
             }
@@ -370,7 +410,7 @@ impl<'w> Trainer<'w> {
     fn switch_plan(&mut self, decision: ReplanDecision) -> Result<(), TrainError> {
         let started = Instant::now();
         let before_step_s = self.replanning.recent.median().unwrap_or_default();
-        let moved = self.move_state()?;
+        let moved = self.move_state(&decision.proposed_plan)?;
         let mut config = self.config.clone();
         config.parallel.plan = decision.proposed_plan;
         config.checkpoint.load = None;
@@ -385,6 +425,8 @@ impl<'w> Trainer<'w> {
         next.restore(&moved)?;
         drop(moved);
         next.setup_s = self.setup_s;
+        // The emulated speed this rank has reached (an emulated change carries on).
+        next.emulation = self.emulation;
         next.replanning = self.replanning.clone();
         let old = std::mem::replace(self, next);
         drop(old);
