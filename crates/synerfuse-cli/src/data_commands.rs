@@ -132,6 +132,11 @@ pub fn run_preprocess(args: PreprocessArgs) -> Result<()> {
         .tokenizer
         .build()?
         .context("--tokenizer-type is required")?;
+    if let Some(reason) = tokenizer.library_reason() {
+        tracing::info!(
+            "this tokenizer encodes through its library, slower than synerfuse's own encoders: {reason}"
+        );
+    }
     let config = PreprocessConfig {
         input: args.input.clone(),
         output_prefix: args.output_prefix.clone(),

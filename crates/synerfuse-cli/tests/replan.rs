@@ -225,12 +225,8 @@ fn a_rank_slowing_for_good_makes_the_run_switch_once_without_changing_a_loss() {
     );
 
     // Continuity: the losses of one rank training the same global batches.
-    let log = dir.path().join("single.jsonl");
-    let mut single = steady_model(common(dir.path(), &data, 60));
-    single.extend(strings(&["--micro-batch-size", "4"]));
-    single.extend(strings(&["--log-json", log.to_str().unwrap()]));
-    ok(&synerfuse(&single), "single rank");
-    same_losses(&losses(&dir.path().join("auto.jsonl")), &losses(&log));
+    let reference = single_rank_losses(dir.path(), &data, 60);
+    same_losses(&losses(&dir.path().join("auto.jsonl")), &reference);
 
     // A fresh run of the plan switched to, at the new speeds from its first step.
     let plan = dir.path().join("replanned.json");
@@ -346,12 +342,17 @@ fn a_lost_rank_restarts_the_job_on_the_survivors_from_the_last_checkpoint() {
         .map(|r| r["iteration"].as_u64().unwrap())
         .collect();
     assert_eq!(iterations, (1..=30).collect::<Vec<_>>());
-    let reference = dir.path().join("single.jsonl");
-    let mut single = steady_model(common(dir.path(), &data, 30));
+    same_losses(&losses(&log), &single_rank_losses(dir.path(), &data, 30));
+}
+
+/// The losses of one rank training the scenario's global batches for `iters` iterations.
+fn single_rank_losses(dir: &std::path::Path, data: &std::path::Path, iters: u64) -> Vec<f64> {
+    let log = dir.join("single.jsonl");
+    let mut single = steady_model(common(dir, data, iters));
     single.extend(strings(&["--micro-batch-size", "4", "--log-json"]));
-    single.push(reference.display().to_string());
+    single.push(log.display().to_string());
     ok(&synerfuse(&single), "single rank");
-    same_losses(&losses(&log), &losses(&reference));
+    losses(&log)
 }
 
 /// Equal within 1e-5 relative, iteration by iteration, and as many.
@@ -400,10 +401,6 @@ fn a_switch_out_of_a_pipeline_under_the_distributed_optimizer_keeps_the_losses()
         &serde_json::json!([[2, 2], [2, 2]]),
         "a new plan: {layers}"
     );
-    let log = dir.path().join("single.jsonl");
-    let mut single = steady_model(common(dir.path(), &data, 24));
-    single.extend(strings(&["--micro-batch-size", "4", "--log-json"]));
-    single.push(log.display().to_string());
-    ok(&synerfuse(&single), "single rank");
-    same_losses(&losses(&dir.path().join("pipeline.jsonl")), &losses(&log));
+    let reference = single_rank_losses(dir.path(), &data, 24);
+    same_losses(&losses(&dir.path().join("pipeline.jsonl")), &reference);
 }

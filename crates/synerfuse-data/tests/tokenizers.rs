@@ -76,8 +76,8 @@ fn trained_bpe_agrees_between_tokenizer_json_and_gpt2_files() {
 
 /// The word-by-word Rust encoder of SentencePiece BPE models gives the library's ids for
 /// every text: the fixture corpus, and strings built to stress normalization (leading,
-/// repeated and trailing spaces, other whitespace), unknown characters (byte fallback)
-/// and runs of them.
+/// repeated and trailing spaces, other whitespace, what NFKC rewrites or deletes),
+/// unknown characters (byte fallback) and runs of them.
 #[test]
 fn sentencepiece_bpe_fast_path_equals_the_library() {
     use std::path::Path;
@@ -90,19 +90,23 @@ fn sentencepiece_bpe_fast_path_equals_the_library() {
         &["text".to_owned(), "title".to_owned()],
     )
     .unwrap();
+    // Whitespace of every kind, characters NFKC rewrites (ligatures, circled and
+    // full-width forms, compatibility and combining characters), control characters.
     let pool = [
         " ", "  ", "\t", "\n", "a", "Thy", "hand", "'", "é", "日本", "😀", "\u{3000}", "▁", "12",
-        "Ⅻ", "q",
+        "Ⅻ", "q", "ﬁ", "①", "Ａ", "e\u{301}", "\u{a0}", "\u{2003}", "\u{212b}", "ｶﾞ", "\u{0}",
+        "\u{7}", "\u{200b}", "\u{feff}", "㍿", "½", "\r\n", "ǅ",
     ];
     let mut state = 1234u64;
-    for _ in 0..2000 {
-        let mut text = String::new();
+    let mut next = || {
         state = state
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
-        for k in 0..(state >> 60) {
-            text.push_str(pool[((state >> (4 * k)) & 15) as usize]);
-        }
+        state >> 33
+    };
+    for _ in 0..4000 {
+        let length = next() % 16;
+        let text: String = (0..length).map(|_| pool[(next() % 32) as usize]).collect();
         texts.push(text);
     }
     let unigram =
@@ -111,11 +115,17 @@ fn sentencepiece_bpe_fast_path_equals_the_library() {
         !unigram.has_fast_bpe(),
         "unigram models go through the library"
     );
-    // Byte fallback with extra spaces removed; raw spaces with unknown pieces.
-    for name in ["llama-bpe.model", "bpe-raw-spaces.model"] {
+    assert_eq!(
+        unigram.library_reason(),
+        Some("not a BPE model (Unigram, word or character)")
+    );
+    // Byte fallback with extra spaces removed; raw spaces with unknown pieces; the
+    // library's default NFKC normalization with byte fallback.
+    for name in ["llama-bpe.model", "bpe-raw-spaces.model", "nfkc-bpe.model"] {
         let model = SentencePieceModel::open(&fixtures.join("tokenizers/sentencepiece").join(name))
             .unwrap();
         assert!(model.has_fast_bpe(), "{name} should take the fast path");
+        assert_eq!(model.library_reason(), None);
         let mut unknown_runs = 0;
         for text in &texts {
             let (mut fast, mut library) = (Vec::new(), Vec::new());

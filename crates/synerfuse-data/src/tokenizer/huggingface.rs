@@ -88,6 +88,10 @@ impl Tokenizer for HuggingFaceTokenizer {
     fn pad(&self) -> Option<u32> {
         None
     }
+
+    fn library_reason(&self) -> Option<&'static str> {
+        Some("a Hugging Face tokenizer.json, encoded by the tokenizers crate")
+    }
 }
 
 /// What [`train_byte_level_bpe`] wrote.

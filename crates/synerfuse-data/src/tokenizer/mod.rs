@@ -8,6 +8,7 @@ mod null;
 mod pretokenize;
 mod sentencepiece;
 mod sentencepiece_bpe;
+mod sentencepiece_norm;
 mod unicode_class;
 
 pub use gpt2::{Gpt2BpeTokenizer, NoEndOfText};
@@ -131,6 +132,11 @@ pub trait Tokenizer: Send + Sync {
     fn eod(&self) -> Option<u32>;
     /// The pad id the GPT dataset uses, if any (Megatron's −1 otherwise).
     fn pad(&self) -> Option<u32>;
+    /// Why this tokenizer encodes through a library rather than synerfuse's own encoder
+    /// (the model's property the own encoders do not cover), if it does.
+    fn library_reason(&self) -> Option<&'static str> {
+        None
+    }
 }
 
 /// Megatron's `--tokenizer-type` values that synerfuse implements.

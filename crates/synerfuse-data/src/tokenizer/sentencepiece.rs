@@ -129,7 +129,7 @@ fn model_spec(bytes: &[u8]) -> Option<ModelSpec> {
         model_type: 1,
         byte_fallback: false,
         treat_whitespace_as_suffix: false,
-        precompiled_charsmap_empty: true,
+        precompiled_charsmap: Vec::new(),
         add_dummy_prefix: true,
         remove_extra_whitespaces: true,
         escape_whitespaces: true,
@@ -158,9 +158,7 @@ fn model_spec(bytes: &[u8]) -> Option<ModelSpec> {
         }
         (3, Field::Bytes(normalizer)) => {
             ok &= for_each_field(normalizer, |n, v| match (n, v) {
-                (2, Field::Bytes(charsmap)) => {
-                    spec.precompiled_charsmap_empty = charsmap.is_empty()
-                }
+                (2, Field::Bytes(charsmap)) => spec.precompiled_charsmap = charsmap.to_vec(),
                 (3, Field::Varint(v)) => spec.add_dummy_prefix = v != 0,
                 (4, Field::Varint(v)) => spec.remove_extra_whitespaces = v != 0,
                 (5, Field::Varint(v)) => spec.escape_whitespaces = v != 0,
@@ -180,6 +178,8 @@ pub struct SentencePieceModel {
     pieces: Vec<String>,
     /// Word-by-word Rust encoder, for the BPE models it reproduces exactly.
     bpe: Option<SentencePieceBpe>,
+    /// Why `bpe` is `None`.
+    library_reason: Option<&'static str>,
 }
 
 // SAFETY: the processor is immutable after loading, and SentencePiece's encode and
@@ -210,13 +210,21 @@ impl SentencePieceModel {
             .iter()
             .map(|(piece, ..)| piece.clone())
             .collect();
-        let bpe = SentencePieceBpe::from_model(&spec);
+        let (bpe, library_reason) = match SentencePieceBpe::from_model(&spec) {
+            Ok(bpe) => (Some(bpe), None),
+            Err(reason) => (None, Some(reason)),
+        };
         // SAFETY: a fresh processor, loaded from bytes that outlive the call.
         let raw = unsafe { sys::spp_new() };
         // SAFETY: `raw` is the processor just made; `bytes` lives across the call.
         let status =
             unsafe { sys::spp_from_serialized_proto(raw, bytes.as_ptr() as *const _, bytes.len()) };
-        let model = Self { raw, pieces, bpe };
+        let model = Self {
+            raw,
+            pieces,
+            bpe,
+            library_reason,
+        };
         if status != 0 {
             return Err(bad(&format!(
                 "SentencePiece could not load it (status {status})"
@@ -277,6 +285,12 @@ impl SentencePieceModel {
     /// Whether [`Self::encode_into`] uses the word-by-word Rust encoder.
     pub fn has_fast_bpe(&self) -> bool {
         self.bpe.is_some()
+    }
+
+    /// Why [`Self::encode_into`] goes through the library (the model's property the Rust
+    /// encoder does not cover), or `None` when it does not.
+    pub fn library_reason(&self) -> Option<&'static str> {
+        self.library_reason
     }
 
     /// [`Self::encode_into`] through the SentencePiece library itself.
@@ -442,6 +456,10 @@ impl Tokenizer for SentencePieceTokenizer {
             SentencePieceFlavor::Gpt => self.model.pad_id(),
         }
     }
+
+    fn library_reason(&self) -> Option<&'static str> {
+        self.model.library_reason()
+    }
 }
 
 /// Megatron's `SentencePieceTokenizer`: special-token strings in the text are matched
@@ -546,6 +564,10 @@ impl Tokenizer for SpecialSentencePieceTokenizer {
 
     fn pad(&self) -> Option<u32> {
         Some(self.pad)
+    }
+
+    fn library_reason(&self) -> Option<&'static str> {
+        self.model.library_reason()
     }
 }
 

@@ -5,11 +5,13 @@
 //! character, no merge can cross the start of a `▁`, so the text splits there into
 //! words that merge independently; a word's ids can then be cached, as for GPT-2.
 //! [`SentencePieceBpe::from_model`] accepts a model only when that, and everything else
-//! this encoder reproduces, holds: a BPE model, no precompiled normalization, spaces
-//! escaped as a prefix `▁`, no user-defined or unused pieces. Other models go through
+//! this encoder reproduces, holds: a BPE model (its normalization, a precompiled map such
+//! as `nmt_nfkc` or the identity, applied by `sentencepiece_norm` as the library applies
+//! it), spaces escaped as a prefix `▁`, no user-defined or unused pieces. Other models go through
 //! the library. Results equal the library's `EncodeAsIds`, including byte fallback and
 //! the merging of consecutive unknown pieces (tested against it).
 
+use super::sentencepiece_norm::{CharsMap, Normalizer};
 use std::cell::RefCell;
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
@@ -31,7 +33,8 @@ pub(super) struct ModelSpec {
     pub model_type: u64,
     pub byte_fallback: bool,
     pub treat_whitespace_as_suffix: bool,
-    pub precompiled_charsmap_empty: bool,
+    /// `NormalizerSpec.precompiled_charsmap` (empty: the identity).
+    pub precompiled_charsmap: Vec<u8>,
     pub add_dummy_prefix: bool,
     pub remove_extra_whitespaces: bool,
     pub escape_whitespaces: bool,
@@ -54,8 +57,7 @@ pub(super) struct SentencePieceBpe {
     byte_fallback: bool,
     /// Id of `<0xXX>` for each byte (unknown when the model lacks it).
     byte_ids: Vec<u32>,
-    add_dummy_prefix: bool,
-    remove_extra_whitespaces: bool,
+    normalizer: Normalizer,
     instance: usize,
 }
 
@@ -95,15 +97,21 @@ struct Symbol {
 }
 
 impl SentencePieceBpe {
-    /// The encoder for `spec`, or `None` when the model needs the library.
-    pub(super) fn from_model(spec: &ModelSpec) -> Option<Self> {
-        let simple = spec.model_type == 2
-            && spec.precompiled_charsmap_empty
-            && spec.escape_whitespaces
-            && !spec.treat_whitespace_as_suffix;
-        if !simple {
-            return None;
+    /// The encoder for `spec`, or which of its properties needs the library.
+    pub(super) fn from_model(spec: &ModelSpec) -> Result<Self, &'static str> {
+        if spec.model_type != 2 {
+            return Err("not a BPE model (Unigram, word or character)");
         }
+        if !spec.escape_whitespaces || spec.treat_whitespace_as_suffix {
+            return Err("whitespace not escaped as a prefix `▁`");
+        }
+        let map = match spec.precompiled_charsmap.is_empty() {
+            true => None,
+            false => Some(
+                CharsMap::parse(&spec.precompiled_charsmap)
+                    .ok_or("a precompiled normalization map it cannot read")?,
+            ),
+        };
         let mut pieces = HashMap::new();
         let mut reserved = HashMap::new();
         let mut unk_id = None;
@@ -114,11 +122,11 @@ impl SentencePieceBpe {
                     // A `▁` after the first character would let merges cross words.
                     let first = piece.chars().next().map_or(0, char::len_utf8);
                     if piece[first..].contains(SPACE) {
-                        return None;
+                        return Err("pieces with `▁` inside (merges across words)");
                     }
                     pieces.entry(piece.clone()).or_insert((id, *score));
                 }
-                USER_DEFINED | UNUSED => return None,
+                USER_DEFINED | UNUSED => return Err("user-defined or unused pieces"),
                 kind => {
                     if kind == UNKNOWN {
                         unk_id = Some(id);
@@ -127,7 +135,7 @@ impl SentencePieceBpe {
                 }
             }
         }
-        let unk_id = unk_id?;
+        let unk_id = unk_id.ok_or("no unknown piece")?;
         let lookup = |piece: &str| {
             reserved
                 .get(piece)
@@ -137,56 +145,25 @@ impl SentencePieceBpe {
         let byte_ids = (0..=255u8)
             .map(|b| lookup(&format!("<0x{b:02X}>")).unwrap_or(unk_id))
             .collect();
-        Some(Self {
+        Ok(Self {
             pieces,
             reserved,
             unk_id,
             byte_fallback: spec.byte_fallback,
             byte_ids,
-            add_dummy_prefix: spec.add_dummy_prefix,
-            remove_extra_whitespaces: spec.remove_extra_whitespaces,
+            normalizer: Normalizer {
+                map,
+                add_dummy_prefix: spec.add_dummy_prefix,
+                remove_extra_whitespaces: spec.remove_extra_whitespaces,
+                escape_whitespaces: spec.escape_whitespaces,
+            },
             instance: NEXT_INSTANCE.fetch_add(1, AtomicOrdering::Relaxed),
         })
     }
 
-    /// The library's identity normalization: optional dummy prefix, spaces escaped as
-    /// `▁`, and with `remove_extra_whitespaces` leading, repeated and trailing spaces
-    /// dropped.
-    fn normalize(&self, text: &str) -> String {
-        let mut input = text;
-        if self.remove_extra_whitespaces {
-            input = input.trim_start_matches(' ');
-        }
-        let mut out = String::with_capacity(input.len() + 3 * 8);
-        if input.is_empty() {
-            return out;
-        }
-        if self.add_dummy_prefix {
-            out.push_str(SPACE);
-        }
-        let mut previous_space = self.remove_extra_whitespaces;
-        for c in input.chars() {
-            if c == ' ' {
-                if !previous_space {
-                    out.push_str(SPACE);
-                }
-                previous_space = self.remove_extra_whitespaces;
-            } else {
-                out.push(c);
-                previous_space = false;
-            }
-        }
-        if self.remove_extra_whitespaces {
-            while out.ends_with(SPACE) {
-                out.truncate(out.len() - SPACE.len());
-            }
-        }
-        out
-    }
-
     /// Appends the ids of `text`, as the library's `EncodeAsIds`.
     pub(super) fn encode_into(&self, text: &str, out: &mut Vec<u32>) {
-        let normalized = self.normalize(text);
+        let normalized = self.normalizer.normalize(text);
         let start = out.len();
         CACHE.with(|cache| {
             let mut caches = cache.borrow_mut();

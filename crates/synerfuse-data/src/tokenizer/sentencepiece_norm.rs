@@ -1,0 +1,144 @@
+//! SentencePiece's normalizer in Rust: the model's precompiled character map (a
+//! darts-clone double-array trie of byte strings, each mapped to its replacement, as
+//! `nmt_nfkc` compiles NFKC with SentencePiece's own additions) applied as the library's
+//! `Normalizer::Normalize` applies it: at each position the longest matching rule, or
+//! else one character copied; then whitespace handled on the rules' output.
+//!
+//! The `spm_precompiled` crate reads the same blob but exposes neither the length of a
+//! match nor the longest one (Hugging Face normalizes grapheme by grapheme instead), so
+//! the lookup is written here after the library: `darts.h`'s `commonPrefixSearch` and
+//! `normalizer.cc`'s `NormalizePrefix`.
+
+/// The escaped space.
+const SPACE: &str = "\u{2581}";
+
+/// A precompiled character map: its double array and the replacement strings.
+pub(super) struct CharsMap {
+    units: Vec<u32>,
+    /// Replacements, each ended by a NUL byte.
+    normalized: Vec<u8>,
+}
+
+impl CharsMap {
+    /// Reads `<trie size: u32 LE><trie units: u32 LE each><replacements>`; `None` when
+    /// the blob is malformed.
+    pub(super) fn parse(blob: &[u8]) -> Option<CharsMap> {
+        let size = u32::from_le_bytes(blob.get(..4)?.try_into().ok()?) as usize;
+        let trie = blob.get(4..4 + size)?;
+        if size % 4 != 0 || size == 0 {
+            return None;
+        }
+        let units = trie
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        Some(CharsMap {
+            units,
+            normalized: blob[4 + size..].to_vec(),
+        })
+    }
+
+    /// The longest rule matching a prefix of `key`: (its length in bytes, its
+    /// replacement). darts-clone's `commonPrefixSearch`, keeping the longest.
+    fn longest_prefix(&self, key: &[u8]) -> Option<(usize, &[u8])> {
+        let unit = |pos: usize| self.units.get(pos).copied();
+        // A unit's fields (darts-clone's `DoubleArrayUnit`).
+        let offset = |u: u32| ((u >> 10) << ((u & (1 << 9)) >> 6)) as usize;
+        let label = |u: u32| u & ((1 << 31) | 0xFF);
+        let has_leaf = |u: u32| (u >> 8) & 1 == 1;
+        let mut pos = offset(unit(0)?);
+        let mut longest = None;
+        for (i, &byte) in key.iter().enumerate() {
+            pos ^= byte as usize;
+            let u = unit(pos)?;
+            if label(u) != byte as u32 {
+                break;
+            }
+            pos ^= offset(u);
+            if has_leaf(u) {
+                let value = (unit(pos)? & ((1 << 31) - 1)) as usize;
+                longest = Some((i + 1, value));
+            }
+        }
+        let (length, value) = longest?;
+        let rest = self.normalized.get(value..)?;
+        let end = rest.iter().position(|&b| b == 0).unwrap_or(rest.len());
+        Some((length, &rest[..end]))
+    }
+}
+
+/// How a model normalizes (`NormalizerSpec`, and `TrainerSpec`'s whitespace side).
+pub(super) struct Normalizer {
+    /// `None`: the identity.
+    pub map: Option<CharsMap>,
+    pub add_dummy_prefix: bool,
+    pub remove_extra_whitespaces: bool,
+    pub escape_whitespaces: bool,
+}
+
+impl Normalizer {
+    /// The rule's output at the start of `input` and the bytes it consumes
+    /// (`NormalizePrefix`; `input` is valid UTF-8, so no replacement character).
+    fn prefix<'a>(&'a self, input: &'a str) -> (&'a [u8], usize) {
+        if let Some((length, replacement)) =
+            (self.map.as_ref()).and_then(|m| m.longest_prefix(input.as_bytes()))
+        {
+            return (replacement, length);
+        }
+        let length = input.chars().next().map_or(0, char::len_utf8);
+        (&input.as_bytes()[..length], length)
+    }
+
+    /// `text` as the library's `Normalizer::Normalize` makes it.
+    pub(super) fn normalize(&self, text: &str) -> String {
+        let mut input = text;
+        if self.remove_extra_whitespaces {
+            loop {
+                let (out, consumed) = self.prefix(input);
+                if input.is_empty() || out != b" " {
+                    break;
+                }
+                input = &input[consumed..];
+            }
+        }
+        let mut out: Vec<u8> = Vec::with_capacity(input.len() * 3);
+        if input.is_empty() {
+            return String::new();
+        }
+        let space: &[u8] = match self.escape_whitespaces {
+            true => SPACE.as_bytes(),
+            false => b" ",
+        };
+        if self.add_dummy_prefix {
+            out.extend_from_slice(space);
+        }
+        let mut previous_space = self.remove_extra_whitespaces;
+        while !input.is_empty() {
+            let (mut piece, consumed) = self.prefix(input);
+            while previous_space && piece.first() == Some(&b' ') {
+                piece = &piece[1..];
+            }
+            if !piece.is_empty() {
+                for &byte in piece {
+                    match byte {
+                        b' ' => out.extend_from_slice(space),
+                        _ => out.push(byte),
+                    }
+                }
+                previous_space = piece.last() == Some(&b' ');
+            }
+            input = &input[consumed..];
+            if !self.remove_extra_whitespaces {
+                previous_space = false;
+            }
+        }
+        if self.remove_extra_whitespaces {
+            while out.ends_with(space) {
+                out.truncate(out.len() - space.len());
+            }
+        }
+        // Rules replace whole characters by whole characters.
+        String::from_utf8(out)
+            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
+    }
+}
