@@ -171,7 +171,7 @@ fn preprocess_headlines(v: &serde_json::Value) -> Vec<Row> {
         if let Some(ceiling) = r["library_ceiling_mb_s"].as_f64() {
             let share = field(r, "ours_mb_s") / ceiling;
             out.push((
-                format!("the same: ours vs the SentencePiece library's own id encoding, 2 threads"),
+                "the same: ours vs the SentencePiece library's own id encoding, 2 threads".into(),
                 format!("{:.1} vs {ceiling:.1} MB/s = {share:.2}x", field(r, "ours_mb_s")),
                 ">= 1.0x".into(),
                 Some(share >= 1.0),
