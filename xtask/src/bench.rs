@@ -168,11 +168,30 @@ fn preprocess_headlines(v: &serde_json::Value) -> Vec<Row> {
             format!(">= {target}x"),
             Some(ratio >= target),
         ));
+        let gpt2 = (v["results"].as_array().into_iter().flatten())
+            .find(|g| g["tokenizer"] == "GPT2BPETokenizer");
+        if let (true, Some(gpt2)) = (tokenizer.starts_with("HuggingFaceTokenizer"), gpt2) {
+            let share = field(r, "ours_mb_s") / field(gpt2, "ours_mb_s");
+            out.push((
+                "the same: ours with the tokenizer.json vs ours with GPT2BPETokenizer's files"
+                    .into(),
+                format!(
+                    "{:.1} vs {:.1} MB/s = {share:.2}x",
+                    field(r, "ours_mb_s"),
+                    field(gpt2, "ours_mb_s")
+                ),
+                ">= 0.9x".into(),
+                Some(share >= 0.9),
+            ));
+        }
         if let Some(ceiling) = r["library_ceiling_mb_s"].as_f64() {
             let share = field(r, "ours_mb_s") / ceiling;
             out.push((
                 "the same: ours vs the SentencePiece library's own id encoding, 2 threads".into(),
-                format!("{:.1} vs {ceiling:.1} MB/s = {share:.2}x", field(r, "ours_mb_s")),
+                format!(
+                    "{:.1} vs {ceiling:.1} MB/s = {share:.2}x",
+                    field(r, "ours_mb_s")
+                ),
                 ">= 1.0x".into(),
                 Some(share >= 1.0),
             ));
@@ -401,7 +420,7 @@ fn preprocess(root: &Path) -> Result<()> {
     ensure!(status.success(), "preparing the corpus failed");
     let bytes = std::fs::metadata(&bench.corpus)?.len() as f64;
     let tok = bench.dir.join("tokenizer");
-    let cases: [(&str, &str, Vec<std::ffi::OsString>); 3] = [
+    let cases: [(&str, &str, Vec<std::ffi::OsString>); 4] = [
         (
             "gpt2",
             "GPT2BPETokenizer",
@@ -410,6 +429,14 @@ fn preprocess(root: &Path) -> Result<()> {
                 tok.join("vocab.json").into(),
                 "--merge-file".into(),
                 tok.join("merges.txt").into(),
+            ],
+        ),
+        (
+            "hf",
+            "HuggingFaceTokenizer (the GPT-2 BPE's tokenizer.json)",
+            vec![
+                "--tokenizer-model".into(),
+                tok.join("tokenizer.json").into(),
             ],
         ),
         (

@@ -66,6 +66,27 @@ fn trained_bpe_agrees_between_tokenizer_json_and_gpt2_files() {
             assert_eq!(&hf.detokenize(&ids).unwrap(), text);
         }
     }
+    // The tokenizer.json goes through synerfuse's own GPT-2 encoder, with the library's
+    // ids: on the corpus, and with the special token anywhere in a text.
+    assert!(hf.has_own_encoder(), "{:?}", hf.library_reason());
+    let mut tricky: Vec<String> = texts.iter().take(6).cloned().collect();
+    for text in [
+        "<|endoftext|>",
+        "a<|endoftext|>b",
+        "<|endoftext|><|endoftext|>",
+        " <|endoftext|> x",
+        "<|endof",
+    ] {
+        tricky.push(text.to_owned());
+        tricky.push(format!(
+            "{}{text}",
+            texts[0].chars().take(50).collect::<String>()
+        ));
+    }
+    for text in &tricky {
+        let library = hf.tokenize_with_library(text).unwrap();
+        assert_eq!(hf.tokenize(text).unwrap(), library, "{text:?}");
+    }
     let mut names: Vec<String> = std::fs::read_dir(dir.path())
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())

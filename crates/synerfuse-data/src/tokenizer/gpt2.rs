@@ -83,6 +83,11 @@ impl Gpt2BpeTokenizer {
     /// Builds the tokenizer from a vocabulary and the text of a merges file.
     pub fn new(encoder: HashMap<String, u32>, merges_text: &str) -> Result<Self, NoEndOfText> {
         let eod = *encoder.get("<|endoftext|>").ok_or(NoEndOfText)?;
+        Ok(Self::with_eod(encoder, merges_text, eod))
+    }
+
+    /// [`Self::new`] with another end-of-document id (a Hugging Face tokenizer's EOS).
+    pub fn with_eod(encoder: HashMap<String, u32>, merges_text: &str, eod: u32) -> Self {
         let byte_chars = bytes_to_unicode();
         let mut interner: HashMap<String, u32> = HashMap::new();
         let mut symbol_ids = Vec::new();
@@ -122,7 +127,7 @@ impl Gpt2BpeTokenizer {
             .enumerate()
             .map(|(b, &c)| (c, b as u8))
             .collect();
-        Ok(Self {
+        Self {
             encoder,
             decoder,
             symbol_ids,
@@ -131,7 +136,7 @@ impl Gpt2BpeTokenizer {
             byte_decoder,
             eod,
             instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed),
-        })
+        }
     }
 
     /// BPE of one pre-token: repeatedly merge every occurrence of the lowest-ranked pair.

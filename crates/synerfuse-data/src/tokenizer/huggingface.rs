@@ -1,6 +1,7 @@
 //! Any Hugging Face `tokenizer.json`, and byte-level BPE training for users who have none.
 
-use super::{Tokenizer, TokenizerError};
+use super::{Gpt2BpeTokenizer, Tokenizer, TokenizerError};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
@@ -13,6 +14,109 @@ use tokenizers::{AddedToken, Model, TokenizerBuilder};
 pub struct HuggingFaceTokenizer {
     inner: tokenizers::Tokenizer,
     eod: Option<u32>,
+    /// The GPT-2 encoder, when it gives this tokenizer's ids exactly, with the added
+    /// tokens matched in the text before it; else why not.
+    own: Result<OwnEncoder, &'static str>,
+}
+
+/// Synerfuse's GPT-2 encoder standing in for a `tokenizer.json`, and its added tokens
+/// (longest first), matched in the text before it.
+struct OwnEncoder {
+    gpt2: Gpt2BpeTokenizer,
+    added: Vec<(String, u32)>,
+}
+
+/// Synerfuse's GPT-2 byte-level BPE encoder for a `tokenizer.json` that it serves
+/// exactly: a BPE model without dropout, unknown token, affixes, byte fallback or
+/// ignored merges; no normalizer; GPT-2's byte-level pre-tokenization (its regex, no
+/// prefix space); no post-processor adding tokens; added tokens without whitespace
+/// rules. With its added tokens, longest first. Otherwise the property that needs the
+/// `tokenizers` crate.
+fn own_encoder(json: &serde_json::Value) -> Result<OwnEncoder, &'static str> {
+    let absent = |v: &serde_json::Value| v.is_null() || v.as_str() == Some("");
+    let off = |v: &serde_json::Value| v.is_null() || v.as_bool() == Some(false);
+    if !json["normalizer"].is_null() {
+        return Err("a normalizer");
+    }
+    let pre = &json["pre_tokenizer"];
+    let gpt2_pretokens = pre["type"] == "ByteLevel"
+        && off(&pre["add_prefix_space"])
+        && pre["use_regex"].as_bool() != Some(false);
+    if !gpt2_pretokens {
+        return Err(
+            "a pre-tokenizer other than GPT-2's byte-level one (its regex, no prefix space)",
+        );
+    }
+    let post = &json["post_processor"];
+    if !(post.is_null() || post["type"] == "ByteLevel") {
+        return Err("a post-processor that adds tokens");
+    }
+    let model = &json["model"];
+    let plain_bpe = model["type"] == "BPE"
+        && absent(&model["dropout"])
+        && absent(&model["unk_token"])
+        && absent(&model["continuing_subword_prefix"])
+        && absent(&model["end_of_word_suffix"])
+        && off(&model["byte_fallback"])
+        && off(&model["ignore_merges"]);
+    if !plain_bpe {
+        return Err("a model other than plain BPE (dropout, an unknown token, affixes, byte fallback or ignored merges)");
+    }
+    let mut encoder: HashMap<String, u32> = (model["vocab"].as_object())
+        .ok_or("a BPE model without a vocabulary")?
+        .iter()
+        .filter_map(|(token, id)| Some((token.clone(), u32::try_from(id.as_u64()?).ok()?)))
+        .collect();
+    let mut merges_text = String::from("#version: 0.2\n");
+    for merge in model["merges"]
+        .as_array()
+        .ok_or("a BPE model without merges")?
+    {
+        let line = match merge {
+            serde_json::Value::String(pair) => pair.clone(),
+            serde_json::Value::Array(pair) => (pair.iter())
+                .map(|p| p.as_str().unwrap_or_default())
+                .collect::<Vec<_>>()
+                .join(" "),
+            _ => return Err("a merge that is neither \"a b\" nor [a, b]"),
+        };
+        if line.split(' ').count() != 2 {
+            return Err("a merge whose pieces hold spaces");
+        }
+        merges_text.push_str(&line);
+        merges_text.push('\n');
+    }
+    let mut added = Vec::new();
+    for token in json["added_tokens"].as_array().into_iter().flatten() {
+        let plain = off(&token["single_word"]) && off(&token["lstrip"]) && off(&token["rstrip"]);
+        let (Some(content), Some(id)) = (token["content"].as_str(), token["id"].as_u64()) else {
+            return Err("an added token without content or id");
+        };
+        if !plain || content.is_empty() {
+            return Err("added tokens with whitespace rules");
+        }
+        let id = u32::try_from(id).map_err(|_| "an added token id beyond u32")?;
+        encoder.insert(content.to_owned(), id);
+        added.push((content.to_owned(), id));
+    }
+    added.sort_by_key(|(content, _)| std::cmp::Reverse(content.len()));
+    let gpt2 = Gpt2BpeTokenizer::with_eod(encoder, &merges_text, u32::MAX);
+    Ok(OwnEncoder { gpt2, added })
+}
+
+/// The earliest added token in `text` (the longest of those starting there): its byte
+/// range and id.
+fn next_added(text: &str, added: &[(String, u32)]) -> Option<(std::ops::Range<usize>, u32)> {
+    let mut best: Option<(std::ops::Range<usize>, u32)> = None;
+    for (content, id) in added {
+        if let Some(at) = text.find(content.as_str()) {
+            // Longest first: a later, equally early match is shorter.
+            if best.as_ref().is_none_or(|(range, _)| at < range.start) {
+                best = Some((at..at + content.len(), *id));
+            }
+        }
+    }
+    best
 }
 
 /// End-of-text tokens tried, in order, when no `tokenizer_config.json` names one.
@@ -52,12 +156,16 @@ impl HuggingFaceTokenizer {
             .map(String::as_str)
             .chain(EOS_CANDIDATES)
             .find_map(|token| inner.token_to_id(token));
-        Ok(Self { inner, eod })
+        let own = serde_json::from_str::<serde_json::Value>(&text)
+            .map_err(|_| "a tokenizer.json serde_json cannot read")
+            .and_then(|json| own_encoder(&json));
+        Ok(Self { inner, eod, own })
     }
 }
 
-impl Tokenizer for HuggingFaceTokenizer {
-    fn tokenize(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+impl HuggingFaceTokenizer {
+    /// The ids through the `tokenizers` crate, whatever the tokenizer.
+    pub fn tokenize_with_library(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
         let encoding = self
             .inner
             .encode(text, true)
@@ -66,6 +174,32 @@ impl Tokenizer for HuggingFaceTokenizer {
                 problem: e.to_string(),
             })?;
         Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Whether [`Tokenizer::tokenize`] uses synerfuse's own GPT-2 encoder.
+    pub fn has_own_encoder(&self) -> bool {
+        self.own.is_ok()
+    }
+}
+
+impl Tokenizer for HuggingFaceTokenizer {
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let Ok(OwnEncoder { gpt2, added }) = &self.own else {
+            return self.tokenize_with_library(text);
+        };
+        let mut ids = Vec::with_capacity(text.len() / 3 + 1);
+        let mut rest = text;
+        while let Some((range, id)) = next_added(rest, added) {
+            if range.start > 0 {
+                ids.extend(gpt2.tokenize(&rest[..range.start])?);
+            }
+            ids.push(id);
+            rest = &rest[range.end..];
+        }
+        if !rest.is_empty() {
+            ids.extend(gpt2.tokenize(rest)?);
+        }
+        Ok(ids)
     }
 
     fn detokenize(&self, ids: &[u32]) -> Result<String, TokenizerError> {
@@ -90,7 +224,7 @@ impl Tokenizer for HuggingFaceTokenizer {
     }
 
     fn library_reason(&self) -> Option<&'static str> {
-        Some("a Hugging Face tokenizer.json, encoded by the tokenizers crate")
+        self.own.as_ref().err().copied()
     }
 }
 
