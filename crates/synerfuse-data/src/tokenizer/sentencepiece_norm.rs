@@ -80,9 +80,9 @@ impl Normalizer {
     /// The rule's output at the start of `input` and the bytes it consumes
     /// (`NormalizePrefix`; `input` is valid UTF-8, so no replacement character).
     fn prefix<'a>(&'a self, input: &'a str) -> (&'a [u8], usize) {
-        if let Some((length, replacement)) =
-            (self.map.as_ref()).and_then(|m| m.longest_prefix(input.as_bytes()))
-        {
+        let rule = (self.map.as_ref()).and_then(|m| m.longest_prefix(input.as_bytes()));
+        // A rule ends between characters (a damaged map that does not is ignored).
+        if let Some((length, replacement)) = rule.filter(|&(l, _)| input.is_char_boundary(l)) {
             return (replacement, length);
         }
         let length = input.chars().next().map_or(0, char::len_utf8);
