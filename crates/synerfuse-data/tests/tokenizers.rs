@@ -163,3 +163,56 @@ fn sentencepiece_bpe_fast_path_equals_the_library() {
         }
     }
 }
+
+mod fuzz {
+    use proptest::prelude::*;
+
+    /// Whitespace of every kind, as single pieces of text.
+    const WHITESPACE: [&str; 11] = [
+        " ", "  ", "\t", "\n", "\r\n", "\u{a0}", "\u{3000}", "\u{2003}", "\u{200b}", "\u{feff}",
+        "▁",
+    ];
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        /// Differential fuzz of the Rust SentencePiece BPE encoder against the library, on
+        /// every fixture model it serves: any Unicode scalar (control, private use,
+        /// unassigned), runs of whitespace of every kind, long words, and characters NFKC
+        /// rewrites.
+        #[test]
+        fn sentencepiece_bpe_fuzzed_against_the_library(
+            pieces in proptest::collection::vec(
+                prop_oneof![
+                    any::<char>().prop_map(|c| c.to_string()),
+                    proptest::sample::select(WHITESPACE.to_vec()).prop_map(str::to_owned),
+                    "[a-zA-Z]{1,40}",
+                    "[ﬀ-ﬆ①-⑳Ａ-Ｚｦ-ﾝ㍱-㍿]{1,6}",
+                ],
+                0..24,
+            )
+        ) {
+            let text: String = pieces.concat();
+            for model in super::sentencepiece_bpe_models() {
+                let (mut fast, mut library) = (Vec::new(), Vec::new());
+                model.encode_into(&text, &mut fast).unwrap();
+                model.encode_with_library(&text, &mut library).unwrap();
+                prop_assert_eq!(fast, library, "{:?}", text);
+            }
+        }
+    }
+}
+
+/// The fixture models the Rust encoder serves, loaded once.
+fn sentencepiece_bpe_models() -> &'static [synerfuse_data::tokenizer::SentencePieceModel] {
+    use synerfuse_data::tokenizer::SentencePieceModel;
+    static MODELS: std::sync::OnceLock<Vec<SentencePieceModel>> = std::sync::OnceLock::new();
+    MODELS.get_or_init(|| {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/tokenizers/sentencepiece");
+        ["llama-bpe.model", "bpe-raw-spaces.model", "nfkc-bpe.model"]
+            .iter()
+            .map(|name| SentencePieceModel::open(&dir.join(name)).unwrap())
+            .collect()
+    })
+}
