@@ -420,7 +420,7 @@ fn preprocess(root: &Path) -> Result<()> {
     ensure!(status.success(), "preparing the corpus failed");
     let bytes = std::fs::metadata(&bench.corpus)?.len() as f64;
     let tok = bench.dir.join("tokenizer");
-    let cases: [(&str, &str, Vec<std::ffi::OsString>); 4] = [
+    let cases: [(&str, &str, Vec<std::ffi::OsString>); 5] = [
         (
             "gpt2",
             "GPT2BPETokenizer",
@@ -448,6 +448,11 @@ fn preprocess(root: &Path) -> Result<()> {
             "llama2-nfkc",
             "Llama2Tokenizer (NFKC BPE)",
             vec!["--tokenizer-model".into(), tok.join("nfkc.model").into()],
+        ),
+        (
+            "unigram",
+            "GPTSentencePieceTokenizer (NFKC Unigram)",
+            vec!["--tokenizer-model".into(), tok.join("unigram.model").into()],
         ),
     ];
     let mut rows = Vec::new();
@@ -562,7 +567,7 @@ impl PreprocessBench {
             "ratio": ratio,
             "byte_identical": true,
         });
-        if name.starts_with("llama2") {
+        if name.starts_with("llama2") || name == "unigram" {
             let ceiling = self.reference_timing(&["ceiling", &utf8(dir)?, &workers, name])?;
             let ceiling_mbs = ceiling.1 / ceiling.0 / 1e6;
             let share = ours_mbs / ceiling_mbs;

@@ -100,7 +100,7 @@ fn trained_bpe_agrees_between_tokenizer_json_and_gpt2_files() {
 /// repeated and trailing spaces, other whitespace, what NFKC rewrites or deletes),
 /// unknown characters (byte fallback) and runs of them.
 #[test]
-fn sentencepiece_bpe_fast_path_equals_the_library() {
+fn sentencepiece_rust_encoders_equal_the_library() {
     use std::path::Path;
     use synerfuse_data::preprocess::read_json_texts;
     use synerfuse_data::tokenizer::SentencePieceModel;
@@ -116,7 +116,8 @@ fn sentencepiece_bpe_fast_path_equals_the_library() {
     let pool = [
         " ", "  ", "\t", "\n", "a", "Thy", "hand", "'", "é", "日本", "😀", "\u{3000}", "▁", "12",
         "Ⅻ", "q", "ﬁ", "①", "Ａ", "e\u{301}", "\u{a0}", "\u{2003}", "\u{212b}", "ｶﾞ", "\u{0}",
-        "\u{7}", "\u{200b}", "\u{feff}", "㍿", "½", "\r\n", "ǅ",
+        "\u{7}", "\u{200b}", "\u{feff}", "㍿", "½", "\r\n", "ǅ", "<MASK>", "x<MASK>", "<sep>",
+        "2024", "ﬁx", " Thou", "▁Thou", "12024",
     ];
     let mut state = 1234u64;
     let mut next = || {
@@ -127,25 +128,21 @@ fn sentencepiece_bpe_fast_path_equals_the_library() {
     };
     for _ in 0..4000 {
         let length = next() % 16;
-        let text: String = (0..length).map(|_| pool[(next() % 32) as usize]).collect();
+        let text: String = (0..length)
+            .map(|_| pool[next() as usize % pool.len()])
+            .collect();
         texts.push(text);
     }
-    let unigram =
-        SentencePieceModel::open(&fixtures.join("tokenizers/sentencepiece/unigram.model")).unwrap();
-    assert!(
-        !unigram.has_fast_bpe(),
-        "unigram models go through the library"
-    );
-    assert_eq!(
-        unigram.library_reason(),
-        Some("not a BPE model (Unigram, word or character)")
-    );
     // Byte fallback with extra spaces removed; raw spaces with unknown pieces; the
-    // library's default NFKC normalization with byte fallback.
-    for name in ["llama-bpe.model", "bpe-raw-spaces.model", "nfkc-bpe.model"] {
+    // library's default NFKC normalization with byte fallback, without and with
+    // user-defined pieces. (Unigram: `unigram_equals_the_python_package`.)
+    for name in SENTENCEPIECE_BPE_MODELS {
         let model = SentencePieceModel::open(&fixtures.join("tokenizers/sentencepiece").join(name))
             .unwrap();
-        assert!(model.has_fast_bpe(), "{name} should take the fast path");
+        assert!(
+            model.has_rust_encoder(),
+            "{name} should take the Rust encoder"
+        );
         assert_eq!(model.library_reason(), None);
         let mut unknown_runs = 0;
         for text in &texts {
@@ -164,6 +161,91 @@ fn sentencepiece_bpe_fast_path_equals_the_library() {
     }
 }
 
+/// The LLaMA-3-style `tokenizer.json` (its pre-tokenizer regex, `ignore_merges`, a BOS
+/// template) goes through our byte-level encoder with the `tokenizers` library's ids: on
+/// the corpus, and on strings built to stress the regex (contractions in any case,
+/// numbers in runs, punctuation before letters and line breaks, whitespace runs).
+#[test]
+fn llama3_tokenizer_json_equals_the_library() {
+    use synerfuse_data::tokenizer::{HuggingFaceTokenizer, Tokenizer};
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let hf = HuggingFaceTokenizer::open(&fixtures.join("tokenizers/llama3")).unwrap();
+    assert!(hf.has_own_encoder(), "{:?}", hf.library_reason());
+    assert_eq!(
+        hf.eod(),
+        Some(1),
+        "<|end_of_text|> from tokenizer_config.json"
+    );
+    let mut texts = synerfuse_data::preprocess::read_json_texts(
+        &fixtures.join("megatron/corpus.jsonl"),
+        &["text".to_owned(), "title".to_owned()],
+    )
+    .unwrap();
+    let pool = [
+        "'s",
+        "'S",
+        "'re",
+        "'RE",
+        "'rE",
+        "'ve",
+        "'ll",
+        "'LL",
+        "'d",
+        "'m",
+        "'t",
+        "'ſ",
+        "'x",
+        "'",
+        " ",
+        "  ",
+        "\n",
+        "\r\n",
+        "\n\n",
+        " \n ",
+        "\t",
+        "\u{a0}",
+        "\u{3000}",
+        "1",
+        "123",
+        "4567",
+        "Ⅻ",
+        "²",
+        "(",
+        "!!",
+        "...",
+        "—",
+        "Thou",
+        "art",
+        "é",
+        "日本",
+        "😀",
+        "\u{301}",
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|eot",
+        "ǅ",
+        "\u{0}",
+        "_",
+        "$",
+    ];
+    let mut state = 7u64;
+    let mut next = || {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (state >> 33) as usize
+    };
+    for _ in 0..6000 {
+        let length = next() % 12;
+        texts.push((0..length).map(|_| pool[next() % pool.len()]).collect());
+    }
+    texts.push(String::new());
+    for text in &texts {
+        let library = hf.tokenize_with_library(text).unwrap();
+        assert_eq!(hf.tokenize(text).unwrap(), library, "{text:?}");
+    }
+}
+
 mod fuzz {
     use proptest::prelude::*;
 
@@ -171,6 +253,11 @@ mod fuzz {
     const WHITESPACE: [&str; 11] = [
         " ", "  ", "\t", "\n", "\r\n", "\u{a0}", "\u{3000}", "\u{2003}", "\u{200b}", "\u{feff}",
         "▁",
+    ];
+
+    /// The fixtures' user-defined pieces, and what looks like them.
+    const USER_PIECES: [&str; 8] = [
+        "<MASK>", "<MASK", "<MASK>>", "ﬁx", "<mask>", "<sep>", "2024", "▁Thou",
     ];
 
     proptest! {
@@ -181,11 +268,12 @@ mod fuzz {
         /// unassigned), runs of whitespace of every kind, long words, and characters NFKC
         /// rewrites.
         #[test]
-        fn sentencepiece_bpe_fuzzed_against_the_library(
+        fn sentencepiece_fuzzed_against_the_library(
             pieces in proptest::collection::vec(
                 prop_oneof![
                     any::<char>().prop_map(|c| c.to_string()),
                     proptest::sample::select(WHITESPACE.to_vec()).prop_map(str::to_owned),
+                    proptest::sample::select(USER_PIECES.to_vec()).prop_map(str::to_owned),
                     "[a-zA-Z]{1,40}",
                     "[ﬀ-ﬆ①-⑳Ａ-Ｚｦ-ﾝ㍱-㍿]{1,6}",
                 ],
@@ -193,7 +281,7 @@ mod fuzz {
             )
         ) {
             let text: String = pieces.concat();
-            for model in super::sentencepiece_bpe_models() {
+            for model in super::sentencepiece_models() {
                 let (mut fast, mut library) = (Vec::new(), Vec::new());
                 model.encode_into(&text, &mut fast).unwrap();
                 model.encode_with_library(&text, &mut library).unwrap();
@@ -203,16 +291,65 @@ mod fuzz {
     }
 }
 
-/// The fixture models the Rust encoder serves, loaded once.
-fn sentencepiece_bpe_models() -> &'static [synerfuse_data::tokenizer::SentencePieceModel] {
+/// The fixture BPE models the Rust encoder serves.
+const SENTENCEPIECE_BPE_MODELS: [&str; 4] = [
+    "llama-bpe.model",
+    "bpe-raw-spaces.model",
+    "nfkc-bpe.model",
+    "user-bpe.model",
+];
+
+/// The fixture BPE models the Rust encoder serves, loaded once.
+fn sentencepiece_models() -> &'static [synerfuse_data::tokenizer::SentencePieceModel] {
     use synerfuse_data::tokenizer::SentencePieceModel;
     static MODELS: std::sync::OnceLock<Vec<SentencePieceModel>> = std::sync::OnceLock::new();
     MODELS.get_or_init(|| {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("tests/fixtures/tokenizers/sentencepiece");
-        ["llama-bpe.model", "bpe-raw-spaces.model", "nfkc-bpe.model"]
+        SENTENCEPIECE_BPE_MODELS
             .iter()
             .map(|name| SentencePieceModel::open(&dir.join(name)).unwrap())
             .collect()
     })
+}
+
+/// The Unigram encoder gives the ids of the Python package Megatron's tools use (its
+/// `f32` arithmetic; the C++ library linked here adds in `f64` and breaks some ties
+/// the other way): on the fixture model (random strings, user-defined pieces, a 60,000
+/// character text) and on synthetic models whose scores tie exactly or nearly, with
+/// user-defined and unused pieces, pieces that span words or not, over texts long
+/// enough for the running score's roundings to decide ties.
+#[test]
+fn unigram_equals_the_python_package() {
+    use synerfuse_data::tokenizer::SentencePieceModel;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers");
+    let fixture: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("unigram_ids.json")).unwrap())
+            .unwrap();
+    let mut models = std::collections::HashMap::new();
+    let cases = fixture["cases"].as_array().unwrap();
+    assert!(cases.len() > 300);
+    for (index, case) in cases.iter().enumerate() {
+        let name = case["model"].as_str().unwrap();
+        let model = models.entry(name.to_owned()).or_insert_with(|| {
+            SentencePieceModel::open(&dir.join("sentencepiece").join(name)).unwrap()
+        });
+        assert!(model.has_rust_encoder(), "{name}");
+        let expected: Vec<u32> = (case["ids"].as_array().unwrap().iter())
+            .map(|id| id.as_u64().unwrap() as u32)
+            .collect();
+        let mut ours = Vec::new();
+        model
+            .encode_into(case["text"].as_str().unwrap(), &mut ours)
+            .unwrap();
+        if let Some(at) =
+            (0..ours.len().max(expected.len())).find(|&i| ours.get(i) != expected.get(i))
+        {
+            panic!(
+                "case {index} ({name}): ids differ at {at} of {}",
+                expected.len()
+            );
+        }
+    }
+    assert_eq!(models.len(), 7);
 }

@@ -6,7 +6,8 @@
 //! missing from the vocabulary becomes id 0. Speed comes from a scanner instead of a
 //! regex, merges over interned symbol ids, and a per-thread cache of pre-tokens.
 
-use super::pretokenize::for_each_pretoken;
+use super::pretokenize::{for_each_llama3_pretoken, for_each_pretoken};
+use super::word_cache::FastMap;
 use super::{Tokenizer, TokenizerError};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -39,9 +40,18 @@ fn bytes_to_unicode() -> [char; 256] {
 const CACHE_LIMIT: usize = 1 << 20;
 static NEXT_INSTANCE: AtomicUsize = AtomicUsize::new(0);
 /// Pre-token → ids, for one tokenizer instance.
-type PretokenCache = HashMap<Box<str>, Box<[u32]>>;
+type PretokenCache = FastMap<Box<str>, Box<[u32]>>;
 thread_local! {
-    static CACHE: RefCell<HashMap<usize, PretokenCache>> = RefCell::new(HashMap::new());
+    static CACHE: RefCell<FastMap<usize, PretokenCache>> = RefCell::new(FastMap::default());
+}
+
+/// How text splits into pre-tokens before byte-level BPE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Pretokens {
+    /// GPT-2's regex.
+    Gpt2,
+    /// LLaMA-3's regex ([`super::pretokenize::LLAMA3_PATTERN`]).
+    Llama3,
 }
 
 /// Megatron's GPT-2 byte-level BPE tokenizer.
@@ -55,7 +65,13 @@ pub struct Gpt2BpeTokenizer {
     /// (left, right) symbols → (rank, merged symbol).
     merges: HashMap<(u32, u32), (u32, u32)>,
     byte_decoder: HashMap<char, u8>,
+    /// The printable character of each byte.
+    byte_chars: [char; 256],
     eod: u32,
+    pretokens: Pretokens,
+    /// A pre-token in the vocabulary is one token, whatever the merges (Hugging Face's
+    /// `ignore_merges`, as LLaMA-3 sets).
+    ignore_merges: bool,
     instance: usize,
 }
 
@@ -134,13 +150,33 @@ impl Gpt2BpeTokenizer {
             byte_symbols,
             merges,
             byte_decoder,
+            byte_chars,
             eod,
+            pretokens: Pretokens::Gpt2,
+            ignore_merges: false,
             instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+
+    /// This tokenizer splitting text as `pretokens` and, with `ignore_merges`, taking a
+    /// pre-token found in the vocabulary as one token (a `tokenizer.json`'s settings).
+    pub(super) fn with_pretokens(self, pretokens: Pretokens, ignore_merges: bool) -> Self {
+        Self {
+            pretokens,
+            ignore_merges,
+            ..self
         }
     }
 
     /// BPE of one pre-token: repeatedly merge every occurrence of the lowest-ranked pair.
     fn bpe(&self, piece: &str, out: &mut Vec<u32>) {
+        if self.ignore_merges {
+            let mapped: String = piece.bytes().map(|b| self.byte_chars[b as usize]).collect();
+            if let Some(&id) = self.encoder.get(&mapped) {
+                out.push(id);
+                return;
+            }
+        }
         let mut word: Vec<u32> = piece
             .bytes()
             .map(|b| self.byte_symbols[b as usize])
@@ -181,7 +217,7 @@ impl Tokenizer for Gpt2BpeTokenizer {
         CACHE.with(|cache| {
             let mut caches = cache.borrow_mut();
             let cache = caches.entry(self.instance).or_default();
-            for_each_pretoken(text, |piece| {
+            let mut encode = |piece: &str| {
                 if let Some(hit) = cache.get(piece) {
                     ids.extend_from_slice(hit);
                     return;
@@ -192,7 +228,11 @@ impl Tokenizer for Gpt2BpeTokenizer {
                     cache.clear();
                 }
                 cache.insert(piece.into(), ids[start..].into());
-            });
+            };
+            match self.pretokens {
+                Pretokens::Gpt2 => for_each_pretoken(text, &mut encode),
+                Pretokens::Llama3 => for_each_llama3_pretoken(text, &mut encode),
+            }
         });
         Ok(ids)
     }

@@ -1,6 +1,9 @@
 //! Any Hugging Face `tokenizer.json`, and byte-level BPE training for users who have none.
 
+use super::gpt2::Pretokens;
+use super::pretokenize::LLAMA3_PATTERN;
 use super::{Gpt2BpeTokenizer, Tokenizer, TokenizerError};
+use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
@@ -19,48 +22,137 @@ pub struct HuggingFaceTokenizer {
     own: Result<OwnEncoder, &'static str>,
 }
 
-/// Synerfuse's GPT-2 encoder standing in for a `tokenizer.json`, and its added tokens
-/// (longest first), matched in the text before it.
+/// Synerfuse's GPT-2 encoder standing in for a `tokenizer.json`, its added tokens
+/// (longest first), matched in the text before it, and the ids its post-processor puts
+/// around a text.
 struct OwnEncoder {
     gpt2: Gpt2BpeTokenizer,
     added: Vec<(String, u32)>,
+    around: AddedAround,
 }
 
-/// Synerfuse's GPT-2 byte-level BPE encoder for a `tokenizer.json` that it serves
-/// exactly: a BPE model without dropout, unknown token, affixes, byte fallback or
-/// ignored merges; no normalizer; GPT-2's byte-level pre-tokenization (its regex, no
-/// prefix space); no post-processor adding tokens; added tokens without whitespace
-/// rules. With its added tokens, longest first. Otherwise the property that needs the
-/// `tokenizers` crate.
-fn own_encoder(json: &serde_json::Value) -> Result<OwnEncoder, &'static str> {
-    let absent = |v: &serde_json::Value| v.is_null() || v.as_str() == Some("");
-    let off = |v: &serde_json::Value| v.is_null() || v.as_bool() == Some(false);
+/// The special tokens a post-processor adds before and after a single text.
+#[derive(Debug, Default, PartialEq)]
+struct AddedAround {
+    before: Vec<u32>,
+    after: Vec<u32>,
+}
+
+/// A JSON flag that is absent or false.
+fn off(v: &Value) -> bool {
+    v.is_null() || v.as_bool() == Some(false)
+}
+
+/// The pre-tokenization of a byte-level BPE our scanners reproduce: GPT-2's (a
+/// `ByteLevel` with its regex) or LLaMA-3's (its `Split` regex, isolated, then a
+/// `ByteLevel` without regex); no prefix space.
+fn pretokens(pre: &Value) -> Result<Pretokens, &'static str> {
+    let byte_level = |p: &Value| p["type"] == "ByteLevel" && off(&p["add_prefix_space"]);
+    if byte_level(pre) && pre["use_regex"].as_bool() != Some(false) {
+        return Ok(Pretokens::Gpt2);
+    }
+    if let (Some("Sequence"), Some([split, bytes])) = (
+        pre["type"].as_str(),
+        pre["pretokenizers"].as_array().map(Vec::as_slice),
+    ) {
+        let llama3 = split["type"] == "Split"
+            && split["pattern"]["Regex"] == LLAMA3_PATTERN
+            && split["behavior"] == "Isolated"
+            && off(&split["invert"])
+            && byte_level(bytes)
+            && bytes["use_regex"] == false;
+        if llama3 {
+            return Ok(Pretokens::Llama3);
+        }
+    }
+    Err("a pre-tokenizer other than GPT-2's or LLaMA-3's byte-level one (no prefix space)")
+}
+
+/// What a post-processor adds around a single text: nothing (none, or `ByteLevel`,
+/// which only trims offsets), a `TemplateProcessing`'s special tokens around `$A`, or a
+/// `Sequence` of those with at most one template.
+fn added_around(post: &Value) -> Result<AddedAround, &'static str> {
+    const OTHER: &str = "a post-processor other than a template around the text";
+    match post["type"].as_str() {
+        None if post.is_null() => Ok(AddedAround::default()),
+        Some("ByteLevel") => Ok(AddedAround::default()),
+        Some("TemplateProcessing") => template_around(post),
+        Some("Sequence") => {
+            let mut around = AddedAround::default();
+            for processor in post["processors"].as_array().ok_or(OTHER)? {
+                let added = added_around(processor)?;
+                if added != AddedAround::default() {
+                    if around != AddedAround::default() {
+                        return Err("two post-processors that add tokens");
+                    }
+                    around = added;
+                }
+            }
+            Ok(around)
+        }
+        _ => Err(OTHER),
+    }
+}
+
+/// A `TemplateProcessing`'s `single` template: special tokens, then `$A`, then special
+/// tokens.
+fn template_around(post: &Value) -> Result<AddedAround, &'static str> {
+    const BAD: &str = "a post-processor template other than special tokens around $A";
+    let mut around = AddedAround::default();
+    let mut seen_text = false;
+    for piece in post["single"].as_array().ok_or(BAD)? {
+        if let Some(sequence) = piece.get("Sequence") {
+            if seen_text || sequence["id"] != "A" {
+                return Err(BAD);
+            }
+            seen_text = true;
+        } else if let Some(name) = piece["SpecialToken"]["id"].as_str() {
+            let ids = post["special_tokens"][name]["ids"].as_array().ok_or(BAD)?;
+            let side = match seen_text {
+                false => &mut around.before,
+                true => &mut around.after,
+            };
+            for id in ids {
+                side.push(
+                    id.as_u64()
+                        .and_then(|id| u32::try_from(id).ok())
+                        .ok_or(BAD)?,
+                );
+            }
+        } else {
+            return Err(BAD);
+        }
+    }
+    match seen_text {
+        true => Ok(around),
+        false => Err(BAD),
+    }
+}
+
+/// Synerfuse's byte-level BPE encoder for a `tokenizer.json` that it serves exactly: a
+/// BPE model without dropout, unknown token, affixes or byte fallback (ignored merges
+/// allowed); no normalizer; GPT-2's or LLaMA-3's byte-level pre-tokenization; no
+/// post-processor, or a template of special tokens around the text; added tokens
+/// without whitespace rules. With its added tokens, longest first. Otherwise the
+/// property that needs the `tokenizers` crate.
+fn own_encoder(json: &Value) -> Result<OwnEncoder, &'static str> {
+    let absent = |v: &Value| v.is_null() || v.as_str() == Some("");
     if !json["normalizer"].is_null() {
         return Err("a normalizer");
     }
-    let pre = &json["pre_tokenizer"];
-    let gpt2_pretokens = pre["type"] == "ByteLevel"
-        && off(&pre["add_prefix_space"])
-        && pre["use_regex"].as_bool() != Some(false);
-    if !gpt2_pretokens {
-        return Err(
-            "a pre-tokenizer other than GPT-2's byte-level one (its regex, no prefix space)",
-        );
-    }
-    let post = &json["post_processor"];
-    if !(post.is_null() || post["type"] == "ByteLevel") {
-        return Err("a post-processor that adds tokens");
-    }
+    let pretokens = pretokens(&json["pre_tokenizer"])?;
+    let around = added_around(&json["post_processor"])?;
     let model = &json["model"];
     let plain_bpe = model["type"] == "BPE"
         && absent(&model["dropout"])
         && absent(&model["unk_token"])
         && absent(&model["continuing_subword_prefix"])
         && absent(&model["end_of_word_suffix"])
-        && off(&model["byte_fallback"])
-        && off(&model["ignore_merges"]);
+        && off(&model["byte_fallback"]);
     if !plain_bpe {
-        return Err("a model other than plain BPE (dropout, an unknown token, affixes, byte fallback or ignored merges)");
+        return Err(
+            "a model other than plain BPE (dropout, an unknown token, affixes or byte fallback)",
+        );
     }
     let mut encoder: HashMap<String, u32> = (model["vocab"].as_object())
         .ok_or("a BPE model without a vocabulary")?
@@ -73,8 +165,8 @@ fn own_encoder(json: &serde_json::Value) -> Result<OwnEncoder, &'static str> {
         .ok_or("a BPE model without merges")?
     {
         let line = match merge {
-            serde_json::Value::String(pair) => pair.clone(),
-            serde_json::Value::Array(pair) => (pair.iter())
+            Value::String(pair) => pair.clone(),
+            Value::Array(pair) => (pair.iter())
                 .map(|p| p.as_str().unwrap_or_default())
                 .collect::<Vec<_>>()
                 .join(" "),
@@ -100,8 +192,13 @@ fn own_encoder(json: &serde_json::Value) -> Result<OwnEncoder, &'static str> {
         added.push((content.to_owned(), id));
     }
     added.sort_by_key(|(content, _)| std::cmp::Reverse(content.len()));
-    let gpt2 = Gpt2BpeTokenizer::with_eod(encoder, &merges_text, u32::MAX);
-    Ok(OwnEncoder { gpt2, added })
+    let gpt2 = Gpt2BpeTokenizer::with_eod(encoder, &merges_text, u32::MAX)
+        .with_pretokens(pretokens, model["ignore_merges"].as_bool() == Some(true));
+    Ok(OwnEncoder {
+        gpt2,
+        added,
+        around,
+    })
 }
 
 /// The earliest added token in `text` (the longest of those starting there): its byte
@@ -156,7 +253,7 @@ impl HuggingFaceTokenizer {
             .map(String::as_str)
             .chain(EOS_CANDIDATES)
             .find_map(|token| inner.token_to_id(token));
-        let own = serde_json::from_str::<serde_json::Value>(&text)
+        let own = serde_json::from_str::<Value>(&text)
             .map_err(|_| "a tokenizer.json serde_json cannot read")
             .and_then(|json| own_encoder(&json));
         Ok(Self { inner, eod, own })
@@ -184,10 +281,16 @@ impl HuggingFaceTokenizer {
 
 impl Tokenizer for HuggingFaceTokenizer {
     fn tokenize(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
-        let Ok(OwnEncoder { gpt2, added }) = &self.own else {
+        let Ok(OwnEncoder {
+            gpt2,
+            added,
+            around,
+        }) = &self.own
+        else {
             return self.tokenize_with_library(text);
         };
         let mut ids = Vec::with_capacity(text.len() / 3 + 1);
+        ids.extend_from_slice(&around.before);
         let mut rest = text;
         while let Some((range, id)) = next_added(rest, added) {
             if range.start > 0 {
@@ -199,6 +302,7 @@ impl Tokenizer for HuggingFaceTokenizer {
         if !rest.is_empty() {
             ids.extend(gpt2.tokenize(rest)?);
         }
+        ids.extend_from_slice(&around.after);
         Ok(ids)
     }
 

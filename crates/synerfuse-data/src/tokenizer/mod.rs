@@ -9,7 +9,10 @@ mod pretokenize;
 mod sentencepiece;
 mod sentencepiece_bpe;
 mod sentencepiece_norm;
+mod sentencepiece_unigram;
+mod sentencepiece_vocab;
 mod unicode_class;
+mod word_cache;
 
 pub use gpt2::{Gpt2BpeTokenizer, NoEndOfText};
 pub use huggingface::{train_byte_level_bpe, HuggingFaceTokenizer, TrainedTokenizer};

@@ -2,7 +2,9 @@
 //! `GPTSentencePieceTokenizer` and `SentencePieceTokenizer`.
 //!
 //! BPE models whose pieces never span a word (LLaMA-2's kind) are encoded in Rust, word
-//! by word with a cache ([`super::sentencepiece_bpe`]). Other models go to the library
+//! by word with a cache ([`super::sentencepiece_bpe`]), and so are Unigram models
+//! ([`super::sentencepiece_unigram`]), both after the library's normalization
+//! ([`super::sentencepiece_norm`]). Other models go to the library
 //! through `sentencepiece-sys`'s C functions on a processor of our own, ids coming from
 //! the library's own id encoder through a small C++ shim (`spm_ids.cpp`, built by
 //! `build.rs`). The serialized encoder that `sentencepiece-sys` exposes builds strings
@@ -10,7 +12,9 @@
 //! few lines of protobuf decoding); it remains as the fallback when the shim cannot be
 //! built.
 
-use super::sentencepiece_bpe::{ModelSpec, SentencePieceBpe, NORMAL};
+use super::sentencepiece_bpe::SentencePieceBpe;
+use super::sentencepiece_unigram::SentencePieceUnigram;
+use super::sentencepiece_vocab::{ModelSpec, BPE, NORMAL, UNIGRAM};
 use super::{Tokenizer, TokenizerError};
 use sentencepiece_sys as sys;
 use std::ffi::c_void;
@@ -171,14 +175,38 @@ fn model_spec(bytes: &[u8]) -> Option<ModelSpec> {
     ok.then_some(spec)
 }
 
+/// The Rust encoder of a model, by its type.
+enum RustEncoder {
+    Bpe(SentencePieceBpe),
+    Unigram(SentencePieceUnigram),
+}
+
+impl RustEncoder {
+    /// The encoder for `spec`, or which of its properties needs the library.
+    fn from_model(spec: &ModelSpec) -> Result<Self, &'static str> {
+        match spec.model_type {
+            BPE => SentencePieceBpe::from_model(spec).map(Self::Bpe),
+            UNIGRAM => SentencePieceUnigram::from_model(spec).map(Self::Unigram),
+            _ => Err("a word or character model"),
+        }
+    }
+
+    fn encode_into(&self, text: &str, out: &mut Vec<u32>) {
+        match self {
+            Self::Bpe(bpe) => bpe.encode_into(text, out),
+            Self::Unigram(unigram) => unigram.encode_into(text, out),
+        }
+    }
+}
+
 /// A loaded SentencePiece model.
 pub struct SentencePieceModel {
     raw: *mut sys::SentencePieceProcessor,
     /// Piece strings by id, from the model's `ModelProto.pieces`.
     pieces: Vec<String>,
-    /// Word-by-word Rust encoder, for the BPE models it reproduces exactly.
-    bpe: Option<SentencePieceBpe>,
-    /// Why `bpe` is `None`.
+    /// The Rust encoder, for the models it reproduces exactly.
+    rust: Option<RustEncoder>,
+    /// Why `rust` is `None`.
     library_reason: Option<&'static str>,
 }
 
@@ -210,8 +238,8 @@ impl SentencePieceModel {
             .iter()
             .map(|(piece, ..)| piece.clone())
             .collect();
-        let (bpe, library_reason) = match SentencePieceBpe::from_model(&spec) {
-            Ok(bpe) => (Some(bpe), None),
+        let (rust, library_reason) = match RustEncoder::from_model(&spec) {
+            Ok(rust) => (Some(rust), None),
             Err(reason) => (None, Some(reason)),
         };
         // SAFETY: a fresh processor, loaded from bytes that outlive the call.
@@ -222,7 +250,7 @@ impl SentencePieceModel {
         let model = Self {
             raw,
             pieces,
-            bpe,
+            rust,
             library_reason,
         };
         if status != 0 {
@@ -273,18 +301,18 @@ impl SentencePieceModel {
 
     /// Appends the ids of `text` to `out` (the library's `EncodeAsIds`).
     pub fn encode_into(&self, text: &str, out: &mut Vec<u32>) -> Result<(), TokenizerError> {
-        match &self.bpe {
-            Some(bpe) => {
-                bpe.encode_into(text, out);
+        match &self.rust {
+            Some(rust) => {
+                rust.encode_into(text, out);
                 Ok(())
             }
             None => self.encode_with_library(text, out),
         }
     }
 
-    /// Whether [`Self::encode_into`] uses the word-by-word Rust encoder.
-    pub fn has_fast_bpe(&self) -> bool {
-        self.bpe.is_some()
+    /// Whether [`Self::encode_into`] uses the Rust encoder.
+    pub fn has_rust_encoder(&self) -> bool {
+        self.rust.is_some()
     }
 
     /// Why [`Self::encode_into`] goes through the library (the model's property the Rust

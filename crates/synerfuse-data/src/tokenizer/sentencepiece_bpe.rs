@@ -7,57 +7,32 @@
 //! [`SentencePieceBpe::from_model`] accepts a model only when that, and everything else
 //! this encoder reproduces, holds: a BPE model (its normalization, a precompiled map such
 //! as `nmt_nfkc` or the identity, applied by `sentencepiece_norm` as the library applies
-//! it), spaces escaped as a prefix `▁`, no user-defined or unused pieces. Other models go through
-//! the library. Results equal the library's `EncodeAsIds`, including byte fallback and
-//! the merging of consecutive unknown pieces (tested against it).
+//! it), spaces escaped as a prefix `▁`, no unused pieces. User-defined pieces are kept
+//! whole, as the library's `PrefixMatcher` freezes them. Other models go through the
+//! library. Results equal the library's `EncodeAsIds`, including byte fallback and the
+//! merging of consecutive unknown pieces (tested against it).
 
-use super::sentencepiece_norm::{CharsMap, Normalizer};
+use super::sentencepiece_vocab::{
+    split_words, ModelSpec, Vocabulary, BPE, NORMAL, UNUSED, USER_DEFINED,
+};
+use super::word_cache::FastMap;
 use std::cell::RefCell;
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 
-const SPACE: &str = "\u{2581}";
-
-/// Piece types of `ModelProto.SentencePiece.Type`.
-pub(super) const NORMAL: u64 = 1;
-pub(super) const UNKNOWN: u64 = 2;
-pub(super) const USER_DEFINED: u64 = 4;
-pub(super) const UNUSED: u64 = 5;
-
-/// What the encoder needs from a `ModelProto`.
-pub(super) struct ModelSpec {
-    /// (piece, score, type) by id.
-    pub pieces: Vec<(String, f32, u64)>,
-    /// `TrainerSpec.model_type` (BPE = 2).
-    pub model_type: u64,
-    pub byte_fallback: bool,
-    pub treat_whitespace_as_suffix: bool,
-    /// `NormalizerSpec.precompiled_charsmap` (empty: the identity).
-    pub precompiled_charsmap: Vec<u8>,
-    pub add_dummy_prefix: bool,
-    pub remove_extra_whitespaces: bool,
-    pub escape_whitespaces: bool,
-}
-
 static NEXT_INSTANCE: AtomicUsize = AtomicUsize::new(0);
-type WordCache = HashMap<Box<str>, Box<[u32]>>;
+type WordCache = FastMap<Box<str>, Box<[u32]>>;
 thread_local! {
-    static CACHE: RefCell<HashMap<usize, WordCache>> = RefCell::new(HashMap::new());
+    static CACHE: RefCell<FastMap<usize, WordCache>> = RefCell::new(FastMap::default());
 }
 const CACHE_LIMIT: usize = 1 << 20;
 
 /// A SentencePiece BPE model that can be encoded word by word.
 pub(super) struct SentencePieceBpe {
-    /// NORMAL pieces (the only mergeable ones here): id and score.
+    /// NORMAL and USER_DEFINED pieces (the library's `pieces_`): id and score.
     pieces: HashMap<String, (u32, f32)>,
-    /// UNKNOWN, CONTROL and BYTE pieces, looked up first, as the library does.
-    reserved: HashMap<String, u32>,
-    unk_id: u32,
-    byte_fallback: bool,
-    /// Id of `<0xXX>` for each byte (unknown when the model lacks it).
-    byte_ids: Vec<u32>,
-    normalizer: Normalizer,
+    vocab: Vocabulary,
     instance: usize,
 }
 
@@ -92,6 +67,8 @@ impl Ord for Pair {
 struct Symbol {
     start: usize,
     len: usize,
+    /// A user-defined piece: never merged.
+    frozen: bool,
     prev: Option<usize>,
     next: Option<usize>,
 }
@@ -99,71 +76,36 @@ struct Symbol {
 impl SentencePieceBpe {
     /// The encoder for `spec`, or which of its properties needs the library.
     pub(super) fn from_model(spec: &ModelSpec) -> Result<Self, &'static str> {
-        if spec.model_type != 2 {
-            return Err("not a BPE model (Unigram, word or character)");
+        if spec.model_type != BPE {
+            return Err("not a BPE model (word or character)");
         }
-        if !spec.escape_whitespaces || spec.treat_whitespace_as_suffix {
+        if !spec.escape_whitespaces {
             return Err("whitespace not escaped as a prefix `▁`");
         }
-        let map = match spec.precompiled_charsmap.is_empty() {
-            true => None,
-            false => Some(
-                CharsMap::parse(&spec.precompiled_charsmap)
-                    .ok_or("a precompiled normalization map it cannot read")?,
-            ),
-        };
+        // A `▁` after the first character would let merges cross words.
+        if spec.spans_words(&[NORMAL, USER_DEFINED]) {
+            return Err("pieces with `▁` inside (merges across words)");
+        }
+        if spec.pieces_of(UNUSED).next().is_some() {
+            return Err("unused pieces");
+        }
+        let vocab = Vocabulary::from_spec(spec)?;
         let mut pieces = HashMap::new();
-        let mut reserved = HashMap::new();
-        let mut unk_id = None;
-        for (id, (piece, score, kind)) in spec.pieces.iter().enumerate() {
-            let id = id as u32;
-            match *kind {
-                NORMAL => {
-                    // A `▁` after the first character would let merges cross words.
-                    let first = piece.chars().next().map_or(0, char::len_utf8);
-                    if piece[first..].contains(SPACE) {
-                        return Err("pieces with `▁` inside (merges across words)");
-                    }
-                    pieces.entry(piece.clone()).or_insert((id, *score));
-                }
-                USER_DEFINED | UNUSED => return Err("user-defined or unused pieces"),
-                kind => {
-                    if kind == UNKNOWN {
-                        unk_id = Some(id);
-                    }
-                    reserved.entry(piece.clone()).or_insert(id);
-                }
+        for kind in [NORMAL, USER_DEFINED] {
+            for (id, piece, score) in spec.pieces_of(kind) {
+                pieces.entry(piece.to_owned()).or_insert((id, score));
             }
         }
-        let unk_id = unk_id.ok_or("no unknown piece")?;
-        let lookup = |piece: &str| {
-            reserved
-                .get(piece)
-                .or_else(|| pieces.get(piece).map(|(id, _)| id))
-                .copied()
-        };
-        let byte_ids = (0..=255u8)
-            .map(|b| lookup(&format!("<0x{b:02X}>")).unwrap_or(unk_id))
-            .collect();
         Ok(Self {
             pieces,
-            reserved,
-            unk_id,
-            byte_fallback: spec.byte_fallback,
-            byte_ids,
-            normalizer: Normalizer {
-                map,
-                add_dummy_prefix: spec.add_dummy_prefix,
-                remove_extra_whitespaces: spec.remove_extra_whitespaces,
-                escape_whitespaces: spec.escape_whitespaces,
-            },
+            vocab,
             instance: NEXT_INSTANCE.fetch_add(1, AtomicOrdering::Relaxed),
         })
     }
 
     /// Appends the ids of `text`, as the library's `EncodeAsIds`.
     pub(super) fn encode_into(&self, text: &str, out: &mut Vec<u32>) {
-        let normalized = self.normalizer.normalize(text);
+        let normalized = self.vocab.normalizer.normalize(text);
         let start = out.len();
         CACHE.with(|cache| {
             let mut caches = cache.borrow_mut();
@@ -181,38 +123,33 @@ impl SentencePieceBpe {
                 cache.insert(word.into(), out[from..].into());
             }
         });
-        if !self.byte_fallback {
-            // The library merges runs of unknown pieces into one, across words too.
-            let mut write = start;
-            for read in start..out.len() {
-                if out[read] == self.unk_id && write > start && out[write - 1] == self.unk_id {
-                    continue;
-                }
-                out[write] = out[read];
-                write += 1;
-            }
-            out.truncate(write);
-        }
+        self.vocab.merge_unknowns(out, start);
     }
 
     fn piece_id(&self, piece: &str) -> u32 {
-        self.reserved
-            .get(piece)
-            .copied()
+        (self.vocab.reserved_id(piece))
             .or_else(|| self.pieces.get(piece).map(|&(id, _)| id))
-            .unwrap_or(self.unk_id)
+            .unwrap_or(self.vocab.unk_id)
     }
 
     /// The library's BPE merge loop over one word.
     fn encode_word(&self, word: &str, out: &mut Vec<u32>) {
+        // Characters, and user-defined pieces kept whole.
         let mut symbols: Vec<Symbol> = Vec::with_capacity(word.len());
-        for (i, (start, c)) in word.char_indices().enumerate() {
+        let user_pieces = self.vocab.normalizer.user_pieces.as_ref();
+        let mut start = 0;
+        while start < word.len() {
+            let user = user_pieces.and_then(|u| u.longest_prefix(&word[start..]));
+            let len =
+                user.unwrap_or_else(|| word[start..].chars().next().map_or(1, char::len_utf8));
             symbols.push(Symbol {
                 start,
-                len: c.len_utf8(),
-                prev: i.checked_sub(1),
+                len,
+                frozen: user.is_some(),
+                prev: symbols.len().checked_sub(1),
                 next: None,
             });
+            start += len;
         }
         let count = symbols.len();
         for (i, symbol) in symbols.iter_mut().enumerate() {
@@ -223,6 +160,9 @@ impl SentencePieceBpe {
             |symbols: &[Symbol], left: Option<usize>, right: Option<usize>| -> Option<Pair> {
                 let (left, right) = (left?, right?);
                 let (l, r) = (&symbols[left], &symbols[right]);
+                if l.frozen || r.frozen {
+                    return None;
+                }
                 let piece = &word[l.start..l.start + l.len + r.len];
                 let &(_, score) = self.pieces.get(piece)?;
                 Some(Pair {
@@ -255,44 +195,8 @@ impl SentencePieceBpe {
         while let Some(i) = index {
             let symbol = &symbols[i];
             let piece = &word[symbol.start..symbol.start + symbol.len];
-            let id = self.piece_id(piece);
-            if id == self.unk_id && self.byte_fallback {
-                out.extend(piece.bytes().map(|b| self.byte_ids[b as usize]));
-            } else {
-                out.push(id);
-            }
+            self.vocab.push_piece(piece, self.piece_id(piece), out);
             index = symbol.next;
         }
-    }
-}
-
-/// Splits a normalized text before every `▁`.
-fn split_words(normalized: &str) -> impl Iterator<Item = &str> {
-    let mut rest = normalized;
-    std::iter::from_fn(move || {
-        if rest.is_empty() {
-            return None;
-        }
-        let skip = if rest.starts_with(SPACE) {
-            SPACE.len()
-        } else {
-            0
-        };
-        let end = rest[skip..].find(SPACE).map_or(rest.len(), |at| at + skip);
-        let (word, tail) = rest.split_at(end);
-        rest = tail;
-        Some(word)
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn splits_before_each_escaped_space() {
-        let words: Vec<&str> = split_words("ab▁cd▁▁e").collect();
-        assert_eq!(words, ["ab", "▁cd", "▁", "▁e"]);
-        assert_eq!(split_words("").count(), 0);
     }
 }

@@ -9,6 +9,8 @@
 //! the lookup is written here after the library: `darts.h`'s `commonPrefixSearch` and
 //! `normalizer.cc`'s `NormalizePrefix`.
 
+use std::collections::HashSet;
+
 /// The escaped space.
 const SPACE: &str = "\u{2581}";
 
@@ -17,6 +19,10 @@ pub(super) struct CharsMap {
     units: Vec<u32>,
     /// Replacements, each ended by a NUL byte.
     normalized: Vec<u8>,
+    /// ASCII bytes that no rule matches when an ASCII byte (or the end) follows: no rule
+    /// is the byte alone, and every rule starting with it goes on with a non-ASCII byte
+    /// (a combining mark). Most text is copied through this table.
+    ascii_plain: [bool; 128],
 }
 
 impl CharsMap {
@@ -32,29 +38,57 @@ impl CharsMap {
             .chunks_exact(4)
             .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect();
-        Some(CharsMap {
+        let mut map = CharsMap {
             units,
             normalized: blob[4 + size..].to_vec(),
-        })
+            ascii_plain: [false; 128],
+        };
+        for byte in 0..128u8 {
+            let alone = map.longest_prefix(&[byte]).is_some();
+            let continued = (0..128u8).any(|next| map.reaches(&[byte, next]));
+            map.ascii_plain[byte as usize] = !alone && !continued;
+        }
+        Some(map)
+    }
+
+    /// Whether some rule starts with `key`.
+    fn reaches(&self, key: &[u8]) -> bool {
+        let unit = |pos: usize| self.units.get(pos).copied();
+        let Some(root) = unit(0) else { return false };
+        let mut pos = unit_offset(root);
+        for &byte in key {
+            pos ^= byte as usize;
+            match unit(pos) {
+                Some(u) if unit_label(u) == byte as u32 => pos ^= unit_offset(u),
+                _ => return false,
+            }
+        }
+        true
+    }
+
+    /// Whether no rule can match at the start of `rest`, by the ASCII table alone.
+    fn plain_ascii_at(&self, rest: &[u8]) -> bool {
+        match rest {
+            [first, next, ..] => *first < 0x80 && *next < 0x80 && self.ascii_plain[*first as usize],
+            [first] => *first < 0x80 && self.ascii_plain[*first as usize],
+            [] => false,
+        }
     }
 
     /// The longest rule matching a prefix of `key`: (its length in bytes, its
     /// replacement). darts-clone's `commonPrefixSearch`, keeping the longest.
     fn longest_prefix(&self, key: &[u8]) -> Option<(usize, &[u8])> {
         let unit = |pos: usize| self.units.get(pos).copied();
-        // A unit's fields (darts-clone's `DoubleArrayUnit`).
-        let offset = |u: u32| ((u >> 10) << ((u & (1 << 9)) >> 6)) as usize;
-        let label = |u: u32| u & ((1 << 31) | 0xFF);
         let has_leaf = |u: u32| (u >> 8) & 1 == 1;
-        let mut pos = offset(unit(0)?);
+        let mut pos = unit_offset(unit(0)?);
         let mut longest = None;
         for (i, &byte) in key.iter().enumerate() {
             pos ^= byte as usize;
             let u = unit(pos)?;
-            if label(u) != byte as u32 {
+            if unit_label(u) != byte as u32 {
                 break;
             }
-            pos ^= offset(u);
+            pos ^= unit_offset(u);
             if has_leaf(u) {
                 let value = (unit(pos)? & ((1 << 31) - 1)) as usize;
                 longest = Some((i + 1, value));
@@ -67,10 +101,67 @@ impl CharsMap {
     }
 }
 
+/// A double-array unit's offset (darts-clone's `DoubleArrayUnit`).
+fn unit_offset(u: u32) -> usize {
+    ((u >> 10) << ((u & (1 << 9)) >> 6)) as usize
+}
+
+/// A double-array unit's label.
+fn unit_label(u: u32) -> u32 {
+    u & ((1 << 31) | 0xFF)
+}
+
+/// A model's user-defined pieces, matched longest first at a position: the library's
+/// `PrefixMatcher`. The normalizer copies them unchanged and BPE keeps them whole.
+pub(super) struct UserPieces {
+    pieces: HashSet<Box<str>>,
+    /// The pieces' lengths in bytes, longest first.
+    lengths: Vec<usize>,
+    /// Whether some piece starts with this byte (most positions are rejected here).
+    first_bytes: [bool; 256],
+}
+
+impl UserPieces {
+    /// The matcher for `pieces`; `None` when there are none.
+    pub(super) fn new<'a>(pieces: impl IntoIterator<Item = &'a str>) -> Option<UserPieces> {
+        let pieces: HashSet<Box<str>> = pieces
+            .into_iter()
+            .filter(|p| !p.is_empty())
+            .map(Box::from)
+            .collect();
+        let mut first_bytes = [false; 256];
+        let mut lengths: Vec<usize> = pieces.iter().map(|p| p.len()).collect();
+        for piece in &pieces {
+            first_bytes[piece.as_bytes()[0] as usize] = true;
+        }
+        lengths.sort_unstable_by(|a, b| b.cmp(a));
+        lengths.dedup();
+        (!pieces.is_empty()).then_some(UserPieces {
+            pieces,
+            lengths,
+            first_bytes,
+        })
+    }
+
+    /// The length of the longest piece that `text` starts with.
+    pub(super) fn longest_prefix(&self, text: &str) -> Option<usize> {
+        let &first = text.as_bytes().first()?;
+        if !self.first_bytes[first as usize] {
+            return None;
+        }
+        self.lengths
+            .iter()
+            .copied()
+            .find(|&length| text.is_char_boundary(length) && self.pieces.contains(&text[..length]))
+    }
+}
+
 /// How a model normalizes (`NormalizerSpec`, and `TrainerSpec`'s whitespace side).
 pub(super) struct Normalizer {
     /// `None`: the identity.
     pub map: Option<CharsMap>,
+    /// Copied as they are, before any rule applies (`NormalizePrefix`).
+    pub user_pieces: Option<UserPieces>,
     pub add_dummy_prefix: bool,
     pub remove_extra_whitespaces: bool,
     pub escape_whitespaces: bool,
@@ -80,6 +171,12 @@ impl Normalizer {
     /// The rule's output at the start of `input` and the bytes it consumes
     /// (`NormalizePrefix`; `input` is valid UTF-8, so no replacement character).
     fn prefix<'a>(&'a self, input: &'a str) -> (&'a [u8], usize) {
+        if let Some(length) = (self.user_pieces.as_ref()).and_then(|u| u.longest_prefix(input)) {
+            return (&input.as_bytes()[..length], length);
+        }
+        if (self.map.as_ref()).is_some_and(|m| m.plain_ascii_at(input.as_bytes())) {
+            return (&input.as_bytes()[..1], 1);
+        }
         let rule = (self.map.as_ref()).and_then(|m| m.longest_prefix(input.as_bytes()));
         // A rule ends between characters (a damaged map that does not is ignored).
         if let Some((length, replacement)) = rule.filter(|&(l, _)| input.is_char_boundary(l)) {
