@@ -7,7 +7,7 @@
 //! regex, merges over interned symbol ids, and a per-thread cache of pre-tokens.
 
 use super::pretokenize::{for_each_llama3_pretoken, for_each_pretoken};
-use super::word_cache::FastMap;
+use super::word_cache::{FastMap, Ids, WordCache};
 use super::{Tokenizer, TokenizerError};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -39,10 +39,8 @@ fn bytes_to_unicode() -> [char; 256] {
 /// Pre-tokens cached per thread and tokenizer instance; cleared when it grows large.
 const CACHE_LIMIT: usize = 1 << 20;
 static NEXT_INSTANCE: AtomicUsize = AtomicUsize::new(0);
-/// Pre-token → ids, for one tokenizer instance.
-type PretokenCache = FastMap<Box<str>, Box<[u32]>>;
 thread_local! {
-    static CACHE: RefCell<FastMap<usize, PretokenCache>> = RefCell::new(FastMap::default());
+    static CACHE: RefCell<FastMap<usize, WordCache<Ids>>> = RefCell::new(FastMap::default());
 }
 
 /// How text splits into pre-tokens before byte-level BPE.
@@ -219,7 +217,7 @@ impl Tokenizer for Gpt2BpeTokenizer {
             let cache = caches.entry(self.instance).or_default();
             let mut encode = |piece: &str| {
                 if let Some(hit) = cache.get(piece) {
-                    ids.extend_from_slice(hit);
+                    ids.extend_from_slice(hit.as_slice());
                     return;
                 }
                 let start = ids.len();
@@ -227,7 +225,7 @@ impl Tokenizer for Gpt2BpeTokenizer {
                 if cache.len() >= CACHE_LIMIT {
                     cache.clear();
                 }
-                cache.insert(piece.into(), ids[start..].into());
+                cache.insert(piece.into(), Ids::from(&ids[start..]));
             };
             match self.pretokens {
                 Pretokens::Gpt2 => for_each_pretoken(text, &mut encode),

@@ -154,12 +154,26 @@ fn own_encoder(json: &Value) -> Result<OwnEncoder, &'static str> {
             "a model other than plain BPE (dropout, an unknown token, affixes or byte fallback)",
         );
     }
-    let mut encoder: HashMap<String, u32> = (model["vocab"].as_object())
+    let encoder: HashMap<String, u32> = (model["vocab"].as_object())
         .ok_or("a BPE model without a vocabulary")?
         .iter()
         .filter_map(|(token, id)| Some((token.clone(), u32::try_from(id.as_u64()?).ok()?)))
         .collect();
-    let mut merges_text = String::from("#version: 0.2\n");
+    let merges_text = merges_text(model)?;
+    let added = added_tokens(json)?;
+    let gpt2 = Gpt2BpeTokenizer::with_eod(encoder, &merges_text, u32::MAX)
+        .with_pretokens(pretokens, model["ignore_merges"].as_bool() == Some(true));
+    Ok(OwnEncoder {
+        gpt2,
+        added,
+        around,
+    })
+}
+
+/// A BPE model's merges as the text of a GPT-2 merges file (a header line, one pair per
+/// line, a final newline).
+fn merges_text(model: &Value) -> Result<String, &'static str> {
+    let mut text = String::from("#version: 0.2\n");
     for merge in model["merges"]
         .as_array()
         .ok_or("a BPE model without merges")?
@@ -175,9 +189,16 @@ fn own_encoder(json: &Value) -> Result<OwnEncoder, &'static str> {
         if line.split(' ').count() != 2 {
             return Err("a merge whose pieces hold spaces");
         }
-        merges_text.push_str(&line);
-        merges_text.push('\n');
+        text.push_str(&line);
+        text.push('\n');
     }
+    Ok(text)
+}
+
+/// The added tokens, longest first, when none has whitespace rules. They stay out of
+/// the model's vocabulary: the library matches them in the text only, never as a BPE
+/// word (which `ignore_merges` looks up in the vocabulary).
+fn added_tokens(json: &Value) -> Result<Vec<(String, u32)>, &'static str> {
     let mut added = Vec::new();
     for token in json["added_tokens"].as_array().into_iter().flatten() {
         let plain = off(&token["single_word"]) && off(&token["lstrip"]) && off(&token["rstrip"]);
@@ -188,17 +209,10 @@ fn own_encoder(json: &Value) -> Result<OwnEncoder, &'static str> {
             return Err("added tokens with whitespace rules");
         }
         let id = u32::try_from(id).map_err(|_| "an added token id beyond u32")?;
-        encoder.insert(content.to_owned(), id);
         added.push((content.to_owned(), id));
     }
     added.sort_by_key(|(content, _)| std::cmp::Reverse(content.len()));
-    let gpt2 = Gpt2BpeTokenizer::with_eod(encoder, &merges_text, u32::MAX)
-        .with_pretokens(pretokens, model["ignore_merges"].as_bool() == Some(true));
-    Ok(OwnEncoder {
-        gpt2,
-        added,
-        around,
-    })
+    Ok(added)
 }
 
 /// The earliest added token in `text` (the longest of those starting there): its byte

@@ -232,5 +232,7 @@ mod tests {
         assert_eq!(split_llama3("end   "), ["end", "   "]);
         assert_eq!(split_llama3("x\r\n\ty"), ["x", "\r\n", "\ty"]);
         assert_eq!(split_llama3("'ſ 'x"), ["'ſ", " '", "x"]);
+        // `ſ` folds to `s`: a contraction, not a letter run.
+        assert_eq!(split_llama3("'ſt"), ["'ſ", "t"]);
     }
 }

@@ -3,8 +3,8 @@
 //!
 //! BPE models whose pieces never span a word (LLaMA-2's kind) are encoded in Rust, word
 //! by word with a cache ([`super::sentencepiece_bpe`]), and so are Unigram models
-//! ([`super::sentencepiece_unigram`]), both after the library's normalization
-//! ([`super::sentencepiece_norm`]). Other models go to the library
+//! ([`super::sentencepiece_unigram`]; word by word when no piece spans words, else over
+//! the whole text), both after the library's normalization ([`super::sentencepiece_norm`]). Other models go to the library
 //! through `sentencepiece-sys`'s C functions on a processor of our own, ids coming from
 //! the library's own id encoder through a small C++ shim (`spm_ids.cpp`, built by
 //! `build.rs`). The serialized encoder that `sentencepiece-sys` exposes builds strings

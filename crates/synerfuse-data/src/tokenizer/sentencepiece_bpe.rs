@@ -15,16 +15,15 @@
 use super::sentencepiece_vocab::{
     split_words, ModelSpec, Vocabulary, BPE, NORMAL, UNUSED, USER_DEFINED,
 };
-use super::word_cache::FastMap;
+use super::word_cache::{FastMap, Ids, WordCache};
 use std::cell::RefCell;
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 
 static NEXT_INSTANCE: AtomicUsize = AtomicUsize::new(0);
-type WordCache = FastMap<Box<str>, Box<[u32]>>;
 thread_local! {
-    static CACHE: RefCell<FastMap<usize, WordCache>> = RefCell::new(FastMap::default());
+    static CACHE: RefCell<FastMap<usize, WordCache<Ids>>> = RefCell::new(FastMap::default());
 }
 const CACHE_LIMIT: usize = 1 << 20;
 
@@ -112,7 +111,7 @@ impl SentencePieceBpe {
             let cache = caches.entry(self.instance).or_default();
             for word in split_words(&normalized) {
                 if let Some(hit) = cache.get(word) {
-                    out.extend_from_slice(hit);
+                    out.extend_from_slice(hit.as_slice());
                     continue;
                 }
                 let from = out.len();
@@ -120,7 +119,7 @@ impl SentencePieceBpe {
                 if cache.len() >= CACHE_LIMIT {
                     cache.clear();
                 }
-                cache.insert(word.into(), out[from..].into());
+                cache.insert(word.into(), Ids::from(&out[from..]));
             }
         });
         self.vocab.merge_unknowns(out, start);

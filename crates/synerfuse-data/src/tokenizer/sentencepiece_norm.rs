@@ -12,7 +12,7 @@
 use std::collections::HashSet;
 
 /// The escaped space.
-const SPACE: &str = "\u{2581}";
+pub(super) const SPACE: &str = "\u{2581}";
 
 /// A precompiled character map: its double array and the replacement strings.
 pub(super) struct CharsMap {
@@ -112,7 +112,8 @@ fn unit_label(u: u32) -> u32 {
 }
 
 /// A model's user-defined pieces, matched longest first at a position: the library's
-/// `PrefixMatcher`. The normalizer copies them unchanged and BPE keeps them whole.
+/// `PrefixMatcher` (which keeps only the first 64 prefix matches; no model has 64 user
+/// pieces that are prefixes of one another). The normalizer copies them unchanged and BPE keeps them whole.
 pub(super) struct UserPieces {
     pieces: HashSet<Box<str>>,
     /// The pieces' lengths in bytes, longest first.
@@ -160,7 +161,8 @@ impl UserPieces {
 pub(super) struct Normalizer {
     /// `None`: the identity.
     pub map: Option<CharsMap>,
-    /// Copied as they are, before any rule applies (`NormalizePrefix`).
+    /// Matched before any rule and not rewritten (`NormalizePrefix`); their spaces are
+    /// still escaped and dropped as any other's.
     pub user_pieces: Option<UserPieces>,
     pub add_dummy_prefix: bool,
     pub remove_extra_whitespaces: bool,

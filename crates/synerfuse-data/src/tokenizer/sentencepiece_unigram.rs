@@ -21,13 +21,16 @@
 use super::sentencepiece_vocab::{
     split_words, ModelSpec, Vocabulary, NORMAL, UNIGRAM, UNUSED, USER_DEFINED,
 };
-use super::word_cache::FastMap;
+use super::word_cache::{FastMap, Ids, WordCache};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 
 /// The library's penalty for an unknown character, below the lowest piece score.
 const UNKNOWN_PENALTY: f32 = 10.0;
+/// A node no path reaches yet.
+const UNSET: usize = usize::MAX;
+/// No piece ends at a trie node.
 const NONE: u32 = u32::MAX;
 
 /// A byte trie of the pieces: the library's `commonPrefixSearch` over them.
@@ -93,7 +96,7 @@ impl PieceTrie {
 #[derive(Clone, Copy)]
 struct Node {
     score: f64,
-    start: u32,
+    start: usize,
     id: u32,
 }
 
@@ -118,27 +121,27 @@ struct Lattice {
 /// allocation: a cache hit then touches one block besides the table.
 struct CachedWord {
     /// The ids, then the steps' `f32` bits.
-    ids_then_steps: Box<[u32]>,
+    ids_then_steps: Ids,
     ids: u32,
-    safe_below: f64,
+    /// Rounded down from the `f64` bound.
+    safe_below: f32,
 }
 
 impl CachedWord {
     fn ids(&self) -> &[u32] {
-        &self.ids_then_steps[..self.ids as usize]
+        &self.ids_then_steps.as_slice()[..self.ids as usize]
     }
 
     fn steps(&self) -> impl Iterator<Item = f32> + '_ {
-        self.ids_then_steps[self.ids as usize..]
+        self.ids_then_steps.as_slice()[self.ids as usize..]
             .iter()
             .map(|&bits| f32::from_bits(bits))
     }
 }
 
 static NEXT_INSTANCE: AtomicUsize = AtomicUsize::new(0);
-type WordCache = FastMap<Box<str>, CachedWord>;
 thread_local! {
-    static CACHE: RefCell<FastMap<usize, WordCache>> = RefCell::new(FastMap::default());
+    static CACHE: RefCell<FastMap<usize, WordCache<CachedWord>>> = RefCell::new(FastMap::default());
     static NODES: RefCell<Vec<Node>> = const { RefCell::new(Vec::new()) };
 }
 const CACHE_LIMIT: usize = 1 << 20;
@@ -222,7 +225,7 @@ impl SentencePieceUnigram {
         &self,
         word: &str,
         score: f32,
-        cache: &mut WordCache,
+        cache: &mut WordCache<CachedWord>,
         nodes: &mut Vec<Node>,
         out: &mut Vec<u32>,
     ) -> f32 {
@@ -249,7 +252,7 @@ impl SentencePieceUnigram {
         nodes: &mut Vec<Node>,
         out: &mut Vec<u32>,
     ) -> f32 {
-        if f64::from(score.abs()) < hit.safe_below {
+        if score.abs() < hit.safe_below {
             out.extend_from_slice(hit.ids());
             return hit.steps().fold(score, |score, step| step + score);
         }
@@ -269,9 +272,9 @@ impl SentencePieceUnigram {
         let count = ids.len() as u32;
         ids.extend(steps);
         CachedWord {
-            ids_then_steps: ids.into(),
+            ids_then_steps: Ids::from(&ids[..]),
             ids: count,
-            safe_below: safe_below(&lattice, word.chars().count()),
+            safe_below: round_down(safe_below(&lattice, word.chars().count())),
         }
     }
 
@@ -286,7 +289,7 @@ impl SentencePieceUnigram {
         let bytes = text.as_bytes();
         let unset = Node {
             score: 0.0,
-            start: NONE,
+            start: UNSET,
             id: 0,
         };
         nodes.clear();
@@ -298,14 +301,14 @@ impl SentencePieceUnigram {
                 Arithmetic::Library => f64::from(score + here as f32),
                 Arithmetic::Exact => f64::from(score) + here,
             };
-            if node.start != NONE {
+            if node.start != UNSET {
                 narrowest = narrowest.min((candidate - node.score).abs());
             }
             // Strictly better only: the first of equal paths stays.
-            if node.start == NONE || candidate > node.score {
+            if node.start == UNSET || candidate > node.score {
                 *node = Node {
                     score: candidate,
-                    start: from as u32,
+                    start: from,
                     id,
                 };
                 largest = largest.max(candidate.abs());
@@ -348,13 +351,27 @@ impl SentencePieceUnigram {
         let mut end = text.len();
         while end > 0 {
             let node = nodes[end];
-            pieces.push((node.start as usize, end, node.id));
-            end = node.start as usize;
+            pieces.push((node.start, end, node.id));
+            end = node.start;
         }
         for &(start, end, id) in pieces.iter().rev() {
             step(id);
             self.vocab.push_piece(&text[start..end], id, out);
         }
+    }
+}
+
+/// `bound` as an `f32` no larger than it; a negative bound as -1 (never safe).
+fn round_down(bound: f64) -> f32 {
+    if bound <= 0.0 {
+        return -1.0;
+    }
+    let rounded = bound as f32;
+    if f64::from(rounded) > bound {
+        // A positive finite `f32`: its bits less one are the next value down.
+        f32::from_bits(rounded.to_bits() - 1)
+    } else {
+        rounded
     }
 }
 

@@ -3,11 +3,9 @@
 //! (`SentencePieceProcessor::Encode`): normalize first; afterwards, unknown pieces
 //! become bytes (byte fallback) or, without it, runs of them merge into one.
 
+pub(super) use super::sentencepiece_norm::SPACE;
 use super::sentencepiece_norm::{CharsMap, Normalizer, UserPieces};
 use std::collections::HashMap;
-
-/// The escaped space.
-pub(super) const SPACE: &str = "\u{2581}";
 
 /// Piece types of `ModelProto.SentencePiece.Type`.
 pub(super) const NORMAL: u64 = 1;
