@@ -40,10 +40,16 @@ fn class(c: char) -> Class {
 const CONTRACTIONS: [&str; 7] = ["'s", "'t", "'re", "'ve", "'m", "'ll", "'d"];
 
 /// Calls `emit` with each pre-token of `text`, in order; together they cover `text`.
-pub fn for_each_pretoken<'a>(text: &'a str, mut emit: impl FnMut(&'a str)) {
+pub fn for_each_pretoken<'a>(text: &'a str, emit: impl FnMut(&'a str)) {
+    for_each_split(text, next_pretoken_len, emit);
+}
+
+/// Calls `emit` with each piece of `text`, `next_len` giving the byte length of the
+/// piece at the start of a non-empty rest.
+fn for_each_split<'a>(text: &'a str, next_len: fn(&str) -> usize, mut emit: impl FnMut(&'a str)) {
     let mut pos = 0;
     while pos < text.len() {
-        let len = next_pretoken_len(&text[pos..]);
+        let len = next_len(&text[pos..]);
         emit(&text[pos..pos + len]);
         pos += len;
     }
@@ -83,13 +89,8 @@ pub const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}
 /// Calls `emit` with each pre-token of `text` under [`LLAMA3_PATTERN`], in order;
 /// together they cover `text`. At each position the first alternative that matches,
 /// as the backtracking engine takes it.
-pub fn for_each_llama3_pretoken<'a>(text: &'a str, mut emit: impl FnMut(&'a str)) {
-    let mut pos = 0;
-    while pos < text.len() {
-        let len = next_llama3_pretoken_len(&text[pos..]);
-        emit(&text[pos..pos + len]);
-        pos += len;
-    }
+pub fn for_each_llama3_pretoken<'a>(text: &'a str, emit: impl FnMut(&'a str)) {
+    for_each_split(text, next_llama3_pretoken_len, emit);
 }
 
 /// `(?i:'s|'t|'re|'ve|'m|'ll|'d)` after the apostrophe: the byte length matched.
