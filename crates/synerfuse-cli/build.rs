@@ -1,4 +1,5 @@
-//! libtorch's rpath, and its CUDA library kept linked: see `synerfuse-build`.
+//! libtorch's rpath, and its CUDA library kept linked, for `synerfuse-torch` and the tests
+//! only: `synerfuse` itself stays free of libtorch. See `synerfuse-build`.
 fn main() {
-    synerfuse_build::link_libtorch();
+    synerfuse_build::link_libtorch_into("synerfuse-torch");
 }

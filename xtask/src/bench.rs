@@ -1,6 +1,6 @@
 //! `cargo xtask bench NAME`: ours against a reference measured in the same run, as a ratio.
 
-use crate::common::{last_json_line, number, release_binary, write_json};
+use crate::common::{last_json_line, median, number, release_binary, write_json};
 use crate::setup;
 use anyhow::{bail, ensure, Context, Result};
 use std::path::Path;
@@ -20,6 +20,8 @@ const ALL: [&str; 7] = [
 
 pub fn run(root: &Path, name: Option<&str>) -> Result<()> {
     match name {
+        // The table again from the benchmarks' latest results (after one was rerun).
+        Some("summary") => summarize(root),
         Some(name) => run_one(root, name),
         None => {
             for name in ALL {
@@ -161,9 +163,10 @@ fn preprocess_headlines(v: &serde_json::Value) -> Vec<Row> {
                 "preprocess {mb:.0} MB JSONL, {tokenizer}, 2 workers: ours vs Megatron's Python"
             ),
             format!(
-                "{:.1} vs {:.1} MB/s = {ratio:.2}x, byte-identical",
+                "{:.1} vs {:.1} MB/s = {ratio:.2}x, byte-identical{}",
                 field(r, "ours_mb_s"),
-                field(r, "reference_mb_s")
+                field(r, "reference_mb_s"),
+                runs_note(r, &["ours_mb_s_runs", "reference_mb_s_runs"])
             ),
             format!(">= {target}x"),
             Some(ratio >= target),
@@ -189,8 +192,9 @@ fn preprocess_headlines(v: &serde_json::Value) -> Vec<Row> {
             out.push((
                 "the same: ours vs the SentencePiece library's own id encoding, 2 threads".into(),
                 format!(
-                    "{:.1} vs {ceiling:.1} MB/s = {share:.2}x",
-                    field(r, "ours_mb_s")
+                    "{:.1} vs {ceiling:.1} MB/s = {share:.2}x{}",
+                    field(r, "ours_mb_s"),
+                    runs_note(r, &["ours_mb_s_runs", "library_ceiling_mb_s_runs"])
                 ),
                 ">= 1.0x".into(),
                 Some(share >= 1.0),
@@ -198,6 +202,27 @@ fn preprocess_headlines(v: &serde_json::Value) -> Vec<Row> {
         }
     }
     out
+}
+
+/// `" (median of N: a–b vs c–d)"` from the runs under `keys`, or nothing for a result
+/// without runs.
+fn runs_note(r: &serde_json::Value, keys: &[&str]) -> String {
+    let runs: Vec<Vec<f64>> = keys
+        .iter()
+        .filter_map(|key| r[key].as_array())
+        .map(|a| a.iter().filter_map(serde_json::Value::as_f64).collect())
+        .collect();
+    match runs.first() {
+        Some(first) if runs.len() == keys.len() => format!(
+            " (median of {}: {})",
+            first.len(),
+            runs.iter()
+                .map(|r| spread(r))
+                .collect::<Vec<_>>()
+                .join(" vs ")
+        ),
+        _ => String::new(),
+    }
 }
 
 fn index_headlines(v: &serde_json::Value) -> Vec<Row> {
@@ -391,7 +416,7 @@ fn run_one(root: &Path, name: &str) -> Result<()> {
         "planner" => crate::bench_hetero::planner(root),
         "replan" => crate::bench_replan::replan(root),
         other => bail!(
-            "unknown benchmark {other:?}; available: preprocess, index, model, hetero, tp, planner, replan"
+            "unknown benchmark {other:?}; available: preprocess, index, model, hetero, tp, planner, replan (or summary: the table from the latest results)"
         ),
     }
 }
@@ -399,7 +424,8 @@ fn run_one(root: &Path, name: &str) -> Result<()> {
 /// Preprocessing of >= 50 MB of Shakespeare JSONL with 2 workers, GPT-2 BPE and LLaMA-2
 /// SentencePiece: our binary vs Megatron's preprocess logic (Python pool + megatron-core
 /// builder), outputs byte-identical; for SentencePiece also the library's own 2-thread
-/// id encoding, the ceiling of any wrapper.
+/// id encoding, the ceiling of any wrapper. Each side runs 3 times, alternating; the
+/// medians are compared.
 fn preprocess(root: &Path) -> Result<()> {
     setup::run(root, true)?;
     let dir = root.join("target/bench/preprocess");
@@ -527,14 +553,65 @@ impl PreprocessBench {
         let (dir, workers) = (&self.dir, self.workers.to_string());
         let utf8 = |p: &Path| p.to_str().map(str::to_owned).context("utf-8 path");
         let reference_prefix = dir.join(format!("reference-{name}"));
-        let reference = self.reference_timing(&[
-            "reference",
-            &utf8(dir)?,
-            &workers,
-            &utf8(&reference_prefix)?,
-            name,
-        ])?;
         let ours_prefix = dir.join(format!("ours-{name}"));
+        let with_ceiling = name.starts_with("llama2") || name == "unigram";
+        let (mut ours_runs, mut reference_runs, mut ceiling_runs) = (vec![], vec![], vec![]);
+        // Alternating, so that a slow spell of the shared machine hits both sides.
+        for _ in 0..PREPROCESS_RUNS {
+            let reference = self.reference_timing(&[
+                "reference",
+                &utf8(dir)?,
+                &workers,
+                &utf8(&reference_prefix)?,
+                name,
+            ])?;
+            reference_runs.push(reference.1 / reference.0 / 1e6);
+            ours_runs.push(bytes / self.ours_seconds(kind, flags, &ours_prefix)? / 1e6);
+            if with_ceiling {
+                let ceiling = self.reference_timing(&["ceiling", &utf8(dir)?, &workers, name])?;
+                ceiling_runs.push(ceiling.1 / ceiling.0 / 1e6);
+            }
+        }
+        for ext in ["bin", "idx"] {
+            let file = |prefix: &Path| format!("{}_text_document.{ext}", prefix.display());
+            let same =
+                std::fs::read(file(&ours_prefix))? == std::fs::read(file(&reference_prefix))?;
+            ensure!(same, "{name}: outputs differ (.{ext})");
+        }
+        let (ours_mbs, reference_mbs) = (median(&ours_runs), median(&reference_runs));
+        let ratio = ours_mbs / reference_mbs;
+        let target = if name == "gpt2" { 4.0 } else { 3.0 };
+        let mut rows = vec![format!(
+            "| {kind} | {ours_mbs:.2} ({}) | {reference_mbs:.2} ({}) | {ratio:.2}x (target >= {target}x) | yes |",
+            spread(&ours_runs),
+            spread(&reference_runs)
+        )];
+        let mut entry = serde_json::json!({
+            "tokenizer": kind,
+            "ours_mb_s": ours_mbs,
+            "reference_mb_s": reference_mbs,
+            "ours_mb_s_runs": ours_runs,
+            "reference_mb_s_runs": reference_runs,
+            "ratio": ratio,
+            "byte_identical": true,
+        });
+        if with_ceiling {
+            let ceiling_mbs = median(&ceiling_runs);
+            let share = ours_mbs / ceiling_mbs;
+            rows.push(format!(
+                "| SentencePiece library alone (ids only, {workers} threads) | {ceiling_mbs:.2} ({}) | | ours = {:.0}% of it (target >= 100%) | |",
+                spread(&ceiling_runs),
+                share * 100.0
+            ));
+            entry["library_ceiling_mb_s"] = ceiling_mbs.into();
+            entry["library_ceiling_mb_s_runs"] = ceiling_runs.into();
+            entry["share_of_ceiling"] = share.into();
+        }
+        Ok((rows, entry))
+    }
+
+    /// Seconds of one `synerfuse preprocess` run of `kind` into `prefix`.
+    fn ours_seconds(&self, kind: &str, flags: &[std::ffi::OsString], prefix: &Path) -> Result<f64> {
         let mut command = Command::new(&self.synerfuse);
         let flag = kind.split(' ').next().unwrap_or(kind);
         command
@@ -544,42 +621,20 @@ impl PreprocessBench {
             .arg("--input")
             .arg(&self.corpus)
             .arg("--output-prefix")
-            .arg(&ours_prefix)
-            .args(["--workers", &workers]);
-        let seconds = timed_preprocess(command)?;
-        for ext in ["bin", "idx"] {
-            let file = |prefix: &Path| format!("{}_text_document.{ext}", prefix.display());
-            let same =
-                std::fs::read(file(&ours_prefix))? == std::fs::read(file(&reference_prefix))?;
-            ensure!(same, "{name}: outputs differ (.{ext})");
-        }
-        let ours_mbs = bytes / seconds / 1e6;
-        let reference_mbs = reference.1 / reference.0 / 1e6;
-        let ratio = ours_mbs / reference_mbs;
-        let target = if name == "gpt2" { 4.0 } else { 3.0 };
-        let mut rows = vec![format!(
-            "| {kind} | {ours_mbs:.2} | {reference_mbs:.2} | {ratio:.2}x (target >= {target}x) | yes |"
-        )];
-        let mut entry = serde_json::json!({
-            "tokenizer": kind,
-            "ours_mb_s": ours_mbs,
-            "reference_mb_s": reference_mbs,
-            "ratio": ratio,
-            "byte_identical": true,
-        });
-        if name.starts_with("llama2") || name == "unigram" {
-            let ceiling = self.reference_timing(&["ceiling", &utf8(dir)?, &workers, name])?;
-            let ceiling_mbs = ceiling.1 / ceiling.0 / 1e6;
-            let share = ours_mbs / ceiling_mbs;
-            rows.push(format!(
-                "| SentencePiece library alone (ids only, {workers} threads) | {ceiling_mbs:.2} | | ours = {:.0}% of it (target >= 100%) | |",
-                share * 100.0
-            ));
-            entry["library_ceiling_mb_s"] = ceiling_mbs.into();
-            entry["share_of_ceiling"] = share.into();
-        }
-        Ok((rows, entry))
+            .arg(prefix)
+            .args(["--workers", &self.workers.to_string()]);
+        timed_preprocess(command)
     }
+}
+
+/// Runs of each side of each preprocessing case; the median is reported.
+const PREPROCESS_RUNS: usize = 3;
+
+/// `lowest–highest` of `values`, one decimal.
+fn spread(values: &[f64]) -> String {
+    let low = values.iter().copied().fold(f64::INFINITY, f64::min);
+    let high = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    format!("{low:.1}–{high:.1}")
 }
 
 /// Runs a `synerfuse preprocess` command; its wall-clock seconds.

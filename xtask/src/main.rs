@@ -44,7 +44,8 @@ enum Command {
     /// Benchmarks against references measured in the same run; without NAME all of them,
     /// then target/bench/results.json and results.md.
     Bench {
-        /// One benchmark: preprocess, index, model, hetero, tp, planner or replan
+        /// One benchmark: preprocess, index, model, hetero, tp, planner or replan; or
+        /// summary: results.json and results.md again from each one's latest results
         name: Option<String>,
     },
     /// The five-minute tour on this machine: Shakespeare, tokenizer, preprocess, profile,

@@ -12,35 +12,45 @@
 
 use std::path::Path;
 
-/// Prints the link arguments for libtorch of the package being built. Call it from the
-/// `build.rs` of a package that depends on `torch-sys` (directly, so that Cargo passes
-/// it `DEP_TCH_LIBTORCH_LIB`); without that variable it does nothing.
+/// Prints the link arguments for libtorch of the package being built, for all its
+/// binaries and tests. Call it from the `build.rs` of a package that depends on
+/// `torch-sys` (directly, so that Cargo passes it `DEP_TCH_LIBTORCH_LIB`); without that
+/// variable it does nothing.
 pub fn link_libtorch() {
+    print_link_lines(&["rustc-link-arg"]);
+}
+
+/// As [`link_libtorch`], for the binary `bin` and the package's tests only: the
+/// package's other binaries stay free of libtorch (`--no-as-needed` would otherwise load
+/// libtorch_cuda into them, ~0.35 s and 0.5 GB before `main`).
+pub fn link_libtorch_into(bin: &str) {
+    print_link_lines(&[&format!("rustc-link-arg-bin={bin}"), "rustc-link-arg-tests"]);
+}
+
+fn print_link_lines(directives: &[&str]) {
     let Ok(dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
         return;
     };
-    for line in link_lines(Path::new(&dir)) {
-        println!("{line}");
+    let lib = Path::new(&dir);
+    println!("cargo:rustc-env=SYNERFUSE_LIBTORCH_LIB={}", lib.display());
+    for directive in directives {
+        for arg in link_args(lib) {
+            println!("cargo:{directive}={arg}");
+        }
     }
 }
 
-/// The `cargo:` lines for a libtorch in `lib`.
-pub fn link_lines(lib: &Path) -> Vec<String> {
-    let mut lines = vec![
-        format!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display()),
-        format!("cargo:rustc-env=SYNERFUSE_LIBTORCH_LIB={}", lib.display()),
-    ];
+/// The linker arguments for a libtorch in `lib`.
+pub fn link_args(lib: &Path) -> Vec<String> {
+    let mut args = vec![format!("-Wl,-rpath,{}", lib.display())];
     if lib.join("libtorch_cuda.so").is_file() {
-        lines.push("cargo:rustc-link-arg=-Wl,--no-as-needed,-ltorch_cuda,--as-needed".into());
+        args.push("-Wl,--no-as-needed,-ltorch_cuda,--as-needed".into());
     }
     let nccl = lib.join("../../nvidia/nccl/lib");
     if nccl.is_dir() {
-        lines.push(format!(
-            "cargo:rustc-link-arg=-Wl,-rpath,{}",
-            nccl.display()
-        ));
+        args.push(format!("-Wl,-rpath,{}", nccl.display()));
     }
-    lines
+    args
 }
 
 #[cfg(test)]
@@ -51,11 +61,10 @@ mod tests {
     fn cuda_is_linked_only_when_the_libtorch_has_it() {
         let dir = std::env::temp_dir().join(format!("synerfuse-build-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let without = link_lines(&dir);
-        assert_eq!(without.len(), 2);
-        assert!(without[0].ends_with(&format!("-rpath,{}", dir.display())));
+        let without = link_args(&dir);
+        assert_eq!(without, [format!("-Wl,-rpath,{}", dir.display())]);
         std::fs::write(dir.join("libtorch_cuda.so"), b"").unwrap();
-        let with = link_lines(&dir);
+        let with = link_args(&dir);
         assert!(with
             .iter()
             .any(|l| l.contains("--no-as-needed,-ltorch_cuda")));

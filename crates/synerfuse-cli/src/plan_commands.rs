@@ -1,6 +1,7 @@
 //! `synerfuse profile` (measure per-layer costs and links on the ranks it runs on) and
 //! `synerfuse plan` (search the best heterogeneous layout for a cluster file).
 
+use crate::entry::write_atomically;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::collections::BTreeMap;
@@ -218,16 +219,6 @@ pub struct PlanArgs {
     /// `synerfuse timeline --predicted`)
     #[arg(long)]
     timeline: Option<PathBuf>,
-}
-
-/// Writes `text` to `path` under a temporary name first.
-pub(crate) fn write_atomically(path: &std::path::Path, text: &str) -> Result<()> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
-    Ok(())
 }
 
 /// Writes the grid plan `c` in the general plan's file form (`[[replica]]` tables, which

@@ -824,7 +824,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
                 "error: rank {} of {}: {}",
                 world.rank(),
                 world.size(),
-                crate::error_line(error)
+                crate::entry::error_line(error)
             );
             world.abort(1);
         }

@@ -68,6 +68,47 @@ fn env_reports_libtorch_cuda_support() {
     assert_eq!(json["libtorch_cuda"]["loaded"], true, "{json}");
 }
 
+/// `synerfuse` loads no libtorch (data commands start at once, on machines without
+/// CUDA); the commands that need it run in `synerfuse-torch`, which loads it.
+#[test]
+fn only_the_libtorch_commands_load_libtorch() {
+    let loaded = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_synerfuse"))
+            .args(args)
+            .env("LD_DEBUG", "libs")
+            .output()
+            .expect("run synerfuse");
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        String::from_utf8_lossy(&out.stderr).contains("libtorch_cpu.so")
+    };
+    assert!(!loaded(&["--version"]));
+    assert!(!loaded(&["topology", "--world-size", "4"]));
+    assert!(loaded(&["env", "--json"]));
+}
+
+/// Without `synerfuse-torch` beside it, `synerfuse train` says what is missing and where.
+#[test]
+fn a_missing_torch_binary_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let alone = dir.path().join("synerfuse");
+    std::fs::copy(env!("CARGO_BIN_EXE_synerfuse"), &alone).unwrap();
+    let out = Command::new(&alone)
+        .args(["train", "--help"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("synerfuse-torch") && stderr.contains(&dir.path().display().to_string()),
+        "{stderr}"
+    );
+    let data = Command::new(&alone)
+        .args(["topology", "--world-size", "2"])
+        .output()
+        .unwrap();
+    assert!(data.status.success(), "{data:?}");
+}
+
 /// Counts that must be at least 1 are refused at parse time, by flag, without a panic.
 #[test]
 fn zero_counts_are_refused_by_flag() {

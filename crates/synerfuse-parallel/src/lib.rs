@@ -5,6 +5,7 @@ mod batch;
 pub mod cluster;
 pub mod cost;
 mod general;
+pub mod launcher;
 mod plan;
 pub mod planner;
 mod schedule;

@@ -7,7 +7,7 @@
 //! regex, merges over interned symbol ids, and a per-thread cache of pre-tokens.
 
 use super::pretokenize::{for_each_llama3_pretoken, for_each_pretoken};
-use super::word_cache::{FastMap, Ids, WordCache};
+use super::word_cache::{each_word, with_cache, FastMap, Ids, WordCache};
 use super::{Tokenizer, TokenizerError};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -37,7 +37,6 @@ fn bytes_to_unicode() -> [char; 256] {
 }
 
 /// Pre-tokens cached per thread and tokenizer instance; cleared when it grows large.
-const CACHE_LIMIT: usize = 1 << 20;
 static NEXT_INSTANCE: AtomicUsize = AtomicUsize::new(0);
 thread_local! {
     static CACHE: RefCell<FastMap<usize, WordCache<Ids>>> = RefCell::new(FastMap::default());
@@ -210,27 +209,22 @@ impl Gpt2BpeTokenizer {
 }
 
 impl Tokenizer for Gpt2BpeTokenizer {
-    fn tokenize(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+    fn tokenize<'t>(&self, text: &'t str) -> Result<Vec<u32>, TokenizerError> {
         let mut ids = Vec::with_capacity(text.len() / 3);
-        CACHE.with(|cache| {
-            let mut caches = cache.borrow_mut();
-            let cache = caches.entry(self.instance).or_default();
-            let mut encode = |piece: &str| {
+        with_cache(&CACHE, self.instance, |cache| {
+            let pieces = |feed: &mut dyn FnMut(&'t str)| match self.pretokens {
+                Pretokens::Gpt2 => for_each_pretoken(text, feed),
+                Pretokens::Llama3 => for_each_llama3_pretoken(text, feed),
+            };
+            each_word(cache, pieces, |cache, piece| {
                 if let Some(hit) = cache.get(piece) {
                     ids.extend_from_slice(hit.as_slice());
                     return;
                 }
                 let start = ids.len();
                 self.bpe(piece, &mut ids);
-                if cache.len() >= CACHE_LIMIT {
-                    cache.clear();
-                }
-                cache.insert(piece.into(), Ids::from(&ids[start..]));
-            };
-            match self.pretokens {
-                Pretokens::Gpt2 => for_each_pretoken(text, &mut encode),
-                Pretokens::Llama3 => for_each_llama3_pretoken(text, &mut encode),
-            }
+                cache.insert(piece, Ids::from(&ids[start..]));
+            });
         });
         Ok(ids)
     }

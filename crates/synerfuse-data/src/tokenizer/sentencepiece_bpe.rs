@@ -15,7 +15,7 @@
 use super::sentencepiece_vocab::{
     split_words, ModelSpec, Vocabulary, BPE, NORMAL, UNUSED, USER_DEFINED,
 };
-use super::word_cache::{FastMap, Ids, WordCache};
+use super::word_cache::{each_word, with_cache, FastMap, Ids, WordCache};
 use std::cell::RefCell;
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
@@ -25,7 +25,6 @@ static NEXT_INSTANCE: AtomicUsize = AtomicUsize::new(0);
 thread_local! {
     static CACHE: RefCell<FastMap<usize, WordCache<Ids>>> = RefCell::new(FastMap::default());
 }
-const CACHE_LIMIT: usize = 1 << 20;
 
 /// A SentencePiece BPE model that can be encoded word by word.
 pub(super) struct SentencePieceBpe {
@@ -106,21 +105,20 @@ impl SentencePieceBpe {
     pub(super) fn encode_into(&self, text: &str, out: &mut Vec<u32>) {
         let normalized = self.vocab.normalizer.normalize(text);
         let start = out.len();
-        CACHE.with(|cache| {
-            let mut caches = cache.borrow_mut();
-            let cache = caches.entry(self.instance).or_default();
-            for word in split_words(&normalized) {
-                if let Some(hit) = cache.get(word) {
-                    out.extend_from_slice(hit.as_slice());
-                    continue;
-                }
-                let from = out.len();
-                self.encode_word(word, out);
-                if cache.len() >= CACHE_LIMIT {
-                    cache.clear();
-                }
-                cache.insert(word.into(), Ids::from(&out[from..]));
-            }
+        with_cache(&CACHE, self.instance, |cache| {
+            each_word(
+                cache,
+                |feed| split_words(&normalized).for_each(feed),
+                |cache, word| {
+                    if let Some(hit) = cache.get(word) {
+                        out.extend_from_slice(hit.as_slice());
+                        return;
+                    }
+                    let from = out.len();
+                    self.encode_word(word, out);
+                    cache.insert(word, Ids::from(&out[from..]));
+                },
+            );
         });
         self.vocab.merge_unknowns(out, start);
     }

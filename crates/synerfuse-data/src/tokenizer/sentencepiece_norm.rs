@@ -144,10 +144,15 @@ impl UserPieces {
         })
     }
 
+    /// Whether some piece starts with `byte`.
+    fn starts_with(&self, byte: u8) -> bool {
+        self.first_bytes[byte as usize]
+    }
+
     /// The length of the longest piece that `text` starts with.
     pub(super) fn longest_prefix(&self, text: &str) -> Option<usize> {
         let &first = text.as_bytes().first()?;
-        if !self.first_bytes[first as usize] {
+        if !self.starts_with(first) {
             return None;
         }
         self.lengths
@@ -188,6 +193,24 @@ impl Normalizer {
         (&input.as_bytes()[..length], length)
     }
 
+    /// How many bytes at the start of `input` the rules would copy one by one, none a
+    /// space: ASCII bytes that start no user piece and no rule (for the last, given the
+    /// byte after it). Copied at once, they are most of the text.
+    fn plain_run(&self, input: &[u8]) -> usize {
+        let plain = |byte: u8| {
+            byte < 0x80
+                && byte != b' '
+                && !(self.user_pieces.as_ref()).is_some_and(|u| u.starts_with(byte))
+                && (self.map.as_ref()).is_none_or(|m| m.ascii_plain[byte as usize])
+        };
+        let run = input.iter().take_while(|&&byte| plain(byte)).count();
+        // A rule may go on from an ASCII byte with a non-ASCII one (a combining mark).
+        match input.get(run) {
+            Some(&next) if next >= 0x80 && self.map.is_some() => run.saturating_sub(1),
+            _ => run,
+        }
+    }
+
     /// `text` as the library's `Normalizer::Normalize` makes it.
     pub(super) fn normalize(&self, text: &str) -> String {
         let mut input = text;
@@ -213,6 +236,13 @@ impl Normalizer {
         }
         let mut previous_space = self.remove_extra_whitespaces;
         while !input.is_empty() {
+            let copied = self.plain_run(input.as_bytes());
+            if copied > 0 {
+                out.extend_from_slice(&input.as_bytes()[..copied]);
+                input = &input[copied..];
+                previous_space = false;
+                continue;
+            }
             let (mut piece, consumed) = self.prefix(input);
             while previous_space && piece.first() == Some(&b' ') {
                 piece = &piece[1..];

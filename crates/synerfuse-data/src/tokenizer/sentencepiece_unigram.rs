@@ -21,7 +21,7 @@
 use super::sentencepiece_vocab::{
     split_words, ModelSpec, Vocabulary, NORMAL, UNIGRAM, UNUSED, USER_DEFINED,
 };
-use super::word_cache::{FastMap, Ids, WordCache};
+use super::word_cache::{each_word, with_cache, FastMap, Ids, WordCache};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
@@ -144,7 +144,6 @@ thread_local! {
     static CACHE: RefCell<FastMap<usize, WordCache<CachedWord>>> = RefCell::new(FastMap::default());
     static NODES: RefCell<Vec<Node>> = const { RefCell::new(Vec::new()) };
 }
-const CACHE_LIMIT: usize = 1 << 20;
 
 /// A SentencePiece Unigram model encoded in Rust.
 pub(super) struct SentencePieceUnigram {
@@ -207,13 +206,15 @@ impl SentencePieceUnigram {
                 self.emit(&normalized, nodes, out, |_| {});
                 return;
             }
-            CACHE.with(|cache| {
-                let mut caches = cache.borrow_mut();
-                let cache = caches.entry(self.instance).or_default();
+            with_cache(&CACHE, self.instance, |cache| {
                 let mut score = 0f32;
-                for word in split_words(&normalized) {
-                    score = self.encode_word(word, score, cache, nodes, out);
-                }
+                each_word(
+                    cache,
+                    |feed| split_words(&normalized).for_each(feed),
+                    |cache, word| {
+                        score = self.encode_word(word, score, cache, nodes, out);
+                    },
+                );
             });
         });
         self.vocab.merge_unknowns(out, start);
@@ -234,10 +235,7 @@ impl SentencePieceUnigram {
         }
         let entry = self.cached_word(word, nodes);
         let end = self.encode_cached(&entry, word, score, nodes, out);
-        if cache.len() >= CACHE_LIMIT {
-            cache.clear();
-        }
-        cache.insert(word.into(), entry);
+        cache.insert(word, entry);
         end
     }
 

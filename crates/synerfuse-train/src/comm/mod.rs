@@ -17,9 +17,9 @@ pub use error::CommError;
 pub use groups::{GroupCommunicator, PendingReduction, ProcessGroups, SetGroups};
 pub use host::{MpiCommunicator, MpiRuntime, PendingAllReduce, PendingSend};
 pub use launcher::{
-    launch_under_mpirun, launcher_local_rank, launcher_rank, mark_rank_done, mpirun_command,
-    mpirun_options, ranks_done, relaunch_under_mpirun, run_forwarding_signals, without_flag,
-    Survival, DONE_DIR_ENV,
+    launch_under_mpirun, mark_rank_done, mpirun_command, mpirun_options, ranks_done,
+    relaunch_under_mpirun, run_forwarding_signals, without_flag, Survival, DONE_DIR_ENV,
 };
 pub use links::{LinkPath, PipelineLinks};
 pub use nccl::{NcclCommunicator, PendingNccl};
+pub use synerfuse_parallel::launcher::{launcher_local_rank, launcher_rank};
