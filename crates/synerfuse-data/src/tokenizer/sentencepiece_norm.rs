@@ -193,22 +193,40 @@ impl Normalizer {
         (&input.as_bytes()[..length], length)
     }
 
-    /// How many bytes at the start of `input` the rules would copy one by one, none a
-    /// space: ASCII bytes that start no user piece and no rule (for the last, given the
-    /// byte after it). Copied at once, they are most of the text.
-    fn plain_run(&self, input: &[u8]) -> usize {
-        let plain = |byte: u8| {
-            byte < 0x80
-                && byte != b' '
-                && !(self.user_pieces.as_ref()).is_some_and(|u| u.starts_with(byte))
-                && (self.map.as_ref()).is_none_or(|m| m.ascii_plain[byte as usize])
-        };
-        let run = input.iter().take_while(|&&byte| plain(byte)).count();
-        // A rule may go on from an ASCII byte with a non-ASCII one (a combining mark).
-        match input.get(run) {
-            Some(&next) if next >= 0x80 && self.map.is_some() => run.saturating_sub(1),
-            _ => run,
+    /// The ASCII bytes that start no user piece and that no rule matches alone or
+    /// followed by another ASCII byte: the rules copy them one by one.
+    fn plain_ascii(&self) -> [bool; 128] {
+        std::array::from_fn(|byte| {
+            !(self.user_pieces.as_ref()).is_some_and(|u| u.starts_with(byte as u8))
+                && (self.map.as_ref()).is_none_or(|m| m.ascii_plain[byte])
+        })
+    }
+
+    /// Normalizes the plain ASCII bytes at the start of `input` into `out` (copied, a
+    /// space escaped, or dropped after another with `remove_extra_whitespaces`), as the
+    /// rules one by one would; returns how many it took. Most text goes this way.
+    fn copy_plain(&self, input: &[u8], plain: &[bool; 128], out: &mut Output) -> usize {
+        let mut taken = 0;
+        for (at, &byte) in input.iter().enumerate() {
+            if !plain.get(byte as usize).is_some_and(|&p| p) {
+                break;
+            }
+            // A rule may go on from an ASCII byte with a non-ASCII one (a combining mark).
+            if self.map.is_some() && input.get(at + 1).is_some_and(|&next| next >= 0x80) {
+                break;
+            }
+            if byte == b' ' {
+                if !out.previous_space {
+                    out.bytes.extend_from_slice(out.space);
+                }
+                out.previous_space = self.remove_extra_whitespaces;
+            } else {
+                out.bytes.push(byte);
+                out.previous_space = false;
+            }
+            taken = at + 1;
         }
+        taken
     }
 
     /// `text` as the library's `Normalizer::Normalize` makes it.
@@ -223,51 +241,78 @@ impl Normalizer {
                 input = &input[consumed..];
             }
         }
-        let mut out: Vec<u8> = Vec::with_capacity(input.len() * 3);
         if input.is_empty() {
             return String::new();
         }
-        let space: &[u8] = match self.escape_whitespaces {
-            true => SPACE.as_bytes(),
-            false => b" ",
+        let mut out = Output {
+            bytes: Vec::with_capacity(input.len() * 3),
+            space: match self.escape_whitespaces {
+                true => SPACE.as_bytes(),
+                false => b" ",
+            },
+            previous_space: self.remove_extra_whitespaces,
+            valid: true,
         };
         if self.add_dummy_prefix {
-            out.extend_from_slice(space);
+            out.bytes.extend_from_slice(out.space);
         }
-        let mut previous_space = self.remove_extra_whitespaces;
+        self.write(input, &mut out);
+        if self.remove_extra_whitespaces {
+            while out.bytes.ends_with(out.space) {
+                out.bytes.truncate(out.bytes.len() - out.space.len());
+            }
+        }
+        if out.valid {
+            // SAFETY: the bytes are a concatenation of UTF-8 strings (plain ASCII, escaped
+            // spaces, the input's own characters and user pieces, replacements checked
+            // in `write`), less whole spaces at the end: UTF-8 themselves.
+            return unsafe { String::from_utf8_unchecked(out.bytes) };
+        }
+        String::from_utf8(out.bytes)
+            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
+    }
+
+    /// Writes the normalized `input` into `out`, rule by rule (`Normalize`'s loop).
+    fn write(&self, mut input: &str, out: &mut Output) {
+        let plain = self.plain_ascii();
         while !input.is_empty() {
-            let copied = self.plain_run(input.as_bytes());
+            let copied = self.copy_plain(input.as_bytes(), &plain, out);
             if copied > 0 {
-                out.extend_from_slice(&input.as_bytes()[..copied]);
                 input = &input[copied..];
-                previous_space = false;
                 continue;
             }
             let (mut piece, consumed) = self.prefix(input);
-            while previous_space && piece.first() == Some(&b' ') {
+            // The input is UTF-8 and so is a sound map's replacement; a damaged one's
+            // bytes are replaced in `normalize`.
+            out.valid &= std::str::from_utf8(piece).is_ok();
+            while out.previous_space && piece.first() == Some(&b' ') {
                 piece = &piece[1..];
             }
             if !piece.is_empty() {
                 for &byte in piece {
                     match byte {
-                        b' ' => out.extend_from_slice(space),
-                        _ => out.push(byte),
+                        b' ' => out.bytes.extend_from_slice(out.space),
+                        _ => out.bytes.push(byte),
                     }
                 }
-                previous_space = piece.last() == Some(&b' ');
+                out.previous_space = piece.last() == Some(&b' ');
             }
             input = &input[consumed..];
             if !self.remove_extra_whitespaces {
-                previous_space = false;
+                out.previous_space = false;
             }
         }
-        if self.remove_extra_whitespaces {
-            while out.ends_with(space) {
-                out.truncate(out.len() - space.len());
-            }
-        }
-        // Rules replace whole characters by whole characters.
-        String::from_utf8(out)
-            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
     }
+}
+
+/// What [`Normalizer::normalize`] has written so far.
+struct Output {
+    bytes: Vec<u8>,
+    /// The escaped space (or a plain one).
+    space: &'static [u8],
+    /// The last byte written was a space (leading spaces count as such when extra ones
+    /// are removed).
+    previous_space: bool,
+    /// Every piece written is UTF-8.
+    valid: bool,
 }
