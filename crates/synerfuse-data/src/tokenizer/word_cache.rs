@@ -2,7 +2,7 @@
 //! fast multiplicative hash: the keys are short strings from the text being encoded, so
 //! SipHash's protection against chosen collisions buys nothing worth its cost (it was
 //! the largest single cost of a cache hit). Short words and short id lists are held in
-//! the table itself: a hit then reads one bucket instead of following two pointers.
+//! the entry itself: a hit then reads one entry instead of following two pointers.
 //!
 //! On a real corpus the words outgrow the CPU's caches (Shakespeare: 118,000 distinct
 //! words, 7.5 MB of entries per worker), and a lookup that misses to memory cost more
@@ -58,7 +58,6 @@ impl Hasher for FxHasher {
 /// A `HashMap` with [`FxHasher`].
 pub(super) type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<FxHasher>>;
 
-/// A per-thread cache of words' results.
 /// Words (or pre-tokens) and their cached value `V`, at most [`WordCache::LIMIT`]
 /// of them (then it starts again empty).
 pub(super) struct WordCache<V> {
@@ -228,8 +227,8 @@ pub(super) fn with_cache<V: 'static, R>(
     caches.with(|caches| work(caches.borrow_mut().entry(instance).or_default()))
 }
 
-/// A cache key: a word of up to 22 bytes held in the table itself, so
-/// that a hit compares bytes already loaded with the bucket instead of following a
+/// A cache key: a word of up to 22 bytes held in its entry, so
+/// that a hit compares bytes already loaded with the entry instead of following a
 /// pointer; longer words on the heap.
 #[derive(Clone)]
 pub(super) struct WordKey(KeyRepr);
@@ -293,7 +292,7 @@ impl std::hash::Hash for WordKey {
     }
 }
 
-/// Ids (or other `u32`s) of a cached word: up to 6 in the table itself.
+/// Ids (or other `u32`s) of a cached word: up to 6 in its entry.
 #[derive(Clone)]
 pub(super) enum Ids {
     Inline { len: u8, ids: [u32; INLINE_IDS] },
