@@ -10,9 +10,12 @@ use crate::{data_commands, index_command, timeline_command, topology_command};
 use anyhow::Result;
 use clap::Subcommand;
 
-/// Help lines of the commands that need libtorch (or MPI): `synerfuse-torch`'s
-/// subcommands and `synerfuse`'s help share them.
+/// Help lines that both binaries print: their own, and those of the commands that
+/// need libtorch (or MPI).
 pub mod about {
+    /// Both binaries' own.
+    pub const SYNERFUSE: &str =
+        "Train LLaMA-family models on heterogeneous clusters, Megatron-LM compatible";
     pub const PROFILE: &str =
         "Measure per-layer costs and links on this machine's devices (input to `plan`)";
     pub const PLAN: &str =

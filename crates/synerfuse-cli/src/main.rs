@@ -24,7 +24,7 @@ const TORCH_BINARY: &str = "synerfuse-torch";
 #[command(
     name = "synerfuse",
     version,
-    about = "Train LLaMA-family models on heterogeneous clusters, Megatron-LM compatible",
+    about = entry::about::SYNERFUSE,
     long_about = None
 )]
 struct Cli {

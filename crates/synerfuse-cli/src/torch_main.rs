@@ -23,7 +23,7 @@ use entry::about;
 #[command(
     name = "synerfuse",
     version,
-    about = "Train LLaMA-family models on heterogeneous clusters, Megatron-LM compatible",
+    about = entry::about::SYNERFUSE,
     long_about = None
 )]
 struct Cli {

@@ -260,27 +260,31 @@ mod fuzz {
         "<MASK>", "<MASK", "<MASK>>", "ﬁx", "<mask>", "<sep>", "2024", "▁Thou",
     ];
 
+    /// Texts of any Unicode scalar (control, private use, unassigned), runs of whitespace
+    /// of every kind, user pieces and their look-alikes, long words, runs of few letters
+    /// (where equal pieces tie in another order), and characters NFKC rewrites.
+    fn texts() -> impl Strategy<Value = String> {
+        proptest::collection::vec(
+            prop_oneof![
+                any::<char>().prop_map(|c| c.to_string()),
+                proptest::sample::select(WHITESPACE.to_vec()).prop_map(str::to_owned),
+                proptest::sample::select(USER_PIECES.to_vec()).prop_map(str::to_owned),
+                "[a-zA-Z]{1,40}",
+                "[wse]{1,12}",
+                "[ﬀ-ﬆ①-⑳Ａ-Ｚｦ-ﾝ㍱-㍿]{1,6}",
+            ],
+            0..24,
+        )
+        .prop_map(|pieces| pieces.concat())
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(512))]
 
         /// Differential fuzz of the Rust SentencePiece BPE encoder against the library, on
-        /// every fixture model it serves: any Unicode scalar (control, private use,
-        /// unassigned), runs of whitespace of every kind, long words, and characters NFKC
-        /// rewrites.
+        /// every fixture model it serves.
         #[test]
-        fn sentencepiece_fuzzed_against_the_library(
-            pieces in proptest::collection::vec(
-                prop_oneof![
-                    any::<char>().prop_map(|c| c.to_string()),
-                    proptest::sample::select(WHITESPACE.to_vec()).prop_map(str::to_owned),
-                    proptest::sample::select(USER_PIECES.to_vec()).prop_map(str::to_owned),
-                    "[a-zA-Z]{1,40}",
-                    "[ﬀ-ﬆ①-⑳Ａ-Ｚｦ-ﾝ㍱-㍿]{1,6}",
-                ],
-                0..24,
-            )
-        ) {
-            let text: String = pieces.concat();
+        fn sentencepiece_fuzzed_against_the_library(text in texts()) {
             for model in super::sentencepiece_models() {
                 let (mut fast, mut library) = (Vec::new(), Vec::new());
                 model.encode_into(&text, &mut fast).unwrap();
@@ -289,27 +293,13 @@ mod fuzz {
             }
         }
 
-        /// Differential fuzz of the Rust Unigram encoder against the linked library, on
-        /// the same texts plus runs of few letters (where equal pieces tie in another
-        /// order). The ids are the library's, or the same pieces in another order: the
-        /// exact ties (`w|ww` against `ww|w`) that the library linked here (C++ 0.2.1,
-        /// `f64` sums) breaks one way and the Python package Megatron uses (`f32`) the
-        /// other; `unigram_equals_the_python_package` pins the Python side.
+        /// Differential fuzz of the Rust Unigram encoder against the linked library. The
+        /// ids are the library's, or the same pieces in another order: the exact ties
+        /// (`w|ww` against `ww|w`) that the library linked here (C++ 0.2.1, `f64` sums)
+        /// breaks one way and the Python package Megatron uses (`f32`) the other;
+        /// `unigram_equals_the_python_package` pins the Python side.
         #[test]
-        fn unigram_fuzzed_against_the_library(
-            pieces in proptest::collection::vec(
-                prop_oneof![
-                    any::<char>().prop_map(|c| c.to_string()),
-                    proptest::sample::select(WHITESPACE.to_vec()).prop_map(str::to_owned),
-                    proptest::sample::select(USER_PIECES.to_vec()).prop_map(str::to_owned),
-                    "[a-zA-Z]{1,40}",
-                    "[wse]{1,12}",
-                    "[ﬀ-ﬆ①-⑳Ａ-Ｚｦ-ﾝ㍱-㍿]{1,6}",
-                ],
-                0..24,
-            )
-        ) {
-            let text: String = pieces.concat();
+        fn unigram_fuzzed_against_the_library(text in texts()) {
             let model = super::unigram_model();
             let (mut fast, mut library) = (Vec::new(), Vec::new());
             model.encode_into(&text, &mut fast).unwrap();

@@ -7,12 +7,10 @@
 //! regex, merges over interned symbol ids, and a per-thread cache of pre-tokens.
 
 use super::pretokenize::{for_each_llama3_pretoken, for_each_pretoken};
-use super::word_cache::{each_word, with_cache, FastMap, Ids, WordCache};
+use super::word_cache::{each_word, Ids, ThreadCaches};
 use super::{Tokenizer, TokenizerError};
-use std::cell::RefCell;
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// GPT-2's reversible map from bytes to printable characters.
 fn bytes_to_unicode() -> [char; 256] {
@@ -34,12 +32,6 @@ fn bytes_to_unicode() -> [char; 256] {
         table[b as usize] = char::from_u32(c).expect("valid code point");
     }
     table
-}
-
-/// Pre-tokens cached per thread and tokenizer instance; cleared when it grows large.
-static NEXT_INSTANCE: AtomicUsize = AtomicUsize::new(0);
-thread_local! {
-    static CACHE: RefCell<FastMap<usize, WordCache<Ids>>> = RefCell::new(FastMap::default());
 }
 
 /// How text splits into pre-tokens before byte-level BPE.
@@ -69,7 +61,8 @@ pub struct Gpt2BpeTokenizer {
     /// A pre-token in the vocabulary is one token, whatever the merges (Hugging Face's
     /// `ignore_merges`, as LLaMA-3 sets).
     ignore_merges: bool,
-    instance: usize,
+    /// Pre-tokens' ids, per thread.
+    cache: ThreadCaches<Ids>,
 }
 
 /// A GPT-2 vocabulary without its end-of-document token.
@@ -151,7 +144,7 @@ impl Gpt2BpeTokenizer {
             eod,
             pretokens: Pretokens::Gpt2,
             ignore_merges: false,
-            instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed),
+            cache: ThreadCaches::default(),
         }
     }
 
@@ -211,7 +204,7 @@ impl Gpt2BpeTokenizer {
 impl Tokenizer for Gpt2BpeTokenizer {
     fn tokenize<'t>(&self, text: &'t str) -> Result<Vec<u32>, TokenizerError> {
         let mut ids = Vec::with_capacity(text.len() / 3);
-        with_cache(&CACHE, self.instance, |cache| {
+        self.cache.with(|cache| {
             let pieces = |feed: &mut dyn FnMut(&'t str)| match self.pretokens {
                 Pretokens::Gpt2 => for_each_pretoken(text, feed),
                 Pretokens::Llama3 => for_each_llama3_pretoken(text, feed),

@@ -15,23 +15,17 @@
 use super::sentencepiece_vocab::{
     split_words, ModelSpec, Vocabulary, BPE, NORMAL, UNUSED, USER_DEFINED,
 };
-use super::word_cache::{each_word, with_cache, FastMap, Ids, WordCache};
-use std::cell::RefCell;
+use super::word_cache::{each_word, Ids, ThreadCaches};
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
-use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
-
-static NEXT_INSTANCE: AtomicUsize = AtomicUsize::new(0);
-thread_local! {
-    static CACHE: RefCell<FastMap<usize, WordCache<Ids>>> = RefCell::new(FastMap::default());
-}
 
 /// A SentencePiece BPE model that can be encoded word by word.
 pub(super) struct SentencePieceBpe {
     /// NORMAL and USER_DEFINED pieces (the library's `pieces_`): id and score.
     pieces: HashMap<String, (u32, f32)>,
     vocab: Vocabulary,
-    instance: usize,
+    /// Words' ids, per thread.
+    cache: ThreadCaches<Ids>,
 }
 
 /// A candidate merge: the library's `SymbolPair` and its heap order (higher score
@@ -97,7 +91,7 @@ impl SentencePieceBpe {
         Ok(Self {
             pieces,
             vocab,
-            instance: NEXT_INSTANCE.fetch_add(1, AtomicOrdering::Relaxed),
+            cache: ThreadCaches::default(),
         })
     }
 
@@ -105,7 +99,7 @@ impl SentencePieceBpe {
     pub(super) fn encode_into(&self, text: &str, out: &mut Vec<u32>) {
         let normalized = self.vocab.normalizer.normalize(text);
         let start = out.len();
-        with_cache(&CACHE, self.instance, |cache| {
+        self.cache.with(|cache| {
             each_word(
                 cache,
                 |feed| split_words(&normalized).for_each(feed),

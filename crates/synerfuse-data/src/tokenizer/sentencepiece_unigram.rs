@@ -21,10 +21,9 @@
 use super::sentencepiece_vocab::{
     split_words, ModelSpec, Vocabulary, NORMAL, UNIGRAM, UNUSED, USER_DEFINED,
 };
-use super::word_cache::{each_word, with_cache, FastMap, Ids, WordCache};
+use super::word_cache::{each_word, Ids, ThreadCaches, WordCache};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 
 /// The library's penalty for an unknown character, below the lowest piece score.
 const UNKNOWN_PENALTY: f32 = 10.0;
@@ -139,9 +138,7 @@ impl CachedWord {
     }
 }
 
-static NEXT_INSTANCE: AtomicUsize = AtomicUsize::new(0);
 thread_local! {
-    static CACHE: RefCell<FastMap<usize, WordCache<CachedWord>>> = RefCell::new(FastMap::default());
     static NODES: RefCell<Vec<Node>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -156,7 +153,8 @@ pub(super) struct SentencePieceUnigram {
     /// No piece spans the start of a word: words are encoded (and cached) one by one.
     splits_words: bool,
     vocab: Vocabulary,
-    instance: usize,
+    /// Words' paths, per thread.
+    cache: ThreadCaches<CachedWord>,
 }
 
 impl SentencePieceUnigram {
@@ -191,7 +189,7 @@ impl SentencePieceUnigram {
             unk_score: min_score - UNKNOWN_PENALTY,
             splits_words: spec.escape_whitespaces && !spec.spans_words(&[NORMAL, USER_DEFINED]),
             vocab,
-            instance: NEXT_INSTANCE.fetch_add(1, AtomicOrdering::Relaxed),
+            cache: ThreadCaches::default(),
         })
     }
 
@@ -206,7 +204,7 @@ impl SentencePieceUnigram {
                 self.emit(&normalized, nodes, out, |_| {});
                 return;
             }
-            with_cache(&CACHE, self.instance, |cache| {
+            self.cache.with(|cache| {
                 let mut score = 0f32;
                 each_word(
                     cache,

@@ -1,7 +1,7 @@
-//! The per-thread caches of word (or pre-token) ids the Rust encoders keep, keyed by a
-//! fast multiplicative hash: the keys are short strings from the text being encoded, so
-//! SipHash's protection against chosen collisions buys nothing worth its cost (it was
-//! the largest single cost of a cache hit). Short words and short id lists are held in
+//! The per-thread caches of word (or pre-token) ids each Rust encoder keeps (dropped with
+//! it), keyed by a fast multiplicative hash: the keys are short strings from the text being
+//! encoded, so SipHash's protection against chosen collisions buys nothing worth its cost (it
+//! was the largest single cost of a cache hit). Short words and short id lists are held in
 //! the entry itself: a hit then reads one entry instead of following two pointers.
 //!
 //! On a real corpus the words outgrow the CPU's caches (Shakespeare: 118,000 distinct
@@ -11,12 +11,12 @@
 //! share a few hot cache lines), and [`each_word`] looks a few words ahead, loading
 //! their slots and entries while earlier words are encoded.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::cell::RefCell;
+use std::hash::Hasher;
 
 /// FxHash (rustc's): a word at a time, rotate, xor, multiply.
 #[derive(Default, Clone, Copy)]
-pub(super) struct FxHasher {
+struct FxHasher {
     hash: u64,
 }
 
@@ -54,9 +54,6 @@ impl Hasher for FxHasher {
         self.hash
     }
 }
-
-/// A `HashMap` with [`FxHasher`].
-pub(super) type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<FxHasher>>;
 
 /// Words (or pre-tokens) and their cached value `V`, at most [`WordCache::LIMIT`]
 /// of them (then it starts again empty).
@@ -217,14 +214,20 @@ pub(super) fn each_word<'t, V>(
     }
 }
 
-/// This thread's cache of the encoder `instance` among the caches of one thread-local
-/// `caches`, given to `work`.
-pub(super) fn with_cache<V: 'static, R>(
-    caches: &'static std::thread::LocalKey<std::cell::RefCell<FastMap<usize, WordCache<V>>>>,
-    instance: usize,
-    work: impl FnOnce(&mut WordCache<V>) -> R,
-) -> R {
-    caches.with(|caches| work(caches.borrow_mut().entry(instance).or_default()))
+/// One encoder's caches, one per thread that encodes with it; they go with the encoder.
+pub(super) struct ThreadCaches<V: Send>(thread_local::ThreadLocal<RefCell<WordCache<V>>>);
+
+impl<V: Send> Default for ThreadCaches<V> {
+    fn default() -> Self {
+        Self(thread_local::ThreadLocal::new())
+    }
+}
+
+impl<V: Send> ThreadCaches<V> {
+    /// This thread's cache, given to `work`.
+    pub(super) fn with<R>(&self, work: impl FnOnce(&mut WordCache<V>) -> R) -> R {
+        work(&mut self.0.get_or_default().borrow_mut())
+    }
 }
 
 /// A cache key: a word of up to 22 bytes held in its entry, so
@@ -362,7 +365,7 @@ mod tests {
 
     #[test]
     fn tells_short_keys_apart() {
-        let mut map: FastMap<Box<str>, usize> = FastMap::default();
+        let mut cache: WordCache<usize> = WordCache::default();
         let words = [
             "",
             "a",
@@ -374,10 +377,10 @@ mod tests {
             "abcdefgi",
         ];
         for (i, word) in words.iter().enumerate() {
-            map.insert((*word).into(), i);
+            cache.insert(word, i);
         }
         for (i, word) in words.iter().enumerate() {
-            assert_eq!(map[*word], i);
+            assert_eq!(cache.get(word), Some(&i));
         }
     }
 }
