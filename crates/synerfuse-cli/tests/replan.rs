@@ -93,8 +93,9 @@ fn a_rank_slowing_down_for_good_is_noticed_once_and_a_short_slowdown_is_not() {
         "{stderr}"
     );
 
-    // Slower for five iterations (16 to 20), shorter than the window: not reported.
-    let (found, stderr) = shifts(dir.path(), "short", &["16:1:0.125", "21:1:0.5"]);
+    // Slower for three iterations (16 to 18), half the window: not reported (five, one
+    // short of it, let a single noisy step make it look sustained).
+    let (found, stderr) = shifts(dir.path(), "short", &["16:1:0.125", "19:1:0.5"]);
     assert!(slowdowns(&found).is_empty(), "{found:?}\n{stderr}");
 }
 
@@ -238,9 +239,13 @@ fn a_rank_slowing_for_good_makes_the_run_switch_once_without_changing_a_loss() {
         "0.5,0.125,0.5,0.5",
     ];
     let (fresh, _) = four_ranks(dir.path(), &data, "fresh", 30, &fresh_args);
+    // The 10 % target is `cargo xtask bench replan`'s (performance targets are not timed
+    // tests): here a bound that noise on a shared 2-core machine stays under (medians 9–11 %
+    // apart in three of six runs on 2026-11-25) and a switch that did not take effect (the
+    // old plan is ~2.7x slower at the new speeds) does not.
     let (after, fresh) = (last_median_s(&records, 20), last_median_s(&fresh, 20));
     assert!(
-        (after - fresh).abs() <= 0.1 * fresh,
+        (after - fresh).abs() <= 0.25 * fresh,
         "last 20 steps: {after:.4} s after the switch, {fresh:.4} s fresh"
     );
 
