@@ -5,6 +5,8 @@
 //! * `cargo xtask test` runs setup, then the whole test suite, clippy, rustfmt and the docs.
 //! * `cargo xtask demo` runs the tour: data, tokenizer, plan, training, plot, generation.
 //! * `cargo xtask bench [NAME]` runs the benchmarks (all of them without NAME).
+//! * `cargo xtask gpu-bundle [--check-cpu]` packs what a GPU machine needs to run
+//!   `check.sh`, and checks it here with the GPU machine's view of the filesystem.
 
 mod bench;
 mod bench_hetero;
@@ -12,6 +14,7 @@ mod bench_replan;
 mod bench_tp;
 mod common;
 mod demo;
+mod gpu_bundle;
 mod setup;
 mod test;
 
@@ -51,6 +54,18 @@ enum Command {
     /// The five-minute tour on this machine: Shakespeare, tokenizer, preprocess, profile,
     /// plan, train on 4 emulated heterogeneous ranks, loss plot, a generated passage.
     Demo,
+    /// target/gpu-bundle/: the binaries, the OpenMPI runtime, data and check.sh for a
+    /// borrowed GPU machine (run there: bash target/gpu-bundle/check.sh).
+    GpuBundle {
+        /// Bundle the debug binaries (a quicker build; for --check-cpu)
+        #[arg(long)]
+        debug: bool,
+        /// Then run `check.sh --cpu` as the GPU machine would: in a mount namespace where
+        /// this machine's OpenMPI, .venv and target/ are hidden and .venv stands in for
+        /// the GPU machine's /opt/torch/.venv (needs root)
+        #[arg(long)]
+        check_cpu: bool,
+    },
 }
 
 fn main() -> Result<()> {
@@ -62,6 +77,13 @@ fn main() -> Result<()> {
         Command::Fixtures => fixtures(&root),
         Command::Bench { name } => bench::run(&root, name.as_deref()),
         Command::Demo => demo::run(&root),
+        Command::GpuBundle { debug, check_cpu } => {
+            let bundle = gpu_bundle::run(&root, debug)?;
+            if check_cpu {
+                gpu_bundle::check_cpu_as_gpu_machine(&root, &bundle)?;
+            }
+            Ok(())
+        }
     }
 }
 

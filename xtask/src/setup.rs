@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-/// The `torch` wheel whose bundled libtorch matches the `tch` crate (tch 0.26).
-pub const TORCH_VERSION: &str = "2.13.0";
+/// The `torch` wheel whose bundled libtorch matches the `tch` crate (tch 0.24).
+pub const TORCH_VERSION: &str = "2.11.0";
 
 /// Debian packages: OpenMPI (launch + CPU collectives), libclang (bindgen for `mpi-sys`),
 /// cmake (the `sentencepiece` crate's vendored build), pkg-config, and DejaVu fonts (the

@@ -6,18 +6,23 @@ use synerfuse_model::cuda::CudaSupport;
 use synerfuse_train::comm::{launcher_rank, MpiRuntime, NcclCommunicator};
 
 pub fn run(as_json: bool) -> Result<()> {
-    let libtorch_lib = option_env!("SYNERFUSE_LIBTORCH_LIB").unwrap_or("unknown");
-    let libtorch_version = std::fs::read_to_string(format!("{libtorch_lib}/../version.py"))
-        .ok()
-        .and_then(|text| {
-            text.lines().find_map(|l| {
-                l.strip_prefix("__version__ = ")
-                    .map(|v| v.trim_matches(['\'', '"']).to_owned())
-            })
-        })
-        .unwrap_or_else(|| "unknown".to_owned());
     let cuda_support = synerfuse_model::cuda::ensure_loaded();
     let cuda_devices = synerfuse_model::cuda::visible_gpus();
+    // What was loaded, not what the binary was built against.
+    let (libtorch_lib, libtorch_version) = match synerfuse_model::cuda::loaded_libtorch() {
+        Some((dir, version)) => (
+            dir.display().to_string(),
+            version.unwrap_or_else(|| "unknown".to_owned()),
+        ),
+        None => ("not loaded".to_owned(), "unknown".to_owned()),
+    };
+    let gpus: Vec<(String, Option<(&str, f64)>)> = synerfuse_train::device_info::cuda_device_names()
+        .into_iter()
+        .map(|name| {
+            let peak = synerfuse_train::device_info::catalogue_peak(&name);
+            (name, peak)
+        })
+        .collect();
     let nccl = NcclCommunicator::available();
     let mpi = MpiRuntime::library_version();
     let mpi = mpi.lines().next().unwrap_or("").trim().to_owned();
@@ -34,6 +39,11 @@ pub fn run(as_json: bool) -> Result<()> {
             },
             "cuda_devices": cuda_devices,
             "cudnn": tch::Cuda::cudnn_is_available(),
+            "gpus": gpus.iter().map(|(name, peak)| json!({
+                "name": name,
+                "catalogue": peak.map(|(slug, _)| slug),
+                "peak_bf16_tflops": peak.map(|(_, tflops)| tflops),
+            })).collect::<Vec<_>>(),
             "mpi": mpi,
             "nccl_loadable": nccl,
             "launcher_rank": rank.map(|(r, n)| json!({ "rank": r, "size": n })),
@@ -52,6 +62,14 @@ pub fn run(as_json: bool) -> Result<()> {
                 String::new()
             }
         );
+        for (ordinal, (name, peak)) in gpus.iter().enumerate() {
+            match peak {
+                Some((slug, tflops)) => println!(
+                    "GPU {ordinal}: {name} (catalogue {slug}: {tflops} TFLOP/s dense bf16)"
+                ),
+                None => println!("GPU {ordinal}: {name} (not in the device catalogue)"),
+            }
+        }
         println!("MPI: {mpi}");
         println!(
             "NCCL: {}",

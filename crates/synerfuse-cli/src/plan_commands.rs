@@ -79,7 +79,8 @@ pub struct ProfileArgs {
     /// cpu, cuda, cuda:N or auto
     #[arg(long, default_value = "auto")]
     device: DeviceRequest,
-    /// The device kind the costs are filed under (a cluster file's `kind`) [default: cpu or the GPU's name]
+    /// The device kind the costs are filed under (a cluster file's `kind`) [default: cpu, or
+    /// the GPU's catalogue slug (h100-sxm) when the catalogue knows its name, else cuda]
     #[arg(long)]
     device_kind: Option<String>,
     /// Timed repetitions (the median is kept)
@@ -93,6 +94,10 @@ pub struct ProfileArgs {
     /// scales them. Keep N x speed within the machine's cores.
     #[arg(long, value_parser = crate::values::speed)]
     emulate_device_speed: Option<f64>,
+    /// Time bf16 computation (fp32 optimizer masters), as `train --bf16` runs: the
+    /// profile of the precision that will train
+    #[arg(long)]
+    bf16: bool,
     /// Where to write the profile JSON
     #[arg(long)]
     output: PathBuf,
@@ -114,6 +119,12 @@ pub fn run_profile(args: ProfileArgs) -> Result<()> {
     let device = args.device.resolve_for_local_rank(local_rank)?;
     let kind = args.device_kind.clone().unwrap_or_else(|| match device {
         Device::Cpu => "cpu".into(),
+        // The catalogue slug of this GPU, which a cluster file names as its `kind`.
+        Device::Cuda(ordinal) => synerfuse_train::device_info::cuda_device_names()
+            .get(ordinal)
+            .and_then(|name| synerfuse_parallel::cluster::catalogue_slug_for_device_name(name))
+            .unwrap_or("cuda")
+            .into(),
         _ => "cuda".into(),
     });
     let config = ProfileConfig {
@@ -122,6 +133,7 @@ pub fn run_profile(args: ProfileArgs) -> Result<()> {
         micro_batch_sizes: args.micro_batch_sizes.clone(),
         repeats: args.repeats,
         emulate_speed: args.emulate_device_speed,
+        bf16: args.bf16,
     };
     let table = profiler::profile_device(&world, &config, device).map_err(|e| match e {
         ProfileError::EmulatedSpeed(_) => anyhow::Error::new(e).context("--emulate-device-speed"),

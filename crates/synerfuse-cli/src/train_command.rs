@@ -324,6 +324,10 @@ pub struct TrainArgs {
     log_json: Option<PathBuf>,
     #[arg(long, help_heading = "Checkpoints and logs")]
     tensorboard_dir: Option<PathBuf>,
+    /// Megatron's throughput per GPU (TFLOP/s/GPU, by its FLOP count) in the log line and
+    /// TensorBoard (--log-json always has it)
+    #[arg(long, help_heading = "Checkpoints and logs")]
+    log_throughput: bool,
 }
 
 /// Re-runs this very command under `mpirun -np N` (without `--nproc`) and returns its
@@ -687,6 +691,7 @@ impl TrainArgs {
                 log_interval: self.log_interval,
                 log_json: self.log_json.clone(),
                 tensorboard_dir: self.tensorboard_dir.clone(),
+                log_throughput: self.log_throughput,
             },
             eval: EvalConfig {
                 iters: self.eval_iters,

@@ -48,11 +48,39 @@ pub fn libtorch_lib_dir() -> Option<&'static Path> {
 
 /// The path of `libtorch_cuda.so` when it is mapped into this process.
 pub fn mapped_library() -> Option<PathBuf> {
+    mapped("libtorch_cuda.so")
+}
+
+/// The path of the shared library `file_name` when it is mapped into this process.
+fn mapped(file_name: &str) -> Option<PathBuf> {
     let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
     maps.lines()
         .filter_map(|line| line.split_whitespace().nth(5))
-        .find(|path| Path::new(path).file_name() == Some(LIBTORCH_CUDA.as_ref()))
+        .find(|path| Path::new(path).file_name() == Some(file_name.as_ref()))
         .map(PathBuf::from)
+}
+
+/// The libtorch this process runs on: where its `libtorch_cpu.so` was loaded from (which
+/// need not be the one it was built against: `LD_LIBRARY_PATH` may name another) and its
+/// version, read from the torch wheel's `version.py` or a libtorch archive's
+/// `build-version` beside that directory.
+pub fn loaded_libtorch() -> Option<(PathBuf, Option<String>)> {
+    let lib = mapped("libtorch_cpu.so")?;
+    let dir = lib.parent()?.to_path_buf();
+    let version = std::fs::read_to_string(dir.join("../version.py"))
+        .ok()
+        .and_then(|text| {
+            text.lines().find_map(|l| {
+                l.strip_prefix("__version__ = ")
+                    .map(|v| v.trim().trim_matches(['\'', '"']).to_owned())
+            })
+        })
+        .or_else(|| {
+            std::fs::read_to_string(dir.join("../build-version"))
+                .ok()
+                .map(|v| v.trim().to_owned())
+        });
+    Some((dir, version))
 }
 
 /// Makes sure libtorch's CUDA backend is registered when this libtorch has one: opens

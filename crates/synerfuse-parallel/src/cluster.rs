@@ -73,6 +73,58 @@ pub fn catalogue(slug: &str) -> Option<DeviceSpec> {
         .map(|(_, _, spec)| *spec)
 }
 
+/// The catalogue slug of a GPU by the name its driver reports (`nvidia-smi`,
+/// `cuDeviceGetName`: "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "NVIDIA H200"),
+/// so a run can state its model FLOP utilisation against the right peak; `None` for a
+/// device the catalogue does not hold or cannot tell apart by name.
+pub fn catalogue_slug_for_device_name(name: &str) -> Option<&'static str> {
+    let n = name.to_ascii_uppercase().replace(['-', '_'], " ");
+    let words: Vec<&str> = n.split_whitespace().collect();
+    let has = |w: &str| words.contains(&w);
+    let mentions = |w: &str| n.contains(w);
+    let slug = if has("H200") {
+        "h200"
+    } else if has("H100") {
+        // PCIe cards say so; the SXM and NVL names carry HBM3 or SXM.
+        if mentions("PCIE") {
+            "h100-pcie"
+        } else {
+            "h100-sxm"
+        }
+    } else if has("H800") {
+        "h800"
+    } else if has("H20") {
+        "h20"
+    } else if has("A100") {
+        if mentions("40GB") {
+            "a100-40g"
+        } else {
+            "a100-80g"
+        }
+    } else if has("A800") {
+        "a800"
+    } else if has("L40S") {
+        "l40s"
+    } else if has("A10") {
+        "a10"
+    } else if has("V100") {
+        "v100"
+    } else if has("4090") {
+        "rtx4090"
+    } else if has("3090") {
+        "rtx3090"
+    } else if has("T4") {
+        "t4"
+    } else if has("MI300X") {
+        "mi300x"
+    } else if has("MI250X") {
+        "mi250x"
+    } else {
+        return None;
+    };
+    Some(slug)
+}
+
 /// A cluster file that does not describe a usable cluster.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ClusterError {
@@ -486,5 +538,25 @@ mod tests {
         .unwrap_err();
         assert!(custom.to_string().contains("needs memory_gb"), "{custom}");
         assert_eq!(CATALOGUE.len(), 18);
+    }
+
+    /// Driver names find the catalogue entry whose peak a run's MFU is stated against.
+    #[test]
+    fn driver_names_map_to_catalogue_peaks() {
+        for (name, slug) in [
+            ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+            ("NVIDIA H100 PCIe", "h100-pcie"),
+            ("NVIDIA H200", "h200"),
+            ("NVIDIA A100-SXM4-40GB", "a100-40g"),
+            ("NVIDIA A100-SXM4-80GB", "a100-80g"),
+            ("Tesla V100-SXM2-32GB", "v100"),
+            ("NVIDIA A10", "a10"),
+            ("Tesla T4", "t4"),
+        ] {
+            assert_eq!(catalogue_slug_for_device_name(name), Some(slug), "{name}");
+        }
+        assert_eq!(catalogue_slug_for_device_name("NVIDIA GeForce GTX 1080"), None);
+        let h100 = catalogue_slug_for_device_name("NVIDIA H100 80GB HBM3").and_then(catalogue);
+        assert_eq!(h100.map(|d| d.tflops_bf16), Some(989.0));
     }
 }

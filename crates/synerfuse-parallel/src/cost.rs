@@ -39,6 +39,26 @@ pub struct ModelShape {
 }
 
 impl ModelShape {
+    /// Megatron-LM's FLOPs of one training sample (`num_floating_point_operations` in
+    /// its `training.py`, batch size 1): forward and backward of every GEMM (`12 = 3 x 2
+    /// x 2`), the attention over `kv_channels`-wide heads with grouped key/value heads,
+    /// SwiGLU's third projection (x 3/2), and the output layer over the padded
+    /// vocabulary. Megatron counts the output layer once whether or not it is tied to
+    /// the embedding, and so does this, so throughputs compare with its logs.
+    pub fn megatron_flops_per_sample(&self, kv_channels: usize) -> f64 {
+        let (s, l, h) = (
+            self.seq_length as f64,
+            self.num_layers as f64,
+            self.hidden_size as f64,
+        );
+        let heads = self.num_heads as f64;
+        let query_to_hidden = kv_channels as f64 * heads / h;
+        let attention = (1.0 + self.num_kv_heads as f64 / heads + s / h) * query_to_hidden;
+        let mlp = self.ffn_hidden_size as f64 / h * 1.5;
+        let logit = self.vocab_size as f64 / (2.0 * l * h);
+        12.0 * s * l * h * h * (attention + mlp + logit)
+    }
+
     /// From a Hugging Face LLaMA `config.json` and a sequence length.
     pub fn from_hf_config(json: &str, seq_length: usize) -> Result<Self, HfConfigError> {
         let v: serde_json::Value =
@@ -474,5 +494,49 @@ impl CostModel {
         2.0 * (d as f64 - 1.0) * lat
             + 2.0 * (g - 1.0) / g * bytes / intra
             + 2.0 * (n - 1.0) / n * (bytes / g) / inter
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Megatron's `num_floating_point_operations`, evaluated by its own Python for these
+    /// shapes: a 1.1B LLaMA with grouped-query attention and an untied output layer,
+    /// and a small multi-head model with a tied one.
+    #[test]
+    fn megatron_flops_match_megatrons_formula() {
+        let gqa_untied = ModelShape {
+            num_layers: 22,
+            hidden_size: 2048,
+            num_heads: 32,
+            num_kv_heads: 4,
+            ffn_hidden_size: 5632,
+            vocab_size: 32000,
+            seq_length: 2048,
+            tied: false,
+        };
+        let mha_tied = ModelShape {
+            num_layers: 4,
+            hidden_size: 256,
+            num_heads: 8,
+            num_kv_heads: 8,
+            ffn_hidden_size: 688,
+            vocab_size: 2048,
+            seq_length: 128,
+            tied: true,
+        };
+        for (shape, kv_channels, batch, megatron) in [
+            (&gqa_untied, 64, 1.0, 14978698444800.0),
+            (&gqa_untied, 64, 8.0, 119829587558400.0),
+            (&mha_tied, 32, 1.0, 3032481792.0),
+            (&mha_tied, 32, 6.0, 18194890752.0),
+        ] {
+            let ours = shape.megatron_flops_per_sample(kv_channels) * batch;
+            assert!(
+                ((ours - megatron) / megatron).abs() < 1e-12,
+                "{ours} vs Megatron's {megatron}"
+            );
+        }
     }
 }

@@ -3,6 +3,7 @@
 
 pub mod checkpoint;
 pub mod comm;
+pub mod device_info;
 pub mod emulation;
 pub mod grads;
 pub mod loader;

@@ -46,7 +46,8 @@ pub struct IterationRecord {
     pub elapsed_ms: f64,
     /// Tokens of the global batch per second.
     pub tokens_per_s: f64,
-    /// Model TFLOP/s per rank (6·N per token plus attention, forward and backward).
+    /// Model TFLOP/s per rank, by Megatron's FLOP count
+    /// ([`synerfuse_parallel::cost::ModelShape::megatron_flops_per_sample`]).
     pub tflops_per_device: f64,
     /// `--global-batch-size`.
     pub global_batch_size: usize,
@@ -55,18 +56,25 @@ pub struct IterationRecord {
 }
 
 impl IterationRecord {
-    /// Megatron's training log line (with tokens/s appended).
-    pub fn log_line(&self) -> String {
+    /// Megatron's training log line (with tokens/s appended); with `throughput`
+    /// (`--log-throughput`) Megatron's "throughput per GPU (TFLOP/s/GPU)" field too.
+    pub fn log_line(&self, throughput: bool) -> String {
+        let throughput = match throughput {
+            true => format!(
+                " throughput per GPU (TFLOP/s/GPU): {:.1} |",
+                self.tflops_per_device
+            ),
+            false => String::new(),
+        };
         format!(
-            " iteration {:>8}/{:>8} | consumed samples: {:>12} | elapsed time per iteration (ms): {:.1} | \
-             throughput per GPU (TFLOP/s/GPU): {:.3} | learning rate: {} | global batch size: {:>5} | \
+            " iteration {:>8}/{:>8} | consumed samples: {:>12} | elapsed time per iteration (ms): {:.1} |{throughput} \
+             learning rate: {} | global batch size: {:>5} | \
              lm loss: {} | loss scale: 1.0 | grad norm: {:.3} | number of skipped iterations:   0 | \
              number of nan iterations: {:>3} | tokens/s: {:.0} |",
             self.iteration,
             self.train_iters,
             self.consumed_samples,
             self.elapsed_ms,
-            self.tflops_per_device,
             python_exp(self.lr),
             self.global_batch_size,
             python_exp(self.loss),
@@ -399,8 +407,16 @@ mod tests {
             global_batch_size: 8,
             ranks: vec![],
         };
-        let line = record.log_line();
+        let line = record.log_line(false);
         assert!(line.contains("iteration       10/     200 |"), "{line}");
+        assert!(!line.contains("throughput"), "{line}");
+        let with = record.log_line(true);
+        assert!(
+            with.contains(
+                "elapsed time per iteration (ms): 123.4 | throughput per GPU (TFLOP/s/GPU): 0.0 | learning rate:"
+            ),
+            "{with}"
+        );
         assert!(line.contains("lm loss: 7.250000E+00 |"), "{line}");
         assert!(line.contains("learning rate: 3.000000E-04 |"), "{line}");
         assert_eq!(python_exp(0.0), "0.000000E+00");

@@ -27,6 +27,23 @@ pub struct ProfileConfig {
     pub repeats: usize,
     /// Profile as an emulated device at this speed and file the costs at speed 1.
     pub emulate_speed: Option<f64>,
+    /// Time the layers in bf16 (fp32 masters in the optimizer), as `train --bf16`
+    /// computes: the planner's costs are of the precision that will train.
+    pub bf16: bool,
+}
+
+/// A stage of `layers` of `model` on `device`, computing in bf16 with `bf16`.
+fn profiled_stage(
+    model: &LlamaConfig,
+    layers: std::ops::Range<usize>,
+    device: Device,
+    bf16: bool,
+) -> Result<Stage, ProfileError> {
+    let mut stage = Stage::new(model, layers, device)?;
+    if bf16 {
+        stage.set_kind(Kind::BFloat16);
+    }
+    Ok(stage)
 }
 
 /// Why profiling stopped.
@@ -84,10 +101,16 @@ pub fn time_stage(
     let c = stage.config();
     let device = stage.device();
     let (b, s) = (b as i64, sequence_length as i64);
+    let hidden_kind = stage
+        .var_store()
+        .variables()
+        .values()
+        .next()
+        .map_or(Kind::Float, Tensor::kind);
     let input = if stage.is_first() {
         Tensor::randint(c.vocab_size as i64, [b, s], (Kind::Int64, device))
     } else {
-        Tensor::randn([b, s, c.hidden_size as i64], (Kind::Float, device))
+        Tensor::randn([b, s, c.hidden_size as i64], (hidden_kind, device))
     };
     let labels = Tensor::randint(c.vocab_size as i64, [b, s], (Kind::Int64, device));
     let scale = emulation.map_or(1.0, |e| e.speed);
@@ -177,7 +200,7 @@ pub fn profile_device(
     base.num_layers = 3;
     let (s, repeats) = (config.sequence_length, config.repeats);
     let optimizer_s_per_param = {
-        let stage = Stage::new(&base, 1..2, device)?;
+        let stage = profiled_stage(&base, 1..2, device, config.bf16)?;
         time_optimizer(&stage, repeats, emulation.as_ref())?
     };
     let mut table = BTreeMap::new();
@@ -185,15 +208,18 @@ pub fn profile_device(
         // A middle layer alone, then the first and last stages with one layer each: the
         // differences are the embedding and the head (with loss).
         let time = |layers| -> Result<(f64, f64), ProfileError> {
-            let stage = Stage::new(&base, layers, device)?;
+            let stage = profiled_stage(&base, layers, device, config.bf16)?;
             time_stage(&stage, b, s, repeats, emulation.as_ref())
         };
         let (lf, lb) = time(1..2)?;
         let (ff, fb) = time(0..1)?;
         let (hf, hb) = time(2..3)?;
-        let activation_bytes = match layer_activation_bytes(&config.model, b, s, device)? {
+        let activation_bytes = match layer_activation_bytes(&config.model, b, s, device, config.bf16)? {
             Some(measured) => measured,
-            None => shape.layer_activation_bytes(b, 4.0, device != Device::Cpu),
+            None => {
+                let bytes = if config.bf16 { 2.0 } else { 4.0 };
+                shape.layer_activation_bytes(b, bytes, device != Device::Cpu)
+            }
         };
         let costs = [
             lf,
@@ -235,6 +261,7 @@ fn layer_activation_bytes(
     b: usize,
     s: usize,
     device: Device,
+    bf16: bool,
 ) -> Result<Option<f64>, ProfileError> {
     let probe = match device {
         Device::Cpu => MemoryProbe::for_device(device, 0),
@@ -245,13 +272,11 @@ fn layer_activation_bytes(
     };
     let mut base = model.clone();
     base.num_layers = 4;
-    let input = Tensor::randn(
-        [b as i64, s as i64, model.hidden_size as i64],
-        (Kind::Float, device),
-    );
+    let kind = if bf16 { Kind::BFloat16 } else { Kind::Float };
+    let input = Tensor::randn([b as i64, s as i64, model.hidden_size as i64], (kind, device));
     let stages = [
-        Stage::new(&base, 1..2, device)?,
-        Stage::new(&base, 1..3, device)?,
+        profiled_stage(&base, 1..2, device, bf16)?,
+        profiled_stage(&base, 1..3, device, bf16)?,
     ];
     // One forward and backward each first: what is built lazily is not counted.
     for stage in &stages {

@@ -46,9 +46,12 @@ impl MpiRuntime {
         MpiCommunicator::new(world).with_name(name)
     }
 
-    /// The MPI library's own version line (for `synerfuse env` and logs).
+    /// The MPI library's own version line (for `synerfuse env` and logs), without the C
+    /// string's terminator (Open MPI counts it in the length it reports).
     pub fn library_version() -> String {
-        mpi::environment::library_version().unwrap_or_else(|_| "unknown MPI library".to_owned())
+        mpi::environment::library_version()
+            .map(|v| v.trim_end_matches('\0').to_owned())
+            .unwrap_or_else(|_| "unknown MPI library".to_owned())
     }
 }
 

@@ -198,6 +198,9 @@ pub struct LoggingConfig {
     pub log_json: Option<PathBuf>,
     /// TensorBoard event files (`--tensorboard-dir`).
     pub tensorboard_dir: Option<PathBuf>,
+    /// Megatron's `--log-throughput`: TFLOP/s per GPU in the log line and TensorBoard
+    /// (the JSON record always has it).
+    pub log_throughput: bool,
 }
 
 impl Default for LoggingConfig {
@@ -206,6 +209,7 @@ impl Default for LoggingConfig {
             log_interval: 1,
             log_json: None,
             tensorboard_dir: None,
+            log_throughput: false,
         }
     }
 }

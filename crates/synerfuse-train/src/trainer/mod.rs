@@ -974,18 +974,22 @@ impl<'w> Trainer<'w> {
             ),
             None => Default::default(),
         };
-        let replicated: f64 = match self.replica {
+        // Each tensor's squares summed in fp64 on its device, all of them read back in
+        // one transfer: one synchronisation per step, not one per parameter.
+        let squares: Vec<Tensor> = match self.replica {
             0 => grads
                 .iter()
                 .filter(|(n, _)| !(skip_tied && n.as_str() == EMBEDDING))
                 .filter(|(n, _)| !sharded.contains(n.as_str()))
                 .filter(|(n, _)| stage.holds_unique(n))
-                .map(|(_, g)| {
-                    let g = g.to_kind(Kind::Double);
-                    (&g * &g).sum(Kind::Double).double_value(&[])
-                })
-                .sum(),
-            _ => 0.0,
+                .map(|(_, g)| g.square().sum(Kind::Double))
+                .collect(),
+            _ => Vec::new(),
+        };
+        let replicated = match squares.is_empty() {
+            true => 0.0,
+            false => Vec::<f64>::try_from(Tensor::stack(&squares, 0).to_device(Device::Cpu))
+                .map_or(f64::NAN, |v| v.iter().sum()),
         };
         let local = from_shards + replicated;
         let mut norm_sq = Tensor::from_slice(&[local]);

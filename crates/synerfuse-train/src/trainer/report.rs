@@ -182,7 +182,9 @@ pub(super) struct StepLog {
     train_iters: u64,
     global_batch: usize,
     tokens_per_step: f64,
-    flops_per_token: f64,
+    /// Megatron's FLOPs of one training iteration (its `num_floating_point_operations`).
+    flops_per_step: f64,
+    log_throughput: bool,
     world_size: usize,
 }
 
@@ -216,8 +218,10 @@ impl StepLog {
             train_iters: config.batch.train_iters,
             global_batch,
             tokens_per_step: (global_batch * sequence_length) as f64,
-            flops_per_token: 6.0 * model.num_parameters() as f64
-                + 12.0 * (model.num_layers * model.hidden_size * sequence_length) as f64,
+            flops_per_step: crate::profiler::model_shape(model, sequence_length)
+                .megatron_flops_per_sample(model.head_dim)
+                * global_batch as f64,
+            log_throughput: logging.log_throughput,
             world_size,
         })
     }
@@ -250,10 +254,7 @@ impl StepLog {
             grad_norm: outcome.grad_norm,
             elapsed_ms: outcome.step_ms,
             tokens_per_s: self.tokens_per_step / seconds,
-            tflops_per_device: self.flops_per_token * self.tokens_per_step
-                / seconds
-                / self.world_size as f64
-                / 1e12,
+            tflops_per_device: self.flops_per_step / seconds / self.world_size as f64 / 1e12,
             global_batch_size: self.global_batch,
             ranks: outcome
                 .rows
@@ -276,19 +277,22 @@ impl StepLog {
             }
         }
         if iteration % self.log_interval == 0 || iteration == self.train_iters {
-            println!("{}", record.log_line());
+            println!("{}", record.log_line(self.log_throughput));
         }
         if let Some(json) = &mut self.json {
             json.write(&record).map_err(io_error(json.path()))?;
         }
         if let Some(tb) = &mut self.tensorboard {
-            let scalars = [
+            let mut scalars = vec![
                 ("lm-loss", outcome.loss),
                 ("learning-rate", outcome.lr),
                 ("grad-norm", outcome.grad_norm),
                 ("iteration-time", seconds),
                 ("tokens-per-second", record.tokens_per_s),
             ];
+            if self.log_throughput {
+                scalars.push(("throughput", record.tflops_per_device));
+            }
             tb.scalars(iteration, &scalars)
                 .map_err(io_error(tb.path()))?;
         }
