@@ -29,7 +29,12 @@ export OPAL_PREFIX="$mpi" OPAL_EXEC_PREFIX="$mpi" OPAL_BINDIR="$mpi/bin" OPAL_LI
 export OPAL_PKGLIBDIR="$mpi/lib/openmpi3" OPAL_DATAROOTDIR="$mpi/share" OPAL_DATADIR="$mpi/share"
 export OPAL_PKGDATADIR="$mpi/share/openmpi" OPAL_SYSCONFDIR="$mpi/etc"
 export OMPI_MCA_mca_base_component_path="$mpi/lib/openmpi3"
-export PMIX_MCA_mca_base_component_path="$mpi/lib/pmix" PMIX_INSTALL_PREFIX="$mpi"
+# PMIx has install directories of its own: without these it also opens the components
+# of a system PMIx of another version (seen on the GPU machines: "undefined symbol").
+export PMIX_PREFIX="$mpi" PMIX_EXEC_PREFIX="$mpi" PMIX_LIBDIR="$mpi/lib"
+export PMIX_PKGLIBDIR="$mpi/lib/pmix" PMIX_DATAROOTDIR="$mpi/share" PMIX_DATADIR="$mpi/share"
+export PMIX_PKGDATADIR="$mpi/share/pmix" PMIX_SYSCONFDIR="$mpi/etc"
+export PMIX_MCA_mca_base_component_path="$mpi/lib/pmix" PMIX_MCA_pcompress_base_silence_warning=1
 # One machine: shared memory and TCP, no fabric libraries (none are bundled).
 export OMPI_MCA_pml=ob1 OMPI_MCA_btl=self,vader,tcp OMPI_MCA_mtl='^ofi' OMPI_MCA_osc='^ucx,pt2pt'
 export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_btl_base_warn_component_unused=0

@@ -929,7 +929,7 @@ fn model(root: &Path) -> Result<()> {
     println!();
     println!("| | tokens/s |");
     println!("|---|---|");
-    println!("| synerfuse-model (tch, libtorch 2.13) + synerfuse-train AdamW | {ours:.0} |");
+    println!("| synerfuse-model (tch, libtorch 2.11) + synerfuse-train AdamW | {ours:.0} |");
     println!("| transformers LlamaForCausalLM, PyTorch eager | {reference:.0} |");
     println!("| ratio | {ratio:.3}x (target >= 1.0x) |");
     write_json(

@@ -31,7 +31,7 @@ const APT_CONFLICTS: &[&str] = &["libsentencepiece-dev"];
 /// distribution name, accepted versions, installed without dependencies).
 ///
 /// megatron-core 0.8.0 imports `pkg_resources`, which setuptools dropped after 69; torch
-/// 2.13 declares `setuptools>=77` (only for building extensions), so the old setuptools
+/// 2.11 declares `setuptools` (only for building extensions), so the old setuptools
 /// goes in on its own with `--no-deps`.
 const REFERENCE_PACKAGES: &[(&str, &str, VersionRule, bool)] = &[
     (

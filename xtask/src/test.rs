@@ -82,9 +82,33 @@ pub fn run(root: &Path) -> Result<()> {
             step_started.elapsed().as_secs_f64()
         );
     }
+    gpu_bundle_step(root)?;
     println!(
         "all checks passed in {:.1}s",
         started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// The GPU machines' procedure as far as it runs without a GPU: a bundle of the debug
+/// binaries the tests built, its `check.sh --cpu` in the GPU machine's view of the
+/// filesystem (no system OpenMPI, no build tree, PyTorch at /opt/torch/.venv).
+fn gpu_bundle_step(root: &Path) -> Result<()> {
+    let step_started = Instant::now();
+    println!("== gpu bundle: cargo xtask gpu-bundle --debug --check-cpu");
+    let root_user = Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.stdout.starts_with(b"0\n"));
+    if !root_user {
+        println!("== gpu bundle: skipped (its mount namespace needs root; CI runs it)");
+        return Ok(());
+    }
+    let bundle = crate::gpu_bundle::run(root, true)?;
+    crate::gpu_bundle::check_cpu_as_gpu_machine(root, &bundle)?;
+    println!(
+        "== gpu bundle: ok in {:.1}s",
+        step_started.elapsed().as_secs_f64()
     );
     Ok(())
 }

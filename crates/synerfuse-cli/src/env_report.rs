@@ -16,13 +16,14 @@ pub fn run(as_json: bool) -> Result<()> {
         ),
         None => ("not loaded".to_owned(), "unknown".to_owned()),
     };
-    let gpus: Vec<(String, Option<(&str, f64)>)> = synerfuse_train::device_info::cuda_device_names()
-        .into_iter()
-        .map(|name| {
-            let peak = synerfuse_train::device_info::catalogue_peak(&name);
-            (name, peak)
-        })
-        .collect();
+    let gpus: Vec<(String, Option<(&str, f64)>)> =
+        synerfuse_train::device_info::cuda_device_names()
+            .into_iter()
+            .map(|name| {
+                let peak = synerfuse_train::device_info::catalogue_peak(&name);
+                (name, peak)
+            })
+            .collect();
     let nccl = NcclCommunicator::available();
     let mpi = MpiRuntime::library_version();
     let mpi = mpi.lines().next().unwrap_or("").trim().to_owned();

@@ -555,7 +555,10 @@ mod tests {
         ] {
             assert_eq!(catalogue_slug_for_device_name(name), Some(slug), "{name}");
         }
-        assert_eq!(catalogue_slug_for_device_name("NVIDIA GeForce GTX 1080"), None);
+        assert_eq!(
+            catalogue_slug_for_device_name("NVIDIA GeForce GTX 1080"),
+            None
+        );
         let h100 = catalogue_slug_for_device_name("NVIDIA H100 80GB HBM3").and_then(catalogue);
         assert_eq!(h100.map(|d| d.tflops_bf16), Some(989.0));
     }

@@ -214,13 +214,14 @@ pub fn profile_device(
         let (lf, lb) = time(1..2)?;
         let (ff, fb) = time(0..1)?;
         let (hf, hb) = time(2..3)?;
-        let activation_bytes = match layer_activation_bytes(&config.model, b, s, device, config.bf16)? {
-            Some(measured) => measured,
-            None => {
-                let bytes = if config.bf16 { 2.0 } else { 4.0 };
-                shape.layer_activation_bytes(b, bytes, device != Device::Cpu)
-            }
-        };
+        let activation_bytes =
+            match layer_activation_bytes(&config.model, b, s, device, config.bf16)? {
+                Some(measured) => measured,
+                None => {
+                    let bytes = if config.bf16 { 2.0 } else { 4.0 };
+                    shape.layer_activation_bytes(b, bytes, device != Device::Cpu)
+                }
+            };
         let costs = [
             lf,
             lb,
@@ -273,7 +274,10 @@ fn layer_activation_bytes(
     let mut base = model.clone();
     base.num_layers = 4;
     let kind = if bf16 { Kind::BFloat16 } else { Kind::Float };
-    let input = Tensor::randn([b as i64, s as i64, model.hidden_size as i64], (kind, device));
+    let input = Tensor::randn(
+        [b as i64, s as i64, model.hidden_size as i64],
+        (kind, device),
+    );
     let stages = [
         profiled_stage(&base, 1..2, device, bf16)?,
         profiled_stage(&base, 1..3, device, bf16)?,
