@@ -102,6 +102,12 @@ pub struct Data {
 pub fn data(root: &Path, bin: &Path, dir: &Path) -> Result<Data> {
     let python = root.join(".venv/bin/python");
     let corpus = crate::setup::corpus_step(root, &python)?;
+    tokenized(bin, &corpus, dir)
+}
+
+/// A GPT-2-style BPE of 2048 tokens trained on the JSONL `corpus` (`dir/tok/`) and the
+/// corpus preprocessed with it (`dir/shk_text_document`), unless already there.
+pub fn tokenized(bin: &Path, corpus: &Path, dir: &Path) -> Result<Data> {
     let tok = dir.join("tok");
     let data = Data {
         prefix: dir.join("shk_text_document"),
@@ -113,7 +119,7 @@ pub fn data(root: &Path, bin: &Path, dir: &Path) -> Result<Data> {
             Command::new(bin)
                 .args(["tokenizer", "train", "--vocab-size", "2048", "--gpt2-files"])
                 .arg("--input")
-                .arg(&corpus)
+                .arg(corpus)
                 .arg("--output")
                 .arg(tok.join("tokenizer.json")),
             "tokenizer train",
@@ -131,7 +137,7 @@ pub fn data(root: &Path, bin: &Path, dir: &Path) -> Result<Data> {
                     "2",
                 ])
                 .arg("--input")
-                .arg(&corpus)
+                .arg(corpus)
                 .arg("--output-prefix")
                 .arg(dir.join("shk"))
                 .arg("--vocab-file")

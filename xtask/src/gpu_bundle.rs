@@ -335,46 +335,19 @@ fn copy_files(from: &Path, to: &Path) -> Result<()> {
     Ok(())
 }
 
-/// A small tokenized corpus (the first plays of the Shakespeare corpus) and the GPT-2
-/// style BPE it was tokenized with.
+/// A small tokenized corpus (the first plays of the Shakespeare corpus, `dir/shk_text_document`)
+/// and the GPT-2 style BPE it was tokenized with (`dir/tok/`).
 fn make_data(root: &Path, bin: &Path, dir: &Path) -> Result<()> {
     let python = root.join(".venv/bin/python");
     let corpus = crate::setup::corpus_step(root, &python)?;
-    std::fs::create_dir_all(dir)?;
     let text = std::fs::read_to_string(&corpus)?;
-    let small: String = text.lines().take(400).map(|l| format!("{l}\n")).collect();
-    let jsonl = dir.join("corpus.jsonl");
-    std::fs::write(&jsonl, small)?;
-    crate::common::run(
-        Command::new(bin)
-            .args(["tokenizer", "train", "--vocab-size", "2048", "--gpt2-files"])
-            .arg("--input")
-            .arg(&jsonl)
-            .arg("--output")
-            .arg(dir.join("tokenizer.json")),
-        "tokenizer train",
-    )?;
-    crate::common::run(
-        Command::new(bin)
-            .args([
-                "preprocess",
-                "--tokenizer-type",
-                "GPT2BPETokenizer",
-                "--append-eod",
-                "--workers",
-                "2",
-            ])
-            .arg("--input")
-            .arg(&jsonl)
-            .arg("--output-prefix")
-            .arg(dir.join("shk"))
-            .arg("--vocab-file")
-            .arg(dir.join("vocab.json"))
-            .arg("--merge-file")
-            .arg(dir.join("merges.txt")),
-        "preprocess",
-    )?;
-    std::fs::remove_file(&jsonl)?;
+    let first_plays: String = text.lines().take(400).map(|l| format!("{l}\n")).collect();
+    let scratch = dir.with_extension("corpus");
+    std::fs::create_dir_all(&scratch)?;
+    let jsonl = scratch.join("corpus.jsonl");
+    std::fs::write(&jsonl, first_plays)?;
+    crate::common::tokenized(bin, &jsonl, dir)?;
+    std::fs::remove_dir_all(&scratch)?;
     Ok(())
 }
 

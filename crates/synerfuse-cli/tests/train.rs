@@ -624,7 +624,7 @@ fn sigterm_saves_and_exits_and_metrics_are_written() {
     let tb = dir.path().join("tb");
     let log = dir.path().join("log.jsonl");
     let mut args = common(dir.path(), &data, 100_000);
-    args.extend(strings(&["--micro-batch-size", "1"]));
+    args.extend(strings(&["--micro-batch-size", "1", "--log-throughput"]));
     args.extend([
         "--save".into(),
         save.display().to_string(),
@@ -690,6 +690,30 @@ fn sigterm_saves_and_exits_and_metrics_are_written() {
         assert!(!first[field].is_null(), "{field} missing: {first}");
     }
     assert!(first["ranks"][0]["compute_ms"].as_f64().unwrap() > 0.0);
+    // --log-throughput: Megatron's field in the log line, its FLOP count in the record
+    // (common's model: kv_channels 32 / 4, the fixture's 1024 tokens padded to 128s).
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("| throughput per GPU (TFLOP/s/GPU): "),
+        "{stdout}"
+    );
+    let shape = synerfuse_parallel::cost::ModelShape {
+        num_layers: 4,
+        hidden_size: 32,
+        num_heads: 4,
+        num_kv_heads: 2,
+        ffn_hidden_size: 64,
+        vocab_size: 1024,
+        seq_length: 32,
+        tied: true,
+    };
+    let flops = shape.megatron_flops_per_sample(8) * 6.0;
+    let logged = first["tflops_per_device"].as_f64().unwrap() * 1e12;
+    let expected = flops / (first["elapsed_ms"].as_f64().unwrap() / 1e3);
+    assert!(
+        (logged / expected - 1.0).abs() < 1e-9,
+        "{logged} FLOP/s logged, {expected} by Megatron's count"
+    );
     let event = std::fs::read_dir(&tb)
         .unwrap()
         .next()
@@ -702,6 +726,11 @@ fn sigterm_saves_and_exits_and_metrics_are_written() {
         .filter(|(_, tag, _)| tag == "lm-loss")
         .count() as u64;
     assert_eq!(loss_steps, stopped);
+    let throughput_steps = scalars
+        .iter()
+        .filter(|(_, tag, _)| tag == "throughput")
+        .count() as u64;
+    assert_eq!(throughput_steps, stopped);
 }
 
 /// The whole path on the real corpus: train a BPE on the Shakespeare plays (from the
@@ -1309,7 +1338,7 @@ fn plan_writes_what_train_runs() {
     std::fs::write(
         &mixed,
         "[[group]]\nkind = \"cpu\"\ncount = 1\nnode = \"here\"\ntflops_bf16 = 0.05\nmemory_gb = 4\n\
-         [[group]]\nkind = \"cpu\"\ncount = 1\nnode = \"here\"\ntflops_bf16 = 0.05\nmemory_gb = 0.003\nspeed = 0.75\n\
+         [[group]]\nkind = \"cpu\"\ncount = 1\nnode = \"here\"\ntflops_bf16 = 0.05\nmemory_gb = 0.0035\nspeed = 0.75\n\
          [network]\nintra_node_gbs = 5\ninter_node_gbs = 5\n",
     )
     .unwrap();
@@ -1411,8 +1440,8 @@ fn plan_writes_what_train_runs() {
     let tp = dir.path().join("tp.toml");
     std::fs::write(
         &tp,
-        "[[group]]\nkind = \"cpu\"\ncount = 1\nnode = \"here\"\ntflops_bf16 = 0.05\nmemory_gb = 0.0018\n\
-         [[group]]\nkind = \"cpu\"\ncount = 1\nnode = \"here\"\ntflops_bf16 = 0.05\nmemory_gb = 0.0018\nspeed = 0.5\n\
+        "[[group]]\nkind = \"cpu\"\ncount = 1\nnode = \"here\"\ntflops_bf16 = 0.05\nmemory_gb = 0.0021\n\
+         [[group]]\nkind = \"cpu\"\ncount = 1\nnode = \"here\"\ntflops_bf16 = 0.05\nmemory_gb = 0.0021\nspeed = 0.5\n\
          [network]\nintra_node_gbs = 5\ninter_node_gbs = 5\n",
     )
     .unwrap();

@@ -147,8 +147,8 @@ def worst_rel(a, b):
 DATA = os.path.join(BUNDLE, "data")
 DATA_FLAGS = ["--data-path", os.path.join(DATA, "shk_text_document"), "--split", "100,0,0",
               "--tokenizer-type", "GPT2BPETokenizer",
-              "--vocab-file", os.path.join(DATA, "vocab.json"),
-              "--merge-file", os.path.join(DATA, "merges.txt"),
+              "--vocab-file", os.path.join(DATA, "tok", "vocab.json"),
+              "--merge-file", os.path.join(DATA, "tok", "merges.txt"),
               "--data-cache-path", os.path.join(WORK, "cache")]
 SMALL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
          "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "704",
