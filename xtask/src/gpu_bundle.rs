@@ -1,5 +1,6 @@
 //! `cargo xtask gpu-bundle`: everything a borrowed GPU machine needs to run synerfuse's
-//! GPU check, in `target/gpu-bundle/` (at most [`MAX_BUNDLE_BYTES`]).
+//! GPU check, in `target/gpu-bundle/` (at most [`MAX_BUNDLE_BYTES`]; with `--debug`, of the
+//! debug binaries, in `target/gpu-bundle-debug/`, to be checked here only).
 //!
 //! The GPU machines carry PyTorch 2.11 (libtorch, NCCL) but no Rust, no MPI we can count
 //! on and no network, and at most 64 MiB of files travel there. So the bundle holds:
@@ -101,8 +102,12 @@ pub fn run(root: &Path, debug: bool) -> Result<PathBuf> {
     let status = build.current_dir(root).status()?;
     ensure!(status.success(), "cargo build -p synerfuse-cli failed");
     let profile = if debug { "debug" } else { "release" };
-    let out = root.join("target/gpu-bundle");
-    let tmp = root.join("target/gpu-bundle.tmp");
+    // A debug bundle goes beside the release one, which is the one that travels.
+    let out = root.join(match debug {
+        true => "target/gpu-bundle-debug",
+        false => "target/gpu-bundle",
+    });
+    let tmp = out.with_extension("tmp");
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp)?;
     }

@@ -57,7 +57,8 @@ enum Command {
     /// target/gpu-bundle/: the binaries, the OpenMPI runtime, data and check.sh for a
     /// borrowed GPU machine (run there: bash target/gpu-bundle/check.sh).
     GpuBundle {
-        /// Bundle the debug binaries (a quicker build; for --check-cpu)
+        /// Bundle the debug binaries into target/gpu-bundle-debug (a quicker build, checked
+        /// here with --check-cpu; never carried to a GPU machine)
         #[arg(long)]
         debug: bool,
         /// Then run `check.sh --cpu` as the GPU machine would: in a mount namespace where
