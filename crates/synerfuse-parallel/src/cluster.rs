@@ -73,56 +73,42 @@ pub fn catalogue(slug: &str) -> Option<DeviceSpec> {
         .map(|(_, _, spec)| *spec)
 }
 
+/// Driver names to catalogue slugs: (a word of the name, a word the name must also
+/// hold or `""`, the slug), first match wins, so a qualified entry comes before its
+/// plain one.
+const DEVICE_NAMES: &[(&str, &str, &str)] = &[
+    ("H200", "", "h200"),
+    ("H100", "PCIE", "h100-pcie"),
+    ("H100", "HBM3", "h100-sxm"),
+    ("H100", "SXM", "h100-sxm"),
+    ("H800", "", "h800"),
+    ("H20", "", "h20"),
+    ("A100", "40GB", "a100-40g"),
+    ("A100", "", "a100-80g"),
+    ("A800", "", "a800"),
+    ("L40S", "", "l40s"),
+    ("A10", "", "a10"),
+    ("V100", "", "v100"),
+    ("4090", "", "rtx4090"),
+    ("3090", "", "rtx3090"),
+    ("T4", "", "t4"),
+    ("MI300X", "", "mi300x"),
+    ("MI250X", "", "mi250x"),
+];
+
 /// The catalogue slug of a GPU by the name its driver reports (`nvidia-smi`,
 /// `cuDeviceGetName`: "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "NVIDIA H200"),
 /// so a run can state its model FLOP utilisation against the right peak; `None` for a
-/// device the catalogue does not hold or cannot tell apart by name.
+/// device the catalogue does not hold or cannot tell apart by name (an H100 NVL, say).
 pub fn catalogue_slug_for_device_name(name: &str) -> Option<&'static str> {
-    let n = name.to_ascii_uppercase().replace(['-', '_'], " ");
-    let words: Vec<&str> = n.split_whitespace().collect();
-    let has = |w: &str| words.contains(&w);
-    let mentions = |w: &str| n.contains(w);
-    let slug = if has("H200") {
-        "h200"
-    } else if has("H100") {
-        // PCIe cards say so; the SXM and NVL names carry HBM3 or SXM.
-        if mentions("PCIE") {
-            "h100-pcie"
-        } else {
-            "h100-sxm"
-        }
-    } else if has("H800") {
-        "h800"
-    } else if has("H20") {
-        "h20"
-    } else if has("A100") {
-        if mentions("40GB") {
-            "a100-40g"
-        } else {
-            "a100-80g"
-        }
-    } else if has("A800") {
-        "a800"
-    } else if has("L40S") {
-        "l40s"
-    } else if has("A10") {
-        "a10"
-    } else if has("V100") {
-        "v100"
-    } else if has("4090") {
-        "rtx4090"
-    } else if has("3090") {
-        "rtx3090"
-    } else if has("T4") {
-        "t4"
-    } else if has("MI300X") {
-        "mi300x"
-    } else if has("MI250X") {
-        "mi250x"
-    } else {
-        return None;
-    };
-    Some(slug)
+    let upper = name.to_ascii_uppercase().replace(['-', '_'], " ");
+    let words: Vec<&str> = upper.split_whitespace().collect();
+    DEVICE_NAMES
+        .iter()
+        .find(|(word, also, _)| {
+            words.contains(word) && (also.is_empty() || words.iter().any(|w| w.contains(also)))
+        })
+        .map(|(_, _, slug)| *slug)
 }
 
 /// A cluster file that does not describe a usable cluster.
@@ -545,6 +531,7 @@ mod tests {
     fn driver_names_map_to_catalogue_peaks() {
         for (name, slug) in [
             ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+            ("NVIDIA H100 SXM5 80GB", "h100-sxm"),
             ("NVIDIA H100 PCIe", "h100-pcie"),
             ("NVIDIA H200", "h200"),
             ("NVIDIA A100-SXM4-40GB", "a100-40g"),
@@ -555,6 +542,7 @@ mod tests {
         ] {
             assert_eq!(catalogue_slug_for_device_name(name), Some(slug), "{name}");
         }
+        assert_eq!(catalogue_slug_for_device_name("NVIDIA H100 NVL"), None);
         assert_eq!(
             catalogue_slug_for_device_name("NVIDIA GeForce GTX 1080"),
             None
