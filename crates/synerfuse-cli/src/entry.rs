@@ -119,14 +119,3 @@ fn init_logging() {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
 }
-
-/// Writes `text` to `path` under a temporary name first.
-pub fn write_atomically(path: &std::path::Path, text: &str) -> Result<()> {
-    use anyhow::Context;
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = std::path::PathBuf::from(tmp);
-    std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
-    Ok(())
-}

@@ -6,6 +6,7 @@
 
 mod data_commands;
 mod entry;
+mod files;
 mod index_command;
 mod timeline_command;
 mod topology_command;

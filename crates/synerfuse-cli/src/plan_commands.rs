@@ -1,7 +1,7 @@
 //! `synerfuse profile` (measure per-layer costs and links on the ranks it runs on) and
 //! `synerfuse plan` (search the best heterogeneous layout for a cluster file).
 
-use crate::entry::write_atomically;
+use crate::files::write_atomically;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::collections::BTreeMap;

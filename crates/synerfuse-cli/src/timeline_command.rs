@@ -1,7 +1,7 @@
 //! `synerfuse timeline`: a training run's measured step, rank by rank (the spans its
 //! `--log-json` records carry), drawn under the planner's prediction of the same step.
 
-use crate::entry::write_atomically;
+use crate::files::write_atomically;
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use synerfuse_parallel::timeline::{RankTimeline, Span, SpanKind, Timeline};

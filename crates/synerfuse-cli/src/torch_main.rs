@@ -7,6 +7,7 @@
 mod data_commands;
 mod entry;
 mod env_report;
+mod files;
 mod index_command;
 mod model_commands;
 mod plan_commands;

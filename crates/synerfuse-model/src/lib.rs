@@ -7,10 +7,13 @@ mod device;
 mod generate;
 pub mod hf;
 mod llama;
+mod norm;
+mod pass;
 pub mod tp;
 
 pub use config::{padded_vocab_size, ConfigError, LlamaConfig, MegatronModelArgs};
 pub use device::{set_deterministic, DeviceRequest, ModelError, ResolveDevice};
 pub use generate::{generate, GenerateOptions};
-pub use llama::{BackwardFrom, ForwardPass, KvCache, Stage, StageError};
+pub use llama::{BackwardFrom, KvCache, Stage, StageError};
+pub use pass::ForwardPass;
 pub use tch;

@@ -6,6 +6,8 @@
 //! *global* layer indices (`model.layers.17.mlp.up_proj.weight`), so a stage's tensors
 //! mean the same thing whatever the layout, and checkpoints move between layouts.
 
+use crate::norm::rms_norm;
+use crate::pass::{ForwardPass, SavedInputs};
 use crate::LlamaConfig;
 use std::ops::Range;
 use synerfuse_parallel::TpShard;
@@ -109,24 +111,6 @@ impl Linear {
     fn forward(&self, x: &Tensor) -> Tensor {
         x.linear(&self.weight, self.bias.as_ref())
     }
-}
-
-/// RMSNorm as transformers computes it: in fp32, then back to the input dtype.
-///
-/// On a GPU, libtorch's fused kernel: the same fp32 arithmetic in one pass instead of
-/// seven elementwise kernels over fp32 copies, rounded to the input dtype once, after
-/// the weight, where transformers rounds before the weight too (bf16 only; fp32 agrees
-/// to rounding).
-pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
-    if x.device().is_cuda() {
-        let hidden = x.size().last().copied().unwrap_or(0);
-        return x.rms_norm([hidden], Some(weight), eps);
-    }
-    let kind = x.kind();
-    let h = x.to_kind(Kind::Float);
-    let variance = h.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
-    let h = &h * (variance + eps).rsqrt();
-    weight * h.to_kind(kind)
 }
 
 /// `cos` and `sin` tables `[batch, 1, seq, head_dim]` for `position_ids` `[batch, seq]`.
@@ -660,11 +644,6 @@ impl Stage {
         &self.vs
     }
 
-    /// Mutable parameters (to load weights, change dtype, build an optimiser).
-    pub fn var_store_mut(&mut self) -> &mut nn::VarStore {
-        &mut self.vs
-    }
-
     /// The device the parameters live on.
     pub fn device(&self) -> Device {
         self.vs.device()
@@ -951,39 +930,4 @@ pub enum BackwardFrom<'a> {
     OutputGrad(&'a Tensor),
     /// A scalar loss computed from the output (logits) of the last stage.
     Loss(&'a dyn Fn(&Tensor) -> Tensor),
-}
-
-pub(crate) struct SavedInputs {
-    pub(crate) input: Tensor,
-    pub(crate) position_ids: Option<Tensor>,
-    pub(crate) attention_mask: Option<Tensor>,
-}
-
-/// One micro-batch's forward through a stage, kept until its backward.
-pub struct ForwardPass {
-    /// The stage output (hidden states or logits), detached from nothing: send it on.
-    pub output: Tensor,
-    graph: Option<Tensor>,
-    saved: SavedInputs,
-    /// The regions of a tensor-parallel pass (empty for a whole stage).
-    regions: Vec<crate::tp::Region>,
-}
-
-impl ForwardPass {
-    pub(crate) fn regions(
-        output: Tensor,
-        regions: Vec<crate::tp::Region>,
-        saved: SavedInputs,
-    ) -> Self {
-        ForwardPass {
-            output,
-            graph: None,
-            saved,
-            regions,
-        }
-    }
-
-    pub(crate) fn into_regions(self) -> (Vec<crate::tp::Region>, SavedInputs) {
-        (self.regions, self.saved)
-    }
 }

@@ -11,7 +11,8 @@
 //! input (Megatron's `f`). The full logits are never gathered: the loss is computed from
 //! each rank's vocabulary slice with three small collectives per micro-batch.
 
-use crate::llama::{rms_norm, ForwardPass, SavedInputs};
+use crate::norm::rms_norm;
+use crate::pass::{ForwardPass, Region, SavedInputs};
 use crate::{Stage, StageError};
 use tch::{Kind, Tensor};
 
@@ -108,20 +109,6 @@ fn whole_positions(rows: &Tensor, position_ids: Option<&Tensor>, size: usize) ->
                 .expand([b, s], false)
         }
     }
-}
-
-/// One region of a tensor-parallel forward, kept for its backward.
-pub(crate) enum Region {
-    /// This rank's rows of the embedding looked up (zeros for other ranks' tokens).
-    Embedding { partial: Tensor },
-    /// A norm on this rank's sequence rows (sequence parallelism): its leaf input and
-    /// output, which the next region all-gathers.
-    Norm { input: Tensor, normed: Tensor },
-    /// An attention or MLP block: its replicated leaf input (the residual stream, or
-    /// under sequence parallelism the gathered normed rows) and its partial output.
-    Block { input: Tensor, partial: Tensor },
-    /// The final norm (unless sequence-parallel) and this rank's slice of the output layer.
-    Head { input: Tensor, logits: Tensor },
 }
 
 /// Where a tensor-parallel backward starts.

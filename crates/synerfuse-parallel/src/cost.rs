@@ -6,17 +6,6 @@ use crate::cluster::{ClusterSpec, Device};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-/// A `config.json` the planner cannot read a model shape from.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum HfConfigError {
-    /// Not JSON.
-    #[error("config.json: {0}")]
-    Json(String),
-    /// A required integer field is missing.
-    #[error("config.json: missing integer {0}")]
-    MissingInteger(&'static str),
-}
-
 /// The shape of a LLaMA model, as the planner needs it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModelShape {
@@ -57,28 +46,6 @@ impl ModelShape {
         let mlp = self.ffn_hidden_size as f64 / h * 1.5;
         let logit = self.vocab_size as f64 / (2.0 * l * h);
         12.0 * s * l * h * h * (attention + mlp + logit)
-    }
-
-    /// From a Hugging Face LLaMA `config.json` and a sequence length.
-    pub fn from_hf_config(json: &str, seq_length: usize) -> Result<Self, HfConfigError> {
-        let v: serde_json::Value =
-            serde_json::from_str(json).map_err(|e| HfConfigError::Json(e.to_string()))?;
-        let get = |k: &'static str| {
-            v[k].as_u64()
-                .map(|x| x as usize)
-                .ok_or(HfConfigError::MissingInteger(k))
-        };
-        let heads = get("num_attention_heads")?;
-        Ok(ModelShape {
-            num_layers: get("num_hidden_layers")?,
-            hidden_size: get("hidden_size")?,
-            num_heads: heads,
-            num_kv_heads: get("num_key_value_heads").unwrap_or(heads),
-            ffn_hidden_size: get("intermediate_size")?,
-            vocab_size: get("vocab_size")?,
-            seq_length,
-            tied: v["tie_word_embeddings"].as_bool().unwrap_or(false),
-        })
     }
 
     fn kv_width(&self) -> f64 {

@@ -110,14 +110,6 @@ pub struct TopologySpec {
     pub order: String,
 }
 
-impl TopologySpec {
-    /// Whether only pipeline and data parallelism are used (tensor, context and expert
-    /// sizes 1): what the trainer and the general plan run today.
-    pub fn is_pipeline_and_data_only(&self) -> bool {
-        self.tp == 1 && self.cp == 1 && self.ep == 1
-    }
-}
-
 fn one() -> usize {
     1
 }

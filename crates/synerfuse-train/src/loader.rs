@@ -9,9 +9,7 @@
 
 use crate::comm::MpiCommunicator;
 use std::ops::Range;
-use synerfuse_data::gpt::{
-    build_split_datasets, GptDataConfig, GptDatasetError, SampleOptions, SplitDataset,
-};
+use synerfuse_data::gpt::{GptDatasetError, SampleOptions, SplitDataset};
 use synerfuse_data::DataError;
 use synerfuse_parallel::{BatchError, ReplicaBatches};
 
@@ -82,20 +80,6 @@ pub fn build_splits(
         world.barrier();
         build()
     }
-}
-
-/// The train split of `config`, sized to `samples` (see [`build_splits`]). Collective
-/// over `world`.
-pub fn build_train_split(
-    world: &MpiCommunicator,
-    config: &GptDataConfig,
-    samples: u64,
-) -> Result<SplitDataset, LoaderError> {
-    build_splits(world, || {
-        build_split_datasets(config, [Some(samples), None, None])
-    })?
-    .train
-    .ok_or(LoaderError::NoTrainData)
 }
 
 /// Dataset indices of each micro-batch of `replica` in the step that starts after

@@ -32,16 +32,6 @@ impl GroupCommunicator {
         self.mpi.size()
     }
 
-    /// Whether collectives of CUDA tensors run on NCCL.
-    pub fn uses_nccl(&self) -> bool {
-        self.nccl.is_some()
-    }
-
-    /// The MPI communicator of the group.
-    pub fn mpi_communicator(&self) -> &MpiCommunicator {
-        &self.mpi
-    }
-
     fn nccl_for(&self, tensor: &Tensor) -> Option<&NcclCommunicator> {
         self.nccl
             .as_ref()
