@@ -4,7 +4,6 @@
 //! again and the test split from its start. The loss is the sum over every loss token
 //! of those batches divided by their number, so it does not depend on the plan.
 
-use super::report::StepLog;
 use super::Trainer;
 use crate::pipeline::PipelineRank;
 use crate::TrainError;
@@ -69,13 +68,13 @@ impl Evaluation {
 
 impl Trainer<'_> {
     /// Evaluates `split` from its sample `consumed` on (collective over the world);
-    /// `None` when the run has no such split or evaluates nothing.
+    /// `None` when the run has no such split or evaluates nothing. The training loop
+    /// logs it.
     pub(super) fn evaluate(
         &mut self,
         split: EvalSplit,
         consumed: u64,
         at_end: bool,
-        log: &mut StepLog,
     ) -> Result<Option<Evaluation>, TrainError> {
         let loader = match split {
             EvalSplit::Validation => self.valid.as_ref(),
@@ -106,33 +105,13 @@ impl Trainer<'_> {
                 consumed_samples: consumed,
             });
         }
-        let evaluation = Evaluation {
+        Ok(Some(Evaluation {
             split,
             iteration: self.iteration,
             at_end,
             loss: loss_sum / loss_tokens,
             samples: iters * global_batch,
-        };
-        let tensorboard = !self.config.eval.skip_train;
-        log.record_evaluation(
-            self.world.rank(),
-            &evaluation,
-            self.consumed_samples,
-            tensorboard,
-        )?;
-        Ok(Some(evaluation))
-    }
-
-    /// Megatron's end of training: the validation split from `consumed_valid`, then the
-    /// test split from its start.
-    pub(super) fn evaluate_at_end(
-        &mut self,
-        consumed_valid: u64,
-        log: &mut StepLog,
-    ) -> Result<Vec<Evaluation>, TrainError> {
-        let valid = self.evaluate(EvalSplit::Validation, consumed_valid, true, log)?;
-        let test = self.evaluate(EvalSplit::Test, 0, true, log)?;
-        Ok(valid.into_iter().chain(test).collect())
+        }))
     }
 
     /// This rank's forward-only program over `micro_batches`: its loss sum and tokens (on

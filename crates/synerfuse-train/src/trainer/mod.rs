@@ -729,7 +729,7 @@ impl<'w> Trainer<'w> {
             }
             if eval.due(self.iteration) {
                 let split = EvalSplit::Validation;
-                if let Some(e) = self.evaluate(split, consumed_valid, false, &mut log)? {
+                if let Some(e) = self.evaluate_and_log(split, consumed_valid, false, &mut log)? {
                     consumed_valid += e.samples;
                     summary.evaluations.push(e);
                 }
@@ -760,6 +760,34 @@ impl<'w> Trainer<'w> {
             summary.evaluations.extend(at_end);
         }
         Ok(summary)
+    }
+
+    /// [`Self::evaluate`], then its log lines, JSON record and TensorBoard scalars.
+    fn evaluate_and_log(
+        &mut self,
+        split: EvalSplit,
+        consumed: u64,
+        at_end: bool,
+        log: &mut StepLog,
+    ) -> Result<Option<Evaluation>, TrainError> {
+        let evaluation = self.evaluate(split, consumed, at_end)?;
+        if let Some(e) = &evaluation {
+            let tensorboard = !self.config.eval.skip_train;
+            log.record_evaluation(self.world.rank(), e, self.consumed_samples, tensorboard)?;
+        }
+        Ok(evaluation)
+    }
+
+    /// Megatron's end of training: the validation split from `consumed_valid`, then the
+    /// test split from its start, each logged as it ends.
+    fn evaluate_at_end(
+        &mut self,
+        consumed_valid: u64,
+        log: &mut StepLog,
+    ) -> Result<Vec<Evaluation>, TrainError> {
+        let valid = self.evaluate_and_log(EvalSplit::Validation, consumed_valid, true, log)?;
+        let test = self.evaluate_and_log(EvalSplit::Test, 0, true, log)?;
+        Ok(valid.into_iter().chain(test).collect())
     }
 
     /// This rank's replica's tokens per step (every stage of a replica sees the same).
