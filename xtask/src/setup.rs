@@ -13,8 +13,9 @@ use std::time::Instant;
 pub const TORCH_VERSION: &str = "2.11.0";
 
 /// Debian packages: OpenMPI (launch + CPU collectives), libclang (bindgen for `mpi-sys`),
-/// cmake (the `sentencepiece` crate's vendored build), pkg-config, and DejaVu fonts (the
-/// text of `cargo xtask demo`'s plot, drawn by plotters without system font libraries).
+/// cmake (the `sentencepiece` crate's vendored build), pkg-config, DejaVu fonts (the
+/// text of `cargo xtask demo`'s plot, drawn by plotters without system font libraries),
+/// and patchelf (`cargo xtask gpu-bundle` removes the build machine's rpath).
 const APT_PACKAGES: &[&str] = &[
     "openmpi-bin",
     "libopenmpi-dev",
@@ -22,6 +23,7 @@ const APT_PACKAGES: &[&str] = &[
     "cmake",
     "pkg-config",
     "fonts-dejavu-core",
+    "patchelf",
 ];
 
 /// Installed when present breaks the `sentencepiece` crate's vendored build (too old).
