@@ -330,10 +330,7 @@ impl GeneralPlan {
             .map(|&r| self.placement(r).and_then(|p| p.memory_gb))
             .collect();
         match memory {
-            Some(gb) => gb
-                .iter()
-                .map(|g| ((g * 10.0).round() as u32).max(1))
-                .collect(),
+            Some(gb) => gb.iter().map(|&g| memory_share_weight(g)).collect(),
             None => vec![1; ranks.len()],
         }
     }
@@ -595,6 +592,12 @@ pub(super) fn check_per_stage(
         }
     }
     Ok(())
+}
+
+/// A rank's weight in the distributed optimizer's shares: its device memory in tenths of
+/// a GB (at least 1), as the plan file gives it; the planner prices by the same weight.
+pub fn memory_share_weight(memory_gb: f64) -> u32 {
+    ((memory_gb * 10.0).round() as u32).max(1)
 }
 
 #[cfg(test)]

@@ -1367,7 +1367,7 @@ impl Shares {
     /// device's memory in tenths of a GB, as the plan file gives it.
     fn weight(ctx: &Ctx<'_>, unit: usize) -> Option<f64> {
         let gb = ctx.devices[unit].spec?.memory_gb;
-        Some((gb * 10.0).round().max(1.0))
+        Some(f64::from(crate::general::memory_share_weight(gb)))
     }
 
     fn of_grid(ctx: &Ctx<'_>, grid: &[Vec<usize>]) -> Vec<Self> {
