@@ -15,7 +15,7 @@ use crate::checkpoint::LATEST;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use synerfuse_parallel::cost::ModelShape;
-use synerfuse_parallel::planner::{self, Choice, PlanRequest, RunningJob};
+use synerfuse_parallel::planner::{self, RunningJob};
 use synerfuse_parallel::GeneralPlan;
 
 /// The exit status of a survivor of a lost rank (`EX_TEMPFAIL`: try again, on the
@@ -167,17 +167,10 @@ fn plan_for_survivors(
         compute_bytes: snapshot.compute_bytes,
     };
     let cost = planner::fitted_cost_of(&job, survivors)?;
-    let request = PlanRequest {
-        global_batch_size: snapshot.plan.batches().global_batch_size(),
-        micro_batch_sizes: vec![1, 2, 4, 8],
-        top_k: 1,
-        tensor_parallel_sizes: vec![1],
-        recompute: Choice::Off,
-        distributed_optimizer: match snapshot.distributed_optimizer {
-            true => Choice::On,
-            false => Choice::Off,
-        },
-    };
+    let request = planner::running_job_request(
+        snapshot.plan.batches().global_batch_size(),
+        snapshot.distributed_optimizer,
+    );
     let placements: Vec<_> = (survivors.iter())
         .map(|&r| snapshot.plan.placement(r).cloned())
         .collect();

@@ -23,7 +23,8 @@ use std::collections::{BTreeSet, BinaryHeap, HashMap};
 use pooled::plan_pooled_noting_memory;
 pub use pooled::{plan_pooled, pooled_timeline, to_general_plan, PoolLayout, PooledCandidate};
 pub use running::{
-    best_plan_for, fitted_cost, fitted_cost_of, predict_step_s, ReplanError, RunningJob,
+    best_plan_for, fitted_cost, fitted_cost_of, predict_step_s, running_job_request, ReplanError,
+    RunningJob,
 };
 pub use samples::{min_max_samples, ReplicaPace};
 pub use tensor::{best_group, TpGroup, MOST_SHARE};

@@ -12,7 +12,7 @@
 
 use super::pooled::{self, PoolLayout};
 use super::{
-    grid_rank_devices, plan, to_general_grid_plan, to_general_plan, Ctx, PlanRequest,
+    grid_rank_devices, plan, to_general_grid_plan, to_general_plan, Choice, Ctx, PlanRequest,
     PlanningError, TpGroup,
 };
 use crate::cluster::{ClusterSpec, DeviceGroup, Network};
@@ -234,6 +234,23 @@ pub fn predict_step_s(cost: &CostModel, plan: &GeneralPlan) -> Result<f64, Repla
     let mut ctx = Ctx::with_groups(cost, cost.cluster.devices(), groups);
     let (candidate, _) = pooled::simulate(&mut ctx, pools, false)?;
     Ok(candidate.step_time_s)
+}
+
+/// What a running job is re-planned for (a switch, or the survivors of lost ranks): its
+/// own global batch, micro-batch sizes 1 to 8, no tensor parallelism, no recomputation,
+/// and the distributed optimizer exactly when the job runs it (its state is laid out so).
+pub fn running_job_request(global_batch_size: usize, distributed_optimizer: bool) -> PlanRequest {
+    PlanRequest {
+        global_batch_size,
+        micro_batch_sizes: vec![1, 2, 4, 8],
+        top_k: 1,
+        tensor_parallel_sizes: vec![1],
+        recompute: Choice::Off,
+        distributed_optimizer: match distributed_optimizer {
+            true => Choice::On,
+            false => Choice::Off,
+        },
+    }
 }
 
 /// The planner's best plan for `request` on `cost`'s cluster (the best grid plan or the

@@ -15,11 +15,8 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use synerfuse_model::tch::{Device, Kind, Tensor};
-use synerfuse_parallel::planner::{self, Choice, PlanRequest, RunningJob};
+use synerfuse_parallel::planner::{self, RunningJob};
 use synerfuse_parallel::GeneralPlan;
-
-/// Micro-batch sizes a re-plan tries.
-const MICRO_BATCH_SIZES: [usize; 4] = [1, 2, 4, 8];
 
 /// What re-planning keeps from step to step, and across a switch.
 #[derive(Debug, Clone)]
@@ -275,17 +272,7 @@ impl<'w> Trainer<'w> {
         let fastest = fitted.iter().copied().fold(f64::MIN_POSITIVE, f64::max);
         let current_step_s = planner::predict_step_s(&cost, job.plan)?;
         let global = job.plan.batches().global_batch_size();
-        let request = PlanRequest {
-            global_batch_size: global,
-            micro_batch_sizes: MICRO_BATCH_SIZES.to_vec(),
-            top_k: 1,
-            tensor_parallel_sizes: vec![1],
-            recompute: Choice::Off,
-            distributed_optimizer: match self.config.optimizer.distributed {
-                true => Choice::On,
-                false => Choice::Off,
-            },
-        };
+        let request = planner::running_job_request(global, self.config.optimizer.distributed);
         let placements: Vec<_> = (0..job.plan.world_size())
             .map(|r| job.plan.placement(r).cloned())
             .collect();
