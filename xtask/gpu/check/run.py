@@ -143,6 +143,20 @@ def worst_rel(a, b):
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
+def needs(key, what):
+    """A step that reads an earlier step's result fails, naming it, when it is missing."""
+    if key not in STATE:
+        raise Failed(f"no {what} (step speed failed)")
+
+
+def within_tenth(rec, off):
+    """Marks `rec` a miss when `off` (relative) is beyond the issue's 10 %."""
+    rec["summary"] += f": {off:+.1%} (target within 10 %)"
+    if abs(off) > 0.10:
+        rec["status"] = "MISS"
+    return rec
+
+
 # ---- the runs ------------------------------------------------------------------------
 DATA = os.path.join(BUNDLE, "data")
 DATA_FLAGS = ["--data-path", os.path.join(DATA, "shk_text_document"), "--split", "100,0,0",
@@ -396,8 +410,7 @@ def reference_run(deadline, compiled):
 
 @step("reference", 240)
 def reference(deadline):
-    if "mbs" not in STATE:
-        raise Failed("no speed figure to compare with (step speed failed)")
+    needs("mbs", "speed figure to compare with")
     ref = reference_run(deadline, compiled=False)
     ratio = STATE["tokens_per_s"] / ref["tokens_per_s"]
     rec = {"reference": ref, "ours_over_reference": ratio,
@@ -422,8 +435,7 @@ def reference(deadline):
 
 @step("memory", 30)
 def memory(deadline):
-    if "last" not in STATE:
-        raise Failed("no speed run to read (step speed failed)")
+    needs("last", "speed run to read")
     rank = STATE["last"]["ranks"][0]
     measured = rank["state_bytes"] + (rank.get("activation_peak_bytes") or 0)
     predicted = max(STATE["plan"]["peak_memory_gb_per_stage"]) * 1e9
@@ -432,10 +444,8 @@ def memory(deadline):
            "activation_peak_bytes": rank.get("activation_peak_bytes"),
            "predicted_bytes": predicted, "measured_over_predicted": measured / predicted,
            "summary": f"measured {measured / 1e9:.2f} GB (state {rank['state_bytes'] / 1e9:.2f}), "
-                      f"predicted {predicted / 1e9:.2f} GB: {off:+.1%} (target within 10 %)"}
-    if abs(off) > 0.10:
-        rec["status"] = "MISS"
-    return rec
+                      f"predicted {predicted / 1e9:.2f} GB"}
+    return within_tenth(rec, off)
 
 
 # ---- 7. the planner on the card ----------------------------------------------------------
@@ -443,8 +453,7 @@ def memory(deadline):
 
 @step("planner", 120)
 def planner(deadline):
-    if "mbs" not in STATE:
-        raise Failed("no measured step to compare with (step speed failed)")
+    needs("mbs", "measured step to compare with")
     profile = os.path.join(WORK, "profile.json")
     cmd = [SF, "profile", "--device", DEV, *model_flags(), "--vocab-size", str(BIG["vocab"]),
            "--micro-batch-sizes", str(STATE["mbs"]), "--repeats", "3", "--output", profile]
@@ -461,11 +470,8 @@ def planner(deadline):
     rec = {"predicted_step_s": predicted, "measured_step_s": STATE["step_s"],
            "predicted_over_measured": predicted / STATE["step_s"],
            "predicted_peak_gb_with_profile": plan["peak_memory_gb_per_stage"],
-           "summary": f"predicted {predicted:.3f} s per step, measured {STATE['step_s']:.3f} s: "
-                      f"{off:+.1%} (target within 10 %)"}
-    if abs(off) > 0.10:
-        rec["status"] = "MISS"
-    return rec
+           "summary": f"predicted {predicted:.3f} s per step, measured {STATE['step_s']:.3f} s"}
+    return within_tenth(rec, off)
 
 
 RESULT["total_seconds"] = round(elapsed(), 1)
