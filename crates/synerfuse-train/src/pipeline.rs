@@ -232,72 +232,11 @@ impl PipelineRank<'_> {
             .map(|mb| BatchTensors::new(mb, sequence_length, device))
             .collect();
         let mut step = StepState::default();
-        for instruction in program {
-            if let Instruction::Send(m) = instruction {
-                let sends = match m.payload {
-                    Payload::Gradient => &mut step.gradient_sends,
-                    Payload::Activation => &mut step.activation_sends,
-                };
-                *sends.entry(m.piece).or_insert(0) += 1;
-            }
-        }
+        count_sends(program, &mut step);
         for &instruction in program {
             let start_s = self.now_s();
-            let event = match (instruction, mode) {
-                (Instruction::Recv(message), _) => {
-                    let rows = inputs[message.piece.micro_batch].rows;
-                    let buffer = self.receive(rows, sequence_length, &message, &mut step)?;
-                    step.received
-                        .insert((message.payload, message.piece), buffer);
-                    PipelineEvent::Between
-                }
-                (
-                    Instruction::Compute {
-                        pass: Pass::Forward,
-                        piece,
-                    },
-                    _,
-                ) => {
-                    self.forward(piece, &inputs[piece.micro_batch], &mut step)?;
-                    if mode == Mode::Evaluate && !step.activation_sends.contains_key(&piece) {
-                        step.passes.remove(&piece);
-                    }
-                    PipelineEvent::Between
-                }
-                (
-                    Instruction::Compute {
-                        pass: Pass::Backward,
-                        piece,
-                    },
-                    Mode::Train { loss_normaliser },
-                ) => {
-                    let batch = &inputs[piece.micro_batch];
-                    self.backward(piece, batch, loss_normaliser, &mut step)?;
-                    PipelineEvent::BackwardDone { chunk: piece.chunk }
-                }
-                (
-                    Instruction::Compute {
-                        pass: Pass::Backward,
-                        piece,
-                    },
-                    Mode::Evaluate,
-                ) => {
-                    return Err(TrainError::Pipeline(PipelineFault::BackwardInEvaluation(
-                        piece,
-                    )));
-                }
-                (Instruction::Send(message), _) => {
-                    self.send_result(&message, &mut step)?;
-                    if mode == Mode::Evaluate && message.payload == Payload::Activation {
-                        let left = step.activation_sends.entry(message.piece).or_insert(1);
-                        *left -= 1;
-                        if *left == 0 {
-                            step.passes.remove(&message.piece);
-                        }
-                    }
-                    PipelineEvent::Between
-                }
-            };
+            let event =
+                self.run_instruction(instruction, mode, &inputs, sequence_length, &mut step)?;
             step.spans.push(Span {
                 kind: span_kind(instruction),
                 start_s,
@@ -309,6 +248,84 @@ impl PipelineRank<'_> {
             on_event(event)?;
             step.times.compute += started.elapsed();
         }
+        self.finish_sends(&mut step)?;
+        if !step.passes.is_empty() {
+            return Err(TrainError::Pipeline(PipelineFault::Unfinished(
+                step.passes.len(),
+            )));
+        }
+        Ok((step.loss, step.times, step.spans))
+    }
+
+    /// Runs one instruction; what happened, for the gradient bookkeeping.
+    fn run_instruction(
+        &self,
+        instruction: Instruction,
+        mode: Mode,
+        inputs: &[BatchTensors],
+        sequence_length: usize,
+        step: &mut StepState,
+    ) -> Result<PipelineEvent, TrainError> {
+        Ok(match (instruction, mode) {
+            (Instruction::Recv(message), _) => {
+                let rows = inputs[message.piece.micro_batch].rows;
+                let buffer = self.receive(rows, sequence_length, &message, step)?;
+                step.received
+                    .insert((message.payload, message.piece), buffer);
+                PipelineEvent::Between
+            }
+            (
+                Instruction::Compute {
+                    pass: Pass::Forward,
+                    piece,
+                },
+                _,
+            ) => {
+                self.forward(piece, &inputs[piece.micro_batch], step)?;
+                if mode == Mode::Evaluate && !step.activation_sends.contains_key(&piece) {
+                    step.passes.remove(&piece);
+                }
+                PipelineEvent::Between
+            }
+            (
+                Instruction::Compute {
+                    pass: Pass::Backward,
+                    piece,
+                },
+                Mode::Train { loss_normaliser },
+            ) => {
+                let batch = &inputs[piece.micro_batch];
+                self.backward(piece, batch, loss_normaliser, step)?;
+                PipelineEvent::BackwardDone { chunk: piece.chunk }
+            }
+            (
+                Instruction::Compute {
+                    pass: Pass::Backward,
+                    piece,
+                },
+                Mode::Evaluate,
+            ) => {
+                return Err(TrainError::Pipeline(PipelineFault::BackwardInEvaluation(
+                    piece,
+                )));
+            }
+            (Instruction::Send(message), _) => {
+                self.send_result(&message, step)?;
+                if mode == Mode::Evaluate && message.payload == Payload::Activation {
+                    let left = step.activation_sends.entry(message.piece).or_insert(1);
+                    *left -= 1;
+                    if *left == 0 {
+                        step.passes.remove(&message.piece);
+                    }
+                }
+                PipelineEvent::Between
+            }
+        })
+    }
+
+    /// Waits for every send of the step to complete (NCCL sends exchanged, host-staged
+    /// ones waited on), timed as communication.
+    fn finish_sends(&self, step: &mut StepState) -> Result<(), TrainError> {
         let (started, start_s) = (Instant::now(), self.now_s());
         let sends = &mut step.sends;
         self.links.exchange(&sends.nccl, None)?;
@@ -325,12 +342,7 @@ impl PipelineRank<'_> {
             end_s: self.now_s(),
             micro_batch: None,
         });
-        if !step.passes.is_empty() {
-            return Err(TrainError::Pipeline(PipelineFault::Unfinished(
-                step.passes.len(),
-            )));
-        }
-        Ok((step.loss, step.times, step.spans))
+        Ok(())
     }
 
     /// The forward of `piece`: its input is the batch's tokens on the first stage's
@@ -699,6 +711,19 @@ impl BatchTensors {
                     .view([rows, 1, s, s])
                     .to_device(device)
             }),
+        }
+    }
+}
+
+/// Counts the sends of each piece (an evaluation frees a piece's pass after its last).
+fn count_sends(program: &[Instruction], step: &mut StepState) {
+    for instruction in program {
+        if let Instruction::Send(m) = instruction {
+            let sends = match m.payload {
+                Payload::Gradient => &mut step.gradient_sends,
+                Payload::Activation => &mut step.activation_sends,
+            };
+            *sends.entry(m.piece).or_insert(0) += 1;
         }
     }
 }

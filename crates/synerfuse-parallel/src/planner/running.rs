@@ -10,11 +10,14 @@
 //! simulation (every replica's schedule, the reduction, the optimizer), so that their
 //! difference is not the difference of two models.
 
-use super::pooled::{self, PoolLayout};
-use super::{
-    grid_rank_devices, plan, to_general_grid_plan, to_general_plan, Choice, Ctx, PlanRequest,
-    PlanningError, TpGroup,
-};
+use super::convert::{grid_rank_devices, to_general_grid_plan, to_general_plan};
+use super::error::PlanningError;
+use super::plan;
+use super::pooled::PoolLayout;
+use super::pricing::Ctx;
+use super::request::{Choice, PlanRequest};
+use super::simulate::simulate_pools;
+use super::tensor::TpGroup;
 use crate::cluster::{ClusterSpec, DeviceGroup, Network};
 use crate::cost::{CostModel, MeasuredCosts, MeasuredNetwork, ModelShape, Profile, Recompute};
 use crate::general::{GeneralPlan, GeneralPlanError, ReplicaPipeline};
@@ -232,7 +235,7 @@ pub fn predict_step_s(cost: &CostModel, plan: &GeneralPlan) -> Result<f64, Repla
         });
     }
     let mut ctx = Ctx::with_groups(cost, cost.cluster.devices(), groups);
-    let (candidate, _) = pooled::simulate(&mut ctx, pools, false)?;
+    let (candidate, _) = simulate_pools(&mut ctx, pools, false)?;
     Ok(candidate.step_time_s)
 }
 

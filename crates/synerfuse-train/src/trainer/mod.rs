@@ -323,6 +323,121 @@ fn build_optimizer(
     Ok(optimizer)
 }
 
+/// This rank's communicators: every gradient reduction's and every tensor-parallel
+/// group's (collective over `world`), with the plan's gradient reductions.
+fn rank_groups(
+    world: &MpiCommunicator,
+    device: Device,
+    config: &TrainConfig,
+) -> Result<(SetGroups, Vec<GradientReduction>), TrainError> {
+    let plan = &config.parallel.plan;
+    let reductions = plan.gradient_reductions(config.model.tie_word_embeddings);
+    let tp_groups = plan
+        .replicas()
+        .iter()
+        .flat_map(|r| r.ranks.iter().filter(|g| g.len() > 1).cloned());
+    let sets = reductions
+        .iter()
+        .map(|r| r.members.clone())
+        .chain(tp_groups);
+    let groups = SetGroups::new(world, device, sets)?;
+    Ok((groups, reductions))
+}
+
+/// The train split's prefetching loader, then the validation and test splits' loaders.
+type Loaders = (
+    Option<Prefetcher>,
+    Option<ReplicaLoader>,
+    Option<ReplicaLoader>,
+);
+
+/// The train split's prefetching loader and the evaluation splits' loaders of
+/// `replica` (an error when there is no train data and training is asked for).
+fn build_loaders(
+    config: &TrainConfig,
+    datasets: SplitDatasets,
+    replica: usize,
+    sample_options: SampleOptions,
+) -> Result<Loaders, TrainError> {
+    let plan = &config.parallel.plan;
+    let loader_of = |split: Option<_>| {
+        let new = |d| ReplicaLoader::new(d, plan.batches(), replica, sample_options);
+        split.map(new).transpose()
+    };
+    let loader = match (loader_of(datasets.train)?, config.eval.skip_train) {
+        (Some(train), _) => Some(Prefetcher::new(train, config.data.prefetch)),
+        (None, true) => None,
+        (None, false) => return Err(LoaderError::NoTrainData.into()),
+    };
+    let evaluating = config.eval.iters > 0;
+    let valid = loader_of(datasets.valid.filter(|_| evaluating))?;
+    let test = loader_of(datasets.test.filter(|_| evaluating))?;
+    Ok((loader, valid, test))
+}
+
+/// The optimizer of the parameters this rank updates, and the distributed optimizer's
+/// shards when `--use-distributed-optimizer` (built from the fp32 initial values, which
+/// are dropped after).
+fn build_optimizers(
+    config: &TrainConfig,
+    chunks: &mut [Stage],
+    grads: &MainGrads,
+    rank: usize,
+    fp32_values: BTreeMap<String, Tensor>,
+) -> Result<(AdamW, Option<DistributedOptimizer>), TrainError> {
+    let zero = config.optimizer.distributed.then(|| {
+        let adam = config.optimizer.adam;
+        DistributedOptimizer::new(adam, grads.layouts(), rank, &fp32_values)
+    });
+    let sharded = zero
+        .as_ref()
+        .map(DistributedOptimizer::names)
+        .unwrap_or_default();
+    let optimizer = build_optimizer(config, chunks, &fp32_values, &sharded)?;
+    Ok((optimizer, zero))
+}
+
+/// This rank's state in bytes, measured, and logged.
+fn memory_report(
+    chunks: &[Stage],
+    grads: &MainGrads,
+    optimizer: &AdamW,
+    zero: Option<&DistributedOptimizer>,
+) -> MemoryReport {
+    let optimizer_bytes =
+        optimizer.state_bytes() + zero.map_or(0, DistributedOptimizer::state_bytes);
+    tracing::info!(
+        "optimizer state: {optimizer_bytes} bytes{}",
+        match zero {
+            Some(z) => format!(
+                " ({} of them this rank's shards of the distributed optimizer)",
+                z.state_bytes()
+            ),
+            None => String::new(),
+        }
+    );
+    let tensors: Vec<Tensor> = (chunks.iter())
+        .flat_map(|c| c.var_store().variables().into_values())
+        .collect();
+    let parameters = crate::memory::tensor_bytes(&tensors);
+    let memory = MemoryReport {
+        parameters,
+        gradients: parameters,
+        main_gradients: grads.bytes(),
+        optimizer: optimizer_bytes,
+        activations_peak: None,
+    };
+    tracing::info!(
+        "memory: parameters {} B, their gradients {} B, fp32 main gradients {} B, optimizer state {} B: {} B of state",
+        memory.parameters,
+        memory.gradients,
+        memory.main_gradients,
+        memory.optimizer,
+        memory.state()
+    );
+    memory
+}
+
 /// One rank of a training job.
 pub struct Trainer<'w> {
     config: TrainConfig,
@@ -396,16 +511,7 @@ impl<'w> Trainer<'w> {
             warn_if_emulation_oversubscribes(&config, world.size());
         }
         let plan = &config.parallel.plan;
-        let reductions = plan.gradient_reductions(config.model.tie_word_embeddings);
-        let tp_groups = plan
-            .replicas()
-            .iter()
-            .flat_map(|r| r.ranks.iter().filter(|g| g.len() > 1).cloned());
-        let sets = reductions
-            .iter()
-            .map(|r| r.members.clone())
-            .chain(tp_groups);
-        let groups = SetGroups::new(world, device, sets)?;
+        let (groups, reductions) = rank_groups(world, device, &config)?;
         let tp_group = plan.replicas()[replica].ranks[stage_index].clone();
         let tp_rank = plan.tp_rank(rank).unwrap_or(0);
         let mut chunks = build_chunks(&config, (replica, stage_index), tp_rank, device)?;
@@ -417,19 +523,8 @@ impl<'w> Trainer<'w> {
         let links = PipelineLinks::new(world, &groups, &programs)?;
         let program = programs.swap_remove(rank);
         let eval_program = synerfuse_parallel::forward_only(&program);
-        let loader_of = |split: Option<_>| {
-            let new = |d| ReplicaLoader::new(d, plan.batches(), replica, sample_options);
-            split.map(new).transpose()
-        };
         let kept = datasets.clone();
-        let loader = match (loader_of(datasets.train)?, config.eval.skip_train) {
-            (Some(train), _) => Some(Prefetcher::new(train, config.data.prefetch)),
-            (None, true) => None,
-            (None, false) => return Err(LoaderError::NoTrainData.into()),
-        };
-        let evaluating = config.eval.iters > 0;
-        let valid = loader_of(datasets.valid.filter(|_| evaluating))?;
-        let test = loader_of(datasets.test.filter(|_| evaluating))?;
+        let (loader, valid, test) = build_loaders(&config, datasets, replica, sample_options)?;
         let mine: Vec<GradientReduction> = reductions
             .into_iter()
             .filter(|r| r.members.contains(&rank))
@@ -446,47 +541,8 @@ impl<'w> Trainer<'w> {
             true => grads.sharded(|members| plan.memory_shares(members)),
             false => grads,
         };
-        let zero = config.optimizer.distributed.then(|| {
-            let adam = config.optimizer.adam;
-            DistributedOptimizer::new(adam, grads.layouts(), rank, &fp32_values)
-        });
-        let sharded = zero
-            .as_ref()
-            .map(DistributedOptimizer::names)
-            .unwrap_or_default();
-        let optimizer = build_optimizer(&config, &mut chunks, &fp32_values, &sharded)?;
-        drop(fp32_values);
-        let optimizer_bytes =
-            optimizer.state_bytes() + zero.as_ref().map_or(0, DistributedOptimizer::state_bytes);
-        tracing::info!(
-            "optimizer state: {optimizer_bytes} bytes{}",
-            match &zero {
-                Some(z) => format!(
-                    " ({} of them this rank's shards of the distributed optimizer)",
-                    z.state_bytes()
-                ),
-                None => String::new(),
-            }
-        );
-        let tensors: Vec<Tensor> = (chunks.iter())
-            .flat_map(|c| c.var_store().variables().into_values())
-            .collect();
-        let parameters = crate::memory::tensor_bytes(&tensors);
-        let memory = MemoryReport {
-            parameters,
-            gradients: parameters,
-            main_gradients: grads.bytes(),
-            optimizer: optimizer_bytes,
-            activations_peak: None,
-        };
-        tracing::info!(
-            "memory: parameters {} B, their gradients {} B, fp32 main gradients {} B, optimizer state {} B: {} B of state",
-            memory.parameters,
-            memory.gradients,
-            memory.main_gradients,
-            memory.optimizer,
-            memory.state()
-        );
+        let (optimizer, zero) = build_optimizers(&config, &mut chunks, &grads, rank, fp32_values)?;
+        let memory = memory_report(&chunks, &grads, &optimizer, zero.as_ref());
         let num_stages = plan.replicas()[replica].stages.num_stages();
         let mut trainer = Trainer {
             world,

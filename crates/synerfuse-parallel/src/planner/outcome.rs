@@ -1,0 +1,236 @@
+//! What the planner returns: candidates, their predictions, and how they compare.
+
+use super::{pooled::PooledCandidate, pricing::Grid, request::TrainOptions};
+
+/// How devices are arranged into stages and replicas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Arrangement {
+    /// Each replica a block of similar devices (hetero DP; rank order tp-pp-dp).
+    ByReplica,
+    /// Each stage a block of similar devices, slow ones late (hetero PP; default order).
+    ByStage,
+}
+
+/// A plan with its predicted costs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Candidate {
+    /// How devices were arranged.
+    pub arrangement: Arrangement,
+    /// Device index of (stage, replica).
+    pub devices: Vec<Vec<usize>>,
+    /// Layers per stage.
+    pub layers: Vec<usize>,
+    /// Micro-batch size per replica.
+    pub micro_batch_sizes: Vec<usize>,
+    /// Micro-batches per replica.
+    pub micro_batches: Vec<usize>,
+    /// Predicted costs.
+    pub prediction: Prediction,
+    /// How the layout was found.
+    pub origin: CandidateOrigin,
+    /// What it trains with beside its layout.
+    pub options: TrainOptions,
+    /// Whether (stage, replica) recomputes its activations.
+    pub recompute: Grid<bool>,
+}
+
+impl Candidate {
+    /// "micro-batch size 2" when every replica has the same, else "micro-batch sizes
+    /// [4, 1]" (per replica).
+    pub fn micro_batch_size_text(&self) -> String {
+        match self.micro_batch_sizes.split_first() {
+            Some((b, rest)) if rest.iter().all(|x| x == b) => format!("micro-batch size {b}"),
+            _ => format!("micro-batch sizes {:?}", self.micro_batch_sizes),
+        }
+    }
+}
+
+/// Where a candidate's layout comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CandidateOrigin {
+    /// Megatron's even split (the baseline every plan is compared with).
+    Uniform,
+    /// Layers and batches sized to the devices by the planner.
+    Planned,
+}
+
+impl std::fmt::Display for CandidateOrigin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CandidateOrigin::Uniform => "uniform",
+            CandidateOrigin::Planned => "planned",
+        })
+    }
+}
+
+/// Predicted costs of a candidate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prediction {
+    /// One training step, s (pipeline + DP all-reduce).
+    pub step_time_s: f64,
+    /// Slowest replica's pipeline, s.
+    pub pipeline_s: f64,
+    /// Slowest stage's gradient all-reduce, s.
+    pub allreduce_s: f64,
+    /// Slowest rank's optimizer step, s (0 where not priced: see
+    /// [`PlanOutcome::unpriced_optimizer`]).
+    pub optimizer_s: f64,
+    /// Idle fraction of rank-time.
+    pub bubble_fraction: f64,
+    /// Per stage, the largest per-micro-batch time over replicas, s.
+    pub stage_time_s: Vec<f64>,
+    /// Per stage, the largest memory need over its ranks, bytes.
+    pub stage_memory_bytes: Vec<f64>,
+    /// Per (stage, replica) compute time in the step, s.
+    pub busy_s: Vec<Vec<f64>>,
+    /// Whether the times come from the discrete-event simulation.
+    pub simulated: bool,
+}
+
+/// The planner's answer.
+#[derive(Debug, Clone)]
+pub struct PlanOutcome {
+    /// The best grid plans, best first (none when only per-replica pipelines fit).
+    pub plans: Vec<Candidate>,
+    /// The best even layout (uniform layers and batches) over every factorization,
+    /// when one is feasible: the baseline the plans are compared with.
+    pub uniform: Option<Candidate>,
+    /// Every feasible even layout considered (each factorization, arrangement and
+    /// micro-batch size once), predicted fastest first: the baselines a benchmark runs
+    /// to measure the best one rather than trust the prediction.
+    pub uniform_layouts: Vec<Candidate>,
+    /// The best plan whose replicas are pipelines of their own shape (devices, or
+    /// tensor-parallel groups of a node, pooled by class), when one fits: `synerfuse
+    /// plan` writes it when it beats the best grid plan or no grid plan fits.
+    pub pooled: Option<PooledCandidate>,
+    /// Candidates considered.
+    pub considered: usize,
+    /// What a perfect heterogeneous job would reach on this cluster.
+    pub bound: ThroughputBound,
+    /// Device kinds whose optimizer step has no price (a CPU kind without a profiled
+    /// optimizer): the step times leave it out for them.
+    pub unpriced_optimizer: Vec<String>,
+}
+
+/// The throughput a perfect heterogeneous job would reach: every device training the
+/// whole model alone (memory aside) at its fastest micro-batch size per sample, their
+/// throughputs added, with no communication and no bubble.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ThroughputBound {
+    /// Tokens per second of each device alone, in cluster order.
+    pub device_tokens_per_s: Vec<f64>,
+    /// Their sum.
+    pub tokens_per_s: f64,
+}
+
+impl ThroughputBound {
+    /// The share of the bound a step of `step_time_s` over `tokens` reaches.
+    pub fn fraction(&self, tokens: f64, step_time_s: f64) -> f64 {
+        tokens / step_time_s / self.tokens_per_s.max(1e-30)
+    }
+}
+
+/// Where a step's time goes, rank by rank added up into three parts: the busiest
+/// rank's compute, the rest of the pipeline (waiting: bubble and transfers), and what
+/// follows it (the data-parallel reduction beyond its overlap, the optimizer).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepBreakdown {
+    /// The busiest rank's forward and backward time, s.
+    pub compute_s: f64,
+    /// The pipeline's time beyond that, s.
+    pub waiting_s: f64,
+    /// The step's time beyond the pipeline, s.
+    pub after_pipeline_s: f64,
+}
+
+impl Prediction {
+    /// The step split into [`StepBreakdown`]'s parts (they add up to the step).
+    pub fn breakdown(&self) -> StepBreakdown {
+        let compute_s = self.busy_s.iter().flatten().copied().fold(0.0, f64::max);
+        StepBreakdown {
+            compute_s,
+            waiting_s: (self.pipeline_s - compute_s).max(0.0),
+            after_pipeline_s: self.step_time_s - self.pipeline_s.max(compute_s),
+        }
+    }
+}
+
+/// Why a plan is slower than the best: the part of the step that grew most.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum BehindBy {
+    /// Its busiest rank computes longer (a less even split of the work).
+    Compute {
+        /// Seconds more than the best plan's.
+        extra_s: f64,
+    },
+    /// Its pipeline waits longer (bubble, transfers).
+    Waiting {
+        /// Seconds more than the best plan's.
+        extra_s: f64,
+    },
+    /// Its data-parallel reduction or optimizer step takes longer past the pipeline.
+    AfterPipeline {
+        /// Seconds more than the best plan's.
+        extra_s: f64,
+    },
+}
+
+impl BehindBy {
+    /// Why `plan` is behind `best` (the part with the largest increase).
+    pub fn of(plan: &Prediction, best: &Prediction) -> Self {
+        let (a, b) = (plan.breakdown(), best.breakdown());
+        let parts = [
+            BehindBy::Compute {
+                extra_s: a.compute_s - b.compute_s,
+            },
+            BehindBy::Waiting {
+                extra_s: a.waiting_s - b.waiting_s,
+            },
+            BehindBy::AfterPipeline {
+                extra_s: a.after_pipeline_s - b.after_pipeline_s,
+            },
+        ];
+        parts
+            .into_iter()
+            .max_by(|x, y| x.extra_s().total_cmp(&y.extra_s()))
+            .expect("three parts")
+    }
+
+    /// The seconds it adds.
+    pub fn extra_s(&self) -> f64 {
+        match *self {
+            BehindBy::Compute { extra_s }
+            | BehindBy::Waiting { extra_s }
+            | BehindBy::AfterPipeline { extra_s } => extra_s,
+        }
+    }
+}
+
+impl std::fmt::Display for BehindBy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ms = self.extra_s() * 1e3;
+        match self {
+            BehindBy::Compute { .. } => write!(f, "its busiest rank computes {ms:.1} ms longer"),
+            BehindBy::Waiting { .. } => write!(
+                f,
+                "its pipeline waits {ms:.1} ms longer (bubble, transfers)"
+            ),
+            BehindBy::AfterPipeline { .. } => {
+                write!(
+                    f,
+                    "its gradient reduction and optimizer step end {ms:.1} ms later"
+                )
+            }
+        }
+    }
+}
+
+impl PlanOutcome {
+    /// The per-replica-pipeline plan, when no grid plan fits or it beats the best by
+    /// more than 1 % (the grid plan, which SynerFuse's flags also express, wins ties and
+    /// noise).
+    pub fn pooled_wins(&self) -> Option<&PooledCandidate> {
+        let grid = self.plans.first().map(|c| c.prediction.step_time_s);
+        (self.pooled.as_ref()).filter(|p| grid.is_none_or(|g| p.step_time_s < g * 0.99))
+    }
+}

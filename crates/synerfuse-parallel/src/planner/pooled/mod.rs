@@ -1,0 +1,637 @@
+//! Plans whose replicas are pipelines of their own shape (the general plan): the devices
+//! pooled by class (group and speed), each pool cut into replicas of one depth with one
+//! layer split and micro-batch size, the batch split over every replica of every pool.
+//! A pool of small devices can pipeline deep while a pool of large ones keeps whole
+//! replicas, which no grid (every replica the same stages) expresses.
+
+use super::{
+    error::PlanningError,
+    grid::arrange,
+    outcome::Arrangement,
+    pricing::{max, pipeline_time, stage_fit, stage_times, Ctx, Grid},
+    request::TrainOptions,
+    samples::{min_max_samples, ReplicaPace},
+    simulate::simulate_pools,
+    split::split_layers,
+    tensor::TpGroup,
+};
+use crate::cost::{CostModel, StageHolding};
+
+/// The most combinations of pool options tried: each pool keeps its fastest options
+/// per device, as many as keep the product under this (every option on small clusters).
+pub(super) const MOST_COMBINATIONS: usize = 81;
+
+/// One pool's part of a plan: its replicas, each `layers.len()` stages deep.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolLayout {
+    /// Unit of (stage, replica): an index into the candidate's `groups`.
+    pub devices: Grid<usize>,
+    /// Layers per stage, the same for each of its replicas.
+    pub layers: Vec<usize>,
+    /// Micro-batch size of its replicas.
+    pub micro_batch_size: usize,
+    /// Micro-batches of each of its replicas.
+    pub micro_batches: Vec<usize>,
+}
+
+/// A plan of pools with its predicted step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PooledCandidate {
+    /// The pools, fastest first; their replicas in this order are the plan's.
+    pub pools: Vec<PoolLayout>,
+    /// What each unit of the pools is: one device, or a tensor-parallel group.
+    pub groups: Vec<TpGroup>,
+    /// What it trains with beside its layout.
+    pub options: TrainOptions,
+    /// Whether each stage of each replica (in the plan's order) recomputes its
+    /// activations.
+    pub recompute: Vec<Vec<bool>>,
+    /// One training step, s (simulated schedule, the reduction, the optimizer).
+    pub step_time_s: f64,
+    /// The slowest replica's pipeline, s.
+    pub pipeline_s: f64,
+    /// The gradient reduction of the busiest rank, s.
+    pub reduce_s: f64,
+    /// The slowest rank's optimizer step, s.
+    pub optimizer_s: f64,
+}
+
+impl PoolLayout {
+    /// Per (stage, replica) the seconds of one micro-batch, and of its send to the next stage.
+    pub(super) fn stage_times(
+        &self,
+        ctx: &mut Ctx<'_>,
+    ) -> Result<(Grid<f64>, Grid<f64>), PlanningError> {
+        let sizes = vec![self.micro_batch_size; self.micro_batches.len()];
+        stage_times(
+            ctx,
+            &self.devices,
+            &self.layers,
+            &sizes,
+            &self.micro_batches,
+        )
+    }
+}
+
+impl PooledCandidate {
+    /// Every replica: (pool, index in the pool).
+    pub(super) fn replicas(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        replicas(&self.pools)
+    }
+
+    /// The device index of each rank of [`to_general_plan`]'s plan, in rank order.
+    pub fn rank_devices(&self) -> Vec<usize> {
+        (self.replicas())
+            .flat_map(|(k, r)| {
+                let pool = &self.pools[k];
+                (pool.devices.iter())
+                    .flat_map(move |row| self.groups[row[r]].members.iter().copied())
+            })
+            .collect()
+    }
+}
+
+/// Every replica of `pools`: (pool, index in the pool).
+pub(super) fn replicas(pools: &[PoolLayout]) -> impl Iterator<Item = (usize, usize)> + '_ {
+    (pools.iter().enumerate())
+        .flat_map(|(k, pool)| (0..pool.micro_batches.len()).map(move |r| (k, r)))
+}
+
+/// One way to cut a pool: depth, micro-batch size, and the layer split that fits.
+#[derive(Clone)]
+pub(super) struct PoolOption {
+    pub(super) devices: Grid<usize>,
+    pub(super) layers: Vec<usize>,
+    pub(super) micro_batch_size: usize,
+    /// Samples per second per device in the steady state.
+    pub(super) rate: f64,
+}
+
+/// The best plan whose replicas are pipelines of their own shape, over every
+/// tensor-parallel size of `tp_sizes` the cluster's nodes cut into; `None` when none
+/// fits, or when the cluster is one pool of devices and no tensor-parallel size above 1
+/// is asked for (the grid planner covers that).
+pub fn plan_pooled(
+    cost: &CostModel,
+    global_batch: usize,
+    sizes: &[usize],
+    tp_sizes: &[usize],
+) -> Result<Option<PooledCandidate>, PlanningError> {
+    // The distributed optimizer's shards are not priced for per-replica pipelines.
+    let cost = CostModel {
+        distributed_optimizer: false,
+        ..cost.clone()
+    };
+    Ok(plan_pooled_noting_memory(&cost, global_batch, sizes, tp_sizes)?.0)
+}
+
+/// [`plan_pooled`], and whether memory ruled anything out.
+pub(super) fn plan_pooled_noting_memory(
+    cost: &CostModel,
+    global_batch: usize,
+    sizes: &[usize],
+    tp_sizes: &[usize],
+) -> Result<(Option<PooledCandidate>, bool), PlanningError> {
+    let (mut best, mut bound): (Option<PooledCandidate>, bool) = (None, false);
+    for &t in tp_sizes {
+        let Some(mut ctx) = Ctx::tensor_parallel(cost, t)? else {
+            continue;
+        };
+        let found = plan_units(&mut ctx, global_batch, sizes, t > 1)?;
+        bound |= ctx.memory_bound.get();
+        if let Some(c) = found {
+            if best.as_ref().is_none_or(|b| c.step_time_s < b.step_time_s) {
+                best = Some(c);
+            }
+        }
+    }
+    Ok((best, bound))
+}
+
+/// The best plan over `ctx`'s units (devices, or tensor-parallel groups), when more
+/// than one pool of them (or `one_pool`) and one fits.
+pub(super) fn plan_units(
+    ctx: &mut Ctx<'_>,
+    global_batch: usize,
+    sizes: &[usize],
+    one_pool: bool,
+) -> Result<Option<PooledCandidate>, PlanningError> {
+    let pools = pools(ctx)?;
+    if pools.len() < 2 && !one_pool {
+        return Ok(None);
+    }
+    let mut options = Vec::with_capacity(pools.len());
+    for pool in &pools {
+        options.push(pool_options(ctx, pool, sizes)?);
+    }
+    // Each other pool takes at least one micro-batch of the smallest size: an option
+    // whose replicas need more than the rest of the batch cannot be part of a plan.
+    let smallest = sizes.iter().copied().min().unwrap_or(1);
+    let room = global_batch.saturating_sub((pools.len() - 1) * smallest);
+    for pool_options in &mut options {
+        pool_options.retain(|o| o.devices[0].len() * o.micro_batch_size <= room);
+    }
+    if options.iter().any(Vec::is_empty) {
+        return Ok(None);
+    }
+    let keep = options_kept(&options.iter().map(Vec::len).collect::<Vec<_>>());
+    let mut best: Option<(f64, Vec<PoolLayout>)> = None;
+    for choice in combinations(
+        &options
+            .iter()
+            .map(|o| o.len().min(keep))
+            .collect::<Vec<_>>(),
+    ) {
+        let chosen: Vec<&PoolOption> = choice
+            .iter()
+            .enumerate()
+            .map(|(k, &i)| &options[k][i])
+            .collect();
+        if let Some((step, layouts)) = balance(ctx, &chosen, global_batch)? {
+            if best.as_ref().is_none_or(|(s, _)| step < *s) {
+                best = Some((step, layouts));
+            }
+        }
+    }
+    let Some((_, layouts)) = best else {
+        return Ok(None);
+    };
+    let (candidate, _) = simulate_pools(ctx, layouts, false)?;
+    Ok(Some(candidate))
+}
+
+/// Options kept per pool: the most k with every pool's min(k, options) multiplying to at
+/// most [`MOST_COMBINATIONS`] (at least 1).
+pub(super) fn options_kept(counts: &[usize]) -> usize {
+    // Saturating: a cluster of many pools would overflow the product.
+    let product = |k: usize| (counts.iter()).fold(1usize, |a, &n| a.saturating_mul(n.min(k)));
+    let most = counts.iter().copied().max().unwrap_or(1);
+    (1..=most)
+        .take_while(|&k| product(k) <= MOST_COMBINATIONS)
+        .last()
+        .unwrap_or(1)
+}
+
+/// What pools devices: their class (group, speed) and usable memory's bits.
+pub(super) type PoolKey = (usize, Option<u64>);
+
+/// Unit indices (devices, or tensor-parallel groups) pooled by unit class and usable
+/// memory, fastest pool first (per-layer time at micro-batch size 1).
+pub(super) fn pools(ctx: &mut Ctx<'_>) -> Result<Vec<Vec<usize>>, PlanningError> {
+    let mut pools: Vec<(PoolKey, Vec<usize>)> = Vec::new();
+    for i in 0..ctx.devices.len() {
+        let key = (ctx.classes[i], ctx.memory[i].map(f64::to_bits));
+        match pools.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, members)) => members.push(i),
+            None => pools.push((key, vec![i])),
+        }
+    }
+    let mut speed = Vec::with_capacity(pools.len());
+    for (_, members) in &pools {
+        speed.push(ctx.costs(members[0], 1)?.layer_s);
+    }
+    let mut order: Vec<usize> = (0..pools.len()).collect();
+    order.sort_by(|&a, &b| speed[a].total_cmp(&speed[b]));
+    Ok(order.into_iter().map(|k| pools[k].1.clone()).collect())
+}
+
+/// A pool's feasible cuts (every depth dividing it and size), its fastest per device
+/// first: the layer split that fits with every 1F1B micro-batch in flight.
+pub(super) fn pool_options(
+    ctx: &mut Ctx<'_>,
+    pool: &[usize],
+    sizes: &[usize],
+) -> Result<Vec<PoolOption>, PlanningError> {
+    let (n, l) = (pool.len(), ctx.cost.model.num_layers);
+    let mut options = Vec::new();
+    for p in (1..=n.min(l)).filter(|p| n % p == 0) {
+        let d = n / p;
+        let devices = arrange(pool, p, d, Arrangement::ByReplica);
+        for &b in sizes {
+            let bs = vec![b; d];
+            // Split for a full pipeline; a pool that only fits with fewer micro-batches in
+            // flight is tried with one per replica (the batch split decides).
+            let layers = match split_layers(ctx, &devices, &bs, &vec![p; d], l)? {
+                Some(layers) => Some(layers),
+                None => split_layers(ctx, &devices, &bs, &vec![1; d], l)?,
+            };
+            let Some(layers) = layers else {
+                continue;
+            };
+            let (t, _) = stage_times(ctx, &devices, &layers, &bs, &vec![p; d])?;
+            let slowest = t.iter().map(|s| s[0]).fold(0.0, f64::max);
+            options.push(PoolOption {
+                rate: (d * b) as f64 / slowest.max(1e-30) / n as f64,
+                devices: devices.clone(),
+                layers,
+                micro_batch_size: b,
+            });
+        }
+    }
+    options.sort_by(|a, b| b.rate.total_cmp(&a.rate));
+    Ok(options)
+}
+
+/// Every index vector below `limits`, the first index fastest.
+pub(super) fn combinations(limits: &[usize]) -> Vec<Vec<usize>> {
+    let mut out = vec![Vec::new()];
+    for &limit in limits {
+        out = (out.into_iter())
+            .flat_map(|prefix| {
+                (0..limit).map(move |i| {
+                    let mut next = prefix.clone();
+                    next.push(i);
+                    next
+                })
+            })
+            .collect();
+    }
+    out
+}
+
+/// The batch split over the pools' replicas (exact min-max over samples), then each
+/// pool's layers re-split for its counts, twice; the closed-form step and the layouts,
+/// or `None` when the sizes cannot make the batch or a split stops fitting.
+pub(super) fn balance(
+    ctx: &mut Ctx<'_>,
+    chosen: &[&PoolOption],
+    global_batch: usize,
+) -> Result<Option<(f64, Vec<PoolLayout>)>, PlanningError> {
+    let mut layouts: Vec<PoolLayout> = (chosen.iter())
+        .map(|o| PoolLayout {
+            devices: o.devices.clone(),
+            layers: o.layers.clone(),
+            micro_batch_size: o.micro_batch_size,
+            micro_batches: vec![1; o.devices[0].len()],
+        })
+        .collect();
+    for _ in 0..2 {
+        let mut paces = Vec::new();
+        for pool in &layouts {
+            let d = pool.micro_batches.len();
+            let (t, c) = pool.stage_times(ctx)?;
+            let most = most_micro_batches(ctx, pool)?;
+            for r in 0..d {
+                paces.push(ReplicaPace {
+                    micro_batch_size: pool.micro_batch_size,
+                    first_s: pipeline_time(&t, &c, r, 1),
+                    each_s: t.iter().map(|s| s[r]).fold(0.0, f64::max),
+                    most_micro_batches: most,
+                });
+            }
+        }
+        let Some(counts) = min_max_samples(global_batch, &paces) else {
+            return Ok(None);
+        };
+        let mut counts = counts.into_iter();
+        for pool in &mut layouts {
+            let d = pool.micro_batches.len();
+            pool.micro_batches = counts.by_ref().take(d).collect();
+            let bs = vec![pool.micro_batch_size; d];
+            let l = ctx.cost.model.num_layers;
+            match split_layers(ctx, &pool.devices, &bs, &pool.micro_batches, l)? {
+                Some(layers) => pool.layers = layers,
+                None => return Ok(None),
+            }
+        }
+    }
+    let step = closed_form_step_s(ctx, &layouts)?;
+    Ok(Some(polish(ctx, layouts, step)?))
+}
+
+/// Whether every rank of every pool holds its stage with its 1F1B micro-batches in
+/// flight.
+pub(super) fn fits_all(ctx: &mut Ctx<'_>, layouts: &[PoolLayout]) -> Result<bool, PlanningError> {
+    for pool in layouts {
+        let (p, b) = (pool.layers.len(), pool.micro_batch_size);
+        for (i, row) in pool.devices.iter().enumerate() {
+            for (&dev, &m) in row.iter().zip(&pool.micro_batches) {
+                let holding = StageHolding {
+                    layers: pool.layers[i],
+                    first: i == 0,
+                    last: i + 1 == p,
+                    in_flight: (p - i).min(m),
+                    micro_batch_size: b,
+                    optimizer_share: 1.0,
+                    recompute: false,
+                };
+                let fit = stage_fit(ctx, dev, holding)?;
+                if ctx.exceeds(fit.need, ctx.memory[dev]) {
+                    return Ok(false);
+                }
+            }
+        }
+    }
+    Ok(true)
+}
+
+/// The most micro-batches per replica the pool's ranks hold with its layers (a stage
+/// keeps at most its depth in flight, so fitting that many fits any count).
+pub(super) fn most_micro_batches(
+    ctx: &mut Ctx<'_>,
+    pool: &PoolLayout,
+) -> Result<usize, PlanningError> {
+    let p = pool.layers.len();
+    let mut most = 0;
+    for m in 1..=p {
+        let trial = PoolLayout {
+            micro_batches: vec![m; pool.micro_batches.len()],
+            ..pool.clone()
+        };
+        if !fits_all(ctx, std::slice::from_ref(&trial))? {
+            return Ok(most);
+        }
+        most = m;
+    }
+    Ok(usize::MAX)
+}
+
+/// Local moves the min-max splits do not see (they balance compute, not the reduction
+/// and optimizer a stage's parameters cost, nor a short pipeline's sum of stages): a
+/// layer to a neighbouring stage, a micro-batch to another replica of the same size;
+/// each kept while the closed-form step falls and every rank fits.
+pub(super) fn polish(
+    ctx: &mut Ctx<'_>,
+    mut layouts: Vec<PoolLayout>,
+    mut step: f64,
+) -> Result<(f64, Vec<PoolLayout>), PlanningError> {
+    loop {
+        let moves = moves(ctx, &layouts)?;
+        let mut improved = false;
+        for m in moves {
+            let Some(next) = m.apply(&layouts) else {
+                continue;
+            };
+            if !fits_all(ctx, &next)? {
+                continue;
+            }
+            let s = closed_form_step_s(ctx, &next)?;
+            if s < step * (1.0 - 1e-12) {
+                (step, layouts, improved) = (s, next, true);
+            }
+        }
+        if !improved {
+            return Ok((step, layouts));
+        }
+    }
+}
+
+/// The moves [`polish`] tries: each layer move in one pool and in every pool at once,
+/// and a micro-batch from the slowest replica to each other of its size (moving counts
+/// moves no parameters, so only the slowest replica's can shorten the step).
+pub(super) fn moves(ctx: &mut Ctx<'_>, layouts: &[PoolLayout]) -> Result<Vec<Move>, PlanningError> {
+    let mut moves = Vec::new();
+    let pairs = |p: usize| (1..p).flat_map(|i| [(i - 1, i), (i, i - 1)]);
+    for (k, pool) in layouts.iter().enumerate() {
+        for (from, to) in pairs(pool.layers.len()) {
+            let pool = Some(k);
+            moves.push(Move::Layer { pool, from, to });
+        }
+    }
+    let deepest = layouts.iter().map(|p| p.layers.len()).max().unwrap_or(1);
+    for (from, to) in pairs(deepest) {
+        moves.push(Move::Layer {
+            pool: None,
+            from,
+            to,
+        });
+    }
+    let mut slowest = ((0, 0), f64::MIN);
+    for (k, pool) in layouts.iter().enumerate() {
+        let (t, c) = pool.stage_times(ctx)?;
+        for (r, &m) in pool.micro_batches.iter().enumerate() {
+            let time = pipeline_time(&t, &c, r, m);
+            if time > slowest.1 {
+                slowest = ((k, r), time);
+            }
+        }
+    }
+    let from = slowest.0;
+    for (k, pool) in layouts.iter().enumerate() {
+        for r in 0..pool.micro_batches.len() {
+            if (k, r) != from && pool.micro_batch_size == layouts[from.0].micro_batch_size {
+                moves.push(Move::MicroBatch { from, to: (k, r) });
+            }
+        }
+    }
+    Ok(moves)
+}
+
+/// One step of [`polish`].
+#[derive(Clone, Copy)]
+pub(super) enum Move {
+    /// A layer from one stage of a pool's replicas to a neighbouring one; with no pool,
+    /// in every pool deep enough.
+    Layer {
+        pool: Option<usize>,
+        from: usize,
+        to: usize,
+    },
+    /// A micro-batch from one replica (pool, index) to another of the same size.
+    MicroBatch {
+        from: (usize, usize),
+        to: (usize, usize),
+    },
+}
+
+impl Move {
+    /// The layouts after the move, `None` when it empties a stage or a replica.
+    pub(super) fn apply(self, layouts: &[PoolLayout]) -> Option<Vec<PoolLayout>> {
+        let mut next = layouts.to_vec();
+        match self {
+            Move::Layer { pool, from, to } => {
+                for (k, layout) in next.iter_mut().enumerate() {
+                    let moved = pool.map_or(layout.layers.len() > from.max(to), |p| p == k);
+                    if moved {
+                        let layers = &mut layout.layers;
+                        layers[from] = layers[from].checked_sub(1).filter(|&n| n > 0)?;
+                        layers[to] += 1;
+                    }
+                }
+            }
+            Move::MicroBatch { from, to } => {
+                let m = &mut next[from.0].micro_batches[from.1];
+                *m = m.checked_sub(1).filter(|&n| n > 0)?;
+                next[to.0].micro_batches[to.1] += 1;
+            }
+        }
+        Some(next)
+    }
+}
+
+/// The step in closed form: the slowest replica's 1F1B, the busiest rank's reduction,
+/// the slowest optimizer step.
+pub(super) fn closed_form_step_s(
+    ctx: &mut Ctx<'_>,
+    layouts: &[PoolLayout],
+) -> Result<f64, PlanningError> {
+    let reduce = max(&reduce_s(ctx, layouts));
+    Ok(pipelines_s(ctx, layouts)? + reduce + optimizer_s(ctx, layouts))
+}
+
+/// The slowest replica's 1F1B closed form.
+pub(super) fn pipelines_s(ctx: &mut Ctx<'_>, layouts: &[PoolLayout]) -> Result<f64, PlanningError> {
+    let mut slowest = 0.0f64;
+    for pool in layouts {
+        let (t, c) = pool.stage_times(ctx)?;
+        for (r, &m) in pool.micro_batches.iter().enumerate() {
+            slowest = slowest.max(pipeline_time(&t, &c, r, m));
+        }
+    }
+    Ok(slowest)
+}
+
+/// Each replica's stage boundaries in pieces (embedding = 0, layer i = i + 1, head =
+/// L + 1), per replica the (start, end) piece range of each stage and its device.
+pub(super) fn stage_pieces(pools: &[PoolLayout], l: usize) -> Vec<Vec<(usize, usize, usize)>> {
+    replicas(pools)
+        .map(|(k, r)| {
+            let pool = &pools[k];
+            let p = pool.layers.len();
+            let mut start = 1;
+            (0..p)
+                .map(|i| {
+                    let from = if i == 0 { 0 } else { start };
+                    start += pool.layers[i];
+                    let to = if i + 1 == p { l + 2 } else { start };
+                    (from, to, pool.devices[i][r])
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Per (replica, stage), replica by replica, the seconds of its gradient reduction: each
+/// segment between the union of every replica's boundaries all-reduced over its
+/// holders (one per replica; tensor-parallel groups of the same shares each member its
+/// share, side by side; groups split otherwise the whole tensors over every member), a
+/// stage's segments one after another.
+pub(super) fn reduce_s(ctx: &Ctx<'_>, pools: &[PoolLayout]) -> Vec<f64> {
+    let model = &ctx.cost.model;
+    let l = model.num_layers;
+    let stages = stage_pieces(pools, l);
+    let mut cuts: Vec<usize> = stages.iter().flatten().map(|&(from, _, _)| from).collect();
+    cuts.push(l + 2);
+    cuts.sort_unstable();
+    cuts.dedup();
+    let params = |from: usize, to: usize| {
+        (from..to)
+            .map(|piece| match piece {
+                0 => model.embedding_params(),
+                x if x == l + 1 => model.embedding_params(),
+                _ => model.layer_params(),
+            })
+            .sum::<f64>()
+    };
+    // Rank of (replica, stage): replica by replica, stage by stage.
+    let first_rank: Vec<usize> = (stages.iter())
+        .scan(0, |next, s| {
+            let first = *next;
+            *next += s.len();
+            Some(first)
+        })
+        .collect();
+    let mut seconds = vec![0.0; stages.iter().map(Vec::len).sum()];
+    for w in cuts.windows(2) {
+        let (from, to) = (w[0], w[1]);
+        let holders: Vec<(usize, usize)> = (stages.iter().enumerate())
+            .map(|(r, s)| {
+                (
+                    r,
+                    s.iter()
+                        .position(|&(a, b, _)| a <= from && to <= b)
+                        .expect("a stage holds each segment"),
+                )
+            })
+            .collect();
+        let devices: Vec<&crate::cluster::Device> = holders
+            .iter()
+            .map(|&(r, i)| &ctx.devices[stages[r][i].2])
+            .collect();
+        // Holders split alike reduce share by share, side by side; otherwise the trainer
+        // reduces whole tensors over every member of every holder.
+        let units: Vec<usize> = holders.iter().map(|&(r, i)| stages[r][i].2).collect();
+        let alike = (units.iter()).all(|&u| ctx.groups[u].shares == ctx.groups[units[0]].shares);
+        let t = match alike {
+            true => {
+                let share = units
+                    .iter()
+                    .map(|&u| ctx.state_fraction(u))
+                    .fold(0.0, f64::max);
+                (ctx.cost).allreduce_seconds(&devices, params(from, to) * 4.0 * share)
+            }
+            false => {
+                let members: Vec<&crate::cluster::Device> = (units.iter())
+                    .flat_map(|&u| ctx.groups[u].members.iter().map(|&m| &ctx.all[m]))
+                    .collect();
+                (ctx.cost).allreduce_seconds(&members, params(from, to) * 4.0)
+            }
+        };
+        for (r, i) in holders {
+            seconds[first_rank[r] + i] += t;
+        }
+    }
+    seconds
+}
+
+/// The slowest rank's optimizer step over its own parameters (0 where not priced).
+pub(super) fn optimizer_s(ctx: &Ctx<'_>, pools: &[PoolLayout]) -> f64 {
+    let mut slowest = 0.0f64;
+    for pool in pools {
+        let p = pool.layers.len();
+        for (i, row) in pool.devices.iter().enumerate() {
+            let params = ctx
+                .cost
+                .model
+                .stage_params(pool.layers[i], i == 0, i + 1 == p);
+            for &unit in row {
+                let s = ctx.optimizer_seconds(unit, params);
+                slowest = slowest.max(s.unwrap_or(0.0));
+            }
+        }
+    }
+    slowest
+}
+
+#[cfg(test)]
+mod tests;

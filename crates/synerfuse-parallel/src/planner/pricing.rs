@@ -1,0 +1,472 @@
+//! The pricing context (per-unit costs, memory, optimizer shares) and the closed-form
+//! price of a grid layout: stage times, memory fits, the 1F1B formula, the reduction
+//! and the optimizer step.
+
+use super::{
+    error::{Infeasibility, MemoryShortfall, PlanningError, Violation},
+    outcome::Prediction,
+    tensor::TpGroup,
+};
+use crate::cluster::Device;
+use crate::cost::{CostModel, Recompute, StageCosts, StageHolding};
+use std::cell::Cell;
+use std::collections::HashMap;
+
+pub(super) struct Ctx<'a> {
+    pub(super) cost: &'a CostModel,
+    /// Per unit (a device, or a tensor-parallel group), the device that stands for it in
+    /// sends and reports: its first member.
+    pub(super) devices: Vec<Device>,
+    /// Per unit, its devices and shares.
+    pub(super) groups: Vec<TpGroup>,
+    /// Per unit, an id shared by the units of the same member classes and shares.
+    pub(super) classes: Vec<usize>,
+    /// The cluster's devices.
+    pub(super) all: Vec<Device>,
+    /// (unit class, b) → costs.
+    pub(super) costs: HashMap<(usize, usize), StageCosts>,
+    /// Per unit, the usable bytes of a whole stage's state (a group's: as its most
+    /// loaded member holds its share).
+    pub(super) memory: Vec<Option<f64>>,
+    /// Whether memory has ruled anything out: options that only save memory are
+    /// searched only where it has.
+    pub(super) memory_bound: Cell<bool>,
+}
+
+impl<'a> Ctx<'a> {
+    /// Every device a unit of its own, in the cluster's order.
+    pub(super) fn new(cost: &'a CostModel) -> Self {
+        let devices = cost.cluster.devices();
+        let groups = (0..devices.len()).map(TpGroup::single).collect();
+        Self::with_groups(cost, devices, groups)
+    }
+
+    /// Units of `size` devices of one node (fastest first within the node), each a
+    /// tensor-parallel group with its best shares; `None` when the cluster does not cut
+    /// into such groups.
+    pub(super) fn tensor_parallel(
+        cost: &'a CostModel,
+        size: usize,
+    ) -> Result<Option<Self>, PlanningError> {
+        if size <= 1 {
+            return Ok(Some(Self::new(cost)));
+        }
+        let mut single = Self::new(cost);
+        let order = fastest_first(&mut single)?;
+        let layer_s: Vec<f64> = (0..single.devices.len())
+            .map(|i| single.costs(i, 1).map(|c| c.layer_s))
+            .collect::<Result<_, _>>()?;
+        let devices = single.all;
+        Ok(
+            super::tensor::tp_groups(&cost.model, &devices, &order, &layer_s, size)
+                .map(|groups| Self::with_groups(cost, devices, groups)),
+        )
+    }
+
+    pub(super) fn with_groups(cost: &'a CostModel, all: Vec<Device>, groups: Vec<TpGroup>) -> Self {
+        // A unit's class: its members' classes and its shares.
+        type UnitClass = (Vec<(usize, u64)>, Vec<u32>);
+        let mut ids: HashMap<UnitClass, usize> = HashMap::new();
+        let classes = (groups.iter())
+            .map(|g| {
+                let key = (
+                    g.members.iter().map(|&i| all[i].class()).collect(),
+                    g.shares.clone(),
+                );
+                let next = ids.len();
+                *ids.entry(key).or_insert(next)
+            })
+            .collect();
+        let memory = (groups.iter())
+            .map(|g| {
+                (g.members.iter().zip(&g.state))
+                    .filter_map(|(&i, share)| Some(cost.usable_memory(&all[i])? / share))
+                    .reduce(f64::min)
+            })
+            .collect();
+        Ctx {
+            cost,
+            devices: groups.iter().map(|g| all[g.members[0]].clone()).collect(),
+            groups,
+            classes,
+            all,
+            costs: HashMap::new(),
+            memory,
+            memory_bound: Cell::new(false),
+        }
+    }
+
+    /// Whether `need` bytes exceed `have` (none: no limit), noted.
+    pub(super) fn exceeds(&self, need: f64, have: Option<f64>) -> bool {
+        let over = have.is_some_and(|have| need > have);
+        if over {
+            self.memory_bound.set(true);
+        }
+        over
+    }
+
+    /// A unit's costs at micro-batch size `b`: a group's slowest member on its share,
+    /// plus the group's collectives (with sequence parallelism, per layer two
+    /// all-gathers and two reduce-scatters forward and as many backward, together four
+    /// all-reduces of the activation; one each for the embedding and the head).
+    pub(super) fn costs(&mut self, unit: usize, b: usize) -> Result<StageCosts, PlanningError> {
+        let key = (self.classes[unit], b);
+        if let Some(c) = self.costs.get(&key) {
+            return Ok(*c);
+        }
+        let group = &self.groups[unit];
+        let each: Vec<StageCosts> = (group.members.iter())
+            .map(|&i| self.cost.stage_costs(&self.all[i], b))
+            .collect::<Result<_, _>>()?;
+        let mut c = each[0];
+        if group.size() > 1 {
+            let members: Vec<&Device> = group.members.iter().map(|&i| &self.all[i]).collect();
+            let bytes = (self.cost.model).activation_message_bytes(b, self.cost.compute_bytes);
+            let collective = self.cost.allreduce_seconds(&members, bytes);
+            let layer_s: Vec<f64> = each.iter().map(|k| k.layer_s).collect();
+            c.layer_s = group.layer_s(&layer_s) + 4.0 * collective;
+            c.embedding_s = each.iter().map(|k| k.embedding_s).fold(0.0, f64::max) + collective;
+            c.head_s = (each.iter().zip(&group.vocab))
+                .map(|(k, v)| k.head_s * v)
+                .fold(0.0, f64::max)
+                + collective;
+        }
+        self.costs.insert(key, c);
+        Ok(c)
+    }
+
+    /// The optimizer step of a unit holding `params` parameters, s: its slowest member
+    /// on its share (`None` where no member is priced).
+    pub(super) fn optimizer_seconds(&self, unit: usize, params: f64) -> Option<f64> {
+        let group = &self.groups[unit];
+        (group.members.iter().zip(&group.state))
+            .filter_map(|(&i, share)| self.cost.optimizer_seconds(&self.all[i], params * share))
+            .reduce(f64::max)
+    }
+
+    /// The largest fraction of a stage's parameters a member of the unit holds: what its
+    /// gradient reduction carries.
+    pub(super) fn state_fraction(&self, unit: usize) -> f64 {
+        self.groups[unit].state.iter().copied().fold(0.0, f64::max)
+    }
+}
+
+/// Device indices, fastest first (per-layer time at micro-batch size 1), ties by index.
+pub(super) fn fastest_first(ctx: &mut Ctx<'_>) -> Result<Vec<usize>, PlanningError> {
+    let n = ctx.devices.len();
+    let speed: Vec<f64> = (0..n)
+        .map(|i| ctx.costs(i, 1).map(|c| c.layer_s))
+        .collect::<Result<_, _>>()?;
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| speed[a].total_cmp(&speed[b]).then(a.cmp(&b)));
+    Ok(order)
+}
+
+/// Values by (stage, replica).
+pub(super) type Grid<T> = Vec<Vec<T>>;
+
+/// Per (stage, replica): per-micro-batch time (at the replica's micro-batch size in
+/// `sizes`, recomputing where [`stage_fit`] says with `m` micro-batches), and p2p
+/// seconds to the next stage.
+pub(super) fn stage_times(
+    ctx: &mut Ctx<'_>,
+    grid: &[Vec<usize>],
+    layers: &[usize],
+    sizes: &[usize],
+    m: &[usize],
+) -> Result<(Grid<f64>, Grid<f64>), PlanningError> {
+    let p = grid.len();
+    let d = grid[0].len();
+    let fits = stage_fits(ctx, grid, layers, sizes, m)?;
+    let mut t = vec![vec![0.0; d]; p];
+    let mut c = vec![vec![0.0; d]; p];
+    for i in 0..p {
+        for r in 0..d {
+            let b = sizes[r];
+            t[i][r] = stage_seconds(&fits[i][r].costs, layers[i], i, p);
+            if i + 1 < p {
+                c[i][r] =
+                    ctx.cost
+                        .p2p_seconds(&ctx.devices[grid[i][r]], &ctx.devices[grid[i + 1][r]], b);
+            }
+        }
+    }
+    Ok((t, c))
+}
+
+/// One micro-batch's forward and backward through stage `i` of `p` holding `layers`
+/// layers (and the embedding or head at the ends).
+pub(super) fn stage_seconds(k: &StageCosts, layers: usize, i: usize, p: usize) -> f64 {
+    layers as f64 * k.layer_s
+        + if i == 0 { k.embedding_s } else { 0.0 }
+        + if i + 1 == p { k.head_s } else { 0.0 }
+}
+
+/// The 1F1B time of a replica: fill and drain plus (m − 1) of its slowest stage.
+pub(super) fn pipeline_time(t: &[Vec<f64>], c: &[Vec<f64>], r: usize, m: usize) -> f64 {
+    let sum: f64 = t.iter().map(|s| s[r]).sum();
+    let comm: f64 = c.iter().map(|s| 2.0 * s[r]).sum();
+    let max = t.iter().map(|s| s[r]).fold(0.0, f64::max);
+    sum + comm + (m.saturating_sub(1)) as f64 * max
+}
+
+/// Memory check of one (stage, replica) of `grid`, whose stages' optimizer shares are
+/// `shares`: (need, usable).
+pub(super) fn memory_need(
+    ctx: &mut Ctx<'_>,
+    grid: &[Vec<usize>],
+    shares: &[Shares],
+    (i, r): (usize, usize),
+    layers: usize,
+    b: usize,
+    m: usize,
+) -> Result<(f64, Option<f64>), PlanningError> {
+    let fit = grid_fit(ctx, grid, shares, (i, r), layers, b, m)?;
+    Ok((fit.need, ctx.memory[grid[i][r]]))
+}
+
+/// [`stage_fit`] of (stage, replica) of `grid` holding `layers` layers with `m`
+/// micro-batches of `b` samples (1F1B keeps min(p − i, m) in flight).
+pub(super) fn grid_fit(
+    ctx: &mut Ctx<'_>,
+    grid: &[Vec<usize>],
+    shares: &[Shares],
+    (i, r): (usize, usize),
+    layers: usize,
+    b: usize,
+    m: usize,
+) -> Result<StageFit, PlanningError> {
+    let p = grid.len();
+    let holding = StageHolding {
+        layers,
+        first: i == 0,
+        last: i + 1 == p,
+        in_flight: (p - i).min(m),
+        micro_batch_size: b,
+        optimizer_share: shares[i].of(ctx, grid[i][r]),
+        recompute: false,
+    };
+    stage_fit(ctx, grid[i][r], holding)
+}
+
+/// A unit holding a stage: the costs it runs at, whether it recomputes (by the
+/// context's [`Recompute`]: where needed, when it would not fit otherwise), and the
+/// bytes it needs so.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct StageFit {
+    pub(super) costs: StageCosts,
+    pub(super) recompute: bool,
+    pub(super) need: f64,
+}
+
+pub(super) fn stage_fit(
+    ctx: &mut Ctx<'_>,
+    unit: usize,
+    holding: StageHolding,
+) -> Result<StageFit, PlanningError> {
+    let plain = ctx.costs(unit, holding.micro_batch_size)?;
+    let need = |recompute| {
+        let holding = StageHolding {
+            recompute,
+            ..holding
+        };
+        ctx.cost.memory_bytes(&plain, &holding)
+    };
+    let recompute = match ctx.cost.recompute {
+        Recompute::Never => false,
+        Recompute::Always => true,
+        Recompute::WhereNeeded => ctx.memory[unit].is_some_and(|have| need(false) > have),
+    };
+    Ok(StageFit {
+        costs: match recompute {
+            true => plain.recomputed(),
+            false => plain,
+        },
+        recompute,
+        need: need(recompute),
+    })
+}
+
+/// [`stage_fit`] of every (stage, replica) of `grid` with `layers`, micro-batch sizes
+/// `sizes` and counts `m`.
+pub(super) fn stage_fits(
+    ctx: &mut Ctx<'_>,
+    grid: &[Vec<usize>],
+    layers: &[usize],
+    sizes: &[usize],
+    m: &[usize],
+) -> Result<Grid<StageFit>, PlanningError> {
+    let p = grid.len();
+    let shares = Shares::of_grid(ctx, grid);
+    let mut fits = Vec::with_capacity(p);
+    for i in 0..p {
+        let mut row = Vec::with_capacity(grid[i].len());
+        for r in 0..grid[i].len() {
+            row.push(grid_fit(
+                ctx,
+                grid,
+                &shares,
+                (i, r),
+                layers[i],
+                sizes[r],
+                m[r],
+            )?);
+        }
+        fits.push(row);
+    }
+    Ok(fits)
+}
+
+/// How a stage's optimizer state divides over its replicas: under the distributed
+/// optimizer in proportion to their devices' memory, as the trainer divides it (equally
+/// where memory is not known), else not at all.
+#[derive(Clone, Copy)]
+pub(super) struct Shares {
+    pub(super) sharded: bool,
+    pub(super) replicas: usize,
+    /// Their memory together, when every one's is known.
+    pub(super) memory: Option<f64>,
+}
+
+impl Shares {
+    pub(super) fn of_stage(ctx: &Ctx<'_>, stage: &[usize]) -> Self {
+        let sharded = ctx.cost.distributed_optimizer && stage.len() > 1;
+        Shares {
+            sharded,
+            replicas: stage.len(),
+            memory: match sharded {
+                true => stage.iter().map(|&u| Self::weight(ctx, u)).sum(),
+                false => None,
+            },
+        }
+    }
+
+    /// A unit's weight as the trainer shards by it (`GeneralPlan::memory_shares`): its
+    /// device's memory in tenths of a GB, as the plan file gives it.
+    pub(super) fn weight(ctx: &Ctx<'_>, unit: usize) -> Option<f64> {
+        let gb = ctx.devices[unit].spec?.memory_gb;
+        Some(f64::from(crate::general::memory_share_weight(gb)))
+    }
+
+    pub(super) fn of_grid(ctx: &Ctx<'_>, grid: &[Vec<usize>]) -> Vec<Self> {
+        grid.iter()
+            .map(|stage| Self::of_stage(ctx, stage))
+            .collect()
+    }
+
+    /// `unit`'s share.
+    pub(super) fn of(&self, ctx: &Ctx<'_>, unit: usize) -> f64 {
+        match (self.sharded, self.memory, Self::weight(ctx, unit)) {
+            (false, ..) => 1.0,
+            (true, Some(all), Some(mine)) => mine / all.max(1.0),
+            _ => 1.0 / self.replicas as f64,
+        }
+    }
+}
+
+/// Scores a layout by the closed form; `Err(violation)` when a rank runs out of memory.
+pub(super) fn evaluate(
+    ctx: &mut Ctx<'_>,
+    grid: &[Vec<usize>],
+    layers: &[usize],
+    sizes: &[usize],
+    m: &[usize],
+) -> Result<Result<Prediction, Violation>, PlanningError> {
+    let p = grid.len();
+    let d = grid[0].len();
+    let shares = Shares::of_grid(ctx, grid);
+    let mut stage_memory = vec![0.0f64; p];
+    for i in 0..p {
+        for r in 0..d {
+            let (need, have) = memory_need(ctx, grid, &shares, (i, r), layers[i], sizes[r], m[r])?;
+            stage_memory[i] = stage_memory[i].max(need);
+            if let Some(have) = have {
+                if ctx.exceeds(need, Some(have)) {
+                    let dev = &ctx.devices[grid[i][r]];
+                    return Ok(Err(Violation {
+                        ratio: need / have.max(1.0),
+                        reason: Infeasibility::OutOfMemory(MemoryShortfall {
+                            stage: i,
+                            layers: layers[i],
+                            pp: p,
+                            dp: d,
+                            kind: dev.kind.clone(),
+                            device: dev.index,
+                            need_bytes: need,
+                            usable_bytes: have,
+                            micro_batch_size: sizes[r],
+                            in_flight: (p - i).min(m[r]),
+                        }),
+                    }));
+                }
+            }
+        }
+    }
+    let (t, c) = stage_times(ctx, grid, layers, sizes, m)?;
+    let pipeline_s = (0..d)
+        .map(|r| pipeline_time(&t, &c, r, m[r]))
+        .fold(0.0, f64::max);
+    let allreduce_s = max(&allreduce_times(ctx, grid, layers));
+    let optimizer_s = max(&optimizer_times(ctx, grid, layers).concat());
+    let step = pipeline_s + allreduce_s + optimizer_s;
+    let busy: Vec<Vec<f64>> = (0..p)
+        .map(|i| (0..d).map(|r| t[i][r] * m[r] as f64).collect())
+        .collect();
+    let total_busy: f64 = busy.iter().flatten().sum();
+    Ok(Ok(Prediction {
+        step_time_s: step,
+        pipeline_s,
+        allreduce_s,
+        optimizer_s,
+        bubble_fraction: 1.0 - total_busy / (step * (p * d) as f64).max(1e-30),
+        stage_time_s: t
+            .iter()
+            .map(|s| s.iter().copied().fold(0.0, f64::max))
+            .collect(),
+        stage_memory_bytes: stage_memory,
+        busy_s: busy,
+        simulated: false,
+    }))
+}
+
+/// The largest of `values` (0 for none).
+pub(super) fn max(values: &[f64]) -> f64 {
+    values.iter().copied().fold(0.0, f64::max)
+}
+
+/// Per stage, the fp32 gradient all-reduce over its replicas, s.
+pub(super) fn allreduce_times(ctx: &Ctx<'_>, grid: &[Vec<usize>], layers: &[usize]) -> Vec<f64> {
+    let p = grid.len();
+    let m = &ctx.cost.model;
+    (0..p)
+        .map(|i| {
+            let mut params = layers[i] as f64 * m.layer_params();
+            if i == 0 {
+                params += m.embedding_params();
+            }
+            if i + 1 == p {
+                params += m.embedding_params();
+            }
+            let devs: Vec<&Device> = grid[i].iter().map(|&k| &ctx.devices[k]).collect();
+            ctx.cost.allreduce_seconds(&devs, params * 4.0)
+        })
+        .collect()
+}
+
+/// Per (stage, replica), the optimizer step over the stage's parameters, s (0 where
+/// not priced).
+pub(super) fn optimizer_times(ctx: &Ctx<'_>, grid: &[Vec<usize>], layers: &[usize]) -> Grid<f64> {
+    let p = grid.len();
+    (0..p)
+        .map(|i| {
+            let params = ctx.cost.model.stage_params(layers[i], i == 0, i + 1 == p);
+            let shares = Shares::of_stage(ctx, &grid[i]);
+            (grid[i].iter())
+                .map(|&k| {
+                    let share = shares.of(ctx, k);
+                    ctx.optimizer_seconds(k, params * share).unwrap_or(0.0)
+                })
+                .collect()
+        })
+        .collect()
+}

@@ -1,0 +1,145 @@
+//! What to plan for: the request and the options a plan may use.
+
+use crate::cost::{CostModel, Recompute};
+use std::collections::BTreeSet;
+
+/// What to plan for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanRequest {
+    /// `--global-batch-size`.
+    pub global_batch_size: usize,
+    /// Micro-batch sizes to try.
+    pub micro_batch_sizes: Vec<usize>,
+    /// Plans to keep.
+    pub top_k: usize,
+    /// Tensor-parallel sizes to try for per-replica pipelines (within a node; empty: 1).
+    pub tensor_parallel_sizes: Vec<usize>,
+    /// Whether plans recompute activations (auto: the stages that need it).
+    pub recompute: Choice,
+    /// Whether plans shard the optimizer over each stage's replicas (priced for grid
+    /// plans; per-replica pipelines carry the flag when it is on, priced without it).
+    pub distributed_optimizer: Choice,
+}
+
+/// Whether a plan uses an option: never, always, or where it makes the plan fit or
+/// faster (ties go to off).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Choice {
+    /// Never.
+    Off,
+    /// Always.
+    On,
+    /// Both tried.
+    #[default]
+    Auto,
+}
+
+/// A choice other than `auto`, `on` or `off`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?}: expected auto, on or off")]
+pub struct ChoiceError(pub String);
+
+impl std::str::FromStr for Choice {
+    type Err = ChoiceError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text {
+            "auto" => Ok(Choice::Auto),
+            "on" => Ok(Choice::On),
+            "off" => Ok(Choice::Off),
+            _ => Err(ChoiceError(text.to_owned())),
+        }
+    }
+}
+
+impl Choice {
+    pub(super) fn values(self) -> &'static [bool] {
+        match self {
+            Choice::Off => &[false],
+            Choice::On => &[true],
+            Choice::Auto => &[false, true],
+        }
+    }
+
+    /// As a choice of which stages recompute: off none, on all, auto none and then
+    /// those that need it.
+    pub(super) fn recompute(self) -> &'static [Recompute] {
+        match self {
+            Choice::Off => &[Recompute::Never],
+            Choice::On => &[Recompute::Always],
+            Choice::Auto => &[Recompute::Never, Recompute::WhereNeeded],
+        }
+    }
+}
+
+/// How a plan trains beside its layout: what its memory and time were priced with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct TrainOptions {
+    /// Which stages may recompute their activations (the plan file says which do).
+    pub recompute: Recompute,
+    /// `--use-distributed-optimizer`.
+    pub distributed_optimizer: bool,
+}
+
+impl TrainOptions {
+    /// `cost` priced with these options.
+    pub fn cost(&self, cost: &CostModel) -> CostModel {
+        CostModel {
+            recompute: self.recompute,
+            distributed_optimizer: self.distributed_optimizer,
+            ..cost.clone()
+        }
+    }
+
+    /// The `synerfuse train` flags that ask for them beside `--plan` (which stages
+    /// recompute is in the plan file).
+    pub fn train_flags(&self) -> Vec<&'static str> {
+        match self.distributed_optimizer {
+            true => vec!["--use-distributed-optimizer"],
+            false => Vec::new(),
+        }
+    }
+}
+
+impl PlanRequest {
+    /// The options grid plans are searched with, off before on.
+    pub(super) fn grid_options(&self) -> Vec<TrainOptions> {
+        let mut options = Vec::new();
+        for &distributed_optimizer in self.distributed_optimizer.values() {
+            for &recompute in self.recompute.recompute() {
+                options.push(TrainOptions {
+                    recompute,
+                    distributed_optimizer,
+                });
+            }
+        }
+        options
+    }
+
+    /// The distinct positive tensor-parallel sizes, ascending (1 when none).
+    pub(super) fn tp_sizes(&self) -> Vec<usize> {
+        let sizes: BTreeSet<usize> = (self.tensor_parallel_sizes.iter())
+            .copied()
+            .filter(|&t| t > 0)
+            .collect();
+        match sizes.is_empty() {
+            true => vec![1],
+            false => sizes.into_iter().collect(),
+        }
+    }
+}
+
+/// The request's distinct positive micro-batch sizes, ascending (1 when none).
+pub(super) fn micro_batch_sizes(request: &PlanRequest) -> Vec<usize> {
+    let sizes: BTreeSet<usize> = request
+        .micro_batch_sizes
+        .iter()
+        .copied()
+        .filter(|&b| b > 0)
+        .collect();
+    if sizes.is_empty() {
+        vec![1]
+    } else {
+        sizes.into_iter().collect()
+    }
+}

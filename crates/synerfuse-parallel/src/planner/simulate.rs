@@ -1,0 +1,313 @@
+//! Candidates re-timed by simulating their real schedules, rank by rank.
+
+use super::{
+    convert::{to_general_plan, to_parallel_plan},
+    error::PlanningError,
+    outcome::{Candidate, Prediction},
+    pooled::{optimizer_s, reduce_s, PoolLayout, PooledCandidate},
+    pricing::{allreduce_times, max, optimizer_times, stage_fits, stage_times, Ctx},
+    request::TrainOptions,
+};
+use crate::cluster::Device;
+use crate::cost::CostModel;
+use crate::general::GeneralPlan;
+use crate::timeline::{RankTimeline, Span, SpanKind, Timeline};
+use crate::{plan_schedule, sim, Pass, ScheduleKind};
+
+/// Re-times a candidate by simulating its 1F1B schedule (with p2p times), each stage's
+/// gradient reduction starting when its last replica finishes, and the optimizer step
+/// once every reduction is done (the gradient norm is global).
+pub(super) fn simulate_candidate(
+    ctx: &mut Ctx<'_>,
+    c: &Candidate,
+) -> Result<Prediction, PlanningError> {
+    Ok(simulate_step(ctx, c, false)?.0)
+}
+
+/// The simulated step of `c`, with every rank's spans when `record`.
+pub(super) fn simulate_step(
+    ctx: &mut Ctx<'_>,
+    c: &Candidate,
+    record: bool,
+) -> Result<(Prediction, Vec<RankTimeline>), PlanningError> {
+    let plan = to_parallel_plan(ctx.cost, c)?;
+    let programs = plan_schedule(&plan, ScheduleKind::OneFOneB)?;
+    let topology = plan.topology()?;
+    let p = c.layers.len();
+    let sizes = &c.micro_batch_sizes;
+    let (t, _) = stage_times(ctx, &c.devices, &c.layers, sizes, &c.micro_batches)?;
+    let fits = stage_fits(ctx, &c.devices, &c.layers, sizes, &c.micro_batches)?;
+    let coords: Vec<(usize, usize)> = (0..plan.topology.world_size)
+        .map(|r| {
+            let x = topology.coordinates(r).expect("rank in topology");
+            (x.pp, x.dp)
+        })
+        .collect();
+    let mut fractions = vec![0.0; coords.len()];
+    for (rank, &(i, r)) in coords.iter().enumerate() {
+        fractions[rank] = fits[i][r].costs.forward_fraction;
+    }
+    let devices = &ctx.devices;
+    let cost = ctx.cost;
+    let op_seconds = |rank: usize, pass: Pass, _| {
+        let (i, r) = coords[rank];
+        let f = fractions[rank];
+        match pass {
+            Pass::Forward => t[i][r] * f,
+            Pass::Backward => t[i][r] * (1.0 - f),
+        }
+    };
+    let message_seconds = |from: usize, to: usize| {
+        let (a, b_) = (coords[from], coords[to]);
+        cost.transfer(
+            &devices[c.devices[a.0][a.1]],
+            &devices[c.devices[b_.0][b_.1]],
+            sizes[a.1],
+        )
+    };
+    let report = match record {
+        true => sim::simulate_spans(&programs, op_seconds, message_seconds),
+        false => sim::simulate(&programs, op_seconds, message_seconds),
+    }
+    .map_err(crate::PlanError::from)?;
+    let reduce = allreduce_times(ctx, &c.devices, &c.layers);
+    let optimizer = optimizer_times(ctx, &c.devices, &c.layers);
+    // Each stage's reduction starts when the last of its replicas finishes.
+    let mut stage_done = vec![0.0f64; p];
+    for (rank, &(i, _)) in coords.iter().enumerate() {
+        stage_done[i] = stage_done[i].max(report.finish_s[rank]);
+    }
+    let reduced: Vec<f64> = (0..p).map(|i| stage_done[i] + reduce[i]).collect();
+    let all_reduced = max(&reduced);
+    let optimizer_s = max(&optimizer.concat());
+    let step = all_reduced + optimizer_s;
+    let total_busy: f64 = report.busy_s.iter().sum();
+    let prediction = Prediction {
+        step_time_s: step,
+        pipeline_s: report.makespan_s,
+        allreduce_s: max(&reduce),
+        optimizer_s,
+        bubble_fraction: 1.0 - total_busy / (step * report.busy_s.len() as f64).max(1e-30),
+        simulated: true,
+        stage_time_s: c.prediction.stage_time_s[..p].to_vec(),
+        ..c.prediction.clone()
+    };
+    let mut rows = Vec::with_capacity(if record { coords.len() } else { 0 });
+    for (rank, mut spans) in report.spans.into_iter().enumerate() {
+        let (i, r) = coords[rank];
+        let mut span = |kind, start_s: f64, end_s: f64| {
+            if end_s > start_s {
+                spans.push(Span {
+                    kind,
+                    start_s,
+                    end_s,
+                    micro_batch: None,
+                });
+            }
+        };
+        span(SpanKind::Wait, report.finish_s[rank], stage_done[i]);
+        span(SpanKind::Reduce, stage_done[i], reduced[i]);
+        span(SpanKind::Wait, reduced[i], all_reduced);
+        span(
+            SpanKind::Optimizer,
+            all_reduced,
+            all_reduced + optimizer[i][r],
+        );
+        let dev = &devices[c.devices[i][r]];
+        rows.push(RankTimeline {
+            label: format!("rank {rank}: stage {i}, replica {r}, {}", dev.kind),
+            spans,
+        });
+    }
+    Ok((prediction, rows))
+}
+
+/// The simulated step of `candidate` on `cost`'s cluster, rank by rank.
+pub fn timeline(cost: &CostModel, candidate: &Candidate) -> Result<Timeline, PlanningError> {
+    let variant = candidate.options.cost(cost);
+    let mut ctx = Ctx::new(&variant);
+    let (prediction, ranks) = simulate_step(&mut ctx, candidate, true)?;
+    let layers: Vec<String> = candidate.layers.iter().map(usize::to_string).collect();
+    Ok(Timeline {
+        title: format!(
+            "predicted: pp {} x dp {}, layers [{}], {}, step {:.4} s",
+            candidate.layers.len(),
+            candidate.micro_batches.len(),
+            layers.join(", "),
+            candidate.micro_batch_size_text(),
+            prediction.step_time_s
+        ),
+        ranks,
+    })
+}
+
+/// Simulates the plan's 1F1B programs (every replica at once, each message at its
+/// link's cost), then the reduction once every replica has finished and the optimizer;
+/// the candidate with its times, and each rank's spans when `record`.
+pub(super) fn simulate_pools(
+    ctx: &mut Ctx<'_>,
+    pools: Vec<PoolLayout>,
+    record: bool,
+) -> Result<(PooledCandidate, Vec<RankTimeline>), PlanningError> {
+    let mut candidate = PooledCandidate {
+        pools,
+        groups: ctx.groups.clone(),
+        recompute: Vec::new(),
+        options: TrainOptions {
+            recompute: ctx.cost.recompute,
+            distributed_optimizer: ctx.cost.distributed_optimizer,
+        },
+        step_time_s: 0.0,
+        pipeline_s: 0.0,
+        reduce_s: 0.0,
+        optimizer_s: 0.0,
+    };
+    let plan = to_general_plan(ctx.cost, &candidate)?;
+    let programs = plan.schedule(ScheduleKind::OneFOneB)?;
+    let ranks = pooled_ranks(ctx, &mut candidate)?;
+    let (devices, cost) = (&ctx.all, ctx.cost);
+    let op_seconds = |rank: usize, pass: Pass, _| {
+        let RankPace {
+            micro_batch_s: t,
+            forward_fraction: f,
+            ..
+        } = ranks[rank];
+        match pass {
+            Pass::Forward => t * f,
+            Pass::Backward => t * (1.0 - f),
+        }
+    };
+    let message_seconds = |from: usize, to: usize| {
+        let b = ranks[from].micro_batch_size;
+        cost.transfer(&devices[ranks[from].device], &devices[ranks[to].device], b)
+    };
+    let report = match record {
+        true => sim::simulate_spans(&programs, op_seconds, message_seconds),
+        false => sim::simulate(&programs, op_seconds, message_seconds),
+    }
+    .map_err(crate::PlanError::from)?;
+    let reduce = reduce_s(ctx, &candidate.pools);
+    let optimizer = optimizer_s(ctx, &candidate.pools);
+    let done = report.makespan_s;
+    candidate.pipeline_s = done;
+    candidate.reduce_s = max(&reduce);
+    candidate.optimizer_s = optimizer;
+    candidate.step_time_s = done + candidate.reduce_s + optimizer;
+    let rows = pooled_rows(&plan, devices, &ranks, &candidate, &reduce, report);
+    Ok((candidate, rows))
+}
+
+/// One rank of a per-replica-pipeline plan as the simulation sees it.
+#[derive(Clone, Copy)]
+struct RankPace {
+    device: usize,
+    micro_batch_size: usize,
+    /// One micro-batch's forward and backward, s.
+    micro_batch_s: f64,
+    forward_fraction: f64,
+    /// Its (replica, stage) position, counted over every replica's stages.
+    position: usize,
+}
+
+/// Every rank's pace, in the plan's rank order; notes each replica's recomputing stages
+/// in `candidate`.
+fn pooled_ranks(
+    ctx: &mut Ctx<'_>,
+    candidate: &mut PooledCandidate,
+) -> Result<Vec<RankPace>, PlanningError> {
+    let mut ranks: Vec<RankPace> = Vec::new();
+    for pool in &candidate.pools {
+        let d = pool.micro_batches.len();
+        let (t, _) = pool.stage_times(ctx)?;
+        let sizes = vec![pool.micro_batch_size; d];
+        let fits = stage_fits(
+            ctx,
+            &pool.devices,
+            &pool.layers,
+            &sizes,
+            &pool.micro_batches,
+        )?;
+        for r in 0..d {
+            candidate
+                .recompute
+                .push(fits.iter().map(|row| row[r].recompute).collect());
+            for (i, row) in t.iter().enumerate() {
+                let unit = pool.devices[i][r];
+                let position = ranks.last().map_or(0, |x| x.position + 1);
+                for &device in &ctx.groups[unit].members {
+                    ranks.push(RankPace {
+                        device,
+                        micro_batch_size: pool.micro_batch_size,
+                        micro_batch_s: row[r],
+                        forward_fraction: fits[i][r].costs.forward_fraction,
+                        position,
+                    });
+                }
+            }
+        }
+    }
+    Ok(ranks)
+}
+
+/// Every rank's spans: its schedule's, then waiting for the last pipeline, its stage's
+/// reduction, waiting for the slowest reduction, and the optimizer step.
+fn pooled_rows(
+    plan: &GeneralPlan,
+    devices: &[Device],
+    ranks: &[RankPace],
+    candidate: &PooledCandidate,
+    reduce: &[f64],
+    report: sim::SimReport,
+) -> Vec<RankTimeline> {
+    let (done, optimizer) = (report.makespan_s, candidate.optimizer_s);
+    let mut rows = Vec::new();
+    for (rank, mut spans) in report.spans.into_iter().enumerate() {
+        let mut span = |kind, start_s: f64, end_s: f64| {
+            if end_s > start_s {
+                spans.push(Span {
+                    kind,
+                    start_s,
+                    end_s,
+                    micro_batch: None,
+                });
+            }
+        };
+        span(SpanKind::Wait, report.finish_s[rank], done);
+        let reduce = reduce[ranks[rank].position];
+        span(SpanKind::Reduce, done, done + reduce);
+        span(SpanKind::Wait, done + reduce, done + candidate.reduce_s);
+        let after = done + candidate.reduce_s;
+        span(SpanKind::Optimizer, after, after + optimizer);
+        let (replica, stage) = plan.position(rank).unwrap_or_default();
+        rows.push(RankTimeline {
+            label: format!(
+                "rank {rank}: replica {replica}, stage {stage}, {}",
+                devices[ranks[rank].device].kind
+            ),
+            spans,
+        });
+    }
+    rows
+}
+
+/// The simulated step of a per-replica-pipeline plan, rank by rank.
+pub fn pooled_timeline(
+    cost: &CostModel,
+    candidate: &PooledCandidate,
+) -> Result<crate::timeline::Timeline, PlanningError> {
+    let variant = TrainOptions {
+        distributed_optimizer: false,
+        ..candidate.options
+    }
+    .cost(cost);
+    let mut ctx = Ctx::with_groups(&variant, cost.cluster.devices(), candidate.groups.clone());
+    let (simulated, ranks) = simulate_pools(&mut ctx, candidate.pools.clone(), true)?;
+    Ok(crate::timeline::Timeline {
+        title: format!(
+            "predicted: {} replicas of their own pipelines, step {:.4} s",
+            candidate.replicas().count(),
+            simulated.step_time_s
+        ),
+        ranks,
+    })
+}

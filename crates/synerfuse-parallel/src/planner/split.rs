@@ -1,0 +1,264 @@
+//! Exact splits: layers over stages (dynamic programme on the slowest stage, subject
+//! to memory) and the batch over replicas (greedy min-max, or a bisection over sample
+//! totals when sizes differ).
+
+use super::{
+    error::PlanningError,
+    pricing::{pipeline_time, stage_seconds, stage_times, Ctx, Shares},
+    samples::{min_max_samples, ReplicaPace},
+};
+use crate::cost::{Recompute, StageCosts, StageHolding};
+use std::collections::{BTreeSet, BinaryHeap};
+
+/// `l` layers over `p` stages as evenly as they go, the first stages one more.
+pub(super) fn even_layers(l: usize, p: usize) -> Vec<usize> {
+    (0..p).map(|i| l / p + usize::from(i < l % p)).collect()
+}
+
+/// One distinct replica of a stage, as the layer DP sees it.
+#[derive(Clone)]
+pub(super) struct StageRow {
+    pub(super) micro_batches: f64,
+    pub(super) usable_bytes: Option<f64>,
+    pub(super) costs: StageCosts,
+    /// Bytes needed as (fixed, per layer), without and with recomputation.
+    pub(super) need: (f64, f64),
+    pub(super) recomputed_need: (f64, f64),
+}
+
+/// Micro-batches in proportion to each replica's throughput under even layers, at
+/// least one each, largest remainders first.
+pub(super) fn proportional_split(
+    ctx: &mut Ctx<'_>,
+    grid: &[Vec<usize>],
+    b: usize,
+    total: usize,
+) -> Result<Vec<usize>, PlanningError> {
+    let p = grid.len();
+    let d = grid[0].len();
+    let even = even_layers(ctx.cost.model.num_layers, p);
+    // Every stage with its pipeline's depth in flight, as a long batch keeps it.
+    let (t, _) = stage_times(ctx, grid, &even, &vec![b; d], &vec![p; d])?;
+    let rate: Vec<f64> = (0..d)
+        .map(|r| 1.0 / t.iter().map(|s| s[r]).fold(1e-30, f64::max))
+        .collect();
+    let sum: f64 = rate.iter().sum();
+    let spare = total - d;
+    let exact: Vec<f64> = rate.iter().map(|x| spare as f64 * x / sum).collect();
+    let mut m: Vec<usize> = exact.iter().map(|x| 1 + x.floor() as usize).collect();
+    let mut left = total - m.iter().sum::<usize>();
+    let mut by_remainder: Vec<usize> = (0..d).collect();
+    by_remainder
+        .sort_by(|&a, &b| (exact[b] - exact[b].floor()).total_cmp(&(exact[a] - exact[a].floor())));
+    for &r in by_remainder.iter().cycle() {
+        if left == 0 {
+            break;
+        }
+        m[r] += 1;
+        left -= 1;
+    }
+    Ok(m)
+}
+
+/// Exact min-max split of `total` micro-batches over replicas whose pipeline time is
+/// nondecreasing in their count: start at one each, give each next micro-batch to the
+/// replica that would finish earliest with it.
+pub fn min_max_split(
+    total: usize,
+    time: impl Fn(usize, usize) -> f64,
+    replicas: usize,
+) -> Vec<usize> {
+    let mut m = vec![1usize; replicas];
+    #[derive(PartialEq)]
+    struct Next(f64, usize);
+    impl Eq for Next {}
+    impl PartialOrd for Next {
+        fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+            Some(self.cmp(o))
+        }
+    }
+    impl Ord for Next {
+        fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+            // A min-heap on time, then on replica index.
+            o.0.total_cmp(&self.0).then(o.1.cmp(&self.1))
+        }
+    }
+    let mut heap: BinaryHeap<Next> = (0..replicas).map(|r| Next(time(r, 2), r)).collect();
+    for _ in replicas..total {
+        let Some(Next(_, r)) = heap.pop() else { break };
+        m[r] += 1;
+        heap.push(Next(time(r, m[r] + 1), r));
+    }
+    m
+}
+
+/// The exact min-max split of `samples` over the replicas at micro-batch sizes
+/// `sizes` under `layers`; `None` when no counts make `samples`.
+pub(super) fn split_samples(
+    ctx: &mut Ctx<'_>,
+    grid: &[Vec<usize>],
+    sizes: &[usize],
+    layers: &[usize],
+    samples: usize,
+) -> Result<Option<Vec<usize>>, PlanningError> {
+    let (t, c) = stage_times(ctx, grid, layers, sizes, &vec![grid.len(); grid[0].len()])?;
+    let d = grid[0].len();
+    let b = sizes[0];
+    if sizes.iter().all(|&s| s == b) {
+        let fits = samples % b == 0 && samples / b >= d;
+        let time = |r, m| pipeline_time(&t, &c, r, m);
+        return Ok(fits.then(|| min_max_split(samples / b, time, d)));
+    }
+    let paces: Vec<ReplicaPace> = (0..d)
+        .map(|r| ReplicaPace {
+            micro_batch_size: sizes[r],
+            first_s: pipeline_time(&t, &c, r, 1),
+            each_s: t.iter().map(|s| s[r]).fold(0.0, f64::max),
+            most_micro_batches: usize::MAX,
+        })
+        .collect();
+    Ok(min_max_samples(samples, &paces))
+}
+
+/// Exact contiguous split of `l` layers over `costs.len()` stages minimising the largest
+/// stage cost; `costs[i](ℓ)` is stage i's cost holding ℓ layers, `None` when ℓ does not
+/// fit. `None` when no split fits. O(p·L²).
+pub fn min_max_layers(l: usize, costs: &[&dyn Fn(usize) -> Option<f64>]) -> Option<Vec<usize>> {
+    let p = costs.len();
+    if p == 0 || l < p {
+        return None;
+    }
+    // best[i][k]: min over splits of the first k layers into stages 0..=i of the max cost.
+    let mut best = vec![vec![f64::INFINITY; l + 1]; p];
+    let mut choice = vec![vec![0usize; l + 1]; p];
+    for k in 1..=l {
+        if let Some(c) = costs[0](k) {
+            best[0][k] = c;
+            choice[0][k] = k;
+        }
+    }
+    for i in 1..p {
+        for k in (i + 1)..=l {
+            for own in 1..=(k - i) {
+                let before = best[i - 1][k - own];
+                if !before.is_finite() {
+                    continue;
+                }
+                let Some(c) = costs[i](own) else { continue };
+                let v = before.max(c);
+                if v < best[i][k] {
+                    best[i][k] = v;
+                    choice[i][k] = own;
+                }
+            }
+        }
+    }
+    if !best[p - 1][l].is_finite() {
+        return None;
+    }
+    let mut out = vec![0; p];
+    let mut k = l;
+    for i in (0..p).rev() {
+        out[i] = choice[i][k];
+        k -= out[i];
+    }
+    Some(out)
+}
+
+pub(super) fn split_layers(
+    ctx: &mut Ctx<'_>,
+    grid: &[Vec<usize>],
+    sizes: &[usize],
+    m: &[usize],
+    l: usize,
+) -> Result<Option<Vec<usize>>, PlanningError> {
+    let p = grid.len();
+    let d = grid[0].len();
+    // Per stage, the distinct (per-layer time, extra time, micro-batches, memory terms)
+    // of its replicas: a few device kinds make a few distinct rows.
+    let mut rows: Vec<Vec<StageRow>> = Vec::new();
+    for (i, stage_devices) in grid.iter().enumerate() {
+        let mut stage_rows = Vec::new();
+        let mut seen = BTreeSet::new();
+        let shares = Shares::of_stage(ctx, stage_devices);
+        for r in 0..d {
+            let (dev, b) = (stage_devices[r], sizes[r]);
+            let k = ctx.costs(dev, b)?;
+            let share = shares.of(ctx, dev);
+            let key = (
+                k.layer_s.to_bits(),
+                (k.embedding_s.to_bits(), k.head_s.to_bits()),
+                (k.activation_bytes.to_bits(), k.forward_fraction.to_bits()),
+                m[r],
+                ctx.memory[dev].map(f64::to_bits),
+                b,
+                share.to_bits(),
+            );
+            if seen.insert(key) {
+                // A rank's need is affine in its layers: two points give it.
+                let need = |recompute, layers| {
+                    let holding = StageHolding {
+                        layers,
+                        first: i == 0,
+                        last: i + 1 == p,
+                        in_flight: (p - i).min(m[r]),
+                        micro_batch_size: b,
+                        optimizer_share: share,
+                        recompute,
+                    };
+                    ctx.cost.memory_bytes(&k, &holding)
+                };
+                let affine = |recompute| {
+                    let base = need(recompute, 0);
+                    (base, need(recompute, 1) - base)
+                };
+                stage_rows.push(StageRow {
+                    micro_batches: m[r] as f64,
+                    usable_bytes: ctx.memory[dev],
+                    costs: k,
+                    need: affine(false),
+                    recomputed_need: affine(true),
+                });
+            }
+        }
+        rows.push(stage_rows);
+    }
+    let (cost, bound) = (ctx.cost, &ctx.memory_bound);
+    let closures: Vec<Box<dyn Fn(usize) -> Option<f64> + '_>> = (0..p)
+        .map(|i| {
+            let stage_rows = rows[i].clone();
+            let f: Box<dyn Fn(usize) -> Option<f64>> = Box::new(move |layers: usize| {
+                let mut worst = 0.0f64;
+                for row in &stage_rows {
+                    let over = |recompute| {
+                        let (fixed, per_layer) = match recompute {
+                            true => row.recomputed_need,
+                            false => row.need,
+                        };
+                        let need = fixed + per_layer * layers as f64;
+                        row.usable_bytes.is_some_and(|have| need > have)
+                    };
+                    // As stage_fit decides, for this many layers.
+                    let recompute = match cost.recompute {
+                        Recompute::Never => false,
+                        Recompute::Always => true,
+                        Recompute::WhereNeeded => over(false),
+                    };
+                    if over(recompute) {
+                        bound.set(true);
+                        return None;
+                    }
+                    let k = match recompute {
+                        true => row.costs.recomputed(),
+                        false => row.costs,
+                    };
+                    worst = worst.max(row.micro_batches * stage_seconds(&k, layers, i, p));
+                }
+                Some(worst)
+            });
+            f
+        })
+        .collect();
+    let refs: Vec<&dyn Fn(usize) -> Option<f64>> = closures.iter().map(|f| f.as_ref()).collect();
+    Ok(min_max_layers(l, &refs))
+}
