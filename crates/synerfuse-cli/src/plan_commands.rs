@@ -12,6 +12,7 @@ use synerfuse_model::{DeviceRequest, LlamaConfig, MegatronModelArgs, ResolveDevi
 use synerfuse_parallel::cluster::ClusterSpec;
 use synerfuse_parallel::cost::{CostModel, ModelShape, Profile};
 use synerfuse_parallel::planner::{self, BehindBy, Candidate, PlanRequest, PooledCandidate};
+use synerfuse_parallel::GridFlags;
 use synerfuse_train::comm::{launcher_local_rank, launcher_rank, MpiRuntime};
 use synerfuse_train::profiler::{self, ProfileConfig, ProfileError};
 
@@ -237,7 +238,7 @@ pub struct PlanArgs {
 /// keep the grid's rank order and say which stages recompute), under a temporary name
 /// first.
 fn write_plan(path: &std::path::Path, cost: &CostModel, c: &Candidate) -> Result<()> {
-    let text = planner::to_general_grid_plan(cost, c)?.to_toml()?;
+    let text = c.to_plan(cost)?.to_toml()?;
     write_atomically(path, &text)
 }
 
@@ -283,7 +284,8 @@ fn read_profile(path: Option<&std::path::Path>, shape: &ModelShape) -> Result<Op
 struct PlanReport<'a> {
     cost: &'a CostModel,
     outcome: &'a planner::PlanOutcome,
-    plan: &'a synerfuse_parallel::ParallelPlan,
+    /// The best grid plan's flags.
+    flags: GridFlags,
     tokens_per_step: f64,
     planning_s: f64,
 }
@@ -312,12 +314,13 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
     let Some(best) = outcome.plans.first() else {
         return report_pooled_only(&args, &cost, &outcome, planning_s);
     };
-    let plan = planner::to_parallel_plan(&cost, best)?;
+    let flags = (best.to_plan(&cost)?.grid_flags())
+        .context("the best grid plan has no SynerFuse flags (a planner bug)")?;
     // Per-replica pipelines are written when they beat the best grid plan.
     let pooled = outcome.pooled_wins();
     if let Some(out) = &args.output {
         match pooled {
-            Some(p) => write_atomically(out, &planner::to_general_plan(&cost, p)?.to_toml()?)?,
+            Some(p) => write_atomically(out, &p.to_plan(&cost)?.to_toml()?)?,
             None => write_plan(out, &cost, best)?,
         }
     }
@@ -352,7 +355,7 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
     let report = PlanReport {
         cost: &cost,
         outcome: &outcome,
-        plan: &plan,
+        flags,
         tokens_per_step: (args.global_batch_size * shape.seq_length) as f64,
         planning_s,
     };
@@ -410,7 +413,7 @@ fn report_pooled_only(
         );
     }
     if let Some(out) = &args.output {
-        write_atomically(out, &planner::to_general_plan(cost, p)?.to_toml()?)?;
+        write_atomically(out, &p.to_plan(cost)?.to_toml()?)?;
     }
     if let Some(out) = &args.timeline {
         let timeline = planner::pooled_timeline(cost, p)?;
@@ -483,7 +486,7 @@ impl PlanReport<'_> {
             "train_flags": best.options.train_flags(),
             "recompute_per_stage_and_replica": best.recompute,
             "use_distributed_optimizer": best.options.distributed_optimizer,
-            "rank_order": self.plan.topology.order,
+            "rank_order": self.flags.rank_order,
             "candidates_considered": self.outcome.considered,
             "planning_time_s": self.planning_s,
             "bound_tokens_per_s": self.outcome.bound.tokens_per_s,
@@ -511,7 +514,7 @@ impl PlanReport<'_> {
     /// every stage or none: `--recompute-activations` when any stage recomputes).
     fn synerfuse_flags(&self) -> String {
         let best = self.best();
-        let mut flags = self.plan.to_synerfuse_args();
+        let mut flags = self.flags.args.clone();
         if best.recompute.iter().flatten().any(|&x| x) {
             flags.push("--recompute-activations".into());
         }

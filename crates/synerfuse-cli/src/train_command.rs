@@ -14,8 +14,8 @@ use synerfuse_data::gpt::{
 use synerfuse_data::tokenizer::Tokenizer;
 use synerfuse_model::{DeviceRequest, LlamaConfig, MegatronModelArgs};
 use synerfuse_parallel::{
-    BatchError, GeneralPlan, GeneralPlanError, LayoutError, MeshFlags, ParallelPlan, PlanError,
-    PlanFlags, ProcessMeshes, ScheduleKind, TpLayout,
+    BatchError, GridError, LayoutError, MeshFlags, Plan, PlanError, PlanFlags, ProcessMeshes,
+    ScheduleKind, TpLayout,
 };
 use synerfuse_train::comm::{
     launcher_local_rank, launcher_rank, relaunch_under_mpirun, watchdog, MpiCommunicator,
@@ -413,7 +413,7 @@ impl TrainArgs {
     }
 
     /// The plan: from `--plan` (parallel flags then conflict), or from the flags.
-    fn plan(&self, world_size: usize) -> Result<GeneralPlan> {
+    fn plan(&self, world_size: usize) -> Result<Plan> {
         if self.enable_hetero || !self.hetero_process_meshes.is_empty() {
             return self.mesh_plan(world_size).map(|(plan, _)| plan);
         }
@@ -423,9 +423,7 @@ impl TrainArgs {
             );
         }
         let Some(path) = &self.plan else {
-            let grid = ParallelPlan::from_flags(&self.plan_flags()?, world_size)
-                .map_err(plan_flag_error)?;
-            return general_from_grid(&grid);
+            return Plan::from_flags(&self.plan_flags()?, world_size).map_err(plan_flag_error);
         };
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
@@ -463,7 +461,7 @@ impl TrainArgs {
     }
 
     /// The plan of `--enable-hetero --hetero-process-meshes ...` and its meshes.
-    fn mesh_plan(&self, world_size: usize) -> Result<(GeneralPlan, ProcessMeshes)> {
+    fn mesh_plan(&self, world_size: usize) -> Result<(Plan, ProcessMeshes)> {
         match (self.enable_hetero, self.hetero_process_meshes.is_empty()) {
             (false, _) => bail!("--hetero-process-meshes needs --enable-hetero"),
             (true, true) => {
@@ -612,7 +610,7 @@ impl TrainArgs {
 
     /// `--pipeline-schedule`, else interleaved when a replica has virtual chunks, else
     /// 1F1B.
-    fn schedule_kind(&self, plan: &GeneralPlan) -> ScheduleKind {
+    fn schedule_kind(&self, plan: &Plan) -> ScheduleKind {
         self.pipeline_schedule.unwrap_or(if plan.has_chunks() {
             ScheduleKind::Interleaved
         } else {
@@ -643,7 +641,7 @@ impl TrainArgs {
     }
 
     /// The run's configuration, grouped as the trainer takes it.
-    fn train_config(&self, model: LlamaConfig, plan: GeneralPlan) -> Result<TrainConfig> {
+    fn train_config(&self, model: LlamaConfig, plan: Plan) -> Result<TrainConfig> {
         let schedule = self.schedule_kind(&plan);
         let lr = self.lr_schedule(plan.batches().global_batch_size() as u64)?;
         Ok(TrainConfig {
@@ -928,12 +926,12 @@ fn log_run(config: &TrainConfig, world_size: usize, threads: usize) {
     );
     let recomputing =
         (plan.replicas().iter()).any(|r| (0..r.stages.num_stages()).any(|s| r.recomputes(s)));
-    match plan.to_grid() {
+    match plan.grid_flags() {
         // SynerFuse's flags recompute every stage or none.
         Some(_) if recomputing => tracing::info!(
             "no equivalent flags: the plan recomputes some stages (SynerFuse's --recompute-activations recomputes every stage)"
         ),
-        Some(grid) => tracing::info!("equivalent flags: {}", grid.to_synerfuse_args().join(" ")),
+        Some(grid) => tracing::info!("equivalent flags: {}", grid.args.join(" ")),
         None => tracing::info!(
             "no equivalent flags: the replicas differ in stages, or their ranks or devices follow no grid order"
         ),
@@ -971,50 +969,44 @@ fn log_run(config: &TrainConfig, world_size: usize, threads: usize) {
     }
 }
 
-/// A plan file: the `[[replica]]` form (each replica its own pipeline; TOML, or JSON as
-/// checkpoints store it), or a grid plan in TOML or JSON.
-fn read_plan(path: &std::path::Path, text: &str) -> Result<GeneralPlan> {
-    let context = || format!("plan {}", path.display());
-    if path.extension().is_some_and(|e| e == "json") {
-        if text.contains("\"replica\"") {
-            return GeneralPlan::from_json(text).with_context(context);
-        }
-        let grid = ParallelPlan::from_json(text).with_context(context)?;
-        return general_from_grid(&grid).with_context(context);
-    }
-    if !text.lines().any(|l| l.trim() == "[[replica]]") {
-        let grid = ParallelPlan::from_toml(text).with_context(context)?;
-        return general_from_grid(&grid).with_context(context);
-    }
-    GeneralPlan::from_toml(text, None).with_context(context)
+/// A plan file: the `[[replica]]` form (each replica its own pipeline) or a grid, in
+/// TOML, or in JSON (`.json`, as checkpoints store it).
+fn read_plan(path: &std::path::Path, text: &str) -> Result<Plan> {
+    let plan = match path.extension().is_some_and(|e| e == "json") {
+        true => Plan::from_json(text),
+        false => Plan::from_toml(text, None),
+    };
+    plan.map_err(unsupported_grid)
+        .with_context(|| format!("plan {}", path.display()))
 }
 
-/// The general form of a grid plan; context and expert parallelism, which the trainer
-/// does not run yet, are named by flag.
-fn general_from_grid(grid: &ParallelPlan) -> Result<GeneralPlan> {
-    GeneralPlan::from_grid(grid).map_err(|e| match e {
-        GeneralPlanError::Unsupported { cp, ep } => anyhow::Error::new(e).context(format!(
+/// Context and expert parallelism, which the trainer does not run yet, named by flag.
+fn unsupported_grid(error: PlanError) -> anyhow::Error {
+    match error {
+        PlanError::Unsupported { cp, ep } => anyhow::Error::new(error).context(format!(
             "--context-parallel-size {cp} / --expert-model-parallel-size {ep}: only tensor, pipeline and data parallelism are supported for now"
         )),
         e => e.into(),
-    })
+    }
 }
 
 /// A plan error with the flags behind it (errors of the flag syntax name their flag).
 fn plan_flag_error(error: PlanError) -> anyhow::Error {
     let flags = match &error {
-        PlanError::Layout(LayoutError::LayerSumMismatch { expected, .. }) => {
+        PlanError::Grid(GridError::Layout(LayoutError::LayerSumMismatch { expected, .. })) => {
             format!("--num-layers {expected}")
         }
-        PlanError::Layout(LayoutError::NotDivisible { num_layers, .. }) => {
+        PlanError::Grid(GridError::Layout(LayoutError::NotDivisible { num_layers, .. })) => {
             format!("--num-layers {num_layers}")
         }
-        PlanError::Batch(BatchError::GlobalBatchMismatch {
-            global_batch_size, ..
-        }) => format!("--global-batch-size {global_batch_size}"),
-        PlanError::Topology(_) => {
+        PlanError::Grid(GridError::Batch(BatchError::GlobalBatchMismatch {
+            global_batch_size,
+            ..
+        })) => format!("--global-batch-size {global_batch_size}"),
+        PlanError::Grid(GridError::Topology(_)) => {
             "--tensor-model-parallel-size / --pipeline-model-parallel-size / --nproc".to_owned()
         }
+        PlanError::Unsupported { .. } => return unsupported_grid(error),
         _ => return anyhow::Error::new(error).context("parallel flags"),
     };
     anyhow::Error::new(error).context(flags)

@@ -1556,7 +1556,7 @@ fn train_planned(
     j: &serde_json::Value,
 ) -> std::process::Output {
     let text = std::fs::read_to_string(plan).unwrap();
-    let ranks = synerfuse_parallel::GeneralPlan::from_toml(&text, None)
+    let ranks = synerfuse_parallel::Plan::from_toml(&text, None)
         .unwrap()
         .world_size();
     let mut train = common(dir, data, 3);

@@ -4,7 +4,7 @@
 mod batch;
 pub mod cluster;
 pub mod cost;
-mod general;
+mod flags;
 pub mod launcher;
 mod plan;
 pub mod planner;
@@ -16,17 +16,16 @@ mod topology;
 pub mod tp;
 
 pub use batch::{BatchError, ReplicaBatch, ReplicaBatches};
-pub use general::{
-    GeneralPlan, GeneralPlanError, GradientReduction, GradientSegment, MeshError, MeshFlags,
-    ProcessMesh, ProcessMeshes, ReducedParameters, ReplicaPipeline,
-};
+pub(crate) use flags::GridPlan;
+pub use flags::{GridError, GridFlags, PlanFlags};
 pub use plan::{
-    DeviceRequest, ParallelPlan, PlanError, PlanFlags, RankPlacement, TopologySpec, UnknownDevice,
+    DeviceRequest, GradientReduction, GradientSegment, MeshError, MeshFlags, Plan, PlanError,
+    ProcessMesh, ProcessMeshes, RankPlacement, ReducedParameters, ReplicaPipeline, UnknownDevice,
 };
 pub use schedule::{
     check_forward_only, check_schedule, forward_only, link_in_order, pipeline_schedule,
-    plan_schedule, Instruction, Message, Pass, Payload, Piece, ScheduleError, ScheduleKind,
-    ScheduleReport, UnknownScheduleKind, Waiting,
+    Instruction, Message, Pass, Payload, Piece, ScheduleError, ScheduleKind, ScheduleReport,
+    UnknownScheduleKind, Waiting,
 };
 pub use stage::{LayoutError, StageLayout};
 pub use topology::{

@@ -101,7 +101,7 @@ where
     }
 }
 
-/// Runs `programs` (peers are program indices, as `plan_schedule` makes them) with
+/// Runs `programs` (peers are program indices, as `Plan::schedule` makes them) with
 /// `op_seconds(rank, pass, piece)` for each computation and `message_seconds(from, to)`
 /// for each transfer.
 pub fn simulate(

@@ -24,7 +24,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use synerfuse_model::tch::{self, Tensor};
 use synerfuse_model::{LlamaConfig, Stage};
-use synerfuse_parallel::GeneralPlan;
+use synerfuse_parallel::Plan;
 
 /// The name of the file that points at the newest checkpoint.
 pub const LATEST: &str = "latest";
@@ -47,7 +47,7 @@ pub struct CheckpointState {
     pub model: serde_json::Value,
     /// The plan the checkpoint was written under (older checkpoints stored a grid plan,
     /// which reads as its general form).
-    pub plan: GeneralPlan,
+    pub plan: Plan,
     /// Whether the run trained in bf16 (parameters are stored in fp32 either way).
     pub bf16: bool,
 }

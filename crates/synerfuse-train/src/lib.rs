@@ -45,9 +45,6 @@ pub enum TrainError {
     /// Weights could not be read or written.
     #[error(transparent)]
     Weights(#[from] synerfuse_model::hf::HfError),
-    /// The plan is inconsistent.
-    #[error(transparent)]
-    Plan(#[from] synerfuse_parallel::PlanError),
     /// The topology is inconsistent.
     #[error(transparent)]
     Topology(#[from] synerfuse_parallel::TopologyError),
@@ -75,9 +72,9 @@ pub enum TrainError {
         /// Ranks in the job.
         job: usize,
     },
-    /// A general plan that cannot run (a replica's schedule, a conversion).
+    /// A plan that cannot run (a replica's schedule).
     #[error(transparent)]
-    GeneralPlan(#[from] synerfuse_parallel::GeneralPlanError),
+    Plan(#[from] synerfuse_parallel::PlanError),
     /// A parameter the plan's gradient reductions miss (a bug, reported).
     #[error(transparent)]
     UnreducedParameter(#[from] grads::UnreducedParameter),

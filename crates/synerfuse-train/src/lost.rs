@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use synerfuse_parallel::cost::ModelShape;
 use synerfuse_parallel::planner::{self, RunningJob};
-use synerfuse_parallel::GeneralPlan;
+use synerfuse_parallel::Plan;
 
 /// The exit status of a survivor of a lost rank (`EX_TEMPFAIL`: try again, on the
 /// survivors).
@@ -58,7 +58,7 @@ pub(crate) struct JobSnapshot {
     /// `--save`.
     pub save: PathBuf,
     /// The plan running.
-    pub plan: GeneralPlan,
+    pub plan: Plan,
     /// Each rank's latest forward and backward seconds per step.
     pub paces_s: Vec<f64>,
     /// Each rank's host.
@@ -156,7 +156,7 @@ pub(crate) fn end_as_survivor(
 fn plan_for_survivors(
     snapshot: &JobSnapshot,
     survivors: &[usize],
-) -> Result<(GeneralPlan, f64), planner::ReplanError> {
+) -> Result<(Plan, f64), planner::ReplanError> {
     let job = RunningJob {
         plan: &snapshot.plan,
         model: snapshot.model.clone(),
@@ -182,7 +182,7 @@ fn write(
     snapshot: &JobSnapshot,
     lost: &[usize],
     survivors: &[usize],
-    plan: &GeneralPlan,
+    plan: &Plan,
     predicted_step_s: f64,
 ) -> Result<PathBuf, String> {
     let save = &snapshot.save;

@@ -1,4 +1,4 @@
-//! Runs one rank's pipeline program (from `GeneralPlan::schedule`) for one
+//! Runs one rank's pipeline program (from `Plan::schedule`) for one
 //! training step: forwards and backwards of its stage chunks, activations and gradients
 //! exchanged with neighbouring stages by non-blocking MPI sends.
 //!

@@ -194,7 +194,7 @@ pub struct ReplanDecision {
     /// Micro-batch size and count of each replica of the best plan.
     pub proposed_batches: Vec<(usize, usize)>,
     /// The best plan, on the job's ranks (the `[[replica]]` form of a plan file).
-    pub proposed_plan: synerfuse_parallel::GeneralPlan,
+    pub proposed_plan: synerfuse_parallel::Plan,
     /// Iterations left to train.
     pub remaining_iterations: u64,
     /// (current − proposed) × remaining iterations, s.

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use synerfuse_model::tch::Device;
 use synerfuse_model::{LlamaConfig, Stage};
 use synerfuse_parallel::{
-    check_forward_only, check_schedule, forward_only, GeneralPlan, ReplicaBatch, ReplicaPipeline,
+    check_forward_only, check_schedule, forward_only, Plan, ReplicaBatch, ReplicaPipeline,
     ScheduleKind, StageLayout,
 };
 use synerfuse_train::grads::reduction_of;
@@ -66,7 +66,7 @@ fn replica(layers: usize, draw: &ReplicaDraw, first_rank: usize) -> ReplicaPipel
     )
 }
 
-fn plan(layers: usize, draws: &[ReplicaDraw]) -> GeneralPlan {
+fn plan(layers: usize, draws: &[ReplicaDraw]) -> Plan {
     let mut next = 0;
     let replicas = draws
         .iter()
@@ -76,7 +76,7 @@ fn plan(layers: usize, draws: &[ReplicaDraw]) -> GeneralPlan {
             r
         })
         .collect();
-    GeneralPlan::new(replicas).unwrap()
+    Plan::new(replicas).unwrap()
 }
 
 proptest! {

@@ -8,87 +8,79 @@ use super::{
 };
 use crate::cluster::Device;
 use crate::cost::CostModel;
-use crate::general::{GeneralPlan, GeneralPlanError, ReplicaPipeline};
+use crate::plan::{Plan, PlanError, ReplicaPipeline};
 use crate::{
-    DeviceRequest, ParallelPlan, RankPlacement, ReplicaBatch, ReplicaBatches, StageLayout,
-    TopologySpec, DEFAULT_ORDER, TP_PP_DP_ORDER,
+    Coordinates, DeviceRequest, RankPlacement, ReplicaBatch, StageLayout, Topology, TopologyError,
+    DEFAULT_ORDER, TP_PP_DP_ORDER,
 };
 
-/// The device index of each rank of the candidate's grid plan, in rank order.
-pub fn grid_rank_devices(candidate: &Candidate) -> Result<Vec<usize>, crate::PlanError> {
-    let (p, d) = (candidate.layers.len(), candidate.micro_batches.len());
-    let order = match candidate.arrangement {
-        Arrangement::ByReplica => TP_PP_DP_ORDER,
-        Arrangement::ByStage => DEFAULT_ORDER,
-    };
-    let topology = crate::Topology::new(p * d, 1, p, 1, 1, order)?;
-    (0..p * d)
-        .map(|rank| -> Result<usize, crate::PlanError> {
-            let c = topology.coordinates(rank)?;
-            Ok(candidate.devices[c.pp][c.dp])
-        })
-        .collect()
-}
-
-/// The candidate as a plan `synerfuse train --plan` runs.
-pub fn to_parallel_plan(
-    cost: &CostModel,
-    candidate: &Candidate,
-) -> Result<ParallelPlan, crate::PlanError> {
-    let devices = cost.cluster.devices();
-    let p = candidate.layers.len();
-    let d = candidate.micro_batches.len();
-    let order = match candidate.arrangement {
-        Arrangement::ByReplica => TP_PP_DP_ORDER,
-        Arrangement::ByStage => DEFAULT_ORDER,
-    };
-    let spec = TopologySpec {
-        world_size: p * d,
-        tp: 1,
-        pp: p,
-        cp: 1,
-        ep: 1,
-        order: order.into(),
-    };
-    let ranks = (grid_rank_devices(candidate)?.into_iter())
-        .map(|device| placement(&devices[device]))
-        .collect();
-    let batches = ReplicaBatches::new(
-        candidate
-            .micro_batch_sizes
-            .iter()
-            .zip(&candidate.micro_batches)
-            .map(|(&b, &m)| ReplicaBatch {
-                micro_batch_size: b,
-                num_micro_batches: m,
-            })
-            .collect(),
-    )?;
-    ParallelPlan::new(
-        spec,
-        StageLayout::new(candidate.layers.clone(), cost.model.num_layers)?,
-        batches,
-        ranks,
-    )
-}
-
-/// The candidate as the file `synerfuse plan` writes: its grid plan in the general
-/// form (the grid's rank order kept), with the stages that recompute their activations.
-pub fn to_general_grid_plan(
-    cost: &CostModel,
-    candidate: &Candidate,
-) -> Result<crate::GeneralPlan, PlanningError> {
-    let general = crate::GeneralPlan::from_grid(&to_parallel_plan(cost, candidate)?)?;
-    if !candidate.recompute.iter().flatten().any(|&x| x) {
-        return Ok(general);
+impl Candidate {
+    /// The grid's ranks: Megatron's order for its arrangement (tp-pp-dp when replicas
+    /// take neighbouring devices, the default when stages do).
+    fn topology(&self) -> Result<Topology, TopologyError> {
+        let (p, d) = (self.layers.len(), self.micro_batches.len());
+        let order = match self.arrangement {
+            Arrangement::ByReplica => TP_PP_DP_ORDER,
+            Arrangement::ByStage => DEFAULT_ORDER,
+        };
+        Topology::new(p * d, 1, p, 1, 1, order)
     }
-    let replicas = (general.replicas().iter().enumerate())
-        .map(|(r, replica)| crate::general::ReplicaPipeline {
-            recompute: candidate.recompute.iter().map(|row| row[r]).collect(),
-            ..replica.clone()
-        })
-        .collect();
-    Ok(crate::GeneralPlan::new(replicas)?)
+
+    /// The device index of each rank of [`Candidate::to_plan`]'s plan, in rank order.
+    pub fn rank_devices(&self) -> Result<Vec<usize>, TopologyError> {
+        let topology = self.topology()?;
+        (0..topology.world_size())
+            .map(|rank| {
+                let c = topology.coordinates(rank)?;
+                Ok(self.devices[c.pp][c.dp])
+            })
+            .collect()
+    }
+
+    /// The plan `synerfuse train --plan` runs and `synerfuse plan` writes: the grid on
+    /// its ranks ([`Candidate::rank_devices`]), with the stages that recompute their
+    /// activations.
+    pub fn to_plan(&self, cost: &CostModel) -> Result<Plan, PlanningError> {
+        let devices = cost.cluster.devices();
+        let topology = self.topology()?;
+        let recomputes = self.recompute.iter().flatten().any(|&x| x);
+        let mut replicas = Vec::with_capacity(self.micro_batches.len());
+        for (r, (&micro_batch_size, &num_micro_batches)) in
+            (self.micro_batch_sizes.iter().zip(&self.micro_batches)).enumerate()
+        {
+            let stages = StageLayout::new(self.layers.clone(), cost.model.num_layers)
+                .map_err(|source| PlanError::Layout { replica: r, source })?;
+            let ranks = (0..self.layers.len())
+                .map(|pp| {
+                    let at = Coordinates {
+                        tp: 0,
+                        cp: 0,
+                        ep: 0,
+                        dp: r,
+                        pp,
+                    };
+                    vec![topology.rank(&at).expect("coordinates within the grid")]
+                })
+                .collect();
+            replicas.push(ReplicaPipeline {
+                stages,
+                batch: ReplicaBatch {
+                    micro_batch_size,
+                    num_micro_batches,
+                },
+                ranks,
+                tp_shares: Vec::new(),
+                recompute: match recomputes {
+                    true => self.recompute.iter().map(|row| row[r]).collect(),
+                    false => Vec::new(),
+                },
+                placements: (self.devices.iter())
+                    .map(|stage| placement(&devices[stage[r]]))
+                    .collect(),
+            });
+        }
+        Ok(Plan::new(replicas)?)
+    }
 }
 
 /// Where a rank on `dev` computes: CUDA for an accelerator, else the CPU; its emulated
@@ -106,54 +98,54 @@ pub(super) fn placement(dev: &Device) -> RankPlacement {
     }
 }
 
-/// The plan `synerfuse train --plan` runs: the pools' replicas in order, ranks replica
-/// by replica, stage by stage, a tensor-parallel group's members together.
-pub fn to_general_plan(
-    cost: &CostModel,
-    candidate: &PooledCandidate,
-) -> Result<GeneralPlan, GeneralPlanError> {
-    let devices = cost.cluster.devices();
-    let mut next_rank = 0;
-    let mut replicas = Vec::new();
-    for (k, r) in candidate.replicas() {
-        let pool = &candidate.pools[k];
-        let stages =
-            StageLayout::new(pool.layers.clone(), cost.model.num_layers).map_err(|source| {
-                GeneralPlanError::Layout {
-                    replica: replicas.len(),
-                    source,
-                }
-            })?;
-        let groups: Vec<&TpGroup> = (pool.devices.iter())
-            .map(|row| &candidate.groups[row[r]])
-            .collect();
-        let mut ranks = Vec::with_capacity(groups.len());
-        for group in &groups {
-            ranks.push((next_rank..next_rank + group.size()).collect());
-            next_rank += group.size();
-        }
-        let even = |g: &TpGroup| g.shares.iter().all(|&s| s == g.shares[0]);
-        replicas.push(ReplicaPipeline {
-            stages,
-            batch: ReplicaBatch {
-                micro_batch_size: pool.micro_batch_size,
-                num_micro_batches: pool.micro_batches[r],
-            },
-            ranks,
-            recompute: match candidate.recompute.get(replicas.len()) {
-                Some(flags) if flags.iter().any(|&x| x) => flags.clone(),
-                _ => Vec::new(),
-            },
-            tp_shares: match groups.iter().all(|g| even(g)) {
-                true => Vec::new(),
-                false => (groups.iter())
-                    .map(|g| (!even(g)).then(|| g.shares.clone()))
+impl PooledCandidate {
+    /// The plan `synerfuse train --plan` runs: the pools' replicas in order, ranks
+    /// replica by replica, stage by stage, a tensor-parallel group's members together.
+    pub fn to_plan(&self, cost: &CostModel) -> Result<Plan, PlanError> {
+        let candidate = self;
+        let devices = cost.cluster.devices();
+        let mut next_rank = 0;
+        let mut replicas = Vec::new();
+        for (k, r) in candidate.replicas() {
+            let pool = &candidate.pools[k];
+            let stages =
+                StageLayout::new(pool.layers.clone(), cost.model.num_layers).map_err(|source| {
+                    PlanError::Layout {
+                        replica: replicas.len(),
+                        source,
+                    }
+                })?;
+            let groups: Vec<&TpGroup> = (pool.devices.iter())
+                .map(|row| &candidate.groups[row[r]])
+                .collect();
+            let mut ranks = Vec::with_capacity(groups.len());
+            for group in &groups {
+                ranks.push((next_rank..next_rank + group.size()).collect());
+                next_rank += group.size();
+            }
+            let even = |g: &TpGroup| g.shares.iter().all(|&s| s == g.shares[0]);
+            replicas.push(ReplicaPipeline {
+                stages,
+                batch: ReplicaBatch {
+                    micro_batch_size: pool.micro_batch_size,
+                    num_micro_batches: pool.micro_batches[r],
+                },
+                ranks,
+                recompute: match candidate.recompute.get(replicas.len()) {
+                    Some(flags) if flags.iter().any(|&x| x) => flags.clone(),
+                    _ => Vec::new(),
+                },
+                tp_shares: match groups.iter().all(|g| even(g)) {
+                    true => Vec::new(),
+                    false => (groups.iter())
+                        .map(|g| (!even(g)).then(|| g.shares.clone()))
+                        .collect(),
+                },
+                placements: (groups.iter())
+                    .flat_map(|g| g.members.iter().map(|&i| placement(&devices[i])))
                     .collect(),
-            },
-            placements: (groups.iter())
-                .flat_map(|g| g.members.iter().map(|&i| placement(&devices[i])))
-                .collect(),
-        });
+            });
+        }
+        Plan::new(replicas)
     }
-    GeneralPlan::new(replicas)
 }

@@ -17,10 +17,12 @@ pub enum PlanningError {
     /// A candidate that does not form a plan (a planner bug, reported).
     #[error(transparent)]
     Plan(#[from] crate::PlanError),
-    /// A per-replica-pipeline candidate that does not form a plan (a planner bug,
-    /// reported).
+    /// A grid candidate whose ranks do not form a topology (a planner bug, reported).
     #[error(transparent)]
-    General(#[from] crate::GeneralPlanError),
+    Topology(#[from] crate::TopologyError),
+    /// A candidate whose pipelines cannot run their schedule (a planner bug, reported).
+    #[error(transparent)]
+    Schedule(#[from] crate::ScheduleError),
     /// Every candidate breaks a constraint; the closest one's binding constraint.
     #[error("no feasible plan: {0}")]
     Infeasible(Infeasibility),

@@ -26,7 +26,6 @@ use pricing::Ctx;
 use request::micro_batch_sizes;
 use std::collections::HashMap;
 
-pub use convert::{grid_rank_devices, to_general_grid_plan, to_general_plan, to_parallel_plan};
 pub use error::{Infeasibility, MemoryShortfall, PlanningError};
 pub use outcome::{
     Arrangement, BehindBy, Candidate, CandidateOrigin, PlanOutcome, Prediction, StepBreakdown,

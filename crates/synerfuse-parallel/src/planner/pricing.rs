@@ -341,11 +341,11 @@ impl Shares {
         }
     }
 
-    /// A unit's weight as the trainer shards by it (`GeneralPlan::memory_shares`): its
+    /// A unit's weight as the trainer shards by it (`Plan::memory_shares`): its
     /// device's memory in tenths of a GB, as the plan file gives it.
     pub(super) fn weight(ctx: &Ctx<'_>, unit: usize) -> Option<f64> {
         let gb = ctx.devices[unit].spec?.memory_gb;
-        Some(f64::from(crate::general::memory_share_weight(gb)))
+        Some(f64::from(crate::plan::memory_share_weight(gb)))
     }
 
     pub(super) fn of_grid(ctx: &Ctx<'_>, grid: &[Vec<usize>]) -> Vec<Self> {

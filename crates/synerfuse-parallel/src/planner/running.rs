@@ -10,7 +10,6 @@
 //! simulation (every replica's schedule, the reduction, the optimizer), so that their
 //! difference is not the difference of two models.
 
-use super::convert::{grid_rank_devices, to_general_grid_plan, to_general_plan};
 use super::error::PlanningError;
 use super::plan;
 use super::pooled::PoolLayout;
@@ -20,7 +19,7 @@ use super::simulate::simulate_pools;
 use super::tensor::TpGroup;
 use crate::cluster::{ClusterSpec, DeviceGroup, Network};
 use crate::cost::{CostModel, MeasuredCosts, MeasuredNetwork, ModelShape, Profile, Recompute};
-use crate::general::{GeneralPlan, GeneralPlanError, ReplicaPipeline};
+use crate::plan::{Plan, PlanError, ReplicaPipeline};
 use crate::RankPlacement;
 use std::collections::BTreeMap;
 
@@ -33,7 +32,7 @@ const UNIT_RATE: f64 = 1e12;
 #[derive(Debug, Clone)]
 pub struct RunningJob<'a> {
     /// The plan it runs.
-    pub plan: &'a GeneralPlan,
+    pub plan: &'a Plan,
     /// The model, at the run's sequence length.
     pub model: ModelShape,
     /// Each rank's forward and backward seconds per step under `plan`, in rank order.
@@ -87,10 +86,10 @@ pub enum ReplanError {
     Planning(#[from] PlanningError),
     /// A plan that does not form (a planner bug, reported).
     #[error(transparent)]
-    General(#[from] GeneralPlanError),
-    /// A grid plan that does not form (a planner bug, reported).
+    Plan(#[from] PlanError),
+    /// A grid plan whose ranks do not form a topology (a planner bug, reported).
     #[error(transparent)]
-    Plan(#[from] crate::PlanError),
+    Topology(#[from] crate::TopologyError),
 }
 
 /// The costs of one micro-batch of one sample at speed 1: FLOPs at [`UNIT_RATE`].
@@ -109,7 +108,7 @@ fn unit_costs(model: &ModelShape) -> MeasuredCosts {
 /// The tensor-parallel group of `replica`'s `stage` (a rank alone without one).
 fn stage_group(
     model: &ModelShape,
-    plan: &GeneralPlan,
+    plan: &Plan,
     replica: usize,
     stage: usize,
 ) -> Result<TpGroup, ReplanError> {
@@ -216,7 +215,7 @@ pub fn fitted_cost_of(job: &RunningJob<'_>, kept: &[usize]) -> Result<CostModel,
 
 /// The simulated step of `plan` on `cost`'s cluster, rank `r` on device `r`: each
 /// replica a pipeline of its own, priced as the planner prices per-replica pipelines.
-pub fn predict_step_s(cost: &CostModel, plan: &GeneralPlan) -> Result<f64, ReplanError> {
+pub fn predict_step_s(cost: &CostModel, plan: &Plan) -> Result<f64, ReplanError> {
     if plan.has_chunks() {
         return Err(ReplanError::Interleaved);
     }
@@ -264,18 +263,18 @@ pub fn best_plan_for(
     cost: &CostModel,
     request: &PlanRequest,
     placements: &[Option<RankPlacement>],
-) -> Result<(GeneralPlan, f64), ReplanError> {
+) -> Result<(Plan, f64), ReplanError> {
     let outcome = plan(cost, request)?;
     let mut found = Vec::new();
     if let Some(grid) = outcome.plans.first() {
-        let general = to_general_grid_plan(cost, grid)?;
-        found.push(on_devices(&general, &grid_rank_devices(grid)?, placements)?);
+        let general = grid.to_plan(cost)?;
+        found.push(on_devices(&general, &grid.rank_devices()?, placements)?);
     }
     if let Some(pooled) = &outcome.pooled {
-        let general = to_general_plan(cost, pooled)?;
+        let general = pooled.to_plan(cost)?;
         found.push(on_devices(&general, &pooled.rank_devices(), placements)?);
     }
-    let mut best: Option<(GeneralPlan, f64)> = None;
+    let mut best: Option<(Plan, f64)> = None;
     for plan in found {
         let step_s = predict_step_s(cost, &plan)?;
         if best.as_ref().is_none_or(|(_, s)| step_s < *s) {
@@ -288,10 +287,10 @@ pub fn best_plan_for(
 
 /// `plan` with its rank `k` renamed `device_of[k]`, rank `r` placed at `placements[r]`.
 fn on_devices(
-    plan: &GeneralPlan,
+    plan: &Plan,
     device_of: &[usize],
     placements: &[Option<RankPlacement>],
-) -> Result<GeneralPlan, GeneralPlanError> {
+) -> Result<Plan, PlanError> {
     let replicas = (plan.replicas().iter())
         .map(|r| {
             let ranks: Vec<Vec<usize>> = (r.ranks.iter())
@@ -311,7 +310,7 @@ fn on_devices(
             }
         })
         .collect();
-    GeneralPlan::new(replicas)
+    Plan::new(replicas)
 }
 
 #[cfg(test)]
@@ -334,7 +333,7 @@ mod tests {
     }
 
     /// `ranks` data-parallel replicas of the whole model, 4 micro-batches of 1 each.
-    fn data_parallel(ranks: usize) -> GeneralPlan {
+    fn data_parallel(ranks: usize) -> Plan {
         let replicas = (0..ranks)
             .map(|r| {
                 ReplicaPipeline::single_ranks(
@@ -348,10 +347,10 @@ mod tests {
                 )
             })
             .collect();
-        GeneralPlan::new(replicas).unwrap()
+        Plan::new(replicas).unwrap()
     }
 
-    fn job<'a>(plan: &'a GeneralPlan, paces_s: &'a [f64], hosts: &'a [String]) -> RunningJob<'a> {
+    fn job<'a>(plan: &'a Plan, paces_s: &'a [f64], hosts: &'a [String]) -> RunningJob<'a> {
         RunningJob {
             plan,
             model: model(),

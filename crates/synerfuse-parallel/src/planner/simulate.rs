@@ -1,7 +1,6 @@
 //! Candidates re-timed by simulating their real schedules, rank by rank.
 
 use super::{
-    convert::{to_general_plan, to_parallel_plan},
     error::PlanningError,
     outcome::{Candidate, Prediction},
     pooled::{optimizer_s, reduce_s, PoolLayout, PooledCandidate},
@@ -10,9 +9,9 @@ use super::{
 };
 use crate::cluster::Device;
 use crate::cost::CostModel;
-use crate::general::GeneralPlan;
+use crate::plan::Plan;
 use crate::timeline::{RankTimeline, Span, SpanKind, Timeline};
-use crate::{plan_schedule, sim, Pass, ScheduleKind};
+use crate::{sim, Pass, ScheduleKind};
 
 /// Re-times a candidate by simulating its 1F1B schedule (with p2p times), each stage's
 /// gradient reduction starting when its last replica finishes, and the optimizer step
@@ -30,17 +29,17 @@ pub(super) fn simulate_step(
     c: &Candidate,
     record: bool,
 ) -> Result<(Prediction, Vec<RankTimeline>), PlanningError> {
-    let plan = to_parallel_plan(ctx.cost, c)?;
-    let programs = plan_schedule(&plan, ScheduleKind::OneFOneB)?;
-    let topology = plan.topology()?;
+    let plan = c.to_plan(ctx.cost)?;
+    let programs = plan.schedule(ScheduleKind::OneFOneB)?;
     let p = c.layers.len();
     let sizes = &c.micro_batch_sizes;
     let (t, _) = stage_times(ctx, &c.devices, &c.layers, sizes, &c.micro_batches)?;
     let fits = stage_fits(ctx, &c.devices, &c.layers, sizes, &c.micro_batches)?;
-    let coords: Vec<(usize, usize)> = (0..plan.topology.world_size)
-        .map(|r| {
-            let x = topology.coordinates(r).expect("rank in topology");
-            (x.pp, x.dp)
+    // Per rank, its (stage, replica).
+    let coords: Vec<(usize, usize)> = (0..plan.world_size())
+        .map(|rank| {
+            let (replica, stage) = plan.position(rank).expect("every rank has a place");
+            (stage, replica)
         })
         .collect();
     let mut fractions = vec![0.0; coords.len()];
@@ -68,8 +67,7 @@ pub(super) fn simulate_step(
     let report = match record {
         true => sim::simulate_spans(&programs, op_seconds, message_seconds),
         false => sim::simulate(&programs, op_seconds, message_seconds),
-    }
-    .map_err(crate::PlanError::from)?;
+    }?;
     let reduce = allreduce_times(ctx, &c.devices, &c.layers);
     let optimizer = optimizer_times(ctx, &c.devices, &c.layers);
     // Each stage's reduction starts when the last of its replicas finishes.
@@ -162,7 +160,7 @@ pub(super) fn simulate_pools(
         reduce_s: 0.0,
         optimizer_s: 0.0,
     };
-    let plan = to_general_plan(ctx.cost, &candidate)?;
+    let plan = candidate.to_plan(ctx.cost)?;
     let programs = plan.schedule(ScheduleKind::OneFOneB)?;
     let ranks = pooled_ranks(ctx, &mut candidate)?;
     let (devices, cost) = (&ctx.all, ctx.cost);
@@ -184,8 +182,7 @@ pub(super) fn simulate_pools(
     let report = match record {
         true => sim::simulate_spans(&programs, op_seconds, message_seconds),
         false => sim::simulate(&programs, op_seconds, message_seconds),
-    }
-    .map_err(crate::PlanError::from)?;
+    }?;
     let reduce = reduce_s(ctx, &candidate.pools);
     let optimizer = optimizer_s(ctx, &candidate.pools);
     let done = report.makespan_s;
@@ -252,7 +249,7 @@ fn pooled_ranks(
 /// Every rank's spans: its schedule's, then waiting for the last pipeline, its stage's
 /// reduction, waiting for the slowest reduction, and the optimizer step.
 fn pooled_rows(
-    plan: &GeneralPlan,
+    plan: &Plan,
     devices: &[Device],
     ranks: &[RankPace],
     candidate: &PooledCandidate,

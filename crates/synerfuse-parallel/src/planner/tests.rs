@@ -57,7 +57,7 @@ fn recomputation_makes_a_plan_fit() {
     assert_eq!(stages, [true, false], "{best:?}");
     // The plan file says so; no train flag is needed.
     assert!(best.options.train_flags().is_empty());
-    let file = to_general_grid_plan(&cost, best).unwrap();
+    let file = best.to_plan(&cost).unwrap();
     assert_eq!(file.replicas()[0].recompute, [true, false]);
     // Each stage's forward runs twice: a third more compute than without.
     let plain = plan(&a10s(2, 2048), &request(32, Choice::Off, Choice::Off)).unwrap();
@@ -192,7 +192,7 @@ proptest! {
     }
 
     /// Every plan satisfies every constraint (layers, batch, memory, a valid
-    /// ParallelPlan), and the best is never predicted slower than the even layout.
+    /// a grid plan), and the best is never predicted slower than the even layout.
     #[test]
     fn plans_satisfy_constraints_and_beat_uniform(
         groups in proptest::collection::vec((10.0f64..400.0, 4.0f64..80.0, 1usize..=4), 1..=3),
@@ -263,7 +263,7 @@ proptest! {
                             prop_assert!(need <= cost.usable_memory(dev).unwrap() + 1.0);
                         }
                     }
-                    prop_assert!(to_parallel_plan(&cost, c).is_ok());
+                    prop_assert!(c.to_plan(&cost).is_ok());
                     // No plan beats every device working alone.
                     let fraction = outcome.bound.fraction((g * 512) as f64, c.prediction.step_time_s);
                     prop_assert!(fraction > 0.0 && fraction <= 1.0 + 1e-9, "{}", fraction);

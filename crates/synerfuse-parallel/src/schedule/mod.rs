@@ -12,7 +12,6 @@ pub(crate) mod interpret;
 
 pub use instruction::{Instruction, Message, Pass, Payload, Piece};
 
-use crate::{ParallelPlan, PlanError};
 use interpret::{interpret, Observer};
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -328,41 +327,6 @@ fn stage_program(
         }
     }
     program
-}
-
-/// Per-rank instruction lists of a whole plan: each rank runs its pipeline's schedule for
-/// its stage with its replica's micro-batch count; peers are global ranks.
-pub fn plan_schedule(
-    plan: &ParallelPlan,
-    kind: ScheduleKind,
-) -> Result<Vec<Vec<Instruction>>, PlanError> {
-    let topology = plan.topology()?;
-    let stages = plan.stages.num_stages();
-    let chunks = plan.stages.num_chunks();
-    let mut cache: HashMap<usize, Vec<Vec<Instruction>>> = HashMap::new();
-    let mut out = Vec::with_capacity(topology.world_size());
-    for rank in 0..topology.world_size() {
-        let c = topology.coordinates(rank)?;
-        let m = plan.batches.replicas()[c.dp].num_micro_batches;
-        let per_stage = match cache.get(&m) {
-            Some(s) => s,
-            None => cache
-                .entry(m)
-                .or_insert(pipeline_schedule(kind, stages, chunks, m)?),
-        };
-        let to_rank = |stage: usize| {
-            topology
-                .rank(&crate::Coordinates { pp: stage, ..c })
-                .expect("stage within the pipeline")
-        };
-        out.push(
-            per_stage[c.pp]
-                .iter()
-                .map(|&i| i.map_peer(to_rank))
-                .collect(),
-        );
-    }
-    Ok(out)
 }
 
 /// What a schedule run found.
@@ -684,69 +648,10 @@ mod tests {
         ));
     }
 
-    #[test]
-    fn hetero_plan_with_different_counts_runs() {
-        let plan = ParallelPlan::from_synerfuse_args(
-            &[
-                "--tensor-model-parallel-size",
-                "2",
-                "--pipeline-model-parallel-size",
-                "3",
-                "--use-tp-pp-dp-mapping",
-                "--num-layers",
-                "12",
-                "--hetero-pipeline-stages",
-                "1",
-                "6",
-                "2",
-                "3",
-                "3",
-                "--global-batch-size",
-                "22",
-                "--micro-batch-size-per-dp",
-                "1",
-                "4",
-                "1",
-                "2",
-                "1",
-                "1",
-                "--num-micro-batches-per-dp",
-                "1",
-                "3",
-                "1",
-                "4",
-                "1",
-                "2",
-            ],
-            18,
-        )
-        .unwrap();
-        for kind in [ScheduleKind::Gpipe, ScheduleKind::OneFOneB] {
-            let programs = plan_schedule(&plan, kind).unwrap();
-            let report = check_schedule(&programs).unwrap();
-            let topology = plan.topology().unwrap();
-            for pipeline in topology.groups(crate::GroupKind::Pp) {
-                let dp = topology.coordinates(pipeline[0]).unwrap().dp;
-                let m = plan.batches.replicas()[dp].num_micro_batches;
-                report.check_pipeline_order(&pipeline, 1, m).unwrap();
-            }
-            for (rank, peak) in report.peak_in_flight.iter().enumerate() {
-                let c = topology.coordinates(rank).unwrap();
-                let m = plan.batches.replicas()[c.dp].num_micro_batches;
-                let expected = if kind == ScheduleKind::Gpipe {
-                    m
-                } else {
-                    (3 - c.pp).min(m)
-                };
-                assert_eq!(*peak, expected, "rank {rank}");
-            }
-        }
-    }
-
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]
 
-        /// Whole plans whose replicas run different micro-batch counts: every rank's
+        /// Whole grids whose replicas run different micro-batch counts: every rank's
         /// program runs, pipelines stay in order.
         #[test]
         fn mixed_replica_counts(
@@ -760,14 +665,14 @@ mod tests {
                 num_micro_batches: n,
             }).collect()).unwrap();
             let world = tp * pp * shapes.len();
-            let plan = ParallelPlan::new(
-                crate::TopologySpec { world_size: world, tp, pp, cp: 1, ep: 1, order: crate::TP_PP_DP_ORDER.into() },
+            let plan = crate::GridPlan::new(
+                crate::flags::TopologySpec { world_size: world, tp, pp, cp: 1, ep: 1, order: crate::TP_PP_DP_ORDER.into() },
                 crate::StageLayout::uniform(pp * 2, pp).unwrap(),
                 batches,
                 Vec::new(),
             ).unwrap();
             let kind = if gpipe { ScheduleKind::Gpipe } else { ScheduleKind::OneFOneB };
-            let programs = plan_schedule(&plan, kind).unwrap();
+            let programs = crate::Plan::from_grid(&plan).unwrap().schedule(kind).unwrap();
             let report = check_schedule(&programs).unwrap();
             let topology = plan.topology().unwrap();
             for pipeline in topology.groups(crate::GroupKind::Pp) {

@@ -5,7 +5,7 @@ use crate::optim::{AdamWConfig, LrSchedule};
 use crate::replan::{ReplanMode, SpeedChange, WatchConfig};
 use std::path::PathBuf;
 use synerfuse_model::{DeviceRequest, LlamaConfig};
-use synerfuse_parallel::{GeneralPlan, ScheduleKind};
+use synerfuse_parallel::{Plan, ScheduleKind};
 
 /// Everything a run is configured with.
 #[derive(Debug, Clone)]
@@ -90,8 +90,8 @@ impl EvalConfig {
 #[derive(Debug, Clone)]
 pub struct ParallelConfig {
     /// Each replica's pipeline: layers per stage, micro-batches, devices per rank (a
-    /// grid plan converts with `GeneralPlan::from_grid`).
-    pub plan: GeneralPlan,
+    /// grid plan converts with `Plan::from_grid`).
+    pub plan: Plan,
     /// Pipeline schedule of every replica (replicas without virtual chunks run 1F1B
     /// where this is interleaved).
     pub schedule: ScheduleKind,

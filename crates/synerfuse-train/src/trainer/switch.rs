@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use synerfuse_model::tch::{Device, Kind, Tensor};
 use synerfuse_parallel::planner::{self, RunningJob};
-use synerfuse_parallel::GeneralPlan;
+use synerfuse_parallel::Plan;
 
 /// What re-planning keeps from step to step, and across a switch.
 #[derive(Debug, Clone)]
@@ -305,7 +305,7 @@ impl<'w> Trainer<'w> {
     /// Whether this rank holds parameter `name` under `plan` (by the global names'
     /// layout: `model.layers.N.*`, the embedding on the first stage (and the last when
     /// tied), the final norm and head on the last).
-    fn holds_under(&self, plan: &GeneralPlan, name: &str) -> bool {
+    fn holds_under(&self, plan: &Plan, name: &str) -> bool {
         let Some((replica, stage)) = plan.position(self.world.rank()) else {
             return false;
         };
@@ -326,7 +326,7 @@ impl<'w> Trainer<'w> {
     /// The state of replica 0 that this rank holds under `plan`, whole (the distributed
     /// optimizer's shards gathered, tensor-parallel shards gathered, each stage's holder
     /// broadcasting its stage to every rank, which keeps its own part). Collective.
-    fn move_state(&self, plan: &GeneralPlan) -> Result<MovedState, TrainError> {
+    fn move_state(&self, plan: &Plan) -> Result<MovedState, TrainError> {
         let sharded = match &self.zero {
             Some(zero) => zero.gather_state(&self.groups)?,
             None => Vec::new(),

@@ -79,7 +79,7 @@ impl PooledCandidate {
         replicas(&self.pools)
     }
 
-    /// The device index of each rank of [`to_general_plan`]'s plan, in rank order.
+    /// The device index of each rank of [`PooledCandidate::to_plan`]'s plan, in rank order.
     pub fn rank_devices(&self) -> Vec<usize> {
         (self.replicas())
             .flat_map(|(k, r)| {

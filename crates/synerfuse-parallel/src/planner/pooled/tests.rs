@@ -1,4 +1,3 @@
-use super::super::convert::to_general_plan;
 use super::super::simulate::pooled_timeline;
 use super::*;
 use crate::cluster::ClusterSpec;
@@ -40,7 +39,7 @@ fn small_devices_pipeline_while_a_large_one_stays_whole() {
         .expect("a pooled plan");
     let depths: Vec<usize> = pooled.pools.iter().map(|p| p.layers.len()).collect();
     assert_eq!(depths, [1, 4], "{pooled:?}");
-    let plan = to_general_plan(&cost, &pooled).unwrap();
+    let plan = pooled.to_plan(&cost).unwrap();
     assert_eq!(plan.replicas().len(), 2);
     assert_eq!(plan.batches().global_batch_size(), 32);
     assert!(plan.to_grid().is_none(), "no grid expresses it");
@@ -154,7 +153,7 @@ fn unequal_devices_of_a_node_share_a_stage() {
     assert_eq!(pooled.groups.len(), 1);
     let shares = &pooled.groups[0].shares;
     assert!(shares[0] > 2 * shares[1], "{shares:?}");
-    let plan = to_general_plan(&cost, &pooled).unwrap();
+    let plan = pooled.to_plan(&cost).unwrap();
     let replica = &plan.replicas()[0];
     assert_eq!(replica.ranks, [[0, 1]]);
     assert_eq!(replica.tp_shares, [Some(shares.clone())]);
@@ -257,7 +256,7 @@ proptest! {
         let Some(pooled) = plan_pooled(&cost, g, &[1, 2], &[1, 2]).unwrap() else {
             return Ok(());
         };
-        let plan = to_general_plan(&cost, &pooled).unwrap();
+        let plan = pooled.to_plan(&cost).unwrap();
         prop_assert_eq!(plan.batches().global_batch_size(), g);
         prop_assert_eq!(plan.world_size(), cost.cluster.devices().len());
         prop_assert!(plan.schedule(ScheduleKind::OneFOneB).is_ok());

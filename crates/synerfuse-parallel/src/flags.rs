@@ -1,98 +1,18 @@
-//! A whole parallel plan: topology, layers per stage, batch per replica, and what runs on
-//! each rank. Serialises to TOML and JSON (`plan.toml`), and converts to and from the
-//! flags SynerFuse takes, so plans and hand-typed command lines are interchangeable.
+//! The grid form of a plan, as SynerFuse's and Megatron's flags and the `[topology]` plan
+//! file give it: a codec into [`Plan`]. Flags become a `Plan` (`Plan::from_flags`), a
+//! grid-shaped `Plan` says its flags (`Plan::grid_flags`), and a grid file reads into a
+//! `Plan` (`Plan::from_toml`). Nothing outside this module sees the grid itself.
 
-use crate::{BatchError, LayoutError, ReplicaBatches, StageLayout, Topology, TopologyError};
+use crate::{
+    BatchError, LayoutError, Plan, PlanError, RankPlacement, ReplicaBatches, ReplicaPipeline,
+    StageLayout, Topology, TopologyError,
+};
 use crate::{DEFAULT_ORDER, TP_PP_DP_ORDER};
 use serde::{Deserialize, Serialize};
 
-/// The device a rank computes on at run time (`cpu`, `cuda`, `cuda:N`, `auto`), before
-/// checking the machine has it; as opposed to the cluster's name for its kind
-/// ([`RankPlacement::kind`]). `synerfuse_model` resolves it to a libtorch device.
-///
-/// `auto` picks a GPU when libtorch sees one and the CPU otherwise, which is what a
-/// mixed CPU/GPU job wants from a single flag shared by every rank.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(try_from = "String", into = "String")]
-pub enum DeviceRequest {
-    /// The host CPU.
-    Cpu,
-    /// A GPU: the given index, or the local rank's share of the visible GPUs.
-    Cuda(Option<usize>),
-    /// A GPU when one is visible, else the CPU.
-    Auto,
-}
-
-/// A device name that is none of `cpu`, `cuda`, `cuda:N`, `auto`.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("`{0}` is not a device: expected cpu, cuda, cuda:N or auto")]
-pub struct UnknownDevice(pub String);
-
-impl std::str::FromStr for DeviceRequest {
-    type Err = UnknownDevice;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.trim() {
-            "cpu" => Ok(DeviceRequest::Cpu),
-            "cuda" | "gpu" => Ok(DeviceRequest::Cuda(None)),
-            "auto" => Ok(DeviceRequest::Auto),
-            other => other
-                .strip_prefix("cuda:")
-                .and_then(|index| index.parse().ok())
-                .map(|index| DeviceRequest::Cuda(Some(index)))
-                .ok_or_else(|| UnknownDevice(s.to_owned())),
-        }
-    }
-}
-
-impl std::fmt::Display for DeviceRequest {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            DeviceRequest::Cpu => f.write_str("cpu"),
-            DeviceRequest::Cuda(None) => f.write_str("cuda"),
-            DeviceRequest::Cuda(Some(index)) => write!(f, "cuda:{index}"),
-            DeviceRequest::Auto => f.write_str("auto"),
-        }
-    }
-}
-
-impl TryFrom<String> for DeviceRequest {
-    type Error = UnknownDevice;
-
-    fn try_from(name: String) -> Result<Self, Self::Error> {
-        name.parse()
-    }
-}
-
-impl From<DeviceRequest> for String {
-    fn from(device: DeviceRequest) -> String {
-        device.to_string()
-    }
-}
-
-/// What a rank computes on.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct RankPlacement {
-    /// The runtime device; `None` (a plan file that names memory or speeds but no
-    /// devices) leaves it to the job's `--device`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub device: Option<DeviceRequest>,
-    /// Emulated speed relative to the device's own (1.0 = as is; 0.5 = half as fast). A
-    /// test and benchmark device for clusters without heterogeneity.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub speed: Option<f64>,
-    /// The cluster file's device kind (`a100-80g`, `cpu`, ...), for people and tools.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kind: Option<String>,
-    /// The device's memory in GB: the distributed optimizer gives each rank a share of
-    /// the state in proportion to it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub memory_gb: Option<f64>,
-}
-
 /// Sizes and rank order, as a plan stores them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TopologySpec {
+pub(crate) struct TopologySpec {
     /// Ranks.
     pub world_size: usize,
     /// `--tensor-model-parallel-size`.
@@ -118,9 +38,9 @@ fn default_order() -> String {
     DEFAULT_ORDER.to_owned()
 }
 
-/// A plan that is inconsistent or cannot be read.
+/// Flags or a grid plan file that are inconsistent or cannot be read.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum PlanError {
+pub enum GridError {
     /// Bad sizes or order.
     #[error(transparent)]
     Topology(#[from] TopologyError),
@@ -162,9 +82,6 @@ pub enum PlanError {
         /// Its speed.
         speed: f64,
     },
-    /// The plan's pipelines cannot run the schedule.
-    #[error(transparent)]
-    Schedule(#[from] crate::ScheduleError),
     /// A flag that is unknown, repeated, or lacks its value.
     #[error("{flag}: {problem}")]
     Flag {
@@ -183,9 +100,9 @@ pub enum PlanError {
     },
 }
 
-/// Everything a run needs to know about where work goes.
+/// A grid: every replica the same stages, ranks in one of Megatron's orders.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ParallelPlan {
+pub(crate) struct GridPlan {
     /// Sizes and rank order.
     pub topology: TopologySpec,
     /// Decoder layers per pipeline stage (and virtual chunk).
@@ -197,15 +114,15 @@ pub struct ParallelPlan {
     pub ranks: Vec<RankPlacement>,
 }
 
-impl ParallelPlan {
+impl GridPlan {
     /// A plan whose parts are checked against each other.
-    pub fn new(
+    pub(crate) fn new(
         topology: TopologySpec,
         stages: StageLayout,
         batches: ReplicaBatches,
         ranks: Vec<RankPlacement>,
-    ) -> Result<Self, PlanError> {
-        let plan = ParallelPlan {
+    ) -> Result<Self, GridError> {
+        let plan = GridPlan {
             topology,
             stages,
             batches,
@@ -216,7 +133,7 @@ impl ParallelPlan {
     }
 
     /// The rank topology.
-    pub fn topology(&self) -> Result<Topology, PlanError> {
+    pub(crate) fn topology(&self) -> Result<Topology, GridError> {
         let t = &self.topology;
         Ok(Topology::new(
             t.world_size,
@@ -229,23 +146,23 @@ impl ParallelPlan {
     }
 
     /// Checks that the parts fit: stages = pp, replicas = dp, one placement per rank.
-    pub fn validate(&self) -> Result<(), PlanError> {
+    pub(crate) fn validate(&self) -> Result<(), GridError> {
         let topology = self.topology()?;
         if self.stages.num_stages() != self.topology.pp {
-            return Err(PlanError::StageCount {
+            return Err(GridError::StageCount {
                 stages: self.stages.num_stages(),
                 pp: self.topology.pp,
             });
         }
         let dp = topology.size(crate::Dim::Dp);
         if self.batches.dp_size() != dp {
-            return Err(PlanError::ReplicaCount {
+            return Err(GridError::ReplicaCount {
                 replicas: self.batches.dp_size(),
                 dp,
             });
         }
         if !self.ranks.is_empty() && self.ranks.len() != self.topology.world_size {
-            return Err(PlanError::PlacementCount {
+            return Err(GridError::PlacementCount {
                 placements: self.ranks.len(),
                 world_size: self.topology.world_size,
             });
@@ -256,7 +173,7 @@ impl ParallelPlan {
             .enumerate()
             .find(|(_, p)| p.speed.is_some_and(|s| !(s.is_finite() && s > 0.0)))
         {
-            return Err(PlanError::PlacementSpeed {
+            return Err(GridError::PlacementSpeed {
                 rank,
                 speed: p.speed.unwrap_or_default(),
             });
@@ -265,16 +182,17 @@ impl ParallelPlan {
     }
 
     /// The plan as TOML.
-    pub fn to_toml(&self) -> Result<String, PlanError> {
-        toml::to_string_pretty(self).map_err(|e| PlanError::Format {
+    #[cfg(test)]
+    pub(crate) fn to_toml(&self) -> Result<String, GridError> {
+        toml::to_string_pretty(self).map_err(|e| GridError::Format {
             format: "TOML",
             message: e.to_string(),
         })
     }
 
     /// A plan from TOML, validated.
-    pub fn from_toml(text: &str) -> Result<Self, PlanError> {
-        let plan: ParallelPlan = toml::from_str(text).map_err(|e| PlanError::Format {
+    pub(crate) fn from_toml(text: &str) -> Result<Self, GridError> {
+        let plan: GridPlan = toml::from_str(text).map_err(|e| GridError::Format {
             format: "TOML",
             message: e.to_string(),
         })?;
@@ -283,13 +201,14 @@ impl ParallelPlan {
     }
 
     /// The plan as JSON.
-    pub fn to_json(&self) -> String {
+    #[cfg(test)]
+    pub(crate) fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).expect("plans serialise")
     }
 
     /// A plan from JSON, validated.
-    pub fn from_json(text: &str) -> Result<Self, PlanError> {
-        let plan: ParallelPlan = serde_json::from_str(text).map_err(|e| PlanError::Format {
+    pub(crate) fn from_json(text: &str) -> Result<Self, GridError> {
+        let plan: GridPlan = serde_json::from_str(text).map_err(|e| GridError::Format {
             format: "JSON",
             message: e.to_string(),
         })?;
@@ -299,7 +218,7 @@ impl ParallelPlan {
 
     /// The SynerFuse/Megatron flags that describe this plan (device placements are not
     /// flags; SynerFuse takes them from the launcher).
-    pub fn to_synerfuse_args(&self) -> Vec<String> {
+    pub(crate) fn to_synerfuse_args(&self) -> Vec<String> {
         let t = &self.topology;
         let mut args: Vec<String> = vec![
             "--tensor-model-parallel-size".into(),
@@ -353,18 +272,9 @@ impl ParallelPlan {
         args
     }
 
-    /// A plan from SynerFuse/Megatron flags for a world of `world_size` ranks. Unknown
-    /// flags are an error (this parser sees only the parallel flags).
-    pub fn from_synerfuse_args<S: AsRef<str>>(
-        args: &[S],
-        world_size: usize,
-    ) -> Result<Self, PlanError> {
-        Self::from_flags(&PlanFlags::parse_args(args)?, world_size)
-    }
-
     /// A plan from the typed values of SynerFuse's and Megatron's parallel flags, for a
     /// world of `world_size` ranks.
-    pub fn from_flags(flags: &PlanFlags, world_size: usize) -> Result<Self, PlanError> {
+    pub(crate) fn from_flags(flags: &PlanFlags, world_size: usize) -> Result<Self, GridError> {
         let (tp, pp, cp, ep) = (
             flags.tensor_model_parallel_size,
             flags.pipeline_model_parallel_size,
@@ -373,7 +283,7 @@ impl ParallelPlan {
         );
         let order = if flags.use_tp_pp_dp_mapping {
             if cp != 1 || ep != 1 {
-                return Err(PlanError::Flag {
+                return Err(GridError::Flag {
                     flag: "--use-tp-pp-dp-mapping".into(),
                     problem: "cannot be combined with context or expert parallelism".into(),
                 });
@@ -453,9 +363,9 @@ impl Default for PlanFlags {
 
 impl PlanFlags {
     /// Layers per stage: SynerFuse's groups, Megatron's virtual chunks, or an even split.
-    fn stage_layout(&self) -> Result<StageLayout, PlanError> {
+    fn stage_layout(&self) -> Result<StageLayout, GridError> {
         let pp = self.pipeline_model_parallel_size;
-        let num_layers = self.num_layers.ok_or_else(|| PlanError::Flag {
+        let num_layers = self.num_layers.ok_or_else(|| GridError::Flag {
             flag: "--num-layers".into(),
             problem: "is required".into(),
         })?;
@@ -464,7 +374,7 @@ impl PlanFlags {
             self.num_layers_per_virtual_pipeline_stage,
         ) {
             (Some(_), Some(_)) => {
-                return Err(PlanError::Flag {
+                return Err(GridError::Flag {
                     flag: "--hetero-pipeline-stages".into(),
                     problem: "cannot be combined with --num-layers-per-virtual-pipeline-stage"
                         .into(),
@@ -475,7 +385,7 @@ impl PlanFlags {
             }
             (None, Some(per_chunk)) => {
                 if per_chunk == 0 || num_layers % (per_chunk * pp) != 0 {
-                    return Err(PlanError::Flag {
+                    return Err(GridError::Flag {
                         flag: "--num-layers-per-virtual-pipeline-stage".into(),
                         problem: format!(
                             "{per_chunk} does not divide --num-layers {num_layers} over {pp} stages"
@@ -488,109 +398,159 @@ impl PlanFlags {
         };
         Ok(layout)
     }
+}
 
-    /// Parses the parallel flags of a command line (and nothing else).
-    pub fn parse_args<S: AsRef<str>>(args: &[S]) -> Result<Self, PlanError> {
-        let mut flags = PlanFlags::default();
-        let mut seen = std::collections::HashSet::new();
-        let mut i = 0;
-        while i < args.len() {
-            let flag = args[i].as_ref();
-            let err = |problem: String| PlanError::Flag {
-                flag: flag.to_owned(),
-                problem,
-            };
-            if !seen.insert(flag.to_owned()) {
-                return Err(err("given twice".into()));
-            }
-            let values: Vec<&str> = args[i + 1..]
-                .iter()
-                .map(|a| a.as_ref())
-                .take_while(|a| !a.starts_with("--"))
-                .collect();
-            i += 1 + values.len();
-            let number = |v: &str| -> Result<usize, PlanError> {
-                v.parse()
-                    .map_err(|_| err(format!("{v:?} is not a non-negative integer")))
-            };
-            let one = || -> Result<usize, PlanError> {
-                match values.as_slice() {
-                    [v] => number(v),
-                    _ => Err(err(format!("takes one value, got {}", values.len()))),
+/// The flags of a grid-shaped plan, and its rank order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GridFlags {
+    /// SynerFuse's (and Megatron's) flags for the plan (device placements are not flags;
+    /// SynerFuse takes them from the launcher).
+    pub args: Vec<String>,
+    /// The grid's rank order, fastest dimension first (`tp-pp-dp` with
+    /// `--use-tp-pp-dp-mapping`).
+    pub rank_order: String,
+}
+
+impl Plan {
+    /// The plan SynerFuse's and Megatron's parallel flags describe for a world of
+    /// `world_size` ranks, on the grid's own rank order.
+    pub fn from_flags(flags: &PlanFlags, world_size: usize) -> Result<Self, PlanError> {
+        Self::from_grid(&GridPlan::from_flags(flags, world_size)?)
+    }
+
+    /// The flags that give this plan's layout, when it is a grid (every replica the same
+    /// stages, even tensor parallelism, ranks in one of Megatron's orders); `None`
+    /// otherwise. Which stages recompute is not a layout: SynerFuse's
+    /// `--recompute-activations` recomputes every stage or none.
+    pub fn grid_flags(&self) -> Option<GridFlags> {
+        let grid = self.to_grid()?;
+        Some(GridFlags {
+            args: grid.to_synerfuse_args(),
+            rank_order: grid.topology.order,
+        })
+    }
+
+    /// The general form of a grid plan (context and expert sizes 1; tensor parallelism
+    /// even on every stage), on the grid's own ranks.
+    pub(crate) fn from_grid(plan: &GridPlan) -> Result<Self, PlanError> {
+        let t = &plan.topology;
+        if t.cp != 1 || t.ep != 1 {
+            return Err(PlanError::Unsupported { cp: t.cp, ep: t.ep });
+        }
+        let topology = plan.topology()?;
+        let rank_of = |dp: usize, pp: usize, tp: usize| {
+            topology
+                .rank(&crate::Coordinates {
+                    tp,
+                    cp: 0,
+                    ep: 0,
+                    dp,
+                    pp,
+                })
+                .expect("coordinates within the grid")
+        };
+        let replicas = plan
+            .batches
+            .replicas()
+            .iter()
+            .enumerate()
+            .map(|(dp, &batch)| {
+                let ranks: Vec<Vec<usize>> = (0..t.pp)
+                    .map(|pp| (0..t.tp).map(|tp| rank_of(dp, pp, tp)).collect())
+                    .collect();
+                ReplicaPipeline {
+                    stages: plan.stages.clone(),
+                    batch,
+                    placements: ranks
+                        .iter()
+                        .flatten()
+                        .filter_map(|&rank| plan.ranks.get(rank).cloned())
+                        .collect(),
+                    ranks,
+                    tp_shares: Vec::new(),
+                    recompute: Vec::new(),
                 }
-            };
-            let many = || -> Result<Vec<usize>, PlanError> {
-                if values.is_empty() {
-                    return Err(err("needs values".into()));
-                }
-                values.iter().map(|v| number(v)).collect()
-            };
-            match flag {
-                "--tensor-model-parallel-size" => flags.tensor_model_parallel_size = one()?,
-                "--pipeline-model-parallel-size" => flags.pipeline_model_parallel_size = one()?,
-                "--context-parallel-size" => flags.context_parallel_size = one()?,
-                "--expert-model-parallel-size" => flags.expert_model_parallel_size = one()?,
-                "--num-layers" => flags.num_layers = Some(one()?),
-                "--global-batch-size" => flags.global_batch_size = Some(one()?),
-                "--micro-batch-size" => flags.micro_batch_size = Some(one()?),
-                "--num-layers-per-virtual-pipeline-stage" => {
-                    flags.num_layers_per_virtual_pipeline_stage = Some(one()?)
-                }
-                "--hetero-pipeline-stages" => flags.hetero_pipeline_stages = Some(many()?),
-                "--micro-batch-size-per-dp" => flags.micro_batch_size_per_dp = Some(many()?),
-                "--num-micro-batches-per-dp" => flags.num_micro_batches_per_dp = Some(many()?),
-                "--use-tp-pp-dp-mapping" => {
-                    if !values.is_empty() {
-                        return Err(err("takes no value".into()));
-                    }
-                    flags.use_tp_pp_dp_mapping = true;
-                }
-                other if other.starts_with("--") => {
-                    return Err(err("not a parallel-plan flag".into()))
-                }
-                other => return Err(err(format!("unexpected value {other:?}"))),
+            })
+            .collect();
+        Self::new(replicas)
+    }
+
+    /// The grid this plan is, when every replica has the same stages and the ranks follow
+    /// one of Megatron's orders (tp-pp-dp: replica by replica, or the default: stage by
+    /// stage), recomputation aside; `None` for a plan only the general form expresses.
+    pub(crate) fn to_grid(&self) -> Option<GridPlan> {
+        let stages = &self.replicas()[0].stages;
+        let tp = self.replicas()[0].tp_size(0);
+        let even = |r: &ReplicaPipeline| {
+            (0..r.stages.num_stages()).all(|s| r.tp_size(s) == tp && r.shares(s) == vec![1; tp])
+        };
+        if self
+            .replicas()
+            .iter()
+            .any(|r| &r.stages != stages || !even(r))
+        {
+            return None;
+        }
+        let mut placements = vec![None; self.world_size()];
+        for replica in self.replicas() {
+            for (rank, placement) in replica.all_ranks().zip(&replica.placements) {
+                placements[rank] = Some(placement.clone());
             }
         }
-        Ok(flags)
+        let ranks: Vec<RankPlacement> = match placements.iter().all(Option::is_some) {
+            true => placements.into_iter().flatten().collect(),
+            false if placements.iter().all(Option::is_none) => Vec::new(),
+            false => return None,
+        };
+        [TP_PP_DP_ORDER, DEFAULT_ORDER]
+            .into_iter()
+            .find_map(|order| {
+                let spec = TopologySpec {
+                    world_size: self.world_size(),
+                    tp,
+                    pp: stages.num_stages(),
+                    cp: 1,
+                    ep: 1,
+                    order: order.to_owned(),
+                };
+                let grid =
+                    GridPlan::new(spec, stages.clone(), self.batches(), ranks.clone()).ok()?;
+                let same = |a: &ReplicaPipeline, b: &ReplicaPipeline| {
+                    ReplicaPipeline {
+                        recompute: b.recompute.clone(),
+                        ..a.clone()
+                    } == *b
+                };
+                let general = Plan::from_grid(&grid).ok()?;
+                (general.replicas().iter().zip(self.replicas()))
+                    .all(|(a, b)| same(a, b))
+                    .then_some(grid)
+            })
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ReplicaBatch;
+    use crate::{DeviceRequest, ReplicaBatch};
 
-    fn hetero_plan() -> ParallelPlan {
-        ParallelPlan::from_synerfuse_args(
-            &[
-                "--tensor-model-parallel-size",
-                "2",
-                "--pipeline-model-parallel-size",
-                "2",
-                "--use-tp-pp-dp-mapping",
-                "--num-layers",
-                "8",
-                "--hetero-pipeline-stages",
-                "1",
-                "6",
-                "1",
-                "2",
-                "--global-batch-size",
-                "32",
-                "--micro-batch-size-per-dp",
-                "1",
-                "6",
-                "1",
-                "2",
-                "--num-micro-batches-per-dp",
-                "1",
-                "4",
-                "1",
-                "4",
-            ],
-            8,
-        )
-        .unwrap()
+    /// SynerFuse's README example: tp 2, two stages of 6 and 2 layers, two replicas.
+    fn hetero_flags() -> PlanFlags {
+        PlanFlags {
+            tensor_model_parallel_size: 2,
+            pipeline_model_parallel_size: 2,
+            use_tp_pp_dp_mapping: true,
+            num_layers: Some(8),
+            hetero_pipeline_stages: Some(vec![1, 6, 1, 2]),
+            global_batch_size: Some(32),
+            micro_batch_size_per_dp: Some(vec![1, 6, 1, 2]),
+            num_micro_batches_per_dp: Some(vec![1, 4, 1, 4]),
+            ..PlanFlags::default()
+        }
+    }
+
+    fn hetero_plan() -> GridPlan {
+        GridPlan::from_flags(&hetero_flags(), 8).unwrap()
     }
 
     #[test]
@@ -605,27 +565,18 @@ mod tests {
             }
         );
         assert_eq!(plan.topology().unwrap().coordinates(5).unwrap().dp, 1);
-        let args = plan.to_synerfuse_args();
-        assert_eq!(ParallelPlan::from_synerfuse_args(&args, 8).unwrap(), plan);
-    }
-
-    #[test]
-    fn device_requests_parse_every_form_and_round_trip() {
-        for (text, request) in [
-            ("cpu", DeviceRequest::Cpu),
-            ("cuda", DeviceRequest::Cuda(None)),
-            ("cuda:3", DeviceRequest::Cuda(Some(3))),
-            ("auto", DeviceRequest::Auto),
-        ] {
-            assert_eq!(text.parse::<DeviceRequest>(), Ok(request));
-            assert_eq!(request.to_string(), text);
-        }
-        for bad in ["", "tpu", "cuda:", "cuda:x", "cuda:-1"] {
-            assert_eq!(
-                bad.parse::<DeviceRequest>(),
-                Err(UnknownDevice(bad.to_owned()))
-            );
-        }
+        let args = "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
+            --use-tp-pp-dp-mapping --num-layers 8 --hetero-pipeline-stages 1 6 1 2 \
+            --global-batch-size 32 --micro-batch-size-per-dp 1 6 1 2 \
+            --num-micro-batches-per-dp 1 4 1 4";
+        assert_eq!(
+            plan.to_synerfuse_args(),
+            args.split_whitespace().collect::<Vec<_>>()
+        );
+        let general = Plan::from_flags(&hetero_flags(), 8).unwrap();
+        let flags = general.grid_flags().unwrap();
+        assert_eq!(flags.args, plan.to_synerfuse_args());
+        assert_eq!(flags.rank_order, TP_PP_DP_ORDER);
     }
 
     #[test]
@@ -645,46 +596,31 @@ mod tests {
             .collect();
         let toml = plan.to_toml().unwrap();
         assert!(toml.contains("[topology]"), "{toml}");
-        assert_eq!(ParallelPlan::from_toml(&toml).unwrap(), plan);
-        assert_eq!(ParallelPlan::from_json(&plan.to_json()).unwrap(), plan);
+        assert_eq!(GridPlan::from_toml(&toml).unwrap(), plan);
+        assert_eq!(GridPlan::from_json(&plan.to_json()).unwrap(), plan);
         let broken = toml.replace("pp = 2", "pp = 4");
-        assert!(ParallelPlan::from_toml(&broken).is_err());
+        assert!(GridPlan::from_toml(&broken).is_err());
     }
 
     #[test]
     fn flag_errors_name_the_flag() {
-        let e = ParallelPlan::from_synerfuse_args(&["--num-layers", "8", "--bogus", "1"], 1)
-            .unwrap_err();
-        assert!(e.to_string().starts_with("--bogus"), "{e}");
-        let e = ParallelPlan::from_synerfuse_args(&["--num-layers", "x"], 1).unwrap_err();
+        let flags = PlanFlags {
+            num_layers: None,
+            ..hetero_flags()
+        };
+        let e = GridPlan::from_flags(&flags, 8).unwrap_err();
         assert!(e.to_string().contains("--num-layers"), "{e}");
-        let e = ParallelPlan::from_synerfuse_args(
-            &[
-                "--pipeline-model-parallel-size",
-                "2",
-                "--num-layers",
-                "8",
-                "--hetero-pipeline-stages",
-                "1",
-                "6",
-                "1",
-            ],
-            2,
-        )
-        .unwrap_err();
+        let flags = PlanFlags {
+            hetero_pipeline_stages: Some(vec![1, 6, 1]),
+            ..hetero_flags()
+        };
+        let e = GridPlan::from_flags(&flags, 8).unwrap_err();
         assert!(e.to_string().contains("group 1"), "{e}");
-        let e = ParallelPlan::from_synerfuse_args(
-            &[
-                "--num-layers",
-                "8",
-                "--micro-batch-size",
-                "2",
-                "--micro-batch-size",
-                "2",
-            ],
-            1,
-        )
-        .unwrap_err();
-        assert!(e.to_string().contains("twice"), "{e}");
+        let flags = PlanFlags {
+            num_layers_per_virtual_pipeline_stage: Some(2),
+            ..hetero_flags()
+        };
+        let e = GridPlan::from_flags(&flags, 8).unwrap_err();
+        assert!(e.to_string().contains("--hetero-pipeline-stages"), "{e}");
     }
 }

@@ -2,8 +2,8 @@
 //! `train --plan` reads; also its serde form (checkpoints store it as JSON, and read the
 //! grid plans older checkpoints stored).
 
-use super::{GeneralPlan, GeneralPlanError, ReplicaPipeline};
-use crate::{ParallelPlan, RankPlacement, ReplicaBatch, StageLayout};
+use super::{Plan, PlanError, ReplicaPipeline};
+use crate::{GridPlan, RankPlacement, ReplicaBatch, StageLayout};
 use serde::{Deserialize, Serialize};
 
 /// A replica's layers: one count per stage (`[4, 2]`), or per chunk and stage for an
@@ -64,67 +64,77 @@ struct PlanFile {
 #[serde(untagged)]
 enum StoredPlan {
     General(PlanFile),
-    Grid(ParallelPlan),
+    Grid(GridPlan),
 }
 
-impl TryFrom<StoredPlan> for GeneralPlan {
-    type Error = GeneralPlanError;
+impl TryFrom<StoredPlan> for Plan {
+    type Error = PlanError;
 
-    fn try_from(stored: StoredPlan) -> Result<Self, GeneralPlanError> {
+    fn try_from(stored: StoredPlan) -> Result<Self, PlanError> {
         match stored {
-            StoredPlan::General(file) => GeneralPlan::from_file(file),
-            StoredPlan::Grid(grid) => GeneralPlan::from_grid(&grid),
+            StoredPlan::General(file) => Plan::from_file(file),
+            StoredPlan::Grid(grid) => Plan::from_grid(&grid),
         }
     }
 }
 
-impl<'de> Deserialize<'de> for GeneralPlan {
+impl<'de> Deserialize<'de> for Plan {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let stored = StoredPlan::deserialize(deserializer)?;
-        GeneralPlan::try_from(stored).map_err(serde::de::Error::custom)
+        Plan::try_from(stored).map_err(serde::de::Error::custom)
     }
 }
 
-impl Serialize for GeneralPlan {
+impl Serialize for Plan {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         self.to_file().serialize(serializer)
     }
 }
 
-impl GeneralPlan {
-    /// A plan from its file form (`[[replica]]` tables); ranks are numbered replica by
-    /// replica, stage by stage, unless every replica lists its `ranks`;
-    /// `global_batch_size`, when given, must be the replicas' sum.
-    pub fn from_toml(
-        text: &str,
-        global_batch_size: Option<usize>,
-    ) -> Result<Self, GeneralPlanError> {
-        let file: PlanFile =
-            toml::from_str(text).map_err(|e| GeneralPlanError::Toml(e.to_string()))?;
-        let plan = Self::from_file(file)?;
+impl Plan {
+    /// A plan from a plan file: its own form (`[[replica]]` tables; ranks are numbered
+    /// replica by replica, stage by stage, unless every replica lists its `ranks`), or a
+    /// grid (`[topology]`, `[stages]`, `[batches]`: the grid's rank order kept), told
+    /// apart by their tables; `global_batch_size`, when given, must be the replicas' sum.
+    pub fn from_toml(text: &str, global_batch_size: Option<usize>) -> Result<Self, PlanError> {
+        let table: toml::Table =
+            toml::from_str(text).map_err(|e| PlanError::Toml(e.to_string()))?;
+        let plan = match table.contains_key("replica") {
+            true => {
+                let file: PlanFile =
+                    toml::from_str(text).map_err(|e| PlanError::Toml(e.to_string()))?;
+                Self::from_file(file)?
+            }
+            false => Self::from_grid(&GridPlan::from_toml(text)?)?,
+        };
         let actual = plan.batches().global_batch_size();
         match global_batch_size {
             Some(expected) if expected != actual => {
-                Err(GeneralPlanError::GlobalBatch { expected, actual })
+                Err(PlanError::GlobalBatch { expected, actual })
             }
             _ => Ok(plan),
         }
     }
 
-    /// A plan from the JSON of its file form (as checkpoints store it).
-    pub fn from_json(text: &str) -> Result<Self, GeneralPlanError> {
+    /// A plan from the JSON of either file form (as checkpoints store it).
+    pub fn from_json(text: &str) -> Result<Self, PlanError> {
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| PlanError::Toml(e.to_string()))?;
+        if value.get("replica").is_none() {
+            return Self::from_grid(&GridPlan::from_json(text)?);
+        }
         let file: PlanFile =
-            serde_json::from_str(text).map_err(|e| GeneralPlanError::Toml(e.to_string()))?;
+            serde_json::from_value(value).map_err(|e| PlanError::Toml(e.to_string()))?;
         Self::from_file(file)
     }
 
     /// The file form: one `[[replica]]` table per replica; `ranks` only where they are
     /// not numbered replica by replica.
-    pub fn to_toml(&self) -> Result<String, GeneralPlanError> {
-        toml::to_string(&self.to_file()).map_err(|e| GeneralPlanError::Toml(e.to_string()))
+    pub fn to_toml(&self) -> Result<String, PlanError> {
+        toml::to_string(&self.to_file()).map_err(|e| PlanError::Toml(e.to_string()))
     }
 
-    fn from_file(file: PlanFile) -> Result<Self, GeneralPlanError> {
+    fn from_file(file: PlanFile) -> Result<Self, PlanError> {
         let num_layers = file.replica.first().map_or(0, |r| match &r.layers {
             LayersFile::PerStage(l) => l.iter().fold(0usize, |a, &b| a.saturating_add(b)),
             LayersFile::PerChunk(c) => c.iter().flatten().fold(0usize, |a, &b| a.saturating_add(b)),
@@ -132,7 +142,7 @@ impl GeneralPlan {
         let given_ranks = file.replica.iter().filter(|r| r.ranks.is_some()).count();
         if given_ranks != 0 && given_ranks != file.replica.len() {
             let replica = file.replica.iter().position(|r| r.ranks.is_none());
-            return Err(GeneralPlanError::PartialRanks {
+            return Err(PlanError::PartialRanks {
                 replica: replica.unwrap_or(0),
             });
         }
@@ -169,14 +179,14 @@ fn replica_pipeline(
     replica: ReplicaFile,
     num_layers: usize,
     first_rank: usize,
-) -> Result<ReplicaPipeline, GeneralPlanError> {
+) -> Result<ReplicaPipeline, PlanError> {
     let stages = layout(replica.layers, num_layers).map_err(|source| match source {
-        crate::LayoutError::LayerSumMismatch { actual, .. } => GeneralPlanError::ReplicaLayers {
+        crate::LayoutError::LayerSumMismatch { actual, .. } => PlanError::ReplicaLayers {
             replica: r,
             layers: actual,
             first: num_layers,
         },
-        source => GeneralPlanError::Layout { replica: r, source },
+        source => PlanError::Layout { replica: r, source },
     })?;
     let n = stages.num_stages();
     super::check_per_stage(
@@ -319,7 +329,7 @@ fn placements(
     replica: usize,
     ranks: usize,
     given: PlacementLists<'_>,
-) -> Result<Vec<RankPlacement>, GeneralPlanError> {
+) -> Result<Vec<RankPlacement>, PlanError> {
     let PlacementLists {
         devices,
         speeds,
@@ -339,7 +349,7 @@ fn placements(
         ],
     )?;
     if let Some(&memory) = memory_gb.iter().find(|&&m| !(m > 0.0 && m.is_finite())) {
-        return Err(GeneralPlanError::Memory { replica, memory });
+        return Err(PlanError::Memory { replica, memory });
     }
     if devices.is_empty() && speeds.is_empty() && kinds.is_empty() && memory_gb.is_empty() {
         return Ok(Vec::new());
@@ -349,7 +359,7 @@ fn placements(
             let device = match devices.get(s) {
                 Some(name) => Some(
                     name.parse()
-                        .map_err(|source| GeneralPlanError::Device { replica, source })?,
+                        .map_err(|source| PlanError::Device { replica, source })?,
                 ),
                 None => None,
             };
@@ -358,7 +368,7 @@ fn placements(
                 .copied()
                 .filter(|_| emulated.get(s).copied().unwrap_or(true));
             if let Some(speed) = speed.filter(|&v| !(v > 0.0 && v <= 1.0)) {
-                return Err(GeneralPlanError::Speed { replica, speed });
+                return Err(PlanError::Speed { replica, speed });
             }
             Ok(RankPlacement {
                 device,

@@ -2,7 +2,7 @@
 //! the union of every replica's chunk boundaries, each segment summed over the ranks
 //! that hold it, in one global order.
 
-use super::GeneralPlan;
+use super::Plan;
 use crate::StageLayout;
 use std::ops::Range;
 
@@ -76,7 +76,7 @@ impl GradientReduction {
     }
 }
 
-impl GeneralPlan {
+impl Plan {
     /// The gradient segments: the model's pieces (embedding, layers, head) cut at the
     /// union of every replica's chunk boundaries; each segment is held by one rank per
     /// replica and reduced over exactly those. In model order.

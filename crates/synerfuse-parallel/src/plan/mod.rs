@@ -7,16 +7,17 @@
 //! ranks), or the `ranks` of a plan file.
 
 use crate::{
-    pipeline_schedule, Instruction, LayoutError, ParallelPlan, PlanError, RankPlacement,
-    ReplicaBatch, ReplicaBatches, ScheduleError, ScheduleKind, StageLayout, TopologySpec,
-    DEFAULT_ORDER, TP_PP_DP_ORDER,
+    pipeline_schedule, GridError, Instruction, LayoutError, ReplicaBatch, ReplicaBatches,
+    ScheduleError, ScheduleKind, StageLayout,
 };
 
 mod file;
 mod meshes;
+mod placement;
 mod reduce;
 
 pub use meshes::{MeshError, MeshFlags, ProcessMesh, ProcessMeshes};
+pub use placement::{DeviceRequest, RankPlacement, UnknownDevice};
 pub use reduce::{GradientReduction, GradientSegment, ReducedParameters};
 
 /// One replica: a pipeline of stages with its own batch and ranks; a stage runs on one
@@ -95,7 +96,7 @@ fn gcd(a: u32, b: u32) -> u32 {
 
 /// A general plan that cannot be built.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum GeneralPlanError {
+pub enum PlanError {
     /// No replica.
     #[error("a plan needs at least one replica")]
     NoReplicas,
@@ -206,7 +207,7 @@ pub enum GeneralPlanError {
     },
     /// The grid it came from is inconsistent.
     #[error(transparent)]
-    Grid(#[from] PlanError),
+    Grid(#[from] GridError),
     /// TOML (or JSON) that does not parse as a plan.
     #[error("plan file: {0}")]
     Toml(String),
@@ -246,26 +247,26 @@ pub enum GeneralPlanError {
 
 /// Each data-parallel replica its own pipeline.
 #[derive(Debug, Clone, PartialEq)]
-pub struct GeneralPlan {
+pub struct Plan {
     replicas: Vec<ReplicaPipeline>,
 }
 
-impl GeneralPlan {
+impl Plan {
     /// A plan of `replicas`, checked: at least one, every replica with stages that hold
     /// the same number of layers, samples, one rank (and placement, if any) per stage,
     /// and the ranks 0..N each once.
-    pub fn new(replicas: Vec<ReplicaPipeline>) -> Result<Self, GeneralPlanError> {
-        let first = replicas.first().ok_or(GeneralPlanError::NoReplicas)?;
+    pub fn new(replicas: Vec<ReplicaPipeline>) -> Result<Self, PlanError> {
+        let first = replicas.first().ok_or(PlanError::NoReplicas)?;
         let num_layers = first.stages.num_layers();
         for (r, replica) in replicas.iter().enumerate() {
             check_replica(r, replica, num_layers)?;
         }
-        let plan = GeneralPlan { replicas };
+        let plan = Plan { replicas };
         plan.check_ranks()?;
         Ok(plan)
     }
 
-    fn check_ranks(&self) -> Result<(), GeneralPlanError> {
+    fn check_ranks(&self) -> Result<(), PlanError> {
         let world_size = self.world_size();
         let mut seen = vec![false; world_size];
         for rank in self.replicas.iter().flat_map(ReplicaPipeline::all_ranks) {
@@ -277,7 +278,7 @@ impl GeneralPlan {
                     continue;
                 }
             };
-            return Err(GeneralPlanError::Ranks {
+            return Err(PlanError::Ranks {
                 world_size,
                 rank,
                 problem,
@@ -311,7 +312,7 @@ impl GeneralPlan {
     /// Micro-batch size and count per replica (which samples each takes).
     pub fn batches(&self) -> ReplicaBatches {
         ReplicaBatches::new(self.replicas.iter().map(|r| r.batch).collect())
-            .expect("replica batches checked in GeneralPlan::new")
+            .expect("replica batches checked in Plan::new")
     }
 
     /// Where `rank` computes, when the plan says.
@@ -346,7 +347,7 @@ impl GeneralPlan {
     /// Every rank's program for one step (indexed by rank; peers are global ranks): each
     /// replica runs `kind` over its own stages and micro-batches; a replica without
     /// virtual chunks runs 1F1B where `kind` is interleaved, as Megatron does.
-    pub fn schedule(&self, kind: ScheduleKind) -> Result<Vec<Vec<Instruction>>, GeneralPlanError> {
+    pub fn schedule(&self, kind: ScheduleKind) -> Result<Vec<Vec<Instruction>>, PlanError> {
         let mut programs = vec![Vec::new(); self.world_size()];
         for (r, replica) in self.replicas.iter().enumerate() {
             let (stages, chunks) = (replica.stages.num_stages(), replica.stages.num_chunks());
@@ -356,7 +357,7 @@ impl GeneralPlan {
             };
             let per_stage =
                 pipeline_schedule(kind, stages, chunks, replica.batch.num_micro_batches)
-                    .map_err(|source| GeneralPlanError::Schedule { replica: r, source })?;
+                    .map_err(|source| PlanError::Schedule { replica: r, source })?;
             for (stage, program) in per_stage.into_iter().enumerate() {
                 for (tp, &rank) in replica.ranks[stage].iter().enumerate() {
                     programs[rank] = tp_program(&program, &replica.ranks, stage, tp);
@@ -386,115 +387,26 @@ impl GeneralPlan {
             .iter()
             .position(|&r| r == rank)
     }
-
-    /// The general form of a grid plan (context and expert sizes 1; tensor parallelism
-    /// even on every stage), on the grid's own ranks.
-    pub fn from_grid(plan: &ParallelPlan) -> Result<Self, GeneralPlanError> {
-        let t = &plan.topology;
-        if t.cp != 1 || t.ep != 1 {
-            return Err(GeneralPlanError::Unsupported { cp: t.cp, ep: t.ep });
-        }
-        let topology = plan.topology()?;
-        let rank_of = |dp: usize, pp: usize, tp: usize| {
-            topology
-                .rank(&crate::Coordinates {
-                    tp,
-                    cp: 0,
-                    ep: 0,
-                    dp,
-                    pp,
-                })
-                .expect("coordinates within the grid")
-        };
-        let replicas = plan
-            .batches
-            .replicas()
-            .iter()
-            .enumerate()
-            .map(|(dp, &batch)| {
-                let ranks: Vec<Vec<usize>> = (0..t.pp)
-                    .map(|pp| (0..t.tp).map(|tp| rank_of(dp, pp, tp)).collect())
-                    .collect();
-                ReplicaPipeline {
-                    stages: plan.stages.clone(),
-                    batch,
-                    placements: ranks
-                        .iter()
-                        .flatten()
-                        .filter_map(|&rank| plan.ranks.get(rank).cloned())
-                        .collect(),
-                    ranks,
-                    tp_shares: Vec::new(),
-                    recompute: Vec::new(),
-                }
-            })
-            .collect();
-        Self::new(replicas)
-    }
-
-    /// The grid this plan is, when every replica has the same stages and the ranks follow
-    /// one of Megatron's orders (tp-pp-dp: replica by replica, or the default: stage by
-    /// stage); `None` for a plan only the general form expresses.
-    pub fn to_grid(&self) -> Option<ParallelPlan> {
-        let stages = &self.replicas[0].stages;
-        let tp = self.replicas[0].tp_size(0);
-        let even = |r: &ReplicaPipeline| {
-            (0..r.stages.num_stages()).all(|s| r.tp_size(s) == tp && r.shares(s) == vec![1; tp])
-        };
-        if self
-            .replicas
-            .iter()
-            .any(|r| &r.stages != stages || !even(r))
-        {
-            return None;
-        }
-        let mut placements = vec![None; self.world_size()];
-        for replica in &self.replicas {
-            for (rank, placement) in replica.all_ranks().zip(&replica.placements) {
-                placements[rank] = Some(placement.clone());
-            }
-        }
-        let ranks: Vec<RankPlacement> = match placements.iter().all(Option::is_some) {
-            true => placements.into_iter().flatten().collect(),
-            false if placements.iter().all(Option::is_none) => Vec::new(),
-            false => return None,
-        };
-        [TP_PP_DP_ORDER, DEFAULT_ORDER]
-            .into_iter()
-            .find_map(|order| {
-                let spec = TopologySpec {
-                    world_size: self.world_size(),
-                    tp,
-                    pp: stages.num_stages(),
-                    cp: 1,
-                    ep: 1,
-                    order: order.to_owned(),
-                };
-                let grid =
-                    ParallelPlan::new(spec, stages.clone(), self.batches(), ranks.clone()).ok()?;
-                (GeneralPlan::from_grid(&grid).ok()? == *self).then_some(grid)
-            })
-    }
 }
 
 fn check_replica(
     replica: usize,
     pipeline: &ReplicaPipeline,
     num_layers: usize,
-) -> Result<(), GeneralPlanError> {
+) -> Result<(), PlanError> {
     if pipeline.stages.num_layers() != num_layers {
-        return Err(GeneralPlanError::ReplicaLayers {
+        return Err(PlanError::ReplicaLayers {
             replica,
             layers: pipeline.stages.num_layers(),
             first: num_layers,
         });
     }
     if pipeline.stages.num_chunks() > 1 && pipeline.stages.num_stages() == 1 {
-        return Err(GeneralPlanError::ChunksWithoutPipeline { replica });
+        return Err(PlanError::ChunksWithoutPipeline { replica });
     }
     let b = pipeline.batch;
     if b.micro_batch_size == 0 || b.num_micro_batches == 0 {
-        return Err(GeneralPlanError::EmptyBatch {
+        return Err(PlanError::EmptyBatch {
             replica,
             micro_batch_size: b.micro_batch_size,
             num_micro_batches: b.num_micro_batches,
@@ -502,7 +414,7 @@ fn check_replica(
     }
     let stages = pipeline.stages.num_stages();
     if pipeline.ranks.len() != stages {
-        return Err(GeneralPlanError::PerStage {
+        return Err(PlanError::PerStage {
             replica,
             what: "ranks",
             given: pipeline.ranks.len(),
@@ -514,7 +426,7 @@ fn check_replica(
         let shares = pipeline.tp_shares.get(stage).and_then(Option::as_ref);
         let bad_shares = shares.is_some_and(|s| s.len() != ranks.len() || s.contains(&0));
         if ranks.is_empty() || bad_shares {
-            return Err(GeneralPlanError::TpShares {
+            return Err(PlanError::TpShares {
                 replica,
                 stage,
                 shares: shares.cloned().unwrap_or_default(),
@@ -531,9 +443,9 @@ pub(super) fn check_per_rank(
     replica: usize,
     ranks: usize,
     given: &[(&'static str, usize)],
-) -> Result<(), GeneralPlanError> {
+) -> Result<(), PlanError> {
     match given.iter().find(|&&(_, n)| n != 0 && n != ranks) {
-        Some(&(what, given)) => Err(GeneralPlanError::PerRank {
+        Some(&(what, given)) => Err(PlanError::PerRank {
             replica,
             what,
             given,
@@ -580,10 +492,10 @@ pub(super) fn check_per_stage(
     replica: usize,
     stages: usize,
     given: &[(&'static str, usize)],
-) -> Result<(), GeneralPlanError> {
+) -> Result<(), PlanError> {
     for &(what, given) in given {
         if given != 0 && given != stages {
-            return Err(GeneralPlanError::PerStage {
+            return Err(PlanError::PerStage {
                 replica,
                 what,
                 given,
@@ -603,7 +515,7 @@ pub fn memory_share_weight(memory_gb: f64) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ScheduleKind;
+    use crate::{GridPlan, PlanFlags, ScheduleKind, TP_PP_DP_ORDER};
     use proptest::prelude::*;
 
     const ASYMMETRIC: &str = r#"
@@ -622,15 +534,15 @@ speeds = [1.0, 0.5]
 
     #[test]
     fn the_file_form_numbers_ranks_replica_by_replica() {
-        let plan = GeneralPlan::from_toml(ASYMMETRIC, Some(4)).unwrap();
+        let plan = Plan::from_toml(ASYMMETRIC, Some(4)).unwrap();
         assert_eq!(plan.world_size(), 3);
         assert_eq!(plan.position(0), Some((0, 0)));
         assert_eq!(plan.position(2), Some((1, 1)));
         assert_eq!(plan.batches().global_batch_size(), 4);
         assert_eq!(plan.replicas()[1].placements[1].speed, Some(0.5));
         assert_eq!(
-            GeneralPlan::from_toml(ASYMMETRIC, Some(5)),
-            Err(GeneralPlanError::GlobalBatch {
+            Plan::from_toml(ASYMMETRIC, Some(5)),
+            Err(PlanError::GlobalBatch {
                 expected: 5,
                 actual: 4
             })
@@ -658,8 +570,8 @@ speeds = [1.0, 0.5]
     fn bad_files_name_the_replica() {
         let uneven = ASYMMETRIC.replace("layers = [4, 2]", "layers = [4, 3]");
         assert_eq!(
-            GeneralPlan::from_toml(&uneven, None),
-            Err(GeneralPlanError::ReplicaLayers {
+            Plan::from_toml(&uneven, None),
+            Err(PlanError::ReplicaLayers {
                 replica: 1,
                 layers: 7,
                 first: 6
@@ -668,26 +580,26 @@ speeds = [1.0, 0.5]
         // Chunks on a single stage, and a speed above the device's own.
         let chunks = ASYMMETRIC.replace("layers = [6]", "layers = [[3], [3]]");
         assert_eq!(
-            GeneralPlan::from_toml(&chunks, None),
-            Err(GeneralPlanError::ChunksWithoutPipeline { replica: 0 })
+            Plan::from_toml(&chunks, None),
+            Err(PlanError::ChunksWithoutPipeline { replica: 0 })
         );
         let fast = ASYMMETRIC.replace("speeds = [1.0, 0.5]", "speeds = [1.5, 0.5]");
         assert_eq!(
-            GeneralPlan::from_toml(&fast, None),
-            Err(GeneralPlanError::Speed {
+            Plan::from_toml(&fast, None),
+            Err(PlanError::Speed {
                 replica: 1,
                 speed: 1.5
             })
         );
         let empty = ASYMMETRIC.replace("num_micro_batches = 2", "num_micro_batches = 0");
         assert!(matches!(
-            GeneralPlan::from_toml(&empty, None),
-            Err(GeneralPlanError::EmptyBatch { replica: 1, .. })
+            Plan::from_toml(&empty, None),
+            Err(PlanError::EmptyBatch { replica: 1, .. })
         ));
         let devices = ASYMMETRIC.replace(r#"devices = ["cpu", "cpu"]"#, r#"devices = ["cpu"]"#);
         assert!(matches!(
-            GeneralPlan::from_toml(&devices, None),
-            Err(GeneralPlanError::PerRank {
+            Plan::from_toml(&devices, None),
+            Err(PlanError::PerRank {
                 replica: 1,
                 what: "devices",
                 given: 1,
@@ -695,16 +607,26 @@ speeds = [1.0, 0.5]
             })
         ));
         assert!(matches!(
-            GeneralPlan::from_toml("replica = []", None),
-            Err(GeneralPlanError::NoReplicas)
+            Plan::from_toml("replica = []", None),
+            Err(PlanError::NoReplicas)
         ));
+    }
+
+    /// `--pipeline-model-parallel-size 2 --num-layers 4 --micro-batch-size 1`.
+    fn two_stages() -> PlanFlags {
+        PlanFlags {
+            pipeline_model_parallel_size: 2,
+            num_layers: Some(4),
+            micro_batch_size: Some(1),
+            ..PlanFlags::default()
+        }
     }
 
     /// The grid of `flags` on `world` ranks in general form: every rank keeps its grid
     /// coordinates, and the plan converts back to the same grid.
-    fn grid_round_trip(flags: &[&str], world: usize) -> GeneralPlan {
-        let grid = ParallelPlan::from_synerfuse_args(flags, world).unwrap();
-        let plan = GeneralPlan::from_grid(&grid).unwrap();
+    fn grid_round_trip(flags: &PlanFlags, world: usize) -> Plan {
+        let grid = GridPlan::from_flags(flags, world).unwrap();
+        let plan = Plan::from_grid(&grid).unwrap();
         let topology = grid.topology().unwrap();
         for rank in 0..world {
             let c = topology.coordinates(rank).unwrap();
@@ -715,21 +637,56 @@ speeds = [1.0, 0.5]
         plan
     }
 
+    /// SynerFuse's flags for three stages of 6, 3, 3 layers under tensor parallelism 2,
+    /// three replicas with micro-batches of their own size and count: every rank runs,
+    /// every pipeline in order, 1F1B holding at most its depth in flight.
+    #[test]
+    fn hetero_plan_with_different_counts_runs() {
+        let flags = PlanFlags {
+            tensor_model_parallel_size: 2,
+            pipeline_model_parallel_size: 3,
+            use_tp_pp_dp_mapping: true,
+            num_layers: Some(12),
+            hetero_pipeline_stages: Some(vec![1, 6, 2, 3, 3]),
+            global_batch_size: Some(22),
+            micro_batch_size_per_dp: Some(vec![1, 4, 1, 2, 1, 1]),
+            num_micro_batches_per_dp: Some(vec![1, 3, 1, 4, 1, 2]),
+            ..PlanFlags::default()
+        };
+        let plan = Plan::from_flags(&flags, 18).unwrap();
+        for kind in [ScheduleKind::Gpipe, ScheduleKind::OneFOneB] {
+            let programs = plan.schedule(kind).unwrap();
+            let report = crate::check_schedule(&programs).unwrap();
+            for replica in plan.replicas() {
+                let m = replica.batch.num_micro_batches;
+                for tp in 0..2 {
+                    let pipeline: Vec<usize> = replica.ranks.iter().map(|s| s[tp]).collect();
+                    report.check_pipeline_order(&pipeline, 1, m).unwrap();
+                }
+            }
+            for (rank, peak) in report.peak_in_flight.iter().enumerate() {
+                let (replica, stage) = plan.position(rank).unwrap();
+                let m = plan.replicas()[replica].batch.num_micro_batches;
+                let expected = match kind {
+                    ScheduleKind::Gpipe => m,
+                    _ => (3 - stage).min(m),
+                };
+                assert_eq!(*peak, expected, "rank {rank}");
+            }
+        }
+    }
+
     #[test]
     fn a_grid_keeps_its_ranks() {
-        let flags = [
-            "--pipeline-model-parallel-size",
-            "2",
-            "--num-layers",
-            "4",
-            "--micro-batch-size",
-            "1",
-        ];
+        let flags = two_stages();
         let plan = grid_round_trip(&flags, 4);
         // A grid's segments are its stages, held by the same stage of every replica.
         assert_eq!(plan.segments().len(), 2);
         // With tensor parallelism too.
-        let tp = [&["--tensor-model-parallel-size", "2"][..], &flags[..]].concat();
+        let tp = PlanFlags {
+            tensor_model_parallel_size: 2,
+            ..flags
+        };
         let plan = grid_round_trip(&tp, 8);
         assert!(plan.has_tensor_parallelism());
     }
@@ -738,18 +695,12 @@ speeds = [1.0, 0.5]
     fn a_file_of_equal_replicas_is_a_tp_pp_dp_grid() {
         let text =
             "[[replica]]\nlayers = [2, 2]\nmicro_batch_size = 1\nnum_micro_batches = 2\n".repeat(2);
-        let grid = GeneralPlan::from_toml(&text, None)
-            .unwrap()
-            .to_grid()
-            .unwrap();
+        let grid = Plan::from_toml(&text, None).unwrap().to_grid().unwrap();
         assert_eq!(grid.topology.order, TP_PP_DP_ORDER);
         assert_eq!(grid.stages.layers(), [2, 2]);
         assert_eq!(grid.batches.global_batch_size(), 4);
         // Replicas of different shapes are no grid.
-        assert_eq!(
-            GeneralPlan::from_toml(ASYMMETRIC, None).unwrap().to_grid(),
-            None
-        );
+        assert_eq!(Plan::from_toml(ASYMMETRIC, None).unwrap().to_grid(), None);
     }
 
     #[test]
@@ -771,49 +722,49 @@ ranks = [1]
 devices = ["cpu"]
 kinds = ["cpu"]
 "#;
-        let plan = GeneralPlan::from_toml(text, Some(6)).unwrap();
+        let plan = Plan::from_toml(text, Some(6)).unwrap();
         assert_eq!(plan.replicas()[0].stages.num_chunks(), 2);
         assert_eq!(plan.position(0), Some((0, 1)));
         assert_eq!(plan.placement(0).unwrap().kind.as_deref(), Some("a100-80g"));
         let written = plan.to_toml().unwrap();
-        assert_eq!(GeneralPlan::from_toml(&written, None).unwrap(), plan);
+        assert_eq!(Plan::from_toml(&written, None).unwrap(), plan);
         // JSON too (checkpoints), and the grid form older checkpoints stored.
         let json = serde_json::to_string(&plan).unwrap();
-        assert_eq!(serde_json::from_str::<GeneralPlan>(&json).unwrap(), plan);
-        let grid = ParallelPlan::from_synerfuse_args(
-            &[
-                "--pipeline-model-parallel-size",
-                "2",
-                "--num-layers",
-                "4",
-                "--micro-batch-size",
-                "1",
-            ],
-            4,
-        )
-        .unwrap();
+        assert_eq!(serde_json::from_str::<Plan>(&json).unwrap(), plan);
+        let grid = GridPlan::from_flags(&two_stages(), 4).unwrap();
         let stored = serde_json::to_string(&grid).unwrap();
-        let general: GeneralPlan = serde_json::from_str(&stored).unwrap();
-        assert_eq!(general.to_grid(), Some(grid));
+        let general: Plan = serde_json::from_str(&stored).unwrap();
+        assert_eq!(general.to_grid(), Some(grid.clone()));
+        // A grid plan file reads as the same plan, in TOML or JSON.
+        assert_eq!(Plan::from_json(&stored).unwrap(), general);
+        let (grid_toml, samples) = (
+            grid.to_toml().unwrap(),
+            general.batches().global_batch_size(),
+        );
+        assert_eq!(Plan::from_toml(&grid_toml, Some(samples)).unwrap(), general);
+        assert!(matches!(
+            Plan::from_toml(&grid_toml, Some(samples + 1)),
+            Err(PlanError::GlobalBatch { .. })
+        ));
         // A replica mixing an emulated and a real device keeps both as they are.
         let mut mixed = plan.replicas().to_vec();
         mixed[0].placements[1].speed = Some(0.5);
         mixed[0].placements[0].kind = None;
-        let mixed = GeneralPlan::new(mixed).unwrap();
+        let mixed = Plan::new(mixed).unwrap();
         let written = mixed.to_toml().unwrap();
         assert!(written.contains("emulated = [false, true]"), "{written}");
-        assert_eq!(GeneralPlan::from_toml(&written, None).unwrap(), mixed);
+        assert_eq!(Plan::from_toml(&written, None).unwrap(), mixed);
         // `ranks` on some replicas only is refused by name.
         let partial = text.replace("ranks = [1]\n", "");
         assert_eq!(
-            GeneralPlan::from_toml(&partial, None),
-            Err(GeneralPlanError::PartialRanks { replica: 1 })
+            Plan::from_toml(&partial, None),
+            Err(PlanError::PartialRanks { replica: 1 })
         );
     }
 
     #[test]
     fn each_replica_runs_its_own_schedule_and_reductions_follow_the_holders() {
-        let plan = GeneralPlan::from_toml(ASYMMETRIC, None).unwrap();
+        let plan = Plan::from_toml(ASYMMETRIC, None).unwrap();
         let programs = plan.schedule(ScheduleKind::Interleaved).unwrap();
         assert_eq!(programs.len(), 3);
         crate::check_schedule(&programs).unwrap();
@@ -871,21 +822,21 @@ kinds = ["cpu"]
     fn memory_sizes_the_distributed_optimizer_shares() {
         let text = "[[replica]]\nlayers = [4]\nmicro_batch_size = 1\nnum_micro_batches = 1\nmemory_gb = [80]\n\n\
                     [[replica]]\nlayers = [1, 3]\nmicro_batch_size = 1\nnum_micro_batches = 1\nmemory_gb = [16, 24.5]\n";
-        let plan = GeneralPlan::from_toml(text, None).unwrap();
+        let plan = Plan::from_toml(text, None).unwrap();
         assert_eq!(plan.memory_shares(&[0, 1, 2]), [800, 160, 245]);
         // Memory alone names no device: the job's --device stays in force.
         assert_eq!(plan.placement(1).unwrap().device, None);
         assert!(!plan.to_toml().unwrap().contains("devices"));
         assert_eq!(
-            GeneralPlan::from_toml(&plan.to_toml().unwrap(), None).unwrap(),
+            Plan::from_toml(&plan.to_toml().unwrap(), None).unwrap(),
             plan
         );
-        let equal = GeneralPlan::from_toml(ASYMMETRIC, None).unwrap();
+        let equal = Plan::from_toml(ASYMMETRIC, None).unwrap();
         assert_eq!(equal.memory_shares(&[0, 1]), [1, 1]);
         let bad = text.replace("memory_gb = [80]", "memory_gb = [0]");
         assert!(matches!(
-            GeneralPlan::from_toml(&bad, None),
-            Err(GeneralPlanError::Memory { replica: 0, .. })
+            Plan::from_toml(&bad, None),
+            Err(PlanError::Memory { replica: 0, .. })
         ));
     }
 
@@ -907,14 +858,14 @@ num_micro_batches = 2
 
     #[test]
     fn stages_run_on_tensor_parallel_groups_of_their_own() {
-        let plan = GeneralPlan::from_toml(TENSOR_PARALLEL, Some(6)).unwrap();
+        let plan = Plan::from_toml(TENSOR_PARALLEL, Some(6)).unwrap();
         assert_eq!(plan.world_size(), 6);
         assert!(plan.has_tensor_parallelism());
         assert_eq!(plan.replicas()[1].ranks, [vec![3, 4], vec![5]]);
         assert_eq!((plan.position(4), plan.tp_rank(4)), (Some((1, 0)), Some(1)));
         assert_eq!(plan.replicas()[0].shares(0), [3, 1]);
         assert_eq!(
-            GeneralPlan::from_toml(&plan.to_toml().unwrap(), None).unwrap(),
+            Plan::from_toml(&plan.to_toml().unwrap(), None).unwrap(),
             plan
         );
         // Stage 1 (one rank) takes its input from TP rank 0 of stage 0 and sends its
@@ -960,7 +911,7 @@ num_micro_batches = 2
             .ends_with("(whole tensors: the holders split them differently)"));
         // So are the shards of a segment split differently in two replicas.
         let mixed = TENSOR_PARALLEL.replacen("tp = [2, 1]\ntp_shares = [[3, 1], [1]]\n", "", 1);
-        let mixed = GeneralPlan::from_toml(&mixed, None).unwrap();
+        let mixed = Plan::from_toml(&mixed, None).unwrap();
         assert_eq!(
             members(&mixed.gradient_reductions(false)),
             [(vec![1, 4], false), (vec![0, 2, 3], true)]
@@ -968,8 +919,8 @@ num_micro_batches = 2
         // Shares that are not one positive share per rank are refused.
         let bad = TENSOR_PARALLEL.replacen("[[3, 1], [1]]", "[[3, 0], [1]]", 1);
         assert!(matches!(
-            GeneralPlan::from_toml(&bad, None),
-            Err(GeneralPlanError::TpShares {
+            Plan::from_toml(&bad, None),
+            Err(PlanError::TpShares {
                 replica: 0,
                 stage: 0,
                 ..
@@ -1006,7 +957,7 @@ num_micro_batches = 2
                     replica
                 }).collect()
             };
-            let plan = GeneralPlan::new(replicas).unwrap();
+            let plan = Plan::new(replicas).unwrap();
             let segments = plan.segments();
             prop_assert_eq!(segments.first().map(|s| s.pieces.start), Some(0));
             prop_assert_eq!(segments.last().map(|s| s.pieces.end), Some(layers + 2));

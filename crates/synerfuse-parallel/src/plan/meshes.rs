@@ -7,7 +7,7 @@
 //! Ranks follow FlagScale: mesh after mesh, and within a mesh Megatron's `tp-cp-ep-dp-pp`
 //! order (tensor-parallel ranks consecutive, then replicas, then stages).
 
-use super::{GeneralPlan, GeneralPlanError, ReplicaPipeline};
+use super::{Plan, PlanError, ReplicaPipeline};
 use crate::{BatchError, LayoutError, ReplicaBatches, StageLayout};
 
 /// One process mesh: a run of pipeline stages on one device type.
@@ -136,7 +136,7 @@ pub enum MeshError {
     Batch(#[source] BatchError),
     /// The plan itself.
     #[error(transparent)]
-    Plan(#[from] GeneralPlanError),
+    Plan(#[from] PlanError),
 }
 
 /// Parsed process meshes.
@@ -216,7 +216,7 @@ impl ProcessMeshes {
 
     /// The general plan of these meshes: one replica per data-parallel index, its stages
     /// the meshes' stages in order, each on its mesh's tensor-parallel ranks.
-    pub fn plan(&self, flags: &MeshFlags) -> Result<GeneralPlan, MeshError> {
+    pub fn plan(&self, flags: &MeshFlags) -> Result<Plan, MeshError> {
         let stages: usize = self.meshes.iter().map(|m| m.pp).sum();
         if let Some(given) = flags.pipeline_model_parallel_size.filter(|&p| p != stages) {
             return Err(MeshError::PipelineSize { given, stages });
@@ -249,7 +249,7 @@ impl ProcessMeshes {
                 placements: Vec::new(),
             })
             .collect();
-        Ok(GeneralPlan::new(replicas)?)
+        Ok(Plan::new(replicas)?)
     }
 
     /// Replica `d`'s ranks, stage by stage: mesh after mesh, `tp-cp-ep-dp-pp` within one.
