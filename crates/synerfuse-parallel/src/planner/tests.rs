@@ -192,7 +192,7 @@ proptest! {
     }
 
     /// Every plan satisfies every constraint (layers, batch, memory, a valid
-    /// a grid plan), and the best is never predicted slower than the even layout.
+    /// plan), and the best is never predicted slower than the even layout.
     #[test]
     fn plans_satisfy_constraints_and_beat_uniform(
         groups in proptest::collection::vec((10.0f64..400.0, 4.0f64..80.0, 1usize..=4), 1..=3),
