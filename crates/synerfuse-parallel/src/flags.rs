@@ -1,11 +1,10 @@
-//! The grid form of a plan, as SynerFuse's and Megatron's flags and the `[topology]` plan
-//! file give it: a codec into [`Plan`]. Flags become a `Plan` (`Plan::from_flags`), a
-//! grid-shaped `Plan` says its flags (`Plan::grid_flags`), and a grid file reads into a
-//! `Plan` (`Plan::from_toml`). Nothing outside this module sees the grid itself.
+//! The grid form of a plan, as SynerFuse's and Megatron's flags (`PlanFlags`) and the
+//! `[topology]` plan file give it. The crate's one plan model is [`crate::Plan`]: the
+//! grid is only read and written through it (`Plan::from_flags`, `Plan::grid_flags`,
+//! `Plan::from_toml`, in `plan/grid.rs`); nothing outside the crate sees it.
 
 use crate::{
-    BatchError, LayoutError, Plan, PlanError, RankPlacement, ReplicaBatches, ReplicaPipeline,
-    StageLayout, Topology, TopologyError,
+    BatchError, LayoutError, RankPlacement, ReplicaBatches, StageLayout, Topology, TopologyError,
 };
 use crate::{DEFAULT_ORDER, TP_PP_DP_ORDER};
 use serde::{Deserialize, Serialize};
@@ -400,139 +399,10 @@ impl PlanFlags {
     }
 }
 
-/// The flags of a grid-shaped plan, and its rank order.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GridFlags {
-    /// SynerFuse's (and Megatron's) flags for the plan (device placements are not flags;
-    /// SynerFuse takes them from the launcher).
-    pub args: Vec<String>,
-    /// The grid's rank order, fastest dimension first (`tp-pp-dp` with
-    /// `--use-tp-pp-dp-mapping`).
-    pub rank_order: String,
-}
-
-impl Plan {
-    /// The plan SynerFuse's and Megatron's parallel flags describe for a world of
-    /// `world_size` ranks, on the grid's own rank order.
-    pub fn from_flags(flags: &PlanFlags, world_size: usize) -> Result<Self, PlanError> {
-        Self::from_grid(&GridPlan::from_flags(flags, world_size)?)
-    }
-
-    /// The flags that give this plan's layout, when it is a grid (every replica the same
-    /// stages, even tensor parallelism, ranks in one of Megatron's orders); `None`
-    /// otherwise. Which stages recompute is not a layout: SynerFuse's
-    /// `--recompute-activations` recomputes every stage or none.
-    pub fn grid_flags(&self) -> Option<GridFlags> {
-        let grid = self.to_grid()?;
-        Some(GridFlags {
-            args: grid.to_synerfuse_args(),
-            rank_order: grid.topology.order,
-        })
-    }
-
-    /// The general form of a grid plan (context and expert sizes 1; tensor parallelism
-    /// even on every stage), on the grid's own ranks.
-    pub(crate) fn from_grid(plan: &GridPlan) -> Result<Self, PlanError> {
-        let t = &plan.topology;
-        if t.cp != 1 || t.ep != 1 {
-            return Err(PlanError::Unsupported { cp: t.cp, ep: t.ep });
-        }
-        let topology = plan.topology()?;
-        let rank_of = |dp: usize, pp: usize, tp: usize| {
-            topology
-                .rank(&crate::Coordinates {
-                    tp,
-                    cp: 0,
-                    ep: 0,
-                    dp,
-                    pp,
-                })
-                .expect("coordinates within the grid")
-        };
-        let replicas = plan
-            .batches
-            .replicas()
-            .iter()
-            .enumerate()
-            .map(|(dp, &batch)| {
-                let ranks: Vec<Vec<usize>> = (0..t.pp)
-                    .map(|pp| (0..t.tp).map(|tp| rank_of(dp, pp, tp)).collect())
-                    .collect();
-                ReplicaPipeline {
-                    stages: plan.stages.clone(),
-                    batch,
-                    placements: ranks
-                        .iter()
-                        .flatten()
-                        .filter_map(|&rank| plan.ranks.get(rank).cloned())
-                        .collect(),
-                    ranks,
-                    tp_shares: Vec::new(),
-                    recompute: Vec::new(),
-                }
-            })
-            .collect();
-        Self::new(replicas)
-    }
-
-    /// The grid this plan is, when every replica has the same stages and the ranks follow
-    /// one of Megatron's orders (tp-pp-dp: replica by replica, or the default: stage by
-    /// stage), recomputation aside; `None` for a plan only the general form expresses.
-    pub(crate) fn to_grid(&self) -> Option<GridPlan> {
-        let stages = &self.replicas()[0].stages;
-        let tp = self.replicas()[0].tp_size(0);
-        let even = |r: &ReplicaPipeline| {
-            (0..r.stages.num_stages()).all(|s| r.tp_size(s) == tp && r.shares(s) == vec![1; tp])
-        };
-        if self
-            .replicas()
-            .iter()
-            .any(|r| &r.stages != stages || !even(r))
-        {
-            return None;
-        }
-        let mut placements = vec![None; self.world_size()];
-        for replica in self.replicas() {
-            for (rank, placement) in replica.all_ranks().zip(&replica.placements) {
-                placements[rank] = Some(placement.clone());
-            }
-        }
-        let ranks: Vec<RankPlacement> = match placements.iter().all(Option::is_some) {
-            true => placements.into_iter().flatten().collect(),
-            false if placements.iter().all(Option::is_none) => Vec::new(),
-            false => return None,
-        };
-        [TP_PP_DP_ORDER, DEFAULT_ORDER]
-            .into_iter()
-            .find_map(|order| {
-                let spec = TopologySpec {
-                    world_size: self.world_size(),
-                    tp,
-                    pp: stages.num_stages(),
-                    cp: 1,
-                    ep: 1,
-                    order: order.to_owned(),
-                };
-                let grid =
-                    GridPlan::new(spec, stages.clone(), self.batches(), ranks.clone()).ok()?;
-                let same = |a: &ReplicaPipeline, b: &ReplicaPipeline| {
-                    ReplicaPipeline {
-                        recompute: b.recompute.clone(),
-                        ..a.clone()
-                    } == *b
-                };
-                let general = Plan::from_grid(&grid).ok()?;
-                (general.replicas().iter().zip(self.replicas()))
-                    .all(|(a, b)| same(a, b))
-                    .then_some(grid)
-            })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{DeviceRequest, ReplicaBatch};
+    use crate::{DeviceRequest, Plan, ReplicaBatch};
 
     /// SynerFuse's README example: tp 2, two stages of 6 and 2 layers, two replicas.
     fn hetero_flags() -> PlanFlags {

@@ -17,10 +17,11 @@ pub mod tp;
 
 pub use batch::{BatchError, ReplicaBatch, ReplicaBatches};
 pub(crate) use flags::GridPlan;
-pub use flags::{GridError, GridFlags, PlanFlags};
+pub use flags::{GridError, PlanFlags};
 pub use plan::{
-    DeviceRequest, GradientReduction, GradientSegment, MeshError, MeshFlags, Plan, PlanError,
-    ProcessMesh, ProcessMeshes, RankPlacement, ReducedParameters, ReplicaPipeline, UnknownDevice,
+    DeviceRequest, GradientReduction, GradientSegment, GridFlags, MeshError, MeshFlags, Plan,
+    PlanError, ProcessMesh, ProcessMeshes, RankPlacement, ReducedParameters, ReplicaPipeline,
+    UnknownDevice,
 };
 pub use schedule::{
     check_forward_only, check_schedule, forward_only, link_in_order, pipeline_schedule,

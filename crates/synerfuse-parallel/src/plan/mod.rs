@@ -12,10 +12,12 @@ use crate::{
 };
 
 mod file;
+mod grid;
 mod meshes;
 mod placement;
 mod reduce;
 
+pub use grid::GridFlags;
 pub use meshes::{MeshError, MeshFlags, ProcessMesh, ProcessMeshes};
 pub use placement::{DeviceRequest, RankPlacement, UnknownDevice};
 pub use reduce::{GradientReduction, GradientSegment, ReducedParameters};

@@ -2,8 +2,7 @@
 
 use super::{
     error::PlanningError,
-    outcome::{Arrangement, Candidate},
-    pooled::PooledCandidate,
+    outcome::{Arrangement, Candidate, PooledCandidate},
     tensor::TpGroup,
 };
 use crate::cluster::Device;

@@ -28,10 +28,10 @@ use std::collections::HashMap;
 
 pub use error::{Infeasibility, MemoryShortfall, PlanningError};
 pub use outcome::{
-    Arrangement, BehindBy, Candidate, CandidateOrigin, PlanOutcome, Prediction, StepBreakdown,
-    ThroughputBound,
+    Arrangement, BehindBy, Candidate, CandidateOrigin, PlanOutcome, PoolLayout, PooledCandidate,
+    Prediction, StepBreakdown, ThroughputBound,
 };
-pub use pooled::{plan_pooled, PoolLayout, PooledCandidate};
+pub use pooled::plan_pooled;
 pub use request::{Choice, ChoiceError, PlanRequest, TrainOptions};
 pub use running::{
     best_plan_for, fitted_cost, fitted_cost_of, predict_step_s, running_job_request, ReplanError,

@@ -1,6 +1,6 @@
 //! What the planner returns: candidates, their predictions, and how they compare.
 
-use super::{pooled::PooledCandidate, pricing::Grid, request::TrainOptions};
+use super::{request::TrainOptions, tensor::TpGroup};
 
 /// How devices are arranged into stages and replicas.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -234,3 +234,65 @@ impl PlanOutcome {
         (self.pooled.as_ref()).filter(|p| grid.is_none_or(|g| p.step_time_s < g * 0.99))
     }
 }
+
+/// One pool's part of a plan: its replicas, each `layers.len()` stages deep.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolLayout {
+    /// Unit of (stage, replica): an index into the candidate's `groups`.
+    pub devices: Grid<usize>,
+    /// Layers per stage, the same for each of its replicas.
+    pub layers: Vec<usize>,
+    /// Micro-batch size of its replicas.
+    pub micro_batch_size: usize,
+    /// Micro-batches of each of its replicas.
+    pub micro_batches: Vec<usize>,
+}
+
+/// A plan of pools with its predicted step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PooledCandidate {
+    /// The pools, fastest first; their replicas in this order are the plan's.
+    pub pools: Vec<PoolLayout>,
+    /// What each unit of the pools is: one device, or a tensor-parallel group.
+    pub groups: Vec<TpGroup>,
+    /// What it trains with beside its layout.
+    pub options: TrainOptions,
+    /// Whether each stage of each replica (in the plan's order) recomputes its
+    /// activations.
+    pub recompute: Vec<Vec<bool>>,
+    /// One training step, s (simulated schedule, the reduction, the optimizer).
+    pub step_time_s: f64,
+    /// The slowest replica's pipeline, s.
+    pub pipeline_s: f64,
+    /// The gradient reduction of the busiest rank, s.
+    pub reduce_s: f64,
+    /// The slowest rank's optimizer step, s.
+    pub optimizer_s: f64,
+}
+
+impl PooledCandidate {
+    /// Every replica: (pool, index in the pool).
+    pub(super) fn replicas(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        replicas(&self.pools)
+    }
+
+    /// The device index of each rank of [`PooledCandidate::to_plan`]'s plan, in rank order.
+    pub fn rank_devices(&self) -> Vec<usize> {
+        (self.replicas())
+            .flat_map(|(k, r)| {
+                let pool = &self.pools[k];
+                (pool.devices.iter())
+                    .flat_map(move |row| self.groups[row[r]].members.iter().copied())
+            })
+            .collect()
+    }
+}
+
+/// Every replica of `pools`: (pool, index in the pool).
+pub(super) fn replicas(pools: &[PoolLayout]) -> impl Iterator<Item = (usize, usize)> + '_ {
+    (pools.iter().enumerate())
+        .flat_map(|(k, pool)| (0..pool.micro_batches.len()).map(move |r| (k, r)))
+}
+
+/// Values by (stage, replica).
+pub(super) type Grid<T> = Vec<Vec<T>>;

@@ -4,7 +4,7 @@
 
 use super::{
     error::{Infeasibility, MemoryShortfall, PlanningError, Violation},
-    outcome::Prediction,
+    outcome::{replicas, Grid, PoolLayout, Prediction},
     tensor::TpGroup,
 };
 use crate::cluster::Device;
@@ -161,9 +161,6 @@ pub(super) fn fastest_first(ctx: &mut Ctx<'_>) -> Result<Vec<usize>, PlanningErr
     order.sort_by(|&a, &b| speed[a].total_cmp(&speed[b]).then(a.cmp(&b)));
     Ok(order)
 }
-
-/// Values by (stage, replica).
-pub(super) type Grid<T> = Vec<Vec<T>>;
 
 /// Per (stage, replica): per-micro-batch time (at the replica's micro-batch size in
 /// `sizes`, recomputing where [`stage_fit`] says with `m` micro-batches), and p2p
@@ -469,4 +466,116 @@ pub(super) fn optimizer_times(ctx: &Ctx<'_>, grid: &[Vec<usize>], layers: &[usiz
                 .collect()
         })
         .collect()
+}
+
+/// Each replica's stage boundaries in pieces (embedding = 0, layer i = i + 1, head =
+/// L + 1), per replica the (start, end) piece range of each stage and its device.
+pub(super) fn stage_pieces(pools: &[PoolLayout], l: usize) -> Vec<Vec<(usize, usize, usize)>> {
+    replicas(pools)
+        .map(|(k, r)| {
+            let pool = &pools[k];
+            let p = pool.layers.len();
+            let mut start = 1;
+            (0..p)
+                .map(|i| {
+                    let from = if i == 0 { 0 } else { start };
+                    start += pool.layers[i];
+                    let to = if i + 1 == p { l + 2 } else { start };
+                    (from, to, pool.devices[i][r])
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Per (replica, stage), replica by replica, the seconds of its gradient reduction: each
+/// segment between the union of every replica's boundaries all-reduced over its
+/// holders (one per replica; tensor-parallel groups of the same shares each member its
+/// share, side by side; groups split otherwise the whole tensors over every member), a
+/// stage's segments one after another.
+pub(super) fn reduce_s(ctx: &Ctx<'_>, pools: &[PoolLayout]) -> Vec<f64> {
+    let model = &ctx.cost.model;
+    let l = model.num_layers;
+    let stages = stage_pieces(pools, l);
+    let mut cuts: Vec<usize> = stages.iter().flatten().map(|&(from, _, _)| from).collect();
+    cuts.push(l + 2);
+    cuts.sort_unstable();
+    cuts.dedup();
+    let params = |from: usize, to: usize| {
+        (from..to)
+            .map(|piece| match piece {
+                0 => model.embedding_params(),
+                x if x == l + 1 => model.embedding_params(),
+                _ => model.layer_params(),
+            })
+            .sum::<f64>()
+    };
+    // Rank of (replica, stage): replica by replica, stage by stage.
+    let first_rank: Vec<usize> = (stages.iter())
+        .scan(0, |next, s| {
+            let first = *next;
+            *next += s.len();
+            Some(first)
+        })
+        .collect();
+    let mut seconds = vec![0.0; stages.iter().map(Vec::len).sum()];
+    for w in cuts.windows(2) {
+        let (from, to) = (w[0], w[1]);
+        let holders: Vec<(usize, usize)> = (stages.iter().enumerate())
+            .map(|(r, s)| {
+                (
+                    r,
+                    s.iter()
+                        .position(|&(a, b, _)| a <= from && to <= b)
+                        .expect("a stage holds each segment"),
+                )
+            })
+            .collect();
+        let devices: Vec<&crate::cluster::Device> = holders
+            .iter()
+            .map(|&(r, i)| &ctx.devices[stages[r][i].2])
+            .collect();
+        // Holders split alike reduce share by share, side by side; otherwise the trainer
+        // reduces whole tensors over every member of every holder.
+        let units: Vec<usize> = holders.iter().map(|&(r, i)| stages[r][i].2).collect();
+        let alike = (units.iter()).all(|&u| ctx.groups[u].shares == ctx.groups[units[0]].shares);
+        let t = match alike {
+            true => {
+                let share = units
+                    .iter()
+                    .map(|&u| ctx.state_fraction(u))
+                    .fold(0.0, f64::max);
+                (ctx.cost).allreduce_seconds(&devices, params(from, to) * 4.0 * share)
+            }
+            false => {
+                let members: Vec<&crate::cluster::Device> = (units.iter())
+                    .flat_map(|&u| ctx.groups[u].members.iter().map(|&m| &ctx.all[m]))
+                    .collect();
+                (ctx.cost).allreduce_seconds(&members, params(from, to) * 4.0)
+            }
+        };
+        for (r, i) in holders {
+            seconds[first_rank[r] + i] += t;
+        }
+    }
+    seconds
+}
+
+/// The slowest rank's optimizer step over its own parameters (0 where not priced).
+pub(super) fn optimizer_s(ctx: &Ctx<'_>, pools: &[PoolLayout]) -> f64 {
+    let mut slowest = 0.0f64;
+    for pool in pools {
+        let p = pool.layers.len();
+        for (i, row) in pool.devices.iter().enumerate() {
+            let params = ctx
+                .cost
+                .model
+                .stage_params(pool.layers[i], i == 0, i + 1 == p);
+            for &unit in row {
+                let s = ctx.optimizer_seconds(unit, params);
+                slowest = slowest.max(s.unwrap_or(0.0));
+            }
+        }
+    }
+    slowest
 }

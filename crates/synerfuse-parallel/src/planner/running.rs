@@ -11,8 +11,8 @@
 //! difference is not the difference of two models.
 
 use super::error::PlanningError;
+use super::outcome::PoolLayout;
 use super::plan;
-use super::pooled::PoolLayout;
 use super::pricing::Ctx;
 use super::request::{Choice, PlanRequest};
 use super::simulate::simulate_pools;

@@ -2,9 +2,10 @@
 
 use super::{
     error::PlanningError,
-    outcome::{Candidate, Prediction},
-    pooled::{optimizer_s, reduce_s, PoolLayout, PooledCandidate},
-    pricing::{allreduce_times, max, optimizer_times, stage_fits, stage_times, Ctx},
+    outcome::{Candidate, PoolLayout, PooledCandidate, Prediction},
+    pricing::{
+        allreduce_times, max, optimizer_s, optimizer_times, reduce_s, stage_fits, stage_times, Ctx,
+    },
     request::TrainOptions,
 };
 use crate::cluster::Device;

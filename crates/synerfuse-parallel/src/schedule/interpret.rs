@@ -3,7 +3,8 @@
 //! interpreter runs every one to its end. The schedule checker and the simulator are two
 //! [`Observer`]s of the same run.
 
-use super::{Instruction, Message, Pass, Payload, Piece, ScheduleError, Waiting};
+use super::error::{ScheduleError, Waiting};
+use super::instruction::{Instruction, Message, Pass, Payload, Piece};
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 

@@ -29,6 +29,7 @@ use synerfuse_parallel::{GradientReduction, Instruction, TpLayout};
 
 mod config;
 mod eval;
+mod evaluation;
 mod report;
 mod switch;
 
@@ -36,7 +37,7 @@ pub use config::{
     BatchConfig, CheckpointConfig, ComputeConfig, DataConfig, EvalConfig, LoggingConfig,
     OptimizerConfig, ParallelConfig, ReplanConfig, TrainConfig,
 };
-pub use eval::{EvalSplit, Evaluation};
+pub use evaluation::{EvalSplit, Evaluation};
 use report::{StepLog, StepOutcome, StepResult};
 
 /// How a run ended.

@@ -1,7 +1,7 @@
 //! What a step reports: every rank's loss and times gathered in one all-gather, and rank
 //! 0's log line, JSON record and TensorBoard scalars.
 
-use super::eval::{EvalSplit, Evaluation};
+use super::evaluation::{EvalSplit, Evaluation};
 use super::TrainConfig;
 use crate::comm::MpiCommunicator;
 use crate::memory::MemoryReport;

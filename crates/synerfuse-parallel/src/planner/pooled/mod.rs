@@ -8,53 +8,17 @@ use super::{
     error::PlanningError,
     grid::arrange,
     outcome::Arrangement,
-    pricing::{max, pipeline_time, stage_fit, stage_times, Ctx, Grid},
-    request::TrainOptions,
+    outcome::{Grid, PoolLayout, PooledCandidate},
+    pricing::{max, optimizer_s, pipeline_time, reduce_s, stage_fit, stage_times, Ctx},
     samples::{min_max_samples, ReplicaPace},
     simulate::simulate_pools,
     split::split_layers,
-    tensor::TpGroup,
 };
 use crate::cost::{CostModel, StageHolding};
 
 /// The most combinations of pool options tried: each pool keeps its fastest options
 /// per device, as many as keep the product under this (every option on small clusters).
 pub(super) const MOST_COMBINATIONS: usize = 81;
-
-/// One pool's part of a plan: its replicas, each `layers.len()` stages deep.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PoolLayout {
-    /// Unit of (stage, replica): an index into the candidate's `groups`.
-    pub devices: Grid<usize>,
-    /// Layers per stage, the same for each of its replicas.
-    pub layers: Vec<usize>,
-    /// Micro-batch size of its replicas.
-    pub micro_batch_size: usize,
-    /// Micro-batches of each of its replicas.
-    pub micro_batches: Vec<usize>,
-}
-
-/// A plan of pools with its predicted step.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PooledCandidate {
-    /// The pools, fastest first; their replicas in this order are the plan's.
-    pub pools: Vec<PoolLayout>,
-    /// What each unit of the pools is: one device, or a tensor-parallel group.
-    pub groups: Vec<TpGroup>,
-    /// What it trains with beside its layout.
-    pub options: TrainOptions,
-    /// Whether each stage of each replica (in the plan's order) recomputes its
-    /// activations.
-    pub recompute: Vec<Vec<bool>>,
-    /// One training step, s (simulated schedule, the reduction, the optimizer).
-    pub step_time_s: f64,
-    /// The slowest replica's pipeline, s.
-    pub pipeline_s: f64,
-    /// The gradient reduction of the busiest rank, s.
-    pub reduce_s: f64,
-    /// The slowest rank's optimizer step, s.
-    pub optimizer_s: f64,
-}
 
 impl PoolLayout {
     /// Per (stage, replica) the seconds of one micro-batch, and of its send to the next stage.
@@ -71,30 +35,6 @@ impl PoolLayout {
             &self.micro_batches,
         )
     }
-}
-
-impl PooledCandidate {
-    /// Every replica: (pool, index in the pool).
-    pub(super) fn replicas(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
-        replicas(&self.pools)
-    }
-
-    /// The device index of each rank of [`PooledCandidate::to_plan`]'s plan, in rank order.
-    pub fn rank_devices(&self) -> Vec<usize> {
-        (self.replicas())
-            .flat_map(|(k, r)| {
-                let pool = &self.pools[k];
-                (pool.devices.iter())
-                    .flat_map(move |row| self.groups[row[r]].members.iter().copied())
-            })
-            .collect()
-    }
-}
-
-/// Every replica of `pools`: (pool, index in the pool).
-pub(super) fn replicas(pools: &[PoolLayout]) -> impl Iterator<Item = (usize, usize)> + '_ {
-    (pools.iter().enumerate())
-        .flat_map(|(k, pool)| (0..pool.micro_batches.len()).map(move |r| (k, r)))
 }
 
 /// One way to cut a pool: depth, micro-batch size, and the layer split that fits.
@@ -519,118 +459,6 @@ pub(super) fn pipelines_s(ctx: &mut Ctx<'_>, layouts: &[PoolLayout]) -> Result<f
         }
     }
     Ok(slowest)
-}
-
-/// Each replica's stage boundaries in pieces (embedding = 0, layer i = i + 1, head =
-/// L + 1), per replica the (start, end) piece range of each stage and its device.
-pub(super) fn stage_pieces(pools: &[PoolLayout], l: usize) -> Vec<Vec<(usize, usize, usize)>> {
-    replicas(pools)
-        .map(|(k, r)| {
-            let pool = &pools[k];
-            let p = pool.layers.len();
-            let mut start = 1;
-            (0..p)
-                .map(|i| {
-                    let from = if i == 0 { 0 } else { start };
-                    start += pool.layers[i];
-                    let to = if i + 1 == p { l + 2 } else { start };
-                    (from, to, pool.devices[i][r])
-                })
-                .collect()
-        })
-        .collect()
-}
-
-/// Per (replica, stage), replica by replica, the seconds of its gradient reduction: each
-/// segment between the union of every replica's boundaries all-reduced over its
-/// holders (one per replica; tensor-parallel groups of the same shares each member its
-/// share, side by side; groups split otherwise the whole tensors over every member), a
-/// stage's segments one after another.
-pub(super) fn reduce_s(ctx: &Ctx<'_>, pools: &[PoolLayout]) -> Vec<f64> {
-    let model = &ctx.cost.model;
-    let l = model.num_layers;
-    let stages = stage_pieces(pools, l);
-    let mut cuts: Vec<usize> = stages.iter().flatten().map(|&(from, _, _)| from).collect();
-    cuts.push(l + 2);
-    cuts.sort_unstable();
-    cuts.dedup();
-    let params = |from: usize, to: usize| {
-        (from..to)
-            .map(|piece| match piece {
-                0 => model.embedding_params(),
-                x if x == l + 1 => model.embedding_params(),
-                _ => model.layer_params(),
-            })
-            .sum::<f64>()
-    };
-    // Rank of (replica, stage): replica by replica, stage by stage.
-    let first_rank: Vec<usize> = (stages.iter())
-        .scan(0, |next, s| {
-            let first = *next;
-            *next += s.len();
-            Some(first)
-        })
-        .collect();
-    let mut seconds = vec![0.0; stages.iter().map(Vec::len).sum()];
-    for w in cuts.windows(2) {
-        let (from, to) = (w[0], w[1]);
-        let holders: Vec<(usize, usize)> = (stages.iter().enumerate())
-            .map(|(r, s)| {
-                (
-                    r,
-                    s.iter()
-                        .position(|&(a, b, _)| a <= from && to <= b)
-                        .expect("a stage holds each segment"),
-                )
-            })
-            .collect();
-        let devices: Vec<&crate::cluster::Device> = holders
-            .iter()
-            .map(|&(r, i)| &ctx.devices[stages[r][i].2])
-            .collect();
-        // Holders split alike reduce share by share, side by side; otherwise the trainer
-        // reduces whole tensors over every member of every holder.
-        let units: Vec<usize> = holders.iter().map(|&(r, i)| stages[r][i].2).collect();
-        let alike = (units.iter()).all(|&u| ctx.groups[u].shares == ctx.groups[units[0]].shares);
-        let t = match alike {
-            true => {
-                let share = units
-                    .iter()
-                    .map(|&u| ctx.state_fraction(u))
-                    .fold(0.0, f64::max);
-                (ctx.cost).allreduce_seconds(&devices, params(from, to) * 4.0 * share)
-            }
-            false => {
-                let members: Vec<&crate::cluster::Device> = (units.iter())
-                    .flat_map(|&u| ctx.groups[u].members.iter().map(|&m| &ctx.all[m]))
-                    .collect();
-                (ctx.cost).allreduce_seconds(&members, params(from, to) * 4.0)
-            }
-        };
-        for (r, i) in holders {
-            seconds[first_rank[r] + i] += t;
-        }
-    }
-    seconds
-}
-
-/// The slowest rank's optimizer step over its own parameters (0 where not priced).
-pub(super) fn optimizer_s(ctx: &Ctx<'_>, pools: &[PoolLayout]) -> f64 {
-    let mut slowest = 0.0f64;
-    for pool in pools {
-        let p = pool.layers.len();
-        for (i, row) in pool.devices.iter().enumerate() {
-            let params = ctx
-                .cost
-                .model
-                .stage_params(pool.layers[i], i == 0, i + 1 == p);
-            for &unit in row {
-                let s = ctx.optimizer_seconds(unit, params);
-                slowest = slowest.max(s.unwrap_or(0.0));
-            }
-        }
-    }
-    slowest
 }
 
 #[cfg(test)]
