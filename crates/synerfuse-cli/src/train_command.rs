@@ -1015,15 +1015,14 @@ fn plan_flag_error(error: PlanError) -> anyhow::Error {
 /// A training error with the flags behind it, where the library names only values.
 fn train_flag_error(error: TrainError) -> anyhow::Error {
     let flags = match &error {
-        TrainError::LayerCount { model, .. } => format!("--num-layers {model}"),
+        TrainError::Plan(PlanError::LayerCount { model, .. }) => format!("--num-layers {model}"),
         TrainError::EmulatedSpeedCount { .. } | TrainError::EmulatedSpeed { .. } => {
             "--emulate-device-speed".to_owned()
         }
-        TrainError::ChunksWithoutPipeline { .. } => {
-            "--num-layers-per-virtual-pipeline-stage".to_owned()
-        }
         TrainError::WorldSize { .. } => "--nproc / mpirun -np".to_owned(),
-        TrainError::SequenceParallel { .. } => "--sequence-parallel / --seq-length".to_owned(),
+        TrainError::Plan(PlanError::SequenceParallel { .. }) => {
+            "--sequence-parallel / --seq-length".to_owned()
+        }
         _ => return error.into(),
     };
     anyhow::Error::new(error).context(flags)

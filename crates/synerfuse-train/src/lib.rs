@@ -78,50 +78,6 @@ pub enum TrainError {
     /// A parameter the plan's gradient reductions miss (a bug, reported).
     #[error(transparent)]
     UnreducedParameter(#[from] grads::UnreducedParameter),
-    /// The plan's stages and the model disagree on the layer count.
-    #[error("the plan's stages hold {plan} layers but the model has {model}")]
-    LayerCount {
-        /// Layers over the plan's stages.
-        plan: usize,
-        /// The model's layers.
-        model: usize,
-    },
-    /// A tensor-parallel stage whose shares cannot divide the model.
-    #[error("replica {replica} stage {stage}: {source}")]
-    TensorParallelSplit {
-        /// The replica.
-        replica: usize,
-        /// The stage.
-        stage: usize,
-        /// Which constraint the split breaks.
-        source: synerfuse_parallel::TpSplitError,
-    },
-    /// Sequence parallelism on a stage whose group cannot split the sequence evenly.
-    #[error("replica {replica} stage {stage}: sequence parallelism splits the sequence over the stage's {size} tensor-parallel ranks, but the sequence length {sequence} does not divide by {size}")]
-    SequenceParallel {
-        /// The replica.
-        replica: usize,
-        /// The stage.
-        stage: usize,
-        /// Its tensor-parallel size.
-        size: usize,
-        /// The sequence length.
-        sequence: usize,
-    },
-    /// Virtual pipeline chunks without a pipeline.
-    #[error("replica {replica}: virtual pipeline chunks need at least two pipeline stages")]
-    ChunksWithoutPipeline {
-        /// The replica.
-        replica: usize,
-    },
-    /// A stage chunk with no layers.
-    #[error("pipeline stage {stage} chunk {chunk} has no layers")]
-    EmptyChunk {
-        /// The stage.
-        stage: usize,
-        /// The chunk.
-        chunk: usize,
-    },
     /// Emulated speeds that are not one per rank.
     #[error("{given} emulated device speeds for a job of {ranks} ranks")]
     EmulatedSpeedCount {

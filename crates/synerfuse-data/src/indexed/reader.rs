@@ -233,11 +233,6 @@ impl IndexedDataset {
         self.dtype
     }
 
-    /// Whether the modes array was read.
-    pub fn is_multimodal(&self) -> bool {
-        self.multimodal
-    }
-
     /// Number of sequences (Megatron's `len(dataset)`).
     pub fn len(&self) -> usize {
         self.sequence_count

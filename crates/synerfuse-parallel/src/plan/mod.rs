@@ -11,6 +11,7 @@ use crate::{
     ScheduleError, ScheduleKind, StageLayout,
 };
 
+mod check;
 mod file;
 mod grid;
 mod meshes;
@@ -119,6 +120,46 @@ pub enum PlanError {
         layers: usize,
         /// Replica 0's layers.
         first: usize,
+    },
+    /// Stages that hold another number of layers than the model has.
+    #[error("the plan's stages hold {plan} layers but the model has {model}")]
+    LayerCount {
+        /// Layers over the plan's stages.
+        plan: usize,
+        /// The model's layers.
+        model: usize,
+    },
+    /// A stage chunk with no layers.
+    #[error("replica {replica}: pipeline stage {stage} chunk {chunk} has no layers")]
+    EmptyChunk {
+        /// The replica.
+        replica: usize,
+        /// The stage.
+        stage: usize,
+        /// The chunk.
+        chunk: usize,
+    },
+    /// A tensor-parallel stage whose shares cannot divide the model.
+    #[error("replica {replica} stage {stage}: {source}")]
+    TensorParallelSplit {
+        /// The replica.
+        replica: usize,
+        /// The stage.
+        stage: usize,
+        /// Which constraint the split breaks.
+        source: crate::TpSplitError,
+    },
+    /// Sequence parallelism on a stage whose group cannot split the sequence evenly.
+    #[error("replica {replica} stage {stage}: sequence parallelism splits the sequence over the stage's {size} tensor-parallel ranks, but the sequence length {sequence} does not divide by {size}")]
+    SequenceParallel {
+        /// The replica.
+        replica: usize,
+        /// The stage.
+        stage: usize,
+        /// Its tensor-parallel size.
+        size: usize,
+        /// The sequence length.
+        sequence: usize,
     },
     /// Virtual chunks on a replica of one stage.
     #[error("replica {replica}: virtual pipeline chunks need at least two pipeline stages")]

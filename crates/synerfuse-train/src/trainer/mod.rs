@@ -25,7 +25,7 @@ use synerfuse_data::gpt::SampleOptions;
 use synerfuse_model::tch::{self, Device, Kind, Tensor};
 use synerfuse_model::{DeviceRequest, ResolveDevice, Stage};
 use synerfuse_parallel::timeline::{Span, SpanKind};
-use synerfuse_parallel::{GradientReduction, Instruction, TpLayout};
+use synerfuse_parallel::{GradientReduction, Instruction};
 
 mod config;
 mod eval;
@@ -123,33 +123,8 @@ fn check_plan(
             job: world_size,
         });
     }
-    if plan.num_layers() != config.model.num_layers {
-        return Err(TrainError::LayerCount {
-            plan: plan.num_layers(),
-            model: config.model.num_layers,
-        });
-    }
-    if let Some(replica) = plan
-        .replicas()
-        .iter()
-        .position(|r| r.stages.num_chunks() > 1 && r.stages.num_stages() == 1)
-    {
-        return Err(TrainError::ChunksWithoutPipeline { replica });
-    }
-    for (replica, r) in plan.replicas().iter().enumerate() {
-        for stage in (0..r.stages.num_stages()).filter(|&s| r.tp_size(s) > 1) {
-            tp_layout(config, replica, stage)?;
-            let (sequence, size) = (config.batch.sequence_length, r.tp_size(stage));
-            if config.parallel.sequence_parallel && sequence % size != 0 {
-                return Err(TrainError::SequenceParallel {
-                    replica,
-                    stage,
-                    size,
-                    sequence,
-                });
-            }
-        }
-    }
+    let shape = crate::profiler::model_shape(&config.model, config.batch.sequence_length);
+    plan.check(&shape, config.parallel.sequence_parallel)?;
     if let Some(c) = (config.compute.speed_changes.iter()).find(|c| c.rank >= world_size) {
         return Err(TrainError::SpeedChangeRank {
             iteration: c.iteration,
@@ -169,26 +144,6 @@ fn check_plan(
     Ok(plan
         .position(rank)
         .expect("a plan of the job's size places every rank"))
-}
-
-/// How the tensor-parallel group of `replica`'s `stage` divides the model (one rank
-/// holding everything when the stage has no group).
-fn tp_layout(config: &TrainConfig, replica: usize, stage: usize) -> Result<TpLayout, TrainError> {
-    let r = &config.parallel.plan.replicas()[replica];
-    let m = &config.model;
-    let shares = r.shares(stage);
-    TpLayout::new(
-        Some(&shares),
-        shares.len(),
-        m.num_kv_heads,
-        m.intermediate_size,
-        m.vocab_size,
-    )
-    .map_err(|source| TrainError::TensorParallelSplit {
-        replica,
-        stage,
-        source,
-    })
 }
 
 /// This rank's emulated device, if any, announced in the log.
@@ -222,21 +177,17 @@ fn build_chunks(
     tp_rank: usize,
     device: Device,
 ) -> Result<Vec<Stage>, TrainError> {
-    let stages = &config.parallel.plan.replicas()[replica].stages;
-    let shard = tp_layout(config, replica, stage_index)?
+    let plan = &config.parallel.plan;
+    let stages = &plan.replicas()[replica].stages;
+    let shape = crate::profiler::model_shape(&config.model, config.batch.sequence_length);
+    let shard = (plan.tp_layout(&shape, replica, stage_index)?)
         .shard(tp_rank)
         .expect("a rank's tensor-parallel index is within its group");
     let mut chunks = Vec::with_capacity(stages.num_chunks());
     for chunk in 0..stages.num_chunks() {
         let layers = stages
             .chunk_range(stage_index, chunk)
-            .expect("stage and chunk within the layout");
-        if layers.is_empty() {
-            return Err(TrainError::EmptyChunk {
-                stage: stage_index,
-                chunk,
-            });
-        }
+            .expect("stage and chunk within the layout (Plan::check)");
         let mut stage = Stage::new_sharded(&config.model, layers, shard.clone(), device)?;
         stage.init_by_name(config.batch.seed);
         // The run's --recompute-activations, or the plan's for this stage.
