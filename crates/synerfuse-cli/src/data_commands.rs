@@ -23,7 +23,7 @@ pub struct TokenizerFlags {
     /// GPT2BPETokenizer, Llama2Tokenizer, GPTSentencePieceTokenizer, SentencePieceTokenizer,
     /// HuggingFaceTokenizer or NullTokenizer
     #[arg(long)]
-    pub(crate) tokenizer_type: Option<TokenizerType>,
+    pub tokenizer_type: Option<TokenizerType>,
     /// SentencePiece .model, or a Hugging Face tokenizer.json (file or directory)
     #[arg(long)]
     tokenizer_model: Option<PathBuf>,
@@ -40,7 +40,7 @@ pub struct TokenizerFlags {
 
 impl TokenizerFlags {
     /// The paths and sizes as typed.
-    pub(crate) fn args(&self) -> TokenizerArgs {
+    pub fn args(&self) -> TokenizerArgs {
         TokenizerArgs {
             tokenizer_model: self.tokenizer_model.clone(),
             vocab_file: self.vocab_file.clone(),
@@ -49,7 +49,7 @@ impl TokenizerFlags {
         }
     }
 
-    pub(crate) fn build(&self) -> Result<Option<Box<dyn Tokenizer>>> {
+    pub fn build(&self) -> Result<Option<Box<dyn Tokenizer>>> {
         let Some(kind) = self.tokenizer_type else {
             return Ok(None);
         };
@@ -60,7 +60,7 @@ impl TokenizerFlags {
 }
 
 /// A tokenizer error with the flag behind it.
-pub(crate) fn tokenizer_flag_error(error: TokenizerError) -> anyhow::Error {
+pub fn tokenizer_flag_error(error: TokenizerError) -> anyhow::Error {
     let flag = match &error {
         TokenizerError::MissingArgument { argument, .. } => match argument {
             TokenizerArgument::VocabFile => "--vocab-file",

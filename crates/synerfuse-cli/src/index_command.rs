@@ -14,7 +14,7 @@ use synerfuse_data::tokenizer::megatron_tokenizer_identifiers;
 
 /// Megatron's data configuration from the data flags. The tokenizer is loaded as
 /// Megatron loads it, so a wrong path fails here rather than naming a cache.
-pub(crate) fn gpt_data_config(
+pub fn gpt_data_config(
     sources: &DataSources,
     seed: u32,
     seq_length: usize,
@@ -30,7 +30,7 @@ pub(crate) fn gpt_data_config(
 }
 
 /// A data error with the flags behind it.
-pub(crate) fn data_flag_error(error: GptDatasetError) -> anyhow::Error {
+pub fn data_flag_error(error: GptDatasetError) -> anyhow::Error {
     let flags = match &error {
         GptDatasetError::Blend(BlendError::BlendAndPerSplit | BlendError::NoData) => {
             "--data-path / --train-data-path / --valid-data-path / --test-data-path"

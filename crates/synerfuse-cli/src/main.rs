@@ -4,15 +4,7 @@
 //! others to `synerfuse-torch` (see `entry`). Argument parsing and wiring only; the work
 //! lives in the library crates.
 
-mod data_commands;
-mod entry;
-mod files;
-mod index_command;
-mod timeline_command;
-mod topology_command;
-// The parsers of the libtorch commands' flags are used by `synerfuse-torch` only.
-#[allow(dead_code)]
-mod values;
+use synerfuse_cli::entry;
 
 use anyhow::{Context, Result};
 use clap::{CommandFactory, FromArgMatches, Parser};

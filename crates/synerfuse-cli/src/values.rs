@@ -11,7 +11,7 @@ fn number<T: std::str::FromStr>(text: &str, what: &str) -> Result<T, String> {
 }
 
 /// A count of at least 1 (ranks, threads, layers, sizes, repetitions).
-pub(crate) fn positive_count(text: &str) -> Result<usize, String> {
+pub fn positive_count(text: &str) -> Result<usize, String> {
     match number::<usize>(text, "a whole number of at least 1")? {
         0 => Err(format!("`{text}` is not a whole number of at least 1")),
         n => Ok(n),
@@ -19,7 +19,7 @@ pub(crate) fn positive_count(text: &str) -> Result<usize, String> {
 }
 
 /// An iteration or sample count of at least 1.
-pub(crate) fn positive_u64(text: &str) -> Result<u64, String> {
+pub fn positive_u64(text: &str) -> Result<u64, String> {
     match number::<u64>(text, "a whole number of at least 1")? {
         0 => Err(format!("`{text}` is not a whole number of at least 1")),
         n => Ok(n),
@@ -29,7 +29,7 @@ pub(crate) fn positive_u64(text: &str) -> Result<u64, String> {
 /// A size in bytes as transformers writes `max_shard_size`: a whole number of bytes, or
 /// with a unit: `KB`, `MB`, `GB`, `TB` (powers of 1000) or `KiB`, `MiB`, `GiB`, `TiB`
 /// (powers of 1024); at least 1.
-pub(crate) fn byte_size(text: &str) -> Result<u64, String> {
+pub fn byte_size(text: &str) -> Result<u64, String> {
     let t = text.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (digits, unit) = t.split_at(split);
@@ -68,7 +68,7 @@ fn finite(text: &str) -> Result<f64, String> {
 }
 
 /// A finite number ≥ 0 (rates, weight decay, clipping, temperature).
-pub(crate) fn non_negative(text: &str) -> Result<f64, String> {
+pub fn non_negative(text: &str) -> Result<f64, String> {
     match finite(text)? {
         x if x >= 0.0 => Ok(x),
         _ => Err(format!("`{text}` is below 0")),
@@ -76,7 +76,7 @@ pub(crate) fn non_negative(text: &str) -> Result<f64, String> {
 }
 
 /// A finite number > 0 (epsilons, bases, scales).
-pub(crate) fn positive(text: &str) -> Result<f64, String> {
+pub fn positive(text: &str) -> Result<f64, String> {
     match finite(text)? {
         x if x > 0.0 => Ok(x),
         _ => Err(format!("`{text}` is not above 0")),
@@ -84,7 +84,7 @@ pub(crate) fn positive(text: &str) -> Result<f64, String> {
 }
 
 /// A fraction in [0, 1] (warm-up fraction, dropout).
-pub(crate) fn fraction(text: &str) -> Result<f64, String> {
+pub fn fraction(text: &str) -> Result<f64, String> {
     match finite(text)? {
         x if (0.0..=1.0).contains(&x) => Ok(x),
         _ => Err(format!("`{text}` is not in [0, 1]")),
@@ -92,7 +92,7 @@ pub(crate) fn fraction(text: &str) -> Result<f64, String> {
 }
 
 /// An Adam β in [0, 1).
-pub(crate) fn adam_beta(text: &str) -> Result<f64, String> {
+pub fn adam_beta(text: &str) -> Result<f64, String> {
     match finite(text)? {
         x if (0.0..1.0).contains(&x) => Ok(x),
         _ => Err(format!("`{text}` is not in [0, 1)")),
@@ -100,7 +100,7 @@ pub(crate) fn adam_beta(text: &str) -> Result<f64, String> {
 }
 
 /// An emulated device speed in (0, 1].
-pub(crate) fn speed(text: &str) -> Result<f64, String> {
+pub fn speed(text: &str) -> Result<f64, String> {
     match finite(text)? {
         x if x > 0.0 && x <= 1.0 => Ok(x),
         _ => Err(format!("`{text}` is not a speed in (0, 1]")),
@@ -108,7 +108,7 @@ pub(crate) fn speed(text: &str) -> Result<f64, String> {
 }
 
 /// `--distributed-timeout-minutes`: a finite number of minutes above zero.
-pub(crate) fn positive_minutes(text: &str) -> Result<f64, String> {
+pub fn positive_minutes(text: &str) -> Result<f64, String> {
     match finite(text)? {
         m if m > 0.0 && m <= 1e6 => Ok(m),
         _ => Err(format!("`{text}` is not a number of minutes above 0")),

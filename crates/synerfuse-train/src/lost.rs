@@ -168,7 +168,7 @@ fn plan_for_survivors(
     };
     let cost = planner::fitted_cost_of(&job, survivors)?;
     let request = planner::running_job_request(
-        snapshot.plan.batches().global_batch_size(),
+        snapshot.plan.global_batch_size(),
         snapshot.distributed_optimizer,
     );
     let placements: Vec<_> = (survivors.iter())

@@ -107,7 +107,7 @@ impl Plan {
             }
             false => Self::from_grid(&GridPlan::from_toml(text)?)?,
         };
-        let actual = plan.batches().global_batch_size();
+        let actual = plan.global_batch_size();
         match global_batch_size {
             Some(expected) if expected != actual => {
                 Err(PlanError::GlobalBatch { expected, actual })

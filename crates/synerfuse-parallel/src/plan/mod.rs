@@ -352,6 +352,13 @@ impl Plan {
         self.replicas[0].stages.num_layers()
     }
 
+    /// Samples per step: the replicas' micro-batch size × count, summed.
+    pub fn global_batch_size(&self) -> usize {
+        (self.replicas.iter())
+            .map(|r| r.batch.micro_batch_size * r.batch.num_micro_batches)
+            .sum()
+    }
+
     /// Micro-batch size and count per replica (which samples each takes).
     pub fn batches(&self) -> ReplicaBatches {
         ReplicaBatches::new(self.replicas.iter().map(|r| r.batch).collect())
@@ -581,7 +588,7 @@ speeds = [1.0, 0.5]
         assert_eq!(plan.world_size(), 3);
         assert_eq!(plan.position(0), Some((0, 0)));
         assert_eq!(plan.position(2), Some((1, 1)));
-        assert_eq!(plan.batches().global_batch_size(), 4);
+        assert_eq!(plan.global_batch_size(), 4);
         assert_eq!(plan.replicas()[1].placements[1].speed, Some(0.5));
         assert_eq!(
             Plan::from_toml(ASYMMETRIC, Some(5)),
@@ -780,10 +787,7 @@ kinds = ["cpu"]
         assert_eq!(general.to_grid(), Some(grid.clone()));
         // A grid plan file reads as the same plan, in TOML or JSON.
         assert_eq!(Plan::from_json(&stored).unwrap(), general);
-        let (grid_toml, samples) = (
-            grid.to_toml().unwrap(),
-            general.batches().global_batch_size(),
-        );
+        let (grid_toml, samples) = (grid.to_toml().unwrap(), general.global_batch_size());
         assert_eq!(Plan::from_toml(&grid_toml, Some(samples)).unwrap(), general);
         assert!(matches!(
             Plan::from_toml(&grid_toml, Some(samples + 1)),

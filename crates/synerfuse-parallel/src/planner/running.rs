@@ -392,7 +392,7 @@ mod tests {
         let cost = fitted_cost(&job(&plan, &paces, &hosts)).unwrap();
         let (best, step) = best_plan_for(&cost, &request(16), &[]).unwrap();
         assert_eq!(best.world_size(), 4);
-        assert_eq!(best.batches().global_batch_size(), 16);
+        assert_eq!(best.global_batch_size(), 16);
         // Rank 1 computes a sample in 1 s, the others in 0.25 s: 5 samples each for
         // ranks 0, 2, 3 and 1 for rank 1 take 1.25 s, against 4 s now.
         assert!(step < 1.6, "{step}: {best:?}");
@@ -441,7 +441,7 @@ mod tests {
             .collect();
         let (best, _) = best_plan_for(&cost, &request(16), &placements).unwrap();
         assert_eq!(best.world_size(), 3);
-        assert_eq!(best.batches().global_batch_size(), 16);
+        assert_eq!(best.global_batch_size(), 16);
         // Survivor 2 was rank 3.
         assert_eq!(best.placement(2).unwrap().kind.as_deref(), Some("rank 3"));
     }

@@ -693,7 +693,7 @@ impl<'w> Trainer<'w> {
     pub fn train(&mut self) -> Result<TrainSummary, TrainError> {
         let rank = self.world.rank();
         let mut log = StepLog::open(&self.config, rank, self.world.size())?;
-        let global_batch = self.config.parallel.plan.batches().global_batch_size() as u64;
+        let global_batch = self.config.parallel.plan.global_batch_size() as u64;
         let (train_iters, eval) = (self.config.batch.train_iters, self.config.eval);
         let mut summary = TrainSummary {
             iteration: self.iteration,

@@ -207,7 +207,7 @@ impl StepLog {
             (Some(dir), 0) => Some(TensorBoardWriter::create(dir).map_err(io_error(dir))?),
             _ => None,
         };
-        let global_batch = config.parallel.plan.batches().global_batch_size();
+        let global_batch = config.parallel.plan.global_batch_size();
         let sequence_length = config.batch.sequence_length;
         let model = &config.model;
         Ok(StepLog {

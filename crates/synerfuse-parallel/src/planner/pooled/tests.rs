@@ -41,7 +41,7 @@ fn small_devices_pipeline_while_a_large_one_stays_whole() {
     assert_eq!(depths, [1, 4], "{pooled:?}");
     let plan = pooled.to_plan(&cost).unwrap();
     assert_eq!(plan.replicas().len(), 2);
-    assert_eq!(plan.batches().global_batch_size(), 32);
+    assert_eq!(plan.global_batch_size(), 32);
     assert!(plan.to_grid().is_none(), "no grid expresses it");
     // The planner's outcome carries it beside the grid plans.
     let request = super::super::PlanRequest {
@@ -157,7 +157,7 @@ fn unequal_devices_of_a_node_share_a_stage() {
     let replica = &plan.replicas()[0];
     assert_eq!(replica.ranks, [[0, 1]]);
     assert_eq!(replica.tp_shares, [Some(shares.clone())]);
-    assert_eq!(plan.batches().global_batch_size(), 16);
+    assert_eq!(plan.global_batch_size(), 16);
     let timeline = pooled_timeline(&cost, &pooled).unwrap();
     assert_eq!(timeline.ranks.len(), 2);
 }
@@ -257,7 +257,7 @@ proptest! {
             return Ok(());
         };
         let plan = pooled.to_plan(&cost).unwrap();
-        prop_assert_eq!(plan.batches().global_batch_size(), g);
+        prop_assert_eq!(plan.global_batch_size(), g);
         prop_assert_eq!(plan.world_size(), cost.cluster.devices().len());
         prop_assert!(plan.schedule(ScheduleKind::OneFOneB).is_ok());
         let devices = cost.cluster.devices();

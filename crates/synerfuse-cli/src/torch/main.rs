@@ -1,21 +1,18 @@
 //! `synerfuse-torch`: every `synerfuse` command, including those that need libtorch and
 //! MPI (`train`, `profile`, `plan`, `score`, `generate`, `export`, `env`), which the
-//! libtorch-free `synerfuse` binary hands to it (see `entry`).
+//! libtorch-free `synerfuse` binary hands to it (see `entry`). The shared modules are the
+//! `synerfuse_cli` library; the libtorch commands are this binary's own.
 //!
 //! Argument parsing and wiring only; the work lives in the library crates.
 
-mod data_commands;
-mod entry;
 mod env_report;
-mod files;
-mod index_command;
 mod model_commands;
 mod plan_commands;
 mod restart;
-mod timeline_command;
-mod topology_command;
 mod train_command;
-mod values;
+
+// The library's modules, under the names the command modules use (`crate::values`, ...).
+use synerfuse_cli::{data_commands, entry, files, index_command, values};
 
 use clap::{Parser, Subcommand};
 use entry::about;

@@ -11,7 +11,9 @@ use synerfuse_model::tch::{self, Device};
 use synerfuse_model::{DeviceRequest, LlamaConfig, MegatronModelArgs, ResolveDevice};
 use synerfuse_parallel::cluster::ClusterSpec;
 use synerfuse_parallel::cost::{CostModel, ModelShape, Profile};
-use synerfuse_parallel::planner::{self, BehindBy, Candidate, PlanRequest, PooledCandidate};
+use synerfuse_parallel::planner::{
+    self, BehindBy, Candidate, PlanRequest, PooledCandidate, TpGroup,
+};
 use synerfuse_parallel::GridFlags;
 use synerfuse_train::comm::{launcher_local_rank, launcher_rank, MpiRuntime};
 use synerfuse_train::profiler::{self, ProfileConfig, ProfileError};
@@ -648,7 +650,7 @@ impl PlanReport<'_> {
             self.outcome.bound.fraction(self.tokens_per_step, p.step_time_s) * 100.0
         );
         for (r, replica) in pooled_replicas(self.cost, p).iter().enumerate() {
-            print_replica(r, replica);
+            replica.print(r);
         }
     }
 
@@ -681,40 +683,79 @@ impl PlanReport<'_> {
 
 /// Each replica of a per-replica-pipeline plan: its devices (a tensor-parallel group's
 /// kinds joined by `+`), layers, shares and batch.
-fn pooled_replicas(cost: &CostModel, p: &PooledCandidate) -> Vec<serde_json::Value> {
+/// One replica of a per-replica-pipeline plan, as `synerfuse plan` reports it.
+#[derive(serde::Serialize)]
+struct ReplicaReport {
+    /// Per stage, its devices' kinds (`a100+v100` for a tensor-parallel group).
+    devices: Vec<String>,
+    /// Layers per stage.
+    layers: Vec<usize>,
+    /// Per stage, whether it recomputes its activations.
+    recompute: Option<Vec<bool>>,
+    /// Per stage, its tensor-parallel group's shares.
+    tensor_parallel_shares: Vec<Vec<u32>>,
+    micro_batch_size: usize,
+    num_micro_batches: usize,
+}
+
+impl ReplicaReport {
+    /// `  replica 0: ["a100+v100"] layers [36] (tensor-parallel shares [[5,2]]) micro-batches 8 x 2`.
+    fn print(&self, r: usize) {
+        let recompute = match &self.recompute {
+            Some(flags) if flags.iter().any(|&x| x) => format!(" (recomputes {})", compact(flags)),
+            _ => String::new(),
+        };
+        let shares = match self.tensor_parallel_shares.iter().any(|g| g.len() > 1) {
+            true => format!(
+                " (tensor-parallel shares {})",
+                compact(&self.tensor_parallel_shares)
+            ),
+            false => String::new(),
+        };
+        println!(
+            "  replica {r}: {} layers {}{shares}{recompute} micro-batches {} x {}",
+            compact(&self.devices),
+            compact(&self.layers),
+            self.num_micro_batches,
+            self.micro_batch_size
+        );
+    }
+}
+
+/// `value` as compact JSON (`[4,2]`), as the report prints lists.
+fn compact<T: serde::Serialize + ?Sized>(value: &T) -> String {
+    serde_json::to_string(value).unwrap_or_default()
+}
+
+/// Each replica of a per-replica-pipeline plan, pool by pool.
+fn pooled_replicas(cost: &CostModel, p: &PooledCandidate) -> Vec<ReplicaReport> {
     let devices = cost.cluster.devices();
     let mut out = Vec::new();
     for pool in &p.pools {
         for (r, &m) in pool.micro_batches.iter().enumerate() {
             let groups: Vec<_> = pool.devices.iter().map(|row| &p.groups[row[r]]).collect();
-            let kinds: Vec<String> = (groups.iter())
-                .map(|g| {
-                    let kinds: Vec<&str> = g
-                        .members
-                        .iter()
-                        .map(|&i| devices[i].kind.as_str())
-                        .collect();
-                    kinds.join("+")
-                })
-                .collect();
-            let shares: Vec<&[u32]> = groups.iter().map(|g| g.shares.as_slice()).collect();
-            out.push(serde_json::json!({
-                "devices": kinds,
-                "layers": pool.layers,
-                "recompute": p.recompute.get(out.len()),
-                "tensor_parallel_shares": shares,
-                "micro_batch_size": pool.micro_batch_size,
-                "num_micro_batches": m,
-            }));
+            let kind_of = |g: &&TpGroup| {
+                let kinds: Vec<&str> = (g.members.iter())
+                    .map(|&i| devices[i].kind.as_str())
+                    .collect();
+                kinds.join("+")
+            };
+            out.push(ReplicaReport {
+                devices: groups.iter().map(kind_of).collect(),
+                layers: pool.layers.clone(),
+                recompute: p.recompute.get(out.len()).cloned(),
+                tensor_parallel_shares: groups.iter().map(|g| g.shares.clone()).collect(),
+                micro_batch_size: pool.micro_batch_size,
+                num_micro_batches: m,
+            });
         }
     }
     out
 }
-
 fn pooled_json(
     outcome: &planner::PlanOutcome,
     p: &PooledCandidate,
-    replicas: Vec<serde_json::Value>,
+    replicas: Vec<ReplicaReport>,
     tokens_per_step: f64,
 ) -> serde_json::Value {
     serde_json::json!({
@@ -733,7 +774,7 @@ fn pooled_json(
 fn print_pooled_replicas(
     outcome: &planner::PlanOutcome,
     p: &PooledCandidate,
-    replicas: &[serde_json::Value],
+    replicas: &[ReplicaReport],
     tokens_per_step: f64,
 ) {
     println!(
@@ -744,34 +785,8 @@ fn print_pooled_replicas(
         outcome.bound.tokens_per_s
     );
     for (r, replica) in replicas.iter().enumerate() {
-        print_replica(r, replica);
+        replica.print(r);
     }
-}
-
-/// `  replica 0: ["a100+v100"] layers [36] (tensor-parallel shares [[5, 2]]) micro-batches 8 x 2`.
-fn print_replica(r: usize, replica: &serde_json::Value) {
-    let recompute = match replica["recompute"].as_array() {
-        Some(flags) if flags.iter().any(|x| x.as_bool() == Some(true)) => {
-            format!(" (recomputes {})", replica["recompute"])
-        }
-        _ => String::new(),
-    };
-    let shares = match replica["tensor_parallel_shares"].as_array() {
-        Some(s) if s.iter().any(|g| g.as_array().is_some_and(|g| g.len() > 1)) => {
-            format!(
-                " (tensor-parallel shares {})",
-                replica["tensor_parallel_shares"]
-            )
-        }
-        _ => String::new(),
-    };
-    println!(
-        "  replica {r}: {} layers {}{shares}{recompute} micro-batches {} x {}",
-        replica["devices"],
-        replica["layers"],
-        replica["num_micro_batches"],
-        replica["micro_batch_size"]
-    );
 }
 
 /// `, --recompute-activations` and the like, or nothing.

@@ -436,7 +436,7 @@ impl TrainArgs {
                 path.display()
             );
         }
-        let global_batch = plan.batches().global_batch_size();
+        let global_batch = plan.global_batch_size();
         if let Some(gbs) = self.global_batch_size.filter(|&gbs| gbs != global_batch) {
             bail!(
                 "--global-batch-size {gbs} differs from the plan's {global_batch} (the sum of its replicas' micro-batch size x count; {})",
@@ -643,7 +643,7 @@ impl TrainArgs {
     /// The run's configuration, grouped as the trainer takes it.
     fn train_config(&self, model: LlamaConfig, plan: Plan) -> Result<TrainConfig> {
         let schedule = self.schedule_kind(&plan);
-        let lr = self.lr_schedule(plan.batches().global_batch_size() as u64)?;
+        let lr = self.lr_schedule(plan.global_batch_size() as u64)?;
         Ok(TrainConfig {
             model,
             parallel: ParallelConfig {
@@ -854,7 +854,7 @@ fn train_rank(args: &TrainArgs, world: &MpiCommunicator) -> Result<()> {
             tokenizer.vocab_size()
         );
     }
-    let gbs = plan.batches().global_batch_size() as u64;
+    let gbs = plan.global_batch_size() as u64;
     let sample_options = args.sample_options(tokenizer.as_ref())?;
     let mock_max = (args.mock_data).then(|| MockDocuments::new(sample_options.eod).max_token());
     if let Some(mock_max) = mock_max.filter(|&m| model.vocab_size as i64 <= m) {
