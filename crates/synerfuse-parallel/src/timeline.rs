@@ -74,7 +74,7 @@ pub struct Span {
 /// One rank's row.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RankTimeline {
-    /// Who the rank is (`rank 3: stage 1, replica 0, a100-80g`).
+    /// Who the rank is (`rank 3: replica 0, stage 1, a100-80g`).
     pub label: String,
     /// Its spans, in time order.
     pub spans: Vec<Span>,

@@ -8,7 +8,6 @@ use super::{
     },
     request::TrainOptions,
 };
-use crate::cluster::Device;
 use crate::cost::CostModel;
 use crate::plan::Plan;
 use crate::timeline::{RankTimeline, Span, SpanKind, Timeline};
@@ -31,44 +30,27 @@ pub(super) fn simulate_step(
     record: bool,
 ) -> Result<(Prediction, Vec<RankTimeline>), PlanningError> {
     let plan = c.to_plan(ctx.cost)?;
-    let programs = plan.schedule(ScheduleKind::OneFOneB)?;
     let p = c.layers.len();
     let sizes = &c.micro_batch_sizes;
     let (t, _) = stage_times(ctx, &c.devices, &c.layers, sizes, &c.micro_batches)?;
     let fits = stage_fits(ctx, &c.devices, &c.layers, sizes, &c.micro_batches)?;
-    // Per rank, its (stage, replica).
+    // Per rank, its (stage, replica) and pace.
     let coords: Vec<(usize, usize)> = (0..plan.world_size())
         .map(|rank| {
             let (replica, stage) = plan.position(rank).expect("every rank has a place");
             (stage, replica)
         })
         .collect();
-    let mut fractions = vec![0.0; coords.len()];
-    for (rank, &(i, r)) in coords.iter().enumerate() {
-        fractions[rank] = fits[i][r].costs.forward_fraction;
-    }
-    let devices = &ctx.devices;
-    let cost = ctx.cost;
-    let op_seconds = |rank: usize, pass: Pass, _| {
-        let (i, r) = coords[rank];
-        let f = fractions[rank];
-        match pass {
-            Pass::Forward => t[i][r] * f,
-            Pass::Backward => t[i][r] * (1.0 - f),
-        }
-    };
-    let message_seconds = |from: usize, to: usize| {
-        let (a, b_) = (coords[from], coords[to]);
-        cost.transfer(
-            &devices[c.devices[a.0][a.1]],
-            &devices[c.devices[b_.0][b_.1]],
-            sizes[a.1],
-        )
-    };
-    let report = match record {
-        true => sim::simulate_spans(&programs, op_seconds, message_seconds),
-        false => sim::simulate(&programs, op_seconds, message_seconds),
-    }?;
+    let paces: Vec<RankPace> = (coords.iter())
+        .map(|&(i, r)| RankPace {
+            device: c.devices[i][r],
+            micro_batch_size: sizes[r],
+            micro_batch_s: t[i][r],
+            forward_fraction: fits[i][r].costs.forward_fraction,
+            position: i,
+        })
+        .collect();
+    let report = run_schedule(ctx, &plan, &paces, record)?;
     let reduce = allreduce_times(ctx, &c.devices, &c.layers);
     let optimizer = optimizer_times(ctx, &c.devices, &c.layers);
     // Each stage's reduction starts when the last of its replicas finishes.
@@ -91,33 +73,16 @@ pub(super) fn simulate_step(
         stage_time_s: c.prediction.stage_time_s[..p].to_vec(),
         ..c.prediction.clone()
     };
-    let mut rows = Vec::with_capacity(if record { coords.len() } else { 0 });
-    for (rank, mut spans) in report.spans.into_iter().enumerate() {
+    let after = |rank: usize| {
         let (i, r) = coords[rank];
-        let mut span = |kind, start_s: f64, end_s: f64| {
-            if end_s > start_s {
-                spans.push(Span {
-                    kind,
-                    start_s,
-                    end_s,
-                    micro_batch: None,
-                });
-            }
-        };
-        span(SpanKind::Wait, report.finish_s[rank], stage_done[i]);
-        span(SpanKind::Reduce, stage_done[i], reduced[i]);
-        span(SpanKind::Wait, reduced[i], all_reduced);
-        span(
-            SpanKind::Optimizer,
-            all_reduced,
-            all_reduced + optimizer[i][r],
-        );
-        let dev = &devices[c.devices[i][r]];
-        rows.push(RankTimeline {
-            label: format!("rank {rank}: stage {i}, replica {r}, {}", dev.kind),
-            spans,
-        });
-    }
+        AfterSchedule {
+            reduce_start_s: stage_done[i],
+            reduce_end_s: reduced[i],
+            all_reduced_s: all_reduced,
+            optimizer_s: optimizer[i][r],
+        }
+    };
+    let rows = rank_rows(ctx, &plan, &paces, report, after);
     Ok((prediction, rows))
 }
 
@@ -162,28 +127,8 @@ pub(super) fn simulate_pools(
         optimizer_s: 0.0,
     };
     let plan = candidate.to_plan(ctx.cost)?;
-    let programs = plan.schedule(ScheduleKind::OneFOneB)?;
-    let ranks = pooled_ranks(ctx, &mut candidate)?;
-    let (devices, cost) = (&ctx.all, ctx.cost);
-    let op_seconds = |rank: usize, pass: Pass, _| {
-        let RankPace {
-            micro_batch_s: t,
-            forward_fraction: f,
-            ..
-        } = ranks[rank];
-        match pass {
-            Pass::Forward => t * f,
-            Pass::Backward => t * (1.0 - f),
-        }
-    };
-    let message_seconds = |from: usize, to: usize| {
-        let b = ranks[from].micro_batch_size;
-        cost.transfer(&devices[ranks[from].device], &devices[ranks[to].device], b)
-    };
-    let report = match record {
-        true => sim::simulate_spans(&programs, op_seconds, message_seconds),
-        false => sim::simulate(&programs, op_seconds, message_seconds),
-    }?;
+    let paces = pooled_ranks(ctx, &mut candidate)?;
+    let report = run_schedule(ctx, &plan, &paces, record)?;
     let reduce = reduce_s(ctx, &candidate.pools);
     let optimizer = optimizer_s(ctx, &candidate.pools);
     let done = report.makespan_s;
@@ -191,11 +136,98 @@ pub(super) fn simulate_pools(
     candidate.reduce_s = max(&reduce);
     candidate.optimizer_s = optimizer;
     candidate.step_time_s = done + candidate.reduce_s + optimizer;
-    let rows = pooled_rows(&plan, devices, &ranks, &candidate, &reduce, report);
+    // Every reduction starts once every replica has finished.
+    let after = |rank: usize| AfterSchedule {
+        reduce_start_s: done,
+        reduce_end_s: done + reduce[paces[rank].position],
+        all_reduced_s: done + candidate.reduce_s,
+        optimizer_s: optimizer,
+    };
+    let rows = rank_rows(ctx, &plan, &paces, report, after);
     Ok((candidate, rows))
 }
 
-/// One rank of a per-replica-pipeline plan as the simulation sees it.
+/// Runs `plan`'s 1F1B programs (every replica at once) with each rank at its pace and
+/// each message at its link's cost: every rank's finish and busy time, and its spans
+/// when `record`. The one simulation behind every prediction of the planner.
+fn run_schedule(
+    ctx: &Ctx<'_>,
+    plan: &Plan,
+    paces: &[RankPace],
+    record: bool,
+) -> Result<sim::SimReport, PlanningError> {
+    let programs = plan.schedule(ScheduleKind::OneFOneB)?;
+    let (devices, cost) = (&ctx.all, ctx.cost);
+    let op_seconds = |rank: usize, pass: Pass, _| {
+        let RankPace {
+            micro_batch_s: t,
+            forward_fraction: f,
+            ..
+        } = paces[rank];
+        match pass {
+            Pass::Forward => t * f,
+            Pass::Backward => t * (1.0 - f),
+        }
+    };
+    let message_seconds = |from: usize, to: usize| {
+        let b = paces[from].micro_batch_size;
+        cost.transfer(&devices[paces[from].device], &devices[paces[to].device], b)
+    };
+    Ok(match record {
+        true => sim::simulate_spans(&programs, op_seconds, message_seconds),
+        false => sim::simulate(&programs, op_seconds, message_seconds),
+    }?)
+}
+
+/// What a rank does after its schedule, s from the step's start: waits for its
+/// reduction's holders, reduces, waits for the slowest reduction (the gradient norm is
+/// global), and steps its optimizer.
+struct AfterSchedule {
+    reduce_start_s: f64,
+    reduce_end_s: f64,
+    all_reduced_s: f64,
+    optimizer_s: f64,
+}
+
+/// Every rank's spans: its schedule's, then what [`AfterSchedule`] says.
+fn rank_rows(
+    ctx: &Ctx<'_>,
+    plan: &Plan,
+    paces: &[RankPace],
+    report: sim::SimReport,
+    after: impl Fn(usize) -> AfterSchedule,
+) -> Vec<RankTimeline> {
+    let mut rows = Vec::with_capacity(report.spans.len());
+    for (rank, mut spans) in report.spans.into_iter().enumerate() {
+        let a = after(rank);
+        let mut span = |kind, start_s: f64, end_s: f64| {
+            if end_s > start_s {
+                spans.push(Span {
+                    kind,
+                    start_s,
+                    end_s,
+                    micro_batch: None,
+                });
+            }
+        };
+        span(SpanKind::Wait, report.finish_s[rank], a.reduce_start_s);
+        span(SpanKind::Reduce, a.reduce_start_s, a.reduce_end_s);
+        span(SpanKind::Wait, a.reduce_end_s, a.all_reduced_s);
+        let done = a.all_reduced_s + a.optimizer_s;
+        span(SpanKind::Optimizer, a.all_reduced_s, done);
+        let (replica, stage) = plan.position(rank).unwrap_or_default();
+        rows.push(RankTimeline {
+            label: format!(
+                "rank {rank}: replica {replica}, stage {stage}, {}",
+                ctx.all[paces[rank].device].kind
+            ),
+            spans,
+        });
+    }
+    rows
+}
+
+/// One rank as the simulation sees it.
 #[derive(Clone, Copy)]
 struct RankPace {
     device: usize,
@@ -203,7 +235,8 @@ struct RankPace {
     /// One micro-batch's forward and backward, s.
     micro_batch_s: f64,
     forward_fraction: f64,
-    /// Its (replica, stage) position, counted over every replica's stages.
+    /// Which reduction it waits for: its stage (a grid), or its (replica, stage)
+    /// position counted over every replica's stages (per-replica pipelines).
     position: usize,
 }
 
@@ -245,47 +278,6 @@ fn pooled_ranks(
         }
     }
     Ok(ranks)
-}
-
-/// Every rank's spans: its schedule's, then waiting for the last pipeline, its stage's
-/// reduction, waiting for the slowest reduction, and the optimizer step.
-fn pooled_rows(
-    plan: &Plan,
-    devices: &[Device],
-    ranks: &[RankPace],
-    candidate: &PooledCandidate,
-    reduce: &[f64],
-    report: sim::SimReport,
-) -> Vec<RankTimeline> {
-    let (done, optimizer) = (report.makespan_s, candidate.optimizer_s);
-    let mut rows = Vec::new();
-    for (rank, mut spans) in report.spans.into_iter().enumerate() {
-        let mut span = |kind, start_s: f64, end_s: f64| {
-            if end_s > start_s {
-                spans.push(Span {
-                    kind,
-                    start_s,
-                    end_s,
-                    micro_batch: None,
-                });
-            }
-        };
-        span(SpanKind::Wait, report.finish_s[rank], done);
-        let reduce = reduce[ranks[rank].position];
-        span(SpanKind::Reduce, done, done + reduce);
-        span(SpanKind::Wait, done + reduce, done + candidate.reduce_s);
-        let after = done + candidate.reduce_s;
-        span(SpanKind::Optimizer, after, after + optimizer);
-        let (replica, stage) = plan.position(rank).unwrap_or_default();
-        rows.push(RankTimeline {
-            label: format!(
-                "rank {rank}: replica {replica}, stage {stage}, {}",
-                devices[ranks[rank].device].kind
-            ),
-            spans,
-        });
-    }
-    rows
 }
 
 /// The simulated step of a per-replica-pipeline plan, rank by rank.

