@@ -203,7 +203,7 @@ pub struct PlanArgs {
     #[arg(long, value_name = "auto|on|off", default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
     recompute_activations: planner::Choice,
     /// Whether plans shard the optimizer over each stage's replicas (in proportion to
-    /// memory; priced for grid plans): auto, on (bare flag) or off
+    /// memory; priced for every plan): auto, on (bare flag) or off
     #[arg(long, value_name = "auto|on|off", default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
     use_distributed_optimizer: planner::Choice,
     /// A `synerfuse profile` output (overrides the catalogue)

@@ -24,6 +24,7 @@ use grid::{grid_search, reprice, retime_front, Search};
 use pooled::plan_pooled_noting_memory;
 use pricing::Ctx;
 use request::micro_batch_sizes;
+use simulate::simulate_pools;
 use std::collections::HashMap;
 
 pub use error::{Infeasibility, MemoryShortfall, PlanningError};
@@ -143,9 +144,9 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
     })
 }
 
-/// The best per-replica-pipeline plan with and without recomputation (as asked): the
-/// distributed optimizer's shards are not priced for them (its flag, when asked for,
-/// only lowers what they need).
+/// The best per-replica-pipeline plan with and without recomputation (as asked), with
+/// the distributed optimizer where asked for (auto: where it is faster), searched
+/// without it (its shards only lower what the plans need) and re-timed with it.
 fn plan_pooled_options(
     cost: &CostModel,
     request: &PlanRequest,
@@ -174,12 +175,38 @@ fn plan_pooled_options(
         bound = Some(memory_bound);
         if let Some(mut c) = found {
             c.options = options;
+            // Sharding is priced as for grid plans (its memory is not: it only lowers it).
+            let shardable = c.replicas().count() > 1;
+            if request.distributed_optimizer != Choice::Off && shardable {
+                let sharded = retime_sharded(cost, &c, recompute)?;
+                if request.distributed_optimizer == Choice::On
+                    || sharded.step_time_s < c.step_time_s
+                {
+                    c = sharded;
+                }
+            }
             if best.as_ref().is_none_or(|b| c.step_time_s < b.step_time_s) {
                 best = Some(c);
             }
         }
     }
     Ok(best)
+}
+
+/// `c` re-timed with the distributed optimizer: each segment's optimizer state sharded
+/// over its holders in proportion to their memory.
+fn retime_sharded(
+    cost: &CostModel,
+    c: &PooledCandidate,
+    recompute: Recompute,
+) -> Result<PooledCandidate, PlanningError> {
+    let variant = TrainOptions {
+        recompute,
+        distributed_optimizer: true,
+    }
+    .cost(cost);
+    let mut ctx = Ctx::with_groups(&variant, variant.cluster.devices(), c.groups.clone());
+    Ok(simulate_pools(&mut ctx, c.pools.clone(), false)?.0)
 }
 
 /// Each device alone: the global batch through the whole model at the pace of the

@@ -437,13 +437,7 @@ pub(super) fn allreduce_times(ctx: &Ctx<'_>, grid: &[Vec<usize>], layers: &[usiz
     let m = &ctx.cost.model;
     (0..p)
         .map(|i| {
-            let mut params = layers[i] as f64 * m.layer_params();
-            if i == 0 {
-                params += m.embedding_params();
-            }
-            if i + 1 == p {
-                params += m.embedding_params();
-            }
+            let params = m.stage_params(layers[i], i == 0, i + 1 == p);
             let devs: Vec<&Device> = grid[i].iter().map(|&k| &ctx.devices[k]).collect();
             ctx.cost.allreduce_seconds(&devs, params * 4.0)
         })
@@ -488,12 +482,19 @@ pub(super) fn stage_pieces(pools: &[PoolLayout], l: usize) -> Vec<Vec<(usize, us
         .collect()
 }
 
-/// Per (replica, stage), replica by replica, the seconds of its gradient reduction: each
-/// segment between the union of every replica's boundaries all-reduced over its
-/// holders (one per replica; tensor-parallel groups of the same shares each member its
-/// share, side by side; groups split otherwise the whole tensors over every member), a
-/// stage's segments one after another.
-pub(super) fn reduce_s(ctx: &Ctx<'_>, pools: &[PoolLayout]) -> Vec<f64> {
+/// One gradient segment of a per-replica-pipeline plan: the parameters between two
+/// neighbouring cuts of the union of every replica's stage boundaries, held by one
+/// (replica, stage) position of each replica.
+pub(super) struct PooledSegment {
+    /// Its parameters.
+    pub(super) params: f64,
+    /// Per replica, the holding position (counted replica by replica, stage by stage)
+    /// and its unit.
+    pub(super) holders: Vec<(usize, usize)>,
+}
+
+/// The gradient segments of `pools`' replicas, first to last.
+pub(super) fn pooled_segments(ctx: &Ctx<'_>, pools: &[PoolLayout]) -> Vec<PooledSegment> {
     let model = &ctx.cost.model;
     let l = model.num_layers;
     let stages = stage_pieces(pools, l);
@@ -505,39 +506,55 @@ pub(super) fn reduce_s(ctx: &Ctx<'_>, pools: &[PoolLayout]) -> Vec<f64> {
         (from..to)
             .map(|piece| match piece {
                 0 => model.embedding_params(),
-                x if x == l + 1 => model.embedding_params(),
+                // The final norm and the output layer.
+                x if x == l + 1 => model.embedding_params() + model.hidden_size as f64,
                 _ => model.layer_params(),
             })
             .sum::<f64>()
     };
-    // Rank of (replica, stage): replica by replica, stage by stage.
-    let first_rank: Vec<usize> = (stages.iter())
+    // Position of (replica, stage): replica by replica, stage by stage.
+    let first_position: Vec<usize> = (stages.iter())
         .scan(0, |next, s| {
             let first = *next;
             *next += s.len();
             Some(first)
         })
         .collect();
-    let mut seconds = vec![0.0; stages.iter().map(Vec::len).sum()];
-    for w in cuts.windows(2) {
-        let (from, to) = (w[0], w[1]);
-        let holders: Vec<(usize, usize)> = (stages.iter().enumerate())
-            .map(|(r, s)| {
-                (
-                    r,
-                    s.iter()
+    (cuts.windows(2))
+        .map(|w| {
+            let (from, to) = (w[0], w[1]);
+            let holders = (stages.iter().enumerate())
+                .map(|(r, s)| {
+                    let i = (s.iter())
                         .position(|&(a, b, _)| a <= from && to <= b)
-                        .expect("a stage holds each segment"),
-                )
-            })
-            .collect();
-        let devices: Vec<&crate::cluster::Device> = holders
-            .iter()
-            .map(|&(r, i)| &ctx.devices[stages[r][i].2])
-            .collect();
+                        .expect("a stage holds each segment");
+                    (first_position[r] + i, s[i].2)
+                })
+                .collect();
+            PooledSegment {
+                params: params(from, to),
+                holders,
+            }
+        })
+        .collect()
+}
+
+/// Per (replica, stage), replica by replica, the seconds of its gradient reduction: each
+/// segment all-reduced over its holders (one per replica; tensor-parallel groups of the
+/// same shares each member its share, side by side; groups split otherwise the whole
+/// tensors over every member), a stage's segments one after another.
+pub(super) fn reduce_s(ctx: &Ctx<'_>, segments: &[PooledSegment]) -> Vec<f64> {
+    let positions = (segments.iter())
+        .flat_map(|s| s.holders.iter().map(|&(position, _)| position + 1))
+        .max()
+        .unwrap_or(0);
+    let mut seconds = vec![0.0; positions];
+    for segment in segments {
+        let units: Vec<usize> = segment.holders.iter().map(|&(_, u)| u).collect();
+        let devices: Vec<&crate::cluster::Device> =
+            units.iter().map(|&u| &ctx.devices[u]).collect();
         // Holders split alike reduce share by share, side by side; otherwise the trainer
         // reduces whole tensors over every member of every holder.
-        let units: Vec<usize> = holders.iter().map(|&(r, i)| stages[r][i].2).collect();
         let alike = (units.iter()).all(|&u| ctx.groups[u].shares == ctx.groups[units[0]].shares);
         let t = match alike {
             true => {
@@ -545,24 +562,61 @@ pub(super) fn reduce_s(ctx: &Ctx<'_>, pools: &[PoolLayout]) -> Vec<f64> {
                     .iter()
                     .map(|&u| ctx.state_fraction(u))
                     .fold(0.0, f64::max);
-                (ctx.cost).allreduce_seconds(&devices, params(from, to) * 4.0 * share)
+                (ctx.cost).allreduce_seconds(&devices, segment.params * 4.0 * share)
             }
             false => {
                 let members: Vec<&crate::cluster::Device> = (units.iter())
                     .flat_map(|&u| ctx.groups[u].members.iter().map(|&m| &ctx.all[m]))
                     .collect();
-                (ctx.cost).allreduce_seconds(&members, params(from, to) * 4.0)
+                (ctx.cost).allreduce_seconds(&members, segment.params * 4.0)
             }
         };
-        for (r, i) in holders {
-            seconds[first_rank[r] + i] += t;
+        for &(position, _) in &segment.holders {
+            seconds[position] += t;
         }
     }
     seconds
 }
 
-/// The slowest rank's optimizer step over its own parameters (0 where not priced).
-pub(super) fn optimizer_s(ctx: &Ctx<'_>, pools: &[PoolLayout]) -> f64 {
+/// Per position, the positions whose schedules must end before its reduction starts:
+/// every holder of every segment it holds (itself included).
+pub(super) fn reduce_waits_for(segments: &[PooledSegment], positions: usize) -> Vec<Vec<usize>> {
+    let mut waits: Vec<Vec<usize>> = vec![Vec::new(); positions];
+    for segment in segments {
+        for &(position, _) in &segment.holders {
+            waits[position].extend(segment.holders.iter().map(|&(q, _)| q));
+        }
+    }
+    for w in &mut waits {
+        w.sort_unstable();
+        w.dedup();
+    }
+    waits
+}
+
+/// The slowest rank's optimizer step over its own parameters (0 where not priced):
+/// under the distributed optimizer each segment's state sharded over its holders in
+/// proportion to their memory, as the trainer shards it (and as grid plans are priced).
+pub(super) fn optimizer_s(ctx: &Ctx<'_>, pools: &[PoolLayout], segments: &[PooledSegment]) -> f64 {
+    if ctx.cost.distributed_optimizer {
+        let mut params: Vec<(usize, f64)> = Vec::new();
+        for segment in segments {
+            let units: Vec<usize> = segment.holders.iter().map(|&(_, u)| u).collect();
+            let shares = Shares::of_stage(ctx, &units);
+            for &(position, unit) in &segment.holders {
+                if params.len() <= position {
+                    params.resize(position + 1, (unit, 0.0));
+                }
+                params[position] = (
+                    unit,
+                    params[position].1 + segment.params * shares.of(ctx, unit),
+                );
+            }
+        }
+        return (params.iter())
+            .map(|&(unit, p)| ctx.optimizer_seconds(unit, p).unwrap_or(0.0))
+            .fold(0.0, f64::max);
+    }
     let mut slowest = 0.0f64;
     for pool in pools {
         let p = pool.layers.len();

@@ -16,8 +16,9 @@ pub struct PlanRequest {
     pub tensor_parallel_sizes: Vec<usize>,
     /// Whether plans recompute activations (auto: the stages that need it).
     pub recompute: Choice,
-    /// Whether plans shard the optimizer over each stage's replicas (priced for grid
-    /// plans; per-replica pipelines carry the flag when it is on, priced without it).
+    /// Whether plans shard the optimizer over each stage's (or segment's) holders, priced
+    /// alike for grid plans and per-replica pipelines (the latter searched without it:
+    /// it only lowers their memory).
     pub distributed_optimizer: Choice,
 }
 

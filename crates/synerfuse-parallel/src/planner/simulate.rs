@@ -4,7 +4,8 @@ use super::{
     error::PlanningError,
     outcome::{Candidate, PoolLayout, PooledCandidate, Prediction},
     pricing::{
-        allreduce_times, max, optimizer_s, optimizer_times, reduce_s, stage_fits, stage_times, Ctx,
+        allreduce_times, max, optimizer_s, optimizer_times, pooled_segments, reduce_s,
+        reduce_waits_for, stage_fits, stage_times, Ctx,
     },
     request::TrainOptions,
 };
@@ -106,7 +107,7 @@ pub fn timeline(cost: &CostModel, candidate: &Candidate) -> Result<Timeline, Pla
 }
 
 /// Simulates the plan's 1F1B programs (every replica at once, each message at its
-/// link's cost), then the reduction once every replica has finished and the optimizer;
+/// link's cost), then each reduction once its holders have finished, and the optimizer;
 /// the candidate with its times, and each rank's spans when `record`.
 pub(super) fn simulate_pools(
     ctx: &mut Ctx<'_>,
@@ -129,18 +130,28 @@ pub(super) fn simulate_pools(
     let plan = candidate.to_plan(ctx.cost)?;
     let paces = pooled_ranks(ctx, &mut candidate)?;
     let report = run_schedule(ctx, &plan, &paces, record)?;
-    let reduce = reduce_s(ctx, &candidate.pools);
-    let optimizer = optimizer_s(ctx, &candidate.pools);
-    let done = report.makespan_s;
-    candidate.pipeline_s = done;
+    let segments = pooled_segments(ctx, &candidate.pools);
+    let reduce = reduce_s(ctx, &segments);
+    let optimizer = optimizer_s(ctx, &candidate.pools, &segments);
+    // Each position's reduction starts when every holder of its segments has finished
+    // (as a grid stage's starts when its last replica does).
+    let mut finished = vec![0.0f64; reduce.len()];
+    for (rank, pace) in paces.iter().enumerate() {
+        finished[pace.position] = finished[pace.position].max(report.finish_s[rank]);
+    }
+    let start: Vec<f64> = (reduce_waits_for(&segments, reduce.len()).iter())
+        .map(|waits| waits.iter().map(|&q| finished[q]).fold(0.0, f64::max))
+        .collect();
+    let reduced: Vec<f64> = start.iter().zip(&reduce).map(|(s, r)| s + r).collect();
+    let all_reduced = max(&reduced);
+    candidate.pipeline_s = report.makespan_s;
     candidate.reduce_s = max(&reduce);
     candidate.optimizer_s = optimizer;
-    candidate.step_time_s = done + candidate.reduce_s + optimizer;
-    // Every reduction starts once every replica has finished.
+    candidate.step_time_s = all_reduced + optimizer;
     let after = |rank: usize| AfterSchedule {
-        reduce_start_s: done,
-        reduce_end_s: done + reduce[paces[rank].position],
-        all_reduced_s: done + candidate.reduce_s,
+        reduce_start_s: start[paces[rank].position],
+        reduce_end_s: reduced[paces[rank].position],
+        all_reduced_s: all_reduced,
         optimizer_s: optimizer,
     };
     let rows = rank_rows(ctx, &plan, &paces, report, after);

@@ -9,7 +9,9 @@ use super::{
     grid::arrange,
     outcome::Arrangement,
     outcome::{Grid, PoolLayout, PooledCandidate},
-    pricing::{max, optimizer_s, pipeline_time, reduce_s, stage_fit, stage_times, Ctx},
+    pricing::{
+        max, optimizer_s, pipeline_time, pooled_segments, reduce_s, stage_fit, stage_times, Ctx,
+    },
     samples::{min_max_samples, ReplicaPace},
     simulate::simulate_pools,
     split::split_layers,
@@ -445,8 +447,9 @@ pub(super) fn closed_form_step_s(
     ctx: &mut Ctx<'_>,
     layouts: &[PoolLayout],
 ) -> Result<f64, PlanningError> {
-    let reduce = max(&reduce_s(ctx, layouts));
-    Ok(pipelines_s(ctx, layouts)? + reduce + optimizer_s(ctx, layouts))
+    let segments = pooled_segments(ctx, layouts);
+    let reduce = max(&reduce_s(ctx, &segments));
+    Ok(pipelines_s(ctx, layouts)? + reduce + optimizer_s(ctx, layouts, &segments))
 }
 
 /// The slowest replica's 1F1B closed form.

@@ -182,16 +182,16 @@ fn groups_split_unlike_reduce_whole_tensors() {
         micro_batch_size: 1,
         micro_batches: vec![1],
     };
-    let params = cost.model.stage_params(4, true, true) - cost.model.hidden_size as f64;
+    let params = cost.model.stage_params(4, true, true);
     let all: Vec<&crate::cluster::Device> = ctx.all.iter().collect();
     let whole = cost.allreduce_seconds(&all, params * 4.0);
-    let reduce = reduce_s(&ctx, &[layout(0), layout(1)]);
+    let reduce = reduce_s(&ctx, &pooled_segments(&ctx, &[layout(0), layout(1)]));
     assert!(
         (reduce[0] - whole).abs() < 1e-12 * whole,
         "{reduce:?} vs {whole}"
     );
     let pair = [&ctx.devices[0], &ctx.devices[0]];
-    let alike = reduce_s(&ctx, &[layout(0), layout(0)]);
+    let alike = reduce_s(&ctx, &pooled_segments(&ctx, &[layout(0), layout(0)]));
     let half = cost.allreduce_seconds(&pair, params * 4.0 * ctx.state_fraction(0));
     assert!(
         (alike[0] - half).abs() < 1e-12 * half,
@@ -304,5 +304,44 @@ proptest! {
         let bound = super::super::throughput_bound(&mut Ctx::new(&cost), &request).unwrap();
         let fraction = bound.fraction((g * 2048) as f64, pooled.step_time_s);
         prop_assert!(fraction > 0.0 && fraction <= 1.0 + 1e-9, "{}", fraction);
+    }
+}
+
+proptest! {
+    /// A plan is priced the same whichever search produced it: a grid candidate (one
+    /// micro-batch size) simulated as a pool of per-replica pipelines takes the step the
+    /// grid search predicted, with and without the distributed optimizer.
+    #[test]
+    fn a_grid_is_priced_alike_as_per_replica_pipelines(
+        groups in proptest::collection::vec((10.0f64..400.0, 8.0f64..80.0, 1usize..=3), 2..=3),
+        layers in 2usize..=8,
+        g in 2usize..=16,
+        sharded in any::<bool>(),
+    ) {
+        let cost = custom_cluster(&groups, layers);
+        let request = super::super::PlanRequest {
+            global_batch_size: g,
+            micro_batch_sizes: vec![1],
+            top_k: 3,
+            tensor_parallel_sizes: vec![1],
+            recompute: super::super::Choice::Off,
+            distributed_optimizer: match sharded {
+                true => super::super::Choice::On,
+                false => super::super::Choice::Off,
+            },
+        };
+        let Ok(outcome) = super::super::plan(&cost, &request) else { return Ok(()) };
+        for c in &outcome.plans {
+            let variant = c.options.cost(&cost);
+            let pool = PoolLayout {
+                devices: c.devices.clone(),
+                layers: c.layers.clone(),
+                micro_batch_size: c.micro_batch_sizes[0],
+                micro_batches: c.micro_batches.clone(),
+            };
+            let (pooled, _) = simulate_pools(&mut Ctx::new(&variant), vec![pool], false).unwrap();
+            let (grid, pooled_s) = (c.prediction.step_time_s, pooled.step_time_s);
+            prop_assert!((grid - pooled_s).abs() <= 1e-9 * grid, "grid {} s, as pools {} s: {:?}", grid, pooled_s, c);
+        }
     }
 }
