@@ -8,6 +8,7 @@
 //! compiled into that binary only, so this library, and `synerfuse` with it, links no
 //! libtorch. The work itself lives in the library crates; this crate parses, wires and
 //! prints.
+#![doc = include_str!("../README.md")]
 
 pub mod data_commands;
 pub mod entry;

@@ -1,4 +1,4 @@
-use super::pricing::{memory_need, Shares};
+use super::pricing::{evaluate, memory_need, Ctx, Shares};
 use super::*;
 use crate::cluster::Device;
 use crate::cost::StageHolding;
@@ -427,5 +427,51 @@ proptest! {
             .map(|c| (0..d).map(|r| time(r, c[r])).fold(0.0, f64::max))
             .fold(f64::INFINITY, f64::min);
         prop_assert!((got - brute).abs() < 1e-9, "{:?}: {} vs {}", split, got, brute);
+    }
+}
+
+/// How far the grid search's closed form (the 1F1B formula with each stage's p2p time
+/// counted twice, the reduction and the optimizer after the slowest pipeline) may be
+/// from the simulated schedule that re-times the front runners. Measured over 10,961
+/// candidates of 3,000 random clusters: simulated / closed form in [0.784, 1.082] (the
+/// formula is pessimistic where reductions overlap other stages' pipelines, optimistic
+/// where sends queue behind computation); the range leaves room for rarer cases.
+const CLOSED_FORM_RANGE: (f64, f64) = (0.70, 1.15);
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// The closed-form fast path of the grid search stays within
+    /// [`CLOSED_FORM_RANGE`] of the simulation that prices every plan.
+    #[test]
+    fn the_closed_form_follows_the_simulation(
+        groups in proptest::collection::vec((10.0f64..400.0, 4.0f64..80.0, 1usize..=4), 1..=3),
+        layers in 2usize..=12,
+        hidden in prop_oneof![Just(256usize), Just(1024), Just(4096)],
+        g in 1usize..=32,
+    ) {
+        use crate::cluster::ClusterSpec;
+        use crate::cost::ModelShape;
+        let mut toml = String::new();
+        for (i, (tflops, mem, count)) in groups.iter().enumerate() {
+            toml.push_str(&format!("[[group]]\nkind = \"custom\"\ncount = {count}\nnode = \"n{i}\"\ntflops_bf16 = {tflops}\nmemory_gb = {mem}\nmem_bw_gbs = 1000\n"));
+        }
+        toml.push_str("[network]\nintra_node_gbs = 100\ninter_node_gbs = 10\n");
+        let cluster = ClusterSpec::from_toml(&toml).unwrap();
+        let model = ModelShape { num_layers: layers, hidden_size: hidden, num_heads: 8, num_kv_heads: 8, ffn_hidden_size: hidden * 3, vocab_size: 32000, seq_length: 512, tied: false };
+        let cost = CostModel::new(model, cluster, None);
+        let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 3, tensor_parallel_sizes: vec![1], recompute: Choice::Auto, distributed_optimizer: Choice::Auto };
+        let Ok(outcome) = plan(&cost, &request) else { return Ok(()) };
+        for c in outcome.plans.iter().chain(&outcome.uniform_layouts) {
+            prop_assert!(c.prediction.simulated);
+            let variant = c.options.cost(&cost);
+            let sizes = &c.micro_batch_sizes;
+            let closed = evaluate(&mut Ctx::new(&variant), &c.devices, &c.layers, sizes, &c.micro_batches)
+                .unwrap()
+                .unwrap();
+            let r = c.prediction.step_time_s / closed.step_time_s;
+            let (lo, hi) = CLOSED_FORM_RANGE;
+            prop_assert!((lo..=hi).contains(&r), "simulated / closed form {}: {:?}", r, c);
+        }
     }
 }
