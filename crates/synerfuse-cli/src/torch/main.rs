@@ -8,6 +8,7 @@
 mod env_report;
 mod model_commands;
 mod plan_commands;
+mod plan_report;
 mod restart;
 mod train_command;
 

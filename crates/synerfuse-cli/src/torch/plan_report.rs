@@ -1,0 +1,505 @@
+//! What `synerfuse plan` reports: the best grid plan, its runners-up and even layouts,
+//! and per-replica pipelines, as a table or as one JSON object (typed: each report a
+//! struct serialised with serde).
+
+use std::collections::BTreeMap;
+use synerfuse_parallel::cost::CostModel;
+use synerfuse_parallel::planner::{self, BehindBy, Candidate, PooledCandidate, TpGroup};
+use synerfuse_parallel::GridFlags;
+
+pub(crate) fn describe_devices(cost: &CostModel, c: &Candidate, stage: usize) -> String {
+    let devices = cost.cluster.devices();
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    for &d in &c.devices[stage] {
+        let dev = &devices[d];
+        let name = if dev.speed < 1.0 {
+            format!("{}@{}", dev.kind, dev.speed)
+        } else {
+            dev.kind.clone()
+        };
+        *counts.entry(name).or_default() += 1;
+    }
+    counts
+        .iter()
+        .map(|(k, n)| format!("{n}x{k}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// What `synerfuse plan` found, with what it needs to print it.
+pub(crate) struct PlanReport<'a> {
+    pub(crate) cost: &'a CostModel,
+    pub(crate) outcome: &'a planner::PlanOutcome,
+    /// The best grid plan's flags.
+    pub(crate) flags: GridFlags,
+    pub(crate) tokens_per_step: f64,
+    pub(crate) planning_s: f64,
+}
+
+impl PlanReport<'_> {
+    pub(crate) fn best(&self) -> &Candidate {
+        &self.outcome.plans[0]
+    }
+
+    /// `--json`: one object.
+    pub(crate) fn json(&self) -> GridReport<'_> {
+        let best = self.best();
+        let p = &best.prediction;
+        let uniform = |u: &Candidate| UniformLayoutReport {
+            pipeline_parallel_size: u.layers.len(),
+            data_parallel_size: u.micro_batches.len(),
+            micro_batch_size: u.micro_batch_sizes[0],
+            num_micro_batches: u.micro_batches[0],
+            arrangement: format!("{:?}", u.arrangement),
+            predicted_step_time_s: u.prediction.step_time_s,
+            train_flags: u.options.train_flags(),
+        };
+        GridReport {
+            pipeline_parallel_size: best.layers.len(),
+            data_parallel_size: best.micro_batches.len(),
+            tensor_parallel_size: 1,
+            layers_per_stage: &best.layers,
+            micro_batch_size_per_replica: &best.micro_batch_sizes,
+            num_micro_batches_per_replica: &best.micro_batches,
+            predicted_step_time_s: p.step_time_s,
+            predicted_tokens_per_s: self.tokens_per_step / p.step_time_s,
+            bubble_fraction: p.bubble_fraction,
+            peak_memory_gb_per_stage: p.stage_memory_bytes.iter().map(|b| b / 1e9).collect(),
+            uniform_step_time_s: (self.outcome.uniform.as_ref()).map(|u| u.prediction.step_time_s),
+            uniform_layouts: self.outcome.uniform_layouts.iter().map(uniform).collect(),
+            synerfuse_flags: self.synerfuse_flags(),
+            train_flags: best.options.train_flags(),
+            recompute_per_stage_and_replica: &best.recompute,
+            use_distributed_optimizer: best.options.distributed_optimizer,
+            rank_order: &self.flags.rank_order,
+            candidates_considered: self.outcome.considered,
+            planning_time_s: self.planning_s,
+            bound_tokens_per_s: self.outcome.bound.tokens_per_s,
+            device_alone_tokens_per_s: &self.outcome.bound.device_tokens_per_s,
+            fraction_of_bound: self.fraction_of_bound(best),
+            optimizer_unpriced_kinds: &self.outcome.unpriced_optimizer,
+            runner_ups: (self.outcome.plans[1..].iter())
+                .map(|c| self.runner_up_json(c))
+                .collect(),
+            per_replica_pipelines: self.outcome.pooled.as_ref().map(|p| self.pooled_json(p)),
+            written_plan: match self.outcome.pooled_wins() {
+                Some(p) => WrittenPlan::pooled(p),
+                None => WrittenPlan {
+                    kind: "grid",
+                    predicted_step_time_s: p.step_time_s,
+                    train_flags: best.options.train_flags(),
+                },
+            },
+        }
+    }
+
+    /// SynerFuse's flags for the best grid plan, with its options (its flags recompute
+    /// every stage or none: `--recompute-activations` when any stage recomputes).
+    fn synerfuse_flags(&self) -> String {
+        let best = self.best();
+        let mut flags = self.flags.args.clone();
+        if best.recompute.iter().flatten().any(|&x| x) {
+            flags.push("--recompute-activations".into());
+        }
+        flags.extend(best.options.train_flags().iter().map(|f| f.to_string()));
+        flags.join(" ")
+    }
+
+    /// The `synerfuse train` flags beside `--plan` of the plan written.
+    pub(crate) fn written_flags(&self) -> Vec<&'static str> {
+        match self.outcome.pooled_wins() {
+            Some(p) => pooled_train_flags(p),
+            None => self.best().options.train_flags(),
+        }
+    }
+
+    fn pooled_json(&self, p: &PooledCandidate) -> PooledReport {
+        let replicas = pooled_replicas(self.cost, p);
+        pooled_json(self.outcome, p, replicas, self.tokens_per_step)
+    }
+
+    fn fraction_of_bound(&self, c: &Candidate) -> f64 {
+        (self.outcome.bound).fraction(self.tokens_per_step, c.prediction.step_time_s)
+    }
+
+    fn runner_up_json(&self, c: &Candidate) -> RunnerUpReport {
+        let behind = BehindBy::of(&c.prediction, &self.best().prediction);
+        let (part, extra_s) = match behind {
+            BehindBy::Compute { extra_s } => ("compute", extra_s),
+            BehindBy::Waiting { extra_s } => ("waiting", extra_s),
+            BehindBy::AfterPipeline { extra_s } => ("after_pipeline", extra_s),
+        };
+        RunnerUpReport {
+            pipeline_parallel_size: c.layers.len(),
+            data_parallel_size: c.micro_batches.len(),
+            layers_per_stage: c.layers.clone(),
+            micro_batch_size_per_replica: c.micro_batch_sizes.clone(),
+            num_micro_batches_per_replica: c.micro_batches.clone(),
+            origin: c.origin.to_string(),
+            predicted_step_time_s: c.prediction.step_time_s,
+            fraction_of_bound: self.fraction_of_bound(c),
+            behind_by: BehindByReport {
+                part,
+                extra_s,
+                reason: behind.to_string(),
+            },
+        }
+    }
+
+    /// The human-readable report: the best plan's stages, its prediction against the
+    /// even layout, its flags, and the runners-up.
+    pub(crate) fn print(&self) {
+        let best = self.best();
+        let p = &best.prediction;
+        println!(
+            "best plan: pp {} x dp {} (tp 1), {}{}, {} candidates in {:.3}s",
+            best.layers.len(),
+            best.micro_batches.len(),
+            best.micro_batch_size_text(),
+            options_text(best.options),
+            self.outcome.considered,
+            self.planning_s
+        );
+        println!(
+            "| stage | devices | layers | time/micro-batch (ms) | memory (GB) |\n|---|---|---|---|---|"
+        );
+        for i in 0..best.layers.len() {
+            println!(
+                "| {i} | {} | {} | {:.2} | {:.2} |",
+                describe_devices(self.cost, best, i),
+                best.layers[i],
+                p.stage_time_s[i] * 1e3,
+                p.stage_memory_bytes[i] / 1e9
+            );
+        }
+        println!(
+            "replicas: micro-batches {:?} of size {:?}",
+            best.micro_batches, best.micro_batch_sizes
+        );
+        if best.recompute.iter().flatten().any(|&x| x) {
+            println!(
+                "recomputes its activations (per stage, per replica; in the plan file): {:?}",
+                best.recompute
+            );
+        }
+        println!(
+            "predicted: {:.4} s per step ({:.0} tokens/s), bubble {:.1}%, DP all-reduce {:.4} s, optimizer {:.4} s",
+            p.step_time_s,
+            self.tokens_per_step / p.step_time_s,
+            p.bubble_fraction * 100.0,
+            p.allreduce_s,
+            p.optimizer_s
+        );
+        println!(
+            "bound: {:.0} tokens/s (each device training the model alone, added up); the plan reaches {:.1}% of it",
+            self.outcome.bound.tokens_per_s,
+            self.fraction_of_bound(best) * 100.0
+        );
+        if !self.outcome.unpriced_optimizer.is_empty() {
+            println!(
+                "the optimizer step is not priced on {} (profile them with synerfuse profile)",
+                self.outcome.unpriced_optimizer.join(", ")
+            );
+        }
+        if let Some(u) = &self.outcome.uniform {
+            println!(
+                "uniform layout (even layers and batches, pp {} x dp {}): {:.4} s per step; the plan is {:.2}x faster",
+                u.layers.len(),
+                u.micro_batches.len(),
+                u.prediction.step_time_s,
+                u.prediction.step_time_s / p.step_time_s
+            );
+        }
+        println!("flags: {}", self.synerfuse_flags());
+        if let Some(pooled) = &self.outcome.pooled {
+            self.print_pooled(pooled);
+        }
+        for (k, c) in self.outcome.plans.iter().enumerate().skip(1) {
+            self.print_runner_up(k, c);
+        }
+    }
+
+    /// The per-replica-pipeline plan: each replica, its step against the grid plan's.
+    pub(crate) fn print_pooled(&self, p: &PooledCandidate) {
+        let grid = self.best().prediction.step_time_s;
+        let verdict = match self.outcome.pooled_wins() {
+            Some(_) => {
+                "faster than the grid plan: written instead of it (no SynerFuse flags express it)"
+            }
+            None => "slower than the grid plan",
+        };
+        println!(
+            "per-replica pipelines (devices pooled by group, speed and memory): {:.4} s per step, {:.2}x the grid plan's speed, {:.1}% of the bound; {verdict}",
+            p.step_time_s,
+            grid / p.step_time_s,
+            self.outcome.bound.fraction(self.tokens_per_step, p.step_time_s) * 100.0
+        );
+        for (r, replica) in pooled_replicas(self.cost, p).iter().enumerate() {
+            replica.print(r);
+        }
+    }
+
+    fn print_runner_up(&self, k: usize, c: &Candidate) {
+        let p = &c.prediction;
+        let slowest = p
+            .stage_time_s
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map_or(0, |(i, _)| i);
+        println!(
+            "runner-up {k}: pp {} x dp {}, layers {:?}, micro-batches {:?}, {}{}: {:.4} s (+{:.1}%, {:.1}% of the bound): {}; bubble {:.1}%, all-reduce {:.4} s, slowest stage {slowest} ({})",
+            c.layers.len(),
+            c.micro_batches.len(),
+            c.layers,
+            c.micro_batches,
+            c.micro_batch_size_text(),
+            options_text(c.options),
+            p.step_time_s,
+            (p.step_time_s / self.best().prediction.step_time_s - 1.0) * 100.0,
+            self.fraction_of_bound(c) * 100.0,
+            BehindBy::of(p, &self.best().prediction),
+            p.bubble_fraction * 100.0,
+            p.allreduce_s,
+            describe_devices(self.cost, c, slowest)
+        );
+    }
+}
+
+/// Each replica of a per-replica-pipeline plan: its devices (a tensor-parallel group's
+/// kinds joined by `+`), layers, shares and batch.
+/// One replica of a per-replica-pipeline plan, as `synerfuse plan` reports it.
+#[derive(serde::Serialize)]
+pub(crate) struct ReplicaReport {
+    /// Per stage, its devices' kinds (`a100+v100` for a tensor-parallel group).
+    devices: Vec<String>,
+    /// Layers per stage.
+    layers: Vec<usize>,
+    /// Per stage, whether it recomputes its activations.
+    recompute: Option<Vec<bool>>,
+    /// Per stage, its tensor-parallel group's shares.
+    tensor_parallel_shares: Vec<Vec<u32>>,
+    micro_batch_size: usize,
+    num_micro_batches: usize,
+}
+
+impl ReplicaReport {
+    /// `  replica 0: ["a100+v100"] layers [36] (tensor-parallel shares [[5,2]]) micro-batches 8 x 2`.
+    fn print(&self, r: usize) {
+        let recompute = match &self.recompute {
+            Some(flags) if flags.iter().any(|&x| x) => format!(" (recomputes {})", compact(flags)),
+            _ => String::new(),
+        };
+        let shares = match self.tensor_parallel_shares.iter().any(|g| g.len() > 1) {
+            true => format!(
+                " (tensor-parallel shares {})",
+                compact(&self.tensor_parallel_shares)
+            ),
+            false => String::new(),
+        };
+        println!(
+            "  replica {r}: {} layers {}{shares}{recompute} micro-batches {} x {}",
+            compact(&self.devices),
+            compact(&self.layers),
+            self.num_micro_batches,
+            self.micro_batch_size
+        );
+    }
+}
+
+/// `value` as compact JSON (`[4,2]`), as the report prints lists.
+pub(crate) fn compact<T: serde::Serialize + ?Sized>(value: &T) -> String {
+    serde_json::to_string(value).unwrap_or_default()
+}
+
+/// Each replica of a per-replica-pipeline plan, pool by pool.
+pub(crate) fn pooled_replicas(cost: &CostModel, p: &PooledCandidate) -> Vec<ReplicaReport> {
+    let devices = cost.cluster.devices();
+    let mut out = Vec::new();
+    for pool in &p.pools {
+        for (r, &m) in pool.micro_batches.iter().enumerate() {
+            let groups: Vec<_> = pool.devices.iter().map(|row| &p.groups[row[r]]).collect();
+            let kind_of = |g: &&TpGroup| {
+                let kinds: Vec<&str> = (g.members.iter())
+                    .map(|&i| devices[i].kind.as_str())
+                    .collect();
+                kinds.join("+")
+            };
+            out.push(ReplicaReport {
+                devices: groups.iter().map(kind_of).collect(),
+                layers: pool.layers.clone(),
+                recompute: p.recompute.get(out.len()).cloned(),
+                tensor_parallel_shares: groups.iter().map(|g| g.shares.clone()).collect(),
+                micro_batch_size: pool.micro_batch_size,
+                num_micro_batches: m,
+            });
+        }
+    }
+    out
+}
+
+pub(crate) fn pooled_json(
+    outcome: &planner::PlanOutcome,
+    p: &PooledCandidate,
+    replicas: Vec<ReplicaReport>,
+    tokens_per_step: f64,
+) -> PooledReport {
+    PooledReport {
+        predicted_step_time_s: p.step_time_s,
+        predicted_tokens_per_s: tokens_per_step / p.step_time_s,
+        fraction_of_bound: outcome.bound.fraction(tokens_per_step, p.step_time_s),
+        tensor_parallel_size: p.groups.iter().map(|g| g.size()).max().unwrap_or(1),
+        train_flags: pooled_train_flags(p),
+        reduce_s: p.reduce_s,
+        optimizer_s: p.optimizer_s,
+        replicas,
+    }
+}
+
+/// The per-replica-pipeline plan's step and replicas.
+pub(crate) fn print_pooled_replicas(
+    outcome: &planner::PlanOutcome,
+    p: &PooledCandidate,
+    replicas: &[ReplicaReport],
+    tokens_per_step: f64,
+) {
+    println!(
+        "per-replica pipelines: {:.4} s per step ({:.0} tokens/s), {:.1}% of the bound ({:.0} tokens/s: each device training the model alone, added up)",
+        p.step_time_s,
+        tokens_per_step / p.step_time_s,
+        outcome.bound.fraction(tokens_per_step, p.step_time_s) * 100.0,
+        outcome.bound.tokens_per_s
+    );
+    for (r, replica) in replicas.iter().enumerate() {
+        replica.print(r);
+    }
+}
+
+/// `, --recompute-activations` and the like, or nothing.
+pub(crate) fn options_text(options: planner::TrainOptions) -> String {
+    options
+        .train_flags()
+        .iter()
+        .map(|f| format!(", {f}"))
+        .collect()
+}
+
+/// The `synerfuse train` flags a per-replica-pipeline plan was priced with: its
+/// options, and sequence parallelism with tensor-parallel groups.
+pub(crate) fn pooled_train_flags(p: &PooledCandidate) -> Vec<&'static str> {
+    let mut flags = p.options.train_flags();
+    if p.groups.iter().any(|g| g.size() > 1) {
+        flags.push("--sequence-parallel");
+    }
+    flags
+}
+
+/// `synerfuse plan --json` when a grid plan fits: the best one, and the rest.
+#[derive(serde::Serialize)]
+pub(crate) struct GridReport<'a> {
+    pipeline_parallel_size: usize,
+    data_parallel_size: usize,
+    tensor_parallel_size: usize,
+    layers_per_stage: &'a [usize],
+    micro_batch_size_per_replica: &'a [usize],
+    num_micro_batches_per_replica: &'a [usize],
+    predicted_step_time_s: f64,
+    predicted_tokens_per_s: f64,
+    bubble_fraction: f64,
+    peak_memory_gb_per_stage: Vec<f64>,
+    uniform_step_time_s: Option<f64>,
+    uniform_layouts: Vec<UniformLayoutReport>,
+    synerfuse_flags: String,
+    train_flags: Vec<&'static str>,
+    recompute_per_stage_and_replica: &'a [Vec<bool>],
+    use_distributed_optimizer: bool,
+    rank_order: &'a str,
+    candidates_considered: usize,
+    planning_time_s: f64,
+    bound_tokens_per_s: f64,
+    device_alone_tokens_per_s: &'a [f64],
+    fraction_of_bound: f64,
+    optimizer_unpriced_kinds: &'a [String],
+    runner_ups: Vec<RunnerUpReport>,
+    per_replica_pipelines: Option<PooledReport>,
+    written_plan: WrittenPlan,
+}
+
+/// An even layout (every stage the same layers, every replica the same batch).
+#[derive(serde::Serialize)]
+struct UniformLayoutReport {
+    pipeline_parallel_size: usize,
+    data_parallel_size: usize,
+    micro_batch_size: usize,
+    num_micro_batches: usize,
+    arrangement: String,
+    predicted_step_time_s: f64,
+    train_flags: Vec<&'static str>,
+}
+
+/// A grid plan behind the best, and where it loses.
+#[derive(serde::Serialize)]
+struct RunnerUpReport {
+    pipeline_parallel_size: usize,
+    data_parallel_size: usize,
+    layers_per_stage: Vec<usize>,
+    micro_batch_size_per_replica: Vec<usize>,
+    num_micro_batches_per_replica: Vec<usize>,
+    origin: String,
+    predicted_step_time_s: f64,
+    fraction_of_bound: f64,
+    behind_by: BehindByReport,
+}
+
+/// Which part of the step a runner-up loses in (`compute`, `waiting`,
+/// `after_pipeline`), by how much, and why.
+#[derive(serde::Serialize)]
+struct BehindByReport {
+    part: &'static str,
+    extra_s: f64,
+    reason: String,
+}
+
+/// The per-replica-pipeline plan: its step and its replicas.
+#[derive(serde::Serialize)]
+pub(crate) struct PooledReport {
+    predicted_step_time_s: f64,
+    predicted_tokens_per_s: f64,
+    fraction_of_bound: f64,
+    tensor_parallel_size: usize,
+    train_flags: Vec<&'static str>,
+    reduce_s: f64,
+    optimizer_s: f64,
+    replicas: Vec<ReplicaReport>,
+}
+
+/// The plan `--output` holds: which kind, its predicted step, and the `synerfuse train`
+/// flags it was priced with.
+#[derive(serde::Serialize)]
+pub(crate) struct WrittenPlan {
+    kind: &'static str,
+    predicted_step_time_s: f64,
+    train_flags: Vec<&'static str>,
+}
+
+impl WrittenPlan {
+    /// Per-replica pipelines, written.
+    pub(crate) fn pooled(p: &PooledCandidate) -> Self {
+        WrittenPlan {
+            kind: "per_replica_pipelines",
+            predicted_step_time_s: p.step_time_s,
+            train_flags: pooled_train_flags(p),
+        }
+    }
+}
+
+/// `synerfuse plan --json` when only per-replica pipelines fit.
+#[derive(serde::Serialize)]
+pub(crate) struct PooledOnlyReport {
+    pub(crate) candidates_considered: usize,
+    pub(crate) planning_time_s: f64,
+    pub(crate) bound_tokens_per_s: f64,
+    pub(crate) device_alone_tokens_per_s: Vec<f64>,
+    pub(crate) per_replica_pipelines: PooledReport,
+    pub(crate) written_plan: WrittenPlan,
+}
