@@ -539,16 +539,20 @@ pub(super) fn pooled_segments(ctx: &Ctx<'_>, pools: &[PoolLayout]) -> Vec<Pooled
         .collect()
 }
 
+/// The (replica, stage) positions the segments' holders count.
+fn positions(segments: &[PooledSegment]) -> usize {
+    (segments.iter())
+        .flat_map(|s| s.holders.iter().map(|&(position, _)| position + 1))
+        .max()
+        .unwrap_or(0)
+}
+
 /// Per (replica, stage), replica by replica, the seconds of its gradient reduction: each
 /// segment all-reduced over its holders (one per replica; tensor-parallel groups of the
 /// same shares each member its share, side by side; groups split otherwise the whole
 /// tensors over every member), a stage's segments one after another.
 pub(super) fn reduce_s(ctx: &Ctx<'_>, segments: &[PooledSegment]) -> Vec<f64> {
-    let positions = (segments.iter())
-        .flat_map(|s| s.holders.iter().map(|&(position, _)| position + 1))
-        .max()
-        .unwrap_or(0);
-    let mut seconds = vec![0.0; positions];
+    let mut seconds = vec![0.0; positions(segments)];
     for segment in segments {
         let units: Vec<usize> = segment.holders.iter().map(|&(_, u)| u).collect();
         let devices: Vec<&crate::cluster::Device> =
@@ -599,18 +603,14 @@ pub(super) fn reduce_waits_for(segments: &[PooledSegment], positions: usize) -> 
 /// proportion to their memory, as the trainer shards it (and as grid plans are priced).
 pub(super) fn optimizer_s(ctx: &Ctx<'_>, pools: &[PoolLayout], segments: &[PooledSegment]) -> f64 {
     if ctx.cost.distributed_optimizer {
-        let mut params: Vec<(usize, f64)> = Vec::new();
+        // Per position, its unit and the parameters whose state it keeps.
+        let mut params: Vec<(usize, f64)> = vec![(0, 0.0); positions(segments)];
         for segment in segments {
             let units: Vec<usize> = segment.holders.iter().map(|&(_, u)| u).collect();
             let shares = Shares::of_stage(ctx, &units);
             for &(position, unit) in &segment.holders {
-                if params.len() <= position {
-                    params.resize(position + 1, (unit, 0.0));
-                }
-                params[position] = (
-                    unit,
-                    params[position].1 + segment.params * shares.of(ctx, unit),
-                );
+                let held = params[position].1 + segment.params * shares.of(ctx, unit);
+                params[position] = (unit, held);
             }
         }
         return (params.iter())
