@@ -79,6 +79,14 @@ fn tensor_parallel_plans_match_a_single_rank() {
         "recompute",
         "[[replica]]\nlayers = [1, 3]\ntp = [2, 1]\nrecompute = [true, false]\nmicro_batch_size = 2\nnum_micro_batches = 3\n",
     );
+    // Ragged micro-batches: replica 0 takes 3 samples as 2 + 1 on TP [2,1], replica 1
+    // takes 3 as 1 + 2 on TP 2 with a short first micro-batch.
+    let ragged = plan_file(
+        d,
+        "ragged",
+        "[[replica]]\nlayers = [1, 3]\ntp = [2, 1]\nmicro_batch_size = 2\nsamples = 3\n\n\
+         [[replica]]\nlayers = [4]\ntp = [2]\nmicro_batch_sizes = [1, 2]\n",
+    );
     let cases: Vec<(&str, &str, Vec<&str>)> = vec![
         (
             "TP 2, mbs 1 x 6",
@@ -224,6 +232,11 @@ fn tensor_parallel_plans_match_a_single_rank() {
             "recomputation per stage by plan: stage 0 (TP 2) recomputes, stage 1 does not",
             "tied",
             vec!["--nproc", "3", "--plan", &recompute],
+        ),
+        (
+            "ragged micro-batches + SP: [1,3] on TP [2,1] (2 + 1) + [4] on TP 2 (1 + 2)",
+            "tied",
+            vec!["--nproc", "5", "--plan", &ragged, "--sequence-parallel"],
         ),
     ];
     let mut table = String::from(

@@ -38,7 +38,20 @@ fn every_plan_matches_a_single_rank() {
     let interleaved = asymmetric("interleaved", &[("[[1, 1], [1, 1]]", 1, 4), ("[4]", 2, 1)]);
     let two_splits = asymmetric("two-splits", &[("[1, 3]", 1, 3), ("[2, 2]", 3, 1)]);
     let two_of_one = asymmetric("two-of-one", &[("[1, 3]", 2, 2), ("[4]", 1, 2)]);
-    let cases: [(&str, &[&str]); 13] = [
+    // Ragged micro-batches: a replica's micro-batches may differ in size.
+    let ragged = plan_file(
+        dir.path(),
+        "ragged",
+        "[[replica]]\nlayers = [4]\nmicro_batch_sizes = [2, 1]\n\n\
+         [[replica]]\nlayers = [3, 1]\nmicro_batch_size = 2\nsamples = 3\n",
+    );
+    let ragged_interleaved = plan_file(
+        dir.path(),
+        "ragged-interleaved",
+        "[[replica]]\nlayers = [[1, 1], [1, 1]]\nmicro_batch_sizes = [1, 2, 1, 1]\n\n\
+         [[replica]]\nlayers = [4]\nmicro_batch_sizes = [1]\n",
+    );
+    let cases: [(&str, &[&str]); 15] = [
         (
             "PP 2, layers [1,3], 1F1B, mbs 2 x 3",
             &[
@@ -202,6 +215,20 @@ fn every_plan_matches_a_single_rank() {
                 "4",
                 "--plan",
                 &two_splits,
+                "--no-overlap-grad-reduce",
+            ],
+        ),
+        (
+            "ragged: [4] (2 + 1) + [3,1] (samples 3 of at most 2: 2 + 1)",
+            &["--nproc", "3", "--plan", &ragged],
+        ),
+        (
+            "ragged, interleaved [[1,1],[1,1]] (1 + 2 + 1 + 1) + [4] (1), reduction after the pipeline",
+            &[
+                "--nproc",
+                "3",
+                "--plan",
+                &ragged_interleaved,
                 "--no-overlap-grad-reduce",
             ],
         ),

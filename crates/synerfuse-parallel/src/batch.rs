@@ -1,27 +1,188 @@
 //! Micro-batch size and count per data-parallel replica, and which samples of a global
 //! batch each replica takes.
 //!
-//! Replica d takes the contiguous run of `mbs_d · nmb_d` samples that follows those of
-//! replicas `0..d`, so every sample of a global batch goes to exactly one replica and
-//! micro-batch, whatever the sizes and counts (SynerFuse's sampler overlaps and skips
+//! Replica d takes the contiguous run of its samples (`mbs_d · nmb_d`, or the sum of its
+//! micro-batch sizes when they differ) that follows those of replicas `0..d`, so every
+//! sample of a global batch goes to exactly one replica and micro-batch, whatever the
+//! sizes and counts (SynerFuse's sampler overlaps and skips
 //! samples when a group has several replicas and several micro-batches).
 
 use std::ops::Range;
 
-/// One replica's share of a step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+/// One replica's share of a step: the sizes of its micro-batches, in the order it runs
+/// them. Megatron's are all one size; a replica may also take any count of samples, its
+/// last micro-batch short (`samples = 11` of at most 4: 4, 4, 3), or any sizes a plan
+/// file lists, so a global batch splits over unequal replicas down to the sample.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "BatchForm", into = "BatchForm")]
 pub struct ReplicaBatch {
-    /// Samples per micro-batch.
-    pub micro_batch_size: usize,
-    /// Micro-batches per step.
-    pub num_micro_batches: usize,
+    sizes: Vec<usize>,
 }
 
 impl ReplicaBatch {
+    /// `num_micro_batches` micro-batches of `micro_batch_size` samples (Megatron's).
+    pub fn uniform(micro_batch_size: usize, num_micro_batches: usize) -> Self {
+        Self {
+            sizes: vec![micro_batch_size; num_micro_batches],
+        }
+    }
+
+    /// Micro-batches of the given sizes, in order.
+    pub fn ragged(sizes: Vec<usize>) -> Self {
+        Self { sizes }
+    }
+
+    /// `samples` in micro-batches of `largest`, the last one short when `largest` does
+    /// not divide `samples` (11 of at most 4: 4, 4, 3).
+    pub fn from_samples(samples: usize, largest: usize) -> Self {
+        if largest == 0 {
+            return Self::ragged(Vec::new());
+        }
+        let mut sizes = vec![largest; samples / largest];
+        if samples % largest != 0 {
+            sizes.push(samples % largest);
+        }
+        Self { sizes }
+    }
+
     /// Samples this replica takes per step.
     pub fn samples(&self) -> usize {
-        self.micro_batch_size * self.num_micro_batches
+        self.sizes.iter().sum()
     }
+
+    /// Its largest micro-batch (what its activation memory is sized by).
+    pub fn micro_batch_size(&self) -> usize {
+        self.sizes.iter().copied().max().unwrap_or(0)
+    }
+
+    /// Micro-batches per step.
+    pub fn num_micro_batches(&self) -> usize {
+        self.sizes.len()
+    }
+
+    /// Each micro-batch's samples, in order.
+    pub fn sizes(&self) -> &[usize] {
+        &self.sizes
+    }
+
+    /// Whether every micro-batch has the same size (what Megatron's flags express).
+    pub fn is_uniform(&self) -> bool {
+        self.sizes.windows(2).all(|w| w[0] == w[1])
+    }
+
+    /// Whether it is `samples` in micro-batches of its largest, the last one short.
+    fn is_filled_then_short(&self) -> bool {
+        *self == Self::from_samples(self.samples(), self.micro_batch_size())
+    }
+}
+
+/// `2 × 3` (three micro-batches of two), `4 × 2 + 3` (the last one short), or the sizes
+/// themselves (`[2, 4, 3]`).
+impl std::fmt::Display for ReplicaBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (largest, count) = (self.micro_batch_size(), self.num_micro_batches());
+        if self.is_uniform() {
+            write!(f, "{largest} × {count}")
+        } else if self.is_filled_then_short() {
+            let last = self.sizes[count - 1];
+            write!(f, "{largest} × {} + {last}", count - 1)
+        } else {
+            write!(f, "{:?}", self.sizes)
+        }
+    }
+}
+
+/// A replica batch as plan files and stored plans spell it: `micro_batch_size` and
+/// `num_micro_batches` (all one size), `samples` with `micro_batch_size` as the largest
+/// (the last one short), or the `micro_batch_sizes` themselves.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchForm {
+    /// Samples per micro-batch (the largest, with `samples`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub micro_batch_size: Option<usize>,
+    /// Micro-batches per step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_micro_batches: Option<usize>,
+    /// Samples per step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples: Option<usize>,
+    /// Each micro-batch's size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub micro_batch_sizes: Option<Vec<usize>>,
+}
+
+impl BatchForm {
+    /// The replica batch this form spells, or which of its fields contradict.
+    pub fn batch(&self) -> Result<ReplicaBatch, BatchFormError> {
+        use BatchFormError as E;
+        match (
+            self.micro_batch_size,
+            self.num_micro_batches,
+            self.samples,
+            &self.micro_batch_sizes,
+        ) {
+            (None, None, None, Some(sizes)) => Ok(ReplicaBatch::ragged(sizes.clone())),
+            (Some(_), _, _, Some(_)) | (_, Some(_), _, Some(_)) | (_, _, Some(_), Some(_)) => {
+                Err(E::SizesAndCounts)
+            }
+            (Some(m), Some(n), None, None) => Ok(ReplicaBatch::uniform(m, n)),
+            (Some(m), None, Some(s), None) => Ok(ReplicaBatch::from_samples(s, m)),
+            (_, Some(_), Some(_), None) => Err(E::SamplesAndCount),
+            (None, _, Some(_), None) => Err(E::SamplesWithoutSize),
+            _ => Err(E::Missing),
+        }
+    }
+}
+
+impl From<ReplicaBatch> for BatchForm {
+    fn from(batch: ReplicaBatch) -> Self {
+        let largest = Some(batch.micro_batch_size());
+        if batch.is_uniform() && !batch.sizes.is_empty() {
+            Self {
+                micro_batch_size: largest,
+                num_micro_batches: Some(batch.num_micro_batches()),
+                ..Self::default()
+            }
+        } else if batch.is_filled_then_short() {
+            Self {
+                micro_batch_size: largest,
+                samples: Some(batch.samples()),
+                ..Self::default()
+            }
+        } else {
+            Self {
+                micro_batch_sizes: Some(batch.sizes),
+                ..Self::default()
+            }
+        }
+    }
+}
+
+impl TryFrom<BatchForm> for ReplicaBatch {
+    type Error = BatchFormError;
+    fn try_from(form: BatchForm) -> Result<Self, BatchFormError> {
+        form.batch()
+    }
+}
+
+/// A replica's batch fields that do not say one batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum BatchFormError {
+    /// `micro_batch_sizes` with any other batch field.
+    #[error("`micro_batch_sizes` lists every micro-batch; it takes no `micro_batch_size`, `num_micro_batches` or `samples`")]
+    SizesAndCounts,
+    /// `samples` with `num_micro_batches`.
+    #[error(
+        "`samples` with `micro_batch_size` sets the micro-batch count; drop `num_micro_batches`"
+    )]
+    SamplesAndCount,
+    /// `samples` without a largest micro-batch.
+    #[error("`samples` needs `micro_batch_size`, the largest micro-batch")]
+    SamplesWithoutSize,
+    /// Not enough fields.
+    #[error("a replica needs `micro_batch_size` with `num_micro_batches` or `samples`, or `micro_batch_sizes`")]
+    Missing,
 }
 
 /// A batch layout that does not describe a valid step.
@@ -30,7 +191,7 @@ pub enum BatchError {
     /// No replica.
     #[error("a batch layout needs at least one data-parallel replica")]
     NoReplicas,
-    /// A replica with an empty micro-batch or no micro-batch.
+    /// A replica whose samples overflow a step's count.
     #[error(
         "data-parallel replica {replica}: micro-batch size × count overflows the samples of a step"
     )]
@@ -38,15 +199,13 @@ pub enum BatchError {
         /// The replica where the running total overflows.
         replica: usize,
     },
-    /// A replica with no samples.
-    #[error("data-parallel replica {replica}: micro-batch size {micro_batch_size} × {num_micro_batches} micro-batches; both must be at least 1")]
+    /// A replica with no micro-batch or an empty one.
+    #[error("data-parallel replica {replica}: micro-batches of {sizes:?} samples; it needs at least one micro-batch, each of at least one sample")]
     EmptyReplica {
         /// The replica.
         replica: usize,
-        /// Its micro-batch size.
-        micro_batch_size: usize,
-        /// Its micro-batch count.
-        num_micro_batches: usize,
+        /// Its micro-batch sizes.
+        sizes: Vec<usize>,
     },
     /// `--num-micro-batches-per-dp` without `--micro-batch-size-per-dp`.
     #[error("--num-micro-batches-per-dp needs --micro-batch-size-per-dp")]
@@ -227,28 +386,34 @@ impl ReplicaBatches {
         Self::new(
             mbs.into_iter()
                 .zip(counts)
-                .map(|(micro_batch_size, num_micro_batches)| ReplicaBatch {
-                    micro_batch_size,
-                    num_micro_batches,
-                })
+                .map(|(size, count)| ReplicaBatch::uniform(size, count))
                 .collect(),
         )
     }
 
     /// SynerFuse's `--micro-batch-size-per-dp` and `--num-micro-batches-per-dp` values,
-    /// consecutive equal replicas grouped.
-    pub fn to_flags(&self) -> (Vec<usize>, Vec<usize>) {
+    /// consecutive equal replicas grouped; `None` when a replica's micro-batches differ in
+    /// size, which those flags cannot say.
+    pub fn to_flags(&self) -> Option<(Vec<usize>, Vec<usize>)> {
+        if !self.is_uniform() {
+            return None;
+        }
         let mut mbs = Vec::new();
         let mut counts = Vec::new();
         let mut i = 0;
         while i < self.replicas.len() {
-            let r = self.replicas[i];
-            let n = self.replicas[i..].iter().take_while(|&&x| x == r).count();
-            mbs.extend([n, r.micro_batch_size]);
-            counts.extend([n, r.num_micro_batches]);
+            let r = &self.replicas[i];
+            let n = self.replicas[i..].iter().take_while(|&x| x == r).count();
+            mbs.extend([n, r.micro_batch_size()]);
+            counts.extend([n, r.num_micro_batches()]);
             i += n;
         }
-        (mbs, counts)
+        Some((mbs, counts))
+    }
+
+    /// Whether every replica's micro-batches are all one size.
+    pub fn is_uniform(&self) -> bool {
+        self.replicas.iter().all(ReplicaBatch::is_uniform)
     }
 
     /// The factor each replica multiplies its summed token loss by so that a plain sum over
@@ -271,20 +436,17 @@ impl ReplicaBatches {
         if let Some((replica, r)) = replicas
             .iter()
             .enumerate()
-            .find(|(_, r)| r.micro_batch_size == 0 || r.num_micro_batches == 0)
+            .find(|(_, r)| r.sizes.is_empty() || r.sizes.contains(&0))
         {
             return Err(BatchError::EmptyReplica {
                 replica,
-                micro_batch_size: r.micro_batch_size,
-                num_micro_batches: r.num_micro_batches,
+                sizes: r.sizes.clone(),
             });
         }
         let mut offsets = vec![0usize];
         for (replica, r) in replicas.iter().enumerate() {
-            let total = r
-                .micro_batch_size
-                .checked_mul(r.num_micro_batches)
-                .and_then(|n| n.checked_add(offsets[replica]))
+            let total = (r.sizes.iter())
+                .try_fold(offsets[replica], |sum, &size| sum.checked_add(size))
                 .ok_or(BatchError::Overflow { replica })?;
             offsets.push(total);
         }
@@ -298,10 +460,10 @@ impl ReplicaBatches {
         num_micro_batches: usize,
     ) -> Result<Self, BatchError> {
         Self::new(vec![
-            ReplicaBatch {
+            ReplicaBatch::uniform(
                 micro_batch_size,
-                num_micro_batches,
-            };
+                num_micro_batches
+            );
             dp
         ])
     }
@@ -334,9 +496,13 @@ impl ReplicaBatches {
 
     /// Positions within a global batch of micro-batch `k` of replica `d`, for every k.
     pub fn micro_batch_ranges(&self, d: usize) -> Result<Vec<Range<usize>>, BatchError> {
-        let range = self.replica_range(d)?;
-        let mbs = self.replicas[d].micro_batch_size;
-        Ok(range.step_by(mbs).map(|start| start..start + mbs).collect())
+        let mut start = self.replica_range(d)?.start;
+        Ok((self.replicas[d].sizes.iter())
+            .map(|&size| {
+                start += size;
+                start - size..start
+            })
+            .collect())
     }
 }
 
@@ -349,14 +515,8 @@ mod tests {
     fn readme_example() {
         // SynerFuse README: DP 2, mbs 6 and 2, 4 micro-batches each: 24 + 8 = 32.
         let b = ReplicaBatches::new(vec![
-            ReplicaBatch {
-                micro_batch_size: 6,
-                num_micro_batches: 4,
-            },
-            ReplicaBatch {
-                micro_batch_size: 2,
-                num_micro_batches: 4,
-            },
+            ReplicaBatch::uniform(6, 4),
+            ReplicaBatch::uniform(2, 4),
         ])
         .unwrap();
         assert_eq!(b.global_batch_size(), 32);
@@ -378,13 +538,13 @@ mod tests {
             ReplicaBatches::from_flags(2, Some(32), None, Some(&[1, 6, 1, 2]), Some(&[1, 4, 1, 4]))
                 .unwrap();
         assert_eq!(b.replica_range(0).unwrap(), 0..24);
-        assert_eq!(b.to_flags(), (vec![1, 6, 1, 2], vec![1, 4, 1, 4]));
+        assert_eq!(b.to_flags(), Some((vec![1, 6, 1, 2], vec![1, 4, 1, 4])));
         // Without counts: GBS / Σ mbs micro-batches each.
         let b = ReplicaBatches::from_flags(3, Some(40), None, Some(&[2, 3, 1, 2]), None).unwrap();
         assert_eq!(
             b.replicas()
                 .iter()
-                .map(|r| r.num_micro_batches)
+                .map(|r| r.num_micro_batches())
                 .collect::<Vec<_>>(),
             [5, 5, 5]
         );
@@ -442,37 +602,79 @@ mod tests {
         /// Flags → layout → flags → the same layout.
         #[test]
         fn flags_round_trip(shapes in prop::collection::vec((1usize..5, 1usize..5), 1..8)) {
-            let b = ReplicaBatches::new(shapes.iter().map(|&(m, n)| ReplicaBatch {
-                micro_batch_size: m,
-                num_micro_batches: n,
-            }).collect()).unwrap();
-            let (mbs, counts) = b.to_flags();
+            let b = ReplicaBatches::new(shapes.iter().map(|&(m, n)| ReplicaBatch::uniform(m, n)).collect()).unwrap();
+            let (mbs, counts) = b.to_flags().unwrap();
             let back = ReplicaBatches::from_flags(b.dp_size(), Some(b.global_batch_size()), None, Some(&mbs), Some(&counts)).unwrap();
             prop_assert_eq!(back, b);
         }
 
         /// Every position of a global batch belongs to exactly one micro-batch of one
-        /// replica, and replica d's micro-batches have its size.
+        /// replica, in order, and replica d's micro-batches have its sizes, ragged or not.
         #[test]
         fn micro_batches_partition_the_global_batch(
-            shapes in prop::collection::vec((1usize..9, 1usize..9), 1..12)
+            sizes in prop::collection::vec(prop::collection::vec(1usize..9, 1..9), 1..12)
         ) {
-            let b = ReplicaBatches::new(shapes.iter().map(|&(m, n)| ReplicaBatch {
-                micro_batch_size: m,
-                num_micro_batches: n,
-            }).collect()).unwrap();
-            let mut seen = vec![0u32; b.global_batch_size()];
-            for (d, &(mbs, nmb)) in shapes.iter().enumerate() {
+            let b = ReplicaBatches::new(sizes.iter().cloned().map(ReplicaBatch::ragged).collect()).unwrap();
+            let mut next = 0;
+            for (d, sizes) in sizes.iter().enumerate() {
                 let ranges = b.micro_batch_ranges(d).unwrap();
-                prop_assert_eq!(ranges.len(), nmb);
+                prop_assert_eq!(ranges.iter().map(Range::len).collect::<Vec<_>>(), sizes.clone());
                 for r in ranges {
-                    prop_assert_eq!(r.len(), mbs);
-                    for i in r {
-                        seen[i] += 1;
-                    }
+                    prop_assert_eq!(r.start, next);
+                    next = r.end;
                 }
             }
-            prop_assert!(seen.iter().all(|&c| c == 1));
+            prop_assert_eq!(next, b.global_batch_size());
         }
+
+        /// Any batch survives its file form, which is the shortest that says it.
+        #[test]
+        fn the_file_form_round_trips(sizes in prop::collection::vec(1usize..6, 1..7)) {
+            let batch = ReplicaBatch::ragged(sizes);
+            let form = BatchForm::from(batch.clone());
+            prop_assert_eq!(form.batch().unwrap(), batch.clone());
+            let json = serde_json::to_string(&batch).unwrap();
+            prop_assert_eq!(serde_json::from_str::<ReplicaBatch>(&json).unwrap(), batch);
+        }
+    }
+
+    #[test]
+    fn samples_fill_micro_batches_then_the_last_is_short() {
+        assert_eq!(ReplicaBatch::from_samples(11, 4).sizes(), [4, 4, 3]);
+        assert_eq!(ReplicaBatch::from_samples(9, 4).sizes(), [4, 4, 1]);
+        assert_eq!(
+            ReplicaBatch::from_samples(8, 4),
+            ReplicaBatch::uniform(4, 2)
+        );
+        let form = |json: &str| serde_json::from_str::<BatchForm>(json).unwrap().batch();
+        assert_eq!(
+            form(r#"{"micro_batch_size": 4, "samples": 11}"#)
+                .unwrap()
+                .sizes(),
+            [4, 4, 3]
+        );
+        assert_eq!(
+            form(r#"{"micro_batch_sizes": [2, 4, 3]}"#).unwrap().sizes(),
+            [2, 4, 3]
+        );
+        let contradictions = [
+            (
+                r#"{"micro_batch_sizes": [2], "samples": 2}"#,
+                BatchFormError::SizesAndCounts,
+            ),
+            (
+                r#"{"micro_batch_size": 2, "num_micro_batches": 2, "samples": 3}"#,
+                BatchFormError::SamplesAndCount,
+            ),
+            (r#"{"samples": 3}"#, BatchFormError::SamplesWithoutSize),
+            (r#"{"micro_batch_size": 3}"#, BatchFormError::Missing),
+        ];
+        for (json, error) in contradictions {
+            assert_eq!(form(json).unwrap_err(), error, "{json}");
+        }
+        let ragged = ReplicaBatches::new(vec![ReplicaBatch::from_samples(5, 2)]).unwrap();
+        assert_eq!(ragged.to_flags(), None);
+        let empty = ReplicaBatches::new(vec![ReplicaBatch::ragged(vec![2, 0])]).unwrap_err();
+        assert!(empty.to_string().contains("[2, 0]"), "{empty}");
     }
 }

@@ -255,14 +255,13 @@ impl GridPlan {
             "--global-batch-size".into(),
             self.batches.global_batch_size().to_string(),
         ]);
-        let first = self.batches.replicas()[0];
-        if self.batches.replicas().iter().all(|&r| r == first) {
+        let first = &self.batches.replicas()[0];
+        if self.batches.replicas().iter().all(|r| r == first) && first.is_uniform() {
             args.extend([
                 "--micro-batch-size".into(),
-                first.micro_batch_size.to_string(),
+                first.micro_batch_size().to_string(),
             ]);
-        } else {
-            let (mbs, counts) = self.batches.to_flags();
+        } else if let Some((mbs, counts)) = self.batches.to_flags() {
             args.push("--micro-batch-size-per-dp".into());
             args.extend(mbs.iter().map(usize::to_string));
             args.push("--num-micro-batches-per-dp".into());
@@ -427,13 +426,7 @@ mod tests {
     fn hetero_pp_dp_and_tp_together() {
         let plan = hetero_plan();
         assert_eq!(plan.stages.layers(), [6, 2]);
-        assert_eq!(
-            plan.batches.replicas()[0],
-            ReplicaBatch {
-                micro_batch_size: 6,
-                num_micro_batches: 4
-            }
-        );
+        assert_eq!(plan.batches.replicas()[0], ReplicaBatch::uniform(6, 4));
         assert_eq!(plan.topology().unwrap().coordinates(5).unwrap().dp, 1);
         let args = "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
             --use-tp-pp-dp-mapping --num-layers 8 --hetero-pipeline-stages 1 6 1 2 \

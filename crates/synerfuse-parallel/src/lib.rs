@@ -15,7 +15,7 @@ pub mod timeline;
 mod topology;
 pub mod tp;
 
-pub use batch::{BatchError, ReplicaBatch, ReplicaBatches};
+pub use batch::{BatchError, BatchForm, BatchFormError, ReplicaBatch, ReplicaBatches};
 pub(crate) use flags::GridPlan;
 pub use flags::{GridError, PlanFlags};
 pub use plan::{

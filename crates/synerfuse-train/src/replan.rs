@@ -9,7 +9,9 @@
 //! steps are warm-up, while allocators and caches fill); a change is sustained when every
 //! one of the last `window` steps is off that pace by more than the threshold in the
 //! same direction. The rank is then assumed at its new pace, so a change is reported
-//! once. Every rank runs the watch on the same gathered times, so every rank reaches the
+//! once. The first assumed paces are a verdict too ([`ReplanCause::WarmUp`]): a plan
+//! wrong from the start (an even plan on unequal devices, a rank slow from its first
+//! step or slowed within the first window) shows there, not as a later change. Every rank runs the watch on the same gathered times, so every rank reaches the
 //! same verdicts, which a collective switch of plans will need.
 
 use std::collections::VecDeque;
@@ -66,6 +68,7 @@ struct RankPace {
 pub struct SpeedWatch {
     config: WatchConfig,
     ranks: Vec<RankPace>,
+    first_paces_taken: bool,
 }
 
 impl SpeedWatch {
@@ -78,6 +81,7 @@ impl SpeedWatch {
         SpeedWatch {
             config,
             ranks: vec![RankPace::default(); ranks],
+            first_paces_taken: false,
         }
     }
 
@@ -127,6 +131,14 @@ impl SpeedWatch {
 }
 
 impl SpeedWatch {
+    /// Whether every rank has had its first pace assumed by the last step observed, and
+    /// this was not asked before: true once.
+    pub fn take_first_paces(&mut self) -> bool {
+        let ready = !self.first_paces_taken && self.ranks.iter().all(|r| r.assumed_s.is_some());
+        self.first_paces_taken |= ready;
+        ready
+    }
+
     /// Every rank's assumed pace, once every rank has one (seconds, in rank order).
     pub fn paces_s(&self) -> Option<Vec<f64>> {
         self.ranks.iter().map(|r| r.assumed_s).collect()
@@ -173,11 +185,34 @@ impl FromStr for ReplanMode {
 /// fitted model's error could turn the switch into a loss.
 pub const LEAST_IMPROVEMENT: f64 = 0.05;
 
+/// What a re-planning decision answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReplanCause {
+    /// The first paces measured after warm-up: whether the plan fits the ranks at all.
+    WarmUp,
+    /// A rank's sustained change of pace.
+    #[default]
+    SpeedChange,
+}
+
+impl std::fmt::Display for ReplanCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ReplanCause::WarmUp => "the ranks' paces measured after warm-up",
+            ReplanCause::SpeedChange => "a sustained change of a rank's pace",
+        })
+    }
+}
+
 /// One re-planning decision, as the log, the JSON log and TensorBoard show it.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ReplanDecision {
     /// The iteration after which it was made.
     pub iteration: u64,
+    /// What it answers.
+    #[serde(default)]
+    pub cause: ReplanCause,
     /// Each rank's forward and backward seconds per step, as measured.
     pub paces_s: Vec<f64>,
     /// Each rank's speed as the paces show it (its work per second), relative to the
@@ -191,8 +226,8 @@ pub struct ReplanDecision {
     pub proposed_step_s: f64,
     /// Layers per stage of each replica of the best plan.
     pub proposed_layers: Vec<Vec<usize>>,
-    /// Micro-batch size and count of each replica of the best plan.
-    pub proposed_batches: Vec<(usize, usize)>,
+    /// Micro-batch sizes of each replica of the best plan.
+    pub proposed_batches: Vec<synerfuse_parallel::ReplicaBatch>,
     /// The best plan, on the job's ranks (the `[[replica]]` form of a plan file).
     pub proposed_plan: synerfuse_parallel::Plan,
     /// Iterations left to train.

@@ -33,12 +33,13 @@ fn tiny(num_layers: usize, tie_word_embeddings: bool) -> LlamaConfig {
     }
 }
 
-/// One replica: (chunks, cut points, micro-batch size, micro-batch count factor).
-type ReplicaDraw = (usize, Vec<prop::sample::Index>, usize, usize);
+/// One replica: (chunks, cut points, micro-batch size, micro-batch count factor, samples
+/// the last micro-batch lacks).
+type ReplicaDraw = (usize, Vec<prop::sample::Index>, usize, usize, usize);
 
 /// A replica of `layers` layers cut into `stages × chunks` non-empty pieces at `cuts`.
 fn replica(layers: usize, draw: &ReplicaDraw, first_rank: usize) -> ReplicaPipeline {
-    let (chunks, cuts, mbs, factor) = draw;
+    let (chunks, cuts, mbs, factor, short) = draw;
     let mut points: Vec<usize> = cuts.iter().map(|i| 1 + i.index(layers - 1)).collect();
     points.sort_unstable();
     points.dedup();
@@ -57,10 +58,7 @@ fn replica(layers: usize, draw: &ReplicaDraw, first_rank: usize) -> ReplicaPipel
     let num_micro_batches = if chunks > 1 { stages * factor } else { *factor };
     ReplicaPipeline::single_ranks(
         StageLayout::interleaved(pieces, stages, layers).unwrap(),
-        ReplicaBatch {
-            micro_batch_size: *mbs,
-            num_micro_batches,
-        },
+        ReplicaBatch::from_samples(num_micro_batches * mbs - (*short).min(mbs - 1), *mbs),
         (first_rank..first_rank + stages).collect(),
         Vec::new(),
     )
@@ -87,7 +85,7 @@ proptest! {
         layers in 2usize..7,
         tied in any::<bool>(),
         draws in prop::collection::vec(
-            (1usize..3, prop::collection::vec(any::<prop::sample::Index>(), 0..4), 1usize..3, 1usize..3),
+            (1usize..3, prop::collection::vec(any::<prop::sample::Index>(), 0..4), 1usize..4, 1usize..3, 0usize..3),
             1..4,
         ),
         consumed in 0u64..100,

@@ -66,10 +66,7 @@ proptest! {
     ) {
         let dir = tempfile::tempdir().unwrap();
         let data = dataset(dir.path());
-        let batches = ReplicaBatches::new(shapes.iter().map(|&(m, n)| ReplicaBatch {
-            micro_batch_size: m,
-            num_micro_batches: n,
-        }).collect()).unwrap();
+        let batches = ReplicaBatches::new(shapes.iter().map(|&(m, n)| ReplicaBatch::uniform(m, n)).collect()).unwrap();
         let gbs = batches.global_batch_size() as u64;
         let consumed = step * gbs;
         let mut next = consumed;
@@ -119,11 +116,7 @@ fn no_mask_unless_attention_is_reset_at_document_ends() {
     use synerfuse_train::loader::Prefetcher;
     let dir = tempfile::tempdir().unwrap();
     let data = dataset(dir.path());
-    let batches = ReplicaBatches::new(vec![ReplicaBatch {
-        micro_batch_size: 2,
-        num_micro_batches: 2,
-    }])
-    .unwrap();
+    let batches = ReplicaBatches::new(vec![ReplicaBatch::uniform(2, 2)]).unwrap();
     let causal = SampleOptions {
         create_attention_mask: true,
         ..options()

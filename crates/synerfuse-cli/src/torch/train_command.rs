@@ -912,7 +912,7 @@ fn train_rank(args: &TrainArgs, world: &MpiCommunicator) -> Result<()> {
 fn log_run(config: &TrainConfig, world_size: usize, threads: usize) {
     let plan = &config.parallel.plan;
     tracing::info!(
-        "training {} parameters on {world_size} ranks: {} replicas, layers per stage {:?}, (mbs, micro-batches) {:?}, {threads} threads per rank",
+        "training {} parameters on {world_size} ranks: {} replicas, layers per stage {:?}, micro-batches per replica {:?}, {threads} threads per rank",
         config.model.num_parameters(),
         plan.replicas().len(),
         plan.replicas()
@@ -921,7 +921,7 @@ fn log_run(config: &TrainConfig, world_size: usize, threads: usize) {
             .collect::<Vec<_>>(),
         plan.replicas()
             .iter()
-            .map(|r| (r.batch.micro_batch_size, r.batch.num_micro_batches))
+            .map(|r| r.batch.to_string())
             .collect::<Vec<_>>()
     );
     let recomputing =

@@ -3,7 +3,7 @@
 //! grid plans older checkpoints stored).
 
 use super::{Plan, PlanError, ReplicaPipeline};
-use crate::{GridPlan, RankPlacement, ReplicaBatch, StageLayout};
+use crate::{BatchForm, GridPlan, RankPlacement, StageLayout};
 use serde::{Deserialize, Serialize};
 
 /// A replica's layers: one count per stage (`[4, 2]`), or per chunk and stage for an
@@ -21,8 +21,17 @@ enum LayersFile {
 #[serde(deny_unknown_fields)]
 struct ReplicaFile {
     layers: LayersFile,
-    micro_batch_size: usize,
-    num_micro_batches: usize,
+    /// Samples per micro-batch; with `samples`, the largest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    micro_batch_size: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    num_micro_batches: Option<usize>,
+    /// Samples per step, in micro-batches of `micro_batch_size`, the last one short.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    samples: Option<usize>,
+    /// Each micro-batch's samples, when they differ.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    micro_batch_sizes: Option<Vec<usize>>,
     /// Each stage's tensor-parallel size (default: 1 each).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     tp: Vec<usize>,
@@ -188,6 +197,14 @@ fn replica_pipeline(
         },
         source => PlanError::Layout { replica: r, source },
     })?;
+    let batch = BatchForm {
+        micro_batch_size: replica.micro_batch_size,
+        num_micro_batches: replica.num_micro_batches,
+        samples: replica.samples,
+        micro_batch_sizes: replica.micro_batch_sizes,
+    }
+    .batch()
+    .map_err(|source| PlanError::BatchForm { replica: r, source })?;
     let n = stages.num_stages();
     super::check_per_stage(
         r,
@@ -225,10 +242,7 @@ fn replica_pipeline(
     };
     Ok(ReplicaPipeline {
         stages,
-        batch: ReplicaBatch {
-            micro_batch_size: replica.micro_batch_size,
-            num_micro_batches: replica.num_micro_batches,
-        },
+        batch,
         ranks,
         tp_shares: replica.tp_shares.into_iter().map(Some).collect(),
         recompute: replica.recompute,
@@ -261,10 +275,13 @@ fn replica_file(r: &ReplicaPipeline, sequential: bool) -> ReplicaFile {
     };
     let stages = r.stages.num_stages();
     let tp: Vec<usize> = (0..stages).map(|s| r.tp_size(s)).collect();
+    let batch = BatchForm::from(r.batch.clone());
     ReplicaFile {
         layers: layers_file(&r.stages),
-        micro_batch_size: r.batch.micro_batch_size,
-        num_micro_batches: r.batch.num_micro_batches,
+        micro_batch_size: batch.micro_batch_size,
+        num_micro_batches: batch.num_micro_batches,
+        samples: batch.samples,
+        micro_batch_sizes: batch.micro_batch_sizes,
         tp_shares: match r.tp_shares.iter().any(Option::is_some) {
             true => (0..stages).map(|s| r.shares(s)).collect(),
             false => Vec::new(),

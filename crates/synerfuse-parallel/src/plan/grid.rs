@@ -25,11 +25,11 @@ impl Plan {
     }
 
     /// The flags that give this plan's layout, when it is a grid (every replica the same
-    /// stages, even tensor parallelism, ranks in one of Megatron's orders); `None`
-    /// otherwise. Which stages recompute is not a layout: SynerFuse's
+    /// stages, even tensor parallelism, ranks in one of Megatron's orders, micro-batches
+    /// of one size within each replica); `None` otherwise. Which stages recompute is not a layout: SynerFuse's
     /// `--recompute-activations` recomputes every stage or none.
     pub fn grid_flags(&self) -> Option<GridFlags> {
-        let grid = self.to_grid()?;
+        let grid = self.to_grid().filter(|grid| grid.batches.is_uniform())?;
         Some(GridFlags {
             args: grid.to_synerfuse_args(),
             rank_order: grid.topology.order,
@@ -60,13 +60,13 @@ impl Plan {
             .replicas()
             .iter()
             .enumerate()
-            .map(|(dp, &batch)| {
+            .map(|(dp, batch)| {
                 let ranks: Vec<Vec<usize>> = (0..t.pp)
                     .map(|pp| (0..t.tp).map(|tp| rank_of(dp, pp, tp)).collect())
                     .collect();
                 ReplicaPipeline {
                     stages: plan.stages.clone(),
-                    batch,
+                    batch: batch.clone(),
                     placements: ranks
                         .iter()
                         .flatten()

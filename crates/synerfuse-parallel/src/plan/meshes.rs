@@ -242,7 +242,7 @@ impl ProcessMeshes {
         let replicas = (0..dp)
             .map(|d| ReplicaPipeline {
                 stages: layout.clone(),
-                batch: batches.replicas()[d],
+                batch: batches.replicas()[d].clone(),
                 ranks: self.stage_ranks(d),
                 tp_shares: Vec::new(),
                 recompute: Vec::new(),
@@ -297,7 +297,7 @@ mod tests {
         assert_eq!(plan.replicas()[0].ranks, [vec![0, 1], vec![4], vec![6]]);
         assert_eq!(plan.replicas()[1].ranks, [vec![2, 3], vec![5], vec![7]]);
         assert_eq!(plan.replicas()[0].stages.layers(), [2, 3, 1]);
-        assert_eq!(plan.replicas()[1].batch.num_micro_batches, 2);
+        assert_eq!(plan.replicas()[1].batch.num_micro_batches(), 2);
         assert_eq!(meshes.mesh_of(3), Some(0));
         assert_eq!(meshes.mesh_of(4), Some(1));
         assert_eq!(meshes.mesh_of(8), None);

@@ -167,15 +167,21 @@ pub enum PlanError {
         /// The replica.
         replica: usize,
     },
-    /// A replica without samples.
-    #[error("replica {replica}: micro-batch size {micro_batch_size} × {num_micro_batches} micro-batches; both must be at least 1")]
+    /// A replica without samples, or with an empty micro-batch.
+    #[error("replica {replica}: micro-batches of {sizes:?} samples; it needs at least one micro-batch, each of at least one sample")]
     EmptyBatch {
         /// The replica.
         replica: usize,
-        /// Its micro-batch size.
-        micro_batch_size: usize,
-        /// Its micro-batch count.
-        num_micro_batches: usize,
+        /// Its micro-batch sizes.
+        sizes: Vec<usize>,
+    },
+    /// A replica whose batch fields contradict each other.
+    #[error("replica {replica}: {source}")]
+    BatchForm {
+        /// The replica.
+        replica: usize,
+        /// Which fields.
+        source: crate::BatchFormError,
     },
     /// A replica whose rank or placement list is not one per stage.
     #[error("replica {replica}: {given} {what} for {stages} stages")]
@@ -354,14 +360,12 @@ impl Plan {
 
     /// Samples per step: the replicas' micro-batch size × count, summed.
     pub fn global_batch_size(&self) -> usize {
-        (self.replicas.iter())
-            .map(|r| r.batch.micro_batch_size * r.batch.num_micro_batches)
-            .sum()
+        (self.replicas.iter()).map(|r| r.batch.samples()).sum()
     }
 
     /// Micro-batch size and count per replica (which samples each takes).
     pub fn batches(&self) -> ReplicaBatches {
-        ReplicaBatches::new(self.replicas.iter().map(|r| r.batch).collect())
+        ReplicaBatches::new(self.replicas.iter().map(|r| r.batch.clone()).collect())
             .expect("replica batches checked in Plan::new")
     }
 
@@ -406,7 +410,7 @@ impl Plan {
                 other => other,
             };
             let per_stage =
-                pipeline_schedule(kind, stages, chunks, replica.batch.num_micro_batches)
+                pipeline_schedule(kind, stages, chunks, replica.batch.num_micro_batches())
                     .map_err(|source| PlanError::Schedule { replica: r, source })?;
             for (stage, program) in per_stage.into_iter().enumerate() {
                 for (tp, &rank) in replica.ranks[stage].iter().enumerate() {
@@ -454,12 +458,11 @@ fn check_replica(
     if pipeline.stages.num_chunks() > 1 && pipeline.stages.num_stages() == 1 {
         return Err(PlanError::ChunksWithoutPipeline { replica });
     }
-    let b = pipeline.batch;
-    if b.micro_batch_size == 0 || b.num_micro_batches == 0 {
+    let sizes = pipeline.batch.sizes();
+    if sizes.is_empty() || sizes.contains(&0) {
         return Err(PlanError::EmptyBatch {
             replica,
-            micro_batch_size: b.micro_batch_size,
-            num_micro_batches: b.num_micro_batches,
+            sizes: sizes.to_vec(),
         });
     }
     let stages = pipeline.stages.num_stages();
@@ -708,7 +711,7 @@ speeds = [1.0, 0.5]
             let programs = plan.schedule(kind).unwrap();
             let report = crate::check_schedule(&programs).unwrap();
             for replica in plan.replicas() {
-                let m = replica.batch.num_micro_batches;
+                let m = replica.batch.num_micro_batches();
                 for tp in 0..2 {
                     let pipeline: Vec<usize> = replica.ranks.iter().map(|s| s[tp]).collect();
                     report.check_pipeline_order(&pipeline, 1, m).unwrap();
@@ -716,7 +719,7 @@ speeds = [1.0, 0.5]
             }
             for (rank, peak) in report.peak_in_flight.iter().enumerate() {
                 let (replica, stage) = plan.position(rank).unwrap();
-                let m = plan.replicas()[replica].batch.num_micro_batches;
+                let m = plan.replicas()[replica].batch.num_micro_batches();
                 let expected = match kind {
                     ScheduleKind::Gpipe => m,
                     _ => (3 - stage).min(m),
@@ -996,7 +999,7 @@ num_micro_batches = 2
                     let stages = per_stage.len();
                     let replica = ReplicaPipeline::single_ranks(
                         StageLayout::new(per_stage, layers).unwrap(),
-                        ReplicaBatch { micro_batch_size: 1, num_micro_batches: 1 },
+                        ReplicaBatch::uniform(1, 1),
                         (next..next + stages).collect(),
                         Vec::new(),
                     );

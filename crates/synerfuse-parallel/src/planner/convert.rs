@@ -63,10 +63,7 @@ impl Candidate {
                 .collect();
             replicas.push(ReplicaPipeline {
                 stages,
-                batch: ReplicaBatch {
-                    micro_batch_size,
-                    num_micro_batches,
-                },
+                batch: ReplicaBatch::uniform(micro_batch_size, num_micro_batches),
                 ranks,
                 tp_shares: Vec::new(),
                 recompute: match recomputes {
@@ -125,10 +122,7 @@ impl PooledCandidate {
             let even = |g: &TpGroup| g.shares.iter().all(|&s| s == g.shares[0]);
             replicas.push(ReplicaPipeline {
                 stages,
-                batch: ReplicaBatch {
-                    micro_batch_size: pool.micro_batch_size,
-                    num_micro_batches: pool.micro_batches[r],
-                },
+                batch: ReplicaBatch::uniform(pool.micro_batch_size, pool.micro_batches[r]),
                 ranks,
                 recompute: match candidate.recompute.get(replicas.len()) {
                     Some(flags) if flags.iter().any(|&x| x) => flags.clone(),

@@ -151,7 +151,7 @@ fn unit_work_s(
         false => 0.0,
     };
     let per_sample = layers * layer_s * group.work[member] + first + last;
-    Ok(per_sample * (r.batch.micro_batch_size * r.batch.num_micro_batches) as f64)
+    Ok(per_sample * r.batch.samples() as f64)
 }
 
 /// The cost model of the running job: one device per rank (on its host), each at the
@@ -229,8 +229,8 @@ pub fn predict_step_s(cost: &CostModel, plan: &Plan) -> Result<f64, ReplanError>
         pools.push(PoolLayout {
             devices,
             layers: r.stages.layers(),
-            micro_batch_size: r.batch.micro_batch_size,
-            micro_batches: vec![r.batch.num_micro_batches],
+            micro_batch_size: r.batch.micro_batch_size(),
+            micro_batches: vec![r.batch.num_micro_batches()],
         });
     }
     let mut ctx = Ctx::with_groups(cost, cost.cluster.devices(), groups);
@@ -338,10 +338,7 @@ mod tests {
             .map(|r| {
                 ReplicaPipeline::single_ranks(
                     StageLayout::new(vec![4], 4).unwrap(),
-                    ReplicaBatch {
-                        micro_batch_size: 1,
-                        num_micro_batches: 4,
-                    },
+                    ReplicaBatch::uniform(1, 4),
                     vec![r],
                     Vec::new(),
                 )
@@ -397,7 +394,8 @@ mod tests {
         // ranks 0, 2, 3 and 1 for rank 1 take 1.25 s, against 4 s now.
         assert!(step < 1.6, "{step}: {best:?}");
         let (replica, _) = best.position(1).unwrap();
-        let samples = |r: &ReplicaPipeline| r.batch.micro_batch_size * r.batch.num_micro_batches;
+        let samples =
+            |r: &ReplicaPipeline| r.batch.micro_batch_size() * r.batch.num_micro_batches();
         let slow = samples(&best.replicas()[replica]);
         assert!(
             best.replicas().iter().all(|r| samples(r) >= slow),

@@ -477,10 +477,7 @@ mod tests {
             shapes in prop::collection::vec((1usize..4, 1usize..9), 1..4),
             gpipe in any::<bool>(),
         ) {
-            let batches = crate::ReplicaBatches::new(shapes.iter().map(|&(m, n)| crate::ReplicaBatch {
-                micro_batch_size: m,
-                num_micro_batches: n,
-            }).collect()).unwrap();
+            let batches = crate::ReplicaBatches::new(shapes.iter().map(|&(m, n)| crate::ReplicaBatch::uniform(m, n)).collect()).unwrap();
             let world = tp * pp * shapes.len();
             let plan = crate::GridPlan::new(
                 crate::flags::TopologySpec { world_size: world, tp, pp, cp: 1, ep: 1, order: crate::TP_PP_DP_ORDER.into() },

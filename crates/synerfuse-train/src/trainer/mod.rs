@@ -732,8 +732,9 @@ impl<'w> Trainer<'w> {
             log.record_speed_shifts(rank, self.iteration, &shifts)?;
             self.note_step(&mut log, outcome.step_ms / 1e3)?;
             let ending = outcome.any_stop || self.config.checkpoint.exit_due(self.iteration);
-            if !shifts.is_empty() && self.iteration < train_iters && !ending {
-                self.replan(&mut log)?;
+            let cause = self.replan_cause(!shifts.is_empty());
+            if let Some(cause) = cause.filter(|_| self.iteration < train_iters && !ending) {
+                self.replan(&mut log, cause)?;
             }
             if eval.due(self.iteration) {
                 let split = EvalSplit::Validation;

@@ -400,15 +400,16 @@ impl StepLog {
             (false, false) => "a switch would not pay; the plan is kept",
         };
         tracing::info!(
-            "re-planning after iteration {}: ranks' forward and backward {:?} s per step, speeds {:?} of the fastest; the plan running predicted at {:.4} s per step (measured {:.4} s), the best plan at {:.4} s (layers per stage {:?}, micro-batch size and count per replica {:?}); gain over the {} remaining iterations {:.2} s against a switch cost of {:.2} s ({}): {verdict}",
+            "re-planning after iteration {} ({}): ranks' forward and backward {:?} s per step, speeds {:?} of the fastest; the plan running predicted at {:.4} s per step (measured {:.4} s), the best plan at {:.4} s (layers per stage {:?}, micro-batches per replica {:?}); gain over the {} remaining iterations {:.2} s against a switch cost of {:.2} s ({}): {verdict}",
             decision.iteration,
+            decision.cause,
             decision.paces_s.iter().map(|p| (p * 1e4).round() / 1e4).collect::<Vec<_>>(),
             decision.speeds.iter().map(|s| (s * 100.0).round() / 100.0).collect::<Vec<_>>(),
             decision.current_step_s,
             decision.measured_step_s,
             decision.proposed_step_s,
             decision.proposed_layers,
-            decision.proposed_batches,
+            decision.proposed_batches.iter().map(ToString::to_string).collect::<Vec<_>>(),
             decision.remaining_iterations,
             decision.gain_s,
             decision.switch_cost_s,

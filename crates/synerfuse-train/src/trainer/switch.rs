@@ -9,7 +9,9 @@ use super::report::StepLog;
 use super::Trainer;
 use crate::checkpoint::{CheckpointProblem, CheckpointState, StateSource};
 use crate::comm::groups::RankDevice;
-use crate::replan::{RecentSteps, ReplanDecision, ReplanMode, SpeedWatch, SwitchOutcome};
+use crate::replan::{
+    RecentSteps, ReplanCause, ReplanDecision, ReplanMode, SpeedWatch, SwitchOutcome,
+};
 use crate::TrainError;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -27,6 +29,9 @@ pub(super) struct Replanning {
     last_switch_s: Option<f64>,
     /// A switch whose effect is being measured.
     settling: Option<Settling>,
+    /// Whether the paces after warm-up have been judged (once a run: a switch's own
+    /// warm-up is not judged again, only later changes).
+    warm_up_judged: bool,
 }
 
 /// A switch being measured: the steps after its first.
@@ -44,6 +49,7 @@ impl Replanning {
             recent: RecentSteps::new(window),
             last_switch_s: None,
             settling: None,
+            warm_up_judged: false,
         }
     }
 }
@@ -127,10 +133,25 @@ impl<'w> Trainer<'w> {
         log.record_switch_outcome(self.world.rank(), &outcome)
     }
 
-    /// After the watch reported a sustained change: plans again with every rank's
-    /// measured pace, logs the decision and, when it pays under `--replan auto`,
-    /// switches. Collective.
-    pub(super) fn replan(&mut self, log: &mut StepLog) -> Result<(), TrainError> {
+    /// Why to re-plan after this step, if at all: a sustained change the watch reported,
+    /// or, once a run and on more than one rank, the first paces after warm-up.
+    pub(super) fn replan_cause(&mut self, shifted: bool) -> Option<ReplanCause> {
+        let first = self.watch.take_first_paces() && !self.replanning.warm_up_judged;
+        self.replanning.warm_up_judged |= first;
+        match (shifted, first && self.world.size() > 1) {
+            (true, _) => Some(ReplanCause::SpeedChange),
+            (false, true) => Some(ReplanCause::WarmUp),
+            (false, false) => None,
+        }
+    }
+
+    /// After the watch's verdict (`cause`): plans again with every rank's measured pace,
+    /// logs the decision and, when it pays under `--replan auto`, switches. Collective.
+    pub(super) fn replan(
+        &mut self,
+        log: &mut StepLog,
+        cause: ReplanCause,
+    ) -> Result<(), TrainError> {
         let Some(paces_s) = self.watch.paces_s() else {
             return Ok(());
         };
@@ -161,7 +182,7 @@ impl<'w> Trainer<'w> {
                 recompute: self.config.compute.recompute,
                 compute_bytes: self.compute_bytes(),
             };
-            match self.decide(&job, switch_cost_s, cost_basis) {
+            match self.decide(&job, switch_cost_s, cost_basis, cause) {
                 Ok(decision) => message = serde_json::to_vec(&decision).unwrap_or_default(),
                 Err(reason) => failure = Some(reason),
             }
@@ -261,6 +282,7 @@ impl<'w> Trainer<'w> {
         job: &RunningJob<'_>,
         switch_cost_s: f64,
         cost_basis: &str,
+        cause: ReplanCause,
     ) -> Result<ReplanDecision, planner::ReplanError> {
         let cost = planner::fitted_cost(job)?;
         let fitted: Vec<f64> = cost
@@ -280,15 +302,14 @@ impl<'w> Trainer<'w> {
         let remaining_iterations = self.config.batch.train_iters - self.iteration;
         let mut decision = ReplanDecision {
             iteration: self.iteration,
+            cause,
             paces_s: job.paces_s.to_vec(),
             speeds: fitted.iter().map(|s| s / fastest).collect(),
             measured_step_s: self.replanning.recent.median().unwrap_or_default(),
             current_step_s,
             proposed_step_s,
             proposed_layers: plan.replicas().iter().map(|r| r.stages.layers()).collect(),
-            proposed_batches: (plan.replicas().iter())
-                .map(|r| (r.batch.micro_batch_size, r.batch.num_micro_batches))
-                .collect(),
+            proposed_batches: (plan.replicas().iter()).map(|r| r.batch.clone()).collect(),
             proposed_plan: plan,
             remaining_iterations,
             gain_s: (current_step_s - proposed_step_s) * remaining_iterations as f64,
@@ -440,7 +461,7 @@ impl<'w> Trainer<'w> {
                 "re-planned after iteration {}: switched in {switch_s:.3} s to layers per stage {:?} and micro-batches {:?} per replica",
                 self.iteration,
                 self.config.parallel.plan.replicas().iter().map(|r| r.stages.layers()).collect::<Vec<_>>(),
-                self.config.parallel.plan.replicas().iter().map(|r| (r.batch.micro_batch_size, r.batch.num_micro_batches)).collect::<Vec<_>>(),
+                self.config.parallel.plan.replicas().iter().map(|r| r.batch.to_string()).collect::<Vec<_>>(),
             );
         }
         Ok(())
