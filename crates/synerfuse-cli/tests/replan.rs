@@ -267,6 +267,57 @@ fn a_rank_slowing_for_good_makes_the_run_switch_once_without_changing_a_loss() {
     );
 }
 
+// A plan wrong from the start is judged once, on the paces after warm-up: rank 1 slow
+// from the first step (an even plan on unequal devices), or rank 2 slowing 4x at
+// iteration 12, inside the window whose paces the watch first assumes. Either run
+// switches once, after iteration 20, for the warm-up's paces, and not again.
+#[test]
+fn a_plan_wrong_from_the_start_is_switched_once_after_warm_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dataset(dir.path());
+    let from_the_start = [
+        "--micro-batch-size",
+        "1",
+        "--emulate-device-speed",
+        "0.5,0.125,0.5,0.5",
+        "--replan",
+        "auto",
+    ];
+    let inside_the_window = [
+        &SPEEDS[..],
+        &["--emulate-speed-change", "12:2:0.125", "--replan", "auto"],
+    ]
+    .concat();
+    let reference = single_rank_losses(dir.path(), &data, 40);
+    for (name, args) in [
+        ("from-the-start", &from_the_start[..]),
+        ("inside-the-window", &inside_the_window[..]),
+    ] {
+        let (records, stderr) = four_ranks(dir.path(), &data, name, 40, args);
+        let switched: Vec<_> = (nested(&records, "replan").into_iter())
+            .filter(|d| d["switched"].as_bool() == Some(true))
+            .collect();
+        assert_eq!(switched.len(), 1, "{name}: {stderr}");
+        assert_eq!(switched[0]["cause"], "warm_up", "{name}: {}", switched[0]);
+        assert_eq!(switched[0]["iteration"], 20, "{name}: {}", switched[0]);
+        assert!(
+            stderr.contains("(the ranks' paces measured after warm-up)"),
+            "{name}: {stderr}"
+        );
+        // The replica holding the slow rank takes less than an even share.
+        let slow = if name == "from-the-start" { 1 } else { 2 };
+        let plan: synerfuse_parallel::Plan =
+            serde_json::from_value(switched[0]["proposed_plan"].clone()).unwrap();
+        let (replica, _) = plan.position(slow).unwrap();
+        let share = plan.replicas()[replica].batch.samples() * plan.replicas().len();
+        assert!(share < plan.global_batch_size(), "{name}: {}", switched[0]);
+        same_losses(
+            &losses(&dir.path().join(format!("{name}.jsonl"))),
+            &reference,
+        );
+    }
+}
+
 // Three slow steps are shorter than the window: no change is sustained, nothing is
 // re-planned.
 #[test]

@@ -1879,3 +1879,129 @@ fn profile_prices_what_plan_uses() {
     let fraction = j["fraction_of_bound"].as_f64().unwrap();
     assert!(fraction > 0.0 && fraction <= 1.0, "{j}");
 }
+
+/// `synerfuse plan --try 3` on a 2-rank emulated cluster (speeds 1 and 0.5): the best
+/// predicted plans each train for a few steps on the ranks, the report puts predicted
+/// beside measured, and the measured fastest is the plan written (and it trains).
+#[test]
+fn plan_try_trains_the_best_predicted_plans_and_writes_the_measured_best() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dataset(dir.path());
+    let model = [
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--num-query-groups",
+        "2",
+        "--ffn-hidden-size",
+        "64",
+        "--vocab-size",
+        "1024", // the test tokenizer's
+        "--seq-length",
+        "32",
+    ];
+    let profile = dir.path().join("profile.json");
+    let mut args = strings(&[
+        "profile",
+        "--device",
+        "cpu",
+        "--device-kind",
+        "cpu",
+        "--micro-batch-sizes",
+        "1,2,3",
+        "--repeats",
+        "2",
+        "--output",
+        profile.to_str().unwrap(),
+    ]);
+    args.extend(strings(&model));
+    ok(&synerfuse(&args), "profile");
+    let cluster = dir.path().join("two.toml");
+    std::fs::write(
+        &cluster,
+        "[[group]]\nkind = \"cpu\"\ncount = 1\nnode = \"here\"\nspeed = 1.0\n\n\
+         [[group]]\nkind = \"cpu\"\ncount = 1\nnode = \"here\"\nspeed = 0.5\n\n\
+         [network]\nintra_node_gbs = 5\ninter_node_gbs = 5\n",
+    )
+    .unwrap();
+    let output = dir.path().join("best.toml");
+    // What training needs besides the plan: `common`'s flags without the ones --try sets.
+    let mut train = common(dir.path(), &data, 1);
+    train.remove(0); // "train"
+    let at = train.iter().position(|a| a == "--train-iters").unwrap();
+    train.drain(at..at + 2);
+    let mut args = strings(&[
+        "plan",
+        "--json",
+        "--cluster",
+        cluster.to_str().unwrap(),
+        "--profile",
+        profile.to_str().unwrap(),
+        "--global-batch-size",
+        "6",
+        "--micro-batch-sizes",
+        "1,2,3",
+        "--top-k",
+        "3",
+        "--try",
+        "3",
+        "--try-iters",
+        "6",
+        "--output",
+        output.to_str().unwrap(),
+    ]);
+    args.extend(strings(&model));
+    args.push("--".into());
+    args.extend(train.iter().cloned());
+    let out = synerfuse(&args);
+    ok(&out, "plan --try");
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    let tried = j["tried"]["tried"].as_array().expect("the tried plans");
+    assert!(tried.len() >= 2, "{j}");
+    let measured: Vec<f64> = (tried.iter())
+        .map(|t| t["measured_step_time_s"].as_f64().expect("each trained"))
+        .collect();
+    assert!(measured.iter().all(|&m| m > 0.0), "{measured:?}");
+    let best = j["tried"]["measured_best"].as_u64().unwrap() as usize;
+    let fastest = (0..measured.len())
+        .min_by(|&a, &b| measured[a].total_cmp(&measured[b]))
+        .unwrap();
+    assert_eq!(best, fastest, "{measured:?}");
+    let written: Vec<bool> = (tried.iter())
+        .map(|t| t["written"].as_bool().unwrap())
+        .collect();
+    assert_eq!(written.iter().filter(|&&w| w).count(), 1);
+    assert!(written[best]);
+    assert!(
+        j["tried"]["gain_over_predicted_best_percent"]
+            .as_f64()
+            .unwrap()
+            >= 0.0
+    );
+    // The written plan is the measured best's, and each tried plan's log holds its steps.
+    let tried_file = tried[best]["file"].as_str().unwrap();
+    assert_eq!(
+        std::fs::read_to_string(&output).unwrap(),
+        std::fs::read_to_string(tried_file).unwrap()
+    );
+    for t in tried {
+        assert_eq!(losses(Path::new(t["log"].as_str().unwrap())).len(), 6);
+    }
+    // Another model than the one priced is refused, naming what differs.
+    let mut wider = args.clone();
+    let at = wider.iter().rposition(|a| a == "--hidden-size").unwrap();
+    wider[at + 1] = "64".into();
+    let out = synerfuse(&wider);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("hidden_size 64 (priced: 32)"), "{stderr}");
+    // Flags --try sets itself are refused among the training arguments, by name.
+    args.extend(strings(&["--train-iters", "3"]));
+    let out = synerfuse(&args);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--try sets --train-iters"), "{stderr}");
+}

@@ -9,6 +9,7 @@ mod env_report;
 mod model_commands;
 mod plan_commands;
 mod plan_report;
+mod plan_try;
 mod restart;
 mod train_command;
 

@@ -6,6 +6,7 @@ use crate::plan_report::{
     pooled_json, pooled_replicas, pooled_train_flags, print_pooled_replicas, PlanReport,
     PooledOnlyReport, WrittenPlan,
 };
+use crate::plan_try::{plans_to_try, print_try_report, try_plans, TryReport, TrySettings};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::collections::BTreeMap;
@@ -235,6 +236,34 @@ pub struct PlanArgs {
     /// `synerfuse timeline --predicted`)
     #[arg(long)]
     timeline: Option<PathBuf>,
+    /// Train the K best predicted plans for --try-iters steps each (with the training
+    /// arguments after `--`, under `--nproc`), report predicted against measured, and
+    /// write the measured fastest to --output; each plan, its log and output go to
+    /// OUTPUT.try/
+    #[arg(long = "try", value_name = "K", value_parser = crate::values::positive_count, requires = "output")]
+    try_plans: Option<usize>,
+    /// Steps each tried plan trains; the first third are warm-up, not timed
+    #[arg(long, default_value_t = 9, requires = "try_plans")]
+    try_iters: u64,
+    /// `synerfuse train`'s arguments for the tried plans (data, tokenizer, model,
+    /// optimizer), after `--`; --try sets --plan, --nproc, --train-iters and --log-json
+    #[arg(last = true, value_name = "TRAIN ARGS")]
+    train_args: Vec<String>,
+}
+
+impl PlanArgs {
+    /// `--try`'s settings, when asked for.
+    fn try_settings(&self) -> Option<TrySettings> {
+        let (plans, output) = (self.try_plans?, self.output.as_ref()?);
+        let mut dir = output.clone().into_os_string();
+        dir.push(".try");
+        Some(TrySettings {
+            plans,
+            iters: self.try_iters,
+            train_args: self.train_args.clone(),
+            dir: dir.into(),
+        })
+    }
 }
 
 /// Writes the grid plan `c` in the general plan's file form (`[[replica]]` tables, which
@@ -265,12 +294,35 @@ fn read_profile(path: Option<&std::path::Path>, shape: &ModelShape) -> Result<Op
 }
 
 pub fn run_plan(args: PlanArgs) -> Result<()> {
+    if !args.train_args.is_empty() && args.try_plans.is_none() {
+        bail!("training arguments after -- are for --try; without it, nothing trains");
+    }
+    let settings = args.try_settings();
+    if let Some(settings) = &settings {
+        settings.check()?;
+    }
     let text = std::fs::read_to_string(&args.cluster)
         .with_context(|| format!("reading {}", args.cluster.display()))?;
     let cluster =
         ClusterSpec::from_toml(&text).with_context(|| args.cluster.display().to_string())?;
     let shape = args.model.shape()?;
     let profile = read_profile(args.profile.as_deref(), &shape)?;
+    if let Some(settings) = &settings {
+        let trained =
+            crate::train_command::trained_model_shape(&settings.train_args, shape.num_layers)
+                .context("--try: the training arguments after --")?;
+        let (trained, planned) = (
+            serde_json::to_value(&trained)?,
+            serde_json::to_value(&shape)?,
+        );
+        let differ: Vec<String> = (trained.as_object().into_iter().flatten())
+            .filter(|(key, value)| planned.get(key.as_str()) != Some(value))
+            .map(|(key, value)| format!("{key} {value} (priced: {})", planned[key.as_str()]))
+            .collect();
+        if !differ.is_empty() {
+            bail!("--try: the training arguments after -- build another model than the plans are priced for: {}; give plan the model that training builds (--vocab-size: the tokenizer's)", differ.join(", "));
+        }
+    }
     let cost = CostModel::new(shape.clone(), cluster, profile);
     let started = Instant::now();
     let outcome = planner::plan(
@@ -285,17 +337,22 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
         },
     )?;
     let planning_s = started.elapsed().as_secs_f64();
+    let tried = match &settings {
+        Some(settings) => Some(try_plans(settings, &plans_to_try(&cost, &outcome)?)?),
+        None => None,
+    };
     let Some(best) = outcome.plans.first() else {
-        return report_pooled_only(&args, &cost, &outcome, planning_s);
+        return report_pooled_only(&args, &cost, &outcome, planning_s, tried.as_ref());
     };
     let flags = (best.to_plan(&cost)?.grid_flags())
         .context("the best grid plan has no SynerFuse flags (a planner bug)")?;
     // Per-replica pipelines are written when they beat the best grid plan.
     let pooled = outcome.pooled_wins();
     if let Some(out) = &args.output {
-        match pooled {
-            Some(p) => write_atomically(out, &p.to_plan(&cost)?.to_toml()?)?,
-            None => write_plan(out, &cost, best)?,
+        match (&tried, pooled) {
+            (Some(tried), _) => write_atomically(out, &tried.best().plan.to_toml()?)?,
+            (None, Some(p)) => write_atomically(out, &p.to_plan(&cost)?.to_toml()?)?,
+            (None, None) => write_plan(out, &cost, best)?,
         }
     }
     if let Some(out) = &args.grid_output {
@@ -334,11 +391,29 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
         planning_s,
     };
     if args.json {
-        println!("{}", serde_json::to_string(&report.json())?);
-        return Ok(());
+        return print_json(report.json(), tried.as_ref());
     }
     report.print();
-    print_written(&args, &report.written_flags());
+    match &tried {
+        Some(tried) => {
+            print_try_report(tried);
+            print_written(&args, &tried.best().train_flags);
+        }
+        None => print_written(&args, &report.written_flags()),
+    }
+    Ok(())
+}
+
+/// `--json`'s one object: the report, and what `--try` measured.
+fn print_json(report: impl serde::Serialize, tried: Option<&TryReport>) -> Result<()> {
+    #[derive(serde::Serialize)]
+    struct WithTried<'a, T> {
+        #[serde(flatten)]
+        report: T,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        tried: Option<&'a TryReport>,
+    }
+    println!("{}", serde_json::to_string(&WithTried { report, tried })?);
     Ok(())
 }
 
@@ -363,6 +438,7 @@ fn report_pooled_only(
     cost: &CostModel,
     outcome: &planner::PlanOutcome,
     planning_s: f64,
+    tried: Option<&TryReport>,
 ) -> Result<()> {
     let p = outcome
         .pooled
@@ -377,7 +453,11 @@ fn report_pooled_only(
         );
     }
     if let Some(out) = &args.output {
-        write_atomically(out, &p.to_plan(cost)?.to_toml()?)?;
+        let plan = match tried {
+            Some(tried) => tried.best().plan.clone(),
+            None => p.to_plan(cost)?,
+        };
+        write_atomically(out, &plan.to_toml()?)?;
     }
     if let Some(out) = &args.timeline {
         let timeline = planner::pooled_timeline(cost, p)?;
@@ -390,24 +470,25 @@ fn report_pooled_only(
     let tokens_per_step = (args.global_batch_size * cost.model.seq_length) as f64;
     let replicas = pooled_replicas(cost, p);
     if args.json {
-        println!(
-            "{}",
-            serde_json::to_string(&PooledOnlyReport {
-                candidates_considered: outcome.considered,
-                planning_time_s: planning_s,
-                bound_tokens_per_s: outcome.bound.tokens_per_s,
-                device_alone_tokens_per_s: outcome.bound.device_tokens_per_s.clone(),
-                per_replica_pipelines: pooled_json(outcome, p, replicas, tokens_per_step),
-                written_plan: WrittenPlan::pooled(p),
-            })?
-        );
-        return Ok(());
+        let report = PooledOnlyReport {
+            candidates_considered: outcome.considered,
+            planning_time_s: planning_s,
+            bound_tokens_per_s: outcome.bound.tokens_per_s,
+            device_alone_tokens_per_s: outcome.bound.device_tokens_per_s.clone(),
+            per_replica_pipelines: pooled_json(outcome, p, replicas, tokens_per_step),
+            written_plan: WrittenPlan::pooled(p),
+        };
+        return print_json(report, tried);
     }
     println!(
         "no grid plan (every replica the same stages) fits; per-replica pipelines do ({} candidates considered in {planning_s:.2} s)",
         outcome.considered
     );
     print_pooled_replicas(outcome, p, &replicas, tokens_per_step);
-    print_written(args, &pooled_train_flags(p));
+    if let Some(tried) = tried {
+        print_try_report(tried);
+    }
+    let flags = tried.map_or_else(|| pooled_train_flags(p), |t| t.best().train_flags.clone());
+    print_written(args, &flags);
     Ok(())
 }

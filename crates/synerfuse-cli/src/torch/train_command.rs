@@ -790,6 +790,30 @@ impl TrainArgs {
     }
 }
 
+/// The shape of the model `synerfuse train` builds from `args` (its arguments, without
+/// the subcommand) with `num_layers` layers: what `plan --try` checks against the model
+/// it priced.
+pub(crate) fn trained_model_shape(
+    args: &[String],
+    num_layers: usize,
+) -> Result<synerfuse_parallel::cost::ModelShape> {
+    #[derive(clap::Parser)]
+    struct Train {
+        #[command(flatten)]
+        args: TrainArgs,
+    }
+    // --train-iters is required but says nothing of the model.
+    let argv = ["train", "--train-iters", "1"].map(String::from);
+    let argv = argv.into_iter().chain(args.iter().cloned());
+    let train = <Train as clap::Parser>::try_parse_from(argv)?;
+    let tokenizer = (train.args.tokenizer.build()?).context("--tokenizer-type is required")?;
+    let model = train.args.model(tokenizer.vocab_size(), num_layers)?;
+    Ok(synerfuse_train::profiler::model_shape(
+        &model,
+        train.args.seq_length,
+    ))
+}
+
 pub fn run_train(args: TrainArgs) -> Result<()> {
     if args.reset_attention_mask && args.no_create_attention_mask_in_dataloader {
         bail!(

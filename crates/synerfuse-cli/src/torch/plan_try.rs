@@ -1,0 +1,279 @@
+//! `synerfuse plan --try K`: the K best predicted plans trained for a few steps each on
+//! the real ranks, predicted against measured, and the measured fastest written (what
+//! FlagScale's autotuner does, with the planner's prices choosing what to try).
+
+use crate::files::write_atomically;
+use crate::plan_report::pooled_train_flags;
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use synerfuse_parallel::cost::CostModel;
+use synerfuse_parallel::planner::PlanOutcome;
+use synerfuse_parallel::Plan;
+
+/// Flags `--try` sets on every training run itself.
+const OWNED_FLAGS: [&str; 4] = ["--plan", "--train-iters", "--log-json", "--nproc"];
+
+/// How plans are tried.
+#[derive(Debug, Clone)]
+pub(crate) struct TrySettings {
+    /// How many of the best predicted plans.
+    pub(crate) plans: usize,
+    /// Steps each trains; the first third (at least one) are warm-up, not timed.
+    pub(crate) iters: u64,
+    /// The training run's own arguments (data, tokenizer, model, optimizer).
+    pub(crate) train_args: Vec<String>,
+    /// Where each tried plan, its JSON log and its output go.
+    pub(crate) dir: PathBuf,
+}
+
+impl TrySettings {
+    /// Refuses training arguments that `--try` sets itself, and too few steps to time.
+    pub(crate) fn check(&self) -> Result<()> {
+        if let Some(flag) = (self.train_args.iter())
+            .find(|a| OWNED_FLAGS.contains(&a.split('=').next().unwrap_or(a)))
+        {
+            bail!("--try sets {flag} on each training run itself; drop it from the training arguments after --");
+        }
+        if self.iters < 2 {
+            bail!(
+                "--try-iters {}: at least 2 steps (the first is warm-up, not timed)",
+                self.iters
+            );
+        }
+        Ok(())
+    }
+
+    /// Steps not timed.
+    fn warm_up(&self) -> usize {
+        (self.iters as usize).div_ceil(3).max(1)
+    }
+}
+
+/// A plan to try, as the planner predicted it.
+#[derive(Debug, Clone)]
+pub(crate) struct PlanToTry {
+    pub(crate) label: String,
+    pub(crate) plan: Plan,
+    pub(crate) predicted_s: f64,
+    pub(crate) train_flags: Vec<&'static str>,
+}
+
+/// The planner's plans, predicted fastest first, each plan once: per-replica pipelines
+/// (when found) and the grid plans.
+pub(crate) fn plans_to_try(cost: &CostModel, outcome: &PlanOutcome) -> Result<Vec<PlanToTry>> {
+    let mut plans = Vec::new();
+    if let Some(p) = &outcome.pooled {
+        plans.push(PlanToTry {
+            label: format!(
+                "per-replica pipelines, layers {:?}",
+                p.pools.iter().map(|pool| &pool.layers).collect::<Vec<_>>()
+            ),
+            plan: p.to_plan(cost)?,
+            predicted_s: p.step_time_s,
+            train_flags: pooled_train_flags(p),
+        });
+    }
+    for c in &outcome.plans {
+        plans.push(PlanToTry {
+            label: format!(
+                "grid pp {} x dp {}, layers {:?}, {}",
+                c.layers.len(),
+                c.micro_batches.len(),
+                c.layers,
+                c.micro_batch_size_text()
+            ),
+            plan: c.to_plan(cost)?,
+            predicted_s: c.prediction.step_time_s,
+            train_flags: c.options.train_flags(),
+        });
+    }
+    plans.sort_by(|a, b| a.predicted_s.total_cmp(&b.predicted_s));
+    let mut distinct: Vec<PlanToTry> = Vec::with_capacity(plans.len());
+    for p in plans {
+        if !distinct.iter().any(|d| d.plan == p.plan) {
+            distinct.push(p);
+        }
+    }
+    Ok(distinct)
+}
+
+/// One plan as it ran.
+#[derive(Debug, Clone, serde::Serialize)]
+pub(crate) struct TriedPlan {
+    pub(crate) label: String,
+    pub(crate) file: PathBuf,
+    pub(crate) log: PathBuf,
+    pub(crate) predicted_step_time_s: f64,
+    /// Median of the timed steps; `None` when the run failed.
+    pub(crate) measured_step_time_s: Option<f64>,
+    /// (predicted − measured) ÷ measured, %.
+    pub(crate) prediction_error_percent: Option<f64>,
+    /// Why the run failed.
+    pub(crate) failure: Option<String>,
+    /// Whether this is the plan written to --output (the measured fastest).
+    pub(crate) written: bool,
+    #[serde(skip)]
+    pub(crate) plan: Plan,
+    pub(crate) train_flags: Vec<&'static str>,
+}
+
+/// Every tried plan, and which was fastest.
+#[derive(Debug, Clone, serde::Serialize)]
+pub(crate) struct TryReport {
+    pub(crate) steps_per_plan: u64,
+    pub(crate) timed_steps: u64,
+    pub(crate) tried: Vec<TriedPlan>,
+    /// Index in `tried` of the measured fastest (the predicted fastest is 0).
+    pub(crate) measured_best: usize,
+    /// How much faster the measured best ran than the predicted best, % (0 when they
+    /// are one plan; `None` when the predicted best failed).
+    pub(crate) gain_over_predicted_best_percent: Option<f64>,
+}
+
+impl TryReport {
+    pub(crate) fn best(&self) -> &TriedPlan {
+        &self.tried[self.measured_best]
+    }
+}
+
+/// Trains each of the first `settings.plans` of `plans` and reports them; an error
+/// when not one of them trained.
+pub(crate) fn try_plans(settings: &TrySettings, plans: &[PlanToTry]) -> Result<TryReport> {
+    std::fs::create_dir_all(&settings.dir)
+        .with_context(|| format!("creating {}", settings.dir.display()))?;
+    let exe = std::env::current_exe().context("finding this executable to train with")?;
+    let mut tried = Vec::new();
+    for (k, p) in plans.iter().take(settings.plans).enumerate() {
+        eprintln!(
+            "[plan --try] {}/{}: {} (predicted {:.4} s per step)",
+            k + 1,
+            settings.plans.min(plans.len()),
+            p.label,
+            p.predicted_s
+        );
+        tried.push(try_one(&exe, settings, k, p)?);
+    }
+    let measured = |t: &TriedPlan| t.measured_step_time_s.unwrap_or(f64::INFINITY);
+    let measured_best = (0..tried.len())
+        .min_by(|&a, &b| measured(&tried[a]).total_cmp(&measured(&tried[b])))
+        .filter(|&best| tried[best].measured_step_time_s.is_some())
+        .with_context(|| {
+            let failures: Vec<String> = (tried.iter())
+                .map(|t| format!("{}: {}", t.label, t.failure.clone().unwrap_or_default()))
+                .collect();
+            format!("--try: no tried plan trained:\n  {}", failures.join("\n  "))
+        })?;
+    tried[measured_best].written = true;
+    let gain = (tried[0].measured_step_time_s)
+        .map(|first| (first / measured(&tried[measured_best]) - 1.0) * 100.0);
+    Ok(TryReport {
+        steps_per_plan: settings.iters,
+        timed_steps: settings.iters - settings.warm_up() as u64,
+        tried,
+        measured_best,
+        gain_over_predicted_best_percent: gain,
+    })
+}
+
+/// Writes plan `k`, trains it, and reads its timed steps back.
+fn try_one(exe: &Path, settings: &TrySettings, k: usize, p: &PlanToTry) -> Result<TriedPlan> {
+    let file = settings.dir.join(format!("try-{k}.toml"));
+    let log = settings.dir.join(format!("try-{k}.jsonl"));
+    let output = settings.dir.join(format!("try-{k}.log"));
+    write_atomically(&file, &p.plan.to_toml()?)?;
+    let _ = std::fs::remove_file(&log);
+    let console =
+        std::fs::File::create(&output).with_context(|| format!("creating {}", output.display()))?;
+    let status = Command::new(exe)
+        .arg("train")
+        .args(["--nproc", &p.plan.world_size().to_string()])
+        .arg("--plan")
+        .arg(&file)
+        .args(["--train-iters", &settings.iters.to_string()])
+        .arg("--log-json")
+        .arg(&log)
+        .args(&p.train_flags)
+        .args(&settings.train_args)
+        .stdout(console.try_clone()?)
+        .stderr(console)
+        .status()
+        .with_context(|| format!("starting {} train", exe.display()))?;
+    let measured = match status.success() {
+        true => timed_median_s(&log, settings.warm_up()),
+        false => Err(anyhow::anyhow!(
+            "training exited with {status}; its output is in {}",
+            output.display()
+        )),
+    };
+    let (measured, failure) = match measured {
+        Ok(s) => (Some(s), None),
+        Err(e) => (None, Some(format!("{e:#}"))),
+    };
+    Ok(TriedPlan {
+        label: p.label.clone(),
+        file,
+        log,
+        predicted_step_time_s: p.predicted_s,
+        measured_step_time_s: measured,
+        prediction_error_percent: measured.map(|m| (p.predicted_s - m) / m * 100.0),
+        failure,
+        written: false,
+        plan: p.plan.clone(),
+        train_flags: p.train_flags.clone(),
+    })
+}
+
+/// The median step of a `--log-json` log after its first `warm_up` iterations, s.
+fn timed_median_s(log: &Path, warm_up: usize) -> Result<f64> {
+    let text =
+        std::fs::read_to_string(log).with_context(|| format!("reading {}", log.display()))?;
+    let mut steps: Vec<f64> = text
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter_map(|record| record.get("elapsed_ms").and_then(|v| v.as_f64()))
+        .skip(warm_up)
+        .collect();
+    if steps.is_empty() {
+        bail!("{}: no step after the warm-up was logged", log.display());
+    }
+    steps.sort_by(f64::total_cmp);
+    Ok(steps[steps.len() / 2] / 1e3)
+}
+
+/// The report as a table.
+pub(crate) fn print_try_report(report: &TryReport) {
+    println!(
+        "tried {} plans, {} steps each ({} timed, median):",
+        report.tried.len(),
+        report.steps_per_plan,
+        report.timed_steps
+    );
+    for (k, t) in report.tried.iter().enumerate() {
+        let measured = match (t.measured_step_time_s, &t.failure) {
+            (Some(m), _) => format!(
+                "measured {m:.4} s (predicted {:+.1} %)",
+                t.prediction_error_percent.unwrap_or_default()
+            ),
+            (None, failure) => format!("failed: {}", failure.as_deref().unwrap_or("")),
+        };
+        let mark = if k == report.measured_best { "*" } else { " " };
+        println!(
+            "{mark} #{k} {}: predicted {:.4} s, {measured}",
+            t.label, t.predicted_step_time_s
+        );
+    }
+    match report.gain_over_predicted_best_percent {
+        Some(_) if report.measured_best == 0 => {
+            println!("the predicted best was also the measured best")
+        }
+        Some(g) => println!(
+            "the measured best (#{}) ran {g:.1} % faster than the predicted best (#0)",
+            report.measured_best
+        ),
+        None => println!(
+            "the predicted best (#0) failed; the measured best is #{}",
+            report.measured_best
+        ),
+    }
+}
