@@ -338,7 +338,16 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
     )?;
     let planning_s = started.elapsed().as_secs_f64();
     let tried = match &settings {
-        Some(settings) => Some(try_plans(settings, &plans_to_try(&cost, &outcome)?)?),
+        Some(settings) => {
+            let plans = plans_to_try(&cost, &outcome)?;
+            let tokens_per_step = (args.global_batch_size * shape.seq_length) as f64;
+            Some(try_plans(
+                settings,
+                &plans,
+                &outcome.bound,
+                tokens_per_step,
+            )?)
+        }
         None => None,
     };
     let Some(best) = outcome.plans.first() else {
@@ -476,7 +485,8 @@ fn report_pooled_only(
             bound_tokens_per_s: outcome.bound.tokens_per_s,
             device_alone_tokens_per_s: outcome.bound.device_tokens_per_s.clone(),
             per_replica_pipelines: pooled_json(outcome, p, replicas, tokens_per_step),
-            written_plan: WrittenPlan::pooled(p),
+            integer_split_tokens_per_s: outcome.bound.integer_split_tokens_per_s,
+            written_plan: WrittenPlan::pooled(outcome, p, tokens_per_step),
         };
         return print_json(report, tried);
     }

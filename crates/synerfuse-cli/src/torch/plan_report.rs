@@ -82,13 +82,15 @@ impl PlanReport<'_> {
                 .map(|c| self.runner_up_json(c))
                 .collect(),
             per_replica_pipelines: self.outcome.pooled.as_ref().map(|p| self.pooled_json(p)),
+            integer_split_tokens_per_s: self.outcome.bound.integer_split_tokens_per_s,
             written_plan: match self.outcome.pooled_wins() {
-                Some(p) => WrittenPlan::pooled(p),
-                None => WrittenPlan {
-                    kind: "grid",
-                    predicted_step_time_s: p.step_time_s,
-                    train_flags: best.options.train_flags(),
-                },
+                Some(p) => WrittenPlan::pooled(self.outcome, p, self.tokens_per_step),
+                None => WrittenPlan::new(
+                    "grid",
+                    &self.outcome.bound,
+                    (self.tokens_per_step, p.step_time_s),
+                    best.options.train_flags(),
+                ),
             },
         }
     }
@@ -190,10 +192,13 @@ impl PlanReport<'_> {
             p.allreduce_s,
             p.optimizer_s
         );
+        let bound = &self.outcome.bound;
         println!(
-            "bound: {:.0} tokens/s (each device training the model alone, added up); the plan reaches {:.1}% of it",
-            self.outcome.bound.tokens_per_s,
-            self.fraction_of_bound(best) * 100.0
+            "bound: {:.0} tokens/s (each device training the model alone, added up); whole samples allow at most {:.1}% of it (integer split); the plan reaches {:.1}% of the bound, {:.1}% of the integer split",
+            bound.tokens_per_s,
+            bound.integer_split_fraction() * 100.0,
+            self.fraction_of_bound(best) * 100.0,
+            bound.fraction_of_integer_split(self.tokens_per_step, p.step_time_s) * 100.0
         );
         if !self.outcome.unpriced_optimizer.is_empty() {
             println!(
@@ -348,6 +353,8 @@ pub(crate) fn pooled_json(
         predicted_step_time_s: p.step_time_s,
         predicted_tokens_per_s: tokens_per_step / p.step_time_s,
         fraction_of_bound: outcome.bound.fraction(tokens_per_step, p.step_time_s),
+        fraction_of_integer_split: (outcome.bound)
+            .fraction_of_integer_split(tokens_per_step, p.step_time_s),
         tensor_parallel_size: p.groups.iter().map(|g| g.size()).max().unwrap_or(1),
         train_flags: pooled_train_flags(p),
         reduce_s: p.reduce_s,
@@ -419,6 +426,8 @@ pub(crate) struct GridReport<'a> {
     bound_tokens_per_s: f64,
     device_alone_tokens_per_s: &'a [f64],
     fraction_of_bound: f64,
+    /// The integer-split ceiling (see `ThroughputBound`), tokens/s.
+    integer_split_tokens_per_s: f64,
     optimizer_unpriced_kinds: &'a [String],
     runner_ups: Vec<RunnerUpReport>,
     per_replica_pipelines: Option<PooledReport>,
@@ -466,6 +475,7 @@ pub(crate) struct PooledReport {
     predicted_step_time_s: f64,
     predicted_tokens_per_s: f64,
     fraction_of_bound: f64,
+    fraction_of_integer_split: f64,
     tensor_parallel_size: usize,
     train_flags: Vec<&'static str>,
     reduce_s: f64,
@@ -473,23 +483,44 @@ pub(crate) struct PooledReport {
     replicas: Vec<ReplicaReport>,
 }
 
-/// The plan `--output` holds: which kind, its predicted step, and the `synerfuse train`
+/// The plan `--output` holds: which kind, its predicted step, its acceleration ratios
+/// (of the summed devices and of the integer-split ceiling), and the `synerfuse train`
 /// flags it was priced with.
 #[derive(serde::Serialize)]
 pub(crate) struct WrittenPlan {
     kind: &'static str,
     predicted_step_time_s: f64,
+    fraction_of_bound: f64,
+    fraction_of_integer_split: f64,
     train_flags: Vec<&'static str>,
 }
 
 impl WrittenPlan {
-    /// Per-replica pipelines, written.
-    pub(crate) fn pooled(p: &PooledCandidate) -> Self {
+    /// A plan of `kind` whose step over `tokens` takes `step_time_s`.
+    pub(crate) fn new(
+        kind: &'static str,
+        bound: &planner::ThroughputBound,
+        (tokens, step_time_s): (f64, f64),
+        train_flags: Vec<&'static str>,
+    ) -> Self {
         WrittenPlan {
-            kind: "per_replica_pipelines",
-            predicted_step_time_s: p.step_time_s,
-            train_flags: pooled_train_flags(p),
+            kind,
+            predicted_step_time_s: step_time_s,
+            fraction_of_bound: bound.fraction(tokens, step_time_s),
+            fraction_of_integer_split: bound.fraction_of_integer_split(tokens, step_time_s),
+            train_flags,
         }
+    }
+
+    /// Per-replica pipelines, written.
+    pub(crate) fn pooled(outcome: &planner::PlanOutcome, p: &PooledCandidate, tokens: f64) -> Self {
+        let bound = &outcome.bound;
+        Self::new(
+            "per_replica_pipelines",
+            bound,
+            (tokens, p.step_time_s),
+            pooled_train_flags(p),
+        )
     }
 }
 
@@ -500,6 +531,7 @@ pub(crate) struct PooledOnlyReport {
     pub(crate) planning_time_s: f64,
     pub(crate) bound_tokens_per_s: f64,
     pub(crate) device_alone_tokens_per_s: Vec<f64>,
+    pub(crate) integer_split_tokens_per_s: f64,
     pub(crate) per_replica_pipelines: PooledReport,
     pub(crate) written_plan: WrittenPlan,
 }

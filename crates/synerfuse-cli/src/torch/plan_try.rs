@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use synerfuse_parallel::cost::CostModel;
-use synerfuse_parallel::planner::PlanOutcome;
+use synerfuse_parallel::planner::{PlanOutcome, ThroughputBound};
 use synerfuse_parallel::Plan;
 
 /// Flags `--try` sets on every training run itself.
@@ -109,6 +109,10 @@ pub(crate) struct TriedPlan {
     pub(crate) measured_step_time_s: Option<f64>,
     /// (predicted − measured) ÷ measured, %.
     pub(crate) prediction_error_percent: Option<f64>,
+    /// The measured step's share of the summed devices, and of the integer-split
+    /// ceiling (the planner's bound: each device alone, as priced).
+    pub(crate) measured_fraction_of_bound: Option<f64>,
+    pub(crate) measured_fraction_of_integer_split: Option<f64>,
     /// Why the run failed.
     pub(crate) failure: Option<String>,
     /// Whether this is the plan written to --output (the measured fastest).
@@ -139,7 +143,12 @@ impl TryReport {
 
 /// Trains each of the first `settings.plans` of `plans` and reports them; an error
 /// when not one of them trained.
-pub(crate) fn try_plans(settings: &TrySettings, plans: &[PlanToTry]) -> Result<TryReport> {
+pub(crate) fn try_plans(
+    settings: &TrySettings,
+    plans: &[PlanToTry],
+    bound: &ThroughputBound,
+    tokens_per_step: f64,
+) -> Result<TryReport> {
     std::fs::create_dir_all(&settings.dir)
         .with_context(|| format!("creating {}", settings.dir.display()))?;
     let exe = std::env::current_exe().context("finding this executable to train with")?;
@@ -152,7 +161,13 @@ pub(crate) fn try_plans(settings: &TrySettings, plans: &[PlanToTry]) -> Result<T
             p.label,
             p.predicted_s
         );
-        tried.push(try_one(&exe, settings, k, p)?);
+        let mut one = try_one(&exe, settings, k, p)?;
+        if let Some(m) = one.measured_step_time_s {
+            one.measured_fraction_of_bound = Some(bound.fraction(tokens_per_step, m));
+            one.measured_fraction_of_integer_split =
+                Some(bound.fraction_of_integer_split(tokens_per_step, m));
+        }
+        tried.push(one);
     }
     let measured = |t: &TriedPlan| t.measured_step_time_s.unwrap_or(f64::INFINITY);
     let measured_best = (0..tried.len())
@@ -201,10 +216,18 @@ fn try_one(exe: &Path, settings: &TrySettings, k: usize, p: &PlanToTry) -> Resul
         .with_context(|| format!("starting {} train", exe.display()))?;
     let measured = match status.success() {
         true => timed_median_s(&log, settings.warm_up()),
-        false => Err(anyhow::anyhow!(
-            "training exited with {status}; its output is in {}",
-            output.display()
-        )),
+        false => {
+            let text = std::fs::read_to_string(&output).unwrap_or_default();
+            let last = text
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("");
+            Err(anyhow::anyhow!(
+                "training exited with {status}: {last} (its output: {})",
+                output.display()
+            ))
+        }
     };
     let (measured, failure) = match measured {
         Ok(s) => (Some(s), None),
@@ -217,6 +240,8 @@ fn try_one(exe: &Path, settings: &TrySettings, k: usize, p: &PlanToTry) -> Resul
         predicted_step_time_s: p.predicted_s,
         measured_step_time_s: measured,
         prediction_error_percent: measured.map(|m| (p.predicted_s - m) / m * 100.0),
+        measured_fraction_of_bound: None,
+        measured_fraction_of_integer_split: None,
         failure,
         written: false,
         plan: p.plan.clone(),
@@ -252,8 +277,10 @@ pub(crate) fn print_try_report(report: &TryReport) {
     for (k, t) in report.tried.iter().enumerate() {
         let measured = match (t.measured_step_time_s, &t.failure) {
             (Some(m), _) => format!(
-                "measured {m:.4} s (predicted {:+.1} %)",
-                t.prediction_error_percent.unwrap_or_default()
+                "measured {m:.4} s (predicted {:+.1} %; {:.1} % of the bound, {:.1} % of the integer split)",
+                t.prediction_error_percent.unwrap_or_default(),
+                t.measured_fraction_of_bound.unwrap_or_default() * 100.0,
+                t.measured_fraction_of_integer_split.unwrap_or_default() * 100.0
             ),
             (None, failure) => format!("failed: {}", failure.as_deref().unwrap_or("")),
         };

@@ -238,10 +238,7 @@ fn throughput_bound(
         }
         device_tokens_per_s.push(tokens / best);
     }
-    Ok(ThroughputBound {
-        tokens_per_s: device_tokens_per_s.iter().sum(),
-        device_tokens_per_s,
-    })
+    Ok(ThroughputBound::new(device_tokens_per_s, g))
 }
 
 #[cfg(test)]

@@ -121,12 +121,54 @@ pub struct ThroughputBound {
     pub device_tokens_per_s: Vec<f64>,
     /// Their sum.
     pub tokens_per_s: f64,
+    /// The most the devices reach together when each takes a whole number of the global
+    /// batch's samples at its own pace alone (the slowest to finish sets the step): the
+    /// sum less the integer rounding of samples, what no split can recover.
+    pub integer_split_tokens_per_s: f64,
 }
 
 impl ThroughputBound {
+    /// Each device alone (tokens/s), and the integer-split ceiling of a global batch of
+    /// `samples` (see [`ThroughputBound::integer_split_tokens_per_s`]).
+    pub fn new(device_tokens_per_s: Vec<f64>, samples: usize) -> Self {
+        let tokens_per_s = device_tokens_per_s.iter().sum();
+        // Samples one at a time to the device that finishes it first: optimal for equal
+        // jobs on devices of fixed speeds. Time in units of "one sample's tokens".
+        let mut taken = vec![0usize; device_tokens_per_s.len()];
+        let mut step = 0.0f64;
+        for _ in 0..samples {
+            let finish = |d: usize| (taken[d] + 1) as f64 / device_tokens_per_s[d].max(1e-300);
+            let Some(d) = (0..taken.len()).min_by(|&a, &b| finish(a).total_cmp(&finish(b))) else {
+                break;
+            };
+            step = step.max(finish(d));
+            taken[d] += 1;
+        }
+        let integer_split_tokens_per_s = match step > 0.0 {
+            true => samples as f64 / step,
+            false => tokens_per_s,
+        };
+        ThroughputBound {
+            device_tokens_per_s,
+            tokens_per_s,
+            integer_split_tokens_per_s,
+        }
+    }
+
     /// The share of the bound a step of `step_time_s` over `tokens` reaches.
     pub fn fraction(&self, tokens: f64, step_time_s: f64) -> f64 {
         tokens / step_time_s / self.tokens_per_s.max(1e-30)
+    }
+
+    /// The share of the integer-split ceiling a step of `step_time_s` over `tokens`
+    /// reaches.
+    pub fn fraction_of_integer_split(&self, tokens: f64, step_time_s: f64) -> f64 {
+        tokens / step_time_s / self.integer_split_tokens_per_s.max(1e-30)
+    }
+
+    /// The integer-split ceiling as a share of the summed devices.
+    pub fn integer_split_fraction(&self) -> f64 {
+        self.integer_split_tokens_per_s / self.tokens_per_s.max(1e-30)
     }
 }
 

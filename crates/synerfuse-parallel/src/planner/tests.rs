@@ -340,6 +340,36 @@ proptest! {
         prop_assert_eq!(bound.device_tokens_per_s.len(), 2 * tflops.len());
     }
 
+    /// The integer-split ceiling is the best whole-sample split (by enumeration on small
+    /// cases), at most the summed devices, and reaches them when the shares are whole.
+    #[test]
+    fn the_integer_split_ceiling_is_the_best_whole_sample_split(
+        rates in proptest::collection::vec(1.0f64..10.0, 1..=3),
+        samples in 1usize..=9,
+    ) {
+        let bound = ThroughputBound::new(rates.clone(), samples);
+        // Every split of `samples` over the devices; its step, the slowest device's.
+        let mut best = f64::INFINITY;
+        let splits = (samples + 1).pow(rates.len() as u32);
+        for code in 0..splits {
+            let (mut rest, mut taken) = (code, Vec::new());
+            for _ in &rates {
+                taken.push(rest % (samples + 1));
+                rest /= samples + 1;
+            }
+            if taken.iter().sum::<usize>() != samples {
+                continue;
+            }
+            let step = (taken.iter().zip(&rates)).map(|(&s, &r)| s as f64 / r).fold(0.0, f64::max);
+            best = best.min(step);
+        }
+        let expected = samples as f64 / best;
+        prop_assert!((bound.integer_split_tokens_per_s - expected).abs() < 1e-9 * expected);
+        prop_assert!(bound.integer_split_tokens_per_s <= bound.tokens_per_s * (1.0 + 1e-12));
+        let even = ThroughputBound::new(vec![rates[0]; rates.len()], samples * rates.len());
+        prop_assert!((even.integer_split_fraction() - 1.0).abs() < 1e-12);
+    }
+
     /// With one layer (one stage), the best plan equals brute force over every
     /// micro-batch size and count per replica (memory included): sizes may differ.
     #[test]
