@@ -68,7 +68,7 @@ impl<Op, Link> Clocks<Op, Link> {
 impl<Op, Link> Observer for Clocks<Op, Link>
 where
     Op: Fn(usize, Pass, Piece) -> f64,
-    Link: Fn(usize, usize) -> Transfer,
+    Link: Fn(usize, usize, Piece) -> Transfer,
 {
     /// Arrival time.
     type Stamp = f64;
@@ -87,7 +87,7 @@ where
     }
 
     fn send(&mut self, rank: usize, message: Message) -> Result<f64, ScheduleError> {
-        let transfer = (self.message_seconds)(rank, message.peer);
+        let transfer = (self.message_seconds)(rank, message.peer, message.piece);
         let start = self.clock[rank];
         self.clock[rank] += transfer.sender_s;
         self.record(rank, SpanKind::Send, start, Some(message.piece.micro_batch));
@@ -102,12 +102,12 @@ where
 }
 
 /// Runs `programs` (peers are program indices, as `Plan::schedule` makes them) with
-/// `op_seconds(rank, pass, piece)` for each computation and `message_seconds(from, to)`
-/// for each transfer.
+/// `op_seconds(rank, pass, piece)` for each computation and
+/// `message_seconds(from, to, piece)` for each transfer.
 pub fn simulate(
     programs: &[Vec<Instruction>],
     op_seconds: impl Fn(usize, Pass, Piece) -> f64,
-    message_seconds: impl Fn(usize, usize) -> Transfer,
+    message_seconds: impl Fn(usize, usize, Piece) -> Transfer,
 ) -> Result<SimReport, ScheduleError> {
     run(programs, op_seconds, message_seconds, false)
 }
@@ -117,7 +117,7 @@ pub fn simulate(
 pub fn simulate_spans(
     programs: &[Vec<Instruction>],
     op_seconds: impl Fn(usize, Pass, Piece) -> f64,
-    message_seconds: impl Fn(usize, usize) -> Transfer,
+    message_seconds: impl Fn(usize, usize, Piece) -> Transfer,
 ) -> Result<SimReport, ScheduleError> {
     run(programs, op_seconds, message_seconds, true)
 }
@@ -125,7 +125,7 @@ pub fn simulate_spans(
 fn run(
     programs: &[Vec<Instruction>],
     op_seconds: impl Fn(usize, Pass, Piece) -> f64,
-    message_seconds: impl Fn(usize, usize) -> Transfer,
+    message_seconds: impl Fn(usize, usize, Piece) -> Transfer,
     record: bool,
 ) -> Result<SimReport, ScheduleError> {
     let mut clocks = Clocks {
@@ -165,7 +165,7 @@ mod tests {
                             Pass::Forward => tf,
                             Pass::Backward => tb,
                         },
-                        |_, _| Transfer::default(),
+                        |_, _, _| Transfer::default(),
                     )
                     .unwrap();
                     let want = (m + p - 1) as f64 * (tf + tb);
@@ -182,7 +182,7 @@ mod tests {
                             Pass::Forward => tf,
                             Pass::Backward => tb,
                         },
-                        |_, _| Transfer::default(),
+                        |_, _, _| Transfer::default(),
                     )
                     .unwrap()
                     .spans;
@@ -208,7 +208,7 @@ mod tests {
             sender_s: 0.25,
             transit_s: 0.5,
         };
-        let report = simulate_spans(&programs, |_, _, _| 1.0, |_, _| transfer).unwrap();
+        let report = simulate_spans(&programs, |_, _, _| 1.0, |_, _, _| transfer).unwrap();
         // Stage 0: F (1) + send (0.25); arrival at 1.75; stage 1: F, B (2) and its send of
         // the gradient (0.25) end at 4.0; arrival at 4.5; stage 0's B ends at 5.5.
         assert!((report.finish_s[1] - 4.0).abs() < 1e-12, "{report:?}");

@@ -284,8 +284,14 @@ pub(crate) struct ReplicaReport {
     recompute: Option<Vec<bool>>,
     /// Per stage, its tensor-parallel group's shares.
     tensor_parallel_shares: Vec<Vec<u32>>,
+    /// Its largest micro-batch.
     micro_batch_size: usize,
     num_micro_batches: usize,
+    /// Samples per step (size × count, less what a short last micro-batch lacks).
+    samples: usize,
+    /// Each micro-batch's size, when they differ.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    micro_batch_sizes: Option<Vec<usize>>,
 }
 
 impl ReplicaReport {
@@ -302,12 +308,22 @@ impl ReplicaReport {
             ),
             false => String::new(),
         };
+        let batches = match self.micro_batch_sizes.as_deref() {
+            None => format!("{} x {}", self.num_micro_batches, self.micro_batch_size),
+            Some(sizes) => {
+                let last = sizes.last().copied().unwrap_or(0);
+                format!(
+                    "{} x {} + 1 x {last} ({} samples)",
+                    self.num_micro_batches - 1,
+                    self.micro_batch_size,
+                    self.samples
+                )
+            }
+        };
         println!(
-            "  replica {r}: {} layers {}{shares}{recompute} micro-batches {} x {}",
+            "  replica {r}: {} layers {}{shares}{recompute} micro-batches {batches}",
             compact(&self.devices),
             compact(&self.layers),
-            self.num_micro_batches,
-            self.micro_batch_size
         );
     }
 }
@@ -322,7 +338,8 @@ pub(crate) fn pooled_replicas(cost: &CostModel, p: &PooledCandidate) -> Vec<Repl
     let devices = cost.cluster.devices();
     let mut out = Vec::new();
     for pool in &p.pools {
-        for (r, &m) in pool.micro_batches.iter().enumerate() {
+        for r in 0..pool.micro_batches.len() {
+            let batch = pool.batch(r);
             let groups: Vec<_> = pool.devices.iter().map(|row| &p.groups[row[r]]).collect();
             let kind_of = |g: &&TpGroup| {
                 let kinds: Vec<&str> = (g.members.iter())
@@ -335,8 +352,10 @@ pub(crate) fn pooled_replicas(cost: &CostModel, p: &PooledCandidate) -> Vec<Repl
                 layers: pool.layers.clone(),
                 recompute: p.recompute.get(out.len()).cloned(),
                 tensor_parallel_shares: groups.iter().map(|g| g.shares.clone()).collect(),
-                micro_batch_size: pool.micro_batch_size,
-                num_micro_batches: m,
+                micro_batch_size: batch.micro_batch_size(),
+                num_micro_batches: batch.num_micro_batches(),
+                samples: batch.samples(),
+                micro_batch_sizes: (!batch.is_uniform()).then(|| batch.sizes().to_vec()),
             });
         }
     }

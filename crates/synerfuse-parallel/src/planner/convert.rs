@@ -122,7 +122,7 @@ impl PooledCandidate {
             let even = |g: &TpGroup| g.shares.iter().all(|&s| s == g.shares[0]);
             replicas.push(ReplicaPipeline {
                 stages,
-                batch: ReplicaBatch::uniform(pool.micro_batch_size, pool.micro_batches[r]),
+                batch: pool.batch(r),
                 ranks,
                 recompute: match candidate.recompute.get(replicas.len()) {
                     Some(flags) if flags.iter().any(|&x| x) => flags.clone(),

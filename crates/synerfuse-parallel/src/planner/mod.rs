@@ -11,6 +11,7 @@ mod grid;
 mod outcome;
 mod pooled;
 mod pricing;
+mod refine;
 mod request;
 mod running;
 mod samples;
@@ -125,6 +126,17 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
             |v| v.reason,
         )));
     }
+    // The best grid plan split down to the sample, when that beats what the per-replica
+    // search found.
+    let refined = match plans.first() {
+        Some(best) => refine::refine_grid(cost, best, g)?,
+        None => None,
+    };
+    let pooled = match (pooled, refined) {
+        (Some(p), Some(r)) if r.step_time_s < p.step_time_s => Some(r),
+        (None, Some(r)) => Some(r),
+        (p, _) => p,
+    };
     let uniform = uniform_layouts.first().cloned();
     let bound = throughput_bound(&mut ctx, request)?;
     let mut unpriced_optimizer: Vec<String> = (ctx.devices.iter())
@@ -173,7 +185,10 @@ fn plan_pooled_options(
         .cost(cost);
         let (found, memory_bound) = plan_pooled_noting_memory(&variant, g, &sizes, &tp)?;
         bound = Some(memory_bound);
-        if let Some(mut c) = found {
+        if let Some(found) = found {
+            let devices = variant.cluster.devices();
+            let mut ctx = Ctx::with_groups(&variant, devices, found.groups.clone());
+            let mut c = refine::refine_samples(&mut ctx, &found, g)?;
             c.options = options;
             // Sharding is priced as for grid plans (its memory is not: it only lowers it).
             let shardable = c.replicas().count() > 1;

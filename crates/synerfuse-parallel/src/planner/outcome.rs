@@ -288,6 +288,26 @@ pub struct PoolLayout {
     pub micro_batch_size: usize,
     /// Micro-batches of each of its replicas.
     pub micro_batches: Vec<usize>,
+    /// Samples the last micro-batch of each of its replicas lacks (less than the size;
+    /// empty: none), so that a replica takes any count of samples.
+    pub short: Vec<usize>,
+}
+
+impl PoolLayout {
+    /// Samples replica `r` lacks in its last micro-batch.
+    pub fn short_of(&self, r: usize) -> usize {
+        self.short.get(r).copied().unwrap_or(0)
+    }
+
+    /// Samples replica `r` takes per step.
+    pub fn samples(&self, r: usize) -> usize {
+        self.micro_batches[r] * self.micro_batch_size - self.short_of(r)
+    }
+
+    /// Replica `r`'s micro-batches: full ones, the last one short by [`Self::short_of`].
+    pub fn batch(&self, r: usize) -> crate::ReplicaBatch {
+        crate::ReplicaBatch::from_samples(self.samples(r), self.micro_batch_size)
+    }
 }
 
 /// A plan of pools with its predicted step.
@@ -310,6 +330,8 @@ pub struct PooledCandidate {
     pub reduce_s: f64,
     /// The slowest rank's optimizer step, s.
     pub optimizer_s: f64,
+    /// When each replica's pipeline finishes (its last rank), s, in the plan's order.
+    pub replica_finish_s: Vec<f64>,
 }
 
 impl PooledCandidate {

@@ -231,6 +231,11 @@ pub fn predict_step_s(cost: &CostModel, plan: &Plan) -> Result<f64, ReplanError>
             layers: r.stages.layers(),
             micro_batch_size: r.batch.micro_batch_size(),
             micro_batches: vec![r.batch.num_micro_batches()],
+            // Sizes that are not full micro-batches then one short are priced as if
+            // they were (the same samples and count).
+            short: vec![
+                r.batch.num_micro_batches() * r.batch.micro_batch_size() - r.batch.samples(),
+            ],
         });
     }
     let mut ctx = Ctx::with_groups(cost, cost.cluster.devices(), groups);

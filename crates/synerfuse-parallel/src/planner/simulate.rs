@@ -5,14 +5,14 @@ use super::{
     outcome::{Candidate, PoolLayout, PooledCandidate, Prediction},
     pricing::{
         allreduce_times, max, optimizer_s, optimizer_times, pooled_segments, reduce_s,
-        reduce_waits_for, stage_fits, stage_times, Ctx,
+        reduce_waits_for, stage_fits, stage_seconds, stage_times, Ctx,
     },
     request::TrainOptions,
 };
 use crate::cost::CostModel;
 use crate::plan::Plan;
 use crate::timeline::{RankTimeline, Span, SpanKind, Timeline};
-use crate::{sim, Pass, ScheduleKind};
+use crate::{sim, Pass, Piece, ScheduleKind};
 
 /// Re-times a candidate by simulating its 1F1B schedule (with p2p times), each stage's
 /// gradient reduction starting when its last replica finishes, and the optimizer step
@@ -49,6 +49,8 @@ pub(super) fn simulate_step(
             micro_batch_s: t[i][r],
             forward_fraction: fits[i][r].costs.forward_fraction,
             position: i,
+            replica: r,
+            last: LastMicroBatch::full(c.micro_batches[r], sizes[r], t[i][r]),
         })
         .collect();
     let report = run_schedule(ctx, &plan, &paces, record)?;
@@ -126,6 +128,7 @@ pub(super) fn simulate_pools(
         pipeline_s: 0.0,
         reduce_s: 0.0,
         optimizer_s: 0.0,
+        replica_finish_s: Vec::new(),
     };
     let plan = candidate.to_plan(ctx.cost)?;
     let paces = pooled_ranks(ctx, &mut candidate)?;
@@ -144,6 +147,12 @@ pub(super) fn simulate_pools(
         .collect();
     let reduced: Vec<f64> = start.iter().zip(&reduce).map(|(s, r)| s + r).collect();
     let all_reduced = max(&reduced);
+    let replicas = paces.last().map_or(0, |pace| pace.replica + 1);
+    candidate.replica_finish_s = vec![0.0; replicas];
+    for (pace, &finish) in paces.iter().zip(&report.finish_s) {
+        let slot = &mut candidate.replica_finish_s[pace.replica];
+        *slot = slot.max(finish);
+    }
     candidate.pipeline_s = report.makespan_s;
     candidate.reduce_s = max(&reduce);
     candidate.optimizer_s = optimizer;
@@ -169,20 +178,24 @@ fn run_schedule(
 ) -> Result<sim::SimReport, PlanningError> {
     let programs = plan.schedule(ScheduleKind::OneFOneB)?;
     let (devices, cost) = (&ctx.all, ctx.cost);
-    let op_seconds = |rank: usize, pass: Pass, _| {
-        let RankPace {
-            micro_batch_s: t,
-            forward_fraction: f,
-            ..
-        } = paces[rank];
+    let op_seconds = |rank: usize, pass: Pass, piece: Piece| {
+        let pace = &paces[rank];
+        let (t, f) = match piece.micro_batch == pace.last.index {
+            true => (pace.last.seconds, pace.forward_fraction),
+            false => (pace.micro_batch_s, pace.forward_fraction),
+        };
         match pass {
             Pass::Forward => t * f,
             Pass::Backward => t * (1.0 - f),
         }
     };
-    let message_seconds = |from: usize, to: usize| {
-        let b = paces[from].micro_batch_size;
-        cost.transfer(&devices[paces[from].device], &devices[paces[to].device], b)
+    let message_seconds = |from: usize, to: usize, piece: Piece| {
+        let pace = &paces[from];
+        let b = match piece.micro_batch == pace.last.index {
+            true => pace.last.size,
+            false => pace.micro_batch_size,
+        };
+        cost.transfer(&devices[pace.device], &devices[paces[to].device], b)
     };
     Ok(match record {
         true => sim::simulate_spans(&programs, op_seconds, message_seconds),
@@ -249,6 +262,29 @@ struct RankPace {
     /// Which reduction it waits for: its stage (a grid), or its (replica, stage)
     /// position counted over every replica's stages (per-replica pipelines).
     position: usize,
+    /// Its replica, in the plan's order.
+    replica: usize,
+    /// Its replica's last micro-batch, which may be short.
+    last: LastMicroBatch,
+}
+
+/// A replica's last micro-batch on one rank: which it is, its samples, its seconds.
+#[derive(Clone, Copy)]
+struct LastMicroBatch {
+    index: usize,
+    size: usize,
+    seconds: f64,
+}
+
+impl LastMicroBatch {
+    /// The last of `count` micro-batches, full.
+    fn full(count: usize, size: usize, seconds: f64) -> Self {
+        LastMicroBatch {
+            index: count.saturating_sub(1),
+            size,
+            seconds,
+        }
+    }
 }
 
 /// Every rank's pace, in the plan's rank order; notes each replica's recomputing stages
@@ -258,6 +294,7 @@ fn pooled_ranks(
     candidate: &mut PooledCandidate,
 ) -> Result<Vec<RankPace>, PlanningError> {
     let mut ranks: Vec<RankPace> = Vec::new();
+    let mut replica = 0;
     for pool in &candidate.pools {
         let d = pool.micro_batches.len();
         let (t, _) = pool.stage_times(ctx)?;
@@ -273,9 +310,21 @@ fn pooled_ranks(
             candidate
                 .recompute
                 .push(fits.iter().map(|row| row[r].recompute).collect());
+            let p = t.len();
             for (i, row) in t.iter().enumerate() {
                 let unit = pool.devices[i][r];
                 let position = ranks.last().map_or(0, |x| x.position + 1);
+                let mut last =
+                    LastMicroBatch::full(pool.micro_batches[r], pool.micro_batch_size, row[r]);
+                if pool.short_of(r) > 0 {
+                    // The short micro-batch at its own size's costs, recomputed alike.
+                    last.size -= pool.short_of(r);
+                    let mut costs = ctx.costs(unit, last.size)?;
+                    if fits[i][r].recompute {
+                        costs = costs.recomputed();
+                    }
+                    last.seconds = stage_seconds(&costs, pool.layers[i], i, p);
+                }
                 for &device in &ctx.groups[unit].members {
                     ranks.push(RankPace {
                         device,
@@ -283,9 +332,12 @@ fn pooled_ranks(
                         micro_batch_s: row[r],
                         forward_fraction: fits[i][r].costs.forward_fraction,
                         position,
+                        replica,
+                        last,
                     });
                 }
             }
+            replica += 1;
         }
     }
     Ok(ranks)

@@ -245,6 +245,7 @@ pub(super) fn balance(
             layers: o.layers.clone(),
             micro_batch_size: o.micro_batch_size,
             micro_batches: vec![1; o.devices[0].len()],
+            short: Vec::new(),
         })
         .collect();
     for _ in 0..2 {

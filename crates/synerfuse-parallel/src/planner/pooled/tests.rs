@@ -53,7 +53,16 @@ fn small_devices_pipeline_while_a_large_one_stays_whole() {
         distributed_optimizer: super::super::Choice::Off,
     };
     let outcome = super::super::plan(&cost, &request).unwrap();
-    assert_eq!(outcome.pooled.as_ref(), Some(&pooled));
+    let found = outcome.pooled.as_ref().expect("a pooled plan");
+    let shapes = |c: &PooledCandidate| -> Vec<(Grid<usize>, Vec<usize>)> {
+        (c.pools.iter())
+            .map(|p| (p.devices.clone(), p.layers.clone()))
+            .collect()
+    };
+    assert_eq!(shapes(found), shapes(&pooled));
+    // Split down to the sample (22 + 10 became 21 + 11 on 2026-11-26): no slower.
+    assert!(found.step_time_s <= pooled.step_time_s, "{found:?}");
+    assert_eq!(found.to_plan(&cost).unwrap().global_batch_size(), 32);
 }
 
 /// Every way to write `total` as `parts` positive summands.
@@ -120,6 +129,7 @@ fn brute_force(cost: &CostModel, g: usize, sizes: &[usize]) -> Option<(f64, Vec<
                     layers: layers.clone(),
                     micro_batch_size: *b,
                     micro_batches: counts.by_ref().take(devices[0].len()).collect(),
+                    short: Vec::new(),
                 })
                 .collect();
             if !fits_all(&mut ctx, &layouts).unwrap() {
@@ -181,6 +191,7 @@ fn groups_split_unlike_reduce_whole_tensors() {
         layers: vec![4],
         micro_batch_size: 1,
         micro_batches: vec![1],
+        short: Vec::new(),
     };
     let params = cost.model.stage_params(4, true, true);
     let all: Vec<&crate::cluster::Device> = ctx.all.iter().collect();
@@ -338,10 +349,48 @@ proptest! {
                 layers: c.layers.clone(),
                 micro_batch_size: c.micro_batch_sizes[0],
                 micro_batches: c.micro_batches.clone(),
+                short: Vec::new(),
             };
             let (pooled, _) = simulate_pools(&mut Ctx::new(&variant), vec![pool], false).unwrap();
             let (grid, pooled_s) = (c.prediction.step_time_s, pooled.step_time_s);
             prop_assert!((grid - pooled_s).abs() <= 1e-9 * grid, "grid {} s, as pools {} s: {:?}", grid, pooled_s, c);
         }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// A grid plan split down to the sample keeps its global batch, its stages and its
+    /// devices, and is never slower than the grid.
+    #[test]
+    fn splitting_to_the_sample_keeps_the_batch_and_never_slows_a_plan(
+        groups in proptest::collection::vec((10.0f64..400.0, 8.0f64..80.0, 1usize..=3), 2..=3),
+        layers in 2usize..=6,
+        g in 2usize..=24,
+    ) {
+        let cost = custom_cluster(&groups, layers);
+        let request = super::super::PlanRequest {
+            global_batch_size: g,
+            micro_batch_sizes: vec![1, 2, 4],
+            top_k: 1,
+            tensor_parallel_sizes: vec![1],
+            recompute: super::super::Choice::Off,
+            distributed_optimizer: super::super::Choice::Off,
+        };
+        let Ok(outcome) = super::super::plan(&cost, &request) else { return Ok(()) };
+        let Some(best) = outcome.plans.first() else { return Ok(()) };
+        let Some(refined) = super::super::refine::refine_grid(&cost, best, g).unwrap() else {
+            return Ok(());
+        };
+        prop_assert!(refined.step_time_s < best.prediction.step_time_s * (1.0 + 1e-9));
+        let plan = refined.to_plan(&cost).unwrap();
+        prop_assert_eq!(plan.global_batch_size(), g);
+        let grid = best.to_plan(&cost).unwrap();
+        for (a, b) in plan.replicas().iter().zip(grid.replicas()) {
+            prop_assert_eq!(&a.stages, &b.stages);
+        }
+        let sorted = |mut v: Vec<usize>| { v.sort_unstable(); v };
+        prop_assert_eq!(sorted(refined.rank_devices()), sorted(best.rank_devices().unwrap()));
     }
 }
