@@ -520,7 +520,7 @@ fn contradictory_flags_are_named() {
         ),
         (
             vec!["--nproc", "3", "--plan", &no_samples],
-            "replica 1: micro-batch size 3 × 0 micro-batches",
+            "replica 1: `num_micro_batches = 0`: it must be at least 1",
         ),
         (vec!["--nproc", "2", "--plan", &no_stages], "replica 1: "),
         (

@@ -116,6 +116,14 @@ impl BatchForm {
     /// The replica batch this form spells, or which of its fields contradict.
     pub fn batch(&self) -> Result<ReplicaBatch, BatchFormError> {
         use BatchFormError as E;
+        let counts = [
+            ("micro_batch_size", self.micro_batch_size),
+            ("num_micro_batches", self.num_micro_batches),
+            ("samples", self.samples),
+        ];
+        if let Some((field, _)) = counts.into_iter().find(|(_, n)| *n == Some(0)) {
+            return Err(E::Zero { field });
+        }
         match (
             self.micro_batch_size,
             self.num_micro_batches,
@@ -180,6 +188,12 @@ pub enum BatchFormError {
     /// `samples` without a largest micro-batch.
     #[error("`samples` needs `micro_batch_size`, the largest micro-batch")]
     SamplesWithoutSize,
+    /// A count of 0.
+    #[error("`{field} = 0`: it must be at least 1")]
+    Zero {
+        /// The field.
+        field: &'static str,
+    },
     /// Not enough fields.
     #[error("a replica needs `micro_batch_size` with `num_micro_batches` or `samples`, or `micro_batch_sizes`")]
     Missing,
@@ -668,6 +682,12 @@ mod tests {
             ),
             (r#"{"samples": 3}"#, BatchFormError::SamplesWithoutSize),
             (r#"{"micro_batch_size": 3}"#, BatchFormError::Missing),
+            (
+                r#"{"micro_batch_size": 3, "num_micro_batches": 0}"#,
+                BatchFormError::Zero {
+                    field: "num_micro_batches",
+                },
+            ),
         ];
         for (json, error) in contradictions {
             assert_eq!(form(json).unwrap_err(), error, "{json}");

@@ -20,10 +20,10 @@ fn main() {
     let rank = world.rank();
     if fail_rank == Some(rank) {
         // A rank that dies mid-job: the launcher must take the whole job down.
-        eprintln!(
+        say_failed(&format!(
             "rank {rank} of {}: FAILED: asked to fail with --fail-rank {rank}",
             world.size()
-        );
+        ));
         world.abort(1);
     }
     if panic_rank == Some(rank) {
@@ -34,7 +34,7 @@ fn main() {
     match outcome {
         Ok(()) => println!("rank {rank} of {}: ok", world.size()),
         Err(why) => {
-            eprintln!("rank {rank} of {}: FAILED: {why}", world.size());
+            say_failed(&format!("rank {rank} of {}: FAILED: {why}", world.size()));
             world.abort(1);
         }
     }
@@ -316,4 +316,11 @@ fn send_recv_pair(world: &MpiCommunicator) -> Result<(), String> {
         _ => {}
     }
     Ok(())
+}
+
+/// `line` on stderr in one write, so that mpirun's own messages about the abort cannot
+/// land inside it (`eprintln!` writes a line in pieces).
+fn say_failed(line: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
 }

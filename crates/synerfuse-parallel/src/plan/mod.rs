@@ -647,6 +647,19 @@ speeds = [1.0, 0.5]
         let empty = ASYMMETRIC.replace("num_micro_batches = 2", "num_micro_batches = 0");
         assert!(matches!(
             Plan::from_toml(&empty, None),
+            Err(PlanError::BatchForm {
+                replica: 1,
+                source: crate::BatchFormError::Zero {
+                    field: "num_micro_batches"
+                }
+            })
+        ));
+        let empty_micro_batch = ASYMMETRIC.replace(
+            "micro_batch_size = 1\nnum_micro_batches = 2",
+            "micro_batch_sizes = [1, 0]",
+        );
+        assert!(matches!(
+            Plan::from_toml(&empty_micro_batch, None),
             Err(PlanError::EmptyBatch { replica: 1, .. })
         ));
         let devices = ASYMMETRIC.replace(r#"devices = ["cpu", "cpu"]"#, r#"devices = ["cpu"]"#);

@@ -133,16 +133,22 @@ impl ThroughputBound {
     pub fn new(device_tokens_per_s: Vec<f64>, samples: usize) -> Self {
         let tokens_per_s = device_tokens_per_s.iter().sum();
         // Samples one at a time to the device that finishes it first: optimal for equal
-        // jobs on devices of fixed speeds. Time in units of "one sample's tokens".
-        let mut taken = vec![0usize; device_tokens_per_s.len()];
+        // jobs on devices of fixed speeds. Time in units of "one sample's tokens"; a
+        // max-heap on reversed bit patterns (non-negative doubles order as their bits).
+        use std::cmp::Reverse;
+        let finish =
+            |d: usize, taken: usize| (taken + 1) as f64 / device_tokens_per_s[d].max(1e-300);
+        let mut next: std::collections::BinaryHeap<(Reverse<u64>, usize, usize)> = (0
+            ..device_tokens_per_s.len())
+            .map(|d| (Reverse(finish(d, 0).to_bits()), d, 0))
+            .collect();
         let mut step = 0.0f64;
         for _ in 0..samples {
-            let finish = |d: usize| (taken[d] + 1) as f64 / device_tokens_per_s[d].max(1e-300);
-            let Some(d) = (0..taken.len()).min_by(|&a, &b| finish(a).total_cmp(&finish(b))) else {
+            let Some((Reverse(bits), d, taken)) = next.pop() else {
                 break;
             };
-            step = step.max(finish(d));
-            taken[d] += 1;
+            step = step.max(f64::from_bits(bits));
+            next.push((Reverse(finish(d, taken + 1).to_bits()), d, taken + 1));
         }
         let integer_split_tokens_per_s = match step > 0.0 {
             true => samples as f64 / step,
