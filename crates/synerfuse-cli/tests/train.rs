@@ -1981,6 +1981,10 @@ fn plan_try_trains_the_best_predicted_plans_and_writes_the_measured_best() {
             .unwrap()
             >= 0.0
     );
+    assert_eq!(
+        j["written_plan"]["predicted_step_time_s"], tried[best]["predicted_step_time_s"],
+        "written_plan is the measured best: {j}"
+    );
     // The written plan is the measured best's, and each tried plan's log holds its steps.
     let tried_file = tried[best]["file"].as_str().unwrap();
     assert_eq!(
@@ -1998,6 +2002,15 @@ fn plan_try_trains_the_best_predicted_plans_and_writes_the_measured_best() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("hidden_size 64 (priced: 32)"), "{stderr}");
+    // A checkpoint would carry one try's state into the next: refused by name.
+    let mut saving = args.clone();
+    saving.extend(strings(&[
+        "--save",
+        dir.path().join("ckpt").to_str().unwrap(),
+    ]));
+    let out = synerfuse(&saving);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--save after --"));
     // Flags --try sets itself are refused among the training arguments, by name.
     args.extend(strings(&["--train-iters", "3"]));
     let out = synerfuse(&args);

@@ -76,21 +76,25 @@ impl ReplicaBatch {
     }
 }
 
-/// `2 × 3` (three micro-batches of two), `4 × 2 + 3` (the last one short), or the sizes
-/// themselves (`[2, 4, 3]`).
+/// Count x size, as the plan report writes it: `3 x 2` (three micro-batches of two),
+/// `2 x 4 + 1 x 3` (the last one short), or the sizes themselves (`[2, 4, 3]`).
 impl std::fmt::Display for ReplicaBatch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let (largest, count) = (self.micro_batch_size(), self.num_micro_batches());
         if self.is_uniform() {
-            write!(f, "{largest} × {count}")
+            write!(f, "{count} x {largest}")
         } else if self.is_filled_then_short() {
             let last = self.sizes[count - 1];
-            write!(f, "{largest} × {} + {last}", count - 1)
+            write!(f, "{} x {largest} + 1 x {last}", count - 1)
         } else {
             write!(f, "{:?}", self.sizes)
         }
     }
 }
+
+/// The most micro-batches a replica runs per step (each is listed: a count beyond it is
+/// a typo, not a plan).
+pub const MOST_MICRO_BATCHES: usize = 1 << 20;
 
 /// A replica batch as plan files and stored plans spell it: `micro_batch_size` and
 /// `num_micro_batches` (all one size), `samples` with `micro_batch_size` as the largest
@@ -121,8 +125,17 @@ impl BatchForm {
             ("num_micro_batches", self.num_micro_batches),
             ("samples", self.samples),
         ];
-        if let Some((field, _)) = counts.into_iter().find(|(_, n)| *n == Some(0)) {
+        if let Some((field, _)) = counts.iter().find(|(_, n)| *n == Some(0)) {
             return Err(E::Zero { field });
+        }
+        // Micro-batches are listed one by one: a count no step holds is refused here.
+        let implied = match (self.micro_batch_size, self.num_micro_batches, self.samples) {
+            (_, Some(count), _) => count,
+            (Some(size), None, Some(samples)) => samples.div_ceil(size),
+            _ => 0,
+        };
+        if implied > MOST_MICRO_BATCHES {
+            return Err(E::TooMany { count: implied });
         }
         match (
             self.micro_batch_size,
@@ -188,6 +201,12 @@ pub enum BatchFormError {
     /// `samples` without a largest micro-batch.
     #[error("`samples` needs `micro_batch_size`, the largest micro-batch")]
     SamplesWithoutSize,
+    /// More micro-batches than a replica may run per step.
+    #[error("{count} micro-batches per step; at most {MOST_MICRO_BATCHES} per replica")]
+    TooMany {
+        /// The count the fields give.
+        count: usize,
+    },
     /// A count of 0.
     #[error("`{field} = 0`: it must be at least 1")]
     Zero {
@@ -206,9 +225,7 @@ pub enum BatchError {
     #[error("a batch layout needs at least one data-parallel replica")]
     NoReplicas,
     /// A replica whose samples overflow a step's count.
-    #[error(
-        "data-parallel replica {replica}: micro-batch size × count overflows the samples of a step"
-    )]
+    #[error("data-parallel replica {replica}: its samples overflow the samples of a step")]
     Overflow {
         /// The replica where the running total overflows.
         replica: usize,
@@ -253,6 +270,14 @@ pub enum BatchError {
         /// What they take and why it does not fit.
         detail: String,
     },
+    /// More micro-batches per step than a replica may run.
+    #[error("data-parallel replica {replica}: {count} micro-batches per step; at most {MOST_MICRO_BATCHES}")]
+    TooManyMicroBatches {
+        /// The replica.
+        replica: usize,
+        /// Its micro-batches.
+        count: usize,
+    },
     /// A replica index past the last replica.
     #[error("data-parallel replica {replica} does not exist; there are {replicas}")]
     NoSuchReplica {
@@ -282,6 +307,14 @@ impl TryFrom<Vec<ReplicaBatch>> for ReplicaBatches {
 impl From<ReplicaBatches> for Vec<ReplicaBatch> {
     fn from(batches: ReplicaBatches) -> Self {
         batches.replicas
+    }
+}
+
+/// Refuses `count` micro-batches for `replica` beyond [`MOST_MICRO_BATCHES`].
+fn too_many(replica: usize, count: usize) -> Result<(), BatchError> {
+    match count > MOST_MICRO_BATCHES {
+        true => Err(BatchError::TooManyMicroBatches { replica, count }),
+        false => Ok(()),
     }
 }
 
@@ -351,7 +384,7 @@ impl ReplicaBatches {
                 return Err(BatchError::CountsWithoutSizes);
             }
             let mbs = micro_batch_size.unwrap_or(1);
-            let gbs = global_batch_size.unwrap_or(mbs * dp);
+            let gbs = global_batch_size.unwrap_or(mbs.saturating_mul(dp));
             if mbs == 0 || gbs == 0 || gbs % (mbs * dp) != 0 {
                 return Err(mismatch(
                     gbs,
@@ -361,7 +394,9 @@ impl ReplicaBatches {
                     ),
                 ));
             }
-            return Self::uniform(dp, mbs, gbs / (mbs * dp));
+            let count = gbs / (mbs * dp);
+            too_many(0, count)?;
+            return Self::uniform(dp, mbs, count);
         };
         if micro_batch_size.is_some() {
             return Err(BatchError::UniformAndPerReplicaSizes);
@@ -397,6 +432,9 @@ impl ReplicaBatches {
                 vec![gbs / per_step; dp]
             }
         };
+        for (replica, &count) in counts.iter().enumerate() {
+            too_many(replica, count)?;
+        }
         Self::new(
             mbs.into_iter()
                 .zip(counts)
@@ -692,6 +730,18 @@ mod tests {
         for (json, error) in contradictions {
             assert_eq!(form(json).unwrap_err(), error, "{json}");
         }
+        let huge = form(r#"{"micro_batch_size": 1, "samples": 1000000000000}"#).unwrap_err();
+        assert_eq!(
+            huge,
+            BatchFormError::TooMany {
+                count: 1_000_000_000_000
+            }
+        );
+        let huge = ReplicaBatches::from_flags(2, Some(1 << 40), Some(1), None, None).unwrap_err();
+        assert!(
+            matches!(huge, BatchError::TooManyMicroBatches { replica: 0, .. }),
+            "{huge}"
+        );
         let ragged = ReplicaBatches::new(vec![ReplicaBatch::from_samples(5, 2)]).unwrap();
         assert_eq!(ragged.to_flags(), None);
         let empty = ReplicaBatches::new(vec![ReplicaBatch::ragged(vec![2, 0])]).unwrap_err();

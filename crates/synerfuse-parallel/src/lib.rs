@@ -15,7 +15,9 @@ pub mod timeline;
 mod topology;
 pub mod tp;
 
-pub use batch::{BatchError, BatchForm, BatchFormError, ReplicaBatch, ReplicaBatches};
+pub use batch::{
+    BatchError, BatchForm, BatchFormError, ReplicaBatch, ReplicaBatches, MOST_MICRO_BATCHES,
+};
 pub(crate) use flags::GridPlan;
 pub use flags::{GridError, PlanFlags};
 pub use plan::{

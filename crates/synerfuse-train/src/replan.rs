@@ -68,7 +68,6 @@ struct RankPace {
 pub struct SpeedWatch {
     config: WatchConfig,
     ranks: Vec<RankPace>,
-    first_paces_taken: bool,
 }
 
 impl SpeedWatch {
@@ -81,7 +80,6 @@ impl SpeedWatch {
         SpeedWatch {
             config,
             ranks: vec![RankPace::default(); ranks],
-            first_paces_taken: false,
         }
     }
 
@@ -131,14 +129,6 @@ impl SpeedWatch {
 }
 
 impl SpeedWatch {
-    /// Whether every rank has had its first pace assumed by the last step observed, and
-    /// this was not asked before: true once.
-    pub fn take_first_paces(&mut self) -> bool {
-        let ready = !self.first_paces_taken && self.ranks.iter().all(|r| r.assumed_s.is_some());
-        self.first_paces_taken |= ready;
-        ready
-    }
-
     /// Every rank's assumed pace, once every rank has one (seconds, in rank order).
     pub fn paces_s(&self) -> Option<Vec<f64>> {
         self.ranks.iter().map(|r| r.assumed_s).collect()

@@ -398,9 +398,16 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
         flags,
         tokens_per_step: (args.global_batch_size * shape.seq_length) as f64,
         planning_s,
+        tried: tried.is_some(),
     };
     if args.json {
-        return print_json(report.json(), tried.as_ref());
+        let json = match &tried {
+            Some(t) => report
+                .json()
+                .written(t.written_plan(&outcome.bound, report.tokens_per_step)),
+            None => report.json(),
+        };
+        return print_json(json, tried.as_ref());
     }
     report.print();
     match &tried {
@@ -486,7 +493,10 @@ fn report_pooled_only(
             device_alone_tokens_per_s: outcome.bound.device_tokens_per_s.clone(),
             per_replica_pipelines: pooled_json(outcome, p, replicas, tokens_per_step),
             integer_split_tokens_per_s: outcome.bound.integer_split_tokens_per_s,
-            written_plan: WrittenPlan::pooled(outcome, p, tokens_per_step),
+            written_plan: match tried {
+                Some(t) => t.written_plan(&outcome.bound, tokens_per_step),
+                None => WrittenPlan::pooled(outcome, p, tokens_per_step),
+            },
         };
         return print_json(report, tried);
     }

@@ -34,6 +34,8 @@ pub(crate) struct PlanReport<'a> {
     pub(crate) flags: GridFlags,
     pub(crate) tokens_per_step: f64,
     pub(crate) planning_s: f64,
+    /// Whether `--try` decides the plan written.
+    pub(crate) tried: bool,
 }
 
 impl PlanReport<'_> {
@@ -227,11 +229,12 @@ impl PlanReport<'_> {
     /// The per-replica-pipeline plan: each replica, its step against the grid plan's.
     pub(crate) fn print_pooled(&self, p: &PooledCandidate) {
         let grid = self.best().prediction.step_time_s;
-        let verdict = match self.outcome.pooled_wins() {
-            Some(_) => {
+        let verdict = match (self.outcome.pooled_wins(), self.tried) {
+            (_, true) => "tried below, with the grid plans",
+            (Some(_), false) => {
                 "faster than the grid plan: written instead of it (no SynerFuse flags express it)"
             }
-            None => "slower than the grid plan",
+            (None, false) => "slower than the grid plan",
         };
         println!(
             "per-replica pipelines (devices pooled by group, speed and memory): {:.4} s per step, {:.2}x the grid plan's speed, {:.1}% of the bound; {verdict}",
@@ -292,6 +295,8 @@ pub(crate) struct ReplicaReport {
     /// Each micro-batch's size, when they differ.
     #[serde(skip_serializing_if = "Option::is_none")]
     micro_batch_sizes: Option<Vec<usize>>,
+    #[serde(skip)]
+    batch: synerfuse_parallel::ReplicaBatch,
 }
 
 impl ReplicaReport {
@@ -308,17 +313,9 @@ impl ReplicaReport {
             ),
             false => String::new(),
         };
-        let batches = match self.micro_batch_sizes.as_deref() {
-            None => format!("{} x {}", self.num_micro_batches, self.micro_batch_size),
-            Some(sizes) => {
-                let last = sizes.last().copied().unwrap_or(0);
-                format!(
-                    "{} x {} + 1 x {last} ({} samples)",
-                    self.num_micro_batches - 1,
-                    self.micro_batch_size,
-                    self.samples
-                )
-            }
+        let batches = match self.batch.is_uniform() {
+            true => self.batch.to_string(),
+            false => format!("{} ({} samples)", self.batch, self.samples),
         };
         println!(
             "  replica {r}: {} layers {}{shares}{recompute} micro-batches {batches}",
@@ -356,6 +353,7 @@ pub(crate) fn pooled_replicas(cost: &CostModel, p: &PooledCandidate) -> Vec<Repl
                 num_micro_batches: batch.num_micro_batches(),
                 samples: batch.samples(),
                 micro_batch_sizes: (!batch.is_uniform()).then(|| batch.sizes().to_vec()),
+                batch,
             });
         }
     }
@@ -451,6 +449,16 @@ pub(crate) struct GridReport<'a> {
     runner_ups: Vec<RunnerUpReport>,
     per_replica_pipelines: Option<PooledReport>,
     written_plan: WrittenPlan,
+}
+
+impl GridReport<'_> {
+    /// The report with `written` as the plan `--output` holds (`--try`'s measured best).
+    pub(crate) fn written(self, written: WrittenPlan) -> Self {
+        GridReport {
+            written_plan: written,
+            ..self
+        }
+    }
 }
 
 /// An even layout (every stage the same layers, every replica the same batch).

@@ -3,7 +3,7 @@
 //! FlagScale's autotuner does, with the planner's prices choosing what to try).
 
 use crate::files::write_atomically;
-use crate::plan_report::pooled_train_flags;
+use crate::plan_report::{pooled_train_flags, WrittenPlan};
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -13,6 +13,10 @@ use synerfuse_parallel::Plan;
 
 /// Flags `--try` sets on every training run itself.
 const OWNED_FLAGS: [&str; 4] = ["--plan", "--train-iters", "--log-json", "--nproc"];
+
+/// Flags that would tie the tries together (each would resume the last one's state, or
+/// overwrite its checkpoint): every plan starts from the same weights.
+const SHARED_STATE_FLAGS: [&str; 2] = ["--save", "--load"];
 
 /// How plans are tried.
 #[derive(Debug, Clone)]
@@ -35,6 +39,11 @@ impl TrySettings {
         {
             bail!("--try sets {flag} on each training run itself; drop it from the training arguments after --");
         }
+        if let Some(flag) = (self.train_args.iter())
+            .find(|a| SHARED_STATE_FLAGS.contains(&a.split('=').next().unwrap_or(a)))
+        {
+            bail!("--try trains each plan from the same start; {flag} after -- would carry one try's state into the next (--finetune-from-hf is fine)");
+        }
         if self.iters < 2 {
             bail!(
                 "--try-iters {}: at least 2 steps (the first is warm-up, not timed)",
@@ -53,6 +62,8 @@ impl TrySettings {
 /// A plan to try, as the planner predicted it.
 #[derive(Debug, Clone)]
 pub(crate) struct PlanToTry {
+    /// `grid` or `per_replica_pipelines`, as `written_plan` says.
+    pub(crate) kind: &'static str,
     pub(crate) label: String,
     pub(crate) plan: Plan,
     pub(crate) predicted_s: f64,
@@ -65,6 +76,7 @@ pub(crate) fn plans_to_try(cost: &CostModel, outcome: &PlanOutcome) -> Result<Ve
     let mut plans = Vec::new();
     if let Some(p) = &outcome.pooled {
         plans.push(PlanToTry {
+            kind: "per_replica_pipelines",
             label: format!(
                 "per-replica pipelines, layers {:?}",
                 p.pools.iter().map(|pool| &pool.layers).collect::<Vec<_>>()
@@ -76,6 +88,7 @@ pub(crate) fn plans_to_try(cost: &CostModel, outcome: &PlanOutcome) -> Result<Ve
     }
     for c in &outcome.plans {
         plans.push(PlanToTry {
+            kind: "grid",
             label: format!(
                 "grid pp {} x dp {}, layers {:?}, {}",
                 c.layers.len(),
@@ -101,6 +114,7 @@ pub(crate) fn plans_to_try(cost: &CostModel, outcome: &PlanOutcome) -> Result<Ve
 /// One plan as it ran.
 #[derive(Debug, Clone, serde::Serialize)]
 pub(crate) struct TriedPlan {
+    pub(crate) kind: &'static str,
     pub(crate) label: String,
     pub(crate) file: PathBuf,
     pub(crate) log: PathBuf,
@@ -138,6 +152,13 @@ pub(crate) struct TryReport {
 impl TryReport {
     pub(crate) fn best(&self) -> &TriedPlan {
         &self.tried[self.measured_best]
+    }
+
+    /// The plan `--output` holds: the measured fastest, with its predicted ratios.
+    pub(crate) fn written_plan(&self, bound: &ThroughputBound, tokens: f64) -> WrittenPlan {
+        let best = self.best();
+        let step = (tokens, best.predicted_step_time_s);
+        WrittenPlan::new(best.kind, bound, step, best.train_flags.clone())
     }
 }
 
@@ -234,6 +255,7 @@ fn try_one(exe: &Path, settings: &TrySettings, k: usize, p: &PlanToTry) -> Resul
         Err(e) => (None, Some(format!("{e:#}"))),
     };
     Ok(TriedPlan {
+        kind: p.kind,
         label: p.label.clone(),
         file,
         log,

@@ -29,7 +29,7 @@ pub use reduce::{GradientReduction, GradientSegment, ReducedParameters};
 pub struct ReplicaPipeline {
     /// Layers per stage (and virtual chunk).
     pub stages: StageLayout,
-    /// Micro-batch size and count.
+    /// Its micro-batches' sizes (one size and a count, or ragged).
     pub batch: ReplicaBatch,
     /// Each stage's global ranks, in stage order: one rank, or the stage's tensor-parallel
     /// group in tensor-parallel order.
@@ -243,7 +243,7 @@ pub enum PlanError {
     GlobalBatch {
         /// The global batch size asked for.
         expected: usize,
-        /// Σ micro-batch size × count.
+        /// Σ of the replicas' samples.
         actual: usize,
     },
     /// A grid this plan cannot express yet (context or expert parallelism).
@@ -257,6 +257,9 @@ pub enum PlanError {
     /// The grid it came from is inconsistent.
     #[error(transparent)]
     Grid(#[from] GridError),
+    /// Replica batches that do not make a step (samples past what a count holds).
+    #[error(transparent)]
+    Batch(#[from] crate::BatchError),
     /// TOML (or JSON) that does not parse as a plan.
     #[error("plan file: {0}")]
     Toml(String),
@@ -310,6 +313,8 @@ impl Plan {
         for (r, replica) in replicas.iter().enumerate() {
             check_replica(r, replica, num_layers)?;
         }
+        // The samples of a step add up (what `batches` relies on).
+        ReplicaBatches::new(replicas.iter().map(|r| r.batch.clone()).collect())?;
         let plan = Plan { replicas };
         plan.check_ranks()?;
         Ok(plan)
@@ -358,7 +363,7 @@ impl Plan {
         self.replicas[0].stages.num_layers()
     }
 
-    /// Samples per step: the replicas' micro-batch size × count, summed.
+    /// Samples per step: the replicas' samples, summed.
     pub fn global_batch_size(&self) -> usize {
         (self.replicas.iter()).map(|r| r.batch.samples()).sum()
     }

@@ -302,7 +302,13 @@ pub struct PoolLayout {
 impl PoolLayout {
     /// Samples replica `r` lacks in its last micro-batch.
     pub fn short_of(&self, r: usize) -> usize {
-        self.short.get(r).copied().unwrap_or(0)
+        let short = self.short.get(r).copied().unwrap_or(0);
+        debug_assert!(
+            short < self.micro_batch_size,
+            "{short} short of {}",
+            self.micro_batch_size
+        );
+        short
     }
 
     /// Samples replica `r` takes per step.

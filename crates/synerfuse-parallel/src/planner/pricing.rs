@@ -191,6 +191,22 @@ pub(super) fn stage_times(
     Ok((t, c))
 }
 
+/// One micro-batch of `size` samples through stage `i` of `p` holding `layers` layers on
+/// `unit`, recomputed where `recompute` (a short micro-batch priced at its own size).
+pub(super) fn micro_batch_seconds(
+    ctx: &mut Ctx<'_>,
+    unit: usize,
+    size: usize,
+    recompute: bool,
+    (layers, i, p): (usize, usize, usize),
+) -> Result<f64, PlanningError> {
+    let mut costs = ctx.costs(unit, size)?;
+    if recompute {
+        costs = costs.recomputed();
+    }
+    Ok(stage_seconds(&costs, layers, i, p))
+}
+
 /// One micro-batch's forward and backward through stage `i` of `p` holding `layers`
 /// layers (and the embedding or head at the ends).
 pub(super) fn stage_seconds(k: &StageCosts, layers: usize, i: usize, p: usize) -> f64 {

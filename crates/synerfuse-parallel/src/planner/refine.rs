@@ -10,7 +10,7 @@ use super::{
     error::PlanningError,
     outcome::{Candidate, PoolLayout, PooledCandidate},
     pooled::most_micro_batches,
-    pricing::{stage_fits, stage_seconds, Ctx},
+    pricing::{micro_batch_seconds, stage_fits, Ctx},
     simulate::simulate_pools,
 };
 use std::cmp::Ordering;
@@ -19,11 +19,12 @@ use std::collections::BinaryHeap;
 /// Candidates a sample may go to, earliest finish first, before the moves stop.
 const RECEIVERS_TRIED: usize = 3;
 
-/// Simulated single-sample moves at most (each simulates the whole plan)...
+/// Single-sample moves at most (each simulates the whole plan up to
+/// [`RECEIVERS_TRIED`] times)...
 const MOST_MOVES: usize = 48;
 
-/// ... and at most this many ranks simulated over all moves (a large plan's simulation
-/// is long; its closed-form split is what helps it).
+/// ... and at most this many ranks' worth of moves (a move on a plan of `n` ranks counts
+/// `n`): a large plan's simulation is long, and its closed-form split is what helps it.
 const SIMULATED_RANKS: usize = 8192;
 
 /// `found` split down to the sample (see the module documentation); never slower.
@@ -35,7 +36,11 @@ pub(super) fn refine_samples(
     let most: Vec<usize> = (found.pools.iter())
         .map(|pool| most_micro_batches(ctx, pool))
         .collect::<Result<_, _>>()?;
-    let (mut best, _) = simulate_pools(ctx, found.pools.clone(), false)?;
+    // The searches' candidates come simulated; anything else is simulated here.
+    let mut best = match found.replica_finish_s.is_empty() {
+        true => simulate_pools(ctx, found.pools.clone(), false)?.0,
+        false => found.clone(),
+    };
     if let Some(pools) = closed_form_split(ctx, &best.pools, &most, global_batch)? {
         let (split, _) = simulate_pools(ctx, pools, false)?;
         if split.step_time_s < best.step_time_s {
@@ -129,11 +134,8 @@ fn replica_forms(
             for l in 1..=b {
                 let mut times = Vec::with_capacity(p);
                 for (i, (row, fit)) in pool.devices.iter().zip(&fits).enumerate() {
-                    let mut costs = ctx.costs(row[r], l)?;
-                    if fit[r].recompute {
-                        costs = costs.recomputed();
-                    }
-                    times.push(stage_seconds(&costs, pool.layers[i], i, p));
+                    let at = (pool.layers[i], i, p);
+                    times.push(micro_batch_seconds(ctx, row[r], l, fit[r].recompute, at)?);
                 }
                 last_each_s.push(times.iter().copied().fold(0.0, f64::max));
                 last_fill_s.push(times.iter().sum::<f64>() + comm);

@@ -226,16 +226,16 @@ pub fn predict_step_s(cost: &CostModel, plan: &Plan) -> Result<f64, ReplanError>
             devices.push(vec![groups.len()]);
             groups.push(stage_group(&cost.model, plan, replica, stage)?);
         }
+        // Priced as its samples in micro-batches of its largest, the last one short
+        // (micro-batch sizes in another order or mix are priced so too).
+        let (largest, samples) = (r.batch.micro_batch_size(), r.batch.samples());
+        let count = samples.div_ceil(largest);
         pools.push(PoolLayout {
             devices,
             layers: r.stages.layers(),
-            micro_batch_size: r.batch.micro_batch_size(),
-            micro_batches: vec![r.batch.num_micro_batches()],
-            // Sizes that are not full micro-batches then one short are priced as if
-            // they were (the same samples and count).
-            short: vec![
-                r.batch.num_micro_batches() * r.batch.micro_batch_size() - r.batch.samples(),
-            ],
+            micro_batch_size: largest,
+            micro_batches: vec![count],
+            short: vec![count * largest - samples],
         });
     }
     let mut ctx = Ctx::with_groups(cost, cost.cluster.devices(), groups);
@@ -386,6 +386,38 @@ mod tests {
         assert!((4.0..4.1).contains(&step), "{step}");
     }
 
+    /// A hand-written ragged plan in any order of sizes is priced as its samples in
+    /// micro-batches of its largest, the last one short; a shorter last micro-batch
+    /// costs less than a full one.
+    #[test]
+    fn ragged_plans_in_any_order_are_priced() {
+        let hosts = vec!["h".to_owned(); 2];
+        let paces = [1.0, 1.0];
+        let fitted = fitted_cost(&job(&data_parallel(2), &paces, &hosts)).unwrap();
+        let with = |sizes: [Vec<usize>; 2]| {
+            let replicas = (sizes.into_iter().enumerate())
+                .map(|(r, sizes)| {
+                    ReplicaPipeline::single_ranks(
+                        StageLayout::new(vec![4], 4).unwrap(),
+                        ReplicaBatch::ragged(sizes),
+                        vec![r],
+                        Vec::new(),
+                    )
+                })
+                .collect();
+            predict_step_s(&fitted, &Plan::new(replicas).unwrap()).unwrap()
+        };
+        let any_order = with([vec![1, 4, 1], vec![2, 2, 4]]);
+        let filled = with([vec![4, 2], vec![4, 4]]);
+        assert!(
+            (any_order - filled).abs() < 1e-12,
+            "{any_order} vs {filled}"
+        );
+        let short = with([vec![4, 1], vec![4, 1]]);
+        let full = with([vec![4, 4], vec![4, 4]]);
+        assert!(short < full, "{short} vs {full}");
+    }
+
     #[test]
     fn a_slow_rank_gets_less_work_and_every_rank_a_place() {
         let plan = data_parallel(4);
@@ -399,8 +431,7 @@ mod tests {
         // ranks 0, 2, 3 and 1 for rank 1 take 1.25 s, against 4 s now.
         assert!(step < 1.6, "{step}: {best:?}");
         let (replica, _) = best.position(1).unwrap();
-        let samples =
-            |r: &ReplicaPipeline| r.batch.micro_batch_size() * r.batch.num_micro_batches();
+        let samples = |r: &ReplicaPipeline| r.batch.samples();
         let slow = samples(&best.replicas()[replica]);
         assert!(
             best.replicas().iter().all(|r| samples(r) >= slow),

@@ -4,8 +4,8 @@ use super::{
     error::PlanningError,
     outcome::{Candidate, PoolLayout, PooledCandidate, Prediction},
     pricing::{
-        allreduce_times, max, optimizer_s, optimizer_times, pooled_segments, reduce_s,
-        reduce_waits_for, stage_fits, stage_seconds, stage_times, Ctx,
+        allreduce_times, max, micro_batch_seconds, optimizer_s, optimizer_times, pooled_segments,
+        reduce_s, reduce_waits_for, stage_fits, stage_times, Ctx,
     },
     request::TrainOptions,
 };
@@ -319,11 +319,9 @@ fn pooled_ranks(
                 if pool.short_of(r) > 0 {
                     // The short micro-batch at its own size's costs, recomputed alike.
                     last.size -= pool.short_of(r);
-                    let mut costs = ctx.costs(unit, last.size)?;
-                    if fits[i][r].recompute {
-                        costs = costs.recomputed();
-                    }
-                    last.seconds = stage_seconds(&costs, pool.layers[i], i, p);
+                    let at = (pool.layers[i], i, p);
+                    let recompute = fits[i][r].recompute;
+                    last.seconds = micro_batch_seconds(ctx, unit, last.size, recompute, at)?;
                 }
                 for &device in &ctx.groups[unit].members {
                     ranks.push(RankPace {

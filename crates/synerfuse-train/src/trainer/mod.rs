@@ -732,8 +732,8 @@ impl<'w> Trainer<'w> {
             log.record_speed_shifts(rank, self.iteration, &shifts)?;
             self.note_step(&mut log, outcome.step_ms / 1e3)?;
             let ending = outcome.any_stop || self.config.checkpoint.exit_due(self.iteration);
-            let cause = self.replan_cause(!shifts.is_empty());
-            if let Some(cause) = cause.filter(|_| self.iteration < train_iters && !ending) {
+            let goes_on = self.iteration < train_iters && !ending;
+            if let Some(cause) = self.replan_cause(!shifts.is_empty(), goes_on) {
                 self.replan(&mut log, cause)?;
             }
             if eval.due(self.iteration) {

@@ -133,10 +133,14 @@ impl<'w> Trainer<'w> {
         log.record_switch_outcome(self.world.rank(), &outcome)
     }
 
-    /// Why to re-plan after this step, if at all: a sustained change the watch reported,
-    /// or, once a run and on more than one rank, the first paces after warm-up.
-    pub(super) fn replan_cause(&mut self, shifted: bool) -> Option<ReplanCause> {
-        let first = self.watch.take_first_paces() && !self.replanning.warm_up_judged;
+    /// Why to re-plan after this step, if at all (never when the run cannot go on: its
+    /// last step, or one it stops after): a sustained change the watch reported, or,
+    /// once a run and on more than one rank, the first paces after warm-up.
+    pub(super) fn replan_cause(&mut self, shifted: bool, goes_on: bool) -> Option<ReplanCause> {
+        if !goes_on {
+            return None;
+        }
+        let first = !self.replanning.warm_up_judged && self.watch.paces_s().is_some();
         self.replanning.warm_up_judged |= first;
         match (shifted, first && self.world.size() > 1) {
             (true, _) => Some(ReplanCause::SpeedChange),
