@@ -1106,26 +1106,41 @@ fn plan_json(args: &[&str]) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).expect("one JSON object")
 }
 
+/// `synerfuse profile` of `model` on CPU ranks at micro-batch sizes `sizes` (with
+/// `extra` flags), written to `profile`.
+fn cpu_profile(profile: &Path, model: &[&str], sizes: &str, extra: &[&str]) {
+    let mut args = strings(&["profile", "--device", "cpu", "--device-kind", "cpu"]);
+    args.extend(strings(&["--micro-batch-sizes", sizes, "--repeats", "2"]));
+    args.extend(strings(&["--output", profile.to_str().unwrap()]));
+    args.extend(strings(extra));
+    args.extend(strings(model));
+    ok(&synerfuse(&args), "profile");
+}
+
+/// The model of `common`'s runs as `synerfuse plan` takes it (the vocabulary: the test
+/// tokenizer's).
+const PLAN_MODEL: [&str; 14] = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--num-query-groups",
+    "2",
+    "--ffn-hidden-size",
+    "64",
+    "--vocab-size",
+    "1024",
+    "--seq-length",
+    "32",
+];
+
 /// `synerfuse plan`: the JSON other tools read, verdicts that name the binding
 /// constraint, and a plan that `synerfuse train --plan` runs (emulated speeds included).
 #[test]
 fn plan_writes_what_train_runs() {
-    let model = [
-        "--num-layers",
-        "4",
-        "--hidden-size",
-        "32",
-        "--num-attention-heads",
-        "4",
-        "--num-query-groups",
-        "2",
-        "--ffn-hidden-size",
-        "64",
-        "--vocab-size",
-        "1024",
-        "--seq-length",
-        "32",
-    ];
+    let model = PLAN_MODEL;
     let cluster = root().join("examples/clusters/a100-v100.toml");
     let mut args = vec![
         "--cluster",
@@ -1821,23 +1836,7 @@ fn profile_prices_what_plan_uses() {
         "--seq-length",
         "16",
     ];
-    let mut args = strings(&[
-        "profile",
-        "--nproc",
-        "2",
-        "--device",
-        "cpu",
-        "--device-kind",
-        "cpu",
-        "--micro-batch-sizes",
-        "1,2",
-        "--repeats",
-        "2",
-        "--output",
-        profile.to_str().unwrap(),
-    ]);
-    args.extend(strings(&model));
-    ok(&synerfuse(&args), "profile");
+    cpu_profile(&profile, &model, "1,2", &["--nproc", "2"]);
     let measured: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&profile).unwrap()).unwrap();
     let mut activations = Vec::new();
@@ -1887,38 +1886,9 @@ fn profile_prices_what_plan_uses() {
 fn plan_try_trains_the_best_predicted_plans_and_writes_the_measured_best() {
     let dir = tempfile::tempdir().unwrap();
     let data = dataset(dir.path());
-    let model = [
-        "--num-layers",
-        "4",
-        "--hidden-size",
-        "32",
-        "--num-attention-heads",
-        "4",
-        "--num-query-groups",
-        "2",
-        "--ffn-hidden-size",
-        "64",
-        "--vocab-size",
-        "1024", // the test tokenizer's
-        "--seq-length",
-        "32",
-    ];
+    let model = PLAN_MODEL;
     let profile = dir.path().join("profile.json");
-    let mut args = strings(&[
-        "profile",
-        "--device",
-        "cpu",
-        "--device-kind",
-        "cpu",
-        "--micro-batch-sizes",
-        "1,2,3",
-        "--repeats",
-        "2",
-        "--output",
-        profile.to_str().unwrap(),
-    ]);
-    args.extend(strings(&model));
-    ok(&synerfuse(&args), "profile");
+    cpu_profile(&profile, &model, "1,2,3", &[]);
     let cluster = dir.path().join("two.toml");
     std::fs::write(
         &cluster,

@@ -10,7 +10,7 @@ use super::{
     error::PlanningError,
     outcome::{Candidate, PoolLayout, PooledCandidate},
     pooled::most_micro_batches,
-    pricing::{micro_batch_seconds, stage_fits, Ctx},
+    pricing::{micro_batch_seconds, Ctx},
     simulate::simulate_pools,
 };
 use std::cmp::Ordering;
@@ -120,14 +120,7 @@ fn replica_forms(
     for (pool, &most) in pools.iter().zip(most) {
         let (t, c) = pool.stage_times(ctx)?;
         let (b, p) = (pool.micro_batch_size, pool.layers.len());
-        let sizes = vec![b; pool.micro_batches.len()];
-        let fits = stage_fits(
-            ctx,
-            &pool.devices,
-            &pool.layers,
-            &sizes,
-            &pool.micro_batches,
-        )?;
+        let fits = pool.stage_fits(ctx)?;
         for r in 0..pool.micro_batches.len() {
             let comm: f64 = c.iter().map(|row| 2.0 * row[r]).sum();
             let (mut last_each_s, mut last_fill_s) = (Vec::with_capacity(b), Vec::with_capacity(b));

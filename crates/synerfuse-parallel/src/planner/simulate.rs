@@ -298,14 +298,7 @@ fn pooled_ranks(
     for pool in &candidate.pools {
         let d = pool.micro_batches.len();
         let (t, _) = pool.stage_times(ctx)?;
-        let sizes = vec![pool.micro_batch_size; d];
-        let fits = stage_fits(
-            ctx,
-            &pool.devices,
-            &pool.layers,
-            &sizes,
-            &pool.micro_batches,
-        )?;
+        let fits = pool.stage_fits(ctx)?;
         for r in 0..d {
             candidate
                 .recompute

@@ -10,7 +10,8 @@ use super::{
     outcome::Arrangement,
     outcome::{Grid, PoolLayout, PooledCandidate},
     pricing::{
-        max, optimizer_s, pipeline_time, pooled_segments, reduce_s, stage_fit, stage_times, Ctx,
+        max, optimizer_s, pipeline_time, pooled_segments, reduce_s, stage_fit, stage_fits,
+        stage_times, Ctx, StageFit,
     },
     samples::{min_max_samples, ReplicaPace},
     simulate::simulate_pools,
@@ -30,6 +31,18 @@ impl PoolLayout {
     ) -> Result<(Grid<f64>, Grid<f64>), PlanningError> {
         let sizes = vec![self.micro_batch_size; self.micro_batches.len()];
         stage_times(
+            ctx,
+            &self.devices,
+            &self.layers,
+            &sizes,
+            &self.micro_batches,
+        )
+    }
+
+    /// Per (stage, replica) how it fits: its costs, whether it recomputes, its memory.
+    pub(super) fn stage_fits(&self, ctx: &mut Ctx<'_>) -> Result<Grid<StageFit>, PlanningError> {
+        let sizes = vec![self.micro_batch_size; self.micro_batches.len()];
+        stage_fits(
             ctx,
             &self.devices,
             &self.layers,
