@@ -1964,6 +1964,25 @@ fn plan_try_trains_the_best_predicted_plans_and_writes_the_measured_best() {
     for t in tried {
         assert_eq!(losses(Path::new(t["log"].as_str().unwrap())).len(), 6);
     }
+    // Sizes the profile did not measure are named where the written plan runs them.
+    let mut four = strings(&["plan", "--cluster", cluster.to_str().unwrap()]);
+    four.extend(strings(&["--profile", profile.to_str().unwrap()]));
+    four.extend(strings(&[
+        "--global-batch-size",
+        "8",
+        "--micro-batch-sizes",
+        "4",
+    ]));
+    let four_toml = dir.path().join("four.toml");
+    four.extend(strings(&["--output", four_toml.to_str().unwrap()]));
+    four.extend(strings(&model));
+    let out = synerfuse(&four);
+    ok(&out, "plan at an unmeasured size");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("no cpu measurement at micro-batch sizes [4"),
+        "{stderr}"
+    );
     // Another model than the one priced is refused, naming what differs.
     let mut wider = args.clone();
     let at = wider.iter().rposition(|a| a == "--hidden-size").unwrap();

@@ -358,11 +358,13 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
     // Per-replica pipelines are written when they beat the best grid plan.
     let pooled = outcome.pooled_wins();
     if let Some(out) = &args.output {
-        match (&tried, pooled) {
-            (Some(tried), _) => write_atomically(out, &tried.best().plan.to_toml()?)?,
-            (None, Some(p)) => write_atomically(out, &p.to_plan(&cost)?.to_toml()?)?,
-            (None, None) => write_plan(out, &cost, best)?,
-        }
+        let plan = match (&tried, pooled) {
+            (Some(tried), _) => tried.best().plan.clone(),
+            (None, Some(p)) => p.to_plan(&cost)?,
+            (None, None) => best.to_plan(&cost)?,
+        };
+        warn_unmeasured(&cost, &plan);
+        write_atomically(out, &plan.to_toml()?)?;
     }
     if let Some(out) = &args.grid_output {
         write_plan(out, &cost, best)?;
@@ -433,6 +435,32 @@ fn print_json(report: impl serde::Serialize, tried: Option<&TryReport>) -> Resul
     Ok(())
 }
 
+/// Warns of the micro-batch sizes `plan` runs (a short last micro-batch included) that
+/// the profile did not measure on a device kind it measured: those are priced by scaling
+/// the nearest measured size.
+fn warn_unmeasured(cost: &CostModel, plan: &synerfuse_parallel::Plan) {
+    let Some(profile) = &cost.profile else {
+        return;
+    };
+    let mut missing: BTreeMap<&str, std::collections::BTreeSet<usize>> = BTreeMap::new();
+    for replica in plan.replicas() {
+        let kinds = (replica.placements.iter()).filter_map(|p| p.kind.as_deref());
+        for kind in kinds {
+            let Some(measured) = profile.devices.get(kind) else {
+                continue;
+            };
+            let unmeasured = (replica.batch.sizes().iter()).filter(|b| !measured.contains_key(b));
+            missing.entry(kind).or_default().extend(unmeasured);
+        }
+    }
+    for (kind, sizes) in missing.into_iter().filter(|(_, s)| !s.is_empty()) {
+        let sizes: Vec<usize> = sizes.into_iter().collect();
+        tracing::warn!(
+            "the profile has no {kind} measurement at micro-batch sizes {sizes:?}, which the written plan runs: they are priced by scaling the nearest measured size (synerfuse profile --micro-batch-sizes measures them)"
+        );
+    }
+}
+
 /// Where the plan and its timeline went, and how to train it.
 fn print_written(args: &PlanArgs, flags: &[&str]) {
     if let Some(out) = &args.output {
@@ -473,6 +501,7 @@ fn report_pooled_only(
             Some(tried) => tried.best().plan.clone(),
             None => p.to_plan(cost)?,
         };
+        warn_unmeasured(cost, &plan);
         write_atomically(out, &plan.to_toml()?)?;
     }
     if let Some(out) = &args.timeline {
