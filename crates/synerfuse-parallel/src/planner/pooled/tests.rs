@@ -6,6 +6,23 @@ use crate::cost::StageHolding;
 use crate::ScheduleKind;
 use proptest::prelude::*;
 
+/// A request for `g` samples at `sizes`, the `top_k` best grid plans, TP 1, no
+/// recomputation, the distributed optimizer on when `sharded`.
+fn request(g: usize, sizes: &[usize], top_k: usize, sharded: bool) -> super::super::PlanRequest {
+    use super::super::Choice;
+    super::super::PlanRequest {
+        global_batch_size: g,
+        micro_batch_sizes: sizes.to_vec(),
+        top_k,
+        tensor_parallel_sizes: vec![1],
+        recompute: Choice::Off,
+        distributed_optimizer: match sharded {
+            true => Choice::On,
+            false => Choice::Off,
+        },
+    }
+}
+
 fn cost(toml: &str, layers: usize, hidden: usize) -> CostModel {
     let cluster = ClusterSpec::from_toml(toml).unwrap();
     let model = ModelShape {
@@ -44,14 +61,7 @@ fn small_devices_pipeline_while_a_large_one_stays_whole() {
     assert_eq!(plan.global_batch_size(), 32);
     assert!(plan.to_grid().is_none(), "no grid expresses it");
     // The planner's outcome carries it beside the grid plans.
-    let request = super::super::PlanRequest {
-        global_batch_size: 32,
-        micro_batch_sizes: vec![1, 2],
-        top_k: 1,
-        tensor_parallel_sizes: vec![1],
-        recompute: super::super::Choice::Off,
-        distributed_optimizer: super::super::Choice::Off,
-    };
+    let request = request(32, &[1, 2], 1, false);
     let outcome = super::super::plan(&cost, &request).unwrap();
     let found = outcome.pooled.as_ref().expect("a pooled plan");
     let shapes = |c: &PooledCandidate| -> Vec<(Grid<usize>, Vec<usize>)> {
@@ -311,7 +321,7 @@ proptest! {
         }
         let drawn = pooled_timeline(&cost, &pooled).unwrap();
         prop_assert!((drawn.step_s() - pooled.step_time_s).abs() < 1e-9 * pooled.step_time_s);
-        let request = super::super::PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2], top_k: 1, tensor_parallel_sizes: vec![1], recompute: super::super::Choice::Off, distributed_optimizer: super::super::Choice::Off };
+        let request = request(g, &[1, 2], 1, false);
         let bound = super::super::throughput_bound(&mut Ctx::new(&cost), &request).unwrap();
         let fraction = bound.fraction((g * 2048) as f64, pooled.step_time_s);
         prop_assert!(fraction > 0.0 && fraction <= 1.0 + 1e-9, "{}", fraction);
@@ -330,17 +340,7 @@ proptest! {
         sharded in any::<bool>(),
     ) {
         let cost = custom_cluster(&groups, layers);
-        let request = super::super::PlanRequest {
-            global_batch_size: g,
-            micro_batch_sizes: vec![1],
-            top_k: 3,
-            tensor_parallel_sizes: vec![1],
-            recompute: super::super::Choice::Off,
-            distributed_optimizer: match sharded {
-                true => super::super::Choice::On,
-                false => super::super::Choice::Off,
-            },
-        };
+        let request = request(g, &[1], 3, sharded);
         let Ok(outcome) = super::super::plan(&cost, &request) else { return Ok(()) };
         for c in &outcome.plans {
             let variant = c.options.cost(&cost);
@@ -370,14 +370,7 @@ proptest! {
         g in 2usize..=24,
     ) {
         let cost = custom_cluster(&groups, layers);
-        let request = super::super::PlanRequest {
-            global_batch_size: g,
-            micro_batch_sizes: vec![1, 2, 4],
-            top_k: 1,
-            tensor_parallel_sizes: vec![1],
-            recompute: super::super::Choice::Off,
-            distributed_optimizer: super::super::Choice::Off,
-        };
+        let request = request(g, &[1, 2, 4], 1, false);
         let Ok(outcome) = super::super::plan(&cost, &request) else { return Ok(()) };
         let Some(best) = outcome.plans.first() else { return Ok(()) };
         let Some(refined) = super::super::refine::refine_grid(&cost, best, g).unwrap() else {
