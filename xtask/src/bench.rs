@@ -270,9 +270,12 @@ fn hetero_headlines(v: &serde_json::Value) -> Vec<Row> {
     let batches = v["batches"].as_array().cloned().unwrap_or_default();
     for b in &batches {
         let g = b["global_batch_size"].as_u64().unwrap_or(0);
+        let cluster = b["cluster"]
+            .as_str()
+            .unwrap_or("4 emulated CPU ranks (1 : 1 : 0.5 : 1/3)");
         let speedup = field(b, "speedup");
         out.push((
-            format!("4 emulated CPU ranks (1 : 1 : 0.5 : 1/3), global batch {g}: plan vs best measured grid layout"),
+            format!("{cluster}, global batch {g}: plan vs best measured grid layout"),
             format!(
                 "{:.3} vs {:.3} s per step = {speedup:.2}x ({})",
                 field(b, "plan_step_s"),
@@ -282,30 +285,8 @@ fn hetero_headlines(v: &serde_json::Value) -> Vec<Row> {
             ">= 1.3x".into(),
             Some(speedup >= 1.3),
         ));
-        let ratios: Vec<f64> = (b["acceleration_ratio_runs"]
-            .as_array()
-            .into_iter()
-            .flatten())
-        .filter_map(|x| x.as_f64())
-        .collect();
-        let (lo, hi) = ratios
-            .iter()
-            .fold((f64::MAX, f64::MIN), |(l, h), &r| (l.min(r), h.max(r)));
-        let acceleration = field(b, "acceleration_ratio");
-        out.push((
-            format!(
-                "global batch {g}: acceleration ratio (plan ÷ Σ each device alone), median of {}",
-                ratios.len()
-            ),
-            format!(
-                "{:.1} % ({:.1}–{:.1} %)",
-                acceleration * 100.0,
-                lo * 100.0,
-                hi * 100.0
-            ),
-            ">= 95 %".into(),
-            Some(acceleration >= 0.95),
-        ));
+        out.extend(acceleration_rows(b, g));
+        out.push(fastest_row(b, &format!("{cluster}, global batch {g}")));
     }
     if let Some(skewed) = v.get("skewed") {
         let speedup = field(skewed, "speedup");
@@ -327,6 +308,7 @@ fn hetero_headlines(v: &serde_json::Value) -> Vec<Row> {
             ">= 1.15x".into(),
             Some(speedup >= 1.15),
         ));
+        out.push(fastest_row(skewed, "memory-skewed cluster"));
     }
     if !batches.is_empty() {
         let error = field(v, "max_prediction_error");
@@ -336,8 +318,81 @@ fn hetero_headlines(v: &serde_json::Value) -> Vec<Row> {
             "within 10 %".into(),
             Some(error <= 0.10),
         ));
+        let calibrated = field(v, "max_calibrated_prediction_error");
+        out.push((
+            "predicted vs measured step time after calibration, every layout run (worst)".into(),
+            match calibrated.is_nan() {
+                true => "not measured: no calibration yet".into(),
+                false => format!("{:.1} % off", calibrated * 100.0),
+            },
+            "within 5 %".into(),
+            Some(calibrated <= 0.05),
+        ));
     }
     out
+}
+
+/// A batch's acceleration ratio (plan ÷ Σ each device alone) and its share of the
+/// integer-split ceiling, each judged where the batch's `target` names it.
+fn acceleration_rows(b: &serde_json::Value, g: u64) -> Vec<Row> {
+    let target = &b["target"];
+    let judged = |key: &str| {
+        (target["measure"].as_str() == Some(key))
+            .then(|| target["at_least"].as_f64().unwrap_or(1.0))
+    };
+    let spread = |key: &str| {
+        let runs: Vec<f64> = (b[key].as_array().into_iter().flatten())
+            .filter_map(|x| x.as_f64())
+            .collect();
+        let (lo, hi) = (runs.iter()).fold((f64::MAX, f64::MIN), |(l, h), &r| (l.min(r), h.max(r)));
+        (runs.len(), lo, hi)
+    };
+    let mut rows = Vec::new();
+    for (key, runs_key, what) in [
+        (
+            "acceleration_ratio",
+            "acceleration_ratio_runs",
+            "acceleration ratio (plan ÷ Σ each device alone)".to_owned(),
+        ),
+        (
+            "fraction_of_integer_split",
+            "fraction_of_integer_split_runs",
+            format!(
+                "of the integer-split ceiling ({:.1} % of Σ devices)",
+                field(b, "integer_split_fraction") * 100.0
+            ),
+        ),
+    ] {
+        let value = field(b, key);
+        if value.is_nan() {
+            continue;
+        }
+        let (n, lo, hi) = spread(runs_key);
+        let at_least = judged(key);
+        rows.push((
+            format!("global batch {g}: {what}, median of {n}"),
+            format!(
+                "{:.1} % ({:.1}–{:.1} %)",
+                value * 100.0,
+                lo * 100.0,
+                hi * 100.0
+            ),
+            at_least.map_or("".into(), |t| format!(">= {:.0} %", t * 100.0)),
+            at_least.map(|t| value >= t),
+        ));
+    }
+    rows
+}
+
+/// The written plan's median step against the fastest layout measured.
+fn fastest_row(b: &serde_json::Value, what: &str) -> Row {
+    let over = field(b, "plan_over_fastest");
+    (
+        format!("{what}: written plan ÷ fastest measured layout"),
+        format!("{over:.3}"),
+        "<= 1.03".into(),
+        Some(over <= 1.03),
+    )
 }
 
 fn tp_headlines(v: &serde_json::Value) -> Vec<Row> {
@@ -959,22 +1014,50 @@ mod tests {
                 "global_batch_size": 32, "speedup": 1.5, "plan_step_s": 1.0,
                 "best_grid_step_s": 1.5, "best_grid": "even pp 2 x dp 2",
                 "acceleration_ratio": 0.94, "acceleration_ratio_runs": [0.93, 0.94, 0.96],
+                "fraction_of_integer_split": 0.98,
+                "fraction_of_integer_split_runs": [0.97, 0.98, 0.99],
+                "integer_split_fraction": 0.96,
+                "target": {"measure": "fraction_of_integer_split", "at_least": 0.97},
+                "plan_over_fastest": 1.01,
             }],
             "skewed": {
                 "global_batch_size": 16, "speedup": 1.1, "plan_step_s": 1.0,
                 "best_grid_step_s": 1.1, "written_kind": "per_replica_pipelines",
+                "plan_over_fastest": 1.05,
             },
             "max_prediction_error": 0.05,
         });
         let rows = headlines("hetero", &hetero);
         let met: Vec<Option<bool>> = rows.iter().map(|r| r.met).collect();
-        assert_eq!(met, [Some(true), Some(false), Some(false), Some(true)]);
+        assert_eq!(
+            met,
+            [
+                Some(true),
+                None,
+                Some(true),
+                Some(true),
+                Some(false),
+                Some(false),
+                Some(true),
+                Some(false)
+            ]
+        );
         assert!(
-            rows[2].measure.contains("per-replica pipelines"),
+            rows[4].measure.contains("per-replica pipelines"),
+            "{}",
+            rows[4].measure
+        );
+        assert!(rows[1].value.contains("(93.0–96.0 %)"), "{}", rows[1].value);
+        assert!(
+            rows[2].measure.contains("(96.0 % of"),
             "{}",
             rows[2].measure
         );
-        assert!(rows[1].value.contains("(93.0–96.0 %)"), "{}", rows[1].value);
+        assert!(
+            rows[7].value.contains("no calibration"),
+            "{}",
+            rows[7].value
+        );
         let planner = serde_json::json!({"planning_s": 0.5, "command_s": 0.7});
         assert_eq!(headlines("planner", &planner)[0].met, Some(true));
         assert!(headlines("unknown", &planner).is_empty());
