@@ -669,7 +669,7 @@ fn sigterm_saves_and_exits_and_metrics_are_written() {
     let pid = child.id();
     let deadline = Instant::now() + Duration::from_secs(60);
     while Instant::now() < deadline {
-        if std::fs::read_to_string(&log).is_ok_and(|t| t.lines().count() >= 3)
+        if std::fs::read_to_string(&log).is_ok_and(|t| iteration_lines(&t) >= 3)
             || child.try_wait().unwrap().is_some()
         {
             break;
@@ -695,15 +695,16 @@ fn sigterm_saves_and_exits_and_metrics_are_written() {
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("SIGTERM"), "{stderr}");
-    // JSON fields and TensorBoard scalars.
-    let first: serde_json::Value = serde_json::from_str(
-        std::fs::read_to_string(&log)
-            .unwrap()
-            .lines()
-            .next()
-            .unwrap(),
-    )
-    .unwrap();
+    // JSON fields and TensorBoard scalars: the run record (what `profile --calibrate`
+    // prices the steps by), then the iterations'.
+    let records: Vec<serde_json::Value> = (std::fs::read_to_string(&log).unwrap().lines())
+        .take(2)
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let run: synerfuse_parallel::calibrate::RunRecord =
+        serde_json::from_value(records[0]["run"].clone()).expect("a run record first");
+    assert_eq!(run.model.num_layers, 4, "{run:?}");
+    let first = &records[1];
     for field in [
         "iteration",
         "consumed_samples",
@@ -1639,11 +1640,86 @@ fn rank_pid(marker: &str, rank: usize) -> Option<u32> {
         .map(|(pid, _)| pid)
 }
 
-/// Waits until `log` has `lines` lines (training runs) or `child` has ended.
+/// Iteration records among a `--log-json` file's lines (not its `run` record).
+fn iteration_lines(text: &str) -> usize {
+    text.lines()
+        .filter(|l| l.contains("\"elapsed_ms\""))
+        .count()
+}
+
+/// `plan --try`'s calibrated profile (report `j`), and `profile --calibrate` over the
+/// tried runs' logs.
+fn calibration_by_the_tried_runs(j: &serde_json::Value, profile: &Path, dir: &Path) {
+    let tried = j["tried"]["tried"].as_array().unwrap();
+    let file = j["tried"]["calibrated_profile"]
+        .as_str()
+        .expect("calibrated: {j}");
+    let calibrated: synerfuse_parallel::cost::Profile =
+        serde_json::from_str(&std::fs::read_to_string(file).unwrap()).unwrap();
+    let fitted = calibrated
+        .calibration
+        .expect("the fitted terms in the profile");
+    assert_eq!(fitted.runs, tried.len());
+    assert!(fitted.compute_scale["cpu"]
+        .values()
+        .all(|s| s.forward > 0.0));
+    // The step overhead is the median run's residual: that run is priced as measured.
+    let off: Vec<f64> = (tried.iter())
+        .map(|t| {
+            let m = t["measured_step_time_s"].as_f64().unwrap();
+            (t["calibrated_step_time_s"].as_f64().expect("priced again") - m).abs() / m
+        })
+        .collect();
+    assert!(off.iter().any(|&e| e < 1e-9), "{off:?}");
+    // The command over the same logs (its own warm-up of 5 steps).
+    let logs: Vec<&str> = tried.iter().map(|t| t["log"].as_str().unwrap()).collect();
+    let output = dir.join("calibrated.json");
+    let mut args = strings(&["profile", "--profile", profile.to_str().unwrap()]);
+    args.extend(strings(&[
+        "--output",
+        output.to_str().unwrap(),
+        "--calibrate",
+    ]));
+    args.extend(strings(&logs));
+    let out = synerfuse(&args);
+    ok(&out, "profile --calibrate");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(&format!("calibrated from {} runs", logs.len())),
+        "{stdout}"
+    );
+    assert!(stdout.contains("step overhead: "), "{stdout}");
+    for log in &logs {
+        assert!(stdout.contains(&format!("{log}: measured ")), "{stdout}");
+    }
+    assert!(std::fs::read_to_string(&output)
+        .unwrap()
+        .contains("\"calibration\""));
+    // A log without its run record is named.
+    let text = std::fs::read_to_string(logs[0]).unwrap();
+    let old = dir.join("old.jsonl");
+    std::fs::write(&old, text.lines().skip(1).collect::<Vec<_>>().join("\n")).unwrap();
+    let mut args = strings(&["profile", "--profile", profile.to_str().unwrap()]);
+    args.extend(strings(&[
+        "--output",
+        output.to_str().unwrap(),
+        "--calibrate",
+    ]));
+    args.push(old.display().to_string());
+    let out = synerfuse(&args);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("old.jsonl: step records before a `run` record"),
+        "{stderr}"
+    );
+}
+
+/// Waits until `log` has `lines` iteration records (training runs) or `child` has ended.
 fn wait_for_iterations(child: &mut std::process::Child, log: &Path, lines: usize) {
     let deadline = Instant::now() + Duration::from_secs(120);
     while Instant::now() < deadline {
-        if std::fs::read_to_string(log).is_ok_and(|t| t.lines().count() >= lines)
+        if std::fs::read_to_string(log).is_ok_and(|t| iteration_lines(&t) >= lines)
             || child.try_wait().unwrap().is_some()
         {
             return;
@@ -1964,6 +2040,7 @@ fn plan_try_trains_the_best_predicted_plans_and_writes_the_measured_best() {
     for t in tried {
         assert_eq!(losses(Path::new(t["log"].as_str().unwrap())).len(), 6);
     }
+    calibration_by_the_tried_runs(&j, &profile, dir.path());
     // Sizes the profile did not measure are named where the written plan runs them.
     let mut four = strings(&["plan", "--cluster", cluster.to_str().unwrap()]);
     four.extend(strings(&["--profile", profile.to_str().unwrap()]));

@@ -167,9 +167,18 @@ pub struct Profile {
     /// Network between the profiled ranks, if more than one.
     #[serde(default)]
     pub network: Option<MeasuredNetwork>,
+    /// What measured runs fitted into it (`synerfuse profile --calibrate`), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibration: Option<crate::calibrate::Calibration>,
 }
 
 impl Profile {
+    /// Seconds a calibration found every step to take beyond its simulation (0 when
+    /// not calibrated).
+    pub fn step_overhead_s(&self) -> f64 {
+        self.calibration.as_ref().map_or(0.0, |c| c.step_overhead_s)
+    }
+
     /// Costs of `kind` at micro-batch size `b`: measured, or scaled linearly from the
     /// nearest measured size.
     pub fn costs(&self, kind: &str, b: usize) -> Option<MeasuredCosts> {
@@ -354,6 +363,11 @@ impl CostModel {
             head_s: costs.head_s * slow,
             ..costs
         })
+    }
+
+    /// Seconds a step takes beyond what is simulated: the profile's calibrated overhead.
+    pub fn step_overhead_s(&self) -> f64 {
+        self.profile.as_ref().map_or(0.0, Profile::step_overhead_s)
     }
 
     /// Seconds of the optimizer step over `params` parameters on `device`: measured per

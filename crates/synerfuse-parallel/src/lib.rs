@@ -2,6 +2,7 @@
 #![warn(missing_docs)]
 
 mod batch;
+pub mod calibrate;
 pub mod cluster;
 pub mod cost;
 mod flags;

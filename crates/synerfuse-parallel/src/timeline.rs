@@ -72,7 +72,7 @@ pub struct Span {
 }
 
 /// One rank's row.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize, serde::Deserialize)]
 pub struct RankTimeline {
     /// Who the rank is (`rank 3: replica 0, stage 1, a100-80g`).
     pub label: String,

@@ -5,6 +5,7 @@
 //!
 //! Argument parsing and wiring only; the work lives in the library crates.
 
+mod calibrate_command;
 mod env_report;
 mod model_commands;
 mod plan_commands;

@@ -43,10 +43,21 @@ pub struct ModelFlags {
     #[arg(long)]
     untie_embeddings_and_output_weights: bool,
     #[arg(long, value_parser = crate::values::positive_count)]
-    seq_length: usize,
+    seq_length: Option<usize>,
 }
 
 impl ModelFlags {
+    /// `--seq-length` (required but by `profile --calibrate`, whose model is the
+    /// profile's).
+    fn seq_length(&self) -> Result<usize> {
+        self.seq_length.context("--seq-length is required")
+    }
+
+    /// Whether any model flag was given (the vocabulary has a default).
+    pub(crate) fn given(&self) -> bool {
+        self.model.is_some() || self.num_layers.is_some() || self.seq_length.is_some()
+    }
+
     fn config(&self) -> Result<LlamaConfig> {
         if let Some(path) = &self.model {
             return Ok(LlamaConfig::from_hf_file(path)?);
@@ -61,7 +72,7 @@ impl ModelFlags {
             num_attention_heads: need("--num-attention-heads", self.num_attention_heads)?,
             group_query_attention: self.num_query_groups.is_some(),
             num_query_groups: self.num_query_groups,
-            seq_length: self.seq_length,
+            seq_length: self.seq_length()?,
             untie_embeddings_and_output_weights: self.untie_embeddings_and_output_weights,
             ..MegatronModelArgs::default()
         };
@@ -69,7 +80,7 @@ impl ModelFlags {
     }
 
     fn shape(&self) -> Result<ModelShape> {
-        Ok(profiler::model_shape(&self.config()?, self.seq_length))
+        Ok(profiler::model_shape(&self.config()?, self.seq_length()?))
     }
 }
 
@@ -103,12 +114,31 @@ pub struct ProfileArgs {
     /// profile of the precision that will train
     #[arg(long)]
     bf16: bool,
+    /// Calibrate a profile (--profile) from these `train --log-json` logs instead of
+    /// measuring: each run priced again, term by term against its measured spans, and
+    /// the fitted terms written into the profile (--output). The model is the profile's.
+    #[arg(long, num_args = 1.., conflicts_with_all = ["nproc", "emulate_device_speed", "bf16", "device_kind"])]
+    calibrate: Vec<PathBuf>,
+    /// The profile --calibrate starts from
+    #[arg(long, requires = "calibrate")]
+    profile: Option<PathBuf>,
+    /// With --calibrate: print the fitted terms and each run's prediction as JSON
+    #[arg(long, requires = "calibrate")]
+    json: bool,
     /// Where to write the profile JSON
     #[arg(long)]
     output: PathBuf,
 }
 
 pub fn run_profile(args: ProfileArgs) -> Result<()> {
+    if !args.calibrate.is_empty() {
+        if args.model.given() {
+            bail!("--calibrate takes the model from the profile (--profile): drop the model flags");
+        }
+        let profile = (args.profile.as_deref())
+            .context("--calibrate needs the profile to calibrate (--profile FILE)")?;
+        return crate::calibrate_command::run(profile, &args.calibrate, &args.output, args.json);
+    }
     if let (Some(n), None) = (args.nproc, launcher_rank()) {
         let status = crate::train_command::relaunch(n)?;
         if !status.success() {
@@ -134,7 +164,7 @@ pub fn run_profile(args: ProfileArgs) -> Result<()> {
     });
     let config = ProfileConfig {
         model: args.model.config()?,
-        sequence_length: args.model.seq_length,
+        sequence_length: args.model.seq_length()?,
         micro_batch_sizes: args.micro_batch_sizes.clone(),
         repeats: args.repeats,
         emulate_speed: args.emulate_device_speed,
@@ -155,6 +185,7 @@ pub fn run_profile(args: ProfileArgs) -> Result<()> {
             model: shape,
             devices,
             network,
+            calibration: None,
         };
         let text = serde_json::to_string_pretty(&profile)?;
         let tmp = args.output.with_extension("json.tmp");
@@ -341,11 +372,13 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
         Some(settings) => {
             let plans = plans_to_try(&cost, &outcome)?;
             let tokens_per_step = (args.global_batch_size * shape.seq_length) as f64;
+            // Calibrated only where the profile is of this model.
+            let profile = cost.profile.as_ref().filter(|p| p.model == shape);
             Some(try_plans(
                 settings,
                 &plans,
-                &outcome.bound,
-                tokens_per_step,
+                profile,
+                (&outcome.bound, tokens_per_step),
             )?)
         }
         None => None,

@@ -7,7 +7,8 @@ use crate::plan_report::{pooled_train_flags, WrittenPlan};
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use synerfuse_parallel::cost::CostModel;
+use synerfuse_parallel::calibrate::{calibrate, MeasuredRun};
+use synerfuse_parallel::cost::{CostModel, Profile};
 use synerfuse_parallel::planner::{PlanOutcome, ThroughputBound};
 use synerfuse_parallel::Plan;
 
@@ -131,6 +132,8 @@ pub(crate) struct TriedPlan {
     pub(crate) failure: Option<String>,
     /// Whether this is the plan written to --output (the measured fastest).
     pub(crate) written: bool,
+    /// Predicted again with the profile calibrated by every tried plan's run, s.
+    pub(crate) calibrated_step_time_s: Option<f64>,
     #[serde(skip)]
     pub(crate) plan: Plan,
     pub(crate) train_flags: Vec<&'static str>,
@@ -147,6 +150,10 @@ pub(crate) struct TryReport {
     /// How much faster the measured best ran than the predicted best, % (0 when they
     /// are one plan; `None` when the predicted best failed).
     pub(crate) gain_over_predicted_best_percent: Option<f64>,
+    /// The profile calibrated by the tried plans' runs (with `--profile`).
+    pub(crate) calibrated_profile: Option<PathBuf>,
+    /// Why no calibrated profile was written, when one was asked for.
+    pub(crate) calibration_failure: Option<String>,
 }
 
 impl TryReport {
@@ -162,13 +169,13 @@ impl TryReport {
     }
 }
 
-/// Trains each of the first `settings.plans` of `plans` and reports them; an error
-/// when not one of them trained.
+/// Trains each of the first `settings.plans` of `plans` and reports them, with
+/// `profile` calibrated by their runs; an error when not one of them trained.
 pub(crate) fn try_plans(
     settings: &TrySettings,
     plans: &[PlanToTry],
-    bound: &ThroughputBound,
-    tokens_per_step: f64,
+    profile: Option<&Profile>,
+    (bound, tokens_per_step): (&ThroughputBound, f64),
 ) -> Result<TryReport> {
     std::fs::create_dir_all(&settings.dir)
         .with_context(|| format!("creating {}", settings.dir.display()))?;
@@ -203,13 +210,56 @@ pub(crate) fn try_plans(
     tried[measured_best].written = true;
     let gain = (tried[0].measured_step_time_s)
         .map(|first| (first / measured(&tried[measured_best]) - 1.0) * 100.0);
-    Ok(TryReport {
+    let mut report = TryReport {
         steps_per_plan: settings.iters,
         timed_steps: settings.iters - settings.warm_up() as u64,
         tried,
         measured_best,
         gain_over_predicted_best_percent: gain,
-    })
+        calibrated_profile: None,
+        calibration_failure: None,
+    };
+    if let Some(profile) = profile {
+        if let Err(e) = calibrate_tried(settings, profile, &mut report) {
+            report.calibration_failure = Some(format!("{e:#}"));
+        }
+    }
+    Ok(report)
+}
+
+/// Calibrates `profile` by the tried plans' runs (the steps after the warm-up), writes
+/// it beside them, and prices each tried plan again with it.
+fn calibrate_tried(
+    settings: &TrySettings,
+    profile: &Profile,
+    report: &mut TryReport,
+) -> Result<()> {
+    let mut runs = Vec::new();
+    let mut of_tried = Vec::new();
+    for (k, t) in report.tried.iter().enumerate() {
+        if t.measured_step_time_s.is_none() {
+            continue;
+        }
+        let text = std::fs::read_to_string(&t.log)
+            .with_context(|| format!("reading {}", t.log.display()))?;
+        let name = t.log.display().to_string();
+        // The run of the plan tried (a re-planning switch would start a second).
+        if let Some(run) = MeasuredRun::parse(&name, &text, settings.warm_up())?
+            .into_iter()
+            .next()
+        {
+            runs.push(run);
+            of_tried.push(k);
+        }
+    }
+    let (fitted, checks) = calibrate(profile, &runs)?;
+    let file = settings.dir.join("calibrated-profile.json");
+    write_atomically(&file, &serde_json::to_string_pretty(&fitted)?)?;
+    for (k, check) in of_tried.into_iter().zip(checks) {
+        report.tried[k].calibrated_step_time_s = Some(check.after_s);
+    }
+    report.calibrated_profile = Some(file);
+    Ok(())
 }
 
 /// Writes plan `k`, trains it, and reads its timed steps back.
@@ -266,6 +316,7 @@ fn try_one(exe: &Path, settings: &TrySettings, k: usize, p: &PlanToTry) -> Resul
         measured_fraction_of_integer_split: None,
         failure,
         written: false,
+        calibrated_step_time_s: None,
         plan: p.plan.clone(),
         train_flags: p.train_flags.clone(),
     })
@@ -307,10 +358,22 @@ pub(crate) fn print_try_report(report: &TryReport) {
             (None, failure) => format!("failed: {}", failure.as_deref().unwrap_or("")),
         };
         let mark = if k == report.measured_best { "*" } else { " " };
+        let calibrated = match (t.calibrated_step_time_s, t.measured_step_time_s) {
+            (Some(c), Some(m)) => format!("; calibrated {c:.4} s ({:+.1} %)", (c - m) / m * 100.0),
+            _ => String::new(),
+        };
         println!(
-            "{mark} #{k} {}: predicted {:.4} s, {measured}",
+            "{mark} #{k} {}: predicted {:.4} s, {measured}{calibrated}",
             t.label, t.predicted_step_time_s
         );
+    }
+    match (&report.calibrated_profile, &report.calibration_failure) {
+        (Some(file), _) => println!(
+            "calibrated profile (the tried runs fitted in): {}",
+            file.display()
+        ),
+        (None, Some(why)) => println!("no calibrated profile: {why}"),
+        (None, None) => {}
     }
     match report.gain_over_predicted_best_percent {
         Some(_) if report.measured_best == 0 => {

@@ -36,8 +36,8 @@ pub use outcome::{
 pub use pooled::plan_pooled;
 pub use request::{Choice, ChoiceError, PlanRequest, TrainOptions};
 pub use running::{
-    best_plan_for, fitted_cost, fitted_cost_of, predict_step_s, running_job_request, ReplanError,
-    RunningJob,
+    best_plan_for, fitted_cost, fitted_cost_of, predict_step_s, predict_timeline,
+    running_job_request, ReplanError, RunningJob,
 };
 pub use samples::{min_max_samples, ReplicaPace};
 pub use simulate::{pooled_timeline, timeline};

@@ -421,7 +421,7 @@ pub(super) fn evaluate(
         .fold(0.0, f64::max);
     let allreduce_s = max(&allreduce_times(ctx, grid, layers));
     let optimizer_s = max(&optimizer_times(ctx, grid, layers).concat());
-    let step = pipeline_s + allreduce_s + optimizer_s;
+    let step = pipeline_s + allreduce_s + optimizer_s + ctx.cost.step_overhead_s();
     let busy: Vec<Vec<f64>> = (0..p)
         .map(|i| (0..d).map(|r| t[i][r] * m[r] as f64).collect())
         .collect();

@@ -20,6 +20,7 @@ use super::tensor::TpGroup;
 use crate::cluster::{ClusterSpec, DeviceGroup, Network};
 use crate::cost::{CostModel, MeasuredCosts, MeasuredNetwork, ModelShape, Profile, Recompute};
 use crate::plan::{Plan, PlanError, ReplicaPipeline};
+use crate::timeline::RankTimeline;
 use crate::RankPlacement;
 use std::collections::BTreeMap;
 
@@ -203,6 +204,7 @@ pub fn fitted_cost_of(job: &RunningJob<'_>, kept: &[usize]) -> Result<CostModel,
         model: job.model.clone(),
         devices: BTreeMap::from([(FITTED_KIND.to_owned(), BTreeMap::from([(1, unit)]))]),
         network: measured,
+        calibration: None,
     };
     let mut cost = CostModel::new(job.model.clone(), cluster, Some(profile));
     cost.compute_bytes = job.compute_bytes;
@@ -216,6 +218,31 @@ pub fn fitted_cost_of(job: &RunningJob<'_>, kept: &[usize]) -> Result<CostModel,
 /// The simulated step of `plan` on `cost`'s cluster, rank `r` on device `r`: each
 /// replica a pipeline of its own, priced as the planner prices per-replica pipelines.
 pub fn predict_step_s(cost: &CostModel, plan: &Plan) -> Result<f64, ReplanError> {
+    Ok(simulate_plan(cost, plan, false)?.0)
+}
+
+/// [`predict_step_s`] with every rank's simulated spans, in `plan`'s rank order.
+pub fn predict_timeline(
+    cost: &CostModel,
+    plan: &Plan,
+) -> Result<(f64, Vec<RankTimeline>), ReplanError> {
+    let (step_s, rows) = simulate_plan(cost, plan, true)?;
+    // The simulation numbers ranks replica by replica, stage by stage; the plan may not.
+    let order: Vec<usize> = plan.replicas().iter().flat_map(|r| r.all_ranks()).collect();
+    let mut by_rank: Vec<Option<RankTimeline>> = vec![None; rows.len()];
+    for (row, &rank) in rows.into_iter().zip(&order) {
+        by_rank[rank] = Some(row);
+    }
+    let rows = by_rank.into_iter().map(Option::unwrap_or_default).collect();
+    Ok((step_s, rows))
+}
+
+/// The simulated step of `plan` (see [`predict_step_s`]), with its spans when `record`.
+fn simulate_plan(
+    cost: &CostModel,
+    plan: &Plan,
+    record: bool,
+) -> Result<(f64, Vec<RankTimeline>), ReplanError> {
     if plan.has_chunks() {
         return Err(ReplanError::Interleaved);
     }
@@ -239,8 +266,8 @@ pub fn predict_step_s(cost: &CostModel, plan: &Plan) -> Result<f64, ReplanError>
         });
     }
     let mut ctx = Ctx::with_groups(cost, cost.cluster.devices(), groups);
-    let (candidate, _) = simulate_pools(&mut ctx, pools, false)?;
-    Ok(candidate.step_time_s)
+    let (candidate, rows) = simulate_pools(&mut ctx, pools, record)?;
+    Ok((candidate.step_time_s, rows))
 }
 
 /// What a running job is re-planned for (a switch, or the survivors of lost ranks): its

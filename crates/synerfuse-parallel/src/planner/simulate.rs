@@ -64,7 +64,7 @@ pub(super) fn simulate_step(
     let reduced: Vec<f64> = (0..p).map(|i| stage_done[i] + reduce[i]).collect();
     let all_reduced = max(&reduced);
     let optimizer_s = max(&optimizer.concat());
-    let step = all_reduced + optimizer_s;
+    let step = all_reduced + optimizer_s + ctx.cost.step_overhead_s();
     let total_busy: f64 = report.busy_s.iter().sum();
     let prediction = Prediction {
         step_time_s: step,
@@ -156,7 +156,7 @@ pub(super) fn simulate_pools(
     candidate.pipeline_s = report.makespan_s;
     candidate.reduce_s = max(&reduce);
     candidate.optimizer_s = optimizer;
-    candidate.step_time_s = all_reduced + optimizer;
+    candidate.step_time_s = all_reduced + optimizer + ctx.cost.step_overhead_s();
     let after = |rank: usize| AfterSchedule {
         reduce_start_s: start[paces[rank].position],
         reduce_end_s: reduced[paces[rank].position],

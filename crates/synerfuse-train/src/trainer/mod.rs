@@ -709,6 +709,7 @@ impl<'w> Trainer<'w> {
             summary.evaluations = self.evaluate_at_end(0, &mut log)?;
             return Ok(summary);
         }
+        self.record_run(&mut log)?;
         let mut consumed_valid = eval.consumed_valid_samples(self.iteration, global_batch);
         let mut ended_early = false;
         while self.iteration < train_iters {

@@ -390,6 +390,19 @@ impl StepLog {
 }
 
 impl StepLog {
+    /// Writes what runs as the JSON log's `run` record (rank 0 calls it): the first
+    /// record of a run, and again after a switch of plans.
+    pub fn record_run(
+        &mut self,
+        run: &synerfuse_parallel::calibrate::RunRecord,
+    ) -> Result<(), TrainError> {
+        if let Some(json) = &mut self.json {
+            let record = serde_json::json!({ "run": run });
+            json.write(&record).map_err(io_error(json.path()))?;
+        }
+        Ok(())
+    }
+
     /// Logs a re-planning decision (rank 0 calls it): a line, a JSON record
     /// (`replan`), TensorBoard scalars (`replan predicted step s`, `replan gain s`,
     /// `replan switch cost s`, `replan switched`).

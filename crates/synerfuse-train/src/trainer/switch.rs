@@ -17,6 +17,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use synerfuse_model::tch::{Device, Kind, Tensor};
+use synerfuse_parallel::calibrate::RunRecord;
 use synerfuse_parallel::planner::{self, RunningJob};
 use synerfuse_parallel::Plan;
 
@@ -214,8 +215,33 @@ impl<'w> Trainer<'w> {
         };
         if decision.switched {
             self.switch_plan(decision)?;
+            self.record_run(log)?;
         }
         logged
+    }
+
+    /// Under `--log-json`, writes what runs (the model, the plan, the options) as the
+    /// log's `run` record, which `synerfuse profile --calibrate` prices the steps after
+    /// it by. Collective (the hosts are gathered).
+    pub(super) fn record_run(&self, log: &mut StepLog) -> Result<(), TrainError> {
+        if self.config.logging.log_json.is_none() {
+            return Ok(());
+        }
+        let run = RunRecord {
+            model: crate::profiler::model_shape(
+                &self.config.model,
+                self.config.batch.sequence_length,
+            ),
+            plan: self.config.parallel.plan.clone(),
+            hosts: self.hosts()?,
+            recompute: self.config.compute.recompute,
+            distributed_optimizer: self.config.optimizer.distributed,
+            compute_bytes: self.compute_bytes(),
+        };
+        match self.world.rank() {
+            0 => log.record_run(&run),
+            _ => Ok(()),
+        }
     }
 
     /// Every rank's host, in rank order. Collective.
