@@ -378,6 +378,7 @@ impl Terms {
     fn add(&mut self, run: &MeasuredRun, cost: &CostModel, rows: &[RankTimeline]) {
         let devices = cost.cluster.devices();
         self.steps += run.spans.len();
+        self.add_reduce(run, rows);
         for (rank, row) in rows.iter().enumerate() {
             let kind = devices[rank].kind.clone();
             let (replica, _) = run.run.plan.position(rank).unwrap_or_default();
@@ -397,15 +398,33 @@ impl Terms {
                 self.sends.0.extend(durations(&step[rank], SpanKind::Send));
             }
             self.sends.1.extend(durations(&row.spans, SpanKind::Send));
-            self.reduce.add(
-                run.measured(rank, &[SpanKind::Reduce]),
-                seconds(&row.spans, &[SpanKind::Reduce]),
-            );
             (self.optimizer.entry(kind).or_default()).add(
                 run.measured(rank, &[SpanKind::Optimizer]),
                 seconds(&row.spans, &[SpanKind::Optimizer]),
             );
         }
+    }
+
+    /// The reduction of `run` against its simulation: the rank whose reduction is
+    /// shortest, the last to arrive, which does not wait inside the collective for the
+    /// others (a measured reduction span includes that wait; a simulated one does not).
+    fn add_reduce(&mut self, run: &MeasuredRun, rows: &[RankTimeline]) {
+        let simulated: Vec<(usize, f64)> = (rows.iter().enumerate())
+            .map(|(rank, row)| (rank, seconds(&row.spans, &[SpanKind::Reduce])))
+            .filter(|&(_, s)| s > 0.0)
+            .collect();
+        let Some(shortest) = simulated.iter().map(|&(_, s)| s).reduce(f64::min) else {
+            return;
+        };
+        let measured = (run.spans.iter())
+            .map(|step| {
+                (simulated.iter())
+                    .map(|&(rank, _)| seconds(&step[rank], &[SpanKind::Reduce]))
+                    .fold(f64::INFINITY, f64::min)
+            })
+            .sum::<f64>()
+            / run.spans.len().max(1) as f64;
+        self.reduce.add(measured, shortest);
     }
 
     /// `profile` with these terms fitted in; the calibration without its step overhead.
