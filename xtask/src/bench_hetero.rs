@@ -326,12 +326,18 @@ fn one_scenario(
     // Every layout's measured median: the best grid layout's over its repeats.
     let mut medians = grids.clone();
     medians[best] = best_s;
+    // Each layout's first run's log (what a calibration prices it by).
+    let logs = (0..grids.len())
+        .map(|k| format!("grid-{name}-{k}"))
+        .chain([format!("plan-{name}-0")])
+        .map(|run| dir.join(format!("{run}.jsonl")));
     let layouts: Vec<serde_json::Value> = (planned.grids.iter().zip(&medians))
         .chain([(&planned.plan, &plan_s)])
-        .map(|(l, m)| {
+        .zip(logs)
+        .map(|((l, m), log)| {
             serde_json::json!({
                 "layout": l.label, "predicted_step_s": l.predicted_s, "step_s": m,
-                "prediction_error": (l.predicted_s - m) / m,
+                "prediction_error": (l.predicted_s - m) / m, "log": log,
             })
         })
         .collect();
@@ -403,6 +409,84 @@ fn one_scenario(
     }
     println!("{line}");
     Ok(row)
+}
+
+/// The scenario whose layouts' runs calibrate the profile; every other scenario's layouts
+/// are priced with the calibrated profile (out of sample).
+const CALIBRATED_BY: &str = "32";
+
+/// Calibrates `profile` by the runs of scenario [`CALIBRATED_BY`]'s layouts, then prices
+/// every other scenario's layouts with it: each layout's `calibrated_predicted_step_s`
+/// and error, each row's `max_calibrated_prediction_error`. Returns the fitted terms.
+fn calibrate_and_check(
+    bin: &Path,
+    dir: &Path,
+    profile: &Path,
+    batches: &mut [serde_json::Value],
+    skewed: &mut serde_json::Value,
+) -> Result<serde_json::Value> {
+    let logs_of = |row: &serde_json::Value| -> Vec<String> {
+        (row["layouts"].as_array().into_iter().flatten())
+            .filter_map(|l| l["log"].as_str().map(str::to_owned))
+            .collect()
+    };
+    let by = (batches.iter())
+        .find(|b| b["scenario"] == CALIBRATED_BY)
+        .context("the calibrating scenario")?;
+    let calibrated = dir.join("profile-calibrated.json");
+    let fitted = calibrate(bin, profile, &calibrated, &logs_of(by))?;
+    println!(
+        "[hetero] calibrated by scenario {CALIBRATED_BY}: {}",
+        fitted["calibration"]
+    );
+    for row in batches.iter_mut().chain([skewed]) {
+        if row["scenario"] == CALIBRATED_BY {
+            continue;
+        }
+        let checked = calibrate(bin, &calibrated, &dir.join("unused.json"), &logs_of(row))?;
+        let mut worst = 0.0f64;
+        let runs = checked["runs"].as_array().cloned().unwrap_or_default();
+        let layouts = row["layouts"].as_array_mut().context("layouts")?;
+        for layout in layouts.iter_mut() {
+            // The run of the layout's plan (the log's first).
+            let run = (runs.iter())
+                .find(|r| r["name"] == layout["log"])
+                .with_context(|| format!("no calibrated price of {}", layout["log"]))?;
+            let predicted = number(run, "before_s")?;
+            let measured = number(layout, "step_s")?;
+            let error = (predicted - measured) / measured;
+            worst = worst.max(error.abs());
+            layout["calibrated_predicted_step_s"] = predicted.into();
+            layout["calibrated_prediction_error"] = error.into();
+        }
+        row["max_calibrated_prediction_error"] = worst.into();
+        println!(
+            "[hetero] {}: worst prediction after calibration {:.1}% off",
+            row["scenario"],
+            worst * 100.0
+        );
+    }
+    Ok(fitted["calibration"].clone())
+}
+
+/// `synerfuse profile --calibrate logs --profile profile --output output --json`.
+fn calibrate(
+    bin: &Path,
+    profile: &Path,
+    output: &Path,
+    logs: &[String],
+) -> Result<serde_json::Value> {
+    let json = run(
+        Command::new(bin)
+            .args(["profile", "--json", "--profile"])
+            .arg(profile)
+            .arg("--output")
+            .arg(output)
+            .arg("--calibrate")
+            .args(logs),
+        "synerfuse profile --calibrate",
+    )?;
+    last_json_line(&json)
 }
 
 /// The memory-skewed cluster: one fast rank whose memory holds the whole model's training
@@ -484,7 +568,8 @@ pub fn hetero(root: &Path) -> Result<()> {
         global_batch: SKEWED_GLOBAL_BATCH,
         alone: false,
     };
-    let skewed = one_scenario(&bin, &data, &dir, &profile, &skewed)?;
+    let mut skewed = one_scenario(&bin, &data, &dir, &profile, &skewed)?;
+    let calibrated = calibrate_and_check(&bin, &dir, &profile, &mut batches, &mut skewed)?;
     let worst = |key: &str, pick: fn(f64, f64) -> f64, start: f64| {
         (batches.iter().chain([&skewed]))
             .filter_map(|b| b[key].as_f64())
@@ -505,6 +590,9 @@ pub fn hetero(root: &Path) -> Result<()> {
         "max_prediction_error": worst("max_prediction_error", f64::max, 0.0),
         "prediction_tolerance": PREDICTION_TOLERANCE,
         "max_plan_over_fastest": worst("plan_over_fastest", f64::max, 0.0),
+        "calibrated_by": CALIBRATED_BY,
+        "calibration": calibrated,
+        "max_calibrated_prediction_error": worst("max_calibrated_prediction_error", f64::max, 0.0),
         "fastest_tolerance": FASTEST_TOLERANCE,
     });
     let out = root.join("target/bench/hetero.json");
