@@ -539,6 +539,7 @@ pub fn hetero(root: &Path) -> Result<()> {
             alone: true,
         };
         batches.push(one_scenario(&bin, &data, &dir, &profile, &scenario)?);
+        write_json(&dir.join("partial.json"), &serde_json::json!(batches))?;
     }
     for (speeds, global_batches) in PAIRS {
         let stem = format!("pair-{}-{}", speeds[0], speeds[1]);
@@ -554,6 +555,8 @@ pub fn hetero(root: &Path) -> Result<()> {
                 alone: true,
             };
             batches.push(one_scenario(&bin, &data, &dir, &profile, &scenario)?);
+            write_json(&dir.join("partial.json"), &serde_json::json!(batches))?;
+            write_json(&dir.join("partial.json"), &serde_json::json!(batches))?;
         }
     }
     let skewed_cluster = dir.join("skewed-cluster.toml");
@@ -569,7 +572,9 @@ pub fn hetero(root: &Path) -> Result<()> {
         alone: false,
     };
     let mut skewed = one_scenario(&bin, &data, &dir, &profile, &skewed)?;
-    let calibrated = calibrate_and_check(&bin, &dir, &profile, &mut batches, &mut skewed)?;
+    // A failed calibration is reported in the results, not lost with them.
+    let calibrated = calibrate_and_check(&bin, &dir, &profile, &mut batches, &mut skewed)
+        .unwrap_or_else(|e| serde_json::json!({ "error": format!("{e:#}") }));
     let worst = |key: &str, pick: fn(f64, f64) -> f64, start: f64| {
         (batches.iter().chain([&skewed]))
             .filter_map(|b| b[key].as_f64())

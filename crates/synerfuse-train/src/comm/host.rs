@@ -1,5 +1,6 @@
 //! MPI communicators over tch tensors.
 
+use super::progress;
 use super::watchdog::{self, waiting};
 use super::CommError;
 use mpi::collective::SystemOperation;
@@ -15,18 +16,28 @@ const MAX_ELEMENTS_PER_CALL: usize = 1 << 30;
 
 /// The MPI environment of this process: initialised once, finalised on drop.
 pub struct MpiRuntime {
+    /// Stopped and joined before `universe` finalises MPI.
+    progress: Option<progress::SendProgress>,
     universe: Universe,
 }
 
+impl Drop for MpiRuntime {
+    fn drop(&mut self) {
+        self.progress.take();
+    }
+}
+
 impl MpiRuntime {
-    /// Initialises MPI. Only the thread that calls this makes MPI calls (`FUNNELED`):
-    /// libtorch's own worker threads never communicate.
+    /// Initialises MPI. The thread that calls this makes the MPI calls; a helper thread
+    /// only drives MPI's progress while a send is in flight (`comm::progress`), where MPI
+    /// supports threads (`MULTIPLE`); libtorch's own worker threads never communicate.
     ///
     /// A panic on this rank then aborts the whole job: unwinding would otherwise run
     /// `MPI_Finalize`, which waits for ranks that are themselves waiting for this one.
     pub fn init() -> Result<Self, CommError> {
-        let (universe, _provided) = mpi::initialize_with_threading(Threading::Funneled)
+        let (universe, provided) = mpi::initialize_with_threading(Threading::Multiple)
             .ok_or(CommError::AlreadyInitialized)?;
+        let progress = (provided == Threading::Multiple).then(progress::SendProgress::start);
         watchdog::start_for_rank(universe.world().rank() as usize);
         let report = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
@@ -36,7 +47,7 @@ impl MpiRuntime {
                 unsafe { mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, 101) };
             }
         }));
-        Ok(Self { universe })
+        Ok(Self { progress, universe })
     }
 
     /// All ranks of the job.
@@ -102,6 +113,7 @@ impl PendingSend {
         if let Some(mut request) = self.request.take() {
             let _wait = waiting("send", &self.group, Some(self.dest));
             wait_raw(&mut request);
+            progress::send_ended();
         }
     }
 }
@@ -760,6 +772,7 @@ impl MpiCommunicator {
                 request.as_mut_ptr(),
             );
         }
+        progress::send_started();
         Ok(PendingSend {
             // SAFETY: MPI_Isend wrote the request (errors abort: MPI_ERRORS_ARE_FATAL).
             request: Some(unsafe { request.assume_init() }),

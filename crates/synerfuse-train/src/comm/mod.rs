@@ -11,6 +11,7 @@ mod host;
 mod launcher;
 mod links;
 mod nccl;
+mod progress;
 pub mod watchdog;
 
 pub use error::CommError;

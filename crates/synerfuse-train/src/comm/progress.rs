@@ -1,0 +1,86 @@
+//! Driving MPI's progress while host sends are in flight.
+//!
+//! A message over the transport's eager limit moves only while its sender calls into MPI
+//! (a rendezvous, and where no single-copy path exists, as in containers that forbid
+//! `process_vm_readv`, every fragment after the first). A pipeline rank that posts a
+//! send and goes on computing would hold its waiting neighbour until its next MPI call,
+//! a whole pass later: on the emulated 4-rank CPU cluster a pp 2 × dp 2 step took 2.94 s
+//! so, and 2.34 s with such messages sent eagerly. While any send is in flight, a helper
+//! thread calls into MPI every few microseconds (a probe on `MPI_COMM_SELF`, where no
+//! message ever comes: any call progresses every transfer); otherwise it sleeps.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Sends posted and not yet completed, on this process.
+static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
+
+/// The pause between progress calls while sends are in flight.
+const BUSY_PAUSE: Duration = Duration::from_micros(20);
+/// The pause between looks while none is.
+const IDLE_PAUSE: Duration = Duration::from_micros(200);
+
+/// A send was posted.
+pub(super) fn send_started() {
+    IN_FLIGHT.fetch_add(1, Ordering::Relaxed);
+}
+
+/// A posted send completed.
+pub(super) fn send_ended() {
+    IN_FLIGHT.fetch_sub(1, Ordering::Relaxed);
+}
+
+/// The helper thread; stopped and joined when dropped (before MPI is finalised).
+pub(super) struct SendProgress {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl SendProgress {
+    /// Starts the helper (MPI must have been initialised with `MPI_THREAD_MULTIPLE`).
+    pub(super) fn start() -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&stop);
+        let thread = std::thread::Builder::new()
+            .name("mpi-send-progress".into())
+            .spawn(move || {
+                while !flag.load(Ordering::Relaxed) {
+                    if IN_FLIGHT.load(Ordering::Relaxed) == 0 {
+                        std::thread::sleep(IDLE_PAUSE);
+                        continue;
+                    }
+                    progress();
+                    std::thread::sleep(BUSY_PAUSE);
+                }
+            })
+            .ok();
+        SendProgress { stop, thread }
+    }
+}
+
+impl Drop for SendProgress {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// One call into MPI's progress engine.
+fn progress() {
+    let mut flag = 0;
+    let mut status = std::mem::MaybeUninit::uninit();
+    // SAFETY: MPI is initialised with MPI_THREAD_MULTIPLE and not finalised (the helper
+    // is joined first); the status is written by MPI_Iprobe.
+    unsafe {
+        mpi::ffi::MPI_Iprobe(
+            mpi::ffi::RSMPI_ANY_SOURCE,
+            mpi::ffi::RSMPI_ANY_TAG,
+            mpi::ffi::RSMPI_COMM_SELF,
+            &mut flag,
+            status.as_mut_ptr(),
+        );
+    }
+}
