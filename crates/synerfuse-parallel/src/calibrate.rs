@@ -537,21 +537,6 @@ pub fn calibrate(
     Ok((fitted, checks))
 }
 
-/// Each run priced with `profile` as it stands: (the run, measured, predicted).
-pub fn check(profile: &Profile, runs: &[MeasuredRun]) -> Result<Vec<RunCheck>, CalibrateError> {
-    (runs.iter())
-        .map(|run| {
-            let predicted = run.simulate(profile)?.0;
-            Ok(RunCheck {
-                name: run.name.clone(),
-                measured_s: run.step_s(),
-                before_s: predicted,
-                after_s: predicted,
-            })
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -665,9 +650,8 @@ kinds = ["cpu"]
         assert!(((run.after_s - run.measured_s) / run.measured_s).abs() < 1e-9);
         // The fitted profile prices the run as measured, and a second calibration
         // changes nothing.
-        let again = check(&fitted, &runs).unwrap();
+        let (refitted, again) = calibrate(&fitted, &runs).unwrap();
         assert!((again[0].before_s - run.measured_s).abs() < 1e-9);
-        let (refitted, _) = calibrate(&fitted, &runs).unwrap();
         let refit = refitted.calibration.unwrap();
         assert!((refit.step_overhead_s - 0.04).abs() < 1e-9, "{refit:?}");
     }
