@@ -169,6 +169,7 @@ fn plan_for_survivors(
     let cost = planner::fitted_cost_of(&job, survivors)?;
     let request = planner::running_job_request(
         snapshot.plan.global_batch_size(),
+        snapshot.recompute,
         snapshot.distributed_optimizer,
     );
     let placements: Vec<_> = (survivors.iter())

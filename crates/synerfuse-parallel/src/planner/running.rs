@@ -183,7 +183,9 @@ pub fn fitted_cost_of(job: &RunningJob<'_>, kept: &[usize]) -> Result<CostModel,
             count: 1,
             node: Some(host.clone()),
             tflops_bf16: None,
-            memory_gb: None,
+            // The memory the plan placed the rank with, so a plan that would not fit
+            // (or fits only recomputing) is priced so.
+            memory_gb: job.plan.placement(rank).and_then(|p| p.memory_gb),
             mem_bw_gbs: None,
             efficiency: None,
             speed: Some(unit_work_s(job, &unit, rank)? / pace_s),
@@ -271,15 +273,25 @@ fn simulate_plan(
 }
 
 /// What a running job is re-planned for (a switch, or the survivors of lost ranks): its
-/// own global batch, micro-batch sizes 1 to 8, no tensor parallelism, no recomputation,
-/// and the distributed optimizer exactly when the job runs it (its state is laid out so).
-pub fn running_job_request(global_batch_size: usize, distributed_optimizer: bool) -> PlanRequest {
+/// own global batch and the options `synerfuse plan` searches by default: micro-batch
+/// sizes 1 to 8, tensor-parallel sizes 1 to 8 (within a host), recomputation where a
+/// stage needs it (every stage when the job runs `--recompute-activations`: the run
+/// recomputes whatever the plan says), and the distributed optimizer exactly when the
+/// job runs it (a run flag, not the plan's).
+pub fn running_job_request(
+    global_batch_size: usize,
+    recompute: bool,
+    distributed_optimizer: bool,
+) -> PlanRequest {
     PlanRequest {
         global_batch_size,
         micro_batch_sizes: vec![1, 2, 4, 8],
         top_k: 1,
-        tensor_parallel_sizes: vec![1],
-        recompute: Choice::Off,
+        tensor_parallel_sizes: vec![1, 2, 4, 8],
+        recompute: match recompute {
+            true => Choice::On,
+            false => Choice::Auto,
+        },
         distributed_optimizer: match distributed_optimizer {
             true => Choice::On,
             false => Choice::Off,
@@ -464,6 +476,51 @@ mod tests {
             best.replicas().iter().all(|r| samples(r) >= slow),
             "{best:?}"
         );
+    }
+
+    /// The re-planner prices each rank within the memory its placement names: a rank
+    /// too small for the whole model's state (about 3.9 MB here) holds a whole replica
+    /// no longer, though its pace alone would give it one (tensor parallelism, searched
+    /// as `synerfuse plan` searches it, may share it out).
+    #[test]
+    fn a_rank_keeps_to_the_memory_it_was_placed_with() {
+        let hosts = vec!["h".to_owned(); 2];
+        let paces = [1.0, 1.0];
+        let held_by_rank_1 = |memory_gb: f64| {
+            let placements = vec![
+                RankPlacement {
+                    memory_gb: Some(1.0),
+                    ..RankPlacement::default()
+                },
+                RankPlacement {
+                    memory_gb: Some(memory_gb),
+                    ..RankPlacement::default()
+                },
+            ];
+            let replicas = (0..2)
+                .map(|r| {
+                    ReplicaPipeline::single_ranks(
+                        StageLayout::new(vec![4], 4).unwrap(),
+                        ReplicaBatch::uniform(1, 8),
+                        vec![r],
+                        vec![placements[r].clone()],
+                    )
+                })
+                .collect();
+            let plan = Plan::new(replicas).unwrap();
+            let cost = fitted_cost(&job(&plan, &paces, &hosts)).unwrap();
+            let request = running_job_request(16, false, false);
+            let placed: Vec<_> = (0..2).map(|r| plan.placement(r).cloned()).collect();
+            let (best, _) = best_plan_for(&cost, &request, &placed).unwrap();
+            assert_eq!(best.placement(1).unwrap().memory_gb, Some(memory_gb));
+            let (replica, stage) = best.position(1).unwrap();
+            let r = &best.replicas()[replica];
+            (r.stages.layers()[stage], r.ranks[stage].len())
+        };
+        assert_eq!(held_by_rank_1(1.0), (4, 1));
+        // Fewer layers, or a tensor-parallel share of them.
+        let small = held_by_rank_1(0.0035);
+        assert!(small.0 < 4 || small.1 > 1, "{small:?}");
     }
 
     #[test]

@@ -324,7 +324,11 @@ impl<'w> Trainer<'w> {
         let fastest = fitted.iter().copied().fold(f64::MIN_POSITIVE, f64::max);
         let current_step_s = planner::predict_step_s(&cost, job.plan)?;
         let global = job.plan.global_batch_size();
-        let request = planner::running_job_request(global, self.config.optimizer.distributed);
+        let request = planner::running_job_request(
+            global,
+            self.config.compute.recompute,
+            self.config.optimizer.distributed,
+        );
         let placements: Vec<_> = (0..job.plan.world_size())
             .map(|r| job.plan.placement(r).cloned())
             .collect();
