@@ -487,7 +487,7 @@ mod tests {
         let hosts = vec!["h".to_owned(); 2];
         let paces = [1.0, 1.0];
         let held_by_rank_1 = |memory_gb: f64| {
-            let placements = vec![
+            let placements = [
                 RankPlacement {
                     memory_gb: Some(1.0),
                     ..RankPlacement::default()
