@@ -450,6 +450,14 @@ impl Terms {
             let (Some(forward), Some(backward)) = (whole.0.ratio(), whole.1.ratio()) else {
                 continue;
             };
+            // A size the runs used but the profile did not measure enters the table at
+            // its interpolated costs times the scale its passes fitted.
+            for size in scales.keys() {
+                if let (false, Some(costs)) = (table.contains_key(size), profile.costs(kind, *size))
+                {
+                    table.insert(*size, costs);
+                }
+            }
             for (size, costs) in table.iter_mut() {
                 let s = scales
                     .get(size)
@@ -654,6 +662,32 @@ kinds = ["cpu"]
         assert!((again[0].before_s - run.measured_s).abs() < 1e-9);
         let refit = refitted.calibration.unwrap();
         assert!((refit.step_overhead_s - 0.04).abs() < 1e-9, "{refit:?}");
+    }
+
+    /// A size the runs used but the profile lacks is fitted into the profile's table
+    /// (replicas of one size each: a replica's passes are filed under its largest).
+    #[test]
+    fn a_size_the_profile_lacks_is_fitted_from_the_runs() {
+        let uniform = PLAN.replace(
+            "micro_batch_sizes = [2, 2, 1]",
+            "micro_batch_size = 1\nnum_micro_batches = 5",
+        );
+        let plan = Plan::from_toml(&uniform, None).unwrap();
+        let runs = MeasuredRun::parse("run.jsonl", &log(&plan, &profile(1.25), 0.0, 9), 5).unwrap();
+        let mut given = profile(1.0);
+        given.devices.get_mut("cpu").unwrap().remove(&2);
+        let (fitted, checks) = calibrate(&given, &runs).unwrap();
+        let truth = profile(1.25).costs("cpu", 2).unwrap();
+        let size_2 = fitted.devices["cpu"][&2];
+        assert!(
+            (size_2.layer_bwd_s - truth.layer_bwd_s).abs() < 1e-12,
+            "{size_2:?}"
+        );
+        let run = &checks[0];
+        assert!(
+            ((run.after_s - run.measured_s) / run.measured_s).abs() < 1e-9,
+            "{run:?}"
+        );
     }
 
     #[test]

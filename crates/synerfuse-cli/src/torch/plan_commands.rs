@@ -89,8 +89,9 @@ impl ModelFlags {
 pub struct ProfileArgs {
     #[command(flatten)]
     model: ModelFlags,
-    /// Micro-batch sizes to measure
-    #[arg(long, value_parser = crate::values::positive_count, value_delimiter = ',', default_value = "1,2,4")]
+    /// Micro-batch sizes to measure (by default those `plan` tries; others are
+    /// interpolated between the measured sizes around them)
+    #[arg(long, value_parser = crate::values::positive_count, value_delimiter = ',', default_value = "1,2,4,8")]
     micro_batch_sizes: Vec<usize>,
     /// cpu, cuda, cuda:N or auto
     #[arg(long, default_value = "auto")]
@@ -469,8 +470,8 @@ fn print_json(report: impl serde::Serialize, tried: Option<&TryReport>) -> Resul
 }
 
 /// Warns of the micro-batch sizes `plan` runs (a short last micro-batch included) that
-/// the profile did not measure on a device kind it measured: those are priced by scaling
-/// the nearest measured size.
+/// the profile did not measure on a device kind it measured: those are interpolated
+/// between measured sizes, or extrapolated.
 fn warn_unmeasured(cost: &CostModel, plan: &synerfuse_parallel::Plan) {
     let Some(profile) = &cost.profile else {
         return;
@@ -489,7 +490,7 @@ fn warn_unmeasured(cost: &CostModel, plan: &synerfuse_parallel::Plan) {
     for (kind, sizes) in missing.into_iter().filter(|(_, s)| !s.is_empty()) {
         let sizes: Vec<usize> = sizes.into_iter().collect();
         tracing::warn!(
-            "the profile has no {kind} measurement at micro-batch sizes {sizes:?}, which the written plan runs: they are priced by scaling the nearest measured size (synerfuse profile --micro-batch-sizes measures them)"
+            "the profile has no {kind} measurement at micro-batch sizes {sizes:?}, which the written plan runs: they are interpolated between the measured sizes around them, or extrapolated (synerfuse profile --micro-batch-sizes measures them)"
         );
     }
 }
