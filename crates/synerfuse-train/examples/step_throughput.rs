@@ -63,11 +63,26 @@ fn main() {
         last_loss.set(loss.double_value(&[]));
         loss
     };
+    // Seconds in the forward, the backward (with the loss) and the optimizer step.
+    let phases = std::cell::Cell::new([0.0f64; 3]);
+    let timed = |phase: usize, started: std::time::Instant| {
+        if device.is_cuda() {
+            tch::Cuda::synchronize(0);
+        }
+        let mut p = phases.get();
+        p[phase] += started.elapsed().as_secs_f64();
+        phases.set(p);
+        std::time::Instant::now()
+    };
     let step = |optimizer: &mut AdamW| -> f64 {
+        let started = std::time::Instant::now();
         optimizer.zero_grad();
         let pass = stage.forward_train(&inputs, None, None).unwrap();
+        let started = timed(0, started);
         stage.backward(pass, BackwardFrom::Loss(&loss_of)).unwrap();
+        let started = timed(1, started);
         optimizer.step(1e-4);
+        timed(2, started);
         last_loss.get()
     };
     let warmup = 2;
@@ -77,6 +92,7 @@ fn main() {
     if device.is_cuda() {
         tch::Cuda::synchronize(0);
     }
+    phases.set([0.0; 3]);
     let started = std::time::Instant::now();
     let mut loss = 0.0;
     for _ in 0..steps {
@@ -87,8 +103,9 @@ fn main() {
     }
     let seconds = started.elapsed().as_secs_f64();
     let tokens_per_second = (steps * batch * seq) as f64 / seconds;
+    let [forward, backward, optimizer] = phases.get().map(|s| s / steps as f64);
     println!(
-        "{{\"tokens_per_second\": {tokens_per_second:.3}, \"seconds\": {seconds:.4}, \"steps\": {steps}, \"parameters\": {}, \"loss\": {loss:.5}}}",
+        "{{\"tokens_per_second\": {tokens_per_second:.3}, \"seconds\": {seconds:.4}, \"steps\": {steps}, \"parameters\": {}, \"loss\": {loss:.5}, \"forward_s\": {forward:.5}, \"backward_s\": {backward:.5}, \"optimizer_s\": {optimizer:.5}}}",
         config.num_parameters()
     );
 }

@@ -194,16 +194,20 @@ impl AdamWConfig {
         lr: f64,
         (bias1, bias2): (f64, f64),
     ) {
-        // torch's single-tensor Adam, in place but for three temporaries.
+        // torch's single-tensor Adam in as many passes over memory and two temporaries
+        // (tch's addcmul_ and addcdiv_ take no factor, so the factors move into the
+        // temporaries): v ← v + (1 − β2)(g² − v), and the step −lr/bias1 · m / denom
+        // as m / (denom · −bias1/lr).
         let _ = exp_avg.lerp_(grad, 1.0 - self.beta1);
-        let _ = exp_avg_sq.g_mul_scalar_(self.beta2);
-        let _ = exp_avg_sq.addcmul_(grad, &(grad * (1.0 - self.beta2)));
+        let _ = exp_avg_sq.lerp_(&grad.square(), 1.0 - self.beta2);
+        let k = -bias1 / lr;
+        if !k.is_finite() {
+            return; // a learning rate of 0 (warm-up's first step) moves nothing
+        }
         let mut denom = exp_avg_sq.sqrt();
-        let _ = denom.g_div_scalar_(bias2.sqrt());
-        let _ = denom.g_add_scalar_(self.eps);
-        let mut update = &*exp_avg / &denom;
-        let _ = update.g_mul_scalar_(-lr / bias1);
-        let _ = value.g_add_(&update);
+        let _ = denom.g_mul_scalar_(k / bias2.sqrt());
+        let _ = denom.g_add_scalar_(self.eps * k);
+        let _ = value.addcdiv_(exp_avg, &denom);
     }
 }
 
@@ -539,6 +543,28 @@ mod tests {
             assert!((f64::from(*g) - want).abs() < 1e-6, "{got_b:?}");
         }
         assert_eq!(opt.steps(), 2);
+    }
+
+    /// At a learning rate of 0 (warm-up's first step) nothing moves, a zero gradient
+    /// included (the step's factor 1/lr must not turn 0 · ∞ into NaN).
+    #[test]
+    fn a_zero_learning_rate_moves_nothing() {
+        let w = Tensor::from_slice(&[1.0f32, -2.0]).set_requires_grad(true);
+        let mut opt = AdamW::new(
+            AdamWConfig::default(),
+            [("w".to_string(), w.shallow_clone())],
+        );
+        (&w * Tensor::from_slice(&[0.0f32, 0.5]))
+            .sum(Kind::Float)
+            .backward();
+        opt.step(0.0);
+        assert_eq!(Vec::<f32>::try_from(&w).unwrap(), [1.0, -2.0]);
+        opt.step(1e-3);
+        let moved: Vec<f32> = Vec::try_from(&w).unwrap();
+        assert!(
+            moved.iter().all(|x| x.is_finite()) && moved[1] < -2.0 + 1e-2,
+            "{moved:?}"
+        );
     }
 
     #[test]
