@@ -255,9 +255,13 @@ fn model_headlines(v: &serde_json::Value) -> Vec<Row> {
             field(v, "parameters") / 1e6
         ),
         format!(
-            "{:.0} vs {:.0} tokens/s = {ratio:.3}x",
+            "{:.0} vs {:.0} tokens/s = {ratio:.3}x{}",
             field(v, "ours_tokens_per_s"),
-            field(v, "reference_tokens_per_s")
+            field(v, "reference_tokens_per_s"),
+            runs_note(
+                v,
+                &["ours_tokens_per_s_runs", "reference_tokens_per_s_runs"]
+            ),
         ),
         ">= 1.0x".into(),
         Some(ratio >= 1.0),
@@ -921,11 +925,14 @@ fn same_caches(ours: &Path, theirs: &Path) -> Result<()> {
 /// Training step (forward + backward + AdamW) of a ~21M-parameter LLaMA (hidden 512, 4
 /// layers, 8 heads, FFN 1376, vocabulary 8192, untied), sequence 256, batch 8, fp32 on the
 /// CPU with 2 threads: synerfuse-model (tch) with the trainer's own AdamW vs transformers'
-/// LlamaForCausalLM in PyTorch eager with torch.optim.AdamW. Runs alternate, 3 each, best
-/// of each side.
+/// LlamaForCausalLM in PyTorch eager with torch.optim.AdamW. Runs alternate, 5 each (a
+/// run varies by ±10 % on a shared 2-core machine); the ratio is of the medians, with
+/// each side's spread and its median forward, backward and optimizer seconds (where a
+/// gap goes).
 fn model(root: &Path) -> Result<()> {
     const SHAPE: [&str; 10] = ["512", "4", "8", "8", "1376", "8192", "256", "8", "5", "2"];
-    const RUNS: usize = 3;
+    const RUNS: usize = 5;
+    const PHASES: [&str; 3] = ["forward_s", "backward_s", "optimizer_s"];
     setup::run(root, true)?;
     let status = Command::new("cargo")
         .args([
@@ -946,7 +953,8 @@ fn model(root: &Path) -> Result<()> {
     let ours_bin = root.join("target/release/examples/step_throughput");
     let python = root.join(".venv/bin/python");
     let script = root.join("xtask/fixtures/bench_model.py");
-    let run = |mut cmd: Command| -> Result<(f64, f64)> {
+    // tokens/s, parameters, then the phases' seconds.
+    let run = |mut cmd: Command| -> Result<Vec<f64>> {
         let out = cmd.output()?;
         ensure!(
             out.status.success(),
@@ -954,39 +962,60 @@ fn model(root: &Path) -> Result<()> {
             String::from_utf8_lossy(&out.stderr)
         );
         let line = last_json_line(&String::from_utf8_lossy(&out.stdout))?;
-        Ok((
-            number(&line, "tokens_per_second")?,
-            number(&line, "parameters")?,
-        ))
+        ["tokens_per_second", "parameters"]
+            .iter()
+            .chain(&PHASES)
+            .map(|key| number(&line, key))
+            .collect()
     };
-    let (mut ours, mut reference, mut parameters) = (0f64, 0f64, 0.0);
+    let (mut ours, mut reference) = (Vec::new(), Vec::new());
     for _ in 0..RUNS {
         let mut cmd = Command::new(&ours_bin);
         cmd.args(SHAPE).args(["cpu", "fp32"]);
-        let (tps, params) = run(cmd)?;
-        ours = ours.max(tps);
-        parameters = params;
+        ours.push(run(cmd)?);
         let mut cmd = Command::new(&python);
         cmd.arg(&script).args(SHAPE);
-        let (tps, params) = run(cmd)?;
-        ensure!(
-            params == parameters,
-            "parameter counts differ: {params} vs {parameters}"
-        );
-        reference = reference.max(tps);
+        reference.push(run(cmd)?);
     }
-    let ratio = ours / reference;
+    let parameters = ours[0][1];
+    ensure!(
+        reference.iter().all(|r| r[1] == parameters),
+        "parameter counts differ: {} vs {parameters}",
+        reference[0][1]
+    );
+    let column = |runs: &[Vec<f64>], i: usize| runs.iter().map(|r| r[i]).collect::<Vec<_>>();
+    let (ours_tps, reference_tps) = (column(&ours, 0), column(&reference, 0));
+    let ratio = median(&ours_tps) / median(&reference_tps);
+    let phases = |runs: &[Vec<f64>]| -> serde_json::Value {
+        (PHASES.iter().enumerate())
+            .map(|(i, key)| (key.to_string(), median(&column(runs, i + 2)).into()))
+            .collect::<serde_json::Map<_, _>>()
+            .into()
+    };
     println!();
     println!(
-        "training step, LLaMA {:.1}M parameters, seq 256, batch 8, fp32, CPU, 2 threads, best of {RUNS}",
+        "training step, LLaMA {:.1}M parameters, seq 256, batch 8, fp32, CPU, 2 threads, median of {RUNS}",
         parameters / 1e6
     );
     println!();
-    println!("| | tokens/s |");
-    println!("|---|---|");
-    println!("| synerfuse-model (tch, libtorch 2.11) + synerfuse-train AdamW | {ours:.0} |");
-    println!("| transformers LlamaForCausalLM, PyTorch eager | {reference:.0} |");
-    println!("| ratio | {ratio:.3}x (target >= 1.0x) |");
+    println!("| | tokens/s (spread) | forward, backward, optimizer s (medians) |");
+    println!("|---|---|---|");
+    for (name, runs) in [
+        (
+            "synerfuse-model (tch, libtorch 2.11) + synerfuse-train AdamW",
+            &ours,
+        ),
+        ("transformers LlamaForCausalLM, PyTorch eager", &reference),
+    ] {
+        let tps = column(runs, 0);
+        let [f, b, o] = [2, 3, 4].map(|i| median(&column(runs, i)));
+        println!(
+            "| {name} | {:.0} ({}) | {f:.3}, {b:.3}, {o:.4} |",
+            median(&tps),
+            spread(&tps)
+        );
+    }
+    println!("| ratio | {ratio:.3}x (target >= 1.0x) | |");
     write_json(
         &root.join("target/bench/model.json"),
         &serde_json::json!({
@@ -995,8 +1024,13 @@ fn model(root: &Path) -> Result<()> {
             "seq": 256,
             "batch": 8,
             "threads": 2,
-            "ours_tokens_per_s": ours,
-            "reference_tokens_per_s": reference,
+            "runs": RUNS,
+            "ours_tokens_per_s": median(&ours_tps),
+            "reference_tokens_per_s": median(&reference_tps),
+            "ours_tokens_per_s_runs": ours_tps,
+            "reference_tokens_per_s_runs": reference_tps,
+            "ours_phases_s": phases(&ours),
+            "reference_phases_s": phases(&reference),
             "ratio": ratio,
         }),
     )?;
