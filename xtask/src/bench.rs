@@ -292,7 +292,7 @@ fn hetero_headlines(v: &serde_json::Value) -> Vec<Row> {
         out.extend(acceleration_rows(b, g));
         out.push(fastest_row(b, &format!("{cluster}, global batch {g}")));
     }
-    if let Some(skewed) = v.get("skewed") {
+    if let Some(skewed) = v.get("skewed").filter(|s| !s.is_null()) {
         let speedup = field(skewed, "speedup");
         out.push((
             format!(
@@ -324,7 +324,7 @@ fn hetero_headlines(v: &serde_json::Value) -> Vec<Row> {
         ));
         let calibrated = field(v, "max_calibrated_prediction_error");
         out.push((
-            "predicted vs measured step time after calibration, every layout run (worst)".into(),
+            "predicted vs measured step time after calibration by the scenario's other layouts (worst)".into(),
             match calibrated.is_nan() {
                 true => "not measured: no calibration yet".into(),
                 false => format!("{:.1} % off", calibrated * 100.0),

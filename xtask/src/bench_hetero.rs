@@ -297,11 +297,14 @@ fn one_scenario(
     bin: &Path,
     data: &Data,
     dir: &Path,
-    profile: &Path,
     scenario: &Scenario,
 ) -> Result<serde_json::Value> {
     let (name, global_batch) = (&scenario.name, scenario.global_batch);
-    let planned = plan_scenario(bin, profile, dir, scenario)?;
+    // Profiled just before its runs, and again after them: this shared machine's speed
+    // drifts by tens of percent over the benchmark's hour and a half, which one profile
+    // for every scenario would count as the model's error.
+    let profile = profiled(bin, dir, &format!("profile-{name}"))?;
+    let planned = plan_scenario(bin, &profile, dir, scenario)?;
     let on = (dir, scenario.speeds.len());
     println!("[hetero] {name}: {}", planned.plan.label);
     let mut grids = Vec::new();
@@ -341,9 +344,17 @@ fn one_scenario(
             })
         })
         .collect();
+    let after = profiled(bin, dir, &format!("profile-{name}-after"))?;
+    let drift = machine_drift(&profile, &after)?;
+    let mut layouts = layouts;
+    let calibration = calibrate_half(bin, dir, &profile, name, &mut layouts)
+        .unwrap_or_else(|e| serde_json::json!({ "error": format!("{e:#}") }));
     let max_error = (layouts.iter())
         .filter_map(|l| l["prediction_error"].as_f64())
         .fold(0.0, |worst: f64, e| worst.max(e.abs()));
+    let max_calibrated_error = (layouts.iter())
+        .filter_map(|l| l["calibrated_prediction_error"].as_f64())
+        .fold(f64::NAN, |worst: f64, e| worst.max(e.abs()));
     let fastest_grid = medians.iter().copied().fold(f64::MAX, f64::min);
     let mut row = serde_json::json!({
         "scenario": name,
@@ -370,13 +381,18 @@ fn one_scenario(
         "layouts": layouts,
         "max_prediction_error": max_error,
         "prediction_tolerance": PREDICTION_TOLERANCE,
+        "calibration": calibration,
+        "max_calibrated_prediction_error": max_calibrated_error,
+        "machine_drift": drift,
         "integer_split_fraction": planned.integer_split_fraction,
     });
     let mut line = format!(
-        "[hetero] {name}: plan {plan_s:.4} s (runs {plan_runs:?}) vs best measured grid layout {best_s:.4} s ({}) = {:.2}x; worst prediction {:.1}% off",
+        "[hetero] {name}: plan {plan_s:.4} s (runs {plan_runs:?}) vs best measured grid layout {best_s:.4} s ({}) = {:.2}x; worst prediction {:.1}% off, {:.1}% after calibration by the other half; the machine {:+.1}% slower after the runs than before",
         planned.grids[best].label,
         best_s / plan_s,
-        max_error * 100.0
+        max_error * 100.0,
+        max_calibrated_error * 100.0,
+        drift * 100.0
     );
     if scenario.alone {
         // Alone at the plan's largest micro-batch size that divides the batch.
@@ -411,60 +427,66 @@ fn one_scenario(
     Ok(row)
 }
 
-/// The scenario whose layouts' runs calibrate the profile; every other scenario's layouts
-/// are priced with the calibrated profile (out of sample).
-const CALIBRATED_BY: &str = "32";
+/// The profile the benchmark's ranks measure now, written to `DIR/STEM.json`.
+fn profiled(bin: &Path, dir: &Path, stem: &str) -> Result<PathBuf> {
+    let profile = dir.join(format!("{stem}.json"));
+    let flags: Vec<String> = model_flags().into_iter().map(str::to_owned).collect();
+    emulated_profile(bin, &flags, MICRO_BATCH_SIZES, &profile)?;
+    Ok(profile)
+}
 
-/// Calibrates `profile` by the runs of scenario [`CALIBRATED_BY`]'s layouts, then prices
-/// every other scenario's layouts with it: each layout's `calibrated_predicted_step_s`
-/// and error, each row's `max_calibrated_prediction_error`. Returns the fitted terms.
-fn calibrate_and_check(
+/// How much slower a layer's forward and backward are in `after` than in `before`
+/// (their sum over the micro-batch sizes), as a fraction.
+fn machine_drift(before: &Path, after: &Path) -> Result<f64> {
+    let layer_s = |path: &Path| -> Result<f64> {
+        let profile: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+        let sizes = profile["devices"]["cpu"]
+            .as_object()
+            .context("a cpu profile")?;
+        Ok((sizes.values())
+            .map(|c| {
+                number(c, "layer_fwd_s").unwrap_or(0.0) + number(c, "layer_bwd_s").unwrap_or(0.0)
+            })
+            .sum())
+    };
+    Ok(layer_s(after)? / layer_s(before)? - 1.0)
+}
+
+/// Calibrates `profile` by the runs of every other layout of a scenario (the first, the
+/// third, ...: what `plan --try` does with the plans it tries), then prices the rest
+/// with it, out of sample: each of those layouts' `calibrated_predicted_step_s` and
+/// error. Returns the fitted terms.
+fn calibrate_half(
     bin: &Path,
     dir: &Path,
     profile: &Path,
-    batches: &mut [serde_json::Value],
-    skewed: &mut serde_json::Value,
+    name: &str,
+    layouts: &mut [serde_json::Value],
 ) -> Result<serde_json::Value> {
-    let logs_of = |row: &serde_json::Value| -> Vec<String> {
-        (row["layouts"].as_array().into_iter().flatten())
-            .filter_map(|l| l["log"].as_str().map(str::to_owned))
+    let logs = |parity: usize| -> Vec<String> {
+        (layouts.iter().enumerate())
+            .filter(|(k, _)| k % 2 == parity)
+            .filter_map(|(_, l)| l["log"].as_str().map(str::to_owned))
             .collect()
     };
-    let by = (batches.iter())
-        .find(|b| b["scenario"] == CALIBRATED_BY)
-        .context("the calibrating scenario")?;
-    let calibrated = dir.join("profile-calibrated.json");
-    let fitted = calibrate(bin, profile, &calibrated, &logs_of(by))?;
-    println!(
-        "[hetero] calibrated by scenario {CALIBRATED_BY}: {}",
-        fitted["calibration"]
+    let (by, checked) = (logs(0), logs(1));
+    ensure!(
+        !checked.is_empty(),
+        "{name}: one layout, none left to check a calibration by"
     );
-    for row in batches.iter_mut().chain([skewed]) {
-        if row["scenario"] == CALIBRATED_BY {
-            continue;
-        }
-        let checked = calibrate(bin, &calibrated, &dir.join("unused.json"), &logs_of(row))?;
-        let mut worst = 0.0f64;
-        let runs = checked["runs"].as_array().cloned().unwrap_or_default();
-        let layouts = row["layouts"].as_array_mut().context("layouts")?;
-        for layout in layouts.iter_mut() {
-            // The run of the layout's plan (the log's first).
-            let run = (runs.iter())
-                .find(|r| r["name"] == layout["log"])
-                .with_context(|| format!("no calibrated price of {}", layout["log"]))?;
-            let predicted = number(run, "before_s")?;
-            let measured = number(layout, "step_s")?;
-            let error = (predicted - measured) / measured;
-            worst = worst.max(error.abs());
-            layout["calibrated_predicted_step_s"] = predicted.into();
-            layout["calibrated_prediction_error"] = error.into();
-        }
-        row["max_calibrated_prediction_error"] = worst.into();
-        println!(
-            "[hetero] {}: worst prediction after calibration {:.1}% off",
-            row["scenario"],
-            worst * 100.0
-        );
+    let calibrated = dir.join(format!("profile-{name}-calibrated.json"));
+    let fitted = calibrate(bin, profile, &calibrated, &by)?;
+    let priced = calibrate(bin, &calibrated, &dir.join("unused.json"), &checked)?;
+    let runs = priced["runs"].as_array().cloned().unwrap_or_default();
+    for layout in layouts.iter_mut().skip(1).step_by(2) {
+        // The run of the layout's plan (the log's first).
+        let run = (runs.iter())
+            .find(|r| r["name"] == layout["log"])
+            .with_context(|| format!("no calibrated price of {}", layout["log"]))?;
+        let predicted = number(run, "before_s")?;
+        let measured = number(layout, "step_s")?;
+        layout["calibrated_predicted_step_s"] = predicted.into();
+        layout["calibrated_prediction_error"] = ((predicted - measured) / measured).into();
     }
     Ok(fitted["calibration"].clone())
 }
@@ -517,17 +539,24 @@ latency_us = 20
 /// Its global batch (shares 4 : 1 : 1 : 1 of 7 do not divide it).
 const SKEWED_GLOBAL_BATCH: usize = 16;
 
+/// The scenarios to run: those `SYNERFUSE_BENCH_HETERO` names (comma-separated: `32`,
+/// `pair-1-0.5-64`, `skewed`, ...), every one when it is unset.
+fn scenarios_wanted() -> impl Fn(&str) -> bool {
+    let names: Option<Vec<String>> = std::env::var("SYNERFUSE_BENCH_HETERO")
+        .ok()
+        .map(|v| v.split(',').map(|n| n.trim().to_owned()).collect());
+    move |name| names.as_ref().is_none_or(|n| n.iter().any(|x| x == name))
+}
+
 pub fn hetero(root: &Path) -> Result<()> {
     let bin = release_binary(root)?;
     let dir = root.join("target/bench/hetero");
     std::fs::create_dir_all(&dir)?;
     let data = data(root, &bin, &dir)?;
     println!(
-        "[hetero] profiling on 4 CPU ranks at once, each emulated at {PROFILE_SPEED} of a core"
+        "[hetero] profiling before and after each scenario on 4 CPU ranks at once, each emulated at {PROFILE_SPEED} of a core"
     );
-    let profile = dir.join("profile.json");
-    let flags: Vec<String> = model_flags().into_iter().map(str::to_owned).collect();
-    emulated_profile(&bin, &flags, MICRO_BATCH_SIZES, &profile)?;
+    let wanted = scenarios_wanted();
     let mut batches = Vec::new();
     for global_batch in GLOBAL_BATCHES {
         let scenario = Scenario {
@@ -538,8 +567,10 @@ pub fn hetero(root: &Path) -> Result<()> {
             global_batch,
             alone: true,
         };
-        batches.push(one_scenario(&bin, &data, &dir, &profile, &scenario)?);
-        write_json(&dir.join("partial.json"), &serde_json::json!(batches))?;
+        if wanted(&scenario.name) {
+            batches.push(one_scenario(&bin, &data, &dir, &scenario)?);
+            write_json(&dir.join("partial.json"), &serde_json::json!(batches))?;
+        }
     }
     for (speeds, global_batches) in PAIRS {
         let stem = format!("pair-{}-{}", speeds[0], speeds[1]);
@@ -554,9 +585,10 @@ pub fn hetero(root: &Path) -> Result<()> {
                 global_batch,
                 alone: true,
             };
-            batches.push(one_scenario(&bin, &data, &dir, &profile, &scenario)?);
-            write_json(&dir.join("partial.json"), &serde_json::json!(batches))?;
-            write_json(&dir.join("partial.json"), &serde_json::json!(batches))?;
+            if wanted(&scenario.name) {
+                batches.push(one_scenario(&bin, &data, &dir, &scenario)?);
+                write_json(&dir.join("partial.json"), &serde_json::json!(batches))?;
+            }
         }
     }
     let skewed_cluster = dir.join("skewed-cluster.toml");
@@ -571,10 +603,10 @@ pub fn hetero(root: &Path) -> Result<()> {
         global_batch: SKEWED_GLOBAL_BATCH,
         alone: false,
     };
-    let mut skewed = one_scenario(&bin, &data, &dir, &profile, &skewed)?;
-    // A failed calibration is reported in the results, not lost with them.
-    let calibrated = calibrate_and_check(&bin, &dir, &profile, &mut batches, &mut skewed)
-        .unwrap_or_else(|e| serde_json::json!({ "error": format!("{e:#}") }));
+    let skewed = match wanted(&skewed.name) {
+        true => one_scenario(&bin, &data, &dir, &skewed)?,
+        false => serde_json::Value::Null,
+    };
     let worst = |key: &str, pick: fn(f64, f64) -> f64, start: f64| {
         (batches.iter().chain([&skewed]))
             .filter_map(|b| b[key].as_f64())
@@ -595,9 +627,8 @@ pub fn hetero(root: &Path) -> Result<()> {
         "max_prediction_error": worst("max_prediction_error", f64::max, 0.0),
         "prediction_tolerance": PREDICTION_TOLERANCE,
         "max_plan_over_fastest": worst("plan_over_fastest", f64::max, 0.0),
-        "calibrated_by": CALIBRATED_BY,
-        "calibration": calibrated,
-        "max_calibrated_prediction_error": worst("max_calibrated_prediction_error", f64::max, 0.0),
+        // NaN (null: "not measured") where no scenario's calibration was checked.
+        "max_calibrated_prediction_error": worst("max_calibrated_prediction_error", f64::max, f64::NAN),
         "fastest_tolerance": FASTEST_TOLERANCE,
     });
     let out = root.join("target/bench/hetero.json");

@@ -166,7 +166,8 @@ pub fn median_step_s(log: &Path) -> Result<f64> {
 }
 
 /// `synerfuse train` on CPU ranks over the benchmark data for `iters` iterations, logging
-/// every iteration's record to `log` (removed first); the caller adds the model and the
+/// every iteration's record to `log` (removed first), each with every rank's spans (what
+/// a calibration fits by; a log line per iteration); the caller adds the model and the
 /// layout.
 pub fn train_command(bin: &Path, data: &Data, dir: &Path, iters: usize, log: &Path) -> Command {
     let mut cmd = Command::new(bin);
@@ -186,7 +187,7 @@ pub fn train_command(bin: &Path, data: &Data, dir: &Path, iters: usize, log: &Pa
             "--tokenizer-type",
             "GPT2BPETokenizer",
             "--log-interval",
-            "5",
+            "1",
         ])
         .arg("--data-path")
         .arg(&data.prefix)
