@@ -18,10 +18,14 @@ const ITERS: usize = 12;
 /// Global batches planned and run on the 4 ranks. None is chosen for the speeds: their
 /// shares (6 : 6 : 3 : 2 of 17) divide none of them, so each plan pays its own rounding.
 const GLOBAL_BATCHES: [usize; 4] = [32, 36, 64, 128];
-/// The 2-rank clusters (a core and a half or less, so no rank shares a core): speeds
-/// 1 : 0.5 and 1 : 0.3, with the global batches each runs (their shares 2 : 1 and
-/// 10 : 3 divide neither).
+/// The 2-rank clusters: relative speeds 1 : 0.5 and 1 : 0.3, with the global batches each
+/// runs (their shares 2 : 1 and 10 : 3 divide neither).
 const PAIRS: [([f64; 2], [usize; 2]); 2] = [([1.0, 0.5], [32, 64]), ([1.0, 0.3], [32, 64])];
+/// A pair's fastest rank emulates this much of a core, not all of it: a rank at a whole
+/// core shares it with its MPI progress thread and its neighbour's polling, and its
+/// computations then ran slower than emulated (pipelines 17–30 % slower than predicted
+/// on 2026-11-27), where a rank with headroom sleeps off the difference.
+const PAIR_SCALE: f64 = 0.8;
 /// The acceleration-ratio target at batches of at least 64, and the integer-split
 /// ceiling's at smaller ones (where rounding the shares costs more than 5 %).
 const ACCELERATION_TARGET: f64 = 0.95;
@@ -387,7 +391,7 @@ fn one_scenario(
         "integer_split_fraction": planned.integer_split_fraction,
     });
     let mut line = format!(
-        "[hetero] {name}: plan {plan_s:.4} s (runs {plan_runs:?}) vs best measured grid layout {best_s:.4} s ({}) = {:.2}x; worst prediction {:.1}% off, {:.1}% after calibration by the other half; the machine {:+.1}% slower after the runs than before",
+        "[hetero] {name}: plan {plan_s:.4} s (runs {plan_runs:?}) vs best measured grid layout {best_s:.4} s ({}) = {:.2}x; worst prediction {:.1}% off, {:.1}% after calibration by the other half; a layer {:+.1}% slower on this machine after the runs than before",
         planned.grids[best].label,
         best_s / plan_s,
         max_error * 100.0,
@@ -575,11 +579,15 @@ pub fn hetero(root: &Path) -> Result<()> {
     for (speeds, global_batches) in PAIRS {
         let stem = format!("pair-{}-{}", speeds[0], speeds[1]);
         let cluster = dir.join(format!("{stem}.toml"));
+        let speeds = speeds.map(|s| s * PAIR_SCALE);
         std::fs::write(&cluster, cluster_file(&speeds))?;
         for global_batch in global_batches {
             let scenario = Scenario {
                 name: format!("{stem}-{global_batch}"),
-                label: format!("2 emulated CPU ranks ({} : {})", speeds[0], speeds[1]),
+                label: format!(
+                    "2 emulated CPU ranks (1 : {})",
+                    (speeds[1] / speeds[0] * 100.0).round() / 100.0
+                ),
                 cluster: cluster.clone(),
                 speeds: speeds.to_vec(),
                 global_batch,

@@ -13,8 +13,8 @@
 //! in the profile ([`Calibration`]), so every plan priced with it carries them.
 
 use crate::cluster::{ClusterSpec, DeviceGroup, Network};
-use crate::cost::{CostModel, ModelShape, Profile, Recompute};
-use crate::planner::{predict_timeline, ReplanError};
+use crate::cost::{CostModel, MeasuredNetwork, ModelShape, Profile, Recompute};
+use crate::planner::{predict_timeline, ReplanError, RunningJob};
 use crate::timeline::{RankTimeline, Span, SpanKind};
 use crate::Plan;
 use serde::{Deserialize, Serialize};
@@ -42,6 +42,24 @@ pub struct RunRecord {
 }
 
 impl RunRecord {
+    /// The running job this run is to the re-planner, at `paces_s` (each rank's forward
+    /// and backward seconds per step) on the `network` measured between its ranks.
+    pub fn running_job<'a>(
+        &'a self,
+        paces_s: &'a [f64],
+        network: Option<MeasuredNetwork>,
+    ) -> RunningJob<'a> {
+        RunningJob {
+            plan: &self.plan,
+            model: self.model.clone(),
+            paces_s,
+            hosts: &self.hosts,
+            network,
+            recompute: self.recompute,
+            compute_bytes: self.compute_bytes,
+        }
+    }
+
     /// The cost model that prices this run with `profile`: one device per rank (its
     /// placement's kind, `cpu` where it names none, at its emulated speed), the run's
     /// options.

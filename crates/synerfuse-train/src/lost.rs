@@ -14,8 +14,8 @@
 use crate::checkpoint::LATEST;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-use synerfuse_parallel::cost::ModelShape;
-use synerfuse_parallel::planner::{self, RunningJob};
+use synerfuse_parallel::calibrate::RunRecord;
+use synerfuse_parallel::planner;
 use synerfuse_parallel::Plan;
 
 /// The exit status of a survivor of a lost rank (`EX_TEMPFAIL`: try again, on the
@@ -57,20 +57,10 @@ impl LostRanks {
 pub(crate) struct JobSnapshot {
     /// `--save`.
     pub save: PathBuf,
-    /// The plan running.
-    pub plan: Plan,
+    /// What runs (the plan, the model, the hosts, the options).
+    pub run: RunRecord,
     /// Each rank's latest forward and backward seconds per step.
     pub paces_s: Vec<f64>,
-    /// Each rank's host.
-    pub hosts: Vec<String>,
-    /// The model at the run's sequence length.
-    pub model: ModelShape,
-    /// 4 in fp32, 2 in bf16.
-    pub compute_bytes: f64,
-    /// `--recompute-activations`.
-    pub recompute: bool,
-    /// `--use-distributed-optimizer`.
-    pub distributed_optimizer: bool,
 }
 
 static SNAPSHOT: Mutex<Option<JobSnapshot>> = Mutex::new(None);
@@ -126,7 +116,7 @@ pub(crate) fn end_as_survivor(
         .chain([rank])
         .min()
         .unwrap_or(rank);
-    let world_size = snapshot.plan.world_size();
+    let world_size = snapshot.run.plan.world_size();
     let survivors: Vec<usize> = (0..world_size).filter(|r| !lost.contains(r)).collect();
     if writer != rank {
         let what = format!(
@@ -157,23 +147,15 @@ fn plan_for_survivors(
     snapshot: &JobSnapshot,
     survivors: &[usize],
 ) -> Result<(Plan, f64), planner::ReplanError> {
-    let job = RunningJob {
-        plan: &snapshot.plan,
-        model: snapshot.model.clone(),
-        paces_s: &snapshot.paces_s,
-        hosts: &snapshot.hosts,
-        network: None,
-        recompute: snapshot.recompute,
-        compute_bytes: snapshot.compute_bytes,
-    };
-    let cost = planner::fitted_cost_of(&job, survivors)?;
+    let run = &snapshot.run;
+    let cost = planner::fitted_cost_of(&run.running_job(&snapshot.paces_s, None), survivors)?;
     let request = planner::running_job_request(
-        snapshot.plan.global_batch_size(),
-        snapshot.recompute,
-        snapshot.distributed_optimizer,
+        run.plan.global_batch_size(),
+        run.recompute,
+        run.distributed_optimizer,
     );
     let placements: Vec<_> = (survivors.iter())
-        .map(|&r| snapshot.plan.placement(r).cloned())
+        .map(|&r| run.plan.placement(r).cloned())
         .collect();
     planner::best_plan_for(&cost, &request, &placements)
 }
@@ -195,7 +177,7 @@ fn write(
         .and_then(|t| t.trim().parse().ok());
     let record = LostRanks {
         lost: lost.to_vec(),
-        world_size: snapshot.plan.world_size(),
+        world_size: snapshot.run.plan.world_size(),
         survivors: survivors.to_vec(),
         checkpoint_iteration,
         plan: path.clone(),

@@ -160,7 +160,7 @@ impl<'w> Trainer<'w> {
         let Some(paces_s) = self.watch.paces_s() else {
             return Ok(());
         };
-        let hosts = self.hosts()?;
+        let run = self.run_record()?;
         let network = match self.world.size() > 1 {
             true => Some(crate::profiler::measure_network(self.world).map_err(|e| {
                 TrainError::Replan {
@@ -175,18 +175,7 @@ impl<'w> Trainer<'w> {
         // between processes.
         let (mut message, mut failure) = (Vec::new(), None);
         if self.world.rank() == 0 {
-            let job = RunningJob {
-                plan: &self.config.parallel.plan,
-                model: crate::profiler::model_shape(
-                    &self.config.model,
-                    self.config.batch.sequence_length,
-                ),
-                paces_s: &paces_s,
-                hosts: &hosts,
-                network,
-                recompute: self.config.compute.recompute,
-                compute_bytes: self.compute_bytes(),
-            };
+            let job = run.running_job(&paces_s, network);
             match self.decide(&job, switch_cost_s, cost_basis, cause) {
                 Ok(decision) => message = serde_json::to_vec(&decision).unwrap_or_default(),
                 Err(reason) => failure = Some(reason),
@@ -227,7 +216,17 @@ impl<'w> Trainer<'w> {
         if self.config.logging.log_json.is_none() {
             return Ok(());
         }
-        let run = RunRecord {
+        let run = self.run_record()?;
+        match self.world.rank() {
+            0 => log.record_run(&run),
+            _ => Ok(()),
+        }
+    }
+
+    /// What runs: the model, the plan, every rank's host and the options. Collective
+    /// (the hosts are gathered).
+    fn run_record(&self) -> Result<RunRecord, TrainError> {
+        Ok(RunRecord {
             model: crate::profiler::model_shape(
                 &self.config.model,
                 self.config.batch.sequence_length,
@@ -237,11 +236,7 @@ impl<'w> Trainer<'w> {
             recompute: self.config.compute.recompute,
             distributed_optimizer: self.config.optimizer.distributed,
             compute_bytes: self.compute_bytes(),
-        };
-        match self.world.rank() {
-            0 => log.record_run(&run),
-            _ => Ok(()),
-        }
+        })
     }
 
     /// Every rank's host, in rank order. Collective.
@@ -258,19 +253,10 @@ impl<'w> Trainer<'w> {
         let Some(save) = self.config.checkpoint.save.clone() else {
             return Ok(());
         };
-        let plan = &self.config.parallel.plan;
         crate::lost::remember(crate::lost::JobSnapshot {
             save,
-            plan: plan.clone(),
-            paces_s: vec![1.0; plan.world_size()],
-            hosts: self.hosts()?,
-            model: crate::profiler::model_shape(
-                &self.config.model,
-                self.config.batch.sequence_length,
-            ),
-            compute_bytes: self.compute_bytes(),
-            recompute: self.config.compute.recompute,
-            distributed_optimizer: self.config.optimizer.distributed,
+            paces_s: vec![1.0; self.config.parallel.plan.world_size()],
+            run: self.run_record()?,
         });
         Ok(())
     }
