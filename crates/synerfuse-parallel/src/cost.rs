@@ -617,24 +617,14 @@ mod tests {
         }
         // Bounds beyond the measured sizes: no cheaper than the nearest micro-batch,
         // no dearer per sample (a decreasing pair would give 2 s at size 8).
-        let mut falling = affine_profile(&[2, 4]);
-        falling
-            .devices
-            .get_mut("k")
-            .unwrap()
-            .get_mut(&4)
-            .unwrap()
-            .layer_fwd_s = 2.5;
-        assert!((forward(&falling, 8) - 2.5).abs() < 1e-12);
-        let mut steep = affine_profile(&[2, 4]);
-        steep
-            .devices
-            .get_mut("k")
-            .unwrap()
-            .get_mut(&2)
-            .unwrap()
-            .layer_fwd_s = 0.1;
-        assert!((forward(&steep, 1) - 0.05).abs() < 1e-12);
+        let with_forward = |size: usize, seconds: f64| {
+            let mut profile = affine_profile(&[2, 4]);
+            let costs = profile.devices.get_mut("k").and_then(|t| t.get_mut(&size));
+            costs.unwrap().layer_fwd_s = seconds;
+            profile
+        };
+        assert!((forward(&with_forward(4, 2.5), 8) - 2.5).abs() < 1e-12);
+        assert!((forward(&with_forward(2, 0.1), 1) - 0.05).abs() < 1e-12);
         let one = affine_profile(&[4]);
         assert!((forward(&one, 2) - 2.5).abs() < 1e-12);
         assert!(one.costs("other", 2).is_none());
