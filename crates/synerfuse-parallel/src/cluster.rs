@@ -174,7 +174,24 @@ pub enum GroupProblem {
         /// Its value.
         value: f64,
     },
+    /// More devices, with the groups before it, than the planner supports.
+    #[error(
+        "count {count} brings the cluster to {total} devices; the planner supports at most {limit}"
+    )]
+    TooMany {
+        /// The group's count.
+        count: usize,
+        /// Devices up to and including this group.
+        total: usize,
+        /// [`MAX_DEVICES`].
+        limit: usize,
+    },
 }
+
+/// The most devices a cluster may hold: the planner keeps a record per device and its
+/// search grows with their number (32,768 devices of 4 kinds plan in about 28 s), so a
+/// larger count is refused up front rather than run out of memory.
+pub const MAX_DEVICES: usize = 131_072;
 
 fn catalogue_slugs() -> Vec<&'static str> {
     CATALOGUE.iter().map(|(s, _, _)| *s).collect()
@@ -305,6 +322,7 @@ impl ClusterSpec {
         if !(0.0..0.9).contains(&self.memory_headroom) {
             return Err(ClusterError::Headroom(self.memory_headroom));
         }
+        let mut total = 0usize;
         for (index, g) in self.group.iter().enumerate() {
             let err = |problem: GroupProblem| ClusterError::Group {
                 index,
@@ -313,6 +331,14 @@ impl ClusterSpec {
             };
             if g.count == 0 {
                 return Err(err(GroupProblem::Empty));
+            }
+            total = total.saturating_add(g.count);
+            if total > MAX_DEVICES {
+                return Err(err(GroupProblem::TooMany {
+                    count: g.count,
+                    total,
+                    limit: MAX_DEVICES,
+                }));
             }
             let custom = g.kind == "custom";
             if !custom && g.kind != "cpu" && catalogue(&g.kind).is_none() {
@@ -524,6 +550,15 @@ mod tests {
         .unwrap_err();
         assert!(custom.to_string().contains("needs memory_gb"), "{custom}");
         assert_eq!(CATALOGUE.len(), 18);
+        // A count no planner run could hold is refused by group, before any allocation.
+        let huge = ClusterSpec::from_toml(
+            "[[group]]\nkind = \"h100-sxm\"\ncount = 8\n[[group]]\nkind = \"a10\"\ncount = 100000000\n[network]\nintra_node_gbs = 1\ninter_node_gbs = 1\n",
+        )
+        .unwrap_err();
+        assert_eq!(
+            huge.to_string(),
+            "cluster file: group 1 (a10): count 100000000 brings the cluster to 100000008 devices; the planner supports at most 131072"
+        );
     }
 
     /// Driver names find the catalogue entry whose peak a run's MFU is stated against.
