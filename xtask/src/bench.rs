@@ -436,6 +436,18 @@ fn planner_headlines(v: &serde_json::Value) -> Vec<Row> {
             Some(large < 10.0),
         ));
     }
+    if let Some(fraction) = v["llama_70b_fraction_of_bound"].as_f64() {
+        out.push((
+            "LLaMA 70B on 1024 GPUs (32 nodes each of H100, A100-80G, L40S, A10), global batch 1024 x 4096: the written plan's fraction of the bound".into(),
+            format!(
+                "{:.1} % (planned in {:.2} s)",
+                fraction * 100.0,
+                field(v, "llama_70b_planning_s")
+            ),
+            ">= 50 %".into(),
+            Some(fraction >= 0.5),
+        ));
+    }
     out
 }
 

@@ -647,7 +647,63 @@ pub fn hetero(root: &Path) -> Result<()> {
 
 /// Planning time on a large cluster: `nodes` nodes of 8 devices, shared out among
 /// `kinds`; returns (planner seconds, whole-command seconds).
-fn time_planning(bin: &Path, dir: &Path, kinds: &[&str], nodes: usize) -> Result<(f64, f64)> {
+/// What one `synerfuse plan` run at scale gave: the planner's seconds, the command's,
+/// and the written plan's fraction of the bound (each device alone, summed).
+struct PlanningRun {
+    planning_s: f64,
+    command_s: f64,
+    fraction_of_bound: f64,
+}
+
+/// An 80-layer model of hidden 4096 (32 heads, 8 KV groups, FFN 11008), global batch 4096.
+const MODEL_80_LAYERS: [&str; 16] = [
+    "--num-layers",
+    "80",
+    "--hidden-size",
+    "4096",
+    "--num-attention-heads",
+    "32",
+    "--num-query-groups",
+    "8",
+    "--ffn-hidden-size",
+    "11008",
+    "--vocab-size",
+    "32000",
+    "--seq-length",
+    "4096",
+    "--global-batch-size",
+    "4096",
+];
+/// A 70B LLaMA (hidden 8192, 80 layers, 64 heads, 8 KV groups, FFN 28672), global batch
+/// 1024 of 4096 tokens: issue 38's case.
+const LLAMA_70B: [&str; 16] = [
+    "--num-layers",
+    "80",
+    "--hidden-size",
+    "8192",
+    "--num-attention-heads",
+    "64",
+    "--num-query-groups",
+    "8",
+    "--ffn-hidden-size",
+    "28672",
+    "--vocab-size",
+    "32000",
+    "--seq-length",
+    "4096",
+    "--global-batch-size",
+    "1024",
+];
+
+/// `synerfuse plan --json` for `model` on `nodes` nodes of 8 devices, shared out among
+/// `kinds` (200 GB/s in a node, 25 GB/s between nodes).
+fn time_planning(
+    bin: &Path,
+    dir: &Path,
+    kinds: &[&str],
+    nodes: usize,
+    model: &[&str],
+) -> Result<PlanningRun> {
     let devices = nodes * 8;
     let cluster = dir.join(format!("planner-{devices}.toml"));
     let mut text = String::new();
@@ -663,38 +719,27 @@ fn time_planning(bin: &Path, dir: &Path, kinds: &[&str], nodes: usize) -> Result
     let started = std::time::Instant::now();
     let json = run(
         Command::new(bin)
-            .args([
-                "plan",
-                "--json",
-                "--num-layers",
-                "80",
-                "--hidden-size",
-                "4096",
-                "--num-attention-heads",
-                "32",
-                "--num-query-groups",
-                "8",
-                "--ffn-hidden-size",
-                "11008",
-                "--vocab-size",
-                "32000",
-                "--seq-length",
-                "4096",
-                "--global-batch-size",
-                "4096",
-            ])
+            .args(["plan", "--json"])
+            .args(model)
             .arg("--cluster")
             .arg(&cluster),
         "plan",
     )?;
-    let wall = started.elapsed().as_secs_f64();
-    let planning = number(&last_json_line(&json)?, "planning_time_s")?;
+    let command_s = started.elapsed().as_secs_f64();
+    let report = last_json_line(&json)?;
+    let planning_s = number(&report, "planning_time_s")?;
+    let fraction_of_bound = number(&report["written_plan"], "fraction_of_bound")?;
     println!(
-        "planning {devices} devices of {} kinds ({} nodes), 80 layers: {planning:.3} s in the planner, {wall:.3} s for the whole command",
+        "planning {devices} devices of {} kinds ({nodes} nodes), {}: {planning_s:.3} s in the planner, {command_s:.3} s for the whole command; the written plan at {:.1} % of the bound",
         kinds.len(),
-        nodes
+        model.join(" "),
+        fraction_of_bound * 100.0
     );
-    Ok((planning, wall))
+    Ok(PlanningRun {
+        planning_s,
+        command_s,
+        fraction_of_bound,
+    })
 }
 
 pub fn planner(root: &Path) -> Result<()> {
@@ -703,8 +748,9 @@ pub fn planner(root: &Path) -> Result<()> {
     std::fs::create_dir_all(&dir)?;
     let four = ["h100-sxm", "a100-80g", "l40s", "a10"];
     let six = ["h100-sxm", "a100-80g", "l40s", "a10", "mi300x", "v100"];
-    let (planning, wall) = time_planning(&bin, &dir, &four, 128)?;
-    let (planning_8192, wall_8192) = time_planning(&bin, &dir, &six, 1024)?;
+    let small = time_planning(&bin, &dir, &four, 128, &MODEL_80_LAYERS)?;
+    let large = time_planning(&bin, &dir, &six, 1024, &MODEL_80_LAYERS)?;
+    let llama_70b = time_planning(&bin, &dir, &four, 128, &LLAMA_70B)?;
     write_json(
         &dir.join("planner.json"),
         &serde_json::json!({
@@ -712,12 +758,15 @@ pub fn planner(root: &Path) -> Result<()> {
             "devices": 1024,
             "kinds": 4,
             "layers": 80,
-            "planning_s": planning,
-            "command_s": wall,
+            "planning_s": small.planning_s,
+            "command_s": small.command_s,
             "large_devices": 8192,
             "large_kinds": 6,
-            "large_planning_s": planning_8192,
-            "large_command_s": wall_8192,
+            "large_planning_s": large.planning_s,
+            "large_command_s": large.command_s,
+            "llama_70b_planning_s": llama_70b.planning_s,
+            "llama_70b_command_s": llama_70b.command_s,
+            "llama_70b_fraction_of_bound": llama_70b.fraction_of_bound,
         }),
     )?;
     Ok(())
