@@ -338,7 +338,7 @@ fn one_scenario(
         .map(|k| format!("grid-{name}-{k}"))
         .chain([format!("plan-{name}-0")])
         .map(|run| dir.join(format!("{run}.jsonl")));
-    let layouts: Vec<serde_json::Value> = (planned.grids.iter().zip(&medians))
+    let mut layouts: Vec<serde_json::Value> = (planned.grids.iter().zip(&medians))
         .chain([(&planned.plan, &plan_s)])
         .zip(logs)
         .map(|((l, m), log)| {
@@ -350,7 +350,6 @@ fn one_scenario(
         .collect();
     let after = profiled(bin, dir, &format!("profile-{name}-after"))?;
     let drift = machine_drift(&profile, &after)?;
-    let mut layouts = layouts;
     let calibration = calibrate_half(bin, dir, &profile, name, &mut layouts)
         .unwrap_or_else(|e| serde_json::json!({ "error": format!("{e:#}") }));
     let max_error = (layouts.iter())
@@ -645,8 +644,6 @@ pub fn hetero(root: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Planning time on a large cluster: `nodes` nodes of 8 devices, shared out among
-/// `kinds`; returns (planner seconds, whole-command seconds).
 /// What one `synerfuse plan` run at scale gave: the planner's seconds, the command's,
 /// and the written plan's fraction of the bound (each device alone, summed).
 struct PlanningRun {
