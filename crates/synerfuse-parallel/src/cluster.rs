@@ -12,7 +12,7 @@
 //! ```
 
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 /// One row of the device catalogue (vendors' dense, non-sparse peaks).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -282,6 +282,10 @@ pub struct Device {
     pub index: usize,
     /// The group it came from.
     pub group: usize,
+    /// The first group of the same kind and numbers (the group itself when none comes
+    /// before): devices of identical groups on other nodes are interchangeable, and the
+    /// planner prices and pools them once.
+    pub class_group: usize,
     /// Kind slug (`a100-80g`, `custom`, `cpu`).
     pub kind: String,
     /// Node.
@@ -298,11 +302,11 @@ pub struct Device {
 }
 
 impl Device {
-    /// The key of its compute costs: its group (kind, numbers, efficiency) and emulated
-    /// speed (devices that share it are interchangeable; two groups of one kind with
-    /// different numbers are not).
+    /// The key of its compute costs: the first group of its kind and numbers
+    /// (efficiency included) and its emulated speed (devices that share it are
+    /// interchangeable; two groups of one kind with different numbers are not).
     pub fn class(&self) -> (usize, u64) {
-        (self.group, self.speed.to_bits())
+        (self.class_group, self.speed.to_bits())
     }
 }
 
@@ -388,7 +392,18 @@ impl ClusterSpec {
     /// Every device, group by group.
     pub fn devices(&self) -> Vec<Device> {
         let mut out = Vec::new();
+        // Groups are alike when all but the count and the node agree.
+        let mut first_alike: HashMap<(&str, [Option<u64>; 5]), usize> = HashMap::new();
         for (gi, g) in self.group.iter().enumerate() {
+            let numbers = [
+                g.tflops_bf16,
+                g.memory_gb,
+                g.mem_bw_gbs,
+                g.efficiency,
+                g.speed,
+            ];
+            let key = (g.kind.as_str(), numbers.map(|x| x.map(f64::to_bits)));
+            let class_group = *first_alike.entry(key).or_insert(gi);
             let base = catalogue(&g.kind);
             let spec = match (base, g.kind.as_str()) {
                 (Some(b), _) => Some(DeviceSpec {
@@ -416,6 +431,7 @@ impl ClusterSpec {
                 out.push(Device {
                     index: out.len(),
                     group: gi,
+                    class_group,
                     kind: g.kind.clone(),
                     node: g.node.clone().unwrap_or_else(|| format!("group{gi}")),
                     spec,

@@ -387,3 +387,30 @@ proptest! {
         prop_assert_eq!(sorted(refined.rank_devices()), sorted(best.rank_devices().unwrap()));
     }
 }
+
+/// A cluster file lists a node per group; nodes of one kind and numbers are one pool,
+/// so a model no single node holds pipelines over several of them (before, each node
+/// was a pool of its own and no plan of per-kind pipelines was found).
+#[test]
+fn alike_nodes_in_groups_of_their_own_pool_together() {
+    let mut toml = String::new();
+    for (kind, nodes) in [("a100-80g", 2), ("t4", 4)] {
+        for n in 0..nodes {
+            toml.push_str(&format!(
+                "[[group]]\nkind = \"{kind}\"\ncount = 2\nnode = \"{kind}-{n}\"\n"
+            ));
+        }
+    }
+    toml.push_str("[network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n");
+    // 1.3B parameters (27 GB of state): two T4s (32 GB) do not hold it.
+    let cost = cost(&toml, 24, 2048);
+    let classes: Vec<(usize, u64)> = (cost.cluster.devices().iter()).map(|d| d.class()).collect();
+    assert_eq!(classes[0], classes[3]);
+    assert_eq!(classes[4], classes[11]);
+    assert_ne!(classes[0], classes[4]);
+    let pooled = plan_pooled(&cost, 64, &[1, 2], &[1])
+        .unwrap()
+        .expect("a pooled plan");
+    let t4_depth = (pooled.pools.iter()).map(|p| p.layers.len()).max().unwrap();
+    assert!(t4_depth > 2, "{pooled:?}");
+}
