@@ -3,8 +3,8 @@
 
 use crate::files::write_atomically;
 use crate::plan_report::{
-    pooled_json, pooled_replicas, pooled_train_flags, print_pooled_replicas, PlanReport,
-    PooledOnlyReport, WrittenPlan,
+    pool_reports, pooled_json, pooled_replicas, pooled_train_flags, print_pooled_replicas,
+    ExpertReport, PlanReport, PooledOnlyReport, WrittenPlan,
 };
 use crate::plan_try::{plans_to_try, print_try_report, try_plans, TryReport, TrySettings};
 use anyhow::{bail, Context, Result};
@@ -548,13 +548,15 @@ fn report_pooled_only(
     }
     let tokens_per_step = (args.global_batch_size * cost.model.seq_length) as f64;
     let replicas = pooled_replicas(cost, p);
+    let pools = pool_reports(cost, p);
     if args.json {
         let report = PooledOnlyReport {
             candidates_considered: outcome.considered,
             planning_time_s: planning_s,
             bound_tokens_per_s: outcome.bound.tokens_per_s,
             device_alone_tokens_per_s: outcome.bound.device_tokens_per_s.clone(),
-            per_replica_pipelines: pooled_json(outcome, p, replicas, tokens_per_step),
+            per_replica_pipelines: pooled_json(outcome, p, (pools, replicas), tokens_per_step),
+            expert_layout: ExpertReport::new(outcome, tokens_per_step),
             integer_split_tokens_per_s: outcome.bound.integer_split_tokens_per_s,
             written_plan: match tried {
                 Some(t) => t.written_plan(&outcome.bound, tokens_per_step),
@@ -567,7 +569,10 @@ fn report_pooled_only(
         "no grid plan (every replica the same stages) fits; per-replica pipelines do ({} candidates considered in {planning_s:.2} s)",
         outcome.considered
     );
-    print_pooled_replicas(outcome, p, &replicas, tokens_per_step);
+    print_pooled_replicas(outcome, p, (&pools, &replicas), tokens_per_step);
+    if let Some(expert) = ExpertReport::new(outcome, tokens_per_step) {
+        expert.print();
+    }
     if let Some(tried) = tried {
         print_try_report(tried);
     }

@@ -84,6 +84,7 @@ impl PlanReport<'_> {
                 .map(|c| self.runner_up_json(c))
                 .collect(),
             per_replica_pipelines: self.outcome.pooled.as_ref().map(|p| self.pooled_json(p)),
+            expert_layout: ExpertReport::new(self.outcome, self.tokens_per_step),
             integer_split_tokens_per_s: self.outcome.bound.integer_split_tokens_per_s,
             written_plan: match self.outcome.pooled_wins() {
                 Some(p) => WrittenPlan::pooled(self.outcome, p, self.tokens_per_step),
@@ -118,8 +119,8 @@ impl PlanReport<'_> {
     }
 
     fn pooled_json(&self, p: &PooledCandidate) -> PooledReport {
-        let replicas = pooled_replicas(self.cost, p);
-        pooled_json(self.outcome, p, replicas, self.tokens_per_step)
+        let parts = (pool_reports(self.cost, p), pooled_replicas(self.cost, p));
+        pooled_json(self.outcome, p, parts, self.tokens_per_step)
     }
 
     fn fraction_of_bound(&self, c: &Candidate) -> f64 {
@@ -221,6 +222,9 @@ impl PlanReport<'_> {
         if let Some(pooled) = &self.outcome.pooled {
             self.print_pooled(pooled);
         }
+        if let Some(expert) = ExpertReport::new(self.outcome, self.tokens_per_step) {
+            expert.print();
+        }
         for (k, c) in self.outcome.plans.iter().enumerate().skip(1) {
             self.print_runner_up(k, c);
         }
@@ -237,14 +241,13 @@ impl PlanReport<'_> {
             (None, false) => "slower than the grid plan",
         };
         println!(
-            "per-replica pipelines (devices pooled by group, speed and memory): {:.4} s per step, {:.2}x the grid plan's speed, {:.1}% of the bound; {verdict}",
+            "per-replica pipelines (alike devices pooled): {:.4} s per step, {:.2}x the grid plan's speed, {:.1}% of the bound; {verdict}",
             p.step_time_s,
             grid / p.step_time_s,
             self.outcome.bound.fraction(self.tokens_per_step, p.step_time_s) * 100.0
         );
-        for (r, replica) in pooled_replicas(self.cost, p).iter().enumerate() {
-            replica.print(r);
-        }
+        print_pool_table(&pool_reports(self.cost, p));
+        print_replicas(&pooled_replicas(self.cost, p));
     }
 
     fn print_runner_up(&self, k: usize, c: &Candidate) {
@@ -279,7 +282,8 @@ impl PlanReport<'_> {
 /// One replica of a per-replica-pipeline plan, as `synerfuse plan` reports it.
 #[derive(serde::Serialize)]
 pub(crate) struct ReplicaReport {
-    /// Per stage, its devices' kinds (`a100+v100` for a tensor-parallel group).
+    /// Per stage, its devices' kinds (`a100+v100` for a tensor-parallel group, `8xh100-sxm`
+    /// for one of a kind).
     devices: Vec<String>,
     /// Layers per stage.
     layers: Vec<usize>,
@@ -338,11 +342,15 @@ pub(crate) fn pooled_replicas(cost: &CostModel, p: &PooledCandidate) -> Vec<Repl
         for r in 0..pool.micro_batches.len() {
             let batch = pool.batch(r);
             let groups: Vec<_> = pool.devices.iter().map(|row| &p.groups[row[r]]).collect();
+            // `8xh100-sxm` for a group of one kind, `a100+v100` otherwise.
             let kind_of = |g: &&TpGroup| {
                 let kinds: Vec<&str> = (g.members.iter())
                     .map(|&i| devices[i].kind.as_str())
                     .collect();
-                kinds.join("+")
+                match kinds.len() > 1 && kinds.iter().all(|k| *k == kinds[0]) {
+                    true => format!("{}x{}", kinds.len(), kinds[0]),
+                    false => kinds.join("+"),
+                }
             };
             out.push(ReplicaReport {
                 devices: groups.iter().map(kind_of).collect(),
@@ -363,10 +371,11 @@ pub(crate) fn pooled_replicas(cost: &CostModel, p: &PooledCandidate) -> Vec<Repl
 pub(crate) fn pooled_json(
     outcome: &planner::PlanOutcome,
     p: &PooledCandidate,
-    replicas: Vec<ReplicaReport>,
+    (pools, replicas): (Vec<PoolReport>, Vec<ReplicaReport>),
     tokens_per_step: f64,
 ) -> PooledReport {
     PooledReport {
+        pools,
         predicted_step_time_s: p.step_time_s,
         predicted_tokens_per_s: tokens_per_step / p.step_time_s,
         fraction_of_bound: outcome.bound.fraction(tokens_per_step, p.step_time_s),
@@ -384,7 +393,7 @@ pub(crate) fn pooled_json(
 pub(crate) fn print_pooled_replicas(
     outcome: &planner::PlanOutcome,
     p: &PooledCandidate,
-    replicas: &[ReplicaReport],
+    (pools, replicas): (&[PoolReport], &[ReplicaReport]),
     tokens_per_step: f64,
 ) {
     println!(
@@ -394,9 +403,8 @@ pub(crate) fn print_pooled_replicas(
         outcome.bound.fraction(tokens_per_step, p.step_time_s) * 100.0,
         outcome.bound.tokens_per_s
     );
-    for (r, replica) in replicas.iter().enumerate() {
-        replica.print(r);
-    }
+    print_pool_table(pools);
+    print_replicas(replicas);
 }
 
 /// `, --recompute-activations` and the like, or nothing.
@@ -448,6 +456,7 @@ pub(crate) struct GridReport<'a> {
     optimizer_unpriced_kinds: &'a [String],
     runner_ups: Vec<RunnerUpReport>,
     per_replica_pipelines: Option<PooledReport>,
+    expert_layout: Option<ExpertReport>,
     written_plan: WrittenPlan,
 }
 
@@ -507,7 +516,155 @@ pub(crate) struct PooledReport {
     train_flags: Vec<&'static str>,
     reduce_s: f64,
     optimizer_s: f64,
+    pools: Vec<PoolReport>,
     replicas: Vec<ReplicaReport>,
+}
+
+/// One pool of a per-replica-pipeline plan: alike devices cut into replicas of one
+/// shape.
+#[derive(serde::Serialize)]
+pub(crate) struct PoolReport {
+    /// Its devices by kind (`32xh100-sxm`).
+    devices: String,
+    tensor_parallel_size: usize,
+    pipeline_parallel_size: usize,
+    /// Replicas (its data-parallel size).
+    replicas: usize,
+    layers_per_stage: Vec<usize>,
+    micro_batch_size: usize,
+    /// The fewest and the most micro-batches of its replicas.
+    micro_batches: [usize; 2],
+    /// Samples of all its replicas per step.
+    samples: usize,
+    /// Whether any of its stages recomputes its activations.
+    recomputes: bool,
+}
+
+/// Each pool of `p` (replicas of the same shape).
+pub(crate) fn pool_reports(cost: &CostModel, p: &PooledCandidate) -> Vec<PoolReport> {
+    let devices = cost.cluster.devices();
+    let mut first_replica = 0;
+    let mut out = Vec::with_capacity(p.pools.len());
+    for pool in &p.pools {
+        let d = pool.micro_batches.len();
+        let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
+        let units = pool.devices.iter().flatten();
+        for &member in units.clone().flat_map(|&u| p.groups[u].members.iter()) {
+            *kinds.entry(devices[member].kind.as_str()).or_default() += 1;
+        }
+        let tp = units.map(|&u| p.groups[u].size()).max().unwrap_or(1);
+        let recompute = &p.recompute[first_replica.min(p.recompute.len())..];
+        out.push(PoolReport {
+            devices: (kinds.iter())
+                .map(|(k, n)| format!("{n}x{k}"))
+                .collect::<Vec<_>>()
+                .join(" "),
+            tensor_parallel_size: tp,
+            pipeline_parallel_size: pool.layers.len(),
+            replicas: d,
+            layers_per_stage: pool.layers.clone(),
+            micro_batch_size: pool.micro_batch_size,
+            micro_batches: [
+                pool.micro_batches.iter().copied().min().unwrap_or(0),
+                pool.micro_batches.iter().copied().max().unwrap_or(0),
+            ],
+            samples: (0..d).map(|r| pool.samples(r)).sum(),
+            recomputes: recompute.iter().take(d).flatten().any(|&x| x),
+        });
+        first_replica += d;
+    }
+    out
+}
+
+/// The pools as a table: `| devices | tp | pp | dp | layers per stage | ... |`.
+pub(crate) fn print_pool_table(pools: &[PoolReport]) {
+    println!("| devices | tp | pp | dp | layers per stage | micro-batch size | micro-batches per replica | samples | recomputes |\n|---|---|---|---|---|---|---|---|---|");
+    for pool in pools {
+        let [least, most] = pool.micro_batches;
+        let counts = match least == most {
+            true => least.to_string(),
+            false => format!("{least}-{most}"),
+        };
+        println!(
+            "| {} | {} | {} | {} | {} | {} | {counts} | {} | {} |",
+            pool.devices,
+            pool.tensor_parallel_size,
+            pool.pipeline_parallel_size,
+            pool.replicas,
+            compact(&pool.layers_per_stage),
+            pool.micro_batch_size,
+            pool.samples,
+            if pool.recomputes { "yes" } else { "no" }
+        );
+    }
+}
+
+/// The most replicas listed one by one in the text report (the JSON lists all).
+const LISTED_REPLICAS: usize = 16;
+
+/// Each replica, when few enough to list.
+fn print_replicas(replicas: &[ReplicaReport]) {
+    if replicas.len() > LISTED_REPLICAS {
+        println!(
+            "  ({} replicas: each listed with --json, each placed in the plan file)",
+            replicas.len()
+        );
+        return;
+    }
+    for (r, replica) in replicas.iter().enumerate() {
+        replica.print(r);
+    }
+}
+
+/// The best layout an expert would write by hand, priced by the same model.
+#[derive(serde::Serialize)]
+pub(crate) struct ExpertReport {
+    tensor_parallel_size: usize,
+    /// Whether each pool of alike devices has its own depth and batch share.
+    per_pool: bool,
+    pipeline_parallel_sizes: Vec<usize>,
+    data_parallel_sizes: Vec<usize>,
+    micro_batch_size: usize,
+    predicted_step_time_s: f64,
+    fraction_of_bound: f64,
+    /// Whether it is the plan written (nothing the planner found beat it).
+    written: bool,
+}
+
+impl ExpertReport {
+    pub(crate) fn new(outcome: &planner::PlanOutcome, tokens_per_step: f64) -> Option<Self> {
+        let e = outcome.expert.as_ref()?;
+        let c = &e.candidate;
+        Some(ExpertReport {
+            tensor_parallel_size: e.tensor_parallel_size,
+            per_pool: e.per_pool,
+            pipeline_parallel_sizes: c.pools.iter().map(|p| p.layers.len()).collect(),
+            data_parallel_sizes: c.pools.iter().map(|p| p.micro_batches.len()).collect(),
+            micro_batch_size: c.pools.first().map_or(1, |p| p.micro_batch_size),
+            predicted_step_time_s: c.step_time_s,
+            fraction_of_bound: outcome.bound.fraction(tokens_per_step, c.step_time_s),
+            written: outcome.pooled.as_ref() == Some(c) && outcome.pooled_wins().is_some(),
+        })
+    }
+
+    /// `expert layout (tp 8 in every node, pp by memory [4, 8], one per pool): ...`.
+    pub(crate) fn print(&self) {
+        let verdict = match self.written {
+            true => "nothing found beats it: written",
+            false => "the plan written is at least as fast",
+        };
+        println!(
+            "expert layout (tp {} in every node, fewest stages memory allows {}, even layers, {}): {:.4} s per step, {:.1}% of the bound; {verdict}",
+            self.tensor_parallel_size,
+            compact(&self.pipeline_parallel_sizes),
+            match self.per_pool {
+                true => "batch split by pace",
+                false => "every replica the same batch",
+            },
+            self.predicted_step_time_s,
+            self.fraction_of_bound * 100.0,
+        );
+    }
 }
 
 /// The plan `--output` holds: which kind, its predicted step, its acceleration ratios
@@ -560,5 +717,6 @@ pub(crate) struct PooledOnlyReport {
     pub(crate) device_alone_tokens_per_s: Vec<f64>,
     pub(crate) integer_split_tokens_per_s: f64,
     pub(crate) per_replica_pipelines: PooledReport,
+    pub(crate) expert_layout: Option<ExpertReport>,
     pub(crate) written_plan: WrittenPlan,
 }

@@ -439,6 +439,20 @@ impl Plan {
         })
     }
 
+    /// (replica, stage) of every rank, in rank order: [`Plan::position`] of each, in one
+    /// pass (a plan of many thousand ranks).
+    pub fn positions(&self) -> Vec<(usize, usize)> {
+        let mut out = vec![(0, 0); self.world_size()];
+        for (r, replica) in self.replicas.iter().enumerate() {
+            for (stage, ranks) in replica.ranks.iter().enumerate() {
+                for &rank in ranks {
+                    out[rank] = (r, stage);
+                }
+            }
+        }
+        out
+    }
+
     /// `rank`'s index in its stage's tensor-parallel group (0 without one).
     pub fn tp_rank(&self, rank: usize) -> Option<usize> {
         let (replica, stage) = self.position(rank)?;

@@ -7,6 +7,7 @@
 
 mod convert;
 mod error;
+mod expert;
 mod grid;
 mod outcome;
 mod pooled;
@@ -29,6 +30,7 @@ use simulate::simulate_pools;
 use std::collections::HashMap;
 
 pub use error::{Infeasibility, MemoryShortfall, PlanningError};
+pub use expert::ExpertLayout;
 pub use outcome::{
     Arrangement, BehindBy, Candidate, CandidateOrigin, PlanOutcome, PoolLayout, PooledCandidate,
     Prediction, StepBreakdown, ThroughputBound,
@@ -108,6 +110,8 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
     // Per-replica pipelines may fit where no grid does (a small device in a pipeline of
     // its own, or a tensor-parallel group).
     let pooled = plan_pooled_options(cost, request)?;
+    // What an expert would write by hand, priced alike: a floor under the written plan.
+    let expert = expert::best_expert(cost, request)?;
     let (plans, uniform_layouts) = match candidates.is_empty() {
         true => (Vec::new(), Vec::new()),
         false => {
@@ -117,7 +121,7 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
             retime_front(&mut ctxs, candidates, keep)?
         }
     };
-    if plans.is_empty() && pooled.is_none() {
+    if plans.is_empty() && pooled.is_none() && expert.is_none() {
         return Err(PlanningError::Infeasible(closest.map_or(
             Infeasibility::BatchTooSmall {
                 global_batch_size: g,
@@ -137,6 +141,11 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
         (None, Some(r)) => Some(r),
         (p, _) => p,
     };
+    let pooled = match (pooled, &expert) {
+        (Some(p), Some(e)) if e.candidate.step_time_s < p.step_time_s => Some(e.candidate.clone()),
+        (None, Some(e)) => Some(e.candidate.clone()),
+        (p, _) => p,
+    };
     let uniform = uniform_layouts.first().cloned();
     let bound = throughput_bound(&mut ctx, request)?;
     let mut unpriced_optimizer: Vec<String> = (ctx.devices.iter())
@@ -150,6 +159,7 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
         uniform,
         uniform_layouts,
         pooled,
+        expert,
         considered,
         bound,
         unpriced_optimizer,

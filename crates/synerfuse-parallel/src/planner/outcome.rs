@@ -103,6 +103,10 @@ pub struct PlanOutcome {
     /// tensor-parallel groups of a node, pooled by class), when one fits: `synerfuse
     /// plan` writes it when it beats the best grid plan or no grid plan fits.
     pub pooled: Option<PooledCandidate>,
+    /// The best layout an expert would write by hand (one tensor-parallel size in
+    /// every node, as few stages as memory allows, even layers), priced alike: when it
+    /// beats the plans found, it is `pooled`, the plan written.
+    pub expert: Option<super::ExpertLayout>,
     /// Candidates considered.
     pub considered: usize,
     /// What a perfect heterogeneous job would reach on this cluster.
@@ -276,10 +280,15 @@ impl std::fmt::Display for BehindBy {
 impl PlanOutcome {
     /// The per-replica-pipeline plan, when no grid plan fits or it beats the best by
     /// more than 1 % (the grid plan, which SynerFuse's flags also express, wins ties and
-    /// noise).
+    /// noise), or it is the expert layout and faster at all.
     pub fn pooled_wins(&self) -> Option<&PooledCandidate> {
         let grid = self.plans.first().map(|c| c.prediction.step_time_s);
-        (self.pooled.as_ref()).filter(|p| grid.is_none_or(|g| p.step_time_s < g * 0.99))
+        // The expert's layout is a floor: written whenever it is faster at all.
+        let expert =
+            |p: &PooledCandidate| (self.expert.as_ref()).is_some_and(|e| &e.candidate == p);
+        (self.pooled.as_ref()).filter(|p| {
+            grid.is_none_or(|g| p.step_time_s < g * 0.99 || (expert(p) && p.step_time_s < g))
+        })
     }
 }
 

@@ -36,11 +36,8 @@ pub(super) fn simulate_step(
     let (t, _) = stage_times(ctx, &c.devices, &c.layers, sizes, &c.micro_batches)?;
     let fits = stage_fits(ctx, &c.devices, &c.layers, sizes, &c.micro_batches)?;
     // Per rank, its (stage, replica) and pace.
-    let coords: Vec<(usize, usize)> = (0..plan.world_size())
-        .map(|rank| {
-            let (replica, stage) = plan.position(rank).expect("every rank has a place");
-            (stage, replica)
-        })
+    let coords: Vec<(usize, usize)> = (plan.positions().into_iter())
+        .map(|(replica, stage)| (stage, replica))
         .collect();
     let paces: Vec<RankPace> = (coords.iter())
         .map(|&(i, r)| RankPace {
@@ -222,6 +219,7 @@ fn rank_rows(
     after: impl Fn(usize) -> AfterSchedule,
 ) -> Vec<RankTimeline> {
     let mut rows = Vec::with_capacity(report.spans.len());
+    let positions = plan.positions();
     for (rank, mut spans) in report.spans.into_iter().enumerate() {
         let a = after(rank);
         let mut span = |kind, start_s: f64, end_s: f64| {
@@ -239,7 +237,7 @@ fn rank_rows(
         span(SpanKind::Wait, a.reduce_end_s, a.all_reduced_s);
         let done = a.all_reduced_s + a.optimizer_s;
         span(SpanKind::Optimizer, a.all_reduced_s, done);
-        let (replica, stage) = plan.position(rank).unwrap_or_default();
+        let (replica, stage) = positions.get(rank).copied().unwrap_or_default();
         rows.push(RankTimeline {
             label: format!(
                 "rank {rank}: replica {replica}, stage {stage}, {}",

@@ -505,3 +505,37 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    /// The expert's layout is a floor: whatever the planner writes (the best grid plan,
+    /// or per-replica pipelines where they win) is never priced slower than it, on
+    /// clusters of nodes of alike devices with tensor parallelism in the search.
+    #[test]
+    fn the_written_plan_is_never_slower_than_the_experts(
+        groups in proptest::collection::vec((10.0f64..400.0, 4.0f64..80.0, prop_oneof![Just(1usize), Just(2), Just(4)], 1usize..=2), 1..=3),
+        layers in 2usize..=8,
+        g in 1usize..=32,
+    ) {
+        use crate::cluster::ClusterSpec;
+        use crate::cost::ModelShape;
+        let mut toml = String::new();
+        for (i, (tflops, mem, count, nodes)) in groups.iter().enumerate() {
+            for n in 0..*nodes {
+                toml.push_str(&format!("[[group]]\nkind = \"custom\"\ncount = {count}\nnode = \"n{i}-{n}\"\ntflops_bf16 = {tflops}\nmemory_gb = {mem}\nmem_bw_gbs = 1000\n"));
+            }
+        }
+        toml.push_str("[network]\nintra_node_gbs = 100\ninter_node_gbs = 10\n");
+        let cluster = ClusterSpec::from_toml(&toml).unwrap();
+        let model = ModelShape { num_layers: layers, hidden_size: 1024, num_heads: 8, num_kv_heads: 8, ffn_hidden_size: 3072, vocab_size: 32000, seq_length: 512, tied: false };
+        let cost = CostModel::new(model, cluster, None);
+        let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2], top_k: 1, tensor_parallel_sizes: vec![1, 2, 4], recompute: Choice::Auto, distributed_optimizer: Choice::Auto };
+        let Ok(outcome) = plan(&cost, &request) else { return Ok(()) };
+        let Some(expert) = &outcome.expert else { return Ok(()) };
+        let written = match (outcome.pooled_wins(), outcome.plans.first()) {
+            (Some(p), _) => p.step_time_s,
+            (None, Some(grid)) => grid.prediction.step_time_s,
+            (None, None) => unreachable!("a plan is written"),
+        };
+        prop_assert!(written <= expert.candidate.step_time_s * (1.0 + 1e-12), "written {} vs expert {}: {:?}", written, expert.candidate.step_time_s, expert);
+    }
+}

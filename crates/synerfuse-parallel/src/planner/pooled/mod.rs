@@ -16,6 +16,7 @@ use super::{
     samples::{min_max_samples, ReplicaPace},
     simulate::simulate_pools,
     split::split_layers,
+    tensor::TpGroup,
 };
 use crate::cost::{CostModel, StageHolding};
 
@@ -80,7 +81,10 @@ pub fn plan_pooled(
     Ok(plan_pooled_noting_memory(&cost, global_batch, sizes, tp_sizes)?.0)
 }
 
-/// [`plan_pooled`], and whether memory ruled anything out.
+/// [`plan_pooled`], and whether memory ruled anything out. Tensor-parallel sizes whose
+/// groups each lie within one pool of alike devices are chosen pool by pool (a size per
+/// device kind); a size whose groups mix pools (nodes of mixed devices) is tried for the
+/// whole cluster.
 pub(super) fn plan_pooled_noting_memory(
     cost: &CostModel,
     global_batch: usize,
@@ -88,19 +92,121 @@ pub(super) fn plan_pooled_noting_memory(
     tp_sizes: &[usize],
 ) -> Result<(Option<PooledCandidate>, bool), PlanningError> {
     let (mut best, mut bound): (Option<PooledCandidate>, bool) = (None, false);
-    for &t in tp_sizes {
-        let Some(mut ctx) = Ctx::tensor_parallel(cost, t)? else {
-            continue;
-        };
-        let found = plan_units(&mut ctx, global_batch, sizes, t > 1)?;
-        bound |= ctx.memory_bound.get();
+    let mut keep = |found: Option<PooledCandidate>| {
         if let Some(c) = found {
             if best.as_ref().is_none_or(|b| c.step_time_s < b.step_time_s) {
                 best = Some(c);
             }
         }
+    };
+    let mut single = Ctx::new(cost);
+    let single_pools = pools(&mut single)?;
+    let kinds = device_sets(&single, &single_pools);
+    // Per size whose groups align with the pools, its groups and each pool's units.
+    let mut aligned: Vec<(usize, Vec<TpGroup>, Vec<Vec<usize>>)> = Vec::new();
+    for &t in tp_sizes {
+        let Some(mut ctx) = Ctx::tensor_parallel(cost, t)? else {
+            continue;
+        };
+        let units = pools(&mut ctx)?;
+        match align(&device_sets(&ctx, &units), &kinds) {
+            Some(order) => {
+                let units = order.into_iter().map(|k| units[k].clone()).collect();
+                aligned.push((t, ctx.groups, units));
+            }
+            None => {
+                let found = plan_units(&mut ctx, global_batch, sizes, t > 1)?;
+                bound |= ctx.memory_bound.get();
+                keep(found);
+            }
+        }
+    }
+    if !aligned.is_empty() {
+        // One context holding every size's groups (they overlap: a plan takes one size
+        // per pool), so that each pool's options are priced once and combined.
+        let mut groups = Vec::new();
+        let mut options: Vec<Vec<PoolOption>> = vec![Vec::new(); kinds.len()];
+        let mut pools_by_size = Vec::new();
+        for (t, size_groups, units) in aligned {
+            let offset = groups.len();
+            groups.extend(size_groups);
+            // One pool of devices and no tensor parallelism: the grid planner's case.
+            if t == 1 && kinds.len() < 2 {
+                continue;
+            }
+            pools_by_size.push((offset, units));
+        }
+        let mut ctx = Ctx::with_groups(cost, single.all.clone(), groups);
+        for (offset, units) in pools_by_size {
+            for (k, pool) in units.iter().enumerate() {
+                let pool: Vec<usize> = pool.iter().map(|u| u + offset).collect();
+                options[k].extend(pool_options(&mut ctx, &pool, sizes)?);
+            }
+        }
+        for pool_options in &mut options {
+            pool_options.sort_by(|a, b| b.rate.total_cmp(&a.rate));
+        }
+        let found = match best_combination(&mut ctx, options, global_batch, sizes)? {
+            Some(layouts) => {
+                let (groups, layouts) = used_units(&ctx.groups, layouts);
+                let mut ctx = Ctx::with_groups(cost, single.all.clone(), groups);
+                Some(simulate_pools(&mut ctx, layouts, false)?.0)
+            }
+            None => None,
+        };
+        bound |= ctx.memory_bound.get();
+        keep(found);
     }
     Ok((best, bound))
+}
+
+/// Per pool of units, the sorted devices its units cover.
+fn device_sets(ctx: &Ctx<'_>, pools: &[Vec<usize>]) -> Vec<Vec<usize>> {
+    (pools.iter())
+        .map(|units| {
+            let mut devices: Vec<usize> = (units.iter())
+                .flat_map(|&u| ctx.groups[u].members.iter().copied())
+                .collect();
+            devices.sort_unstable();
+            devices
+        })
+        .collect()
+}
+
+/// For each of `kinds`' device sets, the index of the one of `sets` that covers the
+/// same devices; `None` unless they match one to one.
+fn align(sets: &[Vec<usize>], kinds: &[Vec<usize>]) -> Option<Vec<usize>> {
+    if sets.len() != kinds.len() {
+        return None;
+    }
+    kinds
+        .iter()
+        .map(|kind| sets.iter().position(|s| s == kind))
+        .collect()
+}
+
+/// `layouts`' units renumbered by their first device, and the groups they use (a
+/// plan of single devices keeps the devices' indices).
+fn used_units(groups: &[TpGroup], mut layouts: Vec<PoolLayout>) -> (Vec<TpGroup>, Vec<PoolLayout>) {
+    let first = |u: usize| groups[u].members.iter().copied().min().unwrap_or(0);
+    let mut used: Vec<usize> = layouts
+        .iter()
+        .flat_map(|p| p.devices.iter().flatten().copied())
+        .collect();
+    used.sort_unstable_by_key(|&u| first(u));
+    used.dedup();
+    let renumbered: std::collections::HashMap<usize, usize> = used
+        .iter()
+        .enumerate()
+        .map(|(new, &old)| (old, new))
+        .collect();
+    for unit in layouts
+        .iter_mut()
+        .flat_map(|p| p.devices.iter_mut().flatten())
+    {
+        *unit = renumbered[unit];
+    }
+    (used.iter().map(|&u| groups[u].clone()).collect(), layouts)
 }
 
 /// The best plan over `ctx`'s units (devices, or tensor-parallel groups), when more
@@ -119,40 +225,53 @@ pub(super) fn plan_units(
     for pool in &pools {
         options.push(pool_options(ctx, pool, sizes)?);
     }
+    match best_combination(ctx, options, global_batch, sizes)? {
+        Some(layouts) => Ok(Some(simulate_pools(ctx, layouts, false)?.0)),
+        None => Ok(None),
+    }
+}
+
+/// Combinations of polished pools: the ones polished, best balanced first.
+const POLISHED: usize = 3;
+
+/// The best layouts taking one of each pool's `options` (fastest first): every
+/// combination of the fastest few balanced, the best [`POLISHED`] of them polished.
+fn best_combination(
+    ctx: &mut Ctx<'_>,
+    mut options: Vec<Vec<PoolOption>>,
+    global_batch: usize,
+    sizes: &[usize],
+) -> Result<Option<Vec<PoolLayout>>, PlanningError> {
     // Each other pool takes at least one micro-batch of the smallest size: an option
     // whose replicas need more than the rest of the batch cannot be part of a plan.
     let smallest = sizes.iter().copied().min().unwrap_or(1);
-    let room = global_batch.saturating_sub((pools.len() - 1) * smallest);
+    let room = global_batch.saturating_sub((options.len().max(1) - 1) * smallest);
     for pool_options in &mut options {
         pool_options.retain(|o| o.devices[0].len() * o.micro_batch_size <= room);
     }
-    if options.iter().any(Vec::is_empty) {
+    if options.is_empty() || options.iter().any(Vec::is_empty) {
         return Ok(None);
     }
     let keep = options_kept(&options.iter().map(Vec::len).collect::<Vec<_>>());
-    let mut best: Option<(f64, Vec<PoolLayout>)> = None;
-    for choice in combinations(
-        &options
-            .iter()
-            .map(|o| o.len().min(keep))
-            .collect::<Vec<_>>(),
-    ) {
-        let chosen: Vec<&PoolOption> = choice
-            .iter()
-            .enumerate()
+    let limits: Vec<usize> = options.iter().map(|o| o.len().min(keep)).collect();
+    let mut balanced: Vec<(f64, Vec<PoolLayout>)> = Vec::new();
+    for choice in combinations(&limits) {
+        let chosen: Vec<&PoolOption> = (choice.iter().enumerate())
             .map(|(k, &i)| &options[k][i])
             .collect();
-        if let Some((step, layouts)) = balance(ctx, &chosen, global_batch)? {
-            if best.as_ref().is_none_or(|(s, _)| step < *s) {
-                best = Some((step, layouts));
-            }
+        if let Some(found) = balance(ctx, &chosen, global_batch)? {
+            balanced.push(found);
         }
     }
-    let Some((_, layouts)) = best else {
-        return Ok(None);
-    };
-    let (candidate, _) = simulate_pools(ctx, layouts, false)?;
-    Ok(Some(candidate))
+    balanced.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut best: Option<(f64, Vec<PoolLayout>)> = None;
+    for (step, layouts) in balanced.into_iter().take(POLISHED) {
+        let (step, layouts) = polish(ctx, layouts, step)?;
+        if best.as_ref().is_none_or(|(s, _)| step < *s) {
+            best = Some((step, layouts));
+        }
+    }
+    Ok(best.map(|(_, layouts)| layouts))
 }
 
 /// Options kept per pool: the most k with every pool's min(k, options) multiplying to at
@@ -245,7 +364,8 @@ pub(super) fn combinations(limits: &[usize]) -> Vec<Vec<usize>> {
 }
 
 /// The batch split over the pools' replicas (exact min-max over samples), then each
-/// pool's layers re-split for its counts, twice; the closed-form step and the layouts,
+/// pool's layers re-split for its counts, twice; the closed-form step and the layouts
+/// (to polish),
 /// or `None` when the sizes cannot make the batch or a split stops fitting.
 pub(super) fn balance(
     ctx: &mut Ctx<'_>,
@@ -291,8 +411,7 @@ pub(super) fn balance(
             }
         }
     }
-    let step = closed_form_step_s(ctx, &layouts)?;
-    Ok(Some(polish(ctx, layouts, step)?))
+    Ok(Some((closed_form_step_s(ctx, &layouts)?, layouts)))
 }
 
 /// Whether every rank of every pool holds its stage with its 1F1B micro-batches in

@@ -1,0 +1,183 @@
+//! The layouts a Megatron user would start from, priced with the planner's own model as
+//! a floor under what it writes: one tensor-parallel size in every node (1, 2, 4, 8),
+//! as few pipeline stages as memory allows with the layers split evenly, data
+//! parallelism over the rest; either one layout for the whole cluster (every replica
+//! the same depth and batch, as Megatron runs) or one per pool of alike devices (each
+//! pool its own depth, the batch split by pace).
+
+use super::{
+    error::PlanningError,
+    grid::arrange,
+    outcome::{Arrangement, PoolLayout, PooledCandidate},
+    pooled::{closed_form_step_s, fits_all, pools},
+    pricing::{pipeline_time, Ctx},
+    request::{micro_batch_sizes, Choice, PlanRequest, TrainOptions},
+    samples::{min_max_samples, ReplicaPace},
+    simulate::simulate_pools,
+    split::even_layers,
+};
+use crate::cost::{CostModel, Recompute};
+
+/// The best layout an expert would try, as priced by the planner's model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertLayout {
+    /// Tensor-parallel size, the same in every node.
+    pub tensor_parallel_size: usize,
+    /// Whether each pool of alike devices has its own depth and batch (else every
+    /// replica has the same).
+    pub per_pool: bool,
+    /// The layout, simulated.
+    pub candidate: PooledCandidate,
+}
+
+/// The fastest expert layout (closed form to choose, then simulated), if any fits.
+pub(super) fn best_expert(
+    cost: &CostModel,
+    request: &PlanRequest,
+) -> Result<Option<ExpertLayout>, PlanningError> {
+    let (g, sizes) = (request.global_batch_size, micro_batch_sizes(request));
+    let mut best: Option<(f64, TrainOptions, usize, bool, Vec<PoolLayout>)> = None;
+    for &recompute in recompute_choices(request.recompute) {
+        let options = TrainOptions {
+            recompute,
+            distributed_optimizer: request.distributed_optimizer != Choice::Off,
+        };
+        let variant = options.cost(cost);
+        for t in request.tp_sizes() {
+            let Some(mut ctx) = Ctx::tensor_parallel(&variant, t)? else {
+                continue;
+            };
+            let pools = pools(&mut ctx)?;
+            for per_pool in [false, true] {
+                for &b in &sizes {
+                    let Some(layouts) = expert_layouts(&mut ctx, &pools, g, b, per_pool)? else {
+                        continue;
+                    };
+                    let step = closed_form_step_s(&mut ctx, &layouts)?;
+                    if best.as_ref().is_none_or(|(s, ..)| step < *s) {
+                        best = Some((step, options, t, per_pool, layouts));
+                    }
+                }
+            }
+        }
+    }
+    let Some((_, options, t, per_pool, layouts)) = best else {
+        return Ok(None);
+    };
+    let variant = options.cost(cost);
+    let mut ctx = Ctx::tensor_parallel(&variant, t)?.expect("the size cut the cluster before");
+    let (mut candidate, _) = simulate_pools(&mut ctx, layouts, false)?;
+    candidate.options = options;
+    Ok(Some(ExpertLayout {
+        tensor_parallel_size: t,
+        per_pool,
+        candidate,
+    }))
+}
+
+/// An expert recomputes everything or nothing (Megatron's `--recompute-activations`).
+fn recompute_choices(choice: Choice) -> &'static [Recompute] {
+    match choice {
+        Choice::Off => &[Recompute::Never],
+        Choice::On => &[Recompute::Always],
+        Choice::Auto => &[Recompute::Never, Recompute::Always],
+    }
+}
+
+/// The expert's layouts of `pools` at micro-batch size `b`: each pool as shallow as
+/// fits with even layers (all as deep as the deepest needs, unless `per_pool`), the
+/// batch split evenly over every replica (Megatron's data parallelism; `None` unless it
+/// divides) or, `per_pool`, by pace.
+fn expert_layouts(
+    ctx: &mut Ctx<'_>,
+    pools: &[Vec<usize>],
+    global_batch: usize,
+    b: usize,
+    per_pool: bool,
+) -> Result<Option<Vec<PoolLayout>>, PlanningError> {
+    let mut depths = Vec::with_capacity(pools.len());
+    for pool in pools {
+        match shallowest(ctx, pool, b, 1)? {
+            Some(p) => depths.push(p),
+            None => return Ok(None),
+        }
+    }
+    if !per_pool {
+        let deepest = depths.iter().copied().max().unwrap_or(1);
+        for (pool, p) in pools.iter().zip(&mut depths) {
+            match shallowest(ctx, pool, b, deepest)? {
+                Some(q) if q == deepest => *p = q,
+                _ => return Ok(None),
+            }
+        }
+    }
+    let l = ctx.cost.model.num_layers;
+    let mut layouts: Vec<PoolLayout> = (pools.iter().zip(&depths))
+        .map(|(pool, &p)| {
+            let d = pool.len() / p;
+            PoolLayout {
+                devices: arrange(pool, p, d, Arrangement::ByReplica),
+                layers: even_layers(l, p),
+                micro_batch_size: b,
+                micro_batches: vec![1; d],
+                short: Vec::new(),
+            }
+        })
+        .collect();
+    let replicas: usize = layouts.iter().map(|p| p.micro_batches.len()).sum();
+    let counts = match per_pool {
+        false if global_batch % (b * replicas) == 0 => {
+            vec![global_batch / (b * replicas); replicas]
+        }
+        false => return Ok(None),
+        true => {
+            let mut paces = Vec::with_capacity(replicas);
+            for pool in &layouts {
+                let (t, c) = pool.stage_times(ctx)?;
+                for r in 0..pool.micro_batches.len() {
+                    paces.push(ReplicaPace {
+                        micro_batch_size: b,
+                        first_s: pipeline_time(&t, &c, r, 1),
+                        each_s: t.iter().map(|s| s[r]).fold(0.0, f64::max),
+                        most_micro_batches: usize::MAX,
+                    });
+                }
+            }
+            match min_max_samples(global_batch, &paces) {
+                Some(counts) => counts,
+                None => return Ok(None),
+            }
+        }
+    };
+    let mut counts = counts.into_iter();
+    for pool in &mut layouts {
+        let d = pool.micro_batches.len();
+        pool.micro_batches = counts.by_ref().take(d).collect();
+    }
+    Ok(fits_all(ctx, &layouts)?.then_some(layouts))
+}
+
+/// The fewest stages, at least `from`, dividing the pool and the model's layers into
+/// replicas that hold their even layer split with a full pipeline in flight.
+fn shallowest(
+    ctx: &mut Ctx<'_>,
+    pool: &[usize],
+    b: usize,
+    from: usize,
+) -> Result<Option<usize>, PlanningError> {
+    let (n, l) = (pool.len(), ctx.cost.model.num_layers);
+    for p in (from.max(1)..=n.min(l)).filter(|p| n % p == 0) {
+        let d = n / p;
+        let trial = PoolLayout {
+            devices: arrange(pool, p, d, Arrangement::ByReplica),
+            layers: even_layers(l, p),
+            micro_batch_size: b,
+            micro_batches: vec![p; d],
+            short: Vec::new(),
+        };
+        if fits_all(ctx, std::slice::from_ref(&trial))? {
+            return Ok(Some(p));
+        }
+    }
+    Ok(None)
+}
