@@ -292,6 +292,87 @@ fn tensor_parallel_plans_match_a_single_rank() {
     println!("{table}");
 }
 
+/// Issue 38's layout scaled down: `synerfuse plan` on six emulated CPU ranks of two
+/// speeds in three nodes writes a pipeline per kind, each stage a tensor-parallel pair
+/// within its node (the fast pair holds the model as one stage, the slow pairs only in
+/// two), the batch split by pace; `synerfuse train --plan` runs it, equal to one rank.
+#[test]
+fn planned_per_kind_pipelines_with_tp_2_match_a_single_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let data = dataset(d);
+    let mut cluster = String::from(
+        "[[group]]\nkind = \"cpu\"\ncount = 2\nnode = \"fast\"\ntflops_bf16 = 0.05\nmemory_gb = 0.0021\n",
+    );
+    for node in ["slow-0", "slow-1"] {
+        cluster.push_str(&format!(
+            "[[group]]\nkind = \"cpu\"\ncount = 2\nnode = \"{node}\"\ntflops_bf16 = 0.05\nmemory_gb = 0.0012\nspeed = 0.5\n"
+        ));
+    }
+    cluster.push_str("[network]\nintra_node_gbs = 5\ninter_node_gbs = 5\n");
+    let cluster_path = d.join("cluster.toml");
+    std::fs::write(&cluster_path, cluster).unwrap();
+    let plan = d.join("plan.toml");
+    let out = synerfuse(&strings(&[
+        "plan",
+        "--json",
+        "--cluster",
+        cluster_path.to_str().unwrap(),
+        "--global-batch-size",
+        "6",
+        "--recompute-activations",
+        "off",
+        "--use-distributed-optimizer",
+        "off",
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--num-query-groups",
+        "2",
+        "--ffn-hidden-size",
+        "64",
+        "--vocab-size",
+        "1024",
+        "--seq-length",
+        "32",
+        "--output",
+        plan.to_str().unwrap(),
+    ]));
+    ok(&out, "plan");
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(j["written_plan"]["kind"], "per_replica_pipelines", "{j}");
+    let pools = j["per_replica_pipelines"]["pools"].as_array().unwrap();
+    let shapes: Vec<(u64, u64)> = (pools.iter())
+        .map(|p| {
+            let n = |key: &str| p[key].as_u64().unwrap();
+            (n("tensor_parallel_size"), n("pipeline_parallel_size"))
+        })
+        .collect();
+    assert_eq!(shapes, [(2, 1), (2, 2)], "{j}");
+    // The written plan is never slower than the expert's layout, priced alike.
+    let expert = &j["expert_layout"];
+    assert!(
+        j["written_plan"]["predicted_step_time_s"].as_f64().unwrap()
+            <= expert["predicted_step_time_s"].as_f64().unwrap(),
+        "{j}"
+    );
+    let flags = j["written_plan"]["train_flags"].as_array().unwrap();
+    let (ref_losses, ref_params) = run(d, &data, "single", &["--micro-batch-size", "1"]);
+    let mut extra = vec!["--nproc", "6", "--plan", plan.to_str().unwrap()];
+    extra.extend(flags.iter().map(|f| f.as_str().unwrap()));
+    let (losses, params) = run(d, &data, "per-kind-tp", &extra);
+    let loss_diff = max_rel_loss_diff(&ref_losses, &losses);
+    let param_diff = max_param_diff(&ref_params, &params);
+    println!("per-kind pipelines, TP 2: losses {loss_diff:.2e}, parameters {param_diff:.2e}");
+    assert!(
+        loss_diff < 1e-5 && param_diff < 1e-5,
+        "losses {losses:?} vs {ref_losses:?}, parameters {param_diff:e}"
+    );
+}
+
 /// A tensor-parallel run stopped at iteration 3 resumes on one rank, and a one-rank run
 /// resumes on uneven tensor-parallel shares, with the uninterrupted run's losses: shards
 /// are saved whole by global name.
