@@ -426,6 +426,48 @@ impl Plan {
         Ok(programs)
     }
 
+    /// [`Plan::schedule`] of `replicas` only, their ranks numbered in order from 0 (a
+    /// program's peers so numbered); with, per such rank, its rank in the plan.
+    pub fn schedule_of(
+        &self,
+        kind: ScheduleKind,
+        replicas: &[usize],
+    ) -> Result<(Vec<Vec<Instruction>>, Vec<usize>), PlanError> {
+        let mut programs = Vec::new();
+        let mut ranks_in_plan = Vec::new();
+        for &r in replicas {
+            let replica = &self.replicas[r];
+            let (stages, chunks) = (replica.stages.num_stages(), replica.stages.num_chunks());
+            let kind = match kind {
+                ScheduleKind::Interleaved if chunks == 1 => ScheduleKind::OneFOneB,
+                other => other,
+            };
+            let per_stage =
+                pipeline_schedule(kind, stages, chunks, replica.batch.num_micro_batches())
+                    .map_err(|source| PlanError::Schedule { replica: r, source })?;
+            let first = programs.len();
+            let mut next = first;
+            let renumbered: Vec<Vec<usize>> = (replica.ranks.iter())
+                .map(|stage| {
+                    (stage.iter())
+                        .map(|_| {
+                            next += 1;
+                            next - 1
+                        })
+                        .collect()
+                })
+                .collect();
+            programs.resize(next, Vec::new());
+            for (stage, program) in per_stage.into_iter().enumerate() {
+                for (tp, &rank) in renumbered[stage].iter().enumerate() {
+                    programs[rank] = tp_program(&program, &renumbered, stage, tp);
+                }
+            }
+            ranks_in_plan.extend(replica.ranks.iter().flatten().copied());
+        }
+        Ok((programs, ranks_in_plan))
+    }
+
     /// Whether any replica has virtual chunks (an interleaved schedule's default).
     pub fn has_chunks(&self) -> bool {
         self.replicas.iter().any(|r| r.stages.num_chunks() > 1)

@@ -13,6 +13,7 @@ use crate::cost::CostModel;
 use crate::plan::Plan;
 use crate::timeline::{RankTimeline, Span, SpanKind, Timeline};
 use crate::{sim, Pass, Piece, ScheduleKind};
+use std::collections::HashMap;
 
 /// Re-times a candidate by simulating its 1F1B schedule (with p2p times), each stage's
 /// gradient reduction starting when its last replica finishes, and the optimizer step
@@ -173,10 +174,28 @@ fn run_schedule(
     paces: &[RankPace],
     record: bool,
 ) -> Result<sim::SimReport, PlanningError> {
+    if !record {
+        return run_distinct_replicas(ctx, plan, paces);
+    }
     let programs = plan.schedule(ScheduleKind::OneFOneB)?;
+    let (op_seconds, message_seconds) = pace_prices(ctx, paces, |rank| rank);
+    Ok(sim::simulate_spans(&programs, op_seconds, message_seconds)?)
+}
+
+/// The seconds of each pass and message of the ranks `rank_of` maps a program's
+/// ranks to.
+#[allow(clippy::type_complexity)]
+fn pace_prices<'a>(
+    ctx: &'a Ctx<'_>,
+    paces: &'a [RankPace],
+    rank_of: impl Fn(usize) -> usize + Copy + 'a,
+) -> (
+    impl Fn(usize, Pass, Piece) -> f64 + 'a,
+    impl Fn(usize, usize, Piece) -> sim::Transfer + 'a,
+) {
     let (devices, cost) = (&ctx.all, ctx.cost);
-    let op_seconds = |rank: usize, pass: Pass, piece: Piece| {
-        let pace = &paces[rank];
+    let op_seconds = move |rank: usize, pass: Pass, piece: Piece| {
+        let pace = &paces[rank_of(rank)];
         let (t, f) = match piece.micro_batch == pace.last.index {
             true => (pace.last.seconds, pace.forward_fraction),
             false => (pace.micro_batch_s, pace.forward_fraction),
@@ -186,18 +205,94 @@ fn run_schedule(
             Pass::Backward => t * (1.0 - f),
         }
     };
-    let message_seconds = |from: usize, to: usize, piece: Piece| {
-        let pace = &paces[from];
+    let message_seconds = move |from: usize, to: usize, piece: Piece| {
+        let pace = &paces[rank_of(from)];
         let b = match piece.micro_batch == pace.last.index {
             true => pace.last.size,
             false => pace.micro_batch_size,
         };
-        cost.transfer(&devices[pace.device], &devices[paces[to].device], b)
+        cost.transfer(
+            &devices[pace.device],
+            &devices[paces[rank_of(to)].device],
+            b,
+        )
     };
-    Ok(match record {
-        true => sim::simulate_spans(&programs, op_seconds, message_seconds),
-        false => sim::simulate(&programs, op_seconds, message_seconds),
-    }?)
+    (op_seconds, message_seconds)
+}
+
+/// The schedule simulated once per distinct replica (pipelines run side by side and
+/// meet only in the reduction after them): replicas whose ranks run at the same paces
+/// and send over the same links finish alike, so a plan of thousands of alike replicas
+/// costs what a few do.
+fn run_distinct_replicas(
+    ctx: &Ctx<'_>,
+    plan: &Plan,
+    paces: &[RankPace],
+) -> Result<sim::SimReport, PlanningError> {
+    // Per replica, what its schedule depends on: its micro-batches, and per rank (stage
+    // by stage) its pace and its sends' prices at both sizes.
+    let mut firsts: HashMap<Vec<u64>, usize> = HashMap::new();
+    let mut representative = Vec::with_capacity(plan.replicas().len());
+    for replica in plan.replicas() {
+        let mut key = vec![replica.batch.num_micro_batches() as u64];
+        for (stage, ranks) in replica.ranks.iter().enumerate() {
+            key.push(ranks.len() as u64);
+            for (tp, &rank) in ranks.iter().enumerate() {
+                let pace = &paces[rank];
+                key.extend([
+                    pace.micro_batch_size as u64,
+                    pace.micro_batch_s.to_bits(),
+                    pace.forward_fraction.to_bits(),
+                    pace.last.index as u64,
+                    pace.last.size as u64,
+                    pace.last.seconds.to_bits(),
+                ]);
+                if let Some(next) = replica.ranks.get(stage + 1) {
+                    let to = &ctx.all[paces[next[tp % next.len()]].device];
+                    for b in [pace.micro_batch_size, pace.last.size] {
+                        let t = ctx.cost.transfer(&ctx.all[pace.device], to, b);
+                        key.extend([t.sender_s.to_bits(), t.transit_s.to_bits()]);
+                    }
+                }
+            }
+        }
+        let next = firsts.len();
+        representative.push(*firsts.entry(key).or_insert(next));
+    }
+    let mut distinct: Vec<usize> = vec![0; firsts.len()];
+    for (r, &k) in representative.iter().enumerate().rev() {
+        distinct[k] = r;
+    }
+    let (programs, ranks_in_plan) = plan.schedule_of(ScheduleKind::OneFOneB, &distinct)?;
+    let (op_seconds, message_seconds) = pace_prices(ctx, paces, |rank| ranks_in_plan[rank]);
+    let simulated = sim::simulate(&programs, op_seconds, message_seconds)?;
+    // Each rank as its representative's rank at the same place.
+    let mut at_place: HashMap<(usize, usize, usize), usize> = HashMap::new();
+    for (k, &r) in distinct.iter().enumerate() {
+        let ranks = &plan.replicas()[r].ranks;
+        let places = (ranks.iter().enumerate())
+            .flat_map(|(stage, s)| (0..s.len()).map(move |tp| (stage, tp)));
+        for (stage, tp) in places {
+            at_place.insert((k, stage, tp), at_place.len());
+        }
+    }
+    let world = plan.world_size();
+    let (mut finish_s, mut busy_s) = (vec![0.0; world], vec![0.0; world]);
+    for (r, replica) in plan.replicas().iter().enumerate() {
+        for (stage, ranks) in replica.ranks.iter().enumerate() {
+            for (tp, &rank) in ranks.iter().enumerate() {
+                let i = at_place[&(representative[r], stage, tp)];
+                finish_s[rank] = simulated.finish_s[i];
+                busy_s[rank] = simulated.busy_s[i];
+            }
+        }
+    }
+    Ok(sim::SimReport {
+        finish_s,
+        busy_s,
+        makespan_s: simulated.makespan_s,
+        spans: Vec::new(),
+    })
 }
 
 /// What a rank does after its schedule, s from the step's start: waits for its

@@ -420,7 +420,17 @@ pub(super) fn fits_all(ctx: &mut Ctx<'_>, layouts: &[PoolLayout]) -> Result<bool
     for pool in layouts {
         let (p, b) = (pool.layers.len(), pool.micro_batch_size);
         for (i, row) in pool.devices.iter().enumerate() {
+            // Alike units with the same micro-batches in flight fit alike: checked once.
+            let mut checked = std::collections::HashSet::new();
             for (&dev, &m) in row.iter().zip(&pool.micro_batches) {
+                let key = (
+                    ctx.classes[dev],
+                    ctx.memory[dev].map(f64::to_bits),
+                    (p - i).min(m),
+                );
+                if !checked.insert(key) {
+                    continue;
+                }
                 let holding = StageHolding {
                     layers: pool.layers[i],
                     first: i == 0,
