@@ -650,6 +650,8 @@ struct PlanningRun {
     planning_s: f64,
     command_s: f64,
     fraction_of_bound: f64,
+    /// The expert layout's (TP in every node, fewest stages, even layers), priced alike.
+    expert_fraction_of_bound: Option<f64>,
 }
 
 /// An 80-layer model of hidden 4096 (32 heads, 8 KV groups, FFN 11008), global batch 4096.
@@ -701,6 +703,18 @@ fn time_planning(
     nodes: usize,
     model: &[&str],
 ) -> Result<PlanningRun> {
+    time_planning_with(bin, dir, kinds, nodes, model, &[])
+}
+
+/// [`time_planning`] with `extra` flags (which replace the model's of the same name).
+fn time_planning_with(
+    bin: &Path,
+    dir: &Path,
+    kinds: &[&str],
+    nodes: usize,
+    model: &[&str],
+    extra: &[&str],
+) -> Result<PlanningRun> {
     let devices = nodes * 8;
     let cluster = dir.join(format!("planner-{devices}.toml"));
     let mut text = String::new();
@@ -713,11 +727,19 @@ fn time_planning(
     }
     text.push_str("[network]\nintra_node_gbs = 200\ninter_node_gbs = 25\n");
     std::fs::write(&cluster, text)?;
+    // The model's flags (name, value) less those `extra` gives.
+    let replaced = |name: &&str| extra.contains(name);
+    let model_flags: Vec<&str> = (model.chunks(2))
+        .filter(|pair| !replaced(&pair[0]))
+        .flatten()
+        .copied()
+        .collect();
     let started = std::time::Instant::now();
     let json = run(
         Command::new(bin)
             .args(["plan", "--json"])
-            .args(model)
+            .args(&model_flags)
+            .args(extra)
             .arg("--cluster")
             .arg(&cluster),
         "plan",
@@ -726,16 +748,21 @@ fn time_planning(
     let report = last_json_line(&json)?;
     let planning_s = number(&report, "planning_time_s")?;
     let fraction_of_bound = number(&report["written_plan"], "fraction_of_bound")?;
+    let expert_fraction_of_bound = report["expert_layout"]["fraction_of_bound"].as_f64();
+    let expert =
+        expert_fraction_of_bound.map_or("none fits".to_string(), |f| format!("{:.1} %", f * 100.0));
     println!(
-        "planning {devices} devices of {} kinds ({nodes} nodes), {}: {planning_s:.3} s in the planner, {command_s:.3} s for the whole command; the written plan at {:.1} % of the bound",
+        "planning {devices} devices of {} kinds ({nodes} nodes), {} {}: {planning_s:.3} s in the planner, {command_s:.3} s for the whole command; the written plan at {:.1} % of the bound, the expert layout at {expert}",
         kinds.len(),
         model.join(" "),
+        extra.join(" "),
         fraction_of_bound * 100.0
     );
     Ok(PlanningRun {
         planning_s,
         command_s,
         fraction_of_bound,
+        expert_fraction_of_bound,
     })
 }
 
@@ -748,6 +775,15 @@ pub fn planner(root: &Path) -> Result<()> {
     let small = time_planning(&bin, &dir, &four, 128, &MODEL_80_LAYERS)?;
     let large = time_planning(&bin, &dir, &six, 1024, &MODEL_80_LAYERS)?;
     let llama_70b = time_planning(&bin, &dir, &four, 128, &LLAMA_70B)?;
+    // 131,072 devices (16,384 nodes of 8, 4 kinds), the 70B model at 16,384 samples.
+    let huge = time_planning_with(
+        &bin,
+        &dir,
+        &four,
+        16_384,
+        &LLAMA_70B,
+        &["--global-batch-size", "16384"],
+    )?;
     write_json(
         &dir.join("planner.json"),
         &serde_json::json!({
@@ -764,6 +800,11 @@ pub fn planner(root: &Path) -> Result<()> {
             "llama_70b_planning_s": llama_70b.planning_s,
             "llama_70b_command_s": llama_70b.command_s,
             "llama_70b_fraction_of_bound": llama_70b.fraction_of_bound,
+            "llama_70b_expert_fraction_of_bound": llama_70b.expert_fraction_of_bound,
+            "llama_70b_131072_devices_planning_s": huge.planning_s,
+            "llama_70b_131072_devices_command_s": huge.command_s,
+            "llama_70b_131072_devices_fraction_of_bound": huge.fraction_of_bound,
+            "llama_70b_131072_devices_expert_fraction_of_bound": huge.expert_fraction_of_bound,
         }),
     )?;
     Ok(())

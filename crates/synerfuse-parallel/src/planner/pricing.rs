@@ -9,7 +9,7 @@ use super::{
 };
 use crate::cluster::Device;
 use crate::cost::{CostModel, Recompute, StageCosts, StageHolding};
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 
 pub(super) struct Ctx<'a> {
@@ -31,6 +31,11 @@ pub(super) struct Ctx<'a> {
     /// Whether memory has ruled anything out: options that only save memory are
     /// searched only where it has.
     pub(super) memory_bound: Cell<bool>,
+    /// All-reduce prices over a list of devices, (seconds at 0 bytes, seconds per byte):
+    /// the search prices the same holders many times.
+    pub(super) allreduce_prices: RefCell<HashMap<Vec<usize>, (f64, f64)>>,
+    /// (unit class, parameters) → optimizer step, s.
+    pub(super) optimizer_prices: RefCell<HashMap<(usize, u64), f64>>,
 }
 
 impl<'a> Ctx<'a> {
@@ -93,6 +98,8 @@ impl<'a> Ctx<'a> {
             costs: HashMap::new(),
             memory,
             memory_bound: Cell::new(false),
+            allreduce_prices: RefCell::new(HashMap::new()),
+            optimizer_prices: RefCell::new(HashMap::new()),
         }
     }
 
@@ -133,6 +140,21 @@ impl<'a> Ctx<'a> {
         }
         self.costs.insert(key, c);
         Ok(c)
+    }
+
+    /// [`CostModel::allreduce_seconds`] of `bytes` over the cluster's devices `devices`,
+    /// whose price (linear in the bytes) is kept per device list.
+    pub(super) fn allreduce_seconds(&self, devices: Vec<usize>, bytes: f64) -> f64 {
+        if let Some((fixed, per_byte)) = self.allreduce_prices.borrow().get(&devices) {
+            return fixed + per_byte * bytes;
+        }
+        let members: Vec<&Device> = devices.iter().map(|&i| &self.all[i]).collect();
+        let fixed = self.cost.allreduce_seconds(&members, 0.0);
+        let per_byte = (self.cost.allreduce_seconds(&members, 1e9) - fixed) / 1e9;
+        self.allreduce_prices
+            .borrow_mut()
+            .insert(devices, (fixed, per_byte));
+        fixed + per_byte * bytes
     }
 
     /// The optimizer step of a unit holding `params` parameters, s: its slowest member
@@ -571,10 +593,9 @@ pub(super) fn reduce_s(ctx: &Ctx<'_>, segments: &[PooledSegment]) -> Vec<f64> {
     let mut seconds = vec![0.0; positions(segments)];
     for segment in segments {
         let units: Vec<usize> = segment.holders.iter().map(|&(_, u)| u).collect();
-        let devices: Vec<&crate::cluster::Device> =
-            units.iter().map(|&u| &ctx.devices[u]).collect();
-        // Holders split alike reduce share by share, side by side; otherwise the trainer
-        // reduces whole tensors over every member of every holder.
+        // Holders split alike reduce share by share, side by side (priced over each
+        // holder's first member); otherwise the trainer reduces whole tensors over every
+        // member of every holder.
         let alike = (units.iter()).all(|&u| ctx.groups[u].shares == ctx.groups[units[0]].shares);
         let t = match alike {
             true => {
@@ -582,13 +603,14 @@ pub(super) fn reduce_s(ctx: &Ctx<'_>, segments: &[PooledSegment]) -> Vec<f64> {
                     .iter()
                     .map(|&u| ctx.state_fraction(u))
                     .fold(0.0, f64::max);
-                (ctx.cost).allreduce_seconds(&devices, segment.params * 4.0 * share)
+                let devices = units.iter().map(|&u| ctx.groups[u].members[0]).collect();
+                ctx.allreduce_seconds(devices, segment.params * 4.0 * share)
             }
             false => {
-                let members: Vec<&crate::cluster::Device> = (units.iter())
-                    .flat_map(|&u| ctx.groups[u].members.iter().map(|&m| &ctx.all[m]))
+                let members = (units.iter())
+                    .flat_map(|&u| ctx.groups[u].members.iter().copied())
                     .collect();
-                (ctx.cost).allreduce_seconds(&members, segment.params * 4.0)
+                ctx.allreduce_seconds(members, segment.params * 4.0)
             }
         };
         for &(position, _) in &segment.holders {
@@ -598,20 +620,19 @@ pub(super) fn reduce_s(ctx: &Ctx<'_>, segments: &[PooledSegment]) -> Vec<f64> {
     seconds
 }
 
-/// Per position, the positions whose schedules must end before its reduction starts:
-/// every holder of every segment it holds (itself included).
-pub(super) fn reduce_waits_for(segments: &[PooledSegment], positions: usize) -> Vec<Vec<usize>> {
-    let mut waits: Vec<Vec<usize>> = vec![Vec::new(); positions];
+/// Per position, when its reduction starts: once every holder of every segment it
+/// holds (itself included) has finished its schedule (`finished`, per position).
+pub(super) fn reduce_starts(segments: &[PooledSegment], finished: &[f64]) -> Vec<f64> {
+    let mut start = vec![0.0f64; finished.len()];
     for segment in segments {
+        let done = (segment.holders.iter())
+            .map(|&(q, _)| finished[q])
+            .fold(0.0, f64::max);
         for &(position, _) in &segment.holders {
-            waits[position].extend(segment.holders.iter().map(|&(q, _)| q));
+            start[position] = start[position].max(done);
         }
     }
-    for w in &mut waits {
-        w.sort_unstable();
-        w.dedup();
-    }
-    waits
+    start
 }
 
 /// The slowest rank's optimizer step over its own parameters (0 where not priced):
@@ -630,7 +651,7 @@ pub(super) fn optimizer_s(ctx: &Ctx<'_>, pools: &[PoolLayout], segments: &[Poole
             }
         }
         return (params.iter())
-            .map(|&(unit, p)| ctx.optimizer_seconds(unit, p).unwrap_or(0.0))
+            .map(|&(unit, p)| optimizer_once(ctx, unit, p))
             .fold(0.0, f64::max);
     }
     let mut slowest = 0.0f64;
@@ -642,10 +663,21 @@ pub(super) fn optimizer_s(ctx: &Ctx<'_>, pools: &[PoolLayout], segments: &[Poole
                 .model
                 .stage_params(pool.layers[i], i == 0, i + 1 == p);
             for &unit in row {
-                let s = ctx.optimizer_seconds(unit, params);
-                slowest = slowest.max(s.unwrap_or(0.0));
+                slowest = slowest.max(optimizer_once(ctx, unit, params));
             }
         }
     }
     slowest
+}
+
+/// [`Ctx::optimizer_seconds`] (0 where unpriced), kept per unit class and parameters:
+/// alike units of a large pool step alike.
+fn optimizer_once(ctx: &Ctx<'_>, unit: usize, params: f64) -> f64 {
+    let key = (ctx.classes[unit], params.to_bits());
+    if let Some(&s) = ctx.optimizer_prices.borrow().get(&key) {
+        return s;
+    }
+    let s = ctx.optimizer_seconds(unit, params).unwrap_or(0.0);
+    ctx.optimizer_prices.borrow_mut().insert(key, s);
+    s
 }

@@ -5,7 +5,7 @@ use super::{
     outcome::{Candidate, PoolLayout, PooledCandidate, Prediction},
     pricing::{
         allreduce_times, max, micro_batch_seconds, optimizer_s, optimizer_times, pooled_segments,
-        reduce_s, reduce_waits_for, stage_fits, stage_times, Ctx,
+        reduce_s, reduce_starts, stage_fits, stage_times, Ctx,
     },
     request::TrainOptions,
 };
@@ -140,9 +140,7 @@ pub(super) fn simulate_pools(
     for (rank, pace) in paces.iter().enumerate() {
         finished[pace.position] = finished[pace.position].max(report.finish_s[rank]);
     }
-    let start: Vec<f64> = (reduce_waits_for(&segments, reduce.len()).iter())
-        .map(|waits| waits.iter().map(|&q| finished[q]).fold(0.0, f64::max))
-        .collect();
+    let start = reduce_starts(&segments, &finished);
     let reduced: Vec<f64> = start.iter().zip(&reduce).map(|(s, r)| s + r).collect();
     let all_reduced = max(&reduced);
     let replicas = paces.last().map_or(0, |pace| pace.replica + 1);

@@ -212,13 +212,16 @@ pub fn tp_groups(
     if size <= 1 {
         return Some(order.iter().map(|&i| TpGroup::single(i)).collect());
     }
+    // Nodes in order of their first device in `order`.
     let mut nodes: Vec<(&str, Vec<usize>)> = Vec::new();
+    let mut index: HashMap<&str, usize> = HashMap::new();
     for &i in order {
         let node = devices[i].node.as_str();
-        match nodes.iter_mut().find(|(n, _)| *n == node) {
-            Some((_, members)) => members.push(i),
-            None => nodes.push((node, vec![i])),
-        }
+        let k = *index.entry(node).or_insert_with(|| {
+            nodes.push((node, Vec::new()));
+            nodes.len() - 1
+        });
+        nodes[k].1.push(i);
     }
     // Groups of the same speeds take the same shares: searched once.
     let mut shares: HashMap<Vec<u64>, Option<Vec<u32>>> = HashMap::new();
