@@ -335,8 +335,26 @@ pub(super) fn stage_fits(
     let shares = Shares::of_grid(ctx, grid);
     let mut fits = Vec::with_capacity(p);
     for i in 0..p {
-        let mut row = Vec::with_capacity(grid[i].len());
+        let mut row: Vec<StageFit> = Vec::with_capacity(grid[i].len());
+        // A replica like the one before (alike unit, size, count, optimizer share) fits
+        // alike: large pools are runs of alike replicas.
+        let mut previous: Option<FitKey> = None;
         for r in 0..grid[i].len() {
+            let unit = grid[i][r];
+            let key = (
+                ctx.classes[unit],
+                ctx.memory[unit].map(f64::to_bits),
+                sizes[r],
+                (p - i).min(m[r]),
+                shares[i].of(ctx, unit).to_bits(),
+            );
+            if let (Some(last), Some(fit)) = (previous, row.last()) {
+                if last == key {
+                    row.push(*fit);
+                    continue;
+                }
+            }
+            previous = Some(key);
             row.push(grid_fit(
                 ctx,
                 grid,
@@ -351,6 +369,10 @@ pub(super) fn stage_fits(
     }
     Ok(fits)
 }
+
+/// What a stage's fit depends on beside its layers: unit class, usable memory, micro-batch
+/// size, micro-batches in flight, optimizer share.
+type FitKey = (usize, Option<u64>, usize, usize, u64);
 
 /// How a stage's optimizer state divides over its replicas: under the distributed
 /// optimizer in proportion to their devices' memory, as the trainer divides it (equally
