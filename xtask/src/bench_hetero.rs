@@ -754,7 +754,7 @@ fn time_planning_with(
     println!(
         "planning {devices} devices of {} kinds ({nodes} nodes), {} {}: {planning_s:.3} s in the planner, {command_s:.3} s for the whole command; the written plan at {:.1} % of the bound, the expert layout at {expert}",
         kinds.len(),
-        model.join(" "),
+        model_flags.join(" "),
         extra.join(" "),
         fraction_of_bound * 100.0
     );
