@@ -245,8 +245,18 @@ fn run_distinct_replicas(
                     pace.last.size as u64,
                     pace.last.seconds.to_bits(),
                 ]);
-                if let Some(next) = replica.ranks.get(stage + 1) {
-                    let to = &ctx.all[paces[next[tp % next.len()]].device];
+                // Its sends: activations down, gradients up, each to the neighbouring
+                // stage's members its tensor-parallel rank sends to (as `tp_program`).
+                let neighbours = [stage.checked_sub(1), Some(stage + 1)];
+                let peers = (neighbours.into_iter().flatten())
+                    .filter_map(|s| replica.ranks.get(s))
+                    .flat_map(|next| {
+                        (next.iter().enumerate())
+                            .filter(|(j, _)| j % ranks.len() == tp)
+                            .map(|(_, &peer)| peer)
+                    });
+                for peer in peers {
+                    let to = &ctx.all[paces[peer].device];
                     for b in [pace.micro_batch_size, pace.last.size] {
                         let t = ctx.cost.transfer(&ctx.all[pace.device], to, b);
                         key.extend([t.sender_s.to_bits(), t.transit_s.to_bits()]);
