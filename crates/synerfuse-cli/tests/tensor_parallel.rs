@@ -313,7 +313,7 @@ fn planned_per_kind_pipelines_with_tp_2_match_a_single_rank() {
     let cluster_path = d.join("cluster.toml");
     std::fs::write(&cluster_path, cluster).unwrap();
     let plan = d.join("plan.toml");
-    let out = synerfuse(&strings(&[
+    let mut args = strings(&[
         "plan",
         "--json",
         "--cluster",
@@ -324,23 +324,11 @@ fn planned_per_kind_pipelines_with_tp_2_match_a_single_rank() {
         "off",
         "--use-distributed-optimizer",
         "off",
-        "--num-layers",
-        "4",
-        "--hidden-size",
-        "32",
-        "--num-attention-heads",
-        "4",
-        "--num-query-groups",
-        "2",
-        "--ffn-hidden-size",
-        "64",
-        "--vocab-size",
-        "1024",
-        "--seq-length",
-        "32",
         "--output",
         plan.to_str().unwrap(),
-    ]));
+    ]);
+    args.extend(strings(&PLAN_MODEL));
+    let out = synerfuse(&args);
     ok(&out, "plan");
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
     assert_eq!(j["written_plan"]["kind"], "per_replica_pipelines", "{j}");

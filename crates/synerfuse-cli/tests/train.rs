@@ -1118,25 +1118,6 @@ fn cpu_profile(profile: &Path, model: &[&str], sizes: &str, extra: &[&str]) {
     ok(&synerfuse(&args), "profile");
 }
 
-/// The model of `common`'s runs as `synerfuse plan` takes it (the vocabulary: the test
-/// tokenizer's).
-const PLAN_MODEL: [&str; 14] = [
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--num-query-groups",
-    "2",
-    "--ffn-hidden-size",
-    "64",
-    "--vocab-size",
-    "1024",
-    "--seq-length",
-    "32",
-];
-
 /// `synerfuse plan`: the JSON other tools read, verdicts that name the binding
 /// constraint, and a plan that `synerfuse train --plan` runs (emulated speeds included).
 #[test]

@@ -181,6 +181,25 @@ pub fn common(dir: &Path, data: &Path, iters: u64) -> Vec<String> {
     args
 }
 
+/// The model of `common`'s runs as `synerfuse plan` takes it (the vocabulary: the test
+/// tokenizer's).
+pub const PLAN_MODEL: [&str; 14] = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--num-query-groups",
+    "2",
+    "--ffn-hidden-size",
+    "64",
+    "--vocab-size",
+    "1024",
+    "--seq-length",
+    "32",
+];
+
 /// The records of a `--log-json` file.
 pub fn json_records(path: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path)

@@ -409,18 +409,8 @@ impl Plan {
     pub fn schedule(&self, kind: ScheduleKind) -> Result<Vec<Vec<Instruction>>, PlanError> {
         let mut programs = vec![Vec::new(); self.world_size()];
         for (r, replica) in self.replicas.iter().enumerate() {
-            let (stages, chunks) = (replica.stages.num_stages(), replica.stages.num_chunks());
-            let kind = match kind {
-                ScheduleKind::Interleaved if chunks == 1 => ScheduleKind::OneFOneB,
-                other => other,
-            };
-            let per_stage =
-                pipeline_schedule(kind, stages, chunks, replica.batch.num_micro_batches())
-                    .map_err(|source| PlanError::Schedule { replica: r, source })?;
-            for (stage, program) in per_stage.into_iter().enumerate() {
-                for (tp, &rank) in replica.ranks[stage].iter().enumerate() {
-                    programs[rank] = tp_program(&program, &replica.ranks, stage, tp);
-                }
+            for (rank, program) in self.replica_programs(kind, r, &replica.ranks)? {
+                programs[rank] = program;
             }
         }
         Ok(programs)
@@ -436,36 +426,48 @@ impl Plan {
         let mut programs = Vec::new();
         let mut ranks_in_plan = Vec::new();
         for &r in replicas {
-            let replica = &self.replicas[r];
-            let (stages, chunks) = (replica.stages.num_stages(), replica.stages.num_chunks());
-            let kind = match kind {
-                ScheduleKind::Interleaved if chunks == 1 => ScheduleKind::OneFOneB,
-                other => other,
-            };
-            let per_stage =
-                pipeline_schedule(kind, stages, chunks, replica.batch.num_micro_batches())
-                    .map_err(|source| PlanError::Schedule { replica: r, source })?;
-            let first = programs.len();
-            let mut next = first;
-            let renumbered: Vec<Vec<usize>> = (replica.ranks.iter())
+            let ranks = &self.replicas[r].ranks;
+            let mut next = programs.len();
+            let renumbered: Vec<Vec<usize>> = (ranks.iter())
                 .map(|stage| {
-                    (stage.iter())
-                        .map(|_| {
-                            next += 1;
-                            next - 1
-                        })
-                        .collect()
+                    let first = next;
+                    next += stage.len();
+                    (first..next).collect()
                 })
                 .collect();
             programs.resize(next, Vec::new());
-            for (stage, program) in per_stage.into_iter().enumerate() {
-                for (tp, &rank) in renumbered[stage].iter().enumerate() {
-                    programs[rank] = tp_program(&program, &renumbered, stage, tp);
-                }
+            for (rank, program) in self.replica_programs(kind, r, &renumbered)? {
+                programs[rank] = program;
             }
-            ranks_in_plan.extend(replica.ranks.iter().flatten().copied());
+            ranks_in_plan.extend(ranks.iter().flatten().copied());
         }
         Ok((programs, ranks_in_plan))
+    }
+
+    /// Replica `r`'s programs, each with its rank in `ranks` (the replica's ranks per
+    /// stage, as the programs' peers name them): `kind` over its stages and micro-batches,
+    /// 1F1B where `kind` is interleaved and it has no virtual chunks.
+    fn replica_programs(
+        &self,
+        kind: ScheduleKind,
+        r: usize,
+        ranks: &[Vec<usize>],
+    ) -> Result<Vec<(usize, Vec<Instruction>)>, PlanError> {
+        let replica = &self.replicas[r];
+        let (stages, chunks) = (replica.stages.num_stages(), replica.stages.num_chunks());
+        let kind = match kind {
+            ScheduleKind::Interleaved if chunks == 1 => ScheduleKind::OneFOneB,
+            other => other,
+        };
+        let per_stage = pipeline_schedule(kind, stages, chunks, replica.batch.num_micro_batches())
+            .map_err(|source| PlanError::Schedule { replica: r, source })?;
+        let mut out = Vec::with_capacity(ranks.iter().map(Vec::len).sum());
+        for (stage, program) in per_stage.into_iter().enumerate() {
+            for (tp, &rank) in ranks[stage].iter().enumerate() {
+                out.push((rank, tp_program(&program, ranks, stage, tp)));
+            }
+        }
+        Ok(out)
     }
 
     /// Whether any replica has virtual chunks (an interleaved schedule's default).

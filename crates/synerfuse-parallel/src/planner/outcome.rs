@@ -280,14 +280,14 @@ impl std::fmt::Display for BehindBy {
 impl PlanOutcome {
     /// The per-replica-pipeline plan, when no grid plan fits or it beats the best by
     /// more than 1 % (the grid plan, which SynerFuse's flags also express, wins ties and
-    /// noise), or it is the expert layout and faster at all.
+    /// noise), or the grid plan is slower than the expert layout at all.
     pub fn pooled_wins(&self) -> Option<&PooledCandidate> {
         let grid = self.plans.first().map(|c| c.prediction.step_time_s);
-        // The expert's layout is a floor: written whenever it is faster at all.
-        let expert =
-            |p: &PooledCandidate| (self.expert.as_ref()).is_some_and(|e| &e.candidate == p);
+        // The expert's layout is a floor (`pooled` is never slower than it): the grid
+        // plan is not written where the expert's is faster at all.
+        let expert = (self.expert.as_ref()).map(|e| e.candidate.step_time_s);
         (self.pooled.as_ref()).filter(|p| {
-            grid.is_none_or(|g| p.step_time_s < g * 0.99 || (expert(p) && p.step_time_s < g))
+            grid.is_none_or(|g| p.step_time_s < g * 0.99 || expert.is_some_and(|e| e < g))
         })
     }
 }

@@ -388,11 +388,8 @@ proptest! {
     }
 }
 
-/// A cluster file lists a node per group; nodes of one kind and numbers are one pool,
-/// so a model no single node holds pipelines over several of them (before, each node
-/// was a pool of its own and no plan of per-kind pipelines was found).
-#[test]
-fn alike_nodes_in_groups_of_their_own_pool_together() {
+/// Two nodes of two A100s and four of two T4s, each node a group of its own.
+fn two_a100_and_four_t4_nodes() -> String {
     let mut toml = String::new();
     for (kind, nodes) in [("a100-80g", 2), ("t4", 4)] {
         for n in 0..nodes {
@@ -402,6 +399,15 @@ fn alike_nodes_in_groups_of_their_own_pool_together() {
         }
     }
     toml.push_str("[network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n");
+    toml
+}
+
+/// A cluster file lists a node per group; nodes of one kind and numbers are one pool,
+/// so a model no single node holds pipelines over several of them (before, each node
+/// was a pool of its own and no plan of per-kind pipelines was found).
+#[test]
+fn alike_nodes_in_groups_of_their_own_pool_together() {
+    let toml = two_a100_and_four_t4_nodes();
     // 1.3B parameters (27 GB of state): two T4s (32 GB) do not hold it.
     let cost = cost(&toml, 24, 2048);
     let classes: Vec<(usize, u64)> = (cost.cluster.devices().iter()).map(|d| d.class()).collect();
@@ -420,15 +426,7 @@ fn alike_nodes_in_groups_of_their_own_pool_together() {
 /// pool is at least as fast as any one size for the whole cluster.
 #[test]
 fn each_pool_takes_its_own_tensor_parallel_size() {
-    let mut toml = String::new();
-    for (kind, nodes) in [("a100-80g", 2), ("t4", 4)] {
-        for n in 0..nodes {
-            toml.push_str(&format!(
-                "[[group]]\nkind = \"{kind}\"\ncount = 2\nnode = \"{kind}-{n}\"\n"
-            ));
-        }
-    }
-    toml.push_str("[network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n");
+    let toml = two_a100_and_four_t4_nodes();
     let cost = cost(&toml, 24, 2048);
     let step = |sizes: &[usize]| {
         (plan_pooled(&cost, 64, &[1, 2], sizes).unwrap()).map_or(f64::INFINITY, |c| c.step_time_s)
