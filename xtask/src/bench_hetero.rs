@@ -695,19 +695,9 @@ const LLAMA_70B: [&str; 16] = [
 ];
 
 /// `synerfuse plan --json` for `model` on `nodes` nodes of 8 devices, shared out among
-/// `kinds` (200 GB/s in a node, 25 GB/s between nodes).
+/// `kinds` (200 GB/s in a node, 25 GB/s between nodes), with `extra` flags (which replace
+/// the model's of the same name).
 fn time_planning(
-    bin: &Path,
-    dir: &Path,
-    kinds: &[&str],
-    nodes: usize,
-    model: &[&str],
-) -> Result<PlanningRun> {
-    time_planning_with(bin, dir, kinds, nodes, model, &[])
-}
-
-/// [`time_planning`] with `extra` flags (which replace the model's of the same name).
-fn time_planning_with(
     bin: &Path,
     dir: &Path,
     kinds: &[&str],
@@ -772,11 +762,11 @@ pub fn planner(root: &Path) -> Result<()> {
     std::fs::create_dir_all(&dir)?;
     let four = ["h100-sxm", "a100-80g", "l40s", "a10"];
     let six = ["h100-sxm", "a100-80g", "l40s", "a10", "mi300x", "v100"];
-    let small = time_planning(&bin, &dir, &four, 128, &MODEL_80_LAYERS)?;
-    let large = time_planning(&bin, &dir, &six, 1024, &MODEL_80_LAYERS)?;
-    let llama_70b = time_planning(&bin, &dir, &four, 128, &LLAMA_70B)?;
+    let small = time_planning(&bin, &dir, &four, 128, &MODEL_80_LAYERS, &[])?;
+    let large = time_planning(&bin, &dir, &six, 1024, &MODEL_80_LAYERS, &[])?;
+    let llama_70b = time_planning(&bin, &dir, &four, 128, &LLAMA_70B, &[])?;
     // 131,072 devices (16,384 nodes of 8, 4 kinds), the 70B model at 16,384 samples.
-    let huge = time_planning_with(
+    let huge = time_planning(
         &bin,
         &dir,
         &four,

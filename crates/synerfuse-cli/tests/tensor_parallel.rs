@@ -313,9 +313,7 @@ fn planned_per_kind_pipelines_with_tp_2_match_a_single_rank() {
     let cluster_path = d.join("cluster.toml");
     std::fs::write(&cluster_path, cluster).unwrap();
     let plan = d.join("plan.toml");
-    let mut args = strings(&[
-        "plan",
-        "--json",
+    let mut args = vec![
         "--cluster",
         cluster_path.to_str().unwrap(),
         "--global-batch-size",
@@ -326,11 +324,9 @@ fn planned_per_kind_pipelines_with_tp_2_match_a_single_rank() {
         "off",
         "--output",
         plan.to_str().unwrap(),
-    ]);
-    args.extend(strings(&PLAN_MODEL));
-    let out = synerfuse(&args);
-    ok(&out, "plan");
-    let j: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    ];
+    args.extend(PLAN_MODEL);
+    let j = plan_json(&args);
     assert_eq!(j["written_plan"]["kind"], "per_replica_pipelines", "{j}");
     let pools = j["per_replica_pipelines"]["pools"].as_array().unwrap();
     let shapes: Vec<(u64, u64)> = (pools.iter())

@@ -1099,14 +1099,6 @@ fn finetune_with_zero_lr(dir: &Path, hf: &Path, name: &str, layout: &[&str]) {
     ok(&synerfuse(&args), name);
 }
 
-fn plan_json(args: &[&str]) -> serde_json::Value {
-    let mut all = strings(&["plan", "--json"]);
-    all.extend(strings(args));
-    let out = synerfuse(&all);
-    ok(&out, "plan");
-    serde_json::from_slice(&out.stdout).expect("one JSON object")
-}
-
 /// `synerfuse profile` of `model` on CPU ranks at micro-batch sizes `sizes` (with
 /// `extra` flags), written to `profile`.
 fn cpu_profile(profile: &Path, model: &[&str], sizes: &str, extra: &[&str]) {

@@ -200,6 +200,15 @@ pub const PLAN_MODEL: [&str; 14] = [
     "32",
 ];
 
+/// `synerfuse plan --json` with `args`: its one JSON object.
+pub fn plan_json(args: &[&str]) -> serde_json::Value {
+    let mut all = strings(&["plan", "--json"]);
+    all.extend(strings(args));
+    let out = synerfuse(&all);
+    ok(&out, "plan");
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
 /// The records of a `--log-json` file.
 pub fn json_records(path: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path)

@@ -274,25 +274,23 @@ fn run_distinct_replicas(
     let (programs, ranks_in_plan) = plan.schedule_of(ScheduleKind::OneFOneB, &distinct)?;
     let (op_seconds, message_seconds) = pace_prices(ctx, paces, |rank| ranks_in_plan[rank]);
     let simulated = sim::simulate(&programs, op_seconds, message_seconds)?;
-    // Each rank as its representative's rank at the same place.
-    let mut at_place: HashMap<(usize, usize, usize), usize> = HashMap::new();
-    for (k, &r) in distinct.iter().enumerate() {
-        let ranks = &plan.replicas()[r].ranks;
-        let places = (ranks.iter().enumerate())
-            .flat_map(|(stage, s)| (0..s.len()).map(move |tp| (stage, tp)));
-        for (stage, tp) in places {
-            at_place.insert((k, stage, tp), at_place.len());
-        }
-    }
+    // Each rank as its representative's rank at the same place: `schedule_of` numbers
+    // the representatives' ranks replica by replica, stage by stage (alike replicas have
+    // the same stage widths).
+    let first: Vec<usize> = (distinct.iter())
+        .scan(0, |next, &r| {
+            let at = *next;
+            *next += plan.replicas()[r].ranks.iter().map(Vec::len).sum::<usize>();
+            Some(at)
+        })
+        .collect();
     let world = plan.world_size();
     let (mut finish_s, mut busy_s) = (vec![0.0; world], vec![0.0; world]);
     for (r, replica) in plan.replicas().iter().enumerate() {
-        for (stage, ranks) in replica.ranks.iter().enumerate() {
-            for (tp, &rank) in ranks.iter().enumerate() {
-                let i = at_place[&(representative[r], stage, tp)];
-                finish_s[rank] = simulated.finish_s[i];
-                busy_s[rank] = simulated.busy_s[i];
-            }
+        for (place, &rank) in replica.ranks.iter().flatten().enumerate() {
+            let i = first[representative[r]] + place;
+            finish_s[rank] = simulated.finish_s[i];
+            busy_s[rank] = simulated.busy_s[i];
         }
     }
     Ok(sim::SimReport {
