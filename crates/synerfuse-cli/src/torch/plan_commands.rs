@@ -552,6 +552,7 @@ fn report_pooled_only(
     if args.json {
         let report = PooledOnlyReport {
             candidates_considered: outcome.considered,
+            folded: outcome.folded,
             planning_time_s: planning_s,
             bound_tokens_per_s: outcome.bound.tokens_per_s,
             device_alone_tokens_per_s: outcome.bound.device_tokens_per_s.clone(),
@@ -569,6 +570,7 @@ fn report_pooled_only(
         "no grid plan (every replica the same stages) fits; per-replica pipelines do ({} candidates considered in {planning_s:.2} s)",
         outcome.considered
     );
+    crate::plan_report::print_fold(outcome);
     print_pooled_replicas(outcome, p, (&pools, &replicas), tokens_per_step);
     if let Some(expert) = ExpertReport::new(outcome, tokens_per_step) {
         expert.print();

@@ -75,6 +75,7 @@ impl PlanReport<'_> {
             use_distributed_optimizer: best.options.distributed_optimizer,
             rank_order: &self.flags.rank_order,
             candidates_considered: self.outcome.considered,
+            folded: self.outcome.folded,
             planning_time_s: self.planning_s,
             bound_tokens_per_s: self.outcome.bound.tokens_per_s,
             device_alone_tokens_per_s: &self.outcome.bound.device_tokens_per_s,
@@ -165,6 +166,7 @@ impl PlanReport<'_> {
             self.outcome.considered,
             self.planning_s
         );
+        print_fold(self.outcome);
         println!(
             "| stage | devices | layers | time/micro-batch (ms) | memory (GB) |\n|---|---|---|---|---|"
         );
@@ -178,13 +180,15 @@ impl PlanReport<'_> {
             );
         }
         println!(
-            "replicas: micro-batches {:?} of size {:?}",
-            best.micro_batches, best.micro_batch_sizes
+            "replicas: micro-batches {} of size {}",
+            runs(&best.micro_batches),
+            runs(&best.micro_batch_sizes)
         );
         if best.recompute.iter().flatten().any(|&x| x) {
+            let stages: Vec<String> = best.recompute.iter().map(|row| runs(row)).collect();
             println!(
-                "recomputes its activations (per stage, per replica; in the plan file): {:?}",
-                best.recompute
+                "recomputes its activations (per stage, per replica; in the plan file): [{}]",
+                stages.join(", ")
             );
         }
         println!(
@@ -259,11 +263,11 @@ impl PlanReport<'_> {
             .max_by(|a, b| a.1.total_cmp(b.1))
             .map_or(0, |(i, _)| i);
         println!(
-            "runner-up {k}: pp {} x dp {}, layers {:?}, micro-batches {:?}, {}{}: {:.4} s (+{:.1}%, {:.1}% of the bound): {}; bubble {:.1}%, all-reduce {:.4} s, slowest stage {slowest} ({})",
+            "runner-up {k}: pp {} x dp {}, layers {:?}, micro-batches {}, {}{}: {:.4} s (+{:.1}%, {:.1}% of the bound): {}; bubble {:.1}%, all-reduce {:.4} s, slowest stage {slowest} ({})",
             c.layers.len(),
             c.micro_batches.len(),
             c.layers,
-            c.micro_batches,
+            runs(&c.micro_batches),
             c.micro_batch_size_text(),
             options_text(c.options),
             p.step_time_s,
@@ -447,6 +451,8 @@ pub(crate) struct GridReport<'a> {
     use_distributed_optimizer: bool,
     rank_order: &'a str,
     candidates_considered: usize,
+    /// Copies of a smaller cluster the search ran on (1: searched whole).
+    folded: usize,
     planning_time_s: f64,
     bound_tokens_per_s: f64,
     device_alone_tokens_per_s: &'a [f64],
@@ -712,6 +718,8 @@ impl WrittenPlan {
 #[derive(serde::Serialize)]
 pub(crate) struct PooledOnlyReport {
     pub(crate) candidates_considered: usize,
+    /// Copies of a smaller cluster the search ran on (1: searched whole).
+    pub(crate) folded: usize,
     pub(crate) planning_time_s: f64,
     pub(crate) bound_tokens_per_s: f64,
     pub(crate) device_alone_tokens_per_s: Vec<f64>,
@@ -719,4 +727,36 @@ pub(crate) struct PooledOnlyReport {
     pub(crate) per_replica_pipelines: PooledReport,
     pub(crate) expert_layout: Option<ExpertReport>,
     pub(crate) written_plan: WrittenPlan,
+}
+
+/// Values listed whole up to [`LISTED_REPLICAS`], else as runs of equal neighbours
+/// ("[4 x3000, 5 x1096]"): a grid of thousands of replicas stays one readable line.
+fn runs<T: std::fmt::Debug + PartialEq>(values: &[T]) -> String {
+    if values.len() <= LISTED_REPLICAS {
+        return format!("{values:?}");
+    }
+    let mut out: Vec<String> = Vec::new();
+    let mut start = 0;
+    for i in 1..=values.len() {
+        if i == values.len() || values[i] != values[start] {
+            out.push(match i - start {
+                1 => format!("{:?}", values[start]),
+                n => format!("{:?} x{n}", values[start]),
+            });
+            start = i;
+        }
+    }
+    format!("[{}]", out.join(", "))
+}
+
+/// Where the search ran on one copy of a folded cluster, says so.
+pub(crate) fn print_fold(outcome: &synerfuse_parallel::planner::PlanOutcome) {
+    if outcome.folded > 1 {
+        let devices = outcome.bound.device_tokens_per_s.len();
+        println!(
+            "searched on one of {} alike copies of the cluster ({} devices each, the batch divided alike); the layouts chosen there laid out and priced on all {devices}",
+            outcome.folded,
+            devices / outcome.folded
+        );
+    }
 }

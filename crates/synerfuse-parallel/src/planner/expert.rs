@@ -30,13 +30,23 @@ pub struct ExpertLayout {
     pub candidate: PooledCandidate,
 }
 
-/// The fastest expert layout (closed form to choose, then simulated), if any fits.
+/// The fastest expert layout (closed form to choose, then simulated), if any fits; with
+/// `only`, of that layout's recomputation, sizes and depths rule.
 pub(super) fn best_expert(
     cost: &CostModel,
     request: &PlanRequest,
+    only: Option<&ExpertLayout>,
 ) -> Result<Option<ExpertLayout>, PlanningError> {
     let (g, sizes) = (request.global_batch_size, micro_batch_sizes(request));
     let mut best: Option<(f64, TrainOptions, usize, bool, Vec<PoolLayout>)> = None;
+    let chosen = |recompute, t, per_pool, b| {
+        only.is_none_or(|e| {
+            e.candidate.options.recompute == recompute
+                && e.tensor_parallel_size == t
+                && e.per_pool == per_pool
+                && e.candidate.pools.first().map(|p| p.micro_batch_size) == Some(b)
+        })
+    };
     for &recompute in recompute_choices(request.recompute) {
         let options = TrainOptions {
             recompute,
@@ -44,12 +54,18 @@ pub(super) fn best_expert(
         };
         let variant = options.cost(cost);
         for t in request.tp_sizes() {
+            if only.is_some_and(|e| e.tensor_parallel_size != t) {
+                continue;
+            }
             let Some(mut ctx) = Ctx::tensor_parallel(&variant, t)? else {
                 continue;
             };
             let pools = pools(&mut ctx)?;
             for per_pool in [false, true] {
                 for &b in &sizes {
+                    if !chosen(recompute, t, per_pool, b) {
+                        continue;
+                    }
                     let Some(layouts) = expert_layouts(&mut ctx, &pools, g, b, per_pool)? else {
                         continue;
                     };

@@ -9,18 +9,20 @@ use super::{
     simulate::simulate_candidate,
     split::{even_layers, proportional_split, split_layers, split_samples},
 };
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 /// Most assignments of micro-batch sizes to replicas tried one by one per grid; past
 /// it, replicas of the same devices share a size, and past that each replica takes the
 /// size at which it computes a sample fastest.
 pub(super) const SIZE_ASSIGNMENTS: usize = 32;
 
-/// Every grid of every factorization and arrangement at every micro-batch size (one
-/// for all replicas, or one each), on `ctx`'s costs.
+/// Every grid of every factorization and arrangement (or only those of `only`: stages
+/// and arrangement) at every micro-batch size (one for all replicas, or one each), on
+/// `ctx`'s costs.
 pub(super) fn grid_search(
     ctx: &mut Ctx<'_>,
     request: &PlanRequest,
+    only: Option<&HashSet<(usize, Arrangement)>>,
 ) -> Result<Search, PlanningError> {
     let (n, l, g) = (
         ctx.devices.len(),
@@ -33,6 +35,9 @@ pub(super) fn grid_search(
     for p in (1..=n.min(l)).filter(|p| n % p == 0) {
         let d = n / p;
         for arrangement in [Arrangement::ByReplica, Arrangement::ByStage] {
+            if only.is_some_and(|s| !s.contains(&(p, arrangement))) {
+                continue;
+            }
             let devices = arrange(&order, p, d, arrangement);
             let grid = Arranged {
                 devices: &devices,

@@ -8,6 +8,7 @@
 mod convert;
 mod error;
 mod expert;
+mod fold;
 mod grid;
 mod outcome;
 mod pooled;
@@ -22,12 +23,14 @@ mod tensor;
 
 use crate::cost::{CostModel, Recompute};
 use error::Violation;
+pub use fold::FOLD_ABOVE;
+use fold::{GridShape, PooledShape};
 use grid::{grid_search, reprice, retime_front, Search};
 use pooled::plan_pooled_noting_memory;
 use pricing::Ctx;
 use request::micro_batch_sizes;
 use simulate::simulate_pools;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 pub use error::{Infeasibility, MemoryShortfall, PlanningError};
 pub use expert::ExpertLayout;
@@ -46,8 +49,18 @@ pub use simulate::{pooled_timeline, timeline};
 pub use split::{min_max_layers, min_max_split};
 pub use tensor::{best_group, TpGroup, MOST_SHARE};
 
-/// Plans `request` on `cost`'s cluster and model.
+/// Plans `request` on `cost`'s cluster and model (a cluster of more than
+/// [`FOLD_ABOVE`] devices, folded where it is copies of a smaller one: see `fold`).
 pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, PlanningError> {
+    plan_folding_above(cost, request, FOLD_ABOVE)
+}
+
+/// [`plan`], folding clusters of more than `fold_above` devices.
+fn plan_folding_above(
+    cost: &CostModel,
+    request: &PlanRequest,
+    fold_above: usize,
+) -> Result<PlanOutcome, PlanningError> {
     let mut ctx = Ctx::new(cost);
     let n = ctx.devices.len();
     let l = cost.model.num_layers;
@@ -59,59 +72,29 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
         });
     }
     let keep = request.top_k.max(1);
-    let (mut candidates, mut considered) = (Vec::new(), 0);
-    let mut closest: Option<Violation> = None;
+    let fold = fold::fold(cost, request, fold_above);
+    let only = match &fold {
+        Some(fold) => fold::grid_shapes(fold)?,
+        None => None,
+    };
+    let GridsFound {
+        candidates,
+        considered,
+        closest,
+    } = search_grids(cost, request, only.as_ref())?;
     let variants: Vec<(TrainOptions, CostModel)> = (request.grid_options().into_iter())
         .map(|options| (options, options.cost(cost)))
         .collect();
-    // Per option, whether memory ruled anything out, and the layouts found without it.
-    let mut searched: HashMap<TrainOptions, (bool, Vec<Candidate>)> = HashMap::new();
-    let optimizer_priced = (ctx.devices.iter()).any(|d| cost.optimizer_seconds(d, 1.0).is_some());
-    for (options, variant) in &variants {
-        let (options, mut ctx) = (*options, Ctx::new(variant));
-        // Whether memory bound the search without recomputation, or without sharding.
-        let bound = |recompute, distributed_optimizer| {
-            let options = TrainOptions {
-                recompute,
-                distributed_optimizer,
-            };
-            searched.get(&options).map(|(bound, _)| *bound)
-        };
-        let (d, plain) = (
-            options.distributed_optimizer,
-            options.recompute == Recompute::Never,
-        );
-        let unsharded = bound(Recompute::Never, false);
-        let search = if options.recompute == Recompute::WhereNeeded
-            && bound(Recompute::Never, d) == Some(false)
-        {
-            // Recomputation only saves memory at a cost in time: tried where memory bound.
-            Search::default()
-        } else if plain && d && unsharded == Some(false) {
-            // Sharding saves memory and the optimizer's time: where memory did not bind,
-            // the same layouts re-priced (nothing to gain where the optimizer is unpriced).
-            match optimizer_priced {
-                true => reprice(&mut ctx, &searched[&TrainOptions::default()].1)?,
-                false => Search::default(),
-            }
-        } else {
-            grid_search(&mut ctx, request)?
-        };
-        considered += search.considered;
-        if let Some(v) = search.closest {
-            if closest.as_ref().is_none_or(|c| v.ratio < c.ratio) {
-                closest = Some(v);
-            }
-        }
-        let found = search.candidates.clone();
-        searched.insert(options, (ctx.memory_bound.get(), found));
-        candidates.extend(search.candidates);
-    }
     // Per-replica pipelines may fit where no grid does (a small device in a pipeline of
     // its own, or a tensor-parallel group).
-    let pooled = plan_pooled_options(cost, request)?;
     // What an expert would write by hand, priced alike: a floor under the written plan.
-    let expert = expert::best_expert(cost, request)?;
+    let (pooled, expert) = match &fold {
+        Some(fold) => fold::per_replica_plans(cost, request, fold)?,
+        None => (
+            plan_pooled_options(cost, request, None)?,
+            expert::best_expert(cost, request, None)?,
+        ),
+    };
     let (plans, uniform_layouts) = match candidates.is_empty() {
         true => (Vec::new(), Vec::new()),
         false => {
@@ -163,15 +146,97 @@ pub fn plan(cost: &CostModel, request: &PlanRequest) -> Result<PlanOutcome, Plan
         considered,
         bound,
         unpriced_optimizer,
+        folded: fold.as_ref().map_or(1, |f| f.factor),
+    })
+}
+
+/// What the grid search found: candidates, how many were considered, and the
+/// infeasible one closest to fitting.
+#[derive(Default)]
+struct GridsFound {
+    candidates: Vec<Candidate>,
+    considered: usize,
+    closest: Option<Violation>,
+}
+
+/// The grid search under each option the request allows (recomputation tried where
+/// memory bound; sharding where it binds, else re-priced); with `only`, just those
+/// grids.
+fn search_grids(
+    cost: &CostModel,
+    request: &PlanRequest,
+    only: Option<&HashSet<GridShape>>,
+) -> Result<GridsFound, PlanningError> {
+    let (mut candidates, mut considered) = (Vec::new(), 0);
+    let mut closest: Option<Violation> = None;
+    let devices = cost.cluster.devices();
+    let variants: Vec<(TrainOptions, CostModel)> = (request.grid_options().into_iter())
+        .map(|options| (options, options.cost(cost)))
+        .collect();
+    // Per option, whether memory ruled anything out, and the layouts found without it.
+    let mut searched: HashMap<TrainOptions, (bool, Vec<Candidate>)> = HashMap::new();
+    let optimizer_priced = (devices.iter()).any(|d| cost.optimizer_seconds(d, 1.0).is_some());
+    for (options, variant) in &variants {
+        let (options, mut ctx) = (*options, Ctx::new(variant));
+        // Whether memory bound the search without recomputation, or without sharding.
+        let bound = |recompute, distributed_optimizer| {
+            let options = TrainOptions {
+                recompute,
+                distributed_optimizer,
+            };
+            searched.get(&options).map(|(bound, _)| *bound)
+        };
+        let (d, plain) = (
+            options.distributed_optimizer,
+            options.recompute == Recompute::Never,
+        );
+        let unsharded = bound(Recompute::Never, false);
+        let search = if options.recompute == Recompute::WhereNeeded
+            && bound(Recompute::Never, d) == Some(false)
+        {
+            // Recomputation only saves memory at a cost in time: tried where memory bound.
+            Search::default()
+        } else if plain && d && unsharded == Some(false) {
+            // Sharding saves memory and the optimizer's time: where memory did not bind,
+            // the same layouts re-priced (nothing to gain where the optimizer is unpriced).
+            match optimizer_priced {
+                true => reprice(&mut ctx, &searched[&TrainOptions::default()].1)?,
+                false => Search::default(),
+            }
+        } else {
+            let shapes = only.map(|s| {
+                (s.iter())
+                    .filter(|x| x.recompute == options.recompute)
+                    .map(|x| (x.stages, x.arrangement))
+                    .collect()
+            });
+            grid_search(&mut ctx, request, shapes.as_ref())?
+        };
+        considered += search.considered;
+        if let Some(v) = search.closest {
+            if closest.as_ref().is_none_or(|c| v.ratio < c.ratio) {
+                closest = Some(v);
+            }
+        }
+        let found = search.candidates.clone();
+        searched.insert(options, (ctx.memory_bound.get(), found));
+        candidates.extend(search.candidates);
+    }
+    Ok(GridsFound {
+        candidates,
+        considered,
+        closest,
     })
 }
 
 /// The best per-replica-pipeline plan with and without recomputation (as asked), with
 /// the distributed optimizer where asked for (auto: where it is faster), searched
-/// without it (its shards only lower what the plans need) and re-timed with it.
+/// without it (its shards only lower what the plans need) and re-timed with it; with
+/// `only`, just that recomputation and those pools' shapes.
 fn plan_pooled_options(
     cost: &CostModel,
     request: &PlanRequest,
+    only: Option<&PooledShape>,
 ) -> Result<Option<PooledCandidate>, PlanningError> {
     let (g, sizes, tp) = (
         request.global_batch_size,
@@ -184,6 +249,9 @@ fn plan_pooled_options(
         if recompute == Recompute::WhereNeeded && bound == Some(false) {
             continue;
         }
+        if only.is_some_and(|s| s.recompute != recompute) {
+            continue;
+        }
         let options = TrainOptions {
             recompute,
             distributed_optimizer: request.distributed_optimizer == Choice::On,
@@ -193,7 +261,8 @@ fn plan_pooled_options(
             ..options
         }
         .cost(cost);
-        let (found, memory_bound) = plan_pooled_noting_memory(&variant, g, &sizes, &tp)?;
+        let (found, memory_bound) =
+            plan_pooled_noting_memory(&variant, g, &sizes, &tp, only.map(|s| &s.pools[..]))?;
         bound = Some(memory_bound);
         if let Some(found) = found {
             let devices = variant.cluster.devices();

@@ -114,6 +114,9 @@ pub struct PlanOutcome {
     /// Device kinds whose optimizer step has no price (a CPU kind without a profiled
     /// optimizer): the step times leave it out for them.
     pub unpriced_optimizer: Vec<String>,
+    /// Copies of one smaller cluster the search ran on (1: the whole cluster); the
+    /// layouts it chose are laid out and priced on the whole (see [`crate::planner::FOLD_ABOVE`]).
+    pub folded: usize,
 }
 
 /// The throughput a perfect heterogeneous job would reach: every device training the

@@ -78,7 +78,34 @@ pub fn plan_pooled(
         distributed_optimizer: false,
         ..cost.clone()
     };
-    Ok(plan_pooled_noting_memory(&cost, global_batch, sizes, tp_sizes)?.0)
+    Ok(plan_pooled_noting_memory(&cost, global_batch, sizes, tp_sizes, None)?.0)
+}
+
+/// What a per-replica plan chose for one pool (pools fastest first): a folded cluster's
+/// search chooses it, the whole cluster lays out only it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct PoolShape {
+    pub(super) tensor_parallel_size: usize,
+    pub(super) stages: usize,
+    pub(super) micro_batch_size: usize,
+}
+
+impl PoolShape {
+    /// Each pool's shape in `c`.
+    pub(super) fn of(c: &PooledCandidate) -> Vec<PoolShape> {
+        (c.pools.iter())
+            .map(|pool| PoolShape {
+                tensor_parallel_size: c.groups[pool.devices[0][0]].size(),
+                stages: pool.layers.len(),
+                micro_batch_size: pool.micro_batch_size,
+            })
+            .collect()
+    }
+
+    /// Whether `only` (none: anything) lets pool `k` take size `t`.
+    fn allows(only: Option<&[PoolShape]>, k: usize, t: usize) -> bool {
+        only.is_none_or(|s| s.get(k).is_some_and(|s| s.tensor_parallel_size == t))
+    }
 }
 
 /// [`plan_pooled`], and whether memory ruled anything out. Tensor-parallel sizes whose
@@ -90,6 +117,7 @@ pub(super) fn plan_pooled_noting_memory(
     global_batch: usize,
     sizes: &[usize],
     tp_sizes: &[usize],
+    only: Option<&[PoolShape]>,
 ) -> Result<(Option<PooledCandidate>, bool), PlanningError> {
     let (mut best, mut bound): (Option<PooledCandidate>, bool) = (None, false);
     let mut keep = |found: Option<PooledCandidate>| {
@@ -103,7 +131,8 @@ pub(super) fn plan_pooled_noting_memory(
     let single_pools = pools(&mut single)?;
     let kinds = device_sets(&single, &single_pools);
     let mut aligned: Vec<AlignedSize> = Vec::new();
-    for &t in tp_sizes {
+    let chosen = |t: usize| only.is_none_or(|s| s.iter().any(|x| x.tensor_parallel_size == t));
+    for &t in tp_sizes.iter().filter(|&&t| chosen(t)) {
         let Some(mut ctx) = Ctx::tensor_parallel(cost, t)? else {
             continue;
         };
@@ -114,7 +143,7 @@ pub(super) fn plan_pooled_noting_memory(
                 aligned.push((t, ctx.groups, units));
             }
             None => {
-                let found = plan_units(&mut ctx, global_batch, sizes, t > 1)?;
+                let found = plan_units(&mut ctx, global_batch, sizes, t > 1, only)?;
                 bound |= ctx.memory_bound.get();
                 keep(found);
             }
@@ -122,7 +151,7 @@ pub(super) fn plan_pooled_noting_memory(
     }
     if !aligned.is_empty() {
         let (found, memory_bound) =
-            plan_sizes_per_pool(cost, &single.all, aligned, global_batch, sizes)?;
+            plan_sizes_per_pool(cost, &single.all, aligned, global_batch, sizes, only)?;
         bound |= memory_bound;
         keep(found);
     }
@@ -142,6 +171,7 @@ fn plan_sizes_per_pool(
     aligned: Vec<AlignedSize>,
     global_batch: usize,
     sizes: &[usize],
+    only: Option<&[PoolShape]>,
 ) -> Result<(Option<PooledCandidate>, bool), PlanningError> {
     let kinds = aligned.first().map_or(0, |(_, _, units)| units.len());
     let mut groups = Vec::new();
@@ -153,14 +183,18 @@ fn plan_sizes_per_pool(
         if t == 1 && kinds < 2 {
             continue;
         }
-        pools_by_size.push((offset, units));
+        pools_by_size.push((t, offset, units));
     }
     let mut ctx = Ctx::with_groups(cost, all.to_vec(), groups);
     let mut options: Vec<Vec<PoolOption>> = vec![Vec::new(); kinds];
-    for (offset, units) in pools_by_size {
+    for (t, offset, units) in pools_by_size {
         for (k, pool) in units.iter().enumerate() {
+            if !PoolShape::allows(only, k, t) {
+                continue;
+            }
             let pool: Vec<usize> = pool.iter().map(|u| u + offset).collect();
-            options[k].extend(pool_options(&mut ctx, &pool, sizes)?);
+            let shape = only.map(|s| s[k]);
+            options[k].extend(pool_options(&mut ctx, &pool, sizes, shape)?);
         }
     }
     for pool_options in &mut options {
@@ -233,14 +267,19 @@ pub(super) fn plan_units(
     global_batch: usize,
     sizes: &[usize],
     one_pool: bool,
+    only: Option<&[PoolShape]>,
 ) -> Result<Option<PooledCandidate>, PlanningError> {
     let pools = pools(ctx)?;
     if pools.len() < 2 && !one_pool {
         return Ok(None);
     }
+    let t = ctx.groups.first().map_or(1, TpGroup::size);
     let mut options = Vec::with_capacity(pools.len());
-    for pool in &pools {
-        options.push(pool_options(ctx, pool, sizes)?);
+    for (k, pool) in pools.iter().enumerate() {
+        if !PoolShape::allows(only, k, t) {
+            return Ok(None);
+        }
+        options.push(pool_options(ctx, pool, sizes, only.map(|s| s[k]))?);
     }
     match best_combination(ctx, options, global_batch, sizes)? {
         Some(layouts) => Ok(Some(simulate_pools(ctx, layouts, false)?.0)),
@@ -335,19 +374,25 @@ pub(super) fn pools(ctx: &mut Ctx<'_>) -> Result<Vec<Vec<usize>>, PlanningError>
     Ok(order.into_iter().map(|k| pools[k].1.clone()).collect())
 }
 
-/// A pool's feasible cuts (every depth dividing it and size), its fastest per device
-/// first: the layer split that fits with every 1F1B micro-batch in flight.
+/// A pool's feasible cuts (every depth dividing it and size, or only `shape`'s), its
+/// fastest per device first: the layer split that fits with every 1F1B micro-batch in
+/// flight.
 pub(super) fn pool_options(
     ctx: &mut Ctx<'_>,
     pool: &[usize],
     sizes: &[usize],
+    shape: Option<PoolShape>,
 ) -> Result<Vec<PoolOption>, PlanningError> {
     let (n, l) = (pool.len(), ctx.cost.model.num_layers);
     let mut options = Vec::new();
-    for p in (1..=n.min(l)).filter(|p| n % p == 0) {
+    let depths = (1..=n.min(l)).filter(|p| n % p == 0);
+    for p in depths.filter(|&p| shape.is_none_or(|s| s.stages == p)) {
         let d = n / p;
         let devices = arrange(pool, p, d, Arrangement::ByReplica);
-        for &b in sizes {
+        for &b in sizes
+            .iter()
+            .filter(|&&b| shape.is_none_or(|s| s.micro_batch_size == b))
+        {
             let bs = vec![b; d];
             // Split for a full pipeline; a pool that only fits with fewer micro-batches in
             // flight is tried with one per replica (the batch split decides).
@@ -548,6 +593,7 @@ pub(super) fn moves(ctx: &mut Ctx<'_>, layouts: &[PoolLayout]) -> Result<Vec<Mov
         });
     }
     let mut slowest = ((0, 0), f64::MIN);
+    let mut times = Vec::with_capacity(layouts.len());
     for (k, pool) in layouts.iter().enumerate() {
         let (t, c) = pool.stage_times(ctx)?;
         for (r, &m) in pool.micro_batches.iter().enumerate() {
@@ -556,11 +602,24 @@ pub(super) fn moves(ctx: &mut Ctx<'_>, layouts: &[PoolLayout]) -> Result<Vec<Mov
                 slowest = ((k, r), time);
             }
         }
+        times.push((t, c));
     }
     let from = slowest.0;
+    // Receivers of one pool whose pipelines take the same time before and after the
+    // micro-batch are the same move (counts move no parameters): tried once.
+    let mut seen = std::collections::HashSet::new();
     for (k, pool) in layouts.iter().enumerate() {
-        for r in 0..pool.micro_batches.len() {
-            if (k, r) != from && pool.micro_batch_size == layouts[from.0].micro_batch_size {
+        if pool.micro_batch_size != layouts[from.0].micro_batch_size {
+            continue;
+        }
+        let (t, c) = &times[k];
+        for (r, &m) in pool.micro_batches.iter().enumerate() {
+            let key = (
+                k,
+                pipeline_time(t, c, r, m).to_bits(),
+                pipeline_time(t, c, r, m + 1).to_bits(),
+            );
+            if (k, r) != from && seen.insert(key) {
                 moves.push(Move::MicroBatch { from, to: (k, r) });
             }
         }
