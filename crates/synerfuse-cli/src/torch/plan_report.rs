@@ -10,7 +10,7 @@ use synerfuse_parallel::GridFlags;
 pub(crate) fn describe_devices(cost: &CostModel, c: &Candidate, stage: usize) -> String {
     let devices = cost.cluster.devices();
     let mut counts: BTreeMap<String, usize> = BTreeMap::new();
-    for &d in &c.devices[stage] {
+    for d in c.devices[stage].iter().flat_map(|&u| c.unit_devices(u)) {
         let dev = &devices[d];
         let name = if dev.speed < 1.0 {
             format!("{}@{}", dev.kind, dev.speed)
@@ -24,6 +24,16 @@ pub(crate) fn describe_devices(cost: &CostModel, c: &Candidate, stage: usize) ->
         .map(|(k, n)| format!("{n}x{k}"))
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+/// "pp 4 x dp 8 (tp 2)": a grid plan's sizes.
+pub(crate) fn grid_text(c: &Candidate) -> String {
+    format!(
+        "pp {} x dp {} (tp {})",
+        c.layers.len(),
+        c.micro_batches.len(),
+        c.tensor_parallel_size()
+    )
 }
 
 /// What `synerfuse plan` found, with what it needs to print it.
@@ -50,6 +60,7 @@ impl PlanReport<'_> {
         let uniform = |u: &Candidate| UniformLayoutReport {
             pipeline_parallel_size: u.layers.len(),
             data_parallel_size: u.micro_batches.len(),
+            tensor_parallel_size: u.tensor_parallel_size(),
             micro_batch_size: u.micro_batch_sizes[0],
             num_micro_batches: u.micro_batches[0],
             arrangement: format!("{:?}", u.arrangement),
@@ -59,7 +70,7 @@ impl PlanReport<'_> {
         GridReport {
             pipeline_parallel_size: best.layers.len(),
             data_parallel_size: best.micro_batches.len(),
-            tensor_parallel_size: 1,
+            tensor_parallel_size: best.tensor_parallel_size(),
             layers_per_stage: &best.layers,
             micro_batch_size_per_replica: &best.micro_batch_sizes,
             num_micro_batches_per_replica: &best.micro_batches,
@@ -138,6 +149,7 @@ impl PlanReport<'_> {
         RunnerUpReport {
             pipeline_parallel_size: c.layers.len(),
             data_parallel_size: c.micro_batches.len(),
+            tensor_parallel_size: c.tensor_parallel_size(),
             layers_per_stage: c.layers.clone(),
             micro_batch_size_per_replica: c.micro_batch_sizes.clone(),
             num_micro_batches_per_replica: c.micro_batches.clone(),
@@ -158,9 +170,8 @@ impl PlanReport<'_> {
         let best = self.best();
         let p = &best.prediction;
         println!(
-            "best plan: pp {} x dp {} (tp 1), {}{}, {} candidates in {:.3}s",
-            best.layers.len(),
-            best.micro_batches.len(),
+            "best plan: {}, {}{}, {} candidates in {:.3}s",
+            grid_text(best),
             best.micro_batch_size_text(),
             options_text(best.options),
             self.outcome.considered,
@@ -201,7 +212,7 @@ impl PlanReport<'_> {
         );
         let bound = &self.outcome.bound;
         println!(
-            "bound: {:.0} tokens/s (each device training the model alone, added up); whole samples allow at most {:.1}% of it (integer split); the plan reaches {:.1}% of the bound, {:.1}% of the integer split",
+            "bound: {:.0} tokens/s (each device training the model alone, added up); devices taking whole samples alone reach at most {:.1}% of it (integer split); the plan reaches {:.1}% of the bound, {:.1}% of the integer split",
             bound.tokens_per_s,
             bound.integer_split_fraction() * 100.0,
             self.fraction_of_bound(best) * 100.0,
@@ -215,9 +226,8 @@ impl PlanReport<'_> {
         }
         if let Some(u) = &self.outcome.uniform {
             println!(
-                "uniform layout (even layers and batches, pp {} x dp {}): {:.4} s per step; the plan is {:.2}x faster",
-                u.layers.len(),
-                u.micro_batches.len(),
+                "uniform layout (even layers and batches, {}): {:.4} s per step; the plan is {:.2}x faster",
+                grid_text(u),
                 u.prediction.step_time_s,
                 u.prediction.step_time_s / p.step_time_s
             );
@@ -263,9 +273,8 @@ impl PlanReport<'_> {
             .max_by(|a, b| a.1.total_cmp(b.1))
             .map_or(0, |(i, _)| i);
         println!(
-            "runner-up {k}: pp {} x dp {}, layers {:?}, micro-batches {}, {}{}: {:.4} s (+{:.1}%, {:.1}% of the bound): {}; bubble {:.1}%, all-reduce {:.4} s, slowest stage {slowest} ({})",
-            c.layers.len(),
-            c.micro_batches.len(),
+            "runner-up {k}: {}, layers {:?}, micro-batches {}, {}{}: {:.4} s (+{:.1}%, {:.1}% of the bound): {}; bubble {:.1}%, all-reduce {:.4} s, slowest stage {slowest} ({})",
+            grid_text(c),
             c.layers,
             runs(&c.micro_batches),
             c.micro_batch_size_text(),
@@ -481,6 +490,7 @@ impl GridReport<'_> {
 struct UniformLayoutReport {
     pipeline_parallel_size: usize,
     data_parallel_size: usize,
+    tensor_parallel_size: usize,
     micro_batch_size: usize,
     num_micro_batches: usize,
     arrangement: String,
@@ -493,6 +503,7 @@ struct UniformLayoutReport {
 struct RunnerUpReport {
     pipeline_parallel_size: usize,
     data_parallel_size: usize,
+    tensor_parallel_size: usize,
     layers_per_stage: Vec<usize>,
     micro_batch_size_per_replica: Vec<usize>,
     num_micro_batches_per_replica: Vec<usize>,

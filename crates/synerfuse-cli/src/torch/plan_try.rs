@@ -91,9 +91,8 @@ pub(crate) fn plans_to_try(cost: &CostModel, outcome: &PlanOutcome) -> Result<Ve
         plans.push(PlanToTry {
             kind: "grid",
             label: format!(
-                "grid pp {} x dp {}, layers {:?}, {}",
-                c.layers.len(),
-                c.micro_batches.len(),
+                "grid {}, layers {:?}, {}",
+                crate::plan_report::grid_text(c),
                 c.layers,
                 c.micro_batch_size_text()
             ),

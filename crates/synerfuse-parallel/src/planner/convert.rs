@@ -17,12 +17,16 @@ impl Candidate {
     /// The grid's ranks: Megatron's order for its arrangement (tp-pp-dp when replicas
     /// take neighbouring devices, the default when stages do).
     fn topology(&self) -> Result<Topology, TopologyError> {
-        let (p, d) = (self.layers.len(), self.micro_batches.len());
+        let (p, d, t) = (
+            self.layers.len(),
+            self.micro_batches.len(),
+            self.tensor_parallel_size(),
+        );
         let order = match self.arrangement {
             Arrangement::ByReplica => TP_PP_DP_ORDER,
             Arrangement::ByStage => DEFAULT_ORDER,
         };
-        Topology::new(p * d, 1, p, 1, 1, order)
+        Topology::new(p * d * t, t, p, 1, 1, order)
     }
 
     /// The device index of each rank of [`Candidate::to_plan`]'s plan, in rank order.
@@ -31,7 +35,7 @@ impl Candidate {
         (0..topology.world_size())
             .map(|rank| {
                 let c = topology.coordinates(rank)?;
-                Ok(self.devices[c.pp][c.dp])
+                Ok(self.unit_devices(self.devices[c.pp][c.dp])[c.tp])
             })
             .collect()
     }
@@ -51,14 +55,18 @@ impl Candidate {
                 .map_err(|source| PlanError::Layout { replica: r, source })?;
             let ranks = (0..self.layers.len())
                 .map(|pp| {
-                    let at = Coordinates {
-                        tp: 0,
-                        cp: 0,
-                        ep: 0,
-                        dp: r,
-                        pp,
-                    };
-                    vec![topology.rank(&at).expect("coordinates within the grid")]
+                    (0..self.tensor_parallel_size())
+                        .map(|tp| {
+                            let at = Coordinates {
+                                tp,
+                                cp: 0,
+                                ep: 0,
+                                dp: r,
+                                pp,
+                            };
+                            topology.rank(&at).expect("coordinates within the grid")
+                        })
+                        .collect()
                 })
                 .collect();
             replicas.push(ReplicaPipeline {
@@ -71,7 +79,8 @@ impl Candidate {
                     false => Vec::new(),
                 },
                 placements: (self.devices.iter())
-                    .map(|stage| placement(&devices[stage[r]]))
+                    .flat_map(|stage| self.unit_devices(stage[r]))
+                    .map(|i| placement(&devices[i]))
                     .collect(),
             });
         }

@@ -12,7 +12,6 @@ use super::{
     outcome::{Arrangement, PooledCandidate},
     plan_pooled_options,
     pooled::PoolShape,
-    pricing::Ctx,
     request::{micro_batch_sizes, PlanRequest},
     search_grids,
 };
@@ -184,6 +183,7 @@ pub(super) fn per_replica_plans(
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(super) struct GridShape {
     pub(super) recompute: Recompute,
+    pub(super) tensor_parallel_size: usize,
     pub(super) stages: usize,
     pub(super) arrangement: Arrangement,
 }
@@ -199,15 +199,13 @@ pub(super) fn grid_shapes(fold: &Fold) -> Result<Option<HashSet<GridShape>>, Pla
     let variants: Vec<_> = (fold.request.grid_options().into_iter())
         .map(|options| (options, options.cost(&fold.cost)))
         .collect();
-    let mut ctxs: HashMap<_, _> = (variants.iter())
-        .map(|(options, variant)| (*options, Ctx::new(variant)))
-        .collect();
     let keep = fold.request.top_k.max(1);
-    let (plans, uniform) = retime_front(&mut ctxs, found.candidates, keep)?;
+    let (plans, uniform) = retime_front(&variants, found.candidates, keep)?;
     Ok(Some(
         (plans.iter().chain(uniform.first()))
             .map(|c| GridShape {
                 recompute: c.options.recompute,
+                tensor_parallel_size: c.tensor_parallel_size(),
                 stages: c.layers.len(),
                 arrangement: c.arrangement,
             })

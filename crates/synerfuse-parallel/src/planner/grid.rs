@@ -9,6 +9,7 @@ use super::{
     simulate::simulate_candidate,
     split::{even_layers, proportional_split, split_layers, split_samples},
 };
+use crate::cost::CostModel;
 use std::collections::{BTreeSet, HashMap, HashSet};
 
 /// Most assignments of micro-batch sizes to replicas tried one by one per grid; past
@@ -119,6 +120,10 @@ impl Search {
                 micro_batches,
                 prediction,
                 origin,
+                groups: match ctx.groups.iter().any(|g| g.size() > 1) {
+                    true => ctx.groups.clone(),
+                    false => Vec::new(),
+                },
             }),
             Err(v) => self.note(v),
         }
@@ -302,10 +307,10 @@ pub(super) fn fastest_size(
 }
 
 /// Re-times the front runners (up to `keep` × 3 planned ones) and every even layout by
-/// simulating their schedules; returns the best `keep` and every distinct even layout,
-/// fastest first.
+/// simulating their schedules under their options' costs (`variants`); returns the best
+/// `keep` and every distinct even layout, fastest first.
 pub(super) fn retime_front(
-    ctxs: &mut HashMap<TrainOptions, Ctx<'_>>,
+    variants: &[(TrainOptions, CostModel)],
     mut candidates: Vec<Candidate>,
     keep: usize,
 ) -> Result<(Vec<Candidate>, Vec<Candidate>), PlanningError> {
@@ -326,6 +331,7 @@ pub(super) fn retime_front(
                 && f.micro_batches == c.micro_batches
                 && f.micro_batch_sizes == c.micro_batch_sizes
                 && f.devices == c.devices
+                && f.groups == c.groups
         });
         if duplicate || (!is_uniform && planned >= keep * 3) {
             continue;
@@ -333,15 +339,19 @@ pub(super) fn retime_front(
         planned += usize::from(!is_uniform);
         front.push(c);
     }
+    let mut ctxs: HashMap<(TrainOptions, usize), Ctx<'_>> = HashMap::new();
     for c in &mut front {
         // A single replica's candidate carries no sharding: priced alike either way.
-        let ctx = match ctxs.contains_key(&c.options) {
-            true => ctxs.get_mut(&c.options),
-            false => ctxs
-                .values_mut()
-                .find(|x| x.cost.recompute == c.options.recompute),
-        }
-        .expect("a context for each option searched");
+        let (options, variant) = (variants.iter())
+            .find(|(o, _)| *o == c.options)
+            .or_else(|| {
+                variants
+                    .iter()
+                    .find(|(o, _)| o.recompute == c.options.recompute)
+            })
+            .expect("a variant for each option searched");
+        let ctx = (ctxs.entry((*options, c.tensor_parallel_size())))
+            .or_insert_with(|| candidate_ctx(variant, c));
         c.prediction = simulate_candidate(ctx, c)?;
     }
     front.sort_by(by_time);
@@ -351,6 +361,14 @@ pub(super) fn retime_front(
         .collect();
     front.truncate(keep);
     Ok((front, uniform))
+}
+
+/// A context pricing `c`'s units (devices, or its tensor-parallel groups) on `cost`.
+pub(super) fn candidate_ctx<'a>(cost: &'a CostModel, c: &Candidate) -> Ctx<'a> {
+    match c.groups.is_empty() {
+        true => Ctx::new(cost),
+        false => Ctx::with_groups(cost, cost.cluster.devices(), c.groups.clone()),
+    }
 }
 
 /// Device of (stage, replica).

@@ -97,12 +97,7 @@ fn plan_folding_above(
     };
     let (plans, uniform_layouts) = match candidates.is_empty() {
         true => (Vec::new(), Vec::new()),
-        false => {
-            let mut ctxs: HashMap<TrainOptions, Ctx<'_>> = (variants.iter())
-                .map(|(options, variant)| (*options, Ctx::new(variant)))
-                .collect();
-            retime_front(&mut ctxs, candidates, keep)?
-        }
+        false => retime_front(&variants, candidates, keep)?,
     };
     if plans.is_empty() && pooled.is_none() && expert.is_none() {
         return Err(PlanningError::Infeasible(closest.map_or(
@@ -160,8 +155,8 @@ struct GridsFound {
 }
 
 /// The grid search under each option the request allows (recomputation tried where
-/// memory bound; sharding where it binds, else re-priced); with `only`, just those
-/// grids.
+/// memory bound; sharding where it binds, else re-priced) at each tensor-parallel size;
+/// with `only`, just those grids.
 fn search_grids(
     cost: &CostModel,
     request: &PlanRequest,
@@ -173,18 +168,25 @@ fn search_grids(
     let variants: Vec<(TrainOptions, CostModel)> = (request.grid_options().into_iter())
         .map(|options| (options, options.cost(cost)))
         .collect();
-    // Per option, whether memory ruled anything out, and the layouts found without it.
-    let mut searched: HashMap<TrainOptions, (bool, Vec<Candidate>)> = HashMap::new();
+    // Per option and tensor-parallel size, whether memory ruled anything out, and the
+    // layouts found without it.
+    let mut searched: HashMap<(TrainOptions, usize), (bool, Vec<Candidate>)> = HashMap::new();
     let optimizer_priced = (devices.iter()).any(|d| cost.optimizer_seconds(d, 1.0).is_some());
-    for (options, variant) in &variants {
-        let (options, mut ctx) = (*options, Ctx::new(variant));
+    let sizes = (request.tp_sizes().into_iter())
+        .filter(|&t| only.is_none_or(|s| s.iter().any(|x| x.tensor_parallel_size == t)));
+    let grids = (variants.iter()).flat_map(|v| sizes.clone().map(move |t| (v, t)));
+    for ((options, variant), t) in grids {
+        let options = *options;
+        let Some(mut ctx) = grid_context(variant, t)? else {
+            continue;
+        };
         // Whether memory bound the search without recomputation, or without sharding.
         let bound = |recompute, distributed_optimizer| {
             let options = TrainOptions {
                 recompute,
                 distributed_optimizer,
             };
-            searched.get(&options).map(|(bound, _)| *bound)
+            searched.get(&(options, t)).map(|(bound, _)| *bound)
         };
         let (d, plain) = (
             options.distributed_optimizer,
@@ -200,13 +202,13 @@ fn search_grids(
             // Sharding saves memory and the optimizer's time: where memory did not bind,
             // the same layouts re-priced (nothing to gain where the optimizer is unpriced).
             match optimizer_priced {
-                true => reprice(&mut ctx, &searched[&TrainOptions::default()].1)?,
+                true => reprice(&mut ctx, &searched[&(TrainOptions::default(), t)].1)?,
                 false => Search::default(),
             }
         } else {
             let shapes = only.map(|s| {
                 (s.iter())
-                    .filter(|x| x.recompute == options.recompute)
+                    .filter(|x| x.recompute == options.recompute && x.tensor_parallel_size == t)
                     .map(|x| (x.stages, x.arrangement))
                     .collect()
             });
@@ -219,7 +221,7 @@ fn search_grids(
             }
         }
         let found = search.candidates.clone();
-        searched.insert(options, (ctx.memory_bound.get(), found));
+        searched.insert((options, t), (ctx.memory_bound.get(), found));
         candidates.extend(search.candidates);
     }
     Ok(GridsFound {
@@ -227,6 +229,14 @@ fn search_grids(
         considered,
         closest,
     })
+}
+
+/// The units of a grid of tensor-parallel size `t`: groups of one node's devices with
+/// even shares (Megatron's flags split evenly; uneven groups are per-replica
+/// pipelines'), `None` where the cluster does not cut so.
+fn grid_context(cost: &CostModel, t: usize) -> Result<Option<Ctx<'_>>, PlanningError> {
+    let even = |g: &TpGroup| g.shares.iter().all(|&s| s == g.shares[0]);
+    Ok(Ctx::tensor_parallel(cost, t)?.filter(|ctx| ctx.groups.iter().all(even)))
 }
 
 /// The best per-replica-pipeline plan with and without recomputation (as asked), with

@@ -32,9 +32,24 @@ pub struct Candidate {
     pub options: TrainOptions,
     /// Whether (stage, replica) recomputes its activations.
     pub recompute: Grid<bool>,
+    /// What each unit of `devices` is, a tensor-parallel group of one node (even shares,
+    /// as Megatron splits); empty: each unit is the device of that index.
+    pub groups: Vec<TpGroup>,
 }
 
 impl Candidate {
+    /// Devices per stage of each replica (Megatron's `--tensor-model-parallel-size`).
+    pub fn tensor_parallel_size(&self) -> usize {
+        self.groups.first().map_or(1, TpGroup::size)
+    }
+
+    /// The devices of `unit` (one of `devices`' entries), in tensor-parallel rank order.
+    pub fn unit_devices(&self, unit: usize) -> Vec<usize> {
+        self.groups
+            .get(unit)
+            .map_or(vec![unit], |g| g.members.clone())
+    }
+
     /// "micro-batch size 2" when every replica has the same, else "micro-batch sizes
     /// [4, 1]" (per replica).
     pub fn micro_batch_size_text(&self) -> String {
@@ -130,7 +145,9 @@ pub struct ThroughputBound {
     pub tokens_per_s: f64,
     /// The most the devices reach together when each takes a whole number of the global
     /// batch's samples at its own pace alone (the slowest to finish sets the step): the
-    /// sum less the integer rounding of samples, what no split can recover.
+    /// sum less the integer rounding of samples, what no split of whole samples over
+    /// single devices recovers (pipelines and tensor parallelism share a sample's work
+    /// among devices, and can pass it where samples are few).
     pub integer_split_tokens_per_s: f64,
 }
 

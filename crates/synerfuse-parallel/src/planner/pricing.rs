@@ -436,7 +436,8 @@ pub(super) fn evaluate(
     for i in 0..p {
         for r in 0..d {
             let (need, have) = memory_need(ctx, grid, &shares, (i, r), layers[i], sizes[r], m[r])?;
-            stage_memory[i] = stage_memory[i].max(need);
+            // A group's need is its whole stage's: its most loaded member holds its share.
+            stage_memory[i] = stage_memory[i].max(need * ctx.state_fraction(grid[i][r]));
             if let Some(have) = have {
                 if ctx.exceeds(need, Some(have)) {
                     let dev = &ctx.devices[grid[i][r]];
@@ -496,12 +497,30 @@ pub(super) fn allreduce_times(ctx: &Ctx<'_>, grid: &[Vec<usize>], layers: &[usiz
     let p = grid.len();
     let m = &ctx.cost.model;
     (0..p)
-        .map(|i| {
-            let params = m.stage_params(layers[i], i == 0, i + 1 == p);
-            let devs: Vec<&Device> = grid[i].iter().map(|&k| &ctx.devices[k]).collect();
-            ctx.cost.allreduce_seconds(&devs, params * 4.0)
-        })
+        .map(|i| holders_allreduce_s(ctx, &grid[i], m.stage_params(layers[i], i == 0, i + 1 == p)))
         .collect()
+}
+
+/// The fp32 gradient all-reduce of `params` parameters over the units that hold them:
+/// units split alike reduce share by share, side by side (priced over each unit's first
+/// member); otherwise the trainer reduces whole tensors over every member of every unit.
+pub(super) fn holders_allreduce_s(ctx: &Ctx<'_>, units: &[usize], params: f64) -> f64 {
+    let alike = (units.iter()).all(|&u| ctx.groups[u].shares == ctx.groups[units[0]].shares);
+    match alike {
+        true => {
+            let share = (units.iter())
+                .map(|&u| ctx.state_fraction(u))
+                .fold(0.0, f64::max);
+            let devices = units.iter().map(|&u| ctx.groups[u].members[0]).collect();
+            ctx.allreduce_seconds(devices, params * 4.0 * share)
+        }
+        false => {
+            let members = (units.iter())
+                .flat_map(|&u| ctx.groups[u].members.iter().copied())
+                .collect();
+            ctx.allreduce_seconds(members, params * 4.0)
+        }
+    }
 }
 
 /// Per (stage, replica), the optimizer step over the stage's parameters, s (0 where
@@ -615,26 +634,7 @@ pub(super) fn reduce_s(ctx: &Ctx<'_>, segments: &[PooledSegment]) -> Vec<f64> {
     let mut seconds = vec![0.0; positions(segments)];
     for segment in segments {
         let units: Vec<usize> = segment.holders.iter().map(|&(_, u)| u).collect();
-        // Holders split alike reduce share by share, side by side (priced over each
-        // holder's first member); otherwise the trainer reduces whole tensors over every
-        // member of every holder.
-        let alike = (units.iter()).all(|&u| ctx.groups[u].shares == ctx.groups[units[0]].shares);
-        let t = match alike {
-            true => {
-                let share = units
-                    .iter()
-                    .map(|&u| ctx.state_fraction(u))
-                    .fold(0.0, f64::max);
-                let devices = units.iter().map(|&u| ctx.groups[u].members[0]).collect();
-                ctx.allreduce_seconds(devices, segment.params * 4.0 * share)
-            }
-            false => {
-                let members = (units.iter())
-                    .flat_map(|&u| ctx.groups[u].members.iter().copied())
-                    .collect();
-                ctx.allreduce_seconds(members, segment.params * 4.0)
-            }
-        };
+        let t = holders_allreduce_s(ctx, &units, segment.params);
         for &(position, _) in &segment.holders {
             seconds[position] += t;
         }

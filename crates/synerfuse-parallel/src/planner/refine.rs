@@ -252,7 +252,7 @@ pub(super) fn refine_grid(
     global_batch: usize,
 ) -> Result<Option<PooledCandidate>, PlanningError> {
     let variant = c.options.cost(cost);
-    let mut ctx = Ctx::new(&variant);
+    let mut ctx = super::grid::candidate_ctx(&variant, c);
     // Consecutive replicas of one micro-batch size make one pool (a grid of one size is
     // one pool, priced as the grid is).
     let mut pools: Vec<PoolLayout> = Vec::new();

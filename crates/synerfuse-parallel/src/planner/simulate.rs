@@ -40,9 +40,11 @@ pub(super) fn simulate_step(
     let coords: Vec<(usize, usize)> = (plan.positions().into_iter())
         .map(|(replica, stage)| (stage, replica))
         .collect();
-    let paces: Vec<RankPace> = (coords.iter())
-        .map(|&(i, r)| RankPace {
-            device: c.devices[i][r],
+    // Each rank's device: its unit's member at its tensor-parallel rank.
+    let devices = c.rank_devices()?;
+    let paces: Vec<RankPace> = (coords.iter().zip(devices))
+        .map(|(&(i, r), device)| RankPace {
+            device,
             micro_batch_size: sizes[r],
             micro_batch_s: t[i][r],
             forward_fraction: fits[i][r].costs.forward_fraction,
@@ -90,7 +92,7 @@ pub(super) fn simulate_step(
 /// The simulated step of `candidate` on `cost`'s cluster, rank by rank.
 pub fn timeline(cost: &CostModel, candidate: &Candidate) -> Result<Timeline, PlanningError> {
     let variant = candidate.options.cost(cost);
-    let mut ctx = Ctx::new(&variant);
+    let mut ctx = super::grid::candidate_ctx(&variant, candidate);
     let (prediction, ranks) = simulate_step(&mut ctx, candidate, true)?;
     let layers: Vec<String> = candidate.layers.iter().map(usize::to_string).collect();
     Ok(Timeline {

@@ -539,3 +539,67 @@ proptest! {
         prop_assert!(written <= expert.candidate.step_time_s * (1.0 + 1e-12), "written {} vs expert {}: {:?}", written, expert.candidate.step_time_s, expert);
     }
 }
+
+/// Two nodes of 8 H100s and a 7B-class model: a grid of tensor-parallel groups (one
+/// node's devices, Megatron's flags) beats every grid of single devices, and its plan
+/// is the grid its flags give, each stage's group inside one node.
+#[test]
+fn grid_plans_take_tensor_parallel_groups_where_faster() {
+    let cluster = crate::cluster::ClusterSpec::from_toml(
+        "[[group]]\nkind = \"h100-sxm\"\ncount = 8\nnode = \"a\"\n[[group]]\nkind = \"h100-sxm\"\ncount = 8\nnode = \"b\"\n[network]\nintra_node_gbs = 200\ninter_node_gbs = 25\n",
+    )
+    .unwrap();
+    let model = crate::cost::ModelShape {
+        num_layers: 32,
+        hidden_size: 4096,
+        num_heads: 32,
+        num_kv_heads: 32,
+        ffn_hidden_size: 11008,
+        vocab_size: 32_000,
+        seq_length: 4096,
+        tied: false,
+    };
+    let cost = CostModel::new(model, cluster, None);
+    let planned = |tp: Vec<usize>| {
+        let request = PlanRequest {
+            micro_batch_sizes: vec![1, 2, 4, 8],
+            tensor_parallel_sizes: tp,
+            ..request(64, Choice::Auto, Choice::Auto)
+        };
+        plan(&cost, &request).unwrap().plans.remove(0)
+    };
+    let (single, grouped) = (planned(vec![1]), planned(vec![1, 2, 4, 8]));
+    let t = grouped.tensor_parallel_size();
+    assert_eq!(single.tensor_parallel_size(), 1);
+    assert!(t > 1, "{grouped:?}");
+    assert!(
+        grouped.prediction.step_time_s < single.prediction.step_time_s,
+        "tp {t}: {} s, tp 1: {} s",
+        grouped.prediction.step_time_s,
+        single.prediction.step_time_s
+    );
+    let plan = grouped.to_plan(&cost).unwrap();
+    let flags = plan.grid_flags().expect("a grid's flags");
+    let at = flags
+        .args
+        .iter()
+        .position(|a| a == "--tensor-model-parallel-size");
+    assert_eq!(
+        flags.args[at.unwrap() + 1],
+        t.to_string(),
+        "{:?}",
+        flags.args
+    );
+    let devices = cost.cluster.devices();
+    let ranks = grouped.rank_devices().unwrap();
+    let mut used = ranks.clone();
+    used.sort_unstable();
+    assert_eq!(used, (0..16).collect::<Vec<_>>());
+    for replica in plan.replicas() {
+        for stage in &replica.ranks {
+            assert_eq!(stage.len(), t);
+            let node = &devices[ranks[stage[0]]].node;
+            assert!(stage.iter().all(|&r| &devices[ranks[r]].node == node));
+        }
+    }
+}
