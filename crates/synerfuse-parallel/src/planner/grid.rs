@@ -306,9 +306,10 @@ pub(super) fn fastest_size(
     Ok(best.map_or(sizes[0], |(_, b)| b))
 }
 
-/// Re-times the front runners (up to `keep` × 3 planned ones) and every even layout by
-/// simulating their schedules under their options' costs (`variants`); returns the best
-/// `keep` and every distinct even layout, fastest first.
+/// Re-times the front runners (up to `keep` × 3 planned ones) and the even layouts (the
+/// best `keep`, the rest up to [`UNIFORM_RANKS_SIMULATED`] ranks) by simulating their
+/// schedules under their options' costs (`variants`); returns the best `keep` and every
+/// distinct even layout, fastest first.
 pub(super) fn retime_front(
     variants: &[(TrainOptions, CostModel)],
     mut candidates: Vec<Candidate>,
@@ -340,7 +341,17 @@ pub(super) fn retime_front(
         front.push(c);
     }
     let mut ctxs: HashMap<(TrainOptions, usize), Ctx<'_>> = HashMap::new();
+    let (mut uniform_seen, mut uniform_ranks) = (0, 0);
     for c in &mut front {
+        if c.origin == CandidateOrigin::Uniform {
+            // The best `keep` even layouts simulated, the rest while their ranks last.
+            let ranks = c.layers.len() * c.micro_batches.len() * c.tensor_parallel_size();
+            uniform_seen += 1;
+            uniform_ranks += ranks;
+            if uniform_seen > keep && uniform_ranks > UNIFORM_RANKS_SIMULATED {
+                continue;
+            }
+        }
         // A single replica's candidate carries no sharding: priced alike either way.
         let (options, variant) = (variants.iter())
             .find(|(o, _)| *o == c.options)
@@ -362,6 +373,10 @@ pub(super) fn retime_front(
     front.truncate(keep);
     Ok((front, uniform))
 }
+
+/// Ranks of even layouts simulated beyond the best few: past it they keep their closed
+/// form ([`crate::planner::Prediction::simulated`] says which).
+const UNIFORM_RANKS_SIMULATED: usize = 16_384;
 
 /// A context pricing `c`'s units (devices, or its tensor-parallel groups) on `cost`.
 pub(super) fn candidate_ctx<'a>(cost: &'a CostModel, c: &Candidate) -> Ctx<'a> {

@@ -112,7 +112,8 @@ pub struct PlanOutcome {
     pub uniform: Option<Candidate>,
     /// Every feasible even layout considered (each factorization, arrangement and
     /// micro-batch size once), predicted fastest first: the baselines a benchmark runs
-    /// to measure the best one rather than trust the prediction.
+    /// to measure the best one rather than trust the prediction (simulated, past the
+    /// best few, while their ranks add up to 16,384; the others in closed form).
     pub uniform_layouts: Vec<Candidate>,
     /// The best plan whose replicas are pipelines of their own shape (devices, or
     /// tensor-parallel groups of a node, pooled by class), when one fits: `synerfuse

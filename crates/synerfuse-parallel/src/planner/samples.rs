@@ -86,7 +86,31 @@ pub fn min_max_samples(samples: usize, paces: &[ReplicaPace]) -> Option<Vec<usiz
     if let Some(counts) = counts_within(0.0) {
         return Some(counts);
     }
+    // The least limit at which the counts' sample totals merely span `samples` (cheap:
+    // no reachability) bounds the answer from below; it usually is the answer, or one of
+    // the next few replica times above it (the counts change only there).
+    let spans = |limit: f64| spans(samples, &groups, limit);
     let (mut lo, mut hi) = (0u64, most.to_bits());
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        match spans(f64::from_bits(mid)) {
+            true => hi = mid,
+            false => lo = mid,
+        }
+    }
+    let mut limit = f64::from_bits(hi);
+    for _ in 0..NEXT_TIMES_TRIED {
+        if let Some(counts) = counts_within(limit) {
+            return Some(counts);
+        }
+        lo = limit.to_bits();
+        // The next time at which some group's count can grow.
+        match next_time(samples, &groups, limit) {
+            Some(next) if next < most => limit = next,
+            _ => break,
+        }
+    }
+    let mut hi = most.to_bits();
     while hi - lo > 1 {
         let mid = lo + (hi - lo) / 2;
         match counts_within(f64::from_bits(mid)) {
@@ -98,6 +122,36 @@ pub fn min_max_samples(samples: usize, paces: &[ReplicaPace]) -> Option<Vec<usiz
         }
     }
     Some(best)
+}
+
+/// Replica times above the spanning bound tried one by one before bisecting.
+const NEXT_TIMES_TRIED: usize = 8;
+
+/// Whether counts within `limit` seconds (at least one each) span `samples`: the least
+/// samples they take at most `samples`, the most at least (what any counts making
+/// `samples` within the limit need).
+fn spans(samples: usize, groups: &[(ReplicaPace, Vec<usize>)], limit: f64) -> bool {
+    let (mut least, mut most) = (0usize, 0usize);
+    for (p, members) in groups {
+        let m = p.most_within(limit, samples / p.micro_batch_size);
+        if m == 0 {
+            return false;
+        }
+        least += members.len() * p.micro_batch_size;
+        most += members.len() * m * p.micro_batch_size;
+    }
+    least <= samples && samples <= most
+}
+
+/// The least time above `limit` at which some group takes one more micro-batch.
+fn next_time(samples: usize, groups: &[(ReplicaPace, Vec<usize>)], limit: f64) -> Option<f64> {
+    (groups.iter())
+        .filter_map(|(p, _)| {
+            let cap = (samples / p.micro_batch_size).min(p.most_micro_batches);
+            let m = p.most_within(limit, cap);
+            (m < cap).then(|| p.time(m + 1)).filter(|&t| t > limit)
+        })
+        .reduce(f64::min)
 }
 
 /// Counts within `limit` seconds per replica that make `samples`, if any.

@@ -137,14 +137,19 @@ pub fn min_max_layers(l: usize, costs: &[&dyn Fn(usize) -> Option<f64>]) -> Opti
             choice[0][k] = k;
         }
     }
+    // Each stage's cost of each layer count, asked once (on first need: asking may note
+    // that memory ruled it out).
+    let mut asked: Vec<Option<Option<f64>>> = vec![None; l + 1];
     for i in 1..p {
+        asked.fill(None);
         for k in (i + 1)..=l {
             for own in 1..=(k - i) {
                 let before = best[i - 1][k - own];
                 if !before.is_finite() {
                     continue;
                 }
-                let Some(c) = costs[i](own) else { continue };
+                let cost = *asked[own].get_or_insert_with(|| costs[i](own));
+                let Some(c) = cost else { continue };
                 let v = before.max(c);
                 if v < best[i][k] {
                     best[i][k] = v;
