@@ -481,3 +481,58 @@ fn the_ported_run_sh_trains_scaled_down() {
     assert!(stderr.contains("sequence parallel"), "{stderr}");
     assert!(dir.path().join("ckpt/latest").exists());
 }
+
+/// A grid of tensor-parallel pairs from the grid search: `synerfuse plan` on four
+/// emulated CPU ranks in two nodes, asked for TP 2, writes the grid (Megatron's flags,
+/// `--tensor-model-parallel-size 2`) with each pair inside a node; `synerfuse train
+/// --plan` runs it, equal to one rank.
+#[test]
+fn a_planned_tensor_parallel_grid_matches_a_single_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let data = dataset(d);
+    let mut cluster = String::new();
+    for node in ["a", "b"] {
+        cluster.push_str(&format!(
+            "[[group]]\nkind = \"cpu\"\ncount = 2\nnode = \"{node}\"\ntflops_bf16 = 0.05\nmemory_gb = 0.0021\n"
+        ));
+    }
+    cluster.push_str("[network]\nintra_node_gbs = 5\ninter_node_gbs = 1\n");
+    let cluster_path = d.join("cluster.toml");
+    std::fs::write(&cluster_path, cluster).unwrap();
+    let plan = d.join("plan.toml");
+    let mut args = vec![
+        "--cluster",
+        cluster_path.to_str().unwrap(),
+        "--global-batch-size",
+        "6",
+        "--tensor-model-parallel-sizes",
+        "2",
+        "--recompute-activations",
+        "off",
+        "--use-distributed-optimizer",
+        "off",
+        "--output",
+        plan.to_str().unwrap(),
+    ];
+    args.extend(PLAN_MODEL);
+    let j = plan_json(&args);
+    assert_eq!(j["written_plan"]["kind"], "grid", "{j}");
+    assert_eq!(j["tensor_parallel_size"], 2, "{j}");
+    let flags = j["synerfuse_flags"].as_str().unwrap();
+    assert!(flags.contains("--tensor-model-parallel-size 2"), "{flags}");
+    let written = std::fs::read_to_string(&plan).unwrap();
+    assert!(written.contains("tp = [2"), "{written}");
+    let train_flags = j["written_plan"]["train_flags"].as_array().unwrap();
+    let (ref_losses, ref_params) = run(d, &data, "single", &["--micro-batch-size", "1"]);
+    let mut extra = vec!["--nproc", "4", "--plan", plan.to_str().unwrap()];
+    extra.extend(train_flags.iter().map(|f| f.as_str().unwrap()));
+    let (losses, params) = run(d, &data, "grid-tp", &extra);
+    let loss_diff = max_rel_loss_diff(&ref_losses, &losses);
+    let param_diff = max_param_diff(&ref_params, &params);
+    println!("planned grid, TP 2: losses {loss_diff:.2e}, parameters {param_diff:.2e}");
+    assert!(
+        loss_diff < 1e-5 && param_diff < 1e-5,
+        "losses {losses:?} vs {ref_losses:?}, parameters {param_diff:e}"
+    );
+}
