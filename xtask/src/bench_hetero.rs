@@ -652,6 +652,8 @@ struct PlanningRun {
     fraction_of_bound: f64,
     /// The expert layout's (TP in every node, fewest stages, even layers), priced alike.
     expert_fraction_of_bound: Option<f64>,
+    /// Copies of a smaller cluster the search ran on (1: searched whole).
+    folded: u64,
 }
 
 /// An 80-layer model of hidden 4096 (32 heads, 8 KV groups, FFN 11008), global batch 4096.
@@ -739,10 +741,11 @@ fn time_planning(
     let planning_s = number(&report, "planning_time_s")?;
     let fraction_of_bound = number(&report["written_plan"], "fraction_of_bound")?;
     let expert_fraction_of_bound = report["expert_layout"]["fraction_of_bound"].as_f64();
+    let folded = report["folded"].as_u64().unwrap_or(1);
     let expert =
         expert_fraction_of_bound.map_or("none fits".to_string(), |f| format!("{:.1} %", f * 100.0));
     println!(
-        "planning {devices} devices of {} kinds ({nodes} nodes), {} {}: {planning_s:.3} s in the planner, {command_s:.3} s for the whole command; the written plan at {:.1} % of the bound, the expert layout at {expert}",
+        "planning {devices} devices of {} kinds ({nodes} nodes, searched on one of {folded} alike copies), {} {}: {planning_s:.3} s in the planner, {command_s:.3} s for the whole command; the written plan at {:.1} % of the bound, the expert layout at {expert}",
         kinds.len(),
         model_flags.join(" "),
         extra.join(" "),
@@ -753,6 +756,7 @@ fn time_planning(
         command_s,
         fraction_of_bound,
         expert_fraction_of_bound,
+        folded,
     })
 }
 
@@ -795,6 +799,7 @@ pub fn planner(root: &Path) -> Result<()> {
             "llama_70b_131072_devices_command_s": huge.command_s,
             "llama_70b_131072_devices_fraction_of_bound": huge.fraction_of_bound,
             "llama_70b_131072_devices_expert_fraction_of_bound": huge.expert_fraction_of_bound,
+            "llama_70b_131072_devices_folded": huge.folded,
         }),
     )?;
     Ok(())
