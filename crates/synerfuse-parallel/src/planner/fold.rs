@@ -155,8 +155,9 @@ pub(super) struct PooledShape {
 }
 
 /// The per-replica search and the expert's layouts of `fold`'s copy, each laid out on
-/// the whole cluster (searched whole where the copy has none: a fold prices sharded
-/// state over fewer holders, so a copy may miss what fits the whole).
+/// the whole cluster (searched whole where the copy has none, or its choice does not
+/// lay out on the whole: a fold prices sharded state over fewer holders, and the
+/// expert's depth by it).
 pub(super) fn per_replica_plans(
     cost: &CostModel,
     request: &PlanRequest,
@@ -170,10 +171,18 @@ pub(super) fn per_replica_plans(
             };
             plan_pooled_options(cost, request, Some(&shape))?
         }
+        None => None,
+    };
+    let pooled = match pooled {
+        Some(found) => Some(found),
         None => plan_pooled_options(cost, request, None)?,
     };
     let expert = match best_expert(&fold.cost, &fold.request, None)? {
         Some(e) => best_expert(cost, request, Some(&e))?,
+        None => None,
+    };
+    let expert = match expert {
+        Some(found) => Some(found),
         None => best_expert(cost, request, None)?,
     };
     Ok((pooled, expert))

@@ -122,7 +122,7 @@ impl Search {
                 origin,
                 groups: match ctx.groups.iter().any(|g| g.size() > 1) {
                     true => ctx.groups.clone(),
-                    false => Vec::new(),
+                    false => Default::default(),
                 },
             }),
             Err(v) => self.note(v),
@@ -365,7 +365,12 @@ pub(super) fn retime_front(
             .or_insert_with(|| candidate_ctx(variant, c));
         c.prediction = simulate_candidate(ctx, c)?;
     }
-    front.sort_by(by_time);
+    // Simulated first: a closed form may be optimistic.
+    front.sort_by(|a, b| {
+        (!a.prediction.simulated)
+            .cmp(&!b.prediction.simulated)
+            .then_with(|| by_time(a, b))
+    });
     let uniform: Vec<Candidate> = (front.iter())
         .filter(|c| c.origin == CandidateOrigin::Uniform)
         .cloned()

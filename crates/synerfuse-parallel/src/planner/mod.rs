@@ -77,11 +77,17 @@ fn plan_folding_above(
         Some(fold) => fold::grid_shapes(fold)?,
         None => None,
     };
+    let mut found = search_grids(cost, request, only.as_ref())?;
+    if only.is_some() && found.candidates.is_empty() {
+        // The copy prices sharded state over fewer holders: what it chose may not be
+        // what fits the whole.
+        found = search_grids(cost, request, None)?;
+    }
     let GridsFound {
         candidates,
         considered,
         closest,
-    } = search_grids(cost, request, only.as_ref())?;
+    } = found;
     let variants: Vec<(TrainOptions, CostModel)> = (request.grid_options().into_iter())
         .map(|options| (options, options.cost(cost)))
         .collect();
@@ -193,12 +199,14 @@ fn search_grids(
             options.recompute == Recompute::Never,
         );
         let unsharded = bound(Recompute::Never, false);
-        let search = if options.recompute == Recompute::WhereNeeded
+        // Shapes a folded cluster's copy chose are laid out as chosen.
+        let search = if only.is_none()
+            && options.recompute == Recompute::WhereNeeded
             && bound(Recompute::Never, d) == Some(false)
         {
             // Recomputation only saves memory at a cost in time: tried where memory bound.
             Search::default()
-        } else if plain && d && unsharded == Some(false) {
+        } else if only.is_none() && plain && d && unsharded == Some(false) {
             // Sharding saves memory and the optimizer's time: where memory did not bind,
             // the same layouts re-priced (nothing to gain where the optimizer is unpriced).
             match optimizer_priced {

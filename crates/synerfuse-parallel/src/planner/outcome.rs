@@ -16,7 +16,7 @@ pub enum Arrangement {
 pub struct Candidate {
     /// How devices were arranged.
     pub arrangement: Arrangement,
-    /// Device index of (stage, replica).
+    /// Unit of (stage, replica): a device index, or an index into `groups`.
     pub devices: Vec<Vec<usize>>,
     /// Layers per stage.
     pub layers: Vec<usize>,
@@ -33,8 +33,9 @@ pub struct Candidate {
     /// Whether (stage, replica) recomputes its activations.
     pub recompute: Grid<bool>,
     /// What each unit of `devices` is, a tensor-parallel group of one node (even shares,
-    /// as Megatron splits); empty: each unit is the device of that index.
-    pub groups: Vec<TpGroup>,
+    /// as Megatron splits); empty: each unit is the device of that index. Shared by the
+    /// candidates of one search.
+    pub groups: std::sync::Arc<Vec<TpGroup>>,
 }
 
 impl Candidate {
@@ -113,7 +114,8 @@ pub struct PlanOutcome {
     /// Every feasible even layout considered (each factorization, arrangement and
     /// micro-batch size once), predicted fastest first: the baselines a benchmark runs
     /// to measure the best one rather than trust the prediction (simulated, past the
-    /// best few, while their ranks add up to 16,384; the others in closed form).
+    /// best few, while their ranks add up to 16,384; the others in closed form; on a
+    /// folded cluster, those of the grids chosen on its copy).
     pub uniform_layouts: Vec<Candidate>,
     /// The best plan whose replicas are pipelines of their own shape (devices, or
     /// tensor-parallel groups of a node, pooled by class), when one fits: `synerfuse

@@ -11,14 +11,15 @@ use crate::cluster::Device;
 use crate::cost::{CostModel, Recompute, StageCosts, StageHolding};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::sync::Arc;
 
 pub(super) struct Ctx<'a> {
     pub(super) cost: &'a CostModel,
     /// Per unit (a device, or a tensor-parallel group), the device that stands for it in
     /// sends and reports: its first member.
     pub(super) devices: Vec<Device>,
-    /// Per unit, its devices and shares.
-    pub(super) groups: Vec<TpGroup>,
+    /// Per unit, its devices and shares (shared with the candidates priced on them).
+    pub(super) groups: Arc<Vec<TpGroup>>,
     /// Per unit, an id shared by the units of the same member classes and shares.
     pub(super) classes: Vec<usize>,
     /// The cluster's devices.
@@ -42,7 +43,7 @@ impl<'a> Ctx<'a> {
     /// Every device a unit of its own, in the cluster's order.
     pub(super) fn new(cost: &'a CostModel) -> Self {
         let devices = cost.cluster.devices();
-        let groups = (0..devices.len()).map(TpGroup::single).collect();
+        let groups: Vec<TpGroup> = (0..devices.len()).map(TpGroup::single).collect();
         Self::with_groups(cost, devices, groups)
     }
 
@@ -68,7 +69,12 @@ impl<'a> Ctx<'a> {
         )
     }
 
-    pub(super) fn with_groups(cost: &'a CostModel, all: Vec<Device>, groups: Vec<TpGroup>) -> Self {
+    pub(super) fn with_groups(
+        cost: &'a CostModel,
+        all: Vec<Device>,
+        groups: impl Into<Arc<Vec<TpGroup>>>,
+    ) -> Self {
+        let groups: Arc<Vec<TpGroup>> = groups.into();
         // A unit's class: its members' classes and its shares.
         type UnitClass = (Vec<(usize, u64)>, Vec<u32>);
         let mut ids: HashMap<UnitClass, usize> = HashMap::new();

@@ -97,9 +97,10 @@ pub fn timeline(cost: &CostModel, candidate: &Candidate) -> Result<Timeline, Pla
     let layers: Vec<String> = candidate.layers.iter().map(usize::to_string).collect();
     Ok(Timeline {
         title: format!(
-            "predicted: pp {} x dp {}, layers [{}], {}, step {:.4} s",
+            "predicted: pp {} x dp {} (tp {}), layers [{}], {}, step {:.4} s",
             candidate.layers.len(),
             candidate.micro_batches.len(),
+            candidate.tensor_parallel_size(),
             layers.join(", "),
             candidate.micro_batch_size_text(),
             prediction.step_time_s
@@ -118,7 +119,7 @@ pub(super) fn simulate_pools(
 ) -> Result<(PooledCandidate, Vec<RankTimeline>), PlanningError> {
     let mut candidate = PooledCandidate {
         pools,
-        groups: ctx.groups.clone(),
+        groups: ctx.groups.to_vec(),
         recompute: Vec::new(),
         options: TrainOptions {
             recompute: ctx.cost.recompute,

@@ -140,7 +140,7 @@ pub(super) fn plan_pooled_noting_memory(
         match align(&device_sets(&ctx, &units), &kinds) {
             Some(order) => {
                 let units = order.into_iter().map(|k| units[k].clone()).collect();
-                aligned.push((t, ctx.groups, units));
+                aligned.push((t, std::sync::Arc::unwrap_or_clone(ctx.groups), units));
             }
             None => {
                 let found = plan_units(&mut ctx, global_batch, sizes, t > 1, only)?;
@@ -605,8 +605,9 @@ pub(super) fn moves(ctx: &mut Ctx<'_>, layouts: &[PoolLayout]) -> Result<Vec<Mov
         times.push((t, c));
     }
     let from = slowest.0;
-    // Receivers of one pool whose pipelines take the same time before and after the
-    // micro-batch are the same move (counts move no parameters): tried once.
+    // Receivers of one pool with the same count whose pipelines take the same time
+    // before and after the micro-batch are the same move (counts move no parameters):
+    // tried once.
     let mut seen = std::collections::HashSet::new();
     for (k, pool) in layouts.iter().enumerate() {
         if pool.micro_batch_size != layouts[from.0].micro_batch_size {
@@ -615,7 +616,7 @@ pub(super) fn moves(ctx: &mut Ctx<'_>, layouts: &[PoolLayout]) -> Result<Vec<Mov
         let (t, c) = &times[k];
         for (r, &m) in pool.micro_batches.iter().enumerate() {
             let key = (
-                k,
+                (k, m),
                 pipeline_time(t, c, r, m).to_bits(),
                 pipeline_time(t, c, r, m + 1).to_bits(),
             );
