@@ -82,7 +82,9 @@ fn a_rank_slowing_down_for_good_is_noticed_once_and_a_short_slowdown_is_not() {
     let slower = slowdowns(&found);
     assert_eq!(slower.len(), 1, "{found:?}\n{stderr}");
     let (rank, iteration, speed) = slower[0];
-    assert_eq!((rank, iteration), (1, 21), "{found:?}");
+    // A noisy step just before the change (iteration 15, slower by chance) can complete
+    // the window one step early (seen once in CI on a loaded machine).
+    assert!(rank == 1 && (20..=21).contains(&iteration), "{found:?}");
     assert!((0.1..0.45).contains(&speed), "about 0.25: {found:?}");
     assert!(
         stderr.contains("from iteration 16 this rank runs at 0.125x"),
