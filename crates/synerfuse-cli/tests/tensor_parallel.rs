@@ -3,6 +3,7 @@
 //! and resuming a tensor-parallel checkpoint on one rank.
 
 mod support;
+use std::path::{Path, PathBuf};
 use support::*;
 
 /// A `[[replica]]` plan file `name.toml` in `dir` with the given text; returns its path.
@@ -310,23 +311,7 @@ fn planned_per_kind_pipelines_with_tp_2_match_a_single_rank() {
         ));
     }
     cluster.push_str("[network]\nintra_node_gbs = 5\ninter_node_gbs = 5\n");
-    let cluster_path = d.join("cluster.toml");
-    std::fs::write(&cluster_path, cluster).unwrap();
-    let plan = d.join("plan.toml");
-    let mut args = vec![
-        "--cluster",
-        cluster_path.to_str().unwrap(),
-        "--global-batch-size",
-        "6",
-        "--recompute-activations",
-        "off",
-        "--use-distributed-optimizer",
-        "off",
-        "--output",
-        plan.to_str().unwrap(),
-    ];
-    args.extend(PLAN_MODEL);
-    let j = plan_json(&args);
+    let (j, plan) = plan_on(d, &cluster, &[]);
     assert_eq!(j["written_plan"]["kind"], "per_replica_pipelines", "{j}");
     let pools = j["per_replica_pipelines"]["pools"].as_array().unwrap();
     let shapes: Vec<(u64, u64)> = (pools.iter())
@@ -343,18 +328,55 @@ fn planned_per_kind_pipelines_with_tp_2_match_a_single_rank() {
             <= expert["predicted_step_time_s"].as_f64().unwrap(),
         "{j}"
     );
+    let (losses, params) = trains_like_one_rank(d, &data, (&j, &plan), 6);
+    println!("per-kind pipelines, TP 2: losses {losses:.2e}, parameters {params:.2e}");
+}
+
+/// `synerfuse plan --json` for the model on `cluster` (written under `d`), global batch 6,
+/// neither recomputation nor the distributed optimizer, with `extra` flags: its report
+/// and the plan file it wrote.
+fn plan_on(d: &Path, cluster: &str, extra: &[&str]) -> (serde_json::Value, PathBuf) {
+    let cluster_path = d.join("cluster.toml");
+    std::fs::write(&cluster_path, cluster).unwrap();
+    let plan = d.join("plan.toml");
+    let mut args = vec![
+        "--cluster",
+        cluster_path.to_str().unwrap(),
+        "--global-batch-size",
+        "6",
+        "--recompute-activations",
+        "off",
+        "--use-distributed-optimizer",
+        "off",
+        "--output",
+        plan.to_str().unwrap(),
+    ];
+    args.extend(extra);
+    args.extend(PLAN_MODEL);
+    (plan_json(&args), plan)
+}
+
+/// Trains the written `plan` on `nproc` ranks with the report's `train_flags` and one
+/// rank alike; asserts they agree, and returns the largest loss and parameter gaps.
+fn trains_like_one_rank(
+    d: &Path,
+    data: &Path,
+    (j, plan): (&serde_json::Value, &Path),
+    nproc: usize,
+) -> (f64, f64) {
     let flags = j["written_plan"]["train_flags"].as_array().unwrap();
-    let (ref_losses, ref_params) = run(d, &data, "single", &["--micro-batch-size", "1"]);
-    let mut extra = vec!["--nproc", "6", "--plan", plan.to_str().unwrap()];
+    let (ref_losses, ref_params) = run(d, data, "single", &["--micro-batch-size", "1"]);
+    let nproc = nproc.to_string();
+    let mut extra = vec!["--nproc", &nproc, "--plan", plan.to_str().unwrap()];
     extra.extend(flags.iter().map(|f| f.as_str().unwrap()));
-    let (losses, params) = run(d, &data, "per-kind-tp", &extra);
+    let (losses, params) = run(d, data, "planned", &extra);
     let loss_diff = max_rel_loss_diff(&ref_losses, &losses);
     let param_diff = max_param_diff(&ref_params, &params);
-    println!("per-kind pipelines, TP 2: losses {loss_diff:.2e}, parameters {param_diff:.2e}");
     assert!(
         loss_diff < 1e-5 && param_diff < 1e-5,
         "losses {losses:?} vs {ref_losses:?}, parameters {param_diff:e}"
     );
+    (loss_diff, param_diff)
 }
 
 /// A tensor-parallel run stopped at iteration 3 resumes on one rank, and a one-rank run
@@ -498,41 +520,13 @@ fn a_planned_tensor_parallel_grid_matches_a_single_rank() {
         ));
     }
     cluster.push_str("[network]\nintra_node_gbs = 5\ninter_node_gbs = 1\n");
-    let cluster_path = d.join("cluster.toml");
-    std::fs::write(&cluster_path, cluster).unwrap();
-    let plan = d.join("plan.toml");
-    let mut args = vec![
-        "--cluster",
-        cluster_path.to_str().unwrap(),
-        "--global-batch-size",
-        "6",
-        "--tensor-model-parallel-sizes",
-        "2",
-        "--recompute-activations",
-        "off",
-        "--use-distributed-optimizer",
-        "off",
-        "--output",
-        plan.to_str().unwrap(),
-    ];
-    args.extend(PLAN_MODEL);
-    let j = plan_json(&args);
+    let (j, plan) = plan_on(d, &cluster, &["--tensor-model-parallel-sizes", "2"]);
     assert_eq!(j["written_plan"]["kind"], "grid", "{j}");
     assert_eq!(j["tensor_parallel_size"], 2, "{j}");
     let flags = j["synerfuse_flags"].as_str().unwrap();
     assert!(flags.contains("--tensor-model-parallel-size 2"), "{flags}");
     let written = std::fs::read_to_string(&plan).unwrap();
     assert!(written.contains("tp = [2"), "{written}");
-    let train_flags = j["written_plan"]["train_flags"].as_array().unwrap();
-    let (ref_losses, ref_params) = run(d, &data, "single", &["--micro-batch-size", "1"]);
-    let mut extra = vec!["--nproc", "4", "--plan", plan.to_str().unwrap()];
-    extra.extend(train_flags.iter().map(|f| f.as_str().unwrap()));
-    let (losses, params) = run(d, &data, "grid-tp", &extra);
-    let loss_diff = max_rel_loss_diff(&ref_losses, &losses);
-    let param_diff = max_param_diff(&ref_params, &params);
-    println!("planned grid, TP 2: losses {loss_diff:.2e}, parameters {param_diff:.2e}");
-    assert!(
-        loss_diff < 1e-5 && param_diff < 1e-5,
-        "losses {losses:?} vs {ref_losses:?}, parameters {param_diff:e}"
-    );
+    let (losses, params) = trains_like_one_rank(d, &data, (&j, &plan), 4);
+    println!("planned grid, TP 2: losses {losses:.2e}, parameters {params:.2e}");
 }

@@ -310,6 +310,21 @@ impl Device {
     }
 }
 
+impl DeviceGroup {
+    /// Its numbers beside the kind, as bits: groups of one kind and numbers are alike
+    /// (the planner prices and pools their devices once).
+    pub fn numbers(&self) -> [Option<u64>; 5] {
+        let numbers = [
+            self.tflops_bf16,
+            self.memory_gb,
+            self.mem_bw_gbs,
+            self.efficiency,
+            self.speed,
+        ];
+        numbers.map(|x| x.map(f64::to_bits))
+    }
+}
+
 impl ClusterSpec {
     /// Parses and checks a cluster file.
     pub fn from_toml(text: &str) -> Result<Self, ClusterError> {
@@ -395,14 +410,7 @@ impl ClusterSpec {
         // Groups are alike when all but the count and the node agree.
         let mut first_alike: HashMap<(&str, [Option<u64>; 5]), usize> = HashMap::new();
         for (gi, g) in self.group.iter().enumerate() {
-            let numbers = [
-                g.tflops_bf16,
-                g.memory_gb,
-                g.mem_bw_gbs,
-                g.efficiency,
-                g.speed,
-            ];
-            let key = (g.kind.as_str(), numbers.map(|x| x.map(f64::to_bits)));
+            let key = (g.kind.as_str(), g.numbers());
             let class_group = *first_alike.entry(key).or_insert(gi);
             let base = catalogue(&g.kind);
             let spec = match (base, g.kind.as_str()) {

@@ -95,18 +95,7 @@ fn node_kinds(cluster: &ClusterSpec) -> Vec<Vec<Vec<usize>>> {
     type GroupKey = (String, usize, [Option<u64>; 5]);
     let key = |i: usize| -> GroupKey {
         let g = &cluster.group[i];
-        let numbers = [
-            g.tflops_bf16,
-            g.memory_gb,
-            g.mem_bw_gbs,
-            g.efficiency,
-            g.speed,
-        ];
-        (
-            g.kind.clone(),
-            g.count,
-            numbers.map(|x| x.map(f64::to_bits)),
-        )
+        (g.kind.clone(), g.count, g.numbers())
     };
     let mut kinds: Vec<Vec<Vec<usize>>> = Vec::new();
     let mut kind_of: HashMap<Vec<GroupKey>, usize> = HashMap::new();
