@@ -13,7 +13,7 @@ use super::{
     plan_pooled_options,
     pooled::PoolShape,
     request::{micro_batch_sizes, PlanRequest},
-    search_grids,
+    search_grids, variants,
 };
 use crate::cluster::ClusterSpec;
 use crate::cost::{CostModel, Recompute};
@@ -55,15 +55,13 @@ pub(super) fn fold(cost: &CostModel, request: &PlanRequest, above: usize) -> Opt
         .rev()
         .filter(|f| common % f == 0)
         .find(|&f| keeps_choices(cost, request, &counts, f))?;
-    let kept: Vec<usize> = (nodes.iter())
+    // The first 1/factor of each kind's nodes, their groups in the cluster's order.
+    let mut kept: Vec<usize> = (nodes.iter())
         .flat_map(|kind| kind[..kind.len() / factor].iter().flatten().copied())
         .collect();
-    let mut kept_groups = kept;
-    kept_groups.sort_unstable();
+    kept.sort_unstable();
     let folded = ClusterSpec {
-        group: (kept_groups.iter())
-            .map(|&i| cluster.group[i].clone())
-            .collect(),
+        group: (kept.iter()).map(|&i| cluster.group[i].clone()).collect(),
         ..cluster.clone()
     };
     Some(Fold {
@@ -190,13 +188,11 @@ pub(super) struct GridShape {
 /// cluster's are) and of its best even layout; `None` (search every grid) where the
 /// copy has none.
 pub(super) fn grid_shapes(fold: &Fold) -> Result<Option<HashSet<GridShape>>, PlanningError> {
-    let found = search_grids(&fold.cost, &fold.request, None)?;
+    let variants = variants(&fold.cost, &fold.request);
+    let found = search_grids(&fold.cost, &variants, &fold.request, None)?;
     if found.candidates.is_empty() {
         return Ok(None);
     }
-    let variants: Vec<_> = (fold.request.grid_options().into_iter())
-        .map(|options| (options, options.cost(&fold.cost)))
-        .collect();
     let keep = fold.request.top_k.max(1);
     let (plans, uniform) = retime_front(&variants, found.candidates, keep)?;
     Ok(Some(

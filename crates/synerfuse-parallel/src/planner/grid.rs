@@ -120,7 +120,8 @@ impl Search {
                 micro_batches,
                 prediction,
                 origin,
-                groups: match ctx.groups.iter().any(|g| g.size() > 1) {
+                // A grid's units are all of one size.
+                groups: match ctx.groups.first().is_some_and(|g| g.size() > 1) {
                     true => ctx.groups.clone(),
                     false => Default::default(),
                 },

@@ -77,20 +77,18 @@ fn plan_folding_above(
         Some(fold) => fold::grid_shapes(fold)?,
         None => None,
     };
-    let mut found = search_grids(cost, request, only.as_ref())?;
+    let variants = variants(cost, request);
+    let mut found = search_grids(cost, &variants, request, only.as_ref())?;
     if only.is_some() && found.candidates.is_empty() {
         // The copy prices sharded state over fewer holders: what it chose may not be
         // what fits the whole.
-        found = search_grids(cost, request, None)?;
+        found = search_grids(cost, &variants, request, None)?;
     }
     let GridsFound {
         candidates,
         considered,
         closest,
     } = found;
-    let variants: Vec<(TrainOptions, CostModel)> = (request.grid_options().into_iter())
-        .map(|options| (options, options.cost(cost)))
-        .collect();
     // Per-replica pipelines may fit where no grid does (a small device in a pipeline of
     // its own, or a tensor-parallel group).
     // What an expert would write by hand, priced alike: a floor under the written plan.
@@ -165,15 +163,13 @@ struct GridsFound {
 /// with `only`, just those grids.
 fn search_grids(
     cost: &CostModel,
+    variants: &[(TrainOptions, CostModel)],
     request: &PlanRequest,
     only: Option<&HashSet<GridShape>>,
 ) -> Result<GridsFound, PlanningError> {
     let (mut candidates, mut considered) = (Vec::new(), 0);
     let mut closest: Option<Violation> = None;
     let devices = cost.cluster.devices();
-    let variants: Vec<(TrainOptions, CostModel)> = (request.grid_options().into_iter())
-        .map(|options| (options, options.cost(cost)))
-        .collect();
     // Per option and tensor-parallel size, whether memory ruled anything out, and the
     // layouts found without it.
     let mut searched: HashMap<(TrainOptions, usize), (bool, Vec<Candidate>)> = HashMap::new();
@@ -237,6 +233,13 @@ fn search_grids(
         considered,
         closest,
     })
+}
+
+/// `cost` under each option the request's grids are searched with.
+fn variants(cost: &CostModel, request: &PlanRequest) -> Vec<(TrainOptions, CostModel)> {
+    (request.grid_options().into_iter())
+        .map(|options| (options, options.cost(cost)))
+        .collect()
 }
 
 /// The units of a grid of tensor-parallel size `t`: groups of one node's devices with
