@@ -24,6 +24,19 @@ pub struct DistributedOptimizer {
     step: u64,
 }
 
+/// A parameter's elements of this rank's shard: `elements` of its local flattening,
+/// with their fp32 master, `exp_avg` and `exp_avg_sq` (views into the shard).
+pub struct HeldPiece {
+    /// Global name.
+    pub name: String,
+    /// The parameter's shape on this rank (its tensor-parallel slice).
+    pub local_shape: Vec<i64>,
+    /// Which of its flat elements.
+    pub elements: Range<i64>,
+    /// Master, `exp_avg`, `exp_avg_sq`.
+    pub state: [Tensor; 3],
+}
+
 /// One reduction's shard on this rank.
 struct ShardedReduction {
     members: Vec<usize>,
@@ -221,35 +234,49 @@ impl DistributedOptimizer {
         Ok(out)
     }
 
-    /// Restores this rank's shards from whole tensors by name (the parameter's local
-    /// shape): `values` for the masters, `exp_avg` and `exp_avg_sq` for the moments (zero
-    /// where a checkpoint has none).
-    pub fn load(
-        &mut self,
-        values: &dyn Fn(&str) -> Option<Tensor>,
-        exp_avg: &dyn Fn(&str) -> Option<Tensor>,
-        exp_avg_sq: &dyn Fn(&str) -> Option<Tensor>,
-    ) {
-        for r in &mut self.reductions {
-            let [master, m, v] = [values, exp_avg, exp_avg_sq].map(|f| r.shard_of(f));
-            tch::no_grad(|| {
-                if let Some(master) = master {
-                    r.master.copy_(&master);
-                }
-                match m {
-                    Some(m) => r.exp_avg.copy_(&m),
-                    None => {
-                        let _ = r.exp_avg.zero_();
-                    }
-                }
-                match v {
-                    Some(v) => r.exp_avg_sq.copy_(&v),
-                    None => {
-                        let _ = r.exp_avg_sq.zero_();
-                    }
-                }
-            });
+    /// This rank's own elements of every parameter it holds state for: what it writes
+    /// to a checkpoint, without gathering anything.
+    pub fn held_pieces(&self) -> Vec<HeldPiece> {
+        let mut out = Vec::new();
+        for r in &self.reductions {
+            for (i, in_shard, in_param) in r.segments() {
+                let (name, param, ..) = &r.params[i];
+                let length = in_shard.end - in_shard.start;
+                let state = [&r.master, &r.exp_avg, &r.exp_avg_sq]
+                    .map(|t| t.narrow(0, in_shard.start, length));
+                out.push(HeldPiece {
+                    name: name.clone(),
+                    local_shape: param.size(),
+                    elements: in_param,
+                    state,
+                });
+            }
         }
+        out
+    }
+
+    /// Restores this rank's shards piece by piece: `read(name, local shape, elements)`
+    /// gives the fp32 master, `exp_avg` and `exp_avg_sq` of those elements of the
+    /// parameter's local (tensor-parallel) flattening.
+    pub fn load_pieces<E>(
+        &mut self,
+        mut read: impl FnMut(&str, &[i64], Range<i64>) -> Result<[Tensor; 3], E>,
+    ) -> Result<(), E> {
+        for r in &mut self.reductions {
+            for (i, in_shard, in_param) in r.segments() {
+                let (name, param, ..) = &r.params[i];
+                let values = read(name, &param.size(), in_param)?;
+                let length = in_shard.end - in_shard.start;
+                for (mut to, from) in [&r.master, &r.exp_avg, &r.exp_avg_sq]
+                    .map(|t| t.narrow(0, in_shard.start, length))
+                    .into_iter()
+                    .zip(values)
+                {
+                    tch::no_grad(|| to.copy_(&from.reshape([-1]).to_device(to.device())));
+                }
+            }
+        }
+        Ok(())
     }
 }
 

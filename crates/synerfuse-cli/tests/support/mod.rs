@@ -228,24 +228,18 @@ pub fn losses(path: &Path) -> Vec<f64> {
         .collect()
 }
 
-/// Every parameter of the newest checkpoint in `save`, by name.
+/// Every parameter of the newest checkpoint in `save`, by name, assembled from
+/// whichever ranks' pieces hold it.
 pub fn parameters(save: &Path) -> BTreeMap<String, Tensor> {
-    let iteration = std::fs::read_to_string(save.join("latest")).expect("latest");
-    let dir = save.join(format!(
-        "iter_{:07}",
-        iteration.trim().parse::<u64>().unwrap()
-    ));
-    let mut out = BTreeMap::new();
-    for entry in std::fs::read_dir(&dir).unwrap() {
-        let path = entry.unwrap().path();
-        let name = path.file_name().unwrap().to_string_lossy().into_owned();
-        if name.starts_with("model-") {
-            for (n, t) in synerfuse_model::hf::read_safetensors(&path, |_| true).unwrap() {
-                assert!(out.insert(n.clone(), t).is_none(), "{n} stored twice");
-            }
-        }
-    }
-    out
+    let checkpoint = synerfuse_train::checkpoint::Checkpoint::open_latest(save)
+        .expect("readable checkpoint")
+        .expect("a checkpoint");
+    (checkpoint.parameter_names().into_iter())
+        .map(|name| {
+            let t = checkpoint.tensor(&name).expect("stored");
+            (name, t)
+        })
+        .collect()
 }
 
 pub fn max_param_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f64 {

@@ -7,7 +7,7 @@
 //! tokens of the step, so each gradient segment's reduction over its holders is a plain
 //! sum (ARCHITECTURE.md, "How a training step runs").
 
-use crate::checkpoint::{self, Checkpoint, CheckpointState, StateSource};
+use crate::checkpoint::{self, Checkpoint};
 use crate::comm::{GroupCommunicator, MpiCommunicator, PipelineLinks, SetGroups};
 use crate::emulation::Emulation;
 use crate::grads::{MainGrads, EMBEDDING};
@@ -22,7 +22,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::Instant;
 use synerfuse_data::gpt::SampleOptions;
-use synerfuse_model::tch::{self, Device, Kind, Tensor};
+use synerfuse_model::tch::{Device, Kind, Tensor};
 use synerfuse_model::{DeviceRequest, ResolveDevice, Stage};
 use synerfuse_parallel::timeline::{Span, SpanKind};
 use synerfuse_parallel::{GradientReduction, Instruction};
@@ -31,6 +31,7 @@ mod config;
 mod eval;
 mod evaluation;
 mod report;
+mod save;
 mod switch;
 
 pub use config::{
@@ -577,93 +578,6 @@ impl<'w> Trainer<'w> {
         }
     }
 
-    /// Takes this rank's parameters, moments and the run's position from `source`, by
-    /// global name (whatever plan wrote them).
-    fn restore(&mut self, source: &dyn StateSource) -> Result<(), TrainError> {
-        let sharded = (self.zero.as_ref())
-            .map(DistributedOptimizer::names)
-            .unwrap_or_default();
-        let names: Vec<String> = (self.optimizer.names().map(str::to_owned))
-            .chain(sharded.iter().cloned())
-            .collect();
-        let values = source.tensors("model-", &names)?;
-        let moment_names: Vec<String> = names
-            .iter()
-            .flat_map(|n| [format!("{n}.exp_avg"), format!("{n}.exp_avg_sq")])
-            .collect();
-        let moments = source.tensors("optimizer-", &moment_names)?;
-        // Tensors are stored whole by global name; a tensor-parallel shard takes its slice
-        // of a tensor of the whole shape (another model's tensor is refused, not cut).
-        let stage = &self.chunks[0];
-        let local_shapes: BTreeMap<String, Vec<i64>> = (self.chunks.iter())
-            .flat_map(|c| c.var_store().variables())
-            .map(|(name, t)| (name, t.size()))
-            .collect();
-        let slice = |t: &Tensor, name: &str| -> Result<Tensor, TrainError> {
-            let local = local_shapes.get(name).map_or(&[][..], Vec::as_slice);
-            let expected = stage.whole_shape(name, local);
-            if !local.is_empty() && t.size() != expected {
-                let shape = checkpoint::CheckpointProblem::Shape {
-                    name: name.to_owned(),
-                    found: t.size(),
-                    expected,
-                };
-                return Err(checkpoint::problem_at(source.origin(), shape));
-            }
-            Ok(stage.local_slice(name, t))
-        };
-        let mut restored: BTreeMap<String, [Option<Tensor>; 3]> = BTreeMap::new();
-        for name in &names {
-            let moment = |which: &str| {
-                (moments.get(&format!("{name}.{which}")))
-                    .map(|t| slice(t, name))
-                    .transpose()
-            };
-            let (exp_avg, exp_avg_sq) = (moment("exp_avg")?, moment("exp_avg_sq")?);
-            let value = slice(&values[name], name)?;
-            if sharded.contains(name) {
-                // The parameter itself here; its master and moments in the shards below.
-                let local = local_shapes.get(name).cloned().unwrap_or_default();
-                if value.size() != local {
-                    let shape = checkpoint::CheckpointProblem::Shape {
-                        name: name.clone(),
-                        found: value.size(),
-                        expected: local,
-                    };
-                    return Err(checkpoint::problem_at(source.origin(), shape));
-                }
-                restored.insert(name.clone(), [Some(value), exp_avg, exp_avg_sq]);
-                continue;
-            }
-            self.optimizer
-                .load_param(name, &value, exp_avg.as_ref(), exp_avg_sq.as_ref())
-                .map_err(|e| checkpoint::problem_at(source.origin(), e))?;
-        }
-        let state = source.state();
-        self.optimizer.set_steps(state.optimizer_steps);
-        if let Some(zero) = &mut self.zero {
-            for (name, mut param) in self.chunks.iter().flat_map(|c| c.var_store().variables()) {
-                if let Some([Some(value), ..]) = restored.get(&name) {
-                    tch::no_grad(|| param.copy_(&value.to_kind(param.kind())));
-                }
-            }
-            let get = |i: usize| {
-                let restored = &restored;
-                move |name: &str| {
-                    restored
-                        .get(name)
-                        .and_then(|t| t[i].as_ref().map(Tensor::shallow_clone))
-                }
-            };
-            zero.load(&get(0), &get(1), &get(2));
-            zero.set_steps(state.optimizer_steps);
-        }
-        self.iteration = state.iteration;
-        self.consumed_samples = state.consumed_samples;
-        tch::manual_seed(state.rng_seed as i64);
-        Ok(())
-    }
-
     /// The communicator of this rank's tensor-parallel group, if its stage has one (its
     /// members in tensor-parallel order, which sequence parallelism's rows follow).
     fn tp_communicator<'g>(
@@ -1037,56 +951,6 @@ impl<'w> Trainer<'w> {
         Ok((grads, norm_sq.double_value(&[0]).sqrt()))
     }
 
-    /// Writes a checkpoint of the current iteration (collective).
-    pub fn save(&mut self) -> Result<PathBuf, TrainError> {
-        let save = self
-            .config
-            .checkpoint
-            .save
-            .clone()
-            .ok_or(TrainError::NoSaveDir)?;
-        let rank = self.world.rank();
-        if rank == 0 {
-            checkpoint::prepare(&save, self.iteration)?;
-        }
-        self.world.barrier();
-        // The distributed optimizer's shards, whole again (collective over its holders).
-        let sharded = match &self.zero {
-            Some(zero) => zero.gather_state(&self.groups)?,
-            None => Vec::new(),
-        };
-        if self.replica == 0 {
-            self.write_shard(&save, &sharded)?;
-        }
-        self.world.barrier();
-        let dir = save.join(checkpoint::iteration_dir(self.iteration));
-        if rank == 0 {
-            checkpoint::commit(&save, &self.checkpoint_state())?;
-            tracing::info!(
-                "saved checkpoint {} (iteration {})",
-                dir.display(),
-                self.iteration
-            );
-        }
-        self.world.barrier();
-        Ok(dir)
-    }
-
-    /// Where the run is, as a checkpoint records it.
-    fn checkpoint_state(&self) -> CheckpointState {
-        CheckpointState {
-            iteration: self.iteration,
-            consumed_samples: self.consumed_samples,
-            optimizer_steps: self.optimizer.steps(),
-            seed: self.config.batch.seed,
-            rng_seed: self.config.batch.seed.wrapping_add(self.iteration),
-            model: serde_json::from_str(&self.config.model.to_hf_json())
-                .unwrap_or(serde_json::Value::Null),
-            plan: self.config.parallel.plan.clone(),
-            bf16: self.config.compute.bf16,
-        }
-    }
-
     /// This stage's parameters (fp32) and AdamW moments by name, `[value, exp_avg,
     /// exp_avg_sq]`, whole: a tensor-parallel group's shards gathered (collective over
     /// it), whole on its rank 0; the last stage's copy of a tied embedding left out.
@@ -1117,32 +981,5 @@ impl<'w> Trainer<'w> {
             out.push((name.to_owned(), [value, whole(name, m)?, whole(name, v)?]));
         }
         Ok(out)
-    }
-
-    /// This stage's parameters and AdamW moments, whole (a tensor-parallel group's
-    /// shards gathered to its rank 0, which writes), into the staging directory.
-    fn write_shard(
-        &self,
-        save: &std::path::Path,
-        sharded: &[(String, [Tensor; 3])],
-    ) -> Result<(), TrainError> {
-        let state = self.whole_state(sharded)?;
-        if self.chunks[0].shard().rank != 0 {
-            return Ok(());
-        }
-        let mut params = Vec::new();
-        let mut moments = Vec::new();
-        for (name, [value, m, v]) in state {
-            moments.push((format!("{name}.exp_avg"), m));
-            moments.push((format!("{name}.exp_avg_sq"), v));
-            params.push((name, value));
-        }
-        checkpoint::write_shard(
-            &checkpoint::staging_dir(save, self.iteration),
-            self.stage_index,
-            self.num_stages,
-            &params,
-            &moments,
-        )
     }
 }

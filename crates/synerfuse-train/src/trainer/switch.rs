@@ -7,7 +7,8 @@
 
 use super::report::StepLog;
 use super::Trainer;
-use crate::checkpoint::{CheckpointProblem, CheckpointState, StateSource};
+use crate::checkpoint::region::{CopyOp, Region};
+use crate::checkpoint::{self, CheckpointProblem, CheckpointState, StateSource};
 use crate::comm::groups::RankDevice;
 use crate::replan::{
     RecentSteps, ReplanCause, ReplanDecision, ReplanMode, SpeedWatch, SwitchOutcome,
@@ -63,24 +64,41 @@ struct MovedState {
 }
 
 impl StateSource for MovedState {
-    fn tensors(
-        &self,
-        prefix: &str,
-        names: &[String],
-    ) -> Result<HashMap<String, Tensor>, TrainError> {
-        // Parameters by their names, moments by `NAME.exp_avg` and `NAME.exp_avg_sq`.
-        let mut found = HashMap::with_capacity(names.len());
-        for name in names {
-            let Some(t) = self.tensors.get(name) else {
-                let missing = CheckpointProblem::MissingTensor {
-                    prefix: prefix.to_owned(),
-                    name: name.clone(),
-                };
-                return Err(crate::checkpoint::problem_at(&self.origin, missing));
+    fn read(&self, name: &str, shape: &[i64], region: &Region) -> Result<Tensor, TrainError> {
+        let Some(whole) = self.tensors.get(name) else {
+            let prefix = match name.ends_with(".exp_avg") || name.ends_with(".exp_avg_sq") {
+                true => "optimizer-",
+                false => "model-",
             };
-            found.insert(name.clone(), t.shallow_clone());
+            let missing = CheckpointProblem::MissingTensor {
+                prefix: prefix.to_owned(),
+                name: name.to_owned(),
+            };
+            return Err(checkpoint::problem_at(&self.origin, missing));
+        };
+        if whole.size() != shape {
+            let problem = CheckpointProblem::Shape {
+                name: name.to_owned(),
+                found: whole.size(),
+                expected: shape.to_vec(),
+            };
+            return Err(checkpoint::problem_at(&self.origin, problem));
         }
-        Ok(found)
+        let flat = whole.reshape([-1]);
+        let target = Tensor::zeros([region.len()], (Kind::Float, Device::Cpu));
+        let mut covered = 0;
+        for op in Region::whole(shape).copies_into(region, shape) {
+            let span = op.source_span();
+            let source = flat.narrow(0, span.start, span.end - span.start);
+            let op = CopyOp {
+                source: (0, op.source.1),
+                ..op
+            };
+            checkpoint::copy_block(&source, &target, &op);
+            covered += op.len();
+        }
+        checkpoint::check_coverage(name, covered, region.len(), &self.origin)?;
+        Ok(target)
     }
 
     fn state(&self) -> &CheckpointState {
@@ -285,7 +303,7 @@ impl<'w> Trainer<'w> {
     }
 
     /// The largest `value` over the world. Collective.
-    fn world_max(&self, value: f64) -> Result<f64, TrainError> {
+    pub(super) fn world_max(&self, value: f64) -> Result<f64, TrainError> {
         let all = self.world.all_gather(&Tensor::from_slice(&[value]))?;
         let all = Vec::<f64>::try_from(all.flatten(0, -1)).unwrap_or_default();
         Ok(all.into_iter().fold(value, f64::max))

@@ -1,0 +1,695 @@
+//! Layout-independent checkpoints, written by every rank in parallel.
+//!
+//! ```text
+//! SAVE/
+//!   latest                                   the iteration of the newest complete checkpoint
+//!   iter_0000100/
+//!     model-rank00000.safetensors            each rank's pieces of the fp32 parameters
+//!     optimizer-rank00000.safetensors        ... and of `{name}.exp_avg`, `{name}.exp_avg_sq`
+//!     ...                                    (one pair per rank that holds unique state)
+//!     state.json                             iteration, consumed samples, optimizer steps,
+//!                                            seed and RNG, model config, the plan used
+//!     manifest.json                          size and SHA-256 of every file above, and for
+//!                                            every global tensor its shape and pieces:
+//!                                            (rank, file, byte offset, TP slice, flat range)
+//! ```
+//!
+//! Each rank writes what it holds and nothing more: its tensor-parallel slice of every
+//! parameter (replica 0, for the replicated optimizer's state) and its distributed-
+//! optimizer shard of the masters and moments, streamed through one bounded buffer
+//! ([`shard::WRITE_CHUNK_ELEMENTS`]). Tensors are found by global name and element
+//! range, not by file, so a checkpoint loads under any other plan: another pipeline
+//! split, other tensor-parallel sizes or shares, other data-parallel sizes and shards;
+//! a rank reads only the ranges it keeps ([`region`]). A checkpoint is written into
+//! `iter_N.tmp`, each rank's files acknowledged by a manifest fragment, and renamed when
+//! every rank's are in; `latest` is replaced last, so a run killed while saving leaves
+//! the previous checkpoint in force. Checkpoints of format 1 (whole tensors, one file
+//! pair per stage) still load: their tensors are pieces covering the whole.
+
+pub mod region;
+pub mod shard;
+
+use crate::TrainError;
+use region::{CopyOp, Region};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use shard::{Fragment, StoredPiece, StoredTensor, WRITE_CHUNK_ELEMENTS};
+use std::collections::{BTreeMap, HashMap};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use synerfuse_model::tch::{self, Kind, Tensor};
+use synerfuse_model::{LlamaConfig, Stage};
+use synerfuse_parallel::Plan;
+
+/// The name of the file that points at the newest checkpoint.
+pub const LATEST: &str = "latest";
+
+/// What a checkpoint records besides tensors.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointState {
+    /// Iterations completed.
+    pub iteration: u64,
+    /// Samples consumed (the data position).
+    pub consumed_samples: u64,
+    /// AdamW steps taken (bias correction).
+    pub optimizer_steps: u64,
+    /// `--seed` of the run.
+    pub seed: u64,
+    /// The libtorch generator seed the run re-seeds with when resuming (training itself
+    /// draws no random numbers after initialisation: no dropout).
+    pub rng_seed: u64,
+    /// The model, as a Hugging Face `config.json`.
+    pub model: serde_json::Value,
+    /// The plan the checkpoint was written under (older checkpoints stored a grid plan,
+    /// which reads as its general form).
+    pub plan: Plan,
+    /// Whether the run trained in bf16 (parameters are stored in fp32 either way).
+    pub bf16: bool,
+}
+
+/// One file of a checkpoint in the manifest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ManifestEntry {
+    /// Bytes.
+    pub bytes: u64,
+    /// SHA-256, hex.
+    pub sha256: String,
+}
+
+/// The format this version writes (1: whole tensors per stage, without `tensors`).
+pub const FORMAT: u32 = 2;
+
+/// `manifest.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Format version.
+    pub format: u32,
+    /// Every file of the checkpoint directory but the manifest.
+    pub files: BTreeMap<String, ManifestEntry>,
+    /// Every global tensor: its whole shape and the pieces that cover it (format 2).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub tensors: BTreeMap<String, StoredTensor>,
+}
+
+/// The directory name of iteration `iteration`'s checkpoint (Megatron's spelling).
+pub fn iteration_dir(iteration: u64) -> String {
+    format!("iter_{iteration:07}")
+}
+
+/// What is wrong with a checkpoint file or directory.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointProblem {
+    /// It cannot be read or written.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    /// `latest` holds no iteration number.
+    #[error("expected an iteration number, found {0:?}")]
+    BadLatest(String),
+    /// A JSON file of another shape.
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+    /// Neither a `latest` file nor a manifest.
+    #[error("no `latest` file and no manifest.json: not a synerfuse checkpoint")]
+    NotACheckpoint,
+    /// The model configuration stored with the checkpoint.
+    #[error(transparent)]
+    Config(#[from] synerfuse_model::ConfigError),
+    /// Optimizer state that does not fit the model.
+    #[error(transparent)]
+    OptimState(#[from] crate::optim::OptimStateError),
+    /// A tensor of another shape than the model's.
+    #[error("tensor {name} has shape {found:?}, the model expects {expected:?}")]
+    Shape {
+        /// The parameter.
+        name: String,
+        /// Its shape in the checkpoint.
+        found: Vec<i64>,
+        /// The model's.
+        expected: Vec<i64>,
+    },
+    /// A tensor no file of the kind holds.
+    #[error("no {prefix}* file holds tensor {name:?}")]
+    MissingTensor {
+        /// `model-` or `optimizer-`.
+        prefix: String,
+        /// The tensor.
+        name: String,
+    },
+    /// A file the manifest does not list.
+    #[error("not listed in manifest.json")]
+    Unlisted,
+    /// A piece to write whose data has another length than its region.
+    #[error("piece of {name} holds {found} elements, its region {expected}")]
+    PieceLength {
+        /// The tensor.
+        name: String,
+        /// Elements given.
+        found: i64,
+        /// Elements of the region.
+        expected: i64,
+    },
+    /// Pieces that do not cover a tensor's elements exactly once.
+    #[error("the pieces of {name} cover {covered} of the {wanted} elements wanted")]
+    Coverage {
+        /// The tensor.
+        name: String,
+        /// Elements the pieces hold.
+        covered: i64,
+        /// Elements wanted.
+        wanted: i64,
+    },
+    /// A manifest piece outside its tensor or its file.
+    #[error("manifest piece of {name} in {file} does not fit: {why}")]
+    BadPiece {
+        /// The tensor.
+        name: String,
+        /// The file it names.
+        file: String,
+        /// What does not fit.
+        why: String,
+    },
+    /// A rank whose files never arrived.
+    #[error("rank {rank} wrote no manifest fragment: its files are missing or incomplete")]
+    MissingFragment {
+        /// The rank.
+        rank: usize,
+    },
+    /// Another rank failed to write its part (its own log says why).
+    #[error("rank {rank} could not write its part of the checkpoint (its log says why)")]
+    RankFailed {
+        /// The rank.
+        rank: usize,
+    },
+    /// A manifest of a format this version does not know.
+    #[error("manifest format {0}; this version reads formats 1 and {FORMAT}")]
+    UnknownFormat(u32),
+    /// A safetensors header that cannot be read.
+    #[error("safetensors header: {0}")]
+    Header(String),
+    /// A file whose size or hash differs from the manifest's.
+    #[error("corrupt: {found_bytes} bytes with SHA-256 {found_sha256}, the manifest records {bytes} bytes with {sha256}")]
+    Corrupt {
+        /// Bytes found.
+        found_bytes: u64,
+        /// SHA-256 found.
+        found_sha256: String,
+        /// Bytes recorded.
+        bytes: u64,
+        /// SHA-256 recorded.
+        sha256: String,
+    },
+}
+
+/// The error of `path` for `problem`.
+pub(crate) fn problem_at(path: &Path, problem: impl Into<CheckpointProblem>) -> TrainError {
+    TrainError::Checkpoint {
+        path: path.to_path_buf(),
+        problem: problem.into(),
+    }
+}
+
+pub(crate) fn io_err(path: &Path) -> impl Fn(std::io::Error) -> TrainError + '_ {
+    move |e| problem_at(path, e)
+}
+
+fn sha256_file(path: &Path) -> Result<ManifestEntry, TrainError> {
+    let mut file = std::fs::File::open(path).map_err(io_err(path))?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut bytes = 0u64;
+    loop {
+        let n = file.read(&mut buf).map_err(io_err(path))?;
+        if n == 0 {
+            break;
+        }
+        bytes += n as u64;
+        hasher.update(&buf[..n]);
+    }
+    let sha256 = hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    Ok(ManifestEntry { bytes, sha256 })
+}
+
+/// Writes `text` to `path` under a temporary name, then renames it.
+pub(crate) fn write_atomically(path: &Path, text: &str) -> Result<(), TrainError> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).map_err(io_err(&tmp))?;
+    std::fs::rename(&tmp, path).map_err(io_err(path))
+}
+
+/// The temporary directory a checkpoint is assembled in.
+pub fn staging_dir(save: &Path, iteration: u64) -> PathBuf {
+    save.join(format!("{}.tmp", iteration_dir(iteration)))
+}
+
+/// Step 1 (one rank): an empty staging directory for iteration `iteration`.
+pub fn prepare(save: &Path, iteration: u64) -> Result<PathBuf, TrainError> {
+    let staging = staging_dir(save, iteration);
+    if staging.exists() {
+        std::fs::remove_dir_all(&staging).map_err(io_err(&staging))?;
+    }
+    std::fs::create_dir_all(&staging).map_err(io_err(&staging))?;
+    Ok(staging)
+}
+
+/// Step 2 (every rank): this rank's pieces of the parameters (`model`) and of the
+/// optimizer state (`optimizer`) into its own files, then its manifest fragment, which
+/// says they are complete. A rank without pieces writes only an empty fragment.
+pub fn write_rank(
+    staging: &Path,
+    rank: usize,
+    model: &[shard::PieceToWrite],
+    optimizer: &[shard::PieceToWrite],
+) -> Result<(), TrainError> {
+    let mut fragment = Fragment {
+        rank,
+        ..Fragment::default()
+    };
+    for (prefix, pieces) in [("model", model), ("optimizer", optimizer)] {
+        if !pieces.is_empty() {
+            shard::write_pieces(
+                staging,
+                &shard::rank_file(prefix, rank),
+                pieces,
+                &mut fragment,
+            )?;
+        }
+    }
+    shard::write_fragment(staging, &fragment)?;
+    Ok(())
+}
+
+/// Step 3 (one rank, after every rank of `ranks` wrote its fragment): the fragments
+/// merged into the manifest (every tensor checked to be covered exactly), the state
+/// written, then the directory is renamed into place and `latest` is updated.
+pub fn commit(save: &Path, state: &CheckpointState, ranks: usize) -> Result<PathBuf, TrainError> {
+    let staging = staging_dir(save, state.iteration);
+    let mut manifest = Manifest {
+        format: FORMAT,
+        files: BTreeMap::new(),
+        tensors: BTreeMap::new(),
+    };
+    for rank in 0..ranks {
+        let path = staging.join(shard::fragment_file(rank));
+        if !path.exists() {
+            return Err(problem_at(
+                &staging,
+                CheckpointProblem::MissingFragment { rank },
+            ));
+        }
+        let text = std::fs::read_to_string(&path).map_err(io_err(&path))?;
+        let fragment: Fragment = serde_json::from_str(&text).map_err(|e| problem_at(&path, e))?;
+        manifest.files.extend(fragment.files);
+        for (name, stored) in fragment.tensors {
+            let merged = manifest.tensors.entry(name).or_default();
+            merged.shape = stored.shape;
+            merged.pieces.extend(stored.pieces);
+        }
+    }
+    for (name, stored) in &manifest.tensors {
+        let covered: i64 = stored.pieces.iter().map(|p| p.region.len()).sum();
+        let wanted = stored.shape.iter().product::<i64>();
+        if covered != wanted {
+            let name = name.clone();
+            let coverage = CheckpointProblem::Coverage {
+                name,
+                covered,
+                wanted,
+            };
+            return Err(problem_at(&staging, coverage));
+        }
+    }
+    let state_path = staging.join("state.json");
+    write_atomically(
+        &state_path,
+        &serde_json::to_string_pretty(state).expect("state serialises"),
+    )?;
+    manifest
+        .files
+        .insert("state.json".into(), sha256_file(&state_path)?);
+    write_atomically(
+        &staging.join("manifest.json"),
+        &serde_json::to_string(&manifest).expect("manifest serialises"),
+    )?;
+    for rank in 0..ranks {
+        let path = staging.join(shard::fragment_file(rank));
+        std::fs::remove_file(&path).map_err(io_err(&path))?;
+    }
+    let target = save.join(iteration_dir(state.iteration));
+    if target.exists() {
+        std::fs::remove_dir_all(&target).map_err(io_err(&target))?;
+    }
+    std::fs::rename(&staging, &target).map_err(io_err(&target))?;
+    write_atomically(&save.join(LATEST), &format!("{}\n", state.iteration))?;
+    Ok(target)
+}
+
+/// A checkpoint opened for loading. Files are verified against the manifest (size and
+/// SHA-256) the first time one is read, and mapped, not read whole.
+#[derive(Debug)]
+pub struct Checkpoint {
+    /// `iter_N` directory.
+    pub dir: PathBuf,
+    /// Its state.
+    pub state: CheckpointState,
+    manifest: Manifest,
+    /// Files verified and mapped so far.
+    mapped: Mutex<HashMap<String, Arc<memmap2::Mmap>>>,
+}
+
+impl Checkpoint {
+    /// The newest checkpoint of `load` (as `latest` names it), or `None` when `load`
+    /// has no `latest` file (Megatron starts from scratch then).
+    pub fn open_latest(load: &Path) -> Result<Option<Checkpoint>, TrainError> {
+        let latest = load.join(LATEST);
+        if !latest.exists() {
+            return Ok(None);
+        }
+        let text = std::fs::read_to_string(&latest).map_err(io_err(&latest))?;
+        let iteration: u64 = text
+            .trim()
+            .parse()
+            .map_err(|_| problem_at(&latest, CheckpointProblem::BadLatest(text.trim().into())))?;
+        Self::open(&load.join(iteration_dir(iteration))).map(Some)
+    }
+
+    /// The checkpoint in directory `dir`; the manifest and state must be readable.
+    pub fn open(dir: &Path) -> Result<Checkpoint, TrainError> {
+        let manifest_path = dir.join("manifest.json");
+        let text = std::fs::read_to_string(&manifest_path).map_err(io_err(&manifest_path))?;
+        let manifest: Manifest =
+            serde_json::from_str(&text).map_err(|e| problem_at(&manifest_path, e))?;
+        let state_path = dir.join("state.json");
+        verify_file(&manifest, &state_path, "state.json")?;
+        let text = std::fs::read_to_string(&state_path).map_err(io_err(&state_path))?;
+        let state = serde_json::from_str(&text).map_err(|e| problem_at(&state_path, e))?;
+        let mut checkpoint = Checkpoint {
+            dir: dir.to_path_buf(),
+            state,
+            manifest,
+            mapped: Mutex::new(HashMap::new()),
+        };
+        match checkpoint.manifest.format {
+            1 => checkpoint.index_whole_tensors()?,
+            FORMAT => checkpoint.check_pieces()?,
+            other => {
+                let format = CheckpointProblem::UnknownFormat(other);
+                return Err(problem_at(&manifest_path, format));
+            }
+        }
+        Ok(checkpoint)
+    }
+
+    /// The checkpoint at `path`: one `iter_N` directory (it has a `manifest.json`), or
+    /// the latest of a `--save` directory.
+    pub fn open_any(path: &Path) -> Result<Checkpoint, TrainError> {
+        if path.join("manifest.json").exists() {
+            return Self::open(path);
+        }
+        Self::open_latest(path)?.ok_or_else(|| problem_at(path, CheckpointProblem::NotACheckpoint))
+    }
+
+    /// The manifest: files, and every tensor's shape and pieces.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// The names of the model's parameters it holds (the `model-` files' tensors).
+    pub fn parameter_names(&self) -> Vec<String> {
+        (self.manifest.tensors.iter())
+            .filter(|(_, t)| t.pieces.iter().all(|p| p.file.starts_with("model-")))
+            .map(|(name, _)| name.clone())
+            .collect()
+    }
+
+    /// The whole model of this checkpoint on `device`, whatever plan wrote it, filled
+    /// one tensor at a time (the peak beyond the model is about one tensor).
+    pub fn load_model(&self, device: tch::Device) -> Result<Stage, TrainError> {
+        let source = self.dir.join("state.json");
+        let config =
+            LlamaConfig::from_hf_json(&self.state.model.to_string(), &source.display().to_string())
+                .map_err(|e| problem_at(&source, e))?;
+        let stage = Stage::new(&config, 0..config.num_layers, device)?;
+        for (name, mut var) in stage.var_store().variables() {
+            let shape = var.size();
+            let value = self.read(&name, &shape, &Region::whole(&shape))?;
+            let value = value.view(shape.as_slice()).to_kind(var.kind());
+            tch::no_grad(|| var.copy_(&value.to_device(device)));
+        }
+        Ok(stage)
+    }
+
+    /// The whole tensor `name` as stored (fp32, on the CPU).
+    pub fn tensor(&self, name: &str) -> Result<Tensor, TrainError> {
+        let shape = self.stored(name)?.shape.clone();
+        Ok(self
+            .read(name, &shape, &Region::whole(&shape))?
+            .view(shape.as_slice()))
+    }
+
+    /// Every file verified against the manifest (what `synerfuse checkpoint inspect`
+    /// reports); the first bad file is the error.
+    pub fn verify_all(&self) -> Result<(), TrainError> {
+        for file in self.manifest.files.keys() {
+            self.mapped(file)?;
+        }
+        Ok(())
+    }
+
+    fn stored(&self, name: &str) -> Result<&StoredTensor, TrainError> {
+        self.manifest.tensors.get(name).ok_or_else(|| {
+            let prefix = match name.ends_with(".exp_avg") || name.ends_with(".exp_avg_sq") {
+                true => "optimizer-",
+                false => "model-",
+            };
+            let missing = CheckpointProblem::MissingTensor {
+                prefix: prefix.to_owned(),
+                name: name.to_owned(),
+            };
+            problem_at(&self.dir, missing)
+        })
+    }
+
+    /// The elements `region` of tensor `name`, whose whole shape must be `shape`, read
+    /// from the pieces that hold them (only the rows they share), as flat fp32 on the CPU.
+    pub fn read(&self, name: &str, shape: &[i64], region: &Region) -> Result<Tensor, TrainError> {
+        let stored = self.stored(name)?;
+        if stored.shape != shape {
+            let problem = CheckpointProblem::Shape {
+                name: name.to_owned(),
+                found: stored.shape.clone(),
+                expected: shape.to_vec(),
+            };
+            return Err(problem_at(&self.dir, problem));
+        }
+        let target = Tensor::zeros([region.len()], (Kind::Float, tch::Device::Cpu));
+        let mut covered = 0;
+        for piece in &stored.pieces {
+            let ops = piece.region.copies_into(region, shape);
+            if ops.is_empty() {
+                continue;
+            }
+            let map = self.mapped(&piece.file)?;
+            for op in ops.iter().flat_map(row_batches) {
+                let source = self.piece_span(&map, piece, name, &op)?;
+                copy_block(&source, &target, &op);
+                covered += op.len();
+            }
+        }
+        check_coverage(name, covered, region.len(), &self.dir)?;
+        Ok(target)
+    }
+
+    /// The source elements `op` reads of `piece`, from the mapped file (bounds checked).
+    fn piece_span(
+        &self,
+        map: &memmap2::Mmap,
+        piece: &StoredPiece,
+        name: &str,
+        op: &CopyOp,
+    ) -> Result<Tensor, TrainError> {
+        let (kind, size) = match piece.dtype.as_str() {
+            "F32" => (Kind::Float, 4),
+            "BF16" => (Kind::BFloat16, 2),
+            "F16" => (Kind::Half, 2),
+            _ => (Kind::Float, 0),
+        };
+        let span = op.source_span();
+        let start = piece.offset as usize + size * span.start as usize;
+        let end = piece.offset as usize + size * span.end as usize;
+        if size == 0 || end > map.len() {
+            let bad = CheckpointProblem::BadPiece {
+                name: name.to_owned(),
+                file: piece.file.clone(),
+                why: format!(
+                    "dtype {} at bytes {start}..{end} of {}",
+                    piece.dtype,
+                    map.len()
+                ),
+            };
+            return Err(problem_at(&self.dir, bad));
+        }
+        let elements = [span.end - span.start];
+        Ok(Tensor::from_data_size(&map[start..end], &elements, kind).to_kind(Kind::Float))
+    }
+
+    /// `file` mapped, verified against the manifest the first time.
+    fn mapped(&self, file: &str) -> Result<Arc<memmap2::Mmap>, TrainError> {
+        if let Some(map) = self.mapped.lock().expect("not poisoned").get(file) {
+            return Ok(map.clone());
+        }
+        let path = self.dir.join(file);
+        verify_file(&self.manifest, &path, file)?;
+        let handle = std::fs::File::open(&path).map_err(io_err(&path))?;
+        // SAFETY: a committed checkpoint is not written again; it was just verified.
+        let map = Arc::new(unsafe { memmap2::Mmap::map(&handle) }.map_err(io_err(&path))?);
+        let mut mapped = self.mapped.lock().expect("not poisoned");
+        mapped.insert(file.to_owned(), map.clone());
+        Ok(map)
+    }
+
+    /// Format 1: every tensor of the `model-` and `optimizer-` files is one piece of the
+    /// whole, found from the files' headers.
+    fn index_whole_tensors(&mut self) -> Result<(), TrainError> {
+        let files: Vec<String> = (self.manifest.files.keys())
+            .filter(|f| f.starts_with("model-") || f.starts_with("optimizer-"))
+            .cloned()
+            .collect();
+        for file in files {
+            let path = self.dir.join(&file);
+            let handle = std::fs::File::open(&path).map_err(io_err(&path))?;
+            // SAFETY: read-only input; only the header is parsed here.
+            let map = unsafe { memmap2::Mmap::map(&handle) }.map_err(io_err(&path))?;
+            let (header, metadata) = safetensors::SafeTensors::read_metadata(&map)
+                .map_err(|e| problem_at(&path, CheckpointProblem::Header(format!("{e:?}"))))?;
+            for (name, info) in metadata.tensors() {
+                let shape: Vec<i64> = info.shape.iter().map(|&d| d as i64).collect();
+                let piece = StoredPiece {
+                    file: file.clone(),
+                    rank: 0,
+                    offset: (8 + header + info.data_offsets.0) as u64,
+                    dtype: format!("{:?}", info.dtype),
+                    region: Region::whole(&shape),
+                };
+                let stored = self.manifest.tensors.entry(name).or_default();
+                stored.shape = shape;
+                stored.pieces.push(piece);
+            }
+        }
+        Ok(())
+    }
+
+    /// Format 2: every piece fits its tensor and names a listed file.
+    fn check_pieces(&self) -> Result<(), TrainError> {
+        for (name, stored) in &self.manifest.tensors {
+            for piece in &stored.pieces {
+                let why = match () {
+                    _ if !self.manifest.files.contains_key(&piece.file) => "file not listed",
+                    _ if !piece.region.fits(&stored.shape) => "region outside the tensor",
+                    _ => continue,
+                };
+                let bad = CheckpointProblem::BadPiece {
+                    name: name.clone(),
+                    file: piece.file.clone(),
+                    why: why.to_owned(),
+                };
+                return Err(problem_at(&self.dir.join("manifest.json"), bad));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Checks `path`'s size and SHA-256 against `manifest`'s entry for `file`.
+fn verify_file(manifest: &Manifest, path: &Path, file: &str) -> Result<(), TrainError> {
+    let want =
+        (manifest.files.get(file)).ok_or_else(|| problem_at(path, CheckpointProblem::Unlisted))?;
+    let got = sha256_file(path)?;
+    if &got != want {
+        let corrupt = CheckpointProblem::Corrupt {
+            found_bytes: got.bytes,
+            found_sha256: got.sha256,
+            bytes: want.bytes,
+            sha256: want.sha256.clone(),
+        };
+        return Err(problem_at(path, corrupt));
+    }
+    Ok(())
+}
+
+/// `op` cut into copies that read at most about [`WRITE_CHUNK_ELEMENTS`] each (whole
+/// rows, one at least), so reading a column slice never maps in a whole tensor at once.
+fn row_batches(op: &CopyOp) -> Vec<CopyOp> {
+    let per = (WRITE_CHUNK_ELEMENTS / op.source.1.max(1)).max(1);
+    (0..op.rows)
+        .step_by(per as usize)
+        .map(|r| CopyOp {
+            source: (op.source.0 + r * op.source.1, op.source.1),
+            target: (op.target.0 + r * op.target.1, op.target.1),
+            rows: per.min(op.rows - r),
+            cols: op.cols,
+        })
+        .collect()
+}
+
+/// Copies `op`'s rectangle from `source` (flat, starting at `op`'s first source
+/// element) into `target` (the flat data of the target region).
+pub(crate) fn copy_block(source: &Tensor, target: &Tensor, op: &CopyOp) {
+    let strided = |t: &Tensor, stride: i64| match op.rows {
+        1 => t.narrow(0, 0, op.cols).view([1, op.cols]),
+        _ => t.as_strided([op.rows, op.cols], [stride, 1], None::<i64>),
+    };
+    let span = (op.rows - 1) * op.target.1 + op.cols;
+    let mut to = strided(&target.narrow(0, op.target.0, span), op.target.1);
+    tch::no_grad(|| to.copy_(&strided(source, op.source.1)));
+}
+
+/// Refuses a read whose pieces did not cover the elements wanted exactly.
+pub(crate) fn check_coverage(
+    name: &str,
+    covered: i64,
+    wanted: i64,
+    origin: &Path,
+) -> Result<(), TrainError> {
+    if covered == wanted {
+        return Ok(());
+    }
+    let coverage = CheckpointProblem::Coverage {
+        name: name.to_owned(),
+        covered,
+        wanted,
+    };
+    Err(problem_at(origin, coverage))
+}
+
+/// The elements `region` of whole tensors, and the run's state: what a rank restores
+/// from (a checkpoint on disk, or the state moved between ranks when a run switches
+/// plans).
+pub trait StateSource {
+    /// The elements `region` of the global tensor `name` (parameters by their names,
+    /// moments as `NAME.exp_avg` and `NAME.exp_avg_sq`), whose whole shape must be
+    /// `shape`, flat fp32 on the CPU; a missing name or element is an error naming it.
+    fn read(&self, name: &str, shape: &[i64], region: &Region) -> Result<Tensor, TrainError>;
+    /// The run's state.
+    fn state(&self) -> &CheckpointState;
+    /// Where problems are reported.
+    fn origin(&self) -> &Path;
+}
+
+impl StateSource for Checkpoint {
+    fn read(&self, name: &str, shape: &[i64], region: &Region) -> Result<Tensor, TrainError> {
+        Checkpoint::read(self, name, shape, region)
+    }
+
+    fn state(&self) -> &CheckpointState {
+        &self.state
+    }
+
+    fn origin(&self) -> &Path {
+        &self.dir
+    }
+}
