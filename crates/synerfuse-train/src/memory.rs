@@ -39,6 +39,48 @@ impl MemoryReport {
     }
 }
 
+/// A field of `/proc/self/status` in bytes (`VmHWM`, `VmRSS`), where the system says.
+fn status_bytes(field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The highest peak resident memory seen before the last [`PeakWatch`] reset it.
+static EARLIER_PEAK: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// This process's peak resident memory (`VmHWM` of `/proc/self/status`, and peaks
+/// before a [`PeakWatch`] reset it), where the system says.
+pub fn peak_resident_bytes() -> Option<u64> {
+    let now = status_bytes("VmHWM:")?;
+    Some(now.max(EARLIER_PEAK.load(std::sync::atomic::Ordering::Relaxed)))
+}
+
+/// How much a piece of work raises the resident memory above what it was when the
+/// work began: the kernel's peak is reset to the current size at the start (Linux
+/// `clear_refs` 5; the peak before is kept for [`peak_resident_bytes`]).
+pub struct PeakWatch {
+    resident: u64,
+}
+
+impl PeakWatch {
+    /// Starts watching; `None` where the system cannot reset the peak.
+    pub fn start() -> Option<PeakWatch> {
+        let before = status_bytes("VmHWM:")?;
+        EARLIER_PEAK.fetch_max(before, std::sync::atomic::Ordering::Relaxed);
+        std::fs::write("/proc/self/clear_refs", "5").ok()?;
+        let resident = status_bytes("VmRSS:")?;
+        Some(PeakWatch { resident })
+    }
+
+    /// (resident bytes at the start, peak resident bytes since).
+    pub fn finish(self) -> (u64, u64) {
+        let peak = status_bytes("VmHWM:").unwrap_or(self.resident);
+        (self.resident, peak.max(self.resident))
+    }
+}
+
 /// Bytes the C allocator has handed out and not taken back, where it can say (glibc
 /// 2.33 and later: `mallinfo2`, looked up at run time so that the binaries still load on
 /// older systems, where this is `None`).

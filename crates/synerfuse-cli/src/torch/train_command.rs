@@ -314,6 +314,13 @@ pub struct TrainArgs {
     save_interval: Option<u64>,
     #[arg(long, help_heading = "Checkpoints and logs")]
     load: Option<PathBuf>,
+    /// Write checkpoints in the background: the state is copied to host memory at the step
+    /// boundary and training goes on while it is written (the next save waits for it)
+    #[arg(long, help_heading = "Checkpoints and logs")]
+    async_save: bool,
+    /// Accepted for Megatron compatibility: every rank always writes its own shard
+    #[arg(long, help_heading = "Checkpoints and logs")]
+    ckpt_fully_parallel_save: bool,
     /// Stop after an iteration that is a multiple of N (saving first with --save; 0: off)
     #[arg(long, help_heading = "Checkpoints and logs")]
     exit_interval: Option<u64>,
@@ -684,6 +691,7 @@ impl TrainArgs {
                 load: self.load.clone(),
                 exit_interval: self.exit_interval,
                 finetune_from_hf: self.finetune_from_hf.clone(),
+                async_save: self.async_save,
             },
             logging: LoggingConfig {
                 log_interval: self.log_interval,

@@ -181,6 +181,9 @@ pub enum CheckpointProblem {
         /// The rank.
         rank: usize,
     },
+    /// The background writer ended without an answer.
+    #[error("the background checkpoint writer panicked")]
+    WriterPanicked,
     /// A manifest of a format this version does not know.
     #[error("manifest format {0}; this version reads formats 1 and {FORMAT}")]
     UnknownFormat(u32),
@@ -213,7 +216,8 @@ pub(crate) fn io_err(path: &Path) -> impl Fn(std::io::Error) -> TrainError + '_ 
     move |e| problem_at(path, e)
 }
 
-fn sha256_file(path: &Path) -> Result<ManifestEntry, TrainError> {
+/// The size and SHA-256 of the file at `path`, as a manifest records them.
+pub fn sha256_file(path: &Path) -> Result<ManifestEntry, TrainError> {
     let mut file = std::fs::File::open(path).map_err(io_err(path))?;
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
@@ -280,6 +284,30 @@ pub fn write_rank(
         }
     }
     shard::write_fragment(staging, &fragment)?;
+    Ok(())
+}
+
+/// Waits (polling, at most `timeout`) until every rank of `ranks` has written its
+/// fragment into `staging`: how the rank that commits an asynchronous save knows the
+/// others' background writes are complete, without a collective off the main thread.
+pub fn wait_for_fragments(
+    staging: &Path,
+    ranks: usize,
+    timeout: std::time::Duration,
+) -> Result<(), TrainError> {
+    let started = std::time::Instant::now();
+    let mut next = 0;
+    while next < ranks {
+        if staging.join(shard::fragment_file(next)).exists() {
+            next += 1;
+            continue;
+        }
+        if started.elapsed() > timeout {
+            let missing = CheckpointProblem::MissingFragment { rank: next };
+            return Err(problem_at(staging, missing));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     Ok(())
 }
 

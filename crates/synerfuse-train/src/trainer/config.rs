@@ -166,6 +166,9 @@ pub struct CheckpointConfig {
     pub exit_interval: Option<u64>,
     /// Initial weights from a Hugging Face LLaMA directory (`--finetune-from-hf`).
     pub finetune_from_hf: Option<PathBuf>,
+    /// Write checkpoints on a background thread from a host copy taken at the step
+    /// boundary, while training goes on (`--async-save`).
+    pub async_save: bool,
 }
 
 impl CheckpointConfig {

@@ -442,6 +442,10 @@ pub struct Trainer<'w> {
     local_rank: usize,
     iteration: u64,
     consumed_samples: u64,
+    /// A checkpoint a background thread is writing (`--async-save`).
+    pending_save: Option<save::PendingSave>,
+    /// Saves finished and not yet logged.
+    finished_saves: Vec<save::SaveRecord>,
 }
 
 impl<'w> Trainer<'w> {
@@ -528,6 +532,8 @@ impl<'w> Trainer<'w> {
             local_rank,
             iteration: 0,
             consumed_samples: 0,
+            pending_save: None,
+            finished_saves: Vec::new(),
             config,
         };
         trainer.load_latest()?;
@@ -628,6 +634,7 @@ impl<'w> Trainer<'w> {
         let mut ended_early = false;
         while self.iteration < train_iters {
             self.change_emulated_speed();
+            self.note_step_start();
             let started = Instant::now();
             let step = self.step(started)?;
             let stop = signals::stop_requested();
@@ -661,6 +668,7 @@ impl<'w> Trainer<'w> {
             let checkpointing = &self.config.checkpoint;
             if checkpointing.save_due(self.iteration, train_iters, outcome.any_stop) {
                 summary.saved.push(self.save()?);
+                self.log_saves(&mut log)?;
             }
             if self.config.checkpoint.exit_due(self.iteration) && self.iteration != train_iters {
                 if rank == 0 {
@@ -683,7 +691,21 @@ impl<'w> Trainer<'w> {
             let at_end = self.evaluate_at_end(consumed_valid, &mut log)?;
             summary.evaluations.extend(at_end);
         }
+        // A background save in flight is finished, a stop signal's included.
+        self.finish_saves()?;
+        self.log_saves(&mut log)?;
+        if let Some(peak) = crate::memory::peak_resident_bytes() {
+            tracing::info!("peak resident memory {peak} B");
+        }
         Ok(summary)
+    }
+
+    /// Records the saves finished since the last call in the JSON log.
+    fn log_saves(&mut self, log: &mut StepLog) -> Result<(), TrainError> {
+        for record in std::mem::take(&mut self.finished_saves) {
+            log.record_save(self.world.rank(), &record)?;
+        }
+        Ok(())
     }
 
     /// [`Self::evaluate`], then its log lines, JSON record and TensorBoard scalars.

@@ -403,6 +403,20 @@ impl StepLog {
         Ok(())
     }
 
+    /// Logs a finished checkpoint save (rank 0 writes a `save` record; a no-op
+    /// elsewhere).
+    pub fn record_save(
+        &mut self,
+        rank: usize,
+        save: &super::save::SaveRecord,
+    ) -> Result<(), TrainError> {
+        if let (0, Some(json)) = (rank, &mut self.json) {
+            let record = serde_json::json!({ "save": save });
+            json.write(&record).map_err(io_error(json.path()))?;
+        }
+        Ok(())
+    }
+
     /// Logs a re-planning decision (rank 0 calls it): a line, a JSON record
     /// (`replan`), TensorBoard scalars (`replan predicted step s`, `replan gain s`,
     /// `replan switch cost s`, `replan switched`).

@@ -8,10 +8,12 @@ use crate::checkpoint::shard::PieceToWrite;
 use crate::checkpoint::{self, CheckpointProblem, CheckpointState, StateSource};
 use crate::grads::EMBEDDING;
 use crate::TrainError;
+use serde::Serialize;
 use std::collections::BTreeSet;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use synerfuse_model::tch::{self, Tensor};
+use std::time::Instant;
+use synerfuse_model::tch::{self, Device, Kind, Tensor};
 use synerfuse_model::Stage;
 
 /// The region of the whole tensor `name` that `stage`'s shard holds as a tensor of
@@ -34,6 +36,20 @@ pub(super) struct RankPieces {
 }
 
 impl RankPieces {
+    /// Every piece's data copied into host memory of its own (pinned when it comes from
+    /// a GPU), so training may change the originals while a background thread writes.
+    fn copy_to_host(&mut self) {
+        for piece in self.model.iter_mut().chain(self.optimizer.iter_mut()) {
+            let host = Tensor::empty([piece.data.numel() as i64], (Kind::Float, Device::Cpu));
+            let mut host = match piece.data.device() {
+                Device::Cuda(_) => host.pin_memory(piece.data.device()),
+                _ => host,
+            };
+            tch::no_grad(|| host.copy_(&piece.data.reshape([-1])));
+            piece.data = host;
+        }
+    }
+
     /// The parameter `name` (held as shape `local`): elements `elements` of its local
     /// flattening (all when `None`) with their value and moments.
     fn push(
@@ -62,36 +78,195 @@ impl RankPieces {
     }
 }
 
+/// A save being written by a background thread.
+pub(super) struct PendingSave {
+    iteration: u64,
+    staging: PathBuf,
+    started: Instant,
+    /// Seconds the training loop waited while it was started.
+    blocked_s: f64,
+    handle: std::thread::JoinHandle<(Result<(), TrainError>, Instant)>,
+    /// The iterations whose steps started while it was still being written.
+    steps_during_write: Vec<u64>,
+}
+
+/// A finished save, as the JSON log records it (`save`).
+#[derive(Debug, Clone, Serialize)]
+pub struct SaveRecord {
+    /// The iteration saved.
+    pub iteration: u64,
+    /// Whether it was written in the background (`--async-save`).
+    pub async_save: bool,
+    /// Milliseconds the training loop stopped for it when it started (the whole write
+    /// when not in the background).
+    pub blocked_ms: f64,
+    /// Milliseconds the training loop later waited for it to finish (at the next save or
+    /// the end of the run).
+    pub waited_ms: f64,
+    /// Milliseconds from its start until its checkpoint was complete.
+    pub write_ms: f64,
+    /// The iterations whose steps started while it was being written.
+    pub steps_during_write: Vec<u64>,
+}
+
+/// Test hook: `SYNERFUSE_TEST_SAVE_DELAY_MS=N` makes every rank's write of a checkpoint
+/// take N ms longer (a slow file system), so tests can see a background write overlap
+/// training and a stop signal arrive during one.
+fn test_delay() {
+    let delay = std::env::var("SYNERFUSE_TEST_SAVE_DELAY_MS").ok();
+    if let Some(ms) = delay.and_then(|d| d.parse::<u64>().ok()) {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
+}
+
+/// A background save: this rank's files and fragment, then on rank 0, once every
+/// rank's fragment is in, the manifest and the rename (no collective off the main
+/// thread: the fragments on the shared file system say who is done).
+fn write_and_commit(
+    save: &Path,
+    staging: &Path,
+    rank: usize,
+    ranks: usize,
+    pieces: &RankPieces,
+    state: &CheckpointState,
+) -> Result<(), TrainError> {
+    test_delay();
+    checkpoint::write_rank(staging, rank, &pieces.model, &pieces.optimizer)?;
+    if rank == 0 {
+        checkpoint::wait_for_fragments(staging, ranks, crate::comm::watchdog::timeout())?;
+        checkpoint::commit(save, state, ranks)?;
+    }
+    Ok(())
+}
+
 impl<'w> Trainer<'w> {
     /// Writes a checkpoint of the current iteration (collective): every rank writes its
     /// own pieces in parallel, rank 0 then merges their fragments into the manifest and
-    /// renames the directory into place.
+    /// renames the directory into place. Under `--async-save` the pieces are copied to
+    /// host memory here and written by a background thread while training goes on (the
+    /// returned directory appears when it is done; [`Self::finish_saves`] waits for it).
+    /// A save still in flight is finished first.
     pub fn save(&mut self) -> Result<PathBuf, TrainError> {
         let save = (self.config.checkpoint.save.clone()).ok_or(TrainError::NoSaveDir)?;
+        self.finish_saves()?;
+        let started = Instant::now();
         let rank = self.world.rank();
         if rank == 0 {
             checkpoint::prepare(&save, self.iteration)?;
         }
         self.world.barrier();
         let staging = checkpoint::staging_dir(&save, self.iteration);
-        let pieces = self.checkpoint_pieces();
+        let dir = save.join(checkpoint::iteration_dir(self.iteration));
+        let mut pieces = self.checkpoint_pieces();
+        let (state, ranks) = (self.checkpoint_state(), self.world.size());
+        if self.config.checkpoint.async_save {
+            pieces.copy_to_host();
+            let writing = staging.clone();
+            let handle = std::thread::Builder::new()
+                .name("checkpoint-writer".into())
+                .spawn(move || {
+                    let result = write_and_commit(&save, &writing, rank, ranks, &pieces, &state);
+                    (result, Instant::now())
+                })
+                .map_err(|e| checkpoint::problem_at(&staging, e))?;
+            self.pending_save = Some(PendingSave {
+                iteration: self.iteration,
+                staging,
+                started,
+                blocked_s: started.elapsed().as_secs_f64(),
+                handle,
+                steps_during_write: Vec::new(),
+            });
+            return Ok(dir);
+        }
+        test_delay();
+        let watch = crate::memory::PeakWatch::start();
         let written = checkpoint::write_rank(&staging, rank, &pieces.model, &pieces.optimizer);
         drop(pieces);
         self.agree(written, &staging)?;
         let committed = match rank {
-            0 => checkpoint::commit(&save, &self.checkpoint_state(), self.world.size()).map(drop),
+            0 => checkpoint::commit(&save, &state, ranks).map(drop),
             _ => Ok(()),
         };
         self.agree(committed, &staging)?;
-        let dir = save.join(checkpoint::iteration_dir(self.iteration));
-        if rank == 0 {
+        if let Some((resident, peak)) = watch.map(crate::memory::PeakWatch::finish) {
             tracing::info!(
-                "saved checkpoint {} (iteration {})",
-                dir.display(),
-                self.iteration
+                "checkpoint save: resident {resident} B at its start, peak {peak} B while saving (+{} B)",
+                peak - resident
             );
         }
+        let elapsed = started.elapsed().as_secs_f64();
+        self.log_saved(&dir, None, elapsed);
+        self.finished_saves.push(SaveRecord {
+            iteration: self.iteration,
+            async_save: false,
+            blocked_ms: elapsed * 1e3,
+            waited_ms: 0.0,
+            write_ms: elapsed * 1e3,
+            steps_during_write: Vec::new(),
+        });
         Ok(dir)
+    }
+
+    /// Waits for a background save in flight, if any, and checks with every rank that
+    /// it was written and committed (collective when one is in flight, on every rank
+    /// alike).
+    pub fn finish_saves(&mut self) -> Result<(), TrainError> {
+        let Some(pending) = self.pending_save.take() else {
+            return Ok(());
+        };
+        let waiting = Instant::now();
+        let (result, ended) = (pending.handle.join()).unwrap_or_else(|_| {
+            (
+                Err(checkpoint::problem_at(
+                    &pending.staging,
+                    CheckpointProblem::WriterPanicked,
+                )),
+                Instant::now(),
+            )
+        });
+        self.agree(result, &pending.staging)?;
+        let write_s = ended.duration_since(pending.started).as_secs_f64();
+        let waited_s = waiting.elapsed().as_secs_f64();
+        let save = self.config.checkpoint.save.clone().unwrap_or_default();
+        let dir = save.join(checkpoint::iteration_dir(pending.iteration));
+        self.log_saved(&dir, Some(pending.iteration), write_s);
+        self.finished_saves.push(SaveRecord {
+            iteration: pending.iteration,
+            async_save: true,
+            blocked_ms: pending.blocked_s * 1e3,
+            waited_ms: waited_s * 1e3,
+            write_ms: write_s * 1e3,
+            steps_during_write: pending.steps_during_write,
+        });
+        Ok(())
+    }
+
+    /// Notes that a step starts: one a background save is still writing during counts.
+    pub(super) fn note_step_start(&mut self) {
+        let next = self.iteration + 1;
+        if let Some(pending) = &mut self.pending_save {
+            if !pending.handle.is_finished() {
+                pending.steps_during_write.push(next);
+            }
+        }
+    }
+
+    fn log_saved(&self, dir: &Path, background: Option<u64>, write_s: f64) {
+        if self.world.rank() != 0 {
+            return;
+        }
+        match background {
+            Some(iteration) => tracing::info!(
+                "saved checkpoint {} (iteration {iteration}, written in the background in {write_s:.3} s)",
+                dir.display()
+            ),
+            None => tracing::info!(
+                "saved checkpoint {} (iteration {}, in {write_s:.3} s)",
+                dir.display(),
+                self.iteration
+            ),
+        }
     }
 
     /// `result` on this rank, once every rank has said whether its own succeeded (so a

@@ -455,6 +455,8 @@ impl<'w> Trainer<'w> {
     /// Switches this rank to the decision's plan at this step boundary. Collective.
     fn switch_plan(&mut self, decision: ReplanDecision) -> Result<(), TrainError> {
         let started = Instant::now();
+        // A background save of the old plan's state completes first.
+        self.finish_saves()?;
         let before_step_s = self.replanning.recent.median().unwrap_or_default();
         let moved = self.move_state(&decision.proposed_plan)?;
         let mut config = self.config.clone();
@@ -474,6 +476,7 @@ impl<'w> Trainer<'w> {
         // The emulated speed this rank has reached (an emulated change carries on).
         next.emulation = self.emulation;
         next.replanning = self.replanning.clone();
+        next.finished_saves = std::mem::take(&mut self.finished_saves);
         let old = std::mem::replace(self, next);
         drop(old);
         let switch_s = self.world_max(started.elapsed().as_secs_f64())?;
