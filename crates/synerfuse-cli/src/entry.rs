@@ -25,6 +25,8 @@ pub mod about {
     pub const SCORE: &str = "Mean next-token loss of token sequences under a Hugging Face LLaMA or a training checkpoint";
     pub const GENERATE: &str = "Continue a prompt with a Hugging Face LLaMA or a training checkpoint (KV cache, greedy or top-k)";
     pub const EXPORT: &str = "Write a training checkpoint as a Hugging Face LLaMA directory (config.json, safetensors shards, index)";
+    pub const CHECKPOINT: &str =
+        "Training checkpoints: list what one holds (tensors, shapes, the ranks that wrote them) and verify its files";
     pub const ENV: &str =
         "Report the native stack this binary runs on: libtorch, CUDA, MPI, NCCL, launcher rank";
 }
@@ -32,13 +34,14 @@ pub mod about {
 /// The commands `synerfuse` hands to `synerfuse-torch`, with their help lines.
 // `synerfuse-torch` reads it only in a test (that its commands are these).
 #[cfg_attr(not(test), allow(dead_code))]
-pub const TORCH_COMMANDS: [(&str, &str); 7] = [
+pub const TORCH_COMMANDS: [(&str, &str); 8] = [
     ("profile", about::PROFILE),
     ("plan", about::PLAN),
     ("train", about::TRAIN),
     ("score", about::SCORE),
     ("generate", about::GENERATE),
     ("export", about::EXPORT),
+    ("checkpoint", about::CHECKPOINT),
     ("env", about::ENV),
 ];
 

@@ -139,6 +139,45 @@ fn sharded_checkpoints_resume_exactly_under_other_plans() {
     });
     assert!(slices == 4 && ranges == 4, "{embedding:?}");
     checkpoint.verify_all().unwrap();
+    // `checkpoint inspect` lists the tensors with the ranks that wrote them.
+    let out = synerfuse(&strings(&[
+        "checkpoint",
+        "inspect",
+        save.to_str().unwrap(),
+        "--json",
+    ]));
+    ok(&out, "inspect");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let tensors = report["tensors"].as_array().unwrap();
+    let listed = (tensors.iter()).find(|t| t["name"] == "model.embed_tokens.weight.exp_avg");
+    assert_eq!(
+        listed.unwrap()["ranks"],
+        serde_json::json!([0, 1, 2, 3]),
+        "{report}"
+    );
+    assert!(report["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|f| f["verified"] == true));
+    // An export streams the tensors from the ranks' pieces: the parameters saved.
+    let hf = d.join("exported");
+    ok(
+        &synerfuse(&strings(&[
+            "export",
+            "--load",
+            save.to_str().unwrap(),
+            "--output",
+            hf.to_str().unwrap(),
+        ])),
+        "export",
+    );
+    let exported: BTreeMap<String, synerfuse_model::tch::Tensor> =
+        synerfuse_model::hf::read_safetensors(&hf.join("model.safetensors"), |_| true)
+            .unwrap()
+            .into_iter()
+            .collect();
+    assert_eq!(max_param_diff(&exported, &parameters(&save)), 0.0);
     // The same state in format 1 resumes alike on one rank.
     let old = d.join("format-1");
     as_format_1(&save, &old);
@@ -150,6 +189,20 @@ fn sharded_checkpoints_resume_exactly_under_other_plans() {
     ok(&synerfuse(&args), "resumed from format 1");
     let diff = max_rel_loss_diff(&full[3..], &losses(&log));
     assert!(diff < 1e-6, "format 1: {diff:e}");
+    // A corrupt piece file: inspect names it and fails.
+    let file = checkpoint.dir.join("optimizer-rank00002.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let n = bytes.len();
+    bytes[n - 5] ^= 0x10;
+    std::fs::write(&file, bytes).unwrap();
+    let out = synerfuse(&strings(&["checkpoint", "inspect", save.to_str().unwrap()]));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && stderr.contains("optimizer-rank00002.safetensors")
+            && stderr.contains("corrupt"),
+        "{stderr}"
+    );
 }
 
 /// Each rank's numbers after `marker` on its log lines (in order), by rank.
@@ -200,8 +253,26 @@ fn saving_adds_at_most_one_write_buffer_to_peak_memory() {
     saving.push(d.join("saved").display().to_string());
     let without = synerfuse(&base);
     ok(&without, "without a save");
-    let with = synerfuse(&saving);
+    let log = |name: &str| d.join(format!("{name}.jsonl")).display().to_string();
+    let with = synerfuse(&[&saving[..], &["--log-json".into(), log("sync")]].concat());
     ok(&with, "saving every iteration");
+    // The same saves in the background, for the record: how long training stops.
+    let mut in_background = base.clone();
+    in_background.extend(strings(&["--save-interval", "1", "--async-save", "--save"]));
+    in_background.extend([
+        d.join("async").display().to_string(),
+        "--log-json".into(),
+        log("async"),
+    ]);
+    ok(&synerfuse(&in_background), "saving in the background");
+    for mode in ["sync", "async"] {
+        for save in save_records(Path::new(&log(mode))) {
+            println!(
+                "{mode} save of iteration {}: training stopped {:.1} ms (and waited {:.1} ms later), complete after {:.1} ms",
+                save["iteration"], save["blocked_ms"].as_f64().unwrap(), save["waited_ms"].as_f64().unwrap(), save["write_ms"].as_f64().unwrap()
+            );
+        }
+    }
     let (without, with) = (
         String::from_utf8_lossy(&without.stderr),
         String::from_utf8_lossy(&with.stderr),

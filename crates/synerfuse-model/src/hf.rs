@@ -3,7 +3,7 @@
 //! its own tensors from the memory-mapped files; saving writes the same layout.
 
 use crate::{ConfigError, LlamaConfig, Stage, StageError};
-use safetensors::tensor::{Dtype, TensorView};
+use safetensors::tensor::Dtype;
 use safetensors::SafeTensors;
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
@@ -206,33 +206,13 @@ fn tensor_bytes(t: &Tensor) -> Vec<u8> {
 /// Writes `tensors` as one safetensors file (with transformers' `format: pt` metadata),
 /// under a temporary name then renamed.
 pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<(), HfError> {
-    let bytes: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = tensors
-        .iter()
-        .map(|(name, t)| {
-            let dtype = dtype_of(t.kind()).ok_or_else(|| HfError::Tensor {
-                path: path.to_path_buf(),
-                problem: format!("{name}: {:?} cannot be saved", t.kind()),
-            })?;
-            let shape = t.size().iter().map(|&d| d as usize).collect();
-            Ok((name.clone(), dtype, shape, tensor_bytes(t)))
-        })
-        .collect::<Result<_, HfError>>()?;
-    let views: Vec<(&str, TensorView<'_>)> = bytes
-        .iter()
-        .map(|(name, dtype, shape, data)| {
-            (
-                name.as_str(),
-                TensorView::new(*dtype, shape.clone(), data).expect("consistent view"),
-            )
-        })
+    let entries: Vec<Entry> = (tensors.iter())
+        .map(|(name, t)| (name.clone(), t.kind(), t.size()))
         .collect();
-    let tmp = path.with_extension("safetensors.tmp");
-    let metadata = Some(HashMap::from([("format".to_owned(), "pt".to_owned())]));
-    safetensors::serialize_to_file(views, &metadata, &tmp).map_err(|e| HfError::Tensor {
-        path: tmp.clone(),
-        problem: e.to_string(),
-    })?;
-    std::fs::rename(&tmp, path).map_err(io(path))
+    let values: HashMap<&str, &Tensor> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    write_streamed(path, &entries, &mut |name| {
+        Ok::<_, HfError>(values[name].shallow_clone())
+    })
 }
 
 /// Saves the model held by `stages` (together covering every layer, in any layout) as a
@@ -259,46 +239,54 @@ pub fn save_pretrained(stages: &[&Stage], dir: &Path) -> Result<(), HfError> {
         });
     }
     let mut seen = std::collections::HashSet::new();
-    let shards: Vec<Vec<(String, Tensor)>> = stages
+    let mut values = HashMap::new();
+    let shards: Vec<Vec<Entry>> = stages
         .iter()
         .map(|stage| {
-            let mut vars: Vec<(String, Tensor)> = stage
-                .var_store()
-                .variables()
-                .into_iter()
-                .filter(|(name, _)| seen.insert(name.clone()))
-                .collect();
+            let mut vars: Vec<Entry> = Vec::new();
+            for (name, t) in stage.var_store().variables() {
+                if seen.insert(name.clone()) {
+                    vars.push((name.clone(), t.kind(), t.size()));
+                    values.insert(name, t);
+                }
+            }
             vars.sort_by(|a, b| a.0.cmp(&b.0));
             vars
         })
         .collect();
-    write_pretrained(dir, &config.to_hf_json(), &shards)
+    let mut fetch = |name: &str| Ok::<_, HfError>(values[name].detach());
+    write_pretrained(dir, &config.to_hf_json(), &shards, &mut fetch)
 }
+
+/// A tensor to write: its name, dtype and shape (its data is fetched when written).
+type Entry = (String, Kind, Vec<i64>);
 
 /// `config.json` and the safetensors of `shards` in `dir`: one `model.safetensors`, or
 /// `model-0000i-of-0000n.safetensors` files and `model.safetensors.index.json`;
-/// `config.json` last.
-fn write_pretrained(
+/// `config.json` last. Each tensor is fetched when its turn comes and dropped once
+/// written, so the peak is about one tensor beyond what `fetch` itself holds.
+fn write_pretrained<E: From<HfError>>(
     dir: &Path,
     config_json: &str,
-    shards: &[Vec<(String, Tensor)>],
-) -> Result<(), HfError> {
+    shards: &[Vec<Entry>],
+    fetch: &mut dyn FnMut(&str) -> Result<Tensor, E>,
+) -> Result<(), E> {
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let config_tmp = dir.join("config.json.tmp");
     std::fs::write(&config_tmp, config_json).map_err(io(&config_tmp))?;
     if shards.len() == 1 {
-        write_safetensors(&dir.join("model.safetensors"), &shards[0])?;
+        write_streamed(&dir.join("model.safetensors"), &shards[0], fetch)?;
     } else {
         let n = shards.len();
         let mut weight_map = serde_json::Map::new();
         let mut total = 0usize;
         for (i, shard) in shards.iter().enumerate() {
             let name = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
-            for (tensor, t) in shard {
+            for (tensor, kind, shape) in shard {
                 weight_map.insert(tensor.clone(), serde_json::Value::String(name.clone()));
-                total += t.numel() * t.kind().elt_size_in_bytes();
+                total += entry_bytes(*kind, shape);
             }
-            write_safetensors(&dir.join(&name), shard)?;
+            write_streamed(&dir.join(&name), shard, fetch)?;
         }
         let index =
             serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
@@ -307,7 +295,63 @@ fn write_pretrained(
             .map_err(io(&path))?;
     }
     let config_path = dir.join("config.json");
-    std::fs::rename(&config_tmp, &config_path).map_err(io(&config_path))
+    std::fs::rename(&config_tmp, &config_path).map_err(io(&config_path))?;
+    Ok(())
+}
+
+fn entry_bytes(kind: Kind, shape: &[i64]) -> usize {
+    shape.iter().product::<i64>() as usize * kind.elt_size_in_bytes()
+}
+
+/// One safetensors file of `entries` (with transformers' `format: pt` metadata): the
+/// header from their shapes, then each tensor fetched, converted and written in turn;
+/// under a temporary name, then renamed.
+fn write_streamed<E: From<HfError>>(
+    path: &Path,
+    entries: &[Entry],
+    fetch: &mut dyn FnMut(&str) -> Result<Tensor, E>,
+) -> Result<(), E> {
+    use std::io::Write;
+    let bad = |problem: String| HfError::Tensor {
+        path: path.to_path_buf(),
+        problem,
+    };
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
+    let mut at = 0usize;
+    for (name, kind, shape) in entries {
+        let dtype =
+            dtype_of(*kind).ok_or_else(|| bad(format!("{name}: {kind:?} cannot be saved")))?;
+        let bytes = entry_bytes(*kind, shape);
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": format!("{dtype:?}"), "shape": shape, "data_offsets": [at, at + bytes]}),
+        );
+        at += bytes;
+    }
+    let mut text = serde_json::to_vec(&header).expect("header serialises");
+    while text.len() % 8 != 0 {
+        text.push(b' ');
+    }
+    let tmp = path.with_extension("safetensors.tmp");
+    let file = std::fs::File::create(&tmp).map_err(io(&tmp))?;
+    let mut out = std::io::BufWriter::new(file);
+    out.write_all(&(text.len() as u64).to_le_bytes())
+        .and_then(|_| out.write_all(&text))
+        .map_err(io(&tmp))?;
+    for (name, kind, shape) in entries {
+        let t = fetch(name)?;
+        if t.size() != *shape {
+            return Err(bad(format!("{name}: shape {:?}, expected {shape:?}", t.size())).into());
+        }
+        out.write_all(&tensor_bytes(&t.to_kind(*kind)))
+            .map_err(io(&tmp))?;
+    }
+    out.into_inner()
+        .map_err(|e| e.into_error())
+        .map_err(io(&tmp))?;
+    std::fs::rename(&tmp, path).map_err(io(path))?;
+    Ok(())
 }
 
 /// How [`export_pretrained`] writes a model.
@@ -334,8 +378,7 @@ impl Default for ExportOptions {
 
 /// Writes the whole model `stage` as transformers' `save_pretrained` does (`config.json`,
 /// safetensors shards of at most `options.max_shard_bytes` in model order, and their
-/// index) into the new directory `dir`. It is built under a temporary name beside `dir`
-/// and renamed, so `dir` is either absent or complete; an existing `dir` is refused.
+/// index) into the new directory `dir` (see [`export_streaming`]).
 pub fn export_pretrained(stage: &Stage, dir: &Path, options: ExportOptions) -> Result<(), HfError> {
     let config = stage.config();
     if stage.layers() != (0..config.num_layers) || !stage.shard().is_whole() {
@@ -344,6 +387,28 @@ pub fn export_pretrained(stage: &Stage, dir: &Path, options: ExportOptions) -> R
             problem: "an export needs the whole model on one stage".into(),
         });
     }
+    let variables = stage.var_store().variables();
+    let tensors: Vec<(String, Vec<i64>)> = variables
+        .iter()
+        .map(|(n, t)| (n.clone(), t.size()))
+        .collect();
+    export_streaming(config, &tensors, dir, options, |name| {
+        Ok::<_, HfError>(variables[name].detach())
+    })
+}
+
+/// Writes a model as transformers' `save_pretrained` does, `tensors` (global name and
+/// whole shape) fetched one at a time from `fetch` and written in model order: the peak
+/// memory is about one tensor, whatever the model's size. It is built under a temporary
+/// name beside `dir` and renamed, so `dir` is either absent or complete; an existing
+/// `dir` is refused.
+pub fn export_streaming<E: From<HfError>>(
+    config: &LlamaConfig,
+    tensors: &[(String, Vec<i64>)],
+    dir: &Path,
+    options: ExportOptions,
+    mut fetch: impl FnMut(&str) -> Result<Tensor, E>,
+) -> Result<(), E> {
     let torch_dtype = match options.kind {
         Kind::Float => "float32",
         Kind::BFloat16 => "bfloat16",
@@ -351,38 +416,33 @@ pub fn export_pretrained(stage: &Stage, dir: &Path, options: ExportOptions) -> R
             return Err(HfError::Tensor {
                 path: dir.to_path_buf(),
                 problem: format!("{other:?}: export writes float32 or bfloat16"),
-            })
+            }
+            .into())
         }
     };
     if dir.exists() {
         return Err(HfError::Tensor {
             path: dir.to_path_buf(),
             problem: "already exists; export writes a new directory".into(),
-        });
+        }
+        .into());
     }
     let mut config_json: serde_json::Value =
         serde_json::from_str(&config.to_hf_json()).expect("our own json");
     config_json["torch_dtype"] = torch_dtype.into();
-    let mut tensors: Vec<(String, Tensor)> = stage
-        .var_store()
-        .variables()
-        .into_iter()
-        .map(|(name, t)| (name, t.detach().to_kind(options.kind)))
-        .collect();
-    tensors.sort_by_key(|(name, _)| model_order(name, config.num_layers));
-    let mut shards: Vec<Vec<(String, Tensor)>> = vec![Vec::new()];
+    let mut ordered: Vec<&(String, Vec<i64>)> = tensors.iter().collect();
+    ordered.sort_by_key(|(name, _)| model_order(name, config.num_layers));
+    let mut shards: Vec<Vec<Entry>> = vec![Vec::new()];
     let mut bytes = 0u64;
-    for (name, t) in tensors {
-        let size = (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+    for (name, shape) in ordered {
+        let size = entry_bytes(options.kind, shape) as u64;
         let current = shards.last_mut().expect("one shard at least");
         if !current.is_empty() && bytes + size > options.max_shard_bytes {
             shards.push(Vec::new());
             bytes = 0;
         }
-        shards
-            .last_mut()
-            .expect("one shard at least")
-            .push((name, t));
+        let entry = (name.clone(), options.kind, shape.clone());
+        shards.last_mut().expect("one shard at least").push(entry);
         bytes += size;
     }
     let file_name = dir
@@ -393,8 +453,9 @@ pub fn export_pretrained(stage: &Stage, dir: &Path, options: ExportOptions) -> R
         std::fs::remove_dir_all(&partial).map_err(io(&partial))?;
     }
     let config_text = serde_json::to_string_pretty(&config_json).expect("json");
-    write_pretrained(&partial, &config_text, &shards)?;
-    std::fs::rename(&partial, dir).map_err(io(dir))
+    write_pretrained(&partial, &config_text, &shards, &mut fetch)?;
+    std::fs::rename(&partial, dir).map_err(io(dir))?;
+    Ok(())
 }
 
 /// A tensor's place in the model (embedding, layers in order, norm and head), then its

@@ -214,26 +214,6 @@ impl DistributedOptimizer {
         Ok(())
     }
 
-    /// `(name, fp32 value, exp_avg, exp_avg_sq)` of every parameter it holds, whole
-    /// (this rank's tensor-parallel slice), gathered from the shards of every member:
-    /// what a checkpoint stores. Collective over every reduction's members.
-    pub fn gather_state(
-        &self,
-        groups: &SetGroups,
-    ) -> Result<Vec<(String, [Tensor; 3])>, CommError> {
-        let mut out = Vec::new();
-        for r in &self.reductions {
-            let [values, m, v] =
-                [&r.master, &r.exp_avg, &r.exp_avg_sq].map(|t| gather(r, t, groups));
-            let (values, m, v) = (values?, m?, v?);
-            for (name, param, offset, numel) in &r.params {
-                let whole = |t: &Tensor| t.narrow(0, *offset, *numel).view(param.size().as_slice());
-                out.push((name.clone(), [whole(&values), whole(&m), whole(&v)]));
-            }
-        }
-        Ok(out)
-    }
-
     /// This rank's own elements of every parameter it holds state for: what it writes
     /// to a checkpoint, without gathering anything.
     pub fn held_pieces(&self) -> Vec<HeldPiece> {

@@ -1,11 +1,13 @@
 //! `synerfuse-torch`: every `synerfuse` command, including those that need libtorch and
-//! MPI (`train`, `profile`, `plan`, `score`, `generate`, `export`, `env`), which the
+//! MPI (`train`, `profile`, `plan`, `score`, `generate`, `export`, `checkpoint`,
+//! `env`), which the
 //! libtorch-free `synerfuse` binary hands to it (see `entry`). The shared modules are the
 //! `synerfuse_cli` library; the libtorch commands are this binary's own.
 //!
 //! Argument parsing and wiring only; the work lives in the library crates.
 
 mod calibrate_command;
+mod checkpoint_command;
 mod env_report;
 mod model_commands;
 mod plan_commands;
@@ -48,6 +50,8 @@ enum Command {
     Generate(model_commands::GenerateArgs),
     #[command(about = about::EXPORT)]
     Export(model_commands::ExportArgs),
+    #[command(about = about::CHECKPOINT, subcommand)]
+    Checkpoint(checkpoint_command::CheckpointCommand),
     #[command(about = about::ENV)]
     Env {
         /// Print one JSON object instead of a table
@@ -67,6 +71,7 @@ fn main() -> std::process::ExitCode {
         Command::Score(args) => model_commands::run_score(args),
         Command::Generate(args) => model_commands::run_generate(args),
         Command::Export(args) => model_commands::run_export(args),
+        Command::Checkpoint(command) => command.run(),
     })
 }
 

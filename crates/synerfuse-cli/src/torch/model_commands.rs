@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::json;
 use std::path::PathBuf;
-use synerfuse_model::hf::{export_pretrained, load_stage, ExportOptions};
+use synerfuse_model::hf::{export_streaming, load_stage, ExportOptions};
 use synerfuse_model::tch::{self, Tensor};
 use synerfuse_model::{
     generate, DeviceRequest, GenerateOptions, LlamaConfig, ResolveDevice, Stage,
@@ -186,10 +186,11 @@ pub struct ExportArgs {
     bf16: bool,
 }
 
-/// Loads the checkpoint's whole model on the CPU and writes it as transformers does.
+/// Writes the checkpoint's model as transformers does, one tensor at a time (each
+/// assembled from the ranks' pieces that hold it): the model is never in memory whole.
 pub fn run_export(args: ExportArgs) -> Result<()> {
     let checkpoint = Checkpoint::open_any(&args.load)?;
-    let model = checkpoint.load_model(tch::Device::Cpu)?;
+    let config = checkpoint.model_config()?;
     let options = ExportOptions {
         max_shard_bytes: args.max_shard_size,
         kind: match args.bf16 {
@@ -197,15 +198,18 @@ pub fn run_export(args: ExportArgs) -> Result<()> {
             false => tch::Kind::Float,
         },
     };
-    export_pretrained(&model, &args.output, options)
-        .with_context(|| format!("--output {}", args.output.display()))?;
+    let tensors = checkpoint.parameters();
+    export_streaming(&config, &tensors, &args.output, options, |name| {
+        Ok::<_, anyhow::Error>(checkpoint.tensor(name)?)
+    })
+    .with_context(|| format!("--output {}", args.output.display()))?;
     println!(
         "{}",
         json!({
             "exported": checkpoint.dir.display().to_string(),
             "iteration": checkpoint.state.iteration,
             "output": args.output.display().to_string(),
-            "parameters": model.config().num_parameters(),
+            "parameters": config.num_parameters(),
         })
     );
     Ok(())

@@ -457,10 +457,7 @@ impl Checkpoint {
     /// The whole model of this checkpoint on `device`, whatever plan wrote it, filled
     /// one tensor at a time (the peak beyond the model is about one tensor).
     pub fn load_model(&self, device: tch::Device) -> Result<Stage, TrainError> {
-        let source = self.dir.join("state.json");
-        let config =
-            LlamaConfig::from_hf_json(&self.state.model.to_string(), &source.display().to_string())
-                .map_err(|e| problem_at(&source, e))?;
+        let config = self.model_config()?;
         let stage = Stage::new(&config, 0..config.num_layers, device)?;
         for (name, mut var) in stage.var_store().variables() {
             let shape = var.size();
@@ -469,6 +466,23 @@ impl Checkpoint {
             tch::no_grad(|| var.copy_(&value.to_device(device)));
         }
         Ok(stage)
+    }
+
+    /// The model it was written for (its `state.json`'s Hugging Face config).
+    pub fn model_config(&self) -> Result<LlamaConfig, TrainError> {
+        let source = self.dir.join("state.json");
+        LlamaConfig::from_hf_json(&self.state.model.to_string(), &source.display().to_string())
+            .map_err(|e| problem_at(&source, e))
+    }
+
+    /// The model's parameters it holds with their whole shapes (what an export writes).
+    pub fn parameters(&self) -> Vec<(String, Vec<i64>)> {
+        (self.parameter_names().into_iter())
+            .map(|name| {
+                let shape = self.manifest.tensors[&name].shape.clone();
+                (name, shape)
+            })
+            .collect()
     }
 
     /// The whole tensor `name` as stored (fp32, on the CPU).
@@ -483,9 +497,15 @@ impl Checkpoint {
     /// reports); the first bad file is the error.
     pub fn verify_all(&self) -> Result<(), TrainError> {
         for file in self.manifest.files.keys() {
-            self.mapped(file)?;
+            self.verify(file)?;
         }
         Ok(())
+    }
+
+    /// Checks file `file` of the manifest (size and SHA-256); loads check each file they
+    /// read this way, once.
+    pub fn verify(&self, file: &str) -> Result<(), TrainError> {
+        self.mapped(file).map(drop)
     }
 
     fn stored(&self, name: &str) -> Result<&StoredTensor, TrainError> {

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use std::ops::Range;
 
 /// A tensor-parallel slice of a whole tensor: `start..end` along dimension `dim`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Slice {
     /// 0 (rows) or 1 (columns of a matrix).
     pub dim: usize,
@@ -24,7 +24,7 @@ pub struct Slice {
 
 /// Elements of a whole tensor: the flat range `flat` (row-major) of the slice `slice`
 /// (or of the whole tensor).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Region {
     /// The tensor-parallel slice, `None` for the whole tensor.
     pub slice: Option<Slice>,

@@ -30,6 +30,7 @@ use synerfuse_parallel::{GradientReduction, Instruction};
 mod config;
 mod eval;
 mod evaluation;
+mod exchange;
 mod report;
 mod save;
 mod switch;
@@ -971,37 +972,5 @@ impl<'w> Trainer<'w> {
             self.world.all_reduce_sum(&mut norm_sq)?;
         }
         Ok((grads, norm_sq.double_value(&[0]).sqrt()))
-    }
-
-    /// This stage's parameters (fp32) and AdamW moments by name, `[value, exp_avg,
-    /// exp_avg_sq]`, whole: a tensor-parallel group's shards gathered (collective over
-    /// it), whole on its rank 0; the last stage's copy of a tied embedding left out.
-    /// `sharded`: the distributed optimizer's state, gathered.
-    fn whole_state(
-        &self,
-        sharded: &[(String, [Tensor; 3])],
-    ) -> Result<Vec<(String, [Tensor; 3])>, TrainError> {
-        let skip_tied = self.holds_tied_copy();
-        let stage = &self.chunks[0];
-        let tp = Self::tp_communicator(&self.groups, &self.tp_group);
-        let whole = |name: &str, t: &Tensor| match tp {
-            Some(tp) => stage.gather_whole(name, t, tp),
-            None => Ok(t.shallow_clone()),
-        };
-        let gathered = sharded
-            .iter()
-            .map(|(n, [value, m, v])| (n.as_str(), value, m, v));
-        let mut state: Vec<_> = self.optimizer.state().chain(gathered).collect();
-        // By name, so every rank of a tensor-parallel group gathers in the same order.
-        state.sort_by_key(|(name, ..)| *name);
-        let mut out = Vec::with_capacity(state.len());
-        for (name, value, m, v) in state {
-            if skip_tied && name == EMBEDDING {
-                continue;
-            }
-            let value = whole(name, &value.to_kind(Kind::Float))?;
-            out.push((name.to_owned(), [value, whole(name, m)?, whole(name, v)?]));
-        }
-        Ok(out)
     }
 }

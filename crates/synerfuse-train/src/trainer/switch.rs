@@ -5,22 +5,19 @@
 //! current holders by global name (as checkpoints store it), the communicators and the
 //! optimizer rebuilt, the iteration and data position kept. No restart, no disk.
 
+use super::exchange::{exchange, Recorder};
 use super::report::StepLog;
 use super::Trainer;
-use crate::checkpoint::region::{CopyOp, Region};
-use crate::checkpoint::{self, CheckpointProblem, CheckpointState, StateSource};
 use crate::comm::groups::RankDevice;
 use crate::replan::{
     RecentSteps, ReplanCause, ReplanDecision, ReplanMode, SpeedWatch, SwitchOutcome,
 };
 use crate::TrainError;
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 use synerfuse_model::tch::{Device, Kind, Tensor};
 use synerfuse_parallel::calibrate::RunRecord;
 use synerfuse_parallel::planner::{self, RunningJob};
-use synerfuse_parallel::Plan;
 
 /// What re-planning keeps from step to step, and across a switch.
 #[derive(Debug, Clone)]
@@ -56,62 +53,8 @@ impl Replanning {
     }
 }
 
-/// The whole state of replica 0 as every rank received it: what a switch restores from.
-struct MovedState {
-    tensors: HashMap<String, Tensor>,
-    state: CheckpointState,
-    origin: PathBuf,
-}
-
-impl StateSource for MovedState {
-    fn read(&self, name: &str, shape: &[i64], region: &Region) -> Result<Tensor, TrainError> {
-        let Some(whole) = self.tensors.get(name) else {
-            let prefix = match name.ends_with(".exp_avg") || name.ends_with(".exp_avg_sq") {
-                true => "optimizer-",
-                false => "model-",
-            };
-            let missing = CheckpointProblem::MissingTensor {
-                prefix: prefix.to_owned(),
-                name: name.to_owned(),
-            };
-            return Err(checkpoint::problem_at(&self.origin, missing));
-        };
-        if whole.size() != shape {
-            let problem = CheckpointProblem::Shape {
-                name: name.to_owned(),
-                found: whole.size(),
-                expected: shape.to_vec(),
-            };
-            return Err(checkpoint::problem_at(&self.origin, problem));
-        }
-        let flat = whole.reshape([-1]);
-        let target = Tensor::zeros([region.len()], (Kind::Float, Device::Cpu));
-        let mut covered = 0;
-        for op in Region::whole(shape).copies_into(region, shape) {
-            let span = op.source_span();
-            let source = flat.narrow(0, span.start, span.end - span.start);
-            let op = CopyOp {
-                source: (0, op.source.1),
-                ..op
-            };
-            checkpoint::copy_block(&source, &target, &op);
-            covered += op.len();
-        }
-        checkpoint::check_coverage(name, covered, region.len(), &self.origin)?;
-        Ok(target)
-    }
-
-    fn state(&self) -> &CheckpointState {
-        &self.state
-    }
-
-    fn origin(&self) -> &Path {
-        &self.origin
-    }
-}
-
 /// `bytes` of rank `root`, on every rank of `world`.
-fn broadcast_bytes(
+pub(super) fn broadcast_bytes(
     world: &crate::comm::MpiCommunicator,
     bytes: &[u8],
     root: usize,
@@ -361,104 +304,18 @@ impl<'w> Trainer<'w> {
         Ok(decision)
     }
 
-    /// Whether this rank holds parameter `name` under `plan` (by the global names'
-    /// layout: `model.layers.N.*`, the embedding on the first stage (and the last when
-    /// tied), the final norm and head on the last).
-    fn holds_under(&self, plan: &Plan, name: &str) -> bool {
-        let Some((replica, stage)) = plan.position(self.world.rank()) else {
-            return false;
-        };
-        let stages = &plan.replicas()[replica].stages;
-        let (first, last) = (stage == 0, stage + 1 == stages.num_stages());
-        if let Some(rest) = name.strip_prefix("model.layers.") {
-            let index = rest.split('.').next().and_then(|i| i.parse::<usize>().ok());
-            return (0..stages.num_chunks())
-                .filter_map(|chunk| stages.chunk_range(stage, chunk))
-                .any(|layers| index.is_some_and(|i| layers.contains(&i)));
-        }
-        if name.starts_with("model.embed_tokens") {
-            return first || (last && self.config.model.tie_word_embeddings);
-        }
-        last
-    }
-
-    /// The state of replica 0 that this rank holds under `plan`, whole (the distributed
-    /// optimizer's shards gathered, tensor-parallel shards gathered, each stage's holder
-    /// broadcasting its stage to every rank, which keeps its own part). Collective.
-    fn move_state(&self, plan: &Plan) -> Result<MovedState, TrainError> {
-        let sharded = match &self.zero {
-            Some(zero) => zero.gather_state(&self.groups)?,
-            None => Vec::new(),
-        };
-        let mine = match self.replica {
-            0 => self.whole_state(&sharded)?,
-            _ => Vec::new(),
-        };
-        drop(sharded);
-        let mut tensors = HashMap::new();
-        let holders: Vec<usize> = (self.config.parallel.plan.replicas()[0].ranks.iter())
-            .map(|group| group[0])
-            .collect();
-        for root in holders {
-            let sending = self.world.rank() == root;
-            let header: Vec<(String, Vec<i64>)> = match sending {
-                true => (mine.iter())
-                    .map(|(name, [value, ..])| (name.clone(), value.size()))
-                    .collect(),
-                false => Vec::new(),
-            };
-            let header = serde_json::to_vec(&header).unwrap_or_default();
-            let header: Vec<(String, Vec<i64>)> =
-                serde_json::from_slice(&broadcast_bytes(self.world, &header, root)?)
-                    .unwrap_or_default();
-            let numel = |shape: &[i64]| shape.iter().product::<i64>();
-            let total: i64 = header.iter().map(|(_, s)| 3 * numel(s)).sum();
-            let mut flat = match sending {
-                true => {
-                    let parts: Vec<Tensor> = (mine.iter())
-                        .flat_map(|(_, three)| {
-                            three.iter().map(|t| {
-                                t.to_kind(Kind::Float).to_device(Device::Cpu).flatten(0, -1)
-                            })
-                        })
-                        .collect();
-                    Tensor::cat(&parts, 0)
-                }
-                false => Tensor::zeros([total], (Kind::Float, Device::Cpu)),
-            };
-            if total > 0 {
-                self.world.broadcast(&mut flat, root)?;
-            }
-            let mut at = 0;
-            for (name, shape) in header {
-                let (n, kept) = (numel(&shape), self.holds_under(plan, &name));
-                for suffix in ["", ".exp_avg", ".exp_avg_sq"] {
-                    if kept {
-                        // A copy: the broadcast buffer is freed after this stage.
-                        let t = flat.narrow(0, at, n).reshape(&shape).copy();
-                        tensors.insert(format!("{name}{suffix}"), t);
-                    }
-                    at += n;
-                }
-            }
-        }
-        Ok(MovedState {
-            tensors,
-            state: self.checkpoint_state(),
-            origin: PathBuf::from(format!(
-                "(state moved between ranks after iteration {})",
-                self.iteration
-            )),
-        })
-    }
-
     /// Switches this rank to the decision's plan at this step boundary. Collective.
     fn switch_plan(&mut self, decision: ReplanDecision) -> Result<(), TrainError> {
         let started = Instant::now();
         // A background save of the old plan's state completes first.
         self.finish_saves()?;
         let before_step_s = self.replanning.recent.median().unwrap_or_default();
-        let moved = self.move_state(&decision.proposed_plan)?;
+        let held = self.checkpoint_pieces();
+        let state = self.checkpoint_state();
+        let origin = PathBuf::from(format!(
+            "(state moved between ranks after iteration {})",
+            self.iteration
+        ));
         let mut config = self.config.clone();
         config.parallel.plan = decision.proposed_plan;
         config.checkpoint.load = None;
@@ -470,6 +327,12 @@ impl<'w> Trainer<'w> {
             self.sample_options,
             self.local_rank,
         )?;
+        // What the new plan's restore reads, then exactly those ranges from their holders.
+        let recorder = Recorder::new(state.clone(), origin.clone());
+        next.restore(&recorder)?;
+        let pieces: Vec<_> = held.model.into_iter().chain(held.optimizer).collect();
+        let moved = exchange(self.world, &pieces, recorder.reads(), state, origin)?;
+        drop(pieces);
         next.restore(&moved)?;
         drop(moved);
         next.setup_s = self.setup_s;
