@@ -302,6 +302,10 @@ pub fn wait_for_fragments(
             next += 1;
             continue;
         }
+        if staging.join(shard::failure_file(next)).exists() {
+            let failed = CheckpointProblem::RankFailed { rank: next };
+            return Err(problem_at(staging, failed));
+        }
         if started.elapsed() > timeout {
             let missing = CheckpointProblem::MissingFragment { rank: next };
             return Err(problem_at(staging, missing));
@@ -312,7 +316,8 @@ pub fn wait_for_fragments(
 }
 
 /// Step 3 (one rank, after every rank of `ranks` wrote its fragment): the fragments
-/// merged into the manifest (every tensor checked to be covered exactly), the state
+/// merged into the manifest (every tensor's pieces checked to hold as many elements as
+/// it has; the writers' pieces are disjoint by construction), the state
 /// written, then the directory is renamed into place and `latest` is updated.
 pub fn commit(save: &Path, state: &CheckpointState, ranks: usize) -> Result<PathBuf, TrainError> {
     let staging = staging_dir(save, state.iteration);

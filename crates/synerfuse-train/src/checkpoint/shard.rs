@@ -76,6 +76,12 @@ pub fn fragment_file(rank: usize) -> String {
     format!("fragment-rank{rank:05}.json")
 }
 
+/// The file a rank whose background write failed leaves, so the committing rank stops
+/// waiting for its fragment.
+pub fn failure_file(rank: usize) -> String {
+    format!("failed-rank{rank:05}")
+}
+
 /// A writer that hashes and counts what passes through it.
 struct Hashing<W> {
     inner: W,

@@ -4,7 +4,7 @@
 
 use super::Trainer;
 use crate::checkpoint::region::{Region, Slice};
-use crate::checkpoint::shard::PieceToWrite;
+use crate::checkpoint::shard::{self, PieceToWrite};
 use crate::checkpoint::{self, CheckpointProblem, CheckpointState, StateSource};
 use crate::grads::EMBEDDING;
 use crate::TrainError;
@@ -131,7 +131,12 @@ fn write_and_commit(
     state: &CheckpointState,
 ) -> Result<(), TrainError> {
     test_delay();
-    checkpoint::write_rank(staging, rank, &pieces.model, &pieces.optimizer)?;
+    let written = checkpoint::write_rank(staging, rank, &pieces.model, &pieces.optimizer);
+    if let Err(e) = written {
+        // Best effort: rank 0 stops waiting for this rank's fragment.
+        let _ = std::fs::write(staging.join(shard::failure_file(rank)), e.to_string());
+        return Err(e);
+    }
     if rank == 0 {
         checkpoint::wait_for_fragments(staging, ranks, crate::comm::watchdog::timeout())?;
         checkpoint::commit(save, state, ranks)?;
