@@ -101,6 +101,8 @@ fn sharded_checkpoints_resume_exactly_under_other_plans() {
         "--micro-batch-size",
         "1",
     ];
+    let asymmetric = replica_plan(d, "asymmetric", &[("[4]", 2, 1), ("[3, 1]", 1, 4)]);
+    let replicas = ["--nproc", "3", "--plan", &asymmetric, zero];
     for (name, first, then) in [
         (
             "TP 2 x DP 2 distributed optimizer, then DP 3",
@@ -108,6 +110,11 @@ fn sharded_checkpoints_resume_exactly_under_other_plans() {
             &dp3[..],
         ),
         ("PP 2, then PP 3", &pp2[..], &pp3[..]),
+        (
+            "per-replica pipelines, then TP 2 x DP 2",
+            &replicas[..],
+            &tp2_dp2[..],
+        ),
     ] {
         let resumed = stop_and_resume(d, &data, &name.replace([' ', ','], "-"), first, then);
         let diff = max_rel_loss_diff(&full[3..], &resumed);
@@ -189,6 +196,20 @@ fn sharded_checkpoints_resume_exactly_under_other_plans() {
     ok(&synerfuse(&args), "resumed from format 1");
     let diff = max_rel_loss_diff(&full[3..], &losses(&log));
     assert!(diff < 1e-6, "format 1: {diff:e}");
+    // A missing piece file: the resume names it.
+    let missing = checkpoint.dir.join("model-rank00003.safetensors");
+    let kept = std::fs::read(&missing).unwrap();
+    std::fs::remove_file(&missing).unwrap();
+    let mut args = common(d, &data, 6);
+    args.extend(strings(&tp2_dp2));
+    args.extend(["--load".into(), save.display().to_string()]);
+    let out = synerfuse(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("model-rank00003.safetensors"),
+        "{stderr}"
+    );
+    std::fs::write(&missing, kept).unwrap();
     // A corrupt piece file: inspect names it and fails.
     let file = checkpoint.dir.join("optimizer-rank00002.safetensors");
     let mut bytes = std::fs::read(&file).unwrap();

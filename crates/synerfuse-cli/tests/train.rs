@@ -935,7 +935,7 @@ fn shakespeare_end_to_end_on_four_hetero_ranks() {
     let record = records
         .iter()
         .rev()
-        .find(|v| v.get("evaluation").is_none())
+        .find(|v| v.get("ranks").is_some())
         .unwrap();
     let ranks = record["ranks"].as_array().unwrap();
     assert_eq!(ranks.len(), 4);

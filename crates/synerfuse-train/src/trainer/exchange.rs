@@ -122,18 +122,18 @@ fn all_json<T: Serialize + for<'de> Deserialize<'de>>(
 }
 
 /// The copies from `held` (a holder's pieces, in order) into `wanted` (a reader's
-/// regions, in order): the order both sides pack and unpack a message in.
-fn copies<'a>(
-    held: impl Iterator<Item = &'a RegionOf> + Clone,
-    wanted: &'a [RegionOf],
-) -> Vec<(usize, usize, CopyOp)> {
+/// regions, in order), as (wanted index, held index, copy): the order both sides pack
+/// and unpack a message in.
+fn copies(held: &[RegionOf], wanted: &[RegionOf]) -> Vec<(usize, usize, CopyOp)> {
+    let mut by_name: HashMap<&str, Vec<usize>> = HashMap::new();
+    for (h, piece) in held.iter().enumerate() {
+        by_name.entry(piece.name.as_str()).or_default().push(h);
+    }
     let mut out = Vec::new();
     for (w, want) in wanted.iter().enumerate() {
-        for (h, piece) in held.clone().enumerate() {
-            if piece.name == want.name {
-                let ops = piece.region.copies_into(&want.region, &want.shape);
-                out.extend(ops.into_iter().map(|op| (w, h, op)));
-            }
+        for &h in by_name.get(want.name.as_str()).into_iter().flatten() {
+            let ops = held[h].region.copies_into(&want.region, &want.shape);
+            out.extend(ops.into_iter().map(|op| (w, h, op)));
         }
     }
     out
@@ -179,7 +179,7 @@ pub(super) fn exchange(
     let mut sends = Vec::new();
     let mut local = None;
     for (dest, wants) in all_wanted.iter().enumerate() {
-        let parts: Vec<Tensor> = (copies(mine.iter(), wants).iter())
+        let parts: Vec<Tensor> = (copies(&mine, wants).iter())
             .map(|(_, h, op)| extract(&flat[*h], op))
             .collect();
         if parts.is_empty() {
@@ -201,7 +201,7 @@ pub(super) fn exchange(
         .collect();
     let mut covered = vec![0i64; wanted.len()];
     for (source, pieces) in all_held.iter().enumerate() {
-        let ops = copies(pieces.iter(), &wanted);
+        let ops = copies(pieces, &wanted);
         let total: i64 = ops.iter().map(|(_, _, op)| op.len()).sum();
         if total == 0 {
             continue;

@@ -340,12 +340,14 @@ impl<'w> Trainer<'w> {
     pub(super) fn restore(&mut self, source: &dyn StateSource) -> Result<(), TrainError> {
         let sharded: BTreeSet<String> = (self.zero.as_ref()).map(|z| z.names()).unwrap_or_default();
         let stage = &self.chunks[0];
-        let read = |name: &str, local: &[i64], elements: Option<Range<i64>>| {
+        // `suffix`: "" for the value, ".exp_avg" and ".exp_avg_sq" for the moments, which
+        // share the parameter's region.
+        let read = |name: &str, suffix: &str, local: &[i64], elements: Option<Range<i64>>| {
             let (mut region, whole) = held_region(stage, name, local);
             if let Some(elements) = elements {
                 region = region.narrowed(elements);
             }
-            source.read(name, &whole, &region)
+            source.read(&format!("{name}{suffix}"), &whole, &region)
         };
         let variables: Vec<(String, Tensor)> = (self.chunks.iter())
             .flat_map(|c| c.var_store().variables())
@@ -353,7 +355,10 @@ impl<'w> Trainer<'w> {
         let mut restored = BTreeSet::new();
         for (name, mut var) in variables {
             let local = var.size();
-            let value = read(&name, &local, None)?.view(local.as_slice());
+            let whole = |suffix| {
+                Ok::<_, TrainError>(read(&name, suffix, &local, None)?.view(local.as_slice()))
+            };
+            let value = whole("")?;
             if sharded.contains(&name) {
                 // The parameter itself here; its master and moments in the shards below.
                 tch::no_grad(|| var.copy_(&value.to_kind(var.kind()).to_device(var.device())));
@@ -362,19 +367,14 @@ impl<'w> Trainer<'w> {
             if !restored.insert(name.clone()) {
                 continue;
             }
-            let moment = |which: &str| {
-                let moment = format!("{name}.{which}");
-                Ok::<_, TrainError>(read(&moment, &local, None)?.view(local.as_slice()))
-            };
-            let (m, v) = (moment("exp_avg")?, moment("exp_avg_sq")?);
+            let (m, v) = (whole(".exp_avg")?, whole(".exp_avg_sq")?);
             self.optimizer
                 .load_param(&name, &value, Some(&m), Some(&v))
                 .map_err(|e| checkpoint::problem_at(source.origin(), e))?;
         }
         if let Some(zero) = &mut self.zero {
             zero.load_pieces(|name, local, elements| {
-                let part =
-                    |suffix: &str| read(&format!("{name}{suffix}"), local, Some(elements.clone()));
+                let part = |suffix| read(name, suffix, local, Some(elements.clone()));
                 Ok::<_, TrainError>([part("")?, part(".exp_avg")?, part(".exp_avg_sq")?])
             })?;
         }
