@@ -103,13 +103,16 @@ fn inspect(args: InspectArgs) -> Result<()> {
         }
         for (t, (_, stored)) in tensors.iter().zip(&manifest.tensors) {
             let ranks: BTreeSet<usize> = stored.pieces.iter().map(|p| p.rank).collect();
+            let pieces = match stored.pieces.len() {
+                1 => "1 piece".to_owned(),
+                n => format!("{n} pieces"),
+            };
             println!(
-                "  {:<56} {:<14} {:>3} pieces from ranks {:<8} {:>12} B",
+                "  {:<56} {:<14} {:>12} B  {pieces} from ranks {}",
                 t["name"].as_str().unwrap_or(""),
                 format!("{:?}", stored.shape),
-                stored.pieces.len(),
+                t["bytes"],
                 ranks_text(&ranks),
-                t["bytes"]
             );
         }
     }
