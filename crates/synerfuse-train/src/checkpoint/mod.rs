@@ -33,12 +33,12 @@ use crate::TrainError;
 use region::{CopyOp, Region};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use shard::{Fragment, StoredPiece, StoredTensor, WRITE_CHUNK_ELEMENTS};
+use shard::{Fragment, StoredPiece, StoredTensor};
 use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use synerfuse_model::tch::{self, Kind, Tensor};
+use synerfuse_model::tch::{self, Tensor};
 use synerfuse_model::{LlamaConfig, Stage};
 use synerfuse_parallel::Plan;
 
@@ -539,7 +539,7 @@ impl Checkpoint {
             };
             return Err(problem_at(&self.dir, problem));
         }
-        let target = Tensor::zeros([region.len()], (Kind::Float, tch::Device::Cpu));
+        let mut target = vec![0f32; region.len().max(0) as usize];
         let mut covered = 0;
         for piece in &stored.pieces {
             let ops = piece.region.copies_into(region, shape);
@@ -547,47 +547,50 @@ impl Checkpoint {
                 continue;
             }
             let map = self.mapped(&piece.file)?;
-            for op in ops.iter().flat_map(row_batches) {
-                let source = self.piece_span(&map, piece, name, &op)?;
-                copy_block(&source, &target, &op);
+            for op in &ops {
+                self.read_rows(&map, piece, name, op, &mut target)?;
                 covered += op.len();
             }
         }
         check_coverage(name, covered, region.len(), &self.dir)?;
-        Ok(target)
+        Ok(Tensor::from_slice(&target))
     }
 
-    /// The source elements `op` reads of `piece`, from the mapped file (bounds checked).
-    fn piece_span(
+    /// `op`'s rows of `piece` from the mapped file into `target` (the wanted region's
+    /// elements): only the bytes of those rows are read.
+    fn read_rows(
         &self,
         map: &memmap2::Mmap,
         piece: &StoredPiece,
         name: &str,
         op: &CopyOp,
-    ) -> Result<Tensor, TrainError> {
-        let (kind, size) = match piece.dtype.as_str() {
-            "F32" => (Kind::Float, 4),
-            "BF16" => (Kind::BFloat16, 2),
-            "F16" => (Kind::Half, 2),
-            _ => (Kind::Float, 0),
+        target: &mut [f32],
+    ) -> Result<(), TrainError> {
+        let size = match piece.dtype.as_str() {
+            "F32" => 4,
+            "BF16" | "F16" => 2,
+            _ => 0,
         };
-        let span = op.source_span();
-        let start = piece.offset as usize + size * span.start as usize;
-        let end = piece.offset as usize + size * span.end as usize;
-        if size == 0 || end > map.len() {
+        let bad = |why: String| {
             let bad = CheckpointProblem::BadPiece {
                 name: name.to_owned(),
                 file: piece.file.clone(),
-                why: format!(
-                    "dtype {} at bytes {start}..{end} of {}",
-                    piece.dtype,
-                    map.len()
-                ),
+                why,
             };
-            return Err(problem_at(&self.dir, bad));
+            problem_at(&self.dir, bad)
+        };
+        if size == 0 {
+            return Err(bad(format!("dtype {}", piece.dtype)));
         }
-        let elements = [span.end - span.start];
-        Ok(Tensor::from_data_size(&map[start..end], &elements, kind).to_kind(Kind::Float))
+        let cols = op.cols as usize;
+        for r in 0..op.rows {
+            let at = piece.offset as usize + size * (op.source.0 + r * op.source.1) as usize;
+            let bytes = (map.get(at..at + size * cols))
+                .ok_or_else(|| bad(format!("bytes {at}.. past the end ({})", map.len())))?;
+            let start = (op.target.0 + r * op.target.1) as usize;
+            decode(&piece.dtype, bytes, &mut target[start..start + cols]);
+        }
+        Ok(())
     }
 
     /// `file` mapped, verified against the manifest the first time.
@@ -674,19 +677,38 @@ fn verify_file(manifest: &Manifest, path: &Path, file: &str) -> Result<(), Train
     Ok(())
 }
 
-/// `op` cut into copies that read at most about [`WRITE_CHUNK_ELEMENTS`] each (whole
-/// rows, one at least), so reading a column slice never maps in a whole tensor at once.
-fn row_batches(op: &CopyOp) -> Vec<CopyOp> {
-    let per = (WRITE_CHUNK_ELEMENTS / op.source.1.max(1)).max(1);
-    (0..op.rows)
-        .step_by(per as usize)
-        .map(|r| CopyOp {
-            source: (op.source.0 + r * op.source.1, op.source.1),
-            target: (op.target.0 + r * op.target.1, op.target.1),
-            rows: per.min(op.rows - r),
-            cols: op.cols,
-        })
-        .collect()
+/// Little-endian `F32`, `BF16` or `F16` values as fp32.
+fn decode(dtype: &str, bytes: &[u8], to: &mut [f32]) {
+    match dtype {
+        "F32" => {
+            for (t, b) in to.iter_mut().zip(bytes.chunks_exact(4)) {
+                *t = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        "BF16" => {
+            for (t, b) in to.iter_mut().zip(bytes.chunks_exact(2)) {
+                *t = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
+            }
+        }
+        _ => {
+            for (t, b) in to.iter_mut().zip(bytes.chunks_exact(2)) {
+                *t = f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+            }
+        }
+    }
+}
+
+/// IEEE half precision to single (subnormals, infinities and NaN included).
+fn f16_to_f32(h: u16) -> f32 {
+    let sign = if h & 0x8000 != 0 { -1.0 } else { 1.0 };
+    let exponent = i32::from((h >> 10) & 0x1f);
+    let mantissa = f32::from(h & 0x3ff);
+    sign * match exponent {
+        0 => mantissa * 2f32.powi(-24),
+        31 if mantissa == 0.0 => f32::INFINITY,
+        31 => f32::NAN,
+        e => (1.0 + mantissa / 1024.0) * 2f32.powi(e - 15),
+    }
 }
 
 /// Copies `op`'s rectangle from `source` (flat, starting at `op`'s first source
@@ -744,5 +766,25 @@ impl StateSource for Checkpoint {
 
     fn origin(&self) -> &Path {
         &self.dir
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stored_dtypes_decode_to_fp32() {
+        let mut out = [0f32; 4];
+        decode(
+            "F16",
+            &[0x00, 0x3c, 0x00, 0xc0, 0x01, 0x00, 0x00, 0x7c],
+            &mut out,
+        );
+        assert_eq!(out, [1.0, -2.0, 2f32.powi(-24), f32::INFINITY]);
+        decode("BF16", &[0x80, 0x3f, 0x40, 0xc0], &mut out[..2]);
+        assert_eq!(out[..2], [1.0, -3.0]);
+        decode("F32", &1.5f32.to_le_bytes(), &mut out[..1]);
+        assert_eq!(out[0], 1.5);
     }
 }
