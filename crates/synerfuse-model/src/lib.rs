@@ -2,6 +2,7 @@
 #![warn(missing_docs)]
 
 mod config;
+pub mod cp;
 pub mod cuda;
 mod device;
 mod generate;

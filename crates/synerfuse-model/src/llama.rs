@@ -65,7 +65,10 @@ pub enum StageError {
         /// Ranks in the group.
         size: usize,
     },
-    /// A collective between tensor-parallel segments failed.
+    /// Context parallelism with something it does not support yet.
+    #[error("context parallelism does not support {0} yet")]
+    ContextParallelWith(&'static str),
+    /// A collective between tensor-parallel (or context-parallel) segments failed.
     #[error("tensor-parallel {op}: {source}")]
     Collective {
         /// The collective.
@@ -303,6 +306,70 @@ impl DecoderLayer {
         );
         let attn = attn.transpose(1, 2).reshape([b, s, nq]);
         self.o.forward(&attn)
+    }
+
+    /// Under context parallelism: this member's keys and values `[b, kv heads, s, d]`
+    /// (its tokens, RoPE at their true positions) from the normed input `h`, in a graph
+    /// apart from the queries' (they share only the leaf input), so that the backward of
+    /// the attention and that of the gathered keys and values never share a node.
+    pub(crate) fn keys_values(
+        &self,
+        h: &Tensor,
+        c: &LlamaConfig,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> (Tensor, Tensor) {
+        let (b, s) = (h.size()[0], h.size()[1]);
+        let hd = c.head_dim as i64;
+        let nkv = self.k.weight.size()[0];
+        let kv = h.linear(
+            &Tensor::cat(&[&self.k.weight, &self.v.weight], 0),
+            match (&self.k.bias, &self.v.bias) {
+                (Some(k), Some(v)) => Some(Tensor::cat(&[k, v], 0)),
+                _ => None,
+            }
+            .as_ref(),
+        );
+        let parts = kv.split_with_sizes([nkv, nkv], -1);
+        let k = parts[0].view([b, s, nkv / hd, hd]).transpose(1, 2);
+        let v = parts[1].view([b, s, nkv / hd, hd]).transpose(1, 2);
+        let k = &k * cos + rotate_half(&k) * sin;
+        (k, v)
+    }
+
+    /// The attention block's core for this member's queries (from the normed input `h`,
+    /// its tokens at sequence indices `positions` `[s]`) over the keys and values of the
+    /// whole sequence `k`, `v` `[b, kv heads, S, d]` in sequence order: causal by index,
+    /// so a query attends to exactly the keys it would on one rank.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attention_over(
+        &self,
+        h: &Tensor,
+        c: &LlamaConfig,
+        cos: &Tensor,
+        sin: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        positions: &Tensor,
+    ) -> Tensor {
+        let (b, s) = (h.size()[0], h.size()[1]);
+        let hd = c.head_dim as i64;
+        let nq = self.q.weight.size()[0];
+        let q = self.q.forward(h).view([b, s, nq / hd, hd]).transpose(1, 2);
+        let q = &q * cos + rotate_half(&q) * sin;
+        let keys = Tensor::arange(k.size()[2], (Kind::Int64, h.device()));
+        let allowed = keys.unsqueeze(0).le_tensor(&positions.unsqueeze(1));
+        let attn = Tensor::scaled_dot_product_attention(
+            &q,
+            k,
+            v,
+            Some(&allowed),
+            0.0,
+            false,
+            (c.head_dim as f64).powf(-0.5),
+            c.num_kv_heads != c.num_heads,
+        );
+        self.o.forward(&attn.transpose(1, 2).reshape([b, s, nq]))
     }
 
     /// The MLP block's output (before the residual): normed input, SwiGLU over this

@@ -45,8 +45,13 @@ pub(crate) enum Region {
     /// output, which the next region all-gathers.
     Norm { input: Tensor, normed: Tensor },
     /// An attention or MLP block: its replicated leaf input (the residual stream, or
-    /// under sequence parallelism the gathered normed rows) and its partial output.
-    Block { input: Tensor, partial: Tensor },
+    /// under sequence parallelism the gathered normed rows) and its partial output; under
+    /// context parallelism an attention block's exchanged keys and values.
+    Block {
+        input: Tensor,
+        partial: Tensor,
+        kv: Option<crate::cp::KvExchange>,
+    },
     /// The final norm (unless sequence-parallel) and this rank's slice of the output layer.
     Head { input: Tensor, logits: Tensor },
 }

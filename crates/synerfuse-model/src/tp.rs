@@ -11,6 +11,7 @@
 //! input (Megatron's `f`). The full logits are never gathered: the loss is computed from
 //! each rank's vocabulary slice with three small collectives per micro-batch.
 
+use crate::cp::ContextGroup;
 use crate::norm::rms_norm;
 use crate::pass::{ForwardPass, Region, SavedInputs};
 use crate::{Stage, StageError};
@@ -148,6 +149,21 @@ impl Stage {
         attention_mask: Option<&Tensor>,
         tp: &dyn TpCollectives,
     ) -> Result<ForwardPass, StageError> {
+        self.forward_train_parallel(input, position_ids, attention_mask, tp, None)
+    }
+
+    /// [`Self::forward_train_tp`] for a member of a context-parallel group `cp` too:
+    /// `input` holds this member's tokens (`cp`'s positions of it, in its order), and
+    /// `position_ids`, when given, their positions for RoPE (by default their sequence
+    /// indices). Collective over both groups.
+    pub fn forward_train_parallel(
+        &self,
+        input: &Tensor,
+        position_ids: Option<&Tensor>,
+        attention_mask: Option<&Tensor>,
+        tp: &dyn TpCollectives,
+        cp: Option<&ContextGroup<'_>>,
+    ) -> Result<ForwardPass, StageError> {
         let saved = SavedInputs {
             input: match self.is_first() {
                 true => input.shallow_clone(),
@@ -159,10 +175,10 @@ impl Stage {
         let (output, regions) = match self.recomputes() {
             true => {
                 let (output, _) =
-                    tch::no_grad(|| self.tp_regions(input, position_ids, attention_mask, tp))?;
+                    tch::no_grad(|| self.tp_regions(input, position_ids, attention_mask, tp, cp))?;
                 (output, Vec::new())
             }
-            false => self.tp_regions(input, position_ids, attention_mask, tp)?,
+            false => self.tp_regions(input, position_ids, attention_mask, tp, cp)?,
         };
         Ok(ForwardPass::regions(output, regions, saved))
     }
@@ -174,11 +190,34 @@ impl Stage {
         position_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
         tp: &dyn TpCollectives,
+        cp: Option<&ContextGroup<'_>>,
     ) -> Result<(Tensor, Vec<Region>), StageError> {
         let seq = Sequence {
             tp,
             parallel: self.sequence_parallel(),
         };
+        // Under context parallelism: this member's sequence indices, and its positions.
+        let context = match cp {
+            Some(_) if attention_mask.is_some() => {
+                return Err(StageError::ContextParallelWith(
+                    "attention masks (--reset-attention-mask)",
+                ))
+            }
+            Some(_) if seq.parallel => {
+                return Err(StageError::ContextParallelWith("sequence parallelism"))
+            }
+            Some(cp) => {
+                let indices = cp.local_positions(input.device());
+                let b = input.size()[0];
+                let positions = position_ids.map_or_else(
+                    || indices.unsqueeze(0).expand([b, indices.size()[0]], false),
+                    Tensor::shallow_clone,
+                );
+                Some((cp, indices, positions))
+            }
+            None => None,
+        };
+        let position_ids = context.as_ref().map(|(_, _, p)| p).or(position_ids);
         let mut regions = Vec::new();
         let leaf = (!self.is_first()).then(|| input.detach().set_requires_grad(true));
         let (mut x, (cos, sin)) = match &leaf {
@@ -205,18 +244,37 @@ impl Stage {
                 let input = self.region_input(&x, &seq, &mut regions, |x| {
                     layer.block_norm(attention, x, c)
                 })?;
-                let partial = match (attention, seq.parallel) {
-                    (true, true) => {
+                let partial = match (attention, seq.parallel, &context) {
+                    (true, false, Some((cp, indices, _))) => {
+                        let normed = |x: &Tensor| layer.block_norm(true, x, c);
+                        let (k, v) = layer.keys_values(&normed(&input), c, &cos, &sin);
+                        let kv = cp.gather(k, v)?;
+                        let [k, v] = &kv.whole;
+                        let partial =
+                            layer.attention_over(&normed(&input), c, &cos, &sin, k, v, indices);
+                        x = &x + seq.combine(&partial.detach())?;
+                        regions.push(Region::Block {
+                            input,
+                            partial,
+                            kv: Some(kv),
+                        });
+                        continue;
+                    }
+                    (true, true, _) => {
                         layer.attention_core(&input, c, &cos, &sin, attention_mask, None)
                     }
-                    (true, false) => {
+                    (true, false, _) => {
                         layer.attention_out(&input, c, &cos, &sin, attention_mask, None)
                     }
-                    (false, true) => layer.mlp_core(&input),
-                    (false, false) => layer.mlp_out(&input, c),
+                    (false, true, _) => layer.mlp_core(&input),
+                    (false, false, _) => layer.mlp_out(&input, c),
                 };
                 x = &x + seq.combine(&partial.detach())?;
-                regions.push(Region::Block { input, partial });
+                regions.push(Region::Block {
+                    input,
+                    partial,
+                    kv: None,
+                });
             }
         }
         let output = match self.norm_and_head() {
@@ -270,6 +328,18 @@ impl Stage {
         from: TpBackwardFrom<'_>,
         tp: &dyn TpCollectives,
     ) -> Result<Option<Tensor>, StageError> {
+        self.backward_parallel(pass, from, tp, None)
+    }
+
+    /// [`Self::backward_tp`] of a pass of [`Self::forward_train_parallel`], with the
+    /// same context-parallel group (the input gradient is this member's tokens').
+    pub fn backward_parallel(
+        &self,
+        pass: ForwardPass,
+        from: TpBackwardFrom<'_>,
+        tp: &dyn TpCollectives,
+        cp: Option<&ContextGroup<'_>>,
+    ) -> Result<Option<Tensor>, StageError> {
         let seq = Sequence {
             tp,
             parallel: self.sequence_parallel(),
@@ -278,7 +348,7 @@ impl Stage {
         if regions.is_empty() {
             // A recomputed pass: its forward again, with the graph this time.
             let (positions, mask) = (saved.position_ids.as_ref(), saved.attention_mask.as_ref());
-            regions = self.tp_regions(&saved.input, positions, mask, tp)?.1;
+            regions = self.tp_regions(&saved.input, positions, mask, tp, cp)?.1;
         }
         // The gradient of the residual stream (this rank's rows under sequence
         // parallelism), and that of a sequence-parallel norm's output.
@@ -320,9 +390,12 @@ impl Stage {
                         None => input.grad(),
                     });
                 }
-                Region::Block { input, partial } => {
+                Region::Block { input, partial, kv } => {
                     let g = grad.as_ref().expect("a block's output gradient");
                     backward_from(&partial, &seq.whole(g)?);
+                    if let (Some(kv), Some(cp)) = (kv, cp) {
+                        cp.backward(kv)?;
+                    }
                     let through = seq.combine(&input.grad())?;
                     match seq.parallel {
                         true => normed_grad = Some(through),

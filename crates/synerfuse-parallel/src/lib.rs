@@ -5,6 +5,7 @@ mod batch;
 pub mod calibrate;
 pub mod cluster;
 pub mod cost;
+pub mod cp;
 mod flags;
 pub mod launcher;
 mod plan;
