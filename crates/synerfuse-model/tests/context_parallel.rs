@@ -3,7 +3,7 @@
 //! positions, the loss sums to the whole loss, the input gradients are the whole input
 //! gradient at its positions, and the parameter gradients summed over the members are
 //! the whole gradients: even (Megatron's layout) and in shares, GQA, tied embeddings,
-//! with recomputation.
+//! with recomputation, and with each member's stage split over tensor-parallel ranks.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Barrier, Mutex};
@@ -12,6 +12,7 @@ use synerfuse_model::tch::{self, Device, Kind, Tensor};
 use synerfuse_model::tp::{CollectiveError, TpBackwardFrom, TpCollectives};
 use synerfuse_model::{BackwardFrom, LlamaConfig, Stage};
 use synerfuse_parallel::cp::ContextSplit;
+use synerfuse_parallel::TpLayout;
 
 /// libtorch's global generator: one user at a time.
 static INIT: Mutex<()> = Mutex::new(());
@@ -102,19 +103,22 @@ fn inputs(c: &LlamaConfig, first: bool) -> Inputs {
     }
 }
 
-/// Output, loss sum, input gradient, parameter gradients.
+/// Output, loss sum, input gradient, parameter gradients (of a tensor-parallel shard:
+/// its slices, `slices` says which).
 struct Outcome {
     output: Tensor,
     loss: f64,
     input_grad: Option<Tensor>,
     grads: BTreeMap<String, Tensor>,
+    slices: BTreeMap<String, (usize, std::ops::Range<i64>)>,
+    /// The tensor-parallel rank (0 without).
+    tp_rank: usize,
 }
 
-fn stage(c: &LlamaConfig, layers: std::ops::Range<usize>, recompute: bool) -> Stage {
+fn whole_stage(c: &LlamaConfig, layers: std::ops::Range<usize>) -> Stage {
     let _one_at_a_time = INIT.lock().unwrap();
     let mut stage = Stage::new(c, layers, Device::Cpu).unwrap();
     stage.init_by_name(3);
-    stage.set_recompute(recompute);
     stage
 }
 
@@ -125,7 +129,7 @@ fn grads(stage: &Stage) -> BTreeMap<String, Tensor> {
 }
 
 fn whole(c: &LlamaConfig, layers: std::ops::Range<usize>, x: &Inputs) -> Outcome {
-    let stage = stage(c, layers, false);
+    let stage = whole_stage(c, layers);
     let pass = stage.forward_train(&x.input, None, None).unwrap();
     let output = pass.output.shallow_clone();
     let (loss, input_grad) = match stage.is_last() {
@@ -145,31 +149,59 @@ fn whole(c: &LlamaConfig, layers: std::ops::Range<usize>, x: &Inputs) -> Outcome
         loss,
         input_grad,
         grads: grads(&stage),
+        slices: BTreeMap::new(),
+        tp_rank: 0,
     }
 }
 
-/// Each member's outcome on its positions of `x`.
+/// A group of threads: each member's collectives.
+fn thread_groups(n: usize) -> Vec<ThreadGroup> {
+    let slots = Arc::new(Mutex::new((0..n).map(|_| None).collect()));
+    let barrier = Arc::new(Barrier::new(n));
+    (0..n)
+        .map(|rank| ThreadGroup {
+            rank,
+            slots: slots.clone(),
+            barrier: barrier.clone(),
+        })
+        .collect()
+}
+
+/// Each member's outcome on its positions of `x`, its stage split over `tp_shares`
+/// tensor-parallel ranks (one: a whole stage): member `cp * tp + t` runs context rank
+/// `cp`, tensor rank `t`.
 fn context_parallel(
     c: &LlamaConfig,
     layers: std::ops::Range<usize>,
     split: &ContextSplit,
+    tp_shares: &[u32],
     recompute: bool,
     x: &Inputs,
 ) -> Vec<(Vec<i64>, Outcome)> {
-    let n = split.ranks();
+    let (n, tp) = (split.ranks(), tp_shares.len());
     let positions: Vec<Vec<i64>> = (0..n)
         .map(|r| split.position_list(r).iter().map(|&p| p as i64).collect())
         .collect();
-    let slots = Arc::new(Mutex::new((0..n).map(|_| None).collect()));
-    let barrier = Arc::new(Barrier::new(n));
+    let layout = TpLayout::new(
+        Some(tp_shares),
+        tp,
+        c.num_kv_heads,
+        c.intermediate_size,
+        c.vocab_size,
+    )
+    .unwrap();
+    let mut tp_groups: Vec<Vec<ThreadGroup>> = (0..n).map(|_| thread_groups(tp)).collect();
+    let mut cp_groups: Vec<Vec<ThreadGroup>> = (0..tp).map(|_| thread_groups(n)).collect();
+    let mut members = Vec::new();
+    for rank in (0..n).rev() {
+        for t in (0..tp).rev() {
+            let (tp_group, cp_group) = (tp_groups[rank].pop(), cp_groups[t].pop());
+            members.push((rank, t, tp_group.unwrap(), cp_group.unwrap()));
+        }
+    }
     std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..n)
-            .map(|rank| {
-                let group = ThreadGroup {
-                    rank,
-                    slots: slots.clone(),
-                    barrier: barrier.clone(),
-                };
+        let handles: Vec<_> = (members.into_iter().rev())
+            .map(|(rank, t, tp_group, cp_group)| {
                 let (positions, layers) = (positions.clone(), layers.clone());
                 let mine = positions[rank].clone();
                 let index = Tensor::from_slice(&mine);
@@ -180,34 +212,57 @@ fn context_parallel(
                     pick(&x.mask),
                     pick(&x.output_grad),
                 );
+                let shard = layout.shard(t).unwrap();
                 scope.spawn(move || {
-                    let stage = stage(c, layers, recompute);
+                    let stage = {
+                        let _one_at_a_time = INIT.lock().unwrap();
+                        let mut stage = match tp {
+                            1 => Stage::new(c, layers, Device::Cpu).unwrap(),
+                            _ => Stage::new_sharded(c, layers, shard, Device::Cpu).unwrap(),
+                        };
+                        stage.init_by_name(3);
+                        stage.set_recompute(recompute);
+                        stage
+                    };
+                    let group: &dyn TpCollectives = match tp {
+                        1 => &Solo,
+                        _ => &tp_group,
+                    };
                     let cp = ContextGroup {
-                        collectives: &group,
+                        collectives: &cp_group,
                         positions,
                     };
-                    let pass = (stage.forward_train_parallel(&input, None, None, &Solo, Some(&cp)))
+                    let pass = (stage.forward_train_parallel(&input, None, None, group, Some(&cp)))
                         .unwrap();
                     let output = pass.output.shallow_clone();
                     let (loss, from) = match stage.is_last() {
                         true => {
-                            let loss = Stage::loss(&output, &labels, Some(&mask)).0;
+                            let (loss, _) = stage
+                                .parallel_loss(&output, &labels, Some(&mask), group)
+                                .unwrap();
                             let from = TpBackwardFrom::Loss {
                                 labels: &labels,
                                 loss_mask: Some(&mask),
                                 scale: SCALE,
                             };
-                            (loss.double_value(&[]), from)
+                            (loss, from)
                         }
                         false => (0.0, TpBackwardFrom::OutputGrad(&output_grad)),
                     };
                     let input_grad =
-                        (stage.backward_parallel(pass, from, &Solo, Some(&cp))).unwrap();
+                        (stage.backward_parallel(pass, from, group, Some(&cp))).unwrap();
+                    stage.all_reduce_norm_grads(group).unwrap();
+                    let slices = (stage.var_store().variables().into_keys())
+                        .filter_map(|n| stage.shard_of(&n).map(|s| (n, s)))
+                        .collect();
                     let outcome = Outcome {
                         output,
-                        loss,
+                        // Every tensor-parallel rank has the group's loss: count it once.
+                        loss: if t == 0 { loss } else { 0.0 },
                         input_grad,
                         grads: grads(&stage),
+                        slices,
+                        tp_rank: t,
                     };
                     (mine, outcome)
                 })
@@ -227,21 +282,37 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
 /// The largest difference between the whole run and the members'.
 fn compare(whole: &Outcome, members: &[(Vec<i64>, Outcome)]) -> f64 {
     let mut worst: f64 = 0.0;
+    let embedding = "model.embed_tokens.weight";
     for (positions, m) in members {
         let index = Tensor::from_slice(positions);
-        worst = worst.max(max_diff(&m.output, &whole.output.index_select(1, &index)));
+        let mut reference = whole.output.index_select(1, &index);
+        if let (Some((_, vocab)), true) = (m.slices.get(embedding), whole.input_grad.is_none()) {
+            // A tensor-parallel last stage's logits: its vocabulary rows.
+            reference = reference.narrow(2, vocab.start, vocab.end - vocab.start);
+        }
+        worst = worst.max(max_diff(&m.output, &reference));
         if let (Some(mine), Some(all)) = (&m.input_grad, &whole.input_grad) {
             worst = worst.max(max_diff(mine, &all.index_select(1, &index)));
         }
     }
     let loss: f64 = members.iter().map(|(_, m)| m.loss).sum();
     worst = worst.max((loss - whole.loss).abs());
-    for (name, g) in &whole.grads {
-        let summed = (members.iter())
-            .map(|(_, m)| m.grads[name].shallow_clone())
-            .reduce(|a, b| a + b)
-            .unwrap();
-        worst = worst.max(max_diff(&summed, g));
+    let tp = members.iter().map(|(_, m)| m.tp_rank).max().unwrap_or(0) + 1;
+    for t in 0..tp {
+        let shard: Vec<&Outcome> = (members.iter().map(|(_, m)| m))
+            .filter(|m| m.tp_rank == t)
+            .collect();
+        for name in shard[0].grads.keys() {
+            let summed = (shard.iter())
+                .map(|m| m.grads[name].shallow_clone())
+                .reduce(|a, b| a + b)
+                .unwrap();
+            let reference = match shard[0].slices.get(name) {
+                Some((dim, r)) => whole.grads[name].narrow(*dim as i64, r.start, r.end - r.start),
+                None => whole.grads[name].shallow_clone(),
+            };
+            worst = worst.max(max_diff(&summed, &reference));
+        }
     }
     worst
 }
@@ -249,22 +320,39 @@ fn compare(whole: &Outcome, members: &[(Vec<i64>, Outcome)]) -> f64 {
 #[test]
 fn a_context_parallel_stage_equals_the_whole_stage() {
     let c = config();
-    for (what, split) in [
-        ("even", ContextSplit::even(SEQUENCE as usize, 2).unwrap()),
+    let sequence = SEQUENCE as usize;
+    for (what, split, tp) in [
         (
-            "shares [3, 1]",
-            ContextSplit::in_shares(SEQUENCE as usize, &[3, 1]).unwrap(),
+            "CP 2 even",
+            ContextSplit::even(sequence, 2).unwrap(),
+            vec![1],
         ),
         (
-            "even over 4",
-            ContextSplit::even(SEQUENCE as usize, 4).unwrap(),
+            "CP 2 shares [3, 1]",
+            ContextSplit::in_shares(sequence, &[3, 1]).unwrap(),
+            vec![1],
+        ),
+        (
+            "CP 4 even",
+            ContextSplit::even(sequence, 4).unwrap(),
+            vec![1],
+        ),
+        (
+            "CP 2 x TP 2",
+            ContextSplit::even(sequence, 2).unwrap(),
+            vec![1, 1],
+        ),
+        (
+            "CP [3, 1] x TP [2, 1]",
+            ContextSplit::in_shares(sequence, &[3, 1]).unwrap(),
+            vec![2, 1],
         ),
     ] {
         for recompute in [false, true] {
             for (layers, first) in [(0..3, true), (1..2, false)] {
                 let x = inputs(&c, first);
                 let reference = whole(&c, layers.clone(), &x);
-                let members = context_parallel(&c, layers.clone(), &split, recompute, &x);
+                let members = context_parallel(&c, layers.clone(), &split, &tp, recompute, &x);
                 let diff = compare(&reference, &members);
                 println!("{what}, layers {layers:?}, recompute {recompute}: {diff:.2e}");
                 assert!(
