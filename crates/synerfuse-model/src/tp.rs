@@ -203,9 +203,6 @@ impl Stage {
                     "attention masks (--reset-attention-mask)",
                 ))
             }
-            Some(_) if seq.parallel => {
-                return Err(StageError::ContextParallelWith("sequence parallelism"))
-            }
             Some(cp) => {
                 let indices = cp.local_positions(input.device());
                 let b = input.size()[0];
@@ -245,8 +242,13 @@ impl Stage {
                     layer.block_norm(attention, x, c)
                 })?;
                 let partial = match (attention, seq.parallel, &context) {
-                    (true, false, Some((cp, indices, _))) => {
-                        let normed = |x: &Tensor| layer.block_norm(true, x, c);
+                    (true, parallel, Some((cp, indices, _))) => {
+                        // Under sequence parallelism the input is already the gathered
+                        // normed rows (this member's tokens).
+                        let normed = |x: &Tensor| match parallel {
+                            true => x.shallow_clone(),
+                            false => layer.block_norm(true, x, c),
+                        };
                         let (k, v) = layer.keys_values(&normed(&input), c, &cos, &sin);
                         let kv = cp.gather(k, v)?;
                         let [k, v] = &kv.whole;

@@ -175,7 +175,7 @@ fn context_parallel(
     layers: std::ops::Range<usize>,
     split: &ContextSplit,
     tp_shares: &[u32],
-    recompute: bool,
+    (recompute, sequence_parallel): (bool, bool),
     x: &Inputs,
 ) -> Vec<(Vec<i64>, Outcome)> {
     let (n, tp) = (split.ranks(), tp_shares.len());
@@ -206,11 +206,17 @@ fn context_parallel(
                 let mine = positions[rank].clone();
                 let index = Tensor::from_slice(&mine);
                 let pick = |t: &Tensor| t.index_select(1, &index);
+                // Under sequence parallelism a stage after the first takes its input and
+                // output gradient as this tensor-parallel rank's rows of the member's tokens.
+                let rows = |x: Tensor| match sequence_parallel && layers.start > 0 {
+                    true => x.chunk(tp as i64, 1)[t].copy(),
+                    false => x,
+                };
                 let (input, labels, mask, output_grad) = (
-                    pick(&x.input),
+                    rows(pick(&x.input)),
                     pick(&x.labels),
                     pick(&x.mask),
-                    pick(&x.output_grad),
+                    rows(pick(&x.output_grad)),
                 );
                 let shard = layout.shard(t).unwrap();
                 scope.spawn(move || {
@@ -222,6 +228,7 @@ fn context_parallel(
                         };
                         stage.init_by_name(3);
                         stage.set_recompute(recompute);
+                        stage.set_sequence_parallel(sequence_parallel);
                         stage
                     };
                     let group: &dyn TpCollectives = match tp {
@@ -321,38 +328,50 @@ fn compare(whole: &Outcome, members: &[(Vec<i64>, Outcome)]) -> f64 {
 fn a_context_parallel_stage_equals_the_whole_stage() {
     let c = config();
     let sequence = SEQUENCE as usize;
-    for (what, split, tp) in [
+    for (what, split, tp, sp) in [
         (
             "CP 2 even",
             ContextSplit::even(sequence, 2).unwrap(),
             vec![1],
+            false,
         ),
         (
-            "CP 2 shares [3, 1]",
+            "CP 2 [3, 1]",
             ContextSplit::in_shares(sequence, &[3, 1]).unwrap(),
             vec![1],
+            false,
         ),
         (
             "CP 4 even",
             ContextSplit::even(sequence, 4).unwrap(),
             vec![1],
+            false,
         ),
         (
             "CP 2 x TP 2",
             ContextSplit::even(sequence, 2).unwrap(),
             vec![1, 1],
+            false,
+        ),
+        (
+            "CP 2 x TP 2 + SP",
+            ContextSplit::even(sequence, 2).unwrap(),
+            vec![1, 1],
+            true,
         ),
         (
             "CP [3, 1] x TP [2, 1]",
             ContextSplit::in_shares(sequence, &[3, 1]).unwrap(),
             vec![2, 1],
+            false,
         ),
     ] {
         for recompute in [false, true] {
             for (layers, first) in [(0..3, true), (1..2, false)] {
                 let x = inputs(&c, first);
                 let reference = whole(&c, layers.clone(), &x);
-                let members = context_parallel(&c, layers.clone(), &split, &tp, recompute, &x);
+                let mode = (recompute, sp);
+                let members = context_parallel(&c, layers.clone(), &split, &tp, mode, &x);
                 let diff = compare(&reference, &members);
                 println!("{what}, layers {layers:?}, recompute {recompute}: {diff:.2e}");
                 assert!(
