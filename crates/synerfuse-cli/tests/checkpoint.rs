@@ -121,6 +121,14 @@ fn sharded_checkpoints_resume_exactly_under_other_plans() {
         println!("{name}: resumed losses within {diff:.2e}");
         assert!(diff < 1e-6, "{name}: {resumed:?} vs {:?}", &full[3..]);
     }
+    // bf16 with the distributed optimizer: fp32 masters saved and restored, the bf16
+    // parameters taken from them, so a resume under the same plan continues exactly.
+    let bf16 = ["--nproc", "2", "--micro-batch-size", "1", "--bf16", zero];
+    let (bf16_full, _) = run(d, &data, "bf16-full", &bf16);
+    let resumed = stop_and_resume(d, &data, "bf16-stopped", &bf16, &bf16);
+    let diff = max_rel_loss_diff(&bf16_full[3..], &resumed);
+    println!("bf16, DP 2 distributed optimizer, same plan: resumed losses within {diff:.2e}");
+    assert!(diff < 1e-6, "bf16: {resumed:?} vs {:?}", &bf16_full[3..]);
     // Under TP 2 x DP 2 with the distributed optimizer every rank wrote its own files,
     // and a sharded matrix is covered by pieces of several ranks: TP slices cut into
     // distributed-optimizer ranges.
