@@ -131,6 +131,44 @@ impl MicroBatch {
     pub fn loss_tokens(&self) -> f64 {
         self.loss_mask.iter().map(|&m| f64::from(m)).sum()
     }
+    /// A context-parallel member's part: every row at `positions` (sequence indices, in
+    /// the member's order), the attention mask's rows likewise (all key columns kept).
+    /// The members' parts of a split together hold every token once, so their loss
+    /// tokens add up to this micro-batch's.
+    pub fn context_part(&self, positions: &[usize]) -> MicroBatch {
+        let rows = self.len();
+        let sequence = match rows {
+            0 => 0,
+            n => self.tokens.len() / n,
+        };
+        let pick = |values: &[i64]| -> Vec<i64> {
+            (0..rows)
+                .flat_map(|r| positions.iter().map(move |&p| values[r * sequence + p]))
+                .collect()
+        };
+        let loss_mask = (0..rows)
+            .flat_map(|r| positions.iter().map(move |&p| (r, p)))
+            .map(|(r, p)| self.loss_mask[r * sequence + p])
+            .collect();
+        let attention_mask = self.attention_mask.as_ref().map(|mask| {
+            (0..rows)
+                .flat_map(|r| positions.iter().map(move |&p| (r, p)))
+                .flat_map(|(r, p)| {
+                    let row = (r * sequence + p) * sequence;
+                    mask[row..row + sequence].iter().copied()
+                })
+                .collect()
+        });
+        MicroBatch {
+            sample_indices: self.sample_indices.clone(),
+            dataset_ids: self.dataset_ids.clone(),
+            tokens: pick(&self.tokens),
+            labels: pick(&self.labels),
+            loss_mask,
+            position_ids: pick(&self.position_ids),
+            attention_mask,
+        }
+    }
 }
 
 /// Serves one replica's micro-batches, step after step.
@@ -259,5 +297,46 @@ impl Prefetcher {
             self.next = Some((following, handle));
         }
         ready
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn context_parts_hold_every_token_once() {
+        let (rows, sequence) = (2, 8);
+        let n = rows * sequence;
+        let batch = MicroBatch {
+            sample_indices: 0..2,
+            dataset_ids: vec![0, 0],
+            tokens: (0..n as i64).collect(),
+            labels: (100..100 + n as i64).collect(),
+            loss_mask: (0..n).map(|i| (i % 3 != 0) as u8 as f32).collect(),
+            position_ids: (0..rows).flat_map(|_| 0..sequence as i64).collect(),
+            attention_mask: Some(
+                (0..rows * sequence * sequence)
+                    .map(|i| i % 2 == 0)
+                    .collect(),
+            ),
+        };
+        let split = synerfuse_parallel::cp::ContextSplit::in_shares(sequence, &[3, 1]).unwrap();
+        let parts: Vec<MicroBatch> = (0..split.ranks())
+            .map(|r| batch.context_part(&split.position_list(r)))
+            .collect();
+        let loss_tokens: f64 = parts.iter().map(MicroBatch::loss_tokens).sum();
+        assert_eq!(loss_tokens, batch.loss_tokens());
+        let mut tokens: Vec<i64> = parts.iter().flat_map(|p| p.tokens.clone()).collect();
+        tokens.sort_unstable();
+        assert_eq!(tokens, batch.tokens);
+        // Member 1 holds positions 3 and 4 of each row: their ids, labels and positions.
+        assert_eq!(parts[1].tokens, vec![3, 4, 11, 12]);
+        assert_eq!(parts[1].labels, vec![103, 104, 111, 112]);
+        assert_eq!(parts[1].position_ids, vec![3, 4, 3, 4]);
+        let mask = parts[1].attention_mask.as_ref().unwrap();
+        assert_eq!(mask.len(), rows * 2 * sequence);
+        let whole = batch.attention_mask.as_ref().unwrap();
+        assert_eq!(mask[..sequence], whole[3 * sequence..4 * sequence]);
     }
 }
