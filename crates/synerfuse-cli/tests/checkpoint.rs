@@ -232,6 +232,25 @@ fn sharded_checkpoints_resume_exactly_under_other_plans() {
             && stderr.contains("corrupt"),
         "{stderr}"
     );
+    // A checkpoint that lacks a parameter is refused by export before it writes, by name.
+    let path = checkpoint.dir.join("manifest.json");
+    let mut manifest: Manifest =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    manifest.tensors.remove("model.norm.weight");
+    std::fs::write(&path, serde_json::to_string(&manifest).unwrap()).unwrap();
+    let partial = d.join("partial-export");
+    let out = synerfuse(&strings(&[
+        "export",
+        "--load",
+        save.to_str().unwrap(),
+        "--output",
+        partial.to_str().unwrap(),
+    ]));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("model.norm.weight") && !partial.exists(),
+        "{stderr}"
+    );
 }
 
 /// Each rank's numbers after `marker` on its log lines (in order), by rank.

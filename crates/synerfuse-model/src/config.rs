@@ -217,6 +217,48 @@ impl LlamaConfig {
         serde_json::to_string_pretty(&v).expect("json")
     }
 
+    /// Every parameter of the whole model with its shape, by Hugging Face name, in model
+    /// order: what a whole [`crate::Stage`] holds (what an export must find).
+    pub fn parameter_shapes(&self) -> Vec<(String, Vec<i64>)> {
+        let [h, ffn, vocab] =
+            [self.hidden_size, self.intermediate_size, self.vocab_size].map(|n| n as i64);
+        let q = (self.num_heads * self.head_dim) as i64;
+        let kv = (self.num_kv_heads * self.head_dim) as i64;
+        let mut out = vec![("model.embed_tokens.weight".to_owned(), vec![vocab, h])];
+        for i in 0..self.num_layers {
+            let layer = format!("model.layers.{i}");
+            let mut push =
+                |name: &str, shape: Vec<i64>| out.push((format!("{layer}.{name}"), shape));
+            push("input_layernorm.weight", vec![h]);
+            push("post_attention_layernorm.weight", vec![h]);
+            for (proj, rows) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
+                push(&format!("self_attn.{proj}.weight"), vec![rows, h]);
+                if self.attention_bias {
+                    push(&format!("self_attn.{proj}.bias"), vec![rows]);
+                }
+            }
+            push("self_attn.o_proj.weight", vec![h, q]);
+            if self.attention_bias {
+                push("self_attn.o_proj.bias", vec![h]);
+            }
+            for proj in ["gate_proj", "up_proj"] {
+                push(&format!("mlp.{proj}.weight"), vec![ffn, h]);
+                if self.mlp_bias {
+                    push(&format!("mlp.{proj}.bias"), vec![ffn]);
+                }
+            }
+            push("mlp.down_proj.weight", vec![h, ffn]);
+            if self.mlp_bias {
+                push("mlp.down_proj.bias", vec![h]);
+            }
+        }
+        out.push(("model.norm.weight".to_owned(), vec![h]));
+        if !self.tie_word_embeddings {
+            out.push(("lm_head.weight".to_owned(), vec![vocab, h]));
+        }
+        out
+    }
+
     /// Parameters of the whole model.
     pub fn num_parameters(&self) -> usize {
         let h = self.hidden_size;
@@ -366,6 +408,39 @@ impl LlamaConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parameter_shapes_are_a_whole_stages() {
+        for (tied, bias) in [(true, false), (false, true)] {
+            let c = LlamaConfig {
+                vocab_size: 64,
+                hidden_size: 32,
+                intermediate_size: 48,
+                num_layers: 2,
+                num_heads: 8,
+                num_kv_heads: 4,
+                head_dim: 4,
+                max_position_embeddings: 32,
+                rope_theta: 10_000.0,
+                rms_norm_eps: 1e-5,
+                tie_word_embeddings: tied,
+                attention_bias: bias,
+                mlp_bias: bias,
+                init_std: 0.02,
+            };
+            let stage = crate::Stage::new(&c, 0..2, tch::Device::Cpu).unwrap();
+            let held: std::collections::BTreeMap<String, Vec<i64>> = (stage.var_store())
+                .variables()
+                .into_iter()
+                .map(|(n, t)| (n, t.size()))
+                .collect();
+            let listed: std::collections::BTreeMap<String, Vec<i64>> =
+                c.parameter_shapes().into_iter().collect();
+            assert_eq!(listed, held);
+            let numel: i64 = listed.values().map(|s| s.iter().product::<i64>()).sum();
+            assert_eq!(numel as usize, c.num_parameters());
+        }
+    }
 
     #[test]
     fn reads_transformers_5_and_4_configs() {

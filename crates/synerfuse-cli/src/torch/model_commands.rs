@@ -198,7 +198,7 @@ pub fn run_export(args: ExportArgs) -> Result<()> {
             false => tch::Kind::Float,
         },
     };
-    let tensors = checkpoint.parameters();
+    let tensors = checkpoint.parameters()?;
     export_streaming(&config, &tensors, &args.output, options, |name| {
         Ok::<_, anyhow::Error>(checkpoint.tensor(name)?)
     })

@@ -480,14 +480,22 @@ impl Checkpoint {
             .map_err(|e| problem_at(&source, e))
     }
 
-    /// The model's parameters it holds with their whole shapes (what an export writes).
-    pub fn parameters(&self) -> Vec<(String, Vec<i64>)> {
-        (self.parameter_names().into_iter())
-            .map(|name| {
-                let shape = self.manifest.tensors[&name].shape.clone();
-                (name, shape)
-            })
-            .collect()
+    /// Every parameter of its model with its whole shape (what an export writes), each
+    /// checked to be held with that shape before anything is read.
+    pub fn parameters(&self) -> Result<Vec<(String, Vec<i64>)>, TrainError> {
+        let expected = self.model_config()?.parameter_shapes();
+        for (name, shape) in &expected {
+            let stored = self.stored(name)?;
+            if &stored.shape != shape {
+                let problem = CheckpointProblem::Shape {
+                    name: name.clone(),
+                    found: stored.shape.clone(),
+                    expected: shape.clone(),
+                };
+                return Err(problem_at(&self.dir, problem));
+            }
+        }
+        Ok(expected)
     }
 
     /// The whole tensor `name` as stored (fp32, on the CPU).
@@ -584,9 +592,16 @@ impl Checkpoint {
         }
         let cols = op.cols as usize;
         for r in 0..op.rows {
-            let at = piece.offset as usize + size * (op.source.0 + r * op.source.1) as usize;
-            let bytes = (map.get(at..at + size * cols))
-                .ok_or_else(|| bad(format!("bytes {at}.. past the end ({})", map.len())))?;
+            let element = (op.source.0 + r * op.source.1) as usize;
+            let at = (piece.offset as usize).checked_add(size * element);
+            let span = at.and_then(|at| Some(at..at.checked_add(size * cols)?));
+            let bytes = (span.and_then(|span| map.get(span))).ok_or_else(|| {
+                bad(format!(
+                    "offset {} past the end ({})",
+                    piece.offset,
+                    map.len()
+                ))
+            })?;
             let start = (op.target.0 + r * op.target.1) as usize;
             decode(&piece.dtype, bytes, &mut target[start..start + cols]);
         }
@@ -643,7 +658,12 @@ impl Checkpoint {
     fn check_pieces(&self) -> Result<(), TrainError> {
         for (name, stored) in &self.manifest.tensors {
             for piece in &stored.pieces {
+                let numel = (stored.shape.iter()).try_fold(1i64, |n, &d| match d >= 0 {
+                    true => n.checked_mul(d).filter(|&n| n <= i64::MAX / 8),
+                    false => None,
+                });
                 let why = match () {
+                    _ if numel.is_none() => "a negative or too large shape",
                     _ if !self.manifest.files.contains_key(&piece.file) => "file not listed",
                     _ if !piece.region.fits(&stored.shape) => "region outside the tensor",
                     _ => continue,

@@ -119,8 +119,9 @@ impl Region {
         self.len() <= 0
     }
 
-    /// Whether it fits a tensor of `shape`: its slice within the dimension, its flat
-    /// range within the slice (what a manifest read from disk is checked against).
+    /// Whether it fits a tensor of `shape` (non-negative, its element count within
+    /// `i64`): its slice within the dimension, its flat range within the slice (what a
+    /// manifest read from disk is checked against).
     pub fn fits(&self, shape: &[i64]) -> bool {
         let (rows, cols) = matrix(shape);
         let slice_ok = match &self.slice {
@@ -134,12 +135,12 @@ impl Region {
                 0 <= s.start && s.start <= s.end && s.end <= extent
             }
         };
+        if !slice_ok {
+            return false;
+        }
         let (r, c) = Self::slice_box(shape, self.slice.as_ref());
         let numel = (r.end - r.start) * (c.end - c.start);
-        slice_ok
-            && 0 <= self.flat.start
-            && self.flat.start <= self.flat.end
-            && self.flat.end <= numel
+        0 <= self.flat.start && self.flat.start <= self.flat.end && self.flat.end <= numel
     }
 
     /// The rows and columns of the whole matrix the slice covers.

@@ -12,8 +12,9 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use synerfuse_model::tch::{Device, Kind, Tensor};
 
-/// Elements moved to the host and written at a time: the one write buffer a save adds to
-/// a rank's memory (4 MiB of fp32).
+/// Elements moved to the host and written at a time: the write buffer a save adds to a
+/// rank's memory (4 MiB of fp32 bytes; a second 4 MiB host chunk when the data is on a
+/// GPU or in another dtype; and a 1 MiB file buffer).
 pub const WRITE_CHUNK_ELEMENTS: i64 = 1 << 20;
 
 /// One stored piece of a global tensor.

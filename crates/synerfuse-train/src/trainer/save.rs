@@ -131,7 +131,14 @@ fn write_and_commit(
     state: &CheckpointState,
 ) -> Result<(), TrainError> {
     test_delay();
-    let written = checkpoint::write_rank(staging, rank, &pieces.model, &pieces.optimizer);
+    // A panic (libtorch's, say) is a failure like an error: rank 0 must stop waiting.
+    let written = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        checkpoint::write_rank(staging, rank, &pieces.model, &pieces.optimizer)
+    }))
+    .unwrap_or_else(|_| {
+        let panicked = CheckpointProblem::WriterPanicked;
+        Err(checkpoint::problem_at(staging, panicked))
+    });
     if let Err(e) = written {
         // Best effort: rank 0 stops waiting for this rank's fragment.
         let _ = std::fs::write(staging.join(shard::failure_file(rank)), e.to_string());
@@ -156,24 +163,27 @@ impl<'w> Trainer<'w> {
         self.finish_saves()?;
         let started = Instant::now();
         let rank = self.world.rank();
-        if rank == 0 {
-            checkpoint::prepare(&save, self.iteration)?;
-        }
-        self.world.barrier();
         let staging = checkpoint::staging_dir(&save, self.iteration);
+        let prepared = match rank {
+            0 => checkpoint::prepare(&save, self.iteration).map(drop),
+            _ => Ok(()),
+        };
+        self.agree(prepared, &staging)?;
         let dir = save.join(checkpoint::iteration_dir(self.iteration));
         let mut pieces = self.checkpoint_pieces();
         let (state, ranks) = (self.checkpoint_state(), self.world.size());
         if self.config.checkpoint.async_save {
             pieces.copy_to_host();
             let writing = staging.clone();
-            let handle = std::thread::Builder::new()
+            let spawned = std::thread::Builder::new()
                 .name("checkpoint-writer".into())
                 .spawn(move || {
                     let result = write_and_commit(&save, &writing, rank, ranks, &pieces, &state);
                     (result, Instant::now())
                 })
-                .map_err(|e| checkpoint::problem_at(&staging, e))?;
+                .map_err(|e| checkpoint::problem_at(&staging, e));
+            // Every rank has a save in flight, or none has.
+            let handle = self.agree(spawned, &staging)?;
             self.pending_save = Some(PendingSave {
                 iteration: self.iteration,
                 staging,
