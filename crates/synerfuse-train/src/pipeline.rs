@@ -12,6 +12,7 @@ use crate::TrainError;
 use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
+use synerfuse_model::cp::{ContextGroup, Solo};
 use synerfuse_model::tch::{Device, Kind, Tensor};
 use synerfuse_model::tp::{CollectiveError, TpBackwardFrom, TpCollectives};
 use synerfuse_model::{BackwardFrom, ForwardPass, Stage};
@@ -56,12 +57,33 @@ pub struct PipelineRank<'a> {
     /// Under sequence parallelism, each neighbour's sequence rows: (its index in its
     /// stage's tensor-parallel group, the group's size); empty without.
     pub peer_rows: &'a BTreeMap<usize, (usize, usize)>,
+    /// The stage's context-parallel group, when it has one.
+    pub context: Option<ContextRank<'a>>,
     /// Dtype of activations on the wire.
     pub activation_kind: Kind,
     /// Emulated slowdown, if any.
     pub emulation: Option<Emulation>,
     /// When the step began: the origin of the spans [`PipelineRank::run`] records.
     pub step_start: Instant,
+}
+
+/// A rank's context-parallel group: it runs its stage on its own token positions of every
+/// sequence (the same on every stage of its pipeline), exchanging keys and values.
+#[derive(Clone, Copy)]
+pub struct ContextRank<'a> {
+    /// The group's communicator (member order).
+    pub group: &'a GroupCommunicator,
+    /// Every member's sequence indices, in member order.
+    pub positions: &'a [Vec<i64>],
+}
+
+impl ContextRank<'_> {
+    /// This member's part of `micro_batch`.
+    fn part(&self, micro_batch: &MicroBatch) -> MicroBatch {
+        let mine = &self.positions[self.group.rank()];
+        let positions: Vec<usize> = mine.iter().map(|&p| p as usize).collect();
+        micro_batch.context_part(&positions)
+    }
 }
 
 /// What the pipeline tells its caller as it runs a program.
@@ -227,6 +249,18 @@ impl PipelineRank<'_> {
         on_event: &mut dyn FnMut(PipelineEvent) -> Result<(), TrainError>,
     ) -> Result<(StepLoss, StepTimes, Vec<Span>), TrainError> {
         let device = self.chunks[0].device();
+        // Under context parallelism this member's tokens of every sequence.
+        let (parts, sequence_length) = match &self.context {
+            Some(context) => (
+                micro_batches.iter().map(|mb| context.part(mb)).collect(),
+                context.positions[context.group.rank()].len(),
+            ),
+            None => (Vec::new(), sequence_length),
+        };
+        let micro_batches = match self.context {
+            Some(_) => parts.as_slice(),
+            None => micro_batches,
+        };
         let inputs: Vec<BatchTensors> = micro_batches
             .iter()
             .map(|mb| BatchTensors::new(mb, sequence_length, device))
@@ -368,11 +402,13 @@ impl PipelineRank<'_> {
             let fault = PipelineFault::ForwardBeforeInput(piece);
             step.take_received(Payload::Activation, from, fault)?
         };
-        let clock = PassClock::start(self.tp, self.emulation.as_ref());
-        let tp = self.tp.map(|_| &clock);
+        let clock = self.clock();
+        let tp = self.parallel().then_some(&clock);
+        let collectives = clock.context_collectives();
+        let cp = self.context_group(collectives.as_ref());
         let (positions, mask) = (Some(&batch.position_ids), batch.attention_mask.as_ref());
         let pass = match tp {
-            Some(tp) => stage.forward_train_tp(&input, positions, mask, tp)?,
+            Some(tp) => stage.forward_train_parallel(&input, positions, mask, tp, cp.as_ref())?,
             None => stage.forward_train(&input, positions, mask)?,
         };
         if stage.is_last() {
@@ -406,8 +442,10 @@ impl PipelineRank<'_> {
         let pass = step.passes.remove(&piece).ok_or(TrainError::Pipeline(
             PipelineFault::BackwardWithoutForward(piece),
         ))?;
-        let clock = PassClock::start(self.tp, self.emulation.as_ref());
-        let tp = self.tp.map(|_| &clock);
+        let clock = self.clock();
+        let tp = self.parallel().then_some(&clock);
+        let collectives = clock.context_collectives();
+        let cp = self.context_group(collectives.as_ref());
         let input_grad = if stage.is_last() {
             match tp {
                 Some(tp) => {
@@ -416,7 +454,7 @@ impl PipelineRank<'_> {
                         loss_mask: Some(&batch.loss_mask),
                         scale: 1.0 / loss_normaliser,
                     };
-                    stage.backward_tp(pass, from, tp)?
+                    stage.backward_parallel(pass, from, tp, cp.as_ref())?
                 }
                 None => {
                     let loss_of = |logits: &Tensor| {
@@ -440,7 +478,10 @@ impl PipelineRank<'_> {
             let grad = step.take_received(Payload::Gradient, from, fault)?;
             let grad = grad.to_kind(pass.output.kind());
             match tp {
-                Some(tp) => stage.backward_tp(pass, TpBackwardFrom::OutputGrad(&grad), tp)?,
+                Some(tp) => {
+                    let from = TpBackwardFrom::OutputGrad(&grad);
+                    stage.backward_parallel(pass, from, tp, cp.as_ref())?
+                }
                 None => stage.backward(pass, BackwardFrom::OutputGrad(&grad))?,
             }
         };
@@ -549,12 +590,14 @@ impl PipelineRank<'_> {
 }
 
 /// One pass's clock: its computation (emulated when the rank stands in for a slower
-/// device) and, on a tensor-parallel stage, the group's collectives between its
-/// computations, timed apart: an emulated device is slowed down in each computation
-/// between collectives, as the real one would be, and waiting for the group counts as
-/// communication.
+/// device) and, on a tensor- or context-parallel stage, the groups' collectives between
+/// its computations, timed apart: an emulated device is slowed down in each computation
+/// between collectives, as the real one would be, and waiting for a group counts as
+/// communication. As [`TpCollectives`] it is the tensor-parallel group's (a group of one
+/// without one); [`ContextCollectives`] is the context-parallel group's.
 struct PassClock<'a> {
     group: Option<&'a GroupCommunicator>,
+    context: Option<&'a GroupCommunicator>,
     emulation: Option<&'a Emulation>,
     span: Cell<ComputeSpan>,
     compute: Cell<Duration>,
@@ -562,24 +605,12 @@ struct PassClock<'a> {
 }
 
 impl<'a> PassClock<'a> {
-    fn start(group: Option<&'a GroupCommunicator>, emulation: Option<&'a Emulation>) -> Self {
-        PassClock {
-            group,
-            emulation,
-            span: Cell::new(ComputeSpan::start()),
-            compute: Cell::new(Duration::ZERO),
-            communication: Cell::new(Duration::ZERO),
-        }
-    }
-
-    /// Ends the computation so far, runs `op` on the group, starts the next computation.
+    /// Ends the computation so far, runs `op` on `group`, starts the next computation.
     fn collective<T>(
         &self,
+        group: &GroupCommunicator,
         op: impl FnOnce(&GroupCommunicator) -> Result<T, CollectiveError>,
     ) -> Result<T, CollectiveError> {
-        let group = self
-            .group
-            .ok_or("a collective on a stage without a group")?;
         let computed = Emulation::account(self.emulation, self.span.get());
         self.compute.set(self.compute.get() + computed);
         let started = Instant::now();
@@ -608,15 +639,93 @@ impl TpCollectives for PassClock<'_> {
     }
 
     fn all_reduce_sum(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
-        self.collective(|g| TpCollectives::all_reduce_sum(g, tensor))
+        match self.group {
+            Some(g) => self.collective(g, |g| TpCollectives::all_reduce_sum(g, tensor)),
+            None => Solo.all_reduce_sum(tensor),
+        }
     }
 
     fn all_gather(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
-        self.collective(|g| TpCollectives::all_gather(g, tensor))
+        match self.group {
+            Some(g) => self.collective(g, |g| TpCollectives::all_gather(g, tensor)),
+            None => Solo.all_gather(tensor),
+        }
     }
 
     fn reduce_scatter_sum(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
-        self.collective(|g| TpCollectives::reduce_scatter_sum(g, tensor))
+        match self.group {
+            Some(g) => self.collective(g, |g| TpCollectives::reduce_scatter_sum(g, tensor)),
+            None => Solo.reduce_scatter_sum(tensor),
+        }
+    }
+}
+
+/// A pass clock's context-parallel group, as the model's collectives.
+struct ContextCollectives<'c, 'a> {
+    clock: &'c PassClock<'a>,
+    group: &'a GroupCommunicator,
+}
+
+impl TpCollectives for ContextCollectives<'_, '_> {
+    fn rank(&self) -> usize {
+        self.group.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.group.size()
+    }
+
+    fn all_reduce_sum(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
+        (self.clock).collective(self.group, |g| TpCollectives::all_reduce_sum(g, tensor))
+    }
+
+    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
+        (self.clock).collective(self.group, |g| TpCollectives::all_gather(g, tensor))
+    }
+
+    fn reduce_scatter_sum(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
+        (self.clock).collective(self.group, |g| TpCollectives::reduce_scatter_sum(g, tensor))
+    }
+}
+
+impl PipelineRank<'_> {
+    /// A clock for one pass over this rank's groups.
+    fn clock(&self) -> PassClock<'_> {
+        PassClock {
+            group: self.tp,
+            context: self.context.map(|c| c.group),
+            emulation: self.emulation.as_ref(),
+            span: Cell::new(ComputeSpan::start()),
+            compute: Cell::new(Duration::ZERO),
+            communication: Cell::new(Duration::ZERO),
+        }
+    }
+
+    /// Whether the stage runs the model's parallel passes (a tensor- or
+    /// context-parallel group).
+    fn parallel(&self) -> bool {
+        self.tp.is_some() || self.context.is_some()
+    }
+
+    /// The context-parallel group of a pass over `collectives` (`clock`'s, when the
+    /// stage has one).
+    fn context_group<'c>(
+        &self,
+        collectives: Option<&'c ContextCollectives<'c, '_>>,
+    ) -> Option<ContextGroup<'c>> {
+        let positions = self.context?.positions.to_vec();
+        Some(ContextGroup {
+            collectives: collectives?,
+            positions,
+        })
+    }
+}
+
+impl<'a> PassClock<'a> {
+    /// The context-parallel group's collectives, timed by this clock.
+    fn context_collectives(&self) -> Option<ContextCollectives<'_, 'a>> {
+        let group = self.context?;
+        Some(ContextCollectives { clock: self, group })
     }
 }
 

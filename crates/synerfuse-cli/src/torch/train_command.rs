@@ -85,11 +85,15 @@ pub struct TrainArgs {
     /// vocabulary-parallel embedding and loss) [default: 1]
     #[arg(long, value_parser = crate::values::positive_count, help_heading = "Parallelism")]
     tensor_model_parallel_size: Option<usize>,
+    /// Ranks per context-parallel group: each holds part of every sequence (Megatron's
+    /// load-balanced chunks) and they exchange keys and values [default: 1]
+    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Parallelism")]
+    context_parallel_size: Option<usize>,
     /// FlagScale/SynerFuse: lay the job out by --hetero-process-meshes
     #[arg(long, help_heading = "Parallelism")]
     enable_hetero: bool,
     /// `TP CP EP DP PP` per mesh: runs of consecutive pipeline stages, each mesh with its
-    /// own tensor-parallel size (CP = EP = 1; every mesh the same DP)
+    /// own tensor- and context-parallel sizes (EP = 1; every mesh the same DP)
     #[arg(long, value_parser = crate::values::positive_count, num_args = 1.., help_heading = "Parallelism")]
     hetero_process_meshes: Vec<usize>,
     /// One device type per mesh (names, e.g. A800 BI150)
@@ -363,6 +367,7 @@ impl TrainArgs {
         let list = |values: &[usize]| (!values.is_empty()).then(|| values.to_vec());
         Ok(PlanFlags {
             tensor_model_parallel_size: self.tensor_model_parallel_size.unwrap_or(1),
+            context_parallel_size: self.context_parallel_size.unwrap_or(1),
             pipeline_model_parallel_size: self.pipeline_model_parallel_size.unwrap_or(1),
             use_tp_pp_dp_mapping: self.use_tp_pp_dp_mapping,
             num_layers: self.num_layers()?,
@@ -382,6 +387,10 @@ impl TrainArgs {
             (
                 "--tensor-model-parallel-size",
                 self.tensor_model_parallel_size.is_some(),
+            ),
+            (
+                "--context-parallel-size",
+                self.context_parallel_size.is_some(),
             ),
             (
                 "--hetero-process-meshes",
@@ -485,6 +494,7 @@ impl TrainArgs {
                     | "--micro-batch-size"
                     | "--pipeline-model-parallel-size"
                     | "--tensor-model-parallel-size"
+                    | "--context-parallel-size"
             )
         });
         if self.plan.is_some() {
@@ -516,9 +526,17 @@ impl TrainArgs {
                 );
             }
         }
+        if let Some(cp) = self.context_parallel_size {
+            if let Some(m) = meshes.meshes().iter().position(|m| m.cp != cp) {
+                bail!(
+                    "--context-parallel-size {cp} differs from mesh {m}'s context-parallel size {} (each mesh sets its own; leave the flag out)",
+                    meshes.meshes()[m].cp
+                );
+            }
+        }
         if meshes.world_size() != world_size {
             bail!(
-                "--hetero-process-meshes hold {} ranks (the sum of TP x DP x PP) but the job has {world_size}",
+                "--hetero-process-meshes hold {} ranks (the sum of TP x CP x DP x PP) but the job has {world_size}",
                 meshes.world_size()
             );
         }
@@ -1012,11 +1030,11 @@ fn read_plan(path: &std::path::Path, text: &str) -> Result<Plan> {
         .with_context(|| format!("plan {}", path.display()))
 }
 
-/// Context and expert parallelism, which the trainer does not run yet, named by flag.
+/// Expert parallelism, which the trainer does not run yet, named by flag.
 fn unsupported_grid(error: PlanError) -> anyhow::Error {
     match error {
-        PlanError::Unsupported { cp, ep } => anyhow::Error::new(error).context(format!(
-            "--context-parallel-size {cp} / --expert-model-parallel-size {ep}: only tensor, pipeline and data parallelism are supported for now"
+        PlanError::Unsupported { ep } => anyhow::Error::new(error).context(format!(
+            "--expert-model-parallel-size {ep}: only tensor, context, pipeline and data parallelism are supported for now"
         )),
         e => e.into(),
     }
@@ -1054,6 +1072,9 @@ fn train_flag_error(error: TrainError) -> anyhow::Error {
         TrainError::WorldSize { .. } => "--nproc / mpirun -np".to_owned(),
         TrainError::Plan(PlanError::SequenceParallel { .. }) => {
             "--sequence-parallel / --seq-length".to_owned()
+        }
+        TrainError::Plan(PlanError::ContextSplit { .. }) => {
+            "--seq-length / --context-parallel-size".to_owned()
         }
         _ => return error.into(),
     };

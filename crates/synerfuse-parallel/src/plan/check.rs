@@ -9,8 +9,9 @@ use crate::TpLayout;
 impl Plan {
     /// Checks that this plan can train `model`: its stages hold the model's layers, every
     /// chunk at least one, each tensor-parallel group's shares divide the model (query
-    /// groups, FFN columns, vocabulary rows) and, under sequence parallelism, the sequence
-    /// divides over every group.
+    /// groups, FFN columns, vocabulary rows), each context-parallel group can split the
+    /// sequence in its shares and, under sequence parallelism, each member's tokens
+    /// divide over its tensor-parallel group.
     pub fn check(&self, model: &ModelShape, sequence_parallel: bool) -> Result<(), PlanError> {
         if self.num_layers() != model.num_layers {
             return Err(PlanError::LayerCount {
@@ -34,10 +35,28 @@ impl Plan {
                     });
                 }
             }
-            for stage in (0..stages.num_stages()).filter(|&s| r.tp_size(s) > 1) {
+            for stage in 0..stages.num_stages() {
+                let tokens: Vec<usize> = match r.cp_size(stage) {
+                    1 => vec![model.seq_length],
+                    _ => {
+                        let split =
+                            (r.context_split(stage, model.seq_length)).map_err(|source| {
+                                PlanError::ContextSplit {
+                                    replica,
+                                    stage,
+                                    source,
+                                }
+                            })?;
+                        (0..split.ranks()).map(|m| split.tokens(m)).collect()
+                    }
+                };
+                let size = r.tp_size(stage);
+                if size == 1 {
+                    continue;
+                }
                 self.tp_layout(model, replica, stage)?;
-                let (sequence, size) = (model.seq_length, r.tp_size(stage));
-                if sequence_parallel && sequence % size != 0 {
+                let uneven = tokens.into_iter().find(|&t| t % size != 0);
+                if let Some(sequence) = uneven.filter(|_| sequence_parallel) {
                     return Err(PlanError::SequenceParallel {
                         replica,
                         stage,

@@ -38,11 +38,18 @@ struct ReplicaFile {
     /// Each stage's tensor-parallel shares (default: even).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     tp_shares: Vec<Vec<u32>>,
+    /// Each stage's context-parallel size (default: 1 each).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    cp: Vec<usize>,
+    /// Each stage's context-parallel shares (default: even).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    cp_shares: Vec<Vec<u32>>,
     /// Whether each stage recomputes its activations in the backward (default: none).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     recompute: Vec<bool>,
     /// The global rank of each rank of the replica, stage by stage, a stage's
-    /// tensor-parallel ranks together (default: numbered replica by replica).
+    /// tensor-parallel ranks together, its context-parallel members' groups in turn
+    /// (default: numbered replica by replica).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     ranks: Option<Vec<usize>>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -212,20 +219,26 @@ fn replica_pipeline(
         &[
             ("tp", replica.tp.len()),
             ("tp_shares", replica.tp_shares.len()),
+            ("cp", replica.cp.len()),
+            ("cp_shares", replica.cp_shares.len()),
             ("recompute", replica.recompute.len()),
         ],
     )?;
-    let tp = match replica.tp.is_empty() {
+    let per_stage_or_one = |sizes: &[usize]| match sizes.is_empty() {
         true => vec![1; n],
-        false => replica.tp,
+        false => sizes.to_vec(),
     };
-    let total = tp.iter().fold(0usize, |a, &b| a.saturating_add(b));
+    let (tp, cp) = (per_stage_or_one(&replica.tp), per_stage_or_one(&replica.cp));
+    let stage_ranks: Vec<usize> = (tp.iter().zip(&cp))
+        .map(|(&t, &c)| t.saturating_mul(c))
+        .collect();
+    let total = stage_ranks.iter().fold(0usize, |a, &b| a.saturating_add(b));
     let flat = replica
         .ranks
         .unwrap_or_else(|| (first_rank..first_rank.saturating_add(total)).collect());
     super::check_per_rank(r, total, &[("ranks", flat.len())])?;
     let mut rest = flat.as_slice();
-    let ranks = tp
+    let ranks = stage_ranks
         .iter()
         .map(|&size| {
             let (stage, tail) = rest.split_at(size.min(rest.len()));
@@ -245,6 +258,8 @@ fn replica_pipeline(
         batch,
         ranks,
         tp_shares: replica.tp_shares.into_iter().map(Some).collect(),
+        cp: replica.cp,
+        cp_shares: replica.cp_shares.into_iter().map(Some).collect(),
         recompute: replica.recompute,
         placements: placements(r, total, given)?,
     })
@@ -288,6 +303,16 @@ fn replica_file(r: &ReplicaPipeline, sequential: bool) -> ReplicaFile {
         },
         tp: match tp.iter().any(|&t| t > 1) {
             true => tp,
+            false => Vec::new(),
+        },
+        cp: match (0..stages).any(|s| r.cp_size(s) > 1) {
+            true => (0..stages).map(|s| r.cp_size(s)).collect(),
+            false => Vec::new(),
+        },
+        cp_shares: match (0..stages).any(|s| r.context_shares(s).is_some()) {
+            true => (0..stages)
+                .map(|s| (r.context_shares(s)).unwrap_or_else(|| vec![1; r.cp_size(s)]))
+                .collect(),
             false => Vec::new(),
         },
         recompute: match r.recompute.iter().any(|&x| x) {

@@ -36,19 +36,19 @@ impl Plan {
         })
     }
 
-    /// The general form of a grid plan (context and expert sizes 1; tensor parallelism
+    /// The general form of a grid plan (expert size 1; tensor and context parallelism
     /// even on every stage), on the grid's own ranks.
     pub(crate) fn from_grid(plan: &GridPlan) -> Result<Self, PlanError> {
         let t = &plan.topology;
-        if t.cp != 1 || t.ep != 1 {
-            return Err(PlanError::Unsupported { cp: t.cp, ep: t.ep });
+        if t.ep != 1 {
+            return Err(PlanError::Unsupported { ep: t.ep });
         }
         let topology = plan.topology()?;
-        let rank_of = |dp: usize, pp: usize, tp: usize| {
+        let rank_of = |dp: usize, pp: usize, cp: usize, tp: usize| {
             topology
                 .rank(&crate::Coordinates {
                     tp,
-                    cp: 0,
+                    cp,
                     ep: 0,
                     dp,
                     pp,
@@ -61,9 +61,12 @@ impl Plan {
             .iter()
             .enumerate()
             .map(|(dp, batch)| {
-                let ranks: Vec<Vec<usize>> = (0..t.pp)
-                    .map(|pp| (0..t.tp).map(|tp| rank_of(dp, pp, tp)).collect())
-                    .collect();
+                let stage_ranks = |pp| {
+                    (0..t.cp)
+                        .flat_map(|cp| (0..t.tp).map(move |tp| rank_of(dp, pp, cp, tp)))
+                        .collect()
+                };
+                let ranks: Vec<Vec<usize>> = (0..t.pp).map(stage_ranks).collect();
                 ReplicaPipeline {
                     stages: plan.stages.clone(),
                     batch: batch.clone(),
@@ -74,6 +77,11 @@ impl Plan {
                         .collect(),
                     ranks,
                     tp_shares: Vec::new(),
+                    cp: match t.cp {
+                        1 => Vec::new(),
+                        cp => vec![cp; t.pp],
+                    },
+                    cp_shares: Vec::new(),
                     recompute: Vec::new(),
                 }
             })
@@ -86,9 +94,14 @@ impl Plan {
     /// stage), recomputation aside; `None` for a plan only the general form expresses.
     pub(crate) fn to_grid(&self) -> Option<GridPlan> {
         let stages = &self.replicas()[0].stages;
-        let tp = self.replicas()[0].tp_size(0);
+        let (tp, cp) = (self.replicas()[0].tp_size(0), self.replicas()[0].cp_size(0));
         let even = |r: &ReplicaPipeline| {
-            (0..r.stages.num_stages()).all(|s| r.tp_size(s) == tp && r.shares(s) == vec![1; tp])
+            (0..r.stages.num_stages()).all(|s| {
+                r.tp_size(s) == tp
+                    && r.shares(s) == vec![1; tp]
+                    && r.cp_size(s) == cp
+                    && r.context_shares(s).is_none()
+            })
         };
         if self
             .replicas()
@@ -115,7 +128,7 @@ impl Plan {
                     world_size: self.world_size(),
                     tp,
                     pp: stages.num_stages(),
-                    cp: 1,
+                    cp,
                     ep: 1,
                     order: order.to_owned(),
                 };

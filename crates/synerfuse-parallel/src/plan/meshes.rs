@@ -1,8 +1,8 @@
 //! FlagScale's heterogeneous process meshes, which SynerFuse's scripts use:
 //! `--enable-hetero --hetero-process-meshes TP CP EP DP PP  TP CP EP DP PP ...
 //! --hetero-device-types A B --hetero-pipeline-layer-split l0 l1 ...`. Each mesh is a
-//! run of consecutive pipeline stages on one device type with its own tensor-parallel
-//! size; as a general plan, replica `d` takes the `d`-th data-parallel slice of every mesh.
+//! run of consecutive pipeline stages on one device type with its own tensor- and
+//! context-parallel sizes; as a general plan, replica `d` takes the `d`-th data-parallel slice of every mesh.
 //!
 //! Ranks follow FlagScale: mesh after mesh, and within a mesh Megatron's `tp-cp-ep-dp-pp`
 //! order (tensor-parallel ranks consecutive, then replicas, then stages).
@@ -15,7 +15,7 @@ use crate::{BatchError, LayoutError, ReplicaBatches, StageLayout};
 pub struct ProcessMesh {
     /// Tensor-parallel size of its stages.
     pub tp: usize,
-    /// Context-parallel size (1).
+    /// Context-parallel size of its stages.
     pub cp: usize,
     /// Expert-parallel size (1).
     pub ep: usize,
@@ -74,13 +74,13 @@ pub enum MeshError {
         /// Its sizes.
         sizes: Vec<usize>,
     },
-    /// Context or expert parallelism.
-    #[error("--hetero-process-meshes: mesh {mesh} has context-parallel size {cp} and expert-parallel size {ep}; only 1 is supported")]
-    ContextOrExpert {
+    /// Expert parallelism.
+    #[error(
+        "--hetero-process-meshes: mesh {mesh} has expert-parallel size {ep}; only 1 is supported"
+    )]
+    Expert {
         /// The mesh.
         mesh: usize,
-        /// Its CP.
-        cp: usize,
         /// Its EP.
         ep: usize,
     },
@@ -146,7 +146,7 @@ pub struct ProcessMeshes {
 }
 
 impl ProcessMeshes {
-    /// The meshes of `flags`, checked: five positive sizes each, CP = EP = 1, one DP for
+    /// The meshes of `flags`, checked: five positive sizes each, EP = 1, one DP for
     /// all, one device type each, the current device type among them.
     pub fn parse(flags: &MeshFlags) -> Result<Self, MeshError> {
         let given = flags.meshes.len();
@@ -183,9 +183,8 @@ impl ProcessMeshes {
                 let sizes = sizes.to_vec();
                 return Err(MeshError::ZeroSize { mesh, sizes });
             }
-            if m.cp != 1 || m.ep != 1 {
-                let (cp, ep) = (m.cp, m.ep);
-                return Err(MeshError::ContextOrExpert { mesh, cp, ep });
+            if m.ep != 1 {
+                return Err(MeshError::Expert { mesh, ep: m.ep });
             }
             if m.dp != meshes[0].dp {
                 let (dp, first) = (m.dp, meshes[0].dp);
@@ -215,7 +214,7 @@ impl ProcessMeshes {
     }
 
     /// The general plan of these meshes: one replica per data-parallel index, its stages
-    /// the meshes' stages in order, each on its mesh's tensor-parallel ranks.
+    /// the meshes' stages in order, each on its mesh's tensor- and context-parallel ranks.
     pub fn plan(&self, flags: &MeshFlags) -> Result<Plan, MeshError> {
         let stages: usize = self.meshes.iter().map(|m| m.pp).sum();
         if let Some(given) = flags.pipeline_model_parallel_size.filter(|&p| p != stages) {
@@ -245,6 +244,10 @@ impl ProcessMeshes {
                 batch: batches.replicas()[d].clone(),
                 ranks: self.stage_ranks(d),
                 tp_shares: Vec::new(),
+                cp: (self.meshes.iter())
+                    .flat_map(|m| std::iter::repeat_n(m.cp, m.pp))
+                    .collect(),
+                cp_shares: Vec::new(),
                 recompute: Vec::new(),
                 placements: Vec::new(),
             })
@@ -252,15 +255,17 @@ impl ProcessMeshes {
         Ok(Plan::new(replicas)?)
     }
 
-    /// Replica `d`'s ranks, stage by stage: mesh after mesh, `tp-cp-ep-dp-pp` within one.
+    /// Replica `d`'s ranks, stage by stage: mesh after mesh, `tp-cp-ep-dp-pp` within one
+    /// (a stage's context-parallel members' tensor-parallel groups in turn).
     fn stage_ranks(&self, d: usize) -> Vec<Vec<usize>> {
         let mut offset = 0;
         let mut ranks = Vec::new();
         for m in &self.meshes {
             for p in 0..m.pp {
+                let rank = |c: usize, t: usize| offset + t + m.tp * (c + m.cp * (d + m.dp * p));
                 ranks.push(
-                    (0..m.tp)
-                        .map(|t| offset + t + m.tp * (d + m.dp * p))
+                    (0..m.cp)
+                        .flat_map(|c| (0..m.tp).map(move |t| rank(c, t)))
                         .collect(),
                 );
             }
@@ -307,6 +312,26 @@ mod tests {
     }
 
     #[test]
+    fn a_mesh_context_parallel_size_groups_each_stage() {
+        // Mesh 0: TP 2, CP 2, DP 1, PP 1 on A; mesh 1: TP 1, CP 1, DP 1, PP 1 on B.
+        let mut f = flags(&[2, 2, 1, 1, 1, 1, 1, 1, 1, 1], &["A", "B"]);
+        f.layer_split = Some(vec![4, 2]);
+        let plan = ProcessMeshes::parse(&f).unwrap().plan(&f).unwrap();
+        let r = &plan.replicas()[0];
+        assert_eq!(r.ranks, [vec![0, 1, 2, 3], vec![4]]);
+        assert_eq!((r.cp_size(0), r.tp_size(0), r.cp_size(1)), (2, 2, 1));
+        assert_eq!(r.tp_group(0, 1), [2, 3]);
+        assert_eq!(r.cp_group(0, 1), [1, 3]);
+        assert_eq!(plan.cp_rank(3), Some(1));
+        assert_eq!(plan.tp_rank(3), Some(1));
+        // Every context-parallel member's tensor-parallel group reduces its gradients
+        // (the dp-cp group of each tensor-parallel index).
+        let reductions = plan.gradient_reductions(false);
+        assert!(reductions.iter().any(|g| g.members == [0, 2]));
+        assert!(reductions.iter().any(|g| g.members == [1, 3]));
+    }
+
+    #[test]
     fn impossible_meshes_are_named() {
         let cases: [(MeshFlags, &str); 6] = [
             (flags(&[2, 1, 1, 1], &["A"]), "five sizes per mesh"),
@@ -314,7 +339,7 @@ mod tests {
                 flags(&[2, 1, 1, 1, 1], &["A", "B"]),
                 "2 device types for 1 process meshes",
             ),
-            (flags(&[2, 2, 1, 1, 1], &["A"]), "context-parallel size 2"),
+            (flags(&[2, 1, 2, 1, 1], &["A"]), "expert-parallel size 2"),
             (
                 flags(&[2, 1, 1, 2, 1, 1, 1, 1, 1, 1], &["A", "B"]),
                 "mesh 1 has data-parallel size 1 but mesh 0 has 2",

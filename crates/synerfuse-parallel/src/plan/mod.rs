@@ -6,6 +6,7 @@
 //! rank order: a grid's (`from_grid` keeps it, so a converted grid runs on the same
 //! ranks), or the `ranks` of a plan file.
 
+use crate::cp::{ContextSplit, ContextSplitError};
 use crate::{
     pipeline_schedule, GridError, Instruction, LayoutError, ReplicaBatch, ReplicaBatches,
     ScheduleError, ScheduleKind, StageLayout,
@@ -24,7 +25,8 @@ pub use placement::{DeviceRequest, RankPlacement, UnknownDevice};
 pub use reduce::{GradientReduction, GradientSegment, ReducedParameters};
 
 /// One replica: a pipeline of stages with its own batch and ranks; a stage runs on one
-/// rank or on a tensor-parallel group of its own size and shares.
+/// rank or on a tensor-parallel group of its own size and shares, or on a context-parallel
+/// group of such groups, each holding its own token positions of every sequence.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReplicaPipeline {
     /// Layers per stage (and virtual chunk).
@@ -32,10 +34,17 @@ pub struct ReplicaPipeline {
     /// Its micro-batches' sizes (one size and a count, or ragged).
     pub batch: ReplicaBatch,
     /// Each stage's global ranks, in stage order: one rank, or the stage's tensor-parallel
-    /// group in tensor-parallel order.
+    /// group in tensor-parallel order, or under context parallelism each context-parallel
+    /// member's tensor-parallel group in turn (tensor-parallel rank fastest, as in
+    /// Megatron's rank order).
     pub ranks: Vec<Vec<usize>>,
     /// Each stage's tensor-parallel shares (empty, or one entry per stage; `None`: even).
     pub tp_shares: Vec<Option<Vec<u32>>>,
+    /// Each stage's context-parallel size (empty, or one entry per stage; 1: none).
+    pub cp: Vec<usize>,
+    /// Each stage's context-parallel shares (empty, or one entry per stage; `None`:
+    /// even, Megatron's load-balanced layout).
+    pub cp_shares: Vec<Option<Vec<u32>>>,
     /// Which stages recompute their activations in the backward (empty: none, unless
     /// the run asks all to).
     pub recompute: Vec<bool>,
@@ -57,6 +66,8 @@ impl ReplicaPipeline {
             batch,
             ranks: ranks.into_iter().map(|r| vec![r]).collect(),
             tp_shares: Vec::new(),
+            cp: Vec::new(),
+            cp_shares: Vec::new(),
             recompute: Vec::new(),
             placements,
         }
@@ -74,19 +85,72 @@ impl ReplicaPipeline {
 
     /// The tensor-parallel size of `stage`.
     pub fn tp_size(&self, stage: usize) -> usize {
-        self.ranks[stage].len()
+        self.ranks[stage].len() / self.cp_size(stage)
+    }
+
+    /// The context-parallel size of `stage` (1 without context parallelism).
+    pub fn cp_size(&self, stage: usize) -> usize {
+        self.cp.get(stage).copied().unwrap_or(1).max(1)
+    }
+
+    /// The tensor-parallel group of context-parallel member `member` of `stage` (the
+    /// stage's ranks without context parallelism).
+    pub fn tp_group(&self, stage: usize, member: usize) -> &[usize] {
+        let size = self.tp_size(stage);
+        &self.ranks[stage][member * size..(member + 1) * size]
+    }
+
+    /// Every tensor-parallel group of `stage`, in context-parallel order.
+    pub fn tp_groups(&self, stage: usize) -> impl Iterator<Item = &[usize]> + '_ {
+        self.ranks[stage].chunks(self.tp_size(stage))
+    }
+
+    /// The context-parallel group of `stage`'s tensor-parallel index `tp`: the ranks of
+    /// that index in every member's group, in context-parallel order.
+    pub fn cp_group(&self, stage: usize, tp: usize) -> Vec<usize> {
+        self.tp_groups(stage).map(|group| group[tp]).collect()
     }
 
     /// The tensor-parallel shares of `stage` in lowest terms (all 1 when even).
     pub fn shares(&self, stage: usize) -> Vec<u32> {
         match self.tp_shares.get(stage).and_then(Option::as_ref) {
-            Some(shares) => {
-                let g = shares.iter().fold(0, |a, &b| gcd(a, b)).max(1);
-                shares.iter().map(|s| s / g).collect()
-            }
+            Some(shares) => lowest_terms(shares),
             None => vec![1; self.tp_size(stage)],
         }
     }
+
+    /// The context-parallel shares of `stage` in lowest terms, `None` when even.
+    pub fn context_shares(&self, stage: usize) -> Option<Vec<u32>> {
+        let shares = self.cp_shares.get(stage).and_then(Option::as_ref)?;
+        Some(lowest_terms(shares))
+    }
+
+    /// How `stage` splits a sequence of `sequence` tokens over its context-parallel
+    /// members: Megatron's load-balanced layout when even, else in its shares.
+    pub fn context_split(
+        &self,
+        stage: usize,
+        sequence: usize,
+    ) -> Result<ContextSplit, ContextSplitError> {
+        match self.context_shares(stage) {
+            Some(shares) => ContextSplit::in_shares(sequence, &shares),
+            None => ContextSplit::even(sequence, self.cp_size(stage)),
+        }
+    }
+
+    /// Whether stages `a` and `b` split sequences alike (the same context-parallel size
+    /// and shares, even shares given or not): an activation then passes between members
+    /// of the same index.
+    pub fn same_context_layout(&self, a: usize, b: usize) -> bool {
+        let shares =
+            |s: usize| (self.context_shares(s)).unwrap_or_else(|| vec![1; self.cp_size(s)]);
+        self.cp_size(a) == self.cp_size(b) && shares(a) == shares(b)
+    }
+}
+
+fn lowest_terms(shares: &[u32]) -> Vec<u32> {
+    let g = shares.iter().fold(0, |a, &b| gcd(a, b)).max(1);
+    shares.iter().map(|s| s / g).collect()
 }
 
 fn gcd(a: u32, b: u32) -> u32 {
@@ -150,7 +214,7 @@ pub enum PlanError {
         source: crate::TpSplitError,
     },
     /// Sequence parallelism on a stage whose group cannot split the sequence evenly.
-    #[error("replica {replica} stage {stage}: sequence parallelism splits the sequence over the stage's {size} tensor-parallel ranks, but the sequence length {sequence} does not divide by {size}")]
+    #[error("replica {replica} stage {stage}: sequence parallelism splits the sequence over the stage's {size} tensor-parallel ranks, but the sequence length {sequence} (a context-parallel member's tokens, under context parallelism) does not divide by {size}")]
     SequenceParallel {
         /// The replica.
         replica: usize,
@@ -220,6 +284,31 @@ pub enum PlanError {
         /// The stage's ranks.
         size: usize,
     },
+    /// A context-parallel size that does not divide the stage's ranks, or shares that
+    /// are not one positive share per member.
+    #[error("replica {replica} stage {stage}: context-parallel size {cp} with shares {shares:?} for the stage's {ranks} ranks (the size divides the ranks; one positive share per member)")]
+    CpGroup {
+        /// The replica.
+        replica: usize,
+        /// The stage.
+        stage: usize,
+        /// The context-parallel size given.
+        cp: usize,
+        /// The shares given (empty: even).
+        shares: Vec<u32>,
+        /// The stage's ranks.
+        ranks: usize,
+    },
+    /// A context-parallel split that the sequence length does not allow.
+    #[error("replica {replica} stage {stage}: {source}")]
+    ContextSplit {
+        /// The replica.
+        replica: usize,
+        /// The stage.
+        stage: usize,
+        /// Why.
+        source: ContextSplitError,
+    },
     /// A device memory that is not a positive number of GB.
     #[error("replica {replica}: memory_gb {memory} is not a positive number of GB")]
     Memory {
@@ -246,11 +335,9 @@ pub enum PlanError {
         /// Σ of the replicas' samples.
         actual: usize,
     },
-    /// A grid this plan cannot express yet (context or expert parallelism).
-    #[error("context and expert parallel sizes must be 1 in a general plan (got {cp}, {ep})")]
+    /// A grid this plan cannot express yet (expert parallelism).
+    #[error("the expert-parallel size must be 1 in a general plan (got {ep})")]
     Unsupported {
-        /// Context-parallel size.
-        cp: usize,
         /// Expert-parallel size.
         ep: usize,
     },
@@ -353,9 +440,7 @@ impl Plan {
 
     /// Whether some stage runs on a tensor-parallel group.
     pub fn has_tensor_parallelism(&self) -> bool {
-        self.replicas
-            .iter()
-            .any(|r| r.ranks.iter().any(|s| s.len() > 1))
+        (self.replicas.iter()).any(|r| (0..r.stages.num_stages()).any(|s| r.tp_size(s) > 1))
     }
 
     /// Decoder layers of the model.
@@ -461,10 +546,16 @@ impl Plan {
         };
         let per_stage = pipeline_schedule(kind, stages, chunks, replica.batch.num_micro_batches())
             .map_err(|source| PlanError::Schedule { replica: r, source })?;
+        let shapes: Vec<StageRanks> = (ranks.iter().enumerate())
+            .map(|(stage, ranks)| StageRanks {
+                ranks: ranks.clone(),
+                tp: replica.tp_size(stage),
+            })
+            .collect();
         let mut out = Vec::with_capacity(ranks.iter().map(Vec::len).sum());
         for (stage, program) in per_stage.into_iter().enumerate() {
-            for (tp, &rank) in ranks[stage].iter().enumerate() {
-                out.push((rank, tp_program(&program, ranks, stage, tp)));
+            for (index, &rank) in ranks[stage].iter().enumerate() {
+                out.push((rank, tp_program(&program, &shapes, stage, index)));
             }
         }
         Ok(out)
@@ -500,9 +591,22 @@ impl Plan {
     /// `rank`'s index in its stage's tensor-parallel group (0 without one).
     pub fn tp_rank(&self, rank: usize) -> Option<usize> {
         let (replica, stage) = self.position(rank)?;
-        self.replicas[replica].ranks[stage]
-            .iter()
-            .position(|&r| r == rank)
+        let r = &self.replicas[replica];
+        let index = r.ranks[stage].iter().position(|&x| x == rank)?;
+        Some(index % r.tp_size(stage))
+    }
+
+    /// `rank`'s index in its stage's context-parallel group (0 without one).
+    pub fn cp_rank(&self, rank: usize) -> Option<usize> {
+        let (replica, stage) = self.position(rank)?;
+        let r = &self.replicas[replica];
+        let index = r.ranks[stage].iter().position(|&x| x == rank)?;
+        Some(index / r.tp_size(stage))
+    }
+
+    /// Whether some stage runs on a context-parallel group.
+    pub fn has_context_parallelism(&self) -> bool {
+        (self.replicas.iter()).any(|r| (0..r.stages.num_stages()).any(|s| r.cp_size(s) > 1))
     }
 }
 
@@ -537,21 +641,50 @@ fn check_replica(
             stages,
         });
     }
-    check_per_stage(replica, stages, &[("tp_shares", pipeline.tp_shares.len())])?;
+    let per_stage = [
+        ("tp_shares", pipeline.tp_shares.len()),
+        ("cp", pipeline.cp.len()),
+        ("cp_shares", pipeline.cp_shares.len()),
+    ];
+    check_per_stage(replica, stages, &per_stage)?;
     for (stage, ranks) in pipeline.ranks.iter().enumerate() {
+        check_cp_group(replica, pipeline, stage)?;
         let shares = pipeline.tp_shares.get(stage).and_then(Option::as_ref);
-        let bad_shares = shares.is_some_and(|s| s.len() != ranks.len() || s.contains(&0));
+        let size = ranks.len() / pipeline.cp_size(stage);
+        let bad_shares = shares.is_some_and(|s| s.len() != size || s.contains(&0));
         if ranks.is_empty() || bad_shares {
             return Err(PlanError::TpShares {
                 replica,
                 stage,
                 shares: shares.cloned().unwrap_or_default(),
-                size: ranks.len(),
+                size,
             });
         }
     }
     let ranks = pipeline.all_ranks().count();
     check_per_rank(replica, ranks, &[("placements", pipeline.placements.len())])
+}
+
+/// `stage`'s context-parallel size divides its ranks, with one positive share per member.
+fn check_cp_group(
+    replica: usize,
+    pipeline: &ReplicaPipeline,
+    stage: usize,
+) -> Result<(), PlanError> {
+    let cp = pipeline.cp.get(stage).copied().unwrap_or(1);
+    let ranks = pipeline.ranks[stage].len();
+    let shares = pipeline.cp_shares.get(stage).and_then(Option::as_ref);
+    let bad_shares = shares.is_some_and(|s| s.len() != cp || s.contains(&0));
+    if cp == 0 || ranks % cp != 0 || bad_shares {
+        return Err(PlanError::CpGroup {
+            replica,
+            stage,
+            cp,
+            shares: shares.cloned().unwrap_or_default(),
+            ranks,
+        });
+    }
+    Ok(())
 }
 
 /// Each list of `given` (name, length) is empty or one per rank of the replica.
@@ -571,36 +704,58 @@ pub(super) fn check_per_rank(
     }
 }
 
-/// Stage `stage`'s program (peers are stage indices) for its tensor-parallel rank `tp`,
-/// peers mapped to global ranks: receiver j of a stage of `a` ranks takes its input from
-/// rank j mod a of the sending stage (without sequence parallelism every rank of a group
-/// holds the whole activation), so a sender sends to every receiver it serves.
+/// Stage `stage`'s program (peers are stage indices) for its rank at `index` of
+/// `shapes[stage]`'s ranks, peers mapped to global ranks. A rank takes what it receives
+/// from the member of the same context-parallel index (modulo the sending stage's size)
+/// and tensor-parallel index modulo the sending group's size: without sequence
+/// parallelism every rank of a group holds the whole activation of its positions, and a
+/// stage of another context-parallel layout receives them whole (gathered). So a sender
+/// sends to every receiver it serves.
 fn tp_program(
     program: &[Instruction],
-    ranks: &[Vec<usize>],
+    shapes: &[StageRanks],
     stage: usize,
-    tp: usize,
+    index: usize,
 ) -> Vec<Instruction> {
-    let size = ranks[stage].len();
+    let me = &shapes[stage];
     program
         .iter()
         .flat_map(|&instruction| -> Vec<Instruction> {
             match instruction {
-                Instruction::Send(m) => ranks[m.peer]
-                    .iter()
-                    .enumerate()
-                    .filter(|(j, _)| j % size == tp)
+                Instruction::Send(m) => (shapes[m.peer].ranks.iter().enumerate())
+                    .filter(|&(j, _)| me.feeder(j, &shapes[m.peer]) == index)
                     .map(|(_, &peer)| Instruction::Send(crate::Message { peer, ..m }))
                     .collect(),
                 Instruction::Recv(m) => {
-                    let senders = &ranks[m.peer];
-                    let peer = senders[tp % senders.len()];
+                    let senders = &shapes[m.peer];
+                    let peer = senders.ranks[senders.feeder(index, me)];
                     vec![Instruction::Recv(crate::Message { peer, ..m })]
                 }
                 compute => vec![compute],
             }
         })
         .collect()
+}
+
+/// A stage's ranks and the shape of its groups, for the pipeline's links.
+#[derive(Debug, Clone)]
+struct StageRanks {
+    /// Its ranks, context-parallel member by member.
+    ranks: Vec<usize>,
+    /// Its tensor-parallel size.
+    tp: usize,
+}
+
+impl StageRanks {
+    /// The index among `self`'s ranks of the rank that feeds `receiver`'s rank at
+    /// `index` (in both directions of the pipeline: a stage takes an activation, or a
+    /// gradient, from the rank of its context-parallel and tensor-parallel index, each
+    /// modulo this stage's sizes).
+    fn feeder(&self, index: usize, receiver: &StageRanks) -> usize {
+        let (cp, tp) = (index / receiver.tp, index % receiver.tp);
+        let members = self.ranks.len() / self.tp;
+        (cp % members) * self.tp + tp % self.tp
+    }
 }
 
 /// Each list of `given` (name, length) is empty or one per stage.
@@ -633,6 +788,7 @@ mod tests {
     use super::*;
     use crate::{GridPlan, PlanFlags, ScheduleKind, TP_PP_DP_ORDER};
     use proptest::prelude::*;
+    use std::collections::BTreeSet;
 
     const ASYMMETRIC: &str = r#"
 [[replica]]
@@ -761,6 +917,7 @@ speeds = [1.0, 0.5]
             let c = topology.coordinates(rank).unwrap();
             assert_eq!(plan.position(rank), Some((c.dp, c.pp)));
             assert_eq!(plan.tp_rank(rank), Some(c.tp));
+            assert_eq!(plan.cp_rank(rank), Some(c.cp));
         }
         assert_eq!(plan.to_grid(), Some(grid));
         plan
@@ -803,6 +960,97 @@ speeds = [1.0, 0.5]
                 assert_eq!(*peak, expected, "rank {rank}");
             }
         }
+    }
+
+    /// Megatron's `--context-parallel-size`: each stage's ranks are its context-parallel
+    /// members' tensor-parallel groups (tp fastest, then cp); activations pass between
+    /// members of the same index; gradients reduce over data × context parallel ranks.
+    #[test]
+    fn a_context_parallel_grid_keeps_megatrons_ranks() {
+        let flags = PlanFlags {
+            tensor_model_parallel_size: 2,
+            context_parallel_size: 2,
+            ..two_stages()
+        };
+        let plan = grid_round_trip(&flags, 16);
+        let r = &plan.replicas()[0];
+        assert_eq!(r.ranks[0], [0, 1, 2, 3]);
+        assert_eq!(
+            (r.tp_group(0, 1), r.cp_group(0, 1)),
+            (&[2, 3][..], vec![1, 3])
+        );
+        assert!(plan.has_context_parallelism());
+        // Stage 0's member (cp 1, tp 0) = rank 2 sends to stage 1's (cp 1, tp 0).
+        let programs = plan.schedule(ScheduleKind::OneFOneB).unwrap();
+        let peers = |rank: usize| -> BTreeSet<usize> {
+            (programs[rank].iter())
+                .filter_map(|i| match i {
+                    Instruction::Send(m) | Instruction::Recv(m) => Some(m.peer),
+                    _ => None,
+                })
+                .collect()
+        };
+        let stage_1 = &r.ranks[1];
+        assert_eq!(peers(2), BTreeSet::from([stage_1[2]]));
+        assert_eq!(peers(stage_1[2]), BTreeSet::from([2]));
+        // Each reduction over one tensor-parallel index of both replicas' both members.
+        let reductions = plan.gradient_reductions(false);
+        let members: BTreeSet<usize> = r.cp_group(0, 0).into_iter().collect();
+        assert!(reductions.iter().all(|g| g.members.len() == 4));
+        assert!(reductions
+            .iter()
+            .any(|g| members.iter().all(|m| g.members.contains(m))));
+    }
+
+    #[test]
+    fn context_parallel_files_round_trip_and_bad_groups_are_named() {
+        let text = "[[replica]]\nlayers = [3, 1]\ntp = [2, 1]\ncp = [2, 2]\ncp_shares = [[3, 1], [1, 1]]\nmicro_batch_size = 1\nnum_micro_batches = 2\n";
+        let plan = Plan::from_toml(text, None).unwrap();
+        assert_eq!(plan.world_size(), 6);
+        let r = &plan.replicas()[0];
+        assert_eq!((r.cp_size(0), r.tp_size(0), r.tp_size(1)), (2, 2, 1));
+        assert_eq!(r.context_shares(0), Some(vec![3, 1]));
+        assert_eq!(r.context_shares(1), Some(vec![1, 1]));
+        assert!(!r.same_context_layout(0, 1));
+        assert_eq!(
+            Plan::from_toml(&plan.to_toml().unwrap(), None),
+            Ok(plan.clone())
+        );
+        let model = crate::cost::ModelShape {
+            num_layers: 4,
+            hidden_size: 32,
+            num_heads: 4,
+            num_kv_heads: 2,
+            ffn_hidden_size: 64,
+            vocab_size: 128,
+            seq_length: 30,
+            tied: true,
+        };
+        // 30 tokens deal out 15 pairs 3 : 1 and 1 : 1, but do not cut into 4 even chunks.
+        assert_eq!(plan.check(&model, false), Ok(()));
+        let even = Plan::from_toml(&text.replace("cp_shares = [[3, 1], [1, 1]]\n", ""), None);
+        assert!(matches!(
+            even.unwrap().check(&model, false),
+            Err(PlanError::ContextSplit {
+                replica: 0,
+                stage: 0,
+                ..
+            })
+        ));
+        let three = text.replace("cp = [2, 2]", "cp = [3, 2]");
+        assert!(matches!(
+            Plan::from_toml(&three, None),
+            Err(PlanError::CpGroup {
+                replica: 0,
+                stage: 0,
+                ..
+            })
+        ));
+        let shares = text.replace("[[3, 1], [1, 1]]", "[[3, 1, 1], [1, 1]]");
+        assert!(matches!(
+            Plan::from_toml(&shares, None),
+            Err(PlanError::CpGroup { stage: 0, .. })
+        ));
     }
 
     #[test]

@@ -13,9 +13,11 @@ pub struct GradientSegment {
     /// The pieces.
     pub pieces: Range<usize>,
     /// The ranks of the stage of each replica that holds them (its tensor-parallel group
-    /// in order, or one rank), in replica order.
+    /// in order, or one rank), in replica order; under context parallelism each
+    /// member's group in turn (Megatron's dp-cp group: each member's gradients are of
+    /// its own tokens).
     pub holders: Vec<Vec<usize>>,
-    /// That stage's tensor-parallel shares in lowest terms, per replica.
+    /// Each holder's tensor-parallel shares in lowest terms.
     pub shares: Vec<Vec<u32>>,
 }
 
@@ -103,11 +105,11 @@ impl Plan {
                             .expect("the chunks cover every piece")
                     })
                     .collect();
-                let (holders, shares) = self
-                    .replicas
-                    .iter()
-                    .zip(stages)
-                    .map(|(replica, stage)| (replica.ranks[stage].clone(), replica.shares(stage)))
+                let (holders, shares) = (self.replicas.iter().zip(stages))
+                    .flat_map(|(replica, stage)| {
+                        let shares = replica.shares(stage);
+                        (replica.tp_groups(stage)).map(move |g| (g.to_vec(), shares.clone()))
+                    })
                     .unzip();
                 GradientSegment {
                     pieces: w[0]..w[1],

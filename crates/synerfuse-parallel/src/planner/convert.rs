@@ -74,6 +74,8 @@ impl Candidate {
                 batch: ReplicaBatch::uniform(micro_batch_size, num_micro_batches),
                 ranks,
                 tp_shares: Vec::new(),
+                cp: Vec::new(),
+                cp_shares: Vec::new(),
                 recompute: match recomputes {
                     true => self.recompute.iter().map(|row| row[r]).collect(),
                     false => Vec::new(),
@@ -133,6 +135,8 @@ impl PooledCandidate {
                 stages,
                 batch: pool.batch(r),
                 ranks,
+                cp: Vec::new(),
+                cp_shares: Vec::new(),
                 recompute: match candidate.recompute.get(replicas.len()) {
                     Some(flags) if flags.iter().any(|&x| x) => flags.clone(),
                     _ => Vec::new(),

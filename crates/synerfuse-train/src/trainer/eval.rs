@@ -71,6 +71,7 @@ impl Trainer<'_> {
             world: self.world,
             links: &self.links,
             tp: Self::tp_communicator(&self.groups, &self.tp_group),
+            context: super::context_rank(&self.groups, self.context.as_ref()),
             peer_rows: &self.peer_rows,
             activation_kind: self.activation_kind(),
             emulation: self.emulation,

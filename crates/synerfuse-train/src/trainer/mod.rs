@@ -14,7 +14,7 @@ use crate::grads::{MainGrads, EMBEDDING};
 use crate::loader::{LoaderError, Prefetcher, ReplicaLoader, SplitDatasets};
 use crate::memory::{HighWater, MemoryProbe, MemoryReport};
 use crate::optim::{clip_factor, AdamW};
-use crate::pipeline::{PipelineEvent, PipelineRank, StepTimes};
+use crate::pipeline::{ContextRank, PipelineEvent, PipelineRank, StepTimes};
 use crate::replan::SpeedWatch;
 use crate::zero::DistributedOptimizer;
 use crate::{signals, TrainError};
@@ -25,7 +25,7 @@ use synerfuse_data::gpt::SampleOptions;
 use synerfuse_model::tch::{Device, Kind, Tensor};
 use synerfuse_model::{DeviceRequest, ResolveDevice, Stage};
 use synerfuse_parallel::timeline::{Span, SpanKind};
-use synerfuse_parallel::{GradientReduction, Instruction};
+use synerfuse_parallel::{GradientReduction, Instruction, PlanError};
 
 mod config;
 mod eval;
@@ -127,6 +127,7 @@ fn check_plan(
     }
     let shape = crate::profiler::model_shape(&config.model, config.batch.sequence_length);
     plan.check(&shape, config.parallel.sequence_parallel)?;
+    check_context_layouts(plan)?;
     if let Some(c) = (config.compute.speed_changes.iter()).find(|c| c.rank >= world_size) {
         return Err(TrainError::SpeedChangeRank {
             iteration: c.iteration,
@@ -146,6 +147,23 @@ fn check_plan(
     Ok(plan
         .position(rank)
         .expect("a plan of the job's size places every rank"))
+}
+
+/// Every stage of a replica splits sequences alike (the same context-parallel size and
+/// shares): activations then pass between members of the same index.
+fn check_context_layouts(plan: &synerfuse_parallel::Plan) -> Result<(), TrainError> {
+    for (replica, r) in plan.replicas().iter().enumerate() {
+        let stages = r.stages.num_stages();
+        if let Some(stage) = (1..stages).find(|&s| !r.same_context_layout(0, s)) {
+            return Err(TrainError::ContextLayouts {
+                replica,
+                stage,
+                first: (r.cp_size(0), r.context_shares(0)),
+                other: (r.cp_size(stage), r.context_shares(stage)),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// This rank's emulated device, if any, announced in the log.
@@ -227,8 +245,62 @@ fn neighbours_of_equal_tp(
         (true, false) => Some(0),
         (false, _) => Some(stage + 1),
     };
-    let equal = |s: Option<usize>| s.is_some_and(|s| r.tp_size(s) == r.tp_size(stage));
+    let equal = |s: Option<usize>| {
+        s.is_some_and(|s| r.tp_size(s) == r.tp_size(stage) && r.same_context_layout(s, stage))
+    };
     (equal(previous), equal(next))
+}
+
+/// A context-parallel stage's group (this rank's tensor-parallel index in every member's
+/// group) and every member's sequence indices.
+struct ContextLayout {
+    group: Vec<usize>,
+    positions: Vec<Vec<i64>>,
+}
+
+/// The context-parallel layout of `replica`'s `stage` for its tensor-parallel rank
+/// `tp_rank` (`None` without context parallelism).
+fn context_layout(
+    config: &TrainConfig,
+    (replica, stage): (usize, usize),
+    tp_rank: usize,
+) -> Result<Option<ContextLayout>, TrainError> {
+    let r = &config.parallel.plan.replicas()[replica];
+    if r.cp_size(stage) == 1 {
+        return Ok(None);
+    }
+    let split = (r.context_split(stage, config.batch.sequence_length)).map_err(|source| {
+        PlanError::ContextSplit {
+            replica,
+            stage,
+            source,
+        }
+    })?;
+    let positions = (0..split.ranks())
+        .map(|m| {
+            split
+                .position_list(m)
+                .into_iter()
+                .map(|p| p as i64)
+                .collect()
+        })
+        .collect();
+    Ok(Some(ContextLayout {
+        group: r.cp_group(stage, tp_rank),
+        positions,
+    }))
+}
+
+/// The pipeline's view of `context`: its communicator among `groups`.
+fn context_rank<'g>(
+    groups: &'g SetGroups,
+    context: Option<&'g ContextLayout>,
+) -> Option<ContextRank<'g>> {
+    let context = context?;
+    Some(ContextRank {
+        group: groups.get(&context.group)?,
+        positions: &context.positions,
+    })
 }
 
 /// Under sequence parallelism, each rank's sequence rows as (its index in its stage's
@@ -239,8 +311,9 @@ fn sequence_rows(config: &TrainConfig) -> BTreeMap<usize, (usize, usize)> {
         return BTreeMap::new();
     }
     let replicas = config.parallel.plan.replicas();
-    let stages = replicas.iter().flat_map(|r| r.ranks.iter());
-    stages
+    let groups =
+        (replicas.iter()).flat_map(|r| (0..r.stages.num_stages()).flat_map(|s| r.tp_groups(s)));
+    groups
         .flat_map(|group| {
             group
                 .iter()
@@ -277,8 +350,9 @@ fn build_optimizer(
     Ok(optimizer)
 }
 
-/// This rank's communicators: every gradient reduction's and every tensor-parallel
-/// group's (collective over `world`), with the plan's gradient reductions.
+/// This rank's communicators: every gradient reduction's, every tensor-parallel and
+/// every context-parallel group's (collective over `world`), with the plan's gradient
+/// reductions.
 fn rank_groups(
     world: &MpiCommunicator,
     device: Device,
@@ -286,14 +360,18 @@ fn rank_groups(
 ) -> Result<(SetGroups, Vec<GradientReduction>), TrainError> {
     let plan = &config.parallel.plan;
     let reductions = plan.gradient_reductions(config.model.tie_word_embeddings);
-    let tp_groups = plan
-        .replicas()
-        .iter()
-        .flat_map(|r| r.ranks.iter().filter(|g| g.len() > 1).cloned());
+    let stages =
+        (plan.replicas().iter()).flat_map(|r| (0..r.stages.num_stages()).map(move |s| (r, s)));
+    let tp_groups = (stages.clone())
+        .flat_map(|(r, s)| r.tp_groups(s).map(<[usize]>::to_vec))
+        .filter(|g| g.len() > 1);
+    let cp_groups = (stages.filter(|&(r, s)| r.cp_size(s) > 1))
+        .flat_map(|(r, s)| (0..r.tp_size(s)).map(move |t| r.cp_group(s, t)));
     let sets = reductions
         .iter()
         .map(|r| r.members.clone())
-        .chain(tp_groups);
+        .chain(tp_groups)
+        .chain(cp_groups);
     let groups = SetGroups::new(world, device, sets)?;
     Ok((groups, reductions))
 }
@@ -426,6 +504,8 @@ pub struct Trainer<'w> {
     /// The world ranks of this rank's stage: its tensor-parallel group (one rank
     /// without tensor parallelism).
     tp_group: Vec<usize>,
+    /// The stage's context-parallel group and its members' positions, when it has one.
+    context: Option<ContextLayout>,
     /// Under sequence parallelism, each rank's sequence rows (see [`sequence_rows`]).
     peer_rows: BTreeMap<usize, (usize, usize)>,
     emulation: Option<Emulation>,
@@ -463,6 +543,12 @@ impl<'w> Trainer<'w> {
         let started = Instant::now();
         let rank = world.rank();
         let (replica, stage_index) = check_plan(&config, world.size(), rank)?;
+        let plan = &config.parallel.plan;
+        if plan.has_context_parallelism() && sample_options.reset_attention_mask {
+            return Err(TrainError::ContextParallelWith {
+                flag: "--reset-attention-mask",
+            });
+        }
         let device = rank_device(&config, rank, local_rank)?;
         let emulation = rank_emulation(&config, rank, device)?;
         if rank == 0 {
@@ -470,8 +556,20 @@ impl<'w> Trainer<'w> {
         }
         let plan = &config.parallel.plan;
         let (groups, reductions) = rank_groups(world, device, &config)?;
-        let tp_group = plan.replicas()[replica].ranks[stage_index].clone();
         let tp_rank = plan.tp_rank(rank).unwrap_or(0);
+        let cp_rank = plan.cp_rank(rank).unwrap_or(0);
+        let tp_group = plan.replicas()[replica]
+            .tp_group(stage_index, cp_rank)
+            .to_vec();
+        let context = context_layout(&config, (replica, stage_index), tp_rank)?;
+        if let Some(c) = &context {
+            tracing::info!(
+                "context-parallel group {:?}: this rank holds {} of every sequence's {} positions",
+                c.group,
+                c.positions[cp_rank].len(),
+                config.batch.sequence_length
+            );
+        }
         let mut chunks = build_chunks(&config, (replica, stage_index), tp_rank, device)?;
         let fp32_values: BTreeMap<String, Tensor> = (chunks.iter())
             .flat_map(|s| s.var_store().variables())
@@ -522,6 +620,7 @@ impl<'w> Trainer<'w> {
             num_stages,
             replica,
             tp_group,
+            context,
             peer_rows: sequence_rows(&config),
             emulation,
             device,
@@ -599,6 +698,12 @@ impl<'w> Trainer<'w> {
             true => Kind::BFloat16,
             false => Kind::Float,
         }
+    }
+
+    /// Whether this rank is its context-parallel group's first member (or in none): the
+    /// one whose copy of the stage's parameters counts once.
+    fn context_first(&self) -> bool {
+        (self.context.as_ref()).is_none_or(|c| c.group[0] == self.world.rank())
     }
 
     /// Whether this rank holds the last stage's tied copy of the embedding (which the
@@ -793,8 +898,9 @@ impl<'w> Trainer<'w> {
         &self,
         micro_batches: &[crate::loader::MicroBatch],
     ) -> Result<f64, TrainError> {
-        // Once per replica: its first stage's tensor-parallel rank 0.
-        let counts = self.stage_index == 0 && self.chunks[0].shard().rank == 0;
+        // Once per replica: its first stage's tensor- and context-parallel rank 0.
+        let counts =
+            self.stage_index == 0 && self.chunks[0].shard().rank == 0 && self.context_first();
         let local: f64 = match counts {
             true => micro_batches.iter().map(|m| m.loss_tokens()).sum(),
             false => 0.0,
@@ -901,6 +1007,7 @@ impl<'w> Trainer<'w> {
             world: self.world,
             links: &self.links,
             tp: Self::tp_communicator(&self.groups, &self.tp_group),
+            context: context_rank(&self.groups, self.context.as_ref()),
             peer_rows: &self.peer_rows,
             activation_kind: self.activation_kind(),
             emulation: self.emulation,
@@ -951,15 +1058,15 @@ impl<'w> Trainer<'w> {
         };
         // Each tensor's squares summed in fp64 on its device, all of them read back in
         // one transfer: one synchronisation per step, not one per parameter.
-        let squares: Vec<Tensor> = match self.replica {
-            0 => grads
+        let squares: Vec<Tensor> = match self.replica == 0 && self.context_first() {
+            true => grads
                 .iter()
                 .filter(|(n, _)| !(skip_tied && n.as_str() == EMBEDDING))
                 .filter(|(n, _)| !sharded.contains(n.as_str()))
                 .filter(|(n, _)| stage.holds_unique(n))
                 .map(|(_, g)| g.square().sum(Kind::Double))
                 .collect(),
-            _ => Vec::new(),
+            false => Vec::new(),
         };
         let replicated = match squares.is_empty() {
             true => 0.0,

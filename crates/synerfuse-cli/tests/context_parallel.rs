@@ -1,0 +1,226 @@
+//! Context parallelism in `synerfuse train`: the equivalence table's context-parallel rows
+//! (even and uneven shares, with tensor and sequence parallelism, inside heterogeneous
+//! pipelines and data parallelism), resuming a context-parallel checkpoint on one rank,
+//! and the flags it refuses.
+
+mod support;
+use support::*;
+
+/// Each row trains what one rank trains (losses at every step and final parameters,
+/// < 1e-5), against the single-rank run of the same model (GQA with 2 query groups,
+/// tied embeddings unless a row unties them; sequence length 32).
+#[test]
+fn context_parallel_plans_match_a_single_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let data = dataset(d);
+    let untie = "--untie-embeddings-and-output-weights";
+    let references = [
+        (
+            "tied",
+            run(d, &data, "single", &["--micro-batch-size", "1"]),
+        ),
+        (
+            "untied",
+            run(
+                d,
+                &data,
+                "single-untied",
+                &[untie, "--micro-batch-size", "1"],
+            ),
+        ),
+    ];
+    let shares = plan_file(
+        d,
+        "shares",
+        "[[replica]]\nlayers = [4]\ncp = [2]\ncp_shares = [[3, 1]]\nmicro_batch_size = 2\nnum_micro_batches = 3\n",
+    );
+    // Replica 0: layers [3, 1] on CP 2 [3, 1] (two pipelines of members), 1 x 4;
+    // replica 1: the whole model on one rank, 2 x 1.
+    let hetero = plan_file(
+        d,
+        "hetero",
+        "[[replica]]\nlayers = [3, 1]\ncp = [2, 2]\ncp_shares = [[3, 1], [3, 1]]\nmicro_batch_size = 1\nnum_micro_batches = 4\n\n\
+         [[replica]]\nlayers = [4]\nmicro_batch_size = 2\nnum_micro_batches = 1\n",
+    );
+    let recompute = plan_file(
+        d,
+        "recompute",
+        "[[replica]]\nlayers = [1, 3]\ncp = [2, 2]\nrecompute = [true, false]\nmicro_batch_size = 3\nnum_micro_batches = 2\n",
+    );
+    let cases: Vec<(&str, &str, Vec<&str>)> = vec![
+        (
+            "CP 2 even, mbs 1 x 6",
+            "tied",
+            vec![
+                "--nproc",
+                "2",
+                "--context-parallel-size",
+                "2",
+                "--micro-batch-size",
+                "1",
+            ],
+        ),
+        (
+            "CP 2 shares [3,1] by plan, mbs 2 x 3",
+            "tied",
+            vec!["--nproc", "2", "--plan", &shares],
+        ),
+        (
+            "CP 2 x TP 2 + SP, mbs 2 x 3",
+            "tied",
+            vec![
+                "--nproc",
+                "4",
+                "--context-parallel-size",
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--micro-batch-size",
+                "2",
+            ],
+        ),
+        (
+            "CP 2 [3,1] in PP [3,1] (1 x 4) + a single-rank replica (2 x 1)",
+            "tied",
+            vec!["--nproc", "5", "--plan", &hetero],
+        ),
+        (
+            "CP 2 x PP 2 x DP 2 by flags, untied, distributed optimizer",
+            "untied",
+            vec![
+                "--nproc",
+                "8",
+                "--context-parallel-size",
+                "2",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--micro-batch-size",
+                "1",
+                "--use-distributed-optimizer",
+                untie,
+            ],
+        ),
+        (
+            "CP 2 x PP 2 by meshes (TP 1 CP 2 on both), layers [1,3], mbs 2 x 3",
+            "tied",
+            vec![
+                "--nproc",
+                "4",
+                "--enable-hetero",
+                "--hetero-process-meshes",
+                "1",
+                "2",
+                "1",
+                "1",
+                "1",
+                "1",
+                "2",
+                "1",
+                "1",
+                "1",
+                "--hetero-device-types",
+                "cpu-a",
+                "cpu-b",
+                "--hetero-pipeline-layer-split",
+                "1",
+                "3",
+                "--micro-batch-size",
+                "2",
+            ],
+        ),
+        (
+            "CP 2 x PP 2, stage 0 recomputes, mbs 3 x 2",
+            "tied",
+            vec!["--nproc", "4", "--plan", &recompute],
+        ),
+    ];
+    let mut table = String::from(
+        "| plan | max rel. loss diff | max rel. param diff | max abs. param diff |\n|---|---|---|---|\n",
+    );
+    for (i, (label, reference, flags)) in cases.iter().enumerate() {
+        let (ref_losses, ref_params) = &references.iter().find(|r| r.0 == *reference).unwrap().1;
+        let (losses, params) = run(d, &data, &format!("cp-case{i}"), flags);
+        let loss_diff = max_rel_loss_diff(ref_losses, &losses);
+        let param_diff = max_rel_param_diff(&params, ref_params);
+        let abs_diff = max_param_diff(ref_params, &params);
+        table.push_str(&format!(
+            "| {label} | {loss_diff:.2e} | {param_diff:.2e} | {abs_diff:.2e} |\n"
+        ));
+        assert!(
+            loss_diff < 1e-5 && param_diff < 1e-5,
+            "{label}: losses {losses:?} vs {ref_losses:?} (rel {loss_diff:e}), params {param_diff:e}"
+        );
+    }
+    // bf16 compute with fp32 master weights: close, not equal.
+    let bf16 = [
+        "--nproc",
+        "2",
+        "--context-parallel-size",
+        "2",
+        "--micro-batch-size",
+        "1",
+    ];
+    let (losses, _) = run(d, &data, "cp-bf16", &[&bf16[..], &["--bf16"]].concat());
+    let loss_diff = max_rel_loss_diff(&references[0].1 .0, &losses);
+    table.push_str(&format!(
+        "| bf16, CP 2 (fp32 masters) | {loss_diff:.2e} | - | - |\n"
+    ));
+    assert!(loss_diff < 1e-3, "bf16 CP 2 losses {losses:?}");
+    println!("{table}");
+}
+
+/// A CP 2 run stopped at iteration 3 resumes on one rank with the uninterrupted run's
+/// losses (parameters are saved by global name); flags context parallelism cannot run
+/// with are refused by name.
+#[test]
+fn context_parallel_checkpoints_resume_on_one_rank_and_bad_flags_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let data = dataset(d);
+    let (full, _) = run(d, &data, "full", &["--micro-batch-size", "1"]);
+    let cp2 = [
+        "--nproc",
+        "2",
+        "--context-parallel-size",
+        "2",
+        "--micro-batch-size",
+        "1",
+    ];
+    let single = ["--micro-batch-size", "1"];
+    let resumed = stop_and_resume(d, &data, "cp2-then-one", &cp2, &single);
+    let diff = max_rel_loss_diff(&full[3..], &resumed);
+    assert!(diff < 1e-5, "{resumed:?} vs {:?}", &full[3..]);
+    let refused = |extra: &[&str], expected: &[&str]| {
+        let mut args = common(d, &data, 2);
+        args.extend(strings(extra));
+        let out = synerfuse(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{extra:?} ran");
+        assert!(
+            expected.iter().all(|e| stderr.contains(e)) && !stderr.contains("panicked"),
+            "{extra:?}: {stderr}"
+        );
+    };
+    refused(
+        &[&cp2[..], &["--reset-attention-mask"]].concat(),
+        &["--reset-attention-mask cannot be combined with context parallelism"],
+    );
+    // 32 tokens do not cut into 2 x 3 chunks.
+    refused(
+        &[
+            "--nproc",
+            "3",
+            "--context-parallel-size",
+            "3",
+            "--micro-batch-size",
+            "1",
+        ],
+        &[
+            "--seq-length / --context-parallel-size",
+            "sequence length 32",
+            "size 3",
+        ],
+    );
+}
