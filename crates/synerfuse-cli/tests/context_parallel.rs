@@ -48,6 +48,20 @@ fn context_parallel_plans_match_a_single_rank() {
         "recompute",
         "[[replica]]\nlayers = [1, 3]\ncp = [2, 2]\nrecompute = [true, false]\nmicro_batch_size = 3\nnum_micro_batches = 2\n",
     );
+    // Stage 0 on CP 2 in shares [3, 1], stage 1 on TP 2 without CP: activations and
+    // gradients cross gathered whole.
+    let per_stage = plan_file(
+        d,
+        "per-stage",
+        "[[replica]]\nlayers = [2, 2]\ntp = [1, 2]\ncp = [2, 1]\ncp_shares = [[3, 1], [1]]\nmicro_batch_size = 2\nnum_micro_batches = 3\n",
+    );
+    // Interleaved: every chunk boundary crosses between CP 1 and CP 2, the last stage's
+    // first chunk back to stage 0's second too.
+    let interleaved = plan_file(
+        d,
+        "interleaved",
+        "[[replica]]\nlayers = [[1, 1], [1, 1]]\ncp = [1, 2]\nmicro_batch_size = 1\nnum_micro_batches = 6\n",
+    );
     let cases: Vec<(&str, &str, Vec<&str>)> = vec![
         (
             "CP 2 even, mbs 1 x 6",
@@ -129,6 +143,45 @@ fn context_parallel_plans_match_a_single_rank() {
                 "--micro-batch-size",
                 "2",
             ],
+        ),
+        (
+            "per-stage CP [2,1] by meshes (TP 1 CP 2, then TP 1 CP 1), layers [1,3], untied",
+            "untied",
+            vec![
+                "--nproc",
+                "3",
+                "--enable-hetero",
+                "--hetero-process-meshes",
+                "1",
+                "2",
+                "1",
+                "1",
+                "1",
+                "1",
+                "1",
+                "1",
+                "1",
+                "1",
+                "--hetero-device-types",
+                "cpu-a",
+                "cpu-b",
+                "--hetero-pipeline-layer-split",
+                "1",
+                "3",
+                "--micro-batch-size",
+                "1",
+                untie,
+            ],
+        ),
+        (
+            "per-stage CP [2,1] shares [[3,1],[1]] x TP [1,2] + SP by plan, mbs 2 x 3",
+            "tied",
+            vec!["--nproc", "4", "--plan", &per_stage, "--sequence-parallel"],
+        ),
+        (
+            "per-stage CP [1,2], interleaved (2 chunks of 1 layer per stage), mbs 1 x 6",
+            "tied",
+            vec!["--nproc", "3", "--plan", &interleaved],
         ),
         (
             "CP 2 x PP 2, stage 0 recomputes, mbs 3 x 2",

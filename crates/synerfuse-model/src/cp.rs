@@ -94,19 +94,28 @@ impl ContextGroup<'_> {
         Tensor::from_slice(&order).to_device(device)
     }
 
-    /// The whole sequence's keys and values from every member's `k`, `v` `[b, kv, s, d]`.
-    pub(crate) fn gather(&self, k: Tensor, v: Tensor) -> Result<KvExchange, StageError> {
-        let longest = self.longest();
-        let mine = Tensor::stack(&[k.detach(), v.detach()], 0);
-        let padded = pad(&mine, 3, longest);
+    /// The whole sequence along `dim` (in sequence order) from every member's `t`, which
+    /// holds its own tokens along `dim` in its order; no graph. Collective over the group.
+    pub fn gather_sequence(&self, t: &Tensor, dim: i64) -> Result<Tensor, StageError> {
+        let padded = pad(&t.detach(), dim, self.longest());
         let all = collective(
             "all-gather",
             self.collectives.all_gather(&padded.contiguous()),
         )?;
         let parts: Vec<Tensor> = (self.positions.iter().enumerate())
-            .map(|(r, p)| all.get(r as i64).narrow(3, 0, p.len() as i64))
+            .map(|(r, p)| all.get(r as i64).narrow(dim, 0, p.len() as i64))
             .collect();
-        let whole = Tensor::cat(&parts, 3).index_select(3, &self.sequence_order(k.device()));
+        Ok(Tensor::cat(&parts, dim).index_select(dim, &self.sequence_order(t.device())))
+    }
+
+    /// This member's tokens of `whole` (the whole sequence along `dim`), in its order.
+    pub fn own_tokens(&self, whole: &Tensor, dim: i64) -> Tensor {
+        whole.index_select(dim, &self.local_positions(whole.device()))
+    }
+
+    /// The whole sequence's keys and values from every member's `k`, `v` `[b, kv, s, d]`.
+    pub(crate) fn gather(&self, k: Tensor, v: Tensor) -> Result<KvExchange, StageError> {
+        let whole = self.gather_sequence(&Tensor::stack(&[k.detach(), v.detach()], 0), 3)?;
         let leaf = |i: i64| whole.get(i).detach().set_requires_grad(true);
         Ok(KvExchange {
             local: [k, v],

@@ -94,18 +94,6 @@ pub enum TrainError {
         /// What went wrong.
         reason: String,
     },
-    /// A replica whose stages split sequences differently (not run yet).
-    #[error("replica {replica}: stage {stage} has context-parallel size {} and shares {:?} but stage 0 has {} and {:?}; every stage of a replica needs the same context-parallel layout for now", other.0, other.1, first.0, first.1)]
-    ContextLayouts {
-        /// The replica.
-        replica: usize,
-        /// The first stage that differs from stage 0.
-        stage: usize,
-        /// Stage 0's size and shares (`None`: even).
-        first: (usize, Option<Vec<u32>>),
-        /// That stage's.
-        other: (usize, Option<Vec<u32>>),
-    },
     /// A flag that context parallelism does not run with.
     #[error("{flag} cannot be combined with context parallelism: its document masks would need every member's keys masked by document (not supported); leave one of them out")]
     ContextParallelWith {

@@ -75,6 +75,11 @@ pub struct ContextRank<'a> {
     pub group: &'a GroupCommunicator,
     /// Every member's sequence indices, in member order.
     pub positions: &'a [Vec<i64>],
+    /// Per chunk, whether its input comes from a stage that splits sequences otherwise
+    /// (whole, gathered by the sender; its gradient goes back whole, gathered here).
+    pub whole_input: &'a [bool],
+    /// Per chunk, whether its output goes to a stage that splits sequences otherwise.
+    pub whole_output: &'a [bool],
 }
 
 impl ContextRank<'_> {
@@ -84,6 +89,13 @@ impl ContextRank<'_> {
         let positions: Vec<usize> = mine.iter().map(|&p| p as usize).collect();
         micro_batch.context_part(&positions)
     }
+}
+
+/// Whether a chunk's input and output travel whole (see [`ContextRank`]).
+#[derive(Debug, Clone, Copy, Default)]
+struct Crossing {
+    input: bool,
+    output: bool,
 }
 
 /// What the pipeline tells its caller as it runs a program.
@@ -167,6 +179,9 @@ struct StepState {
     passes: HashMap<Piece, ForwardPass>,
     /// Input gradients waiting to be sent.
     input_grads: HashMap<Piece, Tensor>,
+    /// Outputs gathered whole over the context-parallel group for a stage that splits
+    /// sequences otherwise, waiting to be sent.
+    whole_outputs: HashMap<Piece, Tensor>,
     /// Sends left of each piece's input gradient (one per receiving rank).
     gradient_sends: HashMap<Piece, usize>,
     /// In evaluation, sends left of each piece's output, whose pass is dropped after
@@ -318,6 +333,7 @@ impl PipelineRank<'_> {
                 self.forward(piece, &inputs[piece.micro_batch], step)?;
                 if mode == Mode::Evaluate && !step.activation_sends.contains_key(&piece) {
                     step.passes.remove(&piece);
+                    step.whole_outputs.remove(&piece);
                 }
                 PipelineEvent::Between
             }
@@ -350,6 +366,7 @@ impl PipelineRank<'_> {
                     *left -= 1;
                     if *left == 0 {
                         step.passes.remove(&message.piece);
+                        step.whole_outputs.remove(&message.piece);
                     }
                 }
                 PipelineEvent::Between
@@ -406,11 +423,20 @@ impl PipelineRank<'_> {
         let tp = self.parallel().then_some(&clock);
         let collectives = clock.context_collectives();
         let cp = self.context_group(collectives.as_ref());
+        let crossing = self.crossing(piece.chunk);
+        let input = match (&cp, crossing.input) {
+            (Some(cp), true) => cp.own_tokens(&input, 1),
+            _ => input,
+        };
         let (positions, mask) = (Some(&batch.position_ids), batch.attention_mask.as_ref());
         let pass = match tp {
             Some(tp) => stage.forward_train_parallel(&input, positions, mask, tp, cp.as_ref())?,
             None => stage.forward_train(&input, positions, mask)?,
         };
+        if let (Some(cp), true) = (&cp, crossing.output) {
+            let whole = cp.gather_sequence(&pass.output, 1)?;
+            step.whole_outputs.insert(piece, whole);
+        }
         if stage.is_last() {
             let (sum, count) = match tp {
                 Some(tp) => {
@@ -476,6 +502,10 @@ impl PipelineRank<'_> {
             let from = Piece::new(piece.micro_batch, from_chunk);
             let fault = PipelineFault::BackwardBeforeGradient(piece);
             let grad = step.take_received(Payload::Gradient, from, fault)?;
+            let grad = match (&cp, self.crossing(piece.chunk).output) {
+                (Some(cp), true) => cp.own_tokens(&grad, 1),
+                _ => grad,
+            };
             let grad = grad.to_kind(pass.output.kind());
             match tp {
                 Some(tp) => {
@@ -485,6 +515,12 @@ impl PipelineRank<'_> {
                 None => stage.backward(pass, BackwardFrom::OutputGrad(&grad))?,
             }
         };
+        let input_grad = match (&cp, self.crossing(piece.chunk).input, input_grad) {
+            (Some(cp), true, Some(g)) => Some(cp.gather_sequence(&g, 1)?),
+            (_, _, g) => g,
+        };
+        drop(cp);
+        step.whole_outputs.remove(&piece);
         clock.stop(&mut step.times);
         if let Some(g) = input_grad {
             step.input_grads.insert(piece, g);
@@ -500,10 +536,13 @@ impl PipelineRank<'_> {
         let started = Instant::now();
         let chunk = self.chunks.get(message.piece.chunk).ok_or_else(fault)?;
         let (tensor, in_rows) = match message.payload {
-            Payload::Activation => {
-                let pass = step.passes.get(&message.piece).ok_or_else(fault)?;
-                (pass.output.shallow_clone(), chunk.gives_sequence_rows())
-            }
+            Payload::Activation => match step.whole_outputs.get(&message.piece) {
+                Some(whole) => (whole.shallow_clone(), false),
+                None => {
+                    let pass = step.passes.get(&message.piece).ok_or_else(fault)?;
+                    (pass.output.shallow_clone(), chunk.gives_sequence_rows())
+                }
+            },
             Payload::Gradient => {
                 // A stage on fewer tensor-parallel ranks than the one before it sends
                 // the same gradient to several of them: kept until its last send.
@@ -701,6 +740,19 @@ impl PipelineRank<'_> {
         }
     }
 
+    /// Whether `chunk`'s input and output cross to a stage that splits sequences
+    /// otherwise (they then travel whole).
+    fn crossing(&self, chunk: usize) -> Crossing {
+        let at = |flags: &[bool]| flags.get(chunk).copied().unwrap_or(false);
+        match &self.context {
+            Some(c) => Crossing {
+                input: at(c.whole_input),
+                output: at(c.whole_output),
+            },
+            None => Crossing::default(),
+        }
+    }
+
     /// Whether the stage runs the model's parallel passes (a tensor- or
     /// context-parallel group).
     fn parallel(&self) -> bool {
@@ -750,6 +802,14 @@ impl PipelineRank<'_> {
             .chunks
             .get(receiver.ok_or_else(fault)?)
             .ok_or_else(fault)?;
+        let crossing = self.crossing(receiver.ok_or_else(fault)?);
+        let whole = match message.payload {
+            Payload::Activation => crossing.input,
+            Payload::Gradient => crossing.output,
+        };
+        if let (true, Some(context)) = (whole, &self.context) {
+            return Ok(context.positions.iter().map(Vec::len).sum::<usize>() as i64);
+        }
         let rows = match message.payload {
             Payload::Activation => stage.takes_sequence_rows(),
             Payload::Gradient => stage.takes_output_grad_rows(),

@@ -25,7 +25,7 @@ use synerfuse_data::gpt::SampleOptions;
 use synerfuse_model::tch::{Device, Kind, Tensor};
 use synerfuse_model::{DeviceRequest, ResolveDevice, Stage};
 use synerfuse_parallel::timeline::{Span, SpanKind};
-use synerfuse_parallel::{GradientReduction, Instruction, PlanError};
+use synerfuse_parallel::{GradientReduction, Instruction, PlanError, ReplicaPipeline};
 
 mod config;
 mod eval;
@@ -127,7 +127,6 @@ fn check_plan(
     }
     let shape = crate::profiler::model_shape(&config.model, config.batch.sequence_length);
     plan.check(&shape, config.parallel.sequence_parallel)?;
-    check_context_layouts(plan)?;
     if let Some(c) = (config.compute.speed_changes.iter()).find(|c| c.rank >= world_size) {
         return Err(TrainError::SpeedChangeRank {
             iteration: c.iteration,
@@ -147,23 +146,6 @@ fn check_plan(
     Ok(plan
         .position(rank)
         .expect("a plan of the job's size places every rank"))
-}
-
-/// Every stage of a replica splits sequences alike (the same context-parallel size and
-/// shares): activations then pass between members of the same index.
-fn check_context_layouts(plan: &synerfuse_parallel::Plan) -> Result<(), TrainError> {
-    for (replica, r) in plan.replicas().iter().enumerate() {
-        let stages = r.stages.num_stages();
-        if let Some(stage) = (1..stages).find(|&s| !r.same_context_layout(0, s)) {
-            return Err(TrainError::ContextLayouts {
-                replica,
-                stage,
-                first: (r.cp_size(0), r.context_shares(0)),
-                other: (r.cp_size(stage), r.context_shares(stage)),
-            });
-        }
-    }
-    Ok(())
 }
 
 /// This rank's emulated device, if any, announced in the log.
@@ -225,15 +207,28 @@ fn build_chunks(
 }
 
 /// Whether the stage chunk that feeds `chunk` of `replica`'s `stage`, and the one it
-/// feeds, run on tensor-parallel groups of the stage's own size: under sequence
-/// parallelism what the stage sends them then stays each rank's sequence rows (as in
-/// Megatron); otherwise it is gathered whole and cut into each receiver's rows.
+/// feeds, run on tensor-parallel groups of the stage's own size and split sequences alike:
+/// under sequence parallelism what the stage sends them then stays each rank's sequence
+/// rows (as in Megatron); otherwise it is gathered whole and cut into each receiver's rows.
 fn neighbours_of_equal_tp(
     config: &TrainConfig,
     (replica, stage): (usize, usize),
     chunk: usize,
 ) -> (bool, bool) {
     let r = &config.parallel.plan.replicas()[replica];
+    let equal = |s: Option<usize>| {
+        s.is_some_and(|s| r.tp_size(s) == r.tp_size(stage) && r.same_context_layout(s, stage))
+    };
+    let (previous, next) = neighbour_stages(r, stage, chunk);
+    (equal(previous), equal(next))
+}
+
+/// The stages of the chunks that feed `chunk` of `r`'s `stage` and that it feeds.
+fn neighbour_stages(
+    r: &ReplicaPipeline,
+    stage: usize,
+    chunk: usize,
+) -> (Option<usize>, Option<usize>) {
     let (stages, chunks) = (r.stages.num_stages(), r.stages.num_chunks());
     let previous = match (stage, chunk) {
         (0, 0) => None,
@@ -245,17 +240,17 @@ fn neighbours_of_equal_tp(
         (true, false) => Some(0),
         (false, _) => Some(stage + 1),
     };
-    let equal = |s: Option<usize>| {
-        s.is_some_and(|s| r.tp_size(s) == r.tp_size(stage) && r.same_context_layout(s, stage))
-    };
-    (equal(previous), equal(next))
+    (previous, next)
 }
 
 /// A context-parallel stage's group (this rank's tensor-parallel index in every member's
-/// group) and every member's sequence indices.
+/// group), every member's sequence indices, and per chunk whether its input and its
+/// output cross to a stage that splits sequences otherwise (they then travel whole).
 struct ContextLayout {
     group: Vec<usize>,
     positions: Vec<Vec<i64>>,
+    whole_input: Vec<bool>,
+    whole_output: Vec<bool>,
 }
 
 /// The context-parallel layout of `replica`'s `stage` for its tensor-parallel rank
@@ -285,9 +280,18 @@ fn context_layout(
                 .collect()
         })
         .collect();
+    let other = |s: Option<usize>| s.is_some_and(|s| !r.same_context_layout(s, stage));
+    let (whole_input, whole_output) = (0..r.stages.num_chunks())
+        .map(|chunk| {
+            let (previous, next) = neighbour_stages(r, stage, chunk);
+            (other(previous), other(next))
+        })
+        .unzip();
     Ok(Some(ContextLayout {
         group: r.cp_group(stage, tp_rank),
         positions,
+        whole_input,
+        whole_output,
     }))
 }
 
@@ -300,6 +304,8 @@ fn context_rank<'g>(
     Some(ContextRank {
         group: groups.get(&context.group)?,
         positions: &context.positions,
+        whole_input: &context.whole_input,
+        whole_output: &context.whole_output,
     })
 }
 
