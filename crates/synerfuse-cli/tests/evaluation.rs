@@ -98,7 +98,7 @@ fn validation_and_test_losses_do_not_depend_on_the_plan() {
             "{stdout}"
         );
     }
-    let plans: [(&str, Vec<&str>); 3] = [
+    let plans: [(&str, Vec<&str>); 4] = [
         (
             "PP 2, layers [1,3], mbs 2 x 3",
             vec![
@@ -145,6 +145,33 @@ fn validation_and_test_losses_do_not_depend_on_the_plan() {
                 "1",
                 "--micro-batch-size",
                 "1",
+            ],
+        ),
+        (
+            "per-stage CP [2,1] x PP 2 by meshes, mbs 2 x 3",
+            vec![
+                "--nproc",
+                "3",
+                "--enable-hetero",
+                "--hetero-process-meshes",
+                "1",
+                "2",
+                "1",
+                "1",
+                "1",
+                "1",
+                "1",
+                "1",
+                "1",
+                "1",
+                "--hetero-device-types",
+                "a",
+                "b",
+                "--hetero-pipeline-layer-split",
+                "2",
+                "2",
+                "--micro-batch-size",
+                "2",
             ],
         ),
     ];

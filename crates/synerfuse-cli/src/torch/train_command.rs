@@ -999,7 +999,7 @@ fn log_run(config: &TrainConfig, world_size: usize, threads: usize) {
             ) {
                 tracing::info!(
                     "replica {replica} stage {stage}: tensor-parallel ranks {:?}, {}{}",
-                    r.ranks[stage],
+                    r.tp_groups(stage).collect::<Vec<_>>(),
                     layout.describe(),
                     match config.parallel.sequence_parallel {
                         true =>
@@ -1010,6 +1010,7 @@ fn log_run(config: &TrainConfig, world_size: usize, threads: usize) {
             }
         }
     }
+    log_context_groups(plan, config.batch.sequence_length);
     let tied = config.model.tie_word_embeddings;
     for reduction in plan.gradient_reductions(tied) {
         tracing::info!(
@@ -1028,6 +1029,28 @@ fn read_plan(path: &std::path::Path, text: &str) -> Result<Plan> {
     };
     plan.map_err(unsupported_grid)
         .with_context(|| format!("plan {}", path.display()))
+}
+
+/// Each context-parallel stage's groups and how they split a sequence of `sequence` tokens.
+fn log_context_groups(plan: &Plan, sequence: usize) {
+    for (replica, r) in plan.replicas().iter().enumerate() {
+        for stage in (0..r.stages.num_stages()).filter(|&s| r.cp_size(s) > 1) {
+            let Ok(split) = r.context_split(stage, sequence) else {
+                continue;
+            };
+            let groups: Vec<Vec<usize>> = (0..r.tp_size(stage))
+                .map(|t| r.cp_group(stage, t))
+                .collect();
+            let tokens: Vec<usize> = (0..split.ranks()).map(|m| split.tokens(m)).collect();
+            tracing::info!(
+                "replica {replica} stage {stage}: context-parallel ranks {groups:?}, {}: {tokens:?} of each sequence's {sequence} tokens",
+                match r.context_shares(stage) {
+                    Some(shares) => format!("shares {shares:?}"),
+                    None => "even (Megatron's 2 x CP chunks, member i holding chunks i and 2 x CP - 1 - i)".to_owned(),
+                }
+            );
+        }
+    }
 }
 
 /// Expert parallelism, which the trainer does not run yet, named by flag.

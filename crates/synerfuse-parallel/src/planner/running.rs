@@ -72,6 +72,9 @@ pub enum ReplanError {
     /// A plan with virtual pipeline chunks (not priced by the simulation here).
     #[error("re-planning a plan with virtual pipeline chunks (an interleaved schedule) is not supported")]
     Interleaved,
+    /// A plan with context parallelism (its members' work is not priced here yet).
+    #[error("re-planning a plan with context parallelism is not supported yet")]
+    ContextParallel,
     /// Tensor-parallel shares that do not split the model.
     #[error("replica {replica}, stage {stage}: tensor-parallel shares {shares:?} do not split the model")]
     Shares {
@@ -165,6 +168,9 @@ pub fn fitted_cost(job: &RunningJob<'_>) -> Result<CostModel, ReplanError> {
 /// [`fitted_cost`] over the ranks `kept` only (the survivors of a lost rank): device `i`
 /// is rank `kept[i]`.
 pub fn fitted_cost_of(job: &RunningJob<'_>, kept: &[usize]) -> Result<CostModel, ReplanError> {
+    if job.plan.has_context_parallelism() {
+        return Err(ReplanError::ContextParallel);
+    }
     let ranks = job.plan.world_size();
     for (what, got) in [("pace", job.paces_s.len()), ("host", job.hosts.len())] {
         if got != ranks {
@@ -247,6 +253,9 @@ fn simulate_plan(
 ) -> Result<(f64, Vec<RankTimeline>), ReplanError> {
     if plan.has_chunks() {
         return Err(ReplanError::Interleaved);
+    }
+    if plan.has_context_parallelism() {
+        return Err(ReplanError::ContextParallel);
     }
     let (mut groups, mut pools) = (Vec::new(), Vec::new());
     for (replica, r) in plan.replicas().iter().enumerate() {
