@@ -11,9 +11,10 @@ use synerfuse_train::comm::{launch_under_mpirun, ranks_done, without_flag, Survi
 use synerfuse_train::lost::{LostRanks, LOST_RANKS_FILE, SURVIVOR_MARKER_PREFIX};
 
 /// The flags that set a layout: a restart replaces them with the survivors' plan.
-const LAYOUT_FLAGS: [&str; 14] = [
+const LAYOUT_FLAGS: [&str; 15] = [
     "--plan",
     "--tensor-model-parallel-size",
+    "--context-parallel-size",
     "--pipeline-model-parallel-size",
     "--hetero-process-meshes",
     "--hetero-pipeline-layer-split",
