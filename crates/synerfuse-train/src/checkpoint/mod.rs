@@ -230,12 +230,15 @@ pub fn sha256_file(path: &Path) -> Result<ManifestEntry, TrainError> {
         bytes += n as u64;
         hasher.update(&buf[..n]);
     }
-    let sha256 = hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    Ok(ManifestEntry { bytes, sha256 })
+    Ok(ManifestEntry {
+        bytes,
+        sha256: hex(hasher),
+    })
+}
+
+/// A finished hash in lower-case hex, as manifests record it.
+pub(crate) fn hex(hasher: Sha256) -> String {
+    hasher.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Writes `text` to `path` under a temporary name, then renames it.
@@ -729,18 +732,6 @@ fn f16_to_f32(h: u16) -> f32 {
         31 => f32::NAN,
         e => (1.0 + mantissa / 1024.0) * 2f32.powi(e - 15),
     }
-}
-
-/// Copies `op`'s rectangle from `source` (flat, starting at `op`'s first source
-/// element) into `target` (the flat data of the target region).
-pub(crate) fn copy_block(source: &Tensor, target: &Tensor, op: &CopyOp) {
-    let strided = |t: &Tensor, stride: i64| match op.rows {
-        1 => t.narrow(0, 0, op.cols).view([1, op.cols]),
-        _ => t.as_strided([op.rows, op.cols], [stride, 1], None::<i64>),
-    };
-    let span = (op.rows - 1) * op.target.1 + op.cols;
-    let mut to = strided(&target.narrow(0, op.target.0, span), op.target.1);
-    tch::no_grad(|| to.copy_(&strided(source, op.source.1)));
 }
 
 /// Refuses a read whose pieces did not cover the elements wanted exactly.

@@ -166,15 +166,9 @@ pub fn write_pieces(
         .into_inner()
         .map_err(|e| problem_at(&path, e.into_error()))?;
     inner.sync_data().map_err(io_err(&path))?;
-    let sha256 = out
-        .hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
     let entry = ManifestEntry {
         bytes: out.bytes,
-        sha256,
+        sha256: super::hex(out.hasher),
     };
     fragment.files.insert(file.to_owned(), entry);
     for (piece, offset) in pieces.iter().zip(offsets) {

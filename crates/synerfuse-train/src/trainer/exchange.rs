@@ -216,7 +216,7 @@ pub(super) fn exchange(
                 source: (0, op.cols),
                 ..op
             };
-            checkpoint::copy_block(&buffer.narrow(0, at, op.len()), &targets[w], &dense);
+            copy_block(&buffer.narrow(0, at, op.len()), &targets[w], &dense);
             covered[w] += op.len();
             at += op.len();
         }
@@ -244,4 +244,16 @@ fn receive(world: &MpiCommunicator, source: usize, total: i64) -> Result<Tensor,
         parts.push(part);
     }
     Ok(Tensor::cat(&parts, 0))
+}
+
+/// Copies `op`'s rectangle from `source` (flat, starting at `op`'s first source
+/// element) into `target` (the flat data of the target region).
+fn copy_block(source: &Tensor, target: &Tensor, op: &CopyOp) {
+    let strided = |t: &Tensor, stride: i64| match op.rows {
+        1 => t.narrow(0, 0, op.cols).view([1, op.cols]),
+        _ => t.as_strided([op.rows, op.cols], [stride, 1], None::<i64>),
+    };
+    let span = (op.rows - 1) * op.target.1 + op.cols;
+    let mut to = strided(&target.narrow(0, op.target.0, span), op.target.1);
+    tch::no_grad(|| to.copy_(&strided(source, op.source.1)));
 }
