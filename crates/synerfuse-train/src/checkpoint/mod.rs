@@ -238,7 +238,11 @@ pub fn sha256_file(path: &Path) -> Result<ManifestEntry, TrainError> {
 
 /// A finished hash in lower-case hex, as manifests record it.
 pub(crate) fn hex(hasher: Sha256) -> String {
-    hasher.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// Writes `text` to `path` under a temporary name, then renames it.
