@@ -124,6 +124,12 @@ impl ModelShape {
     pub fn activation_message_bytes(&self, b: usize, bytes: f64) -> f64 {
         (b * self.seq_length * self.hidden_size) as f64 * bytes
     }
+
+    /// Bytes of the whole sequence's keys and values of one layer for `b` samples at
+    /// `bytes` per element: what a context-parallel group exchanges per layer.
+    pub fn kv_message_bytes(&self, b: usize, bytes: f64) -> f64 {
+        2.0 * (b * self.seq_length) as f64 * self.kv_width() * bytes
+    }
 }
 
 /// Measured times of one device kind at one micro-batch size, in seconds.
@@ -445,11 +451,7 @@ impl CostModel {
     pub fn memory_bytes(&self, costs: &StageCosts, stage: &StageHolding) -> f64 {
         let m = &self.model;
         let (layers, b) = (stage.layers, stage.micro_batch_size);
-        let params = m.stage_params(layers, stage.first, stage.last);
-        let mut bytes = params * self.state_bytes_per_param;
-        if self.distributed_optimizer {
-            bytes -= params * self.optimizer_bytes_per_param() * (1.0 - stage.optimizer_share);
-        }
+        let mut bytes = self.state_bytes(stage);
         bytes += match stage.recompute {
             true => {
                 stage.in_flight as f64 * m.activation_message_bytes(b, self.compute_bytes)
@@ -462,6 +464,17 @@ impl CostModel {
             // log-softmax kept by the cross-entropy, the gradient of it and the one it
             // produces (fp32 each).
             bytes += (b * m.seq_length * m.vocab_size) as f64 * (self.compute_bytes + 12.0);
+        }
+        bytes
+    }
+
+    /// The state part of [`CostModel::memory_bytes`]: parameters, gradients and optimizer
+    /// state (the optimizer's part only its share under the distributed optimizer).
+    pub fn state_bytes(&self, stage: &StageHolding) -> f64 {
+        let params = (self.model).stage_params(stage.layers, stage.first, stage.last);
+        let mut bytes = params * self.state_bytes_per_param;
+        if self.distributed_optimizer {
+            bytes -= params * self.optimizer_bytes_per_param() * (1.0 - stage.optimizer_share);
         }
         bytes
     }

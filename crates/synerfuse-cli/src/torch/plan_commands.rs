@@ -232,6 +232,11 @@ pub struct PlanArgs {
     /// devices, unequal ones with unequal shares; 1: none)
     #[arg(long, value_parser = crate::values::positive_count, value_delimiter = ',', default_value = "1,2,4,8")]
     tensor_model_parallel_sizes: Vec<usize>,
+    /// Context-parallel sizes to consider for grid plans where memory rules out plans
+    /// without (groups of a node's devices splitting every sequence, unequal ones in
+    /// unequal token shares; 1: none)
+    #[arg(long, value_parser = crate::values::positive_count, value_delimiter = ',', default_value = "1,2,4,8")]
+    context_parallel_sizes: Vec<usize>,
     /// Whether plans recompute activations: auto (each stage that would not fit
     /// otherwise), on (bare flag: every stage) or off
     #[arg(long, value_name = "auto|on|off", default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
@@ -364,6 +369,7 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
             micro_batch_sizes: args.micro_batch_sizes.clone(),
             top_k: args.top_k,
             tensor_parallel_sizes: args.tensor_model_parallel_sizes.clone(),
+            context_parallel_sizes: args.context_parallel_sizes.clone(),
             recompute: args.recompute_activations,
             distributed_optimizer: args.use_distributed_optimizer,
         },

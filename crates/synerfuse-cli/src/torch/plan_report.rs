@@ -26,13 +26,21 @@ pub(crate) fn describe_devices(cost: &CostModel, c: &Candidate, stage: usize) ->
         .join(" ")
 }
 
-/// "pp 4 x dp 8 (tp 2)": a grid plan's sizes.
+/// "pp 4 x dp 8 (tp 2)", "pp 1 x dp 2 (cp 2, shares [2, 1])": a grid plan's sizes.
 pub(crate) fn grid_text(c: &Candidate) -> String {
+    let unit = match c.context_parallel_size() {
+        1 => format!("tp {}", c.tensor_parallel_size()),
+        cp => match c.groups.first().map(|g| &g.shares) {
+            Some(shares) if shares.iter().any(|&s| s != shares[0]) => {
+                format!("cp {cp}, shares {shares:?}")
+            }
+            _ => format!("cp {cp}"),
+        },
+    };
     format!(
-        "pp {} x dp {} (tp {})",
+        "pp {} x dp {} ({unit})",
         c.layers.len(),
-        c.micro_batches.len(),
-        c.tensor_parallel_size()
+        c.micro_batches.len()
     )
 }
 
@@ -71,6 +79,7 @@ impl PlanReport<'_> {
             pipeline_parallel_size: best.layers.len(),
             data_parallel_size: best.micro_batches.len(),
             tensor_parallel_size: best.tensor_parallel_size(),
+            context_parallel_size: best.context_parallel_size(),
             layers_per_stage: &best.layers,
             micro_batch_size_per_replica: &best.micro_batch_sizes,
             num_micro_batches_per_replica: &best.micro_batches,
@@ -445,6 +454,7 @@ pub(crate) struct GridReport<'a> {
     pipeline_parallel_size: usize,
     data_parallel_size: usize,
     tensor_parallel_size: usize,
+    context_parallel_size: usize,
     layers_per_stage: &'a [usize],
     micro_batch_size_per_replica: &'a [usize],
     num_micro_batches_per_replica: &'a [usize],

@@ -17,16 +17,19 @@ impl Candidate {
     /// The grid's ranks: Megatron's order for its arrangement (tp-pp-dp when replicas
     /// take neighbouring devices, the default when stages do).
     fn topology(&self) -> Result<Topology, TopologyError> {
-        let (p, d, t) = (
+        let (p, d, t, c) = (
             self.layers.len(),
             self.micro_batches.len(),
             self.tensor_parallel_size(),
+            self.context_parallel_size(),
         );
+        // Replicas on neighbouring devices: each replica's units together (tp-cp-pp-dp).
         let order = match self.arrangement {
+            Arrangement::ByReplica if c > 1 => "tp-cp-pp-dp",
             Arrangement::ByReplica => TP_PP_DP_ORDER,
             Arrangement::ByStage => DEFAULT_ORDER,
         };
-        Topology::new(p * d * t, t, p, 1, 1, order)
+        Topology::new(p * d * t * c, t, p, c, 1, order)
     }
 
     /// The device index of each rank of [`Candidate::to_plan`]'s plan, in rank order.
@@ -35,7 +38,8 @@ impl Candidate {
         (0..topology.world_size())
             .map(|rank| {
                 let c = topology.coordinates(rank)?;
-                Ok(self.unit_devices(self.devices[c.pp][c.dp])[c.tp])
+                let t = self.tensor_parallel_size();
+                Ok(self.unit_devices(self.devices[c.pp][c.dp])[c.cp * t + c.tp])
             })
             .collect()
     }
@@ -53,13 +57,15 @@ impl Candidate {
         {
             let stages = StageLayout::new(self.layers.clone(), cost.model.num_layers)
                 .map_err(|source| PlanError::Layout { replica: r, source })?;
+            let (t, c) = (self.tensor_parallel_size(), self.context_parallel_size());
             let ranks = (0..self.layers.len())
                 .map(|pp| {
-                    (0..self.tensor_parallel_size())
-                        .map(|tp| {
+                    (0..c)
+                        .flat_map(|cp| (0..t).map(move |tp| (cp, tp)))
+                        .map(|(cp, tp)| {
                             let at = Coordinates {
                                 tp,
-                                cp: 0,
+                                cp,
                                 ep: 0,
                                 dp: r,
                                 pp,
@@ -69,13 +75,24 @@ impl Candidate {
                         .collect()
                 })
                 .collect();
+            // Each stage's context-parallel shares (its unit's), when uneven.
+            let cp_shares: Vec<Option<Vec<u32>>> = (self.devices.iter())
+                .map(|stage| self.groups.get(stage[r]).map(|g| g.shares.clone()))
+                .map(|shares| shares.filter(|s| s.iter().any(|&x| x != s[0])))
+                .collect();
             replicas.push(ReplicaPipeline {
                 stages,
                 batch: ReplicaBatch::uniform(micro_batch_size, num_micro_batches),
                 ranks,
                 tp_shares: Vec::new(),
-                cp: Vec::new(),
-                cp_shares: Vec::new(),
+                cp: match c {
+                    1 => Vec::new(),
+                    c => vec![c; self.layers.len()],
+                },
+                cp_shares: match c > 1 && cp_shares.iter().any(Option::is_some) {
+                    true => cp_shares,
+                    false => Vec::new(),
+                },
                 recompute: match recomputes {
                     true => self.recompute.iter().map(|row| row[r]).collect(),
                     false => Vec::new(),

@@ -245,6 +245,7 @@ mod tests {
             micro_batch_sizes: vec![1, 2, 4],
             top_k: 3,
             tensor_parallel_sizes: tp.to_vec(),
+            context_parallel_sizes: Vec::new(),
             recompute: Default::default(),
             distributed_optimizer: Default::default(),
         }

@@ -341,12 +341,13 @@ pub(super) fn retime_front(
         planned += usize::from(!is_uniform);
         front.push(c);
     }
-    let mut ctxs: HashMap<(TrainOptions, usize), Ctx<'_>> = HashMap::new();
+    let mut ctxs: HashMap<(TrainOptions, usize, usize), Ctx<'_>> = HashMap::new();
     let (mut uniform_seen, mut uniform_ranks) = (0, 0);
     for c in &mut front {
         if c.origin == CandidateOrigin::Uniform {
             // The best `keep` even layouts simulated, the rest while their ranks last.
-            let ranks = c.layers.len() * c.micro_batches.len() * c.tensor_parallel_size();
+            let unit = c.tensor_parallel_size() * c.context_parallel_size();
+            let ranks = c.layers.len() * c.micro_batches.len() * unit;
             uniform_seen += 1;
             uniform_ranks += ranks;
             if uniform_seen > keep && uniform_ranks > UNIFORM_RANKS_SIMULATED {
@@ -362,8 +363,9 @@ pub(super) fn retime_front(
                     .find(|(o, _)| o.recompute == c.options.recompute)
             })
             .expect("a variant for each option searched");
-        let ctx = (ctxs.entry((*options, c.tensor_parallel_size())))
-            .or_insert_with(|| candidate_ctx(variant, c));
+        let shape = (c.tensor_parallel_size(), c.context_parallel_size());
+        let ctx =
+            (ctxs.entry((*options, shape.0, shape.1))).or_insert_with(|| candidate_ctx(variant, c));
         c.prediction = simulate_candidate(ctx, c)?;
     }
     // Simulated first: a closed form may be optimistic.

@@ -170,15 +170,30 @@ fn search_grids(
     let (mut candidates, mut considered) = (Vec::new(), 0);
     let mut closest: Option<Violation> = None;
     let devices = cost.cluster.devices();
-    // Per option and tensor-parallel size, whether memory ruled anything out, and the
-    // layouts found without it.
-    let mut searched: HashMap<(TrainOptions, usize), (bool, Vec<Candidate>)> = HashMap::new();
+    // Per option and unit shape (tensor-, context-parallel size), whether memory ruled
+    // anything out, and the layouts found without it.
+    type Searched = HashMap<(TrainOptions, UnitShape), (bool, Vec<Candidate>)>;
+    let mut searched: Searched = HashMap::new();
     let optimizer_priced = (devices.iter()).any(|d| cost.optimizer_seconds(d, 1.0).is_some());
-    let sizes = (request.tp_sizes().into_iter())
-        .filter(|&t| only.is_none_or(|s| s.iter().any(|x| x.tensor_parallel_size == t)));
-    let grids = (variants.iter()).flat_map(|v| sizes.clone().map(move |t| (v, t)));
+    let tp = (request.tp_sizes().into_iter())
+        .filter(|&t| only.is_none_or(|s| s.iter().any(|x| x.tensor_parallel_size == t)))
+        .map(|t| (t, 1));
+    // Context parallelism on grids a folded copy did not choose from: none.
+    let cp = (request.cp_sizes().into_iter())
+        .filter(|_| only.is_none())
+        .map(|c| (1, c));
+    let shapes: Vec<UnitShape> = tp.chain(cp).collect();
+    let grids = (variants.iter()).flat_map(|v| shapes.iter().map(move |&t| (v, t)));
     for ((options, variant), t) in grids {
         let options = *options;
+        // Splitting sequences only saves memory (at the price of the exchange):
+        // searched where memory ruled layouts out without it.
+        let without_bound = |searched: &Searched| {
+            (searched.iter()).any(|((o, (_, c)), (bound, _))| *o == options && *c == 1 && *bound)
+        };
+        if t.1 > 1 && !without_bound(&searched) {
+            continue;
+        }
         let Some(mut ctx) = grid_context(variant, t)? else {
             continue;
         };
@@ -212,7 +227,7 @@ fn search_grids(
         } else {
             let shapes = only.map(|s| {
                 (s.iter())
-                    .filter(|x| x.recompute == options.recompute && x.tensor_parallel_size == t)
+                    .filter(|x| x.recompute == options.recompute && x.tensor_parallel_size == t.0)
                     .map(|x| (x.stages, x.arrangement))
                     .collect()
             });
@@ -242,10 +257,18 @@ fn variants(cost: &CostModel, request: &PlanRequest) -> Vec<(TrainOptions, CostM
         .collect()
 }
 
+/// A grid's units: (tensor-parallel size, context-parallel size).
+type UnitShape = (usize, usize);
+
 /// The units of a grid of tensor-parallel size `t`: groups of one node's devices with
 /// even shares (Megatron's flags split evenly; uneven groups are per-replica
-/// pipelines'), `None` where the cluster does not cut so.
-fn grid_context(cost: &CostModel, t: usize) -> Result<Option<Ctx<'_>>, PlanningError> {
+/// pipelines'), `None` where the cluster does not cut so. Of context-parallel size `c`:
+/// groups of one node's devices with the token shares that suit them (a plan file's
+/// `cp_shares`; even shares are Megatron's `--context-parallel-size`).
+fn grid_context(cost: &CostModel, (t, c): UnitShape) -> Result<Option<Ctx<'_>>, PlanningError> {
+    if c > 1 {
+        return Ctx::context_parallel(cost, c);
+    }
     let even = |g: &TpGroup| g.shares.iter().all(|&s| s == g.shares[0]);
     Ok(Ctx::tensor_parallel(cost, t)?.filter(|ctx| ctx.groups.iter().all(even)))
 }

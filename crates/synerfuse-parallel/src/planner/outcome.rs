@@ -39,9 +39,16 @@ pub struct Candidate {
 }
 
 impl Candidate {
-    /// Devices per stage of each replica (Megatron's `--tensor-model-parallel-size`).
+    /// Devices per stage of each replica's tensor-parallel groups (Megatron's
+    /// `--tensor-model-parallel-size`).
     pub fn tensor_parallel_size(&self) -> usize {
-        self.groups.first().map_or(1, TpGroup::size)
+        self.groups.first().map_or(1, TpGroup::tp_size)
+    }
+
+    /// Context-parallel members per stage of each replica (Megatron's
+    /// `--context-parallel-size`).
+    pub fn context_parallel_size(&self) -> usize {
+        self.groups.first().map_or(1, |g| g.cp)
     }
 
     /// The devices of `unit` (one of `devices`' entries), in tensor-parallel rank order.

@@ -54,6 +54,31 @@ impl<'a> Ctx<'a> {
         cost: &'a CostModel,
         size: usize,
     ) -> Result<Option<Self>, PlanningError> {
+        Self::grouped(cost, size, super::tensor::tp_groups)
+    }
+
+    /// Units of `size` devices of one node (fastest first within the node), each a
+    /// context-parallel group with its best token shares; `None` when the cluster does
+    /// not cut into such groups or the sequence into such shares.
+    pub(super) fn context_parallel(
+        cost: &'a CostModel,
+        size: usize,
+    ) -> Result<Option<Self>, PlanningError> {
+        Self::grouped(cost, size, super::tensor::context_groups)
+    }
+
+    /// Units of `size` devices of one node as `groups` cuts them.
+    fn grouped(
+        cost: &'a CostModel,
+        size: usize,
+        groups: impl Fn(
+            &crate::cost::ModelShape,
+            &[Device],
+            &[usize],
+            &[f64],
+            usize,
+        ) -> Option<Vec<TpGroup>>,
+    ) -> Result<Option<Self>, PlanningError> {
         if size <= 1 {
             return Ok(Some(Self::new(cost)));
         }
@@ -63,10 +88,8 @@ impl<'a> Ctx<'a> {
             .map(|i| single.costs(i, 1).map(|c| c.layer_s))
             .collect::<Result<_, _>>()?;
         let devices = single.all;
-        Ok(
-            super::tensor::tp_groups(&cost.model, &devices, &order, &layer_s, size)
-                .map(|groups| Self::with_groups(cost, devices, groups)),
-        )
+        Ok(groups(&cost.model, &devices, &order, &layer_s, size)
+            .map(|groups| Self::with_groups(cost, devices, groups)))
     }
 
     pub(super) fn with_groups(
@@ -132,7 +155,22 @@ impl<'a> Ctx<'a> {
             .map(|&i| self.cost.stage_costs(&self.all[i], b))
             .collect::<Result<_, _>>()?;
         let mut c = each[0];
-        if group.size() > 1 {
+        if group.cp > 1 {
+            // Each member on its tokens; per layer the keys and values all-gathered in
+            // the forward and their gradients reduce-scattered in the backward (about an
+            // all-reduce of the whole sequence's keys and values).
+            let members: Vec<&Device> = group.members.iter().map(|&i| &self.all[i]).collect();
+            let bytes = (self.cost.model).kv_message_bytes(b, self.cost.compute_bytes);
+            let exchange = self.cost.allreduce_seconds(&members, bytes);
+            let slowest = |part: &dyn Fn(&StageCosts) -> f64| {
+                (each.iter().zip(&group.tokens))
+                    .map(|(k, t)| part(k) * t)
+                    .fold(0.0, f64::max)
+            };
+            c.layer_s = slowest(&|k| k.layer_s) + exchange;
+            c.embedding_s = slowest(&|k| k.embedding_s);
+            c.head_s = slowest(&|k| k.head_s);
+        } else if group.size() > 1 {
             let members: Vec<&Device> = group.members.iter().map(|&i| &self.all[i]).collect();
             let bytes = (self.cost.model).activation_message_bytes(b, self.cost.compute_bytes);
             let collective = self.cost.allreduce_seconds(&members, bytes);
@@ -176,6 +214,19 @@ impl<'a> Ctx<'a> {
     /// gradient reduction carries.
     pub(super) fn state_fraction(&self, unit: usize) -> f64 {
         self.groups[unit].state.iter().copied().fold(0.0, f64::max)
+    }
+
+    /// The unit's members that take part in a gradient reduction alike split holders
+    /// run side by side: one per tensor-parallel shard (its first member), or every
+    /// context-parallel member (each holds the whole stage).
+    pub(super) fn reducing_members(&self, unit: usize) -> Vec<usize> {
+        let group = &self.groups[unit];
+        group
+            .members
+            .iter()
+            .step_by(group.tp_size())
+            .copied()
+            .collect()
     }
 }
 
@@ -306,12 +357,32 @@ pub(super) fn stage_fit(
     holding: StageHolding,
 ) -> Result<StageFit, PlanningError> {
     let plain = ctx.costs(unit, holding.micro_batch_size)?;
-    let need = |recompute| {
+    // A context-parallel member holds the whole state, its tokens' activations, and
+    // the whole sequence's keys and values of each layer for its backward.
+    let group = &ctx.groups[unit];
+    let (tokens, cp) = (group.token_fraction(), group.cp > 1);
+    let need = |recompute: bool| {
         let holding = StageHolding {
             recompute,
             ..holding
         };
-        ctx.cost.memory_bytes(&plain, &holding)
+        let (all, state) = (
+            ctx.cost.memory_bytes(&plain, &holding),
+            ctx.cost.state_bytes(&holding),
+        );
+        let kept = match recompute {
+            true => 1,
+            false => holding.in_flight,
+        };
+        let kv = match cp {
+            true => {
+                (kept * holding.layers) as f64
+                    * (ctx.cost.model)
+                        .kv_message_bytes(holding.micro_batch_size, ctx.cost.compute_bytes)
+            }
+            false => 0.0,
+        };
+        state + tokens * (all - state) + kv
     };
     let recompute = match ctx.cost.recompute {
         Recompute::Never => false,
@@ -393,12 +464,17 @@ pub(super) struct Shares {
 
 impl Shares {
     pub(super) fn of_stage(ctx: &Ctx<'_>, stage: &[usize]) -> Self {
-        let sharded = ctx.cost.distributed_optimizer && stage.len() > 1;
+        // Every context-parallel member holds the stage: the trainer shards over each.
+        let holders = |u: usize| ctx.groups[u].cp;
+        let replicas: usize = stage.iter().map(|&u| holders(u)).sum();
+        let sharded = ctx.cost.distributed_optimizer && replicas > 1;
         Shares {
             sharded,
-            replicas: stage.len(),
+            replicas,
             memory: match sharded {
-                true => stage.iter().map(|&u| Self::weight(ctx, u)).sum(),
+                true => (stage.iter())
+                    .map(|&u| Some(Self::weight(ctx, u)? * holders(u) as f64))
+                    .sum(),
                 false => None,
             },
         }
@@ -517,7 +593,10 @@ pub(super) fn holders_allreduce_s(ctx: &Ctx<'_>, units: &[usize], params: f64) -
             let share = (units.iter())
                 .map(|&u| ctx.state_fraction(u))
                 .fold(0.0, f64::max);
-            let devices = units.iter().map(|&u| ctx.groups[u].members[0]).collect();
+            let devices = units
+                .iter()
+                .flat_map(|&u| ctx.reducing_members(u))
+                .collect();
             ctx.allreduce_seconds(devices, params * 4.0 * share)
         }
         false => {

@@ -14,6 +14,11 @@ pub struct PlanRequest {
     pub top_k: usize,
     /// Tensor-parallel sizes to try for per-replica pipelines (within a node; empty: 1).
     pub tensor_parallel_sizes: Vec<usize>,
+    /// Context-parallel sizes to try for grid plans beside 1 (within a node), each in the
+    /// token shares that suit its devices: only where memory rules out plans without
+    /// (splitting sequences saves activation memory at the price of exchanging keys and
+    /// values, as recomputation saves it at the price of time).
+    pub context_parallel_sizes: Vec<usize>,
     /// Whether plans recompute activations (auto: the stages that need it).
     pub recompute: Choice,
     /// Whether plans shard the optimizer over each stage's (or segment's) holders, priced
@@ -115,6 +120,15 @@ impl PlanRequest {
             }
         }
         options
+    }
+
+    /// The distinct context-parallel sizes above 1, ascending.
+    pub(super) fn cp_sizes(&self) -> Vec<usize> {
+        let sizes: BTreeSet<usize> = (self.context_parallel_sizes.iter())
+            .copied()
+            .filter(|&c| c > 1)
+            .collect();
+        sizes.into_iter().collect()
     }
 
     /// The distinct positive tensor-parallel sizes, ascending (1 when none).

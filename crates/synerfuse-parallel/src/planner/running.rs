@@ -297,6 +297,7 @@ pub fn running_job_request(
         micro_batch_sizes: vec![1, 2, 4, 8],
         top_k: 1,
         tensor_parallel_sizes: vec![1, 2, 4, 8],
+        context_parallel_sizes: Vec::new(),
         recompute: match recompute {
             true => Choice::On,
             false => Choice::Auto,
@@ -418,6 +419,7 @@ mod tests {
             micro_batch_sizes: vec![1, 2],
             top_k: 1,
             tensor_parallel_sizes: vec![1],
+            context_parallel_sizes: Vec::new(),
             recompute: Choice::Off,
             distributed_optimizer: Choice::Off,
         }

@@ -6,6 +6,7 @@
 
 use crate::cluster::Device;
 use crate::cost::ModelShape;
+use crate::cp::ContextSplit;
 use crate::tp::TpLayout;
 use std::collections::HashMap;
 
@@ -13,11 +14,17 @@ use std::collections::HashMap;
 /// split of two devices).
 pub const MOST_SHARE: u32 = 8;
 
-/// One position of a pipeline: a device alone, or a tensor-parallel group.
+/// One position of a pipeline: a device alone, a tensor-parallel group, or a
+/// context-parallel group (each member the whole stage on its own tokens).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TpGroup {
-    /// Device indices in tensor-parallel rank order (fastest first).
+    /// Device indices in tensor-parallel (or context-parallel) rank order (fastest first).
     pub members: Vec<usize>,
+    /// Context-parallel members (1: a tensor-parallel group or a device alone).
+    pub cp: usize,
+    /// Each member's fraction of every sequence's tokens (1 without context parallelism):
+    /// its activations scale with it.
+    pub tokens: Vec<f64>,
     /// Shares in lowest terms (all 1: even, as Megatron splits).
     pub shares: Vec<u32>,
     /// Each member's fraction of a layer's FLOPs under the shares' whole-unit rounding.
@@ -34,6 +41,8 @@ impl TpGroup {
     pub fn single(device: usize) -> Self {
         TpGroup {
             members: vec![device],
+            cp: 1,
+            tokens: vec![1.0],
             shares: vec![1],
             work: vec![1.0],
             state: vec![1.0],
@@ -67,6 +76,8 @@ impl TpGroup {
         };
         let n = members.len();
         Some(TpGroup {
+            cp: 1,
+            tokens: vec![1.0; n],
             work: (0..n)
                 .map(|k| part(attention_flops, ffn_flops, k))
                 .collect(),
@@ -81,9 +92,47 @@ impl TpGroup {
         })
     }
 
-    /// Tensor-parallel size.
+    /// The context-parallel group of `members` splitting every sequence of the model in
+    /// `shares` (Megatron's load-balanced chunks when even, which the sequence must then
+    /// divide into), or `None` when it cannot. Each member holds the whole stage's
+    /// parameters; its work, activations and share of the head follow its tokens (each
+    /// position pair the same attention work).
+    pub fn context(model: &ModelShape, members: Vec<usize>, shares: Vec<u32>) -> Option<Self> {
+        let even = shares.iter().all(|&s| s == shares[0]);
+        let split = match even {
+            true => ContextSplit::even(model.seq_length, members.len()),
+            false => ContextSplit::in_shares(model.seq_length, &shares),
+        }
+        .ok()?;
+        let g = gcd_all(&shares).max(1);
+        let n = members.len();
+        let tokens: Vec<f64> = (0..n)
+            .map(|k| split.tokens(k) as f64 / model.seq_length as f64)
+            .collect();
+        Some(TpGroup {
+            members,
+            cp: n,
+            shares: shares.iter().map(|s| s / g).collect(),
+            work: tokens.clone(),
+            state: vec![1.0; n],
+            vocab: tokens.clone(),
+            tokens,
+        })
+    }
+
+    /// Devices of the unit.
     pub fn size(&self) -> usize {
         self.members.len()
+    }
+
+    /// Tensor-parallel size.
+    pub fn tp_size(&self) -> usize {
+        self.members.len() / self.cp
+    }
+
+    /// The largest fraction of every sequence's tokens a member holds.
+    pub fn token_fraction(&self) -> f64 {
+        self.tokens.iter().copied().fold(0.0, f64::max)
     }
 
     /// The layer time of the group's slowest member, given each member's whole-layer
@@ -129,9 +178,29 @@ pub fn best_group(model: &ModelShape, members: &[usize], layer_s: &[f64]) -> Opt
     if members.len() > model.num_kv_heads {
         return None;
     }
+    best_of(members, layer_s, |m, s| TpGroup::new(model, m, s))
+}
+
+/// [`best_group`] for a context-parallel group: the token shares under which the slowest
+/// member finishes first (`None` when the sequence cannot be so split).
+pub fn best_context_group(
+    model: &ModelShape,
+    members: &[usize],
+    layer_s: &[f64],
+) -> Option<TpGroup> {
+    best_of(members, layer_s, |m, s| TpGroup::context(model, m, s))
+}
+
+/// The group `build` makes of `members` with the candidate shares whose slowest member
+/// finishes first, ties to the smallest total.
+fn best_of(
+    members: &[usize],
+    layer_s: &[f64],
+    build: impl Fn(Vec<usize>, Vec<u32>) -> Option<TpGroup>,
+) -> Option<TpGroup> {
     let mut best: Option<(f64, u32, TpGroup)> = None;
     for shares in candidate_shares(layer_s) {
-        let Some(group) = TpGroup::new(model, members.to_vec(), shares) else {
+        let Some(group) = build(members.to_vec(), shares) else {
             continue;
         };
         let (time, total) = (group.layer_s(layer_s), group.shares.iter().sum::<u32>());
@@ -209,6 +278,33 @@ pub fn tp_groups(
     layer_s: &[f64],
     size: usize,
 ) -> Option<Vec<TpGroup>> {
+    node_groups(devices, order, layer_s, size, |members, times| {
+        best_group(model, members, times)
+    })
+}
+
+/// [`tp_groups`] for context-parallel groups of `size`, each with its best token shares.
+pub fn context_groups(
+    model: &ModelShape,
+    devices: &[Device],
+    order: &[usize],
+    layer_s: &[f64],
+    size: usize,
+) -> Option<Vec<TpGroup>> {
+    node_groups(devices, order, layer_s, size, |members, times| {
+        best_context_group(model, members, times)
+    })
+}
+
+/// Devices cut into groups of `size` within each node (fastest first), each made by
+/// `group` from its members and their layer times (searched once per speed vector).
+fn node_groups(
+    devices: &[Device],
+    order: &[usize],
+    layer_s: &[f64],
+    size: usize,
+    group: impl Fn(&[usize], &[f64]) -> Option<TpGroup>,
+) -> Option<Vec<TpGroup>> {
     if size <= 1 {
         return Some(order.iter().map(|&i| TpGroup::single(i)).collect());
     }
@@ -224,7 +320,7 @@ pub fn tp_groups(
         nodes[k].1.push(i);
     }
     // Groups of the same speeds take the same shares: searched once.
-    let mut shares: HashMap<Vec<u64>, Option<Vec<u32>>> = HashMap::new();
+    let mut found: HashMap<Vec<u64>, Option<TpGroup>> = HashMap::new();
     let mut groups = Vec::new();
     for (_, members) in nodes {
         if members.len() % size != 0 {
@@ -233,11 +329,14 @@ pub fn tp_groups(
         for chunk in members.chunks(size) {
             let times: Vec<f64> = chunk.iter().map(|&i| layer_s[i]).collect();
             let key = times.iter().map(|t| t.to_bits()).collect();
-            let best = shares
+            let alike = found
                 .entry(key)
-                .or_insert_with(|| best_group(model, chunk, &times).map(|g| g.shares))
+                .or_insert_with(|| group(chunk, &times))
                 .clone()?;
-            groups.push(TpGroup::new(model, chunk.to_vec(), best)?);
+            groups.push(TpGroup {
+                members: chunk.to_vec(),
+                ..alike
+            });
         }
     }
     Some(groups)
@@ -295,6 +394,33 @@ mod tests {
         );
         // Two query groups cannot give three devices one each.
         assert!(best_group(&super::tests::model(2, 512), &[0, 1, 2], &[1.0; 3]).is_none());
+    }
+
+    /// A context-parallel pair splits every sequence by speed: a device twice as fast
+    /// takes two thirds of the tokens (position pairs: its attention too); equal devices
+    /// take Megatron's even chunks; a sequence that does not cut is refused.
+    #[test]
+    fn unequal_devices_take_unequal_token_shares() {
+        let model = model(8, 512);
+        let group = best_context_group(&model, &[0, 1], &[1.0, 2.0]).unwrap();
+        assert_eq!((group.cp, group.shares.as_slice()), (2, &[2, 1][..]));
+        assert!(
+            (group.tokens[0] - 2.0 / 3.0).abs() < 0.01,
+            "{:?}",
+            group.tokens
+        );
+        assert_eq!(group.state, [1.0, 1.0]);
+        assert!(group.layer_s(&[1.0, 2.0]) < 0.7);
+        let even = best_context_group(&model, &[0, 1], &[1.0, 1.0]).unwrap();
+        assert_eq!(
+            (even.shares.as_slice(), even.tokens.as_slice()),
+            (&[1, 1][..], &[0.5, 0.5][..])
+        );
+        let odd = ModelShape {
+            seq_length: 250,
+            ..model
+        };
+        assert!(TpGroup::context(&odd, vec![0, 1], vec![1, 1]).is_none());
     }
 
     #[test]

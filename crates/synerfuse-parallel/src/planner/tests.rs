@@ -30,6 +30,7 @@ fn request(g: usize, recompute: Choice, distributed_optimizer: Choice) -> PlanRe
         micro_batch_sizes: vec![1, 2, 4],
         top_k: 3,
         tensor_parallel_sizes: vec![1],
+        context_parallel_sizes: Vec::new(),
         recompute,
         distributed_optimizer,
     }
@@ -222,7 +223,7 @@ proptest! {
             tied: false,
         };
         let cost = CostModel::new(model, cluster, None);
-        let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 3, tensor_parallel_sizes: vec![1], recompute: Choice::Auto, distributed_optimizer: Choice::Auto };
+        let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 3, tensor_parallel_sizes: vec![1], context_parallel_sizes: Vec::new(), recompute: Choice::Auto, distributed_optimizer: Choice::Auto };
         let n = cost.cluster.devices().len();
         match plan(&cost, &request) {
             Err(PlanningError::Infeasible(
@@ -324,7 +325,7 @@ proptest! {
             ffn_hidden_size: 768, vocab_size: 1000, seq_length: 128, tied: false,
         };
         let cost = CostModel::new(model.clone(), cluster, None);
-        let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 1, tensor_parallel_sizes: vec![1], recompute: Choice::Off, distributed_optimizer: Choice::Off };
+        let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 1, tensor_parallel_sizes: vec![1], context_parallel_sizes: Vec::new(), recompute: Choice::Off, distributed_optimizer: Choice::Off };
         let mut ctx = Ctx::new(&cost);
         let bound = throughput_bound(&mut ctx, &request).unwrap();
         let params = model.stage_params(4, true, true);
@@ -393,7 +394,7 @@ proptest! {
         };
         let cost = CostModel::new(model, cluster, None);
         let sizes = [1usize, 2, 4];
-        let request = PlanRequest { global_batch_size: g, micro_batch_sizes: sizes.to_vec(), top_k: 1, tensor_parallel_sizes: vec![1], recompute: Choice::Off, distributed_optimizer: Choice::Off };
+        let request = PlanRequest { global_batch_size: g, micro_batch_sizes: sizes.to_vec(), top_k: 1, tensor_parallel_sizes: vec![1], context_parallel_sizes: Vec::new(), recompute: Choice::Off, distributed_optimizer: Choice::Off };
         let devs = cost.cluster.devices();
         let d = devs.len();
         let params = cost.model.stage_params(1, true, true);
@@ -490,7 +491,7 @@ proptest! {
         let cluster = ClusterSpec::from_toml(&toml).unwrap();
         let model = ModelShape { num_layers: layers, hidden_size: hidden, num_heads: 8, num_kv_heads: 8, ffn_hidden_size: hidden * 3, vocab_size: 32000, seq_length: 512, tied: false };
         let cost = CostModel::new(model, cluster, None);
-        let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 3, tensor_parallel_sizes: vec![1], recompute: Choice::Auto, distributed_optimizer: Choice::Auto };
+        let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 3, tensor_parallel_sizes: vec![1], context_parallel_sizes: Vec::new(), recompute: Choice::Auto, distributed_optimizer: Choice::Auto };
         let Ok(outcome) = plan(&cost, &request) else { return Ok(()) };
         for c in outcome.plans.iter().chain(&outcome.uniform_layouts) {
             prop_assert!(c.prediction.simulated);
@@ -528,7 +529,7 @@ proptest! {
         let cluster = ClusterSpec::from_toml(&toml).unwrap();
         let model = ModelShape { num_layers: layers, hidden_size: 1024, num_heads: 8, num_kv_heads: 8, ffn_hidden_size: 3072, vocab_size: 32000, seq_length: 512, tied: false };
         let cost = CostModel::new(model, cluster, None);
-        let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2], top_k: 1, tensor_parallel_sizes: vec![1, 2, 4], recompute: Choice::Auto, distributed_optimizer: Choice::Auto };
+        let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2], top_k: 1, tensor_parallel_sizes: vec![1, 2, 4], context_parallel_sizes: Vec::new(), recompute: Choice::Auto, distributed_optimizer: Choice::Auto };
         let Ok(outcome) = plan(&cost, &request) else { return Ok(()) };
         let Some(expert) = &outcome.expert else { return Ok(()) };
         let written = match (outcome.pooled_wins(), outcome.plans.first()) {
@@ -564,6 +565,7 @@ fn grid_plans_take_tensor_parallel_groups_where_faster() {
         let request = PlanRequest {
             micro_batch_sizes: vec![1, 2, 4, 8],
             tensor_parallel_sizes: tp,
+            context_parallel_sizes: Vec::new(),
             ..request(64, Choice::Auto, Choice::Auto)
         };
         plan(&cost, &request).unwrap().plans.remove(0)
@@ -602,4 +604,55 @@ fn grid_plans_take_tensor_parallel_groups_where_faster() {
             assert!(stage.iter().all(|&r| &devices[ranks[r]].node == node));
         }
     }
+}
+
+/// Two devices of 2.62 GB and a sequence of 32768 tokens: no plan without context
+/// parallelism fits (a stage's activations, or the head's logits, exceed a device); a
+/// context-parallel pair does, each member holding half of every sequence (a plan file
+/// that round-trips and checks).
+#[test]
+fn context_parallelism_makes_a_long_sequence_fit() {
+    let cost = || {
+        let cluster = crate::cluster::ClusterSpec::from_toml(
+            "[[group]]\nkind = \"a10\"\ncount = 2\nnode = \"a\"\nmemory_gb = 2.62\n\
+             [network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n",
+        )
+        .unwrap();
+        let model = crate::cost::ModelShape {
+            num_layers: 4,
+            hidden_size: 256,
+            num_heads: 4,
+            num_kv_heads: 4,
+            ffn_hidden_size: 1024,
+            vocab_size: 1000,
+            seq_length: 32768,
+            tied: false,
+        };
+        CostModel::new(model, cluster, None)
+    };
+    let mut r = request(2, Choice::Auto, Choice::Auto);
+    r.micro_batch_sizes = vec![1];
+    let without = plan(&cost(), &r);
+    assert!(
+        matches!(
+            without,
+            Err(PlanningError::Infeasible(Infeasibility::OutOfMemory(_)))
+        ),
+        "{without:?}"
+    );
+    r.context_parallel_sizes = vec![2];
+    let outcome = plan(&cost(), &r).unwrap();
+    let best = &outcome.plans[0];
+    assert_eq!(
+        (best.context_parallel_size(), best.layers.as_slice()),
+        (2, &[4][..])
+    );
+    let file = best.to_plan(&cost()).unwrap();
+    let replica = &file.replicas()[0];
+    assert_eq!((replica.cp_size(0), replica.context_shares(0)), (2, None));
+    assert_eq!(file.check(&cost().model, false), Ok(()));
+    assert_eq!(
+        crate::Plan::from_toml(&file.to_toml().unwrap(), None),
+        Ok(file)
+    );
 }

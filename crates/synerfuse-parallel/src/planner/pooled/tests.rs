@@ -15,6 +15,7 @@ fn request(g: usize, sizes: &[usize], top_k: usize, sharded: bool) -> super::sup
         micro_batch_sizes: sizes.to_vec(),
         top_k,
         tensor_parallel_sizes: vec![1],
+        context_parallel_sizes: Vec::new(),
         recompute: Choice::Off,
         distributed_optimizer: match sharded {
             true => Choice::On,
