@@ -8,12 +8,13 @@ use std::process::Command;
 use std::time::Instant;
 
 /// Every benchmark, in the order `cargo xtask bench` runs them.
-const ALL: [&str; 7] = [
+const ALL: [&str; 8] = [
     "preprocess",
     "index",
     "model",
     "hetero",
     "tp",
+    "cp",
     "planner",
     "replan",
 ];
@@ -129,6 +130,7 @@ fn headlines(name: &'static str, v: &serde_json::Value) -> Vec<Headline> {
         "model" => model_headlines(v),
         "hetero" => hetero_headlines(v),
         "tp" => tp_headlines(v),
+        "cp" => cp_headlines(v),
         "planner" => planner_headlines(v),
         "replan" => replan_headlines(v),
         _ => Vec::new(),
@@ -413,6 +415,40 @@ fn tp_headlines(v: &serde_json::Value) -> Vec<Row> {
     )]
 }
 
+fn cp_headlines(v: &serde_json::Value) -> Vec<Row> {
+    let speedup = field(v, "speedup");
+    let peaks = |layout: &str| -> String {
+        let ranks = v["memory_per_rank"][layout]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let mb: Vec<String> = (ranks.iter())
+            .map(|r| {
+                format!(
+                    "{:.0}",
+                    r["activation_peak_bytes"].as_f64().unwrap_or(f64::NAN) / 1e6
+                )
+            })
+            .collect();
+        mb.join(" / ")
+    };
+    vec![(
+        format!(
+            "one CP group of 2 emulated CPU ranks (1 : 0.5), sequence 2048: the planner's shares {} vs even",
+            v["planner_shares"]
+        ),
+        format!(
+            "{:.3} vs {:.3} s per step = {speedup:.2}x (ideal 1.5x); activation peaks per rank {} MB vs {} MB",
+            field(v, "planner_step_s"),
+            field(v, "even_step_s"),
+            peaks("planner"),
+            peaks("even"),
+        ),
+        ">= 1.3x".into(),
+        Some(speedup >= 1.3),
+    )]
+}
+
 fn planner_headlines(v: &serde_json::Value) -> Vec<Row> {
     let mut out = Vec::new();
     let s = field(v, "planning_s");
@@ -485,10 +521,11 @@ fn run_one(root: &Path, name: &str) -> Result<()> {
         "model" => model(root),
         "hetero" => crate::bench_hetero::hetero(root),
         "tp" => crate::bench_tp::tp(root),
+        "cp" => crate::bench_cp::cp(root),
         "planner" => crate::bench_hetero::planner(root),
         "replan" => crate::bench_replan::replan(root),
         other => bail!(
-            "unknown benchmark {other:?}; available: preprocess, index, model, hetero, tp, planner, replan (or summary: the table from the latest results)"
+            "unknown benchmark {other:?}; available: preprocess, index, model, hetero, tp, cp, planner, replan (or summary: the table from the latest results)"
         ),
     }
 }

@@ -47,7 +47,7 @@ pub use running::{
 pub use samples::{min_max_samples, ReplicaPace};
 pub use simulate::{pooled_timeline, timeline};
 pub use split::{min_max_layers, min_max_split};
-pub use tensor::{best_group, TpGroup, MOST_SHARE};
+pub use tensor::{best_context_group, best_group, TpGroup, MOST_SHARE};
 
 /// Plans `request` on `cost`'s cluster and model (a cluster of more than
 /// [`FOLD_ABOVE`] devices, folded where it is copies of a smaller one: see `fold`).
