@@ -10,7 +10,8 @@
 //! values, the optimizer).
 
 use crate::common::{
-    data, last_json_line, median, median_step_s, release_binary, run, train_command, write_json,
+    alternate_runs, data, last_json_line, median, print_spread, release_binary, train_command,
+    write_json,
 };
 use anyhow::{Context, Result};
 use std::path::Path;
@@ -103,31 +104,23 @@ pub fn cp(root: &Path) -> Result<()> {
         ("planner", plan(&dir, "planner", &shares)?),
     ];
     let speeds = SPEEDS.map(|s| s.to_string()).join(",");
-    let mut steps: Vec<Vec<f64>> = vec![Vec::new(); layouts.len()];
-    let mut memory = vec![Vec::new(); layouts.len()];
-    for repeat in 0..REPEATS {
-        for (k, (name, layout)) in layouts.iter().enumerate() {
-            let log = dir.join(format!("{name}-{repeat}.jsonl"));
-            let mut cmd = train_command(&bin, &data, &dir, ITERS, &log);
-            cmd.args(model_flags())
-                .args(["--nproc", "2", "--threads", "1"])
-                .args(["--emulate-device-speed", &speeds])
-                .arg("--plan")
-                .arg(layout);
-            run(&mut cmd, &format!("train {name}"))?;
-            steps[k].push(median_step_s(&log)?);
-            memory[k] = rank_memory(&log)?;
-        }
-    }
-    for ((name, _), times) in layouts.iter().zip(&steps) {
-        let (lo, hi) = times
-            .iter()
-            .fold((f64::MAX, f64::MIN), |(l, h), &t| (l.min(t), h.max(t)));
-        println!(
-            "[cp] shares {name}: median step {:.4} s over {REPEATS} runs ({lo:.4}..{hi:.4} s)",
-            median(times)
-        );
-    }
+    let runs = alternate_runs(&dir, &layouts, REPEATS, |layout, log| {
+        let mut cmd = train_command(&bin, &data, &dir, ITERS, log);
+        cmd.args(model_flags())
+            .args(["--nproc", "2", "--threads", "1"])
+            .args(["--emulate-device-speed", &speeds])
+            .arg("--plan")
+            .arg(layout);
+        cmd
+    })?;
+    let steps: Vec<Vec<f64>> = (runs.iter())
+        .map(|r| r.iter().map(|(s, _)| *s).collect())
+        .collect();
+    // Each layout's memory as its last run measured it.
+    let memory = (runs.iter())
+        .map(|r| rank_memory(&r[r.len() - 1].1))
+        .collect::<Result<Vec<_>>>()?;
+    print_spread("cp", &layouts.each_ref().map(|(name, _)| *name), &steps);
     for ((name, _), ranks) in layouts.iter().zip(&memory) {
         for (rank, (state, peak)) in ranks.iter().enumerate() {
             println!("[cp] shares {name}: rank {rank} state {state} B, activation peak {peak} B");

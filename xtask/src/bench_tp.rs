@@ -7,7 +7,9 @@
 //! ideally 1.5x faster per step, less what is not split (norms, residuals, the
 //! collectives themselves).
 
-use crate::common::{data, median, median_step_s, release_binary, run, train_command, write_json};
+use crate::common::{
+    alternate_runs, data, median, print_spread, release_binary, train_command, write_json,
+};
 use anyhow::Result;
 use std::path::Path;
 
@@ -59,29 +61,19 @@ pub fn tp(root: &Path) -> Result<()> {
         ("by-speed", plan(&dir, "by-speed", [2, 1])?),
     ];
     let speeds = SPEEDS.map(|s| s.to_string()).join(",");
-    let mut steps: Vec<Vec<f64>> = vec![Vec::new(); layouts.len()];
-    for repeat in 0..REPEATS {
-        for ((name, layout), times) in layouts.iter().zip(&mut steps) {
-            let log = dir.join(format!("{name}-{repeat}.jsonl"));
-            let mut cmd = train_command(&bin, &data, &dir, ITERS, &log);
-            cmd.args(model_flags())
-                .args(["--nproc", "2", "--threads", "1"])
-                .args(["--emulate-device-speed", &speeds])
-                .arg("--plan")
-                .arg(layout);
-            run(&mut cmd, &format!("train {name}"))?;
-            times.push(median_step_s(&log)?);
-        }
-    }
-    for ((name, _), times) in layouts.iter().zip(&steps) {
-        let (lo, hi) = times
-            .iter()
-            .fold((f64::MAX, f64::MIN), |(l, h), &t| (l.min(t), h.max(t)));
-        println!(
-            "[tp] shares {name}: median step {:.4} s over {REPEATS} runs ({lo:.4}..{hi:.4} s)",
-            median(times)
-        );
-    }
+    let runs = alternate_runs(&dir, &layouts, REPEATS, |layout, log| {
+        let mut cmd = train_command(&bin, &data, &dir, ITERS, log);
+        cmd.args(model_flags())
+            .args(["--nproc", "2", "--threads", "1"])
+            .args(["--emulate-device-speed", &speeds])
+            .arg("--plan")
+            .arg(layout);
+        cmd
+    })?;
+    let steps: Vec<Vec<f64>> = (runs.iter())
+        .map(|r| r.iter().map(|(s, _)| *s).collect())
+        .collect();
+    print_spread("tp", &layouts.each_ref().map(|(name, _)| *name), &steps);
     let (even_s, by_speed_s) = (median(&steps[0]), median(&steps[1]));
     let speedup = even_s / by_speed_s;
     println!(

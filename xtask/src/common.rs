@@ -202,3 +202,35 @@ pub fn train_command(bin: &Path, data: &Data, dir: &Path, iters: usize, log: &Pa
     let _ = std::fs::remove_file(log);
     cmd
 }
+
+/// Runs `repeats` rounds of every one of `layouts` in turn (alternating, so drift hits
+/// them alike), each run the command `command(layout, log)` builds, logging to
+/// `dir/NAME-ROUND.jsonl`; per layout, each run's median step (s) and its log.
+pub fn alternate_runs(
+    dir: &Path,
+    layouts: &[(&str, std::path::PathBuf)],
+    repeats: usize,
+    command: impl Fn(&Path, &Path) -> Command,
+) -> Result<Vec<Vec<(f64, std::path::PathBuf)>>> {
+    let mut runs: Vec<Vec<(f64, std::path::PathBuf)>> = vec![Vec::new(); layouts.len()];
+    for repeat in 0..repeats {
+        for ((name, layout), done) in layouts.iter().zip(&mut runs) {
+            let log = dir.join(format!("{name}-{repeat}.jsonl"));
+            run(&mut command(layout, &log), &format!("train {name}"))?;
+            done.push((median_step_s(&log)?, log));
+        }
+    }
+    Ok(runs)
+}
+
+/// Prints each layout's median step over its runs and their spread, tagged `tag`.
+pub fn print_spread(tag: &str, names: &[&str], steps: &[Vec<f64>]) {
+    for (name, times) in names.iter().zip(steps) {
+        let (lo, hi) = (times.iter()).fold((f64::MAX, f64::MIN), |(l, h), &t| (l.min(t), h.max(t)));
+        println!(
+            "[{tag}] shares {name}: median step {:.4} s over {} runs ({lo:.4}..{hi:.4} s)",
+            median(times),
+            times.len()
+        );
+    }
+}

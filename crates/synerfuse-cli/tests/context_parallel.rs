@@ -189,21 +189,13 @@ fn context_parallel_plans_match_a_single_rank() {
             vec!["--nproc", "4", "--plan", &recompute],
         ),
     ];
-    let mut table = String::from(
-        "| plan | max rel. loss diff | max rel. param diff | max abs. param diff |\n|---|---|---|---|\n",
-    );
+    let mut table = EquivalenceTable::default();
     for (i, (label, reference, flags)) in cases.iter().enumerate() {
-        let (ref_losses, ref_params) = &references.iter().find(|r| r.0 == *reference).unwrap().1;
-        let (losses, params) = run(d, &data, &format!("cp-case{i}"), flags);
-        let loss_diff = max_rel_loss_diff(ref_losses, &losses);
-        let param_diff = max_rel_param_diff(&params, ref_params);
-        let abs_diff = max_param_diff(ref_params, &params);
-        table.push_str(&format!(
-            "| {label} | {loss_diff:.2e} | {param_diff:.2e} | {abs_diff:.2e} |\n"
-        ));
-        assert!(
-            loss_diff < 1e-5 && param_diff < 1e-5,
-            "{label}: losses {losses:?} vs {ref_losses:?} (rel {loss_diff:e}), params {param_diff:e}"
+        let reference = &references.iter().find(|r| r.0 == *reference).unwrap().1;
+        table.check(
+            label,
+            reference,
+            run(d, &data, &format!("cp-case{i}"), flags),
         );
     }
     // bf16 compute with fp32 master weights: close, not equal.
@@ -214,14 +206,11 @@ fn context_parallel_plans_match_a_single_rank() {
         "2",
         "--micro-batch-size",
         "1",
+        "--bf16",
     ];
-    let (losses, _) = run(d, &data, "cp-bf16", &[&bf16[..], &["--bf16"]].concat());
-    let loss_diff = max_rel_loss_diff(&references[0].1 .0, &losses);
-    table.push_str(&format!(
-        "| bf16, CP 2 (fp32 masters) | {loss_diff:.2e} | - | - |\n"
-    ));
-    assert!(loss_diff < 1e-3, "bf16 CP 2 losses {losses:?}");
-    println!("{table}");
+    let (losses, _) = run(d, &data, "cp-bf16", &bf16);
+    table.check_bf16("bf16, CP 2 (fp32 masters)", &references[0].1 .0, &losses);
+    table.print();
 }
 
 /// A CP 2 run stopped at iteration 3 resumes on one rank with the uninterrupted run's

@@ -462,3 +462,38 @@ fn a_switch_out_of_a_pipeline_under_the_distributed_optimizer_keeps_the_losses()
     let reference = single_rank_losses(dir.path(), &data, 24);
     same_losses(&losses(&dir.path().join("pipeline.jsonl")), &reference);
 }
+
+// A switch out of context parallelism (CP 2 x DP 2, each member training half of every
+// sequence) under the distributed optimizer, sharded over both members of both replicas:
+// the state moves by name, and the losses stay a single rank's.
+#[test]
+fn a_switch_out_of_context_parallelism_keeps_the_losses() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dataset(dir.path());
+    let args = [
+        &SPEEDS[..],
+        &[
+            "--context-parallel-size",
+            "2",
+            "--use-distributed-optimizer",
+        ],
+        &[
+            "--emulate-speed-change",
+            "10:1:0.125",
+            "--replan-window",
+            "4",
+        ],
+        &["--replan", "auto"],
+    ]
+    .concat();
+    let (records, stderr) = four_ranks(dir.path(), &data, "context", 24, &args);
+    let switched: Vec<_> = (nested(&records, "replan").into_iter())
+        .filter(|d| d["switched"].as_bool() == Some(true))
+        .collect();
+    assert_eq!(switched.len(), 1, "{stderr}");
+    let plan: synerfuse_parallel::Plan =
+        serde_json::from_value(switched[0]["proposed_plan"].clone()).unwrap();
+    assert!(!plan.has_context_parallelism(), "{}", switched[0]);
+    let reference = single_rank_losses(dir.path(), &data, 24);
+    same_losses(&losses(&dir.path().join("context.jsonl")), &reference);
+}

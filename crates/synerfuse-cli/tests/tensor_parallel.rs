@@ -240,32 +240,17 @@ fn tensor_parallel_plans_match_a_single_rank() {
             vec!["--nproc", "5", "--plan", &ragged, "--sequence-parallel"],
         ),
     ];
-    let mut table = String::from(
-        "| plan | max rel. loss diff | max rel. param diff | max abs. param diff |\n|---|---|---|---|\n",
-    );
-    let mut check = |label: &str, reference: &Outcome, (losses, params): Outcome| {
-        let (ref_losses, ref_params) = reference;
-        let loss_diff = max_rel_loss_diff(ref_losses, &losses);
-        let param_diff = max_rel_param_diff(&params, ref_params);
-        let abs_diff = max_param_diff(ref_params, &params);
-        table.push_str(&format!(
-            "| {label} | {loss_diff:.2e} | {param_diff:.2e} | {abs_diff:.2e} |\n"
-        ));
-        assert!(
-            loss_diff < 1e-5 && param_diff < 1e-5,
-            "{label}: losses {losses:?} vs {ref_losses:?} (rel {loss_diff:e}), params {param_diff:e}"
-        );
-    };
+    let mut table = EquivalenceTable::default();
     for (i, (label, reference, flags)) in cases.iter().enumerate() {
         let reference = &references.iter().find(|r| r.0 == *reference).unwrap().1;
-        check(
+        table.check(
             label,
             reference,
             run(d, &data, &format!("tp-case{i}"), flags),
         );
     }
     // Uneven shares: heads, FFN columns and vocabulary rows split 3 : 1.
-    check(
+    table.check(
         "TP 2 shares [3,1] (query groups, FFN, vocabulary 3 : 1), MHA",
         &references[2].1,
         run_args(d, "tp-shares", mha(&["--nproc", "2", "--plan", &shares])),
@@ -285,12 +270,8 @@ fn tensor_parallel_plans_match_a_single_rank() {
             "--bf16",
         ],
     );
-    let loss_diff = max_rel_loss_diff(&references[0].1 .0, &losses);
-    table.push_str(&format!(
-        "| bf16, TP 2 (fp32 masters) | {loss_diff:.2e} | - | - |\n"
-    ));
-    assert!(loss_diff < 1e-3, "bf16 TP 2 losses {losses:?}");
-    println!("{table}");
+    table.check_bf16("bf16, TP 2 (fp32 masters)", &references[0].1 .0, &losses);
+    table.print();
 }
 
 /// Issue 38's layout scaled down: `synerfuse plan` on six emulated CPU ranks of two

@@ -660,6 +660,12 @@ impl<'a> PassClock<'a> {
         result
     }
 
+    /// The context-parallel group's collectives, timed by this clock.
+    fn context_collectives(&self) -> Option<ContextCollectives<'_, 'a>> {
+        let group = self.context?;
+        Some(ContextCollectives { clock: self, group })
+    }
+
     /// Ends the pass: its times into `times`.
     fn stop(self, times: &mut StepTimes) {
         let last = Emulation::account(self.emulation, self.span.get());
@@ -770,14 +776,6 @@ impl PipelineRank<'_> {
             collectives: collectives?,
             positions,
         })
-    }
-}
-
-impl<'a> PassClock<'a> {
-    /// The context-parallel group's collectives, timed by this clock.
-    fn context_collectives(&self) -> Option<ContextCollectives<'_, 'a>> {
-        let group = self.context?;
-        Some(ContextCollectives { clock: self, group })
     }
 }
 

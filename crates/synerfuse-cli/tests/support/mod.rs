@@ -364,3 +364,49 @@ pub fn replica_plan(dir: &Path, name: &str, replicas: &[(&str, usize, usize)]) -
     std::fs::write(&path, text).unwrap();
     path.display().to_string()
 }
+
+/// The equivalence table's rows of one test: each plan's run against its single-rank
+/// reference (losses and final parameters within 1e-5 relative), printed at the end.
+pub struct EquivalenceTable {
+    rows: String,
+}
+
+impl Default for EquivalenceTable {
+    fn default() -> Self {
+        EquivalenceTable {
+            rows: String::from(
+                "| plan | max rel. loss diff | max rel. param diff | max abs. param diff |\n|---|---|---|---|\n",
+            ),
+        }
+    }
+}
+
+impl EquivalenceTable {
+    /// Adds `label`'s row; asserts it equals `reference` within 1e-5.
+    pub fn check(&mut self, label: &str, reference: &Outcome, (losses, params): Outcome) {
+        let (ref_losses, ref_params) = reference;
+        let loss_diff = max_rel_loss_diff(ref_losses, &losses);
+        let param_diff = max_rel_param_diff(&params, ref_params);
+        let abs_diff = max_param_diff(ref_params, &params);
+        self.rows.push_str(&format!(
+            "| {label} | {loss_diff:.2e} | {param_diff:.2e} | {abs_diff:.2e} |\n"
+        ));
+        assert!(
+            loss_diff < 1e-5 && param_diff < 1e-5,
+            "{label}: losses {losses:?} vs {ref_losses:?} (rel {loss_diff:e}), params {param_diff:e}"
+        );
+    }
+
+    /// Adds a bf16 row (fp32 master weights): its losses within 1e-3 of `reference`'s.
+    pub fn check_bf16(&mut self, label: &str, reference: &[f64], losses: &[f64]) {
+        let loss_diff = max_rel_loss_diff(reference, losses);
+        self.rows
+            .push_str(&format!("| {label} | {loss_diff:.2e} | - | - |\n"));
+        assert!(loss_diff < 1e-3, "{label}: losses {losses:?}");
+    }
+
+    /// Prints the table.
+    pub fn print(&self) {
+        println!("{}", self.rows);
+    }
+}

@@ -72,9 +72,19 @@ pub enum ReplanError {
     /// A plan with virtual pipeline chunks (not priced by the simulation here).
     #[error("re-planning a plan with virtual pipeline chunks (an interleaved schedule) is not supported")]
     Interleaved,
-    /// A plan with context parallelism (its members' work is not priced here yet).
-    #[error("re-planning a plan with context parallelism is not supported yet")]
+    /// A plan with context-parallel groups of tensor-parallel groups (not priced here).
+    #[error("re-planning a plan whose context-parallel members are tensor-parallel groups is not supported yet")]
     ContextParallel,
+    /// Context-parallel shares that do not split the sequence.
+    #[error("replica {replica}, stage {stage}: context-parallel shares {shares:?} do not split the sequence")]
+    ContextShares {
+        /// The replica.
+        replica: usize,
+        /// The stage.
+        stage: usize,
+        /// The shares.
+        shares: Vec<u32>,
+    },
     /// Tensor-parallel shares that do not split the model.
     #[error("replica {replica}, stage {stage}: tensor-parallel shares {shares:?} do not split the model")]
     Shares {
@@ -120,6 +130,18 @@ fn stage_group(
     let ranks = r.ranks[stage].clone();
     if ranks.len() == 1 {
         return Ok(TpGroup::single(ranks[0]));
+    }
+    if r.cp_size(stage) > 1 {
+        // A context-parallel group (of tensor-parallel groups: not priced here).
+        let shares = (r.context_shares(stage)).unwrap_or_else(|| vec![1; r.cp_size(stage)]);
+        return match r.tp_size(stage) {
+            1 => TpGroup::context(model, ranks, shares.clone()).ok_or(ReplanError::ContextShares {
+                replica,
+                stage,
+                shares,
+            }),
+            _ => Err(ReplanError::ContextParallel),
+        };
     }
     let shares = r.shares(stage);
     TpGroup::new(model, ranks, shares.clone()).ok_or(ReplanError::Shares {
@@ -168,9 +190,6 @@ pub fn fitted_cost(job: &RunningJob<'_>) -> Result<CostModel, ReplanError> {
 /// [`fitted_cost`] over the ranks `kept` only (the survivors of a lost rank): device `i`
 /// is rank `kept[i]`.
 pub fn fitted_cost_of(job: &RunningJob<'_>, kept: &[usize]) -> Result<CostModel, ReplanError> {
-    if job.plan.has_context_parallelism() {
-        return Err(ReplanError::ContextParallel);
-    }
     let ranks = job.plan.world_size();
     for (what, got) in [("pace", job.paces_s.len()), ("host", job.hosts.len())] {
         if got != ranks {
@@ -253,9 +272,6 @@ fn simulate_plan(
 ) -> Result<(f64, Vec<RankTimeline>), ReplanError> {
     if plan.has_chunks() {
         return Err(ReplanError::Interleaved);
-    }
-    if plan.has_context_parallelism() {
-        return Err(ReplanError::ContextParallel);
     }
     let (mut groups, mut pools) = (Vec::new(), Vec::new());
     for (replica, r) in plan.replicas().iter().enumerate() {
@@ -434,6 +450,30 @@ mod tests {
         let step = predict_step_s(&cost, &plan).unwrap();
         // The slowest replica, plus a reduction of a small model's gradients.
         assert!((4.0..4.1).contains(&step), "{step}");
+    }
+
+    /// A running plan of a context-parallel pair is priced from its members' paces (each
+    /// on its tokens), predicts the pace measured, and is switched from: with one member
+    /// four times slower than measured, the best plan for the new paces is faster than
+    /// the pair.
+    #[test]
+    fn a_context_parallel_plan_is_priced_and_switched_from() {
+        let plan = Plan::from_toml(
+            "[[replica]]\nlayers = [4]\ncp = [2]\nmicro_batch_size = 1\nnum_micro_batches = 4\n",
+            None,
+        )
+        .unwrap();
+        let hosts = vec!["h".to_owned(); 2];
+        let cost = fitted_cost(&job(&plan, &[1.0, 1.0], &hosts)).unwrap();
+        let step = predict_step_s(&cost, &plan).unwrap();
+        assert!((1.0..1.1).contains(&step), "{step}");
+        let slowed = fitted_cost(&job(&plan, &[1.0, 4.0], &hosts)).unwrap();
+        let current = predict_step_s(&slowed, &plan).unwrap();
+        assert!((3.9..4.2).contains(&current), "{current}");
+        let placed = vec![None, None];
+        let (best, _) = best_plan_for(&slowed, &request(4), &placed).unwrap();
+        let best_s = predict_step_s(&slowed, &best).unwrap();
+        assert!(best_s < current, "{best_s} vs {current}");
     }
 
     /// A hand-written ragged plan in any order of sizes is priced as its samples in
