@@ -234,8 +234,8 @@ pub struct PlanArgs {
     tensor_model_parallel_sizes: Vec<usize>,
     /// Context-parallel sizes to consider for grid plans where memory rules out plans
     /// without (groups of a node's devices splitting every sequence, unequal ones in
-    /// unequal token shares; 1: none)
-    #[arg(long, value_parser = crate::values::positive_count, value_delimiter = ',', default_value = "1,2,4,8")]
+    /// unequal token shares; 1: none, the default: long sequences ask for `1,2,4,8`)
+    #[arg(long, value_parser = crate::values::positive_count, value_delimiter = ',', default_value = "1")]
     context_parallel_sizes: Vec<usize>,
     /// Whether plans recompute activations: auto (each stage that would not fit
     /// otherwise), on (bare flag: every stage) or off

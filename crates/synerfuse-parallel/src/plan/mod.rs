@@ -214,7 +214,7 @@ pub enum PlanError {
         source: crate::TpSplitError,
     },
     /// Sequence parallelism on a stage whose group cannot split the sequence evenly.
-    #[error("replica {replica} stage {stage}: sequence parallelism splits the sequence over the stage's {size} tensor-parallel ranks, but the sequence length {sequence} (a context-parallel member's tokens, under context parallelism) does not divide by {size}")]
+    #[error("replica {replica} stage {stage}: sequence parallelism splits the sequence over the stage's {size} tensor-parallel ranks, but the sequence length {sequence} does not divide by {size} (under context parallelism: a member's tokens)")]
     SequenceParallel {
         /// The replica.
         replica: usize,
