@@ -124,7 +124,8 @@ pub(super) fn placement(dev: &Device) -> RankPlacement {
 
 impl PooledCandidate {
     /// The plan `synerfuse train --plan` runs: the pools' replicas in order, ranks
-    /// replica by replica, stage by stage, a tensor-parallel group's members together.
+    /// replica by replica, stage by stage, a unit's members together (a
+    /// context-parallel member's tensor-parallel group together).
     pub fn to_plan(&self, cost: &CostModel) -> Result<Plan, PlanError> {
         let candidate = self;
         let devices = cost.cluster.devices();
@@ -147,23 +148,34 @@ impl PooledCandidate {
                 ranks.push((next_rank..next_rank + group.size()).collect());
                 next_rank += group.size();
             }
-            let even = |g: &TpGroup| g.shares.iter().all(|&s| s == g.shares[0]);
+            // A unit's uneven shares: its context-parallel members' tokens where it has
+            // them (its tensor-parallel groups then split evenly), else its tensor
+            // parallel shares.
+            let uneven = |g: &&TpGroup, context: bool| {
+                let even = g.shares.iter().all(|&s| s == g.shares[0]);
+                (!even && (g.cp > 1) == context).then(|| g.shares.clone())
+            };
+            let per_stage = |context: bool| -> Vec<Option<Vec<u32>>> {
+                let shares: Vec<_> = groups.iter().map(|g| uneven(g, context)).collect();
+                match shares.iter().any(Option::is_some) {
+                    true => shares,
+                    false => Vec::new(),
+                }
+            };
             replicas.push(ReplicaPipeline {
                 stages,
                 batch: pool.batch(r),
                 ranks,
-                cp: Vec::new(),
-                cp_shares: Vec::new(),
+                cp: match groups.iter().any(|g| g.cp > 1) {
+                    true => groups.iter().map(|g| g.cp).collect(),
+                    false => Vec::new(),
+                },
+                cp_shares: per_stage(true),
                 recompute: match candidate.recompute.get(replicas.len()) {
                     Some(flags) if flags.iter().any(|&x| x) => flags.clone(),
                     _ => Vec::new(),
                 },
-                tp_shares: match groups.iter().all(|g| even(g)) {
-                    true => Vec::new(),
-                    false => (groups.iter())
-                        .map(|g| (!even(g)).then(|| g.shares.clone()))
-                        .collect(),
-                },
+                tp_shares: per_stage(false),
                 placements: (groups.iter())
                     .flat_map(|g| g.members.iter().map(|&i| placement(&devices[i])))
                     .collect(),

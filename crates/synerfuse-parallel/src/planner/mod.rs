@@ -178,11 +178,14 @@ fn search_grids(
     let tp = (request.tp_sizes().into_iter())
         .filter(|&t| only.is_none_or(|s| s.iter().any(|x| x.tensor_parallel_size == t)))
         .map(|t| (t, 1));
-    // Context parallelism on grids a folded copy did not choose from: none.
-    let cp = (request.cp_sizes().into_iter())
+    let tp: Vec<UnitShape> = tp.collect();
+    // Context parallelism (of each tensor-parallel size searched) on grids a folded copy
+    // did not choose from: none.
+    let cp: Vec<UnitShape> = (request.cp_sizes().into_iter())
         .filter(|_| only.is_none())
-        .map(|c| (1, c));
-    let shapes: Vec<UnitShape> = tp.chain(cp).collect();
+        .flat_map(|c| tp.iter().map(move |&(t, _)| (t, c)))
+        .collect();
+    let shapes: Vec<UnitShape> = tp.into_iter().chain(cp).collect();
     let grids = (variants.iter()).flat_map(|v| shapes.iter().map(move |&t| (v, t)));
     for ((options, variant), t) in grids {
         let options = *options;
@@ -263,11 +266,11 @@ type UnitShape = (usize, usize);
 /// The units of a grid of tensor-parallel size `t`: groups of one node's devices with
 /// even shares (Megatron's flags split evenly; uneven groups are per-replica
 /// pipelines'), `None` where the cluster does not cut so. Of context-parallel size `c`:
-/// groups of one node's devices with the token shares that suit them (a plan file's
-/// `cp_shares`; even shares are Megatron's `--context-parallel-size`).
+/// groups of `c` such units of one node with the token shares that suit them (a plan
+/// file's `cp_shares`; even shares are Megatron's `--context-parallel-size`).
 fn grid_context(cost: &CostModel, (t, c): UnitShape) -> Result<Option<Ctx<'_>>, PlanningError> {
     if c > 1 {
-        return Ctx::context_parallel(cost, c);
+        return Ctx::context_parallel(cost, c, t);
     }
     let even = |g: &TpGroup| g.shares.iter().all(|&s| s == g.shares[0]);
     Ok(Ctx::tensor_parallel(cost, t)?.filter(|ctx| ctx.groups.iter().all(even)))

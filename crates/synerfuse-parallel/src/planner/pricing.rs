@@ -54,30 +54,30 @@ impl<'a> Ctx<'a> {
         cost: &'a CostModel,
         size: usize,
     ) -> Result<Option<Self>, PlanningError> {
-        Self::grouped(cost, size, super::tensor::tp_groups)
+        Self::grouped(cost, size, |model, devices, order, layer_s| {
+            super::tensor::tp_groups(model, devices, order, layer_s, size)
+        })
     }
 
-    /// Units of `size` devices of one node (fastest first within the node), each a
+    /// Units of `size` members on one node (fastest first within the node), each member
+    /// a tensor-parallel group of `tp` devices (even shares), each unit a
     /// context-parallel group with its best token shares; `None` when the cluster does
-    /// not cut into such groups or the sequence into such shares.
+    /// not cut into such groups, the model into such shares or the sequence so.
     pub(super) fn context_parallel(
         cost: &'a CostModel,
         size: usize,
+        tp: usize,
     ) -> Result<Option<Self>, PlanningError> {
-        Self::grouped(cost, size, super::tensor::context_groups)
+        Self::grouped(cost, size * tp, |model, devices, order, layer_s| {
+            super::tensor::context_groups(model, devices, order, layer_s, (size, tp))
+        })
     }
 
     /// Units of `size` devices of one node as `groups` cuts them.
     fn grouped(
         cost: &'a CostModel,
         size: usize,
-        groups: impl Fn(
-            &crate::cost::ModelShape,
-            &[Device],
-            &[usize],
-            &[f64],
-            usize,
-        ) -> Option<Vec<TpGroup>>,
+        groups: impl Fn(&crate::cost::ModelShape, &[Device], &[usize], &[f64]) -> Option<Vec<TpGroup>>,
     ) -> Result<Option<Self>, PlanningError> {
         if size <= 1 {
             return Ok(Some(Self::new(cost)));
@@ -88,7 +88,7 @@ impl<'a> Ctx<'a> {
             .map(|i| single.costs(i, 1).map(|c| c.layer_s))
             .collect::<Result<_, _>>()?;
         let devices = single.all;
-        Ok(groups(&cost.model, &devices, &order, &layer_s, size)
+        Ok(groups(&cost.model, &devices, &order, &layer_s)
             .map(|groups| Self::with_groups(cost, devices, groups)))
     }
 
@@ -156,20 +156,35 @@ impl<'a> Ctx<'a> {
             .collect::<Result<_, _>>()?;
         let mut c = each[0];
         if group.cp > 1 {
-            // Each member on its tokens; per layer the keys and values all-gathered in
-            // the forward and their gradients reduce-scattered in the backward (about an
-            // all-reduce of the whole sequence's keys and values).
-            let members: Vec<&Device> = group.members.iter().map(|&i| &self.all[i]).collect();
-            let bytes = (self.cost.model).kv_message_bytes(b, self.cost.compute_bytes);
-            let exchange = self.cost.allreduce_seconds(&members, bytes);
-            let slowest = |part: &dyn Fn(&StageCosts) -> f64| {
-                (each.iter().zip(&group.tokens))
-                    .map(|(k, t)| part(k) * t)
+            // Each device on its member's tokens (of its tensor-parallel share); per layer
+            // the keys and values of its query groups all-gathered over the members in the
+            // forward and their gradients reduce-scattered in the backward (about an
+            // all-reduce of the whole sequence's), and within a member the
+            // tensor-parallel collectives on its tokens.
+            let t = group.tp_size();
+            let devices = |ids: &mut dyn Iterator<Item = &usize>| -> Vec<&Device> {
+                ids.map(|&i| &self.all[i]).collect()
+            };
+            let model = &self.cost.model;
+            let kv = model.kv_message_bytes(b, self.cost.compute_bytes) / t as f64;
+            let exchange =
+                (self.cost).allreduce_seconds(&devices(&mut group.members.iter().step_by(t)), kv);
+            let collective = match t {
+                1 => 0.0,
+                _ => self.cost.allreduce_seconds(
+                    &devices(&mut group.members[..t].iter()),
+                    model.activation_message_bytes(b, self.cost.compute_bytes)
+                        * group.token_fraction(),
+                ),
+            };
+            let slowest = |part: &dyn Fn(&StageCosts) -> f64, by: &[f64]| {
+                (each.iter().zip(by))
+                    .map(|(k, f)| part(k) * f)
                     .fold(0.0, f64::max)
             };
-            c.layer_s = slowest(&|k| k.layer_s) + exchange;
-            c.embedding_s = slowest(&|k| k.embedding_s);
-            c.head_s = slowest(&|k| k.head_s);
+            c.layer_s = slowest(&|k| k.layer_s, &group.work) + exchange + 4.0 * collective;
+            c.embedding_s = slowest(&|k| k.embedding_s, &group.tokens) + collective;
+            c.head_s = slowest(&|k| k.head_s, &group.vocab) + collective;
         } else if group.size() > 1 {
             let members: Vec<&Device> = group.members.iter().map(|&i| &self.all[i]).collect();
             let bytes = (self.cost.model).activation_message_bytes(b, self.cost.compute_bytes);
@@ -357,10 +372,7 @@ pub(super) fn stage_fit(
     holding: StageHolding,
 ) -> Result<StageFit, PlanningError> {
     let plain = ctx.costs(unit, holding.micro_batch_size)?;
-    // A context-parallel member holds the whole state, its tokens' activations, and
-    // the whole sequence's keys and values of each layer for its backward.
     let group = &ctx.groups[unit];
-    let (tokens, cp) = (group.token_fraction(), group.cp > 1);
     let need = |recompute: bool| {
         let holding = StageHolding {
             recompute,
@@ -370,19 +382,30 @@ pub(super) fn stage_fit(
             ctx.cost.memory_bytes(&plain, &holding),
             ctx.cost.state_bytes(&holding),
         );
+        if group.cp == 1 {
+            return all;
+        }
+        // A context-parallel member holds the whole stage's state, its tokens'
+        // activations, and the whole sequence's keys and values of each layer kept for
+        // its backward (of its share with tensor parallelism, as the rest): priced device
+        // by device against its own memory, as the bytes of the whole stage that bind
+        // the unit's memory (`ctx.memory`) where a device is short.
         let kept = match recompute {
             true => 1,
             false => holding.in_flight,
         };
-        let kv = match cp {
-            true => {
-                (kept * holding.layers) as f64
-                    * (ctx.cost.model)
-                        .kv_message_bytes(holding.micro_batch_size, ctx.cost.compute_bytes)
-            }
-            false => 0.0,
+        let kv = (kept * holding.layers) as f64
+            * (ctx.cost.model).kv_message_bytes(holding.micro_batch_size, ctx.cost.compute_bytes);
+        let device_need = |d: usize| state + group.tokens[d] * (all - state) + kv;
+        let Some(have) = ctx.memory[unit] else {
+            return (0..group.size()).map(device_need).fold(0.0, f64::max);
         };
-        state + tokens * (all - state) + kv
+        (group.members.iter().enumerate())
+            .filter_map(|(d, &i)| {
+                let usable = ctx.cost.usable_memory(&ctx.all[i])? / group.state[d];
+                Some(device_need(d) * have / usable)
+            })
+            .fold(0.0, f64::max)
     };
     let recompute = match ctx.cost.recompute {
         Recompute::Never => false,

@@ -72,9 +72,6 @@ pub enum ReplanError {
     /// A plan with virtual pipeline chunks (not priced by the simulation here).
     #[error("re-planning a plan with virtual pipeline chunks (an interleaved schedule) is not supported")]
     Interleaved,
-    /// A plan with context-parallel groups of tensor-parallel groups (not priced here).
-    #[error("re-planning a plan whose context-parallel members are tensor-parallel groups is not supported yet")]
-    ContextParallel,
     /// Context-parallel shares that do not split the sequence.
     #[error("replica {replica}, stage {stage}: context-parallel shares {shares:?} do not split the sequence")]
     ContextShares {
@@ -119,7 +116,8 @@ fn unit_costs(model: &ModelShape) -> MeasuredCosts {
     }
 }
 
-/// The tensor-parallel group of `replica`'s `stage` (a rank alone without one).
+/// The unit of `replica`'s `stage`: a rank alone, a tensor-parallel group, or a
+/// context-parallel group (of tensor-parallel groups).
 fn stage_group(
     model: &ModelShape,
     plan: &Plan,
@@ -131,19 +129,26 @@ fn stage_group(
     if ranks.len() == 1 {
         return Ok(TpGroup::single(ranks[0]));
     }
-    if r.cp_size(stage) > 1 {
-        // A context-parallel group (of tensor-parallel groups: not priced here).
-        let shares = (r.context_shares(stage)).unwrap_or_else(|| vec![1; r.cp_size(stage)]);
-        return match r.tp_size(stage) {
-            1 => TpGroup::context(model, ranks, shares.clone()).ok_or(ReplanError::ContextShares {
-                replica,
-                stage,
-                shares,
-            }),
-            _ => Err(ReplanError::ContextParallel),
-        };
-    }
     let shares = r.shares(stage);
+    let c = r.cp_size(stage);
+    if c > 1 {
+        let cp_shares = (r.context_shares(stage)).unwrap_or_else(|| vec![1; c]);
+        return TpGroup::context_of_tensor(model, ranks, cp_shares.clone(), shares.clone())
+            .ok_or_else(
+                || match TpGroup::context(model, (0..c).collect(), cp_shares.clone()) {
+                    None => ReplanError::ContextShares {
+                        replica,
+                        stage,
+                        shares: cp_shares,
+                    },
+                    Some(_) => ReplanError::Shares {
+                        replica,
+                        stage,
+                        shares,
+                    },
+                },
+            );
+    }
     TpGroup::new(model, ranks, shares.clone()).ok_or(ReplanError::Shares {
         replica,
         stage,
@@ -299,7 +304,8 @@ fn simulate_plan(
 
 /// What a running job is re-planned for (a switch, or the survivors of lost ranks): its
 /// own global batch and the options `synerfuse plan` searches by default: micro-batch
-/// sizes 1 to 8, tensor-parallel sizes 1 to 8 (within a host), recomputation where a
+/// sizes 1 to 8, tensor- and context-parallel sizes 1 to 8 (within a host; context
+/// parallelism where memory binds without it), recomputation where a
 /// stage needs it (every stage when the job runs `--recompute-activations`: the run
 /// recomputes whatever the plan says), and the distributed optimizer exactly when the
 /// job runs it (a run flag, not the plan's).
@@ -313,7 +319,7 @@ pub fn running_job_request(
         micro_batch_sizes: vec![1, 2, 4, 8],
         top_k: 1,
         tensor_parallel_sizes: vec![1, 2, 4, 8],
-        context_parallel_sizes: Vec::new(),
+        context_parallel_sizes: vec![1, 2, 4, 8],
         recompute: match recompute {
             true => Choice::On,
             false => Choice::Auto,
@@ -613,5 +619,71 @@ mod tests {
         assert_eq!(best.global_batch_size(), 16);
         // Survivor 2 was rank 3.
         assert_eq!(best.placement(2).unwrap().kind.as_deref(), Some("rank 3"));
+    }
+
+    /// A context-parallel pair of tensor-parallel pairs is priced from its ranks' paces
+    /// and predicts the pace measured.
+    #[test]
+    fn a_plan_of_context_parallel_tensor_parallel_groups_is_priced() {
+        let text = "[[replica]]\nlayers = [4]\ncp = [2]\ncp_shares = [[3, 1]]\n\
+                    micro_batch_size = 1\nnum_micro_batches = 4\n";
+        let plan = Plan::from_toml(text, None).unwrap();
+        let replicas = vec![ReplicaPipeline {
+            ranks: vec![vec![0, 1, 2, 3]],
+            ..plan.replicas()[0].clone()
+        }];
+        let plan = Plan::new(replicas).unwrap();
+        assert_eq!(
+            (plan.replicas()[0].tp_size(0), plan.replicas()[0].cp_size(0)),
+            (2, 2)
+        );
+        let hosts = vec!["h".to_owned(); 4];
+        let cost = fitted_cost(&job(&plan, &[1.0; 4], &hosts)).unwrap();
+        let step = predict_step_s(&cost, &plan).unwrap();
+        assert!((1.0..1.1).contains(&step), "{step}");
+    }
+
+    /// A job on two ranks of 0.15 GB at sequence 1024 (one query group: no tensor
+    /// parallelism) runs a two-stage pipeline; rank 1 runs at half speed. Neither rank
+    /// holds the whole model's activations, so without context parallelism the pipeline
+    /// stays the best plan; the re-planner switches into a context-parallel pair that
+    /// splits every sequence 2 : 1, faster.
+    #[test]
+    fn a_job_is_switched_into_context_parallelism_where_memory_binds() {
+        let placement = RankPlacement {
+            memory_gb: Some(0.15),
+            ..RankPlacement::default()
+        };
+        let plan = Plan::new(vec![ReplicaPipeline::single_ranks(
+            StageLayout::new(vec![2, 2], 4).unwrap(),
+            ReplicaBatch::uniform(1, 4),
+            vec![0, 1],
+            vec![placement; 2],
+        )])
+        .unwrap();
+        let hosts = vec!["h".to_owned(); 2];
+        let model = ModelShape {
+            seq_length: 1024,
+            num_kv_heads: 1,
+            ..model()
+        };
+        let job = RunningJob {
+            model,
+            ..job(&plan, &[1.0, 2.0], &hosts)
+        };
+        let cost = fitted_cost(&job).unwrap();
+        let placed: Vec<_> = (0..2).map(|r| plan.placement(r).cloned()).collect();
+        let mut request = running_job_request(4, false, false);
+        let (best, step) = best_plan_for(&cost, &request, &placed).unwrap();
+        let replica = &best.replicas()[0];
+        assert_eq!(
+            (replica.cp_size(0), replica.context_shares(0)),
+            (2, Some(vec![2, 1])),
+            "{best:?}"
+        );
+        request.context_parallel_sizes = vec![1];
+        let (without, without_s) = best_plan_for(&cost, &request, &placed).unwrap();
+        assert!(!without.has_context_parallelism());
+        assert!(step < 0.9 * without_s, "{step} vs {without_s}");
     }
 }

@@ -18,12 +18,13 @@ pub const MOST_SHARE: u32 = 8;
 /// context-parallel group (each member the whole stage on its own tokens).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TpGroup {
-    /// Device indices in tensor-parallel (or context-parallel) rank order (fastest first).
+    /// Device indices in rank order (fastest first): tensor-parallel ranks, then, with
+    /// context parallelism, its members' tensor-parallel groups in turn.
     pub members: Vec<usize>,
     /// Context-parallel members (1: a tensor-parallel group or a device alone).
     pub cp: usize,
-    /// Each member's fraction of every sequence's tokens (1 without context parallelism):
-    /// its activations scale with it.
+    /// Each device's fraction of every sequence's tokens (its context-parallel member's;
+    /// 1 without context parallelism): its activations scale with it.
     pub tokens: Vec<f64>,
     /// Shares in lowest terms (all 1: even, as Megatron splits).
     pub shares: Vec<u32>,
@@ -120,6 +121,41 @@ impl TpGroup {
         })
     }
 
+    /// The context-parallel group of `cp_shares.len()` members, each a tensor-parallel
+    /// group of `members.len() / cp_shares.len()` devices with `tp_shares` (`members`
+    /// member by member, Megatron's tp-cp order): a device's work, activations and head
+    /// rows are its member's tokens of its tensor-parallel share, its state the share.
+    /// `None` when the sequence or the model cannot be so split.
+    pub fn context_of_tensor(
+        model: &ModelShape,
+        members: Vec<usize>,
+        cp_shares: Vec<u32>,
+        tp_shares: Vec<u32>,
+    ) -> Option<Self> {
+        let (c, t) = (cp_shares.len(), tp_shares.len());
+        if c * t != members.len() || c == 0 {
+            return None;
+        }
+        let context = Self::context(model, (0..c).collect(), cp_shares)?;
+        if t == 1 {
+            return Some(TpGroup { members, ..context });
+        }
+        let tensor = Self::new(model, (0..t).collect(), tp_shares)?;
+        let device = |d: usize| (d / t, d % t);
+        let each = |f: &dyn Fn(usize, usize) -> f64| -> Vec<f64> {
+            (0..c * t).map(device).map(|(m, j)| f(m, j)).collect()
+        };
+        Some(TpGroup {
+            members,
+            cp: c,
+            tokens: each(&|m, _| context.tokens[m]),
+            shares: context.shares.clone(),
+            work: each(&|m, j| context.tokens[m] * tensor.work[j]),
+            state: each(&|_, j| tensor.state[j]),
+            vocab: each(&|m, j| context.tokens[m] * tensor.vocab[j]),
+        })
+    }
+
     /// Devices of the unit.
     pub fn size(&self) -> usize {
         self.members.len()
@@ -178,7 +214,7 @@ pub fn best_group(model: &ModelShape, members: &[usize], layer_s: &[f64]) -> Opt
     if members.len() > model.num_kv_heads {
         return None;
     }
-    best_of(members, layer_s, |m, s| TpGroup::new(model, m, s))
+    best_of(members, layer_s, layer_s, |m, s| TpGroup::new(model, m, s))
 }
 
 /// [`best_group`] for a context-parallel group: the token shares under which the slowest
@@ -188,18 +224,44 @@ pub fn best_context_group(
     members: &[usize],
     layer_s: &[f64],
 ) -> Option<TpGroup> {
-    best_of(members, layer_s, |m, s| TpGroup::context(model, m, s))
+    best_of(members, layer_s, layer_s, |m, s| {
+        TpGroup::context(model, m, s)
+    })
 }
 
-/// The group `build` makes of `members` with the candidate shares whose slowest member
-/// finishes first, ties to the smallest total.
+/// [`best_context_group`] for `members.len() / tp` context-parallel members, each an
+/// evenly shared tensor-parallel group of `tp` devices (Megatron's flags): the token
+/// shares under which the slowest device finishes first.
+pub fn best_context_tensor_group(
+    model: &ModelShape,
+    members: &[usize],
+    layer_s: &[f64],
+    tp: usize,
+) -> Option<TpGroup> {
+    if tp <= 1 {
+        return best_context_group(model, members, layer_s);
+    }
+    let tensor = TpGroup::new(model, (0..tp).collect(), vec![1; tp])?;
+    // A member's pace: its slowest device on its tensor-parallel share.
+    let member_s: Vec<f64> = (layer_s.chunks(tp))
+        .map(|devices| tensor.layer_s(devices))
+        .collect();
+    best_of(members, layer_s, &member_s, |m, s| {
+        TpGroup::context_of_tensor(model, m, s, vec![1; tp])
+    })
+}
+
+/// The group `build` makes of `members` (each device's whole-layer time in `layer_s`)
+/// with the candidate shares for units at `share_s` whose slowest device finishes first,
+/// ties to the smallest total.
 fn best_of(
     members: &[usize],
     layer_s: &[f64],
+    share_s: &[f64],
     build: impl Fn(Vec<usize>, Vec<u32>) -> Option<TpGroup>,
 ) -> Option<TpGroup> {
     let mut best: Option<(f64, u32, TpGroup)> = None;
-    for shares in candidate_shares(layer_s) {
+    for shares in candidate_shares(share_s) {
         let Some(group) = build(members.to_vec(), shares) else {
             continue;
         };
@@ -283,16 +345,17 @@ pub fn tp_groups(
     })
 }
 
-/// [`tp_groups`] for context-parallel groups of `size`, each with its best token shares.
+/// [`tp_groups`] for context-parallel groups of `size` members, each a tensor-parallel
+/// group of `tp` devices (even shares), with their best token shares.
 pub fn context_groups(
     model: &ModelShape,
     devices: &[Device],
     order: &[usize],
     layer_s: &[f64],
-    size: usize,
+    (size, tp): (usize, usize),
 ) -> Option<Vec<TpGroup>> {
-    node_groups(devices, order, layer_s, size, |members, times| {
-        best_context_group(model, members, times)
+    node_groups(devices, order, layer_s, size * tp, |members, times| {
+        best_context_tensor_group(model, members, times, tp)
     })
 }
 
@@ -421,6 +484,29 @@ mod tests {
             ..model
         };
         assert!(TpGroup::context(&odd, vec![0, 1], vec![1, 1]).is_none());
+    }
+
+    /// A context-parallel pair of tensor-parallel pairs, one pair twice as fast: it takes
+    /// two thirds of the tokens, each device half of its member's, so every device
+    /// finishes together; state follows the tensor-parallel share alone.
+    #[test]
+    fn context_parallel_members_may_be_tensor_parallel_groups() {
+        let model = model(8, 512);
+        let layer_s = [1.0, 1.0, 2.0, 2.0];
+        let group = best_context_tensor_group(&model, &[0, 1, 2, 3], &layer_s, 2).unwrap();
+        assert_eq!((group.cp, group.tp_size()), (2, 2));
+        assert_eq!(group.shares, [2, 1]);
+        let third = 1.0 / 3.0;
+        for (d, (w, s)) in group.work.iter().zip(&group.state).enumerate() {
+            let tokens = if d < 2 { 2.0 * third } else { third };
+            assert!((w - tokens / 2.0).abs() < 0.01, "{d}: {w}");
+            assert!((s - 0.5).abs() < 1e-9 && (group.tokens[d] - tokens).abs() < 0.01);
+        }
+        assert!((group.layer_s(&layer_s) - third).abs() < 0.01);
+        // Members that cannot split the model (three devices, eight query groups) or
+        // the sequence do not form.
+        assert!(TpGroup::context_of_tensor(&model, vec![0, 1, 2], vec![1], vec![1; 3]).is_none());
+        assert!(TpGroup::context_of_tensor(&model, vec![0, 1], vec![1, 1], vec![1]).is_some());
     }
 
     #[test]

@@ -656,3 +656,55 @@ fn context_parallelism_makes_a_long_sequence_fit() {
         Ok(file)
     );
 }
+
+/// Four 6 GB devices, a 32,000-row head and a sequence of 32768 tokens: neither
+/// tensor-parallel pairs nor context-parallel pairs (nor pipelines of them) fit; a
+/// context-parallel pair of tensor-parallel pairs does (each device a quarter of the
+/// activations and the logits, half the state), written as a plan that checks.
+#[test]
+fn context_parallel_pairs_of_tensor_parallel_pairs_fit_where_neither_does() {
+    let cost = || {
+        let cluster = crate::cluster::ClusterSpec::from_toml(
+            "[[group]]\nkind = \"a10\"\ncount = 4\nnode = \"a\"\nmemory_gb = 6\n\
+             [network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n",
+        )
+        .unwrap();
+        let model = crate::cost::ModelShape {
+            num_layers: 4,
+            hidden_size: 256,
+            num_heads: 4,
+            num_kv_heads: 4,
+            ffn_hidden_size: 1024,
+            vocab_size: 32_000,
+            seq_length: 32768,
+            tied: false,
+        };
+        CostModel::new(model, cluster, None)
+    };
+    let mut r = request(1, Choice::Auto, Choice::Auto);
+    r.micro_batch_sizes = vec![1];
+    let out_of_memory = |r: &PlanRequest| {
+        let outcome = plan(&cost(), r);
+        assert!(
+            matches!(
+                outcome,
+                Err(PlanningError::Infeasible(Infeasibility::OutOfMemory(_)))
+            ),
+            "{outcome:?}"
+        );
+    };
+    r.tensor_parallel_sizes = vec![1, 2];
+    out_of_memory(&r);
+    (r.tensor_parallel_sizes, r.context_parallel_sizes) = (vec![1], vec![2]);
+    out_of_memory(&r);
+    r.tensor_parallel_sizes = vec![1, 2];
+    let outcome = plan(&cost(), &r).unwrap();
+    let best = &outcome.plans[0];
+    let shape = (best.tensor_parallel_size(), best.context_parallel_size());
+    assert_eq!((shape, best.layers.as_slice()), ((2, 2), &[4][..]));
+    let file = best.to_plan(&cost()).unwrap();
+    let replica = &file.replicas()[0];
+    assert_eq!((replica.cp_size(0), replica.tp_size(0)), (2, 2));
+    assert_eq!(replica.tp_group(0, 1), [2, 3]);
+    assert_eq!(file.check(&cost().model, true), Ok(()));
+}
