@@ -285,10 +285,11 @@ fn plan_pooled_options(
     request: &PlanRequest,
     only: Option<&PooledShape>,
 ) -> Result<Option<PooledCandidate>, PlanningError> {
-    let (g, sizes, tp) = (
+    let (g, sizes, tp, cp) = (
         request.global_batch_size,
         micro_batch_sizes(request),
         request.tp_sizes(),
+        request.cp_sizes(),
     );
     let (mut best, mut bound): (Option<PooledCandidate>, Option<bool>) = (None, None);
     for &recompute in request.recompute.recompute() {
@@ -309,7 +310,7 @@ fn plan_pooled_options(
         }
         .cost(cost);
         let (found, memory_bound) =
-            plan_pooled_noting_memory(&variant, g, &sizes, &tp, only.map(|s| &s.pools[..]))?;
+            plan_pooled_noting_memory(&variant, g, &sizes, (&tp, &cp), only.map(|s| &s.pools[..]))?;
         bound = Some(memory_bound);
         if let Some(found) = found {
             let devices = variant.cluster.devices();

@@ -17,6 +17,7 @@ use super::{
     simulate::simulate_pools,
     split::split_layers,
     tensor::TpGroup,
+    UnitShape,
 };
 use crate::cost::{CostModel, StageHolding};
 
@@ -78,7 +79,7 @@ pub fn plan_pooled(
         distributed_optimizer: false,
         ..cost.clone()
     };
-    Ok(plan_pooled_noting_memory(&cost, global_batch, sizes, tp_sizes, None)?.0)
+    Ok(plan_pooled_noting_memory(&cost, global_batch, sizes, (tp_sizes, &[]), None)?.0)
 }
 
 /// What a per-replica plan chose for one pool (pools fastest first): a folded cluster's
@@ -86,6 +87,7 @@ pub fn plan_pooled(
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct PoolShape {
     pub(super) tensor_parallel_size: usize,
+    pub(super) context_parallel_size: usize,
     pub(super) stages: usize,
     pub(super) micro_batch_size: usize,
 }
@@ -95,28 +97,63 @@ impl PoolShape {
     pub(super) fn of(c: &PooledCandidate) -> Vec<PoolShape> {
         (c.pools.iter())
             .map(|pool| PoolShape {
-                tensor_parallel_size: c.groups[pool.devices[0][0]].size(),
+                tensor_parallel_size: c.groups[pool.devices[0][0]].tp_size(),
+                context_parallel_size: c.groups[pool.devices[0][0]].cp,
                 stages: pool.layers.len(),
                 micro_batch_size: pool.micro_batch_size,
             })
             .collect()
     }
 
-    /// Whether `only` (none: anything) lets pool `k` take size `t`.
-    fn allows(only: Option<&[PoolShape]>, k: usize, t: usize) -> bool {
-        only.is_none_or(|s| s.get(k).is_some_and(|s| s.tensor_parallel_size == t))
+    /// The shape of its units: (tensor-, context-parallel size).
+    fn unit(&self) -> UnitShape {
+        (self.tensor_parallel_size, self.context_parallel_size)
+    }
+
+    /// Whether `only` (none: anything) lets pool `k` take units of `shape`.
+    fn allows(only: Option<&[PoolShape]>, k: usize, shape: UnitShape) -> bool {
+        only.is_none_or(|s| s.get(k).is_some_and(|s| s.unit() == shape))
     }
 }
 
 /// [`plan_pooled`], and whether memory ruled anything out. Tensor-parallel sizes whose
 /// groups each lie within one pool of alike devices are chosen pool by pool (a size per
 /// device kind); a size whose groups mix pools (nodes of mixed devices) is tried for the
-/// whole cluster.
+/// whole cluster. Context-parallel groups of `cp_sizes` (of each tensor-parallel size)
+/// are searched where memory ruled plans out without them, with the others, so that a
+/// pool of small devices can split sequences beside a pool that does not.
 pub(super) fn plan_pooled_noting_memory(
     cost: &CostModel,
     global_batch: usize,
     sizes: &[usize],
-    tp_sizes: &[usize],
+    (tp_sizes, cp_sizes): (&[usize], &[usize]),
+    only: Option<&[PoolShape]>,
+) -> Result<(Option<PooledCandidate>, bool), PlanningError> {
+    let tp: Vec<UnitShape> = tp_sizes.iter().map(|&t| (t, 1)).collect();
+    let (best, bound) = plan_shapes(cost, global_batch, sizes, &tp, only)?;
+    let cp: Vec<UnitShape> = (cp_sizes.iter().filter(|&&c| c > 1))
+        .flat_map(|&c| tp_sizes.iter().map(move |&t| (t, c)))
+        .collect();
+    let chosen = only.is_none_or(|s| s.iter().any(|x| x.context_parallel_size > 1));
+    if cp.is_empty() || !chosen || (only.is_none() && !bound) {
+        return Ok((best, bound));
+    }
+    let shapes: Vec<UnitShape> = tp.into_iter().chain(cp).collect();
+    let (found, _) = plan_shapes(cost, global_batch, sizes, &shapes, only)?;
+    let best = match (best, found) {
+        (Some(b), Some(f)) if f.step_time_s >= b.step_time_s => Some(b),
+        (b, f) => f.or(b),
+    };
+    Ok((best, bound))
+}
+
+/// The best per-replica plan over units of `shapes`, and whether memory ruled anything
+/// out (see [`plan_pooled_noting_memory`]).
+fn plan_shapes(
+    cost: &CostModel,
+    global_batch: usize,
+    sizes: &[usize],
+    shapes: &[UnitShape],
     only: Option<&[PoolShape]>,
 ) -> Result<(Option<PooledCandidate>, bool), PlanningError> {
     let (mut best, mut bound): (Option<PooledCandidate>, bool) = (None, false);
@@ -131,19 +168,23 @@ pub(super) fn plan_pooled_noting_memory(
     let single_pools = pools(&mut single)?;
     let kinds = device_sets(&single, &single_pools);
     let mut aligned: Vec<AlignedSize> = Vec::new();
-    let chosen = |t: usize| only.is_none_or(|s| s.iter().any(|x| x.tensor_parallel_size == t));
-    for &t in tp_sizes.iter().filter(|&&t| chosen(t)) {
-        let Some(mut ctx) = Ctx::tensor_parallel(cost, t)? else {
+    let chosen = |shape: UnitShape| only.is_none_or(|s| s.iter().any(|x| x.unit() == shape));
+    for &(t, c) in shapes.iter().filter(|&&shape| chosen(shape)) {
+        let ctx = match c {
+            1 => Ctx::tensor_parallel(cost, t)?,
+            _ => Ctx::context_parallel(cost, c, t)?,
+        };
+        let Some(mut ctx) = ctx else {
             continue;
         };
         let units = pools(&mut ctx)?;
         match align(&device_sets(&ctx, &units), &kinds) {
             Some(order) => {
                 let units = order.into_iter().map(|k| units[k].clone()).collect();
-                aligned.push((t, std::sync::Arc::unwrap_or_clone(ctx.groups), units));
+                aligned.push(((t, c), std::sync::Arc::unwrap_or_clone(ctx.groups), units));
             }
             None => {
-                let found = plan_units(&mut ctx, global_batch, sizes, t > 1, only)?;
+                let found = plan_units(&mut ctx, global_batch, sizes, t * c > 1, only)?;
                 bound |= ctx.memory_bound.get();
                 keep(found);
             }
@@ -158,9 +199,9 @@ pub(super) fn plan_pooled_noting_memory(
     Ok((best, bound))
 }
 
-/// Per size whose groups align with the pools of alike devices: its groups, and each
-/// pool's units (pools in one order for every size).
-type AlignedSize = (usize, Vec<TpGroup>, Vec<Vec<usize>>);
+/// Per unit shape whose groups align with the pools of alike devices: its groups, and
+/// each pool's units (pools in one order for every shape).
+type AlignedSize = (UnitShape, Vec<TpGroup>, Vec<Vec<usize>>);
 
 /// The best plan taking one of `aligned`'s sizes per pool, and whether memory ruled
 /// anything out: one context holds every size's groups (they overlap: a plan takes one
@@ -176,20 +217,20 @@ fn plan_sizes_per_pool(
     let kinds = aligned.first().map_or(0, |(_, _, units)| units.len());
     let mut groups = Vec::new();
     let mut pools_by_size = Vec::new();
-    for (t, size_groups, units) in aligned {
+    for (shape, size_groups, units) in aligned {
         let offset = groups.len();
         groups.extend(size_groups);
         // One pool of devices and no tensor parallelism: the grid planner's case.
-        if t == 1 && kinds < 2 {
+        if shape == (1, 1) && kinds < 2 {
             continue;
         }
-        pools_by_size.push((t, offset, units));
+        pools_by_size.push((shape, offset, units));
     }
     let mut ctx = Ctx::with_groups(cost, all.to_vec(), groups);
     let mut options: Vec<Vec<PoolOption>> = vec![Vec::new(); kinds];
-    for (t, offset, units) in pools_by_size {
+    for (shape, offset, units) in pools_by_size {
         for (k, pool) in units.iter().enumerate() {
-            if !PoolShape::allows(only, k, t) {
+            if !PoolShape::allows(only, k, shape) {
                 continue;
             }
             let pool: Vec<usize> = pool.iter().map(|u| u + offset).collect();
@@ -273,10 +314,10 @@ pub(super) fn plan_units(
     if pools.len() < 2 && !one_pool {
         return Ok(None);
     }
-    let t = ctx.groups.first().map_or(1, TpGroup::size);
+    let shape = ctx.groups.first().map_or((1, 1), |g| (g.tp_size(), g.cp));
     let mut options = Vec::with_capacity(pools.len());
     for (k, pool) in pools.iter().enumerate() {
-        if !PoolShape::allows(only, k, t) {
+        if !PoolShape::allows(only, k, shape) {
             return Ok(None);
         }
         options.push(pool_options(ctx, pool, sizes, only.map(|s| s[k]))?);
