@@ -93,6 +93,32 @@ fn rank_memory(log: &Path) -> Result<Vec<(u64, u64)>> {
         .collect())
 }
 
+/// Each rank's median (over the steps after the first five) fraction of the step spent
+/// in communication: the keys' and values' exchange, the gradients' all-reduce over the
+/// pair, and the waits inside them. What a ring of sends overlapped with attention could
+/// hide at most.
+fn communication_fractions(log: &Path) -> Result<Vec<f64>> {
+    let text = std::fs::read_to_string(log).with_context(|| log.display().to_string())?;
+    let mut by_rank: Vec<Vec<f64>> = Vec::new();
+    for line in text.lines().filter(|l| l.contains("\"ranks\"")).skip(5) {
+        let record = last_json_line(line)?;
+        let ranks = record["ranks"].as_array().context("no ranks")?;
+        by_rank.resize(ranks.len(), Vec::new());
+        for (rank, times) in ranks.iter().enumerate() {
+            let (communication, compute, idle) = (
+                times["communication_ms"].as_f64().unwrap_or(0.0),
+                times["compute_ms"].as_f64().unwrap_or(0.0),
+                times["idle_ms"].as_f64().unwrap_or(0.0),
+            );
+            let step = communication + compute + idle;
+            if step > 0.0 {
+                by_rank[rank].push(communication / step);
+            }
+        }
+    }
+    Ok(by_rank.iter().map(|f| median(f)).collect())
+}
+
 pub fn cp(root: &Path) -> Result<()> {
     let bin = release_binary(root)?;
     let dir = root.join("target/bench/cp");
@@ -126,6 +152,24 @@ pub fn cp(root: &Path) -> Result<()> {
             println!("[cp] shares {name}: rank {rank} state {state} B, activation peak {peak} B");
         }
     }
+    // Communication per rank, each layout's runs' medians.
+    let communication = (runs.iter())
+        .map(|r| {
+            let each = (r.iter())
+                .map(|(_, log)| communication_fractions(log))
+                .collect::<Result<Vec<_>>>()?;
+            Ok((0..SPEEDS.len())
+                .map(|rank| median(&each.iter().map(|f| f[rank]).collect::<Vec<_>>()))
+                .collect::<Vec<f64>>())
+        })
+        .collect::<Result<Vec<_>>>()?;
+    for ((name, _), fractions) in layouts.iter().zip(&communication) {
+        let percent: Vec<String> = fractions
+            .iter()
+            .map(|f| format!("{:.1} %", 100.0 * f))
+            .collect();
+        println!("[cp] shares {name}: communication per rank (of its step) {percent:?}");
+    }
     let (even_s, planner_s) = (median(&steps[0]), median(&steps[1]));
     let speedup = even_s / planner_s;
     println!(
@@ -152,6 +196,7 @@ pub fn cp(root: &Path) -> Result<()> {
             "speedup": speedup,
             "step_s_runs": { "even": steps[0], "planner": steps[1] },
             "memory_per_rank": { "even": memory_json(&memory[0]), "planner": memory_json(&memory[1]) },
+            "communication_fraction_per_rank": { "even": communication[0], "planner": communication[1] },
         }),
     )?;
     println!("wrote {}", out.display());

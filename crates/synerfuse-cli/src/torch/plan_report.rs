@@ -313,6 +313,10 @@ pub(crate) struct ReplicaReport {
     recompute: Option<Vec<bool>>,
     /// Per stage, its tensor-parallel group's shares.
     tensor_parallel_shares: Vec<Vec<u32>>,
+    /// Per stage, its context-parallel members' token shares (`[1]` without), where a
+    /// stage splits sequences.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    context_parallel_shares: Option<Vec<Vec<u32>>>,
     /// Its largest micro-batch.
     micro_batch_size: usize,
     num_micro_batches: usize,
@@ -339,12 +343,16 @@ impl ReplicaReport {
             ),
             false => String::new(),
         };
+        let context = match &self.context_parallel_shares {
+            Some(shares) => format!(" (context-parallel shares {})", compact(shares)),
+            None => String::new(),
+        };
         let batches = match self.batch.is_uniform() {
             true => self.batch.to_string(),
             false => format!("{} ({} samples)", self.batch, self.samples),
         };
         println!(
-            "  replica {r}: {} layers {}{shares}{recompute} micro-batches {batches}",
+            "  replica {r}: {} layers {}{shares}{context}{recompute} micro-batches {batches}",
             compact(&self.devices),
             compact(&self.layers),
         );
@@ -378,7 +386,20 @@ pub(crate) fn pooled_replicas(cost: &CostModel, p: &PooledCandidate) -> Vec<Repl
                 devices: groups.iter().map(kind_of).collect(),
                 layers: pool.layers.clone(),
                 recompute: p.recompute.get(out.len()).cloned(),
-                tensor_parallel_shares: groups.iter().map(|g| g.shares.clone()).collect(),
+                tensor_parallel_shares: (groups.iter())
+                    .map(|g| match g.cp {
+                        1 => g.shares.clone(),
+                        _ => vec![1; g.tp_size()],
+                    })
+                    .collect(),
+                context_parallel_shares: (groups.iter().any(|g| g.cp > 1)).then(|| {
+                    (groups.iter())
+                        .map(|g| match g.cp {
+                            1 => vec![1],
+                            _ => g.shares.clone(),
+                        })
+                        .collect()
+                }),
                 micro_batch_size: batch.micro_batch_size(),
                 num_micro_batches: batch.num_micro_batches(),
                 samples: batch.samples(),
@@ -403,7 +424,7 @@ pub(crate) fn pooled_json(
         fraction_of_bound: outcome.bound.fraction(tokens_per_step, p.step_time_s),
         fraction_of_integer_split: (outcome.bound)
             .fraction_of_integer_split(tokens_per_step, p.step_time_s),
-        tensor_parallel_size: p.groups.iter().map(|g| g.size()).max().unwrap_or(1),
+        tensor_parallel_size: p.groups.iter().map(|g| g.tp_size()).max().unwrap_or(1),
         train_flags: pooled_train_flags(p),
         reduce_s: p.reduce_s,
         optimizer_s: p.optimizer_s,
@@ -442,7 +463,7 @@ pub(crate) fn options_text(options: planner::TrainOptions) -> String {
 /// options, and sequence parallelism with tensor-parallel groups.
 pub(crate) fn pooled_train_flags(p: &PooledCandidate) -> Vec<&'static str> {
     let mut flags = p.options.train_flags();
-    if p.groups.iter().any(|g| g.size() > 1) {
+    if p.groups.iter().any(|g| g.tp_size() > 1) {
         flags.push("--sequence-parallel");
     }
     flags
