@@ -15,6 +15,13 @@ fn context_parallel_plans_match_a_single_rank() {
     let d = dir.path();
     let data = dataset(d);
     let untie = "--untie-embeddings-and-output-weights";
+    // Document masks: each token attends within its document, positions restart at
+    // each document, the end-of-document token's loss is masked.
+    let documents = [
+        "--reset-attention-mask",
+        "--reset-position-ids",
+        "--eod-mask-loss",
+    ];
     let references = [
         (
             "tied",
@@ -29,7 +36,20 @@ fn context_parallel_plans_match_a_single_rank() {
                 &[untie, "--micro-batch-size", "1"],
             ),
         ),
+        (
+            "documents",
+            run(
+                d,
+                &data,
+                "single-documents",
+                &[&documents[..], &["--micro-batch-size", "1"]].concat(),
+            ),
+        ),
     ];
+    // The masks change what is trained (1.2e-4 here, twelve times the rows' tolerance),
+    // or the rows below could not fail.
+    let diff = max_rel_loss_diff(&references[0].1 .0, &references[2].1 .0);
+    assert!(diff > 5e-5, "document masks changed too little: {diff}");
     let shares = plan_file(
         d,
         "shares",
@@ -62,6 +82,7 @@ fn context_parallel_plans_match_a_single_rank() {
         "interleaved",
         "[[replica]]\nlayers = [[1, 1], [1, 1]]\ncp = [1, 2]\nmicro_batch_size = 1\nnum_micro_batches = 6\n",
     );
+    let with_documents = |flags: &[&'static str]| [flags, &documents[..]].concat();
     let cases: Vec<(&str, &str, Vec<&str>)> = vec![
         (
             "CP 2 even, mbs 1 x 6",
@@ -188,6 +209,30 @@ fn context_parallel_plans_match_a_single_rank() {
             "tied",
             vec!["--nproc", "4", "--plan", &recompute],
         ),
+        (
+            "CP 2 shares [3,1] by plan, mbs 2 x 3, document masks",
+            "documents",
+            [
+                &["--nproc", "2", "--plan", shares.as_str()][..],
+                &documents[..],
+            ]
+            .concat(),
+        ),
+        (
+            "CP 2 x TP 2 + SP, mbs 1 x 6, document masks",
+            "documents",
+            with_documents(&[
+                "--nproc",
+                "4",
+                "--context-parallel-size",
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--micro-batch-size",
+                "1",
+            ]),
+        ),
     ];
     let mut table = EquivalenceTable::default();
     for (i, (label, reference, flags)) in cases.iter().enumerate() {
@@ -214,8 +259,8 @@ fn context_parallel_plans_match_a_single_rank() {
 }
 
 /// A CP 2 run stopped at iteration 3 resumes on one rank with the uninterrupted run's
-/// losses (parameters are saved by global name); flags context parallelism cannot run
-/// with are refused by name.
+/// losses (parameters are saved by global name); a sequence that does not split is
+/// refused by name.
 #[test]
 fn context_parallel_checkpoints_resume_on_one_rank_and_bad_flags_are_named() {
     let dir = tempfile::tempdir().unwrap();
@@ -245,10 +290,6 @@ fn context_parallel_checkpoints_resume_on_one_rank_and_bad_flags_are_named() {
             "{extra:?}: {stderr}"
         );
     };
-    refused(
-        &[&cp2[..], &["--reset-attention-mask"]].concat(),
-        &["--reset-attention-mask cannot be combined with context parallelism"],
-    );
     // 32 tokens do not cut into 2 x 3 chunks.
     refused(
         &[

@@ -65,9 +65,6 @@ pub enum StageError {
         /// Ranks in the group.
         size: usize,
     },
-    /// Context parallelism with something it does not support yet.
-    #[error("context parallelism does not support {0} yet")]
-    ContextParallelWith(&'static str),
     /// A collective between tensor-parallel (or context-parallel) segments failed.
     #[error("tensor-parallel {op}: {source}")]
     Collective {
@@ -340,25 +337,30 @@ impl DecoderLayer {
     /// The attention block's core for this member's queries (from the normed input `h`,
     /// its tokens at sequence indices `positions` `[s]`) over the keys and values of the
     /// whole sequence `k`, `v` `[b, kv heads, S, d]` in sequence order: causal by index,
-    /// so a query attends to exactly the keys it would on one rank.
-    #[allow(clippy::too_many_arguments)]
+    /// so a query attends to exactly the keys it would on one rank; with a document
+    /// `mask` (`[b, 1, s, S]`, its queries' rows of the loader's, true where masked) as
+    /// that mask says.
     pub(crate) fn attention_over(
         &self,
         h: &Tensor,
         c: &LlamaConfig,
-        cos: &Tensor,
-        sin: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
+        (cos, sin): (&Tensor, &Tensor),
+        (k, v): (&Tensor, &Tensor),
         positions: &Tensor,
+        mask: Option<&Tensor>,
     ) -> Tensor {
         let (b, s) = (h.size()[0], h.size()[1]);
         let hd = c.head_dim as i64;
         let nq = self.q.weight.size()[0];
         let q = self.q.forward(h).view([b, s, nq / hd, hd]).transpose(1, 2);
         let q = &q * cos + rotate_half(&q) * sin;
-        let keys = Tensor::arange(k.size()[2], (Kind::Int64, h.device()));
-        let allowed = keys.unsqueeze(0).le_tensor(&positions.unsqueeze(1));
+        let allowed = match mask {
+            Some(mask) => mask.logical_not(),
+            None => {
+                let keys = Tensor::arange(k.size()[2], (Kind::Int64, h.device()));
+                keys.unsqueeze(0).le_tensor(&positions.unsqueeze(1))
+            }
+        };
         let attn = Tensor::scaled_dot_product_attention(
             &q,
             k,

@@ -198,11 +198,6 @@ impl Stage {
         };
         // Under context parallelism: this member's sequence indices, and its positions.
         let context = match cp {
-            Some(_) if attention_mask.is_some() => {
-                return Err(StageError::ContextParallelWith(
-                    "attention masks (--reset-attention-mask)",
-                ))
-            }
             Some(cp) => {
                 let indices = cp.local_positions(input.device());
                 let b = input.size()[0];
@@ -252,8 +247,14 @@ impl Stage {
                         let (k, v) = layer.keys_values(&normed(&input), c, &cos, &sin);
                         let kv = cp.gather(k, v)?;
                         let [k, v] = &kv.whole;
-                        let partial =
-                            layer.attention_over(&normed(&input), c, &cos, &sin, k, v, indices);
+                        let partial = layer.attention_over(
+                            &normed(&input),
+                            c,
+                            (&cos, &sin),
+                            (k, v),
+                            indices,
+                            attention_mask,
+                        );
                         x = &x + seq.combine(&partial.detach())?;
                         regions.push(Region::Block {
                             input,

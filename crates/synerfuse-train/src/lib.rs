@@ -94,12 +94,6 @@ pub enum TrainError {
         /// What went wrong.
         reason: String,
     },
-    /// A flag that context parallelism does not run with.
-    #[error("{flag} cannot be combined with context parallelism: its document masks would need every member's keys masked by document (not supported); leave one of them out")]
-    ContextParallelWith {
-        /// The flag.
-        flag: &'static str,
-    },
     /// An `--emulate-speed-change` for a rank the job does not have.
     #[error("--emulate-speed-change {iteration}:{rank}:{speed}: the job has ranks 0 to {last}")]
     SpeedChangeRank {

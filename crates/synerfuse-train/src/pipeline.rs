@@ -874,8 +874,10 @@ impl BatchTensors {
                 .view(shape)
                 .to_device(device),
             attention_mask: mb.attention_mask.as_ref().map(|m| {
+                // Each query's row over the whole sequence (a context-parallel member
+                // holds its own queries' rows).
                 Tensor::from_slice(m)
-                    .view([rows, 1, s, s])
+                    .view([rows, 1, s, -1])
                     .to_device(device)
             }),
         }

@@ -549,12 +549,6 @@ impl<'w> Trainer<'w> {
         let started = Instant::now();
         let rank = world.rank();
         let (replica, stage_index) = check_plan(&config, world.size(), rank)?;
-        let plan = &config.parallel.plan;
-        if plan.has_context_parallelism() && sample_options.reset_attention_mask {
-            return Err(TrainError::ContextParallelWith {
-                flag: "--reset-attention-mask",
-            });
-        }
         let device = rank_device(&config, rank, local_rank)?;
         let emulation = rank_emulation(&config, rank, device)?;
         if rank == 0 {
