@@ -1,10 +1,12 @@
 """synerfuse's GPU check, driven by check.sh (which sets the library paths and MPI).
 
-Seven steps, each printing one line as it ends and rewriting gpu-check.json and
+Eight steps, each printing one line as it ends and rewriting gpu-check.json and
 gpu-check.md, so a run cut short still shows what ran:
   1 probe      GPU, PyTorch, MPI, NCCL, `synerfuse env`
   2 exact      a small LLaMA (GQA, untied), fp32, TF32 off: 6 steps on cuda = on cpu
   3 mixed      a GPU+CPU pipeline and a GPU+CPU data-parallel job = one rank
+  3b context   a GPU+CPU context-parallel pair in shares [3, 1], with document masks,
+               = one rank
   4 speed      a 1.1B LLaMA, bf16, the largest micro-batch the planner says fits
   5 reference  PyTorch's own loop on the same card, model and batch
   6 memory     the trainer's measured peak against the planner's prediction
@@ -318,6 +320,27 @@ def mixed(deadline):
            "summary": f"pipeline [3 layers on {DEV}, 1 on cpu]: {w_pp:.2e}; data-parallel "
                       f"({DEV} mbs 4, cpu mbs 1): {w_dp:.2e} (target {TOL:g})"}
     if max(w_pp, w_dp) > TOL:
+        rec["status"] = "MISS"
+    return rec
+
+
+# ---- 3b. context parallelism -----------------------------------------------------------
+
+
+@step("context", 100)
+def context(deadline):
+    documents = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
+    single = small_run("context-single", deadline, ["--device", "cpu", "--micro-batch-size", "2",
+                                                    "--global-batch-size", "8", *documents])
+    cp = plan_file("cp.toml", "[[replica]]\nlayers = [4]\ncp = [2]\ncp_shares = [[3, 1]]\n"
+                   "micro_batch_size = 2\nnum_micro_batches = 4\n"
+                   f'devices = ["{DEV}", "cpu"]\n')
+    pair = small_run("context-cp", deadline, ["--nproc", "2", "--plan", cp, *documents])
+    worst = worst_rel(pair, single)
+    rec = {"worst_relative": worst,
+           "summary": f"CP 2 [{DEV} 3/4 of every sequence, cpu 1/4], document masks: "
+                      f"{worst:.2e} (target {TOL:g})"}
+    if worst > TOL:
         rec["status"] = "MISS"
     return rec
 
