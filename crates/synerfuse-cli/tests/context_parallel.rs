@@ -83,6 +83,17 @@ fn context_parallel_plans_match_a_single_rank() {
         "[[replica]]\nlayers = [[1, 1], [1, 1]]\ncp = [1, 2]\nmicro_batch_size = 1\nnum_micro_batches = 6\n",
     );
     let with_documents = |flags: &[&'static str]| [flags, &documents[..]].concat();
+    let cp2_tp2_sp = [
+        "--nproc",
+        "4",
+        "--context-parallel-size",
+        "2",
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--micro-batch-size",
+        "2",
+    ];
     let cases: Vec<(&str, &str, Vec<&str>)> = vec![
         (
             "CP 2 even, mbs 1 x 6",
@@ -101,21 +112,7 @@ fn context_parallel_plans_match_a_single_rank() {
             "tied",
             vec!["--nproc", "2", "--plan", &shares],
         ),
-        (
-            "CP 2 x TP 2 + SP, mbs 2 x 3",
-            "tied",
-            vec![
-                "--nproc",
-                "4",
-                "--context-parallel-size",
-                "2",
-                "--tensor-model-parallel-size",
-                "2",
-                "--sequence-parallel",
-                "--micro-batch-size",
-                "2",
-            ],
-        ),
+        ("CP 2 x TP 2 + SP, mbs 2 x 3", "tied", cp2_tp2_sp.to_vec()),
         (
             "CP 2 [3,1] in PP [3,1] (1 x 4) + a single-rank replica (2 x 1)",
             "tied",
@@ -219,19 +216,9 @@ fn context_parallel_plans_match_a_single_rank() {
             .concat(),
         ),
         (
-            "CP 2 x TP 2 + SP, mbs 1 x 6, document masks",
+            "CP 2 x TP 2 + SP, mbs 2 x 3, document masks",
             "documents",
-            with_documents(&[
-                "--nproc",
-                "4",
-                "--context-parallel-size",
-                "2",
-                "--tensor-model-parallel-size",
-                "2",
-                "--sequence-parallel",
-                "--micro-batch-size",
-                "1",
-            ]),
+            with_documents(&cp2_tp2_sp),
         ),
     ];
     let mut table = EquivalenceTable::default();

@@ -98,14 +98,18 @@ impl<'a> Ctx<'a> {
         groups: impl Into<Arc<Vec<TpGroup>>>,
     ) -> Self {
         let groups: Arc<Vec<TpGroup>> = groups.into();
-        // A unit's class: its members' classes and its shares.
-        type UnitClass = (Vec<(usize, u64)>, Vec<u32>);
+        // A unit's class: its members' classes, its context-parallel size (a pair of
+        // devices may be a tensor- or a context-parallel group), its shares and each
+        // member's work under them (a context-parallel member's tensor-parallel shares).
+        type UnitClass = (Vec<(usize, u64)>, usize, Vec<u32>, Vec<u64>);
         let mut ids: HashMap<UnitClass, usize> = HashMap::new();
         let classes = (groups.iter())
             .map(|g| {
                 let key = (
                     g.members.iter().map(|&i| all[i].class()).collect(),
+                    g.cp,
                     g.shares.clone(),
+                    g.work.iter().map(|w| w.to_bits()).collect(),
                 );
                 let next = ids.len();
                 *ids.entry(key).or_insert(next)

@@ -606,6 +606,28 @@ fn grid_plans_take_tensor_parallel_groups_where_faster() {
     }
 }
 
+/// A narrow 4-layer model (hidden 256, 4 heads) with `vocab_size` rows at sequence 32768
+/// on the device groups of `groups` (a cluster file's `[[group]]` tables), 32 GB/s within
+/// a node.
+pub(super) fn long_sequence(groups: &str, vocab_size: usize) -> CostModel {
+    let toml = format!("{groups}[network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n");
+    let model = crate::cost::ModelShape {
+        num_layers: 4,
+        hidden_size: 256,
+        num_heads: 4,
+        num_kv_heads: 4,
+        ffn_hidden_size: 1024,
+        vocab_size,
+        seq_length: 32768,
+        tied: false,
+    };
+    CostModel::new(
+        model,
+        crate::cluster::ClusterSpec::from_toml(&toml).unwrap(),
+        None,
+    )
+}
+
 /// Two devices of 2.62 GB and a sequence of 32768 tokens: no plan without context
 /// parallelism fits (a stage's activations, or the head's logits, exceed a device); a
 /// context-parallel pair does, each member holding half of every sequence (a plan file
@@ -613,22 +635,8 @@ fn grid_plans_take_tensor_parallel_groups_where_faster() {
 #[test]
 fn context_parallelism_makes_a_long_sequence_fit() {
     let cost = || {
-        let cluster = crate::cluster::ClusterSpec::from_toml(
-            "[[group]]\nkind = \"a10\"\ncount = 2\nnode = \"a\"\nmemory_gb = 2.62\n\
-             [network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n",
-        )
-        .unwrap();
-        let model = crate::cost::ModelShape {
-            num_layers: 4,
-            hidden_size: 256,
-            num_heads: 4,
-            num_kv_heads: 4,
-            ffn_hidden_size: 1024,
-            vocab_size: 1000,
-            seq_length: 32768,
-            tied: false,
-        };
-        CostModel::new(model, cluster, None)
+        let toml = "[[group]]\nkind = \"a10\"\ncount = 2\nnode = \"a\"\nmemory_gb = 2.62\n";
+        long_sequence(toml, 1000)
     };
     let mut r = request(2, Choice::Auto, Choice::Auto);
     r.micro_batch_sizes = vec![1];
@@ -664,22 +672,8 @@ fn context_parallelism_makes_a_long_sequence_fit() {
 #[test]
 fn context_parallel_pairs_of_tensor_parallel_pairs_fit_where_neither_does() {
     let cost = || {
-        let cluster = crate::cluster::ClusterSpec::from_toml(
-            "[[group]]\nkind = \"a10\"\ncount = 4\nnode = \"a\"\nmemory_gb = 6\n\
-             [network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n",
-        )
-        .unwrap();
-        let model = crate::cost::ModelShape {
-            num_layers: 4,
-            hidden_size: 256,
-            num_heads: 4,
-            num_kv_heads: 4,
-            ffn_hidden_size: 1024,
-            vocab_size: 32_000,
-            seq_length: 32768,
-            tied: false,
-        };
-        CostModel::new(model, cluster, None)
+        let toml = "[[group]]\nkind = \"a10\"\ncount = 4\nnode = \"a\"\nmemory_gb = 6\n";
+        long_sequence(toml, 32_000)
     };
     let mut r = request(1, Choice::Auto, Choice::Auto);
     r.micro_batch_sizes = vec![1];
@@ -707,4 +701,24 @@ fn context_parallel_pairs_of_tensor_parallel_pairs_fit_where_neither_does() {
     assert_eq!((replica.cp_size(0), replica.tp_size(0)), (2, 2));
     assert_eq!(replica.tp_group(0, 1), [2, 3]);
     assert_eq!(file.check(&cost().model, true), Ok(()));
+}
+
+/// A tensor-parallel pair and a context-parallel pair of the same two devices, both at
+/// even shares, are different units: one context prices each as itself (per-replica
+/// plans hold both kinds in one context).
+#[test]
+fn a_tensor_and_a_context_parallel_pair_of_the_same_devices_are_priced_apart() {
+    let cost = long_sequence("[[group]]\nkind = \"a10\"\ncount = 2\nnode = \"a\"\n", 1000);
+    let model = &cost.model;
+    let tp = TpGroup::new(model, vec![0, 1], vec![1, 1]).unwrap();
+    let cp = TpGroup::context(model, vec![0, 1], vec![1, 1]).unwrap();
+    let mut both = Ctx::with_groups(&cost, cost.cluster.devices(), vec![tp.clone(), cp.clone()]);
+    let mut alone = |g: TpGroup| {
+        let mut ctx = Ctx::with_groups(&cost, cost.cluster.devices(), vec![g]);
+        ctx.costs(0, 1).unwrap().layer_s
+    };
+    let (tp_s, cp_s) = (alone(tp), alone(cp));
+    assert_ne!(tp_s, cp_s);
+    assert_eq!(both.costs(0, 1).unwrap().layer_s, tp_s);
+    assert_eq!(both.costs(1, 1).unwrap().layer_s, cp_s);
 }

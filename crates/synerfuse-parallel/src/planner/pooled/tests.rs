@@ -452,19 +452,8 @@ fn each_pool_takes_its_own_tensor_parallel_size() {
 #[test]
 fn one_pool_splits_sequences_beside_one_that_does_not() {
     let toml = "[[group]]\nkind = \"a100-80g\"\ncount = 2\nnode = \"a\"\n\
-                [[group]]\nkind = \"a10\"\ncount = 2\nnode = \"b\"\nmemory_gb = 2.7\n\
-                [network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n";
-    let model = ModelShape {
-        num_layers: 4,
-        hidden_size: 256,
-        num_heads: 4,
-        num_kv_heads: 4,
-        ffn_hidden_size: 1024,
-        vocab_size: 1000,
-        seq_length: 32768,
-        tied: false,
-    };
-    let mut cost = CostModel::new(model, ClusterSpec::from_toml(toml).unwrap(), None);
+                [[group]]\nkind = \"a10\"\ncount = 2\nnode = \"b\"\nmemory_gb = 2.7\n";
+    let mut cost = super::super::tests::long_sequence(toml, 1000);
     cost.recompute = crate::cost::Recompute::WhereNeeded;
     let (without, bound) = plan_pooled_noting_memory(&cost, 8, &[1], (&[1], &[]), None).unwrap();
     let without = without.expect("a plan without context parallelism");
