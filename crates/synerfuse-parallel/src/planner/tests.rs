@@ -713,7 +713,7 @@ fn a_tensor_and_a_context_parallel_pair_of_the_same_devices_are_priced_apart() {
     let tp = TpGroup::new(model, vec![0, 1], vec![1, 1]).unwrap();
     let cp = TpGroup::context(model, vec![0, 1], vec![1, 1]).unwrap();
     let mut both = Ctx::with_groups(&cost, cost.cluster.devices(), vec![tp.clone(), cp.clone()]);
-    let mut alone = |g: TpGroup| {
+    let alone = |g: TpGroup| {
         let mut ctx = Ctx::with_groups(&cost, cost.cluster.devices(), vec![g]);
         ctx.costs(0, 1).unwrap().layer_s
     };
