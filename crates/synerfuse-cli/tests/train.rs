@@ -1056,15 +1056,36 @@ fn finetune_from_hf_starts_from_its_weights() {
         ),
         ("tp3", vec!["--plan", shares.to_str().unwrap()]),
     ] {
-        finetune_with_zero_lr(dir.path(), &hf, name, &layout);
+        ok(&finetune_with_zero_lr(dir.path(), &hf, name, &layout), name);
         let saved = parameters(&dir.path().join(name));
         assert_eq!(max_param_diff(&original, &saved), 0.0, "{name}");
     }
+    // A Mixtral checkpoint loads (its experts, in the model crate's parity tests), but
+    // training a mixture of experts is refused by name.
+    let mixtral = root().join("crates/synerfuse-model/tests/fixtures/mixtral_top1_tied");
+    let pp3 = [
+        "--pipeline-model-parallel-size",
+        "3",
+        "--micro-batch-size",
+        "2",
+    ];
+    let out = finetune_with_zero_lr(dir.path(), &mixtral, "mixtral", &pp3);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a mixture of experts trained");
+    assert!(
+        stderr.contains("3 experts per layer") && !stderr.contains("panicked"),
+        "{stderr}"
+    );
 }
 
 /// One iteration at learning rate 0 from the weights in `hf` on 3 ranks laid out by
-/// `layout`, saved to `dir/name`.
-fn finetune_with_zero_lr(dir: &Path, hf: &Path, name: &str, layout: &[&str]) {
+/// `layout`, saved to `dir/name`: the run's output.
+fn finetune_with_zero_lr(
+    dir: &Path,
+    hf: &Path,
+    name: &str,
+    layout: &[&str],
+) -> std::process::Output {
     let save = dir.join(name);
     let mut args = strings(&[
         "train",
@@ -1096,7 +1117,7 @@ fn finetune_with_zero_lr(dir: &Path, hf: &Path, name: &str, layout: &[&str]) {
         "--save",
         save.to_str().unwrap(),
     ]));
-    ok(&synerfuse(&args), name);
+    synerfuse(&args)
 }
 
 /// `synerfuse profile` of `model` on CPU ranks at micro-batch sizes `sizes` (with
@@ -1241,6 +1262,24 @@ fn plan_writes_what_train_runs() {
         "8",
     ]));
     assert!(String::from_utf8_lossy(&out.stderr).contains("device kind cpu: no catalogue numbers"));
+    // A mixture of experts is not priced: named.
+    let mixtral = root().join("crates/synerfuse-model/tests/fixtures/mixtral_top2_untied");
+    let out = synerfuse(&strings(&[
+        "plan",
+        "--cluster",
+        t4.to_str().unwrap(),
+        "--model",
+        mixtral.join("config.json").to_str().unwrap(),
+        "--seq-length",
+        "32",
+        "--global-batch-size",
+        "8",
+    ]));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("a mixture of 4 experts per layer"),
+        "{stderr}"
+    );
 
     // Plan for 4 emulated CPU ranks (analytical costs from given numbers) and train with it.
     let cpus = dir.path().join("cpus.toml");

@@ -26,6 +26,18 @@ pub enum ConfigError {
     },
 }
 
+/// A mixture of experts in every layer's MLP (Mixtral's sparse MoE block): a router
+/// without bias, softmax over the experts, the `top_k` best with their weights
+/// renormalised to sum to 1, each a SwiGLU MLP of `intermediate_size`; dropless (every
+/// token reaches its experts, so any split of the tokens computes the same).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeConfig {
+    /// Experts per layer (`num_local_experts`, Megatron's `--num-experts`).
+    pub num_experts: usize,
+    /// Experts per token (`num_experts_per_tok`, `--moe-router-topk`).
+    pub top_k: usize,
+}
+
 /// A LLaMA-family decoder (what transformers' `LlamaConfig` and Megatron's flags describe).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LlamaConfig {
@@ -57,10 +69,12 @@ pub struct LlamaConfig {
     pub mlp_bias: bool,
     /// Standard deviation of the initial weights (`--init-method-std`).
     pub init_std: f64,
+    /// Experts in place of each layer's MLP (a Mixtral model); `None`: dense.
+    pub moe: Option<MoeConfig>,
 }
 
 impl LlamaConfig {
-    /// Reads a Hugging Face `config.json` of a `llama` model.
+    /// Reads a Hugging Face `config.json` of a `llama` or `mixtral` model.
     pub fn from_hf_file(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
             path: path.display().to_string(),
@@ -88,14 +102,29 @@ impl LlamaConfig {
         let float = |key: &str, default: f64| v.get(key).and_then(Value::as_f64).unwrap_or(default);
         let flag =
             |key: &str, default: bool| v.get(key).and_then(Value::as_bool).unwrap_or(default);
-        if let Some(kind) = v.get("model_type").and_then(Value::as_str) {
-            if kind != "llama" {
-                return Err(field_error(
-                    "model_type",
-                    format!("{kind:?} is not a LLaMA model"),
-                ));
-            }
+        let kind = v
+            .get("model_type")
+            .and_then(Value::as_str)
+            .unwrap_or("llama");
+        if !matches!(kind, "llama" | "mixtral") {
+            return Err(field_error(
+                "model_type",
+                format!("{kind:?} is not a LLaMA model (llama or mixtral)"),
+            ));
         }
+        if kind == "mixtral" && v.get("sliding_window").is_some_and(|w| !w.is_null()) {
+            return Err(field_error(
+                "sliding_window",
+                "sliding-window attention is not supported (null: full causal attention)".into(),
+            ));
+        }
+        let moe = match kind {
+            "mixtral" => Some(MoeConfig {
+                num_experts: int("num_local_experts")?,
+                top_k: int("num_experts_per_tok")?,
+            }),
+            _ => None,
+        };
         if let Some(act) = v.get("hidden_act").and_then(Value::as_str) {
             if act != "silu" {
                 return Err(field_error(
@@ -142,6 +171,7 @@ impl LlamaConfig {
             attention_bias: flag("attention_bias", false),
             mlp_bias: flag("mlp_bias", false),
             init_std: float("initializer_range", 0.02),
+            moe,
         };
         config.validate(source_name)?;
         Ok(config)
@@ -178,6 +208,20 @@ impl LlamaConfig {
                 ),
             );
         }
+        if let Some(moe) = self.moe {
+            if moe.num_experts == 0 || moe.top_k == 0 || moe.top_k > moe.num_experts {
+                return err(
+                    "num_experts_per_tok",
+                    format!(
+                        "{} experts per token of {} experts: needs 1 to {}",
+                        moe.top_k, moe.num_experts, moe.num_experts
+                    ),
+                );
+            }
+            if self.mlp_bias {
+                return err("mlp_bias", "experts have no biases (Mixtral)".into());
+            }
+        }
         if self.head_dim % 2 != 0 {
             return err(
                 "head_dim",
@@ -190,9 +234,10 @@ impl LlamaConfig {
         Ok(())
     }
 
-    /// The `config.json` transformers writes for this model.
+    /// The `config.json` transformers writes for this model (`MixtralForCausalLM` with
+    /// experts).
     pub fn to_hf_json(&self) -> String {
-        let v = json!({
+        let mut v = json!({
             "architectures": ["LlamaForCausalLM"],
             "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
@@ -214,6 +259,19 @@ impl LlamaConfig {
             "torch_dtype": "float32",
             "vocab_size": self.vocab_size,
         });
+        if let Some(moe) = self.moe {
+            v["architectures"] = json!(["MixtralForCausalLM"]);
+            v["model_type"] = json!("mixtral");
+            v["num_local_experts"] = json!(moe.num_experts);
+            v["num_experts_per_tok"] = json!(moe.top_k);
+            v["output_router_logits"] = json!(false);
+            v["router_aux_loss_coef"] = json!(0.0);
+            v["router_jitter_noise"] = json!(0.0);
+            v["sliding_window"] = Value::Null;
+            if let Some(map) = v.as_object_mut() {
+                map.remove("mlp_bias");
+            }
+        }
         serde_json::to_string_pretty(&v).expect("json")
     }
 
@@ -240,6 +298,19 @@ impl LlamaConfig {
             push("self_attn.o_proj.weight", vec![h, q]);
             if self.attention_bias {
                 push("self_attn.o_proj.bias", vec![h]);
+            }
+            if let Some(moe) = self.moe {
+                push(
+                    "block_sparse_moe.gate.weight",
+                    vec![moe.num_experts as i64, h],
+                );
+                for e in 0..moe.num_experts {
+                    let expert = format!("block_sparse_moe.experts.{e}");
+                    push(&format!("{expert}.w1.weight"), vec![ffn, h]);
+                    push(&format!("{expert}.w2.weight"), vec![h, ffn]);
+                    push(&format!("{expert}.w3.weight"), vec![ffn, h]);
+                }
+                continue;
             }
             for proj in ["gate_proj", "up_proj"] {
                 push(&format!("mlp.{proj}.weight"), vec![ffn, h]);
@@ -272,12 +343,17 @@ impl LlamaConfig {
             } else {
                 0
             };
-        let mlp = 3 * h * self.intermediate_size
-            + if self.mlp_bias {
-                2 * self.intermediate_size + h
-            } else {
-                0
-            };
+        let mlp = match self.moe {
+            Some(moe) => moe.num_experts * (3 * h * self.intermediate_size + h),
+            None => {
+                3 * h * self.intermediate_size
+                    + if self.mlp_bias {
+                        2 * self.intermediate_size + h
+                    } else {
+                        0
+                    }
+            }
+        };
         let layer = attention + mlp + 2 * h;
         let embedding = self.vocab_size * h;
         embedding * if self.tie_word_embeddings { 1 } else { 2 } + self.num_layers * layer + h
@@ -399,6 +475,7 @@ impl LlamaConfig {
             attention_bias: args.add_bias_linear,
             mlp_bias: args.add_bias_linear,
             init_std: args.init_method_std,
+            moe: None,
         };
         config.validate("flags")?;
         Ok(config)
@@ -411,7 +488,15 @@ mod tests {
 
     #[test]
     fn parameter_shapes_are_a_whole_stages() {
-        for (tied, bias) in [(true, false), (false, true)] {
+        let experts = MoeConfig {
+            num_experts: 3,
+            top_k: 2,
+        };
+        for (tied, bias, moe) in [
+            (true, false, None),
+            (false, true, None),
+            (false, false, Some(experts)),
+        ] {
             let c = LlamaConfig {
                 vocab_size: 64,
                 hidden_size: 32,
@@ -427,6 +512,7 @@ mod tests {
                 attention_bias: bias,
                 mlp_bias: bias,
                 init_std: 0.02,
+                moe,
             };
             let stage = crate::Stage::new(&c, 0..2, tch::Device::Cpu).unwrap();
             let held: std::collections::BTreeMap<String, Vec<i64>> = (stage.var_store())
@@ -470,6 +556,40 @@ mod tests {
         );
         let scaled = v5.replace(r#""rope_type":"default""#, r#""rope_type":"llama3""#);
         assert!(LlamaConfig::from_hf_json(&scaled, "c").is_err());
+    }
+
+    #[test]
+    fn reads_and_writes_mixtral_configs() {
+        let text = r#"{"model_type":"mixtral","vocab_size":96,"hidden_size":32,
+            "intermediate_size":48,"num_hidden_layers":3,"num_attention_heads":4,
+            "num_key_value_heads":2,"head_dim":null,"num_local_experts":4,
+            "num_experts_per_tok":2,"sliding_window":null,"tie_word_embeddings":false,
+            "rope_parameters":{"rope_theta":1000000.0,"rope_type":"default"}}"#;
+        let c = LlamaConfig::from_hf_json(text, "config.json").unwrap();
+        let experts = MoeConfig {
+            num_experts: 4,
+            top_k: 2,
+        };
+        assert_eq!((c.moe, c.head_dim), (Some(experts), 8));
+        let back = LlamaConfig::from_hf_json(&c.to_hf_json(), "c").unwrap();
+        assert_eq!(back, c);
+        assert!(c.to_hf_json().contains("MixtralForCausalLM"));
+        let error = |text: String| {
+            LlamaConfig::from_hf_json(&text, "config.json")
+                .unwrap_err()
+                .to_string()
+        };
+        let e = error(text.replace(r#""num_experts_per_tok":2"#, r#""num_experts_per_tok":5"#));
+        assert!(
+            e.contains("num_experts_per_tok") && e.contains("5 experts per token"),
+            "{e}"
+        );
+        let e = error(text.replace(r#""sliding_window":null"#, r#""sliding_window":16"#));
+        assert!(e.contains("sliding_window"), "{e}");
+        let e = error(text.replace(r#""num_local_experts":4,"#, ""));
+        assert!(e.contains("num_local_experts"), "{e}");
+        let e = error(text.replace("mixtral", "mistral"));
+        assert!(e.contains("\"mistral\" is not a LLaMA model"), "{e}");
     }
 
     #[test]

@@ -12,9 +12,9 @@ mod norm;
 mod pass;
 pub mod tp;
 
-pub use config::{padded_vocab_size, ConfigError, LlamaConfig, MegatronModelArgs};
+pub use config::{padded_vocab_size, ConfigError, LlamaConfig, MegatronModelArgs, MoeConfig};
 pub use device::{set_deterministic, DeviceRequest, ModelError, ResolveDevice};
 pub use generate::{generate, GenerateOptions};
-pub use llama::{BackwardFrom, KvCache, Stage, StageError};
+pub use llama::{load_balancing_loss, BackwardFrom, KvCache, Stage, StageError};
 pub use pass::ForwardPass;
 pub use tch;

@@ -157,6 +157,118 @@ impl KvCache {
     }
 }
 
+/// A SwiGLU MLP (a dense layer's, or one expert's), its gate and up projections run as
+/// one GEMM.
+struct SwiGlu {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+impl SwiGlu {
+    /// Under `path`, projections named `names` (gate, up, down) between `h` and `ffn`;
+    /// `bias` on gate and up, and on down.
+    fn new(
+        path: &nn::Path,
+        [gate, up, down]: [&str; 3],
+        (h, ffn): (usize, usize),
+        (bias, down_bias): (bool, bool),
+        (std, out_std): (f64, f64),
+    ) -> SwiGlu {
+        SwiGlu {
+            gate: Linear::new(path / gate, h, ffn, bias, std),
+            up: Linear::new(path / up, h, ffn, bias, std),
+            down: Linear::new(path / down, ffn, h, down_bias, out_std),
+        }
+    }
+
+    fn forward(&self, h: &Tensor) -> Tensor {
+        let ffn = self.gate.weight.size()[0];
+        let gate_up = h.linear(
+            &Tensor::cat(&[&self.gate.weight, &self.up.weight], 0),
+            match (&self.gate.bias, &self.up.bias) {
+                (Some(g), Some(u)) => Some(Tensor::cat(&[g, u], 0)),
+                _ => None,
+            }
+            .as_ref(),
+        );
+        let gate_up = gate_up.split_with_sizes([ffn, ffn], -1);
+        self.down.forward(&(gate_up[0].silu() * &gate_up[1]))
+    }
+}
+
+/// A layer's MLP: one SwiGLU, or Mixtral's experts behind a router.
+enum Mlp {
+    Dense(SwiGlu),
+    Experts {
+        /// `[experts, hidden]`, no bias.
+        router: Tensor,
+        experts: Vec<SwiGlu>,
+        top_k: i64,
+    },
+}
+
+impl Mlp {
+    /// The MLP's output for normed input `h` `[..., hidden]`, and under experts the
+    /// router's logits `[tokens, experts]`.
+    fn forward(&self, h: &Tensor) -> (Tensor, Option<Tensor>) {
+        match self {
+            Mlp::Dense(mlp) => (mlp.forward(h), None),
+            Mlp::Experts {
+                router,
+                experts,
+                top_k,
+            } => {
+                let (out, logits) = route(h, router, experts, *top_k);
+                (out, Some(logits))
+            }
+        }
+    }
+}
+
+/// Dropless top-k routing (transformers' `MixtralSparseMoeBlock`): softmax over the
+/// router's logits in fp32, the `top_k` best renormalised to sum to 1, each token's
+/// output the weighted sum of its experts' outputs. Every token reaches its experts,
+/// so the result does not depend on which tokens share a batch.
+fn route(h: &Tensor, router: &Tensor, experts: &[SwiGlu], top_k: i64) -> (Tensor, Tensor) {
+    let shape = h.size();
+    let x = h.reshape([-1, shape[shape.len() - 1]]);
+    let logits = x.linear::<Tensor>(router, None);
+    let probs = logits.softmax(-1, Kind::Float);
+    let (top, chosen) = probs.topk(top_k, -1, true, true);
+    let weights = &top / top.sum_dim_intlist(-1, true, Kind::Float);
+    let mut out = x.zeros_like();
+    for (e, expert) in experts.iter().enumerate() {
+        // (token, slot) of every choice of this expert. An expert no token chose runs on
+        // none, so that its gradient is zero rather than undefined (every rank and step
+        // then has the same gradients to reduce).
+        let hits = chosen.eq(e as i64).nonzero();
+        let (tokens, slots) = (hits.select(1, 0), hits.select(1, 1));
+        let y = expert.forward(&x.index_select(0, &tokens));
+        let w = weights.index(&[Some(&tokens), Some(&slots)]).unsqueeze(-1);
+        out = out.index_add(0, &tokens, &(y * w).to_kind(x.kind()));
+    }
+    (out.reshape(shape.as_slice()), logits)
+}
+
+/// transformers' `load_balancing_loss_func` (Switch Transformer's auxiliary loss) over
+/// the router logits of every MoE layer of a forward: with `f_e` the fraction of the
+/// top-k choices and `P_e` the mean router probability of expert `e` over all layers'
+/// tokens, `experts · Σ_e f_e · P_e` (`f` counts choices, so it sums to `top_k`).
+pub fn load_balancing_loss(router_logits: &[Tensor], num_experts: usize, top_k: usize) -> Tensor {
+    let all = Tensor::cat(router_logits, 0).to_kind(Kind::Float);
+    let rows = all.size()[0] as f64;
+    let probs = all.softmax(-1, Kind::Float);
+    let (_, chosen) = probs.topk(top_k as i64, -1, true, true);
+    let counts = chosen
+        .reshape([-1])
+        .one_hot(num_experts as i64)
+        .to_kind(Kind::Float)
+        .sum_dim_intlist(0, false, Kind::Float);
+    let mean_probs = probs.sum_dim_intlist(0, false, Kind::Float) / rows;
+    (counts / rows * mean_probs).sum(Kind::Float) * num_experts as f64
+}
+
 pub(crate) struct DecoderLayer {
     index: usize,
     input_norm: Tensor,
@@ -165,9 +277,7 @@ pub(crate) struct DecoderLayer {
     k: Linear,
     v: Linear,
     o: Linear,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+    mlp: Mlp,
 }
 
 impl DecoderLayer {
@@ -176,7 +286,6 @@ impl DecoderLayer {
     fn new(path: &nn::Path, index: usize, c: &LlamaConfig, shard: &TpShard) -> DecoderLayer {
         let p = path / "model" / "layers" / index;
         let attn = &p / "self_attn";
-        let mlp = &p / "mlp";
         let std = c.init_std;
         // Megatron scales the init of the two output projections by 1/sqrt(2·layers).
         let out_std = std / (2.0 * c.num_layers as f64).sqrt();
@@ -200,24 +309,61 @@ impl DecoderLayer {
             k: Linear::new(&attn / "k_proj", h, kv, c.attention_bias, std),
             v: Linear::new(&attn / "v_proj", h, kv, c.attention_bias, std),
             o: Linear::new(&attn / "o_proj", q, h, c.attention_bias && first, out_std),
-            gate: Linear::new(&mlp / "gate_proj", h, ffn, c.mlp_bias, std),
-            up: Linear::new(&mlp / "up_proj", h, ffn, c.mlp_bias, std),
-            down: Linear::new(&mlp / "down_proj", ffn, h, c.mlp_bias && first, out_std),
+            mlp: match c.moe {
+                None => Mlp::Dense(SwiGlu::new(
+                    &(&p / "mlp"),
+                    ["gate_proj", "up_proj", "down_proj"],
+                    (h, ffn),
+                    (c.mlp_bias, c.mlp_bias && first),
+                    (std, out_std),
+                )),
+                // Every tensor-parallel rank routes alike (the router is whole) and
+                // computes its FFN columns of each expert.
+                Some(moe) => {
+                    let block = &p / "block_sparse_moe";
+                    let router = (&block / "gate").var(
+                        "weight",
+                        &[moe.num_experts as i64, h as i64],
+                        nn::Init::Randn {
+                            mean: 0.0,
+                            stdev: std,
+                        },
+                    );
+                    let experts = (0..moe.num_experts)
+                        .map(|e| {
+                            SwiGlu::new(
+                                &(&block / "experts" / e),
+                                ["w1", "w3", "w2"],
+                                (h, ffn),
+                                (false, false),
+                                (std, out_std),
+                            )
+                        })
+                        .collect();
+                    Mlp::Experts {
+                        router,
+                        experts,
+                        top_k: moe.top_k as i64,
+                    }
+                }
+            },
         }
     }
 
+    /// The layer's output; an MoE layer's router logits pushed onto `router`.
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         x: &Tensor,
         c: &LlamaConfig,
-        cos: &Tensor,
-        sin: &Tensor,
+        (cos, sin): (&Tensor, &Tensor),
         attention_mask: Option<&Tensor>,
         cache: Option<&mut KvCache>,
+        router: &mut Vec<Tensor>,
     ) -> Tensor {
         let x = x + self.attention_out(x, c, cos, sin, attention_mask, cache);
-        let mlp = self.mlp_out(&x, c);
+        let (mlp, logits) = self.mlp.forward(&self.block_norm(false, &x, c));
+        router.extend(logits);
         x + mlp
     }
 
@@ -382,17 +528,7 @@ impl DecoderLayer {
 
     /// [`Self::mlp_out`] after its norm: `h` is the normed input.
     pub(crate) fn mlp_core(&self, h: &Tensor) -> Tensor {
-        let ffn = self.gate.weight.size()[0];
-        let gate_up = h.linear(
-            &Tensor::cat(&[&self.gate.weight, &self.up.weight], 0),
-            match (&self.gate.bias, &self.up.bias) {
-                (Some(g), Some(u)) => Some(Tensor::cat(&[g, u], 0)),
-                _ => None,
-            }
-            .as_ref(),
-        );
-        let gate_up = gate_up.split_with_sizes([ffn, ffn], -1);
-        self.down.forward(&(gate_up[0].silu() * &gate_up[1]))
+        self.mlp.forward(h).0
     }
 
     /// Appends this step's keys and values to the layer's cache; returns the keys and
@@ -409,6 +545,11 @@ impl DecoderLayer {
         *slot = Some((k.shallow_clone(), v.shallow_clone()));
         (k, v, had)
     }
+}
+
+/// Whether parameter `name` is an MoE layer's router.
+fn is_router(name: &str) -> bool {
+    name.ends_with("block_sparse_moe.gate.weight")
 }
 
 /// The boolean "attend" mask of `queries` new positions after `total - queries` cached
@@ -585,8 +726,8 @@ impl Stage {
             "q_proj" => rows(scaled(groups, per_group * hd)),
             "k_proj" | "v_proj" => rows(scaled(groups, hd)),
             "o_proj" if weight => columns(scaled(groups, per_group * hd)),
-            "gate_proj" | "up_proj" => rows(scaled(&self.shard.ffn_columns, 1)),
-            "down_proj" if weight => columns(scaled(&self.shard.ffn_columns, 1)),
+            "gate_proj" | "up_proj" | "w1" | "w3" => rows(scaled(&self.shard.ffn_columns, 1)),
+            "down_proj" | "w2" if weight => columns(scaled(&self.shard.ffn_columns, 1)),
             "embed_tokens" | "lm_head" => rows(scaled(&self.shard.vocab_rows, 1)),
             _ => None,
         }
@@ -610,9 +751,11 @@ impl Stage {
 
     /// Whether each rank of the group holds only a partial gradient of `name`, to be
     /// summed over the group once per step: the norms, held whole on every rank but
-    /// reached only through the rank's own heads, columns or vocabulary rows.
+    /// reached only through the rank's own heads, columns or vocabulary rows, and an MoE
+    /// layer's router (whole on every rank, its weights scaling the rank's partial
+    /// expert outputs).
     pub fn grad_summed_over_group(&self, name: &str) -> bool {
-        !self.shard.is_whole() && name.ends_with("norm.weight")
+        !self.shard.is_whole() && (name.ends_with("norm.weight") || is_router(name))
     }
 
     /// Every parameter of the stage with its whole shape, by name: what the ranks of its
@@ -649,7 +792,9 @@ impl Stage {
             shape[dim] = match leaf {
                 "q_proj" | "o_proj" => (c.num_heads * c.head_dim) as i64,
                 "k_proj" | "v_proj" => (c.num_kv_heads * c.head_dim) as i64,
-                "gate_proj" | "up_proj" | "down_proj" => c.intermediate_size as i64,
+                "gate_proj" | "up_proj" | "down_proj" | "w1" | "w2" | "w3" => {
+                    c.intermediate_size as i64
+                }
                 _ => c.vocab_size as i64,
             };
         }
@@ -673,8 +818,8 @@ impl Stage {
             } else if name.ends_with(".bias") {
                 Tensor::zeros(size, (Kind::Float, Device::Cpu))
             } else {
-                let scale = if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight")
-                {
+                let output = ["o_proj.weight", "down_proj.weight", ".w2.weight"];
+                let scale = if output.iter().any(|o| name.ends_with(o)) {
                     out_std
                 } else {
                     std
@@ -786,6 +931,20 @@ impl Stage {
         position_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
     ) -> Result<Tensor, StageError> {
+        Ok(self
+            .forward_inner(input, position_ids, attention_mask, None)?
+            .0)
+    }
+
+    /// [`Stage::forward`], and the router logits `[tokens, experts]` of each of the
+    /// stage's MoE layers in order (none for a dense model): what the load-balancing
+    /// loss ([`load_balancing_loss`]) and the tokens per expert are computed from.
+    pub fn forward_with_router_logits(
+        &self,
+        input: &Tensor,
+        position_ids: Option<&Tensor>,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<(Tensor, Vec<Tensor>), StageError> {
         self.forward_inner(input, position_ids, attention_mask, None)
     }
 
@@ -802,7 +961,9 @@ impl Stage {
         let positions = Tensor::arange_start(start, start + s, (Kind::Int64, self.device()))
             .unsqueeze(0)
             .expand([b, s], false);
-        self.forward_inner(input, Some(&positions), None, Some(cache))
+        Ok(self
+            .forward_inner(input, Some(&positions), None, Some(cache))?
+            .0)
     }
 
     fn forward_inner(
@@ -811,7 +972,7 @@ impl Stage {
         position_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
         mut cache: Option<&mut KvCache>,
-    ) -> Result<Tensor, StageError> {
+    ) -> Result<(Tensor, Vec<Tensor>), StageError> {
         if !self.shard.is_whole() {
             return Err(StageError::Sharded);
         }
@@ -826,21 +987,22 @@ impl Stage {
             }
         };
         let (cos, sin) = self.rotary(&x, position_ids);
+        let mut router = Vec::new();
         for layer in &self.decoder {
             x = layer.forward(
                 &x,
                 &self.config,
-                &cos,
-                &sin,
+                (&cos, &sin),
                 attention_mask,
                 cache.as_deref_mut(),
+                &mut router,
             );
         }
         if let (Some(norm), Some(head)) = (&self.norm, &self.head) {
             let h = rms_norm(&x, norm, self.config.rms_norm_eps);
             x = h.linear::<Tensor>(head, None);
         }
-        Ok(x)
+        Ok((x, router))
     }
 
     pub(crate) fn check_tokens(&self, input: &Tensor) -> Result<(), StageError> {

@@ -74,6 +74,7 @@ fn config() -> LlamaConfig {
         attention_bias: false,
         mlp_bias: false,
         init_std: 0.1,
+        moe: None,
     }
 }
 

@@ -1,12 +1,12 @@
-//! LLaMA parity with transformers (fixtures from `cargo xtask fixtures`, see
-//! xtask/fixtures/model_fixtures.py): logits within 1e-4 in fp32, the same model split into
-//! three stages gives the same logits, loss and gradients, and checkpoints round-trip in
-//! both directions.
+//! LLaMA and Mixtral parity with transformers (fixtures from `cargo xtask fixtures`, see
+//! xtask/fixtures/model_fixtures.py): logits within 1e-4 in fp32 (and Mixtral's auxiliary
+//! load-balancing loss), the same model split into three stages gives the same logits,
+//! loss and gradients, and checkpoints round-trip in both directions.
 
 use std::path::{Path, PathBuf};
 use synerfuse_model::hf::{load_stage, save_pretrained};
 use synerfuse_model::tch::{self, Device, Kind, Tensor};
-use synerfuse_model::{BackwardFrom, Stage};
+use synerfuse_model::{load_balancing_loss, BackwardFrom, Stage};
 
 /// libtorch's generator is process-global and every `Stage::new` draws from it: each test
 /// holds this lock so that `cargo test`'s parallel threads do not interleave their draws
@@ -17,7 +17,13 @@ fn global_rng() -> std::sync::MutexGuard<'static, ()> {
     GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-const CASES: [&str; 3] = ["mha_tied", "gqa_untied_theta", "gqa_bias_headdim"];
+const CASES: [&str; 5] = [
+    "mha_tied",
+    "gqa_untied_theta",
+    "gqa_bias_headdim",
+    "mixtral_top2_untied",
+    "mixtral_top1_tied",
+];
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -138,9 +144,43 @@ fn checkpoints_round_trip_and_load_in_transformers() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(
         stdout.lines().filter(|l| l.starts_with("ok ")).count(),
-        6,
+        2 * CASES.len(),
         "{stdout}"
     );
+}
+
+/// Mixtral's auxiliary load-balancing loss from our router logits equals transformers'
+/// `aux_loss` (its top-2 and top-1 routing), whole and over three stages.
+#[test]
+fn router_aux_loss_matches_transformers() {
+    let _rng = global_rng();
+    for name in ["mixtral_top2_untied", "mixtral_top1_tied"] {
+        let ids = expected_tensor(name, "input_ids");
+        let want = expected_tensor(name, "aux_loss").double_value(&[0]);
+        let whole = load_stage(&fixture(name), 0..3, Device::Cpu).unwrap();
+        let moe = whole.config().moe.unwrap();
+        let (_, logits) =
+            tch::no_grad(|| whole.forward_with_router_logits(&ids, None, None).unwrap());
+        assert_eq!(logits.len(), 3, "{name}: one router per layer");
+        let aux = load_balancing_loss(&logits, moe.num_experts, moe.top_k).double_value(&[]);
+        assert!(
+            (aux - want).abs() < 1e-5,
+            "{name}: aux loss {aux} vs {want}"
+        );
+        let mut x = ids.shallow_clone();
+        let mut split = Vec::new();
+        for stage in three_stages(&fixture(name)) {
+            let (out, logits) =
+                tch::no_grad(|| stage.forward_with_router_logits(&x, None, None).unwrap());
+            split.extend(logits);
+            x = out;
+        }
+        let aux_split = load_balancing_loss(&split, moe.num_experts, moe.top_k).double_value(&[]);
+        assert!(
+            (aux_split - aux).abs() < 1e-9,
+            "{name}: 3 stages {aux_split} vs {aux}"
+        );
+    }
 }
 
 /// Backward through three stages (gradients passed stage to stage, with and without
@@ -306,6 +346,7 @@ fn megatron_initialisation() {
         attention_bias: false,
         mlp_bias: false,
         init_std: 0.02,
+        moe: None,
     };
     tch::manual_seed(3);
     let stage = Stage::new(&config, 0..8, Device::Cpu).unwrap();

@@ -1,13 +1,14 @@
 //! A tensor-parallel stage (one thread per rank, the collectives over shared memory) is
 //! the whole stage: the same logits slices, loss, input gradient and parameter gradients
 //! (each shard's slice of the whole gradient), for even and uneven shares, GQA, tied and
-//! untied embeddings, with and without sequence parallelism and recomputation.
+//! untied embeddings, with and without sequence parallelism and recomputation, and with
+//! Mixtral's experts (each rank its FFN columns of every expert, the router whole).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Barrier, Mutex};
 use synerfuse_model::tch::{self, Device, Kind, Tensor};
 use synerfuse_model::tp::{CollectiveError, TpBackwardFrom, TpCollectives};
-use synerfuse_model::{BackwardFrom, LlamaConfig, Stage};
+use synerfuse_model::{BackwardFrom, LlamaConfig, MoeConfig, Stage};
 use synerfuse_parallel::TpLayout;
 
 /// libtorch's global generator (inputs, `init_by_name`): one user at a time, also across
@@ -71,6 +72,7 @@ fn config(tied: bool) -> LlamaConfig {
         attention_bias: false,
         mlp_bias: false,
         init_std: 0.1,
+        moe: None,
     }
 }
 
@@ -350,6 +352,37 @@ fn a_sharded_whole_model_equals_the_whole_stage() {
         let what = format!(
             "tied {tied}, shares {shares:?}, sequence parallel {sp}, recompute {recompute}"
         );
+        eprintln!("{what}: max difference {worst:.2e}");
+        assert!(worst < 1e-5, "{what}: {worst}");
+    }
+}
+
+/// Mixtral's experts under tensor parallelism: every rank routes alike and computes its
+/// FFN columns of each expert; the router's partial gradients are summed over the group.
+#[test]
+fn sharded_experts_equal_the_whole_stage() {
+    for (shares, sp, e, k) in [
+        (vec![1, 1], false, 4, 2),
+        (vec![3, 1], true, 4, 2),
+        (vec![2, 1, 1], false, 3, 1),
+    ] {
+        let c = LlamaConfig {
+            moe: Some(MoeConfig {
+                num_experts: e,
+                top_k: k,
+            }),
+            ..config(false)
+        };
+        let x = inputs(&c, true);
+        let reference = whole(&c, 0..3, &x);
+        let mode = Mode {
+            sequence_parallel: sp,
+            recompute: false,
+            rows_io: false,
+        };
+        let ranks = sharded(&c, 0..3, &shares, mode, &x);
+        let worst = compare(&reference, &ranks, true);
+        let what = format!("{e} experts, top {k}, shares {shares:?}, sequence parallel {sp}");
         eprintln!("{what}: max difference {worst:.2e}");
         assert!(worst < 1e-5, "{what}: {worst}");
     }

@@ -39,6 +39,7 @@ fn main() {
         attention_bias: false,
         mlp_bias: false,
         init_std: 0.02,
+        moe: None,
     };
     tch::manual_seed(0);
     let mut stage = Stage::new(&config, 0..layers, device).unwrap();

@@ -518,6 +518,7 @@ mod tests {
             attention_bias: false,
             mlp_bias: false,
             init_std: 0.02,
+            moe: None,
         };
         let mut stage = Stage::new(&config, 0..1, Device::Cpu).unwrap();
         stage.init_by_name(11);

@@ -30,6 +30,7 @@ fn tiny(num_layers: usize, tie_word_embeddings: bool) -> LlamaConfig {
         attention_bias: false,
         mlp_bias: false,
         init_std: 0.02,
+        moe: None,
     }
 }
 

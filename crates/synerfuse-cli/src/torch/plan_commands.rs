@@ -60,7 +60,15 @@ impl ModelFlags {
 
     fn config(&self) -> Result<LlamaConfig> {
         if let Some(path) = &self.model {
-            return Ok(LlamaConfig::from_hf_file(path)?);
+            let config = LlamaConfig::from_hf_file(path)?;
+            if let Some(moe) = config.moe {
+                anyhow::bail!(
+                    "--model {}: a mixture of {} experts per layer (Mixtral): the planner prices dense LLaMA models only so far",
+                    path.display(),
+                    moe.num_experts
+                );
+            }
+            return Ok(config);
         }
         let need = |flag: &str, v: Option<usize>| {
             v.with_context(|| format!("{flag} is required (or --model config.json)"))

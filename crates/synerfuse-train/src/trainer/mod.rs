@@ -547,6 +547,11 @@ impl<'w> Trainer<'w> {
         local_rank: usize,
     ) -> Result<Self, TrainError> {
         let started = Instant::now();
+        if let Some(moe) = config.model.moe {
+            return Err(TrainError::MixtureOfExperts {
+                experts: moe.num_experts,
+            });
+        }
         let rank = world.rank();
         let (replica, stage_index) = check_plan(&config, world.size(), rank)?;
         let device = rank_device(&config, rank, local_rank)?;
