@@ -202,7 +202,7 @@ enum Mlp {
     Dense(SwiGlu),
     Experts {
         /// `[experts, hidden]`, no bias.
-        router: Tensor,
+        router: Linear,
         experts: Vec<SwiGlu>,
         top_k: i64,
     },
@@ -219,7 +219,7 @@ impl Mlp {
                 experts,
                 top_k,
             } => {
-                let (out, logits) = route(h, router, experts, *top_k);
+                let (out, logits) = route(h, &router.weight, experts, *top_k);
                 (out, Some(logits))
             }
         }
@@ -321,14 +321,7 @@ impl DecoderLayer {
                 // computes its FFN columns of each expert.
                 Some(moe) => {
                     let block = &p / "block_sparse_moe";
-                    let router = (&block / "gate").var(
-                        "weight",
-                        &[moe.num_experts as i64, h as i64],
-                        nn::Init::Randn {
-                            mean: 0.0,
-                            stdev: std,
-                        },
-                    );
+                    let router = Linear::new(&block / "gate", h, moe.num_experts, false, std);
                     let experts = (0..moe.num_experts)
                         .map(|e| {
                             SwiGlu::new(
