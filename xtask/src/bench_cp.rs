@@ -59,6 +59,7 @@ fn planner_shares() -> Result<Vec<u32>> {
         vocab_size: 2048,
         seq_length: SEQUENCE,
         tied: true,
+        experts: None,
     };
     let layer_s = SPEEDS.map(|s| 1.0 / s);
     let group = best_context_group(&model, &[0, 1], &layer_s)

@@ -204,6 +204,7 @@ fn measured_state_bytes_match_the_planner_memory_model() {
             vocab_size: embedding.size()[0] as usize,
             seq_length: 32,
             tied: true,
+            experts: None,
         };
         let records = json_records(&d.join(format!("{name}.jsonl")));
         let step = records.iter().rev().find(|r| r.get("ranks").is_some());

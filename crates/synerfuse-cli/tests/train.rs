@@ -734,6 +734,7 @@ fn sigterm_saves_and_exits_and_metrics_are_written() {
         vocab_size: 1024,
         seq_length: 32,
         tied: true,
+        experts: None,
     };
     let flops = shape.megatron_flops_per_sample(8) * 6.0;
     let logged = first["tflops_per_device"].as_f64().unwrap() * 1e12;
@@ -996,7 +997,8 @@ fn shakespeare_end_to_end_on_four_hetero_ranks() {
 }
 
 /// `--finetune-from-hf` starts from the Hugging Face weights: after one step at learning
-/// rate 0 the checkpoint holds them unchanged, split over 3 pipeline stages.
+/// rate 0 the checkpoint holds them unchanged, split over 3 pipeline stages (a dense
+/// model and a Mixtral one).
 #[test]
 fn finetune_from_hf_starts_from_its_weights() {
     let dir = tempfile::tempdir().unwrap();
@@ -1060,22 +1062,39 @@ fn finetune_from_hf_starts_from_its_weights() {
         let saved = parameters(&dir.path().join(name));
         assert_eq!(max_param_diff(&original, &saved), 0.0, "{name}");
     }
-    // A Mixtral checkpoint loads (its experts, in the model crate's parity tests), but
-    // training a mixture of experts is refused by name.
+    // A Mixtral checkpoint trains: its experts whole on each pipeline stage, or on the
+    // second stage each expert's FFN columns split over a tensor-parallel pair.
     let mixtral = root().join("crates/synerfuse-model/tests/fixtures/mixtral_top1_tied");
-    let pp3 = [
-        "--pipeline-model-parallel-size",
-        "3",
-        "--micro-batch-size",
-        "2",
-    ];
-    let out = finetune_with_zero_lr(dir.path(), &mixtral, "mixtral", &pp3);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "a mixture of experts trained");
-    assert!(
-        stderr.contains("3 experts per layer") && !stderr.contains("panicked"),
-        "{stderr}"
-    );
+    let original: BTreeMap<String, Tensor> =
+        synerfuse_model::hf::read_safetensors(&mixtral.join("model.safetensors"), |_| true)
+            .unwrap()
+            .into_iter()
+            .collect();
+    let pair = dir.path().join("pair.toml");
+    std::fs::write(
+        &pair,
+        "[[replica]]\nlayers = [1, 2]\ntp = [1, 2]\nmicro_batch_size = 2\nnum_micro_batches = 2\n",
+    )
+    .unwrap();
+    for (name, layout) in [
+        (
+            "mixtral-pp3",
+            vec![
+                "--pipeline-model-parallel-size",
+                "3",
+                "--micro-batch-size",
+                "2",
+            ],
+        ),
+        ("mixtral-pp2-tp2", vec!["--plan", pair.to_str().unwrap()]),
+    ] {
+        ok(
+            &finetune_with_zero_lr(dir.path(), &mixtral, name, &layout),
+            name,
+        );
+        let saved = parameters(&dir.path().join(name));
+        assert_eq!(max_param_diff(&original, &saved), 0.0, "{name}");
+    }
 }
 
 /// One iteration at learning rate 0 from the weights in `hf` on 3 ranks laid out by

@@ -26,16 +26,87 @@ pub enum ConfigError {
     },
 }
 
-/// A mixture of experts in every layer's MLP (Mixtral's sparse MoE block): a router
-/// without bias, softmax over the experts, the `top_k` best with their weights
-/// renormalised to sum to 1, each a SwiGLU MLP of `intermediate_size`; dropless (every
-/// token reaches its experts, so any split of the tokens computes the same).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A mixture of experts in place of the MLP of every `layer_freq`-th layer (Mixtral's
+/// sparse MoE block in all of them): a router without bias, softmax over the experts,
+/// the `top_k` best with their weights renormalised to sum to 1, each a SwiGLU MLP of
+/// `ffn_hidden_size`; dropless (every token reaches its experts, so any split of the
+/// tokens computes the same).
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MoeConfig {
     /// Experts per layer (`num_local_experts`, Megatron's `--num-experts`).
     pub num_experts: usize,
     /// Experts per token (`num_experts_per_tok`, `--moe-router-topk`).
     pub top_k: usize,
+    /// Width of each expert's SwiGLU (`--moe-ffn-hidden-size`; Mixtral's
+    /// `intermediate_size`).
+    pub ffn_hidden_size: usize,
+    /// Layer `i` has experts when `i % layer_freq == 0` (`--moe-layer-freq`, as
+    /// Megatron); the others a dense MLP of the model's `intermediate_size`.
+    pub layer_freq: usize,
+    /// Weight of the load-balancing loss in training (`--moe-aux-loss-coeff`,
+    /// transformers' `router_aux_loss_coef`).
+    pub aux_loss_coeff: f64,
+    /// Over which tokens the load-balancing loss is taken.
+    pub load_balancing: LoadBalancing,
+}
+
+impl MoeConfig {
+    /// Mixtral's layout: `num_experts` experts of width `ffn_hidden_size` in every
+    /// layer, `top_k` per token, no load-balancing loss in training.
+    pub fn every_layer(num_experts: usize, top_k: usize, ffn_hidden_size: usize) -> Self {
+        MoeConfig {
+            num_experts,
+            top_k,
+            ffn_hidden_size,
+            layer_freq: 1,
+            aux_loss_coeff: 0.0,
+            load_balancing: LoadBalancing::AuxLoss,
+        }
+    }
+
+    /// Whether global layer `layer` has experts.
+    pub fn has_experts(&self, layer: usize) -> bool {
+        layer % self.layer_freq.max(1) == 0
+    }
+}
+
+/// Megatron's `--moe-router-load-balancing-type`: the Switch Transformer loss
+/// `E / (T² k) · Σ_e P_e · n_e` (`P_e` the router probabilities of expert `e` summed over
+/// `T` tokens, `n_e` its top-k picks), per layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadBalancing {
+    /// `aux_loss`: over each micro-batch's tokens (Megatron's default). The loss then
+    /// depends on which sequences share a micro-batch.
+    AuxLoss,
+    /// `seq_aux_loss`: over each sequence's tokens, averaged over sequences; the same
+    /// for any split of the batch.
+    SeqAuxLoss,
+    /// `none`: no load-balancing loss.
+    None,
+}
+
+impl LoadBalancing {
+    /// Megatron's name for it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LoadBalancing::AuxLoss => "aux_loss",
+            LoadBalancing::SeqAuxLoss => "seq_aux_loss",
+            LoadBalancing::None => "none",
+        }
+    }
+}
+
+impl std::str::FromStr for LoadBalancing {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "aux_loss" => Ok(LoadBalancing::AuxLoss),
+            "seq_aux_loss" => Ok(LoadBalancing::SeqAuxLoss),
+            "none" => Ok(LoadBalancing::None),
+            _ => Err(format!("{s:?}: use aux_loss, seq_aux_loss or none")),
+        }
+    }
 }
 
 /// A LLaMA-family decoder (what transformers' `LlamaConfig` and Megatron's flags describe).
@@ -69,7 +140,7 @@ pub struct LlamaConfig {
     pub mlp_bias: bool,
     /// Standard deviation of the initial weights (`--init-method-std`).
     pub init_std: f64,
-    /// Experts in place of each layer's MLP (a Mixtral model); `None`: dense.
+    /// Experts in place of the MLP of some layers (a Mixtral model); `None`: dense.
     pub moe: Option<MoeConfig>,
 }
 
@@ -120,8 +191,12 @@ impl LlamaConfig {
         }
         let moe = match kind {
             "mixtral" => Some(MoeConfig {
-                num_experts: int("num_local_experts")?,
-                top_k: int("num_experts_per_tok")?,
+                aux_loss_coeff: float("router_aux_loss_coef", 0.0),
+                ..MoeConfig::every_layer(
+                    int("num_local_experts")?,
+                    int("num_experts_per_tok")?,
+                    int("intermediate_size")?,
+                )
             }),
             _ => None,
         };
@@ -221,6 +296,21 @@ impl LlamaConfig {
             if self.mlp_bias {
                 return err("mlp_bias", "experts have no biases (Mixtral)".into());
             }
+            if moe.ffn_hidden_size == 0 || moe.layer_freq == 0 {
+                return err(
+                    "moe_ffn_hidden_size",
+                    "the experts' width and the MoE layer frequency must be at least 1".into(),
+                );
+            }
+            if !(moe.aux_loss_coeff >= 0.0 && moe.aux_loss_coeff.is_finite()) {
+                return err(
+                    "router_aux_loss_coef",
+                    format!(
+                        "{}: must be a finite non-negative number",
+                        moe.aux_loss_coeff
+                    ),
+                );
+            }
         }
         if self.head_dim % 2 != 0 {
             return err(
@@ -234,8 +324,25 @@ impl LlamaConfig {
         Ok(())
     }
 
+    /// Whether transformers can hold this model: a Mixtral model has experts in every
+    /// layer (none dense between them).
+    pub fn check_hf_exportable(&self) -> Result<(), ConfigError> {
+        match self.moe {
+            Some(moe) if moe.layer_freq != 1 => Err(ConfigError::Field {
+                source_name: "model".into(),
+                field: "--moe-layer-freq".into(),
+                problem: format!(
+                    "{}: dense layers between the MoE layers have no place in a Hugging Face \
+                     Mixtral checkpoint (every layer has experts there)",
+                    moe.layer_freq
+                ),
+            }),
+            _ => Ok(()),
+        }
+    }
+
     /// The `config.json` transformers writes for this model (`MixtralForCausalLM` with
-    /// experts).
+    /// experts; see [`Self::check_hf_exportable`]).
     pub fn to_hf_json(&self) -> String {
         let mut v = json!({
             "architectures": ["LlamaForCausalLM"],
@@ -264,8 +371,9 @@ impl LlamaConfig {
             v["model_type"] = json!("mixtral");
             v["num_local_experts"] = json!(moe.num_experts);
             v["num_experts_per_tok"] = json!(moe.top_k);
+            v["intermediate_size"] = json!(moe.ffn_hidden_size);
             v["output_router_logits"] = json!(false);
-            v["router_aux_loss_coef"] = json!(0.0);
+            v["router_aux_loss_coef"] = json!(moe.aux_loss_coeff);
             v["router_jitter_noise"] = json!(0.0);
             v["sliding_window"] = Value::Null;
             if let Some(map) = v.as_object_mut() {
@@ -299,7 +407,8 @@ impl LlamaConfig {
             if self.attention_bias {
                 push("self_attn.o_proj.bias", vec![h]);
             }
-            if let Some(moe) = self.moe {
+            if let Some(moe) = self.moe.filter(|m| m.has_experts(i)) {
+                let ffn = moe.ffn_hidden_size as i64;
                 push(
                     "block_sparse_moe.gate.weight",
                     vec![moe.num_experts as i64, h],
@@ -343,20 +452,24 @@ impl LlamaConfig {
             } else {
                 0
             };
-        let mlp = match self.moe {
-            Some(moe) => moe.num_experts * (3 * h * self.intermediate_size + h),
-            None => {
-                3 * h * self.intermediate_size
-                    + if self.mlp_bias {
-                        2 * self.intermediate_size + h
-                    } else {
-                        0
-                    }
-            }
-        };
-        let layer = attention + mlp + 2 * h;
+        let dense = 3 * h * self.intermediate_size
+            + if self.mlp_bias {
+                2 * self.intermediate_size + h
+            } else {
+                0
+            };
+        let mlps: usize = (0..self.num_layers)
+            .map(|i| match self.moe.filter(|m| m.has_experts(i)) {
+                Some(moe) => moe.num_experts * (3 * h * moe.ffn_hidden_size + h),
+                None => dense,
+            })
+            .sum();
+        let layer = attention + 2 * h;
         let embedding = self.vocab_size * h;
-        embedding * if self.tie_word_embeddings { 1 } else { 2 } + self.num_layers * layer + h
+        embedding * if self.tie_word_embeddings { 1 } else { 2 }
+            + self.num_layers * layer
+            + mlps
+            + h
     }
 }
 
@@ -393,6 +506,18 @@ pub struct MegatronModelArgs {
     pub init_method_std: f64,
     /// `--add-bias-linear` (LLaMA runs pass `--disable-bias-linear`).
     pub add_bias_linear: bool,
+    /// `--num-experts` (none: a dense model).
+    pub num_experts: Option<usize>,
+    /// `--moe-router-topk`.
+    pub moe_router_topk: usize,
+    /// `--moe-ffn-hidden-size` (default: the FFN width).
+    pub moe_ffn_hidden_size: Option<usize>,
+    /// `--moe-layer-freq`.
+    pub moe_layer_freq: usize,
+    /// `--moe-aux-loss-coeff`.
+    pub moe_aux_loss_coeff: f64,
+    /// `--moe-router-load-balancing-type`.
+    pub moe_router_load_balancing_type: LoadBalancing,
 }
 
 impl Default for MegatronModelArgs {
@@ -413,6 +538,12 @@ impl Default for MegatronModelArgs {
             tensor_model_parallel_size: 1,
             init_method_std: 0.02,
             add_bias_linear: false,
+            num_experts: None,
+            moe_router_topk: 2,
+            moe_ffn_hidden_size: None,
+            moe_layer_freq: 1,
+            moe_aux_loss_coeff: 0.0,
+            moe_router_load_balancing_type: LoadBalancing::AuxLoss,
         }
     }
 }
@@ -456,6 +587,26 @@ impl LlamaConfig {
             // As in Megatron, the group count counts only with --group-query-attention.
             (false, _) => args.num_attention_heads,
         };
+        let intermediate_size = args.ffn_hidden_size.unwrap_or(4 * args.hidden_size);
+        if let Some(n) = args.num_experts {
+            if args.moe_router_topk == 0 || args.moe_router_topk > n {
+                return Err(err(
+                    "--moe-router-topk",
+                    format!(
+                        "{} experts per token of {n} experts (--num-experts): needs 1 to {n}",
+                        args.moe_router_topk
+                    ),
+                ));
+            }
+        }
+        let moe = args.num_experts.map(|num_experts| MoeConfig {
+            num_experts,
+            top_k: args.moe_router_topk,
+            ffn_hidden_size: args.moe_ffn_hidden_size.unwrap_or(intermediate_size),
+            layer_freq: args.moe_layer_freq,
+            aux_loss_coeff: args.moe_aux_loss_coeff,
+            load_balancing: args.moe_router_load_balancing_type,
+        });
         let config = LlamaConfig {
             vocab_size: padded_vocab_size(
                 tokenizer_vocab_size,
@@ -463,7 +614,7 @@ impl LlamaConfig {
                 args.tensor_model_parallel_size,
             ),
             hidden_size: args.hidden_size,
-            intermediate_size: args.ffn_hidden_size.unwrap_or(4 * args.hidden_size),
+            intermediate_size,
             num_layers: args.num_layers,
             num_heads: args.num_attention_heads,
             num_kv_heads,
@@ -475,7 +626,7 @@ impl LlamaConfig {
             attention_bias: args.add_bias_linear,
             mlp_bias: args.add_bias_linear,
             init_std: args.init_method_std,
-            moe: None,
+            moe,
         };
         config.validate("flags")?;
         Ok(config)
@@ -488,14 +639,16 @@ mod tests {
 
     #[test]
     fn parameter_shapes_are_a_whole_stages() {
-        let experts = MoeConfig {
-            num_experts: 3,
-            top_k: 2,
+        let experts = MoeConfig::every_layer(3, 2, 40);
+        let every_other = MoeConfig {
+            layer_freq: 2,
+            ..experts
         };
         for (tied, bias, moe) in [
             (true, false, None),
             (false, true, None),
             (false, false, Some(experts)),
+            (true, false, Some(every_other)),
         ] {
             let c = LlamaConfig {
                 vocab_size: 64,
@@ -566,10 +719,7 @@ mod tests {
             "num_experts_per_tok":2,"sliding_window":null,"tie_word_embeddings":false,
             "rope_parameters":{"rope_theta":1000000.0,"rope_type":"default"}}"#;
         let c = LlamaConfig::from_hf_json(text, "config.json").unwrap();
-        let experts = MoeConfig {
-            num_experts: 4,
-            top_k: 2,
-        };
+        let experts = MoeConfig::every_layer(4, 2, 48);
         assert_eq!((c.moe, c.head_dim), (Some(experts), 8));
         let back = LlamaConfig::from_hf_json(&c.to_hf_json(), "c").unwrap();
         assert_eq!(back, c);

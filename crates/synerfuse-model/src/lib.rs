@@ -8,13 +8,17 @@ mod device;
 mod generate;
 pub mod hf;
 mod llama;
+mod moe;
 mod norm;
 mod pass;
 pub mod tp;
 
-pub use config::{padded_vocab_size, ConfigError, LlamaConfig, MegatronModelArgs, MoeConfig};
+pub use config::{
+    padded_vocab_size, ConfigError, LlamaConfig, LoadBalancing, MegatronModelArgs, MoeConfig,
+};
 pub use device::{set_deterministic, DeviceRequest, ModelError, ResolveDevice};
 pub use generate::{generate, GenerateOptions};
-pub use llama::{load_balancing_loss, BackwardFrom, KvCache, Stage, StageError};
+pub use llama::{BackwardFrom, KvCache, Stage, StageError};
+pub use moe::{load_balancing_loss, LayerBalance};
 pub use pass::ForwardPass;
 pub use tch;

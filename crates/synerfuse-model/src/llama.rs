@@ -6,6 +6,8 @@
 //! *global* layer indices (`model.layers.17.mlp.up_proj.weight`), so a stage's tensors
 //! mean the same thing whatever the layout, and checkpoints move between layouts.
 
+use crate::cp::ContextGroup;
+use crate::moe::{route, LayerBalance, Routing};
 use crate::norm::rms_norm;
 use crate::pass::{ForwardPass, SavedInputs};
 use crate::LlamaConfig;
@@ -159,7 +161,7 @@ impl KvCache {
 
 /// A SwiGLU MLP (a dense layer's, or one expert's), its gate and up projections run as
 /// one GEMM.
-struct SwiGlu {
+pub(crate) struct SwiGlu {
     gate: Linear,
     up: Linear,
     down: Linear,
@@ -182,7 +184,7 @@ impl SwiGlu {
         }
     }
 
-    fn forward(&self, h: &Tensor) -> Tensor {
+    pub(crate) fn forward(&self, h: &Tensor) -> Tensor {
         let ffn = self.gate.weight.size()[0];
         let gate_up = h.linear(
             &Tensor::cat(&[&self.gate.weight, &self.up.weight], 0),
@@ -209,9 +211,9 @@ enum Mlp {
 }
 
 impl Mlp {
-    /// The MLP's output for normed input `h` `[..., hidden]`, and under experts the
-    /// router's logits `[tokens, experts]`.
-    fn forward(&self, h: &Tensor) -> (Tensor, Option<Tensor>) {
+    /// The MLP's output for normed input `h` `[..., hidden]`, and under experts how
+    /// layer `layer` routed its tokens.
+    fn forward(&self, h: &Tensor, layer: usize) -> (Tensor, Option<Routing>) {
         match self {
             Mlp::Dense(mlp) => (mlp.forward(h), None),
             Mlp::Experts {
@@ -219,54 +221,11 @@ impl Mlp {
                 experts,
                 top_k,
             } => {
-                let (out, logits) = route(h, &router.weight, experts, *top_k);
-                (out, Some(logits))
+                let (out, routing) = route(h, &router.weight, experts, *top_k, layer);
+                (out, Some(routing))
             }
         }
     }
-}
-
-/// Dropless top-k routing (transformers' `MixtralSparseMoeBlock`): softmax over the
-/// router's logits in fp32, the `top_k` best renormalised to sum to 1, each token's
-/// output the weighted sum of its experts' outputs. Every token reaches its experts,
-/// so the result does not depend on which tokens share a batch.
-fn route(h: &Tensor, router: &Tensor, experts: &[SwiGlu], top_k: i64) -> (Tensor, Tensor) {
-    let shape = h.size();
-    let x = h.reshape([-1, shape[shape.len() - 1]]);
-    let logits = x.linear::<Tensor>(router, None);
-    let probs = logits.softmax(-1, Kind::Float);
-    let (top, chosen) = probs.topk(top_k, -1, true, true);
-    let weights = &top / top.sum_dim_intlist(-1, true, Kind::Float);
-    let mut out = x.zeros_like();
-    for (e, expert) in experts.iter().enumerate() {
-        // (token, slot) of every choice of this expert. An expert no token chose runs on
-        // none, so that its gradient is zero rather than undefined (every rank and step
-        // then has the same gradients to reduce).
-        let hits = chosen.eq(e as i64).nonzero();
-        let (tokens, slots) = (hits.select(1, 0), hits.select(1, 1));
-        let y = expert.forward(&x.index_select(0, &tokens));
-        let w = weights.index(&[Some(&tokens), Some(&slots)]).unsqueeze(-1);
-        out = out.index_add(0, &tokens, &(y * w).to_kind(x.kind()));
-    }
-    (out.reshape(shape.as_slice()), logits)
-}
-
-/// transformers' `load_balancing_loss_func` (Switch Transformer's auxiliary loss) over
-/// the router logits of every MoE layer of a forward: with `f_e` the fraction of the
-/// top-k choices and `P_e` the mean router probability of expert `e` over all layers'
-/// tokens, `experts · Σ_e f_e · P_e` (`f` counts choices, so it sums to `top_k`).
-pub fn load_balancing_loss(router_logits: &[Tensor], num_experts: usize, top_k: usize) -> Tensor {
-    let all = Tensor::cat(router_logits, 0).to_kind(Kind::Float);
-    let rows = all.size()[0] as f64;
-    let probs = all.softmax(-1, Kind::Float);
-    let (_, chosen) = probs.topk(top_k as i64, -1, true, true);
-    let counts = chosen
-        .reshape([-1])
-        .one_hot(num_experts as i64)
-        .to_kind(Kind::Float)
-        .sum_dim_intlist(0, false, Kind::Float);
-    let mean_probs = probs.sum_dim_intlist(0, false, Kind::Float) / rows;
-    (counts / rows * mean_probs).sum(Kind::Float) * num_experts as f64
 }
 
 pub(crate) struct DecoderLayer {
@@ -296,6 +255,7 @@ impl DecoderLayer {
             groups * c.head_dim,
             shard.ffn_columns.len(),
         );
+        let expert_ffn = shard.expert_columns.len();
         let first = shard.rank == 0;
         DecoderLayer {
             index,
@@ -309,7 +269,7 @@ impl DecoderLayer {
             k: Linear::new(&attn / "k_proj", h, kv, c.attention_bias, std),
             v: Linear::new(&attn / "v_proj", h, kv, c.attention_bias, std),
             o: Linear::new(&attn / "o_proj", q, h, c.attention_bias && first, out_std),
-            mlp: match c.moe {
+            mlp: match c.moe.filter(|m| m.has_experts(index)) {
                 None => Mlp::Dense(SwiGlu::new(
                     &(&p / "mlp"),
                     ["gate_proj", "up_proj", "down_proj"],
@@ -327,7 +287,7 @@ impl DecoderLayer {
                             SwiGlu::new(
                                 &(&block / "experts" / e),
                                 ["w1", "w3", "w2"],
-                                (h, ffn),
+                                (h, expert_ffn),
                                 (false, false),
                                 (std, out_std),
                             )
@@ -343,7 +303,7 @@ impl DecoderLayer {
         }
     }
 
-    /// The layer's output; an MoE layer's router logits pushed onto `router`.
+    /// The layer's output; an MoE layer's routing pushed onto `routings`.
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
@@ -352,11 +312,11 @@ impl DecoderLayer {
         (cos, sin): (&Tensor, &Tensor),
         attention_mask: Option<&Tensor>,
         cache: Option<&mut KvCache>,
-        router: &mut Vec<Tensor>,
+        routings: &mut Vec<Routing>,
     ) -> Tensor {
         let x = x + self.attention_out(x, c, cos, sin, attention_mask, cache);
-        let (mlp, logits) = self.mlp.forward(&self.block_norm(false, &x, c));
-        router.extend(logits);
+        let (mlp, routing) = self.mlp_out(&x, c);
+        routings.extend(routing);
         x + mlp
     }
 
@@ -515,13 +475,14 @@ impl DecoderLayer {
 
     /// The MLP block's output (before the residual): normed input, SwiGLU over this
     /// shard's FFN columns, with the gate and up projections in one GEMM.
-    pub(crate) fn mlp_out(&self, x: &Tensor, c: &LlamaConfig) -> Tensor {
+    /// An MoE layer's routing with it.
+    pub(crate) fn mlp_out(&self, x: &Tensor, c: &LlamaConfig) -> (Tensor, Option<Routing>) {
         self.mlp_core(&self.block_norm(false, x, c))
     }
 
     /// [`Self::mlp_out`] after its norm: `h` is the normed input.
-    pub(crate) fn mlp_core(&self, h: &Tensor) -> Tensor {
-        self.mlp.forward(h).0
+    pub(crate) fn mlp_core(&self, h: &Tensor) -> (Tensor, Option<Routing>) {
+        self.mlp.forward(h, self.index)
     }
 
     /// Appends this step's keys and values to the layer's cache; returns the keys and
@@ -598,11 +559,14 @@ impl Stage {
         layers: Range<usize>,
         device: Device,
     ) -> Result<Stage, StageError> {
-        let whole = TpShard::whole(
+        let mut whole = TpShard::whole(
             config.num_kv_heads,
             config.intermediate_size,
             config.vocab_size,
         );
+        if let Some(moe) = config.moe {
+            whole.expert_columns = 0..moe.ffn_hidden_size;
+        }
         Self::new_sharded(config, layers, whole, device)
     }
 
@@ -626,6 +590,9 @@ impl Stage {
         let fits = |r: &Range<usize>, n: usize| r.start < r.end && r.end <= n;
         if !(fits(&shard.query_groups, config.num_kv_heads)
             && fits(&shard.ffn_columns, config.intermediate_size)
+            && config
+                .moe
+                .is_none_or(|m| fits(&shard.expert_columns, m.ffn_hidden_size))
             && fits(&shard.vocab_rows, config.vocab_size))
             || config.num_kv_heads == 0
             || config.num_heads % config.num_kv_heads != 0
@@ -719,8 +686,10 @@ impl Stage {
             "q_proj" => rows(scaled(groups, per_group * hd)),
             "k_proj" | "v_proj" => rows(scaled(groups, hd)),
             "o_proj" if weight => columns(scaled(groups, per_group * hd)),
-            "gate_proj" | "up_proj" | "w1" | "w3" => rows(scaled(&self.shard.ffn_columns, 1)),
-            "down_proj" | "w2" if weight => columns(scaled(&self.shard.ffn_columns, 1)),
+            "gate_proj" | "up_proj" => rows(scaled(&self.shard.ffn_columns, 1)),
+            "down_proj" if weight => columns(scaled(&self.shard.ffn_columns, 1)),
+            "w1" | "w3" => rows(scaled(&self.shard.expert_columns, 1)),
+            "w2" => columns(scaled(&self.shard.expert_columns, 1)),
             "embed_tokens" | "lm_head" => rows(scaled(&self.shard.vocab_rows, 1)),
             _ => None,
         }
@@ -785,9 +754,8 @@ impl Stage {
             shape[dim] = match leaf {
                 "q_proj" | "o_proj" => (c.num_heads * c.head_dim) as i64,
                 "k_proj" | "v_proj" => (c.num_kv_heads * c.head_dim) as i64,
-                "gate_proj" | "up_proj" | "down_proj" | "w1" | "w2" | "w3" => {
-                    c.intermediate_size as i64
-                }
+                "gate_proj" | "up_proj" | "down_proj" => c.intermediate_size as i64,
+                "w1" | "w2" | "w3" => c.moe.map_or(0, |m| m.ffn_hidden_size) as i64,
                 _ => c.vocab_size as i64,
             };
         }
@@ -938,7 +906,8 @@ impl Stage {
         position_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
     ) -> Result<(Tensor, Vec<Tensor>), StageError> {
-        self.forward_inner(input, position_ids, attention_mask, None)
+        let (output, routings) = self.forward_inner(input, position_ids, attention_mask, None)?;
+        Ok((output, routings.into_iter().map(|r| r.logits).collect()))
     }
 
     /// [`Stage::forward`] with a key/value cache: positions continue after the cached
@@ -965,7 +934,7 @@ impl Stage {
         position_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
         mut cache: Option<&mut KvCache>,
-    ) -> Result<(Tensor, Vec<Tensor>), StageError> {
+    ) -> Result<(Tensor, Vec<Routing>), StageError> {
         if !self.shard.is_whole() {
             return Err(StageError::Sharded);
         }
@@ -980,7 +949,7 @@ impl Stage {
             }
         };
         let (cos, sin) = self.rotary(&x, position_ids);
-        let mut router = Vec::new();
+        let mut routings = Vec::new();
         for layer in &self.decoder {
             x = layer.forward(
                 &x,
@@ -988,14 +957,14 @@ impl Stage {
                 (&cos, &sin),
                 attention_mask,
                 cache.as_deref_mut(),
-                &mut router,
+                &mut routings,
             );
         }
         if let (Some(norm), Some(head)) = (&self.norm, &self.head) {
             let h = rms_norm(&x, norm, self.config.rms_norm_eps);
             x = h.linear::<Tensor>(head, None);
         }
-        Ok((x, router))
+        Ok((x, routings))
     }
 
     pub(crate) fn check_tokens(&self, input: &Tensor) -> Result<(), StageError> {
@@ -1091,23 +1060,39 @@ impl Stage {
             position_ids: position_ids.map(Tensor::shallow_clone),
             attention_mask: attention_mask.map(Tensor::shallow_clone),
         };
-        if self.recompute {
-            let output = tch::no_grad(|| self.forward(&input, position_ids, attention_mask))?;
-            Ok(ForwardPass {
-                output,
-                graph: None,
-                saved,
-                regions: Vec::new(),
-            })
-        } else {
-            let output = self.forward(&input, position_ids, attention_mask)?;
-            Ok(ForwardPass {
-                output: output.shallow_clone(),
-                graph: Some(output),
-                saved,
-                regions: Vec::new(),
-            })
+        let sequences = input.size()[0];
+        let run = || -> Result<_, StageError> {
+            let (output, routings) =
+                self.forward_inner(&input, position_ids, attention_mask, None)?;
+            Ok((output, self.balances(&routings, sequences, None)?))
+        };
+        let (output, balance) = match self.recompute {
+            true => tch::no_grad(run)?,
+            false => run()?,
+        };
+        let mut pass = ForwardPass::new(output.detach(), saved, sequences);
+        if !self.recompute {
+            pass.graph = Some(output);
+            pass.balance_graph = summed_losses(&balance);
         }
+        pass.balance = balance.into_iter().map(LayerBalance::detached).collect();
+        Ok(pass)
+    }
+
+    /// Each MoE layer's load balance over a micro-batch of `sequences` sequences, from
+    /// its `routings` (context: see [`Routing::balance`]).
+    pub(crate) fn balances(
+        &self,
+        routings: &[Routing],
+        sequences: i64,
+        context: Option<&ContextGroup<'_>>,
+    ) -> Result<Vec<LayerBalance>, StageError> {
+        let Some(moe) = self.config.moe else {
+            return Ok(Vec::new());
+        };
+        (routings.iter())
+            .map(|r| r.balance(sequences, moe.load_balancing, moe.top_k, context))
+            .collect()
     }
 
     /// Backpropagates `pass` given the gradient of its output (or, on the last stage, a
@@ -1122,20 +1107,33 @@ impl Stage {
         if !pass.regions.is_empty() {
             return Err(StageError::Sharded);
         }
-        let output = match pass.graph {
-            Some(graph) => graph,
-            None => self.forward(
-                &pass.saved.input,
-                pass.saved.position_ids.as_ref(),
-                pass.saved.attention_mask.as_ref(),
-            )?,
+        let weight = pass.balance_weight(&self.config, 1);
+        let (output, balance) = match pass.graph {
+            Some(graph) => (graph, pass.balance_graph),
+            None => {
+                let saved = &pass.saved;
+                let (positions, mask) =
+                    (saved.position_ids.as_ref(), saved.attention_mask.as_ref());
+                let (output, routings) = self.forward_inner(&saved.input, positions, mask, None)?;
+                let balance = self.balances(&routings, pass.sequences, None)?;
+                (output, summed_losses(&balance))
+            }
         };
-        match loss_or_output_grad {
-            BackwardFrom::OutputGrad(grad) => (output * grad).sum(Kind::Float).backward(),
-            BackwardFrom::Loss(loss_of) => loss_of(&output).backward(),
+        let loss = match loss_or_output_grad {
+            BackwardFrom::OutputGrad(grad) => (output * grad).sum(Kind::Float),
+            BackwardFrom::Loss(loss_of) => loss_of(&output),
+        };
+        match balance.filter(|_| weight != 0.0) {
+            Some(balance) => (loss + balance * weight).backward(),
+            None => loss.backward(),
         }
         Ok((!self.is_first()).then(|| pass.saved.input.grad()))
     }
+}
+
+/// The sum of the layers' load-balancing losses (none for a dense stage).
+pub(crate) fn summed_losses(balance: &[LayerBalance]) -> Option<Tensor> {
+    (balance.iter().map(|b| b.loss.shallow_clone())).reduce(|a, b| a + b)
 }
 
 /// A 63-bit seed from a run seed and a parameter name (FNV-1a, stable across builds).

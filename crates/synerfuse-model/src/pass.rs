@@ -2,6 +2,8 @@
 //! the whole stage (`llama`) and the sharded one (`tp`) share, so that neither imports
 //! the other's.
 
+use crate::moe::LayerBalance;
+use crate::LlamaConfig;
 use tch::Tensor;
 
 /// The inputs a stage's forward was run on, for a backward that recomputes it.
@@ -20,20 +22,59 @@ pub struct ForwardPass {
     pub(crate) saved: SavedInputs,
     /// The regions of a tensor-parallel pass (empty for a whole stage).
     pub(crate) regions: Vec<Region>,
+    /// Each MoE layer's load balance over the micro-batch (values, no graph).
+    pub(crate) balance: Vec<LayerBalance>,
+    /// A whole stage's load-balancing losses summed, with their graph (none without
+    /// experts, when recomputed, and for a parallel pass, whose regions hold them).
+    pub(crate) balance_graph: Option<Tensor>,
+    /// Sequences in the micro-batch.
+    pub(crate) sequences: i64,
+    /// The weight of each sequence in the step's objective (default: 1 / sequences).
+    pub(crate) sequence_weight: Option<f64>,
 }
 
 impl ForwardPass {
-    pub(crate) fn regions(output: Tensor, regions: Vec<Region>, saved: SavedInputs) -> Self {
+    pub(crate) fn new(output: Tensor, saved: SavedInputs, sequences: i64) -> Self {
         ForwardPass {
             output,
             graph: None,
             saved,
-            regions,
+            regions: Vec::new(),
+            balance: Vec::new(),
+            balance_graph: None,
+            sequences,
+            sequence_weight: None,
         }
     }
 
     pub(crate) fn into_regions(self) -> (Vec<Region>, SavedInputs) {
         (self.regions, self.saved)
+    }
+
+    /// Each MoE layer's load balance over this micro-batch (none for a dense stage):
+    /// the load-balancing loss and tokens per expert the log reports.
+    pub fn load_balance(&self) -> &[LayerBalance] {
+        &self.balance
+    }
+
+    /// Weighs this micro-batch's load-balancing loss in the backward by `weight` per
+    /// sequence: 1 / the sequences of the whole step (over micro-batches and data-
+    /// parallel replicas), so that it enters the step's objective as a mean over
+    /// sequences. Without it the micro-batch counts as a whole step (1 / its sequences).
+    pub fn set_sequence_weight(&mut self, weight: f64) {
+        self.sequence_weight = Some(weight);
+    }
+
+    /// What the summed load-balancing losses are multiplied by in the backward: the
+    /// coefficient times each sequence's weight, over `tensor_parallel` ranks that each
+    /// compute the whole loss (0 without experts or coefficient).
+    pub(crate) fn balance_weight(&self, config: &LlamaConfig, tensor_parallel: usize) -> f64 {
+        let coeff = config.moe.map_or(0.0, |m| match m.load_balancing {
+            crate::config::LoadBalancing::None => 0.0,
+            _ => m.aux_loss_coeff,
+        });
+        let weight = (self.sequence_weight).unwrap_or(1.0 / self.sequences.max(1) as f64);
+        coeff * weight / tensor_parallel.max(1) as f64
     }
 }
 
@@ -51,6 +92,8 @@ pub(crate) enum Region {
         input: Tensor,
         partial: Tensor,
         kv: Option<crate::cp::KvExchange>,
+        /// An MoE block's load-balancing loss over the micro-batch (graph to the router).
+        balance: Option<Tensor>,
     },
     /// The final norm (unless sequence-parallel) and this rank's slice of the output layer.
     Head { input: Tensor, logits: Tensor },

@@ -12,6 +12,7 @@
 //! each rank's vocabulary slice with three small collectives per micro-batch.
 
 use crate::cp::ContextGroup;
+use crate::moe::LayerBalance;
 use crate::norm::rms_norm;
 use crate::pass::{ForwardPass, Region, SavedInputs};
 use crate::{Stage, StageError};
@@ -172,18 +173,22 @@ impl Stage {
             position_ids: position_ids.map(Tensor::shallow_clone),
             attention_mask: attention_mask.map(Tensor::shallow_clone),
         };
-        let (output, regions) = match self.recomputes() {
+        let run = || self.tp_regions(input, position_ids, attention_mask, tp, cp);
+        let (output, regions, balance) = match self.recomputes() {
             true => {
-                let (output, _) =
-                    tch::no_grad(|| self.tp_regions(input, position_ids, attention_mask, tp, cp))?;
-                (output, Vec::new())
+                let (output, _, balance) = tch::no_grad(run)?;
+                (output, Vec::new(), balance)
             }
-            false => self.tp_regions(input, position_ids, attention_mask, tp, cp)?,
+            false => run()?,
         };
-        Ok(ForwardPass::regions(output, regions, saved))
+        let mut pass = ForwardPass::new(output, saved, input.size()[0]);
+        pass.regions = regions;
+        pass.balance = balance.into_iter().map(LayerBalance::detached).collect();
+        Ok(pass)
     }
 
-    /// The tensor-parallel forward: its output and the regions its backward runs.
+    /// The tensor-parallel forward: its output, the regions its backward runs, and its
+    /// MoE layers' load balance.
     fn tp_regions(
         &self,
         input: &Tensor,
@@ -191,7 +196,9 @@ impl Stage {
         attention_mask: Option<&Tensor>,
         tp: &dyn TpCollectives,
         cp: Option<&ContextGroup<'_>>,
-    ) -> Result<(Tensor, Vec<Region>), StageError> {
+    ) -> Result<(Tensor, Vec<Region>, Vec<LayerBalance>), StageError> {
+        let sequences = input.size()[0];
+        let mut balances = Vec::new();
         let seq = Sequence {
             tp,
             parallel: self.sequence_parallel(),
@@ -260,23 +267,38 @@ impl Stage {
                             input,
                             partial,
                             kv: Some(kv),
+                            balance: None,
                         });
                         continue;
                     }
-                    (true, true, _) => {
-                        layer.attention_core(&input, c, &cos, &sin, attention_mask, None)
-                    }
-                    (true, false, _) => {
-                        layer.attention_out(&input, c, &cos, &sin, attention_mask, None)
-                    }
+                    (true, true, _) => (
+                        layer.attention_core(&input, c, &cos, &sin, attention_mask, None),
+                        None,
+                    ),
+                    (true, false, _) => (
+                        layer.attention_out(&input, c, &cos, &sin, attention_mask, None),
+                        None,
+                    ),
                     (false, true, _) => layer.mlp_core(&input),
                     (false, false, _) => layer.mlp_out(&input, c),
+                };
+                let (partial, routing) = partial;
+                let balance = match routing {
+                    Some(routing) => {
+                        let cp = context.as_ref().map(|(cp, _, _)| *cp);
+                        let mut balance = self.balances(&[routing], sequences, cp)?;
+                        let loss = balance[0].loss.shallow_clone();
+                        balances.append(&mut balance);
+                        Some(loss)
+                    }
+                    None => None,
                 };
                 x = &x + seq.combine(&partial.detach())?;
                 regions.push(Region::Block {
                     input,
                     partial,
                     kv: None,
+                    balance,
                 });
             }
         }
@@ -297,7 +319,7 @@ impl Stage {
             None if self.gives_sequence_rows() => x,
             None => seq.whole(&x)?,
         };
-        Ok((output, regions))
+        Ok((output, regions, balances))
     }
 
     /// The leaf input of the next parallel region: the residual stream `x` itself, or
@@ -347,6 +369,7 @@ impl Stage {
             tp,
             parallel: self.sequence_parallel(),
         };
+        let weight = pass.balance_weight(self.config(), tp.size());
         let (mut regions, saved) = pass.into_regions();
         if regions.is_empty() {
             // A recomputed pass: its forward again, with the graph this time.
@@ -393,9 +416,19 @@ impl Stage {
                         None => input.grad(),
                     });
                 }
-                Region::Block { input, partial, kv } => {
+                Region::Block {
+                    input,
+                    partial,
+                    kv,
+                    balance,
+                } => {
                     let g = grad.as_ref().expect("a block's output gradient");
-                    backward_from(&partial, &seq.whole(g)?);
+                    let through_output =
+                        (&partial * seq.whole(g)?.to_kind(partial.kind())).sum(Kind::Float);
+                    match balance.filter(|_| weight != 0.0) {
+                        Some(balance) => (through_output + balance * weight).backward(),
+                        None => through_output.backward(),
+                    }
                     if let (Some(kv), Some(cp)) = (kv, cp) {
                         cp.backward(kv)?;
                     }

@@ -191,6 +191,10 @@ fn context_parallel(
         c.vocab_size,
     )
     .unwrap();
+    let layout = match c.moe {
+        Some(moe) => layout.with_expert_ffn(moe.ffn_hidden_size).unwrap(),
+        None => layout,
+    };
     let mut tp_groups: Vec<Vec<ThreadGroup>> = (0..n).map(|_| thread_groups(tp)).collect();
     let mut cp_groups: Vec<Vec<ThreadGroup>> = (0..tp).map(|_| thread_groups(n)).collect();
     let mut members = Vec::new();
@@ -380,6 +384,46 @@ fn a_context_parallel_stage_equals_the_whole_stage() {
                     "{what} {layers:?} recompute {recompute}: {diff:e}"
                 );
             }
+        }
+    }
+}
+
+/// Mixtral's experts under context parallelism: each member routes its own tokens, the
+/// load-balancing loss counts every member's picks of a sequence (summed over the group)
+/// against its own probabilities, and the members' parts add up to the whole loss.
+#[test]
+fn experts_under_context_parallelism_equal_the_whole_stage() {
+    use synerfuse_model::{LoadBalancing, MoeConfig};
+    let sequence = SEQUENCE as usize;
+    for (balancing, split, tp, sp) in [
+        (
+            LoadBalancing::AuxLoss,
+            ContextSplit::in_shares(sequence, &[3, 1]).unwrap(),
+            vec![1],
+            false,
+        ),
+        (
+            LoadBalancing::SeqAuxLoss,
+            ContextSplit::even(sequence, 2).unwrap(),
+            vec![1, 1],
+            true,
+        ),
+    ] {
+        let c = LlamaConfig {
+            moe: Some(MoeConfig {
+                aux_loss_coeff: 0.5,
+                load_balancing: balancing,
+                ..MoeConfig::every_layer(4, 2, 32)
+            }),
+            ..config()
+        };
+        for (layers, first) in [(0..3, true), (1..2, false)] {
+            let x = inputs(&c, first);
+            let reference = whole(&c, layers.clone(), &x);
+            let members = context_parallel(&c, layers.clone(), &split, &tp, (false, sp), &x);
+            let diff = compare(&reference, &members);
+            println!("{balancing:?}, TP {tp:?}, layers {layers:?}: {diff:.2e}");
+            assert!(diff < 1e-5, "{balancing:?} {layers:?}: {diff:e}");
         }
     }
 }

@@ -85,6 +85,17 @@ struct Outcome {
     slices: BTreeMap<String, (usize, std::ops::Range<i64>)>,
     /// Every parameter's whole value (gathered from the shards on a sharded rank).
     params: BTreeMap<String, Tensor>,
+    /// Each MoE layer's load-balancing loss and tokens per expert.
+    balance: Vec<(f64, Vec<f64>)>,
+}
+
+fn balance(pass: &synerfuse_model::ForwardPass) -> Vec<(f64, Vec<f64>)> {
+    (pass.load_balance().iter())
+        .map(|b| {
+            let tokens = Vec::<f64>::try_from(&b.tokens_per_expert).unwrap();
+            (b.loss.double_value(&[]), tokens)
+        })
+        .collect()
 }
 
 struct Inputs {
@@ -130,6 +141,7 @@ fn whole(c: &LlamaConfig, layers: std::ops::Range<usize>, x: &Inputs) -> Outcome
         stage
     };
     let pass = stage.forward_train(&x.input, None, None).unwrap();
+    let balance = balance(&pass);
     let output = pass.output.shallow_clone();
     let mut loss = 0.0;
     let input_grad = if stage.is_last() {
@@ -150,6 +162,7 @@ fn whole(c: &LlamaConfig, layers: std::ops::Range<usize>, x: &Inputs) -> Outcome
         grads: grads(&stage),
         slices: BTreeMap::new(),
         params: stage.var_store().variables().into_iter().collect(),
+        balance,
     }
 }
 
@@ -178,6 +191,10 @@ fn sharded(
         c.vocab_size,
     )
     .unwrap();
+    let layout = match c.moe {
+        Some(moe) => layout.with_expert_ffn(moe.ffn_hidden_size).unwrap(),
+        None => layout,
+    };
     let slots = Arc::new(Mutex::new((0..shares.len()).map(|_| None).collect()));
     let barrier = Arc::new(Barrier::new(shares.len()));
     let threads: Vec<_> = (0..shares.len())
@@ -213,6 +230,7 @@ fn sharded(
                     stage
                 };
                 let pass = stage.forward_train_tp(&input, None, None, &group).unwrap();
+                let balance = balance(&pass);
                 let output = pass.output.shallow_clone();
                 let (loss, from) = if stage.is_last() {
                     let (sum, _) = stage
@@ -249,6 +267,7 @@ fn sharded(
                     grads: grads(&stage),
                     slices,
                     params,
+                    balance,
                 }
             })
         })
@@ -284,6 +303,12 @@ fn compare(whole: &Outcome, ranks: &[Outcome], last: bool) -> f64 {
     let vocab_dim = 2;
     let mut offset = 0;
     for rank in ranks {
+        assert_eq!(rank.balance.len(), whole.balance.len());
+        for ((loss, tokens), (whole_loss, whole_tokens)) in rank.balance.iter().zip(&whole.balance)
+        {
+            worst = worst.max((loss - whole_loss).abs());
+            assert_eq!(tokens, whole_tokens);
+        }
         if last {
             // Each rank's logits are its vocabulary slice of the whole logits.
             let n = rank.output.size()[2];
@@ -358,18 +383,25 @@ fn a_sharded_whole_model_equals_the_whole_stage() {
 }
 
 /// Mixtral's experts under tensor parallelism: every rank routes alike and computes its
-/// FFN columns of each expert; the router's partial gradients are summed over the group.
+/// FFN columns of each expert; the router's partial gradients are summed over the group,
+/// and each rank's load-balancing loss (the whole of it) counts once over the group.
+/// Experts narrower than the dense FFN, dense layers between MoE ones, both kinds of
+/// load-balancing loss, recomputation.
 #[test]
 fn sharded_experts_equal_the_whole_stage() {
-    for (shares, sp, e, k) in [
-        (vec![1, 1], false, 4, 2),
-        (vec![3, 1], true, 4, 2),
-        (vec![2, 1, 1], false, 3, 1),
+    use synerfuse_model::LoadBalancing::{AuxLoss, SeqAuxLoss};
+    for (shares, sp, recompute, e, k, (ffn, freq, balancing)) in [
+        (vec![1, 1], false, false, 4, 2, (48, 1, AuxLoss)),
+        (vec![3, 1], true, false, 4, 2, (40, 2, SeqAuxLoss)),
+        (vec![2, 1, 1], false, true, 3, 1, (24, 1, AuxLoss)),
+        (vec![1, 1], true, true, 4, 2, (32, 2, AuxLoss)),
     ] {
         let c = LlamaConfig {
             moe: Some(MoeConfig {
-                num_experts: e,
-                top_k: k,
+                layer_freq: freq,
+                aux_loss_coeff: 0.5,
+                load_balancing: balancing,
+                ..MoeConfig::every_layer(e, k, ffn)
             }),
             ..config(false)
         };
@@ -377,12 +409,15 @@ fn sharded_experts_equal_the_whole_stage() {
         let reference = whole(&c, 0..3, &x);
         let mode = Mode {
             sequence_parallel: sp,
-            recompute: false,
+            recompute,
             rows_io: false,
         };
         let ranks = sharded(&c, 0..3, &shares, mode, &x);
         let worst = compare(&reference, &ranks, true);
-        let what = format!("{e} experts, top {k}, shares {shares:?}, sequence parallel {sp}");
+        let what = format!(
+            "{e} experts of {ffn}, top {k}, every {freq} layers, {balancing:?}, shares {shares:?}, \
+             sequence parallel {sp}, recompute {recompute}"
+        );
         eprintln!("{what}: max difference {worst:.2e}");
         assert!(worst < 1e-5, "{what}: {worst}");
     }

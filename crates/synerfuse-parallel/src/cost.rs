@@ -25,15 +25,64 @@ pub struct ModelShape {
     pub seq_length: usize,
     /// Tied embedding and head.
     pub tied: bool,
+    /// A mixture of experts in place of some layers' MLP (none: dense).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub experts: Option<ExpertShape>,
+}
+
+/// The experts of an MoE model, as the planner needs them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExpertShape {
+    /// Experts per MoE layer.
+    pub num_experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Width of each expert's SwiGLU.
+    pub ffn_hidden_size: usize,
+    /// Layer `i` has experts when `i % layer_freq == 0`.
+    pub layer_freq: usize,
+}
+
+impl ExpertShape {
+    /// How many of `num_layers` layers have experts.
+    pub fn moe_layers(&self, num_layers: usize) -> usize {
+        num_layers.div_ceil(self.layer_freq.max(1))
+    }
 }
 
 impl ModelShape {
+    /// The MoE layers and the dense ones (all dense without experts).
+    fn layer_kinds(&self) -> (f64, f64) {
+        let moe = self.experts.map_or(0, |e| e.moe_layers(self.num_layers));
+        (moe as f64, (self.num_layers - moe) as f64)
+    }
+
+    /// A mean layer's MLP widths: (parameters, per-token compute) in FFN columns, the
+    /// MoE layers' all experts and their top-k, spread over all layers.
+    fn mean_ffn(&self) -> (f64, f64) {
+        let (moe, dense) = self.layer_kinds();
+        let f = self.ffn_hidden_size as f64 * dense;
+        let l = self.num_layers.max(1) as f64;
+        match self.experts {
+            Some(e) => {
+                let fe = e.ffn_hidden_size as f64 * moe;
+                (
+                    (f + fe * e.num_experts as f64) / l,
+                    (f + fe * e.top_k as f64) / l,
+                )
+            }
+            None => (f / l, f / l),
+        }
+    }
+
     /// Megatron-LM's FLOPs of one training sample (`num_floating_point_operations` in
     /// its `training.py`, batch size 1): forward and backward of every GEMM (`12 = 3 x 2
     /// x 2`), the attention over `kv_channels`-wide heads with grouped key/value heads,
     /// SwiGLU's third projection (x 3/2), and the output layer over the padded
     /// vocabulary. Megatron counts the output layer once whether or not it is tied to
-    /// the embedding, and so does this, so throughputs compare with its logs.
+    /// the embedding, and so does this, so throughputs compare with its logs. With
+    /// experts, as Megatron's later versions: an MoE layer's MLP counts its top-k
+    /// experts' width (the router not at all).
     pub fn megatron_flops_per_sample(&self, kv_channels: usize) -> f64 {
         let (s, l, h) = (
             self.seq_length as f64,
@@ -43,7 +92,7 @@ impl ModelShape {
         let heads = self.num_heads as f64;
         let query_to_hidden = kv_channels as f64 * heads / h;
         let attention = (1.0 + self.num_kv_heads as f64 / heads + s / h) * query_to_hidden;
-        let mlp = self.ffn_hidden_size as f64 / h * 1.5;
+        let mlp = self.mean_ffn().1 / h * 1.5;
         let logit = self.vocab_size as f64 / (2.0 * l * h);
         12.0 * s * l * h * h * (attention + mlp + logit)
     }
@@ -52,10 +101,14 @@ impl ModelShape {
         (self.hidden_size * self.num_kv_heads / self.num_heads.max(1)) as f64
     }
 
-    /// Parameters of one decoder layer.
+    /// Parameters of one decoder layer (of a mean one: MoE layers' experts and routers
+    /// spread over all layers).
     pub fn layer_params(&self) -> f64 {
-        let (h, f) = (self.hidden_size as f64, self.ffn_hidden_size as f64);
-        2.0 * h * h + 2.0 * h * self.kv_width() + 3.0 * h * f + 2.0 * h
+        let (h, f) = (self.hidden_size as f64, self.mean_ffn().0);
+        let (moe, _) = self.layer_kinds();
+        let routers = self.experts.map_or(0.0, |e| e.num_experts as f64 * h * moe)
+            / self.num_layers.max(1) as f64;
+        2.0 * h * h + 2.0 * h * self.kv_width() + 3.0 * h * f + 2.0 * h + routers
     }
 
     /// Embedding (or head) parameters.
@@ -76,11 +129,12 @@ impl ModelShape {
         params
     }
 
-    /// Forward FLOPs of one layer for a micro-batch of `b` samples.
+    /// Forward FLOPs of one layer for a micro-batch of `b` samples (of a mean one: each
+    /// token through its top-k experts in the MoE layers).
     pub fn layer_forward_flops(&self, b: usize) -> f64 {
         let (h, f, s) = (
             self.hidden_size as f64,
-            self.ffn_hidden_size as f64,
+            self.mean_ffn().1,
             self.seq_length as f64,
         );
         let b = b as f64;
@@ -562,6 +616,7 @@ mod tests {
             vocab_size: 32000,
             seq_length: 2048,
             tied: false,
+            experts: None,
         };
         let mha_tied = ModelShape {
             num_layers: 4,
@@ -572,6 +627,7 @@ mod tests {
             vocab_size: 2048,
             seq_length: 128,
             tied: true,
+            experts: None,
         };
         for (shape, kv_channels, batch, megatron) in [
             (&gqa_untied, 64, 1.0, 14978698444800.0),
@@ -585,6 +641,55 @@ mod tests {
                 "{ours} vs Megatron's {megatron}"
             );
         }
+    }
+
+    /// With experts: Megatron's count takes each MoE layer's top-k experts' width (so a
+    /// top-2 model of half-width experts counts as the dense one), the parameters all
+    /// experts and their routers; dense layers between MoE ones count as dense.
+    #[test]
+    fn experts_count_their_active_width_in_flops_and_all_in_parameters() {
+        let dense = ModelShape {
+            num_layers: 4,
+            hidden_size: 256,
+            num_heads: 8,
+            num_kv_heads: 8,
+            ffn_hidden_size: 688,
+            vocab_size: 2048,
+            seq_length: 128,
+            tied: true,
+            experts: None,
+        };
+        let experts = |top_k, layer_freq| ModelShape {
+            experts: Some(ExpertShape {
+                num_experts: 8,
+                top_k,
+                ffn_hidden_size: 344,
+                layer_freq,
+            }),
+            ..dense.clone()
+        };
+        let flops = |m: &ModelShape| m.megatron_flops_per_sample(32);
+        assert_eq!(flops(&experts(2, 1)), flops(&dense));
+        assert_eq!(
+            experts(2, 1).layer_forward_flops(3),
+            dense.layer_forward_flops(3)
+        );
+        // Top 1 in layers 0 and 2: those MLPs at half width, 1 and 3 dense.
+        let half_mlp = 12.0 * 128.0 * 4.0 * 256.0 * 256.0 * (344.0 * 2.0 * 1.5) / (4.0 * 256.0);
+        assert!((flops(&dense) - flops(&experts(1, 2)) - half_mlp).abs() < 1.0);
+        let (h, f) = (256.0, 344.0);
+        let added = 4.0 * (8.0 * 3.0 * h * f + 8.0 * h) - 4.0 * 3.0 * h * 688.0;
+        let diff =
+            experts(2, 1).stage_params(4, false, false) - dense.stage_params(4, false, false);
+        assert!((diff - added).abs() < 1e-6, "{diff} vs {added}");
+        assert_eq!(
+            ExpertShape {
+                layer_freq: 3,
+                ..experts(1, 3).experts.unwrap()
+            }
+            .moe_layers(4),
+            2
+        );
     }
 
     /// A profile of `kind` at `sizes`, each layer's forward a fixed 1 s plus 1 s per
@@ -608,6 +713,7 @@ mod tests {
                 vocab_size: 8,
                 seq_length: 8,
                 tied: false,
+                experts: None,
             },
             devices: BTreeMap::from([(
                 "k".to_owned(),

@@ -77,6 +77,33 @@ pub fn split_units(shares: &[u32], units: usize) -> Vec<Range<usize>> {
         .collect()
 }
 
+/// `units` split by `shares`: even shares must divide them (but the vocabulary, which
+/// always rounds), and no rank may be left empty.
+fn split_shares(
+    shares: &[u32],
+    units: usize,
+    what: &'static str,
+) -> Result<Vec<Range<usize>>, TpSplitError> {
+    let uneven = shares.iter().any(|&s| s != shares[0]);
+    if !uneven && what != "vocabulary rows" && units % shares.len() != 0 {
+        return Err(TpSplitError::NotDivisible {
+            what,
+            units,
+            size: shares.len(),
+        });
+    }
+    let ranges = split_units(shares, units);
+    match ranges.iter().position(Range::is_empty) {
+        Some(rank) => Err(TpSplitError::EmptyShard {
+            shares: shares.to_vec(),
+            rank,
+            what,
+            units,
+        }),
+        None => Ok(ranges),
+    }
+}
+
 /// What each rank of a tensor-parallel group holds of a stage.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TpLayout {
@@ -86,6 +113,8 @@ pub struct TpLayout {
     pub query_groups: Vec<Range<usize>>,
     /// FFN columns per rank.
     pub ffn_columns: Vec<Range<usize>>,
+    /// Each expert's FFN columns per rank (an MoE layer's).
+    pub expert_columns: Vec<Range<usize>>,
     /// Vocabulary rows per rank (embedding and output layer).
     pub vocab_rows: Vec<Range<usize>>,
 }
@@ -108,32 +137,26 @@ impl TpLayout {
         if let Some(rank) = shares.iter().position(|&s| s == 0) {
             return Err(TpSplitError::ZeroShare { rank });
         }
-        let uneven = shares.iter().any(|&s| s != shares[0]);
-        let split = |units: usize, what: &'static str| {
-            if !uneven && what != "vocabulary rows" && units % shares.len() != 0 {
-                return Err(TpSplitError::NotDivisible {
-                    what,
-                    units,
-                    size: shares.len(),
-                });
-            }
-            let ranges = split_units(shares, units);
-            match ranges.iter().position(Range::is_empty) {
-                Some(rank) => Err(TpSplitError::EmptyShard {
-                    shares: shares.to_vec(),
-                    rank,
-                    what,
-                    units,
-                }),
-                None => Ok(ranges),
-            }
-        };
+        let shares = shares.to_vec();
+        let ffn_columns = split_shares(&shares, ffn, "FFN columns (--ffn-hidden-size)")?;
         Ok(TpLayout {
-            query_groups: split(query_groups, "query groups (--num-query-groups)")?,
-            ffn_columns: split(ffn, "FFN columns (--ffn-hidden-size)")?,
-            vocab_rows: split(vocab, "vocabulary rows")?,
-            shares: shares.to_vec(),
+            query_groups: split_shares(&shares, query_groups, "query groups (--num-query-groups)")?,
+            expert_columns: ffn_columns.clone(),
+            ffn_columns,
+            vocab_rows: split_shares(&shares, vocab, "vocabulary rows")?,
+            shares,
         })
+    }
+
+    /// The layout with each expert's `ffn` columns (`--moe-ffn-hidden-size`) split by
+    /// the same shares (by default the experts are as wide as the dense FFN).
+    pub fn with_expert_ffn(mut self, ffn: usize) -> Result<Self, TpSplitError> {
+        self.expert_columns = split_shares(
+            &self.shares,
+            ffn,
+            "expert FFN columns (--moe-ffn-hidden-size)",
+        )?;
+        Ok(self)
     }
 
     /// What each rank holds, for the log: the shares and each split with its rounding
@@ -165,6 +188,7 @@ impl TpLayout {
             size: self.size(),
             query_groups: self.query_groups.get(rank)?.clone(),
             ffn_columns: self.ffn_columns.get(rank)?.clone(),
+            expert_columns: self.expert_columns.get(rank)?.clone(),
             vocab_rows: self.vocab_rows.get(rank)?.clone(),
         })
     }
@@ -181,18 +205,22 @@ pub struct TpShard {
     pub query_groups: Range<usize>,
     /// Its FFN columns.
     pub ffn_columns: Range<usize>,
+    /// Its FFN columns of each expert.
+    pub expert_columns: Range<usize>,
     /// Its vocabulary rows.
     pub vocab_rows: Range<usize>,
 }
 
 impl TpShard {
-    /// The whole stage on one rank.
+    /// The whole stage on one rank (experts as wide as the dense FFN; see
+    /// [`TpLayout::with_expert_ffn`]).
     pub fn whole(query_groups: usize, ffn: usize, vocab: usize) -> Self {
         TpShard {
             rank: 0,
             size: 1,
             query_groups: 0..query_groups,
             ffn_columns: 0..ffn,
+            expert_columns: 0..ffn,
             vocab_rows: 0..vocab,
         }
     }

@@ -107,16 +107,17 @@ mod tests {
         }
     }
 
-    // One test: the clock is the whole process's, so a concurrent test would disturb it.
+    // One test: the clock is the whole process's, so a concurrent test would disturb it
+    // (the sleep looks for a quiet window in three tries).
     #[test]
     fn cpu_emulation_charges_cpu_time_over_speed() {
-        let span = ComputeSpan::start();
-        std::thread::sleep(Duration::from_millis(30));
-        assert!(
-            span.cpu_elapsed() < Duration::from_millis(10),
-            "sleeping used CPU time"
-        );
-        assert!(span.elapsed() >= Duration::from_millis(30));
+        let quiet = (0..3).any(|_| {
+            let span = ComputeSpan::start();
+            std::thread::sleep(Duration::from_millis(30));
+            assert!(span.elapsed() >= Duration::from_millis(30));
+            span.cpu_elapsed() < Duration::from_millis(10)
+        });
+        assert!(quiet, "sleeping used CPU time");
 
         let e = Emulation {
             speed: 0.25,

@@ -5,6 +5,7 @@ pub mod checkpoint;
 pub mod comm;
 pub mod device_info;
 pub mod emulation;
+pub mod expert_load;
 pub mod grads;
 pub mod loader;
 pub mod lost;
@@ -25,13 +26,6 @@ use std::path::PathBuf;
 /// Why training stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
-    /// A mixture-of-experts model (a Mixtral checkpoint), which the trainer does not
-    /// train yet.
-    #[error("the model has {experts} experts per layer (a Mixtral model): training mixtures of experts is not supported yet (dense LLaMA models only; Mixtral checkpoints convert, export and generate)")]
-    MixtureOfExperts {
-        /// Experts per layer.
-        experts: usize,
-    },
     /// A transfer between ranks failed.
     #[error(transparent)]
     Comm(#[from] comm::CommError),

@@ -51,6 +51,9 @@ pub struct IterationRecord {
     pub tflops_per_device: f64,
     /// `--global-batch-size`.
     pub global_batch_size: usize,
+    /// A mixture of experts' load balance over the step (none for a dense model).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub moe: Option<crate::expert_load::ExpertStep>,
     /// Per rank, by world rank.
     pub ranks: Vec<RankTimes>,
 }
@@ -66,10 +69,15 @@ impl IterationRecord {
             ),
             false => String::new(),
         };
+        // Megatron's MoE runs add the mean over the MoE layers after the loss.
+        let balance = match &self.moe {
+            Some(moe) => format!(" load_balancing_loss: {} |", python_exp(moe.mean_loss())),
+            None => String::new(),
+        };
         format!(
             " iteration {:>8}/{:>8} | consumed samples: {:>12} | elapsed time per iteration (ms): {:.1} |{throughput} \
              learning rate: {} | global batch size: {:>5} | \
-             lm loss: {} | loss scale: 1.0 | grad norm: {:.3} | number of skipped iterations:   0 | \
+             lm loss: {} |{balance} loss scale: 1.0 | grad norm: {:.3} | number of skipped iterations:   0 | \
              number of nan iterations: {:>3} | tokens/s: {:.0} |",
             self.iteration,
             self.train_iters,
@@ -405,6 +413,7 @@ mod tests {
             tokens_per_s: 4000.0,
             tflops_per_device: 0.01,
             global_batch_size: 8,
+            moe: None,
             ranks: vec![],
         };
         let line = record.log_line(false);
@@ -419,6 +428,19 @@ mod tests {
         );
         assert!(line.contains("lm loss: 7.250000E+00 |"), "{line}");
         assert!(line.contains("learning rate: 3.000000E-04 |"), "{line}");
+        let moe = IterationRecord {
+            moe: Some(crate::expert_load::ExpertStep {
+                layers: vec![0, 1],
+                load_balancing_loss: vec![1.0, 1.5],
+                tokens_per_expert: vec![vec![3.0, 5.0], vec![4.0, 4.0]],
+            }),
+            ..record
+        };
+        let line = moe.log_line(false);
+        assert!(
+            line.contains("lm loss: 7.250000E+00 | load_balancing_loss: 1.250000E+00 | loss scale"),
+            "{line}"
+        );
         assert_eq!(python_exp(0.0), "0.000000E+00");
         assert_eq!(python_exp(123456.0), "1.234560E+05");
     }

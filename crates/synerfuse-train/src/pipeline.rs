@@ -30,13 +30,16 @@ pub struct StepTimes {
     pub waiting: Duration,
 }
 
-/// What the last stage measured in one step.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+/// What the last stage measured in one step, and the MoE layers' load balance.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepLoss {
     /// Σ per-token loss over this replica's loss tokens (0 on other stages).
     pub loss_sum: f64,
     /// Loss tokens seen by this rank's last-stage chunk (0 on other stages).
     pub loss_tokens: f64,
+    /// This rank's MoE layers' load balance (on tensor-parallel rank 0; empty
+    /// elsewhere).
+    pub experts: crate::expert_load::ExpertLoad,
 }
 
 /// One rank's stage chunks and how to reach its neighbours.
@@ -211,7 +214,8 @@ impl PipelineRank<'_> {
     /// Runs `program` over `micro_batches` (this replica's, in order). The last stage's
     /// loss is divided by `loss_normaliser` (the global number of loss tokens of the
     /// step) before its backward, so gradients summed over replicas are the global-batch
-    /// gradient. Parameter gradients accumulate in the stages; `on_event` hears of each
+    /// gradient; an MoE layer's load-balancing loss, summed over a micro-batch's
+    /// sequences, by `sequences` (the step's). Parameter gradients accumulate in the stages; `on_event` hears of each
     /// backward's end (and of every other instruction's), so the caller can move and
     /// reduce gradients while the pipeline runs on. Returns, with the loss and the
     /// times, each instruction's span from `step_start` (passes, sends, waiting for a
@@ -221,10 +225,13 @@ impl PipelineRank<'_> {
         program: &[Instruction],
         micro_batches: &[MicroBatch],
         sequence_length: usize,
-        loss_normaliser: f64,
+        (loss_normaliser, sequences): (f64, f64),
         on_event: &mut dyn FnMut(PipelineEvent) -> Result<(), TrainError>,
     ) -> Result<(StepLoss, StepTimes, Vec<Span>), TrainError> {
-        let mode = Mode::Train { loss_normaliser };
+        let mode = Mode::Train {
+            loss_normaliser,
+            sequence_weight: 1.0 / sequences,
+        };
         self.execute(program, micro_batches, sequence_length, mode, on_event)
     }
 
@@ -342,10 +349,14 @@ impl PipelineRank<'_> {
                     pass: Pass::Backward,
                     piece,
                 },
-                Mode::Train { loss_normaliser },
+                Mode::Train {
+                    loss_normaliser,
+                    sequence_weight,
+                },
             ) => {
                 let batch = &inputs[piece.micro_batch];
-                self.backward(piece, batch, loss_normaliser, step)?;
+                let weights = (loss_normaliser, sequence_weight);
+                self.backward(piece, batch, weights, step)?;
                 PipelineEvent::BackwardDone { chunk: piece.chunk }
             }
             (
@@ -450,6 +461,9 @@ impl PipelineRank<'_> {
                 step.loss.loss_tokens += count;
             }
         }
+        if stage.shard().rank == 0 {
+            step.loss.experts.add(pass.load_balance());
+        }
         clock.stop(&mut step.times);
         step.passes.insert(piece, pass);
         Ok(())
@@ -461,13 +475,14 @@ impl PipelineRank<'_> {
         &self,
         piece: Piece,
         batch: &BatchTensors,
-        loss_normaliser: f64,
+        (loss_normaliser, sequence_weight): (f64, f64),
         step: &mut StepState,
     ) -> Result<(), TrainError> {
         let stage = &self.chunks[piece.chunk];
-        let pass = step.passes.remove(&piece).ok_or(TrainError::Pipeline(
+        let mut pass = step.passes.remove(&piece).ok_or(TrainError::Pipeline(
             PipelineFault::BackwardWithoutForward(piece),
         ))?;
+        pass.set_sequence_weight(sequence_weight);
         let clock = self.clock();
         let tp = self.parallel().then_some(&clock);
         let collectives = clock.context_collectives();
@@ -823,8 +838,12 @@ impl PipelineRank<'_> {
 /// What a program is run for.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Mode {
-    /// Forwards and backwards; the loss divided by the step's global loss tokens.
-    Train { loss_normaliser: f64 },
+    /// Forwards and backwards; the loss divided by the step's global loss tokens, each
+    /// sequence's load-balancing loss weighed by 1 / the step's sequences.
+    Train {
+        loss_normaliser: f64,
+        sequence_weight: f64,
+    },
     /// Forwards only, without gradients.
     Evaluate,
 }

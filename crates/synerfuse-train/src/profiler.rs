@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 use synerfuse_model::tch::{self, Device, Kind, Tensor};
 use synerfuse_model::{BackwardFrom, LlamaConfig, Stage, StageError};
-use synerfuse_parallel::cost::{MeasuredCosts, MeasuredNetwork, ModelShape};
+use synerfuse_parallel::cost::{ExpertShape, MeasuredCosts, MeasuredNetwork, ModelShape};
 
 /// What to profile.
 #[derive(Debug, Clone)]
@@ -77,6 +77,12 @@ pub fn model_shape(config: &LlamaConfig, sequence_length: usize) -> ModelShape {
         vocab_size: config.vocab_size,
         seq_length: sequence_length,
         tied: config.tie_word_embeddings,
+        experts: config.moe.map(|m| ExpertShape {
+            num_experts: m.num_experts,
+            top_k: m.top_k,
+            ffn_hidden_size: m.ffn_hidden_size,
+            layer_freq: m.layer_freq,
+        }),
     }
 }
 

@@ -5,14 +5,14 @@ use crate::data_commands::TokenizerFlags;
 use crate::index_command::{data_flag_error, gpt_data_config};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 use synerfuse_data::gpt::{
     build_mock_split_datasets, build_split_datasets, DataSources, MockDocuments, SampleBudget,
     SampleOptions,
 };
 use synerfuse_data::tokenizer::Tokenizer;
-use synerfuse_model::{DeviceRequest, LlamaConfig, MegatronModelArgs};
+use synerfuse_model::{DeviceRequest, LlamaConfig, LoadBalancing, MegatronModelArgs};
 use synerfuse_parallel::{
     BatchError, GridError, LayoutError, MeshFlags, Plan, PlanError, PlanFlags, ProcessMeshes,
     ScheduleKind, TpLayout,
@@ -180,6 +180,31 @@ pub struct TrainArgs {
     /// Start from a Hugging Face LLaMA (config.json + safetensors); model flags optional
     #[arg(long, help_heading = "Model")]
     finetune_from_hf: Option<PathBuf>,
+
+    // ---- mixture of experts (Megatron's flags)
+    /// Experts in each MoE layer (a Mixtral model) [default: none, a dense model]
+    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Mixture of experts")]
+    num_experts: Option<usize>,
+    /// Experts each token is routed to
+    #[arg(long, value_parser = crate::values::positive_count, default_value_t = 2, help_heading = "Mixture of experts")]
+    moe_router_topk: usize,
+    /// Width of each expert's SwiGLU [default: --ffn-hidden-size]
+    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Mixture of experts")]
+    moe_ffn_hidden_size: Option<usize>,
+    /// Layer i has experts when i % N == 0, the others a dense MLP
+    #[arg(long, value_parser = crate::values::positive_count, default_value_t = 1, help_heading = "Mixture of experts")]
+    moe_layer_freq: usize,
+    /// Weight of the load-balancing loss [default: 0, or a Hugging Face model's
+    /// router_aux_loss_coef]
+    #[arg(long, value_parser = crate::values::non_negative, help_heading = "Mixture of experts")]
+    moe_aux_loss_coeff: Option<f64>,
+    /// aux_loss (over each micro-batch), seq_aux_loss (over each sequence: the same for
+    /// any split of the batch) or none
+    #[arg(long, default_value = "aux_loss", help_heading = "Mixture of experts")]
+    moe_router_load_balancing_type: LoadBalancing,
+    /// Log the load-balancing loss of every MoE layer to TensorBoard, not only their mean
+    #[arg(long, help_heading = "Mixture of experts")]
+    moe_per_layer_logging: bool,
 
     // ---- flags of Megatron/SynerFuse run.sh files, accepted with their meaning here
     /// Rotary position embeddings: what synerfuse always uses
@@ -716,6 +741,7 @@ impl TrainArgs {
                 log_json: self.log_json.clone(),
                 tensorboard_dir: self.tensorboard_dir.clone(),
                 log_throughput: self.log_throughput,
+                moe_per_layer_logging: self.moe_per_layer_logging,
             },
             eval: EvalConfig {
                 iters: self.eval_iters,
@@ -756,6 +782,55 @@ impl TrainArgs {
         Ok(())
     }
 
+    /// A Hugging Face checkpoint's model with the training settings of its experts
+    /// (the load-balancing loss) from the flags; the shape flags must agree with it.
+    fn experts_of_checkpoint(&self, mut config: LlamaConfig, dir: &Path) -> Result<LlamaConfig> {
+        let Some(moe) = config.moe.as_mut() else {
+            if let Some(n) = self.num_experts {
+                bail!(
+                    "--num-experts {n}: --finetune-from-hf {} is a dense model",
+                    dir.display()
+                );
+            }
+            return Ok(config);
+        };
+        for (flag, given, held) in [
+            ("--num-experts", self.num_experts, moe.num_experts),
+            (
+                "--moe-ffn-hidden-size",
+                self.moe_ffn_hidden_size,
+                moe.ffn_hidden_size,
+            ),
+        ] {
+            if given.is_some_and(|n| n != held) {
+                bail!(
+                    "{flag} {}: --finetune-from-hf {} has {held}",
+                    given.unwrap_or(0),
+                    dir.display()
+                );
+            }
+        }
+        if self.num_experts.is_some() && self.moe_router_topk != moe.top_k {
+            bail!(
+                "--moe-router-topk {}: --finetune-from-hf {} routes each token to {}",
+                self.moe_router_topk,
+                dir.display(),
+                moe.top_k
+            );
+        }
+        if self.moe_layer_freq != 1 {
+            bail!(
+                "--moe-layer-freq {}: every layer of a Hugging Face Mixtral model has experts",
+                self.moe_layer_freq
+            );
+        }
+        moe.load_balancing = self.moe_router_load_balancing_type;
+        if let Some(coeff) = self.moe_aux_loss_coeff {
+            moe.aux_loss_coeff = coeff;
+        }
+        Ok(config)
+    }
+
     fn model(&self, tokenizer_vocab: usize, num_layers: usize) -> Result<LlamaConfig> {
         self.check_compatibility_flags()?;
         if let Some(norm) = &self.normalization {
@@ -790,7 +865,7 @@ impl TrainArgs {
                     num_layers
                 );
             }
-            return Ok(config);
+            return self.experts_of_checkpoint(config, dir);
         }
         let need = |flag: &str, value: Option<usize>| {
             value.with_context(|| format!("{flag} is required (or --finetune-from-hf)"))
@@ -811,6 +886,12 @@ impl TrainArgs {
             tensor_model_parallel_size: 1,
             init_method_std: self.init_method_std,
             add_bias_linear: !self.disable_bias_linear,
+            num_experts: self.num_experts,
+            moe_router_topk: self.moe_router_topk,
+            moe_ffn_hidden_size: self.moe_ffn_hidden_size,
+            moe_layer_freq: self.moe_layer_freq,
+            moe_aux_loss_coeff: self.moe_aux_loss_coeff.unwrap_or(0.0),
+            moe_router_load_balancing_type: self.moe_router_load_balancing_type,
         };
         Ok(LlamaConfig::from_megatron(&args, tokenizer_vocab)?)
     }

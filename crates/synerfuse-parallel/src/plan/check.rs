@@ -85,6 +85,10 @@ impl Plan {
             model.ffn_hidden_size,
             model.vocab_size,
         )
+        .and_then(|layout| match model.experts {
+            Some(e) => layout.with_expert_ffn(e.ffn_hidden_size),
+            None => Ok(layout),
+        })
         .map_err(|source| PlanError::TensorParallelSplit {
             replica,
             stage,

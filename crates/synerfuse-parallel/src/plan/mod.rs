@@ -1025,6 +1025,7 @@ speeds = [1.0, 0.5]
             vocab_size: 128,
             seq_length: 30,
             tied: true,
+            experts: None,
         };
         // 30 tokens deal out 15 pairs 3 : 1 and 1 : 1, but do not cut into 4 even chunks.
         assert_eq!(plan.check(&model, false), Ok(()));

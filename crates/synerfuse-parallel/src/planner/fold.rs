@@ -235,6 +235,7 @@ mod tests {
             vocab_size: 32_000,
             seq_length: 2048,
             tied: false,
+            experts: None,
         };
         CostModel::new(model, ClusterSpec::from_toml(&toml).unwrap(), None)
     }

@@ -405,6 +405,7 @@ mod tests {
             vocab_size: 256,
             seq_length: 32,
             tied: false,
+            experts: None,
         }
     }
 

@@ -420,6 +420,7 @@ mod tests {
             vocab_size: 1000,
             seq_length: 256,
             tied: false,
+            experts: None,
         }
     }
 

@@ -20,6 +20,7 @@ fn a10s(count: usize, seq_length: usize) -> CostModel {
         vocab_size: 32_000,
         seq_length,
         tied: false,
+        experts: None,
     };
     CostModel::new(model, cluster, None)
 }
@@ -221,6 +222,7 @@ proptest! {
             vocab_size: vocab,
             seq_length: 512,
             tied: false,
+            experts: None,
         };
         let cost = CostModel::new(model, cluster, None);
         let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 3, tensor_parallel_sizes: vec![1], context_parallel_sizes: Vec::new(), recompute: Choice::Auto, distributed_optimizer: Choice::Auto };
@@ -323,6 +325,7 @@ proptest! {
         let model = ModelShape {
             num_layers: 4, hidden_size: 256, num_heads: 8, num_kv_heads: 8,
             ffn_hidden_size: 768, vocab_size: 1000, seq_length: 128, tied: false,
+            experts: None,
         };
         let cost = CostModel::new(model.clone(), cluster, None);
         let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 1, tensor_parallel_sizes: vec![1], context_parallel_sizes: Vec::new(), recompute: Choice::Off, distributed_optimizer: Choice::Off };
@@ -391,6 +394,7 @@ proptest! {
         let model = ModelShape {
             num_layers: 1, hidden_size: 1024, num_heads: 8, num_kv_heads: 8,
             ffn_hidden_size: 3072, vocab_size: 32_000, seq_length: 1024, tied: false,
+            experts: None,
         };
         let cost = CostModel::new(model, cluster, None);
         let sizes = [1usize, 2, 4];
@@ -489,7 +493,7 @@ proptest! {
         }
         toml.push_str("[network]\nintra_node_gbs = 100\ninter_node_gbs = 10\n");
         let cluster = ClusterSpec::from_toml(&toml).unwrap();
-        let model = ModelShape { num_layers: layers, hidden_size: hidden, num_heads: 8, num_kv_heads: 8, ffn_hidden_size: hidden * 3, vocab_size: 32000, seq_length: 512, tied: false };
+        let model = ModelShape { num_layers: layers, hidden_size: hidden, num_heads: 8, num_kv_heads: 8, ffn_hidden_size: hidden * 3, vocab_size: 32000, seq_length: 512, tied: false, experts: None, };
         let cost = CostModel::new(model, cluster, None);
         let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 3, tensor_parallel_sizes: vec![1], context_parallel_sizes: Vec::new(), recompute: Choice::Auto, distributed_optimizer: Choice::Auto };
         let Ok(outcome) = plan(&cost, &request) else { return Ok(()) };
@@ -527,7 +531,7 @@ proptest! {
         }
         toml.push_str("[network]\nintra_node_gbs = 100\ninter_node_gbs = 10\n");
         let cluster = ClusterSpec::from_toml(&toml).unwrap();
-        let model = ModelShape { num_layers: layers, hidden_size: 1024, num_heads: 8, num_kv_heads: 8, ffn_hidden_size: 3072, vocab_size: 32000, seq_length: 512, tied: false };
+        let model = ModelShape { num_layers: layers, hidden_size: 1024, num_heads: 8, num_kv_heads: 8, ffn_hidden_size: 3072, vocab_size: 32000, seq_length: 512, tied: false, experts: None, };
         let cost = CostModel::new(model, cluster, None);
         let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2], top_k: 1, tensor_parallel_sizes: vec![1, 2, 4], context_parallel_sizes: Vec::new(), recompute: Choice::Auto, distributed_optimizer: Choice::Auto };
         let Ok(outcome) = plan(&cost, &request) else { return Ok(()) };
@@ -559,6 +563,7 @@ fn grid_plans_take_tensor_parallel_groups_where_faster() {
         vocab_size: 32_000,
         seq_length: 4096,
         tied: false,
+        experts: None,
     };
     let cost = CostModel::new(model, cluster, None);
     let planned = |tp: Vec<usize>| {
@@ -620,6 +625,7 @@ pub(super) fn long_sequence(groups: &str, vocab_size: usize) -> CostModel {
         vocab_size,
         seq_length: 32768,
         tied: false,
+        experts: None,
     };
     CostModel::new(
         model,

@@ -204,6 +204,9 @@ pub struct LoggingConfig {
     /// Megatron's `--log-throughput`: TFLOP/s per GPU in the log line and TensorBoard
     /// (the JSON record always has it).
     pub log_throughput: bool,
+    /// Megatron's `--moe-per-layer-logging`: each MoE layer's load-balancing loss and
+    /// tokens per expert in TensorBoard, not only the mean over layers.
+    pub moe_per_layer_logging: bool,
 }
 
 impl Default for LoggingConfig {
@@ -213,6 +216,7 @@ impl Default for LoggingConfig {
             log_json: None,
             tensorboard_dir: None,
             log_throughput: false,
+            moe_per_layer_logging: false,
         }
     }
 }

@@ -547,11 +547,6 @@ impl<'w> Trainer<'w> {
         local_rank: usize,
     ) -> Result<Self, TrainError> {
         let started = Instant::now();
-        if let Some(moe) = config.model.moe {
-            return Err(TrainError::MixtureOfExperts {
-                experts: moe.num_experts,
-            });
-        }
         let rank = world.rank();
         let (replica, stage_index) = check_plan(&config, world.size(), rank)?;
         let device = rank_device(&config, rank, local_rank)?;
@@ -897,30 +892,33 @@ impl<'w> Trainer<'w> {
         );
     }
 
-    /// The global batch's loss tokens: each replica's (counted on its first stage),
-    /// summed over the world.
+    /// The global batch's loss tokens and sequences: each replica's (counted on its
+    /// first stage), summed over the world.
     fn global_loss_tokens(
         &self,
         micro_batches: &[crate::loader::MicroBatch],
-    ) -> Result<f64, TrainError> {
+    ) -> Result<(f64, f64), TrainError> {
         // Once per replica: its first stage's tensor- and context-parallel rank 0.
         let counts =
             self.stage_index == 0 && self.chunks[0].shard().rank == 0 && self.context_first();
-        let local: f64 = match counts {
-            true => micro_batches.iter().map(|m| m.loss_tokens()).sum(),
-            false => 0.0,
+        let local: [f64; 2] = match counts {
+            true => [
+                micro_batches.iter().map(|m| m.loss_tokens()).sum(),
+                micro_batches.iter().map(|m| m.len() as f64).sum(),
+            ],
+            false => [0.0; 2],
         };
-        let mut tokens = Tensor::from_slice(&[local]);
+        let mut totals = Tensor::from_slice(&local);
         if self.world.size() > 1 {
-            self.world.all_reduce_sum(&mut tokens)?;
+            self.world.all_reduce_sum(&mut totals)?;
         }
-        let global = tokens.double_value(&[0]);
+        let global = totals.double_value(&[0]);
         if global <= 0.0 {
             return Err(TrainError::NoLossTokens {
                 consumed_samples: self.consumed_samples,
             });
         }
-        Ok(global)
+        Ok((global, totals.double_value(&[1])))
     }
 
     /// One iteration (begun at `step_start`): the pipeline, the gradient reductions, the
@@ -940,15 +938,16 @@ impl<'w> Trainer<'w> {
         let mut times = StepTimes::default();
         let started = Instant::now();
         let mut spans = vec![];
-        let loss_tokens = self.global_loss_tokens(&micro_batches)?;
+        let (loss_tokens, sequences) = self.global_loss_tokens(&micro_batches)?;
         // Counting the global batch's loss tokens waits for every rank.
         spans.push(span(SpanKind::Wait, 0.0));
         times.communication += started.elapsed();
         self.optimizer.zero_grad();
         self.grads.begin_step(&self.program);
         let mut high_water = self.memory_probe.as_ref().and_then(HighWater::start);
+        let normalisers = (loss_tokens, sequences);
         let (loss, pipeline_times, pipeline_spans) =
-            self.run_pipeline(&micro_batches, loss_tokens, high_water.as_mut(), step_start)?;
+            self.run_pipeline(&micro_batches, normalisers, high_water.as_mut(), step_start)?;
         spans.extend(pipeline_spans);
         // This process's first step also allocates the gradients: its peak is not the
         // activations'.
@@ -988,6 +987,8 @@ impl<'w> Trainer<'w> {
         Ok(StepResult {
             loss_sum: loss.loss_sum,
             loss_tokens,
+            experts: loss.experts.row(&self.config.model),
+            sequences,
             lr,
             grad_norm,
             times,
@@ -1001,7 +1002,7 @@ impl<'w> Trainer<'w> {
     fn run_pipeline(
         &mut self,
         micro_batches: &[crate::loader::MicroBatch],
-        loss_tokens: f64,
+        normalisers: (f64, f64),
         mut high_water: Option<&mut HighWater>,
         step_start: Instant,
     ) -> Result<(crate::pipeline::StepLoss, StepTimes, Vec<Span>), TrainError> {
@@ -1037,7 +1038,7 @@ impl<'w> Trainer<'w> {
             &self.program,
             micro_batches,
             self.config.batch.sequence_length,
-            loss_tokens,
+            normalisers,
             &mut on_event,
         )
     }

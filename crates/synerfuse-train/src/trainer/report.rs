@@ -4,6 +4,7 @@
 use super::evaluation::{EvalSplit, Evaluation};
 use super::TrainConfig;
 use crate::comm::MpiCommunicator;
+use crate::expert_load::ExpertStep;
 use crate::memory::MemoryReport;
 use crate::metrics::{IterationRecord, JsonLog, RankTimes, TensorBoardWriter};
 use crate::pipeline::StepTimes;
@@ -20,6 +21,10 @@ pub(super) struct StepResult {
     pub loss_sum: f64,
     /// Loss tokens of the whole global batch.
     pub loss_tokens: f64,
+    /// This rank's MoE layers' load balance ([`crate::expert_load::ExpertLoad::row`]).
+    pub experts: Vec<f64>,
+    /// Sequences of the whole global batch.
+    pub sequences: f64,
     /// The rate the step used.
     pub lr: f64,
     /// Global gradient norm before clipping.
@@ -48,6 +53,9 @@ struct RankRow {
     pace_ms: f64,
 }
 
+/// The fields of a [`RankRow`] before the rank's expert load.
+const ROW_FIELDS: usize = 10;
+
 /// The step as every rank saw it.
 #[derive(Debug, Clone)]
 pub(super) struct StepOutcome {
@@ -61,6 +69,8 @@ pub(super) struct StepOutcome {
     pub step_ms: f64,
     /// Some rank received a stop signal.
     pub any_stop: bool,
+    /// Every rank's expert load summed, and the step's sequences.
+    experts: (Vec<f64>, f64),
     rows: Vec<RankRow>,
     /// Every rank's spans, when gathered.
     spans: Option<Vec<Vec<Span>>>,
@@ -86,7 +96,7 @@ impl StepOutcome {
             .filter(|s| matches!(s.kind, SpanKind::Forward | SpanKind::Backward))
             .map(|s| s.end_s - s.start_s)
             .sum();
-        let mine = Tensor::from_slice(&[
+        let mut mine = vec![
             step.loss_sum,
             ms(step.times.compute),
             ms(step.times.communication),
@@ -97,11 +107,20 @@ impl StepOutcome {
             step.memory.state() as f64,
             step.memory.activations_peak.map_or(-1.0, |b| b as f64),
             pace_s * 1e3,
-        ]);
-        let all = world.all_gather(&mine)?;
-        let rows: Vec<RankRow> = (0..world.size())
-            .map(|r| {
-                let v = Vec::<f64>::try_from(all.get(r as i64)).unwrap_or_default();
+        ];
+        mine.extend(&step.experts);
+        let all = world.all_gather(&Tensor::from_slice(&mine))?;
+        let all: Vec<Vec<f64>> = (0..world.size())
+            .map(|r| Vec::<f64>::try_from(all.get(r as i64)).unwrap_or_default())
+            .collect();
+        let mut experts = vec![0.0; step.experts.len()];
+        for v in &all {
+            for (sum, x) in experts.iter_mut().zip(v.iter().skip(ROW_FIELDS)) {
+                *sum += x;
+            }
+        }
+        let rows: Vec<RankRow> = (all.iter())
+            .map(|v| {
                 let at = |i: usize| v.get(i).copied().unwrap_or_default();
                 RankRow {
                     loss_sum: at(0),
@@ -122,6 +141,7 @@ impl StepOutcome {
             grad_norm: step.grad_norm,
             step_ms: rows.iter().map(|r| r.elapsed_ms).fold(0.0, f64::max),
             any_stop: rows.iter().any(|r| r.stop),
+            experts: (experts, step.sequences),
             rows,
             spans,
         })
@@ -186,6 +206,9 @@ pub(super) struct StepLog {
     flops_per_step: f64,
     log_throughput: bool,
     world_size: usize,
+    /// The model (its MoE layers name the expert load's rows).
+    model: synerfuse_model::LlamaConfig,
+    moe_per_layer_logging: bool,
 }
 
 fn io_error(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
@@ -223,6 +246,8 @@ impl StepLog {
                 * global_batch as f64,
             log_throughput: logging.log_throughput,
             world_size,
+            model: model.clone(),
+            moe_per_layer_logging: logging.moe_per_layer_logging,
         })
     }
 
@@ -256,6 +281,7 @@ impl StepLog {
             tokens_per_s: self.tokens_per_step / seconds,
             tflops_per_device: self.flops_per_step / seconds / self.world_size as f64 / 1e12,
             global_batch_size: self.global_batch,
+            moe: ExpertStep::from_sums(&self.model, &outcome.experts.0, outcome.experts.1),
             ranks: outcome
                 .rows
                 .iter()
@@ -295,6 +321,12 @@ impl StepLog {
             }
             tb.scalars(iteration, &scalars)
                 .map_err(io_error(tb.path()))?;
+            if let Some(moe) = &record.moe {
+                let scalars = moe.scalars(self.moe_per_layer_logging);
+                let named: Vec<(&str, f64)> =
+                    scalars.iter().map(|(n, v)| (n.as_str(), *v)).collect();
+                tb.scalars(iteration, &named).map_err(io_error(tb.path()))?;
+            }
         }
         Ok(())
     }

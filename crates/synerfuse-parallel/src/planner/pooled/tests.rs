@@ -35,6 +35,7 @@ fn cost(toml: &str, layers: usize, hidden: usize) -> CostModel {
         vocab_size: 32_000,
         seq_length: 2048,
         tied: false,
+        experts: None,
     };
     CostModel::new(model, cluster, None)
 }

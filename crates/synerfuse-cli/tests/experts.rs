@@ -1,0 +1,220 @@
+//! Mixtures of experts in `synerfuse train`: Megatron's MoE flags, the load-balancing loss
+//! in the backward and the log, and the equivalence table's MoE rows (data, pipeline,
+//! tensor and context parallelism, the distributed optimizer, unequal micro-batches)
+//! against one rank.
+
+mod support;
+
+use std::path::Path;
+use support::*;
+
+/// Four experts of width 48 (the dense FFN is 64) in layers 0 and 2, the two best per
+/// token, the load-balancing loss weighted 0.05.
+const EXPERTS: [&str; 10] = [
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-ffn-hidden-size",
+    "48",
+    "--moe-layer-freq",
+    "2",
+    "--moe-aux-loss-coeff",
+    "0.05",
+];
+
+/// `EXPERTS` and `flags`.
+fn with<'a>(flags: &[&'a str]) -> Vec<&'a str> {
+    EXPERTS
+        .iter()
+        .copied()
+        .chain(flags.iter().copied())
+        .collect()
+}
+
+/// Each iteration's `moe` record: (load-balancing loss per MoE layer, tokens per expert).
+fn expert_records(log: &Path) -> Vec<(Vec<f64>, Vec<Vec<f64>>)> {
+    let numbers = |v: &serde_json::Value| -> Vec<f64> {
+        (v.as_array().expect("array").iter())
+            .map(|x| x.as_f64().expect("number"))
+            .collect()
+    };
+    (json_records(log).iter())
+        .filter(|r| r.get("elapsed_ms").is_some())
+        .map(|r| {
+            let moe = &r["moe"];
+            assert_eq!(moe["layers"], serde_json::json!([0, 2]), "{r}");
+            let tokens = (moe["tokens_per_expert"].as_array().expect("layers").iter())
+                .map(numbers)
+                .collect();
+            (numbers(&moe["load_balancing_loss"]), tokens)
+        })
+        .collect()
+}
+
+/// Every plan trains what one rank trains with the load-balancing loss in the backward:
+/// losses and parameters within 1e-5, the same tokens per expert and load-balancing loss
+/// in every iteration's record, each of the step's 6 × 32 tokens counted twice (top 2)
+/// per MoE layer once over the ranks.
+#[test]
+fn expert_models_train_alike_on_any_plan() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let data = dataset(d);
+    let reference = run(d, &data, "single", &with(&["--micro-batch-size", "1"]));
+    let reference_experts = expert_records(&d.join("single.jsonl"));
+    for (losses, tokens) in &reference_experts {
+        assert!(losses.iter().all(|&l| l > 0.9), "{losses:?}");
+        assert!(
+            tokens.iter().all(|t| t.iter().sum::<f64>() == 384.0),
+            "{tokens:?}"
+        );
+    }
+    // The load-balancing loss moves the parameters (0.05 of it: 1e-3 here), or the
+    // rows below could not catch it counted wrong.
+    let without = [&EXPERTS[..8], &["--micro-batch-size", "1"]].concat();
+    let plain = run(d, &data, "single-no-balance", &without);
+    let moved = max_rel_param_diff(&plain.1, &reference.1);
+    assert!(
+        moved > 1e-4,
+        "the load-balancing loss changed too little: {moved}"
+    );
+    // With one sequence per micro-batch Megatron's aux_loss is the per-sequence
+    // seq_aux_loss, which any split of the batch computes alike.
+    let seq = "--moe-router-load-balancing-type";
+    let pipeline = replica_plan(d, "pipeline", &[("[1, 3]", 1, 6)]);
+    let unequal = replica_plan(d, "unequal", &[("[4]", 2, 2), ("[2, 2]", 1, 2)]);
+    let cases: Vec<(&str, Vec<&str>)> = vec![
+        (
+            "DP 2, mbs 1 x 3",
+            with(&["--nproc", "2", "--micro-batch-size", "1"]),
+        ),
+        (
+            "PP 2 [1,3], mbs 1 x 6",
+            with(&["--nproc", "2", "--plan", &pipeline]),
+        ),
+        (
+            "TP 2 + SP, recompute, mbs 1 x 6",
+            with(&[
+                "--nproc",
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--recompute-activations",
+                "--micro-batch-size",
+                "1",
+            ]),
+        ),
+        (
+            "CP 2, mbs 1 x 6",
+            with(&[
+                "--nproc",
+                "2",
+                "--context-parallel-size",
+                "2",
+                "--micro-batch-size",
+                "1",
+            ]),
+        ),
+        (
+            "DP 2 distributed optimizer, mbs 1 x 3",
+            with(&[
+                "--nproc",
+                "2",
+                "--use-distributed-optimizer",
+                "--micro-batch-size",
+                "1",
+            ]),
+        ),
+        (
+            "hetero DP [4] mbs 2 x 2 + PP [2,2] mbs 1 x 2, seq_aux_loss",
+            with(&["--nproc", "3", "--plan", &unequal, seq, "seq_aux_loss"]),
+        ),
+    ];
+    let mut table = EquivalenceTable::default();
+    for (i, (label, flags)) in cases.into_iter().enumerate() {
+        let name = format!("case{i}");
+        let outcome = run(d, &data, &name, &flags);
+        table.check(label, &reference, outcome);
+        let records = expert_records(&d.join(format!("{name}.jsonl")));
+        for ((losses, tokens), (ref_losses, ref_tokens)) in records.iter().zip(&reference_experts) {
+            assert_eq!(tokens, ref_tokens, "{label}: tokens per expert");
+            let worst = (losses.iter().zip(ref_losses))
+                .map(|(a, b)| (a - b).abs() / b)
+                .fold(0.0, f64::max);
+            assert!(
+                worst < 1e-5,
+                "{label}: load-balancing loss {losses:?} vs {ref_losses:?}"
+            );
+        }
+    }
+    table.print();
+}
+
+/// The log line carries Megatron's `load_balancing_loss`, TensorBoard its scalars; bad
+/// MoE flags are refused by name.
+#[test]
+fn expert_flags_log_and_refuse() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let data = dataset(d);
+    let mut args = common(d, &data, 2);
+    args.extend(strings(&EXPERTS));
+    args.extend(strings(&[
+        "--micro-batch-size",
+        "3",
+        "--moe-per-layer-logging",
+        "--tensorboard-dir",
+    ]));
+    args.push(d.join("tb").display().to_string());
+    let out = synerfuse(&args);
+    ok(&out, "per-layer logging");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = (stdout.lines())
+        .find(|l| l.contains("iteration        2/"))
+        .unwrap_or_else(|| panic!("no log line:\n{stdout}"));
+    assert!(
+        line.contains("| lm loss: ") && line.contains(" | load_balancing_loss: "),
+        "{line}"
+    );
+    let event_file = (std::fs::read_dir(d.join("tb")).unwrap())
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().contains("tfevents"))
+        .expect("an event file");
+    let events = std::fs::read(&event_file).unwrap();
+    for tag in [
+        "load_balancing_loss",
+        "moe/load_balancing_loss_layer_2",
+        "moe/tokens_per_expert_layer_0_expert_3",
+    ] {
+        let found = events.windows(tag.len()).any(|w| w == tag.as_bytes());
+        assert!(found, "no {tag} in {}", event_file.display());
+    }
+    for (flags, expected) in [
+        (
+            vec!["--num-experts", "4", "--moe-router-topk", "5"],
+            "5 experts per token of 4 experts",
+        ),
+        (
+            vec![
+                "--num-experts",
+                "4",
+                "--moe-router-load-balancing-type",
+                "sinkhorn",
+            ],
+            "use aux_loss, seq_aux_loss or none",
+        ),
+        (
+            vec!["--num-experts", "4", "--moe-aux-loss-coeff=-1"],
+            "--moe-aux-loss-coeff",
+        ),
+    ] {
+        let mut args = common(d, &data, 1);
+        args.extend(strings(&flags));
+        let out = synerfuse(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flags:?} accepted");
+        assert!(stderr.contains(expected), "{flags:?}: {stderr}");
+    }
+}

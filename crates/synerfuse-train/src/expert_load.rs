@@ -1,0 +1,162 @@
+//! How a step's tokens spread over the experts: each rank sums its MoE layers' load
+//! balance over its micro-batches, the step's all-gather adds the ranks up, and rank 0
+//! logs Megatron's `load_balancing_loss` and the tokens each expert took.
+
+use synerfuse_model::{LayerBalance, LlamaConfig};
+
+/// The load balance of the MoE layers this rank runs, summed over the step's micro-
+/// batches: per global layer, the load-balancing loss (without its coefficient) summed
+/// over sequences, and the tokens that picked each expert.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ExpertLoad {
+    layers: std::collections::BTreeMap<usize, (f64, Vec<f64>)>,
+}
+
+impl ExpertLoad {
+    /// Adds one micro-batch's forward through a stage.
+    pub fn add(&mut self, balance: &[LayerBalance]) {
+        for layer in balance {
+            let tokens = Vec::<f64>::try_from(&layer.tokens_per_expert).unwrap_or_default();
+            let (loss, sums) = self.layers.entry(layer.layer).or_default();
+            *loss += layer.loss.double_value(&[]);
+            sums.resize(tokens.len().max(sums.len()), 0.0);
+            for (sum, n) in sums.iter_mut().zip(tokens) {
+                *sum += n;
+            }
+        }
+    }
+
+    /// The model's MoE layers in order, each as `[loss, tokens of expert 0, ...]`
+    /// (zeros for layers this rank does not run): a row of the same length on every
+    /// rank, whose sum over the ranks is the step's.
+    pub fn row(&self, model: &LlamaConfig) -> Vec<f64> {
+        let Some(moe) = model.moe else {
+            return Vec::new();
+        };
+        let width = 1 + moe.num_experts;
+        (0..model.num_layers)
+            .filter(|&l| moe.has_experts(l))
+            .flat_map(|l| {
+                let mut cells = vec![0.0; width];
+                if let Some((loss, tokens)) = self.layers.get(&l) {
+                    cells[0] = *loss;
+                    for (cell, n) in cells[1..].iter_mut().zip(tokens) {
+                        *cell = *n;
+                    }
+                }
+                cells
+            })
+            .collect()
+    }
+}
+
+/// A step's load balance over the whole model (every rank's rows summed).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ExpertStep {
+    /// The MoE layers (global indices).
+    pub layers: Vec<usize>,
+    /// Each layer's load-balancing loss without its coefficient, as a mean over the
+    /// step's sequences (Megatron's `load_balancing_loss` per layer).
+    pub load_balancing_loss: Vec<f64>,
+    /// Each layer's tokens per expert over the step.
+    pub tokens_per_expert: Vec<Vec<f64>>,
+}
+
+impl ExpertStep {
+    /// From the sum over ranks of [`ExpertLoad::row`] and the step's sequences.
+    pub fn from_sums(model: &LlamaConfig, sums: &[f64], sequences: f64) -> Option<Self> {
+        let moe = model.moe?;
+        let layers: Vec<usize> = (0..model.num_layers)
+            .filter(|&l| moe.has_experts(l))
+            .collect();
+        let rows: Vec<&[f64]> = sums.chunks(1 + moe.num_experts).collect();
+        if rows.len() != layers.len() {
+            return None;
+        }
+        Some(ExpertStep {
+            load_balancing_loss: rows.iter().map(|r| r[0] / sequences.max(1.0)).collect(),
+            tokens_per_expert: rows.iter().map(|r| r[1..].to_vec()).collect(),
+            layers,
+        })
+    }
+
+    /// The mean over the MoE layers of their load-balancing loss (the log line's).
+    pub fn mean_loss(&self) -> f64 {
+        let n = self.load_balancing_loss.len().max(1) as f64;
+        self.load_balancing_loss.iter().sum::<f64>() / n
+    }
+
+    /// TensorBoard's scalars, Megatron's names: `load_balancing_loss` (the mean), and
+    /// with `per_layer` each layer's (`moe/load_balancing_loss_layer_{i}`) and its
+    /// tokens per expert (`moe/tokens_per_expert_layer_{i}_expert_{e}`).
+    pub fn scalars(&self, per_layer: bool) -> Vec<(String, f64)> {
+        let mut scalars = vec![("load_balancing_loss".to_owned(), self.mean_loss())];
+        if per_layer {
+            for ((layer, loss), tokens) in
+                (self.layers.iter().zip(&self.load_balancing_loss)).zip(&self.tokens_per_expert)
+            {
+                scalars.push((format!("moe/load_balancing_loss_layer_{layer}"), *loss));
+                scalars.extend(tokens.iter().enumerate().map(|(e, n)| {
+                    (
+                        format!("moe/tokens_per_expert_layer_{layer}_expert_{e}"),
+                        *n,
+                    )
+                }));
+            }
+        }
+        scalars
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use synerfuse_model::tch::Tensor;
+    use synerfuse_model::MoeConfig;
+
+    #[test]
+    fn rows_of_ranks_sum_to_the_step() {
+        let mut model = small_config();
+        model.moe = Some(MoeConfig {
+            layer_freq: 2,
+            ..MoeConfig::every_layer(3, 1, 8)
+        });
+        let balance = |layer, loss: f64, tokens: &[f64]| LayerBalance {
+            layer,
+            loss: Tensor::from(loss),
+            tokens_per_expert: Tensor::from_slice(tokens),
+        };
+        let (mut first, mut second) = (ExpertLoad::default(), ExpertLoad::default());
+        first.add(&[balance(0, 0.5, &[1.0, 2.0, 3.0])]);
+        first.add(&[balance(0, 0.25, &[3.0, 2.0, 1.0])]);
+        second.add(&[balance(2, 1.0, &[0.0, 6.0, 0.0])]);
+        let (a, b) = (first.row(&model), second.row(&model));
+        assert_eq!(a.len(), 8, "layers 0 and 2, a loss and 3 experts each");
+        let sums: Vec<f64> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
+        let step = ExpertStep::from_sums(&model, &sums, 4.0).unwrap();
+        assert_eq!(step.layers, [0, 2]);
+        assert_eq!(step.load_balancing_loss, [0.1875, 0.25]);
+        assert_eq!(step.tokens_per_expert, [[4.0, 4.0, 4.0], [0.0, 6.0, 0.0]]);
+        assert_eq!(step.mean_loss(), 0.21875);
+    }
+
+    fn small_config() -> LlamaConfig {
+        LlamaConfig {
+            vocab_size: 16,
+            hidden_size: 8,
+            intermediate_size: 8,
+            num_layers: 4,
+            num_heads: 2,
+            num_kv_heads: 2,
+            head_dim: 4,
+            max_position_embeddings: 8,
+            rope_theta: 10_000.0,
+            rms_norm_eps: 1e-5,
+            tie_word_embeddings: true,
+            attention_bias: false,
+            mlp_bias: false,
+            init_std: 0.02,
+            moe: None,
+        }
+    }
+}
