@@ -47,6 +47,10 @@ impl TpCollectives for Solo {
     fn reduce_scatter_sum(&self, tensor: &Tensor) -> Result<Tensor, crate::tp::CollectiveError> {
         Ok(tensor.shallow_clone())
     }
+
+    fn all_to_all(&self, parts: &[Tensor]) -> Result<Vec<Tensor>, crate::tp::CollectiveError> {
+        Ok(parts.iter().map(Tensor::shallow_clone).collect())
+    }
 }
 
 /// One attention block's exchanged keys and values, kept for the backward.

@@ -19,6 +19,6 @@ pub use config::{
 pub use device::{set_deterministic, DeviceRequest, ModelError, ResolveDevice};
 pub use generate::{generate, GenerateOptions};
 pub use llama::{BackwardFrom, KvCache, Stage, StageError};
-pub use moe::{load_balancing_loss, LayerBalance};
+pub use moe::{load_balancing_loss, ExpertGroup, LayerBalance};
 pub use pass::ForwardPass;
 pub use tch;

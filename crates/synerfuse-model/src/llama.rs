@@ -7,7 +7,7 @@
 //! mean the same thing whatever the layout, and checkpoints move between layouts.
 
 use crate::cp::ContextGroup;
-use crate::moe::{route, LayerBalance, Routing};
+use crate::moe::{route, route_across, ExpertExchange, ExpertGroup, LayerBalance, Routing};
 use crate::norm::rms_norm;
 use crate::pass::{ForwardPass, SavedInputs};
 use crate::LlamaConfig;
@@ -56,6 +56,23 @@ pub enum StageError {
     /// pass given to the tensor-parallel backward (or the reverse).
     #[error("a tensor-parallel shard runs with its group's collectives (forward_train_tp / backward_tp), a whole stage without")]
     Sharded,
+    /// A stage holding some of its MoE layers' experts run without its expert-parallel
+    /// group.
+    #[error("the stage holds experts {held:?} of each MoE layer: it runs with its expert-parallel group (forward_train_parallel)")]
+    ExpertsElsewhere {
+        /// The experts it holds.
+        held: Vec<usize>,
+    },
+    /// An expert placement that does not give every expert to exactly one member.
+    #[error("expert placement {placement:?}: every one of the {num_experts} experts must be on exactly one member of the expert-parallel group, this member holding {held:?}")]
+    BadPlacement {
+        /// Each member's experts.
+        placement: Vec<Vec<usize>>,
+        /// Experts per layer.
+        num_experts: usize,
+        /// This member's.
+        held: Vec<usize>,
+    },
     /// A backward from a loss on a stage without the output layer.
     #[error("a backward from the loss needs the last stage (the output layer)")]
     NotLastStage,
@@ -205,7 +222,8 @@ enum Mlp {
     Experts {
         /// `[experts, hidden]`, no bias.
         router: Linear,
-        experts: Vec<SwiGlu>,
+        /// The experts this rank holds, by index (all without expert parallelism).
+        experts: Vec<(usize, SwiGlu)>,
         top_k: i64,
     },
 }
@@ -223,6 +241,29 @@ impl Mlp {
             } => {
                 let (out, routing) = route(h, &router.weight, experts, *top_k, layer);
                 (out, Some(routing))
+            }
+        }
+    }
+
+    /// [`Self::forward`] with the experts spread over an expert-parallel `group`: an
+    /// MoE layer's tokens go to their experts' members and back (what the backward of
+    /// the exchange needs is returned with it).
+    fn forward_across(
+        &self,
+        h: &Tensor,
+        layer: usize,
+        group: &ExpertGroup<'_>,
+    ) -> Result<(Tensor, Option<Routing>, Option<ExpertExchange>), StageError> {
+        match self {
+            Mlp::Dense(mlp) => Ok((mlp.forward(h), None, None)),
+            Mlp::Experts {
+                router,
+                experts,
+                top_k,
+            } => {
+                let (out, routing, exchange) =
+                    route_across(h, &router.weight, experts, *top_k, layer, group)?;
+                Ok((out, Some(routing), Some(exchange)))
             }
         }
     }
@@ -282,15 +323,17 @@ impl DecoderLayer {
                 Some(moe) => {
                     let block = &p / "block_sparse_moe";
                     let router = Linear::new(&block / "gate", h, moe.num_experts, false, std);
-                    let experts = (0..moe.num_experts)
-                        .map(|e| {
-                            SwiGlu::new(
+                    let all: Vec<usize> = (0..moe.num_experts).collect();
+                    let experts = (shard.experts.as_deref().unwrap_or(&all).iter())
+                        .map(|&e| {
+                            let expert = SwiGlu::new(
                                 &(&block / "experts" / e),
                                 ["w1", "w3", "w2"],
                                 (h, expert_ffn),
                                 (false, false),
                                 (std, out_std),
-                            )
+                            );
+                            (e, expert)
                         })
                         .collect();
                     Mlp::Experts {
@@ -483,6 +526,15 @@ impl DecoderLayer {
     /// [`Self::mlp_out`] after its norm: `h` is the normed input.
     pub(crate) fn mlp_core(&self, h: &Tensor) -> (Tensor, Option<Routing>) {
         self.mlp.forward(h, self.index)
+    }
+
+    /// [`Self::mlp_core`] with the experts spread over `group`.
+    pub(crate) fn mlp_across(
+        &self,
+        h: &Tensor,
+        group: &ExpertGroup<'_>,
+    ) -> Result<(Tensor, Option<Routing>, Option<ExpertExchange>), StageError> {
+        self.mlp.forward_across(h, self.index, group)
     }
 
     /// Appends this step's keys and values to the layer's cache; returns the keys and
@@ -938,6 +990,7 @@ impl Stage {
         if !self.shard.is_whole() {
             return Err(StageError::Sharded);
         }
+        self.check_experts_held()?;
         let mut x = match &self.embedding {
             Some(embedding) => {
                 self.check_tokens(input)?;
@@ -965,6 +1018,21 @@ impl Stage {
             x = h.linear::<Tensor>(head, None);
         }
         Ok((x, routings))
+    }
+
+    /// Refuses a stage holding only some experts of its MoE layers (which runs with
+    /// its expert-parallel group).
+    pub(crate) fn check_experts_held(&self) -> Result<(), StageError> {
+        let moe = self
+            .config
+            .moe
+            .filter(|m| self.layers.clone().any(|l| m.has_experts(l)));
+        match (&self.shard.experts, moe) {
+            (Some(held), Some(moe)) if held.len() < moe.num_experts => {
+                Err(StageError::ExpertsElsewhere { held: held.clone() })
+            }
+            _ => Ok(()),
+        }
     }
 
     pub(crate) fn check_tokens(&self, input: &Tensor) -> Result<(), StageError> {

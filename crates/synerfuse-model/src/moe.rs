@@ -13,6 +13,7 @@
 use crate::config::LoadBalancing;
 use crate::cp::ContextGroup;
 use crate::llama::SwiGlu;
+use crate::tp::TpCollectives;
 use crate::StageError;
 use tch::{Kind, Tensor};
 
@@ -35,7 +36,7 @@ pub(crate) struct Routing {
 pub(crate) fn route(
     h: &Tensor,
     router: &Tensor,
-    experts: &[SwiGlu],
+    experts: &[(usize, SwiGlu)],
     top_k: i64,
     layer: usize,
 ) -> (Tensor, Routing) {
@@ -46,11 +47,11 @@ pub(crate) fn route(
     let (top, chosen) = probs.topk(top_k, -1, true, true);
     let weights = &top / top.sum_dim_intlist(-1, true, Kind::Float);
     let mut out = x.zeros_like();
-    for (e, expert) in experts.iter().enumerate() {
+    for (e, expert) in experts {
         // (token, slot) of every choice of this expert. An expert no token chose runs on
         // none, so that its gradient is zero rather than undefined (every rank and step
         // then has the same gradients to reduce).
-        let hits = chosen.eq(e as i64).nonzero();
+        let hits = chosen.eq(*e as i64).nonzero();
         let (tokens, slots) = (hits.select(1, 0), hits.select(1, 1));
         let y = expert.forward(&x.index_select(0, &tokens));
         let w = weights.index(&[Some(&tokens), Some(&slots)]).unsqueeze(-1);
@@ -63,6 +64,184 @@ pub(crate) fn route(
         chosen,
     };
     (out.reshape(shape.as_slice()), routing)
+}
+
+/// A stage's expert-parallel group: members that each hold some experts of every MoE
+/// layer of the stage and route their own tokens to all of them. Every member runs the
+/// same passes in the same order (each MoE layer's exchange is collective).
+pub struct ExpertGroup<'a> {
+    /// The group's collectives (member order).
+    pub collectives: &'a dyn TpCollectives,
+    /// The experts each member holds, in member order.
+    pub placement: Vec<Vec<usize>>,
+}
+
+impl ExpertGroup<'_> {
+    /// The member holding each expert, checked against `held` (this member's).
+    fn owners(&self, num_experts: usize, held: &[usize]) -> Result<Vec<i64>, StageError> {
+        let bad = || StageError::BadPlacement {
+            placement: self.placement.clone(),
+            num_experts,
+            held: held.to_vec(),
+        };
+        let mut owner = vec![-1i64; num_experts];
+        for (member, experts) in self.placement.iter().enumerate() {
+            for &e in experts {
+                match owner.get_mut(e) {
+                    Some(o) if *o < 0 => *o = member as i64,
+                    _ => return Err(bad()),
+                }
+            }
+        }
+        let mine = self.placement.get(self.collectives.rank());
+        if owner.contains(&-1) || mine.map(Vec::as_slice) != Some(held) {
+            return Err(bad());
+        }
+        Ok(owner)
+    }
+
+    fn all_to_all(&self, parts: &[Tensor], what: &'static str) -> Result<Vec<Tensor>, StageError> {
+        (self.collectives.all_to_all(parts))
+            .map_err(|source| StageError::Collective { op: what, source })
+    }
+}
+
+/// One MoE layer's token exchange in a forward, kept for its backward: the graph is cut
+/// at each all-to-all, as tensor parallelism cuts at its collectives.
+pub(crate) struct ExpertExchange {
+    /// The MoE block's normed input (graph to the block's input), and the leaf the
+    /// routing and the rows sent start from.
+    input: (Tensor, Tensor),
+    /// The rows sent, grouped by member (graph to the input leaf).
+    sent: Tensor,
+    /// Rows sent to each member, and received from each.
+    counts: (Vec<i64>, Vec<i64>),
+    /// The rows received (a leaf), and the local experts' outputs for them.
+    received: Tensor,
+    computed: Tensor,
+    /// The outputs the experts' members returned (a leaf the combine's backward fills).
+    returned: Tensor,
+}
+
+impl ExpertExchange {
+    /// The exchange's backward, after the combine's has filled the returned outputs'
+    /// gradient: that gradient to the experts' members, their backward, the received
+    /// rows' gradient back to the tokens' members, through the rows sent, and with the
+    /// router's part on into the block input's gradient. Collective over the group.
+    pub(crate) fn backward(self, group: &ExpertGroup<'_>) -> Result<(), StageError> {
+        let grad = |t: &Tensor| match t.grad().defined() {
+            true => t.grad(),
+            false => t.zeros_like(),
+        };
+        let (sent_counts, received_counts) = &self.counts;
+        let to_experts = grad(&self.returned).split_with_sizes(sent_counts, 0);
+        let computed_grad = Tensor::cat(
+            &group.all_to_all(&to_experts, "all-to-all (expert gradients)")?,
+            0,
+        );
+        (&self.computed * computed_grad.to_kind(self.computed.kind()))
+            .sum(Kind::Float)
+            .backward();
+        let to_tokens = grad(&self.received).split_with_sizes(received_counts, 0);
+        let sent_grad = Tensor::cat(
+            &group.all_to_all(&to_tokens, "all-to-all (token gradients)")?,
+            0,
+        );
+        (&self.sent * sent_grad.to_kind(self.sent.kind()))
+            .sum(Kind::Float)
+            .backward();
+        // The router's and the rows' gradients of the input leaf, through the norm.
+        let (input, leaf) = &self.input;
+        (input * grad(leaf).to_kind(input.kind()))
+            .sum(Kind::Float)
+            .backward();
+        Ok(())
+    }
+}
+
+/// [`route`] over an expert-parallel `group`: each token's top-k rows go to the members
+/// holding their experts (one all-to-all), each member runs its `experts` on what it
+/// received, the outputs come back (another), and each token's output is the weighted
+/// sum of its experts', as on one rank.
+pub(crate) fn route_across(
+    h: &Tensor,
+    router: &Tensor,
+    experts: &[(usize, SwiGlu)],
+    top_k: i64,
+    layer: usize,
+    group: &ExpertGroup<'_>,
+) -> Result<(Tensor, Routing, ExpertExchange), StageError> {
+    let held: Vec<usize> = experts.iter().map(|(e, _)| *e).collect();
+    let owners = group.owners(router.size()[0] as usize, &held)?;
+    // The backward runs in pieces (cut at the all-to-alls) that meet at this leaf.
+    let input = h.shallow_clone();
+    let h = &h.detach().set_requires_grad(true);
+    let shape = h.size();
+    let hidden = shape[shape.len() - 1];
+    let x = h.reshape([-1, hidden]);
+    let logits = x.linear::<Tensor>(router, None);
+    let probs = logits.softmax(-1, Kind::Float);
+    let (top, chosen) = probs.topk(top_k, -1, true, true);
+    let weights = &top / top.sum_dim_intlist(-1, true, Kind::Float);
+    // Every (token, slot) choice, grouped by the member holding its expert.
+    let device = h.device();
+    let picks = chosen.reshape([-1]);
+    let members = Tensor::from_slice(&owners)
+        .to_device(device)
+        .index_select(0, &picks);
+    let (_, order) = members.sort_stable(true, 0, false);
+    let tokens = Tensor::arange(picks.size()[0], (Kind::Int64, device))
+        .divide_scalar_mode(top_k, "floor")
+        .index_select(0, &order);
+    let sent_counts: Vec<i64> =
+        Vec::try_from(members.bincount::<Tensor>(None, group.placement.len() as i64))
+            .unwrap_or_default();
+    // A graph of its own from the block input, apart from the router's.
+    let sent = h.reshape([-1, hidden]).index_select(0, &tokens);
+    let rows = group.all_to_all(
+        &sent.detach().split_with_sizes(&sent_counts, 0),
+        "all-to-all (tokens to experts)",
+    )?;
+    let ids = group.all_to_all(
+        &picks
+            .index_select(0, &order)
+            .split_with_sizes(&sent_counts, 0),
+        "all-to-all (expert of each token)",
+    )?;
+    let received_counts: Vec<i64> = rows.iter().map(|r| r.size()[0]).collect();
+    let received = Tensor::cat(&rows, 0).set_requires_grad(true);
+    let ids = Tensor::cat(&ids, 0);
+    let mut computed = received.zeros_like();
+    for (e, expert) in experts {
+        // An expert no token chose runs on none (its gradient zero, not undefined).
+        let mine = ids.eq(*e as i64).nonzero().reshape([-1]);
+        let y = expert.forward(&received.index_select(0, &mine));
+        computed = computed.index_add(0, &mine, &y);
+    }
+    let back = group.all_to_all(
+        &computed.detach().split_with_sizes(&received_counts, 0),
+        "all-to-all (expert outputs back)",
+    )?;
+    let returned = Tensor::cat(&back, 0).set_requires_grad(true);
+    let w = weights.reshape([-1]).index_select(0, &order).unsqueeze(-1);
+    let out = x
+        .zeros_like()
+        .index_add(0, &tokens, &(&returned * w).to_kind(x.kind()));
+    let routing = Routing {
+        layer,
+        logits,
+        probs,
+        chosen,
+    };
+    let exchange = ExpertExchange {
+        input: (input, h.shallow_clone()),
+        sent,
+        counts: (sent_counts, received_counts),
+        received,
+        computed,
+        returned,
+    };
+    Ok((out.reshape(shape.as_slice()), routing, exchange))
 }
 
 /// One MoE layer's load balance over a micro-batch on one rank: what its

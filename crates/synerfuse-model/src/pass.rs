@@ -94,6 +94,8 @@ pub(crate) enum Region {
         kv: Option<crate::cp::KvExchange>,
         /// An MoE block's load-balancing loss over the micro-batch (graph to the router).
         balance: Option<Tensor>,
+        /// An MoE block's token exchange with its expert-parallel group.
+        exchange: Option<crate::moe::ExpertExchange>,
     },
     /// The final norm (unless sequence-parallel) and this rank's slice of the output layer.
     Head { input: Tensor, logits: Tensor },

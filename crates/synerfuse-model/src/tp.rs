@@ -12,7 +12,7 @@
 //! each rank's vocabulary slice with three small collectives per micro-batch.
 
 use crate::cp::ContextGroup;
-use crate::moe::LayerBalance;
+use crate::moe::{ExpertGroup, LayerBalance};
 use crate::norm::rms_norm;
 use crate::pass::{ForwardPass, Region, SavedInputs};
 use crate::{Stage, StageError};
@@ -37,6 +37,47 @@ pub trait TpCollectives {
     /// The element-wise sum over the group, cut into `size` equal parts along the first
     /// dimension: this member's part.
     fn reduce_scatter_sum(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError>;
+    /// `parts[m]` to member `m` (any number of rows along the first dimension, the rest
+    /// of the shape and the dtype alike on every member): what each member sent this one,
+    /// in member order (expert parallelism's token exchange).
+    fn all_to_all(&self, parts: &[Tensor]) -> Result<Vec<Tensor>, CollectiveError>;
+}
+
+/// [`TpCollectives::all_to_all`] built from the group's all-gather (every part padded to
+/// the longest and gathered whole): size times the traffic of a real all-to-all, for
+/// groups without one (tests over threads).
+pub fn all_to_all_by_gather(
+    group: &dyn TpCollectives,
+    parts: &[Tensor],
+) -> Result<Vec<Tensor>, CollectiveError> {
+    let rows: Vec<i64> = parts.iter().map(|p| p.size()[0]).collect();
+    let counts = group.all_gather(&Tensor::from_slice(&rows))?;
+    let counts: Vec<Vec<i64>> = (0..group.size())
+        .map(|src| Vec::try_from(counts.get(src as i64)).unwrap_or_default())
+        .collect();
+    let longest = counts.iter().flatten().copied().max().unwrap_or(0);
+    let padded: Vec<Tensor> = (parts.iter())
+        .map(|p| {
+            let mut shape = p.size();
+            shape[0] = longest - shape[0];
+            Tensor::cat(
+                &[
+                    p.shallow_clone(),
+                    p.new_zeros(shape.as_slice(), (p.kind(), p.device())),
+                ],
+                0,
+            )
+        })
+        .collect();
+    let all = group.all_gather(&Tensor::stack(&padded, 0))?;
+    let me = group.rank();
+    Ok((0..group.size())
+        .map(|src| {
+            all.get(src as i64)
+                .get(me as i64)
+                .narrow(0, 0, counts[src][me])
+        })
+        .collect())
 }
 
 fn collective<T>(op: &'static str, result: Result<T, CollectiveError>) -> Result<T, StageError> {
@@ -150,13 +191,14 @@ impl Stage {
         attention_mask: Option<&Tensor>,
         tp: &dyn TpCollectives,
     ) -> Result<ForwardPass, StageError> {
-        self.forward_train_parallel(input, position_ids, attention_mask, tp, None)
+        self.forward_train_parallel(input, position_ids, attention_mask, tp, None, None)
     }
 
     /// [`Self::forward_train_tp`] for a member of a context-parallel group `cp` too:
     /// `input` holds this member's tokens (`cp`'s positions of it, in its order), and
     /// `position_ids`, when given, their positions for RoPE (by default their sequence
-    /// indices). Collective over both groups.
+    /// indices); and of an expert-parallel group `ep`, over which the MoE layers'
+    /// experts are spread. Collective over the groups.
     pub fn forward_train_parallel(
         &self,
         input: &Tensor,
@@ -164,6 +206,7 @@ impl Stage {
         attention_mask: Option<&Tensor>,
         tp: &dyn TpCollectives,
         cp: Option<&ContextGroup<'_>>,
+        ep: Option<&ExpertGroup<'_>>,
     ) -> Result<ForwardPass, StageError> {
         let saved = SavedInputs {
             input: match self.is_first() {
@@ -173,7 +216,7 @@ impl Stage {
             position_ids: position_ids.map(Tensor::shallow_clone),
             attention_mask: attention_mask.map(Tensor::shallow_clone),
         };
-        let run = || self.tp_regions(input, position_ids, attention_mask, tp, cp);
+        let run = || self.tp_regions(input, position_ids, attention_mask, tp, (cp, ep));
         let (output, regions, balance) = match self.recomputes() {
             true => {
                 let (output, _, balance) = tch::no_grad(run)?;
@@ -195,8 +238,11 @@ impl Stage {
         position_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
         tp: &dyn TpCollectives,
-        cp: Option<&ContextGroup<'_>>,
+        (cp, ep): (Option<&ContextGroup<'_>>, Option<&ExpertGroup<'_>>),
     ) -> Result<(Tensor, Vec<Region>, Vec<LayerBalance>), StageError> {
+        if ep.is_none() {
+            self.check_experts_held()?;
+        }
         let sequences = input.size()[0];
         let mut balances = Vec::new();
         let seq = Sequence {
@@ -268,21 +314,36 @@ impl Stage {
                             partial,
                             kv: Some(kv),
                             balance: None,
+                            exchange: None,
                         });
                         continue;
                     }
                     (true, true, _) => (
                         layer.attention_core(&input, c, &cos, &sin, attention_mask, None),
                         None,
+                        None,
                     ),
                     (true, false, _) => (
                         layer.attention_out(&input, c, &cos, &sin, attention_mask, None),
                         None,
+                        None,
                     ),
-                    (false, true, _) => layer.mlp_core(&input),
-                    (false, false, _) => layer.mlp_out(&input, c),
+                    (false, parallel, _) => {
+                        // Under sequence parallelism the input is already normed.
+                        let h = match parallel {
+                            true => input.shallow_clone(),
+                            false => layer.block_norm(false, &input, c),
+                        };
+                        match ep {
+                            Some(ep) => layer.mlp_across(&h, ep)?,
+                            None => {
+                                let (partial, routing) = layer.mlp_core(&h);
+                                (partial, routing, None)
+                            }
+                        }
+                    }
                 };
-                let (partial, routing) = partial;
+                let (partial, routing, exchange) = partial;
                 let balance = match routing {
                     Some(routing) => {
                         let cp = context.as_ref().map(|(cp, _, _)| *cp);
@@ -299,6 +360,7 @@ impl Stage {
                     partial,
                     kv: None,
                     balance,
+                    exchange,
                 });
             }
         }
@@ -353,17 +415,19 @@ impl Stage {
         from: TpBackwardFrom<'_>,
         tp: &dyn TpCollectives,
     ) -> Result<Option<Tensor>, StageError> {
-        self.backward_parallel(pass, from, tp, None)
+        self.backward_parallel(pass, from, tp, None, None)
     }
 
     /// [`Self::backward_tp`] of a pass of [`Self::forward_train_parallel`], with the
-    /// same context-parallel group (the input gradient is this member's tokens').
+    /// same context-parallel group (the input gradient is this member's tokens') and
+    /// expert-parallel group.
     pub fn backward_parallel(
         &self,
         pass: ForwardPass,
         from: TpBackwardFrom<'_>,
         tp: &dyn TpCollectives,
         cp: Option<&ContextGroup<'_>>,
+        ep: Option<&ExpertGroup<'_>>,
     ) -> Result<Option<Tensor>, StageError> {
         let seq = Sequence {
             tp,
@@ -374,7 +438,9 @@ impl Stage {
         if regions.is_empty() {
             // A recomputed pass: its forward again, with the graph this time.
             let (positions, mask) = (saved.position_ids.as_ref(), saved.attention_mask.as_ref());
-            regions = self.tp_regions(&saved.input, positions, mask, tp, cp)?.1;
+            regions = self
+                .tp_regions(&saved.input, positions, mask, tp, (cp, ep))?
+                .1;
         }
         // The gradient of the residual stream (this rank's rows under sequence
         // parallelism), and that of a sequence-parallel norm's output.
@@ -421,6 +487,7 @@ impl Stage {
                     partial,
                     kv,
                     balance,
+                    exchange,
                 } => {
                     let g = grad.as_ref().expect("a block's output gradient");
                     let through_output =
@@ -428,6 +495,15 @@ impl Stage {
                     match balance.filter(|_| weight != 0.0) {
                         Some(balance) => (through_output + balance * weight).backward(),
                         None => through_output.backward(),
+                    }
+                    match (exchange, ep) {
+                        (Some(exchange), Some(ep)) => exchange.backward(ep)?,
+                        (Some(_), None) => {
+                            return Err(StageError::ExpertsElsewhere {
+                                held: self.shard().experts.clone().unwrap_or_default(),
+                            })
+                        }
+                        (None, _) => {}
                     }
                     if let (Some(kv), Some(cp)) = (kv, cp) {
                         cp.backward(kv)?;

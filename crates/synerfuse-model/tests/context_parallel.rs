@@ -51,6 +51,10 @@ impl TpCollectives for ThreadGroup {
         Ok(all)
     }
 
+    fn all_to_all(&self, parts: &[Tensor]) -> Result<Vec<Tensor>, CollectiveError> {
+        synerfuse_model::tp::all_to_all_by_gather(self, parts)
+    }
+
     fn all_reduce_sum(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
         Ok(self
             .all_gather(tensor)?
@@ -244,8 +248,9 @@ fn context_parallel(
                         collectives: &cp_group,
                         positions,
                     };
-                    let pass = (stage.forward_train_parallel(&input, None, None, group, Some(&cp)))
-                        .unwrap();
+                    let pass =
+                        (stage.forward_train_parallel(&input, None, None, group, Some(&cp), None))
+                            .unwrap();
                     let output = pass.output.shallow_clone();
                     let (loss, from) = match stage.is_last() {
                         true => {
@@ -262,7 +267,7 @@ fn context_parallel(
                         false => (0.0, TpBackwardFrom::OutputGrad(&output_grad)),
                     };
                     let input_grad =
-                        (stage.backward_parallel(pass, from, group, Some(&cp))).unwrap();
+                        (stage.backward_parallel(pass, from, group, Some(&cp), None)).unwrap();
                     stage.all_reduce_norm_grads(group).unwrap();
                     let slices = (stage.var_store().variables().into_keys())
                         .filter_map(|n| stage.shard_of(&n).map(|s| (n, s)))

@@ -49,6 +49,10 @@ impl TpCollectives for ThreadGroup {
         Ok(all)
     }
 
+    fn all_to_all(&self, parts: &[Tensor]) -> Result<Vec<Tensor>, CollectiveError> {
+        synerfuse_model::tp::all_to_all_by_gather(self, parts)
+    }
+
     fn all_reduce_sum(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
         Ok(self
             .all_gather(tensor)?

@@ -190,6 +190,7 @@ impl TpLayout {
             ffn_columns: self.ffn_columns.get(rank)?.clone(),
             expert_columns: self.expert_columns.get(rank)?.clone(),
             vocab_rows: self.vocab_rows.get(rank)?.clone(),
+            experts: None,
         })
     }
 }
@@ -209,6 +210,9 @@ pub struct TpShard {
     pub expert_columns: Range<usize>,
     /// Its vocabulary rows.
     pub vocab_rows: Range<usize>,
+    /// The experts of each of its MoE layers it holds, in order (expert parallelism:
+    /// the rest are its expert-parallel group's other members'); `None`: all.
+    pub experts: Option<Vec<usize>>,
 }
 
 impl TpShard {
@@ -222,6 +226,7 @@ impl TpShard {
             ffn_columns: 0..ffn,
             expert_columns: 0..ffn,
             vocab_rows: 0..vocab,
+            experts: None,
         }
     }
 

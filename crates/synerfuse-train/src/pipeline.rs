@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use synerfuse_model::cp::{ContextGroup, Solo};
 use synerfuse_model::tch::{Device, Kind, Tensor};
 use synerfuse_model::tp::{CollectiveError, TpBackwardFrom, TpCollectives};
-use synerfuse_model::{BackwardFrom, ForwardPass, Stage};
+use synerfuse_model::{BackwardFrom, ExpertGroup, ForwardPass, Stage};
 use synerfuse_parallel::timeline::{Span, SpanKind};
 use synerfuse_parallel::{Instruction, Message, Pass, Payload, Piece};
 
@@ -62,12 +62,24 @@ pub struct PipelineRank<'a> {
     pub peer_rows: &'a BTreeMap<usize, (usize, usize)>,
     /// The stage's context-parallel group, when it has one.
     pub context: Option<ContextRank<'a>>,
+    /// This rank's expert-parallel group, when its stage holds only some experts.
+    pub experts: Option<ExpertRank<'a>>,
     /// Dtype of activations on the wire.
     pub activation_kind: Kind,
     /// Emulated slowdown, if any.
     pub emulation: Option<Emulation>,
     /// When the step began: the origin of the spans [`PipelineRank::run`] records.
     pub step_start: Instant,
+}
+
+/// A rank's expert-parallel group: its stage holds some experts of every MoE layer, the
+/// members the rest, and each MoE layer's tokens go to their experts' members and back.
+#[derive(Clone, Copy)]
+pub struct ExpertRank<'a> {
+    /// The group's communicator (member order).
+    pub group: &'a GroupCommunicator,
+    /// The experts each member holds, in member order.
+    pub placement: &'a [Vec<usize>],
 }
 
 /// A rank's context-parallel group: it runs its stage on its own token positions of every
@@ -434,6 +446,8 @@ impl PipelineRank<'_> {
         let tp = self.parallel().then_some(&clock);
         let collectives = clock.context_collectives();
         let cp = self.context_group(collectives.as_ref());
+        let expert_collectives = clock.expert_collectives();
+        let ep = self.expert_group(expert_collectives.as_ref());
         let crossing = self.crossing(piece.chunk);
         let input = match (&cp, crossing.input) {
             (Some(cp), true) => cp.own_tokens(&input, 1),
@@ -441,7 +455,10 @@ impl PipelineRank<'_> {
         };
         let (positions, mask) = (Some(&batch.position_ids), batch.attention_mask.as_ref());
         let pass = match tp {
-            Some(tp) => stage.forward_train_parallel(&input, positions, mask, tp, cp.as_ref())?,
+            Some(tp) => {
+                let groups = (cp.as_ref(), ep.as_ref());
+                stage.forward_train_parallel(&input, positions, mask, tp, groups.0, groups.1)?
+            }
             None => stage.forward_train(&input, positions, mask)?,
         };
         if let (Some(cp), true) = (&cp, crossing.output) {
@@ -487,6 +504,8 @@ impl PipelineRank<'_> {
         let tp = self.parallel().then_some(&clock);
         let collectives = clock.context_collectives();
         let cp = self.context_group(collectives.as_ref());
+        let expert_collectives = clock.expert_collectives();
+        let ep = self.expert_group(expert_collectives.as_ref());
         let input_grad = if stage.is_last() {
             match tp {
                 Some(tp) => {
@@ -495,7 +514,7 @@ impl PipelineRank<'_> {
                         loss_mask: Some(&batch.loss_mask),
                         scale: 1.0 / loss_normaliser,
                     };
-                    stage.backward_parallel(pass, from, tp, cp.as_ref())?
+                    stage.backward_parallel(pass, from, tp, cp.as_ref(), ep.as_ref())?
                 }
                 None => {
                     let loss_of = |logits: &Tensor| {
@@ -525,7 +544,7 @@ impl PipelineRank<'_> {
             match tp {
                 Some(tp) => {
                     let from = TpBackwardFrom::OutputGrad(&grad);
-                    stage.backward_parallel(pass, from, tp, cp.as_ref())?
+                    stage.backward_parallel(pass, from, tp, cp.as_ref(), ep.as_ref())?
                 }
                 None => stage.backward(pass, BackwardFrom::OutputGrad(&grad))?,
             }
@@ -648,10 +667,11 @@ impl PipelineRank<'_> {
 /// its computations, timed apart: an emulated device is slowed down in each computation
 /// between collectives, as the real one would be, and waiting for a group counts as
 /// communication. As [`TpCollectives`] it is the tensor-parallel group's (a group of one
-/// without one); [`ContextCollectives`] is the context-parallel group's.
+/// without one); [`GroupCollectives`] is the context-parallel group's.
 struct PassClock<'a> {
     group: Option<&'a GroupCommunicator>,
     context: Option<&'a GroupCommunicator>,
+    experts: Option<&'a GroupCommunicator>,
     emulation: Option<&'a Emulation>,
     span: Cell<ComputeSpan>,
     compute: Cell<Duration>,
@@ -676,9 +696,15 @@ impl<'a> PassClock<'a> {
     }
 
     /// The context-parallel group's collectives, timed by this clock.
-    fn context_collectives(&self) -> Option<ContextCollectives<'_, 'a>> {
+    fn context_collectives(&self) -> Option<GroupCollectives<'_, 'a>> {
         let group = self.context?;
-        Some(ContextCollectives { clock: self, group })
+        Some(GroupCollectives { clock: self, group })
+    }
+
+    /// The expert-parallel group's collectives, timed by this clock.
+    fn expert_collectives(&self) -> Option<GroupCollectives<'_, 'a>> {
+        let group = self.experts?;
+        Some(GroupCollectives { clock: self, group })
     }
 
     /// Ends the pass: its times into `times`.
@@ -718,15 +744,22 @@ impl TpCollectives for PassClock<'_> {
             None => Solo.reduce_scatter_sum(tensor),
         }
     }
+
+    fn all_to_all(&self, parts: &[Tensor]) -> Result<Vec<Tensor>, CollectiveError> {
+        match self.group {
+            Some(g) => self.collective(g, |g| TpCollectives::all_to_all(g, parts)),
+            None => Solo.all_to_all(parts),
+        }
+    }
 }
 
 /// A pass clock's context-parallel group, as the model's collectives.
-struct ContextCollectives<'c, 'a> {
+struct GroupCollectives<'c, 'a> {
     clock: &'c PassClock<'a>,
     group: &'a GroupCommunicator,
 }
 
-impl TpCollectives for ContextCollectives<'_, '_> {
+impl TpCollectives for GroupCollectives<'_, '_> {
     fn rank(&self) -> usize {
         self.group.rank()
     }
@@ -746,6 +779,10 @@ impl TpCollectives for ContextCollectives<'_, '_> {
     fn reduce_scatter_sum(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
         (self.clock).collective(self.group, |g| TpCollectives::reduce_scatter_sum(g, tensor))
     }
+
+    fn all_to_all(&self, parts: &[Tensor]) -> Result<Vec<Tensor>, CollectiveError> {
+        (self.clock).collective(self.group, |g| TpCollectives::all_to_all(g, parts))
+    }
 }
 
 impl PipelineRank<'_> {
@@ -754,6 +791,7 @@ impl PipelineRank<'_> {
         PassClock {
             group: self.tp,
             context: self.context.map(|c| c.group),
+            experts: self.experts.map(|e| e.group),
             emulation: self.emulation.as_ref(),
             span: Cell::new(ComputeSpan::start()),
             compute: Cell::new(Duration::ZERO),
@@ -777,14 +815,25 @@ impl PipelineRank<'_> {
     /// Whether the stage runs the model's parallel passes (a tensor- or
     /// context-parallel group).
     fn parallel(&self) -> bool {
-        self.tp.is_some() || self.context.is_some()
+        self.tp.is_some() || self.context.is_some() || self.experts.is_some()
+    }
+
+    /// The expert-parallel group of a pass, over `collectives`.
+    fn expert_group<'c>(
+        &self,
+        collectives: Option<&'c GroupCollectives<'c, '_>>,
+    ) -> Option<ExpertGroup<'c>> {
+        Some(ExpertGroup {
+            collectives: collectives?,
+            placement: self.experts?.placement.to_vec(),
+        })
     }
 
     /// The context-parallel group of a pass over `collectives` (`clock`'s, when the
     /// stage has one).
     fn context_group<'c>(
         &self,
-        collectives: Option<&'c ContextCollectives<'c, '_>>,
+        collectives: Option<&'c GroupCollectives<'c, '_>>,
     ) -> Option<ContextGroup<'c>> {
         let positions = self.context?.positions.to_vec();
         Some(ContextGroup {

@@ -45,6 +45,7 @@ fn check_all(world: &MpiCommunicator) -> Result<(), String> {
     broadcast_copies_root(world)?;
     send_recv_pair(world)?;
     gather_and_reduce_scatter(world)?;
+    all_to_all_of_uneven_parts(world)?;
     collectives_in_rounds(world)?;
     process_groups(world)?;
     simultaneous_isends(world)?;
@@ -78,6 +79,39 @@ fn gather_and_reduce_scatter(world: &MpiCommunicator) -> Result<(), String> {
         return Err(
             "reduce_scatter_sum accepted a leading dimension not divisible by the group".into(),
         );
+    }
+    Ok(())
+}
+
+/// all_to_all (expert parallelism's token exchange): rank r sends rank d `r + d` rows of
+/// `[r, d]` pairs (none to itself when both are 0), and gets each rank's in rank order,
+/// in fp32, bf16 and int64.
+fn all_to_all_of_uneven_parts(world: &MpiCommunicator) -> Result<(), String> {
+    let (rank, n) = (world.rank() as i64, world.size() as i64);
+    let rows = |from: i64, to: i64| {
+        Tensor::from_slice(&[from as f32, to as f32])
+            .view([1, 2])
+            .repeat([from + to, 1])
+    };
+    for kind in [Kind::Float, Kind::BFloat16, Kind::Int64] {
+        let parts: Vec<Tensor> = (0..n).map(|d| rows(rank, d).to_kind(kind)).collect();
+        let got = world.all_to_all(&parts).map_err(|e| e.to_string())?;
+        for (from, part) in got.iter().enumerate() {
+            let want = rows(from as i64, rank).to_kind(kind);
+            if part.size() != want.size() || !part.equal(&want) {
+                return Err(format!(
+                    "all_to_all from rank {from} gave {part:?} ({kind:?})"
+                ));
+            }
+        }
+    }
+    // Checked before any message: every rank refuses alike, none waits.
+    let zeros = |shape: &[i64]| Tensor::zeros(shape, (Kind::Float, Device::Cpu));
+    let mixed: Vec<Tensor> = (0..n)
+        .map(|d| if d == 0 { zeros(&[1, 2]) } else { zeros(&[1]) })
+        .collect();
+    if world.all_to_all(&mixed).is_ok() || world.all_to_all(&mixed[..1]).is_ok() {
+        return Err("all_to_all accepted parts of different row shapes, or too few".into());
     }
     Ok(())
 }

@@ -95,6 +95,23 @@ impl GroupCommunicator {
         }
     }
 
+    /// `parts[m]` to member `m`: what each member sent this one, in member order (NCCL
+    /// grouped sends and receives on CUDA groups, MPI's `Alltoallv` otherwise; the row
+    /// counts go first over MPI).
+    pub fn all_to_all(&self, parts: &[Tensor]) -> Result<Vec<Tensor>, CommError> {
+        match parts.first().and_then(|p| self.nccl_for(p)) {
+            Some(nccl) => {
+                let rows: Vec<Tensor> = (parts.iter())
+                    .map(|p| Tensor::from_slice(&[p.size()[0]]))
+                    .collect();
+                let received = self.mpi.all_to_all(&rows)?;
+                let received: Vec<i64> = received.iter().map(|r| r.int64_value(&[0])).collect();
+                nccl.all_to_all(parts, &received)
+            }
+            None => self.mpi.all_to_all(parts),
+        }
+    }
+
     /// Sends to a member (blocking until the tensor may be reused).
     pub fn send(&self, tensor: &Tensor, dest: usize, tag: i32) -> Result<(), CommError> {
         match self.nccl_for(tensor) {
@@ -152,6 +169,14 @@ impl synerfuse_model::tp::TpCollectives for GroupCommunicator {
             self,
             &tensor.detach().contiguous(),
         )?)
+    }
+
+    fn all_to_all(
+        &self,
+        parts: &[Tensor],
+    ) -> Result<Vec<Tensor>, synerfuse_model::tp::CollectiveError> {
+        let parts: Vec<Tensor> = parts.iter().map(|p| p.detach().contiguous()).collect();
+        Ok(GroupCommunicator::all_to_all(self, &parts)?)
     }
 }
 

@@ -269,6 +269,31 @@ macro_rules! with_element_type {
     };
 }
 
+/// The dtype and row shape of an all-to-all's `parts`: one per rank, alike but for
+/// their row counts.
+pub(crate) fn check_parts(
+    rank: usize,
+    size: usize,
+    parts: &[Tensor],
+    op: &'static str,
+) -> Result<(Kind, Vec<i64>), CommError> {
+    let shape = |problem: String| CommError::Shape { rank, op, problem };
+    let first = parts
+        .first()
+        .filter(|_| parts.len() == size)
+        .ok_or_else(|| shape(format!("{} parts for {size} ranks", parts.len())))?;
+    let row = first.size().get(1..).unwrap_or_default().to_vec();
+    match (parts.iter()).find(|p| p.kind() != first.kind() || p.size().get(1..) != Some(&row[..])) {
+        Some(p) => Err(shape(format!(
+            "parts of rows {row:?} {:?} and {:?} {:?}",
+            first.kind(),
+            p.size(),
+            p.kind()
+        ))),
+        None => Ok((first.kind(), row)),
+    }
+}
+
 /// A contiguous CPU tensor that shares storage with the caller's tensor when it can,
 /// and is copied back into it otherwise.
 struct HostStaging<'a> {
@@ -659,6 +684,68 @@ impl MpiCommunicator {
             }
         });
         Ok(out.to_device(tensor.device()))
+    }
+
+    /// `parts[r]` to rank `r`: what each rank sent this one, in rank order (MPI's
+    /// `Alltoallv` through host memory, the row counts exchanged first). Every part has
+    /// any number of rows along the first dimension and the same row shape and dtype
+    /// on every rank.
+    pub fn all_to_all(&self, parts: &[Tensor]) -> Result<Vec<Tensor>, CommError> {
+        use mpi::collective::CommunicatorCollectives;
+        use mpi::datatype::{Partition, PartitionMut};
+        let op = "all_to_all";
+        let (kind, row) = check_parts(self.rank, self.size, parts, op)?;
+        let row_elements: i64 = row.iter().product();
+        let sent_rows: Vec<i32> = parts.iter().map(|p| p.size()[0] as i32).collect();
+        let mut received_rows = vec![0i32; self.size];
+        let _wait = waiting(op, &self.name, None);
+        self.comm
+            .all_to_all_into(&sent_rows[..], &mut received_rows[..]);
+        let elements = |rows: &[i32]| -> Result<(Vec<i32>, Vec<i32>), CommError> {
+            let counts: Vec<i64> = rows.iter().map(|&r| i64::from(r) * row_elements).collect();
+            let total: i64 = counts.iter().sum();
+            if total > MAX_ELEMENTS_PER_CALL as i64 {
+                return Err(CommError::TooLarge {
+                    rank: self.rank,
+                    op,
+                    elements: total as usize,
+                });
+            }
+            let displs = (counts.iter())
+                .scan(0i64, |at, &c| {
+                    let d = *at;
+                    *at += c;
+                    Some(d as i32)
+                })
+                .collect();
+            Ok((counts.into_iter().map(|c| c as i32).collect(), displs))
+        };
+        let (send_counts, send_displs) = elements(&sent_rows)?;
+        let (recv_counts, recv_displs) = elements(&received_rows)?;
+        let send = tch::no_grad(|| Tensor::cat(parts, 0).to_device(Device::Cpu).contiguous());
+        let mut shape = vec![received_rows.iter().map(|&r| i64::from(r)).sum::<i64>()];
+        shape.extend(&row);
+        let out = Tensor::empty(shape.as_slice(), (kind, Device::Cpu));
+        with_element_type!(kind, self.rank, op, T => {
+            let send_slice: &[T] = match send.numel() {
+                0 => &[],
+                // SAFETY: a contiguous CPU tensor of `numel` `T`-sized elements, alive here.
+                n => unsafe { std::slice::from_raw_parts(send.data_ptr() as *const T, n) },
+            };
+            let recv_slice: &mut [T] = match out.numel() {
+                0 => &mut [],
+                // SAFETY: `out` is a fresh contiguous CPU tensor of `numel` elements.
+                n => unsafe { std::slice::from_raw_parts_mut(out.data_ptr() as *mut T, n) },
+            };
+            let partition = Partition::new(send_slice, &send_counts[..], &send_displs[..]);
+            let mut received = PartitionMut::new(recv_slice, &recv_counts[..], &recv_displs[..]);
+            self.comm.all_to_all_varcount_into(&partition, &mut received);
+        });
+        let device = parts[0].device();
+        let rows: Vec<i64> = received_rows.iter().map(|&r| i64::from(r)).collect();
+        Ok((out.split_with_sizes(&rows, 0).into_iter())
+            .map(|t| t.to_device(device))
+            .collect())
     }
 
     /// The element-wise sum over ranks of `tensor`, scattered: rank r gets rows

@@ -284,6 +284,51 @@ impl NcclCommunicator {
         })
     }
 
+    /// `parts[r]` to rank `r` of this group, as grouped sends and receives (one
+    /// `ncclGroupStart`/`ncclGroupEnd`), into buffers of `received_rows[r]` rows from
+    /// each rank (the row counts, exchanged beforehand): what each rank sent this one.
+    pub fn all_to_all(
+        &self,
+        parts: &[Tensor],
+        received_rows: &[i64],
+    ) -> Result<Vec<Tensor>, CommError> {
+        let (kind, row) = super::host::check_parts(self.rank, self.size, parts, "all_to_all")?;
+        let sends: Vec<Tensor> = parts.iter().map(Tensor::contiguous).collect();
+        let device = sends[self.rank].device();
+        let mut received: Vec<Tensor> = (received_rows.iter())
+            .map(|&n| {
+                let shape: Vec<i64> = std::iter::once(n).chain(row.iter().copied()).collect();
+                Tensor::empty(shape.as_slice(), (kind, device))
+            })
+            .collect();
+        // The parts must be complete before NCCL's stream reads them.
+        self.wait_for_libtorch()?;
+        let group_err = |context: &'static str| {
+            move |e: result::NcclError| CommError::Cuda {
+                rank: self.rank,
+                context,
+                message: format!("{e:?}"),
+            }
+        };
+        result::group_start().map_err(group_err("ncclGroupStart"))?;
+        let enqueued = (|| {
+            for peer in (0..self.size).filter(|&p| p != self.rank) {
+                if sends[peer].numel() > 0 {
+                    self.enqueue(&sends[peer], peer, true)?;
+                }
+                if received[peer].numel() > 0 {
+                    self.enqueue(&received[peer], peer, false)?;
+                }
+            }
+            Ok::<(), CommError>(())
+        })();
+        result::group_end().map_err(group_err("ncclGroupEnd"))?;
+        enqueued?;
+        received[self.rank] = sends[self.rank].copy();
+        self.synchronize("all_to_all")?;
+        Ok(received)
+    }
+
     /// Enqueues sending the contiguous `tensor` to rank `peer` of this communicator (or,
     /// without `send`, receiving into it from `peer`) on its stream, without waiting: for
     /// grouped exchanges ([`super::PipelineLinks`]), between `ncclGroupStart` and

@@ -72,6 +72,7 @@ impl Trainer<'_> {
             links: &self.links,
             tp: Self::tp_communicator(&self.groups, &self.tp_group),
             context: super::context_rank(&self.groups, self.context.as_ref()),
+            experts: None,
             peer_rows: &self.peer_rows,
             activation_kind: self.activation_kind(),
             emulation: self.emulation,

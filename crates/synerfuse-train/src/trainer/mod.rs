@@ -1014,6 +1014,7 @@ impl<'w> Trainer<'w> {
             links: &self.links,
             tp: Self::tp_communicator(&self.groups, &self.tp_group),
             context: context_rank(&self.groups, self.context.as_ref()),
+            experts: None,
             peer_rows: &self.peer_rows,
             activation_kind: self.activation_kind(),
             emulation: self.emulation,
