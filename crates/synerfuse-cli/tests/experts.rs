@@ -32,8 +32,21 @@ fn with<'a>(flags: &[&'a str]) -> Vec<&'a str> {
         .collect()
 }
 
-/// Each iteration's `moe` record: (load-balancing loss per MoE layer, tokens per expert).
+/// Each iteration's `moe` record of layers 0 and 2: (load-balancing loss per MoE layer,
+/// tokens per expert).
 fn expert_records(log: &Path) -> Vec<(Vec<f64>, Vec<Vec<f64>>)> {
+    let records = expert_records_of(log);
+    let layers = (json_records(log).into_iter())
+        .filter(|r| r.get("elapsed_ms").is_some())
+        .map(|r| r["moe"]["layers"].clone());
+    for l in layers {
+        assert_eq!(l, serde_json::json!([0, 2]));
+    }
+    records
+}
+
+/// Each iteration's `moe` record: (load-balancing loss per MoE layer, tokens per expert).
+fn expert_records_of(log: &Path) -> Vec<(Vec<f64>, Vec<Vec<f64>>)> {
     let numbers = |v: &serde_json::Value| -> Vec<f64> {
         (v.as_array().expect("array").iter())
             .map(|x| x.as_f64().expect("number"))
@@ -43,7 +56,6 @@ fn expert_records(log: &Path) -> Vec<(Vec<f64>, Vec<Vec<f64>>)> {
         .filter(|r| r.get("elapsed_ms").is_some())
         .map(|r| {
             let moe = &r["moe"];
-            assert_eq!(moe["layers"], serde_json::json!([0, 2]), "{r}");
             let tokens = (moe["tokens_per_expert"].as_array().expect("layers").iter())
                 .map(numbers)
                 .collect();
@@ -217,4 +229,181 @@ fn expert_flags_log_and_refuse() {
         assert!(!out.status.success(), "{flags:?} accepted");
         assert!(stderr.contains(expected), "{flags:?}: {stderr}");
     }
+}
+
+/// Eight experts of width 32 in every layer, the two best per token, the load-balancing
+/// loss per sequence (so micro-batches of any size compute it alike) weighted 0.05.
+const EIGHT_EXPERTS: [&str; 10] = [
+    "--num-experts",
+    "8",
+    "--moe-ffn-hidden-size",
+    "32",
+    "--moe-aux-loss-coeff",
+    "0.05",
+    "--moe-router-load-balancing-type",
+    "seq_aux_loss",
+    "--moe-router-topk",
+    "2",
+];
+
+fn eight<'a>(flags: &[&'a str]) -> Vec<&'a str> {
+    EIGHT_EXPERTS
+        .iter()
+        .copied()
+        .chain(flags.iter().copied())
+        .collect()
+}
+
+/// Expert parallelism trains what one rank trains: replicas hold some experts each and
+/// exchange tokens (even parts by flag, [6, 2] by plan with unequal micro-batches,
+/// per-stage placements in heterogeneous pipelines, tensor and sequence parallelism
+/// inside the members, the distributed optimizer, bf16), a checkpoint of EP 2 resumes on
+/// one rank, and every step's tokens per expert are the single rank's.
+#[test]
+fn expert_parallel_plans_match_a_single_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let data = dataset(d);
+    let reference = run(d, &data, "single", &eight(&["--micro-batch-size", "1"]));
+    let reference_tokens: Vec<_> = (expert_records_of(&d.join("single.jsonl")).into_iter())
+        .map(|(_, tokens)| tokens)
+        .collect();
+    let uneven = plan_file(
+        d,
+        "uneven",
+        "[[replica]]\nlayers = [4]\nmicro_batch_size = 2\nnum_micro_batches = 2\nexperts = [[0, 1, 2, 3, 4, 5]]\n\n\
+         [[replica]]\nlayers = [4]\nmicro_batch_size = 1\nnum_micro_batches = 2\nexperts = [[6, 7]]\n",
+    );
+    // Stage 0 of replica 0 holds experts 0..6, of replica 1 the other two; stage 1 the
+    // other way round.
+    let pipelines = plan_file(
+        d,
+        "pipelines",
+        "[[replica]]\nlayers = [1, 3]\nmicro_batch_size = 1\nnum_micro_batches = 3\nexperts = [[0, 1, 2, 3, 4, 5], [0, 1]]\n\n\
+         [[replica]]\nlayers = [1, 3]\nmicro_batch_size = 1\nnum_micro_batches = 3\nexperts = [[6, 7], [2, 3, 4, 5, 6, 7]]\n",
+    );
+    // Two groups of EP 2: each expert on two replicas (expert-data-parallel 2).
+    let groups = plan_file(
+        d,
+        "groups",
+        "[[replica]]\nlayers = [4]\nmicro_batch_size = 2\nnum_micro_batches = 1\nexperts = [[0, 1, 2, 3]]\n\n\
+         [[replica]]\nlayers = [4]\nmicro_batch_size = 1\nnum_micro_batches = 1\nexperts = [[4, 5, 6, 7]]\n\n\
+         [[replica]]\nlayers = [4]\nmicro_batch_size = 2\nnum_micro_batches = 1\nexperts = [[7, 6, 5]]\n\n\
+         [[replica]]\nlayers = [4]\nmicro_batch_size = 1\nnum_micro_batches = 1\nexperts = [[4, 3, 2, 1, 0]]\n",
+    );
+    let ep2 = ["--expert-model-parallel-size", "2"];
+    let cases: Vec<(&str, Vec<&str>)> = vec![
+        (
+            "EP 2 even by flag, mbs 1 x 3",
+            eight(&[&ep2[..], &["--nproc", "2", "--micro-batch-size", "1"]].concat()),
+        ),
+        (
+            "EP 2 experts [6, 2] by plan, mbs 2 x 2 and 1 x 2",
+            eight(&["--nproc", "2", "--plan", &uneven]),
+        ),
+        (
+            "EP 2 x hetero PP 2 [1,3] x DP 2, placements per stage",
+            eight(&["--nproc", "4", "--plan", &pipelines]),
+        ),
+        (
+            "EP 2 x TP 2 + SP, mbs 1 x 3",
+            eight(
+                &[
+                    &ep2[..],
+                    &[
+                        "--nproc",
+                        "4",
+                        "--tensor-model-parallel-size",
+                        "2",
+                        "--sequence-parallel",
+                        "--micro-batch-size",
+                        "1",
+                    ],
+                ]
+                .concat(),
+            ),
+        ),
+        (
+            "2 groups of EP 2 [4,4] and [3,5], DP 4, distributed optimizer",
+            eight(&[
+                "--nproc",
+                "4",
+                "--plan",
+                &groups,
+                "--use-distributed-optimizer",
+            ]),
+        ),
+        (
+            "EP 2 distributed optimizer, mbs 1 x 3",
+            eight(
+                &[
+                    &ep2[..],
+                    &[
+                        "--nproc",
+                        "2",
+                        "--use-distributed-optimizer",
+                        "--micro-batch-size",
+                        "1",
+                    ],
+                ]
+                .concat(),
+            ),
+        ),
+    ];
+    let mut table = EquivalenceTable::default();
+    for (i, (label, flags)) in cases.into_iter().enumerate() {
+        let name = format!("ep{i}");
+        table.check(label, &reference, run(d, &data, &name, &flags));
+        let tokens: Vec<_> = (expert_records_of(&d.join(format!("{name}.jsonl"))).into_iter())
+            .map(|(_, tokens)| tokens)
+            .collect();
+        assert_eq!(tokens, reference_tokens, "{label}: tokens per expert");
+    }
+    let bf16 = run(
+        d,
+        &data,
+        "ep-bf16",
+        &eight(
+            &[
+                &ep2[..],
+                &["--nproc", "2", "--micro-batch-size", "1", "--bf16"],
+            ]
+            .concat(),
+        ),
+    );
+    table.check_bf16("EP 2 bf16 (fp32 masters)", &reference.0, &bf16.0);
+    // A checkpoint of EP 2 (each expert saved by its one holder) resumes on one rank.
+    let resumed = stop_and_resume(
+        d,
+        &data,
+        "ep-resume",
+        &eight(&[&ep2[..], &["--nproc", "2", "--micro-batch-size", "1"]].concat()),
+        &eight(&["--micro-batch-size", "1"]),
+    );
+    // What each rank holds and reduces, said in the log.
+    let mut args = common(d, &data, 1);
+    args.extend(strings(&eight(
+        &[&ep2[..], &["--nproc", "2", "--micro-batch-size", "1"]].concat(),
+    )));
+    let out = synerfuse(&args);
+    ok(&out, "EP 2 log");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for said in [
+        "expert-parallel group [0, 1]: this rank holds experts [4, 5, 6, 7]",
+        "gradient reduction: experts [0, 1, 2, 3] of layers 0..4 over ranks [0]",
+    ] {
+        assert!(stderr.contains(said), "no {said:?} in\n{stderr}");
+    }
+    let diff = max_rel_loss_diff(&reference.0[3..], &resumed);
+    table.check_bf16(
+        "EP 2 saved at 3, resumed on 1 rank (losses)",
+        &reference.0[3..],
+        &resumed,
+    );
+    assert!(
+        diff < 1e-5,
+        "resumed {resumed:?} vs {:?}",
+        &reference.0[3..]
+    );
+    table.print();
 }

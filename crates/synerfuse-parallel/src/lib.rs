@@ -23,9 +23,10 @@ pub use batch::{
 pub(crate) use flags::GridPlan;
 pub use flags::{GridError, PlanFlags};
 pub use plan::{
-    DeviceRequest, GradientReduction, GradientSegment, GridFlags, MeshError, MeshFlags, Plan,
+    expert_of, layer_of, parameter_piece, reduction_of, DeviceRequest, ExpertGroupPlan,
+    ExpertHolding, GradientReduction, GradientSegment, GridFlags, MeshError, MeshFlags, Plan,
     PlanError, ProcessMesh, ProcessMeshes, RankPlacement, ReducedParameters, ReplicaPipeline,
-    UnknownDevice,
+    UnknownDevice, EMBEDDING,
 };
 pub use schedule::{
     check_forward_only, check_schedule, forward_only, link_in_order, pipeline_schedule,

@@ -16,48 +16,9 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use synerfuse_model::tch::{self, Kind, Tensor};
 use synerfuse_model::Stage;
-use synerfuse_parallel::{GradientReduction, Instruction, Pass, ReducedParameters};
+use synerfuse_parallel::{GradientReduction, Instruction, Pass};
 
-/// The name of the embedding, which the last stage also holds as its output layer when
-/// the two are tied.
-pub const EMBEDDING: &str = "model.embed_tokens.weight";
-
-/// The model piece a parameter belongs to (0 = embedding, 1..=L layers, L + 1 = final
-/// norm and output layer), for a chunk that holds `pieces`: the embedding's name on a
-/// chunk without piece 0 is the tied output layer's copy. `None` for a name of no piece.
-pub fn parameter_piece(name: &str, pieces: &Range<usize>, num_layers: usize) -> Option<usize> {
-    if let Some(rest) = name.strip_prefix("model.layers.") {
-        let index: usize = rest.split('.').next()?.parse().ok()?;
-        return (index < num_layers).then_some(index + 1);
-    }
-    match name {
-        EMBEDDING if pieces.start == 0 => Some(0),
-        EMBEDDING | "model.norm.weight" | "lm_head.weight" => Some(num_layers + 1),
-        _ => None,
-    }
-}
-
-/// Which of `reductions` (one rank's, in global order) sums the parameter `name` of a
-/// chunk holding `pieces`; `None` if none does (a plan that does not cover the model).
-pub fn reduction_of(
-    name: &str,
-    pieces: &Range<usize>,
-    num_layers: usize,
-    reductions: &[GradientReduction],
-) -> Option<usize> {
-    let tied = reductions
-        .iter()
-        .position(|r| r.parameters == ReducedParameters::TiedEmbedding);
-    match tied {
-        Some(index) if name == EMBEDDING => Some(index),
-        _ => {
-            let piece = parameter_piece(name, pieces, num_layers)?;
-            reductions.iter().position(
-                |r| matches!(&r.parameters, ReducedParameters::Pieces(p) if p.contains(&piece)),
-            )
-        }
-    }
-}
+pub use synerfuse_parallel::{parameter_piece, reduction_of, EMBEDDING};
 
 /// One chunk's buffer and the parameters viewing into it.
 struct ChunkGrads {
@@ -567,7 +528,7 @@ mod tests {
             p.zero_grad();
         }
         let whole = vec![GradientReduction {
-            parameters: ReducedParameters::Pieces(0..3),
+            parameters: synerfuse_parallel::ReducedParameters::Pieces(0..3),
             members: vec![0],
             whole: false,
         }];

@@ -89,6 +89,10 @@ pub struct TrainArgs {
     /// load-balanced chunks) and they exchange keys and values [default: 1]
     #[arg(long, value_parser = crate::values::positive_count, help_heading = "Parallelism")]
     context_parallel_size: Option<usize>,
+    /// Data-parallel replicas per expert-parallel group: consecutive replicas each hold an
+    /// even part of every MoE layer's experts and exchange tokens [default: 1]
+    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Parallelism")]
+    expert_model_parallel_size: Option<usize>,
     /// FlagScale/SynerFuse: lay the job out by --hetero-process-meshes
     #[arg(long, help_heading = "Parallelism")]
     enable_hetero: bool,
@@ -393,6 +397,7 @@ impl TrainArgs {
         Ok(PlanFlags {
             tensor_model_parallel_size: self.tensor_model_parallel_size.unwrap_or(1),
             context_parallel_size: self.context_parallel_size.unwrap_or(1),
+            expert_model_parallel_size: self.expert_model_parallel_size.unwrap_or(1),
             pipeline_model_parallel_size: self.pipeline_model_parallel_size.unwrap_or(1),
             use_tp_pp_dp_mapping: self.use_tp_pp_dp_mapping,
             num_layers: self.num_layers()?,
@@ -402,7 +407,6 @@ impl TrainArgs {
             micro_batch_size: self.micro_batch_size,
             micro_batch_size_per_dp: list(&self.micro_batch_size_per_dp),
             num_micro_batches_per_dp: list(&self.num_micro_batches_per_dp),
-            ..PlanFlags::default()
         })
     }
 
@@ -416,6 +420,10 @@ impl TrainArgs {
             (
                 "--context-parallel-size",
                 self.context_parallel_size.is_some(),
+            ),
+            (
+                "--expert-model-parallel-size",
+                self.expert_model_parallel_size.is_some(),
             ),
             (
                 "--hetero-process-meshes",
@@ -520,6 +528,7 @@ impl TrainArgs {
                     | "--pipeline-model-parallel-size"
                     | "--tensor-model-parallel-size"
                     | "--context-parallel-size"
+                    | "--expert-model-parallel-size"
             )
         });
         if self.plan.is_some() {
@@ -556,6 +565,14 @@ impl TrainArgs {
                 bail!(
                     "--context-parallel-size {cp} differs from mesh {m}'s context-parallel size {} (each mesh sets its own; leave the flag out)",
                     meshes.meshes()[m].cp
+                );
+            }
+        }
+        if let Some(ep) = self.expert_model_parallel_size {
+            if let Some(m) = meshes.meshes().iter().position(|m| m.ep != ep) {
+                bail!(
+                    "--expert-model-parallel-size {ep} differs from mesh {m}'s expert-parallel size {} (each mesh sets its own; leave the flag out)",
+                    meshes.meshes()[m].ep
                 );
             }
         }
@@ -1093,7 +1110,8 @@ fn log_run(config: &TrainConfig, world_size: usize, threads: usize) {
     }
     log_context_groups(plan, config.batch.sequence_length);
     let tied = config.model.tie_word_embeddings;
-    for reduction in plan.gradient_reductions(tied) {
+    let shape = synerfuse_train::profiler::model_shape(&config.model, config.batch.sequence_length);
+    for reduction in plan.gradient_reductions_with_experts(tied, shape.experts.as_ref()) {
         tracing::info!(
             "gradient reduction: {}",
             reduction.describe(plan.num_layers(), tied)
@@ -1108,8 +1126,7 @@ fn read_plan(path: &std::path::Path, text: &str) -> Result<Plan> {
         true => Plan::from_json(text),
         false => Plan::from_toml(text, None),
     };
-    plan.map_err(unsupported_grid)
-        .with_context(|| format!("plan {}", path.display()))
+    plan.with_context(|| format!("plan {}", path.display()))
 }
 
 /// Each context-parallel stage's groups and how they split a sequence of `sequence` tokens.
@@ -1134,16 +1151,6 @@ fn log_context_groups(plan: &Plan, sequence: usize) {
     }
 }
 
-/// Expert parallelism, which the trainer does not run yet, named by flag.
-fn unsupported_grid(error: PlanError) -> anyhow::Error {
-    match error {
-        PlanError::Unsupported { ep } => anyhow::Error::new(error).context(format!(
-            "--expert-model-parallel-size {ep}: only tensor, context, pipeline and data parallelism are supported for now"
-        )),
-        e => e.into(),
-    }
-}
-
 /// A plan error with the flags behind it (errors of the flag syntax name their flag).
 fn plan_flag_error(error: PlanError) -> anyhow::Error {
     let flags = match &error {
@@ -1160,7 +1167,6 @@ fn plan_flag_error(error: PlanError) -> anyhow::Error {
         PlanError::Grid(GridError::Topology(_)) => {
             "--tensor-model-parallel-size / --pipeline-model-parallel-size / --nproc".to_owned()
         }
-        PlanError::Unsupported { .. } => return unsupported_grid(error),
         _ => return anyhow::Error::new(error).context("parallel flags"),
     };
     anyhow::Error::new(error).context(flags)

@@ -66,7 +66,23 @@ impl Plan {
                 }
             }
         }
-        Ok(())
+        self.check_experts(model)
+    }
+
+    /// Expert placements only for a model with experts, in groups that hold them all.
+    fn check_experts(&self, model: &ModelShape) -> Result<(), PlanError> {
+        let split: Vec<usize> = (self.replicas().iter().enumerate())
+            .filter(|(_, r)| r.splits_experts())
+            .map(|(i, _)| i)
+            .collect();
+        match (&model.experts, split.is_empty()) {
+            (_, true) => Ok(()),
+            (None, false) => Err(PlanError::ExpertGroup {
+                replicas: split,
+                problem: "they hold some experts each, but the model has none (a dense model: --num-experts)".into(),
+            }),
+            (Some(experts), false) => self.expert_groups(experts.num_experts).map(drop),
+        }
     }
 
     /// How the tensor-parallel group of `replica`'s `stage` divides `model` (one rank

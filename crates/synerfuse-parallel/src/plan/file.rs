@@ -2,7 +2,7 @@
 //! `train --plan` reads; also its serde form (checkpoints store it as JSON, and read the
 //! grid plans older checkpoints stored).
 
-use super::{Plan, PlanError, ReplicaPipeline};
+use super::{ExpertHolding, Plan, PlanError, ReplicaPipeline};
 use crate::{BatchForm, GridPlan, RankPlacement, StageLayout};
 use serde::{Deserialize, Serialize};
 
@@ -47,6 +47,14 @@ struct ReplicaFile {
     /// Whether each stage recomputes its activations in the backward (default: none).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     recompute: Vec<bool>,
+    /// Each stage's experts of every MoE layer (default: all): the replica is a member of
+    /// an expert-parallel group, the consecutive replicas that hold every expert once.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    experts: Vec<Vec<usize>>,
+    /// `[member, members]`: at every stage member `member`'s even part of the experts of
+    /// a group of `members` (what `--expert-model-parallel-size` gives).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    expert_share: Option<[usize; 2]>,
     /// The global rank of each rank of the replica, stage by stage, a stage's
     /// tensor-parallel ranks together, its context-parallel members' groups in turn
     /// (default: numbered replica by replica).
@@ -222,8 +230,33 @@ fn replica_pipeline(
             ("cp", replica.cp.len()),
             ("cp_shares", replica.cp_shares.len()),
             ("recompute", replica.recompute.len()),
+            ("experts", replica.experts.len()),
         ],
     )?;
+    let experts = match (replica.experts.is_empty(), replica.expert_share) {
+        (false, Some(_)) => {
+            return Err(PlanError::ExpertGroup {
+                replicas: vec![r],
+                problem: "give experts or expert_share, not both".into(),
+            })
+        }
+        (false, None) => (replica.experts.into_iter())
+            .map(|e| Some(ExpertHolding::Listed(e)))
+            .collect(),
+        (true, Some([member, members])) if member < members => {
+            vec![Some(ExpertHolding::EvenShare { member, members }); n]
+        }
+        (true, Some(share)) => {
+            return Err(PlanError::ExpertGroup {
+                replicas: vec![r],
+                problem: format!(
+                    "expert_share {share:?}: member {} of {}",
+                    share[0], share[1]
+                ),
+            })
+        }
+        (true, None) => Vec::new(),
+    };
     let per_stage_or_one = |sizes: &[usize]| match sizes.is_empty() {
         true => vec![1; n],
         false => sizes.to_vec(),
@@ -262,6 +295,7 @@ fn replica_pipeline(
         cp_shares: replica.cp_shares.into_iter().map(Some).collect(),
         recompute: replica.recompute,
         placements: placements(r, total, given)?,
+        experts,
     })
 }
 
@@ -319,6 +353,18 @@ fn replica_file(r: &ReplicaPipeline, sequential: bool) -> ReplicaFile {
             true => (0..stages).map(|s| r.recomputes(s)).collect(),
             false => Vec::new(),
         },
+        experts: match r
+            .experts
+            .iter()
+            .all(|h| matches!(h, Some(ExpertHolding::Listed(_))))
+        {
+            true => (r.experts.iter().flatten()).map(|h| h.experts(0)).collect(),
+            false => Vec::new(),
+        },
+        expert_share: r.experts.iter().flatten().find_map(|h| match h {
+            ExpertHolding::EvenShare { member, members } => Some([*member, *members]),
+            ExpertHolding::Listed(_) => None,
+        }),
         ranks: (!sequential).then(|| r.all_ranks().collect()),
         devices: match p.iter().all(|p| p.device.is_some()) {
             true => (p.iter().flat_map(|p| p.device))

@@ -36,13 +36,10 @@ impl Plan {
         })
     }
 
-    /// The general form of a grid plan (expert size 1; tensor and context parallelism
-    /// even on every stage), on the grid's own ranks.
+    /// The general form of a grid plan (tensor and context parallelism even on every
+    /// stage, experts in even parts over consecutive replicas), on the grid's own ranks.
     pub(crate) fn from_grid(plan: &GridPlan) -> Result<Self, PlanError> {
         let t = &plan.topology;
-        if t.ep != 1 {
-            return Err(PlanError::Unsupported { ep: t.ep });
-        }
         let topology = plan.topology()?;
         let rank_of = |dp: usize, pp: usize, cp: usize, tp: usize| {
             topology
@@ -83,10 +80,15 @@ impl Plan {
                     },
                     cp_shares: Vec::new(),
                     recompute: Vec::new(),
+                    experts: Vec::new(),
                 }
             })
             .collect();
-        Self::new(replicas)
+        // Megatron's expert-parallel groups: consecutive data-parallel ranks.
+        match t.ep {
+            1 => Self::new(replicas),
+            ep => Self::new(replicas)?.with_even_experts(ep),
+        }
     }
 
     /// The grid this plan is, when every replica has the same stages and the ranks follow

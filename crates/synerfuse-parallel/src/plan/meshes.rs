@@ -74,15 +74,17 @@ pub enum MeshError {
         /// Its sizes.
         sizes: Vec<usize>,
     },
-    /// Expert parallelism.
+    /// Meshes of different expert-parallel sizes.
     #[error(
-        "--hetero-process-meshes: mesh {mesh} has expert-parallel size {ep}; only 1 is supported"
+        "--hetero-process-meshes: mesh {mesh} has expert-parallel size {ep} but mesh 0 has {first}; every mesh needs the same (an expert-parallel group is replicas whose whole pipelines exchange tokens)"
     )]
     Expert {
         /// The mesh.
         mesh: usize,
         /// Its EP.
         ep: usize,
+        /// Mesh 0's EP.
+        first: usize,
     },
     /// Meshes of different data-parallel sizes.
     #[error("--hetero-process-meshes: mesh {mesh} has data-parallel size {dp} but mesh 0 has {first}; every mesh needs the same data-parallel size")]
@@ -183,8 +185,9 @@ impl ProcessMeshes {
                 let sizes = sizes.to_vec();
                 return Err(MeshError::ZeroSize { mesh, sizes });
             }
-            if m.ep != 1 {
-                return Err(MeshError::Expert { mesh, ep: m.ep });
+            if m.ep != meshes[0].ep {
+                let (ep, first) = (m.ep, meshes[0].ep);
+                return Err(MeshError::Expert { mesh, ep, first });
             }
             if m.dp != meshes[0].dp {
                 let (dp, first) = (m.dp, meshes[0].dp);
@@ -250,9 +253,14 @@ impl ProcessMeshes {
                 cp_shares: Vec::new(),
                 recompute: Vec::new(),
                 placements: Vec::new(),
+                experts: Vec::new(),
             })
             .collect();
-        Ok(Plan::new(replicas)?)
+        let plan = Plan::new(replicas)?;
+        Ok(match self.meshes[0].ep {
+            1 => plan,
+            ep => plan.with_even_experts(ep)?,
+        })
     }
 
     /// Replica `d`'s ranks, stage by stage: mesh after mesh, `tp-cp-ep-dp-pp` within one
@@ -339,7 +347,10 @@ mod tests {
                 flags(&[2, 1, 1, 1, 1], &["A", "B"]),
                 "2 device types for 1 process meshes",
             ),
-            (flags(&[2, 1, 2, 1, 1], &["A"]), "expert-parallel size 2"),
+            (
+                flags(&[1, 1, 2, 2, 1, 1, 1, 1, 2, 1], &["A", "B"]),
+                "mesh 1 has expert-parallel size 1 but mesh 0 has 2",
+            ),
             (
                 flags(&[2, 1, 1, 2, 1, 1, 1, 1, 1, 1], &["A", "B"]),
                 "mesh 1 has data-parallel size 1 but mesh 0 has 2",

@@ -13,16 +13,21 @@ use crate::{
 };
 
 mod check;
+mod experts;
 mod file;
 mod grid;
 mod meshes;
 mod placement;
 mod reduce;
 
+pub use experts::ExpertGroupPlan;
 pub use grid::GridFlags;
 pub use meshes::{MeshError, MeshFlags, ProcessMesh, ProcessMeshes};
 pub use placement::{DeviceRequest, RankPlacement, UnknownDevice};
-pub use reduce::{GradientReduction, GradientSegment, ReducedParameters};
+pub use reduce::{
+    expert_of, layer_of, parameter_piece, reduction_of, GradientReduction, GradientSegment,
+    ReducedParameters, EMBEDDING,
+};
 
 /// One replica: a pipeline of stages with its own batch and ranks; a stage runs on one
 /// rank or on a tensor-parallel group of its own size and shares, or on a context-parallel
@@ -51,6 +56,38 @@ pub struct ReplicaPipeline {
     /// Where each rank computes, in the order of `ranks` flattened (empty: the run's
     /// default device).
     pub placements: Vec<RankPlacement>,
+    /// Each stage's experts of every MoE layer that this replica holds (empty, or one
+    /// entry per stage; `None`: all of them): under expert parallelism the replicas of
+    /// an expert-parallel group ([`Plan::expert_groups`]) hold them between them.
+    pub experts: Vec<Option<ExpertHolding>>,
+}
+
+/// Which experts of every MoE layer a replica's stage holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExpertHolding {
+    /// These (a plan file's `experts`).
+    Listed(Vec<usize>),
+    /// Member `member`'s even part of `members` (Megatron's
+    /// `--expert-model-parallel-size`: experts `[member·E/members, (member+1)·E/members)`).
+    EvenShare {
+        /// Its index in the expert-parallel group.
+        member: usize,
+        /// Members of the group.
+        members: usize,
+    },
+}
+
+impl ExpertHolding {
+    /// The experts held of a model with `num_experts` per MoE layer.
+    pub fn experts(&self, num_experts: usize) -> Vec<usize> {
+        match self {
+            ExpertHolding::Listed(experts) => experts.clone(),
+            ExpertHolding::EvenShare { member, members } => {
+                let per = num_experts / members.max(&1);
+                (member * per..(member + 1) * per).collect()
+            }
+        }
+    }
 }
 
 impl ReplicaPipeline {
@@ -70,12 +107,26 @@ impl ReplicaPipeline {
             cp_shares: Vec::new(),
             recompute: Vec::new(),
             placements,
+            experts: Vec::new(),
         }
     }
 
     /// The replica's ranks, stage by stage.
     pub fn all_ranks(&self) -> impl Iterator<Item = usize> + '_ {
         self.ranks.iter().flatten().copied()
+    }
+
+    /// The experts of every MoE layer of `stage` this replica holds, of a model with
+    /// `num_experts` per MoE layer (`None`: all).
+    pub fn experts(&self, stage: usize, num_experts: usize) -> Option<Vec<usize>> {
+        let holding = self.experts.get(stage)?.as_ref()?;
+        Some(holding.experts(num_experts))
+    }
+
+    /// Whether some stage holds only some experts (the replica is in an
+    /// expert-parallel group).
+    pub fn splits_experts(&self) -> bool {
+        self.experts.iter().any(Option::is_some)
     }
 
     /// Whether `stage` recomputes its activations by the plan.
@@ -335,11 +386,13 @@ pub enum PlanError {
         /// Σ of the replicas' samples.
         actual: usize,
     },
-    /// A grid this plan cannot express yet (expert parallelism).
-    #[error("the expert-parallel size must be 1 in a general plan (got {ep})")]
-    Unsupported {
-        /// Expert-parallel size.
-        ep: usize,
+    /// Replicas that cannot form an expert-parallel group.
+    #[error("expert-parallel group of replicas {replicas:?}: {problem}")]
+    ExpertGroup {
+        /// The replicas.
+        replicas: Vec<usize>,
+        /// What is wrong.
+        problem: String,
     },
     /// The grid it came from is inconsistent.
     #[error(transparent)]
@@ -825,11 +878,13 @@ speeds = [1.0, 0.5]
             segments,
             [
                 GradientSegment {
+                    stages: vec![0, 0],
                     pieces: 0..5,
                     holders: vec![vec![0], vec![1]],
                     shares: vec![vec![1], vec![1]],
                 },
                 GradientSegment {
+                    stages: vec![0, 1],
                     pieces: 5..8,
                     holders: vec![vec![0], vec![2]],
                     shares: vec![vec![1], vec![1]],

@@ -3,7 +3,9 @@
 //! that hold it, in one global order.
 
 use super::Plan;
+use crate::cost::ExpertShape;
 use crate::StageLayout;
+use std::collections::BTreeMap;
 use std::ops::Range;
 
 /// A contiguous run of model pieces (0 = embedding, 1..=L layers, L + 1 = final norm and
@@ -19,6 +21,8 @@ pub struct GradientSegment {
     pub holders: Vec<Vec<usize>>,
     /// Each holder's tensor-parallel shares in lowest terms.
     pub shares: Vec<Vec<u32>>,
+    /// The stage of each replica that holds them, in replica order.
+    pub stages: Vec<usize>,
 }
 
 /// The parameters one gradient reduction sums.
@@ -29,6 +33,14 @@ pub enum ReducedParameters {
     /// The embedding tied to the output layer: every copy, on the first and the last
     /// stage of every replica, summed together (the two copies are one parameter).
     TiedEmbedding,
+    /// These experts of the MoE layers of these pieces, over the replicas that hold
+    /// them (expert parallelism: Megatron's expert-data-parallel group).
+    Experts {
+        /// The pieces.
+        pieces: Range<usize>,
+        /// The experts.
+        experts: Vec<usize>,
+    },
 }
 
 /// One all-reduce of a step: what it sums, over which ranks.
@@ -52,6 +64,13 @@ impl GradientReduction {
     pub fn describe(&self, num_layers: usize, tied_embeddings: bool) -> String {
         let what = match &self.parameters {
             ReducedParameters::TiedEmbedding => "the tied embedding and output layer".to_owned(),
+            ReducedParameters::Experts { pieces, experts } => {
+                let layers = pieces.start.max(1) - 1..(pieces.end - 1).min(num_layers);
+                format!(
+                    "experts {experts:?} of layers {}..{}",
+                    layers.start, layers.end
+                )
+            }
             ReducedParameters::Pieces(pieces) => {
                 let mut parts = Vec::new();
                 if pieces.start == 0 && !tied_embeddings {
@@ -105,8 +124,8 @@ impl Plan {
                             .expect("the chunks cover every piece")
                     })
                     .collect();
-                let (holders, shares) = (self.replicas.iter().zip(stages))
-                    .flat_map(|(replica, stage)| {
+                let (holders, shares) = (self.replicas.iter().zip(&stages))
+                    .flat_map(|(replica, &stage)| {
                         let shares = replica.shares(stage);
                         (replica.tp_groups(stage)).map(move |g| (g.to_vec(), shares.clone()))
                     })
@@ -115,6 +134,7 @@ impl Plan {
                     pieces: w[0]..w[1],
                     holders,
                     shares,
+                    stages,
                 }
             })
             .collect()
@@ -128,11 +148,25 @@ impl Plan {
     /// it alike; otherwise once, whole, over all of them (likewise the tied embedding
     /// over the first and last stages).
     pub fn gradient_reductions(&self, tied_embeddings: bool) -> Vec<GradientReduction> {
+        self.gradient_reductions_with_experts(tied_embeddings, None)
+    }
+
+    /// [`Self::gradient_reductions`] of a model with `experts`: under expert
+    /// parallelism, after each segment's, one reduction per set of replicas holding the
+    /// same experts of its MoE layers, over just those replicas' holders.
+    pub fn gradient_reductions_with_experts(
+        &self,
+        tied_embeddings: bool,
+        experts: Option<&ExpertShape>,
+    ) -> Vec<GradientReduction> {
         let segments = self.segments();
         let mut out = Vec::new();
         for segment in segments.iter().rev() {
             let parameters = ReducedParameters::Pieces(segment.pieces.clone());
             out.extend(reductions(parameters, &segment.holders, &segment.shares));
+            if let Some(experts) = experts {
+                out.extend(self.expert_reductions(segment, experts));
+            }
         }
         if tied_embeddings {
             let (first, last) = (&segments[0], &segments[segments.len() - 1]);
@@ -144,6 +178,52 @@ impl Plan {
                 &holders,
                 &shares,
             ));
+        }
+        out
+    }
+
+    /// The reductions of `segment`'s experts when some replica holds only some: one per
+    /// set of replicas holding the same experts (none for a segment without MoE layers).
+    fn expert_reductions(
+        &self,
+        segment: &GradientSegment,
+        shape: &ExpertShape,
+    ) -> Vec<GradientReduction> {
+        let layers = segment.pieces.start.max(1) - 1..segment.pieces.end - 1;
+        let moe = layers
+            .clone()
+            .any(|l| l < self.num_layers() && l % shape.layer_freq.max(1) == 0);
+        let split = (self.replicas.iter().zip(&segment.stages))
+            .any(|(r, &stage)| r.experts(stage, shape.num_experts).is_some());
+        if !moe || !split {
+            return Vec::new();
+        }
+        // Each expert's holder replicas; experts with the same holders reduce together.
+        let mut by_holders: BTreeMap<Vec<usize>, Vec<usize>> = BTreeMap::new();
+        for e in 0..shape.num_experts {
+            let holders = (self.replicas.iter().zip(&segment.stages).enumerate())
+                .filter(|(_, (r, &stage))| {
+                    r.experts(stage, shape.num_experts)
+                        .is_none_or(|held| held.contains(&e))
+                })
+                .map(|(i, _)| i)
+                .collect();
+            by_holders.entry(holders).or_default().push(e);
+        }
+        let mut out = Vec::new();
+        for (replicas, experts) in by_holders {
+            let (holders, shares): (Vec<Vec<usize>>, Vec<Vec<u32>>) = (replicas.iter())
+                .flat_map(|&i| {
+                    let (r, stage) = (&self.replicas[i], segment.stages[i]);
+                    let shares = r.shares(stage);
+                    (r.tp_groups(stage)).map(move |g| (g.to_vec(), shares.clone()))
+                })
+                .unzip();
+            let parameters = ReducedParameters::Experts {
+                pieces: segment.pieces.clone(),
+                experts,
+            };
+            out.extend(reductions(parameters, &holders, &shares));
         }
         out
     }
@@ -218,4 +298,68 @@ pub(super) fn chunk_pieces(stages: &StageLayout) -> Vec<(usize, Range<usize>)> {
         }
     }
     out
+}
+
+/// The name of the embedding, which the last stage also holds as its output layer when
+/// the two are tied.
+pub const EMBEDDING: &str = "model.embed_tokens.weight";
+
+/// The model piece a parameter belongs to (0 = embedding, 1..=L layers, L + 1 = final
+/// norm and output layer), for a chunk that holds `pieces`: the embedding's name on a
+/// chunk without piece 0 is the tied output layer's copy. `None` for a name of no piece.
+pub fn parameter_piece(name: &str, pieces: &Range<usize>, num_layers: usize) -> Option<usize> {
+    if let Some(rest) = name.strip_prefix("model.layers.") {
+        let index: usize = rest.split('.').next()?.parse().ok()?;
+        return (index < num_layers).then_some(index + 1);
+    }
+    match name {
+        EMBEDDING if pieces.start == 0 => Some(0),
+        EMBEDDING | "model.norm.weight" | "lm_head.weight" => Some(num_layers + 1),
+        _ => None,
+    }
+}
+
+/// The decoder layer a parameter belongs to (`model.layers.L.…`).
+pub fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("model.layers.")?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// The expert a parameter belongs to (`model.layers.L.block_sparse_moe.experts.E.…`).
+pub fn expert_of(name: &str) -> Option<usize> {
+    let (_, rest) = name.split_once(".block_sparse_moe.experts.")?;
+    rest.split('.').next()?.parse().ok()
+}
+
+/// Which of `reductions` (one rank's, in global order) sums the parameter `name` of a
+/// chunk holding `pieces`: an expert's its experts' reduction when there is one, else its
+/// piece's; `None` if none does (a plan that does not cover the model).
+pub fn reduction_of(
+    name: &str,
+    pieces: &Range<usize>,
+    num_layers: usize,
+    reductions: &[GradientReduction],
+) -> Option<usize> {
+    let tied = reductions
+        .iter()
+        .position(|r| r.parameters == ReducedParameters::TiedEmbedding);
+    if let (Some(index), EMBEDDING) = (tied, name) {
+        return Some(index);
+    }
+    let piece = parameter_piece(name, pieces, num_layers)?;
+    let expert = expert_of(name);
+    let of_expert = (reductions.iter()).position(|r| match (&r.parameters, expert) {
+        (ReducedParameters::Experts { pieces, experts }, Some(e)) => {
+            pieces.contains(&piece) && experts.contains(&e)
+        }
+        _ => false,
+    });
+    of_expert.or_else(|| {
+        reductions.iter().position(
+            |r| matches!(&r.parameters, ReducedParameters::Pieces(p) if p.contains(&piece)),
+        )
+    })
 }

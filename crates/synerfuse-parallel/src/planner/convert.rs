@@ -101,6 +101,7 @@ impl Candidate {
                     .flat_map(|stage| self.unit_devices(stage[r]))
                     .map(|i| placement(&devices[i]))
                     .collect(),
+                experts: Vec::new(),
             });
         }
         Ok(Plan::new(replicas)?)
@@ -179,6 +180,7 @@ impl PooledCandidate {
                 placements: (groups.iter())
                     .flat_map(|g| g.members.iter().map(|&i| placement(&devices[i])))
                     .collect(),
+                experts: Vec::new(),
             });
         }
         Plan::new(replicas)

@@ -72,7 +72,7 @@ impl Trainer<'_> {
             links: &self.links,
             tp: Self::tp_communicator(&self.groups, &self.tp_group),
             context: super::context_rank(&self.groups, self.context.as_ref()),
-            experts: None,
+            experts: super::expert_rank(&self.groups, self.experts.as_ref()),
             peer_rows: &self.peer_rows,
             activation_kind: self.activation_kind(),
             emulation: self.emulation,

@@ -14,7 +14,7 @@ use crate::grads::{MainGrads, EMBEDDING};
 use crate::loader::{LoaderError, Prefetcher, ReplicaLoader, SplitDatasets};
 use crate::memory::{HighWater, MemoryProbe, MemoryReport};
 use crate::optim::{clip_factor, AdamW};
-use crate::pipeline::{ContextRank, PipelineEvent, PipelineRank, StepTimes};
+use crate::pipeline::{ContextRank, ExpertRank, PipelineEvent, PipelineRank, StepTimes};
 use crate::replan::SpeedWatch;
 use crate::zero::DistributedOptimizer;
 use crate::{signals, TrainError};
@@ -25,7 +25,9 @@ use synerfuse_data::gpt::SampleOptions;
 use synerfuse_model::tch::{Device, Kind, Tensor};
 use synerfuse_model::{DeviceRequest, ResolveDevice, Stage};
 use synerfuse_parallel::timeline::{Span, SpanKind};
-use synerfuse_parallel::{GradientReduction, Instruction, PlanError, ReplicaPipeline};
+use synerfuse_parallel::{
+    ExpertGroupPlan, GradientReduction, Instruction, PlanError, ReplicaPipeline,
+};
 
 mod config;
 mod eval;
@@ -176,15 +178,16 @@ fn rank_emulation(
 fn build_chunks(
     config: &TrainConfig,
     (replica, stage_index): (usize, usize),
-    tp_rank: usize,
+    (tp_rank, experts): (usize, Option<Vec<usize>>),
     device: Device,
 ) -> Result<Vec<Stage>, TrainError> {
     let plan = &config.parallel.plan;
     let stages = &plan.replicas()[replica].stages;
     let shape = crate::profiler::model_shape(&config.model, config.batch.sequence_length);
-    let shard = (plan.tp_layout(&shape, replica, stage_index)?)
+    let mut shard = (plan.tp_layout(&shape, replica, stage_index)?)
         .shard(tp_rank)
         .expect("a rank's tensor-parallel index is within its group");
+    shard.experts = experts;
     let mut chunks = Vec::with_capacity(stages.num_chunks());
     for chunk in 0..stages.num_chunks() {
         let layers = stages
@@ -309,6 +312,18 @@ fn context_rank<'g>(
     })
 }
 
+/// The pipeline's view of `experts`: its communicator among `groups`.
+fn expert_rank<'g>(
+    groups: &'g SetGroups,
+    experts: Option<&'g (Vec<usize>, Vec<Vec<usize>>)>,
+) -> Option<ExpertRank<'g>> {
+    let (ranks, placement) = experts?;
+    Some(ExpertRank {
+        group: groups.get(ranks)?,
+        placement,
+    })
+}
+
 /// Under sequence parallelism, each rank's sequence rows as (its index in its stage's
 /// tensor-parallel group, the group's size): what a neighbour sends it (empty without
 /// sequence parallelism: everything travels whole).
@@ -356,16 +371,33 @@ fn build_optimizer(
     Ok(optimizer)
 }
 
-/// This rank's communicators: every gradient reduction's, every tensor-parallel and
-/// every context-parallel group's (collective over `world`), with the plan's gradient
-/// reductions.
+/// The plan's expert-parallel groups (none for a dense model, or without expert
+/// parallelism).
+fn expert_groups(config: &TrainConfig) -> Result<Vec<ExpertGroupPlan>, TrainError> {
+    match config.model.moe {
+        Some(moe) => Ok(config.parallel.plan.expert_groups(moe.num_experts)?),
+        None => Ok(Vec::new()),
+    }
+}
+
+/// This rank's communicators: every gradient reduction's, every tensor-parallel,
+/// context-parallel and expert-parallel group's (collective over `world`), with the
+/// plan's gradient reductions.
 fn rank_groups(
     world: &MpiCommunicator,
     device: Device,
     config: &TrainConfig,
 ) -> Result<(SetGroups, Vec<GradientReduction>), TrainError> {
     let plan = &config.parallel.plan;
-    let reductions = plan.gradient_reductions(config.model.tie_word_embeddings);
+    let shape = crate::profiler::model_shape(&config.model, config.batch.sequence_length);
+    let tied = config.model.tie_word_embeddings;
+    let reductions = plan.gradient_reductions_with_experts(tied, shape.experts.as_ref());
+    let expert_sets = expert_groups(config)?.into_iter().flat_map(|group| {
+        (0..plan.world_size())
+            .filter_map(move |rank| plan.expert_ranks(std::slice::from_ref(&group), rank))
+            .map(|(ranks, _)| ranks)
+            .collect::<Vec<_>>()
+    });
     let stages =
         (plan.replicas().iter()).flat_map(|r| (0..r.stages.num_stages()).map(move |s| (r, s)));
     let tp_groups = (stages.clone())
@@ -377,7 +409,8 @@ fn rank_groups(
         .iter()
         .map(|r| r.members.clone())
         .chain(tp_groups)
-        .chain(cp_groups);
+        .chain(cp_groups)
+        .chain(expert_sets);
     let groups = SetGroups::new(world, device, sets)?;
     Ok((groups, reductions))
 }
@@ -512,6 +545,9 @@ pub struct Trainer<'w> {
     tp_group: Vec<usize>,
     /// The stage's context-parallel group and its members' positions, when it has one.
     context: Option<ContextLayout>,
+    /// The stage's expert-parallel group (its ranks) and each member's experts, when it
+    /// holds only some.
+    experts: Option<(Vec<usize>, Vec<Vec<usize>>)>,
     /// Under sequence parallelism, each rank's sequence rows (see [`sequence_rows`]).
     peer_rows: BTreeMap<usize, (usize, usize)>,
     emulation: Option<Emulation>,
@@ -570,7 +606,19 @@ impl<'w> Trainer<'w> {
                 config.batch.sequence_length
             );
         }
-        let mut chunks = build_chunks(&config, (replica, stage_index), tp_rank, device)?;
+        let experts = plan.expert_ranks(&expert_groups(&config)?, rank);
+        if let Some((ranks, placement)) = &experts {
+            let me = ranks.iter().position(|&r| r == rank).unwrap_or(0);
+            tracing::info!(
+                "expert-parallel group {ranks:?}: this rank holds experts {:?} of every MoE layer of its stage (the members {placement:?})",
+                placement[me]
+            );
+        }
+        let held = experts.as_ref().map(|(ranks, placement)| {
+            let me = ranks.iter().position(|&r| r == rank).unwrap_or(0);
+            placement[me].clone()
+        });
+        let mut chunks = build_chunks(&config, (replica, stage_index), (tp_rank, held), device)?;
         let fp32_values: BTreeMap<String, Tensor> = (chunks.iter())
             .flat_map(|s| s.var_store().variables())
             .map(|(n, t)| (n, t.detach().copy()))
@@ -621,6 +669,7 @@ impl<'w> Trainer<'w> {
             replica,
             tp_group,
             context,
+            experts,
             peer_rows: sequence_rows(&config),
             emulation,
             device,
@@ -704,6 +753,23 @@ impl<'w> Trainer<'w> {
     /// one whose copy of the stage's parameters counts once.
     fn context_first(&self) -> bool {
         (self.context.as_ref()).is_none_or(|c| c.group[0] == self.world.rank())
+    }
+
+    /// Whether this rank's copy of parameter `name` is the one the gradient norm and
+    /// checkpoints count (tensor-parallel holders aside, see `Stage::holds_unique`):
+    /// replica 0's, or of an expert the lowest replica holding it; on the first
+    /// context-parallel member.
+    fn counts_once(&self, name: &str) -> bool {
+        let expert = synerfuse_parallel::expert_of(name).zip(self.experts.as_ref());
+        let lowest = match (expert, self.config.model.moe) {
+            (Some((e, _)), Some(moe)) => {
+                let layer = synerfuse_parallel::layer_of(name).unwrap_or(0);
+                let holders = (self.config.parallel.plan).expert_holders(layer, e, moe.num_experts);
+                holders.first() == Some(&self.replica)
+            }
+            _ => self.replica == 0,
+        };
+        lowest && self.context_first()
     }
 
     /// Whether this rank holds the last stage's tied copy of the embedding (which the
@@ -1014,7 +1080,7 @@ impl<'w> Trainer<'w> {
             links: &self.links,
             tp: Self::tp_communicator(&self.groups, &self.tp_group),
             context: context_rank(&self.groups, self.context.as_ref()),
-            experts: None,
+            experts: expert_rank(&self.groups, self.experts.as_ref()),
             peer_rows: &self.peer_rows,
             activation_kind: self.activation_kind(),
             emulation: self.emulation,
@@ -1046,7 +1112,8 @@ impl<'w> Trainer<'w> {
 
     /// The fp32 main gradients, each segment reduced over its holders (the tied
     /// embedding over every copy), with their global norm: every parameter once (the
-    /// tied copy on the last stage skipped), from replica 0's ranks (the distributed
+    /// tied copy on the last stage skipped), from replica 0's ranks (an expert's from the
+    /// lowest replica holding it; the distributed
     /// optimizer's from each holder's own shard) and summed over the world, so every
     /// replica clips by the very same factor (replicas of different pipelines would sum
     /// their squares in different orders).
@@ -1065,9 +1132,10 @@ impl<'w> Trainer<'w> {
         };
         // Each tensor's squares summed in fp64 on its device, all of them read back in
         // one transfer: one synchronisation per step, not one per parameter.
-        let squares: Vec<Tensor> = match self.replica == 0 && self.context_first() {
+        let squares: Vec<Tensor> = match self.context_first() {
             true => grads
                 .iter()
+                .filter(|(n, _)| self.counts_once(n))
                 .filter(|(n, _)| !(skip_tied && n.as_str() == EMBEDDING))
                 .filter(|(n, _)| !sharded.contains(n.as_str()))
                 .filter(|(n, _)| stage.holds_unique(n))

@@ -303,8 +303,9 @@ impl<'w> Trainer<'w> {
         }
     }
 
-    /// What this rank writes: replica 0 (its first context-parallel member) its slice of
-    /// every parameter of the replicated
+    /// What this rank writes: replica 0 (its first context-parallel member; of an
+    /// expert, the lowest replica holding it) its slice of every parameter of the
+    /// replicated
     /// optimizer (a tensor every rank of its tensor-parallel group holds whole from rank
     /// 0 only, the last stage's copy of a tied embedding not at all), and every holder
     /// its own shard of the distributed optimizer's masters and moments.
@@ -312,9 +313,10 @@ impl<'w> Trainer<'w> {
         let stage = &self.chunks[0];
         let skip_tied = self.holds_tied_copy();
         let mut pieces = RankPieces::default();
-        if self.replica == 0 && self.context_first() {
+        if self.context_first() {
             for (name, value, m, v) in self.optimizer.state() {
-                if (skip_tied && name == EMBEDDING) || !stage.holds_unique(name) {
+                let counted = self.counts_once(name) && stage.holds_unique(name);
+                if (skip_tied && name == EMBEDDING) || !counted {
                     continue;
                 }
                 let state = [value, m, v].map(Tensor::shallow_clone);
