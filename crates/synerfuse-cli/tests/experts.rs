@@ -221,6 +221,34 @@ fn expert_flags_log_and_refuse() {
             vec!["--num-experts", "4", "--moe-aux-loss-coeff=-1"],
             "--moe-aux-loss-coeff",
         ),
+        (
+            vec!["--nproc", "2", "--expert-model-parallel-size", "2"],
+            "the model has none",
+        ),
+        (
+            vec![
+                "--nproc",
+                "2",
+                "--num-experts",
+                "3",
+                "--expert-model-parallel-size",
+                "2",
+            ],
+            "--expert-model-parallel-size 2 does not divide the 3 experts",
+        ),
+        (
+            vec![
+                "--nproc",
+                "2",
+                "--num-experts",
+                "4",
+                "--expert-model-parallel-size",
+                "2",
+                "--replan",
+                "auto",
+            ],
+            "--replan auto",
+        ),
     ] {
         let mut args = common(d, &data, 1);
         args.extend(strings(&flags));
@@ -380,14 +408,42 @@ fn expert_parallel_plans_match_a_single_rank() {
         &eight(&[&ep2[..], &["--nproc", "2", "--micro-batch-size", "1"]].concat()),
         &eight(&["--micro-batch-size", "1"]),
     );
-    // What each rank holds and reduces, said in the log.
-    let mut args = common(d, &data, 1);
-    args.extend(strings(&eight(
-        &[&ep2[..], &["--nproc", "2", "--micro-batch-size", "1"]].concat(),
-    )));
-    let out = synerfuse(&args);
-    ok(&out, "EP 2 log");
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    // Evaluation exchanges tokens too (the same validation loss as one rank's), and
+    // what each rank holds and reduces is said in the log.
+    let evaluated = |name: &str, flags: Vec<&str>| {
+        let mut args = common(d, &data, 2);
+        let split = args.iter().position(|a| a == "100,0,0").unwrap();
+        args[split] = "80,20,0".into();
+        args.extend(strings(&flags));
+        let log = d.join(format!("{name}.jsonl"));
+        args.extend(strings(&[
+            "--eval-iters",
+            "1",
+            "--eval-interval",
+            "2",
+            "--log-json",
+        ]));
+        args.push(log.display().to_string());
+        let out = synerfuse(&args);
+        ok(&out, name);
+        let validation: Vec<f64> = (json_records(&log).iter())
+            .filter(|r| r.get("evaluation").is_some())
+            .map(|r| r["lm_loss"].as_f64().expect("lm_loss"))
+            .collect();
+        (
+            validation,
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (one, _) = evaluated("eval-single", eight(&["--micro-batch-size", "1"]));
+    let (two, stderr) = evaluated(
+        "eval-ep2",
+        eight(&[&ep2[..], &["--nproc", "2", "--micro-batch-size", "1"]].concat()),
+    );
+    assert!(
+        !one.is_empty() && max_rel_loss_diff(&one, &two) < 1e-5,
+        "{one:?} vs {two:?}"
+    );
     for said in [
         "expert-parallel group [0, 1]: this rank holds experts [4, 5, 6, 7]",
         "gradient reduction: experts [0, 1, 2, 3] of layers 0..4 over ranks [0]",

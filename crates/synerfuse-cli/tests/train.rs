@@ -1281,7 +1281,7 @@ fn plan_writes_what_train_runs() {
         "8",
     ]));
     assert!(String::from_utf8_lossy(&out.stderr).contains("device kind cpu: no catalogue numbers"));
-    // A mixture of experts is not priced: named.
+    // A mixture of experts is priced (every expert's parameters, the top-k's compute).
     let mixtral = root().join("crates/synerfuse-model/tests/fixtures/mixtral_top2_untied");
     let out = synerfuse(&strings(&[
         "plan",
@@ -1296,7 +1296,7 @@ fn plan_writes_what_train_runs() {
     ]));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !out.status.success() && stderr.contains("a mixture of 4 experts per layer"),
+        out.status.success() && stderr.contains("4 experts per MoE layer, 2 per token"),
         "{stderr}"
     );
 

@@ -786,4 +786,58 @@ mod tests {
             8
         );
     }
+
+    /// Megatron's MoE flags: experts of their own width in every `--moe-layer-freq`-th
+    /// layer; a model with dense layers between them is not a Mixtral checkpoint.
+    #[test]
+    fn megatron_moe_flags() {
+        let args = MegatronModelArgs {
+            num_layers: 4,
+            hidden_size: 64,
+            ffn_hidden_size: Some(128),
+            num_attention_heads: 4,
+            seq_length: 32,
+            num_experts: Some(8),
+            moe_router_topk: 2,
+            moe_ffn_hidden_size: Some(32),
+            moe_layer_freq: 2,
+            moe_aux_loss_coeff: 0.01,
+            moe_router_load_balancing_type: LoadBalancing::SeqAuxLoss,
+            ..Default::default()
+        };
+        let c = LlamaConfig::from_megatron(&args, 1000).unwrap();
+        let moe = c.moe.unwrap();
+        assert_eq!((moe.ffn_hidden_size, moe.aux_loss_coeff), (32, 0.01));
+        assert_eq!(
+            (0..4).map(|l| moe.has_experts(l)).collect::<Vec<_>>(),
+            [true, false, true, false]
+        );
+        let e = c.check_hf_exportable().unwrap_err().to_string();
+        assert!(e.contains("--moe-layer-freq"), "{e}");
+        let every = LlamaConfig::from_megatron(
+            &MegatronModelArgs {
+                moe_layer_freq: 1,
+                ..args.clone()
+            },
+            1000,
+        )
+        .unwrap();
+        every.check_hf_exportable().unwrap();
+        let back = LlamaConfig::from_hf_json(&every.to_hf_json(), "c").unwrap();
+        assert_eq!(
+            back.moe.map(|m| (m.ffn_hidden_size, m.aux_loss_coeff)),
+            Some((32, 0.01))
+        );
+        let bad = MegatronModelArgs {
+            moe_router_topk: 9,
+            ..args
+        };
+        let e = LlamaConfig::from_megatron(&bad, 1000)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--moe-router-topk") && e.contains("9 experts per token"),
+            "{e}"
+        );
+    }
 }

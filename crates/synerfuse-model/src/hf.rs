@@ -226,6 +226,7 @@ pub fn save_pretrained(stages: &[&Stage], dir: &Path) -> Result<(), HfError> {
         });
     };
     let config = first.config();
+    config.check_hf_exportable()?;
     let mut covered = vec![false; config.num_layers];
     for stage in stages {
         for layer in stage.layers() {
@@ -427,6 +428,7 @@ pub fn export_streaming<E: From<HfError>>(
         }
         .into());
     }
+    config.check_hf_exportable().map_err(HfError::from)?;
     let mut config_json: serde_json::Value =
         serde_json::from_str(&config.to_hf_json()).expect("our own json");
     config_json["torch_dtype"] = torch_dtype.into();

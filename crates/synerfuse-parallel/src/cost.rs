@@ -157,9 +157,10 @@ impl ModelShape {
     /// layer's code; on an H100 it put a 1.1B model's peak within a few per cent of the
     /// measured one. An estimate when no profile measured it.
     pub fn layer_activation_bytes(&self, b: usize, bytes: f64, fused_kernels: bool) -> f64 {
+        // An MoE layer keeps its top-k experts' activations of each token.
         let (h, f, s, a) = (
             self.hidden_size as f64,
-            self.ffn_hidden_size as f64,
+            self.mean_ffn().1,
             self.seq_length as f64,
             self.num_heads as f64,
         );

@@ -62,10 +62,12 @@ impl ModelFlags {
         if let Some(path) = &self.model {
             let config = LlamaConfig::from_hf_file(path)?;
             if let Some(moe) = config.moe {
-                anyhow::bail!(
-                    "--model {}: a mixture of {} experts per layer (Mixtral): the planner prices dense LLaMA models only so far",
+                tracing::info!(
+                    "--model {}: {} experts per MoE layer, {} per token: priced with every expert's parameters and the top-{} experts' compute; the plans hold every expert on each replica (expert placement is not planned yet)",
                     path.display(),
-                    moe.num_experts
+                    moe.num_experts,
+                    moe.top_k,
+                    moe.top_k
                 );
             }
             return Ok(config);

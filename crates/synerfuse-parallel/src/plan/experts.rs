@@ -21,6 +21,23 @@ impl Plan {
     /// (none when every replica holds every expert), checked: each group's members hold
     /// every expert exactly once at every stage, at least one each, and run alike.
     pub fn expert_groups(&self, num_experts: usize) -> Result<Vec<ExpertGroupPlan>, PlanError> {
+        let holdings = self
+            .replicas()
+            .iter()
+            .enumerate()
+            .flat_map(|(r, replica)| replica.experts.iter().flatten().map(move |h| (r, h)));
+        for (r, holding) in holdings {
+            if let ExpertHolding::EvenShare { members, .. } = holding {
+                if num_experts % members != 0 {
+                    return Err(PlanError::ExpertGroup {
+                        replicas: vec![r],
+                        problem: format!(
+                            "--expert-model-parallel-size {members} does not divide the {num_experts} experts (--num-experts)"
+                        ),
+                    });
+                }
+            }
+        }
         let mut groups = Vec::new();
         let mut open: Vec<usize> = Vec::new();
         for (r, replica) in self.replicas().iter().enumerate() {
@@ -69,17 +86,6 @@ impl Plan {
         };
         let first = &self.replicas()[replicas[0]];
         let stages = first.stages.num_stages();
-        let uneven = (first.experts.iter().flatten()).find_map(|h| match h {
-            ExpertHolding::EvenShare { members, .. } if num_experts % members != 0 => {
-                Some(*members)
-            }
-            _ => None,
-        });
-        if let Some(members) = uneven {
-            return Err(error(format!(
-                "--expert-model-parallel-size {members} does not divide the {num_experts} experts (--num-experts)"
-            )));
-        }
         for &m in &replicas[1..] {
             let r = &self.replicas()[m];
             let alike = r.stages == first.stages

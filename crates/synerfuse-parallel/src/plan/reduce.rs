@@ -211,6 +211,8 @@ impl Plan {
             by_holders.entry(holders).or_default().push(e);
         }
         let mut out = Vec::new();
+        // An expert nobody holds is the plan check's to refuse.
+        by_holders.remove(&Vec::new());
         for (replicas, experts) in by_holders {
             let (holders, shares): (Vec<Vec<usize>>, Vec<Vec<u32>>) = (replicas.iter())
                 .flat_map(|&i| {
