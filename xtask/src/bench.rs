@@ -8,13 +8,14 @@ use std::process::Command;
 use std::time::Instant;
 
 /// Every benchmark, in the order `cargo xtask bench` runs them.
-const ALL: [&str; 8] = [
+const ALL: [&str; 9] = [
     "preprocess",
     "index",
     "model",
     "hetero",
     "tp",
     "cp",
+    "moe",
     "planner",
     "replan",
 ];
@@ -131,6 +132,7 @@ fn headlines(name: &'static str, v: &serde_json::Value) -> Vec<Headline> {
         "hetero" => hetero_headlines(v),
         "tp" => tp_headlines(v),
         "cp" => cp_headlines(v),
+        "moe" => moe_headlines(v),
         "planner" => planner_headlines(v),
         "replan" => replan_headlines(v),
         _ => Vec::new(),
@@ -415,6 +417,36 @@ fn tp_headlines(v: &serde_json::Value) -> Vec<Row> {
     )]
 }
 
+fn moe_headlines(v: &serde_json::Value) -> Vec<Row> {
+    let speedup = field(v, "speedup");
+    vec![
+        (
+            format!(
+                "an 8-expert model (top 2) on an EP pair of 2 emulated CPU ranks (1 : 0.5): experts {} and batch by pace vs Megatron's even split",
+                v["placement_by_pace"]
+            ),
+            format!(
+                "{:.3} vs {:.3} s per step = {speedup:.2}x (batch by pace alone: {:.3} s)",
+                field(v, "experts_by_pace_step_s"),
+                field(v, "megatron_step_s"),
+                field(v, "batch_by_pace_step_s"),
+            ),
+            ">= 1.2x".into(),
+            Some(speedup >= 1.2),
+        ),
+        (
+            "the same pair: the MoE model vs the dense model of the same active parameters".into(),
+            format!(
+                "{:.0} vs {:.0} tokens/s",
+                field(v, "tokens_per_s"),
+                field(v, "dense_tokens_per_s")
+            ),
+            String::new(),
+            None,
+        ),
+    ]
+}
+
 fn cp_headlines(v: &serde_json::Value) -> Vec<Row> {
     let speedup = field(v, "speedup");
     let peaks = |layout: &str| -> String {
@@ -522,10 +554,11 @@ fn run_one(root: &Path, name: &str) -> Result<()> {
         "hetero" => crate::bench_hetero::hetero(root),
         "tp" => crate::bench_tp::tp(root),
         "cp" => crate::bench_cp::cp(root),
+        "moe" => crate::bench_moe::moe(root),
         "planner" => crate::bench_hetero::planner(root),
         "replan" => crate::bench_replan::replan(root),
         other => bail!(
-            "unknown benchmark {other:?}; available: preprocess, index, model, hetero, tp, cp, planner, replan (or summary: the table from the latest results)"
+            "unknown benchmark {other:?}; available: preprocess, index, model, hetero, tp, cp, moe, planner, replan (or summary: the table from the latest results)"
         ),
     }
 }

@@ -11,6 +11,7 @@
 mod bench;
 mod bench_cp;
 mod bench_hetero;
+mod bench_moe;
 mod bench_replan;
 mod bench_tp;
 mod common;
@@ -48,7 +49,7 @@ enum Command {
     /// Benchmarks against references measured in the same run; without NAME all of them,
     /// then target/bench/results.json and results.md.
     Bench {
-        /// One benchmark: preprocess, index, model, hetero, tp, cp, planner or replan; or
+        /// One benchmark: preprocess, index, model, hetero, tp, cp, moe, planner or replan; or
         /// summary: results.json and results.md again from each one's latest results
         name: Option<String>,
     },

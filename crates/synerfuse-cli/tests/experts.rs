@@ -334,6 +334,24 @@ fn expert_parallel_plans_match_a_single_rank() {
             eight(&["--nproc", "4", "--plan", &pipelines]),
         ),
         (
+            "EP 2 by meshes (TP 1 CP 1 EP 2 DP 2 PP 1), mbs 1 x 3",
+            eight(&[
+                "--nproc",
+                "2",
+                "--enable-hetero",
+                "--hetero-process-meshes",
+                "1",
+                "1",
+                "2",
+                "2",
+                "1",
+                "--hetero-device-types",
+                "cpu-a",
+                "--micro-batch-size",
+                "1",
+            ]),
+        ),
+        (
             "EP 2 x TP 2 + SP, mbs 1 x 3",
             eight(
                 &[

@@ -17,7 +17,8 @@ pub struct ProcessMesh {
     pub tp: usize,
     /// Context-parallel size of its stages.
     pub cp: usize,
-    /// Expert-parallel size (1).
+    /// Expert-parallel size: replicas per expert-parallel group, within the
+    /// data-parallel size (as Megatron's EP divides its DP).
     pub ep: usize,
     /// Data-parallel size (every mesh the same).
     pub dp: usize,
@@ -28,9 +29,10 @@ pub struct ProcessMesh {
 }
 
 impl ProcessMesh {
-    /// Ranks in the mesh.
+    /// Ranks in the mesh (expert parallelism splits its data-parallel replicas, adding
+    /// none).
     pub fn world_size(&self) -> usize {
-        self.tp * self.cp * self.ep * self.dp * self.pp
+        self.tp * self.cp * self.dp * self.pp
     }
 }
 

@@ -10,6 +10,7 @@ mod error;
 mod expert;
 mod fold;
 mod grid;
+mod moe_placement;
 mod outcome;
 mod pooled;
 mod pricing;
@@ -34,6 +35,7 @@ use std::collections::{HashMap, HashSet};
 
 pub use error::{Infeasibility, MemoryShortfall, PlanningError};
 pub use expert::ExpertLayout;
+pub use moe_placement::{place_experts, slowest_time, ExpertMember, PlacementError};
 pub use outcome::{
     Arrangement, BehindBy, Candidate, CandidateOrigin, PlanOutcome, PoolLayout, PooledCandidate,
     Prediction, StepBreakdown, ThroughputBound,
