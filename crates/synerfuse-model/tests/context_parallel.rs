@@ -5,62 +5,20 @@
 //! the whole gradients: even (Megatron's layout) and in shares, GQA, tied embeddings,
 //! with recomputation, and with each member's stage split over tensor-parallel ranks.
 
+mod threads;
+use threads::{thread_groups, ThreadGroup};
+
 use std::collections::BTreeMap;
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::Mutex;
 use synerfuse_model::cp::{ContextGroup, Solo};
 use synerfuse_model::tch::{self, Device, Kind, Tensor};
-use synerfuse_model::tp::{CollectiveError, TpBackwardFrom, TpCollectives};
+use synerfuse_model::tp::{TpBackwardFrom, TpCollectives};
 use synerfuse_model::{BackwardFrom, LlamaConfig, Stage};
 use synerfuse_parallel::cp::ContextSplit;
 use synerfuse_parallel::TpLayout;
 
 /// libtorch's global generator: one user at a time.
 static INIT: Mutex<()> = Mutex::new(());
-
-/// Collectives between threads: every member puts its tensor in a slot, all read all.
-struct ThreadGroup {
-    rank: usize,
-    slots: Arc<Mutex<Vec<Option<Tensor>>>>,
-    barrier: Arc<Barrier>,
-}
-
-impl TpCollectives for ThreadGroup {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn size(&self) -> usize {
-        self.slots.lock().unwrap().len()
-    }
-
-    fn reduce_scatter_sum(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
-        let sum = self.all_reduce_sum(tensor)?;
-        let n = sum.size()[0] / self.size() as i64;
-        Ok(sum.narrow(0, self.rank as i64 * n, n))
-    }
-
-    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
-        self.slots.lock().unwrap()[self.rank] = Some(tensor.detach().copy());
-        self.barrier.wait();
-        let all = {
-            let slots = self.slots.lock().unwrap();
-            let tensors: Vec<&Tensor> = slots.iter().map(|s| s.as_ref().unwrap()).collect();
-            Tensor::stack(&tensors, 0)
-        };
-        self.barrier.wait();
-        Ok(all)
-    }
-
-    fn all_to_all(&self, parts: &[Tensor]) -> Result<Vec<Tensor>, CollectiveError> {
-        synerfuse_model::tp::all_to_all_by_gather(self, parts)
-    }
-
-    fn all_reduce_sum(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
-        Ok(self
-            .all_gather(tensor)?
-            .sum_dim_intlist(0, false, tensor.kind()))
-    }
-}
 
 fn config() -> LlamaConfig {
     LlamaConfig {
@@ -157,19 +115,6 @@ fn whole(c: &LlamaConfig, layers: std::ops::Range<usize>, x: &Inputs) -> Outcome
         slices: BTreeMap::new(),
         tp_rank: 0,
     }
-}
-
-/// A group of threads: each member's collectives.
-fn thread_groups(n: usize) -> Vec<ThreadGroup> {
-    let slots = Arc::new(Mutex::new((0..n).map(|_| None).collect()));
-    let barrier = Arc::new(Barrier::new(n));
-    (0..n)
-        .map(|rank| ThreadGroup {
-            rank,
-            slots: slots.clone(),
-            barrier: barrier.clone(),
-        })
-        .collect()
 }
 
 /// Each member's outcome on its positions of `x`, its stage split over `tp_shares`

@@ -4,61 +4,19 @@
 //! untied embeddings, with and without sequence parallelism and recomputation, and with
 //! Mixtral's experts (each rank its FFN columns of every expert, the router whole).
 
+mod threads;
+use threads::thread_groups;
+
 use std::collections::BTreeMap;
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::Mutex;
 use synerfuse_model::tch::{self, Device, Kind, Tensor};
-use synerfuse_model::tp::{CollectiveError, TpBackwardFrom, TpCollectives};
+use synerfuse_model::tp::TpBackwardFrom;
 use synerfuse_model::{BackwardFrom, LlamaConfig, MoeConfig, Stage};
 use synerfuse_parallel::TpLayout;
 
 /// libtorch's global generator (inputs, `init_by_name`): one user at a time, also across
 /// the tests of this process.
 static INIT: Mutex<()> = Mutex::new(());
-
-/// Collectives between threads: every rank puts its tensor in a slot, all read all.
-struct ThreadGroup {
-    rank: usize,
-    slots: Arc<Mutex<Vec<Option<Tensor>>>>,
-    barrier: Arc<Barrier>,
-}
-
-impl TpCollectives for ThreadGroup {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn size(&self) -> usize {
-        self.slots.lock().unwrap().len()
-    }
-
-    fn reduce_scatter_sum(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
-        let sum = self.all_reduce_sum(tensor)?;
-        let n = sum.size()[0] / self.size() as i64;
-        Ok(sum.narrow(0, self.rank as i64 * n, n))
-    }
-
-    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
-        self.slots.lock().unwrap()[self.rank] = Some(tensor.detach().copy());
-        self.barrier.wait();
-        let all = {
-            let slots = self.slots.lock().unwrap();
-            let tensors: Vec<&Tensor> = slots.iter().map(|s| s.as_ref().unwrap()).collect();
-            Tensor::stack(&tensors, 0)
-        };
-        self.barrier.wait();
-        Ok(all)
-    }
-
-    fn all_to_all(&self, parts: &[Tensor]) -> Result<Vec<Tensor>, CollectiveError> {
-        synerfuse_model::tp::all_to_all_by_gather(self, parts)
-    }
-
-    fn all_reduce_sum(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
-        Ok(self
-            .all_gather(tensor)?
-            .sum_dim_intlist(0, false, tensor.kind()))
-    }
-}
 
 fn config(tied: bool) -> LlamaConfig {
     LlamaConfig {
@@ -199,15 +157,8 @@ fn sharded(
         Some(moe) => layout.with_expert_ffn(moe.ffn_hidden_size).unwrap(),
         None => layout,
     };
-    let slots = Arc::new(Mutex::new((0..shares.len()).map(|_| None).collect()));
-    let barrier = Arc::new(Barrier::new(shares.len()));
-    let threads: Vec<_> = (0..shares.len())
-        .map(|rank| {
-            let group = ThreadGroup {
-                rank,
-                slots: Arc::clone(&slots),
-                barrier: Arc::clone(&barrier),
-            };
+    let threads: Vec<_> = (thread_groups(shares.len()).into_iter().enumerate())
+        .map(|(rank, group)| {
             let (c, layers, shard) = (c.clone(), layers.clone(), layout.shard(rank).unwrap());
             // Under sequence parallelism each rank of a stage after the first gets its rows
             // of the input and output gradient (the tests' middle stages are not last).

@@ -1,12 +1,14 @@
 """synerfuse's GPU check, driven by check.sh (which sets the library paths and MPI).
 
-Eight steps, each printing one line as it ends and rewriting gpu-check.json and
+Nine steps, each printing one line as it ends and rewriting gpu-check.json and
 gpu-check.md, so a run cut short still shows what ran:
   1 probe      GPU, PyTorch, MPI, NCCL, `synerfuse env`
   2 exact      a small LLaMA (GQA, untied), fp32, TF32 off: 6 steps on cuda = on cpu
   3 mixed      a GPU+CPU pipeline and a GPU+CPU data-parallel job = one rank
   3b context   a GPU+CPU context-parallel pair in shares [3, 1], with document masks,
                = one rank
+  3c experts   an 8-expert model on a GPU+CPU expert-parallel pair (the GPU 6 experts and
+               4x the batch, tokens exchanged each way at every MoE layer) = one rank
   4 speed      a 1.1B LLaMA, bf16, the largest micro-batch the planner says fits
   5 reference  PyTorch's own loop on the same card, model and batch
   6 memory     the trainer's measured peak against the planner's prediction
@@ -339,6 +341,29 @@ def context(deadline):
     worst = worst_rel(pair, single)
     rec = {"worst_relative": worst,
            "summary": f"CP 2 [{DEV} 3/4 of every sequence, cpu 1/4], document masks: "
+                      f"{worst:.2e} (target {TOL:g})"}
+    if worst > TOL:
+        rec["status"] = "MISS"
+    return rec
+
+
+# ---- 3c. expert parallelism ------------------------------------------------------------
+
+
+@step("experts", 100)
+def experts(deadline):
+    moe = ["--num-experts", "8", "--moe-ffn-hidden-size", "176", "--moe-aux-loss-coeff", "0.01",
+           "--moe-router-load-balancing-type", "seq_aux_loss"]
+    single = small_run("experts-single", deadline, ["--device", "cpu", "--micro-batch-size", "2",
+                                                    "--global-batch-size", "10", *moe])
+    ep = plan_file("ep.toml", "[[replica]]\nlayers = [4]\nmicro_batch_size = 4\n"
+                   f'num_micro_batches = 2\nexperts = [[0, 1, 2, 3, 4, 5]]\ndevices = ["{DEV}"]\n'
+                   "[[replica]]\nlayers = [4]\nmicro_batch_size = 1\n"
+                   'num_micro_batches = 2\nexperts = [[6, 7]]\ndevices = ["cpu"]\n')
+    pair = small_run("experts-ep", deadline, ["--nproc", "2", "--plan", ep, *moe])
+    worst = worst_rel(pair, single)
+    rec = {"worst_relative": worst,
+           "summary": f"EP 2 [{DEV} experts 0-5 and mbs 4, cpu experts 6-7 and mbs 1]: "
                       f"{worst:.2e} (target {TOL:g})"}
     if worst > TOL:
         rec["status"] = "MISS"
