@@ -64,7 +64,7 @@ pub enum StageError {
         held: Vec<usize>,
     },
     /// An expert placement that does not give every expert to exactly one member.
-    #[error("expert placement {placement:?}: every one of the {num_experts} experts must be on exactly one member of the expert-parallel group, this member holding {held:?}")]
+    #[error("expert placement {placement:?}: every one of the {num_experts} experts must be on exactly one member of the expert-parallel group, each member holding one at least, this member {held:?}")]
     BadPlacement {
         /// Each member's experts.
         placement: Vec<Vec<usize>>,

@@ -84,6 +84,9 @@ impl ExpertGroup<'_> {
             num_experts,
             held: held.to_vec(),
         };
+        if self.placement.iter().any(Vec::is_empty) {
+            return Err(bad());
+        }
         let mut owner = vec![-1i64; num_experts];
         for (member, experts) in self.placement.iter().enumerate() {
             for &e in experts {

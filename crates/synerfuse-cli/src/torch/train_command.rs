@@ -189,9 +189,9 @@ pub struct TrainArgs {
     /// Experts in each MoE layer (a Mixtral model) [default: none, a dense model]
     #[arg(long, value_parser = crate::values::positive_count, help_heading = "Mixture of experts")]
     num_experts: Option<usize>,
-    /// Experts each token is routed to
-    #[arg(long, value_parser = crate::values::positive_count, default_value_t = 2, help_heading = "Mixture of experts")]
-    moe_router_topk: usize,
+    /// Experts each token is routed to [default: 2, or a Hugging Face model's]
+    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Mixture of experts")]
+    moe_router_topk: Option<usize>,
     /// Width of each expert's SwiGLU [default: --ffn-hidden-size]
     #[arg(long, value_parser = crate::values::positive_count, help_heading = "Mixture of experts")]
     moe_ffn_hidden_size: Option<usize>,
@@ -827,10 +827,9 @@ impl TrainArgs {
                 );
             }
         }
-        if self.num_experts.is_some() && self.moe_router_topk != moe.top_k {
+        if let Some(k) = self.moe_router_topk.filter(|&k| k != moe.top_k) {
             bail!(
-                "--moe-router-topk {}: --finetune-from-hf {} routes each token to {}",
-                self.moe_router_topk,
+                "--moe-router-topk {k}: --finetune-from-hf {} routes each token to {}",
                 dir.display(),
                 moe.top_k
             );
@@ -904,7 +903,7 @@ impl TrainArgs {
             init_method_std: self.init_method_std,
             add_bias_linear: !self.disable_bias_linear,
             num_experts: self.num_experts,
-            moe_router_topk: self.moe_router_topk,
+            moe_router_topk: self.moe_router_topk.unwrap_or(2),
             moe_ffn_hidden_size: self.moe_ffn_hidden_size,
             moe_layer_freq: self.moe_layer_freq,
             moe_aux_loss_coeff: self.moe_aux_loss_coeff.unwrap_or(0.0),

@@ -91,10 +91,11 @@ impl Plan {
             let alike = r.stages == first.stages
                 && r.batch.sizes().len() == first.batch.sizes().len()
                 && (0..stages).all(|s| r.tp_size(s) == first.tp_size(s))
-                && (0..stages).all(|s| r.cp_size(s) == first.cp_size(s));
+                && (0..stages).all(|s| r.cp_size(s) == first.cp_size(s))
+                && (0..stages).all(|s| r.recomputes(s) == first.recomputes(s));
             if !alike {
                 return Err(error(format!(
-                    "replica {m} runs otherwise than replica {}: the members of an expert-parallel group need the same layers per stage, tensor- and context-parallel sizes and number of micro-batches (their micro-batch sizes may differ)",
+                    "replica {m} runs otherwise than replica {}: the members of an expert-parallel group need the same layers per stage, tensor- and context-parallel sizes, recomputation and number of micro-batches (their micro-batch sizes may differ)",
                     replicas[0]
                 )));
             }
@@ -276,6 +277,16 @@ mod tests {
                     replica(&[4], 2, 1, None),
                 ],
                 "fewer than",
+            ),
+            (
+                vec![
+                    replica(&[4], 2, 0, Some(vec![vec![0, 1, 2, 3]])),
+                    ReplicaPipeline {
+                        recompute: vec![true],
+                        ..replica(&[4], 2, 1, Some(vec![vec![4, 5, 6, 7]]))
+                    },
+                ],
+                "recomputation",
             ),
         ] {
             let e = Plan::new(replicas).unwrap().expert_groups(8).unwrap_err();

@@ -62,6 +62,10 @@ impl TpGroup {
             model.ffn_hidden_size,
             model.vocab_size,
         )
+        .and_then(|layout| match model.experts {
+            Some(e) => layout.with_expert_ffn(e.ffn_hidden_size),
+            None => Ok(layout),
+        })
         .ok()?;
         let (attention_flops, ffn_flops) = layer_flops(model);
         let (attention_params, ffn_params) = layer_params(model);

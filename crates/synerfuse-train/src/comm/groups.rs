@@ -101,6 +101,8 @@ impl GroupCommunicator {
     pub fn all_to_all(&self, parts: &[Tensor]) -> Result<Vec<Tensor>, CommError> {
         match parts.first().and_then(|p| self.nccl_for(p)) {
             Some(nccl) => {
+                // Refused alike on every member before any message.
+                super::host::check_parts(self.rank(), self.size(), parts, "all_to_all")?;
                 let rows: Vec<Tensor> = (parts.iter())
                     .map(|p| Tensor::from_slice(&[p.size()[0]]))
                     .collect();
@@ -378,11 +380,15 @@ impl SetGroups {
     /// Splits `world` once per distinct set (members in the order given, which is the
     /// communicator's: ascending for reductions, tensor-parallel order for a stage's group;
     /// sets of one rank need no communicator). Collective: every rank passes the same
-    /// sets; this rank computes on `device`.
+    /// sets; this rank computes on `device`. NCCL groups share one stream, which runs
+    /// their collectives in the plan's global order, but for the sets `apart` (the
+    /// expert-parallel groups of no other use: their exchanges, between other replicas
+    /// than the reductions in flight, must not queue behind those).
     pub fn new(
         world: &MpiCommunicator,
         device: Device,
         sets: impl IntoIterator<Item = Vec<usize>>,
+        apart: &std::collections::BTreeSet<Vec<usize>>,
     ) -> Result<Self, CommError> {
         let sets: std::collections::BTreeSet<Vec<usize>> =
             sets.into_iter().filter(|s| s.len() > 1).collect();
@@ -408,7 +414,7 @@ impl SetGroups {
             if let Some(comm) = world.split(key.map(|_| 0), key.unwrap_or(0)) {
                 let comm = comm.with_name(format!("the group of ranks {members:?}"));
                 let mut group = GroupCommunicator::over(comm, &members, &devices)?;
-                if let Some(nccl) = group.nccl.as_mut() {
+                if let Some(nccl) = group.nccl.as_mut().filter(|_| !apart.contains(&members)) {
                     match first_nccl.as_ref().and_then(|m| groups.get(m)) {
                         Some(GroupCommunicator {
                             nccl: Some(first), ..

@@ -696,21 +696,30 @@ impl MpiCommunicator {
         let op = "all_to_all";
         let (kind, row) = check_parts(self.rank, self.size, parts, op)?;
         let row_elements: i64 = row.iter().product();
-        let sent_rows: Vec<i32> = parts.iter().map(|p| p.size()[0] as i32).collect();
-        let mut received_rows = vec![0i32; self.size];
+        let mine: Vec<i64> = parts.iter().map(|p| p.size()[0]).collect();
+        // Every rank's rows to every rank, so that all of them refuse an exchange too
+        // large for MPI's `int` counts alike (none left waiting for the others).
+        let mut matrix = vec![0i64; self.size * self.size];
         let _wait = waiting(op, &self.name, None);
-        self.comm
-            .all_to_all_into(&sent_rows[..], &mut received_rows[..]);
-        let elements = |rows: &[i32]| -> Result<(Vec<i32>, Vec<i32>), CommError> {
-            let counts: Vec<i64> = rows.iter().map(|&r| i64::from(r) * row_elements).collect();
-            let total: i64 = counts.iter().sum();
-            if total > MAX_ELEMENTS_PER_CALL as i64 {
-                return Err(CommError::TooLarge {
-                    rank: self.rank,
-                    op,
-                    elements: total as usize,
-                });
-            }
+        self.comm.all_gather_into(&mine[..], &mut matrix[..]);
+        let n = self.size;
+        let too_large = (0..n).find_map(|r| {
+            let sent: i64 = matrix[r * n..(r + 1) * n].iter().sum();
+            let received: i64 = (0..n).map(|src| matrix[src * n + r]).sum();
+            let most = sent.max(received) * row_elements;
+            (most > MAX_ELEMENTS_PER_CALL as i64).then_some(most)
+        });
+        if let Some(elements) = too_large {
+            return Err(CommError::TooLarge {
+                rank: self.rank,
+                op,
+                elements: elements as usize,
+            });
+        }
+        let sent_rows: Vec<i64> = mine;
+        let received_rows: Vec<i64> = (0..n).map(|src| matrix[src * n + self.rank]).collect();
+        let elements = |rows: &[i64]| -> Result<(Vec<i32>, Vec<i32>), CommError> {
+            let counts: Vec<i64> = rows.iter().map(|&r| r * row_elements).collect();
             let displs = (counts.iter())
                 .scan(0i64, |at, &c| {
                     let d = *at;
@@ -723,7 +732,7 @@ impl MpiCommunicator {
         let (send_counts, send_displs) = elements(&sent_rows)?;
         let (recv_counts, recv_displs) = elements(&received_rows)?;
         let send = tch::no_grad(|| Tensor::cat(parts, 0).to_device(Device::Cpu).contiguous());
-        let mut shape = vec![received_rows.iter().map(|&r| i64::from(r)).sum::<i64>()];
+        let mut shape = vec![received_rows.iter().sum::<i64>()];
         shape.extend(&row);
         let out = Tensor::empty(shape.as_slice(), (kind, Device::Cpu));
         with_element_type!(kind, self.rank, op, T => {
@@ -742,8 +751,7 @@ impl MpiCommunicator {
             self.comm.all_to_all_varcount_into(&partition, &mut received);
         });
         let device = parts[0].device();
-        let rows: Vec<i64> = received_rows.iter().map(|&r| i64::from(r)).collect();
-        Ok((out.split_with_sizes(&rows, 0).into_iter())
+        Ok((out.split_with_sizes(&received_rows, 0).into_iter())
             .map(|t| t.to_device(device))
             .collect())
     }

@@ -396,12 +396,14 @@ fn rank_groups(
     let shape = crate::profiler::model_shape(&config.model, config.batch.sequence_length);
     let tied = config.model.tie_word_embeddings;
     let reductions = plan.gradient_reductions_with_experts(tied, shape.experts.as_ref());
-    let expert_sets = expert_groups(config)?.into_iter().flat_map(|group| {
-        (0..plan.world_size())
-            .filter_map(move |rank| plan.expert_ranks(std::slice::from_ref(&group), rank))
-            .map(|(ranks, _)| ranks)
-            .collect::<Vec<_>>()
-    });
+    let expert_sets: BTreeSet<Vec<usize>> = (expert_groups(config)?.into_iter())
+        .flat_map(|group| {
+            (0..plan.world_size())
+                .filter_map(move |rank| plan.expert_ranks(std::slice::from_ref(&group), rank))
+                .map(|(ranks, _)| ranks)
+                .collect::<Vec<_>>()
+        })
+        .collect();
     let stages =
         (plan.replicas().iter()).flat_map(|r| (0..r.stages.num_stages()).map(move |s| (r, s)));
     let tp_groups = (stages.clone())
@@ -409,13 +411,14 @@ fn rank_groups(
         .filter(|g| g.len() > 1);
     let cp_groups = (stages.filter(|&(r, s)| r.cp_size(s) > 1))
         .flat_map(|(r, s)| (0..r.tp_size(s)).map(move |t| r.cp_group(s, t)));
-    let sets = reductions
-        .iter()
+    let others: BTreeSet<Vec<usize>> = (reductions.iter())
         .map(|r| r.members.clone())
         .chain(tp_groups)
         .chain(cp_groups)
-        .chain(expert_sets);
-    let groups = SetGroups::new(world, device, sets)?;
+        .collect();
+    let apart = expert_sets.difference(&others).cloned().collect();
+    let sets = others.into_iter().chain(expert_sets);
+    let groups = SetGroups::new(world, device, sets, &apart)?;
     Ok((groups, reductions))
 }
 
