@@ -138,9 +138,12 @@ impl TpLayout {
             return Err(TpSplitError::ZeroShare { rank });
         }
         let shares = shares.to_vec();
+        // In this order: an error names the query groups before the FFN columns.
+        let query_groups =
+            split_shares(&shares, query_groups, "query groups (--num-query-groups)")?;
         let ffn_columns = split_shares(&shares, ffn, "FFN columns (--ffn-hidden-size)")?;
         Ok(TpLayout {
-            query_groups: split_shares(&shares, query_groups, "query groups (--num-query-groups)")?,
+            query_groups,
             expert_columns: ffn_columns.clone(),
             ffn_columns,
             vocab_rows: split_shares(&shares, vocab, "vocabulary rows")?,
