@@ -951,7 +951,7 @@ impl Stage {
 
     /// [`Stage::forward`], and the router logits `[tokens, experts]` of each of the
     /// stage's MoE layers in order (none for a dense model): what the load-balancing
-    /// loss ([`load_balancing_loss`]) and the tokens per expert are computed from.
+    /// loss ([`crate::load_balancing_loss`]) and the tokens per expert are computed from.
     pub fn forward_with_router_logits(
         &self,
         input: &Tensor,
