@@ -2,27 +2,41 @@
 //! balance over its micro-batches, the step's all-gather adds the ranks up, and rank 0
 //! logs Megatron's `load_balancing_loss` and the tokens each expert took.
 
+use synerfuse_model::tch::{Device, Kind, Tensor};
 use synerfuse_model::{LayerBalance, LlamaConfig};
 
 /// The load balance of the MoE layers this rank runs, summed over the step's micro-
-/// batches: per global layer, the load-balancing loss (without its coefficient) summed
-/// over sequences, and the tokens that picked each expert.
-#[derive(Debug, Clone, Default, PartialEq)]
+/// batches: per global layer, `[loss, tokens of expert 0, ...]` (the load-balancing loss
+/// without its coefficient summed over sequences, and the tokens that picked each
+/// expert), in fp64 on the stage's device: summed there, read back once per step.
+#[derive(Debug, Default)]
 pub struct ExpertLoad {
-    layers: std::collections::BTreeMap<usize, (f64, Vec<f64>)>,
+    layers: std::collections::BTreeMap<usize, Tensor>,
+}
+
+impl Clone for ExpertLoad {
+    fn clone(&self) -> Self {
+        let layers = (self.layers.iter()).map(|(&l, t)| (l, t.copy())).collect();
+        ExpertLoad { layers }
+    }
 }
 
 impl ExpertLoad {
-    /// Adds one micro-batch's forward through a stage.
+    /// Adds one micro-batch's forward through a stage (no read-back: no device sync).
     pub fn add(&mut self, balance: &[LayerBalance]) {
         for layer in balance {
-            let tokens = Vec::<f64>::try_from(&layer.tokens_per_expert).unwrap_or_default();
-            let (loss, sums) = self.layers.entry(layer.layer).or_default();
-            *loss += layer.loss.double_value(&[]);
-            sums.resize(tokens.len().max(sums.len()), 0.0);
-            for (sum, n) in sums.iter_mut().zip(tokens) {
-                *sum += n;
-            }
+            let cells = Tensor::cat(
+                &[
+                    layer.loss.to_kind(Kind::Double).reshape([1]),
+                    layer.tokens_per_expert.to_kind(Kind::Double),
+                ],
+                0,
+            );
+            let sum = match self.layers.remove(&layer.layer) {
+                Some(sum) => sum + cells,
+                None => cells,
+            };
+            self.layers.insert(layer.layer, sum);
         }
     }
 
@@ -38,10 +52,10 @@ impl ExpertLoad {
             .filter(|&l| moe.has_experts(l))
             .flat_map(|l| {
                 let mut cells = vec![0.0; width];
-                if let Some((loss, tokens)) = self.layers.get(&l) {
-                    cells[0] = *loss;
-                    for (cell, n) in cells[1..].iter_mut().zip(tokens) {
-                        *cell = *n;
+                if let Some(sum) = self.layers.get(&l) {
+                    let sum = Vec::<f64>::try_from(sum.to_device(Device::Cpu)).unwrap_or_default();
+                    for (cell, n) in cells.iter_mut().zip(sum) {
+                        *cell = n;
                     }
                 }
                 cells

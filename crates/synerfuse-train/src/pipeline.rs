@@ -31,7 +31,7 @@ pub struct StepTimes {
 }
 
 /// What the last stage measured in one step, and the MoE layers' load balance.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default)]
 pub struct StepLoss {
     /// Σ per-token loss over this replica's loss tokens (0 on other stages).
     pub loss_sum: f64,
