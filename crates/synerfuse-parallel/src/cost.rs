@@ -101,6 +101,44 @@ impl ModelShape {
         (self.hidden_size * self.num_kv_heads / self.num_heads.max(1)) as f64
     }
 
+    /// A mean layer's expert weights (every expert of the MoE layers, spread over all
+    /// layers; routers not): what expert parallelism divides among its members.
+    pub fn expert_layer_params(&self) -> f64 {
+        let Some(e) = self.experts else {
+            return 0.0;
+        };
+        let (moe, _) = self.layer_kinds();
+        let width =
+            (e.ffn_hidden_size * e.num_experts) as f64 * moe / self.num_layers.max(1) as f64;
+        3.0 * self.hidden_size as f64 * width
+    }
+
+    /// The share of a mean layer's forward compute in its experts (0 without): what an
+    /// expert-parallel member's unequal load stretches.
+    pub fn expert_compute_fraction(&self, b: usize) -> f64 {
+        let Some(e) = self.experts else {
+            return 0.0;
+        };
+        let (moe, _) = self.layer_kinds();
+        let width = (e.ffn_hidden_size * e.top_k) as f64 * moe / self.num_layers.max(1) as f64;
+        let tokens = (b * self.seq_length) as f64;
+        2.0 * tokens * 3.0 * self.hidden_size as f64 * width / self.layer_forward_flops(b).max(1.0)
+    }
+
+    /// The MoE layers among layers `from..to`.
+    pub fn moe_layers_in(&self, from: usize, to: usize) -> usize {
+        self.experts.map_or(0, |e| {
+            (from..to).filter(|l| l % e.layer_freq.max(1) == 0).count()
+        })
+    }
+
+    /// Bytes one member's all-to-all sends per MoE layer and direction for `b` samples:
+    /// each token's hidden state to each of its top-k experts.
+    pub fn expert_message_bytes(&self, b: usize, bytes: f64) -> f64 {
+        let k = self.experts.map_or(0, |e| e.top_k);
+        (b * self.seq_length * k * self.hidden_size) as f64 * bytes
+    }
+
     /// Parameters of one decoder layer (of a mean one: MoE layers' experts and routers
     /// spread over all layers).
     pub fn layer_params(&self) -> f64 {
@@ -379,6 +417,12 @@ pub struct CostModel {
     /// `--use-distributed-optimizer`: the optimizer's state and step sharded over the
     /// replicas of a stage, in proportion to their memory.
     pub distributed_optimizer: bool,
+    /// `--expert-model-parallel-size`: each MoE layer's experts divided over this many
+    /// replicas (1: each holds all), tokens exchanged by all-to-all.
+    pub expert_parallel: usize,
+    /// Tokens each expert took per MoE layer, in layer order (measured in a run:
+    /// `--log-json`'s `moe.tokens_per_expert`); `None`: equal.
+    pub expert_load: Option<Vec<Vec<f64>>>,
 }
 
 /// Which stages of a plan recompute their activations.
@@ -424,6 +468,47 @@ impl CostModel {
             state_bytes_per_param: STATE_BYTES_PER_PARAM,
             recompute: Recompute::Never,
             distributed_optimizer: false,
+            expert_parallel: 1,
+            expert_load: None,
+        }
+    }
+
+    /// Parameters a rank of a stage of `layers` layers holds (its expert-parallel part
+    /// of the experts), with the embedding when `first`, the head when `last`.
+    pub fn stage_params(&self, layers: usize, first: bool, last: bool) -> f64 {
+        let part = 1.0 - 1.0 / self.expert_parallel.max(1) as f64;
+        (self.model).stage_params(layers, first, last)
+            - layers as f64 * self.model.expert_layer_params() * part
+    }
+
+    /// Under expert parallelism, the most loaded member's expert tokens over the
+    /// members' mean (1: even), the experts placed by [`crate::planner::place_experts`]
+    /// on alike members, averaged over the MoE layers of [`CostModel::expert_load`].
+    pub fn expert_imbalance(&self) -> f64 {
+        let (Some(loads), Some(e)) = (&self.expert_load, self.model.experts) else {
+            return 1.0;
+        };
+        let ep = self.expert_parallel;
+        let members = vec![
+            crate::planner::ExpertMember {
+                speed: 1.0,
+                capacity: e.num_experts,
+            };
+            ep
+        ];
+        let each: Vec<f64> = (loads.iter())
+            .filter_map(|load| {
+                let total: f64 = load.iter().sum();
+                let placed = crate::planner::place_experts(load, &members).ok()?;
+                let most = (placed.iter())
+                    .map(|m| m.iter().map(|&x| load[x]).sum::<f64>())
+                    .fold(0.0, f64::max);
+                (total > 0.0).then(|| most * ep as f64 / total)
+            })
+            .collect();
+        match each.is_empty() || ep <= 1 {
+            true => 1.0,
+            false => each.iter().sum::<f64>() / each.len() as f64,
         }
     }
 
@@ -526,7 +611,7 @@ impl CostModel {
     /// The state part of [`CostModel::memory_bytes`]: parameters, gradients and optimizer
     /// state (the optimizer's part only its share under the distributed optimizer).
     pub fn state_bytes(&self, stage: &StageHolding) -> f64 {
-        let params = (self.model).stage_params(stage.layers, stage.first, stage.last);
+        let params = self.stage_params(stage.layers, stage.first, stage.last);
         let mut bytes = params * self.state_bytes_per_param;
         if self.distributed_optimizer {
             bytes -= params * self.optimizer_bytes_per_param() * (1.0 - stage.optimizer_share);
@@ -566,6 +651,13 @@ impl CostModel {
             sender_s: lat + staging,
             transit_s: bytes / bw,
         }
+    }
+
+    /// Seconds of an all-to-all in which each of `devices` sends `bytes` spread evenly
+    /// over the others: (d − 1)/d of them over the slowest link, half a ring all-reduce
+    /// of the same bytes (a reduce-scatter and an all-gather, each moving as much).
+    pub fn alltoall_seconds(&self, devices: &[&Device], bytes: f64) -> f64 {
+        self.allreduce_seconds(devices, bytes) / 2.0
     }
 
     /// Seconds of the fp32 gradient all-reduce of `bytes` over `devices` (ring over the

@@ -382,6 +382,7 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
             context_parallel_sizes: args.context_parallel_sizes.clone(),
             recompute: args.recompute_activations,
             distributed_optimizer: args.use_distributed_optimizer,
+            expert_parallel_sizes: Vec::new(),
         },
     )?;
     let planning_s = started.elapsed().as_secs_f64();

@@ -307,4 +307,28 @@ mod tests {
         let three = Plan::new((0..4).map(|r| replica(&[2], 1, r, None)).collect()).unwrap();
         assert!(three.with_even_experts(3).is_err());
     }
+
+    #[test]
+    fn megatrons_even_parts_read_back_as_its_flag_and_other_parts_as_no_grid() {
+        let even = Plan::new((0..4).map(|r| replica(&[2], 1, r, None)).collect())
+            .unwrap()
+            .with_even_experts(2)
+            .unwrap();
+        let flags = even.grid_flags().unwrap().args.join(" ");
+        assert!(flags.contains("--expert-model-parallel-size 2"), "{flags}");
+        let listed = |parts: [&[usize]; 2]| {
+            let replicas = (0..4).map(|r| replica(&[2], 1, r, Some(vec![parts[r % 2].to_vec()])));
+            Plan::new(replicas.collect()).unwrap()
+        };
+        assert_eq!(
+            listed([&[0, 1, 2, 3], &[4, 5, 6, 7]]).grid_flags(),
+            even.grid_flags()
+        );
+        assert!(listed([&[0, 1, 2, 3, 4, 5], &[6, 7]])
+            .grid_flags()
+            .is_none());
+        assert!(listed([&[0, 2, 4, 6], &[1, 3, 5, 7]])
+            .grid_flags()
+            .is_none());
+    }
 }

@@ -2,7 +2,7 @@
 //! `Plan` back to its flags. A grid keeps its rank order (Megatron's default or
 //! SynerFuse's tp-pp-dp), so a plan from flags runs on the ranks the flags mean.
 
-use super::{Plan, PlanError, ReplicaPipeline};
+use super::{ExpertHolding, Plan, PlanError, ReplicaPipeline};
 use crate::flags::{GridPlan, TopologySpec};
 use crate::{PlanFlags, RankPlacement, DEFAULT_ORDER, TP_PP_DP_ORDER};
 
@@ -112,6 +112,7 @@ impl Plan {
         {
             return None;
         }
+        let ep = self.even_expert_parallel()?;
         let mut placements = vec![None; self.world_size()];
         for replica in self.replicas() {
             for (rank, placement) in replica.all_ranks().zip(&replica.placements) {
@@ -131,14 +132,16 @@ impl Plan {
                     tp,
                     pp: stages.num_stages(),
                     cp,
-                    ep: 1,
+                    ep,
                     order: order.to_owned(),
                 };
                 let grid =
                     GridPlan::new(spec, stages.clone(), self.batches(), ranks.clone()).ok()?;
+                // Experts compared by what each replica holds (above).
                 let same = |a: &ReplicaPipeline, b: &ReplicaPipeline| {
                     ReplicaPipeline {
                         recompute: b.recompute.clone(),
+                        experts: b.experts.clone(),
                         ..a.clone()
                     } == *b
                 };
@@ -147,5 +150,48 @@ impl Plan {
                     .all(|(a, b)| same(a, b))
                     .then_some(grid)
             })
+    }
+
+    /// The expert-parallel size whose even parts over consecutive replicas (Megatron's
+    /// `--expert-model-parallel-size`) are what this plan's replicas hold (1: none
+    /// divides its experts); `None` when they hold other parts.
+    fn even_expert_parallel(&self) -> Option<usize> {
+        let holdings: Vec<&ExpertHolding> = (self.replicas().iter())
+            .flat_map(|r| r.experts.iter().flatten())
+            .collect();
+        let Some(first) = holdings.first() else {
+            return Some(1);
+        };
+        // The experts a listed part names tell the model's count.
+        let listed = (holdings.iter())
+            .filter_map(|h| match h {
+                ExpertHolding::Listed(list) => list.iter().max().map(|&x| x + 1),
+                ExpertHolding::EvenShare { .. } => None,
+            })
+            .max()
+            .unwrap_or(0);
+        let ep = match first {
+            ExpertHolding::EvenShare { members, .. } => *members,
+            ExpertHolding::Listed(list) if !list.is_empty() && listed % list.len() == 0 => {
+                listed / list.len()
+            }
+            ExpertHolding::Listed(_) => return None,
+        };
+        let e = listed.max(ep);
+        if ep == 0 || e % ep != 0 || self.replicas().len() % ep != 0 {
+            return None;
+        }
+        let holds_even = |(r, replica): (usize, &ReplicaPipeline)| {
+            let part = ExpertHolding::EvenShare {
+                member: r % ep,
+                members: ep,
+            }
+            .experts(e);
+            (0..replica.stages.num_stages())
+                .all(|s| matches!(replica.experts.get(s), Some(Some(h)) if h.experts(e) == part))
+        };
+        (self.replicas().iter().enumerate())
+            .all(holds_even)
+            .then_some(ep)
     }
 }

@@ -5,9 +5,10 @@ use super::{
     outcome::{Arrangement, Candidate, PooledCandidate},
     tensor::TpGroup,
 };
+use super::{place_experts, slowest_time, ExpertMember};
 use crate::cluster::Device;
 use crate::cost::CostModel;
-use crate::plan::{Plan, PlanError, ReplicaPipeline};
+use crate::plan::{ExpertHolding, Plan, PlanError, ReplicaPipeline};
 use crate::{
     Coordinates, DeviceRequest, RankPlacement, ReplicaBatch, StageLayout, Topology, TopologyError,
     DEFAULT_ORDER, TP_PP_DP_ORDER,
@@ -46,8 +47,96 @@ impl Candidate {
 
     /// The plan `synerfuse train --plan` runs and `synerfuse plan` writes: the grid on
     /// its ranks ([`Candidate::rank_devices`]), with the stages that recompute their
-    /// activations.
+    /// activations and, under expert parallelism, each replica's experts of each stage
+    /// placed by its pace and memory ([`Candidate::expert_placement`]).
     pub fn to_plan(&self, cost: &CostModel) -> Result<Plan, PlanningError> {
+        let experts = self.expert_placement(cost)?;
+        self.plan_holding(cost, experts)
+    }
+
+    /// [`Candidate::to_plan`] with the experts in Megatron's even parts (what
+    /// `--expert-model-parallel-size` gives): the plan its flags describe.
+    pub fn to_even_plan(&self, cost: &CostModel) -> Result<Plan, PlanningError> {
+        let ep = self.options.expert_parallel;
+        let e = cost.model.experts.map_or(0, |e| e.num_experts);
+        let experts = match ep > 1 {
+            true => Some(vec![even_parts(e, ep); self.layers.len()]),
+            false => None,
+        };
+        self.plan_holding(cost, experts)
+    }
+
+    /// Under expert parallelism (groups of `ep` consecutive replicas), per stage the
+    /// experts each replica holds: placed by [`place_experts`] on the tokens each expert
+    /// took in the stage's MoE layers (measured: [`CostModel::expert_load`]; else
+    /// equal), each member's pace (its device's layer time) and memory (its room once
+    /// the rest of the stage is held, over one expert's state); Megatron's even parts
+    /// where they are as fast. `None` without expert parallelism.
+    pub fn expert_placement(
+        &self,
+        cost: &CostModel,
+    ) -> Result<Option<Vec<Vec<Vec<usize>>>>, PlanningError> {
+        let (ep, Some(shape)) = (self.options.expert_parallel, cost.model.experts) else {
+            return Ok(None);
+        };
+        if ep <= 1 {
+            return Ok(None);
+        }
+        let devices = cost.cluster.devices();
+        let e = shape.num_experts;
+        let mut stages = Vec::with_capacity(self.layers.len());
+        let mut start = 0;
+        for (i, &layers) in self.layers.iter().enumerate() {
+            let load = stage_load(cost, start, start + layers);
+            let per_expert = (cost.model.moe_layers_in(start, start + layers)
+                * 3
+                * cost.model.hidden_size
+                * shape.ffn_hidden_size) as f64
+                * cost.state_bytes_per_param
+                / self.tensor_parallel_size() as f64;
+            let mut row = Vec::with_capacity(self.micro_batches.len());
+            for group in self.devices[i].chunks(ep) {
+                let members = (group.iter())
+                    .map(|&unit| {
+                        let device = &devices[self.unit_devices(unit)[0]];
+                        let speed = 1.0 / cost.stage_costs(device, 1)?.layer_s.max(1e-30);
+                        let room = cost.usable_memory(device).map(|usable| {
+                            usable - self.prediction.stage_memory_bytes[i]
+                                + (e / ep) as f64 * per_expert
+                        });
+                        let capacity = match (room, per_expert > 0.0) {
+                            (Some(room), true) => {
+                                ((room / per_expert).floor().max(0.0) as usize).min(e)
+                            }
+                            _ => e,
+                        };
+                        Ok(ExpertMember { speed, capacity })
+                    })
+                    .collect::<Result<Vec<_>, PlanningError>>()?;
+                let placed = place_experts(&load, &members)
+                    .map_err(|source| PlanningError::ExpertPlacement { stage: i, source })?;
+                let even = even_parts(e, ep);
+                let fits = (even.iter().zip(&members)).all(|(part, m)| part.len() <= m.capacity);
+                let as_fast = fits
+                    && slowest_time(&load, &members, &even)
+                        <= slowest_time(&load, &members, &placed) * (1.0 + 1e-9);
+                row.extend(match as_fast {
+                    true => even,
+                    false => placed,
+                });
+            }
+            stages.push(row);
+            start += layers;
+        }
+        Ok(Some(stages))
+    }
+
+    /// The plan with `experts` (per stage, per replica) held.
+    fn plan_holding(
+        &self,
+        cost: &CostModel,
+        experts: Option<Vec<Vec<Vec<usize>>>>,
+    ) -> Result<Plan, PlanningError> {
         let devices = cost.cluster.devices();
         let topology = self.topology()?;
         let recomputes = self.recompute.iter().flatten().any(|&x| x);
@@ -101,10 +190,46 @@ impl Candidate {
                     .flat_map(|stage| self.unit_devices(stage[r]))
                     .map(|i| placement(&devices[i]))
                     .collect(),
-                experts: Vec::new(),
+                experts: match &experts {
+                    Some(stages) => (stages.iter())
+                        .map(|row| Some(ExpertHolding::Listed(row[r].clone())))
+                        .collect(),
+                    None => Vec::new(),
+                },
             });
         }
         Ok(Plan::new(replicas)?)
+    }
+}
+
+/// Experts `0..e` in `members` consecutive even parts (Megatron's).
+fn even_parts(e: usize, members: usize) -> Vec<Vec<usize>> {
+    let per = e / members.max(1);
+    (0..members)
+        .map(|m| (m * per..(m + 1) * per).collect())
+        .collect()
+}
+
+/// Tokens per expert in the MoE layers among `from..to` (measured, summed; equal where
+/// nothing was measured or the stage has no MoE layer).
+fn stage_load(cost: &CostModel, from: usize, to: usize) -> Vec<f64> {
+    let e = cost.model.experts.map_or(0, |e| e.num_experts);
+    let equal = vec![1.0; e];
+    let Some(loads) = &cost.expert_load else {
+        return equal;
+    };
+    // The measured rows are the MoE layers in order.
+    let before = cost.model.moe_layers_in(0, from);
+    let rows = cost.model.moe_layers_in(from, to);
+    let mut load = vec![0.0; e];
+    for row in loads.iter().skip(before).take(rows) {
+        for (sum, x) in load.iter_mut().zip(row) {
+            *sum += x;
+        }
+    }
+    match load.iter().sum::<f64>() > 0.0 {
+        true => load,
+        false => equal,
     }
 }
 

@@ -23,6 +23,15 @@ pub enum PlanningError {
     /// A candidate whose pipelines cannot run their schedule (a planner bug, reported).
     #[error(transparent)]
     Schedule(#[from] crate::ScheduleError),
+    /// Experts that cannot be placed on a stage's expert-parallel members (a planner
+    /// bug where the even parts fit, reported).
+    #[error("stage {stage}: {source}")]
+    ExpertPlacement {
+        /// Pipeline stage.
+        stage: usize,
+        /// Why.
+        source: super::PlacementError,
+    },
     /// Every candidate breaks a constraint; the closest one's binding constraint.
     #[error("no feasible plan: {0}")]
     Infeasible(Infeasibility),

@@ -51,6 +51,7 @@ pub(super) fn best_expert(
         let options = TrainOptions {
             recompute,
             distributed_optimizer: request.distributed_optimizer != Choice::Off,
+            expert_parallel: 1,
         };
         let variant = options.cost(cost);
         for t in request.tp_sizes() {

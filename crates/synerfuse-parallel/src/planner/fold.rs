@@ -249,6 +249,7 @@ mod tests {
             context_parallel_sizes: Vec::new(),
             recompute: Default::default(),
             distributed_optimizer: Default::default(),
+            expert_parallel_sizes: Vec::new(),
         }
     }
 

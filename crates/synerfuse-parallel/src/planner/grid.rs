@@ -33,10 +33,18 @@ pub(super) fn grid_search(
     let order = fastest_first(ctx)?;
     let mut search = Search::default();
     let sizes = micro_batch_sizes(request);
-    for p in (1..=n.min(l)).filter(|p| n % p == 0) {
+    // Expert-parallel groups are consecutive replicas.
+    let ep = ctx.cost.expert_parallel;
+    for p in (1..=n.min(l)).filter(|p| n % p == 0 && (n / p) % ep == 0) {
         let d = n / p;
         for arrangement in [Arrangement::ByReplica, Arrangement::ByStage] {
             if only.is_some_and(|s| !s.contains(&(p, arrangement))) {
+                continue;
+            }
+            // Expert parallelism keeps Megatron's default rank order (a stage's replicas
+            // on neighbouring devices, its expert-parallel groups among them), which
+            // `--expert-model-parallel-size` describes; its tp-pp-dp order has no EP.
+            if ep > 1 && arrangement == Arrangement::ByReplica {
                 continue;
             }
             let devices = arrange(&order, p, d, arrangement);
@@ -101,33 +109,47 @@ impl Search {
         origin: CandidateOrigin,
     ) -> Result<(), PlanningError> {
         self.considered += 1;
-        match evaluate(ctx, grid.devices, &layers, &sizes, &micro_batches)? {
-            Ok(prediction) => self.candidates.push(Candidate {
-                recompute: (stage_fits(ctx, grid.devices, &layers, &sizes, &micro_batches)?)
-                    .iter()
-                    .map(|row| row.iter().map(|f| f.recompute).collect())
-                    .collect(),
-                options: TrainOptions {
-                    recompute: ctx.cost.recompute,
-                    // One replica has nothing to shard over.
-                    distributed_optimizer: ctx.cost.distributed_optimizer
-                        && micro_batches.len() > 1,
-                },
-                arrangement: grid.arrangement,
-                devices: grid.devices.to_vec(),
-                layers,
-                micro_batch_sizes: sizes,
-                micro_batches,
-                prediction,
-                origin,
-                // A grid's units are all of one size.
-                groups: match ctx.groups.first().is_some_and(|g| g.size() > 1) {
-                    true => ctx.groups.clone(),
-                    false => Default::default(),
-                },
-            }),
-            Err(v) => self.note(v),
+        let prediction = match evaluate(ctx, grid.devices, &layers, &sizes, &micro_batches)? {
+            Ok(prediction) => prediction,
+            Err(v) => {
+                self.note(v);
+                return Ok(());
+            }
+        };
+        let recompute: Vec<Vec<bool>> =
+            (stage_fits(ctx, grid.devices, &layers, &sizes, &micro_batches)?)
+                .iter()
+                .map(|row| row.iter().map(|f| f.recompute).collect())
+                .collect();
+        // An expert-parallel group's members exchange tokens micro-batch by micro-batch,
+        // stage by stage: as many micro-batches each, recomputed alike.
+        let ep = ctx.cost.expert_parallel;
+        let alike = |values: &[usize]| values.chunks(ep).all(|g| g.iter().all(|&x| x == g[0]));
+        let flags = |row: &Vec<bool>| row.iter().map(|&f| usize::from(f)).collect::<Vec<_>>();
+        if !alike(&micro_batches) || !recompute.iter().all(|row| alike(&flags(row))) {
+            return Ok(());
         }
+        self.candidates.push(Candidate {
+            recompute,
+            options: TrainOptions {
+                recompute: ctx.cost.recompute,
+                // One replica has nothing to shard over.
+                distributed_optimizer: ctx.cost.distributed_optimizer && micro_batches.len() > 1,
+                expert_parallel: ctx.cost.expert_parallel,
+            },
+            arrangement: grid.arrangement,
+            devices: grid.devices.to_vec(),
+            layers,
+            micro_batch_sizes: sizes,
+            micro_batches,
+            prediction,
+            origin,
+            // A grid's units are all of one size.
+            groups: match ctx.groups.first().is_some_and(|g| g.size() > 1) {
+                true => ctx.groups.clone(),
+                false => Default::default(),
+            },
+        });
         Ok(())
     }
 
@@ -358,9 +380,12 @@ pub(super) fn retime_front(
         let (options, variant) = (variants.iter())
             .find(|(o, _)| *o == c.options)
             .or_else(|| {
-                variants
-                    .iter()
-                    .find(|(o, _)| o.recompute == c.options.recompute)
+                variants.iter().find(|(o, _)| {
+                    TrainOptions {
+                        distributed_optimizer: false,
+                        ..*o
+                    } == c.options
+                })
             })
             .expect("a variant for each option searched");
         let shape = (c.tensor_parallel_size(), c.context_parallel_size());

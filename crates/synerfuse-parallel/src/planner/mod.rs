@@ -115,10 +115,11 @@ fn plan_folding_above(
         )));
     }
     // The best grid plan split down to the sample, when that beats what the per-replica
-    // search found.
+    // search found (per-replica pipelines hold every expert: not one whose experts are
+    // divided).
     let refined = match plans.first() {
-        Some(best) => refine::refine_grid(cost, best, g)?,
-        None => None,
+        Some(best) if best.options.expert_parallel == 1 => refine::refine_grid(cost, best, g)?,
+        _ => None,
     };
     let pooled = match (pooled, refined) {
         (Some(p), Some(r)) if r.step_time_s < p.step_time_s => Some(r),
@@ -207,6 +208,7 @@ fn search_grids(
             let options = TrainOptions {
                 recompute,
                 distributed_optimizer,
+                ..options
             };
             searched.get(&(options, t)).map(|(bound, _)| *bound)
         };
@@ -226,7 +228,13 @@ fn search_grids(
             // Sharding saves memory and the optimizer's time: where memory did not bind,
             // the same layouts re-priced (nothing to gain where the optimizer is unpriced).
             match optimizer_priced {
-                true => reprice(&mut ctx, &searched[&(TrainOptions::default(), t)].1)?,
+                true => {
+                    let unsharded = TrainOptions {
+                        expert_parallel: options.expert_parallel,
+                        ..TrainOptions::default()
+                    };
+                    reprice(&mut ctx, &searched[&(unsharded, t)].1)?
+                }
                 false => Search::default(),
             }
         } else {
@@ -257,7 +265,8 @@ fn search_grids(
 
 /// `cost` under each option the request's grids are searched with.
 fn variants(cost: &CostModel, request: &PlanRequest) -> Vec<(TrainOptions, CostModel)> {
-    (request.grid_options().into_iter())
+    let experts = cost.model.experts.map(|e| e.num_experts);
+    (request.grid_options(experts).into_iter())
         .map(|options| (options, options.cost(cost)))
         .collect()
 }
@@ -305,6 +314,7 @@ fn plan_pooled_options(
         let options = TrainOptions {
             recompute,
             distributed_optimizer: request.distributed_optimizer == Choice::On,
+            expert_parallel: 1,
         };
         let variant = TrainOptions {
             distributed_optimizer: false,
@@ -347,6 +357,7 @@ fn retime_sharded(
     let variant = TrainOptions {
         recompute,
         distributed_optimizer: true,
+        expert_parallel: 1,
     }
     .cost(cost);
     let mut ctx = Ctx::with_groups(&variant, variant.cluster.devices(), c.groups.clone());
@@ -385,5 +396,7 @@ fn throughput_bound(
     Ok(ThroughputBound::new(device_tokens_per_s, g))
 }
 
+#[cfg(test)]
+mod expert_tests;
 #[cfg(test)]
 mod tests;

@@ -37,6 +37,9 @@ pub(super) struct Ctx<'a> {
     pub(super) allreduce_prices: RefCell<HashMap<Vec<usize>, (f64, f64)>>,
     /// (unit class, parameters) → optimizer step, s.
     pub(super) optimizer_prices: RefCell<HashMap<(usize, u64), f64>>,
+    /// Under expert parallelism, how much the most loaded member's expert compute
+    /// stretches a layer ([`CostModel::expert_imbalance`]; 1: even).
+    pub(super) expert_imbalance: f64,
 }
 
 impl<'a> Ctx<'a> {
@@ -133,6 +136,7 @@ impl<'a> Ctx<'a> {
             memory_bound: Cell::new(false),
             allreduce_prices: RefCell::new(HashMap::new()),
             optimizer_prices: RefCell::new(HashMap::new()),
+            expert_imbalance: cost.expert_imbalance(),
         }
     }
 
@@ -201,8 +205,38 @@ impl<'a> Ctx<'a> {
                 .fold(0.0, f64::max)
                 + collective;
         }
+        if self.cost.expert_parallel > 1 && self.cost.model.experts.is_some() {
+            c.layer_s = self.expert_exchange(unit, b, c.layer_s);
+        }
         self.costs.insert(key, c);
         Ok(c)
+    }
+
+    /// A mean layer's `layer_s` under expert parallelism: the experts' compute stretched
+    /// by the most loaded member's share, plus per MoE layer two all-to-alls forward
+    /// (tokens to their experts' members and back) and two backward, over `ep` members
+    /// like the unit (on its node where it holds that many, as Megatron's consecutive
+    /// data-parallel ranks are).
+    fn expert_exchange(&self, unit: usize, b: usize, layer_s: f64) -> f64 {
+        let model = &self.cost.model;
+        let group = &self.groups[unit];
+        let first = &self.all[group.members[0]];
+        let ep = self.cost.expert_parallel;
+        let alike = |d: &&Device| d.class() == first.class();
+        let near = (self.all.iter().filter(|d| d.node == first.node))
+            .filter(alike)
+            .count()
+            / group.size();
+        let mut peers: Vec<&Device> = vec![first; ep.min(near.max(1))];
+        let far = (self.all.iter()).filter(|d| d.node != first.node);
+        peers.extend(far.take(ep - peers.len()));
+        // Fewer devices than members (a priced shape only): the rest alike.
+        peers.resize(ep, first);
+        let moe = model.moe_layers_in(0, model.num_layers) as f64 / model.num_layers.max(1) as f64;
+        let bytes = model.expert_message_bytes(b, self.cost.compute_bytes);
+        let exchange = 4.0 * moe * self.cost.alltoall_seconds(&peers, bytes);
+        let stretch = 1.0 + (self.expert_imbalance - 1.0) * model.expert_compute_fraction(b);
+        layer_s * stretch + exchange
     }
 
     /// [`CostModel::allreduce_seconds`] of `bytes` over the cluster's devices `devices`,
@@ -604,7 +638,9 @@ pub(super) fn max(values: &[f64]) -> f64 {
 /// Per stage, the fp32 gradient all-reduce over its replicas, s.
 pub(super) fn allreduce_times(ctx: &Ctx<'_>, grid: &[Vec<usize>], layers: &[usize]) -> Vec<f64> {
     let p = grid.len();
-    let m = &ctx.cost.model;
+    // Under expert parallelism, each member's part of the experts (reduced over fewer
+    // replicas than the rest: priced over all of them).
+    let m = ctx.cost;
     (0..p)
         .map(|i| holders_allreduce_s(ctx, &grid[i], m.stage_params(layers[i], i == 0, i + 1 == p)))
         .collect()
@@ -641,7 +677,7 @@ pub(super) fn optimizer_times(ctx: &Ctx<'_>, grid: &[Vec<usize>], layers: &[usiz
     let p = grid.len();
     (0..p)
         .map(|i| {
-            let params = ctx.cost.model.stage_params(layers[i], i == 0, i + 1 == p);
+            let params = ctx.cost.stage_params(layers[i], i == 0, i + 1 == p);
             let shares = Shares::of_stage(ctx, &grid[i]);
             (grid[i].iter())
                 .map(|&k| {

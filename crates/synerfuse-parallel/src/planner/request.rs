@@ -25,6 +25,10 @@ pub struct PlanRequest {
     /// alike for grid plans and per-replica pipelines (the latter searched without it:
     /// it only lowers their memory).
     pub distributed_optimizer: Choice,
+    /// Expert-parallel sizes to try for grid plans of a mixture of experts beside 1
+    /// (those dividing the experts and the replicas): each MoE layer's experts divided
+    /// over that many consecutive replicas, placed by their pace and memory.
+    pub expert_parallel_sizes: Vec<usize>,
 }
 
 /// Whether a plan uses an option: never, always, or where it makes the plan fit or
@@ -79,12 +83,25 @@ impl Choice {
 }
 
 /// How a plan trains beside its layout: what its memory and time were priced with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct TrainOptions {
     /// Which stages may recompute their activations (the plan file says which do).
     pub recompute: Recompute,
     /// `--use-distributed-optimizer`.
     pub distributed_optimizer: bool,
+    /// Replicas each MoE layer's experts are divided over (1: every replica holds all;
+    /// the plan file lists each one's).
+    pub expert_parallel: usize,
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        TrainOptions {
+            recompute: Recompute::Never,
+            distributed_optimizer: false,
+            expert_parallel: 1,
+        }
+    }
 }
 
 impl TrainOptions {
@@ -93,6 +110,7 @@ impl TrainOptions {
         CostModel {
             recompute: self.recompute,
             distributed_optimizer: self.distributed_optimizer,
+            expert_parallel: self.expert_parallel,
             ..cost.clone()
         }
     }
@@ -108,15 +126,25 @@ impl TrainOptions {
 }
 
 impl PlanRequest {
-    /// The options grid plans are searched with, off before on.
-    pub(super) fn grid_options(&self) -> Vec<TrainOptions> {
+    /// The options grid plans are searched with, off before on, without expert
+    /// parallelism before with; of a model of `experts` experts per MoE layer (none:
+    /// dense).
+    pub(super) fn grid_options(&self, experts: Option<usize>) -> Vec<TrainOptions> {
+        let mut sizes = BTreeSet::from([1]);
+        if let Some(e) = experts {
+            let divides = |&&x: &&usize| x > 1 && e % x == 0;
+            sizes.extend(self.expert_parallel_sizes.iter().filter(divides));
+        }
         let mut options = Vec::new();
-        for &distributed_optimizer in self.distributed_optimizer.values() {
-            for &recompute in self.recompute.recompute() {
-                options.push(TrainOptions {
-                    recompute,
-                    distributed_optimizer,
-                });
+        for expert_parallel in sizes {
+            for &distributed_optimizer in self.distributed_optimizer.values() {
+                for &recompute in self.recompute.recompute() {
+                    options.push(TrainOptions {
+                        recompute,
+                        distributed_optimizer,
+                        expert_parallel,
+                    });
+                }
             }
         }
         options

@@ -328,6 +328,8 @@ pub fn running_job_request(
             true => Choice::On,
             false => Choice::Off,
         },
+        // The re-planner refuses a running plan with expert parallelism.
+        expert_parallel_sizes: Vec::new(),
     }
 }
 
@@ -445,6 +447,7 @@ mod tests {
             context_parallel_sizes: Vec::new(),
             recompute: Choice::Off,
             distributed_optimizer: Choice::Off,
+            expert_parallel_sizes: Vec::new(),
         }
     }
 

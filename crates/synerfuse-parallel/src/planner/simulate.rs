@@ -124,6 +124,7 @@ pub(super) fn simulate_pools(
         options: TrainOptions {
             recompute: ctx.cost.recompute,
             distributed_optimizer: ctx.cost.distributed_optimizer,
+            expert_parallel: ctx.cost.expert_parallel,
         },
         step_time_s: 0.0,
         pipeline_s: 0.0,

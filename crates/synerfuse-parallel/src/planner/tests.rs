@@ -34,6 +34,7 @@ fn request(g: usize, recompute: Choice, distributed_optimizer: Choice) -> PlanRe
         context_parallel_sizes: Vec::new(),
         recompute,
         distributed_optimizer,
+        expert_parallel_sizes: Vec::new(),
     }
 }
 
@@ -225,7 +226,7 @@ proptest! {
             experts: None,
         };
         let cost = CostModel::new(model, cluster, None);
-        let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 3, tensor_parallel_sizes: vec![1], context_parallel_sizes: Vec::new(), recompute: Choice::Auto, distributed_optimizer: Choice::Auto };
+        let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 3, tensor_parallel_sizes: vec![1], context_parallel_sizes: Vec::new(), recompute: Choice::Auto, distributed_optimizer: Choice::Auto, expert_parallel_sizes: Vec::new() };
         let n = cost.cluster.devices().len();
         match plan(&cost, &request) {
             Err(PlanningError::Infeasible(
@@ -328,7 +329,7 @@ proptest! {
             experts: None,
         };
         let cost = CostModel::new(model.clone(), cluster, None);
-        let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 1, tensor_parallel_sizes: vec![1], context_parallel_sizes: Vec::new(), recompute: Choice::Off, distributed_optimizer: Choice::Off };
+        let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 1, tensor_parallel_sizes: vec![1], context_parallel_sizes: Vec::new(), recompute: Choice::Off, distributed_optimizer: Choice::Off, expert_parallel_sizes: Vec::new() };
         let mut ctx = Ctx::new(&cost);
         let bound = throughput_bound(&mut ctx, &request).unwrap();
         let params = model.stage_params(4, true, true);
@@ -398,7 +399,7 @@ proptest! {
         };
         let cost = CostModel::new(model, cluster, None);
         let sizes = [1usize, 2, 4];
-        let request = PlanRequest { global_batch_size: g, micro_batch_sizes: sizes.to_vec(), top_k: 1, tensor_parallel_sizes: vec![1], context_parallel_sizes: Vec::new(), recompute: Choice::Off, distributed_optimizer: Choice::Off };
+        let request = PlanRequest { global_batch_size: g, micro_batch_sizes: sizes.to_vec(), top_k: 1, tensor_parallel_sizes: vec![1], context_parallel_sizes: Vec::new(), recompute: Choice::Off, distributed_optimizer: Choice::Off, expert_parallel_sizes: Vec::new() };
         let devs = cost.cluster.devices();
         let d = devs.len();
         let params = cost.model.stage_params(1, true, true);
@@ -495,7 +496,7 @@ proptest! {
         let cluster = ClusterSpec::from_toml(&toml).unwrap();
         let model = ModelShape { num_layers: layers, hidden_size: hidden, num_heads: 8, num_kv_heads: 8, ffn_hidden_size: hidden * 3, vocab_size: 32000, seq_length: 512, tied: false, experts: None, };
         let cost = CostModel::new(model, cluster, None);
-        let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 3, tensor_parallel_sizes: vec![1], context_parallel_sizes: Vec::new(), recompute: Choice::Auto, distributed_optimizer: Choice::Auto };
+        let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2, 4], top_k: 3, tensor_parallel_sizes: vec![1], context_parallel_sizes: Vec::new(), recompute: Choice::Auto, distributed_optimizer: Choice::Auto, expert_parallel_sizes: Vec::new() };
         let Ok(outcome) = plan(&cost, &request) else { return Ok(()) };
         for c in outcome.plans.iter().chain(&outcome.uniform_layouts) {
             prop_assert!(c.prediction.simulated);
@@ -533,7 +534,7 @@ proptest! {
         let cluster = ClusterSpec::from_toml(&toml).unwrap();
         let model = ModelShape { num_layers: layers, hidden_size: 1024, num_heads: 8, num_kv_heads: 8, ffn_hidden_size: 3072, vocab_size: 32000, seq_length: 512, tied: false, experts: None, };
         let cost = CostModel::new(model, cluster, None);
-        let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2], top_k: 1, tensor_parallel_sizes: vec![1, 2, 4], context_parallel_sizes: Vec::new(), recompute: Choice::Auto, distributed_optimizer: Choice::Auto };
+        let request = PlanRequest { global_batch_size: g, micro_batch_sizes: vec![1, 2], top_k: 1, tensor_parallel_sizes: vec![1, 2, 4], context_parallel_sizes: Vec::new(), recompute: Choice::Auto, distributed_optimizer: Choice::Auto, expert_parallel_sizes: Vec::new() };
         let Ok(outcome) = plan(&cost, &request) else { return Ok(()) };
         let Some(expert) = &outcome.expert else { return Ok(()) };
         let written = match (outcome.pooled_wins(), outcome.plans.first()) {

@@ -21,6 +21,7 @@ fn request(g: usize, sizes: &[usize], top_k: usize, sharded: bool) -> super::sup
             true => Choice::On,
             false => Choice::Off,
         },
+        expert_parallel_sizes: Vec::new(),
     }
 }
 

@@ -1,0 +1,146 @@
+//! Expert parallelism in the planner: searched where it fits or is faster, experts
+//! placed by each member's pace, memory and the measured tokens per expert.
+
+use super::*;
+use crate::cost::{ExpertShape, ModelShape};
+
+/// Two MoE layers of 8 experts so wide that one layer's experts (32 GB of state) fill
+/// no A10, while half of them (16 GB) do: on 4 A10s only a two-stage pipeline of two
+/// replicas dividing the experts fits.
+fn wide_experts(load: Option<Vec<Vec<f64>>>) -> CostModel {
+    let cluster = crate::cluster::ClusterSpec::from_toml(
+        "[[group]]\nkind = \"a10\"\ncount = 4\nnode = \"a\"\n[network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n",
+    )
+    .unwrap();
+    let model = ModelShape {
+        num_layers: 2,
+        hidden_size: 1024,
+        num_heads: 8,
+        num_kv_heads: 8,
+        ffn_hidden_size: 2816,
+        vocab_size: 32_000,
+        seq_length: 512,
+        tied: false,
+        experts: Some(ExpertShape {
+            num_experts: 8,
+            top_k: 2,
+            ffn_hidden_size: 65_536,
+            layer_freq: 1,
+        }),
+    };
+    CostModel {
+        expert_load: load,
+        ..CostModel::new(model, cluster, None)
+    }
+}
+
+fn request(expert_parallel_sizes: Vec<usize>) -> PlanRequest {
+    PlanRequest {
+        global_batch_size: 8,
+        micro_batch_sizes: vec![1, 2],
+        top_k: 3,
+        tensor_parallel_sizes: vec![1],
+        context_parallel_sizes: Vec::new(),
+        recompute: Choice::Off,
+        distributed_optimizer: Choice::Off,
+        expert_parallel_sizes,
+    }
+}
+
+#[test]
+fn expert_parallelism_makes_a_plan_fit_and_writes_megatrons_even_parts() {
+    let cost = wide_experts(None);
+    let without = plan(&cost, &request(Vec::new()));
+    assert!(
+        matches!(without, Err(PlanningError::Infeasible(_))),
+        "{without:?}"
+    );
+    let outcome = plan(&cost, &request(vec![2, 4])).unwrap();
+    let best = &outcome.plans[0];
+    assert_eq!(best.options.expert_parallel, 2, "{best:?}");
+    assert_eq!((best.layers.len(), best.micro_batches.len()), (2, 2));
+    let written = best.to_plan(&cost).unwrap();
+    written.check(&cost.model, false).unwrap();
+    // Alike members on an even load: Megatron's parts, and its flag.
+    for (r, replica) in written.replicas().iter().enumerate() {
+        let part: Vec<usize> = (r * 4..r * 4 + 4).collect();
+        for s in 0..2 {
+            assert_eq!(replica.experts(s, 8), Some(part.clone()), "{written:?}");
+        }
+    }
+    let flags = written.grid_flags().expect("a grid").args.join(" ");
+    assert!(flags.contains("--expert-model-parallel-size 2"), "{flags}");
+    // Memory: each member holds half the experts' state.
+    let holding = |ep| {
+        let variant = CostModel {
+            expert_parallel: ep,
+            ..cost.clone()
+        };
+        variant.stage_params(1, true, false)
+    };
+    let experts_per_layer = 8.0 * 3.0 * 1024.0 * 65_536.0;
+    assert!((holding(1) - holding(2) - experts_per_layer / 2.0).abs() < 1.0);
+}
+
+#[test]
+fn measured_tokens_per_expert_move_experts_and_stretch_the_price() {
+    // Experts 0 and 1 take four times the others' tokens in both layers.
+    let load = vec![vec![4.0, 4.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]; 2];
+    let even = wide_experts(None);
+    let skewed = wide_experts(Some(load.clone()));
+    let best = plan(&skewed, &request(vec![2])).unwrap().plans[0].clone();
+    assert_eq!(best.options.expert_parallel, 2);
+    let placement = best.expert_placement(&skewed).unwrap().unwrap();
+    let members = [ExpertMember {
+        speed: 1.0,
+        capacity: 8,
+    }; 2];
+    for stage in &placement {
+        for group in stage.chunks(2) {
+            // Both hot experts on one member would take 10 of 14 tokens' time.
+            assert_eq!(
+                slowest_time(&load[0], &members, group),
+                7.0,
+                "{placement:?}"
+            );
+        }
+    }
+    best.to_plan(&skewed)
+        .unwrap()
+        .check(&skewed.model, false)
+        .unwrap();
+    // Priced: one member of two cannot take more than its half when experts can be
+    // balanced, so no stretch; a single hot expert (8 of 15 tokens) stretches it.
+    let with_ep = |cost: &CostModel| CostModel {
+        expert_parallel: 2,
+        ..cost.clone()
+    };
+    assert_eq!(with_ep(&skewed).expert_imbalance(), 1.0);
+    let hot = wide_experts(Some(vec![vec![8.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]; 2]));
+    let imbalance = with_ep(&hot).expert_imbalance();
+    assert!((imbalance - 16.0 / 15.0).abs() < 1e-12, "{imbalance}");
+    let layer = |cost: &CostModel| {
+        let variant = with_ep(cost);
+        let mut ctx = pricing::Ctx::new(&variant);
+        ctx.costs(0, 1).unwrap().layer_s
+    };
+    assert!(layer(&hot) > layer(&even));
+    assert_eq!(layer(&skewed), layer(&even));
+    // The exchange itself is priced: more than the layer without expert parallelism.
+    let mut plain = pricing::Ctx::new(&even);
+    assert!(layer(&even) > plain.costs(0, 1).unwrap().layer_s);
+}
+
+#[test]
+fn expert_parallel_sizes_that_do_not_divide_the_experts_are_not_searched() {
+    let cost = wide_experts(None);
+    let outcome = plan(&cost, &request(vec![2, 3])).unwrap();
+    assert!(outcome
+        .plans
+        .iter()
+        .all(|c| [1, 2].contains(&c.options.expert_parallel)));
+    assert!(matches!(
+        plan(&cost, &request(vec![3])),
+        Err(PlanningError::Infeasible(_))
+    ));
+}
