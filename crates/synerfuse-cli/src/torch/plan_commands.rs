@@ -44,6 +44,18 @@ pub struct ModelFlags {
     untie_embeddings_and_output_weights: bool,
     #[arg(long, value_parser = crate::values::positive_count)]
     seq_length: Option<usize>,
+    /// Experts in each MoE layer (a Mixtral model) [default: none, a dense model]
+    #[arg(long, value_parser = crate::values::positive_count)]
+    num_experts: Option<usize>,
+    /// Experts each token is routed to
+    #[arg(long, value_parser = crate::values::positive_count, default_value_t = 2)]
+    moe_router_topk: usize,
+    /// Width of each expert's SwiGLU [default: --ffn-hidden-size]
+    #[arg(long, value_parser = crate::values::positive_count)]
+    moe_ffn_hidden_size: Option<usize>,
+    /// Layer i has experts when i % N == 0, the others a dense MLP
+    #[arg(long, value_parser = crate::values::positive_count, default_value_t = 1)]
+    moe_layer_freq: usize,
 }
 
 impl ModelFlags {
@@ -60,17 +72,10 @@ impl ModelFlags {
 
     fn config(&self) -> Result<LlamaConfig> {
         if let Some(path) = &self.model {
-            let config = LlamaConfig::from_hf_file(path)?;
-            if let Some(moe) = config.moe {
-                tracing::info!(
-                    "--model {}: {} experts per MoE layer, {} per token: priced with every expert's parameters and the top-{} experts' compute; the plans hold every expert on each replica (expert placement is not planned yet)",
-                    path.display(),
-                    moe.num_experts,
-                    moe.top_k,
-                    moe.top_k
-                );
+            if self.num_experts.is_some() {
+                bail!("--num-experts: the experts of --model {} are its config's", path.display());
             }
-            return Ok(config);
+            return Ok(LlamaConfig::from_hf_file(path)?);
         }
         let need = |flag: &str, v: Option<usize>| {
             v.with_context(|| format!("{flag} is required (or --model config.json)"))
@@ -84,6 +89,10 @@ impl ModelFlags {
             num_query_groups: self.num_query_groups,
             seq_length: self.seq_length()?,
             untie_embeddings_and_output_weights: self.untie_embeddings_and_output_weights,
+            num_experts: self.num_experts,
+            moe_router_topk: self.moe_router_topk,
+            moe_ffn_hidden_size: self.moe_ffn_hidden_size,
+            moe_layer_freq: self.moe_layer_freq,
             ..MegatronModelArgs::default()
         };
         Ok(LlamaConfig::from_megatron(&args, self.vocab_size)?)
@@ -247,6 +256,16 @@ pub struct PlanArgs {
     /// unequal token shares; 1: none, the default: long sequences ask for `1,2,4,8`)
     #[arg(long, value_parser = crate::values::positive_count, value_delimiter = ',', default_value = "1")]
     context_parallel_sizes: Vec<usize>,
+    /// Expert-parallel sizes to consider for grid plans of a mixture of experts (those
+    /// dividing --num-experts and the replicas; each stage's experts divided over that
+    /// many replicas, placed by their pace and memory; ignored for a dense model)
+    #[arg(long, value_parser = crate::values::positive_count, value_delimiter = ',', default_value = "1,2,4,8")]
+    expert_model_parallel_sizes: Vec<usize>,
+    /// A `synerfuse train --log-json` log of a run of this model: the tokens each expert
+    /// took (moe.tokens_per_expert, summed over its steps) place the experts and price
+    /// the most loaded member [default: equal]
+    #[arg(long, value_name = "LOG.json")]
+    expert_load: Option<PathBuf>,
     /// Whether plans recompute activations: auto (each stage that would not fit
     /// otherwise), on (bare flag: every stage) or off
     #[arg(long, value_name = "auto|on|off", default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
@@ -321,6 +340,18 @@ fn write_plan(path: &std::path::Path, cost: &CostModel, c: &Candidate) -> Result
     write_atomically(path, &text)
 }
 
+/// `--expert-load`'s tokens per expert per MoE layer, if given.
+fn read_expert_load(path: Option<&std::path::Path>, shape: &ModelShape) -> Result<Option<Vec<Vec<f64>>>> {
+    let Some(path) = path else {
+        return Ok(None);
+    };
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let load = planner::measured_expert_load(&text, shape)
+        .with_context(|| format!("--expert-load {}", path.display()))?;
+    Ok(Some(load))
+}
+
 /// The profile of `--profile`, if given (a profile of another model shape is used as
 /// it is, with a warning).
 fn read_profile(path: Option<&std::path::Path>, shape: &ModelShape) -> Result<Option<Profile>> {
@@ -370,7 +401,19 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
             bail!("--try: the training arguments after -- build another model than the plans are priced for: {}; give plan the model that training builds (--vocab-size: the tokenizer's)", differ.join(", "));
         }
     }
-    let cost = CostModel::new(shape.clone(), cluster, profile);
+    let cost = CostModel {
+        expert_load: read_expert_load(args.expert_load.as_deref(), &shape)?,
+        ..CostModel::new(shape.clone(), cluster, profile)
+    };
+    if let Some(e) = shape.experts {
+        tracing::info!(
+            "{} experts per MoE layer, {} per token: priced with the top-{} experts' compute and the experts each replica holds; expert-parallel sizes {:?} searched for grid plans",
+            e.num_experts,
+            e.top_k,
+            e.top_k,
+            args.expert_model_parallel_sizes
+        );
+    }
     let started = Instant::now();
     let outcome = planner::plan(
         &cost,
@@ -382,7 +425,7 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
             context_parallel_sizes: args.context_parallel_sizes.clone(),
             recompute: args.recompute_activations,
             distributed_optimizer: args.use_distributed_optimizer,
-            expert_parallel_sizes: Vec::new(),
+            expert_parallel_sizes: args.expert_model_parallel_sizes.clone(),
         },
     )?;
     let planning_s = started.elapsed().as_secs_f64();
@@ -404,7 +447,9 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
     let Some(best) = outcome.plans.first() else {
         return report_pooled_only(&args, &cost, &outcome, planning_s, tried.as_ref());
     };
-    let flags = (best.to_plan(&cost)?.grid_flags())
+    // Megatron's flags give even parts of the experts: the plan written may place them
+    // by pace.
+    let flags = (best.to_even_plan(&cost)?.grid_flags())
         .context("the best grid plan has no SynerFuse flags (a planner bug)")?;
     // Per-replica pipelines are written when they beat the best grid plan.
     let pooled = outcome.pooled_wins();
@@ -452,6 +497,7 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
         tokens_per_step: (args.global_batch_size * shape.seq_length) as f64,
         planning_s,
         tried: tried.is_some(),
+        experts: best.expert_placement(&cost)?,
     };
     if args.json {
         let json = match &tried {

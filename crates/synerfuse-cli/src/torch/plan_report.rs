@@ -37,8 +37,12 @@ pub(crate) fn grid_text(c: &Candidate) -> String {
             _ => format!("cp {cp}"),
         },
     };
+    let experts = match c.options.expert_parallel {
+        1 => String::new(),
+        ep => format!(", ep {ep}"),
+    };
     format!(
-        "pp {} x dp {} ({unit})",
+        "pp {} x dp {} ({unit}{experts})",
         c.layers.len(),
         c.micro_batches.len()
     )
@@ -54,6 +58,8 @@ pub(crate) struct PlanReport<'a> {
     pub(crate) planning_s: f64,
     /// Whether `--try` decides the plan written.
     pub(crate) tried: bool,
+    /// Under expert parallelism, the best grid plan's experts per stage and replica.
+    pub(crate) experts: Option<Vec<Vec<Vec<usize>>>>,
 }
 
 impl PlanReport<'_> {
@@ -80,6 +86,8 @@ impl PlanReport<'_> {
             data_parallel_size: best.micro_batches.len(),
             tensor_parallel_size: best.tensor_parallel_size(),
             context_parallel_size: best.context_parallel_size(),
+            expert_parallel_size: best.options.expert_parallel,
+            experts_per_stage_and_replica: self.experts.as_deref(),
             layers_per_stage: &best.layers,
             micro_batch_size_per_replica: &best.micro_batch_sizes,
             num_micro_batches_per_replica: &best.micro_batches,
@@ -204,6 +212,15 @@ impl PlanReport<'_> {
             runs(&best.micro_batches),
             runs(&best.micro_batch_sizes)
         );
+        if let Some(stages) = &self.experts {
+            let stages: Vec<String> = (stages.iter())
+                .map(|row| row.iter().map(|x| compact_experts(x)).collect::<Vec<_>>().join(" "))
+                .collect();
+            println!(
+                "experts per stage, per replica (by pace, memory and tokens per expert; in the plan file): {}",
+                stages.join(" | ")
+            );
+        }
         if best.recompute.iter().flatten().any(|&x| x) {
             let stages: Vec<String> = best.recompute.iter().map(|row| runs(row)).collect();
             println!(
@@ -451,6 +468,15 @@ pub(crate) fn print_pooled_replicas(
 }
 
 /// `, --recompute-activations` and the like, or nothing.
+/// `[0-5]` for a run of consecutive experts, else `[0,2,7]`.
+fn compact_experts(experts: &[usize]) -> String {
+    let run = experts.windows(2).all(|w| w[1] == w[0] + 1);
+    match (experts.first(), experts.last()) {
+        (Some(a), Some(b)) if run && b > a => format!("[{a}-{b}]"),
+        _ => format!("{experts:?}").replace(' ', ""),
+    }
+}
+
 pub(crate) fn options_text(options: planner::TrainOptions) -> String {
     options
         .train_flags()
@@ -476,6 +502,11 @@ pub(crate) struct GridReport<'a> {
     data_parallel_size: usize,
     tensor_parallel_size: usize,
     context_parallel_size: usize,
+    expert_parallel_size: usize,
+    /// Under expert parallelism, the experts each replica holds of each stage (the plan
+    /// file's `experts`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    experts_per_stage_and_replica: Option<&'a [Vec<Vec<usize>>]>,
     layers_per_stage: &'a [usize],
     micro_batch_size_per_replica: &'a [usize],
     num_micro_batches_per_replica: &'a [usize],

@@ -10,6 +10,7 @@ mod error;
 mod expert;
 mod fold;
 mod grid;
+mod measured_load;
 mod moe_placement;
 mod outcome;
 mod pooled;
@@ -25,6 +26,7 @@ mod tensor;
 use crate::cost::{CostModel, Recompute};
 use error::Violation;
 pub use fold::FOLD_ABOVE;
+pub use measured_load::{measured_expert_load, MeasuredLoadError};
 use fold::{GridShape, PooledShape};
 use grid::{grid_search, reprice, retime_front, Search};
 use pooled::plan_pooled_noting_memory;
@@ -95,6 +97,7 @@ fn plan_folding_above(
     // its own, or a tensor-parallel group).
     // What an expert would write by hand, priced alike: a floor under the written plan.
     let (pooled, expert) = match &fold {
+        _ if !request.whole_experts(cost.model.experts.is_some()) => (None, None),
         Some(fold) => fold::per_replica_plans(cost, request, fold)?,
         None => (
             plan_pooled_options(cost, request, None)?,

@@ -25,9 +25,10 @@ pub struct PlanRequest {
     /// alike for grid plans and per-replica pipelines (the latter searched without it:
     /// it only lowers their memory).
     pub distributed_optimizer: Choice,
-    /// Expert-parallel sizes to try for grid plans of a mixture of experts beside 1
-    /// (those dividing the experts and the replicas): each MoE layer's experts divided
-    /// over that many consecutive replicas, placed by their pace and memory.
+    /// Expert-parallel sizes to try for grid plans of a mixture of experts (those
+    /// dividing the experts and the replicas; empty: 1): each MoE layer's experts
+    /// divided over that many consecutive replicas, placed by their pace and memory.
+    /// Per-replica pipelines hold every expert: searched only where 1 is asked for.
     pub expert_parallel_sizes: Vec<usize>,
 }
 
@@ -126,15 +127,16 @@ impl TrainOptions {
 }
 
 impl PlanRequest {
-    /// The options grid plans are searched with, off before on, without expert
-    /// parallelism before with; of a model of `experts` experts per MoE layer (none:
-    /// dense).
+    /// The options grid plans are searched with, off before on, expert-parallel sizes
+    /// ascending (those dividing `experts` per MoE layer; a dense model's: 1).
     pub(super) fn grid_options(&self, experts: Option<usize>) -> Vec<TrainOptions> {
-        let mut sizes = BTreeSet::from([1]);
-        if let Some(e) = experts {
-            let divides = |&&x: &&usize| x > 1 && e % x == 0;
-            sizes.extend(self.expert_parallel_sizes.iter().filter(divides));
-        }
+        let sizes: BTreeSet<usize> = match experts {
+            Some(e) if !self.expert_parallel_sizes.is_empty() => {
+                let divides = |&&x: &&usize| x > 0 && e % x == 0;
+                self.expert_parallel_sizes.iter().filter(divides).copied().collect()
+            }
+            _ => BTreeSet::from([1]),
+        };
         let mut options = Vec::new();
         for expert_parallel in sizes {
             for &distributed_optimizer in self.distributed_optimizer.values() {
@@ -148,6 +150,12 @@ impl PlanRequest {
             }
         }
         options
+    }
+
+    /// Whether plans may hold every expert on each replica (expert parallelism 1): of a
+    /// mixture of experts (`moe`), where the sizes asked for name 1 or none.
+    pub(super) fn whole_experts(&self, moe: bool) -> bool {
+        !moe || self.expert_parallel_sizes.is_empty() || self.expert_parallel_sizes.contains(&1)
     }
 
     /// The distinct context-parallel sizes above 1, ascending.
