@@ -481,3 +481,98 @@ fn expert_parallel_plans_match_a_single_rank() {
     );
     table.print();
 }
+
+/// `synerfuse plan` searches expert parallelism for a mixture of experts and places the
+/// experts by each device's pace and memory on the tokens per expert a run logged
+/// (`--expert-load`); the plan it writes trains what one rank trains. A log of another
+/// model, or a dense model, is refused by flag.
+#[test]
+fn planned_expert_placement_trains_like_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let data = dataset(d);
+    let reference = run(d, &data, "single", &eight(&["--micro-batch-size", "1"]));
+    let cluster = plan_file(
+        d,
+        "pair",
+        "[[group]]\nkind = \"a100-80g\"\ncount = 1\nnode = \"a\"\n\n\
+         [[group]]\nkind = \"a10\"\ncount = 1\nnode = \"a\"\n\n\
+         [network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n",
+    );
+    let log = d.join("single.jsonl").display().to_string();
+    let written = d.join("planned.toml").display().to_string();
+    let experts = ["--num-experts", "8", "--moe-ffn-hidden-size", "32"];
+    let planning = |model: &[&str], load: &str| -> Vec<String> {
+        let rest = [
+            "--cluster",
+            &cluster,
+            "--global-batch-size",
+            "6",
+            "--expert-model-parallel-sizes",
+            "2",
+            "--expert-load",
+            load,
+            "--output",
+            &written,
+        ];
+        strings(&[&PLAN_MODEL[..], model, &rest[..]].concat())
+    };
+    let args = planning(&experts, &log);
+    let report = plan_json(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(report["expert_parallel_size"], 2, "{report}");
+    let stages = report["experts_per_stage_and_replica"]
+        .as_array()
+        .expect("experts per stage");
+    for stage in stages {
+        let mut held: Vec<u64> = (stage.as_array().unwrap().iter())
+            .flat_map(|r| r.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()))
+            .collect();
+        held.sort_unstable();
+        assert_eq!(held, (0..8).collect::<Vec<u64>>(), "{report}");
+    }
+    // The faster device holds more of the experts (the load is near even).
+    let text = std::fs::read_to_string(&written).unwrap();
+    let held = |kind: &str| {
+        let block = (text.split("[[replica]]"))
+            .find(|b| b.contains(&format!("kinds = [\"{kind}\"]")))
+            .unwrap_or_else(|| panic!("no {kind} replica: {text}"));
+        let experts = (block.lines())
+            .find_map(|l| l.strip_prefix("experts = "))
+            .unwrap_or_else(|| panic!("no experts: {text}"));
+        experts.matches(',').count() + 1
+    };
+    assert!(held("a100-80g") > held("a10"), "{text}");
+    // The plan on CPU ranks (its devices are the cluster's GPUs).
+    let on_cpu: String = (text.lines())
+        .filter(|l| !l.starts_with("devices = "))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let plan = plan_file(d, "planned-cpu", &on_cpu);
+    let mut flags = vec!["--nproc", "2", "--plan", &plan];
+    if report["use_distributed_optimizer"] == true {
+        flags.push("--use-distributed-optimizer");
+    }
+    let planned = run(d, &data, "planned", &eight(&flags));
+    let mut table = EquivalenceTable::default();
+    table.check(
+        "planned EP 2, experts by pace and load",
+        &reference,
+        planned,
+    );
+    table.print();
+    // Refusals name the flag and the reason.
+    let refused = |args: Vec<String>, says: &[&str]| {
+        let out = synerfuse(&[strings(&["plan"]), args].concat());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{stderr}");
+        for s in says {
+            assert!(stderr.contains(s), "{s}: {stderr}");
+        }
+    };
+    refused(planning(&[], &log), &["--expert-load", "dense"]);
+    let four = ["--num-experts", "4", "--moe-ffn-hidden-size", "32"];
+    refused(
+        planning(&four, &log),
+        &["--expert-load", "line ", "another model"],
+    );
+}

@@ -73,7 +73,10 @@ impl ModelFlags {
     fn config(&self) -> Result<LlamaConfig> {
         if let Some(path) = &self.model {
             if self.num_experts.is_some() {
-                bail!("--num-experts: the experts of --model {} are its config's", path.display());
+                bail!(
+                    "--num-experts: the experts of --model {} are its config's",
+                    path.display()
+                );
             }
             return Ok(LlamaConfig::from_hf_file(path)?);
         }
@@ -341,7 +344,10 @@ fn write_plan(path: &std::path::Path, cost: &CostModel, c: &Candidate) -> Result
 }
 
 /// `--expert-load`'s tokens per expert per MoE layer, if given.
-fn read_expert_load(path: Option<&std::path::Path>, shape: &ModelShape) -> Result<Option<Vec<Vec<f64>>>> {
+fn read_expert_load(
+    path: Option<&std::path::Path>,
+    shape: &ModelShape,
+) -> Result<Option<Vec<Vec<f64>>>> {
     let Some(path) = path else {
         return Ok(None);
     };

@@ -214,7 +214,12 @@ impl PlanReport<'_> {
         );
         if let Some(stages) = &self.experts {
             let stages: Vec<String> = (stages.iter())
-                .map(|row| row.iter().map(|x| compact_experts(x)).collect::<Vec<_>>().join(" "))
+                .map(|row| {
+                    row.iter()
+                        .map(|x| compact_experts(x))
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                })
                 .collect();
             println!(
                 "experts per stage, per replica (by pace, memory and tokens per expert; in the plan file): {}",

@@ -18,7 +18,9 @@ pub enum MeasuredLoadError {
         problem: String,
     },
     /// A record whose `moe` is not the model's (another model's run).
-    #[error("line {line}: its moe record has {found}, the model {expected}: a run of another model")]
+    #[error(
+        "line {line}: its moe record has {found}, the model {expected}: a run of another model"
+    )]
     OtherModel {
         /// 1-based line number.
         line: usize,
@@ -67,7 +69,10 @@ pub fn measured_expert_load(
         let Some(moe) = record.moe else {
             continue;
         };
-        let widths = moe.tokens_per_expert.iter().all(|r| r.len() == e.num_experts);
+        let widths = moe
+            .tokens_per_expert
+            .iter()
+            .all(|r| r.len() == e.num_experts);
         if moe.layers != layers || moe.tokens_per_expert.len() != layers.len() || !widths {
             let width = moe.tokens_per_expert.first().map_or(0, Vec::len);
             return Err(MeasuredLoadError::OtherModel {

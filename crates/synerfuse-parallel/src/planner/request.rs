@@ -133,7 +133,11 @@ impl PlanRequest {
         let sizes: BTreeSet<usize> = match experts {
             Some(e) if !self.expert_parallel_sizes.is_empty() => {
                 let divides = |&&x: &&usize| x > 0 && e % x == 0;
-                self.expert_parallel_sizes.iter().filter(divides).copied().collect()
+                self.expert_parallel_sizes
+                    .iter()
+                    .filter(divides)
+                    .copied()
+                    .collect()
             }
             _ => BTreeSet::from([1]),
         };
