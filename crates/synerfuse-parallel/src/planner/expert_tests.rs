@@ -144,3 +144,75 @@ fn expert_parallel_sizes_that_do_not_divide_the_experts_are_not_searched() {
         Err(PlanningError::Infeasible(_))
     ));
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+    /// Every expert-parallel plan the search keeps, on any small cluster of two kinds,
+    /// is one the trainer runs: its groups cover every expert once per stage, with as
+    /// many micro-batches and recomputation alike in each.
+    #[test]
+    fn every_expert_parallel_plan_forms_valid_groups(
+        fast in 1usize..4,
+        slow in 0usize..4,
+        experts in proptest::sample::select(vec![2usize, 4, 8]),
+        layers in 1usize..4,
+        global_batch_size in 2usize..13,
+        skew in proptest::collection::vec(0.0f64..10.0, 8),
+    ) {
+        let slow = match slow {
+            0 => String::new(),
+            n => format!("[[group]]\nkind = \"a10\"\ncount = {n}\nnode = \"b\"\n"),
+        };
+        let cluster = crate::cluster::ClusterSpec::from_toml(&format!(
+            "[[group]]\nkind = \"a100-80g\"\ncount = {fast}\nnode = \"a\"\n{slow}\
+             [network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n"
+        ))
+        .unwrap();
+        let model = ModelShape {
+            num_layers: layers,
+            hidden_size: 256,
+            num_heads: 4,
+            num_kv_heads: 4,
+            ffn_hidden_size: 512,
+            vocab_size: 1024,
+            seq_length: 128,
+            tied: false,
+            experts: Some(ExpertShape {
+                num_experts: experts,
+                top_k: 2.min(experts),
+                ffn_hidden_size: 256,
+                layer_freq: 1 + layers % 2,
+            }),
+        };
+        let load = vec![skew[..experts].iter().map(|x| x + 0.5).collect(); model.moe_layers_in(0, layers)];
+        let cost = CostModel {
+            expert_load: Some(load),
+            ..CostModel::new(model, cluster, None)
+        };
+        // Expert parallelism asked for: every grid plan divides the experts.
+        let request = PlanRequest {
+            global_batch_size,
+            ..request(vec![2, 4])
+        };
+        let Ok(outcome) = plan(&cost, &request) else {
+            return Ok(());
+        };
+        for c in outcome.plans.iter().chain(&outcome.uniform_layouts) {
+            let ep = c.options.expert_parallel;
+            let written = c.to_plan(&cost).unwrap();
+            written.check(&cost.model, false).unwrap();
+            if ep == 1 {
+                continue;
+            }
+            let groups = written.expert_groups(experts).unwrap();
+            proptest::prop_assert_eq!(groups.len() * ep, written.replicas().len());
+            for g in &groups {
+                let counts: Vec<usize> = (g.replicas.iter())
+                    .map(|&r| written.replicas()[r].batch.num_micro_batches())
+                    .collect();
+                proptest::prop_assert!(counts.iter().all(|&m| m == counts[0]), "{:?}", counts);
+            }
+        }
+    }
+}
