@@ -483,12 +483,23 @@ impl CostModel {
 
     /// Under expert parallelism, the most loaded member's expert tokens over the
     /// members' mean (1: even), the experts placed by [`crate::planner::place_experts`]
-    /// on alike members, averaged over the MoE layers of [`CostModel::expert_load`].
+    /// on alike members over the tokens of every MoE layer of [`CostModel::expert_load`]
+    /// summed (a plan holds one placement per stage for all its MoE layers; a layer
+    /// whose own load is less even than the sum is priced at the sum's).
     pub fn expert_imbalance(&self) -> f64 {
         let (Some(loads), Some(e)) = (&self.expert_load, self.model.experts) else {
             return 1.0;
         };
         let ep = self.expert_parallel;
+        if ep <= 1 {
+            return 1.0;
+        }
+        let mut summed = vec![0.0; e.num_experts];
+        for load in loads {
+            for (s, x) in summed.iter_mut().zip(load) {
+                *s += x;
+            }
+        }
         let members = vec![
             crate::planner::ExpertMember {
                 speed: 1.0,
@@ -496,19 +507,16 @@ impl CostModel {
             };
             ep
         ];
-        let each: Vec<f64> = (loads.iter())
-            .filter_map(|load| {
-                let total: f64 = load.iter().sum();
-                let placed = crate::planner::place_experts(load, &members).ok()?;
-                let most = (placed.iter())
-                    .map(|m| m.iter().map(|&x| load[x]).sum::<f64>())
-                    .fold(0.0, f64::max);
-                (total > 0.0).then(|| most * ep as f64 / total)
-            })
-            .collect();
-        match each.is_empty() || ep <= 1 {
-            true => 1.0,
-            false => each.iter().sum::<f64>() / each.len() as f64,
+        let total: f64 = summed.iter().sum();
+        let Ok(placed) = crate::planner::place_experts(&summed, &members) else {
+            return 1.0;
+        };
+        let most = (placed.iter())
+            .map(|m| m.iter().map(|&x| summed[x]).sum::<f64>())
+            .fold(0.0, f64::max);
+        match total > 0.0 {
+            true => most * ep as f64 / total,
+            false => 1.0,
         }
     }
 

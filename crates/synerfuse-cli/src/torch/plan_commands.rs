@@ -413,7 +413,7 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
     };
     if let Some(e) = shape.experts {
         tracing::info!(
-            "{} experts per MoE layer, {} per token: priced with the top-{} experts' compute and the experts each replica holds; expert-parallel sizes {:?} searched for grid plans",
+            "{} experts per MoE layer, {} per token: priced with the top-{} experts' compute and each replica's part of the experts; expert-parallel sizes {:?} searched for grid plans, experts placed by pace, memory and tokens per expert",
             e.num_experts,
             e.top_k,
             e.top_k,

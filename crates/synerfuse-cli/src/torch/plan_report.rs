@@ -472,7 +472,6 @@ pub(crate) fn print_pooled_replicas(
     print_replicas(replicas);
 }
 
-/// `, --recompute-activations` and the like, or nothing.
 /// `[0-5]` for a run of consecutive experts, else `[0,2,7]`.
 fn compact_experts(experts: &[usize]) -> String {
     let run = experts.windows(2).all(|w| w[1] == w[0] + 1);
@@ -482,6 +481,7 @@ fn compact_experts(experts: &[usize]) -> String {
     }
 }
 
+/// `, --recompute-activations` and the like, or nothing.
 pub(crate) fn options_text(options: planner::TrainOptions) -> String {
     options
         .train_flags()

@@ -59,19 +59,20 @@ impl Candidate {
     pub fn to_even_plan(&self, cost: &CostModel) -> Result<Plan, PlanningError> {
         let ep = self.options.expert_parallel;
         let e = cost.model.experts.map_or(0, |e| e.num_experts);
-        let experts = match ep > 1 {
-            true => Some(vec![even_parts(e, ep); self.layers.len()]),
-            false => None,
-        };
+        let row: Vec<Vec<usize>> = (0..self.micro_batches.len())
+            .map(|r| even_parts(e, ep)[r % ep.max(1)].clone())
+            .collect();
+        let experts = (ep > 1).then(|| vec![row; self.layers.len()]);
         self.plan_holding(cost, experts)
     }
 
     /// Under expert parallelism (groups of `ep` consecutive replicas), per stage the
     /// experts each replica holds: placed by [`place_experts`] on the tokens each expert
     /// took in the stage's MoE layers (measured: [`CostModel::expert_load`]; else
-    /// equal), each member's pace (its device's layer time) and memory (its room once
-    /// the rest of the stage is held, over one expert's state); Megatron's even parts
-    /// where they are as fast. `None` without expert parallelism.
+    /// equal), each member's pace (its device's layer time) and memory (its room beside
+    /// the stage's largest need, over one expert's state: a lower bound); Megatron's
+    /// even parts (the layout priced and found to fit) where they are as fast or no
+    /// other placement fits that bound. `None` without expert parallelism.
     pub fn expert_placement(
         &self,
         cost: &CostModel,
@@ -88,22 +89,32 @@ impl Candidate {
         let mut start = 0;
         for (i, &layers) in self.layers.iter().enumerate() {
             let load = stage_load(cost, start, start + layers);
+            let t = self.tensor_parallel_size() as f64;
+            // One expert's state in this stage, and what the prediction counted for the
+            // even parts (its mean layers; under the distributed optimizer, no more than
+            // the unsharded part).
             let per_expert = (cost.model.moe_layers_in(start, start + layers)
                 * 3
                 * cost.model.hidden_size
                 * shape.ffn_hidden_size) as f64
                 * cost.state_bytes_per_param
-                / self.tensor_parallel_size() as f64;
+                / t;
+            let counted_per_param = match cost.distributed_optimizer {
+                true => cost.state_bytes_per_param - cost.optimizer_bytes_per_param(),
+                false => cost.state_bytes_per_param,
+            };
+            let counted = layers as f64 * cost.model.expert_layer_params() / ep as f64
+                * counted_per_param
+                / t;
             let mut row = Vec::with_capacity(self.micro_batches.len());
             for group in self.devices[i].chunks(ep) {
                 let members = (group.iter())
                     .map(|&unit| {
                         let device = &devices[self.unit_devices(unit)[0]];
                         let speed = 1.0 / cost.stage_costs(device, 1)?.layer_s.max(1e-30);
-                        let room = cost.usable_memory(device).map(|usable| {
-                            usable - self.prediction.stage_memory_bytes[i]
-                                + (e / ep) as f64 * per_expert
-                        });
+                        let room = cost
+                            .usable_memory(device)
+                            .map(|usable| usable - self.prediction.stage_memory_bytes[i] + counted);
                         let capacity = match (room, per_expert > 0.0) {
                             (Some(room), true) => {
                                 ((room / per_expert).floor().max(0.0) as usize).min(e)
@@ -113,16 +124,14 @@ impl Candidate {
                         Ok(ExpertMember { speed, capacity })
                     })
                     .collect::<Result<Vec<_>, PlanningError>>()?;
-                let placed = place_experts(&load, &members)
-                    .map_err(|source| PlanningError::ExpertPlacement { stage: i, source })?;
                 let even = even_parts(e, ep);
-                let fits = (even.iter().zip(&members)).all(|(part, m)| part.len() <= m.capacity);
-                let as_fast = fits
-                    && slowest_time(&load, &members, &even)
-                        <= slowest_time(&load, &members, &placed) * (1.0 + 1e-9);
-                row.extend(match as_fast {
-                    true => even,
-                    false => placed,
+                let faster = |placed: &Vec<Vec<usize>>| {
+                    slowest_time(&load, &members, placed)
+                        < slowest_time(&load, &members, &even) / (1.0 + 1e-9)
+                };
+                row.extend(match place_experts(&load, &members) {
+                    Ok(placed) if faster(&placed) => placed,
+                    _ => even,
                 });
             }
             stages.push(row);

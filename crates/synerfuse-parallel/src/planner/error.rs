@@ -23,14 +23,14 @@ pub enum PlanningError {
     /// A candidate whose pipelines cannot run their schedule (a planner bug, reported).
     #[error(transparent)]
     Schedule(#[from] crate::ScheduleError),
-    /// Experts that cannot be placed on a stage's expert-parallel members (a planner
-    /// bug where the even parts fit, reported).
-    #[error("stage {stage}: {source}")]
-    ExpertPlacement {
-        /// Pipeline stage.
-        stage: usize,
-        /// Why.
-        source: super::PlacementError,
+    /// No expert-parallel size asked for divides the experts (and plans holding every
+    /// expert were not asked for).
+    #[error("--expert-model-parallel-sizes {sizes:?}: none divides the {experts} experts (--num-experts)")]
+    ExpertParallelSizes {
+        /// The sizes asked for.
+        sizes: Vec<usize>,
+        /// Experts per MoE layer.
+        experts: usize,
     },
     /// Every candidate breaks a constraint; the closest one's binding constraint.
     #[error("no feasible plan: {0}")]

@@ -141,7 +141,7 @@ fn expert_parallel_sizes_that_do_not_divide_the_experts_are_not_searched() {
         .all(|c| [1, 2].contains(&c.options.expert_parallel)));
     assert!(matches!(
         plan(&cost, &request(vec![3])),
-        Err(PlanningError::Infeasible(_))
+        Err(PlanningError::ExpertParallelSizes { experts: 8, .. })
     ));
 }
 
@@ -205,6 +205,10 @@ proptest::proptest! {
             if ep == 1 {
                 continue;
             }
+            // Megatron's even parts, as its flags say them.
+            let even = c.to_even_plan(&cost).unwrap();
+            even.check(&cost.model, false).unwrap();
+            proptest::prop_assert!(even.grid_flags().is_some());
             let groups = written.expert_groups(experts).unwrap();
             proptest::prop_assert_eq!(groups.len() * ep, written.replicas().len());
             for g in &groups {

@@ -29,6 +29,12 @@ pub enum MeasuredLoadError {
         /// What the model has.
         expected: String,
     },
+    /// A token count that is negative or not a number.
+    #[error("line {line}: tokens per expert must be non-negative numbers")]
+    BadCount {
+        /// 1-based line number.
+        line: usize,
+    },
     /// No iteration record carries tokens per expert.
     #[error("no iteration record has tokens per expert (moe.tokens_per_expert): not a log of a mixture of experts' run")]
     Nothing,
@@ -80,6 +86,10 @@ pub fn measured_expert_load(
                 found: format!("MoE layers {:?} of {width} experts", moe.layers),
                 expected: format!("MoE layers {layers:?} of {} experts", e.num_experts),
             });
+        }
+        let counts = moe.tokens_per_expert.iter().flatten();
+        if counts.clone().any(|x| !(*x >= 0.0 && x.is_finite())) {
+            return Err(MeasuredLoadError::BadCount { line: i + 1 });
         }
         for (sum, row) in sums.iter_mut().zip(&moe.tokens_per_expert) {
             for (s, x) in sum.iter_mut().zip(row) {
@@ -147,5 +157,10 @@ mod tests {
             measured_expert_load("{\"iteration\": 1}\n{\"moe\": [", &model(2)),
             Err(MeasuredLoadError::NotJson { line: 2, .. })
         ));
+        let negative = log.replacen("[4, 2, 0]", "[4, -2, 0]", 1);
+        assert_eq!(
+            measured_expert_load(&negative, &model(2)),
+            Err(MeasuredLoadError::BadCount { line: 1 })
+        );
     }
 }

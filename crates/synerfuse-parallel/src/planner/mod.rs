@@ -75,6 +75,15 @@ fn plan_folding_above(
             global_batch_size: g,
         });
     }
+    if let Some(e) = cost.model.experts.map(|e| e.num_experts) {
+        let sizes = &request.expert_parallel_sizes;
+        if !sizes.is_empty() && !sizes.iter().any(|&x| x > 0 && e % x == 0) {
+            return Err(PlanningError::ExpertParallelSizes {
+                sizes: sizes.clone(),
+                experts: e,
+            });
+        }
+    }
     let keep = request.top_k.max(1);
     let fold = fold::fold(cost, request, fold_above);
     let only = match &fold {

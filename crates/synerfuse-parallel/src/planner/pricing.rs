@@ -233,7 +233,12 @@ impl<'a> Ctx<'a> {
         // Fewer devices than members (a priced shape only): the rest alike.
         peers.resize(ep, first);
         let moe = model.moe_layers_in(0, model.num_layers) as f64 / model.num_layers.max(1) as f64;
-        let bytes = model.expert_message_bytes(b, self.cost.compute_bytes);
+        // A context-parallel member sends its own tokens' rows.
+        let tokens = match group.cp {
+            1 => 1.0,
+            _ => group.token_fraction(),
+        };
+        let bytes = model.expert_message_bytes(b, self.cost.compute_bytes) * tokens;
         let exchange = 4.0 * moe * self.cost.alltoall_seconds(&peers, bytes);
         let stretch = 1.0 + (self.expert_imbalance - 1.0) * model.expert_compute_fraction(b);
         layer_s * stretch + exchange
@@ -318,6 +323,12 @@ pub(super) fn stage_times(
                     ctx.cost
                         .p2p_seconds(&ctx.devices[grid[i][r]], &ctx.devices[grid[i + 1][r]], b);
             }
+        }
+        // An expert-parallel group's members meet at every MoE layer's all-to-all: each
+        // micro-batch at the pace of the group's slowest.
+        for group in t[i].chunks_mut(ctx.cost.expert_parallel.max(1)) {
+            let slowest = group.iter().copied().fold(0.0, f64::max);
+            group.fill(slowest);
         }
     }
     Ok((t, c))
