@@ -236,19 +236,6 @@ fn expert_flags_log_and_refuse() {
             ],
             "--expert-model-parallel-size 2 does not divide the 3 experts",
         ),
-        (
-            vec![
-                "--nproc",
-                "2",
-                "--num-experts",
-                "4",
-                "--expert-model-parallel-size",
-                "2",
-                "--replan",
-                "auto",
-            ],
-            "--replan auto",
-        ),
     ] {
         let mut args = common(d, &data, 1);
         args.extend(strings(&flags));

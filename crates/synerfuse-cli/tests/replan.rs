@@ -497,3 +497,51 @@ fn a_switch_out_of_context_parallelism_keeps_the_losses() {
     let reference = single_rank_losses(dir.path(), &data, 24);
     same_losses(&losses(&dir.path().join("context.jsonl")), &reference);
 }
+
+// A switch out of expert parallelism (EP 2 x DP 4: each replica half the experts) under
+// the distributed optimizer: the experts move by global name to the plan the re-planner
+// chose, and the losses stay a single rank's.
+#[test]
+fn a_switch_out_of_expert_parallelism_keeps_the_losses() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dataset(dir.path());
+    let experts = [
+        "--num-experts",
+        "4",
+        "--moe-ffn-hidden-size",
+        "128",
+        "--moe-aux-loss-coeff",
+        "0.01",
+        "--moe-router-load-balancing-type",
+        "seq_aux_loss",
+    ];
+    let args = [
+        &SPEEDS[..],
+        &experts[..],
+        &[
+            "--expert-model-parallel-size",
+            "2",
+            "--use-distributed-optimizer",
+        ],
+        &[
+            "--emulate-speed-change",
+            "10:1:0.125",
+            "--replan-window",
+            "4",
+        ],
+        &["--replan", "auto"],
+    ]
+    .concat();
+    let (records, stderr) = four_ranks(dir.path(), &data, "experts", 24, &args);
+    let switched: Vec<_> = (nested(&records, "replan").into_iter())
+        .filter(|d| d["switched"].as_bool() == Some(true))
+        .collect();
+    assert_eq!(switched.len(), 1, "{stderr}");
+    let log = dir.path().join("single.jsonl");
+    let mut single = steady_model(common(dir.path(), &data, 24));
+    single.extend(strings(&experts));
+    single.extend(strings(&["--micro-batch-size", "4", "--log-json"]));
+    single.push(log.display().to_string());
+    ok(&synerfuse(&single), "single rank");
+    same_losses(&losses(&dir.path().join("experts.jsonl")), &losses(&log));
+}

@@ -87,9 +87,6 @@ pub enum TrainError {
         /// Ranks in the job.
         ranks: usize,
     },
-    /// `--replan auto` with a plan of expert parallelism.
-    #[error("--replan auto: the plan spreads experts over expert-parallel groups, which re-planning does not price or switch to yet (its plans hold every expert on each replica); use --replan off")]
-    ReplanExpertParallel,
     /// Re-planning could not go on (the run stops rather than train on a broken plan).
     #[error("re-planning after iteration {iteration}: {reason}")]
     Replan {

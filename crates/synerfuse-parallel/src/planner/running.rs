@@ -328,7 +328,8 @@ pub fn running_job_request(
             true => Choice::On,
             false => Choice::Off,
         },
-        // The re-planner refuses a running plan with expert parallelism.
+        // The re-planner's plans hold every expert (its predictor of any plan prices no
+        // all-to-all): a run with expert parallelism switches out of it.
         expert_parallel_sizes: Vec::new(),
     }
 }

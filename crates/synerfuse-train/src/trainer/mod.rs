@@ -129,10 +129,6 @@ fn check_plan(
     }
     let shape = crate::profiler::model_shape(&config.model, config.batch.sequence_length);
     plan.check(&shape, config.parallel.sequence_parallel)?;
-    let splits_experts = plan.replicas().iter().any(ReplicaPipeline::splits_experts);
-    if splits_experts && config.replan.mode == crate::replan::ReplanMode::Auto {
-        return Err(TrainError::ReplanExpertParallel);
-    }
     if let Some(c) = (config.compute.speed_changes.iter()).find(|c| c.rank >= world_size) {
         return Err(TrainError::SpeedChangeRank {
             iteration: c.iteration,
