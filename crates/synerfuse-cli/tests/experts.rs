@@ -236,6 +236,10 @@ fn expert_flags_log_and_refuse() {
             ],
             "--expert-model-parallel-size 2 does not divide the 3 experts",
         ),
+        (
+            vec!["--moe-router-topk", "2"],
+            "--moe-router-topk: the model has no experts",
+        ),
     ] {
         let mut args = common(d, &data, 1);
         args.extend(strings(&flags));
@@ -557,6 +561,10 @@ fn planned_expert_placement_trains_like_one_rank() {
         }
     };
     refused(planning(&[], &log), &["--expert-load", "dense"]);
+    refused(
+        planning(&["--moe-layer-freq", "2"], &log),
+        &["--moe-layer-freq: the model has no experts"],
+    );
     let four = ["--num-experts", "4", "--moe-ffn-hidden-size", "32"];
     refused(
         planning(&four, &log),

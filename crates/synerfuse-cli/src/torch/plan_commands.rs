@@ -47,9 +47,9 @@ pub struct ModelFlags {
     /// Experts in each MoE layer (a Mixtral model) [default: none, a dense model]
     #[arg(long, value_parser = crate::values::positive_count)]
     num_experts: Option<usize>,
-    /// Experts each token is routed to
-    #[arg(long, value_parser = crate::values::positive_count, default_value_t = 2)]
-    moe_router_topk: usize,
+    /// Experts each token is routed to [default: 2]
+    #[arg(long, value_parser = crate::values::positive_count)]
+    moe_router_topk: Option<usize>,
     /// Width of each expert's SwiGLU [default: --ffn-hidden-size]
     #[arg(long, value_parser = crate::values::positive_count)]
     moe_ffn_hidden_size: Option<usize>,
@@ -71,14 +71,24 @@ impl ModelFlags {
     }
 
     fn config(&self) -> Result<LlamaConfig> {
+        let given = [
+            ("--num-experts", self.num_experts.is_some()),
+            ("--moe-router-topk", self.moe_router_topk.is_some()),
+            ("--moe-ffn-hidden-size", self.moe_ffn_hidden_size.is_some()),
+            ("--moe-layer-freq", self.moe_layer_freq != 1),
+        ];
+        let flag = given.iter().find_map(|(flag, g)| g.then_some(*flag));
         if let Some(path) = &self.model {
-            if self.num_experts.is_some() {
+            if let Some(flag) = flag {
                 bail!(
-                    "--num-experts: the experts of --model {} are its config's",
+                    "{flag}: the experts of --model {} are its config's",
                     path.display()
                 );
             }
             return Ok(LlamaConfig::from_hf_file(path)?);
+        }
+        if let (None, Some(flag)) = (self.num_experts, flag) {
+            bail!("{flag}: the model has no experts (--num-experts)");
         }
         let need = |flag: &str, v: Option<usize>| {
             v.with_context(|| format!("{flag} is required (or --model config.json)"))
@@ -93,7 +103,7 @@ impl ModelFlags {
             seq_length: self.seq_length()?,
             untie_embeddings_and_output_weights: self.untie_embeddings_and_output_weights,
             num_experts: self.num_experts,
-            moe_router_topk: self.moe_router_topk,
+            moe_router_topk: self.moe_router_topk.unwrap_or(2),
             moe_ffn_hidden_size: self.moe_ffn_hidden_size,
             moe_layer_freq: self.moe_layer_freq,
             ..MegatronModelArgs::default()

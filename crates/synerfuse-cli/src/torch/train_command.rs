@@ -799,6 +799,19 @@ impl TrainArgs {
         Ok(())
     }
 
+    /// The first MoE flag given beside `--num-experts` (which a dense model refuses).
+    fn expert_flag(&self) -> Option<&'static str> {
+        [
+            ("--moe-router-topk", self.moe_router_topk.is_some()),
+            ("--moe-ffn-hidden-size", self.moe_ffn_hidden_size.is_some()),
+            ("--moe-layer-freq", self.moe_layer_freq != 1),
+            ("--moe-aux-loss-coeff", self.moe_aux_loss_coeff.is_some()),
+            ("--moe-per-layer-logging", self.moe_per_layer_logging),
+        ]
+        .into_iter()
+        .find_map(|(flag, given)| given.then_some(flag))
+    }
+
     /// A Hugging Face checkpoint's model with the training settings of its experts
     /// (the load-balancing loss) from the flags; the shape flags must agree with it.
     fn experts_of_checkpoint(&self, mut config: LlamaConfig, dir: &Path) -> Result<LlamaConfig> {
@@ -806,6 +819,12 @@ impl TrainArgs {
             if let Some(n) = self.num_experts {
                 bail!(
                     "--num-experts {n}: --finetune-from-hf {} is a dense model",
+                    dir.display()
+                );
+            }
+            if let Some(flag) = self.expert_flag() {
+                bail!(
+                    "{flag}: --finetune-from-hf {} is a dense model (no experts)",
                     dir.display()
                 );
             }
@@ -882,6 +901,9 @@ impl TrainArgs {
                 );
             }
             return self.experts_of_checkpoint(config, dir);
+        }
+        if let (None, Some(flag)) = (self.num_experts, self.expert_flag()) {
+            bail!("{flag}: the model has no experts (--num-experts)");
         }
         let need = |flag: &str, value: Option<usize>| {
             value.with_context(|| format!("{flag} is required (or --finetune-from-hf)"))
