@@ -182,6 +182,13 @@ fn nested(records: &[serde_json::Value], key: &str) -> Vec<serde_json::Value> {
     records.iter().filter_map(|r| r.get(key).cloned()).collect()
 }
 
+/// The re-planning decisions that switched plans.
+fn switches(records: &[serde_json::Value]) -> Vec<serde_json::Value> {
+    (nested(records, "replan").into_iter())
+        .filter(|d| d["switched"].as_bool() == Some(true))
+        .collect()
+}
+
 /// The median step time of the last `n` iterations, s.
 fn last_median_s(records: &[serde_json::Value], n: usize) -> f64 {
     let steps: Vec<f64> = (records.iter())
@@ -296,9 +303,7 @@ fn a_plan_wrong_from_the_start_is_switched_once_after_warm_up() {
         ("inside-the-window", &inside_the_window[..]),
     ] {
         let (records, stderr) = four_ranks(dir.path(), &data, name, 40, args);
-        let switched: Vec<_> = (nested(&records, "replan").into_iter())
-            .filter(|d| d["switched"].as_bool() == Some(true))
-            .collect();
+        let switched = switches(&records);
         assert_eq!(switched.len(), 1, "{name}: {stderr}");
         assert_eq!(switched[0]["cause"], "warm_up", "{name}: {}", switched[0]);
         assert_eq!(switched[0]["iteration"], 20, "{name}: {}", switched[0]);
@@ -449,9 +454,7 @@ fn a_switch_out_of_a_pipeline_under_the_distributed_optimizer_keeps_the_losses()
     ]
     .concat();
     let (records, stderr) = four_ranks(dir.path(), &data, "pipeline", 24, &args);
-    let switched: Vec<_> = (nested(&records, "replan").into_iter())
-        .filter(|d| d["switched"].as_bool() == Some(true))
-        .collect();
+    let switched = switches(&records);
     assert_eq!(switched.len(), 1, "{stderr}");
     let layers = &switched[0]["proposed_layers"];
     assert_ne!(
@@ -487,9 +490,7 @@ fn a_switch_out_of_context_parallelism_keeps_the_losses() {
     ]
     .concat();
     let (records, stderr) = four_ranks(dir.path(), &data, "context", 24, &args);
-    let switched: Vec<_> = (nested(&records, "replan").into_iter())
-        .filter(|d| d["switched"].as_bool() == Some(true))
-        .collect();
+    let switched = switches(&records);
     assert_eq!(switched.len(), 1, "{stderr}");
     let plan: synerfuse_parallel::Plan =
         serde_json::from_value(switched[0]["proposed_plan"].clone()).unwrap();
@@ -533,9 +534,7 @@ fn a_switch_out_of_expert_parallelism_keeps_the_losses() {
     ]
     .concat();
     let (records, stderr) = four_ranks(dir.path(), &data, "experts", 24, &args);
-    let switched: Vec<_> = (nested(&records, "replan").into_iter())
-        .filter(|d| d["switched"].as_bool() == Some(true))
-        .collect();
+    let switched = switches(&records);
     assert_eq!(switched.len(), 1, "{stderr}");
     let log = dir.path().join("single.jsonl");
     let mut single = steady_model(common(dir.path(), &data, 24));

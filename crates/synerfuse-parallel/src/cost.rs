@@ -425,6 +425,20 @@ pub struct CostModel {
     pub expert_load: Option<Vec<Vec<f64>>>,
 }
 
+/// The element-wise sum of `rows`, each `width` long (tokens per expert over layers).
+pub(crate) fn summed_rows<'a>(
+    rows: impl IntoIterator<Item = &'a Vec<f64>>,
+    width: usize,
+) -> Vec<f64> {
+    let mut sum = vec![0.0; width];
+    for row in rows {
+        for (s, x) in sum.iter_mut().zip(row) {
+            *s += x;
+        }
+    }
+    sum
+}
+
 /// Which stages of a plan recompute their activations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Recompute {
@@ -494,12 +508,7 @@ impl CostModel {
         if ep <= 1 {
             return 1.0;
         }
-        let mut summed = vec![0.0; e.num_experts];
-        for load in loads {
-            for (s, x) in summed.iter_mut().zip(load) {
-                *s += x;
-            }
-        }
+        let summed = summed_rows(loads, e.num_experts);
         let members = vec![
             crate::planner::ExpertMember {
                 speed: 1.0,

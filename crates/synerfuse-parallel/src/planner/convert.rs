@@ -59,8 +59,9 @@ impl Candidate {
     pub fn to_even_plan(&self, cost: &CostModel) -> Result<Plan, PlanningError> {
         let ep = self.options.expert_parallel;
         let e = cost.model.experts.map_or(0, |e| e.num_experts);
+        let parts = even_parts(e, ep);
         let row: Vec<Vec<usize>> = (0..self.micro_batches.len())
-            .map(|r| even_parts(e, ep)[r % ep.max(1)].clone())
+            .map(|r| parts[r % parts.len().max(1)].clone())
             .collect();
         let experts = (ep > 1).then(|| vec![row; self.layers.len()]);
         self.plan_holding(cost, experts)
@@ -230,12 +231,7 @@ fn stage_load(cost: &CostModel, from: usize, to: usize) -> Vec<f64> {
     // The measured rows are the MoE layers in order.
     let before = cost.model.moe_layers_in(0, from);
     let rows = cost.model.moe_layers_in(from, to);
-    let mut load = vec![0.0; e];
-    for row in loads.iter().skip(before).take(rows) {
-        for (sum, x) in load.iter_mut().zip(row) {
-            *sum += x;
-        }
-    }
+    let load = crate::cost::summed_rows(loads.iter().skip(before).take(rows), e);
     match load.iter().sum::<f64>() > 0.0 {
         true => load,
         false => equal,

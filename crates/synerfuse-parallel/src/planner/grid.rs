@@ -124,9 +124,7 @@ impl Search {
         // An expert-parallel group's members exchange tokens micro-batch by micro-batch,
         // stage by stage: as many micro-batches each, recomputed alike.
         let ep = ctx.cost.expert_parallel;
-        let alike = |values: &[usize]| values.chunks(ep).all(|g| g.iter().all(|&x| x == g[0]));
-        let flags = |row: &Vec<bool>| row.iter().map(|&f| usize::from(f)).collect::<Vec<_>>();
-        if !alike(&micro_batches) || !recompute.iter().all(|row| alike(&flags(row))) {
+        if !groups_alike(&micro_batches, ep) || !recompute.iter().all(|row| groups_alike(row, ep)) {
             return Ok(());
         }
         self.candidates.push(Candidate {
@@ -417,6 +415,11 @@ pub(super) fn candidate_ctx<'a>(cost: &'a CostModel, c: &Candidate) -> Ctx<'a> {
         true => Ctx::new(cost),
         false => Ctx::with_groups(cost, cost.cluster.devices(), c.groups.clone()),
     }
+}
+
+/// Whether each run of `size` consecutive values holds one value.
+fn groups_alike<T: PartialEq>(values: &[T], size: usize) -> bool {
+    (values.chunks(size.max(1))).all(|g| g.iter().all(|x| *x == g[0]))
 }
 
 /// Device of (stage, replica).

@@ -31,7 +31,8 @@ pub(super) fn simulate_step(
     c: &Candidate,
     record: bool,
 ) -> Result<(Prediction, Vec<RankTimeline>), PlanningError> {
-    let plan = c.to_plan(ctx.cost)?;
+    // The schedule needs the ranks and batches only: no placement of experts searched.
+    let plan = c.to_even_plan(ctx.cost)?;
     let p = c.layers.len();
     let sizes = &c.micro_batch_sizes;
     let (t, _) = stage_times(ctx, &c.devices, &c.layers, sizes, &c.micro_batches)?;
