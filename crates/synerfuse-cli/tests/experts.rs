@@ -164,8 +164,9 @@ fn expert_models_train_alike_on_any_plan() {
     table.print();
 }
 
-/// The log line carries Megatron's `load_balancing_loss`, TensorBoard its scalars; bad
-/// MoE flags are refused by name.
+/// The log line carries Megatron's `load_balancing_loss`, TensorBoard its scalars;
+/// Megatron's dispatcher flags are accepted; bad MoE flags and token dropping are refused
+/// by name.
 #[test]
 fn expert_flags_log_and_refuse() {
     let dir = tempfile::tempdir().unwrap();
@@ -177,6 +178,12 @@ fn expert_flags_log_and_refuse() {
         "--micro-batch-size",
         "3",
         "--moe-per-layer-logging",
+        // Megatron's dispatcher and kernel choices: the same results here.
+        "--moe-token-dispatcher-type",
+        "alltoall",
+        "--moe-grouped-gemm",
+        "--moe-token-drop-policy",
+        "probs",
         "--tensorboard-dir",
     ]));
     args.push(d.join("tb").display().to_string());
@@ -240,6 +247,14 @@ fn expert_flags_log_and_refuse() {
             vec!["--moe-router-topk", "2"],
             "--moe-router-topk: the model has no experts",
         ),
+        (
+            vec!["--num-experts", "4", "--moe-expert-capacity-factor", "1.0"],
+            "--moe-expert-capacity-factor 1: synerfuse routes dropless only",
+        ),
+        (
+            vec!["--num-experts", "4", "--moe-pad-expert-input-to-capacity"],
+            "--moe-pad-expert-input-to-capacity: synerfuse routes dropless only",
+        ),
     ] {
         let mut args = common(d, &data, 1);
         args.extend(strings(&flags));
@@ -275,7 +290,8 @@ fn eight<'a>(flags: &[&'a str]) -> Vec<&'a str> {
 
 /// Expert parallelism trains what one rank trains: replicas hold some experts each and
 /// exchange tokens (even parts by flag, [6, 2] by plan with unequal micro-batches,
-/// per-stage placements in heterogeneous pipelines, tensor and sequence parallelism
+/// per-stage placements in heterogeneous pipelines, a mesh of EP 2 before one of EP 1
+/// (each stage its own groups), tensor and sequence parallelism
 /// inside the members, the distributed optimizer, bf16), a checkpoint of EP 2 resumes on
 /// one rank, and every step's tokens per expert are the single rank's.
 #[test]
@@ -325,10 +341,10 @@ fn expert_parallel_plans_match_a_single_rank() {
             eight(&["--nproc", "4", "--plan", &pipelines]),
         ),
         (
-            "EP 2 by meshes (TP 1 CP 1 EP 2 DP 2 PP 1), mbs 1 x 3",
+            "meshes of EP 2 then EP 1 (TP 1 CP 1 DP 2 PP 1 each), mbs 1 x 3",
             eight(&[
                 "--nproc",
-                "2",
+                "4",
                 "--enable-hetero",
                 "--hetero-process-meshes",
                 "1",
@@ -336,8 +352,14 @@ fn expert_parallel_plans_match_a_single_rank() {
                 "2",
                 "2",
                 "1",
+                "1",
+                "1",
+                "1",
+                "2",
+                "1",
                 "--hetero-device-types",
                 "cpu-a",
+                "cpu-b",
                 "--micro-batch-size",
                 "1",
             ]),

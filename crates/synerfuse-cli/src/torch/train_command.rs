@@ -97,7 +97,7 @@ pub struct TrainArgs {
     #[arg(long, help_heading = "Parallelism")]
     enable_hetero: bool,
     /// `TP CP EP DP PP` per mesh: runs of consecutive pipeline stages, each mesh with its
-    /// own tensor- and context-parallel sizes (EP = 1; every mesh the same DP)
+    /// own tensor-, context- and expert-parallel sizes (every mesh the same DP)
     #[arg(long, value_parser = crate::values::positive_count, num_args = 1.., help_heading = "Parallelism")]
     hetero_process_meshes: Vec<usize>,
     /// One device type per mesh (names, e.g. A800 BI150)
@@ -209,6 +209,23 @@ pub struct TrainArgs {
     /// Log the load-balancing loss of every MoE layer to TensorBoard, not only their mean
     #[arg(long, help_heading = "Mixture of experts")]
     moe_per_layer_logging: bool,
+    /// Not supported: routing is dropless (every token reaches its top-k experts, so
+    /// every split of the batch trains alike)
+    #[arg(long, value_parser = crate::values::positive, help_heading = "Mixture of experts")]
+    moe_expert_capacity_factor: Option<f64>,
+    /// Not supported (it pads to a capacity; routing is dropless)
+    #[arg(long, help_heading = "Mixture of experts")]
+    moe_pad_expert_input_to_capacity: bool,
+    /// alltoall or allgather: tokens reach their experts' ranks by all-to-all either way
+    /// (the same results)
+    #[arg(long, value_parser = ["alltoall", "allgather"], help_heading = "Megatron compatibility")]
+    moe_token_dispatcher_type: Option<String>,
+    /// Accepted: each expert runs its own matrix products (the same results)
+    #[arg(long, help_heading = "Megatron compatibility")]
+    moe_grouped_gemm: bool,
+    /// probs or position: which tokens a capacity drops; no effect on dropless routing
+    #[arg(long, value_parser = ["probs", "position"], help_heading = "Megatron compatibility")]
+    moe_token_drop_policy: Option<String>,
 
     // ---- flags of Megatron/SynerFuse run.sh files, accepted with their meaning here
     /// Rotary position embeddings: what synerfuse always uses
@@ -777,6 +794,12 @@ impl TrainArgs {
 
     /// Checks the run.sh compatibility flags and says what each accepted one means here.
     fn check_compatibility_flags(&self) -> Result<()> {
+        if let Some(factor) = self.moe_expert_capacity_factor {
+            bail!("--moe-expert-capacity-factor {factor}: synerfuse routes dropless only (no token is dropped, so every split of the batch trains alike); leave it out");
+        }
+        if self.moe_pad_expert_input_to_capacity {
+            bail!("--moe-pad-expert-input-to-capacity: synerfuse routes dropless only (no capacity to pad to); leave it out");
+        }
         if let Some(backend) = &self.distributed_backend {
             if backend != "nccl" && backend != "gloo" {
                 bail!("--distributed-backend {backend}: use nccl or gloo");

@@ -1,25 +1,29 @@
-//! Expert parallelism in a plan: replicas that each hold some experts of every MoE layer
-//! form expert-parallel groups, whose members exchange each MoE layer's tokens. A group
-//! is consecutive replicas (Megatron's: consecutive data-parallel ranks) that between
-//! them hold every expert once at every stage; its members run alike (the same layers
-//! per stage and chunk, tensor- and context-parallel sizes, micro-batch count), so that
-//! they reach each exchange at the same pass.
+//! Expert parallelism in a plan: replicas that each hold some experts of a stage's MoE
+//! layers form that stage's expert-parallel groups, whose members exchange the layers'
+//! tokens. A group is consecutive replicas (Megatron's: consecutive data-parallel ranks)
+//! that between them hold every expert once at that stage; its members run alike (the
+//! same layers per stage and chunk, micro-batch count, and at the stage the same tensor-
+//! and context-parallel sizes and recomputation), so that they reach each exchange at the
+//! same pass. Each stage groups on its own (FlagScale's meshes give each run of stages
+//! its own expert-parallel size); a stage that holds every expert is in no group.
 
 use super::{ExpertHolding, Plan, PlanError};
 
-/// One expert-parallel group: its replicas, and what each member's stage holds.
+/// One stage's expert-parallel group: its replicas, and what each member holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExpertGroupPlan {
+    /// The pipeline stage whose MoE layers the group exchanges.
+    pub stage: usize,
     /// The member replicas, in member order.
     pub replicas: Vec<usize>,
-    /// Per stage, each member's experts (member order).
-    pub placement: Vec<Vec<Vec<usize>>>,
+    /// Each member's experts (member order).
+    pub placement: Vec<Vec<usize>>,
 }
 
 impl Plan {
-    /// The expert-parallel groups for a model of `num_experts` experts per MoE layer
-    /// (none when every replica holds every expert), checked: each group's members hold
-    /// every expert exactly once at every stage, at least one each, and run alike.
+    /// The expert-parallel groups for a model of `num_experts` experts per MoE layer,
+    /// stage by stage (none where every replica holds every expert), checked: each
+    /// group's members hold every expert exactly once, at least one each, and run alike.
     pub fn expert_groups(&self, num_experts: usize) -> Result<Vec<ExpertGroupPlan>, PlanError> {
         let holdings = self
             .replicas()
@@ -38,45 +42,64 @@ impl Plan {
                 }
             }
         }
+        let stages = (self.replicas().iter())
+            .map(|r| r.stages.num_stages())
+            .max()
+            .unwrap_or(0);
+        let mut groups = Vec::new();
+        for stage in 0..stages {
+            groups.extend(self.stage_expert_groups(stage, num_experts)?);
+        }
+        Ok(groups)
+    }
+
+    /// Stage `stage`'s groups: runs of consecutive replicas that hold part of its experts,
+    /// each closed once its members hold as many experts as the model has.
+    fn stage_expert_groups(
+        &self,
+        stage: usize,
+        num_experts: usize,
+    ) -> Result<Vec<ExpertGroupPlan>, PlanError> {
+        let part = |r: usize| {
+            (self.replicas()[r].experts(stage, num_experts)).filter(|e| e.len() < num_experts)
+        };
         let mut groups = Vec::new();
         let mut open: Vec<usize> = Vec::new();
-        for (r, replica) in self.replicas().iter().enumerate() {
-            if !replica.splits_experts() {
+        let mut held = 0;
+        for r in 0..self.replicas().len() {
+            let Some(experts) = part(r) else {
                 if !open.is_empty() {
-                    return Err(self.incomplete(open, num_experts));
+                    return Err(self.incomplete(open, stage, num_experts));
                 }
                 continue;
-            }
+            };
             open.push(r);
-            let held: usize = (open.iter())
-                .map(|&m| {
-                    self.replicas()[m]
-                        .experts(0, num_experts)
-                        .map_or(0, |e| e.len())
-                })
-                .sum();
+            held += experts.len();
             if held >= num_experts {
-                groups.push(self.expert_group(std::mem::take(&mut open), num_experts)?);
+                let members = std::mem::take(&mut open);
+                groups.push(self.expert_group(stage, members, num_experts)?);
+                held = 0;
             }
         }
         match open.is_empty() {
             true => Ok(groups),
-            false => Err(self.incomplete(open, num_experts)),
+            false => Err(self.incomplete(open, stage, num_experts)),
         }
     }
 
-    fn incomplete(&self, replicas: Vec<usize>, num_experts: usize) -> PlanError {
+    fn incomplete(&self, replicas: Vec<usize>, stage: usize, num_experts: usize) -> PlanError {
         PlanError::ExpertGroup {
             replicas,
             problem: format!(
-                "they hold fewer than the model's {num_experts} experts between them; the replicas of an expert-parallel group follow each other and together hold every expert once"
+                "at stage {stage} they hold fewer than the model's {num_experts} experts between them; the replicas of an expert-parallel group follow each other and together hold every expert once"
             ),
         }
     }
 
-    /// The group of `replicas`, checked.
+    /// Stage `stage`'s group of `replicas`, checked.
     fn expert_group(
         &self,
+        stage: usize,
         replicas: Vec<usize>,
         num_experts: usize,
     ) -> Result<ExpertGroupPlan, PlanError> {
@@ -85,48 +108,41 @@ impl Plan {
             problem,
         };
         let first = &self.replicas()[replicas[0]];
-        let stages = first.stages.num_stages();
         for &m in &replicas[1..] {
             let r = &self.replicas()[m];
             let alike = r.stages == first.stages
                 && r.batch.sizes().len() == first.batch.sizes().len()
-                && (0..stages).all(|s| r.tp_size(s) == first.tp_size(s))
-                && (0..stages).all(|s| r.cp_size(s) == first.cp_size(s))
-                && (0..stages).all(|s| r.recomputes(s) == first.recomputes(s));
+                && r.tp_size(stage) == first.tp_size(stage)
+                && r.cp_size(stage) == first.cp_size(stage)
+                && r.recomputes(stage) == first.recomputes(stage);
             if !alike {
                 return Err(error(format!(
-                    "replica {m} runs otherwise than replica {}: the members of an expert-parallel group need the same layers per stage, tensor- and context-parallel sizes, recomputation and number of micro-batches (their micro-batch sizes may differ)",
+                    "replica {m} runs otherwise than replica {}: the members of an expert-parallel group need the same layers per stage and number of micro-batches, and at stage {stage} the same tensor- and context-parallel sizes and recomputation (their micro-batch sizes may differ)",
                     replicas[0]
                 )));
             }
         }
-        let mut placement = Vec::with_capacity(stages);
-        for stage in 0..stages {
-            let members: Vec<Vec<usize>> = (replicas.iter())
-                .map(|&m| {
-                    (self.replicas()[m].experts(stage, num_experts))
-                        .unwrap_or_else(|| (0..num_experts).collect())
-                })
-                .collect();
-            let mut seen = vec![0usize; num_experts];
-            for &e in members.iter().flatten() {
-                match seen.get_mut(e) {
-                    Some(n) => *n += 1,
-                    None => {
-                        return Err(error(format!(
-                            "stage {stage}: expert {e} of a model of {num_experts} experts"
-                        )))
-                    }
+        let placement: Vec<Vec<usize>> = (replicas.iter())
+            .map(|&m| (self.replicas()[m].experts(stage, num_experts)).unwrap_or_default())
+            .collect();
+        let mut seen = vec![0usize; num_experts];
+        for &e in placement.iter().flatten() {
+            match seen.get_mut(e) {
+                Some(n) => *n += 1,
+                None => {
+                    return Err(error(format!(
+                        "stage {stage}: expert {e} of a model of {num_experts} experts"
+                    )))
                 }
             }
-            if seen.iter().any(|&n| n != 1) || members.iter().any(Vec::is_empty) {
-                return Err(error(format!(
-                    "stage {stage}: the members hold {members:?}; each needs at least one expert and every one of the {num_experts} experts must be held once"
-                )));
-            }
-            placement.push(members);
+        }
+        if seen.iter().any(|&n| n != 1) || placement.iter().any(Vec::is_empty) {
+            return Err(error(format!(
+                "stage {stage}: the members hold {placement:?}; each needs at least one expert and every one of the {num_experts} experts must be held once"
+            )));
         }
         Ok(ExpertGroupPlan {
+            stage,
             replicas,
             placement,
         })
@@ -134,9 +150,26 @@ impl Plan {
 
     /// This plan with consecutive groups of `size` replicas each holding an even part
     /// of every stage's experts (Megatron's `--expert-model-parallel-size`).
-    pub fn with_even_experts(mut self, size: usize) -> Result<Self, PlanError> {
+    pub fn with_even_experts(self, size: usize) -> Result<Self, PlanError> {
+        self.with_even_experts_by_stage(|_| size)
+    }
+
+    /// This plan with, at each stage `s`, consecutive groups of `size_at(s)` replicas each
+    /// holding an even part of the stage's experts (FlagScale's per-mesh EP; 1: every
+    /// replica holds every expert there).
+    pub fn with_even_experts_by_stage(
+        mut self,
+        size_at: impl Fn(usize) -> usize,
+    ) -> Result<Self, PlanError> {
         let replicas = self.replicas.len();
-        if size == 0 || replicas % size != 0 {
+        let stages = (self.replicas.iter())
+            .map(|r| r.stages.num_stages())
+            .max()
+            .unwrap_or(0);
+        if let Some(size) = (0..stages)
+            .map(&size_at)
+            .find(|&n| n == 0 || replicas % n != 0)
+        {
             return Err(PlanError::ExpertGroup {
                 replicas: (0..replicas).collect(),
                 problem: format!(
@@ -145,11 +178,15 @@ impl Plan {
             });
         }
         for (r, replica) in self.replicas.iter_mut().enumerate() {
-            let holding = ExpertHolding::EvenShare {
-                member: r % size,
-                members: size,
-            };
-            replica.experts = vec![Some(holding); replica.stages.num_stages()];
+            replica.experts = (0..replica.stages.num_stages())
+                .map(|s| match size_at(s) {
+                    1 => None,
+                    size => Some(ExpertHolding::EvenShare {
+                        member: r % size,
+                        members: size,
+                    }),
+                })
+                .collect();
         }
         Ok(self)
     }
@@ -181,12 +218,12 @@ impl Plan {
         rank: usize,
     ) -> Option<(Vec<usize>, Vec<Vec<usize>>)> {
         let (replica, stage) = self.position(rank)?;
-        let group = groups.iter().find(|g| g.replicas.contains(&replica))?;
+        let group = (groups.iter()).find(|g| g.stage == stage && g.replicas.contains(&replica))?;
         let at = (self.replicas()[replica].ranks[stage].iter()).position(|&r| r == rank)?;
         let ranks = (group.replicas.iter())
             .map(|&m| self.replicas()[m].ranks[stage][at])
             .collect();
-        Some((ranks, group.placement[stage].clone()))
+        Some((ranks, group.placement.clone()))
     }
 }
 
@@ -238,9 +275,10 @@ mod tests {
         ])
         .unwrap();
         let groups = plan.expert_groups(8).unwrap();
-        assert_eq!(groups.len(), 1);
-        assert_eq!(groups[0].replicas, [0, 1]);
-        assert_eq!(groups[0].placement[1], [vec![0, 1], vec![2, 3, 4, 5, 6, 7]]);
+        assert_eq!(groups.len(), 2, "one per stage");
+        assert!(groups.iter().all(|g| g.replicas == [0, 1]));
+        assert_eq!(groups[1].stage, 1);
+        assert_eq!(groups[1].placement, [vec![0, 1], vec![2, 3, 4, 5, 6, 7]]);
         assert_eq!(
             plan.expert_ranks(&groups, 3),
             Some((vec![1, 3], vec![vec![0, 1], vec![2, 3, 4, 5, 6, 7]]))
@@ -295,6 +333,44 @@ mod tests {
     }
 
     #[test]
+    fn each_stage_groups_on_its_own() {
+        // Stage 0: one group of the four replicas; stage 1: two groups of two, where
+        // replica 2 holds every expert (a group of its own: none).
+        let holdings = [
+            vec![vec![0, 1], vec![0, 1, 2, 3, 4]],
+            vec![vec![2, 3], vec![5, 6, 7]],
+            vec![vec![4, 5], (0..8).collect()],
+            vec![vec![6, 7], vec![0, 1, 2, 3, 4, 5, 6, 7]],
+        ];
+        let replicas = (holdings.into_iter().enumerate())
+            .map(|(r, h)| replica(&[2, 2], 1, 2 * r, Some(h)))
+            .collect();
+        let plan = Plan::new(replicas).unwrap();
+        let groups = plan.expert_groups(8).unwrap();
+        let at = |stage: usize| -> Vec<Vec<usize>> {
+            (groups.iter().filter(|g| g.stage == stage))
+                .map(|g| g.replicas.clone())
+                .collect()
+        };
+        assert_eq!(at(0), [vec![0, 1, 2, 3]]);
+        assert_eq!(at(1), [vec![0, 1]]);
+        assert_eq!(plan.expert_ranks(&groups, 1).unwrap().0, [1, 3]);
+        assert_eq!(plan.expert_ranks(&groups, 5), None);
+        assert_eq!(plan.expert_holders(3, 6, 8), [1, 2, 3]);
+        assert_eq!(plan.expert_holders(0, 6, 8), [3]);
+        // A group open at one stage is named with it.
+        let replicas = [
+            vec![vec![0, 1, 2, 3], vec![0, 1, 2, 3]],
+            vec![vec![4, 5, 6, 7]],
+        ];
+        let replicas = (replicas.into_iter().enumerate())
+            .map(|(r, h)| replica(&[2, 2], 1, 2 * r, Some(h)))
+            .collect();
+        let e = Plan::new(replicas).unwrap().expert_groups(8).unwrap_err();
+        assert!(e.to_string().contains("at stage 1 they hold fewer"), "{e}");
+    }
+
+    #[test]
     fn even_shares_split_consecutive_replicas() {
         let plan = Plan::new((0..4).map(|r| replica(&[2], 1, r, None)).collect())
             .unwrap()
@@ -303,7 +379,7 @@ mod tests {
         let groups = plan.expert_groups(8).unwrap();
         assert_eq!(groups.len(), 2);
         assert_eq!(groups[1].replicas, [2, 3]);
-        assert_eq!(groups[1].placement[0], [vec![0, 1, 2, 3], vec![4, 5, 6, 7]]);
+        assert_eq!(groups[1].placement, [vec![0, 1, 2, 3], vec![4, 5, 6, 7]]);
         let three = Plan::new((0..4).map(|r| replica(&[2], 1, r, None)).collect()).unwrap();
         assert!(three.with_even_experts(3).is_err());
     }

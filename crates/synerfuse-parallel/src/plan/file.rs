@@ -155,7 +155,34 @@ impl Plan {
     /// The file form: one `[[replica]]` table per replica; `ranks` only where they are
     /// not numbered replica by replica.
     pub fn to_toml(&self) -> Result<String, PlanError> {
+        self.check_expert_form()?;
         toml::to_string(&self.to_file()).map_err(|e| PlanError::Toml(e.to_string()))
+    }
+
+    /// Whether a file says each replica's experts: listed at every stage, or one even
+    /// share at every stage (a replica holding every expert at some stages and part at
+    /// others, or other shares per stage, as FlagScale's meshes give, has no file form).
+    fn check_expert_form(&self) -> Result<(), PlanError> {
+        for (r, replica) in self.replicas().iter().enumerate() {
+            let holdings = &replica.experts;
+            let listed = holdings
+                .iter()
+                .all(|h| matches!(h, Some(ExpertHolding::Listed(_))));
+            let one_share = holdings.first().is_some_and(|first| {
+                matches!(first, Some(ExpertHolding::EvenShare { .. }))
+                    && holdings.iter().all(|h| h == first)
+            });
+            let written = holdings.len() == replica.stages.num_stages() && (listed || one_share);
+            if !(holdings.iter().all(Option::is_none) || written) {
+                return Err(PlanError::ExpertGroup {
+                    replicas: vec![r],
+                    problem: format!(
+                        "its stages hold experts as {holdings:?}, which a plan file cannot say (it lists every stage's experts, or gives one expert_share for all)"
+                    ),
+                });
+            }
+        }
+        Ok(())
     }
 
     fn from_file(file: PlanFile) -> Result<Self, PlanError> {

@@ -1,8 +1,9 @@
 //! FlagScale's heterogeneous process meshes, which SynerFuse's scripts use:
 //! `--enable-hetero --hetero-process-meshes TP CP EP DP PP  TP CP EP DP PP ...
 //! --hetero-device-types A B --hetero-pipeline-layer-split l0 l1 ...`. Each mesh is a
-//! run of consecutive pipeline stages on one device type with its own tensor- and
-//! context-parallel sizes; as a general plan, replica `d` takes the `d`-th data-parallel slice of every mesh.
+//! run of consecutive pipeline stages on one device type with its own tensor-, context-
+//! and expert-parallel sizes; as a general plan, replica `d` takes the `d`-th
+//! data-parallel slice of every mesh, and a mesh's stages group its replicas by its EP.
 //!
 //! Ranks follow FlagScale: mesh after mesh, and within a mesh Megatron's `tp-cp-ep-dp-pp`
 //! order (tensor-parallel ranks consecutive, then replicas, then stages).
@@ -17,8 +18,8 @@ pub struct ProcessMesh {
     pub tp: usize,
     /// Context-parallel size of its stages.
     pub cp: usize,
-    /// Expert-parallel size: replicas per expert-parallel group, within the
-    /// data-parallel size (as Megatron's EP divides its DP).
+    /// Expert-parallel size: replicas per expert-parallel group of its stages, within
+    /// the data-parallel size (as Megatron's EP divides its DP).
     pub ep: usize,
     /// Data-parallel size (every mesh the same).
     pub dp: usize,
@@ -76,17 +77,17 @@ pub enum MeshError {
         /// Its sizes.
         sizes: Vec<usize>,
     },
-    /// Meshes of different expert-parallel sizes.
+    /// An expert-parallel size that does not divide the data-parallel size.
     #[error(
-        "--hetero-process-meshes: mesh {mesh} has expert-parallel size {ep} but mesh 0 has {first}; every mesh needs the same (an expert-parallel group is replicas whose whole pipelines exchange tokens)"
+        "--hetero-process-meshes: mesh {mesh} has expert-parallel size {ep}, which does not divide its data-parallel size {dp} (an expert-parallel group is EP of its replicas)"
     )]
     Expert {
         /// The mesh.
         mesh: usize,
         /// Its EP.
         ep: usize,
-        /// Mesh 0's EP.
-        first: usize,
+        /// Its DP.
+        dp: usize,
     },
     /// Meshes of different data-parallel sizes.
     #[error("--hetero-process-meshes: mesh {mesh} has data-parallel size {dp} but mesh 0 has {first}; every mesh needs the same data-parallel size")]
@@ -150,8 +151,8 @@ pub struct ProcessMeshes {
 }
 
 impl ProcessMeshes {
-    /// The meshes of `flags`, checked: five positive sizes each, EP = 1, one DP for
-    /// all, one device type each, the current device type among them.
+    /// The meshes of `flags`, checked: five positive sizes each, one DP for all, each
+    /// EP dividing it, one device type each, the current device type among them.
     pub fn parse(flags: &MeshFlags) -> Result<Self, MeshError> {
         let given = flags.meshes.len();
         if given == 0 || given % 5 != 0 {
@@ -187,13 +188,13 @@ impl ProcessMeshes {
                 let sizes = sizes.to_vec();
                 return Err(MeshError::ZeroSize { mesh, sizes });
             }
-            if m.ep != meshes[0].ep {
-                let (ep, first) = (m.ep, meshes[0].ep);
-                return Err(MeshError::Expert { mesh, ep, first });
-            }
             if m.dp != meshes[0].dp {
                 let (dp, first) = (m.dp, meshes[0].dp);
                 return Err(MeshError::DataParallel { mesh, dp, first });
+            }
+            if m.dp % m.ep != 0 {
+                let (ep, dp) = (m.ep, m.dp);
+                return Err(MeshError::Expert { mesh, ep, dp });
             }
         }
         Ok(ProcessMeshes { meshes })
@@ -258,10 +259,13 @@ impl ProcessMeshes {
                 experts: Vec::new(),
             })
             .collect();
+        let ep: Vec<usize> = (self.meshes.iter())
+            .flat_map(|m| std::iter::repeat_n(m.ep, m.pp))
+            .collect();
         let plan = Plan::new(replicas)?;
-        Ok(match self.meshes[0].ep {
-            1 => plan,
-            ep => plan.with_even_experts(ep)?,
+        Ok(match ep.iter().all(|&n| n == 1) {
+            true => plan,
+            false => plan.with_even_experts_by_stage(|s| ep[s])?,
         })
     }
 
@@ -342,6 +346,37 @@ mod tests {
     }
 
     #[test]
+    fn each_mesh_groups_its_stages_by_its_own_expert_parallel_size() {
+        // DP 4 everywhere; mesh 0 EP 2, mesh 1 EP 4, mesh 2 EP 1; one stage each.
+        let mut f = flags(
+            &[1, 1, 2, 4, 1, 1, 1, 4, 4, 1, 1, 1, 1, 4, 1],
+            &["A", "B", "C"],
+        );
+        f.layer_split = Some(vec![2, 2, 2]);
+        let plan = ProcessMeshes::parse(&f).unwrap().plan(&f).unwrap();
+        let groups = plan.expert_groups(8).unwrap();
+        let at = |stage: usize| -> Vec<Vec<usize>> {
+            (groups.iter().filter(|g| g.stage == stage))
+                .map(|g| g.replicas.clone())
+                .collect()
+        };
+        assert_eq!(at(0), [vec![0, 1], vec![2, 3]]);
+        assert_eq!(at(1), [vec![0, 1, 2, 3]]);
+        assert!(at(2).is_empty());
+        let quarters = vec![vec![0, 1], vec![2, 3], vec![4, 5], vec![6, 7]];
+        assert_eq!(
+            plan.expert_ranks(&groups, 5),
+            Some((vec![4, 5, 6, 7], quarters))
+        );
+        assert_eq!(plan.expert_ranks(&groups, 9), None);
+        assert_eq!(plan.expert_holders(0, 5, 8), [1, 3]);
+        assert_eq!(plan.expert_holders(4, 5, 8), [0, 1, 2, 3]);
+        // Shares per stage have no plan-file form: writing one is refused, not lossy.
+        let e = plan.to_toml().unwrap_err().to_string();
+        assert!(e.contains("which a plan file cannot say"), "{e}");
+    }
+
+    #[test]
     fn impossible_meshes_are_named() {
         let cases: [(MeshFlags, &str); 6] = [
             (flags(&[2, 1, 1, 1], &["A"]), "five sizes per mesh"),
@@ -350,8 +385,8 @@ mod tests {
                 "2 device types for 1 process meshes",
             ),
             (
-                flags(&[1, 1, 2, 2, 1, 1, 1, 1, 2, 1], &["A", "B"]),
-                "mesh 1 has expert-parallel size 1 but mesh 0 has 2",
+                flags(&[1, 1, 1, 3, 1, 1, 1, 2, 3, 1], &["A", "B"]),
+                "mesh 1 has expert-parallel size 2, which does not divide its data-parallel size 3",
             ),
             (
                 flags(&[2, 1, 1, 2, 1, 1, 1, 1, 1, 1], &["A", "B"]),

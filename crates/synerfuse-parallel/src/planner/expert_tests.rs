@@ -210,7 +210,8 @@ proptest::proptest! {
             even.check(&cost.model, false).unwrap();
             proptest::prop_assert!(even.grid_flags().is_some());
             let groups = written.expert_groups(experts).unwrap();
-            proptest::prop_assert_eq!(groups.len() * ep, written.replicas().len());
+            let stages = written.replicas()[0].stages.num_stages();
+            proptest::prop_assert_eq!(groups.len() * ep, written.replicas().len() * stages);
             for g in &groups {
                 let counts: Vec<usize> = (g.replicas.iter())
                     .map(|&r| written.replicas()[r].batch.num_micro_batches())
@@ -219,4 +220,39 @@ proptest::proptest! {
             }
         }
     }
+}
+
+// The members of an expert-parallel group route to each other's experts: with
+// micro-batches of 3 and 1 samples each member's experts compute 2 samples' tokens (on
+// an even load), so the member of 3 is priced below its own micro-batch's experts and
+// the member of 1 above, and the group at the slower of the two.
+#[test]
+fn a_group_of_unequal_micro_batches_computes_its_mean_tokens_on_each_member() {
+    let narrow = wide_experts(None);
+    let model = ModelShape {
+        experts: (narrow.model.experts).map(|e| ExpertShape {
+            ffn_hidden_size: 2048,
+            ..e
+        }),
+        ..narrow.model.clone()
+    };
+    let cost = CostModel {
+        expert_parallel: 2,
+        model,
+        ..narrow
+    };
+    let mut ctx = pricing::Ctx::new(&cost);
+    let (t, _) = pricing::stage_times(&mut ctx, &[vec![0, 1]], &[2], &[3, 1], &[1, 1]).unwrap();
+    let mut own = |unit: usize, b: usize| {
+        let costs = ctx.costs(unit, b).unwrap();
+        let experts = 2.0 * ctx.expert_seconds(unit, b).unwrap();
+        assert!(experts > 0.0);
+        (pricing::stage_seconds(&costs, 2, 0, 1), experts)
+    };
+    let ((three, experts_3), (one, experts_1)) = (own(0, 3), own(1, 1));
+    let member_3 = three + experts_3 * (2.0 / 3.0 - 1.0);
+    let member_1 = one + experts_1 * (2.0 - 1.0);
+    assert!((t[0][0] - member_3.max(member_1)).abs() < 1e-12, "{t:?}");
+    assert_eq!(t[0][0], t[0][1]);
+    assert!(t[0][0] < three, "{t:?} against {three}");
 }

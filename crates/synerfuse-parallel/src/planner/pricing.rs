@@ -26,6 +26,9 @@ pub(super) struct Ctx<'a> {
     pub(super) all: Vec<Device>,
     /// (unit class, b) → costs.
     pub(super) costs: HashMap<(usize, usize), StageCosts>,
+    /// (unit class, b) → under expert parallelism, the part of a mean layer's
+    /// `layer_s` that is its experts' compute (stretched by the imbalance).
+    expert_s: HashMap<(usize, usize), f64>,
     /// Per unit, the usable bytes of a whole stage's state (a group's: as its most
     /// loaded member holds its share).
     pub(super) memory: Vec<Option<f64>>,
@@ -132,6 +135,7 @@ impl<'a> Ctx<'a> {
             classes,
             all,
             costs: HashMap::new(),
+            expert_s: HashMap::new(),
             memory,
             memory_bound: Cell::new(false),
             allreduce_prices: RefCell::new(HashMap::new()),
@@ -206,18 +210,31 @@ impl<'a> Ctx<'a> {
                 + collective;
         }
         if self.cost.expert_parallel > 1 && self.cost.model.experts.is_some() {
-            c.layer_s = self.expert_exchange(unit, b, c.layer_s);
+            let (layer_s, expert_s) = self.expert_exchange(unit, b, c.layer_s);
+            c.layer_s = layer_s;
+            self.expert_s.insert(key, expert_s);
         }
         self.costs.insert(key, c);
         Ok(c)
+    }
+
+    /// Under expert parallelism, the seconds of a mean layer's `layer_s` (at micro-batch
+    /// size `b` on `unit`) that its experts compute; 0 without.
+    pub(super) fn expert_seconds(&mut self, unit: usize, b: usize) -> Result<f64, PlanningError> {
+        self.costs(unit, b)?;
+        Ok(self
+            .expert_s
+            .get(&(self.classes[unit], b))
+            .copied()
+            .unwrap_or(0.0))
     }
 
     /// A mean layer's `layer_s` under expert parallelism: the experts' compute stretched
     /// by the most loaded member's share, plus per MoE layer two all-to-alls forward
     /// (tokens to their experts' members and back) and two backward, over `ep` members
     /// like the unit (on its node where it holds that many, as Megatron's consecutive
-    /// data-parallel ranks are).
-    fn expert_exchange(&self, unit: usize, b: usize, layer_s: f64) -> f64 {
+    /// data-parallel ranks are); and the experts' stretched compute in it.
+    fn expert_exchange(&self, unit: usize, b: usize, layer_s: f64) -> (f64, f64) {
         let model = &self.cost.model;
         let group = &self.groups[unit];
         let first = &self.all[group.members[0]];
@@ -240,8 +257,9 @@ impl<'a> Ctx<'a> {
         };
         let bytes = model.expert_message_bytes(b, self.cost.compute_bytes) * tokens;
         let exchange = 4.0 * moe * self.cost.alltoall_seconds(&peers, bytes);
-        let stretch = 1.0 + (self.expert_imbalance - 1.0) * model.expert_compute_fraction(b);
-        layer_s * stretch + exchange
+        let experts = layer_s * model.expert_compute_fraction(b);
+        let stretched = experts * self.expert_imbalance;
+        (layer_s - experts + stretched + exchange, stretched)
     }
 
     /// [`CostModel::allreduce_seconds`] of `bytes` over the cluster's devices `devices`,
@@ -324,14 +342,40 @@ pub(super) fn stage_times(
                         .p2p_seconds(&ctx.devices[grid[i][r]], &ctx.devices[grid[i + 1][r]], b);
             }
         }
-        // An expert-parallel group's members meet at every MoE layer's all-to-all: each
-        // micro-batch at the pace of the group's slowest.
-        for group in t[i].chunks_mut(ctx.cost.expert_parallel.max(1)) {
-            let slowest = group.iter().copied().fold(0.0, f64::max);
-            group.fill(slowest);
-        }
+        expert_group_times(ctx, (&grid[i], layers[i]), sizes, &fits[i], &mut t[i])?;
     }
     Ok((t, c))
+}
+
+/// A stage's micro-batch times `t` (per replica) under expert parallelism: each member's
+/// experts compute the group's mean tokens (an even part of every member's; its own
+/// micro-batch's in `t`), and the members meet at every MoE layer's all-to-all, so each
+/// micro-batch takes the group's slowest member's time.
+fn expert_group_times(
+    ctx: &mut Ctx<'_>,
+    (units, layers): (&[usize], usize),
+    sizes: &[usize],
+    fits: &[StageFit],
+    t: &mut [f64],
+) -> Result<(), PlanningError> {
+    let ep = ctx.cost.expert_parallel.max(1);
+    if ep == 1 {
+        return Ok(());
+    }
+    for (start, group) in (0..t.len()).step_by(ep).zip(t.chunks_mut(ep)) {
+        let members = start..start + group.len();
+        let mean = sizes[members.clone()].iter().sum::<usize>() as f64 / group.len() as f64;
+        for (r, time) in members.zip(group.iter_mut()) {
+            let (unit, b) = (units[r], sizes[r]);
+            // As recomputation stretches the layer (its forward twice), so its experts.
+            let again = fits[r].costs.layer_s / ctx.costs(unit, b)?.layer_s.max(1e-30);
+            let experts = layers as f64 * ctx.expert_seconds(unit, b)? * again;
+            *time += experts * (mean / b as f64 - 1.0);
+        }
+        let slowest = group.iter().copied().fold(0.0, f64::max);
+        group.fill(slowest);
+    }
+    Ok(())
 }
 
 /// One micro-batch of `size` samples through stage `i` of `p` holding `layers` layers on
