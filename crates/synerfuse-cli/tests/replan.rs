@@ -503,8 +503,8 @@ fn a_switch_out_of_context_parallelism_keeps_the_losses() {
 }
 
 // A switch out of expert parallelism (EP 2 x DP 4: each replica half the experts) under
-// the distributed optimizer: the experts move by global name to the plan the re-planner
-// chose, and the losses stay a single rank's.
+// the distributed optimizer: its slow member alone looks slow, the experts move by global
+// name to the plan the re-planner chose, and the losses stay a single rank's.
 #[test]
 fn a_switch_out_of_expert_parallelism_keeps_the_losses() {
     let dir = tempfile::tempdir().unwrap();
@@ -539,6 +539,10 @@ fn a_switch_out_of_expert_parallelism_keeps_the_losses() {
     let (records, stderr) = four_ranks(dir.path(), &data, "experts", 24, &args);
     let switched = switches(&records);
     assert_eq!(switched.len(), 1, "{stderr}");
+    // A member's pace leaves out its waits at the all-to-alls: rank 0 is not slowed by
+    // its group's slow member (it would be ~4x slower if it were).
+    let paces: Vec<f64> = serde_json::from_value(switched[0]["paces_s"].clone()).unwrap();
+    assert!(paces[0] < 0.5 * paces[1], "paces {paces:?}");
     let log = dir.path().join("single.jsonl");
     let mut single = steady_model(common(dir.path(), &data, 24));
     single.extend(strings(&experts));

@@ -28,6 +28,10 @@ pub struct StepTimes {
     pub communication: Duration,
     /// Blocked in receives, waiting for a neighbouring stage (pipeline bubbles).
     pub waiting: Duration,
+    /// The forward and backward passes outside their collectives (tensor-, context- and
+    /// expert-parallel): the rank's pace, which waiting for its groups' other members
+    /// does not inflate.
+    pub passes: Duration,
 }
 
 /// What the last stage measured in one step, and the MoE layers' load balance.
@@ -302,13 +306,19 @@ impl PipelineRank<'_> {
         let mut step = StepState::default();
         count_sends(program, &mut step);
         for &instruction in program {
-            let start_s = self.now_s();
+            let (start_s, talked) = (self.now_s(), step.times.communication);
             let event =
                 self.run_instruction(instruction, mode, &inputs, sequence_length, &mut step)?;
+            let end_s = self.now_s();
+            if let Instruction::Compute { .. } = instruction {
+                let inside = step.times.communication.saturating_sub(talked);
+                let pass = Duration::from_secs_f64((end_s - start_s).max(0.0));
+                step.times.passes += pass.saturating_sub(inside);
+            }
             step.spans.push(Span {
                 kind: span_kind(instruction),
                 start_s,
-                end_s: self.now_s(),
+                end_s,
                 micro_batch: Some(instruction_piece(instruction).micro_batch),
             });
             // Gradient bookkeeping between instructions counts as computation.

@@ -2,8 +2,9 @@
 //! the decision to re-plan (`--replan`) as it is logged, and the emulated changes that
 //! tests and benchmarks make happen (`--emulate-speed-change`).
 //!
-//! A rank's pace is its forward and backward seconds per step, which waiting for other
-//! ranks does not inflate. What the plan assumed of a rank is the median of its steps
+//! A rank's pace is its forward and backward seconds per step outside their tensor-,
+//! context- and expert-parallel collectives, which waiting for other ranks (in the
+//! pipeline or in a group) does not inflate. What the plan assumed of a rank is the median of its steps
 //! `window` + 1 to 2 × `window` (the plan's pace as this run realises it: an emulated
 //! speed or a profile predicts it only up to the machine's noise; the first `window`
 //! steps are warm-up, while allocators and caches fill); a change is sustained when every

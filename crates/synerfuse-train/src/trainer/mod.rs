@@ -1032,6 +1032,7 @@ impl<'w> Trainer<'w> {
         times.compute += pipeline_times.compute;
         times.communication += pipeline_times.communication;
         times.waiting += pipeline_times.waiting;
+        times.passes += pipeline_times.passes;
         if injected_fault(self.world.rank(), self.iteration + 1) {
             eprintln!(
                 "rank {}: SYNERFUSE_FAULT_INJECT: exiting in the middle of iteration {}",

@@ -92,10 +92,7 @@ impl StepOutcome {
             false => None,
         };
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        let pace_s: f64 = (step.spans.iter())
-            .filter(|s| matches!(s.kind, SpanKind::Forward | SpanKind::Backward))
-            .map(|s| s.end_s - s.start_s)
-            .sum();
+        let pace_s = step.times.passes.as_secs_f64();
         let mut mine = vec![
             step.loss_sum,
             ms(step.times.compute),
