@@ -43,6 +43,10 @@ pub(super) struct Ctx<'a> {
     /// Under expert parallelism, how much the most loaded member's expert compute
     /// stretches a layer ([`CostModel::expert_imbalance`]; 1: even).
     pub(super) expert_imbalance: f64,
+    /// Units that meet at every MoE layer's all-to-all (a priced plan's expert-parallel
+    /// groups, one unit per member): each micro-batch at the slowest one's pace. Grid
+    /// searches say it by the cost's `expert_parallel` instead.
+    pub(super) lockstep: Vec<Vec<usize>>,
 }
 
 impl<'a> Ctx<'a> {
@@ -141,6 +145,7 @@ impl<'a> Ctx<'a> {
             allreduce_prices: RefCell::new(HashMap::new()),
             optimizer_prices: RefCell::new(HashMap::new()),
             expert_imbalance: cost.expert_imbalance(),
+            lockstep: Vec::new(),
         }
     }
 

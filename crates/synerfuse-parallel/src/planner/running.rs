@@ -8,7 +8,9 @@
 //! its measured pace: it then predicts every rank's current pace, and other plans by
 //! moving work at those rates. The plan running and the candidates are priced by one
 //! simulation (every replica's schedule, the reduction, the optimizer), so that their
-//! difference is not the difference of two models.
+//! difference is not the difference of two models. A plan of expert parallelism (one
+//! group size throughout) is priced with its members' parts of the experts, the
+//! all-to-alls of every MoE layer, and each group's members in lockstep.
 
 use super::error::PlanningError;
 use super::outcome::PoolLayout;
@@ -72,6 +74,13 @@ pub enum ReplanError {
     /// A plan with virtual pipeline chunks (not priced by the simulation here).
     #[error("re-planning a plan with virtual pipeline chunks (an interleaved schedule) is not supported")]
     Interleaved,
+    /// A plan whose expert-parallel groups differ in size (1: a stage holding every
+    /// expert), stage to stage or replica to replica.
+    #[error("re-planning a plan whose expert-parallel groups differ in size from stage to stage or replica to replica ({sizes:?}) is not supported")]
+    ExpertParallelSizes {
+        /// The sizes found.
+        sizes: Vec<usize>,
+    },
     /// Context-parallel shares that do not split the sequence.
     #[error("replica {replica}, stage {stage}: context-parallel shares {shares:?} do not split the sequence")]
     ContextShares {
@@ -279,7 +288,9 @@ fn simulate_plan(
         return Err(ReplanError::Interleaved);
     }
     let (mut groups, mut pools) = (Vec::new(), Vec::new());
+    let mut first_unit = Vec::with_capacity(plan.replicas().len());
     for (replica, r) in plan.replicas().iter().enumerate() {
+        first_unit.push(groups.len());
         let mut devices = Vec::with_capacity(r.ranks.len());
         for stage in 0..r.ranks.len() {
             devices.push(vec![groups.len()]);
@@ -297,9 +308,55 @@ fn simulate_plan(
             short: vec![count * largest - samples],
         });
     }
-    let mut ctx = Ctx::with_groups(cost, cost.cluster.devices(), groups);
+    let (expert_parallel, lockstep) = expert_lockstep(cost, plan, &first_unit)?;
+    // Under expert parallelism each member priced holding its part of the experts and
+    // exchanging every MoE layer's tokens, its group meeting at each exchange.
+    let variant = CostModel {
+        expert_parallel,
+        ..cost.clone()
+    };
+    let mut ctx = Ctx::with_groups(&variant, cost.cluster.devices(), groups);
+    ctx.lockstep = lockstep;
     let (candidate, rows) = simulate_pools(&mut ctx, pools, record)?;
     Ok((candidate.step_time_s, rows))
+}
+
+/// `plan`'s expert-parallel group size (1 without; one size for every stage of every
+/// replica, else refused) and each group's units (replica `r`'s stage `s` is unit
+/// `first_unit[r] + s`).
+fn expert_lockstep(
+    cost: &CostModel,
+    plan: &Plan,
+    first_unit: &[usize],
+) -> Result<(usize, Vec<Vec<usize>>), ReplanError> {
+    let Some(shape) = cost.model.experts else {
+        return Ok((1, Vec::new()));
+    };
+    let groups = plan.expert_groups(shape.num_experts)?;
+    if groups.is_empty() {
+        return Ok((1, Vec::new()));
+    }
+    let units: usize = (plan.replicas().iter())
+        .map(|r| r.stages.num_stages())
+        .sum();
+    let mut sizes: Vec<usize> = groups.iter().map(|g| g.replicas.len()).collect();
+    if groups.iter().map(|g| g.replicas.len()).sum::<usize>() < units {
+        sizes.push(1);
+    }
+    sizes.sort_unstable();
+    sizes.dedup();
+    if sizes.len() > 1 {
+        return Err(ReplanError::ExpertParallelSizes { sizes });
+    }
+    let lockstep = (groups.iter())
+        .map(|g| {
+            g.replicas
+                .iter()
+                .map(|&r| first_unit[r] + g.stage)
+                .collect()
+        })
+        .collect();
+    Ok((sizes[0], lockstep))
 }
 
 /// What a running job is re-planned for (a switch, or the survivors of lost ranks): its
@@ -328,8 +385,9 @@ pub fn running_job_request(
             true => Choice::On,
             false => Choice::Off,
         },
-        // The re-planner's plans hold every expert (its predictor of any plan prices no
-        // all-to-all): a run with expert parallelism switches out of it.
+        // The re-planner's plans hold every expert: a run with expert parallelism (its
+        // plan priced with its exchange, members' parts and lockstep) may switch out of
+        // it, none switches into it.
         expert_parallel_sizes: Vec::new(),
     }
 }
@@ -690,5 +748,62 @@ mod tests {
         let (without, without_s) = best_plan_for(&cost, &request, &placed).unwrap();
         assert!(!without.has_context_parallelism());
         assert!(step < 0.9 * without_s, "{step} vs {without_s}");
+    }
+
+    fn experts() -> ModelShape {
+        ModelShape {
+            experts: Some(crate::cost::ExpertShape {
+                num_experts: 4,
+                top_k: 2,
+                ffn_hidden_size: 128,
+                layer_freq: 1,
+            }),
+            ..model()
+        }
+    }
+
+    fn expert_job<'a>(plan: &'a Plan, paces: &'a [f64], hosts: &'a [String]) -> RunningJob<'a> {
+        RunningJob {
+            model: experts(),
+            ..job(plan, paces, hosts)
+        }
+    }
+
+    /// A running plan of expert parallelism is priced with its exchange, and its groups'
+    /// members meet at every MoE layer: two replicas of two stages whose slow ranks sit
+    /// at different stages run as if both stages of both were slow (as each stage waits
+    /// for its group's slow member), and a plan of groups of different sizes is refused.
+    #[test]
+    fn an_expert_parallel_plan_is_priced_with_its_exchange_in_lockstep() {
+        let hosts = vec!["h".to_owned(); 4];
+        let whole = data_parallel(2);
+        let split = data_parallel(2).with_even_experts(2).unwrap();
+        let cost = fitted_cost(&expert_job(&whole, &[1.0, 1.0], &hosts[..2])).unwrap();
+        let (plain, exchanged) = (
+            predict_step_s(&cost, &whole).unwrap(),
+            predict_step_s(&cost, &split).unwrap(),
+        );
+        assert!(exchanged > plain, "{exchanged} vs {plain}");
+        let pipelines = Plan::from_toml(
+            &"[[replica]]\nlayers = [2, 2]\nmicro_batch_size = 1\nnum_micro_batches = 4\n\n"
+                .repeat(2),
+            None,
+        )
+        .unwrap()
+        .with_even_experts(2)
+        .unwrap();
+        let predicted = |paces: &[f64]| {
+            let cost = fitted_cost(&expert_job(&pipelines, paces, &hosts)).unwrap();
+            predict_step_s(&cost, &pipelines).unwrap()
+        };
+        let apart = predicted(&[4.0, 1.0, 1.0, 4.0]);
+        let together = predicted(&[4.0, 1.0, 4.0, 1.0]);
+        assert!(apart > 1.1 * together, "{apart} vs {together}");
+        let mixed = pipelines
+            .clone()
+            .with_even_experts_by_stage(|s| [2, 1][s])
+            .unwrap();
+        let e = predict_step_s(&cost, &mixed).unwrap_err().to_string();
+        assert!(e.contains("differ in size"), "{e}");
     }
 }

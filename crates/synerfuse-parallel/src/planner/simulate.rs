@@ -398,6 +398,8 @@ fn pooled_ranks(
     candidate: &mut PooledCandidate,
 ) -> Result<Vec<RankPace>, PlanningError> {
     let mut ranks: Vec<RankPace> = Vec::new();
+    // Each rank's unit.
+    let mut units: Vec<usize> = Vec::new();
     let mut replica = 0;
     for pool in &candidate.pools {
         let d = pool.micro_batches.len();
@@ -421,6 +423,7 @@ fn pooled_ranks(
                     last.seconds = micro_batch_seconds(ctx, unit, last.size, recompute, at)?;
                 }
                 for &device in &ctx.groups[unit].members {
+                    units.push(unit);
                     ranks.push(RankPace {
                         device,
                         micro_batch_size: pool.micro_batch_size,
@@ -435,7 +438,28 @@ fn pooled_ranks(
             replica += 1;
         }
     }
+    in_lockstep(&mut ranks, &units, &ctx.lockstep);
     Ok(ranks)
+}
+
+/// Each micro-batch of the ranks of units that meet at every MoE layer (`lockstep`) at
+/// the slowest one's pace.
+fn in_lockstep(ranks: &mut [RankPace], units: &[usize], lockstep: &[Vec<usize>]) {
+    for group in lockstep {
+        let members: Vec<usize> = (0..ranks.len())
+            .filter(|&k| group.contains(&units[k]))
+            .collect();
+        let slowest = |part: fn(&RankPace) -> f64| {
+            (members.iter())
+                .map(|&k| part(&ranks[k]))
+                .fold(0.0, f64::max)
+        };
+        let (each, last) = (slowest(|r| r.micro_batch_s), slowest(|r| r.last.seconds));
+        for &k in &members {
+            ranks[k].micro_batch_s = each;
+            ranks[k].last.seconds = last;
+        }
+    }
 }
 
 /// The simulated step of a per-replica-pipeline plan, rank by rank.
