@@ -411,6 +411,29 @@ fn a_lost_rank_restarts_the_job_on_the_survivors_from_the_last_checkpoint() {
     same_losses(&losses(&log), &single_rank_losses(dir.path(), &data, 30));
 }
 
+/// 24 iterations of the scenario on `layout` under `--replan auto`, rank 1 four times
+/// slower from iteration 10 (a window of 4): its one switch of plans, checked to be one.
+fn switched_once_after_a_slowdown(
+    dir: &std::path::Path,
+    data: &std::path::Path,
+    name: &str,
+    layout: &[&str],
+) -> Vec<serde_json::Value> {
+    let slowdown = [
+        "--emulate-speed-change",
+        "10:1:0.0625",
+        "--replan-window",
+        "4",
+        "--replan",
+        "auto",
+    ];
+    let args = [&SPEEDS[..], layout, &slowdown[..]].concat();
+    let (records, stderr) = four_ranks(dir, data, name, 24, &args);
+    let switched = switches(&records);
+    assert_eq!(switched.len(), 1, "{name}: {stderr}");
+    switched
+}
+
 /// The losses of one rank training the scenario's global batches for `iters` iterations.
 fn single_rank_losses(dir: &std::path::Path, data: &std::path::Path, iters: u64) -> Vec<f64> {
     let log = dir.join("single.jsonl");
@@ -440,25 +463,12 @@ fn same_losses(got: &[f64], want: &[f64]) {
 fn a_switch_out_of_a_pipeline_under_the_distributed_optimizer_keeps_the_losses() {
     let dir = tempfile::tempdir().unwrap();
     let data = dataset(dir.path());
-    let args = [
-        &SPEEDS[..],
-        &[
-            "--pipeline-model-parallel-size",
-            "2",
-            "--use-distributed-optimizer",
-        ],
-        &[
-            "--emulate-speed-change",
-            "10:1:0.0625",
-            "--replan-window",
-            "4",
-        ],
-        &["--replan", "auto"],
-    ]
-    .concat();
-    let (records, stderr) = four_ranks(dir.path(), &data, "pipeline", 24, &args);
-    let switched = switches(&records);
-    assert_eq!(switched.len(), 1, "{stderr}");
+    let layout = [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--use-distributed-optimizer",
+    ];
+    let switched = switched_once_after_a_slowdown(dir.path(), &data, "pipeline", &layout);
     let layers = &switched[0]["proposed_layers"];
     assert_ne!(
         layers,
@@ -476,25 +486,12 @@ fn a_switch_out_of_a_pipeline_under_the_distributed_optimizer_keeps_the_losses()
 fn a_switch_out_of_context_parallelism_keeps_the_losses() {
     let dir = tempfile::tempdir().unwrap();
     let data = dataset(dir.path());
-    let args = [
-        &SPEEDS[..],
-        &[
-            "--context-parallel-size",
-            "2",
-            "--use-distributed-optimizer",
-        ],
-        &[
-            "--emulate-speed-change",
-            "10:1:0.0625",
-            "--replan-window",
-            "4",
-        ],
-        &["--replan", "auto"],
-    ]
-    .concat();
-    let (records, stderr) = four_ranks(dir.path(), &data, "context", 24, &args);
-    let switched = switches(&records);
-    assert_eq!(switched.len(), 1, "{stderr}");
+    let layout = [
+        "--context-parallel-size",
+        "2",
+        "--use-distributed-optimizer",
+    ];
+    let switched = switched_once_after_a_slowdown(dir.path(), &data, "context", &layout);
     let plan: synerfuse_parallel::Plan =
         serde_json::from_value(switched[0]["proposed_plan"].clone()).unwrap();
     assert!(!plan.has_context_parallelism(), "{}", switched[0]);
@@ -519,26 +516,16 @@ fn a_switch_out_of_expert_parallelism_keeps_the_losses() {
         "--moe-router-load-balancing-type",
         "seq_aux_loss",
     ];
-    let args = [
-        &SPEEDS[..],
+    let layout = [
         &experts[..],
         &[
             "--expert-model-parallel-size",
             "2",
             "--use-distributed-optimizer",
         ],
-        &[
-            "--emulate-speed-change",
-            "10:1:0.0625",
-            "--replan-window",
-            "4",
-        ],
-        &["--replan", "auto"],
     ]
     .concat();
-    let (records, stderr) = four_ranks(dir.path(), &data, "experts", 24, &args);
-    let switched = switches(&records);
-    assert_eq!(switched.len(), 1, "{stderr}");
+    let switched = switched_once_after_a_slowdown(dir.path(), &data, "experts", &layout);
     // A member's pace leaves out its waits at the all-to-alls: rank 0 is not slowed by
     // its group's slow member (it would be ~4x slower if it were).
     let paces: Vec<f64> = serde_json::from_value(switched[0]["paces_s"].clone()).unwrap();

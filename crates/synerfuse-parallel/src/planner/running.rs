@@ -340,7 +340,7 @@ fn expert_lockstep(
         .map(|r| r.stages.num_stages())
         .sum();
     let mut sizes: Vec<usize> = groups.iter().map(|g| g.replicas.len()).collect();
-    if groups.iter().map(|g| g.replicas.len()).sum::<usize>() < units {
+    if sizes.iter().sum::<usize>() < units {
         sizes.push(1);
     }
     sizes.sort_unstable();
