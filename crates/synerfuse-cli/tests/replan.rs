@@ -538,3 +538,77 @@ fn a_switch_out_of_expert_parallelism_keeps_the_losses() {
     ok(&synerfuse(&single), "single rank");
     same_losses(&losses(&dir.path().join("experts.jsonl")), &losses(&log));
 }
+
+// A switch into expert parallelism where memory binds: two ranks of 120 MB each run a
+// pipeline of two stages (a mixture of 8 experts whose state, ~130 MB, fits no rank
+// whole; one query group, so no tensor parallelism). The re-planner's other plan
+// divides the experts, half per rank, and runs without the pipeline's bubble: after warm-up the run switches into it, its experts
+// moving by global name, and its losses stay a single rank's.
+#[test]
+fn a_switch_into_expert_parallelism_where_memory_binds_keeps_the_losses() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dataset(dir.path());
+    let experts = [
+        "--num-experts",
+        "8",
+        "--moe-ffn-hidden-size",
+        "512",
+        "--moe-router-topk",
+        "2",
+    ];
+    let plan = plan_file(
+        dir.path(),
+        "pipeline",
+        "[[replica]]\nlayers = [2, 2]\nmicro_batch_size = 1\nnum_micro_batches = 2\nmemory_gb = [0.12, 0.12]\n",
+    );
+    let iters = 24;
+    let log = dir.path().join("into.jsonl");
+    let mut args = small_batches(steady_model(common(dir.path(), &data, iters)));
+    args.extend(strings(&experts));
+    args.extend(strings(&[
+        "--nproc",
+        "2",
+        "--threads",
+        "1",
+        "--plan",
+        &plan,
+        "--emulate-device-speed",
+        "0.5,0.5",
+        "--replan-threshold",
+        "0.5",
+        "--replan-window",
+        "4",
+        "--replan",
+        "auto",
+        "--log-json",
+    ]));
+    args.push(log.display().to_string());
+    let out = synerfuse(&args);
+    ok(&out, "into");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let records = json_records(&log);
+    let switched = switches(&records);
+    assert_eq!(switched.len(), 1, "{stderr}");
+    let plan: synerfuse_parallel::Plan =
+        serde_json::from_value(switched[0]["proposed_plan"].clone()).unwrap();
+    let groups = plan.expert_groups(8).unwrap();
+    assert!(!groups.is_empty(), "{}", switched[0]);
+
+    let single_log = dir.path().join("single.jsonl");
+    let mut single = small_batches(steady_model(common(dir.path(), &data, iters)));
+    single.extend(strings(&experts));
+    single.extend(strings(&["--micro-batch-size", "2", "--log-json"]));
+    single.push(single_log.display().to_string());
+    ok(&synerfuse(&single), "single rank");
+    same_losses(&losses(&log), &losses(&single_log));
+}
+
+/// `args` with global batches of 2 (a pipeline of two stages then idles a third of its
+/// step) and one query group (no tensor parallelism).
+fn small_batches(mut args: Vec<String>) -> Vec<String> {
+    for (flag, value) in [("--global-batch-size", "2"), ("--num-query-groups", "1")] {
+        let at = args.iter().position(|a| a == flag).expect(flag);
+        args[at + 1] = value.to_owned();
+    }
+    args
+}

@@ -7,7 +7,9 @@
 //! mean the same thing whatever the layout, and checkpoints move between layouts.
 
 use crate::cp::ContextGroup;
-use crate::moe::{route, route_across, ExpertExchange, ExpertGroup, LayerBalance, Routing};
+use crate::moe::{
+    route, route_across, ExpertExchange, ExpertGroup, HeldExperts, LayerBalance, Routing,
+};
 use crate::norm::rms_norm;
 use crate::pass::{ForwardPass, SavedInputs};
 use crate::LlamaConfig;
@@ -222,8 +224,8 @@ enum Mlp {
     Experts {
         /// `[experts, hidden]`, no bias.
         router: Linear,
-        /// The experts this rank holds, by index (all without expert parallelism).
-        experts: Vec<(usize, SwiGlu)>,
+        /// The experts this rank holds.
+        experts: HeldExperts,
         top_k: i64,
     },
 }
@@ -324,7 +326,7 @@ impl DecoderLayer {
                     let block = &p / "block_sparse_moe";
                     let router = Linear::new(&block / "gate", h, moe.num_experts, false, std);
                     let all: Vec<usize> = (0..moe.num_experts).collect();
-                    let experts = (shard.experts.as_deref().unwrap_or(&all).iter())
+                    let held = (shard.experts.as_deref().unwrap_or(&all).iter())
                         .map(|&e| {
                             let expert = SwiGlu::new(
                                 &(&block / "experts" / e),
@@ -338,7 +340,7 @@ impl DecoderLayer {
                         .collect();
                     Mlp::Experts {
                         router,
-                        experts,
+                        experts: HeldExperts::new(held),
                         top_k: moe.top_k as i64,
                     }
                 }

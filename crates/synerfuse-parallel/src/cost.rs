@@ -487,6 +487,15 @@ impl CostModel {
         }
     }
 
+    /// A mean layer's expert parameters each member of an expert-parallel group holds
+    /// (its part; 0 without expert parallelism, where the experts reduce with the rest).
+    pub fn expert_part_params(&self) -> f64 {
+        match self.expert_parallel {
+            0 | 1 => 0.0,
+            ep => self.model.expert_layer_params() / ep as f64,
+        }
+    }
+
     /// Parameters a rank of a stage of `layers` layers holds (its expert-parallel part
     /// of the experts), with the embedding when `first`, the head when `last`.
     pub fn stage_params(&self, layers: usize, first: bool, last: bool) -> f64 {

@@ -5,8 +5,8 @@ use super::*;
 use crate::cost::{ExpertShape, ModelShape};
 
 /// Two MoE layers of 8 experts so wide that one layer's experts (32 GB of state) fill
-/// no A10, while half of them (16 GB) do: on 4 A10s only a two-stage pipeline of two
-/// replicas dividing the experts fits.
+/// no A10, while half of them (16 GB) do: on 4 A10s a two-stage pipeline of two
+/// replicas dividing the experts fits, or four replicas holding a quarter each.
 fn wide_experts(load: Option<Vec<Vec<f64>>>) -> CostModel {
     let cluster = crate::cluster::ClusterSpec::from_toml(
         "[[group]]\nkind = \"a10\"\ncount = 4\nnode = \"a\"\n[network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n",
@@ -55,7 +55,17 @@ fn expert_parallelism_makes_a_plan_fit_and_writes_megatrons_even_parts() {
         matches!(without, Err(PlanningError::Infeasible(_))),
         "{without:?}"
     );
+    // Four replicas each holding a quarter of the experts fit a stage each and reduce no
+    // expert's gradient (each expert held once): faster than a pipeline.
     let outcome = plan(&cost, &request(vec![2, 4])).unwrap();
+    let best = &outcome.plans[0];
+    let shape = (best.layers.len(), best.micro_batches.len());
+    assert_eq!(
+        (best.options.expert_parallel, shape),
+        (4, (1, 4)),
+        "{best:?}"
+    );
+    let outcome = plan(&cost, &request(vec![2])).unwrap();
     let best = &outcome.plans[0];
     assert_eq!(best.options.expert_parallel, 2, "{best:?}");
     assert_eq!((best.layers.len(), best.micro_batches.len()), (2, 2));
@@ -255,4 +265,37 @@ fn a_group_of_unequal_micro_batches_computes_its_mean_tokens_on_each_member() {
     assert!((t[0][0] - member_3.max(member_1)).abs() < 1e-12, "{t:?}");
     assert_eq!(t[0][0], t[0][1]);
     assert!(t[0][0] < three, "{t:?} against {three}");
+}
+
+/// A stage's expert gradients are all-reduced over the replicas holding the same experts
+/// (Megatron's expert-data-parallel groups, side by side), the rest over every replica:
+/// with four replicas, EP 2 reduces its half of the experts over pairs, EP 4 none.
+#[test]
+fn expert_gradients_reduce_over_the_replicas_holding_the_same_experts() {
+    let cost = wide_experts(None);
+    let grid = vec![vec![0, 1, 2, 3]];
+    let reduce = |ep: usize| {
+        let variant = CostModel {
+            expert_parallel: ep,
+            ..cost.clone()
+        };
+        let ctx = pricing::Ctx::new(&variant);
+        let dense = variant.stage_params(2, true, true) - 2.0 * variant.expert_part_params();
+        let experts = 2.0 * variant.expert_part_params();
+        let pair = ctx.allreduce_seconds(vec![0, 2], experts * 4.0);
+        let all = ctx.allreduce_seconds(vec![0, 1, 2, 3], dense * 4.0);
+        (pricing::allreduce_times(&ctx, &grid, &[2])[0], all, pair)
+    };
+    let (four, dense, _) = reduce(4);
+    assert!((four - dense).abs() < 1e-12, "{four} vs {dense}");
+    let (two, dense, pair) = reduce(2);
+    assert!(
+        pair > 0.0 && (two - dense - pair).abs() < 1e-12,
+        "{two} vs {dense} + {pair}"
+    );
+    // Without expert parallelism every expert reduces over all four.
+    let (one, _, _) = reduce(1);
+    let whole = pricing::Ctx::new(&cost)
+        .allreduce_seconds(vec![0, 1, 2, 3], cost.stage_params(2, true, true) * 4.0);
+    assert!((one - whole).abs() < 1e-12, "{one} vs {whole}");
 }

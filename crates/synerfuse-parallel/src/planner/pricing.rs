@@ -695,15 +695,45 @@ pub(super) fn max(values: &[f64]) -> f64 {
     values.iter().copied().fold(0.0, f64::max)
 }
 
-/// Per stage, the fp32 gradient all-reduce over its replicas, s.
+/// Per stage, the fp32 gradient all-reduce over its replicas, s: under expert
+/// parallelism the experts each member holds over the replicas holding the same
+/// ([`expert_allreduce_s`]), the rest over all.
 pub(super) fn allreduce_times(ctx: &Ctx<'_>, grid: &[Vec<usize>], layers: &[usize]) -> Vec<f64> {
     let p = grid.len();
-    // Under expert parallelism, each member's part of the experts (reduced over fewer
-    // replicas than the rest: priced over all of them).
     let m = ctx.cost;
     (0..p)
-        .map(|i| holders_allreduce_s(ctx, &grid[i], m.stage_params(layers[i], i == 0, i + 1 == p)))
+        .map(|i| {
+            let held = m.stage_params(layers[i], i == 0, i + 1 == p);
+            let experts = layers[i] as f64 * m.expert_part_params();
+            holders_allreduce_s(ctx, &grid[i], held - experts)
+                + expert_allreduce_s(ctx, &grid[i], experts)
+        })
         .collect()
+}
+
+/// The fp32 gradient all-reduce of `params` expert parameters each of `units` (one per
+/// replica) holds, over Megatron's expert-data-parallel groups, side by side: the units
+/// in the same place of their expert-parallel groups (a priced plan's
+/// [`Ctx::lockstep`], else consecutive units of `expert_parallel`), s. 0 where each
+/// group has one unit (every expert held once).
+pub(super) fn expert_allreduce_s(ctx: &Ctx<'_>, units: &[usize], params: f64) -> f64 {
+    if params <= 0.0 {
+        return 0.0;
+    }
+    let ep = ctx.cost.expert_parallel.max(1);
+    let place = |k: usize, unit: usize| match ctx.lockstep.is_empty() {
+        true => k % ep,
+        false => (ctx.lockstep.iter())
+            .find_map(|g| g.iter().position(|&u| u == unit))
+            .unwrap_or(0),
+    };
+    let mut groups: Vec<Vec<usize>> = vec![Vec::new(); ep];
+    for (k, &unit) in units.iter().enumerate() {
+        groups[place(k, unit).min(ep - 1)].push(unit);
+    }
+    (groups.iter())
+        .map(|g| holders_allreduce_s(ctx, g, params))
+        .fold(0.0, f64::max)
 }
 
 /// The fp32 gradient all-reduce of `params` parameters over the units that hold them:
@@ -773,8 +803,10 @@ pub(super) fn stage_pieces(pools: &[PoolLayout], l: usize) -> Vec<Vec<(usize, us
 /// neighbouring cuts of the union of every replica's stage boundaries, held by one
 /// (replica, stage) position of each replica.
 pub(super) struct PooledSegment {
-    /// Its parameters.
+    /// Its parameters a holder holds (under expert parallelism its part of the experts).
     pub(super) params: f64,
+    /// Of those, its experts' under expert parallelism (0 without).
+    pub(super) expert_params: f64,
     /// Per replica, the holding position (counted replica by replica, stage by stage)
     /// and its unit.
     pub(super) holders: Vec<(usize, usize)>,
@@ -789,15 +821,18 @@ pub(super) fn pooled_segments(ctx: &Ctx<'_>, pools: &[PoolLayout]) -> Vec<Pooled
     cuts.push(l + 2);
     cuts.sort_unstable();
     cuts.dedup();
+    // A layer's parameters a holder holds, and of them its experts.
+    let experts = ctx.cost.expert_part_params();
+    let layer = ctx.cost.stage_params(1, false, false);
     let params = |from: usize, to: usize| {
         (from..to)
             .map(|piece| match piece {
-                0 => model.embedding_params(),
+                0 => (model.embedding_params(), 0.0),
                 // The final norm and the output layer.
-                x if x == l + 1 => model.embedding_params() + model.hidden_size as f64,
-                _ => model.layer_params(),
+                x if x == l + 1 => (model.embedding_params() + model.hidden_size as f64, 0.0),
+                _ => (layer, experts),
             })
-            .sum::<f64>()
+            .fold((0.0, 0.0), |(a, b), (x, y)| (a + x, b + y))
     };
     // Position of (replica, stage): replica by replica, stage by stage.
     let first_position: Vec<usize> = (stages.iter())
@@ -818,8 +853,10 @@ pub(super) fn pooled_segments(ctx: &Ctx<'_>, pools: &[PoolLayout]) -> Vec<Pooled
                     (first_position[r] + i, s[i].2)
                 })
                 .collect();
+            let (params, expert_params) = params(from, to);
             PooledSegment {
-                params: params(from, to),
+                params,
+                expert_params,
                 holders,
             }
         })
@@ -837,12 +874,14 @@ fn positions(segments: &[PooledSegment]) -> usize {
 /// Per (replica, stage), replica by replica, the seconds of its gradient reduction: each
 /// segment all-reduced over its holders (one per replica; tensor-parallel groups of the
 /// same shares each member its share, side by side; groups split otherwise the whole
-/// tensors over every member), a stage's segments one after another.
+/// tensors over every member; under expert parallelism its experts over the holders of
+/// the same), a stage's segments one after another.
 pub(super) fn reduce_s(ctx: &Ctx<'_>, segments: &[PooledSegment]) -> Vec<f64> {
     let mut seconds = vec![0.0; positions(segments)];
     for segment in segments {
         let units: Vec<usize> = segment.holders.iter().map(|&(_, u)| u).collect();
-        let t = holders_allreduce_s(ctx, &units, segment.params);
+        let t = holders_allreduce_s(ctx, &units, segment.params - segment.expert_params)
+            + expert_allreduce_s(ctx, &units, segment.expert_params);
         for &(position, _) in &segment.holders {
             seconds[position] += t;
         }
@@ -888,10 +927,7 @@ pub(super) fn optimizer_s(ctx: &Ctx<'_>, pools: &[PoolLayout], segments: &[Poole
     for pool in pools {
         let p = pool.layers.len();
         for (i, row) in pool.devices.iter().enumerate() {
-            let params = ctx
-                .cost
-                .model
-                .stage_params(pool.layers[i], i == 0, i + 1 == p);
+            let params = ctx.cost.stage_params(pool.layers[i], i == 0, i + 1 == p);
             for &unit in row {
                 slowest = slowest.max(optimizer_once(ctx, unit, params));
             }

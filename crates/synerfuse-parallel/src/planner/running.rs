@@ -362,7 +362,8 @@ fn expert_lockstep(
 /// What a running job is re-planned for (a switch, or the survivors of lost ranks): its
 /// own global batch and the options `synerfuse plan` searches by default: micro-batch
 /// sizes 1 to 8, tensor- and context-parallel sizes 1 to 8 (within a host; context
-/// parallelism where memory binds without it), recomputation where a
+/// parallelism where memory binds without it), expert-parallel sizes 1 to 8 (of a
+/// mixture of experts: those dividing its experts), recomputation where a
 /// stage needs it (every stage when the job runs `--recompute-activations`: the run
 /// recomputes whatever the plan says), and the distributed optimizer exactly when the
 /// job runs it (a run flag, not the plan's).
@@ -385,10 +386,10 @@ pub fn running_job_request(
             true => Choice::On,
             false => Choice::Off,
         },
-        // The re-planner's plans hold every expert: a run with expert parallelism (its
-        // plan priced with its exchange, members' parts and lockstep) may switch out of
-        // it, none switches into it.
-        expert_parallel_sizes: Vec::new(),
+        // Expert-parallel sizes as `synerfuse plan` searches them (grid plans of one size;
+        // a running plan of one size is priced with its exchange, members' parts and
+        // lockstep): a run may switch into expert parallelism where it pays, or out of it.
+        expert_parallel_sizes: vec![1, 2, 4, 8],
     }
 }
 
@@ -805,5 +806,60 @@ mod tests {
             .unwrap();
         let e = predict_step_s(&cost, &mixed).unwrap_err().to_string();
         assert!(e.contains("differ in size"), "{e}");
+    }
+
+    /// A mixture of experts on two ranks of 45 MB each, running a pipeline of two stages:
+    /// its experts (3.1 M parameters, 63 MB of state) fit no rank whole, so the
+    /// re-planner's only other plans divide them; each replica holding half of every
+    /// layer's experts (expert parallelism 2) runs without the pipeline's bubble, and the
+    /// re-planner switches into it, its experts placed (a part per replica, all held).
+    #[test]
+    fn a_job_is_switched_into_expert_parallelism_where_memory_binds() {
+        let placement = RankPlacement {
+            memory_gb: Some(0.045),
+            ..RankPlacement::default()
+        };
+        let plan = Plan::new(vec![ReplicaPipeline::single_ranks(
+            StageLayout::new(vec![2, 2], 4).unwrap(),
+            ReplicaBatch::uniform(1, 8),
+            vec![0, 1],
+            vec![placement; 2],
+        )])
+        .unwrap();
+        let hosts = vec!["h".to_owned(); 2];
+        let model = ModelShape {
+            num_kv_heads: 1,
+            experts: Some(crate::cost::ExpertShape {
+                num_experts: 8,
+                top_k: 2,
+                ffn_hidden_size: 512,
+                layer_freq: 1,
+            }),
+            ..model()
+        };
+        let job = RunningJob {
+            model,
+            ..job(&plan, &[1.0, 1.0], &hosts)
+        };
+        let cost = fitted_cost(&job).unwrap();
+        let running_s = predict_step_s(&cost, &plan).unwrap();
+        let placed: Vec<_> = (0..2).map(|r| plan.placement(r).cloned()).collect();
+        let request = running_job_request(8, false, false);
+        let (best, step) = best_plan_for(&cost, &request, &placed).unwrap();
+        let groups = best.expert_groups(8).unwrap();
+        assert_eq!(best.replicas().len(), 2, "{best:?}");
+        assert_eq!(groups.len(), 1, "{groups:?}");
+        let mut held: Vec<usize> = groups[0].placement.concat();
+        held.sort_unstable();
+        assert_eq!(held, (0..8).collect::<Vec<_>>());
+        assert!(step < 0.95 * running_s, "{step} vs {running_s}");
+        let without = PlanRequest {
+            expert_parallel_sizes: vec![1],
+            ..request
+        };
+        // Without it, memory keeps the run a pipeline (every expert held by a stage).
+        let (kept, _) = best_plan_for(&cost, &without, &placed).unwrap();
+        assert!(kept.expert_groups(8).unwrap().is_empty(), "{kept:?}");
+        assert!(kept.replicas()[0].stages.num_stages() > 1, "{kept:?}");
     }
 }
