@@ -269,9 +269,10 @@ pub struct PlanArgs {
     /// unequal token shares; 1: none, the default: long sequences ask for `1,2,4,8`)
     #[arg(long, value_parser = crate::values::positive_count, value_delimiter = ',', default_value = "1")]
     context_parallel_sizes: Vec<usize>,
-    /// Expert-parallel sizes to consider for grid plans of a mixture of experts (those
-    /// dividing --num-experts and the replicas; each stage's experts divided over that
-    /// many replicas, placed by their pace and memory; ignored for a dense model)
+    /// Expert-parallel sizes to consider for a mixture of experts, in grid plans and in
+    /// the expert layouts of each pool of alike devices (those dividing --num-experts and
+    /// the replicas; each stage's experts divided over that many replicas, placed by
+    /// their pace, memory and tokens per expert; ignored for a dense model)
     #[arg(long, value_parser = crate::values::positive_count, value_delimiter = ',', default_value = "1,2,4,8")]
     expert_model_parallel_sizes: Vec<usize>,
     /// A `synerfuse train --log-json` log of a run of this model: the tokens each expert
@@ -423,7 +424,7 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
     };
     if let Some(e) = shape.experts {
         tracing::info!(
-            "{} experts per MoE layer, {} per token: priced with the top-{} experts' compute and each replica's part of the experts; expert-parallel sizes {:?} searched for grid plans, experts placed by pace, memory and tokens per expert",
+            "{} experts per MoE layer, {} per token: priced with the top-{} experts' compute and each replica's part of the experts; expert-parallel sizes {:?} searched for grid plans and per-pool layouts, experts placed by pace, memory and tokens per expert",
             e.num_experts,
             e.top_k,
             e.top_k,

@@ -704,6 +704,8 @@ fn print_replicas(replicas: &[ReplicaReport]) {
 #[derive(serde::Serialize)]
 pub(crate) struct ExpertReport {
     tensor_parallel_size: usize,
+    /// Replicas each MoE layer's experts are divided over (groups of alike replicas).
+    expert_parallel_size: usize,
     /// Whether each pool of alike devices has its own depth and batch share.
     per_pool: bool,
     pipeline_parallel_sizes: Vec<usize>,
@@ -721,6 +723,7 @@ impl ExpertReport {
         let c = &e.candidate;
         Some(ExpertReport {
             tensor_parallel_size: e.tensor_parallel_size,
+            expert_parallel_size: c.options.expert_parallel,
             per_pool: e.per_pool,
             pipeline_parallel_sizes: c.pools.iter().map(|p| p.layers.len()).collect(),
             data_parallel_sizes: c.pools.iter().map(|p| p.micro_batches.len()).collect(),
@@ -737,8 +740,12 @@ impl ExpertReport {
             true => "nothing found beats it: written",
             false => "the plan written is at least as fast",
         };
+        let ep = match self.expert_parallel_size {
+            1 => String::new(),
+            ep => format!(", ep {ep} within each pool"),
+        };
         println!(
-            "expert layout (tp {} in every node, fewest stages memory allows {}, even layers, {}): {:.4} s per step, {:.1}% of the bound; {verdict}",
+            "expert layout (tp {} in every node{ep}, fewest stages memory allows {}, even layers, {}): {:.4} s per step, {:.1}% of the bound; {verdict}",
             self.tensor_parallel_size,
             compact(&self.pipeline_parallel_sizes),
             match self.per_pool {

@@ -256,10 +256,12 @@ pub(super) fn placement(dev: &Device) -> RankPlacement {
 impl PooledCandidate {
     /// The plan `synerfuse train --plan` runs: the pools' replicas in order, ranks
     /// replica by replica, stage by stage, a unit's members together (a
-    /// context-parallel member's tensor-parallel group together).
+    /// context-parallel member's tensor-parallel group together); under expert
+    /// parallelism each replica's experts ([`PooledCandidate::expert_parts`]).
     pub fn to_plan(&self, cost: &CostModel) -> Result<Plan, PlanError> {
         let candidate = self;
         let devices = cost.cluster.devices();
+        let experts = self.expert_parts(cost);
         let mut next_rank = 0;
         let mut replicas = Vec::new();
         for (k, r) in candidate.replicas() {
@@ -310,9 +312,57 @@ impl PooledCandidate {
                 placements: (groups.iter())
                     .flat_map(|g| g.members.iter().map(|&i| placement(&devices[i])))
                     .collect(),
-                experts: Vec::new(),
+                experts: match &experts {
+                    Some(parts) => (parts[k].iter())
+                        .map(|stage| Some(ExpertHolding::Listed(stage[r].clone())))
+                        .collect(),
+                    None => Vec::new(),
+                },
             });
         }
         Plan::new(replicas)
+    }
+
+    /// Under expert parallelism, per pool, stage and replica the experts it holds: each
+    /// group of `expert_parallel` consecutive replicas of a pool (alike members, as the
+    /// layout was priced) holding equal counts, the experts placed by
+    /// [`place_experts`] on the tokens each took in the stage's MoE layers (measured:
+    /// [`CostModel::expert_load`]), Megatron's even parts where that is as fast.
+    fn expert_parts(&self, cost: &CostModel) -> Option<Vec<Vec<Vec<Vec<usize>>>>> {
+        let (ep, shape) = (self.options.expert_parallel, cost.model.experts?);
+        if ep <= 1 {
+            return None;
+        }
+        let e = shape.num_experts;
+        let members = vec![
+            ExpertMember {
+                speed: 1.0,
+                capacity: e / ep,
+            };
+            ep
+        ];
+        let even = even_parts(e, ep);
+        let parts = (self.pools.iter()).map(|pool| {
+            let mut start = 0;
+            (pool.layers.iter())
+                .map(|&layers| {
+                    let load = stage_load(cost, start, start + layers);
+                    start += layers;
+                    let placed = match place_experts(&load, &members) {
+                        Ok(placed)
+                            if slowest_time(&load, &members, &placed)
+                                < slowest_time(&load, &members, &even) / (1.0 + 1e-9) =>
+                        {
+                            placed
+                        }
+                        _ => even.clone(),
+                    };
+                    (0..pool.micro_batches.len())
+                        .map(|r| placed[r % ep].clone())
+                        .collect()
+                })
+                .collect()
+        });
+        Some(parts.collect())
     }
 }

@@ -3,7 +3,10 @@
 //! as few pipeline stages as memory allows with the layers split evenly, data
 //! parallelism over the rest; either one layout for the whole cluster (every replica
 //! the same depth and batch, as Megatron runs) or one per pool of alike devices (each
-//! pool its own depth, the batch split by pace).
+//! pool its own depth, the batch split by pace). Of a mixture of experts, at each
+//! expert-parallel size asked for: groups of that many consecutive replicas of a pool
+//! (alike devices, one depth) divide each stage's experts, each group's members taking
+//! the same micro-batches.
 
 use super::{
     error::PlanningError,
@@ -17,6 +20,7 @@ use super::{
     split::even_layers,
 };
 use crate::cost::{CostModel, Recompute};
+use std::collections::BTreeSet;
 
 /// The best layout an expert would try, as priced by the planner's model.
 #[derive(Debug, Clone, PartialEq)]
@@ -39,19 +43,26 @@ pub(super) fn best_expert(
 ) -> Result<Option<ExpertLayout>, PlanningError> {
     let (g, sizes) = (request.global_batch_size, micro_batch_sizes(request));
     let mut best: Option<(f64, TrainOptions, usize, bool, Vec<PoolLayout>)> = None;
-    let chosen = |recompute, t, per_pool, b| {
+    let chosen = |options: TrainOptions, t, per_pool, b| {
         only.is_none_or(|e| {
-            e.candidate.options.recompute == recompute
+            e.candidate.options.recompute == options.recompute
+                && e.candidate.options.expert_parallel == options.expert_parallel
                 && e.tensor_parallel_size == t
                 && e.per_pool == per_pool
                 && e.candidate.pools.first().map(|p| p.micro_batch_size) == Some(b)
         })
     };
-    for &recompute in recompute_choices(request.recompute) {
+    let experts = cost.model.experts.map(|e| e.num_experts);
+    let ep_sizes: BTreeSet<usize> = (request.grid_options(experts).iter())
+        .map(|o| o.expert_parallel)
+        .collect();
+    let choices = (recompute_choices(request.recompute).iter())
+        .flat_map(|&r| ep_sizes.iter().map(move |&ep| (r, ep)));
+    for (recompute, expert_parallel) in choices {
         let options = TrainOptions {
             recompute,
             distributed_optimizer: request.distributed_optimizer != Choice::Off,
-            expert_parallel: 1,
+            expert_parallel,
         };
         let variant = options.cost(cost);
         for t in request.tp_sizes() {
@@ -64,7 +75,7 @@ pub(super) fn best_expert(
             let pools = pools(&mut ctx)?;
             for per_pool in [false, true] {
                 for &b in &sizes {
-                    if !chosen(recompute, t, per_pool, b) {
+                    if !chosen(options, t, per_pool, b) {
                         continue;
                     }
                     let Some(layouts) = expert_layouts(&mut ctx, &pools, g, b, per_pool)? else {
@@ -83,6 +94,7 @@ pub(super) fn best_expert(
     };
     let variant = options.cost(cost);
     let mut ctx = Ctx::tensor_parallel(&variant, t)?.expect("the size cut the cluster before");
+    ctx.lockstep = expert_groups(&layouts, options.expert_parallel);
     let (mut candidate, _) = simulate_pools(&mut ctx, layouts, false)?;
     candidate.options = options;
     Ok(Some(ExpertLayout {
@@ -148,12 +160,15 @@ fn expert_layouts(
         }
         false => return Ok(None),
         true => {
-            let mut paces = Vec::with_capacity(replicas);
+            // An expert-parallel group's members take the same micro-batches: the batch
+            // is split over groups, each taking `ep` micro-batches at a time.
+            let ep = ctx.cost.expert_parallel.max(1);
+            let mut paces = Vec::with_capacity(replicas / ep);
             for pool in &layouts {
                 let (t, c) = pool.stage_times(ctx)?;
-                for r in 0..pool.micro_batches.len() {
+                for r in (0..pool.micro_batches.len()).step_by(ep) {
                     paces.push(ReplicaPace {
-                        micro_batch_size: b,
+                        micro_batch_size: b * ep,
                         first_s: pipeline_time(&t, &c, r, 1),
                         each_s: t.iter().map(|s| s[r]).fold(0.0, f64::max),
                         most_micro_batches: usize::MAX,
@@ -161,7 +176,7 @@ fn expert_layouts(
                 }
             }
             match min_max_samples(global_batch, &paces) {
-                Some(counts) => counts,
+                Some(counts) => counts.into_iter().flat_map(|m| vec![m; ep]).collect(),
                 None => return Ok(None),
             }
         }
@@ -175,15 +190,21 @@ fn expert_layouts(
 }
 
 /// The fewest stages, at least `from`, dividing the pool and the model's layers into
-/// replicas that hold their even layer split with a full pipeline in flight.
+/// replicas (as many as expert-parallel groups fill) that hold their even layer split
+/// with a full pipeline in flight.
 fn shallowest(
     ctx: &mut Ctx<'_>,
     pool: &[usize],
     b: usize,
     from: usize,
 ) -> Result<Option<usize>, PlanningError> {
-    let (n, l) = (pool.len(), ctx.cost.model.num_layers);
-    for p in (from.max(1)..=n.min(l)).filter(|p| n % p == 0) {
+    let (n, l, ep) = (
+        pool.len(),
+        ctx.cost.model.num_layers,
+        ctx.cost.expert_parallel,
+    );
+    let divides = |p: &usize| n % p == 0 && (n / p) % ep.max(1) == 0;
+    for p in (from.max(1)..=n.min(l)).filter(divides) {
         let d = n / p;
         let trial = PoolLayout {
             devices: arrange(pool, p, d, Arrangement::ByReplica),
@@ -197,4 +218,16 @@ fn shallowest(
         }
     }
     Ok(None)
+}
+
+/// The units of each expert-parallel group of `layouts` (groups of `ep` consecutive
+/// replicas of a pool, stage by stage): none without expert parallelism.
+pub(super) fn expert_groups(layouts: &[PoolLayout], ep: usize) -> Vec<Vec<usize>> {
+    if ep <= 1 {
+        return Vec::new();
+    }
+    (layouts.iter())
+        .flat_map(|pool| pool.devices.iter())
+        .flat_map(|row| row.chunks(ep).map(<[usize]>::to_vec))
+        .collect()
 }

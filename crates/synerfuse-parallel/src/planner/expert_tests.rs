@@ -299,3 +299,53 @@ fn expert_gradients_reduce_over_the_replicas_holding_the_same_experts() {
         .allreduce_seconds(vec![0, 1, 2, 3], cost.stage_params(2, true, true) * 4.0);
     assert!((one - whole).abs() < 1e-12, "{one} vs {whole}");
 }
+
+/// On unequal pools (A100s of 40 GB, A10s of 24 GB) the expert's layouts divide the
+/// experts too: groups of two alike replicas of a pool holding half of each stage's
+/// experts, the members of a group taking the same micro-batches, the batch split by
+/// the pools' paces; asked for expert parallelism only, such a plan is found and
+/// written (before, per-replica layouts held every expert and none was).
+#[test]
+fn per_pool_layouts_divide_the_experts_over_groups_of_alike_replicas() {
+    let cluster = crate::cluster::ClusterSpec::from_toml(
+        "[[group]]\nkind = \"a100-40g\"\ncount = 4\nnode = \"a\"\n\
+         [[group]]\nkind = \"a10\"\ncount = 4\nnode = \"b\"\n\
+         [network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n",
+    )
+    .unwrap();
+    let cost = CostModel::new(wide_experts(None).model, cluster, None);
+    let outcome = plan(&cost, &request(vec![2])).unwrap();
+    let layout = outcome.expert.expect("an expert's layout");
+    assert_eq!(layout.candidate.options.expert_parallel, 2, "{layout:?}");
+    let written = layout.candidate.to_plan(&cost).unwrap();
+    written.check(&cost.model, false).unwrap();
+    let groups = written.expert_groups(8).unwrap();
+    assert!(!groups.is_empty(), "{written:?}");
+    let kinds = |r: usize, s: usize| {
+        let rank = written.replicas()[r].ranks[s][0];
+        written.placement(rank).and_then(|p| p.kind.clone())
+    };
+    for group in &groups {
+        // Alike members, each holding half the experts, all held.
+        let first = kinds(group.replicas[0], group.stage);
+        assert!(group
+            .replicas
+            .iter()
+            .all(|&r| kinds(r, group.stage) == first));
+        assert!(group.placement.iter().all(|p| p.len() == 4), "{group:?}");
+        let batches: Vec<_> = (group.replicas.iter())
+            .map(|&r| written.replicas()[r].batch.clone())
+            .collect();
+        assert!(batches.windows(2).all(|w| w[0] == w[1]), "{batches:?}");
+    }
+    assert_eq!(written.global_batch_size(), 8);
+    // The batch by pace: the A100s' replicas take more than the A10s'.
+    assert!(layout.per_pool, "{layout:?}");
+    let samples = |kind: &str| {
+        (0..written.replicas().len())
+            .filter(|&r| kinds(r, 0).as_deref() == Some(kind))
+            .map(|r| written.replicas()[r].batch.samples())
+            .min()
+    };
+    assert!(samples("a100-40g") > samples("a10"), "{written:?}");
+}

@@ -149,8 +149,10 @@ pub(super) fn per_replica_plans(
     cost: &CostModel,
     request: &PlanRequest,
     fold: &Fold,
+    whole_experts: bool,
 ) -> Result<(Option<PooledCandidate>, Option<ExpertLayout>), PlanningError> {
     let pooled = match plan_pooled_options(&fold.cost, &fold.request, None)? {
+        _ if !whole_experts => None,
         Some(c) => {
             let shape = PooledShape {
                 recompute: c.options.recompute,
@@ -162,7 +164,8 @@ pub(super) fn per_replica_plans(
     };
     let pooled = match pooled {
         Some(found) => Some(found),
-        None => plan_pooled_options(cost, request, None)?,
+        None if whole_experts => plan_pooled_options(cost, request, None)?,
+        None => None,
     };
     let expert = match best_expert(&fold.cost, &fold.request, None)? {
         Some(e) => best_expert(cost, request, Some(&e))?,

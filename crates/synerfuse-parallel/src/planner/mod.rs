@@ -105,11 +105,16 @@ fn plan_folding_above(
     // Per-replica pipelines may fit where no grid does (a small device in a pipeline of
     // its own, or a tensor-parallel group).
     // What an expert would write by hand, priced alike: a floor under the written plan.
+    // (Searched per-replica pipelines hold every expert; the expert's layouts divide
+    // them over groups of alike replicas at the sizes asked for.)
+    let whole = request.whole_experts(cost.model.experts.is_some());
     let (pooled, expert) = match &fold {
-        _ if !request.whole_experts(cost.model.experts.is_some()) => (None, None),
-        Some(fold) => fold::per_replica_plans(cost, request, fold)?,
+        Some(fold) => fold::per_replica_plans(cost, request, fold, whole)?,
         None => (
-            plan_pooled_options(cost, request, None)?,
+            match whole {
+                true => plan_pooled_options(cost, request, None)?,
+                false => None,
+            },
             expert::best_expert(cost, request, None)?,
         ),
     };
