@@ -300,13 +300,14 @@ fn expert_gradients_reduce_over_the_replicas_holding_the_same_experts() {
     assert!((one - whole).abs() < 1e-12, "{one} vs {whole}");
 }
 
-/// On unequal pools (A100s of 40 GB, A10s of 24 GB) the expert's layouts divide the
+/// On unequal pools (A100s of 40 GB, A10s of 24 GB) per-replica plans divide the
 /// experts too: groups of two alike replicas of a pool holding half of each stage's
 /// experts, the members of a group taking the same micro-batches, the batch split by
-/// the pools' paces; asked for expert parallelism only, such a plan is found and
-/// written (before, per-replica layouts held every expert and none was).
+/// the pools' paces; asked for expert parallelism only, both the expert's layout and
+/// the per-replica search find such a plan (before, per-replica plans held every
+/// expert and neither did).
 #[test]
-fn per_pool_layouts_divide_the_experts_over_groups_of_alike_replicas() {
+fn per_replica_plans_divide_the_experts_over_groups_of_alike_replicas() {
     let cluster = crate::cluster::ClusterSpec::from_toml(
         "[[group]]\nkind = \"a100-40g\"\ncount = 4\nnode = \"a\"\n\
          [[group]]\nkind = \"a10\"\ncount = 4\nnode = \"b\"\n\
@@ -316,8 +317,19 @@ fn per_pool_layouts_divide_the_experts_over_groups_of_alike_replicas() {
     let cost = CostModel::new(wide_experts(None).model, cluster, None);
     let outcome = plan(&cost, &request(vec![2])).unwrap();
     let layout = outcome.expert.expect("an expert's layout");
-    assert_eq!(layout.candidate.options.expert_parallel, 2, "{layout:?}");
-    let written = layout.candidate.to_plan(&cost).unwrap();
+    assert!(layout.per_pool, "{layout:?}");
+    let pooled = outcome.pooled.expect("a per-replica plan");
+    for candidate in [&layout.candidate, &pooled] {
+        assert_eq!(candidate.options.expert_parallel, 2, "{candidate:?}");
+        groups_of_alike_replicas(&cost, candidate);
+    }
+}
+
+/// `candidate`'s plan: valid, its expert-parallel groups of alike members holding half
+/// the experts each with the same micro-batches, and the A100s' replicas taking more of
+/// the batch than the A10s'.
+fn groups_of_alike_replicas(cost: &CostModel, candidate: &PooledCandidate) {
+    let written = candidate.to_plan(cost).unwrap();
     written.check(&cost.model, false).unwrap();
     let groups = written.expert_groups(8).unwrap();
     assert!(!groups.is_empty(), "{written:?}");
@@ -326,12 +338,8 @@ fn per_pool_layouts_divide_the_experts_over_groups_of_alike_replicas() {
         written.placement(rank).and_then(|p| p.kind.clone())
     };
     for group in &groups {
-        // Alike members, each holding half the experts, all held.
         let first = kinds(group.replicas[0], group.stage);
-        assert!(group
-            .replicas
-            .iter()
-            .all(|&r| kinds(r, group.stage) == first));
+        assert!(group.replicas.iter().all(|&r| kinds(r, group.stage) == first));
         assert!(group.placement.iter().all(|p| p.len() == 4), "{group:?}");
         let batches: Vec<_> = (group.replicas.iter())
             .map(|&r| written.replicas()[r].batch.clone())
@@ -339,8 +347,6 @@ fn per_pool_layouts_divide_the_experts_over_groups_of_alike_replicas() {
         assert!(batches.windows(2).all(|w| w[0] == w[1]), "{batches:?}");
     }
     assert_eq!(written.global_batch_size(), 8);
-    // The batch by pace: the A100s' replicas take more than the A10s'.
-    assert!(layout.per_pool, "{layout:?}");
     let samples = |kind: &str| {
         (0..written.replicas().len())
             .filter(|&r| kinds(r, 0).as_deref() == Some(kind))

@@ -138,6 +138,7 @@ fn gcd(a: usize, b: usize) -> usize {
 /// What a per-replica plan chose: its recomputation and each pool's shape.
 pub(super) struct PooledShape {
     pub(super) recompute: Recompute,
+    pub(super) expert_parallel: usize,
     pub(super) pools: Vec<PoolShape>,
 }
 
@@ -149,13 +150,12 @@ pub(super) fn per_replica_plans(
     cost: &CostModel,
     request: &PlanRequest,
     fold: &Fold,
-    whole_experts: bool,
 ) -> Result<(Option<PooledCandidate>, Option<ExpertLayout>), PlanningError> {
     let pooled = match plan_pooled_options(&fold.cost, &fold.request, None)? {
-        _ if !whole_experts => None,
         Some(c) => {
             let shape = PooledShape {
                 recompute: c.options.recompute,
+                expert_parallel: c.options.expert_parallel,
                 pools: PoolShape::of(&c),
             };
             plan_pooled_options(cost, request, Some(&shape))?
@@ -164,8 +164,7 @@ pub(super) fn per_replica_plans(
     };
     let pooled = match pooled {
         Some(found) => Some(found),
-        None if whole_experts => plan_pooled_options(cost, request, None)?,
-        None => None,
+        None => plan_pooled_options(cost, request, None)?,
     };
     let expert = match best_expert(&fold.cost, &fold.request, None)? {
         Some(e) => best_expert(cost, request, Some(&e))?,

@@ -33,7 +33,7 @@ use pooled::plan_pooled_noting_memory;
 use pricing::Ctx;
 use request::micro_batch_sizes;
 use simulate::simulate_pools;
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 pub use error::{Infeasibility, MemoryShortfall, PlanningError};
 pub use expert::ExpertLayout;
@@ -105,16 +105,10 @@ fn plan_folding_above(
     // Per-replica pipelines may fit where no grid does (a small device in a pipeline of
     // its own, or a tensor-parallel group).
     // What an expert would write by hand, priced alike: a floor under the written plan.
-    // (Searched per-replica pipelines hold every expert; the expert's layouts divide
-    // them over groups of alike replicas at the sizes asked for.)
-    let whole = request.whole_experts(cost.model.experts.is_some());
     let (pooled, expert) = match &fold {
-        Some(fold) => fold::per_replica_plans(cost, request, fold, whole)?,
+        Some(fold) => fold::per_replica_plans(cost, request, fold)?,
         None => (
-            match whole {
-                true => plan_pooled_options(cost, request, None)?,
-                false => None,
-            },
+            plan_pooled_options(cost, request, None)?,
             expert::best_expert(cost, request, None)?,
         ),
     };
@@ -132,8 +126,8 @@ fn plan_folding_above(
         )));
     }
     // The best grid plan split down to the sample, when that beats what the per-replica
-    // search found (per-replica pipelines hold every expert: not one whose experts are
-    // divided).
+    // search found (not one whose experts are divided: a group's members take the same
+    // micro-batches).
     let refined = match plans.first() {
         Some(best) if best.options.expert_parallel == 1 => refine::refine_grid(cost, best, g)?,
         _ => None,
@@ -313,6 +307,32 @@ fn plan_pooled_options(
     request: &PlanRequest,
     only: Option<&PooledShape>,
 ) -> Result<Option<PooledCandidate>, PlanningError> {
+    let mut best: Option<PooledCandidate> = None;
+    let experts = cost.model.experts.map(|e| e.num_experts);
+    let ep_sizes: BTreeSet<usize> = (request.grid_options(experts).iter())
+        .map(|o| o.expert_parallel)
+        .filter(|&ep| only.is_none_or(|s| s.expert_parallel == ep))
+        .collect();
+    for ep in ep_sizes {
+        let found = plan_pooled_at(cost, request, only, ep)?;
+        if let Some(c) =
+            found.filter(|c| best.as_ref().is_none_or(|b| c.step_time_s < b.step_time_s))
+        {
+            best = Some(c);
+        }
+    }
+    Ok(best)
+}
+
+/// [`plan_pooled_options`] at expert-parallel size `ep` (groups of `ep` alike replicas of
+/// a pool dividing each stage's experts, each member the same micro-batches; the batch
+/// then not refined down to the sample).
+fn plan_pooled_at(
+    cost: &CostModel,
+    request: &PlanRequest,
+    only: Option<&PooledShape>,
+    ep: usize,
+) -> Result<Option<PooledCandidate>, PlanningError> {
     let (g, sizes, tp, cp) = (
         request.global_batch_size,
         micro_batch_sizes(request),
@@ -331,7 +351,7 @@ fn plan_pooled_options(
         let options = TrainOptions {
             recompute,
             distributed_optimizer: request.distributed_optimizer == Choice::On,
-            expert_parallel: 1,
+            expert_parallel: ep,
         };
         let variant = TrainOptions {
             distributed_optimizer: false,
@@ -344,7 +364,10 @@ fn plan_pooled_options(
         if let Some(found) = found {
             let devices = variant.cluster.devices();
             let mut ctx = Ctx::with_groups(&variant, devices, found.groups.clone());
-            let mut c = refine::refine_samples(&mut ctx, &found, g)?;
+            let mut c = match ep {
+                1 => refine::refine_samples(&mut ctx, &found, g)?,
+                _ => found,
+            };
             c.options = options;
             // Sharding is priced as for grid plans (its memory is not: it only lowers it).
             let shardable = c.replicas().count() > 1;
@@ -374,11 +397,14 @@ fn retime_sharded(
     let variant = TrainOptions {
         recompute,
         distributed_optimizer: true,
-        expert_parallel: 1,
+        expert_parallel: c.options.expert_parallel,
     }
     .cost(cost);
     let mut ctx = Ctx::with_groups(&variant, variant.cluster.devices(), c.groups.clone());
-    Ok(simulate_pools(&mut ctx, c.pools.clone(), false)?.0)
+    ctx.lockstep = expert::expert_groups(&c.pools, c.options.expert_parallel);
+    let (mut sharded, _) = simulate_pools(&mut ctx, c.pools.clone(), false)?;
+    sharded.options.expert_parallel = c.options.expert_parallel;
+    Ok(sharded)
 }
 
 /// Each device alone: the global batch through the whole model at the pace of the

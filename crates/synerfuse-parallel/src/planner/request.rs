@@ -25,10 +25,10 @@ pub struct PlanRequest {
     /// alike for grid plans and per-replica pipelines (the latter searched without it:
     /// it only lowers their memory).
     pub distributed_optimizer: Choice,
-    /// Expert-parallel sizes to try for grid plans of a mixture of experts (those
-    /// dividing the experts and the replicas; empty: 1): each MoE layer's experts
-    /// divided over that many consecutive replicas, placed by their pace and memory.
-    /// Per-replica pipelines hold every expert: searched only where 1 is asked for.
+    /// Expert-parallel sizes to try for a mixture of experts (those dividing the experts
+    /// and the replicas; empty: 1): each MoE layer's experts divided over that many
+    /// consecutive replicas (of grid plans; of one pool of alike devices in per-replica
+    /// pipelines), placed by their pace and memory.
     pub expert_parallel_sizes: Vec<usize>,
 }
 
@@ -154,12 +154,6 @@ impl PlanRequest {
             }
         }
         options
-    }
-
-    /// Whether plans may hold every expert on each replica (expert parallelism 1): of a
-    /// mixture of experts (`moe`), where the sizes asked for name 1 or none.
-    pub(super) fn whole_experts(&self, moe: bool) -> bool {
-        !moe || self.expert_parallel_sizes.is_empty() || self.expert_parallel_sizes.contains(&1)
     }
 
     /// The distinct context-parallel sizes above 1, ascending.

@@ -6,6 +6,7 @@
 
 use super::{
     error::PlanningError,
+    expert::expert_groups,
     grid::arrange,
     outcome::Arrangement,
     outcome::{Grid, PoolLayout, PooledCandidate},
@@ -245,6 +246,7 @@ fn plan_sizes_per_pool(
         Some(layouts) => {
             let (groups, layouts) = used_units(&ctx.groups, layouts);
             let mut used = Ctx::with_groups(cost, all.to_vec(), groups);
+            used.lockstep = expert_groups(&layouts, cost.expert_parallel);
             Some(simulate_pools(&mut used, layouts, false)?.0)
         }
         None => None,
@@ -323,7 +325,10 @@ pub(super) fn plan_units(
         options.push(pool_options(ctx, pool, sizes, only.map(|s| s[k]))?);
     }
     match best_combination(ctx, options, global_batch, sizes)? {
-        Some(layouts) => Ok(Some(simulate_pools(ctx, layouts, false)?.0)),
+        Some(layouts) => {
+            ctx.lockstep = expert_groups(&layouts, ctx.cost.expert_parallel);
+            Ok(Some(simulate_pools(ctx, layouts, false)?.0))
+        }
         None => Ok(None),
     }
 }
@@ -424,9 +429,14 @@ pub(super) fn pool_options(
     sizes: &[usize],
     shape: Option<PoolShape>,
 ) -> Result<Vec<PoolOption>, PlanningError> {
-    let (n, l) = (pool.len(), ctx.cost.model.num_layers);
+    let (n, l, ep) = (
+        pool.len(),
+        ctx.cost.model.num_layers,
+        ctx.cost.expert_parallel,
+    );
     let mut options = Vec::new();
-    let depths = (1..=n.min(l)).filter(|p| n % p == 0);
+    // Replicas in whole expert-parallel groups.
+    let depths = (1..=n.min(l)).filter(|p| n % p == 0 && (n / p) % ep.max(1) == 0);
     for p in depths.filter(|&p| shape.is_none_or(|s| s.stages == p)) {
         let d = n / p;
         let devices = arrange(pool, p, d, Arrangement::ByReplica);
@@ -493,15 +503,18 @@ pub(super) fn balance(
             short: Vec::new(),
         })
         .collect();
+    // An expert-parallel group's members take the same micro-batches: the batch is
+    // split over groups, each taking `ep` micro-batches at a time.
+    let ep = ctx.cost.expert_parallel.max(1);
     for _ in 0..2 {
         let mut paces = Vec::new();
         for pool in &layouts {
             let d = pool.micro_batches.len();
             let (t, c) = pool.stage_times(ctx)?;
             let most = most_micro_batches(ctx, pool)?;
-            for r in 0..d {
+            for r in (0..d).step_by(ep) {
                 paces.push(ReplicaPace {
-                    micro_batch_size: pool.micro_batch_size,
+                    micro_batch_size: pool.micro_batch_size * ep,
                     first_s: pipeline_time(&t, &c, r, 1),
                     each_s: t.iter().map(|s| s[r]).fold(0.0, f64::max),
                     most_micro_batches: most,
@@ -511,7 +524,7 @@ pub(super) fn balance(
         let Some(counts) = min_max_samples(global_batch, &paces) else {
             return Ok(None);
         };
-        let mut counts = counts.into_iter();
+        let mut counts = counts.into_iter().flat_map(|m| vec![m; ep]);
         for pool in &mut layouts {
             let d = pool.micro_batches.len();
             pool.micro_batches = counts.by_ref().take(d).collect();
@@ -646,6 +659,10 @@ pub(super) fn moves(ctx: &mut Ctx<'_>, layouts: &[PoolLayout]) -> Result<Vec<Mov
         times.push((t, c));
     }
     let from = slowest.0;
+    if ctx.cost.expert_parallel > 1 {
+        // A group's members move micro-batches together: left to the batch split.
+        return Ok(moves);
+    }
     // Receivers of one pool with the same count whose pipelines take the same time
     // before and after the micro-batch are the same move (counts move no parameters):
     // tried once.
