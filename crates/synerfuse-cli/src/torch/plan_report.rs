@@ -285,8 +285,12 @@ impl PlanReport<'_> {
             }
             (None, false) => "slower than the grid plan",
         };
+        let ep = match p.options.expert_parallel {
+            1 => String::new(),
+            ep => format!("; the experts divided over groups of {ep} alike replicas"),
+        };
         println!(
-            "per-replica pipelines (alike devices pooled): {:.4} s per step, {:.2}x the grid plan's speed, {:.1}% of the bound; {verdict}",
+            "per-replica pipelines (alike devices pooled{ep}): {:.4} s per step, {:.2}x the grid plan's speed, {:.1}% of the bound; {verdict}",
             p.step_time_s,
             grid / p.step_time_s,
             self.outcome.bound.fraction(self.tokens_per_step, p.step_time_s) * 100.0

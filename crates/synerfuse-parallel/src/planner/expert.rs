@@ -12,10 +12,10 @@ use super::{
     error::PlanningError,
     grid::arrange,
     outcome::{Arrangement, PoolLayout, PooledCandidate},
-    pooled::{closed_form_step_s, fits_all, pools},
-    pricing::{pipeline_time, Ctx},
+    pooled::{closed_form_step_s, fits_all, group_paces, per_member, pools, whole_groups},
+    pricing::Ctx,
     request::{micro_batch_sizes, Choice, PlanRequest, TrainOptions},
-    samples::{min_max_samples, ReplicaPace},
+    samples::min_max_samples,
     simulate::simulate_pools,
     split::even_layers,
 };
@@ -160,23 +160,12 @@ fn expert_layouts(
         }
         false => return Ok(None),
         true => {
-            // An expert-parallel group's members take the same micro-batches: the batch
-            // is split over groups, each taking `ep` micro-batches at a time.
-            let ep = ctx.cost.expert_parallel.max(1);
-            let mut paces = Vec::with_capacity(replicas / ep);
+            let mut paces = Vec::with_capacity(replicas);
             for pool in &layouts {
-                let (t, c) = pool.stage_times(ctx)?;
-                for r in (0..pool.micro_batches.len()).step_by(ep) {
-                    paces.push(ReplicaPace {
-                        micro_batch_size: b * ep,
-                        first_s: pipeline_time(&t, &c, r, 1),
-                        each_s: t.iter().map(|s| s[r]).fold(0.0, f64::max),
-                        most_micro_batches: usize::MAX,
-                    });
-                }
+                paces.extend(group_paces(ctx, pool, usize::MAX)?);
             }
             match min_max_samples(global_batch, &paces) {
-                Some(counts) => counts.into_iter().flat_map(|m| vec![m; ep]).collect(),
+                Some(counts) => per_member(counts, ctx.cost.expert_parallel).collect(),
                 None => return Ok(None),
             }
         }
@@ -203,8 +192,7 @@ fn shallowest(
         ctx.cost.model.num_layers,
         ctx.cost.expert_parallel,
     );
-    let divides = |p: &usize| n % p == 0 && (n / p) % ep.max(1) == 0;
-    for p in (from.max(1)..=n.min(l)).filter(divides) {
+    for p in (from.max(1)..=n.min(l)).filter(|&p| whole_groups(n, p, ep)) {
         let d = n / p;
         let trial = PoolLayout {
             devices: arrange(pool, p, d, Arrangement::ByReplica),

@@ -339,7 +339,10 @@ fn groups_of_alike_replicas(cost: &CostModel, candidate: &PooledCandidate) {
     };
     for group in &groups {
         let first = kinds(group.replicas[0], group.stage);
-        assert!(group.replicas.iter().all(|&r| kinds(r, group.stage) == first));
+        assert!(group
+            .replicas
+            .iter()
+            .all(|&r| kinds(r, group.stage) == first));
         assert!(group.placement.iter().all(|p| p.len() == 4), "{group:?}");
         let batches: Vec<_> = (group.replicas.iter())
             .map(|&r| written.replicas()[r].batch.clone())

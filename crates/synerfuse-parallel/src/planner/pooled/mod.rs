@@ -435,8 +435,7 @@ pub(super) fn pool_options(
         ctx.cost.expert_parallel,
     );
     let mut options = Vec::new();
-    // Replicas in whole expert-parallel groups.
-    let depths = (1..=n.min(l)).filter(|p| n % p == 0 && (n / p) % ep.max(1) == 0);
+    let depths = (1..=n.min(l)).filter(|&p| whole_groups(n, p, ep));
     for p in depths.filter(|&p| shape.is_none_or(|s| s.stages == p)) {
         let d = n / p;
         let devices = arrange(pool, p, d, Arrangement::ByReplica);
@@ -503,28 +502,16 @@ pub(super) fn balance(
             short: Vec::new(),
         })
         .collect();
-    // An expert-parallel group's members take the same micro-batches: the batch is
-    // split over groups, each taking `ep` micro-batches at a time.
-    let ep = ctx.cost.expert_parallel.max(1);
     for _ in 0..2 {
         let mut paces = Vec::new();
         for pool in &layouts {
-            let d = pool.micro_batches.len();
-            let (t, c) = pool.stage_times(ctx)?;
             let most = most_micro_batches(ctx, pool)?;
-            for r in (0..d).step_by(ep) {
-                paces.push(ReplicaPace {
-                    micro_batch_size: pool.micro_batch_size * ep,
-                    first_s: pipeline_time(&t, &c, r, 1),
-                    each_s: t.iter().map(|s| s[r]).fold(0.0, f64::max),
-                    most_micro_batches: most,
-                });
-            }
+            paces.extend(group_paces(ctx, pool, most)?);
         }
         let Some(counts) = min_max_samples(global_batch, &paces) else {
             return Ok(None);
         };
-        let mut counts = counts.into_iter().flat_map(|m| vec![m; ep]);
+        let mut counts = per_member(counts, ctx.cost.expert_parallel);
         for pool in &mut layouts {
             let d = pool.micro_batches.len();
             pool.micro_batches = counts.by_ref().take(d).collect();
@@ -537,6 +524,37 @@ pub(super) fn balance(
         }
     }
     Ok(Some((closed_form_step_s(ctx, &layouts)?, layouts)))
+}
+
+/// The paces the batch is split by: one per replica, or under expert parallelism one
+/// per group of `ep` consecutive replicas (alike members taking the same micro-batches:
+/// the group takes `ep` micro-batches at a time), each holding at most `most`.
+pub(super) fn group_paces(
+    ctx: &mut Ctx<'_>,
+    pool: &PoolLayout,
+    most: usize,
+) -> Result<Vec<ReplicaPace>, PlanningError> {
+    let ep = ctx.cost.expert_parallel.max(1);
+    let (t, c) = pool.stage_times(ctx)?;
+    Ok((0..pool.micro_batches.len())
+        .step_by(ep)
+        .map(|r| ReplicaPace {
+            micro_batch_size: pool.micro_batch_size * ep,
+            first_s: pipeline_time(&t, &c, r, 1),
+            each_s: t.iter().map(|s| s[r]).fold(0.0, f64::max),
+            most_micro_batches: most,
+        })
+        .collect())
+}
+
+/// Each group's count of [`group_paces`]' split for each of its `ep` members.
+pub(super) fn per_member(counts: Vec<usize>, ep: usize) -> impl Iterator<Item = usize> {
+    counts.into_iter().flat_map(move |m| vec![m; ep.max(1)])
+}
+
+/// Whether a pool of `n` units cuts into replicas of `p` stages in whole groups of `ep`.
+pub(super) fn whole_groups(n: usize, p: usize, ep: usize) -> bool {
+    n % p == 0 && (n / p) % ep.max(1) == 0
 }
 
 /// Whether every rank of every pool holds its stage with its 1F1B micro-batches in
