@@ -49,9 +49,8 @@ pub(crate) fn route(
     // Every (token, slot) choice, grouped by expert (token order within each).
     let picks = chosen.reshape([-1]);
     let (_, order) = picks.sort_stable(true, 0, false);
-    let tokens = Tensor::arange(picks.size()[0], (Kind::Int64, h.device()))
-        .divide_scalar_mode(top_k, "floor")
-        .index_select(0, &order);
+    // `order` holds flat (token, slot) indices: the token is the index over top_k.
+    let tokens = order.divide_scalar_mode(top_k, "floor");
     let y = experts.run(&x.index_select(0, &tokens), &picks, router.size()[0]);
     let w = weights.reshape([-1]).index_select(0, &order).unsqueeze(-1);
     let out = x
@@ -94,7 +93,7 @@ impl HeldExperts {
             Vec::try_from(ids.bincount::<Tensor>(None, num_experts)).unwrap_or_default();
         let parts = sorted.split_with_sizes(&counts, 0);
         let outputs: Vec<Tensor> = (self.experts.iter())
-            .map(|(e, expert)| expert.forward(&parts[*e]))
+            .map(|(e, expert)| expert.forward_unjoined(&parts[*e]))
             .collect();
         match outputs.is_empty() {
             true => sorted.zeros_like(),
@@ -234,9 +233,7 @@ pub(crate) fn route_across(
         .to_device(device)
         .index_select(0, &picks);
     let (_, order) = members.sort_stable(true, 0, false);
-    let tokens = Tensor::arange(picks.size()[0], (Kind::Int64, device))
-        .divide_scalar_mode(top_k, "floor")
-        .index_select(0, &order);
+    let tokens = order.divide_scalar_mode(top_k, "floor");
     let sent_counts: Vec<i64> =
         Vec::try_from(members.bincount::<Tensor>(None, group.placement.len() as i64))
             .unwrap_or_default();

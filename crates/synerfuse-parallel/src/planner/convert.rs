@@ -257,7 +257,7 @@ impl PooledCandidate {
     /// The plan `synerfuse train --plan` runs: the pools' replicas in order, ranks
     /// replica by replica, stage by stage, a unit's members together (a
     /// context-parallel member's tensor-parallel group together); under expert
-    /// parallelism each replica's experts ([`PooledCandidate::expert_parts`]).
+    /// parallelism each replica's experts (see `expert_parts`).
     pub fn to_plan(&self, cost: &CostModel) -> Result<Plan, PlanError> {
         let candidate = self;
         let devices = cost.cluster.devices();
