@@ -162,15 +162,23 @@ fn four_ranks(
 /// machine's hiccups average out, global batches of 16, and a learning rate under which
 /// fp32's reassociation stays small over 60 iterations (at 3e-3 a single rank's losses
 /// with micro-batches of 4 and of 1 drift 6e-5 apart by iteration 53; at 3e-4, 1e-7).
-fn steady_model(mut args: Vec<String>) -> Vec<String> {
-    for (flag, value) in [
-        ("--global-batch-size", "16"),
-        ("--lr", "3e-4"),
-        ("--min-lr", "1e-5"),
-        ("--hidden-size", "128"),
-        ("--ffn-hidden-size", "256"),
-        ("--seq-length", "64"),
-    ] {
+fn steady_model(args: Vec<String>) -> Vec<String> {
+    with_values(
+        args,
+        &[
+            ("--global-batch-size", "16"),
+            ("--lr", "3e-4"),
+            ("--min-lr", "1e-5"),
+            ("--hidden-size", "128"),
+            ("--ffn-hidden-size", "256"),
+            ("--seq-length", "64"),
+        ],
+    )
+}
+
+/// `args` with each of `values`' flags given its value instead.
+fn with_values(mut args: Vec<String>, values: &[(&str, &str)]) -> Vec<String> {
+    for &(flag, value) in values {
         let at = args.iter().position(|a| a == flag).expect(flag);
         args[at + 1] = value.to_owned();
     }
@@ -605,10 +613,9 @@ fn a_switch_into_expert_parallelism_where_memory_binds_keeps_the_losses() {
 
 /// `args` with global batches of 2 (a pipeline of two stages then idles a third of its
 /// step) and one query group (no tensor parallelism).
-fn small_batches(mut args: Vec<String>) -> Vec<String> {
-    for (flag, value) in [("--global-batch-size", "2"), ("--num-query-groups", "1")] {
-        let at = args.iter().position(|a| a == flag).expect(flag);
-        args[at + 1] = value.to_owned();
-    }
-    args
+fn small_batches(args: Vec<String>) -> Vec<String> {
+    with_values(
+        args,
+        &[("--global-batch-size", "2"), ("--num-query-groups", "1")],
+    )
 }
