@@ -84,8 +84,7 @@ impl HeldExperts {
 
     /// Rows `sorted` (grouped by their experts `ids`, ascending, all held here) through
     /// those experts, the outputs in the same order: the counts read once, each expert
-    /// on its contiguous part (not a search of every row per expert: 14–20 % less time
-    /// per MoE layer on CPU). Every expert runs, on no rows where none chose it, so that
+    /// on its contiguous part (not a search of every row per expert). Every expert runs, on no rows where none chose it, so that
     /// its gradient is zero rather than undefined (every rank and step then has the same
     /// gradients to reduce).
     pub(crate) fn run(&self, sorted: &Tensor, ids: &Tensor, num_experts: i64) -> Tensor {

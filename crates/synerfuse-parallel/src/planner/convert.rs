@@ -125,15 +125,7 @@ impl Candidate {
                         Ok(ExpertMember { speed, capacity })
                     })
                     .collect::<Result<Vec<_>, PlanningError>>()?;
-                let even = even_parts(e, ep);
-                let faster = |placed: &Vec<Vec<usize>>| {
-                    slowest_time(&load, &members, placed)
-                        < slowest_time(&load, &members, &even) / (1.0 + 1e-9)
-                };
-                row.extend(match place_experts(&load, &members) {
-                    Ok(placed) if faster(&placed) => placed,
-                    _ => even,
-                });
+                row.extend(placed_or_even(&load, &members, e));
             }
             stages.push(row);
             start += layers;
@@ -209,6 +201,21 @@ impl Candidate {
             });
         }
         Ok(Plan::new(replicas)?)
+    }
+}
+
+/// `e` experts placed over `members` by [`place_experts`] on `load`, or Megatron's even
+/// parts where no placement is faster.
+fn placed_or_even(load: &[f64], members: &[ExpertMember], e: usize) -> Vec<Vec<usize>> {
+    let even = even_parts(e, members.len());
+    match place_experts(load, members) {
+        Ok(placed)
+            if slowest_time(load, members, &placed)
+                < slowest_time(load, members, &even) / (1.0 + 1e-9) =>
+        {
+            placed
+        }
+        _ => even,
     }
 }
 
@@ -341,22 +348,13 @@ impl PooledCandidate {
             };
             ep
         ];
-        let even = even_parts(e, ep);
         let parts = (self.pools.iter()).map(|pool| {
             let mut start = 0;
             (pool.layers.iter())
                 .map(|&layers| {
                     let load = stage_load(cost, start, start + layers);
                     start += layers;
-                    let placed = match place_experts(&load, &members) {
-                        Ok(placed)
-                            if slowest_time(&load, &members, &placed)
-                                < slowest_time(&load, &members, &even) / (1.0 + 1e-9) =>
-                        {
-                            placed
-                        }
-                        _ => even.clone(),
-                    };
+                    let placed = placed_or_even(&load, &members, e);
                     (0..pool.micro_batches.len())
                         .map(|r| placed[r % ep].clone())
                         .collect()
