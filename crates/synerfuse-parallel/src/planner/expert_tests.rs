@@ -300,6 +300,30 @@ fn expert_gradients_reduce_over_the_replicas_holding_the_same_experts() {
     assert!((one - whole).abs() < 1e-12, "{one} vs {whole}");
 }
 
+/// A running plan may give its stages or replicas their own expert-parallel sizes: a
+/// pair holding half the experts each beside two replicas holding every expert; each
+/// half reduces over its pair member and the two whole holders, one half after the
+/// other on the whole holders, and a whole holder holds (and steps) twice the pair's.
+#[test]
+fn experts_held_in_parts_of_different_sizes_reduce_over_every_holder_of_each_part() {
+    let cost = wide_experts(None);
+    let mut ctx = pricing::Ctx::new(&cost);
+    ctx.set_expert_parallel(vec![2, 2, 1, 1]);
+    ctx.lockstep = vec![vec![0, 1]];
+    let model = &cost.model;
+    let experts = 2.0 * model.expert_layer_params();
+    let dense = model.stage_params(2, true, true) - experts;
+    let all = ctx.allreduce_seconds(vec![0, 1, 2, 3], dense * 4.0);
+    let half = ctx.allreduce_seconds(vec![0, 2, 3], experts / 2.0 * 4.0);
+    let reduce = pricing::allreduce_times(&ctx, &[vec![0, 1, 2, 3]], &[2])[0];
+    assert!(
+        half > 0.0 && (reduce - all - 2.0 * half).abs() < 1e-12,
+        "{reduce}"
+    );
+    let held = |unit: usize| ctx.cost_of(unit).stage_params(2, true, true);
+    assert!((held(2) - held(0) - experts / 2.0).abs() < 1e-6);
+}
+
 /// On unequal pools (A100s of 40 GB, A10s of 24 GB) per-replica plans divide the
 /// experts too: groups of two alike replicas of a pool holding half of each stage's
 /// experts, the members of a group taking the same micro-batches, the batch split by

@@ -8,6 +8,7 @@
 mod convert;
 mod error;
 mod expert;
+mod expert_pricing;
 mod fold;
 mod grid;
 mod measured_load;

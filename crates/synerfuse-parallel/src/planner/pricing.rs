@@ -4,6 +4,7 @@
 
 use super::{
     error::{Infeasibility, MemoryShortfall, PlanningError, Violation},
+    expert_pricing::{expert_allreduce_s, experts_apart},
     outcome::{replicas, Grid, PoolLayout, Prediction},
     tensor::TpGroup,
 };
@@ -28,7 +29,13 @@ pub(super) struct Ctx<'a> {
     pub(super) costs: HashMap<(usize, usize), StageCosts>,
     /// (unit class, b) → under expert parallelism, the part of a mean layer's
     /// `layer_s` that is its experts' compute (stretched by the imbalance).
-    expert_s: HashMap<(usize, usize), f64>,
+    pub(super) expert_s: HashMap<(usize, usize), f64>,
+    /// Per unit, its own expert-parallel size where a priced plan gives its stages their
+    /// own ([`Ctx::set_expert_parallel`]; empty: every unit the cost's).
+    pub(super) unit_expert_parallel: Vec<usize>,
+    /// Per expert-parallel size of `unit_expert_parallel`, the cost model at that size
+    /// and its [`CostModel::expert_imbalance`].
+    pub(super) expert_costs: Vec<(usize, CostModel, f64)>,
     /// Per unit, the usable bytes of a whole stage's state (a group's: as its most
     /// loaded member holds its share).
     pub(super) memory: Vec<Option<f64>>,
@@ -140,6 +147,8 @@ impl<'a> Ctx<'a> {
             all,
             costs: HashMap::new(),
             expert_s: HashMap::new(),
+            unit_expert_parallel: Vec::new(),
+            expert_costs: Vec::new(),
             memory,
             memory_bound: Cell::new(false),
             allreduce_prices: RefCell::new(HashMap::new()),
@@ -214,7 +223,7 @@ impl<'a> Ctx<'a> {
                 .fold(0.0, f64::max)
                 + collective;
         }
-        if self.cost.expert_parallel > 1 && self.cost.model.experts.is_some() {
+        if self.expert_parallel(unit) > 1 && self.cost.model.experts.is_some() {
             let (layer_s, expert_s) = self.expert_exchange(unit, b, c.layer_s);
             c.layer_s = layer_s;
             self.expert_s.insert(key, expert_s);
@@ -243,7 +252,7 @@ impl<'a> Ctx<'a> {
         let model = &self.cost.model;
         let group = &self.groups[unit];
         let first = &self.all[group.members[0]];
-        let ep = self.cost.expert_parallel;
+        let ep = self.expert_parallel(unit);
         let alike = |d: &&Device| d.class() == first.class();
         let near = (self.all.iter().filter(|d| d.node == first.node))
             .filter(alike)
@@ -263,7 +272,7 @@ impl<'a> Ctx<'a> {
         let bytes = model.expert_message_bytes(b, self.cost.compute_bytes) * tokens;
         let exchange = 4.0 * moe * self.cost.alltoall_seconds(&peers, bytes);
         let experts = layer_s * model.expert_compute_fraction(b);
-        let stretched = experts * self.expert_imbalance;
+        let stretched = experts * self.imbalance_of(unit);
         (layer_s - experts + stretched + exchange, stretched)
     }
 
@@ -476,9 +485,10 @@ pub(super) fn stage_fit(
             recompute,
             ..holding
         };
+        let cost = ctx.cost_of(unit);
         let (all, state) = (
-            ctx.cost.memory_bytes(&plain, &holding),
-            ctx.cost.state_bytes(&holding),
+            cost.memory_bytes(&plain, &holding),
+            cost.state_bytes(&holding),
         );
         if group.cp == 1 {
             return all;
@@ -700,40 +710,18 @@ pub(super) fn max(values: &[f64]) -> f64 {
 /// ([`expert_allreduce_s`]), the rest over all.
 pub(super) fn allreduce_times(ctx: &Ctx<'_>, grid: &[Vec<usize>], layers: &[usize]) -> Vec<f64> {
     let p = grid.len();
-    let m = ctx.cost;
+    let model = &ctx.cost.model;
     (0..p)
         .map(|i| {
-            let held = m.stage_params(layers[i], i == 0, i + 1 == p);
-            let experts = layers[i] as f64 * m.expert_part_params();
-            holders_allreduce_s(ctx, &grid[i], held - experts)
-                + expert_allreduce_s(ctx, &grid[i], experts)
+            let whole = model.stage_params(layers[i], i == 0, i + 1 == p);
+            let experts = match experts_apart(ctx, &grid[i]) {
+                true => layers[i] as f64 * model.expert_layer_params(),
+                false => 0.0,
+            };
+            holders_allreduce_s(ctx, &grid[i], whole - experts)
+                + expert_allreduce_s(ctx, &grid[i], layers[i] as f64)
         })
         .collect()
-}
-
-/// The fp32 gradient all-reduce of `params` expert parameters each of `units` (one per
-/// replica) holds, over Megatron's expert-data-parallel groups, side by side: the units
-/// in the same place of their expert-parallel groups (a priced plan's
-/// [`Ctx::lockstep`], else consecutive units of `expert_parallel`), s. 0 where each
-/// group has one unit (every expert held once).
-pub(super) fn expert_allreduce_s(ctx: &Ctx<'_>, units: &[usize], params: f64) -> f64 {
-    if params <= 0.0 {
-        return 0.0;
-    }
-    let ep = ctx.cost.expert_parallel.max(1);
-    let place = |k: usize, unit: usize| match ctx.lockstep.is_empty() {
-        true => k % ep,
-        false => (ctx.lockstep.iter())
-            .find_map(|g| g.iter().position(|&u| u == unit))
-            .unwrap_or(0),
-    };
-    let mut groups: Vec<Vec<usize>> = vec![Vec::new(); ep];
-    for (k, &unit) in units.iter().enumerate() {
-        groups[place(k, unit).min(ep - 1)].push(unit);
-    }
-    (groups.iter())
-        .map(|g| holders_allreduce_s(ctx, g, params))
-        .fold(0.0, f64::max)
 }
 
 /// The fp32 gradient all-reduce of `params` parameters over the units that hold them:
@@ -767,10 +755,10 @@ pub(super) fn optimizer_times(ctx: &Ctx<'_>, grid: &[Vec<usize>], layers: &[usiz
     let p = grid.len();
     (0..p)
         .map(|i| {
-            let params = ctx.cost.stage_params(layers[i], i == 0, i + 1 == p);
             let shares = Shares::of_stage(ctx, &grid[i]);
             (grid[i].iter())
                 .map(|&k| {
+                    let params = ctx.cost_of(k).stage_params(layers[i], i == 0, i + 1 == p);
                     let share = shares.of(ctx, k);
                     ctx.optimizer_seconds(k, params * share).unwrap_or(0.0)
                 })
@@ -803,13 +791,22 @@ pub(super) fn stage_pieces(pools: &[PoolLayout], l: usize) -> Vec<Vec<(usize, us
 /// neighbouring cuts of the union of every replica's stage boundaries, held by one
 /// (replica, stage) position of each replica.
 pub(super) struct PooledSegment {
-    /// Its parameters a holder holds (under expert parallelism its part of the experts).
+    /// Its parameters, every expert's included.
     pub(super) params: f64,
-    /// Of those, its experts' under expert parallelism (0 without).
-    pub(super) expert_params: f64,
+    /// Its decoder layers (whose experts a holder under expert parallelism holds a
+    /// part of).
+    pub(super) layers: f64,
     /// Per replica, the holding position (counted replica by replica, stage by stage)
     /// and its unit.
     pub(super) holders: Vec<(usize, usize)>,
+}
+
+impl PooledSegment {
+    /// Its parameters `unit` holds: under expert parallelism its part of the experts.
+    pub(super) fn held(&self, ctx: &Ctx<'_>, unit: usize) -> f64 {
+        let others = 1.0 - 1.0 / ctx.expert_parallel(unit) as f64;
+        self.params - self.layers * ctx.cost.model.expert_layer_params() * others
+    }
 }
 
 /// The gradient segments of `pools`' replicas, first to last.
@@ -821,16 +818,15 @@ pub(super) fn pooled_segments(ctx: &Ctx<'_>, pools: &[PoolLayout]) -> Vec<Pooled
     cuts.push(l + 2);
     cuts.sort_unstable();
     cuts.dedup();
-    // A layer's parameters a holder holds, and of them its experts.
-    let experts = ctx.cost.expert_part_params();
-    let layer = ctx.cost.stage_params(1, false, false);
+    let layer = model.stage_params(1, false, false);
+    // Parameters and decoder layers.
     let params = |from: usize, to: usize| {
         (from..to)
             .map(|piece| match piece {
                 0 => (model.embedding_params(), 0.0),
                 // The final norm and the output layer.
                 x if x == l + 1 => (model.embedding_params() + model.hidden_size as f64, 0.0),
-                _ => (layer, experts),
+                _ => (layer, 1.0),
             })
             .fold((0.0, 0.0), |(a, b), (x, y)| (a + x, b + y))
     };
@@ -853,10 +849,10 @@ pub(super) fn pooled_segments(ctx: &Ctx<'_>, pools: &[PoolLayout]) -> Vec<Pooled
                     (first_position[r] + i, s[i].2)
                 })
                 .collect();
-            let (params, expert_params) = params(from, to);
+            let (params, layers) = params(from, to);
             PooledSegment {
                 params,
-                expert_params,
+                layers,
                 holders,
             }
         })
@@ -880,8 +876,12 @@ pub(super) fn reduce_s(ctx: &Ctx<'_>, segments: &[PooledSegment]) -> Vec<f64> {
     let mut seconds = vec![0.0; positions(segments)];
     for segment in segments {
         let units: Vec<usize> = segment.holders.iter().map(|&(_, u)| u).collect();
-        let t = holders_allreduce_s(ctx, &units, segment.params - segment.expert_params)
-            + expert_allreduce_s(ctx, &units, segment.expert_params);
+        let experts = match experts_apart(ctx, &units) {
+            true => segment.layers * ctx.cost.model.expert_layer_params(),
+            false => 0.0,
+        };
+        let t = holders_allreduce_s(ctx, &units, segment.params - experts)
+            + expert_allreduce_s(ctx, &units, segment.layers);
         for &(position, _) in &segment.holders {
             seconds[position] += t;
         }
@@ -915,7 +915,7 @@ pub(super) fn optimizer_s(ctx: &Ctx<'_>, pools: &[PoolLayout], segments: &[Poole
             let units: Vec<usize> = segment.holders.iter().map(|&(_, u)| u).collect();
             let shares = Shares::of_stage(ctx, &units);
             for &(position, unit) in &segment.holders {
-                let held = params[position].1 + segment.params * shares.of(ctx, unit);
+                let held = params[position].1 + segment.held(ctx, unit) * shares.of(ctx, unit);
                 params[position] = (unit, held);
             }
         }
@@ -927,8 +927,10 @@ pub(super) fn optimizer_s(ctx: &Ctx<'_>, pools: &[PoolLayout], segments: &[Poole
     for pool in pools {
         let p = pool.layers.len();
         for (i, row) in pool.devices.iter().enumerate() {
-            let params = ctx.cost.stage_params(pool.layers[i], i == 0, i + 1 == p);
             for &unit in row {
+                let params = ctx
+                    .cost_of(unit)
+                    .stage_params(pool.layers[i], i == 0, i + 1 == p);
                 slowest = slowest.max(optimizer_once(ctx, unit, params));
             }
         }

@@ -74,13 +74,6 @@ pub enum ReplanError {
     /// A plan with virtual pipeline chunks (not priced by the simulation here).
     #[error("re-planning a plan with virtual pipeline chunks (an interleaved schedule) is not supported")]
     Interleaved,
-    /// A plan whose expert-parallel groups differ in size (1: a stage holding every
-    /// expert), stage to stage or replica to replica.
-    #[error("re-planning a plan whose expert-parallel groups differ in size from stage to stage or replica to replica ({sizes:?}) is not supported")]
-    ExpertParallelSizes {
-        /// The sizes found.
-        sizes: Vec<usize>,
-    },
     /// Context-parallel shares that do not split the sequence.
     #[error("replica {replica}, stage {stage}: context-parallel shares {shares:?} do not split the sequence")]
     ContextShares {
@@ -308,47 +301,32 @@ fn simulate_plan(
             short: vec![count * largest - samples],
         });
     }
-    let (expert_parallel, lockstep) = expert_lockstep(cost, plan, &first_unit)?;
+    let units = groups.len();
+    let mut ctx = Ctx::with_groups(cost, cost.cluster.devices(), groups);
     // Under expert parallelism each member priced holding its part of the experts and
-    // exchanging every MoE layer's tokens, its group meeting at each exchange.
-    let variant = CostModel {
-        expert_parallel,
-        ..cost.clone()
-    };
-    let mut ctx = Ctx::with_groups(&variant, cost.cluster.devices(), groups);
+    // exchanging every MoE layer's tokens, its group meeting at each exchange; each
+    // stage at its own group's size.
+    let (sizes, lockstep) = expert_lockstep(cost, plan, &first_unit, units)?;
+    ctx.set_expert_parallel(sizes);
     ctx.lockstep = lockstep;
     let (candidate, rows) = simulate_pools(&mut ctx, pools, record)?;
     Ok((candidate.step_time_s, rows))
 }
 
-/// `plan`'s expert-parallel group size (1 without; one size for every stage of every
-/// replica, else refused) and each group's units (replica `r`'s stage `s` is unit
-/// `first_unit[r] + s`).
+/// Per unit of `plan` (replica `r`'s stage `s` is unit `first_unit[r] + s`, of
+/// `units`), its expert-parallel group's size (1: it holds every expert), and each
+/// group's units.
 fn expert_lockstep(
     cost: &CostModel,
     plan: &Plan,
     first_unit: &[usize],
-) -> Result<(usize, Vec<Vec<usize>>), ReplanError> {
+    units: usize,
+) -> Result<(Vec<usize>, Vec<Vec<usize>>), ReplanError> {
+    let mut sizes = vec![1; units];
     let Some(shape) = cost.model.experts else {
-        return Ok((1, Vec::new()));
+        return Ok((sizes, Vec::new()));
     };
-    let groups = plan.expert_groups(shape.num_experts)?;
-    if groups.is_empty() {
-        return Ok((1, Vec::new()));
-    }
-    let units: usize = (plan.replicas().iter())
-        .map(|r| r.stages.num_stages())
-        .sum();
-    let mut sizes: Vec<usize> = groups.iter().map(|g| g.replicas.len()).collect();
-    if sizes.iter().sum::<usize>() < units {
-        sizes.push(1);
-    }
-    sizes.sort_unstable();
-    sizes.dedup();
-    if sizes.len() > 1 {
-        return Err(ReplanError::ExpertParallelSizes { sizes });
-    }
-    let lockstep = (groups.iter())
+    let lockstep: Vec<Vec<usize>> = (plan.expert_groups(shape.num_experts)?.iter())
         .map(|g| {
             g.replicas
                 .iter()
@@ -356,7 +334,12 @@ fn expert_lockstep(
                 .collect()
         })
         .collect();
-    Ok((sizes[0], lockstep))
+    for group in &lockstep {
+        for &unit in group {
+            sizes[unit] = group.len();
+        }
+    }
+    Ok((sizes, lockstep))
 }
 
 /// What a running job is re-planned for (a switch, or the survivors of lost ranks): its
@@ -773,7 +756,8 @@ mod tests {
     /// A running plan of expert parallelism is priced with its exchange, and its groups'
     /// members meet at every MoE layer: two replicas of two stages whose slow ranks sit
     /// at different stages run as if both stages of both were slow (as each stage waits
-    /// for its group's slow member), and a plan of groups of different sizes is refused.
+    /// for its group's slow member), and a plan of groups of different sizes is priced
+    /// stage by stage.
     #[test]
     fn an_expert_parallel_plan_is_priced_with_its_exchange_in_lockstep() {
         let hosts = vec!["h".to_owned(); 4];
@@ -804,8 +788,21 @@ mod tests {
             .clone()
             .with_even_experts_by_stage(|s| [2, 1][s])
             .unwrap();
-        let e = predict_step_s(&cost, &mixed).unwrap_err().to_string();
-        assert!(e.contains("differ in size"), "{e}");
+        // Stages of their own sizes are priced each at its own: the second stage's
+        // exchange gone (less than the plan dividing both), its experts reduced over the
+        // replicas (more than the plan dividing neither, whose pipelines wait no peer).
+        let paced = |plan: &Plan| {
+            let cost = fitted_cost(&expert_job(plan, &[1.0; 4], &hosts)).unwrap();
+            predict_step_s(&cost, plan).unwrap()
+        };
+        let whole = Plan::from_toml(
+            &"[[replica]]\nlayers = [2, 2]\nmicro_batch_size = 1\nnum_micro_batches = 4\n\n"
+                .repeat(2),
+            None,
+        )
+        .unwrap();
+        let (divided, part, none) = (paced(&pipelines), paced(&mixed), paced(&whole));
+        assert!(none < part && part < divided, "{none} < {part} < {divided}");
     }
 
     /// A mixture of experts on two ranks of 45 MB each, running a pipeline of two stages:
