@@ -593,3 +593,73 @@ fn planned_expert_placement_trains_like_one_rank() {
         &["--expert-load", "line ", "another model"],
     );
 }
+
+/// `synerfuse plan` gives each stage its own expert-parallel size where that is faster
+/// (the case of the planner's unit test: three layers on two A100s dividing their
+/// experts, one on two A10s holding every expert), says so, writes it to the plan file,
+/// and prints no SynerFuse flags (Megatron's one `--expert-model-parallel-size` cannot
+/// say it).
+#[test]
+fn stages_of_their_own_expert_parallel_sizes_are_planned_and_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let cluster = plan_file(
+        d,
+        "mixed",
+        "[[group]]\nkind = \"a100-80g\"\ncount = 2\nnode = \"a\"\n\n\
+         [[group]]\nkind = \"a10\"\ncount = 2\nnode = \"b\"\n\n\
+         [network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n",
+    );
+    let written = d.join("planned.toml").display().to_string();
+    let args = [
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "1024",
+        "--num-attention-heads",
+        "8",
+        "--ffn-hidden-size",
+        "2816",
+        "--vocab-size",
+        "32000",
+        "--seq-length",
+        "2048",
+        "--untie-embeddings-and-output-weights",
+        "--num-experts",
+        "8",
+        "--moe-ffn-hidden-size",
+        "16384",
+        "--cluster",
+        &cluster,
+        "--global-batch-size",
+        "64",
+        "--micro-batch-sizes",
+        "1,2",
+        "--tensor-model-parallel-sizes",
+        "1",
+        "--expert-model-parallel-sizes",
+        "1,2",
+        "--output",
+        &written,
+    ];
+    let report = plan_json(&args);
+    assert_eq!(
+        report["expert_parallel_size_per_stage"],
+        serde_json::json!([2, 1]),
+        "{report}"
+    );
+    assert!(report["synerfuse_flags"].is_null(), "{report}");
+    let plan =
+        synerfuse_parallel::Plan::from_toml(&std::fs::read_to_string(&written).unwrap(), None)
+            .unwrap();
+    let groups = plan.expert_groups(8).unwrap();
+    assert_eq!(groups.len(), 1, "{groups:?}");
+    assert_eq!((groups[0].stage, groups[0].replicas.len()), (0, 2));
+    let mut all = strings(&["plan"]);
+    all.extend(strings(&args));
+    let out = synerfuse(&all);
+    ok(&out, "plan");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("ep by stage [2, 1]"), "{text}");
+    assert!(text.contains("flags: none"), "{text}");
+}

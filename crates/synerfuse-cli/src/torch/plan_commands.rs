@@ -424,7 +424,7 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
     };
     if let Some(e) = shape.experts {
         tracing::info!(
-            "{} experts per MoE layer, {} per token: priced with the top-{} experts' compute and each replica's part of the experts; expert-parallel sizes {:?} searched for grid plans and per-pool layouts, experts placed by pace, memory and tokens per expert",
+            "{} experts per MoE layer, {} per token: priced with the top-{} experts' compute and each replica's part of the experts; expert-parallel sizes {:?} searched for grid plans (then each stage its own where faster) and per-pool layouts, experts placed by pace, memory and tokens per expert",
             e.num_experts,
             e.top_k,
             e.top_k,
@@ -466,8 +466,10 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
     };
     // Megatron's flags give even parts of the experts: the plan written may place them
     // by pace.
-    let flags = (best.to_even_plan(&cost)?.grid_flags())
-        .context("the best grid plan has no SynerFuse flags (a planner bug)")?;
+    let flags = best.to_even_plan(&cost)?.grid_flags();
+    if flags.is_none() && best.stage_expert_parallel.is_empty() {
+        bail!("the best grid plan has no SynerFuse flags (a planner bug)");
+    }
     // Per-replica pipelines are written when they beat the best grid plan.
     let pooled = outcome.pooled_wins();
     if let Some(out) = &args.output {

@@ -37,9 +37,11 @@ pub(crate) fn grid_text(c: &Candidate) -> String {
             _ => format!("cp {cp}"),
         },
     };
-    let experts = match c.options.expert_parallel {
-        1 => String::new(),
-        ep => format!(", ep {ep}"),
+    let sizes = c.expert_parallel_sizes();
+    let experts = match sizes.iter().all(|&ep| ep == sizes[0]) {
+        _ if sizes.iter().all(|&ep| ep == 1) => String::new(),
+        true => format!(", ep {}", sizes[0]),
+        false => format!(", ep by stage {sizes:?}"),
     };
     format!(
         "pp {} x dp {} ({unit}{experts})",
@@ -52,8 +54,9 @@ pub(crate) fn grid_text(c: &Candidate) -> String {
 pub(crate) struct PlanReport<'a> {
     pub(crate) cost: &'a CostModel,
     pub(crate) outcome: &'a planner::PlanOutcome,
-    /// The best grid plan's flags.
-    pub(crate) flags: GridFlags,
+    /// The best grid plan's flags (none where its stages divide the experts over
+    /// groups of their own sizes, which Megatron's one flag cannot say).
+    pub(crate) flags: Option<GridFlags>,
     pub(crate) tokens_per_step: f64,
     pub(crate) planning_s: f64,
     /// Whether `--try` decides the plan written.
@@ -87,6 +90,7 @@ impl PlanReport<'_> {
             tensor_parallel_size: best.tensor_parallel_size(),
             context_parallel_size: best.context_parallel_size(),
             expert_parallel_size: best.options.expert_parallel,
+            expert_parallel_size_per_stage: best.expert_parallel_sizes(),
             experts_per_stage_and_replica: self.experts.as_deref(),
             layers_per_stage: &best.layers,
             micro_batch_size_per_replica: &best.micro_batch_sizes,
@@ -101,7 +105,7 @@ impl PlanReport<'_> {
             train_flags: best.options.train_flags(),
             recompute_per_stage_and_replica: &best.recompute,
             use_distributed_optimizer: best.options.distributed_optimizer,
-            rank_order: &self.flags.rank_order,
+            rank_order: self.flags.as_ref().map(|f| f.rank_order.as_str()),
             candidates_considered: self.outcome.considered,
             folded: self.outcome.folded,
             planning_time_s: self.planning_s,
@@ -129,14 +133,14 @@ impl PlanReport<'_> {
 
     /// SynerFuse's flags for the best grid plan, with its options (its flags recompute
     /// every stage or none: `--recompute-activations` when any stage recomputes).
-    fn synerfuse_flags(&self) -> String {
+    fn synerfuse_flags(&self) -> Option<String> {
         let best = self.best();
-        let mut flags = self.flags.args.clone();
+        let mut flags = self.flags.as_ref()?.args.clone();
         if best.recompute.iter().flatten().any(|&x| x) {
             flags.push("--recompute-activations".into());
         }
         flags.extend(best.options.train_flags().iter().map(|f| f.to_string()));
-        flags.join(" ")
+        Some(flags.join(" "))
     }
 
     /// The `synerfuse train` flags beside `--plan` of the plan written.
@@ -263,7 +267,12 @@ impl PlanReport<'_> {
                 u.prediction.step_time_s / p.step_time_s
             );
         }
-        println!("flags: {}", self.synerfuse_flags());
+        match self.synerfuse_flags() {
+            Some(flags) => println!("flags: {flags}"),
+            None => println!(
+                "flags: none (its stages divide the experts over groups of their own sizes, which --expert-model-parallel-size cannot say): train it with --plan"
+            ),
+        }
         if let Some(pooled) = &self.outcome.pooled {
             self.print_pooled(pooled);
         }
@@ -511,7 +520,10 @@ pub(crate) struct GridReport<'a> {
     data_parallel_size: usize,
     tensor_parallel_size: usize,
     context_parallel_size: usize,
+    /// The largest of `expert_parallel_size_per_stage`.
     expert_parallel_size: usize,
+    /// Each stage's expert-parallel size (1: each replica holds every expert).
+    expert_parallel_size_per_stage: Vec<usize>,
     /// Under expert parallelism, the experts each replica holds of each stage (the plan
     /// file's `experts`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -525,11 +537,12 @@ pub(crate) struct GridReport<'a> {
     peak_memory_gb_per_stage: Vec<f64>,
     uniform_step_time_s: Option<f64>,
     uniform_layouts: Vec<UniformLayoutReport>,
-    synerfuse_flags: String,
+    /// `null` where no flags say the plan (stages of their own expert-parallel sizes).
+    synerfuse_flags: Option<String>,
     train_flags: Vec<&'static str>,
     recompute_per_stage_and_replica: &'a [Vec<bool>],
     use_distributed_optimizer: bool,
-    rank_order: &'a str,
+    rank_order: Option<&'a str>,
     candidates_considered: usize,
     /// Copies of a smaller cluster the search ran on (1: searched whole).
     folded: usize,

@@ -57,13 +57,18 @@ impl Candidate {
     /// [`Candidate::to_plan`] with the experts in Megatron's even parts (what
     /// `--expert-model-parallel-size` gives): the plan its flags describe.
     pub fn to_even_plan(&self, cost: &CostModel) -> Result<Plan, PlanningError> {
-        let ep = self.options.expert_parallel;
         let e = cost.model.experts.map_or(0, |e| e.num_experts);
-        let parts = even_parts(e, ep);
-        let row: Vec<Vec<usize>> = (0..self.micro_batches.len())
-            .map(|r| parts[r % parts.len().max(1)].clone())
-            .collect();
-        let experts = (ep > 1).then(|| vec![row; self.layers.len()]);
+        let sizes = self.expert_parallel_sizes();
+        let experts = sizes.iter().any(|&ep| ep > 1).then(|| {
+            (sizes.iter())
+                .map(|&ep| {
+                    let parts = even_parts(e, ep);
+                    (0..self.micro_batches.len())
+                        .map(|r| parts[r % parts.len().max(1)].clone())
+                        .collect()
+                })
+                .collect()
+        });
         self.plan_holding(cost, experts)
     }
 
@@ -78,10 +83,10 @@ impl Candidate {
         &self,
         cost: &CostModel,
     ) -> Result<Option<Vec<Vec<Vec<usize>>>>, PlanningError> {
-        let (ep, Some(shape)) = (self.options.expert_parallel, cost.model.experts) else {
+        let Some(shape) = cost.model.experts else {
             return Ok(None);
         };
-        if ep <= 1 {
+        if self.expert_parallel_sizes().iter().all(|&ep| ep <= 1) {
             return Ok(None);
         }
         let devices = cost.cluster.devices();
@@ -89,6 +94,7 @@ impl Candidate {
         let mut stages = Vec::with_capacity(self.layers.len());
         let mut start = 0;
         for (i, &layers) in self.layers.iter().enumerate() {
+            let ep = self.expert_parallel_of(i);
             let load = stage_load(cost, start, start + layers);
             let t = self.tensor_parallel_size() as f64;
             // One expert's state in this stage, and what the prediction counted for the

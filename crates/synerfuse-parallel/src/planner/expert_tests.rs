@@ -209,19 +209,24 @@ proptest::proptest! {
             return Ok(());
         };
         for c in outcome.plans.iter().chain(&outcome.uniform_layouts) {
-            let ep = c.options.expert_parallel;
+            let sizes = c.expert_parallel_sizes();
             let written = c.to_plan(&cost).unwrap();
             written.check(&cost.model, false).unwrap();
-            if ep == 1 {
+            if sizes.iter().all(|&ep| ep == 1) {
                 continue;
             }
-            // Megatron's even parts, as its flags say them.
+            // Megatron's even parts, as its flags say them (one size for every stage).
             let even = c.to_even_plan(&cost).unwrap();
             even.check(&cost.model, false).unwrap();
-            proptest::prop_assert!(even.grid_flags().is_some());
+            let uniform = sizes.iter().all(|&ep| ep == sizes[0]);
+            proptest::prop_assert_eq!(even.grid_flags().is_some(), uniform);
             let groups = written.expert_groups(experts).unwrap();
-            let stages = written.replicas()[0].stages.num_stages();
-            proptest::prop_assert_eq!(groups.len() * ep, written.replicas().len() * stages);
+            let d = written.replicas().len();
+            let divided: usize = sizes.iter().filter(|&&ep| ep > 1).map(|&ep| d / ep).sum();
+            proptest::prop_assert_eq!(groups.len(), divided);
+            for g in &groups {
+                proptest::prop_assert_eq!(g.replicas.len(), sizes[g.stage]);
+            }
             for g in &groups {
                 let counts: Vec<usize> = (g.replicas.iter())
                     .map(|&r| written.replicas()[r].batch.num_micro_batches())
@@ -381,4 +386,59 @@ fn groups_of_alike_replicas(cost: &CostModel, candidate: &PooledCandidate) {
             .min()
     };
     assert!(samples("a100-40g") > samples("a10"), "{written:?}");
+}
+
+/// Two A100s and two A10s, a four-layer mixture of 8 experts, long sequences and a
+/// batch of many micro-batches: the planner's grid holds three layers on the A100s and
+/// one on the A10s. Dividing the first stage's experts over both replicas (no expert
+/// gradient to reduce) and keeping the second's whole on each (no all-to-all on the
+/// pipeline's slowest stage) is faster than either size on both, and the plan written
+/// says so stage by stage: Megatron's one flag cannot, so it has no grid flags.
+#[test]
+fn stages_take_their_own_expert_parallel_sizes_where_faster() {
+    let cluster = crate::cluster::ClusterSpec::from_toml(
+        "[[group]]\nkind = \"a100-80g\"\ncount = 2\nnode = \"a\"\n\
+         [[group]]\nkind = \"a10\"\ncount = 2\nnode = \"b\"\n\
+         [network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n",
+    )
+    .unwrap();
+    let mut cost = wide_experts(None);
+    cost.cluster = cluster;
+    cost.model.num_layers = 4;
+    cost.model.seq_length = 2048;
+    cost.model.experts.as_mut().unwrap().ffn_hidden_size = 16_384;
+    let request = PlanRequest {
+        global_batch_size: 64,
+        ..request(vec![1, 2])
+    };
+    let outcome = plan(&cost, &request).unwrap();
+    let best = &outcome.plans[0];
+    assert_eq!(best.expert_parallel_sizes(), vec![2, 1], "{best:?}");
+    // The same grid at one size on both stages: slower.
+    for ep in [1, 2] {
+        let uniform = Candidate {
+            stage_expert_parallel: Vec::new(),
+            options: TrainOptions {
+                expert_parallel: ep,
+                ..best.options
+            },
+            ..best.clone()
+        };
+        let variant = uniform.options.cost(&cost);
+        let mut ctx = grid::candidate_ctx(&variant, &uniform);
+        let step = simulate::simulate_candidate(&mut ctx, &uniform).map(|p| p.step_time_s);
+        // At EP 1 the first stage's experts may not fit: priced all the same.
+        assert!(
+            step.as_ref()
+                .is_ok_and(|&s| s > best.prediction.step_time_s),
+            "{ep}: {step:?} vs {}",
+            best.prediction.step_time_s
+        );
+    }
+    let written = best.to_plan(&cost).unwrap();
+    written.check(&cost.model, false).unwrap();
+    let groups = written.expert_groups(8).unwrap();
+    assert_eq!(groups.len(), 1, "{groups:?}");
+    assert_eq!((groups[0].stage, groups[0].replicas.len()), (0, 2));
+    assert!(best.to_even_plan(&cost).unwrap().grid_flags().is_none());
 }

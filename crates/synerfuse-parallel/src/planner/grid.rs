@@ -123,11 +123,19 @@ impl Search {
                 .collect();
         // An expert-parallel group's members exchange tokens micro-batch by micro-batch,
         // stage by stage: as many micro-batches each, recomputed alike.
-        let ep = ctx.cost.expert_parallel;
-        if !groups_alike(&micro_batches, ep) || !recompute.iter().all(|row| groups_alike(row, ep)) {
+        let sizes_by_stage: Vec<usize> = (grid.devices.iter())
+            .map(|row| ctx.expert_parallel(row[0]))
+            .collect();
+        let alike = (sizes_by_stage.iter().zip(&recompute))
+            .all(|(&ep, row)| groups_alike(&micro_batches, ep) && groups_alike(row, ep));
+        if !alike {
             return Ok(());
         }
         self.candidates.push(Candidate {
+            stage_expert_parallel: match ctx.unit_expert_parallel.is_empty() {
+                true => Vec::new(),
+                false => sizes_by_stage,
+            },
             recompute,
             options: TrainOptions {
                 recompute: ctx.cost.recompute,

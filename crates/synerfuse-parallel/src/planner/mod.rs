@@ -22,6 +22,7 @@ mod running;
 mod samples;
 mod simulate;
 mod split;
+mod stage_experts;
 mod tensor;
 
 use crate::cost::{CostModel, Recompute};
@@ -113,10 +114,17 @@ fn plan_folding_above(
             expert::best_expert(cost, request, None)?,
         ),
     };
-    let (plans, uniform_layouts) = match candidates.is_empty() {
+    let (mut plans, uniform_layouts) = match candidates.is_empty() {
         true => (Vec::new(), Vec::new()),
         false => retime_front(&variants, candidates, keep)?,
     };
+    // Stages of their own expert-parallel sizes, where faster.
+    if let Some(best) = plans.first() {
+        if let Some(mixed) = stage_experts::per_stage_expert_parallel(cost, request, best)? {
+            plans.insert(0, mixed);
+            plans.truncate(keep);
+        }
+    }
     if plans.is_empty() && pooled.is_none() && expert.is_none() {
         return Err(PlanningError::Infeasible(closest.map_or(
             Infeasibility::BatchTooSmall {

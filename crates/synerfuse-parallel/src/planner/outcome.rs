@@ -30,6 +30,10 @@ pub struct Candidate {
     pub origin: CandidateOrigin,
     /// What it trains with beside its layout.
     pub options: TrainOptions,
+    /// Per stage, its own expert-parallel size where stages differ (each stage's
+    /// experts divided over groups of that many consecutive replicas, 1: each holds
+    /// every expert); empty: `options.expert_parallel` for every stage.
+    pub stage_expert_parallel: Vec<usize>,
     /// Whether (stage, replica) recomputes its activations.
     pub recompute: Grid<bool>,
     /// What each unit of `devices` is, a tensor-parallel group of one node (even shares,
@@ -39,6 +43,20 @@ pub struct Candidate {
 }
 
 impl Candidate {
+    /// Stage `i`'s expert-parallel size.
+    pub fn expert_parallel_of(&self, i: usize) -> usize {
+        (self.stage_expert_parallel.get(i))
+            .copied()
+            .unwrap_or(self.options.expert_parallel)
+    }
+
+    /// Each stage's expert-parallel size.
+    pub fn expert_parallel_sizes(&self) -> Vec<usize> {
+        (0..self.layers.len())
+            .map(|i| self.expert_parallel_of(i))
+            .collect()
+    }
+
     /// Devices per stage of each replica's tensor-parallel groups (Megatron's
     /// `--tensor-model-parallel-size`).
     pub fn tensor_parallel_size(&self) -> usize {

@@ -372,7 +372,7 @@ fn expert_group_times(
     fits: &[StageFit],
     t: &mut [f64],
 ) -> Result<(), PlanningError> {
-    let ep = ctx.cost.expert_parallel.max(1);
+    let ep = ctx.expert_parallel(units[0]);
     if ep == 1 {
         return Ok(());
     }
