@@ -296,6 +296,10 @@ impl PlanReport<'_> {
         };
         let ep = match p.options.expert_parallel {
             1 => String::new(),
+            _ if !p.pool_expert_parallel.is_empty() => {
+                "; each pool's experts divided over groups of its own size of alike replicas (ep)"
+                    .to_owned()
+            }
             ep => format!("; the experts divided over groups of {ep} alike replicas"),
         };
         println!(
@@ -631,6 +635,9 @@ pub(crate) struct PoolReport {
     pipeline_parallel_size: usize,
     /// Replicas (its data-parallel size).
     replicas: usize,
+    /// Consecutive replicas each MoE layer's experts are divided over (1: each holds
+    /// every expert).
+    expert_parallel_size: usize,
     layers_per_stage: Vec<usize>,
     micro_batch_size: usize,
     /// The fewest and the most micro-batches of its replicas.
@@ -646,7 +653,7 @@ pub(crate) fn pool_reports(cost: &CostModel, p: &PooledCandidate) -> Vec<PoolRep
     let devices = cost.cluster.devices();
     let mut first_replica = 0;
     let mut out = Vec::with_capacity(p.pools.len());
-    for pool in &p.pools {
+    for (k, pool) in p.pools.iter().enumerate() {
         let d = pool.micro_batches.len();
         let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
         let units = pool.devices.iter().flatten();
@@ -663,6 +670,7 @@ pub(crate) fn pool_reports(cost: &CostModel, p: &PooledCandidate) -> Vec<PoolRep
             tensor_parallel_size: tp,
             pipeline_parallel_size: pool.layers.len(),
             replicas: d,
+            expert_parallel_size: p.expert_parallel_of(k),
             layers_per_stage: pool.layers.clone(),
             micro_batch_size: pool.micro_batch_size,
             micro_batches: [
@@ -679,7 +687,7 @@ pub(crate) fn pool_reports(cost: &CostModel, p: &PooledCandidate) -> Vec<PoolRep
 
 /// The pools as a table: `| devices | tp | pp | dp | layers per stage | ... |`.
 pub(crate) fn print_pool_table(pools: &[PoolReport]) {
-    println!("| devices | tp | pp | dp | layers per stage | micro-batch size | micro-batches per replica | samples | recomputes |\n|---|---|---|---|---|---|---|---|---|");
+    println!("| devices | tp | pp | dp | ep | layers per stage | micro-batch size | micro-batches per replica | samples | recomputes |\n|---|---|---|---|---|---|---|---|---|---|");
     for pool in pools {
         let [least, most] = pool.micro_batches;
         let counts = match least == most {
@@ -687,11 +695,12 @@ pub(crate) fn print_pool_table(pools: &[PoolReport]) {
             false => format!("{least}-{most}"),
         };
         println!(
-            "| {} | {} | {} | {} | {} | {} | {counts} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {counts} | {} | {} |",
             pool.devices,
             pool.tensor_parallel_size,
             pool.pipeline_parallel_size,
             pool.replicas,
+            pool.expert_parallel_size,
             compact(&pool.layers_per_stage),
             pool.micro_batch_size,
             pool.samples,

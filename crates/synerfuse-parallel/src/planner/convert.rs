@@ -342,19 +342,20 @@ impl PooledCandidate {
     /// [`place_experts`] on the tokens each took in the stage's MoE layers (measured:
     /// [`CostModel::expert_load`]), Megatron's even parts where that is as fast.
     fn expert_parts(&self, cost: &CostModel) -> Option<Vec<Vec<Vec<Vec<usize>>>>> {
-        let (ep, shape) = (self.options.expert_parallel, cost.model.experts?);
-        if ep <= 1 {
+        let shape = cost.model.experts?;
+        if (0..self.pools.len()).all(|k| self.expert_parallel_of(k) <= 1) {
             return None;
         }
         let e = shape.num_experts;
-        let members = vec![
-            ExpertMember {
-                speed: 1.0,
-                capacity: e / ep,
-            };
-            ep
-        ];
-        let parts = (self.pools.iter()).map(|pool| {
+        let parts = (self.pools.iter().enumerate()).map(|(k, pool)| {
+            let ep = self.expert_parallel_of(k).max(1);
+            let members = vec![
+                ExpertMember {
+                    speed: 1.0,
+                    capacity: e / ep,
+                };
+                ep
+            ];
             let mut start = 0;
             (pool.layers.iter())
                 .map(|&layers| {

@@ -442,3 +442,56 @@ fn stages_take_their_own_expert_parallel_sizes_where_faster() {
     assert_eq!((groups[0].stage, groups[0].replicas.len()), (0, 2));
     assert!(best.to_even_plan(&cost).unwrap().grid_flags().is_none());
 }
+
+/// Four A100s and four small accelerators (6 GB) training a four-layer mixture of 8
+/// experts: per-replica pipelines hold the model whole on each A100, its experts whole
+/// (no all-to-all; their gradients reduced over four), and divide the experts over pairs
+/// of the small devices' two-stage pipelines, where they would not fit whole: faster
+/// than every pool at either size, and than the grid plans.
+#[test]
+fn pools_take_their_own_expert_parallel_sizes_where_faster() {
+    let cluster = crate::cluster::ClusterSpec::from_toml(
+        "[[group]]\nkind = \"a100-80g\"\ncount = 4\nnode = \"a\"\n\
+         [[group]]\nkind = \"custom\"\ntflops_bf16 = 100\nmemory_gb = 6\nmem_bw_gbs = 500\n\
+         count = 4\nnode = \"b\"\n\
+         [network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n",
+    )
+    .unwrap();
+    let mut cost = wide_experts(None);
+    cost.cluster = cluster;
+    cost.model.num_layers = 4;
+    cost.model.seq_length = 2048;
+    cost.model.experts.as_mut().unwrap().ffn_hidden_size = 4096;
+    let asked = |sizes: Vec<usize>| PlanRequest {
+        global_batch_size: 256,
+        ..request(sizes)
+    };
+    let outcome = plan(&cost, &asked(vec![1, 2])).unwrap();
+    let pooled = outcome.pooled.clone().expect("per-replica pipelines");
+    assert_eq!(pooled.pool_expert_parallel, vec![1, 2], "{pooled:?}");
+    assert_eq!(outcome.pooled_wins(), Some(&pooled));
+    for one in [1, 2] {
+        let step = (plan(&cost, &asked(vec![one])).ok())
+            .and_then(|o| o.pooled)
+            .map_or(f64::INFINITY, |p| p.step_time_s);
+        assert!(
+            step > pooled.step_time_s,
+            "{one}: {step} vs {}",
+            pooled.step_time_s
+        );
+    }
+    let written = pooled.to_plan(&cost).unwrap();
+    written.check(&cost.model, false).unwrap();
+    let groups = written.expert_groups(8).unwrap();
+    // The small devices' two replicas of two stages: a pair per stage.
+    assert_eq!(groups.len(), 2, "{groups:?}");
+    for g in &groups {
+        let kinds: Vec<_> = (g.replicas.iter())
+            .map(|&r| written.replicas()[r].placements[0].kind.clone())
+            .collect();
+        assert!(
+            kinds.iter().all(|k| k.as_deref() == Some("custom")),
+            "{kinds:?}"
+        );
+    }
+}

@@ -118,6 +118,11 @@ fn plan_folding_above(
         true => (Vec::new(), Vec::new()),
         false => retime_front(&variants, candidates, keep)?,
     };
+    // Pools of their own expert-parallel sizes, where faster.
+    let pooled = match &pooled {
+        Some(p) => stage_experts::per_pool_expert_parallel(cost, request, p)?.or(pooled),
+        None => None,
+    };
     // Stages of their own expert-parallel sizes, where faster.
     if let Some(best) = plans.first() {
         if let Some(mixed) = stage_experts::per_stage_expert_parallel(cost, request, best)? {

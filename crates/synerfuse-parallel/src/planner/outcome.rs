@@ -388,6 +388,10 @@ pub struct PooledCandidate {
     pub groups: Vec<TpGroup>,
     /// What it trains with beside its layout.
     pub options: TrainOptions,
+    /// Per pool, its own expert-parallel size where pools differ (groups of that many
+    /// consecutive replicas of the pool dividing each stage's experts; 1: each replica
+    /// holds every expert); empty: `options.expert_parallel` for every pool.
+    pub pool_expert_parallel: Vec<usize>,
     /// Whether each stage of each replica (in the plan's order) recomputes its
     /// activations.
     pub recompute: Vec<Vec<bool>>,
@@ -404,6 +408,13 @@ pub struct PooledCandidate {
 }
 
 impl PooledCandidate {
+    /// Pool `k`'s expert-parallel size.
+    pub fn expert_parallel_of(&self, k: usize) -> usize {
+        (self.pool_expert_parallel.get(k))
+            .copied()
+            .unwrap_or(self.options.expert_parallel)
+    }
+
     /// Every replica: (pool, index in the pool).
     pub(super) fn replicas(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
         replicas(&self.pools)

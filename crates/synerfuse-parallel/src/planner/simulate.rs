@@ -121,6 +121,7 @@ pub(super) fn simulate_pools(
     let mut candidate = PooledCandidate {
         pools,
         groups: ctx.groups.to_vec(),
+        pool_expert_parallel: Vec::new(),
         recompute: Vec::new(),
         options: TrainOptions {
             recompute: ctx.cost.recompute,

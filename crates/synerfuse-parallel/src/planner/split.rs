@@ -196,7 +196,7 @@ pub(super) fn split_layers(
                 (k.activation_bytes.to_bits(), k.forward_fraction.to_bits()),
                 m[r],
                 ctx.memory[dev].map(f64::to_bits),
-                b,
+                (b, ctx.expert_parallel(dev)),
                 share.to_bits(),
             );
             if seen.insert(key) {
@@ -211,7 +211,7 @@ pub(super) fn split_layers(
                         optimizer_share: share,
                         recompute,
                     };
-                    ctx.cost.memory_bytes(&k, &holding)
+                    ctx.cost_of(dev).memory_bytes(&k, &holding)
                 };
                 let affine = |recompute| {
                     let base = need(recompute, 0);

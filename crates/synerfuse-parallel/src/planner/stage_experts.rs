@@ -1,16 +1,29 @@
-//! Grid plans whose stages divide the experts over groups of their own sizes, as
-//! SynerFuse's meshes each take their own expert-parallel size: a stage whose devices
-//! have memory to spare keeps every expert (no all-to-all), one whose devices have not
-//! divides them.
+//! Plans whose stages (grid plans) or pools (per-replica pipelines) divide the experts
+//! over groups of their own sizes, as SynerFuse's meshes each take their own
+//! expert-parallel size: where reducing a stage's expert gradients costs less than its
+//! all-to-alls, or its devices have memory to spare, it keeps every expert; elsewhere
+//! it divides them. Searched from the best plan of one size, a stage or pool at a time.
 
 use super::{
     error::PlanningError,
     grid::{candidate_ctx, Arranged, Search},
-    outcome::Candidate,
-    request::PlanRequest,
-    simulate::simulate_candidate,
+    outcome::{Candidate, PoolLayout, PooledCandidate},
+    pooled::{balance, polish, PoolOption},
+    pricing::Ctx,
+    request::{PlanRequest, TrainOptions},
+    simulate::{simulate_candidate, simulate_pools},
 };
 use crate::cost::CostModel;
+
+/// The request's expert-parallel sizes dividing the model's experts, ascending.
+fn searched_sizes(request: &PlanRequest, experts: usize) -> Vec<usize> {
+    let mut sizes: Vec<usize> = (request.grid_options(Some(experts)).iter())
+        .map(|o| o.expert_parallel)
+        .collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    sizes
+}
 
 /// `best` with each stage at its own expert-parallel size (of the request's, dividing
 /// the experts and the replicas), a stage at a time while that makes the simulated step
@@ -25,12 +38,9 @@ pub(super) fn per_stage_expert_parallel(
         return Ok(None);
     };
     let (p, d) = (best.layers.len(), best.micro_batches.len());
-    let mut sizes: Vec<usize> = (request.grid_options(Some(shape.num_experts)).iter())
-        .map(|o| o.expert_parallel)
+    let sizes: Vec<usize> = (searched_sizes(request, shape.num_experts).into_iter())
         .filter(|&ep| d % ep == 0)
         .collect();
-    sizes.sort_unstable();
-    sizes.dedup();
     if p < 2 || sizes.len() < 2 {
         return Ok(None);
     }
@@ -101,4 +111,106 @@ fn priced(
         c.stage_expert_parallel.clear();
     }
     Ok(Some(c))
+}
+
+/// `best` with each pool's replicas at their own expert-parallel size (of the request's,
+/// dividing the experts and the pool's replicas), a pool at a time while that makes the
+/// simulated step faster, the batch and each pool's layers split again at each; `None`
+/// where no pool is faster at another size.
+pub(super) fn per_pool_expert_parallel(
+    cost: &CostModel,
+    request: &PlanRequest,
+    best: &PooledCandidate,
+) -> Result<Option<PooledCandidate>, PlanningError> {
+    let Some(shape) = cost.model.experts else {
+        return Ok(None);
+    };
+    let pools = best.pools.len();
+    let sizes = searched_sizes(request, shape.num_experts);
+    if pools < 2 || sizes.len() < 2 {
+        return Ok(None);
+    }
+    // Every unit at its own size below: the base holds every expert.
+    let variant = TrainOptions {
+        expert_parallel: 1,
+        ..best.options
+    }
+    .cost(cost);
+    let first: Vec<usize> = (0..pools).map(|k| best.expert_parallel_of(k)).collect();
+    let (mut current, mut by_pool) = (best.clone(), first.clone());
+    let mut improved = true;
+    while improved {
+        improved = false;
+        for k in 0..pools {
+            let replicas = current.pools[k].micro_batches.len();
+            for &ep in sizes.iter().filter(|&&ep| replicas % ep == 0) {
+                if by_pool[k] == ep {
+                    continue;
+                }
+                let mut trial = by_pool.clone();
+                trial[k] = ep;
+                let Some(c) = priced_pools(&variant, &current, &trial, request)? else {
+                    continue;
+                };
+                if c.step_time_s < current.step_time_s * (1.0 - 1e-9) {
+                    (current, by_pool, improved) = (c, trial, true);
+                }
+            }
+        }
+    }
+    Ok((by_pool != first).then_some(current))
+}
+
+/// `from`'s pools with pool `k`'s experts divided over groups of `by_pool[k]`
+/// consecutive replicas: the batch and layers split again for it, polished, simulated;
+/// `None` where the batch does not split so or a split does not fit.
+fn priced_pools(
+    variant: &CostModel,
+    from: &PooledCandidate,
+    by_pool: &[usize],
+    request: &PlanRequest,
+) -> Result<Option<PooledCandidate>, PlanningError> {
+    let devices = variant.cluster.devices();
+    let mut ctx = Ctx::with_groups(variant, devices, from.groups.clone());
+    let mut per_unit = vec![1; ctx.devices.len()];
+    for (pool, &ep) in from.pools.iter().zip(by_pool) {
+        for &unit in pool.devices.iter().flatten() {
+            per_unit[unit] = ep;
+        }
+    }
+    ctx.set_expert_parallel(per_unit);
+    ctx.lockstep = pool_groups(&from.pools, by_pool);
+    let options: Vec<PoolOption> = (from.pools.iter())
+        .map(|pool| PoolOption {
+            devices: pool.devices.clone(),
+            layers: pool.layers.clone(),
+            micro_batch_size: pool.micro_batch_size,
+            rate: 0.0,
+        })
+        .collect();
+    let chosen: Vec<&PoolOption> = options.iter().collect();
+    let Some((step, layouts)) = balance(&mut ctx, &chosen, request.global_batch_size)? else {
+        return Ok(None);
+    };
+    let (_, layouts) = polish(&mut ctx, layouts, step)?;
+    let (mut c, _) = simulate_pools(&mut ctx, layouts, false)?;
+    c.options = TrainOptions {
+        expert_parallel: by_pool.iter().copied().max().unwrap_or(1),
+        ..from.options
+    };
+    c.pool_expert_parallel = match by_pool.iter().all(|&ep| ep == by_pool[0]) {
+        true => Vec::new(),
+        false => by_pool.to_vec(),
+    };
+    Ok(Some(c))
+}
+
+/// Each pool's expert-parallel groups (consecutive replicas of `by_pool[k]`), one unit
+/// per member, stage by stage: the units that meet at every MoE layer.
+fn pool_groups(pools: &[PoolLayout], by_pool: &[usize]) -> Vec<Vec<usize>> {
+    (pools.iter().zip(by_pool))
+        .filter(|(_, &ep)| ep > 1)
+        .flat_map(|(pool, &ep)| pool.devices.iter().flat_map(move |row| row.chunks(ep)))
+        .map(<[usize]>::to_vec)
+        .collect()
 }

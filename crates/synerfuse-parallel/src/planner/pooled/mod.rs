@@ -511,10 +511,11 @@ pub(super) fn balance(
         let Some(counts) = min_max_samples(global_batch, &paces) else {
             return Ok(None);
         };
-        let mut counts = per_member(counts, ctx.cost.expert_parallel);
+        let mut counts = counts.into_iter();
         for pool in &mut layouts {
             let d = pool.micro_batches.len();
-            pool.micro_batches = counts.by_ref().take(d).collect();
+            let ep = ctx.expert_parallel(pool.devices[0][0]);
+            pool.micro_batches = per_member(counts.by_ref().take(d / ep).collect(), ep).collect();
             let bs = vec![pool.micro_batch_size; d];
             let l = ctx.cost.model.num_layers;
             match split_layers(ctx, &pool.devices, &bs, &pool.micro_batches, l)? {
@@ -534,7 +535,7 @@ pub(super) fn group_paces(
     pool: &PoolLayout,
     most: usize,
 ) -> Result<Vec<ReplicaPace>, PlanningError> {
-    let ep = ctx.cost.expert_parallel.max(1);
+    let ep = ctx.expert_parallel(pool.devices[0][0]);
     let (t, c) = pool.stage_times(ctx)?;
     Ok((0..pool.micro_batches.len())
         .step_by(ep)
@@ -677,7 +678,7 @@ pub(super) fn moves(ctx: &mut Ctx<'_>, layouts: &[PoolLayout]) -> Result<Vec<Mov
         times.push((t, c));
     }
     let from = slowest.0;
-    if ctx.cost.expert_parallel > 1 {
+    if (layouts.iter()).any(|pool| ctx.expert_parallel(pool.devices[0][0]) > 1) {
         // A group's members move micro-batches together: left to the batch split.
         return Ok(moves);
     }
