@@ -45,28 +45,13 @@ pub(super) fn per_stage_expert_parallel(
         return Ok(None);
     }
     let variant = best.options.cost(cost);
-    let first = best.expert_parallel_sizes();
-    let (mut current, mut by_stage) = (best.clone(), first.clone());
-    let mut improved = true;
-    while improved {
-        improved = false;
-        for i in 0..p {
-            for &ep in &sizes {
-                if by_stage[i] == ep {
-                    continue;
-                }
-                let mut trial = by_stage.clone();
-                trial[i] = ep;
-                let Some(c) = priced(&variant, &current, &trial, request.global_batch_size)? else {
-                    continue;
-                };
-                if c.prediction.step_time_s < current.prediction.step_time_s * (1.0 - 1e-9) {
-                    (current, by_stage, improved) = (c, trial, true);
-                }
-            }
-        }
-    }
-    Ok((by_stage != first).then_some(current))
+    descend(
+        best,
+        best.expert_parallel_sizes(),
+        (&sizes, |_, _| true),
+        |c| c.prediction.step_time_s,
+        |from, trial| priced(&variant, from, trial, request.global_batch_size),
+    )
 }
 
 /// `from`'s grid with stage `i`'s experts divided over groups of `by_stage[i]`: its
@@ -137,28 +122,47 @@ pub(super) fn per_pool_expert_parallel(
     }
     .cost(cost);
     let first: Vec<usize> = (0..pools).map(|k| best.expert_parallel_of(k)).collect();
-    let (mut current, mut by_pool) = (best.clone(), first.clone());
+    let replicas = |k: usize| best.pools[k].micro_batches.len();
+    descend(
+        best,
+        first,
+        (&sizes, |k, ep| replicas(k) % ep == 0),
+        |c| c.step_time_s,
+        |from, trial| priced_pools(&variant, from, trial, request),
+    )
+}
+
+/// From `first` (a size per stage or pool), each in turn at each of `sizes` it allows,
+/// a trial (priced by `price` from the plan so far) kept where its step (`step_s`) is
+/// faster, until none is; the plan where its sizes moved from `first`.
+fn descend<C: Clone>(
+    best: &C,
+    first: Vec<usize>,
+    (sizes, allows): (&[usize], impl Fn(usize, usize) -> bool),
+    step_s: impl Fn(&C) -> f64,
+    mut price: impl FnMut(&C, &[usize]) -> Result<Option<C>, PlanningError>,
+) -> Result<Option<C>, PlanningError> {
+    let (mut current, mut by_slot) = (best.clone(), first.clone());
     let mut improved = true;
     while improved {
         improved = false;
-        for k in 0..pools {
-            let replicas = current.pools[k].micro_batches.len();
-            for &ep in sizes.iter().filter(|&&ep| replicas % ep == 0) {
-                if by_pool[k] == ep {
+        for slot in 0..first.len() {
+            for &ep in sizes.iter().filter(|&&ep| allows(slot, ep)) {
+                if ep == by_slot[slot] {
                     continue;
                 }
-                let mut trial = by_pool.clone();
-                trial[k] = ep;
-                let Some(c) = priced_pools(&variant, &current, &trial, request)? else {
+                let mut trial = by_slot.clone();
+                trial[slot] = ep;
+                let Some(c) = price(&current, &trial)? else {
                     continue;
                 };
-                if c.step_time_s < current.step_time_s * (1.0 - 1e-9) {
-                    (current, by_pool, improved) = (c, trial, true);
+                if step_s(&c) < step_s(&current) * (1.0 - 1e-9) {
+                    (current, by_slot, improved) = (c, trial, true);
                 }
             }
         }
     }
-    Ok((by_pool != first).then_some(current))
+    Ok((by_slot != first).then_some(current))
 }
 
 /// `from`'s pools with pool `k`'s experts divided over groups of `by_pool[k]`
