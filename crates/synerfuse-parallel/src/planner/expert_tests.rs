@@ -34,6 +34,15 @@ fn wide_experts(load: Option<Vec<Vec<f64>>>) -> CostModel {
     }
 }
 
+/// The groups `first` (node a) and `second` (node b), links of 32 and 12 GB/s.
+fn two_nodes(first: &str, second: &str) -> crate::cluster::ClusterSpec {
+    crate::cluster::ClusterSpec::from_toml(&format!(
+        "[[group]]\n{first}\nnode = \"a\"\n[[group]]\n{second}\nnode = \"b\"\n\
+         [network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n"
+    ))
+    .unwrap()
+}
+
 fn request(expert_parallel_sizes: Vec<usize>) -> PlanRequest {
     PlanRequest {
         global_batch_size: 8,
@@ -337,12 +346,10 @@ fn experts_held_in_parts_of_different_sizes_reduce_over_every_holder_of_each_par
 /// expert and neither did).
 #[test]
 fn per_replica_plans_divide_the_experts_over_groups_of_alike_replicas() {
-    let cluster = crate::cluster::ClusterSpec::from_toml(
-        "[[group]]\nkind = \"a100-40g\"\ncount = 4\nnode = \"a\"\n\
-         [[group]]\nkind = \"a10\"\ncount = 4\nnode = \"b\"\n\
-         [network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n",
-    )
-    .unwrap();
+    let cluster = two_nodes(
+        "kind = \"a100-40g\"\ncount = 4",
+        "kind = \"a10\"\ncount = 4",
+    );
     let cost = CostModel::new(wide_experts(None).model, cluster, None);
     let outcome = plan(&cost, &request(vec![2])).unwrap();
     let layout = outcome.expert.expect("an expert's layout");
@@ -388,6 +395,17 @@ fn groups_of_alike_replicas(cost: &CostModel, candidate: &PooledCandidate) {
     assert!(samples("a100-40g") > samples("a10"), "{written:?}");
 }
 
+/// [`wide_experts`] on `cluster` with four layers, sequences of 2048 and experts `ffn`
+/// wide.
+fn four_layers_on(cluster: crate::cluster::ClusterSpec, ffn: usize) -> CostModel {
+    let mut cost = wide_experts(None);
+    cost.cluster = cluster;
+    cost.model.num_layers = 4;
+    cost.model.seq_length = 2048;
+    cost.model.experts.as_mut().unwrap().ffn_hidden_size = ffn;
+    cost
+}
+
 /// Two A100s and two A10s, a four-layer mixture of 8 experts, long sequences and a
 /// batch of many micro-batches: the planner's grid holds three layers on the A100s and
 /// one on the A10s. Dividing the first stage's experts over both replicas (no expert
@@ -396,17 +414,11 @@ fn groups_of_alike_replicas(cost: &CostModel, candidate: &PooledCandidate) {
 /// says so stage by stage: Megatron's one flag cannot, so it has no grid flags.
 #[test]
 fn stages_take_their_own_expert_parallel_sizes_where_faster() {
-    let cluster = crate::cluster::ClusterSpec::from_toml(
-        "[[group]]\nkind = \"a100-80g\"\ncount = 2\nnode = \"a\"\n\
-         [[group]]\nkind = \"a10\"\ncount = 2\nnode = \"b\"\n\
-         [network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n",
-    )
-    .unwrap();
-    let mut cost = wide_experts(None);
-    cost.cluster = cluster;
-    cost.model.num_layers = 4;
-    cost.model.seq_length = 2048;
-    cost.model.experts.as_mut().unwrap().ffn_hidden_size = 16_384;
+    let cluster = two_nodes(
+        "kind = \"a100-80g\"\ncount = 2",
+        "kind = \"a10\"\ncount = 2",
+    );
+    let cost = four_layers_on(cluster, 16_384);
     let request = PlanRequest {
         global_batch_size: 64,
         ..request(vec![1, 2])
@@ -450,18 +462,11 @@ fn stages_take_their_own_expert_parallel_sizes_where_faster() {
 /// than every pool at either size, and than the grid plans.
 #[test]
 fn pools_take_their_own_expert_parallel_sizes_where_faster() {
-    let cluster = crate::cluster::ClusterSpec::from_toml(
-        "[[group]]\nkind = \"a100-80g\"\ncount = 4\nnode = \"a\"\n\
-         [[group]]\nkind = \"custom\"\ntflops_bf16 = 100\nmemory_gb = 6\nmem_bw_gbs = 500\n\
-         count = 4\nnode = \"b\"\n\
-         [network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n",
-    )
-    .unwrap();
-    let mut cost = wide_experts(None);
-    cost.cluster = cluster;
-    cost.model.num_layers = 4;
-    cost.model.seq_length = 2048;
-    cost.model.experts.as_mut().unwrap().ffn_hidden_size = 4096;
+    let cluster = two_nodes(
+        "kind = \"a100-80g\"\ncount = 4",
+        "kind = \"custom\"\ntflops_bf16 = 100\nmemory_gb = 6\nmem_bw_gbs = 500\ncount = 4",
+    );
+    let cost = four_layers_on(cluster, 4096);
     let asked = |sizes: Vec<usize>| PlanRequest {
         global_batch_size: 256,
         ..request(sizes)
