@@ -1,5 +1,6 @@
-//! `synerfuse export`: a training checkpoint as a Hugging Face directory that
-//! transformers loads with the same loss, and that `--finetune-from-hf` continues from.
+//! `synerfuse export`: a training checkpoint (LLaMA, or Mixtral trained under expert
+//! parallelism) as a Hugging Face directory that transformers loads with the same loss,
+//! and that `--finetune-from-hf` continues from.
 
 mod support;
 
@@ -22,7 +23,7 @@ fn score(source: &[&str], tokens: &Path) -> Vec<f64> {
         .collect()
 }
 
-/// transformers' `LlamaForCausalLM` loss of each sequence of `tokens` (the `--reference`
+/// transformers' loss (`LlamaForCausalLM`, `MixtralForCausalLM`) of each sequence of `tokens` (the `--reference`
 /// oracle).
 fn transformers_losses(dir: &Path, tokens: &Path) -> Vec<f64> {
     let script = r#"
@@ -66,7 +67,9 @@ fn an_export_loads_in_transformers_and_finetunes_from_the_same_weights() {
         .collect();
     std::fs::write(&tokens, serde_json::to_string(&sequences).unwrap()).unwrap();
     let untie = "--untie-embeddings-and-output-weights";
-    let layouts: [(&str, Vec<&str>); 2] = [
+    let experts = ["--num-experts", "4", "--moe-ffn-hidden-size", "32"];
+    // (what, its layout, the model flags beside the export's config.json)
+    let layouts: [(&str, Vec<&str>, Vec<&str>); 3] = [
         (
             "tied, PP 2",
             vec![
@@ -77,13 +80,24 @@ fn an_export_loads_in_transformers_and_finetunes_from_the_same_weights() {
                 "--micro-batch-size",
                 "1",
             ],
+            Vec::new(),
         ),
         (
             "untied, TP 2",
             vec!["--nproc", "2", "--tensor-model-parallel-size", "2", untie],
+            vec![untie],
+        ),
+        (
+            "Mixtral, EP 2",
+            [
+                &["--nproc", "2", "--expert-model-parallel-size", "2"][..],
+                &experts,
+            ]
+            .concat(),
+            experts.to_vec(),
         ),
     ];
-    for (i, (label, layout)) in layouts.iter().enumerate() {
+    for (i, (label, layout, model)) in layouts.iter().enumerate() {
         let name = format!("run{i}");
         let (_, trained) = run(d, &data, &name, layout);
         let save = d.join(&name);
@@ -114,7 +128,12 @@ fn an_export_loads_in_transformers_and_finetunes_from_the_same_weights() {
         let config: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(export.join("config.json")).unwrap())
                 .unwrap();
-        assert_eq!(config["tie_word_embeddings"], serde_json::json!(i == 0));
+        assert_eq!(config["tie_word_embeddings"], serde_json::json!(i != 1));
+        let architecture = match i {
+            2 => "MixtralForCausalLM",
+            _ => "LlamaForCausalLM",
+        };
+        assert_eq!(config["architectures"][0], architecture, "{label}");
         // An existing directory is refused, and left as it was.
         let again = synerfuse(&export_args(&export));
         assert!(!again.status.success());
@@ -147,9 +166,7 @@ fn an_export_loads_in_transformers_and_finetunes_from_the_same_weights() {
             "--pipeline-model-parallel-size",
             "2",
         ]));
-        if i == 1 {
-            args.push(untie.into());
-        }
+        args.extend(strings(model));
         let (_, continued) = run_args(d, &format!("finetune{i}"), args);
         assert_eq!(max_param_diff(&trained, &continued), 0.0, "{label}");
     }

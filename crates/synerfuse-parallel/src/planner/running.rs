@@ -812,28 +812,8 @@ mod tests {
     /// re-planner switches into it, its experts placed (a part per replica, all held).
     #[test]
     fn a_job_is_switched_into_expert_parallelism_where_memory_binds() {
-        let placement = RankPlacement {
-            memory_gb: Some(0.045),
-            ..RankPlacement::default()
-        };
-        let plan = Plan::new(vec![ReplicaPipeline::single_ranks(
-            StageLayout::new(vec![2, 2], 4).unwrap(),
-            ReplicaBatch::uniform(1, 8),
-            vec![0, 1],
-            vec![placement; 2],
-        )])
-        .unwrap();
+        let (plan, model) = memory_bound_pipeline(0.045);
         let hosts = vec!["h".to_owned(); 2];
-        let model = ModelShape {
-            num_kv_heads: 1,
-            experts: Some(crate::cost::ExpertShape {
-                num_experts: 8,
-                top_k: 2,
-                ffn_hidden_size: 512,
-                layer_freq: 1,
-            }),
-            ..model()
-        };
         let job = RunningJob {
             model,
             ..job(&plan, &[1.0, 1.0], &hosts)
@@ -858,5 +838,62 @@ mod tests {
         let (kept, _) = best_plan_for(&cost, &without, &placed).unwrap();
         assert!(kept.expert_groups(8).unwrap().is_empty(), "{kept:?}");
         assert!(kept.replicas()[0].stages.num_stages() > 1, "{kept:?}");
+    }
+
+    /// A pipeline of two stages on two ranks of `memory_gb` each, 8 micro-batches of 1,
+    /// and its mixture of 8 experts (3.1 M parameters of experts, 63 MB of state).
+    fn memory_bound_pipeline(memory_gb: f64) -> (Plan, ModelShape) {
+        let placement = RankPlacement {
+            memory_gb: Some(memory_gb),
+            ..RankPlacement::default()
+        };
+        let plan = Plan::new(vec![ReplicaPipeline::single_ranks(
+            StageLayout::new(vec![2, 2], 4).unwrap(),
+            ReplicaBatch::uniform(1, 8),
+            vec![0, 1],
+            vec![placement; 2],
+        )])
+        .unwrap();
+        let model = ModelShape {
+            num_kv_heads: 1,
+            experts: Some(crate::cost::ExpertShape {
+                num_experts: 8,
+                top_k: 2,
+                ffn_hidden_size: 512,
+                layer_freq: 1,
+            }),
+            ..model()
+        };
+        (plan, model)
+    }
+
+    /// Experts placed by measured pace: two ranks measured at speeds 1 and about 0.5
+    /// (the pipeline above, unbounded memory), asked for EP 2: the faster rank's replica
+    /// holds more of the experts (5 of 8).
+    #[test]
+    fn experts_are_placed_by_the_measured_paces() {
+        let (plan, model) = memory_bound_pipeline(1.0);
+        let hosts = vec!["h".to_owned(); 2];
+        let job = RunningJob {
+            model,
+            ..job(&plan, &[1.0, 2.0], &hosts)
+        };
+        let cost = fitted_cost(&job).unwrap();
+        let request = PlanRequest {
+            expert_parallel_sizes: vec![2],
+            ..running_job_request(8, false, false)
+        };
+        let outcome = crate::planner::plan(&cost, &request).unwrap();
+        let best = &outcome.plans[0];
+        let placement = best
+            .expert_placement(&cost)
+            .unwrap()
+            .expect("experts divided");
+        // Replica r runs on device (rank) best.devices[0][r].
+        let held = |rank: usize| {
+            let r = best.devices[0].iter().position(|&u| u == rank).unwrap();
+            placement[0][r].len()
+        };
+        assert!(held(0) > held(1), "{placement:?} {best:?}");
     }
 }
