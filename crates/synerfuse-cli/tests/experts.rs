@@ -255,6 +255,18 @@ fn expert_flags_log_and_refuse() {
             vec!["--num-experts", "4", "--moe-pad-expert-input-to-capacity"],
             "--moe-pad-expert-input-to-capacity: synerfuse routes dropless only",
         ),
+        (
+            vec!["--num-experts", "4", "--moe-z-loss-coeff", "0.001"],
+            "--moe-z-loss-coeff 0.001: synerfuse does not train the router's z-loss",
+        ),
+        (
+            vec!["--num-experts", "4", "--moe-input-jitter-eps", "0.01"],
+            "--moe-input-jitter-eps 0.01: synerfuse adds no noise",
+        ),
+        (
+            vec!["--num-experts", "4", "--moe-router-pre-softmax"],
+            "--moe-router-pre-softmax: synerfuse routes as Mixtral does",
+        ),
     ] {
         let mut args = common(d, &data, 1);
         args.extend(strings(&flags));

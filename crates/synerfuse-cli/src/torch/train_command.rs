@@ -216,6 +216,15 @@ pub struct TrainArgs {
     /// Not supported (it pads to a capacity; routing is dropless)
     #[arg(long, help_heading = "Mixture of experts")]
     moe_pad_expert_input_to_capacity: bool,
+    /// Not supported above 0: the router's z-loss is not trained
+    #[arg(long, help_heading = "Mixture of experts")]
+    moe_z_loss_coeff: Option<f64>,
+    /// Not supported above 0: no noise is added to the router's input
+    #[arg(long, help_heading = "Mixture of experts")]
+    moe_input_jitter_eps: Option<f64>,
+    /// Not supported: the top-k weights are renormalised (Mixtral's routing)
+    #[arg(long, help_heading = "Mixture of experts")]
+    moe_router_pre_softmax: bool,
     /// alltoall or allgather: tokens reach their experts' ranks by all-to-all either way
     /// (the same results)
     #[arg(long, value_parser = ["alltoall", "allgather"], help_heading = "Megatron compatibility")]
@@ -799,6 +808,15 @@ impl TrainArgs {
         }
         if self.moe_pad_expert_input_to_capacity {
             bail!("--moe-pad-expert-input-to-capacity: synerfuse routes dropless only (no capacity to pad to); leave it out");
+        }
+        if let Some(coeff) = self.moe_z_loss_coeff.filter(|&c| c != 0.0) {
+            bail!("--moe-z-loss-coeff {coeff}: synerfuse does not train the router's z-loss (Megatron's load-balancing loss is --moe-aux-loss-coeff); leave it out");
+        }
+        if let Some(eps) = self.moe_input_jitter_eps.filter(|&e| e != 0.0) {
+            bail!("--moe-input-jitter-eps {eps}: synerfuse adds no noise to the router's input (every split of the batch trains alike); leave it out");
+        }
+        if self.moe_router_pre_softmax {
+            bail!("--moe-router-pre-softmax: synerfuse routes as Mixtral does (the top-k weights renormalised, what Megatron does without this flag); leave it out");
         }
         if let Some(backend) = &self.distributed_backend {
             if backend != "nccl" && backend != "gloo" {
