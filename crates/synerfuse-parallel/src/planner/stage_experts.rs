@@ -15,6 +15,10 @@ use super::{
 };
 use crate::cost::CostModel;
 
+/// The most units (devices, or tensor-parallel groups) a plan may have for its stages or
+/// pools to be tried at other sizes: each try splits and simulates the whole plan again.
+const SEARCHED_UNITS: usize = 4096;
+
 /// The request's expert-parallel sizes dividing the model's experts, ascending.
 fn searched_sizes(request: &PlanRequest, experts: usize) -> Vec<usize> {
     let mut sizes: Vec<usize> = (request.grid_options(Some(experts)).iter())
@@ -41,7 +45,7 @@ pub(super) fn per_stage_expert_parallel(
     let sizes: Vec<usize> = (searched_sizes(request, shape.num_experts).into_iter())
         .filter(|&ep| d % ep == 0)
         .collect();
-    if p < 2 || sizes.len() < 2 {
+    if p < 2 || sizes.len() < 2 || p * d > SEARCHED_UNITS {
         return Ok(None);
     }
     let variant = best.options.cost(cost);
@@ -112,7 +116,10 @@ pub(super) fn per_pool_expert_parallel(
     };
     let pools = best.pools.len();
     let sizes = searched_sizes(request, shape.num_experts);
-    if pools < 2 || sizes.len() < 2 {
+    let units: usize = (best.pools.iter())
+        .map(|pool| pool.devices.len() * pool.micro_batches.len())
+        .sum();
+    if pools < 2 || sizes.len() < 2 || units > SEARCHED_UNITS {
         return Ok(None);
     }
     // Every unit at its own size below: the base holds every expert.
