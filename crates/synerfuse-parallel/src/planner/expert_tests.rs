@@ -209,10 +209,10 @@ proptest::proptest! {
             expert_load: Some(load),
             ..CostModel::new(model, cluster, None)
         };
-        // Expert parallelism asked for: every grid plan divides the experts.
+        // Every size, so that stages may also take their own (1 among them).
         let request = PlanRequest {
             global_batch_size,
-            ..request(vec![2, 4])
+            ..request(vec![1, 2, 4])
         };
         let Ok(outcome) = plan(&cost, &request) else {
             return Ok(());
@@ -453,6 +453,10 @@ fn stages_take_their_own_expert_parallel_sizes_where_faster() {
     assert_eq!(groups.len(), 1, "{groups:?}");
     assert_eq!((groups[0].stage, groups[0].replicas.len()), (0, 2));
     assert!(best.to_even_plan(&cost).unwrap().grid_flags().is_none());
+    // Its timeline is the step predicted, each stage at its own size.
+    let title = simulate::timeline(&cost, best).unwrap().title;
+    let step = format!("step {:.4} s", best.prediction.step_time_s);
+    assert!(title.contains(&step), "{title} vs {step}");
 }
 
 /// Four A100s and four small accelerators (6 GB) training a four-layer mixture of 8
@@ -485,6 +489,9 @@ fn pools_take_their_own_expert_parallel_sizes_where_faster() {
             pooled.step_time_s
         );
     }
+    let title = simulate::pooled_timeline(&cost, &pooled).unwrap().title;
+    let step = format!("step {:.4} s", pooled.step_time_s);
+    assert!(title.contains(&step), "{title} vs {step}");
     let written = pooled.to_plan(&cost).unwrap();
     written.check(&cost.model, false).unwrap();
     let groups = written.expert_groups(8).unwrap();

@@ -123,13 +123,6 @@ fn plan_folding_above(
         Some(p) => stage_experts::per_pool_expert_parallel(cost, request, p)?.or(pooled),
         None => None,
     };
-    // Stages of their own expert-parallel sizes, where faster.
-    if let Some(best) = plans.first() {
-        if let Some(mixed) = stage_experts::per_stage_expert_parallel(cost, request, best)? {
-            plans.insert(0, mixed);
-            plans.truncate(keep);
-        }
-    }
     if plans.is_empty() && pooled.is_none() && expert.is_none() {
         return Err(PlanningError::Infeasible(closest.map_or(
             Infeasibility::BatchTooSmall {
@@ -146,6 +139,13 @@ fn plan_folding_above(
         Some(best) if best.options.expert_parallel == 1 => refine::refine_grid(cost, best, g)?,
         _ => None,
     };
+    // Stages of their own expert-parallel sizes, where faster.
+    if let Some(best) = plans.first() {
+        if let Some(mixed) = stage_experts::per_stage_expert_parallel(cost, request, best)? {
+            plans.insert(0, mixed);
+            plans.truncate(keep);
+        }
+    }
     let pooled = match (pooled, refined) {
         (Some(p), Some(r)) if r.step_time_s < p.step_time_s => Some(r),
         (None, Some(r)) => Some(r),

@@ -94,6 +94,10 @@ pub(super) fn simulate_step(
 pub fn timeline(cost: &CostModel, candidate: &Candidate) -> Result<Timeline, PlanningError> {
     let variant = candidate.options.cost(cost);
     let mut ctx = super::grid::candidate_ctx(&variant, candidate);
+    if !candidate.stage_expert_parallel.is_empty() {
+        let sizes = candidate.expert_parallel_sizes();
+        super::stage_experts::stage_sizes(&mut ctx, &candidate.devices, &sizes);
+    }
     let (prediction, ranks) = simulate_step(&mut ctx, candidate, true)?;
     let layers: Vec<String> = candidate.layers.iter().map(usize::to_string).collect();
     Ok(Timeline {
@@ -468,12 +472,18 @@ pub fn pooled_timeline(
     cost: &CostModel,
     candidate: &PooledCandidate,
 ) -> Result<crate::timeline::Timeline, PlanningError> {
+    // Each pool at its own size, its groups in lockstep (the base holds every expert).
     let variant = TrainOptions {
         distributed_optimizer: false,
+        expert_parallel: 1,
         ..candidate.options
     }
     .cost(cost);
     let mut ctx = Ctx::with_groups(&variant, cost.cluster.devices(), candidate.groups.clone());
+    let sizes: Vec<usize> = (0..candidate.pools.len())
+        .map(|k| candidate.expert_parallel_of(k))
+        .collect();
+    super::stage_experts::pool_sizes(&mut ctx, &candidate.pools, &sizes);
     let (simulated, ranks) = simulate_pools(&mut ctx, candidate.pools.clone(), true)?;
     Ok(crate::timeline::Timeline {
         title: format!(

@@ -7,7 +7,7 @@
 use super::{
     error::PlanningError,
     grid::{candidate_ctx, Arranged, Search},
-    outcome::{Candidate, PoolLayout, PooledCandidate},
+    outcome::{Arrangement, Candidate, PoolLayout, PooledCandidate},
     pooled::{balance, polish, PoolOption},
     pricing::Ctx,
     request::{PlanRequest, TrainOptions},
@@ -45,7 +45,9 @@ pub(super) fn per_stage_expert_parallel(
     let sizes: Vec<usize> = (searched_sizes(request, shape.num_experts).into_iter())
         .filter(|&ep| d % ep == 0)
         .collect();
-    if p < 2 || sizes.len() < 2 || p * d > SEARCHED_UNITS {
+    // Megatron's tp-pp-dp order (by replica) has no expert-parallel dimension.
+    let by_replica = best.arrangement == Arrangement::ByReplica;
+    if p < 2 || sizes.len() < 2 || p * d > SEARCHED_UNITS || by_replica {
         return Ok(None);
     }
     let variant = best.options.cost(cost);
@@ -68,13 +70,7 @@ fn priced(
     samples: usize,
 ) -> Result<Option<Candidate>, PlanningError> {
     let mut ctx = candidate_ctx(variant, from);
-    let mut per_unit = vec![1; ctx.devices.len()];
-    for (row, &ep) in from.devices.iter().zip(by_stage) {
-        for &unit in row {
-            per_unit[unit] = ep;
-        }
-    }
-    ctx.set_expert_parallel(per_unit);
+    stage_sizes(&mut ctx, &from.devices, by_stage);
     let grid = Arranged {
         devices: &from.devices,
         arrangement: from.arrangement,
@@ -183,14 +179,7 @@ fn priced_pools(
 ) -> Result<Option<PooledCandidate>, PlanningError> {
     let devices = variant.cluster.devices();
     let mut ctx = Ctx::with_groups(variant, devices, from.groups.clone());
-    let mut per_unit = vec![1; ctx.devices.len()];
-    for (pool, &ep) in from.pools.iter().zip(by_pool) {
-        for &unit in pool.devices.iter().flatten() {
-            per_unit[unit] = ep;
-        }
-    }
-    ctx.set_expert_parallel(per_unit);
-    ctx.lockstep = pool_groups(&from.pools, by_pool);
+    pool_sizes(&mut ctx, &from.pools, by_pool);
     let options: Vec<PoolOption> = (from.pools.iter())
         .map(|pool| PoolOption {
             devices: pool.devices.clone(),
@@ -214,6 +203,29 @@ fn priced_pools(
         false => by_pool.to_vec(),
     };
     Ok(Some(c))
+}
+
+/// Gives each unit of stage `i` of `grid` the size `by_stage[i]`.
+pub(super) fn stage_sizes(ctx: &mut Ctx<'_>, grid: &[Vec<usize>], by_stage: &[usize]) {
+    let mut per_unit = vec![1; ctx.devices.len()];
+    for (row, &ep) in grid.iter().zip(by_stage) {
+        for &unit in row {
+            per_unit[unit] = ep;
+        }
+    }
+    ctx.set_expert_parallel(per_unit);
+}
+
+/// Gives each unit of pool `k` the size `by_pool[k]`, and each pool's groups lockstep.
+pub(super) fn pool_sizes(ctx: &mut Ctx<'_>, pools: &[PoolLayout], by_pool: &[usize]) {
+    let mut per_unit = vec![1; ctx.devices.len()];
+    for (pool, &ep) in pools.iter().zip(by_pool) {
+        for &unit in pool.devices.iter().flatten() {
+            per_unit[unit] = ep;
+        }
+    }
+    ctx.set_expert_parallel(per_unit);
+    ctx.lockstep = pool_groups(pools, by_pool);
 }
 
 /// Each pool's expert-parallel groups (consecutive replicas of `by_pool[k]`), one unit
