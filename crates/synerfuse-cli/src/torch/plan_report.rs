@@ -38,10 +38,12 @@ pub(crate) fn grid_text(c: &Candidate) -> String {
         },
     };
     let sizes = c.expert_parallel_sizes();
-    let experts = match sizes.iter().all(|&ep| ep == sizes[0]) {
-        _ if sizes.iter().all(|&ep| ep == 1) => String::new(),
-        true => format!(", ep {}", sizes[0]),
-        false => format!(", ep by stage {sizes:?}"),
+    let experts = if sizes.iter().all(|&ep| ep == 1) {
+        String::new()
+    } else if sizes.iter().all(|&ep| ep == sizes[0]) {
+        format!(", ep {}", sizes[0])
+    } else {
+        format!(", ep by stage {sizes:?}")
     };
     format!(
         "pp {} x dp {} ({unit}{experts})",
