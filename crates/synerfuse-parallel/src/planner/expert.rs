@@ -211,11 +211,15 @@ fn shallowest(
 /// The units of each expert-parallel group of `layouts` (groups of `ep` consecutive
 /// replicas of a pool, stage by stage): none without expert parallelism.
 pub(super) fn expert_groups(layouts: &[PoolLayout], ep: usize) -> Vec<Vec<usize>> {
-    if ep <= 1 {
-        return Vec::new();
-    }
-    (layouts.iter())
-        .flat_map(|pool| pool.devices.iter())
-        .flat_map(|row| row.chunks(ep).map(<[usize]>::to_vec))
+    pool_groups(layouts, &vec![ep; layouts.len()])
+}
+
+/// Each pool's expert-parallel groups (consecutive replicas of `by_pool[k]`), one unit
+/// per member, stage by stage: the units that meet at every MoE layer.
+pub(super) fn pool_groups(pools: &[PoolLayout], by_pool: &[usize]) -> Vec<Vec<usize>> {
+    (pools.iter().zip(by_pool))
+        .filter(|(_, &ep)| ep > 1)
+        .flat_map(|(pool, &ep)| pool.devices.iter().flat_map(move |row| row.chunks(ep)))
+        .map(<[usize]>::to_vec)
         .collect()
 }

@@ -697,17 +697,7 @@ mod tests {
     /// splits every sequence 2 : 1, faster.
     #[test]
     fn a_job_is_switched_into_context_parallelism_where_memory_binds() {
-        let placement = RankPlacement {
-            memory_gb: Some(0.15),
-            ..RankPlacement::default()
-        };
-        let plan = Plan::new(vec![ReplicaPipeline::single_ranks(
-            StageLayout::new(vec![2, 2], 4).unwrap(),
-            ReplicaBatch::uniform(1, 4),
-            vec![0, 1],
-            vec![placement; 2],
-        )])
-        .unwrap();
+        let plan = two_stage_pipeline(0.15, 4);
         let hosts = vec!["h".to_owned(); 2];
         let model = ModelShape {
             seq_length: 1024,
@@ -840,20 +830,25 @@ mod tests {
         assert!(kept.replicas()[0].stages.num_stages() > 1, "{kept:?}");
     }
 
-    /// A pipeline of two stages on two ranks of `memory_gb` each, 8 micro-batches of 1,
-    /// and its mixture of 8 experts (3.1 M parameters of experts, 63 MB of state).
-    fn memory_bound_pipeline(memory_gb: f64) -> (Plan, ModelShape) {
+    /// A pipeline of two stages (layers [2, 2]) on ranks 0 and 1 of `memory_gb` each,
+    /// `micro_batches` micro-batches of 1.
+    fn two_stage_pipeline(memory_gb: f64, micro_batches: usize) -> Plan {
         let placement = RankPlacement {
             memory_gb: Some(memory_gb),
             ..RankPlacement::default()
         };
-        let plan = Plan::new(vec![ReplicaPipeline::single_ranks(
+        Plan::new(vec![ReplicaPipeline::single_ranks(
             StageLayout::new(vec![2, 2], 4).unwrap(),
-            ReplicaBatch::uniform(1, 8),
+            ReplicaBatch::uniform(1, micro_batches),
             vec![0, 1],
             vec![placement; 2],
         )])
-        .unwrap();
+        .unwrap()
+    }
+
+    /// [`two_stage_pipeline`] with 8 micro-batches, and a mixture of 8 experts (3.1 M parameters of experts, 63 MB of state).
+    fn memory_bound_pipeline(memory_gb: f64) -> (Plan, ModelShape) {
+        let plan = two_stage_pipeline(memory_gb, 8);
         let model = ModelShape {
             num_kv_heads: 1,
             experts: Some(crate::cost::ExpertShape {

@@ -225,15 +225,5 @@ pub(super) fn pool_sizes(ctx: &mut Ctx<'_>, pools: &[PoolLayout], by_pool: &[usi
         }
     }
     ctx.set_expert_parallel(per_unit);
-    ctx.lockstep = pool_groups(pools, by_pool);
-}
-
-/// Each pool's expert-parallel groups (consecutive replicas of `by_pool[k]`), one unit
-/// per member, stage by stage: the units that meet at every MoE layer.
-fn pool_groups(pools: &[PoolLayout], by_pool: &[usize]) -> Vec<Vec<usize>> {
-    (pools.iter().zip(by_pool))
-        .filter(|(_, &ep)| ep > 1)
-        .flat_map(|(pool, &ep)| pool.devices.iter().flat_map(move |row| row.chunks(ep)))
-        .map(<[usize]>::to_vec)
-        .collect()
+    ctx.lockstep = super::expert::pool_groups(pools, by_pool);
 }
