@@ -846,7 +846,8 @@ mod tests {
         .unwrap()
     }
 
-    /// [`two_stage_pipeline`] with 8 micro-batches, and a mixture of 8 experts (3.1 M parameters of experts, 63 MB of state).
+    /// [`two_stage_pipeline`] with 8 micro-batches, and a mixture of 8 experts (3.1 M
+    /// parameters of experts, 63 MB of state).
     fn memory_bound_pipeline(memory_gb: f64) -> (Plan, ModelShape) {
         let plan = two_stage_pipeline(memory_gb, 8);
         let model = ModelShape {
