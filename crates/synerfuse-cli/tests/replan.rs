@@ -616,7 +616,7 @@ fn a_switch_into_expert_parallelism_where_memory_binds_keeps_the_losses() {
         "pipeline",
         "[[replica]]\nlayers = [2, 2]\nmicro_batch_size = 1\nnum_micro_batches = 2\nmemory_gb = [0.12, 0.12]\n",
     );
-    let iters = 24;
+    let iters = 40;
     let log = dir.path().join("into.jsonl");
     let mut args = small_batches(steady_model(common(dir.path(), &data, iters)));
     args.extend(strings(&experts));
@@ -628,7 +628,7 @@ fn a_switch_into_expert_parallelism_where_memory_binds_keeps_the_losses() {
         "--plan",
         &plan,
         "--emulate-device-speed",
-        "0.5,0.5",
+        "0.25,0.25",
         "--replan-threshold",
         "0.5",
         "--replan-window",
