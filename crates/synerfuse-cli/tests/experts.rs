@@ -9,8 +9,8 @@ use std::path::Path;
 use support::*;
 
 /// Four experts of width 48 (the dense FFN is 64) in layers 0 and 2, the two best per
-/// token, the load-balancing loss weighted 0.05.
-const EXPERTS: [&str; 10] = [
+/// token, the load-balancing loss weighted 0.05, the router's z-loss 0.01.
+const EXPERTS: [&str; 12] = [
     "--num-experts",
     "4",
     "--moe-router-topk",
@@ -21,6 +21,8 @@ const EXPERTS: [&str; 10] = [
     "2",
     "--moe-aux-loss-coeff",
     "0.05",
+    "--moe-z-loss-coeff",
+    "0.01",
 ];
 
 /// `EXPERTS` and `flags`.
@@ -32,9 +34,19 @@ fn with<'a>(flags: &[&'a str]) -> Vec<&'a str> {
         .collect()
 }
 
-/// Each iteration's `moe` record of layers 0 and 2: (load-balancing loss per MoE layer,
-/// tokens per expert).
-fn expert_records(log: &Path) -> Vec<(Vec<f64>, Vec<Vec<f64>>)> {
+/// One iteration's `moe` record.
+#[derive(Debug, PartialEq)]
+struct ExpertRecord {
+    /// Load-balancing loss per MoE layer.
+    balance: Vec<f64>,
+    /// Router z-loss per MoE layer, where trained.
+    z: Option<Vec<f64>>,
+    /// Tokens per expert per MoE layer.
+    tokens: Vec<Vec<f64>>,
+}
+
+/// Each iteration's `moe` record of layers 0 and 2.
+fn expert_records(log: &Path) -> Vec<ExpertRecord> {
     let records = expert_records_of(log);
     let layers = (json_records(log).into_iter())
         .filter(|r| r.get("elapsed_ms").is_some())
@@ -45,8 +57,8 @@ fn expert_records(log: &Path) -> Vec<(Vec<f64>, Vec<Vec<f64>>)> {
     records
 }
 
-/// Each iteration's `moe` record: (load-balancing loss per MoE layer, tokens per expert).
-fn expert_records_of(log: &Path) -> Vec<(Vec<f64>, Vec<Vec<f64>>)> {
+/// Each iteration's `moe` record.
+fn expert_records_of(log: &Path) -> Vec<ExpertRecord> {
     let numbers = |v: &serde_json::Value| -> Vec<f64> {
         (v.as_array().expect("array").iter())
             .map(|x| x.as_f64().expect("number"))
@@ -59,15 +71,19 @@ fn expert_records_of(log: &Path) -> Vec<(Vec<f64>, Vec<Vec<f64>>)> {
             let tokens = (moe["tokens_per_expert"].as_array().expect("layers").iter())
                 .map(numbers)
                 .collect();
-            (numbers(&moe["load_balancing_loss"]), tokens)
+            ExpertRecord {
+                balance: numbers(&moe["load_balancing_loss"]),
+                z: moe.get("z_loss").map(numbers),
+                tokens,
+            }
         })
         .collect()
 }
 
-/// Every plan trains what one rank trains with the load-balancing loss in the backward:
-/// losses and parameters within 1e-5, the same tokens per expert and load-balancing loss
-/// in every iteration's record, each of the step's 6 × 32 tokens counted twice (top 2)
-/// per MoE layer once over the ranks.
+/// Every plan trains what one rank trains with the load-balancing loss and the router
+/// z-loss in the backward: losses and parameters within 1e-5, the same tokens per
+/// expert, load-balancing loss and z-loss in every iteration's record, each of the
+/// step's 6 × 32 tokens counted twice (top 2) per MoE layer once over the ranks.
 #[test]
 fn expert_models_train_alike_on_any_plan() {
     let dir = tempfile::tempdir().unwrap();
@@ -75,22 +91,24 @@ fn expert_models_train_alike_on_any_plan() {
     let data = dataset(d);
     let reference = run(d, &data, "single", &with(&["--micro-batch-size", "1"]));
     let reference_experts = expert_records(&d.join("single.jsonl"));
-    for (losses, tokens) in &reference_experts {
-        assert!(losses.iter().all(|&l| l > 0.9), "{losses:?}");
+    for record in &reference_experts {
+        assert!(record.balance.iter().all(|&l| l > 0.9), "{record:?}");
+        // At initialisation the router's logits are near 0: logsumexp near ln 4.
+        let z = record.z.as_deref().expect("z_loss");
+        assert!(z.iter().all(|&z| z > 1.0 && z < 4.0), "{record:?}");
         assert!(
-            tokens.iter().all(|t| t.iter().sum::<f64>() == 384.0),
-            "{tokens:?}"
+            (record.tokens.iter()).all(|t| t.iter().sum::<f64>() == 384.0),
+            "{record:?}"
         );
     }
-    // The load-balancing loss moves the parameters (0.05 of it: 1e-3 here), or the
-    // rows below could not catch it counted wrong.
-    let without = [&EXPERTS[..8], &["--micro-batch-size", "1"]].concat();
-    let plain = run(d, &data, "single-no-balance", &without);
-    let moved = max_rel_param_diff(&plain.1, &reference.1);
-    assert!(
-        moved > 1e-4,
-        "the load-balancing loss changed too little: {moved}"
-    );
+    // Each loss moves the parameters, or the rows below could not catch it counted
+    // wrong.
+    for (name, flags) in [("no-balance", &EXPERTS[..8]), ("no-z-loss", &EXPERTS[..10])] {
+        let without = [flags, &["--micro-batch-size", "1"]].concat();
+        let plain = run(d, &data, &format!("single-{name}"), &without);
+        let moved = max_rel_param_diff(&plain.1, &reference.1);
+        assert!(moved > 1e-4, "{name}: the loss changed too little: {moved}");
+    }
     // With one sequence per micro-batch Megatron's aux_loss is the per-sequence
     // seq_aux_loss, which any split of the batch computes alike.
     let seq = "--moe-router-load-balancing-type";
@@ -150,21 +168,21 @@ fn expert_models_train_alike_on_any_plan() {
         let outcome = run(d, &data, &name, &flags);
         table.check(label, &reference, outcome);
         let records = expert_records(&d.join(format!("{name}.jsonl")));
-        for ((losses, tokens), (ref_losses, ref_tokens)) in records.iter().zip(&reference_experts) {
-            assert_eq!(tokens, ref_tokens, "{label}: tokens per expert");
-            let worst = (losses.iter().zip(ref_losses))
-                .map(|(a, b)| (a - b).abs() / b)
-                .fold(0.0, f64::max);
-            assert!(
-                worst < 1e-5,
-                "{label}: load-balancing loss {losses:?} vs {ref_losses:?}"
-            );
+        assert_eq!(records.len(), reference_experts.len(), "{label}: records");
+        for (got, want) in records.iter().zip(&reference_experts) {
+            assert_eq!(got.tokens, want.tokens, "{label}: tokens per expert");
+            let (z, want_z) = (got.z.as_deref(), want.z.as_deref());
+            let pairs = (got.balance.iter().zip(&want.balance))
+                .chain(z.unwrap_or_default().iter().zip(want_z.unwrap_or_default()));
+            let worst = pairs.map(|(a, b)| (a - b).abs() / b).fold(0.0, f64::max);
+            assert!(z.is_some() && worst < 1e-5, "{label}: {got:?} vs {want:?}");
         }
     }
     table.print();
 }
 
-/// The log line carries Megatron's `load_balancing_loss`, TensorBoard its scalars;
+/// The log line carries Megatron's `z_loss` and `load_balancing_loss`, TensorBoard their
+/// scalars;
 /// Megatron's dispatcher flags are accepted; bad MoE flags and token dropping are refused
 /// by name.
 #[test]
@@ -194,7 +212,9 @@ fn expert_flags_log_and_refuse() {
         .find(|l| l.contains("iteration        2/"))
         .unwrap_or_else(|| panic!("no log line:\n{stdout}"));
     assert!(
-        line.contains("| lm loss: ") && line.contains(" | load_balancing_loss: "),
+        line.contains("| lm loss: ")
+            && line.contains(" | z_loss: ")
+            && line.contains(" | load_balancing_loss: "),
         "{line}"
     );
     let event_file = (std::fs::read_dir(d.join("tb")).unwrap())
@@ -205,6 +225,8 @@ fn expert_flags_log_and_refuse() {
     for tag in [
         "load_balancing_loss",
         "moe/load_balancing_loss_layer_2",
+        "z_loss",
+        "moe/z_loss_layer_0",
         "moe/tokens_per_expert_layer_0_expert_3",
     ] {
         let found = events.windows(tag.len()).any(|w| w == tag.as_bytes());
@@ -256,8 +278,12 @@ fn expert_flags_log_and_refuse() {
             "--moe-pad-expert-input-to-capacity: synerfuse routes dropless only",
         ),
         (
-            vec!["--num-experts", "4", "--moe-z-loss-coeff", "0.001"],
-            "--moe-z-loss-coeff 0.001: synerfuse does not train the router's z-loss",
+            vec!["--num-experts", "4", "--moe-z-loss-coeff=-0.001"],
+            "--moe-z-loss-coeff",
+        ),
+        (
+            vec!["--moe-z-loss-coeff", "0.001"],
+            "--moe-z-loss-coeff: the model has no experts",
         ),
         (
             vec!["--num-experts", "4", "--moe-input-jitter-eps", "0.01"],
@@ -313,7 +339,7 @@ fn expert_parallel_plans_match_a_single_rank() {
     let data = dataset(d);
     let reference = run(d, &data, "single", &eight(&["--micro-batch-size", "1"]));
     let reference_tokens: Vec<_> = (expert_records_of(&d.join("single.jsonl")).into_iter())
-        .map(|(_, tokens)| tokens)
+        .map(|record| record.tokens)
         .collect();
     let uneven = plan_file(
         d,
@@ -426,7 +452,7 @@ fn expert_parallel_plans_match_a_single_rank() {
         let name = format!("ep{i}");
         table.check(label, &reference, run(d, &data, &name, &flags));
         let tokens: Vec<_> = (expert_records_of(&d.join(format!("{name}.jsonl"))).into_iter())
-            .map(|(_, tokens)| tokens)
+            .map(|record| record.tokens)
             .collect();
         assert_eq!(tokens, reference_tokens, "{label}: tokens per expert");
     }

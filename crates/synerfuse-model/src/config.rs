@@ -48,6 +48,10 @@ pub struct MoeConfig {
     pub aux_loss_coeff: f64,
     /// Over which tokens the load-balancing loss is taken.
     pub load_balancing: LoadBalancing,
+    /// Weight of the router's z-loss in training (`--moe-z-loss-coeff`; ST-MoE's
+    /// `mean(logsumexp(logits)²)`, which keeps the router's logits small). Training only:
+    /// not in a Hugging Face config.
+    pub z_loss_coeff: f64,
 }
 
 impl MoeConfig {
@@ -61,6 +65,7 @@ impl MoeConfig {
             layer_freq: 1,
             aux_loss_coeff: 0.0,
             load_balancing: LoadBalancing::AuxLoss,
+            z_loss_coeff: 0.0,
         }
     }
 
@@ -302,14 +307,16 @@ impl LlamaConfig {
                     "the experts' width and the MoE layer frequency must be at least 1".into(),
                 );
             }
-            if !(moe.aux_loss_coeff >= 0.0 && moe.aux_loss_coeff.is_finite()) {
-                return err(
-                    "router_aux_loss_coef",
-                    format!(
-                        "{}: must be a finite non-negative number",
-                        moe.aux_loss_coeff
-                    ),
-                );
+            for (field, coeff) in [
+                ("router_aux_loss_coef", moe.aux_loss_coeff),
+                ("moe_z_loss_coeff", moe.z_loss_coeff),
+            ] {
+                if !(coeff >= 0.0 && coeff.is_finite()) {
+                    return err(
+                        field,
+                        format!("{coeff}: must be a finite non-negative number"),
+                    );
+                }
             }
         }
         if self.head_dim % 2 != 0 {
@@ -518,6 +525,8 @@ pub struct MegatronModelArgs {
     pub moe_aux_loss_coeff: f64,
     /// `--moe-router-load-balancing-type`.
     pub moe_router_load_balancing_type: LoadBalancing,
+    /// `--moe-z-loss-coeff`.
+    pub moe_z_loss_coeff: f64,
 }
 
 impl Default for MegatronModelArgs {
@@ -544,6 +553,7 @@ impl Default for MegatronModelArgs {
             moe_layer_freq: 1,
             moe_aux_loss_coeff: 0.0,
             moe_router_load_balancing_type: LoadBalancing::AuxLoss,
+            moe_z_loss_coeff: 0.0,
         }
     }
 }
@@ -606,6 +616,7 @@ impl LlamaConfig {
             layer_freq: args.moe_layer_freq,
             aux_loss_coeff: args.moe_aux_loss_coeff,
             load_balancing: args.moe_router_load_balancing_type,
+            z_loss_coeff: args.moe_z_loss_coeff,
         });
         let config = LlamaConfig {
             vocab_size: padded_vocab_size(

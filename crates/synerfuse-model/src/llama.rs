@@ -1150,7 +1150,7 @@ impl Stage {
         let mut pass = ForwardPass::new(output.detach(), saved, sequences);
         if !self.recompute {
             pass.graph = Some(output);
-            pass.balance_graph = summed_losses(&balance);
+            pass.balance_graph = self.summed_objectives(&balance);
         }
         pass.balance = balance.into_iter().map(LayerBalance::detached).collect();
         Ok(pass)
@@ -1168,8 +1168,15 @@ impl Stage {
             return Ok(Vec::new());
         };
         (routings.iter())
-            .map(|r| r.balance(sequences, moe.load_balancing, moe.top_k, context))
+            .map(|r| r.balance(sequences, &moe, context))
             .collect()
+    }
+
+    /// What the layers' `balance` add to the training objective per sequence weight,
+    /// summed (none for a dense stage).
+    pub(crate) fn summed_objectives(&self, balance: &[LayerBalance]) -> Option<Tensor> {
+        let moe = self.config.moe?;
+        (balance.iter().map(|b| b.objective(&moe))).reduce(|a, b| a + b)
     }
 
     /// Backpropagates `pass` given the gradient of its output (or, on the last stage, a
@@ -1193,7 +1200,7 @@ impl Stage {
                     (saved.position_ids.as_ref(), saved.attention_mask.as_ref());
                 let (output, routings) = self.forward_inner(&saved.input, positions, mask, None)?;
                 let balance = self.balances(&routings, pass.sequences, None)?;
-                (output, summed_losses(&balance))
+                (output, self.summed_objectives(&balance))
             }
         };
         let loss = match loss_or_output_grad {
@@ -1206,11 +1213,6 @@ impl Stage {
         }
         Ok((!self.is_first()).then(|| pass.saved.input.grad()))
     }
-}
-
-/// The sum of the layers' load-balancing losses (none for a dense stage).
-pub(crate) fn summed_losses(balance: &[LayerBalance]) -> Option<Tensor> {
-    (balance.iter().map(|b| b.loss.shallow_clone())).reduce(|a, b| a + b)
 }
 
 /// A 63-bit seed from a run seed and a parameter name (FNV-1a, stable across builds).

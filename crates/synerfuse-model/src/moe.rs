@@ -10,7 +10,7 @@
 //! Megatron's 1 / micro-batches, and under `seq_aux_loss` any split of the batch over
 //! replicas and micro-batches gives the same gradient.
 
-use crate::config::LoadBalancing;
+use crate::config::{LoadBalancing, MoeConfig};
 use crate::cp::ContextGroup;
 use crate::llama::SwiGlu;
 use crate::tp::TpCollectives;
@@ -287,7 +287,7 @@ pub(crate) fn route_across(
 }
 
 /// One MoE layer's load balance over a micro-batch on one rank: what its
-/// load-balancing loss adds to the step and what the log reports.
+/// load-balancing loss and z-loss add to the step and what the log reports.
 pub struct LayerBalance {
     /// Global index of the layer.
     pub layer: usize,
@@ -296,6 +296,10 @@ pub struct LayerBalance {
     /// of it, the group's parts summing to the whole). Carries the graph to the router
     /// in a training forward's regions, not in [`crate::ForwardPass::load_balance`].
     pub loss: Tensor,
+    /// The layer's router z-loss without its coefficient (each sequence's mean over its
+    /// tokens of `logsumexp(logits)²`), summed over the micro-batch's sequences (under
+    /// context parallelism this member's part); with the graph as `loss`.
+    pub z_loss: Tensor,
     /// How many of this rank's tokens picked each expert `[experts]` (fp32).
     pub tokens_per_expert: Tensor,
 }
@@ -305,21 +309,31 @@ impl LayerBalance {
     pub(crate) fn detached(self) -> LayerBalance {
         LayerBalance {
             loss: self.loss.detach(),
+            z_loss: self.z_loss.detach(),
             ..self
         }
+    }
+
+    /// What the layer adds to the training objective per sequence weight: each loss
+    /// times its coefficient (the load-balancing loss's none under `none`).
+    pub(crate) fn objective(&self, moe: &MoeConfig) -> Tensor {
+        let balance = match moe.load_balancing {
+            LoadBalancing::None => 0.0,
+            _ => moe.aux_loss_coeff,
+        };
+        &self.loss * balance + &self.z_loss * moe.z_loss_coeff
     }
 }
 
 impl Routing {
-    /// The layer's load balance over a micro-batch of `sequences` sequences, of
-    /// `kind`; `context`: the context-parallel group whose members hold the other
+    /// The layer's load balance over a micro-batch of `sequences` sequences of an MoE
+    /// model `moe`; `context`: the context-parallel group whose members hold the other
     /// tokens of the same sequences (their picks are summed over it; the probabilities
-    /// stay local, each member's loss being its part of the whole).
+    /// and logits stay local, each member's losses being its part of the whole).
     pub(crate) fn balance(
         &self,
         sequences: i64,
-        kind: LoadBalancing,
-        top_k: usize,
+        moe: &MoeConfig,
         context: Option<&ContextGroup<'_>>,
     ) -> Result<LayerBalance, StageError> {
         let experts = self.probs.size()[1];
@@ -331,35 +345,59 @@ impl Routing {
                 .sum_dim_intlist(1, false, Kind::Float)
         });
         let tokens_per_expert = picks.sum_dim_intlist(0, false, Kind::Float);
-        if kind == LoadBalancing::None {
-            let loss = Tensor::zeros([], (Kind::Float, self.probs.device()));
-            return Ok(LayerBalance {
-                layer: self.layer,
-                loss,
-                tokens_per_expert,
-            });
-        }
-        let (picks, tokens) = match context {
+        // Tokens per whole sequence (over the context-parallel group's members).
+        let tokens = match context {
             Some(cp) if cp.collectives.size() > 1 => {
-                let whole = (cp.collectives.all_reduce_sum(&picks)).map_err(|source| {
-                    StageError::Collective {
-                        op: "all-reduce (tokens per expert)",
-                        source,
-                    }
-                })?;
-                (
-                    whole,
-                    cp.positions.iter().map(Vec::len).sum::<usize>() as f64,
-                )
+                cp.positions.iter().map(Vec::len).sum::<usize>() as f64
             }
-            _ => (picks, (self.probs.size()[0] / sequences.max(1)) as f64),
+            _ => (self.probs.size()[0] / sequences.max(1)) as f64,
+        };
+        // Megatron's z_loss_func, each sequence's mean: its part summed over its tokens.
+        let z_loss = match moe.z_loss_coeff > 0.0 {
+            true => {
+                let lse = self.logits.to_kind(Kind::Float).logsumexp([-1], false);
+                lse.square().sum(Kind::Float) / tokens
+            }
+            false => Tensor::zeros([], (Kind::Float, self.probs.device())),
+        };
+        let loss = match moe.load_balancing {
+            LoadBalancing::None => Tensor::zeros([], (Kind::Float, self.probs.device())),
+            kind => self.balance_loss(picks, sequences, tokens, kind, moe.top_k, context)?,
+        };
+        Ok(LayerBalance {
+            layer: self.layer,
+            loss,
+            z_loss,
+            tokens_per_expert,
+        })
+    }
+
+    /// The load-balancing loss of `kind` summed over the micro-batch's sequences, from
+    /// each sequence's `picks` per expert `[sequences, experts]` over `tokens` tokens.
+    fn balance_loss(
+        &self,
+        picks: Tensor,
+        sequences: i64,
+        tokens: f64,
+        kind: LoadBalancing,
+        top_k: usize,
+        context: Option<&ContextGroup<'_>>,
+    ) -> Result<Tensor, StageError> {
+        let experts = self.probs.size()[1];
+        let picks = match context {
+            Some(cp) if cp.collectives.size() > 1 => (cp.collectives.all_reduce_sum(&picks))
+                .map_err(|source| StageError::Collective {
+                    op: "all-reduce (tokens per expert)",
+                    source,
+                })?,
+            _ => picks,
         };
         let probs = self
             .probs
             .reshape([sequences, -1, experts])
             .sum_dim_intlist(1, false, Kind::Float);
         let scale = experts as f64 / (top_k as f64);
-        let loss = match kind {
+        Ok(match kind {
             LoadBalancing::AuxLoss => {
                 let t = tokens * sequences as f64;
                 let summed = |x: &Tensor| x.sum_dim_intlist(0, false, Kind::Float);
@@ -368,11 +406,6 @@ impl Routing {
                     * sequences as f64
             }
             _ => (probs * picks).sum(Kind::Float) * (scale / (tokens * tokens)),
-        };
-        Ok(LayerBalance {
-            layer: self.layer,
-            loss,
-            tokens_per_expert,
         })
     }
 }
@@ -418,6 +451,10 @@ mod tests {
     }
 
     fn stage(balancing: LoadBalancing, coeff: f64) -> Stage {
+        z_loss_stage(balancing, coeff, 0.0)
+    }
+
+    fn z_loss_stage(balancing: LoadBalancing, coeff: f64, z_loss_coeff: f64) -> Stage {
         let c = LlamaConfig {
             vocab_size: 40,
             hidden_size: 16,
@@ -437,6 +474,7 @@ mod tests {
                 layer_freq: 2,
                 aux_loss_coeff: coeff,
                 load_balancing: balancing,
+                z_loss_coeff,
                 ..MoeConfig::every_layer(4, 2, 12)
             }),
         };
@@ -517,5 +555,61 @@ mod tests {
         let lm_only = router_grads(&without);
         assert!(max_diff(&seen[0], &lm_only) > 1e-4, "the loss must count");
         assert!(max_diff(&seen[0], &seen[1]) > 1e-5, "the two kinds differ");
+    }
+
+    /// Megatron's `z_loss_func` over one micro-batch's router logits `[tokens,
+    /// experts]`, transcribed (without the coefficient).
+    fn megatron_z_loss(logits: &Tensor) -> Tensor {
+        logits.logsumexp([-1], false).square().mean(Kind::Float)
+    }
+
+    /// The backward adds the z-loss's coefficient times Megatron's z-loss of each MoE
+    /// layer over the micro-batch, times its sequences and each sequence's weight (with
+    /// equal sequences, a mean over the step's tokens), beside the load-balancing loss
+    /// (or alone under `none`); the log reports it without the coefficient.
+    #[test]
+    fn the_backward_adds_megatrons_router_z_loss() {
+        tch::manual_seed(3);
+        let (b, s) = (3, 5);
+        let tokens = Tensor::randint(40, [b, s], (Kind::Int64, Device::Cpu));
+        let labels = Tensor::randint(40, [b, s], (Kind::Int64, Device::Cpu));
+        let lm = |logits: &Tensor| Stage::loss(logits, &labels, None).0 * 0.1;
+        let (coeff, z_coeff, weight) = (0.7, 0.05, 0.125);
+        let mut seen = Vec::new();
+        for balancing in [LoadBalancing::AuxLoss, LoadBalancing::None] {
+            let stage = z_loss_stage(balancing, coeff, z_coeff);
+            let (logits, routers) = stage
+                .forward_with_router_logits(&tokens, None, None)
+                .unwrap();
+            let summed = |f: &dyn Fn(&Tensor) -> Tensor| -> Tensor {
+                (routers.iter().map(f))
+                    .fold(Tensor::zeros([], (Kind::Float, Device::Cpu)), |a, l| a + l)
+            };
+            let z = summed(&|r| megatron_z_loss(r) * b as f64);
+            let balance = match balancing {
+                LoadBalancing::None => Tensor::zeros([], (Kind::Float, Device::Cpu)),
+                _ => summed(&|r| megatron_switch_loss(r, 2) * b as f64),
+            };
+            (lm(&logits) + (&balance * coeff + &z * z_coeff) * weight).backward();
+            let expected = router_grads(&stage);
+            let mut pass = stage.forward_train(&tokens, None, None).unwrap();
+            let logged: f64 = (pass.load_balance().iter())
+                .map(|l| l.z_loss.double_value(&[]))
+                .sum();
+            assert!((logged - z.double_value(&[])).abs() < 1e-5 * logged.abs());
+            pass.set_sequence_weight(weight);
+            stage.backward(pass, BackwardFrom::Loss(&lm)).unwrap();
+            let got = router_grads(&stage);
+            let d = max_diff(&got, &expected);
+            assert!(d < 1e-6, "{balancing:?}: {d}");
+            seen.push(got);
+        }
+        let without = stage(LoadBalancing::None, coeff);
+        let pass = without.forward_train(&tokens, None, None).unwrap();
+        without.backward(pass, BackwardFrom::Loss(&lm)).unwrap();
+        assert!(
+            max_diff(&seen[1], &router_grads(&without)) > 1e-5,
+            "the z-loss must count"
+        );
     }
 }

@@ -65,16 +65,20 @@ impl ForwardPass {
         self.sequence_weight = Some(weight);
     }
 
-    /// What the summed load-balancing losses are multiplied by in the backward: the
-    /// coefficient times each sequence's weight, over `tensor_parallel` ranks that each
-    /// compute the whole loss (0 without experts or coefficient).
+    /// What the summed objectives of the MoE layers' losses (each times its
+    /// coefficient) are multiplied by in the backward: each sequence's weight, over
+    /// `tensor_parallel` ranks that each compute the whole losses (0 without experts or
+    /// without a coefficient, so that the backward skips them).
     pub(crate) fn balance_weight(&self, config: &LlamaConfig, tensor_parallel: usize) -> f64 {
-        let coeff = config.moe.map_or(0.0, |m| match m.load_balancing {
-            crate::config::LoadBalancing::None => 0.0,
-            _ => m.aux_loss_coeff,
+        let trained = config.moe.is_some_and(|m| {
+            let balance = m.load_balancing != crate::config::LoadBalancing::None;
+            (balance && m.aux_loss_coeff != 0.0) || m.z_loss_coeff != 0.0
         });
         let weight = (self.sequence_weight).unwrap_or(1.0 / self.sequences.max(1) as f64);
-        coeff * weight / tensor_parallel.max(1) as f64
+        match trained {
+            true => weight / tensor_parallel.max(1) as f64,
+            false => 0.0,
+        }
     }
 }
 

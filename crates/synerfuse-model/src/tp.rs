@@ -348,9 +348,9 @@ impl Stage {
                     Some(routing) => {
                         let cp = context.as_ref().map(|(cp, _, _)| *cp);
                         let mut balance = self.balances(&[routing], sequences, cp)?;
-                        let loss = balance[0].loss.shallow_clone();
+                        let objective = self.summed_objectives(&balance);
                         balances.append(&mut balance);
-                        Some(loss)
+                        objective
                     }
                     None => None,
                 };

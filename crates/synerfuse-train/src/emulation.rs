@@ -107,10 +107,12 @@ mod tests {
         }
     }
 
-    // One test: the clock is the whole process's, so a concurrent test would disturb it
-    // (the sleep looks for a quiet window in three tries).
+    // One test: with one intra-op thread the clock is this thread's, so tests running
+    // beside it in the same process (`cargo test`) do not count (the sleep still looks
+    // for a quiet window in three tries).
     #[test]
     fn cpu_emulation_charges_cpu_time_over_speed() {
+        synerfuse_model::tch::set_num_threads(1);
         let quiet = (0..3).any(|_| {
             let span = ComputeSpan::start();
             std::thread::sleep(Duration::from_millis(30));

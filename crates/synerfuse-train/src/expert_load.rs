@@ -1,14 +1,16 @@
 //! How a step's tokens spread over the experts: each rank sums its MoE layers' load
 //! balance over its micro-batches, the step's all-gather adds the ranks up, and rank 0
-//! logs Megatron's `load_balancing_loss` and the tokens each expert took.
+//! logs Megatron's `load_balancing_loss` (and `z_loss` when trained) and the tokens
+//! each expert took.
 
 use synerfuse_model::tch::{Device, Kind, Tensor};
 use synerfuse_model::{LayerBalance, LlamaConfig};
 
 /// The load balance of the MoE layers this rank runs, summed over the step's micro-
-/// batches: per global layer, `[loss, tokens of expert 0, ...]` (the load-balancing loss
-/// without its coefficient summed over sequences, and the tokens that picked each
-/// expert), in fp64 on the stage's device: summed there, read back once per step.
+/// batches: per global layer, `[loss, z-loss, tokens of expert 0, ...]` (the load-
+/// balancing loss and the router z-loss without their coefficients summed over
+/// sequences, and the tokens that picked each expert), in fp64 on the stage's device:
+/// summed there, read back once per step.
 #[derive(Debug, Default)]
 pub struct ExpertLoad {
     layers: std::collections::BTreeMap<usize, Tensor>,
@@ -28,6 +30,7 @@ impl ExpertLoad {
             let cells = Tensor::cat(
                 &[
                     layer.loss.to_kind(Kind::Double).reshape([1]),
+                    layer.z_loss.to_kind(Kind::Double).reshape([1]),
                     layer.tokens_per_expert.to_kind(Kind::Double),
                 ],
                 0,
@@ -40,14 +43,14 @@ impl ExpertLoad {
         }
     }
 
-    /// The model's MoE layers in order, each as `[loss, tokens of expert 0, ...]`
+    /// The model's MoE layers in order, each as `[loss, z-loss, tokens of expert 0, ...]`
     /// (zeros for layers this rank does not run): a row of the same length on every
     /// rank, whose sum over the ranks is the step's.
     pub fn row(&self, model: &LlamaConfig) -> Vec<f64> {
         let Some(moe) = model.moe else {
             return Vec::new();
         };
-        let width = 1 + moe.num_experts;
+        let width = LOSSES + moe.num_experts;
         (0..model.num_layers)
             .filter(|&l| moe.has_experts(l))
             .flat_map(|l| {
@@ -64,6 +67,9 @@ impl ExpertLoad {
     }
 }
 
+/// The losses before the tokens per expert in a layer's row.
+const LOSSES: usize = 2;
+
 /// A step's load balance over the whole model (every rank's rows summed).
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct ExpertStep {
@@ -72,6 +78,11 @@ pub struct ExpertStep {
     /// Each layer's load-balancing loss without its coefficient, as a mean over the
     /// step's sequences (Megatron's `load_balancing_loss` per layer).
     pub load_balancing_loss: Vec<f64>,
+    /// Each layer's router z-loss without its coefficient, as a mean over the step's
+    /// sequences (Megatron's `z_loss` per layer); only where it is trained
+    /// (`--moe-z-loss-coeff` above 0), as Megatron tracks it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub z_loss: Option<Vec<f64>>,
     /// Each layer's tokens per expert over the step.
     pub tokens_per_expert: Vec<Vec<f64>>,
 }
@@ -83,29 +94,39 @@ impl ExpertStep {
         let layers: Vec<usize> = (0..model.num_layers)
             .filter(|&l| moe.has_experts(l))
             .collect();
-        let rows: Vec<&[f64]> = sums.chunks(1 + moe.num_experts).collect();
+        let rows: Vec<&[f64]> = sums.chunks(LOSSES + moe.num_experts).collect();
         if rows.len() != layers.len() {
             return None;
         }
+        let mean = |at: usize| rows.iter().map(|r| r[at] / sequences.max(1.0)).collect();
         Some(ExpertStep {
-            load_balancing_loss: rows.iter().map(|r| r[0] / sequences.max(1.0)).collect(),
-            tokens_per_expert: rows.iter().map(|r| r[1..].to_vec()).collect(),
+            load_balancing_loss: mean(0),
+            z_loss: (moe.z_loss_coeff > 0.0).then(|| mean(1)),
+            tokens_per_expert: rows.iter().map(|r| r[LOSSES..].to_vec()).collect(),
             layers,
         })
     }
 
     /// The mean over the MoE layers of their load-balancing loss (the log line's).
     pub fn mean_loss(&self) -> f64 {
-        let n = self.load_balancing_loss.len().max(1) as f64;
-        self.load_balancing_loss.iter().sum::<f64>() / n
+        mean_over_layers(&self.load_balancing_loss)
     }
 
-    /// TensorBoard's scalars, Megatron's names: `load_balancing_loss` (the mean), and
-    /// with `per_layer` each layer's (`moe/load_balancing_loss_layer_{i}`) and its
-    /// tokens per expert (`moe/tokens_per_expert_layer_{i}_expert_{e}`).
+    /// The mean over the MoE layers of their z-loss, where it is trained.
+    pub fn mean_z_loss(&self) -> Option<f64> {
+        self.z_loss.as_deref().map(mean_over_layers)
+    }
+
+    /// TensorBoard's scalars, Megatron's names: `load_balancing_loss` (the mean) and
+    /// `z_loss` where trained, and with `per_layer` each layer's
+    /// (`moe/load_balancing_loss_layer_{i}`, `moe/z_loss_layer_{i}`) and its tokens per
+    /// expert (`moe/tokens_per_expert_layer_{i}_expert_{e}`).
     pub fn scalars(&self, per_layer: bool) -> Vec<(String, f64)> {
         let mut scalars = vec![("load_balancing_loss".to_owned(), self.mean_loss())];
+        scalars.extend(self.mean_z_loss().map(|z| ("z_loss".to_owned(), z)));
         if per_layer {
+            let z = self.z_loss.iter().flat_map(|z| self.layers.iter().zip(z));
+            scalars.extend(z.map(|(layer, z)| (format!("moe/z_loss_layer_{layer}"), *z)));
             for ((layer, loss), tokens) in
                 (self.layers.iter().zip(&self.load_balancing_loss)).zip(&self.tokens_per_expert)
             {
@@ -122,6 +143,11 @@ impl ExpertStep {
     }
 }
 
+/// The mean of one value per MoE layer.
+fn mean_over_layers(values: &[f64]) -> f64 {
+    values.iter().sum::<f64>() / values.len().max(1) as f64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -133,11 +159,13 @@ mod tests {
         let mut model = small_config();
         model.moe = Some(MoeConfig {
             layer_freq: 2,
+            z_loss_coeff: 1e-3,
             ..MoeConfig::every_layer(3, 1, 8)
         });
         let balance = |layer, loss: f64, tokens: &[f64]| LayerBalance {
             layer,
             loss: Tensor::from(loss),
+            z_loss: Tensor::from(4.0 * loss),
             tokens_per_expert: Tensor::from_slice(tokens),
         };
         let (mut first, mut second) = (ExpertLoad::default(), ExpertLoad::default());
@@ -145,13 +173,28 @@ mod tests {
         first.add(&[balance(0, 0.25, &[3.0, 2.0, 1.0])]);
         second.add(&[balance(2, 1.0, &[0.0, 6.0, 0.0])]);
         let (a, b) = (first.row(&model), second.row(&model));
-        assert_eq!(a.len(), 8, "layers 0 and 2, a loss and 3 experts each");
+        assert_eq!(a.len(), 10, "layers 0 and 2, two losses and 3 experts each");
         let sums: Vec<f64> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
         let step = ExpertStep::from_sums(&model, &sums, 4.0).unwrap();
         assert_eq!(step.layers, [0, 2]);
         assert_eq!(step.load_balancing_loss, [0.1875, 0.25]);
         assert_eq!(step.tokens_per_expert, [[4.0, 4.0, 4.0], [0.0, 6.0, 0.0]]);
         assert_eq!(step.mean_loss(), 0.21875);
+        assert_eq!(step.z_loss.as_deref(), Some(&[0.75, 1.0][..]));
+        assert_eq!(step.mean_z_loss(), Some(0.875));
+        let names: Vec<String> = step.scalars(true).into_iter().map(|(n, _)| n).collect();
+        assert_eq!(
+            names[..4],
+            [
+                "load_balancing_loss",
+                "z_loss",
+                "moe/z_loss_layer_0",
+                "moe/z_loss_layer_2"
+            ]
+        );
+        model.moe.as_mut().unwrap().z_loss_coeff = 0.0;
+        let untrained = ExpertStep::from_sums(&model, &sums, 4.0).unwrap();
+        assert_eq!((untrained.mean_z_loss(), untrained.z_loss), (None, None));
     }
 
     fn small_config() -> LlamaConfig {

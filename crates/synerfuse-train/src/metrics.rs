@@ -69,9 +69,14 @@ impl IterationRecord {
             ),
             false => String::new(),
         };
-        // Megatron's MoE runs add the mean over the MoE layers after the loss.
+        // Megatron's MoE runs add the means over the MoE layers after the loss, the
+        // z-loss (where trained) first, as its router tracks it first.
         let balance = match &self.moe {
-            Some(moe) => format!(" load_balancing_loss: {} |", python_exp(moe.mean_loss())),
+            Some(moe) => {
+                let z = (moe.mean_z_loss()).map(|z| format!(" z_loss: {} |", python_exp(z)));
+                let balance = python_exp(moe.mean_loss());
+                format!("{} load_balancing_loss: {balance} |", z.unwrap_or_default())
+            }
             None => String::new(),
         };
         format!(
@@ -432,6 +437,7 @@ mod tests {
             moe: Some(crate::expert_load::ExpertStep {
                 layers: vec![0, 1],
                 load_balancing_loss: vec![1.0, 1.5],
+                z_loss: None,
                 tokens_per_expert: vec![vec![3.0, 5.0], vec![4.0, 4.0]],
             }),
             ..record
@@ -439,6 +445,13 @@ mod tests {
         let line = moe.log_line(false);
         assert!(
             line.contains("lm loss: 7.250000E+00 | load_balancing_loss: 1.250000E+00 | loss scale"),
+            "{line}"
+        );
+        let mut z = moe.clone();
+        z.moe.as_mut().unwrap().z_loss = Some(vec![2.0, 3.0]);
+        let line = z.log_line(false);
+        assert!(
+            line.contains("lm loss: 7.250000E+00 | z_loss: 2.500000E+00 | load_balancing_loss: 1.250000E+00 |"),
             "{line}"
         );
         assert_eq!(python_exp(0.0), "0.000000E+00");

@@ -216,8 +216,9 @@ pub struct TrainArgs {
     /// Not supported (it pads to a capacity; routing is dropless)
     #[arg(long, help_heading = "Mixture of experts")]
     moe_pad_expert_input_to_capacity: bool,
-    /// Not supported above 0: the router's z-loss is not trained
-    #[arg(long, help_heading = "Mixture of experts")]
+    /// Weight of the router's z-loss (ST-MoE's mean of logsumexp(logits)², which keeps
+    /// the router's logits small) [default: 0]
+    #[arg(long, value_parser = crate::values::non_negative, help_heading = "Mixture of experts")]
     moe_z_loss_coeff: Option<f64>,
     /// Not supported above 0: no noise is added to the router's input
     #[arg(long, help_heading = "Mixture of experts")]
@@ -809,9 +810,6 @@ impl TrainArgs {
         if self.moe_pad_expert_input_to_capacity {
             bail!("--moe-pad-expert-input-to-capacity: synerfuse routes dropless only (no capacity to pad to); leave it out");
         }
-        if let Some(coeff) = self.moe_z_loss_coeff.filter(|&c| c != 0.0) {
-            bail!("--moe-z-loss-coeff {coeff}: synerfuse does not train the router's z-loss (Megatron's load-balancing loss is --moe-aux-loss-coeff); leave it out");
-        }
         if let Some(eps) = self.moe_input_jitter_eps.filter(|&e| e != 0.0) {
             bail!("--moe-input-jitter-eps {eps}: synerfuse adds no noise to the router's input (every split of the batch trains alike); leave it out");
         }
@@ -847,6 +845,7 @@ impl TrainArgs {
             ("--moe-ffn-hidden-size", self.moe_ffn_hidden_size.is_some()),
             ("--moe-layer-freq", self.moe_layer_freq != 1),
             ("--moe-aux-loss-coeff", self.moe_aux_loss_coeff.is_some()),
+            ("--moe-z-loss-coeff", self.moe_z_loss_coeff.is_some()),
             ("--moe-per-layer-logging", self.moe_per_layer_logging),
         ]
         .into_iter()
@@ -904,6 +903,7 @@ impl TrainArgs {
         if let Some(coeff) = self.moe_aux_loss_coeff {
             moe.aux_loss_coeff = coeff;
         }
+        moe.z_loss_coeff = self.moe_z_loss_coeff.unwrap_or(0.0);
         Ok(config)
     }
 
@@ -971,6 +971,7 @@ impl TrainArgs {
             moe_layer_freq: self.moe_layer_freq,
             moe_aux_loss_coeff: self.moe_aux_loss_coeff.unwrap_or(0.0),
             moe_router_load_balancing_type: self.moe_router_load_balancing_type,
+            moe_z_loss_coeff: self.moe_z_loss_coeff.unwrap_or(0.0),
         };
         Ok(LlamaConfig::from_megatron(&args, tokenizer_vocab)?)
     }
