@@ -80,6 +80,24 @@ fn expert_records_of(log: &Path) -> Vec<ExpertRecord> {
         .collect()
 }
 
+/// The same tokens per expert in every iteration's record as `want`'s, and the same
+/// load-balancing loss and z-loss of every MoE layer within 1e-5.
+fn same_expert_records(label: &str, got: &[ExpertRecord], want: &[ExpertRecord]) {
+    assert_eq!(got.len(), want.len(), "{label}: records");
+    for (got, want) in got.iter().zip(want) {
+        assert_eq!(got.tokens, want.tokens, "{label}: tokens per expert");
+        let (z, want_z) = (got.z.as_deref(), want.z.as_deref());
+        let (z, want_z) = (z.unwrap_or_default(), want_z.unwrap_or_default());
+        let pairs = (got.balance.iter().zip(&want.balance)).chain(z.iter().zip(want_z));
+        let worst = pairs.map(|(a, b)| (a - b).abs() / b).fold(0.0, f64::max);
+        let layers = want.tokens.len();
+        assert!(
+            (got.balance.len(), z.len()) == (layers, layers) && worst < 1e-5,
+            "{label}: {got:?} vs {want:?}"
+        );
+    }
+}
+
 /// Every plan trains what one rank trains with the load-balancing loss and the router
 /// z-loss in the backward: losses and parameters within 1e-5, the same tokens per
 /// expert, load-balancing loss and z-loss in every iteration's record, each of the
@@ -103,7 +121,11 @@ fn expert_models_train_alike_on_any_plan() {
     }
     // Each loss moves the parameters, or the rows below could not catch it counted
     // wrong.
-    for (name, flags) in [("no-balance", &EXPERTS[..8]), ("no-z-loss", &EXPERTS[..10])] {
+    let no_balance = [&EXPERTS[..8], &EXPERTS[10..]].concat();
+    for (name, flags) in [
+        ("no-balance", &no_balance[..]),
+        ("no-z-loss", &EXPERTS[..10]),
+    ] {
         let without = [flags, &["--micro-batch-size", "1"]].concat();
         let plain = run(d, &data, &format!("single-{name}"), &without);
         let moved = max_rel_param_diff(&plain.1, &reference.1);
@@ -148,6 +170,16 @@ fn expert_models_train_alike_on_any_plan() {
             ]),
         ),
         (
+            "DP 2, recompute, mbs 1 x 3",
+            with(&[
+                "--nproc",
+                "2",
+                "--recompute-activations",
+                "--micro-batch-size",
+                "1",
+            ]),
+        ),
+        (
             "DP 2 distributed optimizer, mbs 1 x 3",
             with(&[
                 "--nproc",
@@ -168,15 +200,7 @@ fn expert_models_train_alike_on_any_plan() {
         let outcome = run(d, &data, &name, &flags);
         table.check(label, &reference, outcome);
         let records = expert_records(&d.join(format!("{name}.jsonl")));
-        assert_eq!(records.len(), reference_experts.len(), "{label}: records");
-        for (got, want) in records.iter().zip(&reference_experts) {
-            assert_eq!(got.tokens, want.tokens, "{label}: tokens per expert");
-            let (z, want_z) = (got.z.as_deref(), want.z.as_deref());
-            let pairs = (got.balance.iter().zip(&want.balance))
-                .chain(z.unwrap_or_default().iter().zip(want_z.unwrap_or_default()));
-            let worst = pairs.map(|(a, b)| (a - b).abs() / b).fold(0.0, f64::max);
-            assert!(z.is_some() && worst < 1e-5, "{label}: {got:?} vs {want:?}");
-        }
+        same_expert_records(label, &records, &reference_experts);
     }
     table.print();
 }
@@ -222,6 +246,11 @@ fn expert_flags_log_and_refuse() {
         .find(|p| p.to_string_lossy().contains("tfevents"))
         .expect("an event file");
     let events = std::fs::read(&event_file).unwrap();
+    // A summary value's tag: protobuf field 1, length-delimited (0x0a, its length).
+    let has_tag = |tag: &str| {
+        let field = [&[0x0a, tag.len() as u8][..], tag.as_bytes()].concat();
+        events.windows(field.len()).any(|w| w == field)
+    };
     for tag in [
         "load_balancing_loss",
         "moe/load_balancing_loss_layer_2",
@@ -229,8 +258,7 @@ fn expert_flags_log_and_refuse() {
         "moe/z_loss_layer_0",
         "moe/tokens_per_expert_layer_0_expert_3",
     ] {
-        let found = events.windows(tag.len()).any(|w| w == tag.as_bytes());
-        assert!(found, "no {tag} in {}", event_file.display());
+        assert!(has_tag(tag), "no {tag} in {}", event_file.display());
     }
     for (flags, expected) in [
         (
@@ -290,8 +318,8 @@ fn expert_flags_log_and_refuse() {
             "--moe-input-jitter-eps 0.01: synerfuse adds no noise",
         ),
         (
-            vec!["--num-experts", "4", "--moe-router-pre-softmax"],
-            "--moe-router-pre-softmax: synerfuse routes as Mixtral does",
+            vec!["--moe-router-pre-softmax"],
+            "--moe-router-pre-softmax: the model has no experts",
         ),
     ] {
         let mut args = common(d, &data, 1);
@@ -303,15 +331,96 @@ fn expert_flags_log_and_refuse() {
     }
 }
 
+/// Megatron's pre-softmax routing (top 1 here, where the router then learns from the
+/// language model's loss too) trains alike under expert parallelism, and differently
+/// from Mixtral's. Checkpoints of models without a Hugging Face form keep their model:
+/// `score --load` builds it (every tensor found by name and shape), and `export`
+/// refuses it by flag, writing nothing.
+#[test]
+fn models_without_a_hugging_face_form_train_score_and_refuse_export() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let data = dataset(d);
+    let top_1 = [
+        "--num-experts",
+        "4",
+        "--moe-router-topk",
+        "1",
+        "--moe-ffn-hidden-size",
+        "48",
+        "--moe-aux-loss-coeff",
+        "0.01",
+        "--micro-batch-size",
+        "1",
+    ];
+    let pre = [&top_1[..], &["--moe-router-pre-softmax"]].concat();
+    let reference = run(d, &data, "pre", &pre);
+    let ep = [
+        &pre[..],
+        &["--nproc", "2", "--expert-model-parallel-size", "2"],
+    ]
+    .concat();
+    let mut table = EquivalenceTable::default();
+    table.check(
+        "pre-softmax top 1, EP 2",
+        &reference,
+        run(d, &data, "pre-ep", &ep),
+    );
+    table.print();
+    let mixtral = run(d, &data, "renormalised", &top_1);
+    let moved = max_rel_param_diff(&mixtral.1, &reference.1);
+    assert!(
+        moved > 1e-4,
+        "pre-softmax routing changed too little: {moved}"
+    );
+
+    run(d, &data, "freq2", &with(&["--micro-batch-size", "3"]));
+    let tokens = d.join("tokens.json");
+    std::fs::write(&tokens, "[[1, 5, 9, 13, 17], [2, 4, 6]]").unwrap();
+    for (name, flag) in [
+        ("freq2", "--moe-layer-freq"),
+        ("pre", "--moe-router-pre-softmax"),
+    ] {
+        let save = d.join(name);
+        let scored = synerfuse(&strings(&[
+            "score",
+            "--load",
+            save.to_str().unwrap(),
+            "--tokens",
+            tokens.to_str().unwrap(),
+        ]));
+        ok(&scored, name);
+        let output = d.join(format!("hf-{name}"));
+        let export = synerfuse(&strings(&[
+            "export",
+            "--load",
+            save.to_str().unwrap(),
+            "--output",
+            output.to_str().unwrap(),
+        ]));
+        let stderr = String::from_utf8_lossy(&export.stderr);
+        assert!(!export.status.success(), "{name} exported");
+        assert!(stderr.contains(flag), "{name}: {stderr}");
+        assert!(
+            !output.exists(),
+            "{name}: a refused export wrote {}",
+            output.display()
+        );
+    }
+}
+
 /// Eight experts of width 32 in every layer, the two best per token, the load-balancing
-/// loss per sequence (so micro-batches of any size compute it alike) weighted 0.05.
-const EIGHT_EXPERTS: [&str; 10] = [
+/// loss per sequence (so micro-batches of any size compute it alike) weighted 0.05, the
+/// router's z-loss 0.01.
+const EIGHT_EXPERTS: [&str; 12] = [
     "--num-experts",
     "8",
     "--moe-ffn-hidden-size",
     "32",
     "--moe-aux-loss-coeff",
     "0.05",
+    "--moe-z-loss-coeff",
+    "0.01",
     "--moe-router-load-balancing-type",
     "seq_aux_loss",
     "--moe-router-topk",
@@ -331,16 +440,14 @@ fn eight<'a>(flags: &[&'a str]) -> Vec<&'a str> {
 /// per-stage placements in heterogeneous pipelines, a mesh of EP 2 before one of EP 1
 /// (each stage its own groups), tensor and sequence parallelism
 /// inside the members, the distributed optimizer, bf16), a checkpoint of EP 2 resumes on
-/// one rank, and every step's tokens per expert are the single rank's.
+/// one rank, and every step's tokens per expert, load-balancing loss and z-loss are the single rank's.
 #[test]
 fn expert_parallel_plans_match_a_single_rank() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let data = dataset(d);
     let reference = run(d, &data, "single", &eight(&["--micro-batch-size", "1"]));
-    let reference_tokens: Vec<_> = (expert_records_of(&d.join("single.jsonl")).into_iter())
-        .map(|record| record.tokens)
-        .collect();
+    let reference_records = expert_records_of(&d.join("single.jsonl"));
     let uneven = plan_file(
         d,
         "uneven",
@@ -451,10 +558,8 @@ fn expert_parallel_plans_match_a_single_rank() {
     for (i, (label, flags)) in cases.into_iter().enumerate() {
         let name = format!("ep{i}");
         table.check(label, &reference, run(d, &data, &name, &flags));
-        let tokens: Vec<_> = (expert_records_of(&d.join(format!("{name}.jsonl"))).into_iter())
-            .map(|record| record.tokens)
-            .collect();
-        assert_eq!(tokens, reference_tokens, "{label}: tokens per expert");
+        let records = expert_records_of(&d.join(format!("{name}.jsonl")));
+        same_expert_records(label, &records, &reference_records);
     }
     let bf16 = run(
         d,

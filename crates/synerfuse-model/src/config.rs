@@ -52,6 +52,10 @@ pub struct MoeConfig {
     /// `mean(logsumexp(logits)²)`, which keeps the router's logits small). Training only:
     /// not in a Hugging Face config.
     pub z_loss_coeff: f64,
+    /// The top-k weights are the experts' probabilities over all experts, not
+    /// renormalised over the k (`--moe-router-pre-softmax`, Megatron's; not Mixtral's,
+    /// so not exportable).
+    pub router_pre_softmax: bool,
 }
 
 impl MoeConfig {
@@ -66,12 +70,31 @@ impl MoeConfig {
             aux_loss_coeff: 0.0,
             load_balancing: LoadBalancing::AuxLoss,
             z_loss_coeff: 0.0,
+            router_pre_softmax: false,
         }
     }
 
     /// Whether global layer `layer` has experts.
     pub fn has_experts(&self, layer: usize) -> bool {
         layer % self.layer_freq.max(1) == 0
+    }
+
+    /// Whether training takes a load-balancing loss (a type other than `none`).
+    pub fn balances_load(&self) -> bool {
+        self.load_balancing != LoadBalancing::None
+    }
+
+    /// The load-balancing loss's weight in training (0 under `none`).
+    pub fn balance_coeff(&self) -> f64 {
+        match self.balances_load() {
+            true => self.aux_loss_coeff,
+            false => 0.0,
+        }
+    }
+
+    /// Whether training adds the router's z-loss.
+    pub fn trains_z_loss(&self) -> bool {
+        self.z_loss_coeff > 0.0
     }
 }
 
@@ -149,6 +172,14 @@ pub struct LlamaConfig {
     pub moe: Option<MoeConfig>,
 }
 
+/// synerfuse's own keys for `--moe-layer-freq` (with the dense layers' width) and
+/// `--moe-router-pre-softmax` in a model's config (a checkpoint's `state.json`):
+/// transformers' Mixtral has experts in every layer and renormalises the top-k weights,
+/// so an export, which refuses other models, never writes them.
+const LAYER_FREQ_KEY: &str = "moe_layer_freq";
+const DENSE_FFN_KEY: &str = "moe_dense_intermediate_size";
+const PRE_SOFTMAX_KEY: &str = "moe_router_pre_softmax";
+
 impl LlamaConfig {
     /// Reads a Hugging Face `config.json` of a `llama` or `mixtral` model.
     pub fn from_hf_file(path: &Path) -> Result<Self, ConfigError> {
@@ -197,6 +228,8 @@ impl LlamaConfig {
         let moe = match kind {
             "mixtral" => Some(MoeConfig {
                 aux_loss_coeff: float("router_aux_loss_coef", 0.0),
+                layer_freq: opt_int(LAYER_FREQ_KEY).unwrap_or(1),
+                router_pre_softmax: flag(PRE_SOFTMAX_KEY, false),
                 ..MoeConfig::every_layer(
                     int("num_local_experts")?,
                     int("num_experts_per_tok")?,
@@ -238,7 +271,8 @@ impl LlamaConfig {
         let config = LlamaConfig {
             vocab_size: int("vocab_size")?,
             hidden_size,
-            intermediate_size: int("intermediate_size")?,
+            intermediate_size: opt_int(DENSE_FFN_KEY)
+                .map_or_else(|| int("intermediate_size"), Ok)?,
             num_layers: int("num_hidden_layers")?,
             num_heads,
             num_kv_heads: opt_int("num_key_value_heads").unwrap_or(num_heads),
@@ -332,18 +366,30 @@ impl LlamaConfig {
     }
 
     /// Whether transformers can hold this model: a Mixtral model has experts in every
-    /// layer (none dense between them).
+    /// layer (none dense between them) and renormalises each token's top-k weights.
     pub fn check_hf_exportable(&self) -> Result<(), ConfigError> {
-        match self.moe {
-            Some(moe) if moe.layer_freq != 1 => Err(ConfigError::Field {
+        let refused = |field: &str, problem: String| {
+            Err(ConfigError::Field {
                 source_name: "model".into(),
-                field: "--moe-layer-freq".into(),
-                problem: format!(
+                field: field.into(),
+                problem,
+            })
+        };
+        match self.moe {
+            Some(moe) if moe.layer_freq != 1 => refused(
+                "--moe-layer-freq",
+                format!(
                     "{}: dense layers between the MoE layers have no place in a Hugging Face \
                      Mixtral checkpoint (every layer has experts there)",
                     moe.layer_freq
                 ),
-            }),
+            ),
+            Some(moe) if moe.router_pre_softmax => refused(
+                "--moe-router-pre-softmax",
+                "a Hugging Face Mixtral checkpoint renormalises the top-k weights (its \
+                 routing would differ)"
+                    .into(),
+            ),
             _ => Ok(()),
         }
     }
@@ -383,6 +429,13 @@ impl LlamaConfig {
             v["router_aux_loss_coef"] = json!(moe.aux_loss_coeff);
             v["router_jitter_noise"] = json!(0.0);
             v["sliding_window"] = Value::Null;
+            if moe.layer_freq != 1 {
+                v[LAYER_FREQ_KEY] = json!(moe.layer_freq);
+                v[DENSE_FFN_KEY] = json!(self.intermediate_size);
+            }
+            if moe.router_pre_softmax {
+                v[PRE_SOFTMAX_KEY] = json!(true);
+            }
             if let Some(map) = v.as_object_mut() {
                 map.remove("mlp_bias");
             }
@@ -527,6 +580,8 @@ pub struct MegatronModelArgs {
     pub moe_router_load_balancing_type: LoadBalancing,
     /// `--moe-z-loss-coeff`.
     pub moe_z_loss_coeff: f64,
+    /// `--moe-router-pre-softmax`.
+    pub moe_router_pre_softmax: bool,
 }
 
 impl Default for MegatronModelArgs {
@@ -554,6 +609,7 @@ impl Default for MegatronModelArgs {
             moe_aux_loss_coeff: 0.0,
             moe_router_load_balancing_type: LoadBalancing::AuxLoss,
             moe_z_loss_coeff: 0.0,
+            moe_router_pre_softmax: false,
         }
     }
 }
@@ -617,6 +673,7 @@ impl LlamaConfig {
             aux_loss_coeff: args.moe_aux_loss_coeff,
             load_balancing: args.moe_router_load_balancing_type,
             z_loss_coeff: args.moe_z_loss_coeff,
+            router_pre_softmax: args.moe_router_pre_softmax,
         });
         let config = LlamaConfig {
             vocab_size: padded_vocab_size(
@@ -825,6 +882,24 @@ mod tests {
         );
         let e = c.check_hf_exportable().unwrap_err().to_string();
         assert!(e.contains("--moe-layer-freq"), "{e}");
+        // A checkpoint's model config keeps the dense layers between the MoE ones.
+        let kept = LlamaConfig::from_hf_json(&c.to_hf_json(), "state.json").unwrap();
+        assert_eq!(kept.moe.map(|m| m.layer_freq), Some(2));
+        assert_eq!(kept.parameter_shapes(), c.parameter_shapes());
+        // And its pre-softmax routing, which no export writes either.
+        let pre = LlamaConfig::from_megatron(
+            &MegatronModelArgs {
+                moe_layer_freq: 1,
+                moe_router_pre_softmax: true,
+                ..args.clone()
+            },
+            1000,
+        )
+        .unwrap();
+        let e = pre.check_hf_exportable().unwrap_err().to_string();
+        assert!(e.contains("--moe-router-pre-softmax"), "{e}");
+        let kept = LlamaConfig::from_hf_json(&pre.to_hf_json(), "state.json").unwrap();
+        assert_eq!(kept.moe.map(|m| m.router_pre_softmax), Some(true));
         let every = LlamaConfig::from_megatron(
             &MegatronModelArgs {
                 moe_layer_freq: 1,

@@ -8,7 +8,7 @@
 
 use crate::cp::ContextGroup;
 use crate::moe::{
-    route, route_across, ExpertExchange, ExpertGroup, HeldExperts, LayerBalance, Routing,
+    route, route_across, ExpertExchange, ExpertGroup, HeldExperts, LayerBalance, Routing, TopK,
 };
 use crate::norm::rms_norm;
 use crate::pass::{ForwardPass, SavedInputs};
@@ -233,7 +233,7 @@ enum Mlp {
         router: Linear,
         /// The experts this rank holds.
         experts: HeldExperts,
-        top_k: i64,
+        top_k: TopK,
     },
 }
 
@@ -348,7 +348,7 @@ impl DecoderLayer {
                     Mlp::Experts {
                         router,
                         experts: HeldExperts::new(held),
-                        top_k: moe.top_k as i64,
+                        top_k: TopK::of(&moe),
                     }
                 }
             },
@@ -1150,7 +1150,7 @@ impl Stage {
         let mut pass = ForwardPass::new(output.detach(), saved, sequences);
         if !self.recompute {
             pass.graph = Some(output);
-            pass.balance_graph = self.summed_objectives(&balance);
+            pass.router_loss_graph = self.summed_objectives(&balance);
         }
         pass.balance = balance.into_iter().map(LayerBalance::detached).collect();
         Ok(pass)
@@ -1191,9 +1191,9 @@ impl Stage {
         if !pass.regions.is_empty() {
             return Err(StageError::Sharded);
         }
-        let weight = pass.balance_weight(&self.config, 1);
+        let weight = pass.router_loss_weight(&self.config, 1);
         let (output, balance) = match pass.graph {
-            Some(graph) => (graph, pass.balance_graph),
+            Some(graph) => (graph, pass.router_loss_graph),
             None => {
                 let saved = &pass.saved;
                 let (positions, mask) =

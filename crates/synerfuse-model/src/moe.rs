@@ -29,28 +29,59 @@ pub(crate) struct Routing {
     pub(crate) chosen: Tensor,
 }
 
+/// How a router picks each token's experts from its softmax over all of them, and
+/// weighs their outputs.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TopK {
+    /// Experts per token.
+    k: i64,
+    /// Whether the `k` weights are renormalised to sum to 1 (Mixtral's routing, and
+    /// Megatron's without `--moe-router-pre-softmax`); otherwise each is the expert's
+    /// probability over all experts.
+    renormalised: bool,
+}
+
+impl TopK {
+    pub(crate) fn of(moe: &MoeConfig) -> Self {
+        TopK {
+            k: moe.top_k as i64,
+            renormalised: !moe.router_pre_softmax,
+        }
+    }
+
+    /// Each token's `k` best experts by `probs` `[tokens, experts]`, and their weights
+    /// (both `[tokens, k]`).
+    fn pick(&self, probs: &Tensor) -> (Tensor, Tensor) {
+        let (top, chosen) = probs.topk(self.k, -1, true, true);
+        match self.renormalised {
+            true => (&top / top.sum_dim_intlist(-1, true, Kind::Float), chosen),
+            false => (top, chosen),
+        }
+    }
+}
+
 /// Dropless top-k routing (transformers' `MixtralSparseMoeBlock`): softmax over the
-/// router's logits in fp32, the `top_k` best renormalised to sum to 1, each token's
-/// output the weighted sum of its experts' outputs. Every token reaches its experts,
-/// so the result does not depend on which tokens share a batch.
+/// router's logits in fp32, the `top_k` best (renormalised to sum to 1 unless routed
+/// pre-softmax), each token's output the weighted sum of its experts' outputs. Every
+/// token reaches its experts, so the result does not depend on which tokens share a
+/// batch.
 pub(crate) fn route(
     h: &Tensor,
     router: &Tensor,
     experts: &HeldExperts,
-    top_k: i64,
+    top_k: TopK,
     layer: usize,
 ) -> (Tensor, Routing) {
     let shape = h.size();
     let x = h.reshape([-1, shape[shape.len() - 1]]);
     let logits = x.linear::<Tensor>(router, None);
     let probs = logits.softmax(-1, Kind::Float);
-    let (top, chosen) = probs.topk(top_k, -1, true, true);
-    let weights = &top / top.sum_dim_intlist(-1, true, Kind::Float);
+    let (weights, chosen) = top_k.pick(&probs);
     // Every (token, slot) choice, grouped by expert (token order within each).
     let picks = chosen.reshape([-1]);
     let (_, order) = picks.sort_stable(true, 0, false);
     // `order` holds flat (token, slot) indices: the token is the index over top_k.
-    let tokens = order.divide_scalar_mode(top_k, "floor");
+    let tokens = order.divide_scalar_mode(top_k.k, "floor");
     let y = experts.run(&x.index_select(0, &tokens), &picks, router.size()[0]);
     let w = weights.reshape([-1]).index_select(0, &order).unsqueeze(-1);
     let out = x
@@ -209,7 +240,7 @@ pub(crate) fn route_across(
     h: &Tensor,
     router: &Tensor,
     experts: &HeldExperts,
-    top_k: i64,
+    top_k: TopK,
     layer: usize,
     group: &ExpertGroup<'_>,
 ) -> Result<(Tensor, Routing, ExpertExchange), StageError> {
@@ -223,8 +254,7 @@ pub(crate) fn route_across(
     let x = h.reshape([-1, hidden]);
     let logits = x.linear::<Tensor>(router, None);
     let probs = logits.softmax(-1, Kind::Float);
-    let (top, chosen) = probs.topk(top_k, -1, true, true);
-    let weights = &top / top.sum_dim_intlist(-1, true, Kind::Float);
+    let (weights, chosen) = top_k.pick(&probs);
     // Every (token, slot) choice, grouped by the member holding its expert.
     let device = h.device();
     let picks = chosen.reshape([-1]);
@@ -232,7 +262,7 @@ pub(crate) fn route_across(
         .to_device(device)
         .index_select(0, &picks);
     let (_, order) = members.sort_stable(true, 0, false);
-    let tokens = order.divide_scalar_mode(top_k, "floor");
+    let tokens = order.divide_scalar_mode(top_k.k, "floor");
     let sent_counts: Vec<i64> =
         Vec::try_from(members.bincount::<Tensor>(None, group.placement.len() as i64))
             .unwrap_or_default();
@@ -317,11 +347,7 @@ impl LayerBalance {
     /// What the layer adds to the training objective per sequence weight: each loss
     /// times its coefficient (the load-balancing loss's none under `none`).
     pub(crate) fn objective(&self, moe: &MoeConfig) -> Tensor {
-        let balance = match moe.load_balancing {
-            LoadBalancing::None => 0.0,
-            _ => moe.aux_loss_coeff,
-        };
-        &self.loss * balance + &self.z_loss * moe.z_loss_coeff
+        &self.loss * moe.balance_coeff() + &self.z_loss * moe.z_loss_coeff
     }
 }
 
@@ -345,24 +371,24 @@ impl Routing {
                 .sum_dim_intlist(1, false, Kind::Float)
         });
         let tokens_per_expert = picks.sum_dim_intlist(0, false, Kind::Float);
+        let context = context.filter(|cp| cp.collectives.size() > 1);
         // Tokens per whole sequence (over the context-parallel group's members).
         let tokens = match context {
-            Some(cp) if cp.collectives.size() > 1 => {
-                cp.positions.iter().map(Vec::len).sum::<usize>() as f64
-            }
-            _ => (self.probs.size()[0] / sequences.max(1)) as f64,
+            Some(cp) => cp.positions.iter().map(Vec::len).sum::<usize>() as f64,
+            None => (self.probs.size()[0] / sequences.max(1)) as f64,
         };
+        let untrained = || Tensor::zeros([], (Kind::Float, self.probs.device()));
         // Megatron's z_loss_func, each sequence's mean: its part summed over its tokens.
-        let z_loss = match moe.z_loss_coeff > 0.0 {
+        let z_loss = match moe.trains_z_loss() {
             true => {
                 let lse = self.logits.to_kind(Kind::Float).logsumexp([-1], false);
                 lse.square().sum(Kind::Float) / tokens
             }
-            false => Tensor::zeros([], (Kind::Float, self.probs.device())),
+            false => untrained(),
         };
-        let loss = match moe.load_balancing {
-            LoadBalancing::None => Tensor::zeros([], (Kind::Float, self.probs.device())),
-            kind => self.balance_loss(picks, sequences, tokens, kind, moe.top_k, context)?,
+        let loss = match moe.balances_load() {
+            true => self.balance_loss(picks, sequences, tokens, moe, context)?,
+            false => untrained(),
         };
         Ok(LayerBalance {
             layer: self.layer,
@@ -372,32 +398,33 @@ impl Routing {
         })
     }
 
-    /// The load-balancing loss of `kind` summed over the micro-batch's sequences, from
-    /// each sequence's `picks` per expert `[sequences, experts]` over `tokens` tokens.
+    /// The load-balancing loss summed over the micro-batch's sequences, from each
+    /// sequence's `picks` per expert `[sequences, experts]` over `tokens` tokens (whose
+    /// other members' picks a context-parallel group adds).
     fn balance_loss(
         &self,
         picks: Tensor,
         sequences: i64,
         tokens: f64,
-        kind: LoadBalancing,
-        top_k: usize,
+        moe: &MoeConfig,
         context: Option<&ContextGroup<'_>>,
     ) -> Result<Tensor, StageError> {
         let experts = self.probs.size()[1];
         let picks = match context {
-            Some(cp) if cp.collectives.size() > 1 => (cp.collectives.all_reduce_sum(&picks))
-                .map_err(|source| StageError::Collective {
+            Some(cp) => (cp.collectives.all_reduce_sum(&picks)).map_err(|source| {
+                StageError::Collective {
                     op: "all-reduce (tokens per expert)",
                     source,
-                })?,
-            _ => picks,
+                }
+            })?,
+            None => picks,
         };
         let probs = self
             .probs
             .reshape([sequences, -1, experts])
             .sum_dim_intlist(1, false, Kind::Float);
-        let scale = experts as f64 / (top_k as f64);
-        Ok(match kind {
+        let scale = experts as f64 / (moe.top_k as f64);
+        Ok(match moe.load_balancing {
             LoadBalancing::AuxLoss => {
                 let t = tokens * sequences as f64;
                 let summed = |x: &Tensor| x.sum_dim_intlist(0, false, Kind::Float);
@@ -483,6 +510,11 @@ mod tests {
         stage
     }
 
+    /// The sum of scalar `losses` (0 for none).
+    fn sum(losses: impl Iterator<Item = Tensor>) -> Tensor {
+        losses.fold(Tensor::zeros([], (Kind::Float, Device::Cpu)), |a, l| a + l)
+    }
+
     fn router_grads(stage: &Stage) -> Vec<Tensor> {
         let mut vars = stage.var_store().variables();
         let mut names: Vec<String> = vars
@@ -528,13 +560,10 @@ mod tests {
             let per_sequence = |r: &Tensor| -> Tensor {
                 match balancing {
                     LoadBalancing::AuxLoss => megatron_switch_loss(r, 2) * b as f64,
-                    _ => (r.chunk(b, 0).iter())
-                        .map(|seq| megatron_switch_loss(seq, 2))
-                        .fold(Tensor::zeros([], (Kind::Float, Device::Cpu)), |a, l| a + l),
+                    _ => sum((r.chunk(b, 0).iter()).map(|seq| megatron_switch_loss(seq, 2))),
                 }
             };
-            let balance: Tensor = (routers.iter().map(per_sequence))
-                .fold(Tensor::zeros([], (Kind::Float, Device::Cpu)), |a, l| a + l);
+            let balance = sum(routers.iter().map(per_sequence));
             (lm(&logits) + &balance * (coeff * weight)).backward();
             let expected = router_grads(&stage);
             let mut pass = stage.forward_train(&tokens, None, None).unwrap();
@@ -555,6 +584,40 @@ mod tests {
         let lm_only = router_grads(&without);
         assert!(max_diff(&seen[0], &lm_only) > 1e-4, "the loss must count");
         assert!(max_diff(&seen[0], &seen[1]) > 1e-5, "the two kinds differ");
+    }
+
+    /// Megatron's `topk_softmax_with_capacity` without a capacity, transcribed: each
+    /// token's weights and experts, pre-softmax (the top k of the softmax over all
+    /// experts) or not (the softmax over the top k logits, which is Mixtral's
+    /// renormalised top k).
+    fn megatron_top_k(logits: &Tensor, k: i64, pre_softmax: bool) -> (Tensor, Tensor) {
+        match pre_softmax {
+            true => logits.softmax(-1, Kind::Float).topk(k, 1, true, true),
+            false => {
+                let (scores, chosen) = logits.topk(k, 1, true, true);
+                (scores.softmax(-1, Kind::Float), chosen)
+            }
+        }
+    }
+
+    #[test]
+    fn top_k_weights_are_megatrons_with_and_without_pre_softmax() {
+        tch::manual_seed(4);
+        let logits = Tensor::randn([6, 8], (Kind::Float, Device::Cpu));
+        for (k, pre_softmax) in [(1, true), (2, true), (2, false), (3, false)] {
+            let moe = MoeConfig {
+                router_pre_softmax: pre_softmax,
+                ..MoeConfig::every_layer(8, k as usize, 4)
+            };
+            let (weights, chosen) = super::TopK::of(&moe).pick(&logits.softmax(-1, Kind::Float));
+            let (want_weights, want_chosen) = megatron_top_k(&logits, k, pre_softmax);
+            assert!(
+                chosen.equal(&want_chosen),
+                "k {k}, pre-softmax {pre_softmax}"
+            );
+            let d = (weights - want_weights).abs().max().double_value(&[]);
+            assert!(d < 1e-6, "k {k}, pre-softmax {pre_softmax}: {d}");
+        }
     }
 
     /// Megatron's `z_loss_func` over one micro-batch's router logits `[tokens,
@@ -581,14 +644,12 @@ mod tests {
             let (logits, routers) = stage
                 .forward_with_router_logits(&tokens, None, None)
                 .unwrap();
-            let summed = |f: &dyn Fn(&Tensor) -> Tensor| -> Tensor {
-                (routers.iter().map(f))
-                    .fold(Tensor::zeros([], (Kind::Float, Device::Cpu)), |a, l| a + l)
-            };
-            let z = summed(&|r| megatron_z_loss(r) * b as f64);
+            let z = sum(routers.iter().map(|r| megatron_z_loss(r) * b as f64));
             let balance = match balancing {
-                LoadBalancing::None => Tensor::zeros([], (Kind::Float, Device::Cpu)),
-                _ => summed(&|r| megatron_switch_loss(r, 2) * b as f64),
+                LoadBalancing::None => sum(std::iter::empty()),
+                _ => sum(routers
+                    .iter()
+                    .map(|r| megatron_switch_loss(r, 2) * b as f64)),
             };
             (lm(&logits) + (&balance * coeff + &z * z_coeff) * weight).backward();
             let expected = router_grads(&stage);

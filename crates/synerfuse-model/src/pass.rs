@@ -24,9 +24,10 @@ pub struct ForwardPass {
     pub(crate) regions: Vec<Region>,
     /// Each MoE layer's load balance over the micro-batch (values, no graph).
     pub(crate) balance: Vec<LayerBalance>,
-    /// A whole stage's load-balancing losses summed, with their graph (none without
-    /// experts, when recomputed, and for a parallel pass, whose regions hold them).
-    pub(crate) balance_graph: Option<Tensor>,
+    /// A whole stage's router losses (load-balancing and z-loss, each times its
+    /// coefficient) summed, with their graph (none without experts, when recomputed, and
+    /// for a parallel pass, whose regions hold them).
+    pub(crate) router_loss_graph: Option<Tensor>,
     /// Sequences in the micro-batch.
     pub(crate) sequences: i64,
     /// The weight of each sequence in the step's objective (default: 1 / sequences).
@@ -41,7 +42,7 @@ impl ForwardPass {
             saved,
             regions: Vec::new(),
             balance: Vec::new(),
-            balance_graph: None,
+            router_loss_graph: None,
             sequences,
             sequence_weight: None,
         }
@@ -69,11 +70,8 @@ impl ForwardPass {
     /// coefficient) are multiplied by in the backward: each sequence's weight, over
     /// `tensor_parallel` ranks that each compute the whole losses (0 without experts or
     /// without a coefficient, so that the backward skips them).
-    pub(crate) fn balance_weight(&self, config: &LlamaConfig, tensor_parallel: usize) -> f64 {
-        let trained = config.moe.is_some_and(|m| {
-            let balance = m.load_balancing != crate::config::LoadBalancing::None;
-            (balance && m.aux_loss_coeff != 0.0) || m.z_loss_coeff != 0.0
-        });
+    pub(crate) fn router_loss_weight(&self, config: &LlamaConfig, tensor_parallel: usize) -> f64 {
+        let trained = (config.moe).is_some_and(|m| m.balance_coeff() > 0.0 || m.trains_z_loss());
         let weight = (self.sequence_weight).unwrap_or(1.0 / self.sequences.max(1) as f64);
         match trained {
             true => weight / tensor_parallel.max(1) as f64,

@@ -433,7 +433,7 @@ impl Stage {
             tp,
             parallel: self.sequence_parallel(),
         };
-        let weight = pass.balance_weight(self.config(), tp.size());
+        let weight = pass.router_loss_weight(self.config(), tp.size());
         let (mut regions, saved) = pass.into_regions();
         if regions.is_empty() {
             // A recomputed pass: its forward again, with the graph this time.

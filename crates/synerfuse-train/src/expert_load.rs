@@ -76,8 +76,10 @@ pub struct ExpertStep {
     /// The MoE layers (global indices).
     pub layers: Vec<usize>,
     /// Each layer's load-balancing loss without its coefficient, as a mean over the
-    /// step's sequences (Megatron's `load_balancing_loss` per layer).
-    pub load_balancing_loss: Vec<f64>,
+    /// step's sequences (Megatron's `load_balancing_loss` per layer); none under
+    /// `--moe-router-load-balancing-type none`, as Megatron tracks none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub load_balancing_loss: Option<Vec<f64>>,
     /// Each layer's router z-loss without its coefficient, as a mean over the step's
     /// sequences (Megatron's `z_loss` per layer); only where it is trained
     /// (`--moe-z-loss-coeff` above 0), as Megatron tracks it.
@@ -100,16 +102,17 @@ impl ExpertStep {
         }
         let mean = |at: usize| rows.iter().map(|r| r[at] / sequences.max(1.0)).collect();
         Some(ExpertStep {
-            load_balancing_loss: mean(0),
-            z_loss: (moe.z_loss_coeff > 0.0).then(|| mean(1)),
+            load_balancing_loss: moe.balances_load().then(|| mean(0)),
+            z_loss: moe.trains_z_loss().then(|| mean(1)),
             tokens_per_expert: rows.iter().map(|r| r[LOSSES..].to_vec()).collect(),
             layers,
         })
     }
 
-    /// The mean over the MoE layers of their load-balancing loss (the log line's).
-    pub fn mean_loss(&self) -> f64 {
-        mean_over_layers(&self.load_balancing_loss)
+    /// The mean over the MoE layers of their load-balancing loss (the log line's),
+    /// where it is taken.
+    pub fn mean_loss(&self) -> Option<f64> {
+        self.load_balancing_loss.as_deref().map(mean_over_layers)
     }
 
     /// The mean over the MoE layers of their z-loss, where it is trained.
@@ -117,20 +120,26 @@ impl ExpertStep {
         self.z_loss.as_deref().map(mean_over_layers)
     }
 
-    /// TensorBoard's scalars, Megatron's names: `load_balancing_loss` (the mean) and
-    /// `z_loss` where trained, and with `per_layer` each layer's
-    /// (`moe/load_balancing_loss_layer_{i}`, `moe/z_loss_layer_{i}`) and its tokens per
+    /// TensorBoard's scalars, Megatron's names: `z_loss` and `load_balancing_loss`
+    /// (their means) where taken, and with `per_layer` each layer's
+    /// (`moe/z_loss_layer_{i}`, `moe/load_balancing_loss_layer_{i}`) and its tokens per
     /// expert (`moe/tokens_per_expert_layer_{i}_expert_{e}`).
     pub fn scalars(&self, per_layer: bool) -> Vec<(String, f64)> {
-        let mut scalars = vec![("load_balancing_loss".to_owned(), self.mean_loss())];
-        scalars.extend(self.mean_z_loss().map(|z| ("z_loss".to_owned(), z)));
+        let losses = [
+            ("z_loss", &self.z_loss),
+            ("load_balancing_loss", &self.load_balancing_loss),
+        ];
+        let mut scalars = Vec::new();
+        for (name, values) in losses {
+            let Some(values) = values else { continue };
+            scalars.push((name.to_owned(), mean_over_layers(values)));
+            if per_layer {
+                let layers = self.layers.iter().zip(values);
+                scalars.extend(layers.map(|(l, v)| (format!("moe/{name}_layer_{l}"), *v)));
+            }
+        }
         if per_layer {
-            let z = self.z_loss.iter().flat_map(|z| self.layers.iter().zip(z));
-            scalars.extend(z.map(|(layer, z)| (format!("moe/z_loss_layer_{layer}"), *z)));
-            for ((layer, loss), tokens) in
-                (self.layers.iter().zip(&self.load_balancing_loss)).zip(&self.tokens_per_expert)
-            {
-                scalars.push((format!("moe/load_balancing_loss_layer_{layer}"), *loss));
+            for (layer, tokens) in self.layers.iter().zip(&self.tokens_per_expert) {
                 scalars.extend(tokens.iter().enumerate().map(|(e, n)| {
                     (
                         format!("moe/tokens_per_expert_layer_{layer}_expert_{e}"),
@@ -177,24 +186,41 @@ mod tests {
         let sums: Vec<f64> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
         let step = ExpertStep::from_sums(&model, &sums, 4.0).unwrap();
         assert_eq!(step.layers, [0, 2]);
-        assert_eq!(step.load_balancing_loss, [0.1875, 0.25]);
+        assert_eq!(
+            step.load_balancing_loss.as_deref(),
+            Some(&[0.1875, 0.25][..])
+        );
         assert_eq!(step.tokens_per_expert, [[4.0, 4.0, 4.0], [0.0, 6.0, 0.0]]);
-        assert_eq!(step.mean_loss(), 0.21875);
+        assert_eq!(step.mean_loss(), Some(0.21875));
         assert_eq!(step.z_loss.as_deref(), Some(&[0.75, 1.0][..]));
         assert_eq!(step.mean_z_loss(), Some(0.875));
         let names: Vec<String> = step.scalars(true).into_iter().map(|(n, _)| n).collect();
         assert_eq!(
-            names[..4],
+            names[..6],
             [
-                "load_balancing_loss",
                 "z_loss",
                 "moe/z_loss_layer_0",
-                "moe/z_loss_layer_2"
+                "moe/z_loss_layer_2",
+                "load_balancing_loss",
+                "moe/load_balancing_loss_layer_0",
+                "moe/load_balancing_loss_layer_2"
             ]
         );
-        model.moe.as_mut().unwrap().z_loss_coeff = 0.0;
+        // Megatron tracks neither loss where it is not taken.
+        let moe = model.moe.as_mut().unwrap();
+        moe.z_loss_coeff = 0.0;
+        moe.load_balancing = synerfuse_model::LoadBalancing::None;
         let untrained = ExpertStep::from_sums(&model, &sums, 4.0).unwrap();
-        assert_eq!((untrained.mean_z_loss(), untrained.z_loss), (None, None));
+        assert_eq!(
+            (untrained.mean_z_loss(), untrained.mean_loss()),
+            (None, None)
+        );
+        let names: Vec<String> = untrained
+            .scalars(true)
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        assert_eq!(names[0], "moe/tokens_per_expert_layer_0_expert_0");
     }
 
     fn small_config() -> LlamaConfig {

@@ -69,16 +69,17 @@ impl IterationRecord {
             ),
             false => String::new(),
         };
-        // Megatron's MoE runs add the means over the MoE layers after the loss, the
-        // z-loss (where trained) first, as its router tracks it first.
-        let balance = match &self.moe {
-            Some(moe) => {
-                let z = (moe.mean_z_loss()).map(|z| format!(" z_loss: {} |", python_exp(z)));
-                let balance = python_exp(moe.mean_loss());
-                format!("{} load_balancing_loss: {balance} |", z.unwrap_or_default())
-            }
-            None => String::new(),
-        };
+        // Megatron's MoE runs add the means over the MoE layers of the losses taken
+        // after the loss, the z-loss first, as its router tracks it first.
+        let balance: String = (self.moe.iter())
+            .flat_map(|moe| {
+                [
+                    ("z_loss", moe.mean_z_loss()),
+                    ("load_balancing_loss", moe.mean_loss()),
+                ]
+            })
+            .filter_map(|(name, mean)| Some(format!(" {name}: {} |", python_exp(mean?))))
+            .collect();
         format!(
             " iteration {:>8}/{:>8} | consumed samples: {:>12} | elapsed time per iteration (ms): {:.1} |{throughput} \
              learning rate: {} | global batch size: {:>5} | \
@@ -436,7 +437,7 @@ mod tests {
         let moe = IterationRecord {
             moe: Some(crate::expert_load::ExpertStep {
                 layers: vec![0, 1],
-                load_balancing_loss: vec![1.0, 1.5],
+                load_balancing_loss: Some(vec![1.0, 1.5]),
                 z_loss: None,
                 tokens_per_expert: vec![vec![3.0, 5.0], vec![4.0, 4.0]],
             }),
@@ -452,6 +453,12 @@ mod tests {
         let line = z.log_line(false);
         assert!(
             line.contains("lm loss: 7.250000E+00 | z_loss: 2.500000E+00 | load_balancing_loss: 1.250000E+00 |"),
+            "{line}"
+        );
+        z.moe.as_mut().unwrap().load_balancing_loss = None;
+        let line = z.log_line(false);
+        assert!(
+            line.contains("lm loss: 7.250000E+00 | z_loss: 2.500000E+00 | loss scale"),
             "{line}"
         );
         assert_eq!(python_exp(0.0), "0.000000E+00");

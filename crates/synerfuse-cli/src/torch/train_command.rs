@@ -223,7 +223,9 @@ pub struct TrainArgs {
     /// Not supported above 0: no noise is added to the router's input
     #[arg(long, help_heading = "Mixture of experts")]
     moe_input_jitter_eps: Option<f64>,
-    /// Not supported: the top-k weights are renormalised (Mixtral's routing)
+    /// Weigh each token's top-k experts by their probabilities over all experts, not
+    /// renormalised over the k (Mixtral's routing, the default, renormalises; a model so
+    /// routed has no Hugging Face form)
     #[arg(long, help_heading = "Mixture of experts")]
     moe_router_pre_softmax: bool,
     /// alltoall or allgather: tokens reach their experts' ranks by all-to-all either way
@@ -813,9 +815,6 @@ impl TrainArgs {
         if let Some(eps) = self.moe_input_jitter_eps.filter(|&e| e != 0.0) {
             bail!("--moe-input-jitter-eps {eps}: synerfuse adds no noise to the router's input (every split of the batch trains alike); leave it out");
         }
-        if self.moe_router_pre_softmax {
-            bail!("--moe-router-pre-softmax: synerfuse routes as Mixtral does (the top-k weights renormalised, what Megatron does without this flag); leave it out");
-        }
         if let Some(backend) = &self.distributed_backend {
             if backend != "nccl" && backend != "gloo" {
                 bail!("--distributed-backend {backend}: use nccl or gloo");
@@ -846,6 +845,7 @@ impl TrainArgs {
             ("--moe-layer-freq", self.moe_layer_freq != 1),
             ("--moe-aux-loss-coeff", self.moe_aux_loss_coeff.is_some()),
             ("--moe-z-loss-coeff", self.moe_z_loss_coeff.is_some()),
+            ("--moe-router-pre-softmax", self.moe_router_pre_softmax),
             ("--moe-per-layer-logging", self.moe_per_layer_logging),
         ]
         .into_iter()
@@ -904,6 +904,7 @@ impl TrainArgs {
             moe.aux_loss_coeff = coeff;
         }
         moe.z_loss_coeff = self.moe_z_loss_coeff.unwrap_or(0.0);
+        moe.router_pre_softmax = self.moe_router_pre_softmax;
         Ok(config)
     }
 
@@ -972,6 +973,7 @@ impl TrainArgs {
             moe_aux_loss_coeff: self.moe_aux_loss_coeff.unwrap_or(0.0),
             moe_router_load_balancing_type: self.moe_router_load_balancing_type,
             moe_z_loss_coeff: self.moe_z_loss_coeff.unwrap_or(0.0),
+            moe_router_pre_softmax: self.moe_router_pre_softmax,
         };
         Ok(LlamaConfig::from_megatron(&args, tokenizer_vocab)?)
     }
