@@ -89,7 +89,12 @@ fn same_expert_records(label: &str, got: &[ExpertRecord], want: &[ExpertRecord])
         let (z, want_z) = (got.z.as_deref(), want.z.as_deref());
         let (z, want_z) = (z.unwrap_or_default(), want_z.unwrap_or_default());
         let pairs = (got.balance.iter().zip(&want.balance)).chain(z.iter().zip(want_z));
-        let worst = pairs.map(|(a, b)| (a - b).abs() / b).fold(0.0, f64::max);
+        // A NaN counts as the worst difference (f64::max would drop it).
+        let differences = pairs.map(|(a, b)| (a - b).abs() / b);
+        let worst = differences.fold(
+            0.0,
+            |w, d| if d.is_nan() { f64::INFINITY } else { w.max(d) },
+        );
         let layers = want.tokens.len();
         assert!(
             (got.balance.len(), z.len()) == (layers, layers) && worst < 1e-5,
@@ -333,9 +338,9 @@ fn expert_flags_log_and_refuse() {
 
 /// Megatron's pre-softmax routing (top 1 here, where the router then learns from the
 /// language model's loss too) trains alike under expert parallelism, and differently
-/// from Mixtral's. Checkpoints of models without a Hugging Face form keep their model:
-/// `score --load` builds it (every tensor found by name and shape), and `export`
-/// refuses it by flag, writing nothing.
+/// from Mixtral's, and resumes only so routed. Checkpoints of models without a Hugging
+/// Face form keep their model: `score --load` builds it (every tensor found by name and
+/// shape), and `export` refuses it by flag, writing nothing.
 #[test]
 fn models_without_a_hugging_face_form_train_score_and_refuse_export() {
     let dir = tempfile::tempdir().unwrap();
@@ -373,6 +378,17 @@ fn models_without_a_hugging_face_form_train_score_and_refuse_export() {
         moved > 1e-4,
         "pre-softmax routing changed too little: {moved}"
     );
+    // Its checkpoint resumes as it was trained, and only so (the tensors are the same).
+    for (flags, resumes) in [(&pre, true), (&top_1.to_vec(), false)] {
+        let mut args = common(d, &data, 8);
+        args.extend(strings(flags));
+        args.extend(strings(&["--load", d.join("pre").to_str().unwrap()]));
+        let out = synerfuse(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.success(), resumes, "{flags:?}: {stderr}");
+        let refusal = "its model was trained with --moe-router-pre-softmax; resume with it";
+        assert!(resumes || stderr.contains(refusal), "{stderr}");
+    }
 
     run(d, &data, "freq2", &with(&["--micro-batch-size", "3"]));
     let tokens = d.join("tokens.json");

@@ -28,7 +28,8 @@ pub enum ConfigError {
 
 /// A mixture of experts in place of the MLP of every `layer_freq`-th layer (Mixtral's
 /// sparse MoE block in all of them): a router without bias, softmax over the experts,
-/// the `top_k` best with their weights renormalised to sum to 1, each a SwiGLU MLP of
+/// the `top_k` best with their weights renormalised to sum to 1 (or not: Megatron's
+/// pre-softmax routing), each a SwiGLU MLP of
 /// `ffn_hidden_size`; dropless (every token reaches its experts, so any split of the
 /// tokens computes the same).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -225,6 +226,8 @@ impl LlamaConfig {
                 "sliding-window attention is not supported (null: full causal attention)".into(),
             ));
         }
+        // synerfuse's own keys come from a checkpoint's state.json; read from any
+        // config.json, they still describe the model (an export never writes them).
         let moe = match kind {
             "mixtral" => Some(MoeConfig {
                 aux_loss_coeff: float("router_aux_loss_coef", 0.0),
@@ -395,7 +398,8 @@ impl LlamaConfig {
     }
 
     /// The `config.json` transformers writes for this model (`MixtralForCausalLM` with
-    /// experts; see [`Self::check_hf_exportable`]).
+    /// experts; see [`Self::check_hf_exportable`]), which a checkpoint's `state.json`
+    /// also keeps: with synerfuse's own keys for what transformers cannot hold.
     pub fn to_hf_json(&self) -> String {
         let mut v = json!({
             "architectures": ["LlamaForCausalLM"],

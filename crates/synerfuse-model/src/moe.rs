@@ -37,7 +37,8 @@ pub(crate) struct TopK {
     k: i64,
     /// Whether the `k` weights are renormalised to sum to 1 (Mixtral's routing, and
     /// Megatron's without `--moe-router-pre-softmax`); otherwise each is the expert's
-    /// probability over all experts.
+    /// probability over all experts (in fp32, as transformers; Megatron rounds it to the
+    /// logits' type first, which differs under bf16 only)
     renormalised: bool,
 }
 

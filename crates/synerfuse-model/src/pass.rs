@@ -58,7 +58,7 @@ impl ForwardPass {
         &self.balance
     }
 
-    /// Weighs this micro-batch's load-balancing loss in the backward by `weight` per
+    /// Weighs this micro-batch's router losses (load-balancing, z-loss) in the backward by `weight` per
     /// sequence: 1 / the sequences of the whole step (over micro-batches and data-
     /// parallel replicas), so that it enters the step's objective as a mean over
     /// sequences. Without it the micro-batch counts as a whole step (1 / its sequences).

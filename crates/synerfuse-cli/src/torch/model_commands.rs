@@ -191,6 +191,7 @@ pub struct ExportArgs {
 pub fn run_export(args: ExportArgs) -> Result<()> {
     let checkpoint = Checkpoint::open_any(&args.load)?;
     let config = checkpoint.model_config()?;
+    config.check_hf_exportable()?;
     let options = ExportOptions {
         max_shard_bytes: args.max_shard_size,
         kind: match args.bf16 {

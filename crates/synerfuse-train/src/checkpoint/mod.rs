@@ -169,6 +169,13 @@ pub enum CheckpointProblem {
         /// What does not fit.
         why: String,
     },
+    /// A checkpoint whose model routes otherwise than the run's (the same tensors, so
+    /// nothing else would tell).
+    #[error("its model was trained {stored} --moe-router-pre-softmax; resume {stored} it")]
+    OtherRouting {
+        /// "with" or "without".
+        stored: &'static str,
+    },
     /// A rank whose files never arrived.
     #[error("rank {rank} wrote no manifest fragment: its files are missing or incomplete")]
     MissingFragment {
@@ -485,6 +492,22 @@ impl Checkpoint {
         let source = self.dir.join("state.json");
         LlamaConfig::from_hf_json(&self.state.model.to_string(), &source.display().to_string())
             .map_err(|e| problem_at(&source, e))
+    }
+
+    /// Refuses to resume it into `model` where the two route their experts otherwise
+    /// (pre-softmax or renormalised top-k weights: the same tensors either way).
+    pub fn check_routing(&self, model: &LlamaConfig) -> Result<(), TrainError> {
+        let pre_softmax = |c: &LlamaConfig| c.moe.is_some_and(|m| m.router_pre_softmax);
+        let stored = pre_softmax(&self.model_config()?);
+        match stored == pre_softmax(model) {
+            true => Ok(()),
+            false => Err(problem_at(
+                &self.dir.join("state.json"),
+                CheckpointProblem::OtherRouting {
+                    stored: if stored { "with" } else { "without" },
+                },
+            )),
+        }
     }
 
     /// Every parameter of its model with its whole shape (what an export writes), each

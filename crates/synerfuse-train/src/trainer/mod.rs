@@ -706,6 +706,7 @@ impl<'w> Trainer<'w> {
         };
         match Checkpoint::open_latest(&load)? {
             Some(checkpoint) => {
+                checkpoint.check_routing(&self.config.model)?;
                 self.restore(&checkpoint)?;
                 let state = &checkpoint.state;
                 if self.world.rank() == 0 {
