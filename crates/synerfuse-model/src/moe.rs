@@ -43,6 +43,21 @@ pub(crate) struct TopK {
 }
 
 impl TopK {
+    /// The routing of layer `layer`'s rows `x` `[tokens, hidden]` by `router`: its
+    /// logits, their softmax in fp32 and each token's experts, with their weights.
+    fn route(&self, x: &Tensor, router: &Tensor, layer: usize) -> (Routing, Tensor) {
+        let logits = x.linear::<Tensor>(router, None);
+        let probs = logits.softmax(-1, Kind::Float);
+        let (weights, chosen) = self.pick(&probs);
+        let routing = Routing {
+            layer,
+            logits,
+            probs,
+            chosen,
+        };
+        (routing, weights)
+    }
+
     pub(crate) fn of(moe: &MoeConfig) -> Self {
         TopK {
             k: moe.top_k as i64,
@@ -75,11 +90,9 @@ pub(crate) fn route(
 ) -> (Tensor, Routing) {
     let shape = h.size();
     let x = h.reshape([-1, shape[shape.len() - 1]]);
-    let logits = x.linear::<Tensor>(router, None);
-    let probs = logits.softmax(-1, Kind::Float);
-    let (weights, chosen) = top_k.pick(&probs);
+    let (routing, weights) = top_k.route(&x, router, layer);
     // Every (token, slot) choice, grouped by expert (token order within each).
-    let picks = chosen.reshape([-1]);
+    let picks = routing.chosen.reshape([-1]);
     let (_, order) = picks.sort_stable(true, 0, false);
     // `order` holds flat (token, slot) indices: the token is the index over top_k.
     let tokens = order.divide_scalar_mode(top_k.k, "floor");
@@ -88,12 +101,6 @@ pub(crate) fn route(
     let out = x
         .zeros_like()
         .index_add(0, &tokens, &(y * w).to_kind(x.kind()));
-    let routing = Routing {
-        layer,
-        logits,
-        probs,
-        chosen,
-    };
     (out.reshape(shape.as_slice()), routing)
 }
 
@@ -253,12 +260,10 @@ pub(crate) fn route_across(
     let shape = h.size();
     let hidden = shape[shape.len() - 1];
     let x = h.reshape([-1, hidden]);
-    let logits = x.linear::<Tensor>(router, None);
-    let probs = logits.softmax(-1, Kind::Float);
-    let (weights, chosen) = top_k.pick(&probs);
+    let (routing, weights) = top_k.route(&x, router, layer);
     // Every (token, slot) choice, grouped by the member holding its expert.
     let device = h.device();
-    let picks = chosen.reshape([-1]);
+    let picks = routing.chosen.reshape([-1]);
     let members = Tensor::from_slice(&owners)
         .to_device(device)
         .index_select(0, &picks);
@@ -300,12 +305,6 @@ pub(crate) fn route_across(
     let out = x
         .zeros_like()
         .index_add(0, &tokens, &(&returned * w).to_kind(x.kind()));
-    let routing = Routing {
-        layer,
-        logits,
-        probs,
-        chosen,
-    };
     let exchange = ExpertExchange {
         input: (input, h.shallow_clone()),
         sent,
@@ -511,6 +510,16 @@ mod tests {
         stage
     }
 
+    /// A batch of 3 sequences of 5 random tokens and labels (of [`stage`]'s vocabulary),
+    /// drawn after seeding with `seed`.
+    fn batch(seed: i64) -> (i64, Tensor, Tensor) {
+        tch::manual_seed(seed);
+        let b = 3;
+        let tokens = Tensor::randint(40, [b, 5], (Kind::Int64, Device::Cpu));
+        let labels = Tensor::randint(40, [b, 5], (Kind::Int64, Device::Cpu));
+        (b, tokens, labels)
+    }
+
     /// The sum of scalar `losses` (0 for none).
     fn sum(losses: impl Iterator<Item = Tensor>) -> Tensor {
         losses.fold(Tensor::zeros([], (Kind::Float, Device::Cpu)), |a, l| a + l)
@@ -545,10 +554,7 @@ mod tests {
     /// sequence; without a coefficient the router's gradient is the language model's.
     #[test]
     fn the_backward_adds_megatrons_load_balancing_loss() {
-        tch::manual_seed(2);
-        let (b, s) = (3, 5);
-        let tokens = Tensor::randint(40, [b, s], (Kind::Int64, Device::Cpu));
-        let labels = Tensor::randint(40, [b, s], (Kind::Int64, Device::Cpu));
+        let (b, tokens, labels) = batch(2);
         let lm = |logits: &Tensor| Stage::loss(logits, &labels, None).0 * 0.1;
         let (coeff, weight) = (0.7, 0.125);
         let mut seen = Vec::new();
@@ -633,10 +639,7 @@ mod tests {
     /// (or alone under `none`); the log reports it without the coefficient.
     #[test]
     fn the_backward_adds_megatrons_router_z_loss() {
-        tch::manual_seed(3);
-        let (b, s) = (3, 5);
-        let tokens = Tensor::randint(40, [b, s], (Kind::Int64, Device::Cpu));
-        let labels = Tensor::randint(40, [b, s], (Kind::Int64, Device::Cpu));
+        let (b, tokens, labels) = batch(3);
         let lm = |logits: &Tensor| Stage::loss(logits, &labels, None).0 * 0.1;
         let (coeff, z_coeff, weight) = (0.7, 0.05, 0.125);
         let mut seen = Vec::new();

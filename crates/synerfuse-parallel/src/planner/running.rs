@@ -802,13 +802,7 @@ mod tests {
     /// re-planner switches into it, its experts placed (a part per replica, all held).
     #[test]
     fn a_job_is_switched_into_expert_parallelism_where_memory_binds() {
-        let (plan, model) = memory_bound_pipeline(0.045);
-        let hosts = vec!["h".to_owned(); 2];
-        let job = RunningJob {
-            model,
-            ..job(&plan, &[1.0, 1.0], &hosts)
-        };
-        let cost = fitted_cost(&job).unwrap();
+        let (plan, cost) = fitted_memory_bound_pipeline(0.045, &[1.0, 1.0]);
         let running_s = predict_step_s(&cost, &plan).unwrap();
         let placed: Vec<_> = (0..2).map(|r| plan.placement(r).cloned()).collect();
         let request = running_job_request(8, false, false);
@@ -863,18 +857,25 @@ mod tests {
         (plan, model)
     }
 
+    /// [`memory_bound_pipeline`] on one host, its ranks measured at `paces`, and the cost
+    /// model fitted to them.
+    fn fitted_memory_bound_pipeline(memory_gb: f64, paces: &[f64]) -> (Plan, CostModel) {
+        let (plan, model) = memory_bound_pipeline(memory_gb);
+        let hosts = vec!["h".to_owned(); 2];
+        let job = RunningJob {
+            model,
+            ..job(&plan, paces, &hosts)
+        };
+        let cost = fitted_cost(&job).unwrap();
+        (plan, cost)
+    }
+
     /// Experts placed by measured pace: two ranks measured at speeds 1 and about 0.5
     /// (the pipeline above, unbounded memory), asked for EP 2: the faster rank's replica
     /// holds more of the experts (5 of 8).
     #[test]
     fn experts_are_placed_by_the_measured_paces() {
-        let (plan, model) = memory_bound_pipeline(1.0);
-        let hosts = vec!["h".to_owned(); 2];
-        let job = RunningJob {
-            model,
-            ..job(&plan, &[1.0, 2.0], &hosts)
-        };
-        let cost = fitted_cost(&job).unwrap();
+        let (_, cost) = fitted_memory_bound_pipeline(1.0, &[1.0, 2.0]);
         let request = PlanRequest {
             expert_parallel_sizes: vec![2],
             ..running_job_request(8, false, false)
