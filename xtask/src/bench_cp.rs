@@ -15,8 +15,8 @@ use crate::common::{
 };
 use anyhow::{Context, Result};
 use std::path::Path;
-use synerfuse_parallel::cost::ModelShape;
-use synerfuse_parallel::planner::best_context_group;
+use synerfuse_plan::ModelShape;
+use synerfuse_planner::planner::best_context_group;
 
 /// Relative speeds of the two ranks, in cores (1.5 cores in all: a 2-core machine runs
 /// them without contention).

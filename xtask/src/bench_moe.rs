@@ -10,7 +10,7 @@ use crate::common::{alternate_runs, data, median, print_spread, release_binary, 
 use crate::common::{train_command, Data};
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
-use synerfuse_parallel::planner::{place_experts, slowest_time, ExpertMember};
+use synerfuse_planner::planner::{place_experts, slowest_time, ExpertMember};
 
 const SPEEDS: [f64; 2] = [1.0, 0.5];
 const ITERS: usize = 12;

@@ -124,7 +124,8 @@ fn check_dependency_rules(root: &Path) -> Result<()> {
         ("synerfuse-data", false, &[][..]),
         // Without its tokenizers, the data crate builds no native code.
         ("synerfuse-data", true, &["--no-default-features"][..]),
-        ("synerfuse-parallel", true, &[]),
+        ("synerfuse-plan", true, &[]),
+        ("synerfuse-planner", true, &[]),
         ("xtask", true, &[]),
     ] {
         let out = Command::new("cargo")

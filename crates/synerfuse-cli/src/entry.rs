@@ -83,7 +83,7 @@ impl DataCommand {
 /// (`rank{r=3}: ...`); the exit code, with the error printed once on one line.
 pub fn main_with_logging(command: impl FnOnce() -> Result<()>) -> std::process::ExitCode {
     init_logging();
-    let rank = synerfuse_parallel::launcher::launcher_rank().map_or(0, |(rank, _)| rank);
+    let rank = synerfuse_plan::launcher::launcher_rank().map_or(0, |(rank, _)| rank);
     let result = tracing::info_span!("rank", r = rank).in_scope(command);
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -4,7 +4,7 @@
 use crate::files::write_atomically;
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
-use synerfuse_parallel::timeline::{RankTimeline, Span, SpanKind, Timeline};
+use synerfuse_plan::timeline::{RankTimeline, Span, SpanKind, Timeline};
 
 #[derive(clap::Args)]
 pub struct TimelineArgs {

@@ -3,7 +3,7 @@
 use anyhow::{bail, Result};
 use clap::Args;
 use serde_json::{json, Map, Value};
-use synerfuse_parallel::{Dim, GroupKind, Topology, DEFAULT_ORDER, TP_PP_DP_ORDER};
+use synerfuse_plan::{Dim, GroupKind, Topology, DEFAULT_ORDER, TP_PP_DP_ORDER};
 
 /// `synerfuse topology`.
 #[derive(Args, Debug)]

@@ -175,7 +175,8 @@ fn distributed_optimizer_checkpoints_resume_under_any_plan() {
 /// fp32 and bf16; the activation high-water mark is reported once measured.
 #[test]
 fn measured_state_bytes_match_the_planner_memory_model() {
-    use synerfuse_parallel::cost::{ModelShape, STATE_BYTES_PER_PARAM};
+    use synerfuse_plan::ModelShape;
+    use synerfuse_planner::cost::STATE_BYTES_PER_PARAM;
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let data = dataset(d);

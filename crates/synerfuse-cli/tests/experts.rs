@@ -809,8 +809,7 @@ fn stages_of_their_own_expert_parallel_sizes_are_planned_and_written() {
     );
     assert!(report["synerfuse_flags"].is_null(), "{report}");
     let plan =
-        synerfuse_parallel::Plan::from_toml(&std::fs::read_to_string(&written).unwrap(), None)
-            .unwrap();
+        synerfuse_plan::Plan::from_toml(&std::fs::read_to_string(&written).unwrap(), None).unwrap();
     let groups = plan.expert_groups(8).unwrap();
     assert_eq!(groups.len(), 1, "{groups:?}");
     assert_eq!((groups[0].stage, groups[0].replicas.len()), (0, 2));

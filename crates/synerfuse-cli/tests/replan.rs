@@ -324,7 +324,7 @@ fn a_plan_wrong_from_the_start_is_switched_once_after_warm_up() {
         );
         // The replica holding the slow rank takes less than an even share.
         let slow = if name == "from-the-start" { 1 } else { 2 };
-        let plan: synerfuse_parallel::Plan =
+        let plan: synerfuse_plan::Plan =
             serde_json::from_value(switched[0]["proposed_plan"].clone()).unwrap();
         let (replica, _) = plan.position(slow).unwrap();
         let share = plan.replicas()[replica].batch.samples() * plan.replicas().len();
@@ -505,7 +505,7 @@ fn a_switch_out_of_context_parallelism_keeps_the_losses() {
         "--use-distributed-optimizer",
     ];
     let switched = switched_once_after_a_slowdown(dir.path(), &data, "context", &layout);
-    let plan: synerfuse_parallel::Plan =
+    let plan: synerfuse_plan::Plan =
         serde_json::from_value(switched[0]["proposed_plan"].clone()).unwrap();
     assert!(!plan.has_context_parallelism(), "{}", switched[0]);
     let reference = single_rank_losses(dir.path(), &data, 24);
@@ -644,7 +644,7 @@ fn a_switch_into_expert_parallelism_where_memory_binds_keeps_the_losses() {
     let records = json_records(&log);
     let switched = switches(&records);
     assert_eq!(switched.len(), 1, "{stderr}");
-    let plan: synerfuse_parallel::Plan =
+    let plan: synerfuse_plan::Plan =
         serde_json::from_value(switched[0]["proposed_plan"].clone()).unwrap();
     let groups = plan.expert_groups(8).unwrap();
     assert!(!groups.is_empty(), "{}", switched[0]);

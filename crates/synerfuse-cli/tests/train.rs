@@ -701,7 +701,7 @@ fn sigterm_saves_and_exits_and_metrics_are_written() {
         .take(2)
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    let run: synerfuse_parallel::calibrate::RunRecord =
+    let run: synerfuse_plan::RunRecord =
         serde_json::from_value(records[0]["run"].clone()).expect("a run record first");
     assert_eq!(run.model.num_layers, 4, "{run:?}");
     let first = &records[1];
@@ -725,7 +725,7 @@ fn sigterm_saves_and_exits_and_metrics_are_written() {
         stdout.contains("| throughput per GPU (TFLOP/s/GPU): "),
         "{stdout}"
     );
-    let shape = synerfuse_parallel::cost::ModelShape {
+    let shape = synerfuse_plan::ModelShape {
         num_layers: 4,
         hidden_size: 32,
         num_heads: 4,
@@ -1630,7 +1630,7 @@ fn train_planned(
     j: &serde_json::Value,
 ) -> std::process::Output {
     let text = std::fs::read_to_string(plan).unwrap();
-    let ranks = synerfuse_parallel::Plan::from_toml(&text, None)
+    let ranks = synerfuse_plan::Plan::from_toml(&text, None)
         .unwrap()
         .world_size();
     let mut train = common(dir, data, 3);
@@ -1685,7 +1685,7 @@ fn calibration_by_the_tried_runs(j: &serde_json::Value, profile: &Path, dir: &Pa
     let file = j["tried"]["calibrated_profile"]
         .as_str()
         .expect("calibrated: {j}");
-    let calibrated: synerfuse_parallel::cost::Profile =
+    let calibrated: synerfuse_planner::profile::Profile =
         serde_json::from_str(&std::fs::read_to_string(file).unwrap()).unwrap();
     let fitted = calibrated
         .calibration

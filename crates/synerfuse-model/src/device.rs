@@ -1,7 +1,7 @@
 //! Which libtorch device a rank computes on: a [`DeviceRequest`] (the plan's and the
 //! user's words) resolved against the GPUs this process sees.
 
-pub use synerfuse_parallel::DeviceRequest;
+pub use synerfuse_plan::DeviceRequest;
 use tch::Device;
 
 /// Errors of this crate.

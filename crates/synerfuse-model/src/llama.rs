@@ -14,7 +14,7 @@ use crate::norm::rms_norm;
 use crate::pass::{ForwardPass, SavedInputs};
 use crate::LlamaConfig;
 use std::ops::Range;
-use synerfuse_parallel::TpShard;
+use synerfuse_plan::TpShard;
 use tch::{nn, Device, Kind, Tensor};
 
 /// A stage layout that does not fit the model.

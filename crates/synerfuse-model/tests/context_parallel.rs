@@ -14,8 +14,8 @@ use synerfuse_model::cp::{ContextGroup, Solo};
 use synerfuse_model::tch::{self, Device, Kind, Tensor};
 use synerfuse_model::tp::{TpBackwardFrom, TpCollectives};
 use synerfuse_model::{BackwardFrom, LlamaConfig, Stage};
-use synerfuse_parallel::cp::ContextSplit;
-use synerfuse_parallel::TpLayout;
+use synerfuse_plan::cp::ContextSplit;
+use synerfuse_plan::TpLayout;
 
 /// libtorch's global generator: one user at a time.
 static INIT: Mutex<()> = Mutex::new(());

@@ -16,7 +16,7 @@ use synerfuse_model::tp::TpBackwardFrom;
 use synerfuse_model::{
     BackwardFrom, ExpertGroup, LlamaConfig, LoadBalancing, MoeConfig, Stage, StageError,
 };
-use synerfuse_parallel::TpLayout;
+use synerfuse_plan::TpLayout;
 
 static INIT: Mutex<()> = Mutex::new(());
 

@@ -12,7 +12,7 @@ use std::sync::Mutex;
 use synerfuse_model::tch::{self, Device, Kind, Tensor};
 use synerfuse_model::tp::TpBackwardFrom;
 use synerfuse_model::{BackwardFrom, LlamaConfig, MoeConfig, Stage};
-use synerfuse_parallel::TpLayout;
+use synerfuse_plan::TpLayout;
 
 /// libtorch's global generator (inputs, `init_by_name`): one user at a time, also across
 /// the tests of this process.

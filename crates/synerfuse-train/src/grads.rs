@@ -16,9 +16,9 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use synerfuse_model::tch::{self, Kind, Tensor};
 use synerfuse_model::Stage;
-use synerfuse_parallel::{GradientReduction, Instruction, Pass};
+use synerfuse_plan::{GradientReduction, Instruction, Pass};
 
-pub use synerfuse_parallel::{parameter_piece, reduction_of, EMBEDDING};
+pub use synerfuse_plan::{parameter_piece, reduction_of, EMBEDDING};
 
 /// One chunk's buffer and the parameters viewing into it.
 struct ChunkGrads {
@@ -232,7 +232,7 @@ impl MainGrads {
         for r in self.reductions.iter_mut() {
             if r.members.len() > 1 && !r.whole {
                 let elements = (r.elements.end - r.elements.start) as usize;
-                let shards = synerfuse_parallel::tp::split_units(&shares(&r.members), elements);
+                let shards = synerfuse_plan::tp::split_units(&shares(&r.members), elements);
                 let shards = shards.into_iter().map(|s| s.start as i64..s.end as i64);
                 r.shards = Some(shards.collect());
             }
@@ -528,7 +528,7 @@ mod tests {
             p.zero_grad();
         }
         let whole = vec![GradientReduction {
-            parameters: synerfuse_parallel::ReducedParameters::Pieces(0..3),
+            parameters: synerfuse_plan::ReducedParameters::Pieces(0..3),
             members: vec![0],
             whole: false,
         }];
@@ -542,9 +542,7 @@ mod tests {
         .unwrap();
         let alone = SetGroups::none();
         let program: Vec<Instruction> = (0..MICRO_BATCHES)
-            .map(|micro_batch| {
-                Instruction::backward(synerfuse_parallel::Piece::new(micro_batch, 0))
-            })
+            .map(|micro_batch| Instruction::backward(synerfuse_plan::Piece::new(micro_batch, 0)))
             .collect();
         main.begin_step(&program);
         for _ in 0..MICRO_BATCHES {

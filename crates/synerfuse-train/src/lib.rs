@@ -48,7 +48,7 @@ pub enum TrainError {
     Weights(#[from] synerfuse_model::hf::HfError),
     /// The topology is inconsistent.
     #[error(transparent)]
-    Topology(#[from] synerfuse_parallel::TopologyError),
+    Topology(#[from] synerfuse_plan::TopologyError),
     /// A checkpoint that cannot be written or is refused.
     #[error("checkpoint {path}: {problem}")]
     Checkpoint {
@@ -75,7 +75,7 @@ pub enum TrainError {
     },
     /// A plan that cannot run (a replica's schedule).
     #[error(transparent)]
-    Plan(#[from] synerfuse_parallel::PlanError),
+    Plan(#[from] synerfuse_plan::PlanError),
     /// A parameter the plan's gradient reductions miss (a bug, reported).
     #[error(transparent)]
     UnreducedParameter(#[from] grads::UnreducedParameter),

@@ -11,7 +11,7 @@ use crate::comm::MpiCommunicator;
 use std::ops::Range;
 use synerfuse_data::gpt::{GptDatasetError, SampleOptions, SplitDataset};
 use synerfuse_data::DataError;
-use synerfuse_parallel::{BatchError, ReplicaBatches};
+use synerfuse_plan::{BatchError, ReplicaBatches};
 
 /// Why a step's data cannot be served.
 #[derive(Debug, thiserror::Error)]
@@ -321,7 +321,7 @@ mod tests {
                     .collect(),
             ),
         };
-        let split = synerfuse_parallel::cp::ContextSplit::in_shares(sequence, &[3, 1]).unwrap();
+        let split = synerfuse_plan::cp::ContextSplit::in_shares(sequence, &[3, 1]).unwrap();
         let parts: Vec<MicroBatch> = (0..split.ranks())
             .map(|r| batch.context_part(&split.position_list(r)))
             .collect();

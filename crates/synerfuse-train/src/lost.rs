@@ -14,9 +14,9 @@
 use crate::checkpoint::LATEST;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-use synerfuse_parallel::calibrate::RunRecord;
-use synerfuse_parallel::planner;
-use synerfuse_parallel::Plan;
+use synerfuse_plan::Plan;
+use synerfuse_plan::RunRecord;
+use synerfuse_planner::planner;
 
 /// The exit status of a survivor of a lost rank (`EX_TEMPFAIL`: try again, on the
 /// survivors).
@@ -148,7 +148,10 @@ fn plan_for_survivors(
     survivors: &[usize],
 ) -> Result<(Plan, f64), planner::ReplanError> {
     let run = &snapshot.run;
-    let cost = planner::fitted_cost_of(&run.running_job(&snapshot.paces_s, None), survivors)?;
+    let cost = planner::fitted_cost_of(
+        &planner::RunningJob::of_run(&run, &snapshot.paces_s, None),
+        survivors,
+    )?;
     let request = planner::running_job_request(
         run.plan.global_batch_size(),
         run.recompute,

@@ -24,7 +24,7 @@ pub struct RankTimes {
     /// What it did when, seconds from the step's start (on the iterations whose log
     /// line is printed; `synerfuse timeline` draws them).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub spans: Option<Vec<synerfuse_parallel::timeline::Span>>,
+    pub spans: Option<Vec<synerfuse_plan::timeline::Span>>,
 }
 
 /// One iteration's numbers, as the log line and the JSON log carry them.
@@ -47,7 +47,7 @@ pub struct IterationRecord {
     /// Tokens of the global batch per second.
     pub tokens_per_s: f64,
     /// Model TFLOP/s per rank, by Megatron's FLOP count
-    /// ([`synerfuse_parallel::cost::ModelShape::megatron_flops_per_sample`]).
+    /// ([`synerfuse_plan::ModelShape::megatron_flops_per_sample`]).
     pub tflops_per_device: f64,
     /// `--global-batch-size`.
     pub global_batch_size: usize,

@@ -16,8 +16,8 @@ use synerfuse_model::cp::{ContextGroup, Solo};
 use synerfuse_model::tch::{Device, Kind, Tensor};
 use synerfuse_model::tp::{CollectiveError, TpBackwardFrom, TpCollectives};
 use synerfuse_model::{BackwardFrom, ExpertGroup, ForwardPass, Stage};
-use synerfuse_parallel::timeline::{Span, SpanKind};
-use synerfuse_parallel::{Instruction, Message, Pass, Payload, Piece};
+use synerfuse_plan::timeline::{Span, SpanKind};
+use synerfuse_plan::{Instruction, Message, Pass, Payload, Piece};
 
 /// Where a rank's time went in one step.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -251,7 +251,7 @@ impl PipelineRank<'_> {
         self.execute(program, micro_batches, sequence_length, mode, on_event)
     }
 
-    /// Runs a forward-only `program` ([`synerfuse_parallel::forward_only`]) over
+    /// Runs a forward-only `program` ([`synerfuse_plan::forward_only`]) over
     /// `micro_batches` without gradients: the last stage's loss sum and tokens, each pass
     /// dropped once its output is sent (evaluation).
     pub fn evaluate(

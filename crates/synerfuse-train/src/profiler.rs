@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 use synerfuse_model::tch::{self, Device, Kind, Tensor};
 use synerfuse_model::{BackwardFrom, LlamaConfig, Stage, StageError};
-use synerfuse_parallel::cost::{ExpertShape, MeasuredCosts, MeasuredNetwork, ModelShape};
+use synerfuse_plan::{ExpertShape, MeasuredCosts, MeasuredNetwork, ModelShape};
 
 /// What to profile.
 #[derive(Debug, Clone)]

@@ -218,9 +218,9 @@ pub struct ReplanDecision {
     /// Layers per stage of each replica of the best plan.
     pub proposed_layers: Vec<Vec<usize>>,
     /// Micro-batch sizes of each replica of the best plan.
-    pub proposed_batches: Vec<synerfuse_parallel::ReplicaBatch>,
+    pub proposed_batches: Vec<synerfuse_plan::ReplicaBatch>,
     /// The best plan, on the job's ranks (the `[[replica]]` form of a plan file).
-    pub proposed_plan: synerfuse_parallel::Plan,
+    pub proposed_plan: synerfuse_plan::Plan,
     /// Iterations left to train.
     pub remaining_iterations: u64,
     /// (current − proposed) × remaining iterations, s.

@@ -1,6 +1,6 @@
 //! Megatron's distributed optimizer (`--use-distributed-optimizer`, ZeRO-1): each
 //! gradient reduction's holders split its elements into shards, in proportion to their
-//! device memory ([`synerfuse_parallel::Plan::memory_shares`]; equal by default).
+//! device memory ([`synerfuse_plan::Plan::memory_shares`]; equal by default).
 //! The gradients are reduce-scattered (each holder gets the sum of its shard), a rank
 //! keeps the fp32 master weights and Adam moments of its shard only and updates them,
 //! and the holders all-gather the updated values into every copy of the parameters. The

@@ -7,7 +7,7 @@ use proptest::prelude::*;
 use std::collections::BTreeMap;
 use synerfuse_model::tch::Device;
 use synerfuse_model::{LlamaConfig, Stage};
-use synerfuse_parallel::{
+use synerfuse_plan::{
     check_forward_only, check_schedule, forward_only, Plan, ReplicaBatch, ReplicaPipeline,
     ScheduleKind, StageLayout,
 };

@@ -8,7 +8,7 @@ use synerfuse_data::gpt::{
     GptDataset, GptDatasetConfig, PyValue, SampleOptions, Split, SplitDataset,
 };
 use synerfuse_data::{DType, IndexedDataset, IndexedDatasetBuilder};
-use synerfuse_parallel::{ReplicaBatch, ReplicaBatches};
+use synerfuse_plan::{ReplicaBatch, ReplicaBatches};
 use synerfuse_train::loader::{LoaderError, ReplicaLoader};
 
 const SEQ: usize = 8;

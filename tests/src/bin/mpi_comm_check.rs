@@ -194,7 +194,7 @@ fn simultaneous_isends(world: &MpiCommunicator) -> Result<(), String> {
 /// One sub-communicator per group kind, members in Megatron's order: summing the global
 /// rank over a group gives the sum of its members, and sub-rank i is member i.
 fn process_groups(world: &MpiCommunicator) -> Result<(), String> {
-    use synerfuse_parallel::{GroupKind, Topology, TP_PP_DP_ORDER};
+    use synerfuse_plan::{GroupKind, Topology, TP_PP_DP_ORDER};
     use synerfuse_train::comm::ProcessGroups;
     if world.size() != 4 {
         return Ok(());

@@ -1,11 +1,12 @@
 //! `synerfuse profile --calibrate LOG.jsonl... --profile P --output Q`: a profile fitted
-//! to measured runs (the fitting is `synerfuse_parallel::calibrate`'s).
+//! to measured runs (the fitting is `synerfuse_planner::calibrate`'s).
 
 use crate::files::write_atomically;
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
-use synerfuse_parallel::calibrate::{calibrate, Calibration, MeasuredRun, RunCheck, WARM_UP_STEPS};
-use synerfuse_parallel::cost::Profile;
+use synerfuse_planner::calibrate::{calibrate, MeasuredRun, RunCheck, WARM_UP_STEPS};
+use synerfuse_planner::profile::Calibration;
+use synerfuse_planner::profile::Profile;
 
 /// Reads `profile` and the runs of `logs`, writes the calibrated profile to `output`,
 /// and prints the fitted terms and each run predicted before and after.

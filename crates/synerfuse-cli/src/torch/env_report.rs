@@ -20,7 +20,7 @@ pub fn run(as_json: bool) -> Result<()> {
         synerfuse_train::device_info::cuda_device_names()
             .into_iter()
             .map(|name| {
-                let peak = synerfuse_train::device_info::catalogue_peak(&name);
+                let peak = synerfuse_planner::cluster::catalogue_peak(&name);
                 (name, peak)
             })
             .collect();

@@ -14,9 +14,11 @@ use std::path::PathBuf;
 use std::time::Instant;
 use synerfuse_model::tch::{self, Device};
 use synerfuse_model::{DeviceRequest, LlamaConfig, MegatronModelArgs, ResolveDevice};
-use synerfuse_parallel::cluster::ClusterSpec;
-use synerfuse_parallel::cost::{CostModel, ModelShape, Profile};
-use synerfuse_parallel::planner::{self, Candidate, PlanRequest};
+use synerfuse_plan::ModelShape;
+use synerfuse_planner::cluster::ClusterSpec;
+use synerfuse_planner::cost::CostModel;
+use synerfuse_planner::planner::{self, Candidate, PlanRequest};
+use synerfuse_planner::profile::Profile;
 use synerfuse_train::comm::{launcher_local_rank, launcher_rank, MpiRuntime};
 use synerfuse_train::profiler::{self, ProfileConfig, ProfileError};
 
@@ -190,7 +192,7 @@ pub fn run_profile(args: ProfileArgs) -> Result<()> {
         // The catalogue slug of this GPU, which a cluster file names as its `kind`.
         Device::Cuda(ordinal) => synerfuse_train::device_info::cuda_device_names()
             .get(ordinal)
-            .and_then(|name| synerfuse_parallel::cluster::catalogue_slug_for_device_name(name))
+            .and_then(|name| synerfuse_planner::cluster::catalogue_slug_for_device_name(name))
             .unwrap_or("cuda")
             .into(),
         _ => "cuda".into(),
@@ -505,7 +507,7 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
         };
         let text = match out.extension().is_some_and(|e| e == "json") {
             true => serde_json::to_string_pretty(&timeline)?,
-            false => synerfuse_parallel::timeline::Timeline::svg(&[timeline]),
+            false => synerfuse_plan::timeline::Timeline::svg(&[timeline]),
         };
         write_atomically(out, &text)?;
     }
@@ -554,7 +556,7 @@ fn print_json(report: impl serde::Serialize, tried: Option<&TryReport>) -> Resul
 /// Warns of the micro-batch sizes `plan` runs (a short last micro-batch included) that
 /// the profile did not measure on a device kind it measured: those are interpolated
 /// between measured sizes, or extrapolated.
-fn warn_unmeasured(cost: &CostModel, plan: &synerfuse_parallel::Plan) {
+fn warn_unmeasured(cost: &CostModel, plan: &synerfuse_plan::Plan) {
     let Some(profile) = &cost.profile else {
         return;
     };
@@ -624,7 +626,7 @@ fn report_pooled_only(
         let timeline = planner::pooled_timeline(cost, p)?;
         let text = match out.extension().is_some_and(|e| e == "json") {
             true => serde_json::to_string_pretty(&timeline)?,
-            false => synerfuse_parallel::timeline::Timeline::svg(&[timeline]),
+            false => synerfuse_plan::timeline::Timeline::svg(&[timeline]),
         };
         write_atomically(out, &text)?;
     }

@@ -3,9 +3,9 @@
 //! struct serialised with serde).
 
 use std::collections::BTreeMap;
-use synerfuse_parallel::cost::CostModel;
-use synerfuse_parallel::planner::{self, BehindBy, Candidate, PooledCandidate, TpGroup};
-use synerfuse_parallel::GridFlags;
+use synerfuse_plan::GridFlags;
+use synerfuse_planner::cost::CostModel;
+use synerfuse_planner::planner::{self, BehindBy, Candidate, PooledCandidate, TpGroup};
 
 pub(crate) fn describe_devices(cost: &CostModel, c: &Candidate, stage: usize) -> String {
     let devices = cost.cluster.devices();
@@ -367,7 +367,7 @@ pub(crate) struct ReplicaReport {
     #[serde(skip_serializing_if = "Option::is_none")]
     micro_batch_sizes: Option<Vec<usize>>,
     #[serde(skip)]
-    batch: synerfuse_parallel::ReplicaBatch,
+    batch: synerfuse_plan::ReplicaBatch,
 }
 
 impl ReplicaReport {
@@ -863,7 +863,7 @@ fn runs<T: std::fmt::Debug + PartialEq>(values: &[T]) -> String {
 }
 
 /// Where the search ran on one copy of a folded cluster, says so.
-pub(crate) fn print_fold(outcome: &synerfuse_parallel::planner::PlanOutcome) {
+pub(crate) fn print_fold(outcome: &synerfuse_planner::planner::PlanOutcome) {
     if outcome.folded > 1 {
         let devices = outcome.bound.device_tokens_per_s.len();
         println!(

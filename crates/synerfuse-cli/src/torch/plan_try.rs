@@ -7,10 +7,11 @@ use crate::plan_report::{pooled_train_flags, WrittenPlan};
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use synerfuse_parallel::calibrate::{calibrate, MeasuredRun};
-use synerfuse_parallel::cost::{CostModel, Profile};
-use synerfuse_parallel::planner::{PlanOutcome, ThroughputBound};
-use synerfuse_parallel::Plan;
+use synerfuse_plan::Plan;
+use synerfuse_planner::calibrate::{calibrate, MeasuredRun};
+use synerfuse_planner::cost::CostModel;
+use synerfuse_planner::planner::{PlanOutcome, ThroughputBound};
+use synerfuse_planner::profile::Profile;
 
 /// Flags `--try` sets on every training run itself.
 const OWNED_FLAGS: [&str; 4] = ["--plan", "--train-iters", "--log-json", "--nproc"];

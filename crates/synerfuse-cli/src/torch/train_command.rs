@@ -13,7 +13,7 @@ use synerfuse_data::gpt::{
 };
 use synerfuse_data::tokenizer::Tokenizer;
 use synerfuse_model::{DeviceRequest, LlamaConfig, LoadBalancing, MegatronModelArgs};
-use synerfuse_parallel::{
+use synerfuse_plan::{
     BatchError, GridError, LayoutError, MeshFlags, Plan, PlanError, PlanFlags, ProcessMeshes,
     ScheduleKind, TpLayout,
 };
@@ -985,7 +985,7 @@ impl TrainArgs {
 pub(crate) fn trained_model_shape(
     args: &[String],
     num_layers: usize,
-) -> Result<synerfuse_parallel::cost::ModelShape> {
+) -> Result<synerfuse_plan::ModelShape> {
     #[derive(clap::Parser)]
     struct Train {
         #[command(flatten)]

@@ -40,7 +40,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use synerfuse_model::tch::{self, Tensor};
 use synerfuse_model::{LlamaConfig, Stage};
-use synerfuse_parallel::Plan;
+use synerfuse_plan::Plan;
 
 /// The name of the file that points at the newest checkpoint.
 pub const LATEST: &str = "latest";

@@ -6,7 +6,7 @@
 use super::nccl::PendingNccl;
 use super::{CommError, MpiCommunicator, NcclCommunicator, PendingAllReduce};
 use std::collections::HashMap;
-use synerfuse_parallel::{GroupKind, Topology};
+use synerfuse_plan::{GroupKind, Topology};
 use tch::{Device, Tensor};
 
 /// One group's communicator: NCCL for all-CUDA groups, MPI (host staging) otherwise.

@@ -1,5 +1,5 @@
 //! Starting ranks under `mpirun`, and what they tell each other when they end. The rank a
-//! launcher assigned to this process is read by [`synerfuse_parallel::launcher`].
+//! launcher assigned to this process is read by [`synerfuse_plan::launcher`].
 
 /// The `mpirun` command that starts `program args` on `ranks` ranks of this machine:
 /// oversubscription allowed, no core binding (ranks share the cores), shared-memory

@@ -4,7 +4,7 @@
 //! two-rank NCCL communicator with a stream of its own; anywhere else (a CPU end, NCCL
 //! missing) it is MPI, staged through pinned host memory for CUDA tensors. NCCL matches
 //! sends to receives by order, not tag, so a link takes NCCL only when both directions
-//! are received in send order ([`synerfuse_parallel::link_in_order`]).
+//! are received in send order ([`synerfuse_plan::link_in_order`]).
 //!
 //! NCCL sends block until the peer receives, so two neighbours that send to each other
 //! at once (1F1B's steady state) would deadlock if each send ran alone. Sends are
@@ -16,7 +16,7 @@
 use super::groups::RankDevice;
 use super::{CommError, MpiCommunicator, NcclCommunicator, SetGroups};
 use std::collections::{BTreeSet, HashMap};
-use synerfuse_parallel::{link_in_order, Instruction};
+use synerfuse_plan::{link_in_order, Instruction};
 use tch::Tensor;
 
 /// The transport of one pipeline link.

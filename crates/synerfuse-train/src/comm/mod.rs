@@ -23,4 +23,4 @@ pub use launcher::{
 };
 pub use links::{LinkPath, PipelineLinks};
 pub use nccl::{NcclCommunicator, PendingNccl};
-pub use synerfuse_parallel::launcher::{launcher_local_rank, launcher_rank};
+pub use synerfuse_plan::launcher::{launcher_local_rank, launcher_rank};

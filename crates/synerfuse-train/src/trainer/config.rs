@@ -5,7 +5,7 @@ use crate::optim::{AdamWConfig, LrSchedule};
 use crate::replan::{ReplanMode, SpeedChange, WatchConfig};
 use std::path::PathBuf;
 use synerfuse_model::{DeviceRequest, LlamaConfig};
-use synerfuse_parallel::{Plan, ScheduleKind};
+use synerfuse_plan::{Plan, ScheduleKind};
 
 /// Everything a run is configured with.
 #[derive(Debug, Clone)]

@@ -24,10 +24,8 @@ use std::time::Instant;
 use synerfuse_data::gpt::SampleOptions;
 use synerfuse_model::tch::{Device, Kind, Tensor};
 use synerfuse_model::{DeviceRequest, ResolveDevice, Stage};
-use synerfuse_parallel::timeline::{Span, SpanKind};
-use synerfuse_parallel::{
-    ExpertGroupPlan, GradientReduction, Instruction, PlanError, ReplicaPipeline,
-};
+use synerfuse_plan::timeline::{Span, SpanKind};
+use synerfuse_plan::{ExpertGroupPlan, GradientReduction, Instruction, PlanError, ReplicaPipeline};
 
 mod config;
 mod eval;
@@ -629,7 +627,7 @@ impl<'w> Trainer<'w> {
         let mut programs = plan.schedule(config.parallel.schedule)?;
         let links = PipelineLinks::new(world, &groups, &programs)?;
         let program = programs.swap_remove(rank);
-        let eval_program = synerfuse_parallel::forward_only(&program);
+        let eval_program = synerfuse_plan::forward_only(&program);
         let kept = datasets.clone();
         let (loader, valid, test) = build_loaders(&config, datasets, replica, sample_options)?;
         let mine: Vec<GradientReduction> = reductions
@@ -764,10 +762,10 @@ impl<'w> Trainer<'w> {
     /// replica 0's, or of an expert the lowest replica holding it; on the first
     /// context-parallel member.
     fn counts_once(&self, name: &str) -> bool {
-        let expert = synerfuse_parallel::expert_of(name).zip(self.experts.as_ref());
+        let expert = synerfuse_plan::expert_of(name).zip(self.experts.as_ref());
         let lowest = match (expert, self.config.model.moe) {
             (Some((e, _)), Some(moe)) => {
-                let layer = synerfuse_parallel::layer_of(name).unwrap_or(0);
+                let layer = synerfuse_plan::layer_of(name).unwrap_or(0);
                 let holders = (self.config.parallel.plan).expert_holders(layer, e, moe.num_experts);
                 holders.first() == Some(&self.replica)
             }

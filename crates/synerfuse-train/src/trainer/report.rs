@@ -12,7 +12,7 @@ use crate::replan::{ReplanDecision, SpeedShift, SwitchOutcome};
 use crate::TrainError;
 use std::time::Duration;
 use synerfuse_model::tch::Tensor;
-use synerfuse_parallel::timeline::{Span, SpanKind};
+use synerfuse_plan::timeline::{Span, SpanKind};
 
 /// What one rank's step produced.
 #[derive(Debug, Clone)]
@@ -421,10 +421,7 @@ impl StepLog {
 impl StepLog {
     /// Writes what runs as the JSON log's `run` record (rank 0 calls it): the first
     /// record of a run, and again after a switch of plans.
-    pub fn record_run(
-        &mut self,
-        run: &synerfuse_parallel::calibrate::RunRecord,
-    ) -> Result<(), TrainError> {
+    pub fn record_run(&mut self, run: &synerfuse_plan::RunRecord) -> Result<(), TrainError> {
         if let Some(json) = &mut self.json {
             let record = serde_json::json!({ "run": run });
             json.write(&record).map_err(io_error(json.path()))?;

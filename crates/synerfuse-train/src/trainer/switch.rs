@@ -16,8 +16,8 @@ use crate::TrainError;
 use std::path::PathBuf;
 use std::time::Instant;
 use synerfuse_model::tch::{Device, Kind, Tensor};
-use synerfuse_parallel::calibrate::RunRecord;
-use synerfuse_parallel::planner::{self, RunningJob};
+use synerfuse_plan::RunRecord;
+use synerfuse_planner::planner::{self, RunningJob};
 
 /// What re-planning keeps from step to step, and across a switch.
 #[derive(Debug, Clone)]
@@ -136,7 +136,7 @@ impl<'w> Trainer<'w> {
         // between processes.
         let (mut message, mut failure) = (Vec::new(), None);
         if self.world.rank() == 0 {
-            let job = run.running_job(&paces_s, network);
+            let job = RunningJob::of_run(&run, &paces_s, network);
             match self.decide(&job, switch_cost_s, cost_basis, cause) {
                 Ok(decision) => message = serde_json::to_vec(&decision).unwrap_or_default(),
                 Err(reason) => failure = Some(reason),

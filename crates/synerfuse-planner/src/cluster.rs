@@ -1,0 +1,619 @@
+//! Cluster descriptions: device groups (a catalogue kind, or custom numbers), nodes,
+//! links and memory headroom, read from TOML (`cluster.toml`).
+//!
+//! ```toml
+//! [[group]]
+//! kind = "a100-80g"        # a catalogue slug, or "custom" with tflops_bf16, memory_gb, mem_bw_gbs
+//! count = 8
+//! node = "n0"              # optional; groups on one node share intra-node links
+//! [network]
+//! intra_node_gbs = 300     # per direction
+//! inter_node_gbs = 25
+//! ```
+
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+
+/// One row of the device catalogue (vendors' dense, non-sparse peaks).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct DeviceSpec {
+    /// bf16 dense TFLOP/s (fp16 where the device has no bf16).
+    pub tflops_bf16: f64,
+    /// Memory in GB.
+    pub memory_gb: f64,
+    /// Memory bandwidth in GB/s.
+    pub mem_bw_gbs: f64,
+    /// Device-to-device link within a node, bidirectional GB/s (vendor figure).
+    pub link_gbs: f64,
+    /// Whether it is an accelerator with a runtime context to reserve (not a CPU).
+    pub accelerator: bool,
+}
+
+/// The built-in catalogue: `(slug, name, spec)`.
+pub const CATALOGUE: &[(&str, &str, DeviceSpec)] = &[
+    ("a100-40g", "A100-40G SXM", gpu(312.0, 40.0, 1555.0, 600.0)),
+    ("a100-80g", "A100-80G SXM", gpu(312.0, 80.0, 2039.0, 600.0)),
+    ("a800", "A800-80G", gpu(312.0, 80.0, 2039.0, 400.0)),
+    ("h100-sxm", "H100 SXM", gpu(989.0, 80.0, 3350.0, 900.0)),
+    ("h100-pcie", "H100 PCIe", gpu(756.0, 80.0, 2000.0, 600.0)),
+    ("h800", "H800 SXM", gpu(989.0, 80.0, 3350.0, 400.0)),
+    ("h200", "H200 SXM", gpu(989.0, 141.0, 4800.0, 900.0)),
+    ("h20", "H20", gpu(148.0, 96.0, 4000.0, 900.0)),
+    ("l40s", "L40S", gpu(362.0, 48.0, 864.0, 64.0)),
+    ("a10", "A10", gpu(125.0, 24.0, 600.0, 64.0)),
+    ("v100", "V100 SXM2 (fp16)", gpu(125.0, 32.0, 900.0, 300.0)),
+    ("rtx4090", "RTX 4090", gpu(165.0, 24.0, 1008.0, 32.0)),
+    ("rtx3090", "RTX 3090", gpu(71.0, 24.0, 936.0, 112.5)),
+    ("t4", "T4 (fp16)", gpu(65.0, 16.0, 320.0, 32.0)),
+    (
+        "mi250x",
+        "MI250X (per GCD)",
+        gpu(191.0, 64.0, 1600.0, 400.0),
+    ),
+    ("mi300x", "MI300X", gpu(1307.0, 192.0, 5300.0, 896.0)),
+    ("ascend910b", "Ascend 910B", gpu(320.0, 64.0, 1600.0, 392.0)),
+    ("gaudi2", "Gaudi2", gpu(432.0, 96.0, 2460.0, 600.0)),
+];
+
+const fn gpu(tflops_bf16: f64, memory_gb: f64, mem_bw_gbs: f64, link_gbs: f64) -> DeviceSpec {
+    DeviceSpec {
+        tflops_bf16,
+        memory_gb,
+        mem_bw_gbs,
+        link_gbs,
+        accelerator: true,
+    }
+}
+
+/// The catalogue entry of `slug`.
+pub fn catalogue(slug: &str) -> Option<DeviceSpec> {
+    CATALOGUE
+        .iter()
+        .find(|(s, _, _)| s.eq_ignore_ascii_case(slug))
+        .map(|(_, _, spec)| *spec)
+}
+
+/// Driver names to catalogue slugs: (a word of the name, a word the name must also
+/// hold or `""`, the slug), first match wins, so a qualified entry comes before its
+/// plain one.
+const DEVICE_NAMES: &[(&str, &str, &str)] = &[
+    ("H200", "", "h200"),
+    ("H100", "PCIE", "h100-pcie"),
+    ("H100", "HBM3", "h100-sxm"),
+    ("H100", "SXM", "h100-sxm"),
+    ("H800", "", "h800"),
+    ("H20", "", "h20"),
+    ("A100", "40GB", "a100-40g"),
+    ("A100", "", "a100-80g"),
+    ("A800", "", "a800"),
+    ("L40S", "", "l40s"),
+    ("A10", "", "a10"),
+    ("V100", "", "v100"),
+    ("4090", "", "rtx4090"),
+    ("3090", "", "rtx3090"),
+    ("T4", "", "t4"),
+    ("MI300X", "", "mi300x"),
+    ("MI250X", "", "mi250x"),
+];
+
+/// The catalogue slug of a GPU by the name its driver reports (`nvidia-smi`,
+/// `cuDeviceGetName`: "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "NVIDIA H200"),
+/// so a run can state its model FLOP utilisation against the right peak; `None` for a
+/// device the catalogue does not hold or cannot tell apart by name (an H100 NVL, say).
+pub fn catalogue_slug_for_device_name(name: &str) -> Option<&'static str> {
+    let upper = name.to_ascii_uppercase().replace(['-', '_'], " ");
+    let words: Vec<&str> = upper.split_whitespace().collect();
+    DEVICE_NAMES
+        .iter()
+        .find(|(word, also, _)| {
+            words.contains(word) && (also.is_empty() || words.iter().any(|w| w.contains(also)))
+        })
+        .map(|(_, _, slug)| *slug)
+}
+
+/// A GPU's catalogue entry by its driver name: (slug, dense bf16 peak TFLOP/s), the peak a
+/// run's model FLOP utilisation is stated against.
+pub fn catalogue_peak(name: &str) -> Option<(&'static str, f64)> {
+    let slug = catalogue_slug_for_device_name(name)?;
+    catalogue(slug).map(|spec| (slug, spec.tflops_bf16))
+}
+
+/// A cluster file that does not describe a usable cluster.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ClusterError {
+    /// Not TOML of the expected shape (the parser's message).
+    #[error("cluster file: {0}")]
+    Toml(String),
+    /// No `[[group]]` of devices.
+    #[error("cluster file: no [[group]]")]
+    NoGroups,
+    /// A memory headroom outside [0, 0.9).
+    #[error("cluster file: memory_headroom {0} must be in [0, 0.9)")]
+    Headroom(f64),
+    /// A group that cannot be used, named by its index and kind.
+    #[error("cluster file: group {index} ({kind}): {problem}")]
+    Group {
+        /// 0-based group index.
+        index: usize,
+        /// Its kind.
+        kind: String,
+        /// What is wrong.
+        problem: GroupProblem,
+    },
+    /// A network bandwidth that is not a positive number.
+    #[error("cluster file: [network] {field} must be positive (got {value})")]
+    Bandwidth {
+        /// `intra_node_gbs` or `inter_node_gbs`.
+        field: &'static str,
+        /// The value.
+        value: f64,
+    },
+    /// A negative (or NaN) latency.
+    #[error("cluster file: [network] latency_us must be ≥ 0 (got {0})")]
+    Latency(f64),
+}
+
+/// What is wrong with a `[[group]]`.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum GroupProblem {
+    /// No device.
+    #[error("count must be at least 1")]
+    Empty,
+    /// A kind that is neither in the catalogue nor `custom` nor `cpu`.
+    #[error("unknown kind; use one of {}, \"custom\" or \"cpu\"", catalogue_slugs().join(", "))]
+    UnknownKind,
+    /// A custom group without one of its numbers.
+    #[error("a custom group needs {0}")]
+    CustomWithout(&'static str),
+    /// A number that must be positive.
+    #[error("{field} must be positive (got {value})")]
+    NotPositive {
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: f64,
+    },
+    /// A fraction outside (0, 1].
+    #[error("{field} must be in (0, 1] (got {value})")]
+    NotAFraction {
+        /// `efficiency` or `speed`.
+        field: &'static str,
+        /// Its value.
+        value: f64,
+    },
+    /// More devices, with the groups before it, than the planner supports.
+    #[error(
+        "count {count} brings the cluster to {total} devices; the planner supports at most {limit}"
+    )]
+    TooMany {
+        /// The group's count.
+        count: usize,
+        /// Devices up to and including this group.
+        total: usize,
+        /// [`MAX_DEVICES`].
+        limit: usize,
+    },
+}
+
+/// The most devices a cluster may hold: the planner keeps a record per device and its
+/// search grows with their number (32,768 devices of 4 kinds plan in about 28 s), so a
+/// larger count is refused up front rather than run out of memory.
+pub const MAX_DEVICES: usize = 131_072;
+
+fn catalogue_slugs() -> Vec<&'static str> {
+    CATALOGUE.iter().map(|(s, _, _)| *s).collect()
+}
+
+/// One `[[group]]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceGroup {
+    /// A catalogue slug, `custom`, or `cpu` (numbers from a profile).
+    pub kind: String,
+    /// Devices in the group.
+    pub count: usize,
+    /// Node name; groups on one node share intra-node links.
+    #[serde(default)]
+    pub node: Option<String>,
+    /// Custom or overriding peak bf16 TFLOP/s.
+    #[serde(default)]
+    pub tflops_bf16: Option<f64>,
+    /// Custom or overriding memory in GB.
+    #[serde(default)]
+    pub memory_gb: Option<f64>,
+    /// Custom or overriding memory bandwidth in GB/s.
+    #[serde(default)]
+    pub mem_bw_gbs: Option<f64>,
+    /// Achieved fraction of peak (η); default 0.45.
+    #[serde(default)]
+    pub efficiency: Option<f64>,
+    /// Emulated speed relative to the profiled kind (the CPU test cluster): times are
+    /// divided by it, and plans carry it to `synerfuse train` as device emulation.
+    #[serde(default)]
+    pub speed: Option<f64>,
+}
+
+/// An explicit link between two nodes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeLink {
+    /// One node.
+    pub a: String,
+    /// The other.
+    pub b: String,
+    /// Per-direction bandwidth in GB/s.
+    pub gbs: f64,
+}
+
+/// `[network]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Network {
+    /// Per-direction bandwidth between devices of one node, GB/s.
+    pub intra_node_gbs: f64,
+    /// Per-direction bandwidth between nodes, GB/s.
+    pub inter_node_gbs: f64,
+    /// Latency of one message, microseconds (default 10).
+    #[serde(default = "default_latency")]
+    pub latency_us: f64,
+    /// Per-pair overrides of `inter_node_gbs`.
+    #[serde(default)]
+    pub link: Vec<NodeLink>,
+}
+
+fn default_latency() -> f64 {
+    10.0
+}
+
+/// A cluster file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterSpec {
+    /// Fraction of each device's memory kept free (fragmentation, runtime); default 0.1.
+    #[serde(default = "default_headroom")]
+    pub memory_headroom: f64,
+    /// Device groups.
+    pub group: Vec<DeviceGroup>,
+    /// Links.
+    pub network: Network,
+}
+
+fn default_headroom() -> f64 {
+    0.1
+}
+
+/// One device of the cluster, resolved.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Device {
+    /// Index in the cluster (group order).
+    pub index: usize,
+    /// The group it came from.
+    pub group: usize,
+    /// The first group of the same kind and numbers (the group itself when none comes
+    /// before): devices of identical groups on other nodes are interchangeable, and the
+    /// planner prices and pools them once.
+    pub class_group: usize,
+    /// Kind slug (`a100-80g`, `custom`, `cpu`).
+    pub kind: String,
+    /// Node.
+    pub node: String,
+    /// Catalogue or custom numbers (`None` for kinds only a profile describes).
+    pub spec: Option<DeviceSpec>,
+    /// η.
+    pub efficiency: f64,
+    /// Emulated relative speed (1 = as profiled).
+    pub speed: f64,
+    /// Whether the cluster file gave a `speed` (the rank is then emulated in training,
+    /// also at speed 1).
+    pub emulated: bool,
+}
+
+impl Device {
+    /// The key of its compute costs: the first group of its kind and numbers
+    /// (efficiency included) and its emulated speed (devices that share it are
+    /// interchangeable; two groups of one kind with different numbers are not).
+    pub fn class(&self) -> (usize, u64) {
+        (self.class_group, self.speed.to_bits())
+    }
+}
+
+impl DeviceGroup {
+    /// Its numbers beside the kind, as bits: groups of one kind and numbers are alike
+    /// (the planner prices and pools their devices once).
+    pub fn numbers(&self) -> [Option<u64>; 5] {
+        let numbers = [
+            self.tflops_bf16,
+            self.memory_gb,
+            self.mem_bw_gbs,
+            self.efficiency,
+            self.speed,
+        ];
+        numbers.map(|x| x.map(f64::to_bits))
+    }
+}
+
+impl ClusterSpec {
+    /// Parses and checks a cluster file.
+    pub fn from_toml(text: &str) -> Result<Self, ClusterError> {
+        let spec: ClusterSpec =
+            toml::from_str(text).map_err(|e| ClusterError::Toml(e.to_string()))?;
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    fn validate(&self) -> Result<(), ClusterError> {
+        if self.group.is_empty() {
+            return Err(ClusterError::NoGroups);
+        }
+        if !(0.0..0.9).contains(&self.memory_headroom) {
+            return Err(ClusterError::Headroom(self.memory_headroom));
+        }
+        let mut total = 0usize;
+        for (index, g) in self.group.iter().enumerate() {
+            let err = |problem: GroupProblem| ClusterError::Group {
+                index,
+                kind: g.kind.clone(),
+                problem,
+            };
+            if g.count == 0 {
+                return Err(err(GroupProblem::Empty));
+            }
+            total = total.saturating_add(g.count);
+            if total > MAX_DEVICES {
+                return Err(err(GroupProblem::TooMany {
+                    count: g.count,
+                    total,
+                    limit: MAX_DEVICES,
+                }));
+            }
+            let custom = g.kind == "custom";
+            if !custom && g.kind != "cpu" && catalogue(&g.kind).is_none() {
+                return Err(err(GroupProblem::UnknownKind));
+            }
+            if custom {
+                for (field, value) in [
+                    ("tflops_bf16", g.tflops_bf16),
+                    ("memory_gb", g.memory_gb),
+                    ("mem_bw_gbs", g.mem_bw_gbs),
+                ] {
+                    if value.is_none() {
+                        return Err(err(GroupProblem::CustomWithout(field)));
+                    }
+                }
+            }
+            for (field, value) in [
+                ("tflops_bf16", g.tflops_bf16),
+                ("memory_gb", g.memory_gb),
+                ("mem_bw_gbs", g.mem_bw_gbs),
+            ] {
+                if let Some(value) = value.filter(|v| !(*v > 0.0 && v.is_finite())) {
+                    return Err(err(GroupProblem::NotPositive { field, value }));
+                }
+            }
+            for (field, value) in [("efficiency", g.efficiency), ("speed", g.speed)] {
+                if let Some(value) = value.filter(|v| !(*v > 0.0 && *v <= 1.0)) {
+                    return Err(err(GroupProblem::NotAFraction { field, value }));
+                }
+            }
+        }
+        let n = &self.network;
+        for (field, v) in [
+            ("intra_node_gbs", n.intra_node_gbs),
+            ("inter_node_gbs", n.inter_node_gbs),
+        ] {
+            if !(v > 0.0 && v.is_finite()) {
+                return Err(ClusterError::Bandwidth { field, value: v });
+            }
+        }
+        if n.latency_us.is_nan() || n.latency_us < 0.0 {
+            return Err(ClusterError::Latency(n.latency_us));
+        }
+        Ok(())
+    }
+
+    /// Every device, group by group.
+    pub fn devices(&self) -> Vec<Device> {
+        let mut out = Vec::new();
+        // Groups are alike when all but the count and the node agree.
+        let mut first_alike: HashMap<(&str, [Option<u64>; 5]), usize> = HashMap::new();
+        for (gi, g) in self.group.iter().enumerate() {
+            let key = (g.kind.as_str(), g.numbers());
+            let class_group = *first_alike.entry(key).or_insert(gi);
+            let base = catalogue(&g.kind);
+            let spec = match (base, g.kind.as_str()) {
+                (Some(b), _) => Some(DeviceSpec {
+                    tflops_bf16: g.tflops_bf16.unwrap_or(b.tflops_bf16),
+                    memory_gb: g.memory_gb.unwrap_or(b.memory_gb),
+                    mem_bw_gbs: g.mem_bw_gbs.unwrap_or(b.mem_bw_gbs),
+                    ..b
+                }),
+                (None, "custom") => Some(DeviceSpec {
+                    tflops_bf16: g.tflops_bf16.unwrap_or(1.0),
+                    memory_gb: g.memory_gb.unwrap_or(1.0),
+                    mem_bw_gbs: g.mem_bw_gbs.unwrap_or(1.0),
+                    link_gbs: 2.0 * self.network.intra_node_gbs,
+                    accelerator: true,
+                }),
+                _ => g.memory_gb.map(|memory_gb| DeviceSpec {
+                    tflops_bf16: g.tflops_bf16.unwrap_or(1.0),
+                    memory_gb,
+                    mem_bw_gbs: g.mem_bw_gbs.unwrap_or(1.0),
+                    link_gbs: 2.0 * self.network.intra_node_gbs,
+                    accelerator: false,
+                }),
+            };
+            for _ in 0..g.count {
+                out.push(Device {
+                    index: out.len(),
+                    group: gi,
+                    class_group,
+                    kind: g.kind.clone(),
+                    node: g.node.clone().unwrap_or_else(|| format!("group{gi}")),
+                    spec,
+                    efficiency: g.efficiency.unwrap_or(0.45),
+                    speed: g.speed.unwrap_or(1.0),
+                    emulated: g.speed.is_some(),
+                });
+            }
+        }
+        out
+    }
+
+    /// Per-direction bandwidth between two devices in bytes/s.
+    pub fn bandwidth(&self, a: &Device, b: &Device) -> f64 {
+        self.node_bandwidth(&a.node, &b.node)
+    }
+
+    /// Per-direction bandwidth between devices on nodes `a` and `b` in bytes/s.
+    pub fn node_bandwidth(&self, a: &str, b: &str) -> f64 {
+        let n = &self.network;
+        let gbs = if a == b {
+            n.intra_node_gbs
+        } else {
+            n.link
+                .iter()
+                .find(|l| (l.a == a && l.b == b) || (l.a == b && l.b == a))
+                .map_or(n.inter_node_gbs, |l| l.gbs)
+        };
+        gbs * 1e9
+    }
+
+    /// The slowest link between two of `nodes` (distinct names), bytes/s: what
+    /// [`Self::node_bandwidth`] gives over every pair, without visiting every pair.
+    pub fn slowest_inter_node(&self, nodes: &[&str]) -> f64 {
+        let here: std::collections::BTreeSet<&str> = nodes.iter().copied().collect();
+        // Named links between two of these nodes, the first naming of a pair counting
+        // (as node_bandwidth finds it).
+        let mut named: BTreeMap<(&str, &str), f64> = BTreeMap::new();
+        for l in &self.network.link {
+            let (a, b) = (
+                l.a.as_str().min(l.b.as_str()),
+                l.a.as_str().max(l.b.as_str()),
+            );
+            if a != b && here.contains(a) && here.contains(b) {
+                named.entry((a, b)).or_insert(l.gbs * 1e9);
+            }
+        }
+        let pairs = here.len() * here.len().saturating_sub(1) / 2;
+        let default = (named.len() < pairs).then_some(self.network.inter_node_gbs * 1e9);
+        (named.values().copied().chain(default)).fold(f64::INFINITY, f64::min)
+    }
+
+    /// Message latency in seconds.
+    pub fn latency(&self) -> f64 {
+        self.network.latency_us * 1e-6
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The slowest inter-node link equals the minimum over every pair of nodes.
+    #[test]
+    fn slowest_inter_node_equals_every_pair() {
+        let link = |a: &str, b: &str, gbs| NodeLink {
+            a: a.into(),
+            b: b.into(),
+            gbs,
+        };
+        let mut cluster = ClusterSpec::from_toml(
+            "[[group]]\nkind = \"a100-80g\"\ncount = 1\n[network]\nintra_node_gbs = 100\ninter_node_gbs = 10\n",
+        )
+        .unwrap();
+        let nodes = ["n0", "n1", "n2"];
+        let cases = [
+            vec![],
+            vec![link("n0", "n1", 3.0)],
+            vec![
+                link("n1", "n0", 30.0),
+                link("n0", "n2", 20.0),
+                link("n2", "n1", 25.0),
+            ],
+            vec![
+                link("n0", "n1", 30.0),
+                link("n0", "n1", 1.0),
+                link("n5", "n0", 1.0),
+            ],
+        ];
+        for links in cases {
+            cluster.network.link = links;
+            for k in 2..=3 {
+                let here = &nodes[..k];
+                let mut brute = f64::INFINITY;
+                for a in here {
+                    for b in here.iter().filter(|b| *b != a) {
+                        brute = brute.min(cluster.node_bandwidth(a, b));
+                    }
+                }
+                assert_eq!(
+                    cluster.slowest_inter_node(here),
+                    brute,
+                    "{:?}",
+                    cluster.network.link
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn minimal_form_and_errors() {
+        let c = ClusterSpec::from_toml(
+            "[[group]]\nkind = \"a100-80g\"\ncount = 8\nnode = \"n0\"\n[[group]]\nkind = \"v100\"\ncount = 8\nnode = \"n1\"\n[network]\nintra_node_gbs = 300\ninter_node_gbs = 25\n",
+        )
+        .unwrap();
+        let d = c.devices();
+        assert_eq!(d.len(), 16);
+        assert_eq!(d[8].kind, "v100");
+        assert_eq!(c.bandwidth(&d[0], &d[1]), 300e9);
+        assert_eq!(c.bandwidth(&d[0], &d[9]), 25e9);
+        let bad = ClusterSpec::from_toml(
+            "[[group]]\nkind = \"a99\"\ncount = 1\n[network]\nintra_node_gbs = 1\ninter_node_gbs = 1\n",
+        )
+        .unwrap_err();
+        assert!(
+            bad.to_string().contains("group 0 (a99): unknown kind"),
+            "{bad}"
+        );
+        let custom = ClusterSpec::from_toml(
+            "[[group]]\nkind = \"custom\"\ncount = 1\ntflops_bf16 = 10\n[network]\nintra_node_gbs = 1\ninter_node_gbs = 1\n",
+        )
+        .unwrap_err();
+        assert!(custom.to_string().contains("needs memory_gb"), "{custom}");
+        assert_eq!(CATALOGUE.len(), 18);
+        // A count no planner run could hold is refused by group, before any allocation.
+        let huge = ClusterSpec::from_toml(
+            "[[group]]\nkind = \"h100-sxm\"\ncount = 8\n[[group]]\nkind = \"a10\"\ncount = 100000000\n[network]\nintra_node_gbs = 1\ninter_node_gbs = 1\n",
+        )
+        .unwrap_err();
+        assert_eq!(
+            huge.to_string(),
+            "cluster file: group 1 (a10): count 100000000 brings the cluster to 100000008 devices; the planner supports at most 131072"
+        );
+    }
+
+    /// Driver names find the catalogue entry whose peak a run's MFU is stated against.
+    #[test]
+    fn driver_names_map_to_catalogue_peaks() {
+        for (name, slug) in [
+            ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+            ("NVIDIA H100 SXM5 80GB", "h100-sxm"),
+            ("NVIDIA H100 PCIe", "h100-pcie"),
+            ("NVIDIA H200", "h200"),
+            ("NVIDIA A100-SXM4-40GB", "a100-40g"),
+            ("NVIDIA A100-SXM4-80GB", "a100-80g"),
+            ("Tesla V100-SXM2-32GB", "v100"),
+            ("NVIDIA A10", "a10"),
+            ("Tesla T4", "t4"),
+        ] {
+            assert_eq!(catalogue_slug_for_device_name(name), Some(slug), "{name}");
+        }
+        assert_eq!(catalogue_slug_for_device_name("NVIDIA H100 NVL"), None);
+        assert_eq!(
+            catalogue_slug_for_device_name("NVIDIA GeForce GTX 1080"),
+            None
+        );
+        let h100 = catalogue_slug_for_device_name("NVIDIA H100 80GB HBM3").and_then(catalogue);
+        assert_eq!(h100.map(|d| d.tflops_bf16), Some(989.0));
+    }
+}

@@ -1,0 +1,535 @@
+//! The cost model (ARCHITECTURE.md, "planning"): compute per layer and micro-batch size (a
+//! measured profile, or FLOPs over a calibrated peak), memory per rank with an explicit
+//! verdict, and communication (p2p, ring and hierarchical all-reduce).
+
+use crate::cluster::{ClusterSpec, Device};
+use crate::profile::Profile;
+use std::collections::BTreeMap;
+use synerfuse_plan::ModelShape;
+
+/// What a stage costs on one device at one micro-batch size.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StageCosts {
+    /// One layer, forward + backward, per micro-batch, s.
+    pub layer_s: f64,
+    /// Share of `layer_s` that is the forward.
+    pub forward_fraction: f64,
+    /// Embedding per micro-batch (first stage), s.
+    pub embedding_s: f64,
+    /// Head per micro-batch (last stage), s.
+    pub head_s: f64,
+    /// Activation bytes per layer and micro-batch in flight.
+    pub activation_bytes: f64,
+}
+
+impl StageCosts {
+    /// The costs of a stage that recomputes: its forward runs twice, once without its
+    /// graph and again in its backward.
+    pub fn recomputed(&self) -> StageCosts {
+        let again = 1.0 + self.forward_fraction;
+        StageCosts {
+            layer_s: self.layer_s * again,
+            embedding_s: self.embedding_s * again,
+            head_s: self.head_s * again,
+            forward_fraction: self.forward_fraction / again,
+            ..*self
+        }
+    }
+}
+
+/// Why a device cannot be costed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CostError {
+    /// A kind with neither catalogue numbers nor a profile.
+    #[error("device kind {0}: no catalogue numbers: give a profile (synerfuse profile) or custom numbers")]
+    NoNumbers(String),
+}
+
+/// Bytes of model and optimizer state per parameter, as the trainer allocates them
+/// (measured and compared in the tests): fp32, parameter 4 + gradient 4 + fp32 main
+/// gradient 4 + two moments 8; bf16, parameter 2 + gradient 2 + main gradient 4 + fp32
+/// master 4 + moments 8.
+pub const STATE_BYTES_PER_PARAM: f64 = 20.0;
+
+/// Device-to-host copy bandwidth of a host-staged send (PCIe 4.0 x16: 32 GB/s per
+/// direction, ~0.8 of it achieved).
+pub const HOST_COPY_BYTES_PER_S: f64 = 25e9;
+
+/// Bytes of memory traffic of one AdamW step per parameter: the fp32 value, gradient
+/// and two moments read, the value and moments written, the training copy written
+/// (bf16).
+pub const OPTIMIZER_BYTES_PER_PARAM: f64 = 30.0;
+
+/// Compute, memory and communication costs of a model on a cluster.
+#[derive(Debug, Clone)]
+pub struct CostModel {
+    /// The model.
+    pub model: ModelShape,
+    /// The cluster.
+    pub cluster: ClusterSpec,
+    /// Measured costs, when profiled (they override the catalogue).
+    pub profile: Option<Profile>,
+    /// Bytes per activation and parameter element on the wire (2 for bf16, 4 for fp32).
+    pub compute_bytes: f64,
+    /// Bytes of model and optimizer state per parameter (20 in synerfuse: parameter,
+    /// gradient, fp32 gradient buffer, two fp32 moments; bf16 adds the master and halves
+    /// parameter and gradient).
+    pub state_bytes_per_param: f64,
+    /// Which stages recompute their activations: a recomputing stage's forward runs
+    /// again in its backward, and a micro-batch in flight keeps only its input.
+    pub recompute: Recompute,
+    /// `--use-distributed-optimizer`: the optimizer's state and step sharded over the
+    /// replicas of a stage, in proportion to their memory.
+    pub distributed_optimizer: bool,
+    /// `--expert-model-parallel-size`: each MoE layer's experts divided over this many
+    /// replicas (1: each holds all), tokens exchanged by all-to-all.
+    pub expert_parallel: usize,
+    /// Tokens each expert took per MoE layer, in layer order (measured in a run:
+    /// `--log-json`'s `moe.tokens_per_expert`); `None`: equal.
+    pub expert_load: Option<Vec<Vec<f64>>>,
+}
+
+/// The element-wise sum of `rows`, each `width` long (tokens per expert over layers).
+pub(crate) fn summed_rows<'a>(
+    rows: impl IntoIterator<Item = &'a Vec<f64>>,
+    width: usize,
+) -> Vec<f64> {
+    let mut sum = vec![0.0; width];
+    for row in rows {
+        for (s, x) in sum.iter_mut().zip(row) {
+            *s += x;
+        }
+    }
+    sum
+}
+
+/// Which stages of a plan recompute their activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Recompute {
+    /// None.
+    #[default]
+    Never,
+    /// Those that would not fit otherwise.
+    WhereNeeded,
+    /// Every stage (`--recompute-activations`).
+    Always,
+}
+
+/// What a rank holds of its stage, for [`CostModel::memory_bytes`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StageHolding {
+    /// Decoder layers.
+    pub layers: usize,
+    /// Whether it holds the embedding.
+    pub first: bool,
+    /// Whether it holds the final norm and output layer.
+    pub last: bool,
+    /// Micro-batches whose activations it keeps at once (1F1B: min(p − i, m)).
+    pub in_flight: usize,
+    /// Their size.
+    pub micro_batch_size: usize,
+    /// Its share of the stage's optimizer state under the distributed optimizer (1:
+    /// all of it).
+    pub optimizer_share: f64,
+    /// Whether it recomputes its activations.
+    pub recompute: bool,
+}
+
+impl CostModel {
+    /// A model for bf16 training with synerfuse's optimizer state.
+    pub fn new(model: ModelShape, cluster: ClusterSpec, profile: Option<Profile>) -> Self {
+        CostModel {
+            model,
+            cluster,
+            profile,
+            compute_bytes: 2.0,
+            state_bytes_per_param: STATE_BYTES_PER_PARAM,
+            recompute: Recompute::Never,
+            distributed_optimizer: false,
+            expert_parallel: 1,
+            expert_load: None,
+        }
+    }
+
+    /// A mean layer's expert parameters each member of an expert-parallel group holds
+    /// (its part; 0 without expert parallelism, where the experts reduce with the rest).
+    pub fn expert_part_params(&self) -> f64 {
+        match self.expert_parallel {
+            0 | 1 => 0.0,
+            ep => self.model.expert_layer_params() / ep as f64,
+        }
+    }
+
+    /// Parameters a rank of a stage of `layers` layers holds (its expert-parallel part
+    /// of the experts), with the embedding when `first`, the head when `last`.
+    pub fn stage_params(&self, layers: usize, first: bool, last: bool) -> f64 {
+        let part = 1.0 - 1.0 / self.expert_parallel.max(1) as f64;
+        (self.model).stage_params(layers, first, last)
+            - layers as f64 * self.model.expert_layer_params() * part
+    }
+
+    /// Under expert parallelism, the most loaded member's expert tokens over the
+    /// members' mean (1: even), the experts placed by [`crate::expert_placement::place_experts`]
+    /// on alike members over the tokens of every MoE layer of [`CostModel::expert_load`]
+    /// summed (a plan holds one placement per stage for all its MoE layers; a layer
+    /// whose own load is less even than the sum is priced at the sum's).
+    pub fn expert_imbalance(&self) -> f64 {
+        let (Some(loads), Some(e)) = (&self.expert_load, self.model.experts) else {
+            return 1.0;
+        };
+        let ep = self.expert_parallel;
+        if ep <= 1 {
+            return 1.0;
+        }
+        let summed = summed_rows(loads, e.num_experts);
+        let members = vec![
+            crate::expert_placement::ExpertMember {
+                speed: 1.0,
+                capacity: e.num_experts,
+            };
+            ep
+        ];
+        let total: f64 = summed.iter().sum();
+        let Ok(placed) = crate::expert_placement::place_experts(&summed, &members) else {
+            return 1.0;
+        };
+        let most = (placed.iter())
+            .map(|m| m.iter().map(|&x| summed[x]).sum::<f64>())
+            .fold(0.0, f64::max);
+        match total > 0.0 {
+            true => most * ep as f64 / total,
+            false => 1.0,
+        }
+    }
+
+    /// Per-layer costs of `device` at micro-batch size `b`.
+    pub fn stage_costs(&self, device: &Device, b: usize) -> Result<StageCosts, CostError> {
+        let measured = self.profile.as_ref().and_then(|p| p.costs(&device.kind, b));
+        let costs = match (measured, device.spec) {
+            (Some(m), _) => StageCosts {
+                layer_s: m.layer_fwd_s + m.layer_bwd_s,
+                forward_fraction: m.layer_fwd_s / (m.layer_fwd_s + m.layer_bwd_s).max(1e-30),
+                embedding_s: m.embedding_s,
+                head_s: m.head_s,
+                activation_bytes: m.layer_activation_bytes,
+            },
+            (None, Some(spec)) => {
+                // Small micro-batches reach less of the peak.
+                let eta = device.efficiency * (b as f64 / (b as f64 + 0.5));
+                let rate = spec.tflops_bf16 * 1e12 * eta;
+                let layer = 3.0 * self.model.layer_forward_flops(b) / rate;
+                StageCosts {
+                    layer_s: layer,
+                    forward_fraction: 1.0 / 3.0,
+                    embedding_s: (b * self.model.seq_length * self.model.hidden_size) as f64
+                        * self.compute_bytes
+                        * 3.0
+                        / (spec.mem_bw_gbs * 1e9),
+                    head_s: 3.0 * self.model.head_forward_flops(b) / rate,
+                    activation_bytes: self.model.layer_activation_bytes(
+                        b,
+                        self.compute_bytes,
+                        spec.accelerator,
+                    ),
+                }
+            }
+            (None, None) => return Err(CostError::NoNumbers(device.kind.clone())),
+        };
+        let slow = 1.0 / device.speed;
+        Ok(StageCosts {
+            layer_s: costs.layer_s * slow,
+            embedding_s: costs.embedding_s * slow,
+            head_s: costs.head_s * slow,
+            ..costs
+        })
+    }
+
+    /// Seconds a step takes beyond what is simulated: the profile's calibrated overhead.
+    pub fn step_overhead_s(&self) -> f64 {
+        self.profile.as_ref().map_or(0.0, Profile::step_overhead_s)
+    }
+
+    /// Seconds of the optimizer step over `params` parameters on `device`: measured per
+    /// parameter where profiled, else an accelerator's memory traffic over its
+    /// bandwidth; `None` where neither is known (a CPU kind not profiled for it).
+    pub fn optimizer_seconds(&self, device: &Device, params: f64) -> Option<f64> {
+        let measured = (self.profile.as_ref())
+            .and_then(|p| p.costs(&device.kind, 1))
+            .and_then(|c| c.optimizer_s_per_param);
+        let per_param = match (measured, device.spec) {
+            (Some(s), _) => s,
+            (None, Some(spec)) if spec.accelerator => {
+                OPTIMIZER_BYTES_PER_PARAM / (spec.mem_bw_gbs * 1e9)
+            }
+            _ => return None,
+        };
+        Some(params * per_param / device.speed)
+    }
+
+    /// Usable memory of `device` in bytes (after headroom and runtime context), or
+    /// `None` when nothing is known (no limit).
+    pub fn usable_memory(&self, device: &Device) -> Option<f64> {
+        let spec = device.spec?;
+        let context = if spec.accelerator { 1e9 } else { 0.0 };
+        Some(spec.memory_gb * 1e9 * (1.0 - self.cluster.memory_headroom) - context)
+    }
+
+    /// Bytes a rank needs holding its stage ([`StageHolding`]): the stage's state (the
+    /// optimizer's part only its share under the distributed optimizer), the activations
+    /// of its micro-batches in flight (only their inputs when recomputed, plus one
+    /// micro-batch's graph rebuilt for its backward), and the logits on the last stage.
+    pub fn memory_bytes(&self, costs: &StageCosts, stage: &StageHolding) -> f64 {
+        let m = &self.model;
+        let (layers, b) = (stage.layers, stage.micro_batch_size);
+        let mut bytes = self.state_bytes(stage);
+        bytes += match stage.recompute {
+            true => {
+                stage.in_flight as f64 * m.activation_message_bytes(b, self.compute_bytes)
+                    + layers as f64 * costs.activation_bytes
+            }
+            false => (stage.in_flight * layers) as f64 * costs.activation_bytes,
+        };
+        if stage.last {
+            // At the loss's backward, for one micro-batch: the logits, the fp32
+            // log-softmax kept by the cross-entropy, the gradient of it and the one it
+            // produces (fp32 each).
+            bytes += (b * m.seq_length * m.vocab_size) as f64 * (self.compute_bytes + 12.0);
+        }
+        bytes
+    }
+
+    /// The state part of [`CostModel::memory_bytes`]: parameters, gradients and optimizer
+    /// state (the optimizer's part only its share under the distributed optimizer).
+    pub fn state_bytes(&self, stage: &StageHolding) -> f64 {
+        let params = self.stage_params(stage.layers, stage.first, stage.last);
+        let mut bytes = params * self.state_bytes_per_param;
+        if self.distributed_optimizer {
+            bytes -= params * self.optimizer_bytes_per_param() * (1.0 - stage.optimizer_share);
+        }
+        bytes
+    }
+
+    /// Bytes per parameter the distributed optimizer shards: the state less the
+    /// parameter, its gradient (both in the compute dtype) and the fp32 main gradient
+    /// (12 in bf16: master and moments; 8 in fp32: the moments).
+    pub fn optimizer_bytes_per_param(&self) -> f64 {
+        (self.state_bytes_per_param - 2.0 * self.compute_bytes - 4.0).max(0.0)
+    }
+
+    /// Seconds to send one activation of a `b`-sample micro-batch from `a` to `b_dev`.
+    pub fn p2p_seconds(&self, a: &Device, b_dev: &Device, b: usize) -> f64 {
+        let t = self.transfer(a, b_dev, b);
+        t.sender_s + t.transit_s
+    }
+
+    /// One activation of a `b`-sample micro-batch from `a` to `b_dev`, split between
+    /// its sender and the link: the sender pays the per-message latency and, when an
+    /// accelerator sends to a CPU rank (a host-staged link), the copy to host memory
+    /// ([`HOST_COPY_BYTES_PER_S`]); the bytes then cross the link while it goes on.
+    pub fn transfer(&self, a: &Device, b_dev: &Device, b: usize) -> crate::sim::Transfer {
+        let bytes = self.model.activation_message_bytes(b, self.compute_bytes);
+        let (bw, lat) = match self.profile.as_ref().and_then(|p| p.network) {
+            Some(n) if a.node == b_dev.node => (n.p2p_bytes_per_s, n.latency_s),
+            _ => (self.cluster.bandwidth(a, b_dev), self.cluster.latency()),
+        };
+        let accelerator = |d: &Device| d.spec.is_some_and(|s| s.accelerator);
+        let staging = match accelerator(a) && !accelerator(b_dev) {
+            true => bytes / HOST_COPY_BYTES_PER_S,
+            false => 0.0,
+        };
+        crate::sim::Transfer {
+            sender_s: lat + staging,
+            transit_s: bytes / bw,
+        }
+    }
+
+    /// Seconds of an all-to-all in which each of `devices` sends `bytes` spread evenly
+    /// over the others: (d − 1)/d of them over the slowest link, half a ring all-reduce
+    /// of the same bytes (a reduce-scatter and an all-gather, each moving as much).
+    pub fn alltoall_seconds(&self, devices: &[&Device], bytes: f64) -> f64 {
+        self.allreduce_seconds(devices, bytes) / 2.0
+    }
+
+    /// Seconds of the fp32 gradient all-reduce of `bytes` over `devices` (ring over the
+    /// slowest link; hierarchical when they span nodes).
+    pub fn allreduce_seconds(&self, devices: &[&Device], bytes: f64) -> f64 {
+        let d = devices.len();
+        if d <= 1 {
+            return 0.0;
+        }
+        let lat = self.cluster.latency();
+        let mut nodes: BTreeMap<&str, usize> = BTreeMap::new();
+        for dev in devices {
+            *nodes.entry(dev.node.as_str()).or_default() += 1;
+        }
+        let profiled = self.profile.as_ref().and_then(|p| p.network);
+        let intra = profiled.map_or(self.cluster.network.intra_node_gbs * 1e9, |n| {
+            n.allreduce_bytes_per_s
+        });
+        if nodes.len() == 1 {
+            let d = d as f64;
+            return 2.0 * (d - 1.0) * lat + 2.0 * (d - 1.0) / d * bytes / intra;
+        }
+        // Slowest inter-node link among the nodes in the group.
+        let names: Vec<&str> = nodes.keys().copied().collect();
+        let inter = self.cluster.slowest_inter_node(&names);
+        let g = *nodes.values().max().unwrap_or(&1) as f64;
+        let n = nodes.len() as f64;
+        2.0 * (d as f64 - 1.0) * lat
+            + 2.0 * (g - 1.0) / g * bytes / intra
+            + 2.0 * (n - 1.0) / n * (bytes / g) / inter
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use synerfuse_plan::{ExpertShape, MeasuredCosts};
+
+    /// Megatron's `num_floating_point_operations`, evaluated by its own Python for these
+    /// shapes: a 1.1B LLaMA with grouped-query attention and an untied output layer,
+    /// and a small multi-head model with a tied one.
+    #[test]
+    fn megatron_flops_match_megatrons_formula() {
+        let gqa_untied = ModelShape {
+            num_layers: 22,
+            hidden_size: 2048,
+            num_heads: 32,
+            num_kv_heads: 4,
+            ffn_hidden_size: 5632,
+            vocab_size: 32000,
+            seq_length: 2048,
+            tied: false,
+            experts: None,
+        };
+        let mha_tied = ModelShape {
+            num_layers: 4,
+            hidden_size: 256,
+            num_heads: 8,
+            num_kv_heads: 8,
+            ffn_hidden_size: 688,
+            vocab_size: 2048,
+            seq_length: 128,
+            tied: true,
+            experts: None,
+        };
+        for (shape, kv_channels, batch, megatron) in [
+            (&gqa_untied, 64, 1.0, 14978698444800.0),
+            (&gqa_untied, 64, 8.0, 119829587558400.0),
+            (&mha_tied, 32, 1.0, 3032481792.0),
+            (&mha_tied, 32, 6.0, 18194890752.0),
+        ] {
+            let ours = shape.megatron_flops_per_sample(kv_channels) * batch;
+            assert!(
+                ((ours - megatron) / megatron).abs() < 1e-12,
+                "{ours} vs Megatron's {megatron}"
+            );
+        }
+    }
+
+    /// With experts: Megatron's count takes each MoE layer's top-k experts' width (so a
+    /// top-2 model of half-width experts counts as the dense one), the parameters all
+    /// experts and their routers; dense layers between MoE ones count as dense.
+    #[test]
+    fn experts_count_their_active_width_in_flops_and_all_in_parameters() {
+        let dense = ModelShape {
+            num_layers: 4,
+            hidden_size: 256,
+            num_heads: 8,
+            num_kv_heads: 8,
+            ffn_hidden_size: 688,
+            vocab_size: 2048,
+            seq_length: 128,
+            tied: true,
+            experts: None,
+        };
+        let experts = |top_k, layer_freq| ModelShape {
+            experts: Some(ExpertShape {
+                num_experts: 8,
+                top_k,
+                ffn_hidden_size: 344,
+                layer_freq,
+            }),
+            ..dense.clone()
+        };
+        let flops = |m: &ModelShape| m.megatron_flops_per_sample(32);
+        assert_eq!(flops(&experts(2, 1)), flops(&dense));
+        assert_eq!(
+            experts(2, 1).layer_forward_flops(3),
+            dense.layer_forward_flops(3)
+        );
+        // Top 1 in layers 0 and 2: those MLPs at half width, 1 and 3 dense.
+        let half_mlp = 12.0 * 128.0 * 4.0 * 256.0 * 256.0 * (344.0 * 2.0 * 1.5) / (4.0 * 256.0);
+        assert!((flops(&dense) - flops(&experts(1, 2)) - half_mlp).abs() < 1.0);
+        let (h, f) = (256.0, 344.0);
+        let added = 4.0 * (8.0 * 3.0 * h * f + 8.0 * h) - 4.0 * 3.0 * h * 688.0;
+        let diff =
+            experts(2, 1).stage_params(4, false, false) - dense.stage_params(4, false, false);
+        assert!((diff - added).abs() < 1e-6, "{diff} vs {added}");
+        assert_eq!(
+            ExpertShape {
+                layer_freq: 3,
+                ..experts(1, 3).experts.unwrap()
+            }
+            .moe_layers(4),
+            2
+        );
+    }
+
+    /// A profile of `kind` at `sizes`, each layer's forward a fixed 1 s plus 1 s per
+    /// sample (the rest zero).
+    fn affine_profile(sizes: &[usize]) -> Profile {
+        let at = |b: usize| MeasuredCosts {
+            layer_fwd_s: 1.0 + b as f64,
+            layer_bwd_s: 0.0,
+            embedding_s: 0.0,
+            head_s: 0.0,
+            layer_activation_bytes: 0.0,
+            optimizer_s_per_param: None,
+        };
+        Profile {
+            model: ModelShape {
+                num_layers: 1,
+                hidden_size: 8,
+                num_heads: 1,
+                num_kv_heads: 1,
+                ffn_hidden_size: 8,
+                vocab_size: 8,
+                seq_length: 8,
+                tied: false,
+                experts: None,
+            },
+            devices: BTreeMap::from([(
+                "k".to_owned(),
+                sizes.iter().map(|&b| (b, at(b))).collect(),
+            )]),
+            network: None,
+            calibration: None,
+        }
+    }
+
+    /// An unmeasured size is interpolated between the measured sizes around it (its
+    /// fixed cost kept), extrapolated within bounds beyond them, and scaled in
+    /// proportion where only one size was measured.
+    #[test]
+    fn unmeasured_sizes_keep_the_fixed_cost_of_a_micro_batch() {
+        let forward = |profile: &Profile, b| profile.costs("k", b).unwrap().layer_fwd_s;
+        let two = affine_profile(&[2, 4]);
+        for (b, want) in [(2, 3.0), (3, 4.0), (4, 5.0), (1, 2.0), (8, 9.0)] {
+            assert!((forward(&two, b) - want).abs() < 1e-12, "size {b}");
+        }
+        // Bounds beyond the measured sizes: no cheaper than the nearest micro-batch,
+        // no dearer per sample (a decreasing pair would give 2 s at size 8).
+        let with_forward = |size: usize, seconds: f64| {
+            let mut profile = affine_profile(&[2, 4]);
+            let costs = profile.devices.get_mut("k").and_then(|t| t.get_mut(&size));
+            costs.unwrap().layer_fwd_s = seconds;
+            profile
+        };
+        assert!((forward(&with_forward(4, 2.5), 8) - 2.5).abs() < 1e-12);
+        assert!((forward(&with_forward(2, 0.1), 1) - 0.05).abs() < 1e-12);
+        let one = affine_profile(&[4]);
+        assert!((forward(&one, 2) - 2.5).abs() < 1e-12);
+        assert!(one.costs("other", 2).is_none());
+    }
+}
