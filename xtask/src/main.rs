@@ -5,6 +5,8 @@
 //! * `cargo xtask test` runs setup, then the whole test suite, clippy, rustfmt and the docs.
 //! * `cargo xtask demo` runs the tour: data, tokenizer, plan, training, plot, generation.
 //! * `cargo xtask bench [NAME]` runs the benchmarks (all of them without NAME).
+//! * `cargo xtask structure` checks the house rules the compiler cannot see (CI runs it in
+//!   `cargo xtask test`).
 //! * `cargo xtask gpu-bundle [--check-cpu]` packs what a GPU machine needs to run
 //!   `check.sh`, and checks it here with the GPU machine's view of the filesystem.
 
@@ -18,6 +20,7 @@ mod common;
 mod demo;
 mod gpu_bundle;
 mod setup;
+mod structure;
 mod test;
 
 use anyhow::Result;
@@ -44,6 +47,9 @@ enum Command {
     },
     /// Setup, then tests (nextest, doc tests), clippy with -D warnings and rustfmt --check.
     Test,
+    /// The house rules the compiler cannot see: no module import circle inside a crate, no
+    /// library function over 100 lines, no planner-crate file over 700 lines.
+    Structure,
     /// Regenerate the committed test fixtures with the reference oracles (megatron-core 0.8.0).
     Fixtures,
     /// Benchmarks against references measured in the same run; without NAME all of them,
@@ -77,6 +83,7 @@ fn main() -> Result<()> {
     match cli.command {
         Command::Setup { reference } => setup::run(&root, reference),
         Command::Test => test::run(&root),
+        Command::Structure => structure::run(&root),
         Command::Fixtures => fixtures(&root),
         Command::Bench { name } => bench::run(&root, name.as_deref()),
         Command::Demo => demo::run(&root),

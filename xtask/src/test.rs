@@ -12,6 +12,7 @@ pub fn run(root: &Path) -> Result<()> {
     // in `synerfuse-data`'s tests.
     setup::run(root, true)?;
     check_dependency_rules(root)?;
+    crate::structure::run(root)?;
     let nextest = Command::new("cargo")
         .args(["nextest", "--version"])
         .output()
