@@ -6,9 +6,10 @@
 //! missing from the vocabulary becomes id 0. Speed comes from a scanner instead of a
 //! regex, merges over interned symbol ids, and a per-thread cache of pre-tokens.
 
+use super::api::Tokenizer;
+use super::error::TokenizerError;
 use super::pretokenize::{for_each_llama3_pretoken, for_each_pretoken};
 use super::word_cache::{each_word, Ids, ThreadCaches};
-use super::{Tokenizer, TokenizerError};
 use std::collections::HashMap;
 use std::path::Path;
 

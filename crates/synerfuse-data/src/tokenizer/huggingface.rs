@@ -1,8 +1,9 @@
 //! Any Hugging Face `tokenizer.json`, and byte-level BPE training for users who have none.
 
-use super::gpt2::Pretokens;
+use super::api::Tokenizer;
+use super::error::TokenizerError;
+use super::gpt2::{Gpt2BpeTokenizer, Pretokens};
 use super::pretokenize::LLAMA3_PATTERN;
-use super::{Gpt2BpeTokenizer, Tokenizer, TokenizerError};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -1,6 +1,7 @@
 //! Megatron's `NullTokenizer`: the text already is token ids.
 
-use super::{Tokenizer, TokenizerError};
+use super::api::Tokenizer;
+use super::error::TokenizerError;
 
 /// Space-separated integers in, the same integers out; `eod` is `vocab_size` and the
 /// reported vocabulary is one larger, as in Megatron.

@@ -187,6 +187,13 @@ fn run_length(s: &str, run_class: Class) -> usize {
         .map_or(s.len(), |(at, _)| at)
 }
 
+/// GPT-2 pre-tokenization (exposed for differential tests against Megatron's regex).
+pub fn gpt2_pretokens(text: &str) -> Vec<&str> {
+    let mut pieces = Vec::new();
+    for_each_pretoken(text, |p| pieces.push(p));
+    pieces
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

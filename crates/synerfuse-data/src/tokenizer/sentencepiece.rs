@@ -12,10 +12,11 @@
 //! few lines of protobuf decoding); it remains as the fallback when the shim cannot be
 //! built.
 
+use super::api::Tokenizer;
+use super::error::TokenizerError;
 use super::sentencepiece_bpe::SentencePieceBpe;
 use super::sentencepiece_unigram::SentencePieceUnigram;
 use super::sentencepiece_vocab::{ModelSpec, BPE, NORMAL, UNIGRAM};
-use super::{Tokenizer, TokenizerError};
 use sentencepiece_sys as sys;
 use std::ffi::c_void;
 use std::path::Path;
