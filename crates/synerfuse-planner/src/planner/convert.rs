@@ -5,9 +5,9 @@ use super::{
     outcome::{Arrangement, Candidate, PooledCandidate},
     tensor::TpGroup,
 };
-use super::{place_experts, slowest_time, ExpertMember};
 use crate::cluster::Device;
 use crate::cost::CostModel;
+use crate::expert_placement::{place_experts, slowest_time, ExpertMember};
 use synerfuse_plan::{
     Coordinates, DeviceRequest, RankPlacement, ReplicaBatch, StageLayout, Topology, TopologyError,
     DEFAULT_ORDER, TP_PP_DP_ORDER,

@@ -9,11 +9,12 @@
 //! the same micro-batches.
 
 use super::{
+    context::Ctx,
     error::PlanningError,
     grid::arrange,
-    outcome::{Arrangement, PoolLayout, PooledCandidate},
+    outcome::{Arrangement, ExpertLayout, PoolLayout},
+    plan_context::expert_groups,
     pooled::{closed_form_step_s, fits_all, group_paces, per_member, pools, whole_groups},
-    pricing::Ctx,
     request::{micro_batch_sizes, Choice, PlanRequest, TrainOptions},
     samples::min_max_samples,
     simulate::simulate_pools,
@@ -21,18 +22,6 @@ use super::{
 };
 use crate::cost::{CostModel, Recompute};
 use std::collections::BTreeSet;
-
-/// The best layout an expert would try, as priced by the planner's model.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ExpertLayout {
-    /// Tensor-parallel size, the same in every node.
-    pub tensor_parallel_size: usize,
-    /// Whether each pool of alike devices has its own depth and batch (else every
-    /// replica has the same).
-    pub per_pool: bool,
-    /// The layout, simulated.
-    pub candidate: PooledCandidate,
-}
 
 /// The fastest expert layout (closed form to choose, then simulated), if any fits; with
 /// `only`, of that layout's recomputation, sizes and depths rule.
@@ -206,20 +195,4 @@ fn shallowest(
         }
     }
     Ok(None)
-}
-
-/// The units of each expert-parallel group of `layouts` (groups of `ep` consecutive
-/// replicas of a pool, stage by stage): none without expert parallelism.
-pub(super) fn expert_groups(layouts: &[PoolLayout], ep: usize) -> Vec<Vec<usize>> {
-    pool_groups(layouts, &vec![ep; layouts.len()])
-}
-
-/// Each pool's expert-parallel groups (consecutive replicas of `by_pool[k]`), one unit
-/// per member, stage by stage: the units that meet at every MoE layer.
-pub(super) fn pool_groups(pools: &[PoolLayout], by_pool: &[usize]) -> Vec<Vec<usize>> {
-    (pools.iter().zip(by_pool))
-        .filter(|(_, &ep)| ep > 1)
-        .flat_map(|(pool, &ep)| pool.devices.iter().flat_map(move |row| row.chunks(ep)))
-        .map(<[usize]>::to_vec)
-        .collect()
 }

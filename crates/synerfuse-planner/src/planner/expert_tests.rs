@@ -1,7 +1,10 @@
 //! Expert parallelism in the planner: searched where it fits or is faster, experts
 //! placed by each member's pace, memory and the measured tokens per expert.
 
+use super::context::Ctx;
+use super::plan_context::candidate_ctx;
 use super::*;
+use crate::cost::CostModel;
 use synerfuse_plan::{ExpertShape, ModelShape};
 
 /// Two MoE layers of 8 experts so wide that one layer's experts (32 GB of state) fill
@@ -140,13 +143,13 @@ fn measured_tokens_per_expert_move_experts_and_stretch_the_price() {
     assert!((imbalance - 16.0 / 15.0).abs() < 1e-12, "{imbalance}");
     let layer = |cost: &CostModel| {
         let variant = with_ep(cost);
-        let mut ctx = pricing::Ctx::new(&variant);
+        let mut ctx = Ctx::new(&variant);
         ctx.costs(0, 1).unwrap().layer_s
     };
     assert!(layer(&hot) > layer(&even));
     assert_eq!(layer(&skewed), layer(&even));
     // The exchange itself is priced: more than the layer without expert parallelism.
-    let mut plain = pricing::Ctx::new(&even);
+    let mut plain = Ctx::new(&even);
     assert!(layer(&even) > plain.costs(0, 1).unwrap().layer_s);
 }
 
@@ -265,7 +268,7 @@ fn a_group_of_unequal_micro_batches_computes_its_mean_tokens_on_each_member() {
         model,
         ..narrow
     };
-    let mut ctx = pricing::Ctx::new(&cost);
+    let mut ctx = Ctx::new(&cost);
     let (t, _) = pricing::stage_times(&mut ctx, &[vec![0, 1]], &[2], &[3, 1], &[1, 1]).unwrap();
     let mut own = |unit: usize, b: usize| {
         let costs = ctx.costs(unit, b).unwrap();
@@ -293,7 +296,7 @@ fn expert_gradients_reduce_over_the_replicas_holding_the_same_experts() {
             expert_parallel: ep,
             ..cost.clone()
         };
-        let ctx = pricing::Ctx::new(&variant);
+        let ctx = Ctx::new(&variant);
         let dense = variant.stage_params(2, true, true) - 2.0 * variant.expert_part_params();
         let experts = 2.0 * variant.expert_part_params();
         let pair = ctx.allreduce_seconds(vec![0, 2], experts * 4.0);
@@ -309,8 +312,8 @@ fn expert_gradients_reduce_over_the_replicas_holding_the_same_experts() {
     );
     // Without expert parallelism every expert reduces over all four.
     let (one, _, _) = reduce(1);
-    let whole = pricing::Ctx::new(&cost)
-        .allreduce_seconds(vec![0, 1, 2, 3], cost.stage_params(2, true, true) * 4.0);
+    let whole =
+        Ctx::new(&cost).allreduce_seconds(vec![0, 1, 2, 3], cost.stage_params(2, true, true) * 4.0);
     assert!((one - whole).abs() < 1e-12, "{one} vs {whole}");
 }
 
@@ -321,7 +324,7 @@ fn expert_gradients_reduce_over_the_replicas_holding_the_same_experts() {
 #[test]
 fn experts_held_in_parts_of_different_sizes_reduce_over_every_holder_of_each_part() {
     let cost = wide_experts(None);
-    let mut ctx = pricing::Ctx::new(&cost);
+    let mut ctx = Ctx::new(&cost);
     ctx.set_expert_parallel(vec![2, 2, 1, 1]);
     ctx.lockstep = vec![vec![0, 1]];
     let model = &cost.model;
@@ -437,7 +440,7 @@ fn stages_take_their_own_expert_parallel_sizes_where_faster() {
             ..best.clone()
         };
         let variant = uniform.options.cost(&cost);
-        let mut ctx = grid::candidate_ctx(&variant, &uniform);
+        let mut ctx = candidate_ctx(&variant, &uniform);
         let step = simulate::simulate_candidate(&mut ctx, &uniform).map(|p| p.step_time_s);
         // At EP 1 the first stage's experts may not fit: priced all the same.
         assert!(

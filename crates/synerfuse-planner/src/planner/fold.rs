@@ -7,16 +7,15 @@
 
 use super::{
     error::PlanningError,
-    expert::{best_expert, ExpertLayout},
+    expert::best_expert,
     grid::retime_front,
-    outcome::{Arrangement, PooledCandidate},
-    plan_pooled_options,
-    pooled::PoolShape,
+    outcome::{ExpertLayout, PooledCandidate},
     request::{micro_batch_sizes, PlanRequest},
-    search_grids, variants,
+    search::{plan_pooled_options, search_grids, variants},
+    shapes::{GridShape, PoolShape, PooledShape},
 };
 use crate::cluster::ClusterSpec;
-use crate::cost::{CostModel, Recompute};
+use crate::cost::CostModel;
 use std::collections::{HashMap, HashSet};
 
 /// Clusters of at most this many devices are searched whole.
@@ -135,13 +134,6 @@ fn gcd(a: usize, b: usize) -> usize {
     }
 }
 
-/// What a per-replica plan chose: its recomputation and each pool's shape.
-pub(super) struct PooledShape {
-    pub(super) recompute: Recompute,
-    pub(super) expert_parallel: usize,
-    pub(super) pools: Vec<PoolShape>,
-}
-
 /// The per-replica search and the expert's layouts of `fold`'s copy, each laid out on
 /// the whole cluster (searched whole where the copy has none, or its choice does not
 /// lay out on the whole: a fold prices sharded state over fewer holders, and the
@@ -177,15 +169,6 @@ pub(super) fn per_replica_plans(
     Ok((pooled, expert))
 }
 
-/// A grid the search on a folded cluster chose: laid out again on the whole.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(super) struct GridShape {
-    pub(super) recompute: Recompute,
-    pub(super) tensor_parallel_size: usize,
-    pub(super) stages: usize,
-    pub(super) arrangement: Arrangement,
-}
-
 /// The grids of the best plans on `fold`'s copy (re-timed by simulation, as the whole
 /// cluster's are) and of its best even layout; `None` (search every grid) where the
 /// copy has none.
@@ -212,7 +195,7 @@ pub(super) fn grid_shapes(fold: &Fold) -> Result<Option<HashSet<GridShape>>, Pla
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::planner::{plan_folding_above, PlanOutcome};
+    use crate::planner::{choose::plan_folding_above, PlanOutcome};
     use synerfuse_plan::ModelShape;
 
     /// `nodes` nodes of 8 of each of `kinds` (one group per node), a 1.1B model of

@@ -2,9 +2,12 @@
 //! laid out by alternating exact splits, the front runners re-timed by simulation.
 
 use super::{
+    context::{fastest_first, Ctx},
     error::{Infeasibility, PlanningError, Violation},
+    memory_fit::{grid_fit, stage_fits, Shares},
     outcome::{Arrangement, Candidate, CandidateOrigin},
-    pricing::{evaluate, fastest_first, grid_fit, stage_fits, stage_seconds, Ctx, Shares},
+    plan_context::candidate_ctx,
+    pricing::{evaluate, stage_seconds},
     request::{micro_batch_sizes, PlanRequest, TrainOptions},
     simulate::simulate_candidate,
     split::{even_layers, proportional_split, split_layers, split_samples},
@@ -416,14 +419,6 @@ pub(super) fn retime_front(
 /// Ranks of even layouts simulated beyond the best few: past it they keep their closed
 /// form ([`crate::planner::Prediction::simulated`] says which).
 const UNIFORM_RANKS_SIMULATED: usize = 16_384;
-
-/// A context pricing `c`'s units (devices, or its tensor-parallel groups) on `cost`.
-pub(super) fn candidate_ctx<'a>(cost: &'a CostModel, c: &Candidate) -> Ctx<'a> {
-    match c.groups.is_empty() {
-        true => Ctx::new(cost),
-        false => Ctx::with_groups(cost, cost.cluster.devices(), c.groups.clone()),
-    }
-}
 
 /// Whether each run of `size` consecutive values holds one value.
 fn groups_alike<T: PartialEq>(values: &[T], size: usize) -> bool {

@@ -149,7 +149,7 @@ pub struct PlanOutcome {
     /// The best layout an expert would write by hand (one tensor-parallel size in
     /// every node, as few stages as memory allows, even layers), priced alike: when it
     /// beats the plans found, it is `pooled`, the plan written.
-    pub expert: Option<super::ExpertLayout>,
+    pub expert: Option<ExpertLayout>,
     /// Candidates considered.
     pub considered: usize,
     /// What a perfect heterogeneous job would reach on this cluster.
@@ -160,6 +160,18 @@ pub struct PlanOutcome {
     /// Copies of one smaller cluster the search ran on (1: the whole cluster); the
     /// layouts it chose are laid out and priced on the whole (see [`crate::planner::FOLD_ABOVE`]).
     pub folded: usize,
+}
+
+/// The best layout an expert would try, as priced by the planner's model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertLayout {
+    /// Tensor-parallel size, the same in every node.
+    pub tensor_parallel_size: usize,
+    /// Whether each pool of alike devices has its own depth and batch (else every
+    /// replica has the same).
+    pub per_pool: bool,
+    /// The layout, simulated.
+    pub candidate: PooledCandidate,
 }
 
 /// The throughput a perfect heterogeneous job would reach: every device training the

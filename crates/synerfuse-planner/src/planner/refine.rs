@@ -7,10 +7,12 @@
 //! finishes, latest first, fall.
 
 use super::{
+    context::Ctx,
     error::PlanningError,
     outcome::{Candidate, PoolLayout, PooledCandidate},
+    plan_context::candidate_ctx,
     pooled::most_micro_batches,
-    pricing::{micro_batch_seconds, Ctx},
+    pricing::micro_batch_seconds,
     simulate::simulate_pools,
 };
 use std::cmp::Ordering;
@@ -252,7 +254,7 @@ pub(super) fn refine_grid(
     global_batch: usize,
 ) -> Result<Option<PooledCandidate>, PlanningError> {
     let variant = c.options.cost(cost);
-    let mut ctx = super::grid::candidate_ctx(&variant, c);
+    let mut ctx = candidate_ctx(&variant, c);
     // Consecutive replicas of one micro-batch size make one pool (a grid of one size is
     // one pool, priced as the grid is).
     let mut pools: Vec<PoolLayout> = Vec::new();

@@ -1,13 +1,14 @@
 //! Candidates re-timed by simulating their real schedules, rank by rank.
 
 use super::{
+    context::Ctx,
     error::PlanningError,
+    memory_fit::stage_fits,
     outcome::{Candidate, PoolLayout, PooledCandidate, Prediction},
-    pricing::{
-        allreduce_times, max, micro_batch_seconds, optimizer_s, optimizer_times, pooled_segments,
-        reduce_s, reduce_starts, stage_fits, stage_times, Ctx,
-    },
+    plan_context::{candidate_ctx, pool_sizes, stage_sizes},
+    pricing::{allreduce_times, max, micro_batch_seconds, optimizer_times, stage_times},
     request::TrainOptions,
+    segments::{optimizer_s, pooled_segments, reduce_s, reduce_starts},
 };
 use crate::cost::CostModel;
 use crate::sim;
@@ -94,10 +95,10 @@ pub(super) fn simulate_step(
 /// The simulated step of `candidate` on `cost`'s cluster, rank by rank.
 pub fn timeline(cost: &CostModel, candidate: &Candidate) -> Result<Timeline, PlanningError> {
     let variant = candidate.options.cost(cost);
-    let mut ctx = super::grid::candidate_ctx(&variant, candidate);
+    let mut ctx = candidate_ctx(&variant, candidate);
     if !candidate.stage_expert_parallel.is_empty() {
         let sizes = candidate.expert_parallel_sizes();
-        super::stage_experts::stage_sizes(&mut ctx, &candidate.devices, &sizes);
+        stage_sizes(&mut ctx, &candidate.devices, &sizes);
     }
     let (prediction, ranks) = simulate_step(&mut ctx, candidate, true)?;
     let layers: Vec<String> = candidate.layers.iter().map(usize::to_string).collect();
@@ -484,7 +485,7 @@ pub fn pooled_timeline(
     let sizes: Vec<usize> = (0..candidate.pools.len())
         .map(|k| candidate.expert_parallel_of(k))
         .collect();
-    super::stage_experts::pool_sizes(&mut ctx, &candidate.pools, &sizes);
+    pool_sizes(&mut ctx, &candidate.pools, &sizes);
     let (simulated, ranks) = simulate_pools(&mut ctx, candidate.pools.clone(), true)?;
     Ok(synerfuse_plan::timeline::Timeline {
         title: format!(

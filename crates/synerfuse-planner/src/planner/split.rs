@@ -3,8 +3,10 @@
 //! totals when sizes differ).
 
 use super::{
+    context::Ctx,
     error::PlanningError,
-    pricing::{pipeline_time, stage_seconds, stage_times, Ctx, Shares},
+    memory_fit::Shares,
+    pricing::{pipeline_time, stage_seconds, stage_times},
     samples::{min_max_samples, ReplicaPace},
 };
 use crate::cost::{Recompute, StageCosts, StageHolding};

@@ -5,11 +5,12 @@
 //! it divides them. Searched from the best plan of one size, a stage or pool at a time.
 
 use super::{
+    context::Ctx,
     error::PlanningError,
-    grid::{candidate_ctx, Arranged, Search},
-    outcome::{Arrangement, Candidate, PoolLayout, PooledCandidate},
+    grid::{Arranged, Search},
+    outcome::{Arrangement, Candidate, PooledCandidate},
+    plan_context::{candidate_ctx, pool_sizes, stage_sizes},
     pooled::{balance, polish, PoolOption},
-    pricing::Ctx,
     request::{PlanRequest, TrainOptions},
     simulate::{simulate_candidate, simulate_pools},
 };
@@ -203,27 +204,4 @@ fn priced_pools(
         false => by_pool.to_vec(),
     };
     Ok(Some(c))
-}
-
-/// Gives each unit of stage `i` of `grid` the size `by_stage[i]`.
-pub(super) fn stage_sizes(ctx: &mut Ctx<'_>, grid: &[Vec<usize>], by_stage: &[usize]) {
-    let mut per_unit = vec![1; ctx.devices.len()];
-    for (row, &ep) in grid.iter().zip(by_stage) {
-        for &unit in row {
-            per_unit[unit] = ep;
-        }
-    }
-    ctx.set_expert_parallel(per_unit);
-}
-
-/// Gives each unit of pool `k` the size `by_pool[k]`, and each pool's groups lockstep.
-pub(super) fn pool_sizes(ctx: &mut Ctx<'_>, pools: &[PoolLayout], by_pool: &[usize]) {
-    let mut per_unit = vec![1; ctx.devices.len()];
-    for (pool, &ep) in pools.iter().zip(by_pool) {
-        for &unit in pool.devices.iter().flatten() {
-            per_unit[unit] = ep;
-        }
-    }
-    ctx.set_expert_parallel(per_unit);
-    ctx.lockstep = super::expert::pool_groups(pools, by_pool);
 }

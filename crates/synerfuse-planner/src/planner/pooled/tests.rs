@@ -1,7 +1,14 @@
-use super::super::simulate::pooled_timeline;
+use super::search::combinations;
 use super::*;
 use crate::cluster::ClusterSpec;
-use crate::cost::StageHolding;
+use crate::cost::{CostModel, StageHolding};
+use crate::planner::choose::throughput_bound;
+use crate::planner::context::Ctx;
+use crate::planner::grid::arrange;
+use crate::planner::outcome::Grid;
+use crate::planner::segments::{pooled_segments, reduce_s};
+use crate::planner::simulate::{pooled_timeline, simulate_pools};
+use crate::planner::{Arrangement, PoolLayout, PooledCandidate};
 use proptest::prelude::*;
 use synerfuse_plan::ModelShape;
 use synerfuse_plan::ScheduleKind;
@@ -325,7 +332,7 @@ proptest! {
         let drawn = pooled_timeline(&cost, &pooled).unwrap();
         prop_assert!((drawn.step_s() - pooled.step_time_s).abs() < 1e-9 * pooled.step_time_s);
         let request = request(g, &[1, 2], 1, false);
-        let bound = super::super::throughput_bound(&mut Ctx::new(&cost), &request).unwrap();
+        let bound = throughput_bound(&mut Ctx::new(&cost), &request).unwrap();
         let fraction = bound.fraction((g * 2048) as f64, pooled.step_time_s);
         prop_assert!(fraction > 0.0 && fraction <= 1.0 + 1e-9, "{}", fraction);
     }

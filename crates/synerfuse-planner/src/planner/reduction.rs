@@ -1,0 +1,85 @@
+//! The fp32 gradient all-reduce over the units that hold the same parameters: whole
+//! tensors, or share by share where the units are split alike; under expert parallelism
+//! each part of the experts over the units holding it (Megatron's expert-data-parallel
+//! groups).
+
+use super::context::Ctx;
+
+/// Whether any of `units` holds a part of the experts only: then the experts reduce
+/// apart from the rest ([`expert_allreduce_s`]), else with it.
+pub(super) fn experts_apart(ctx: &Ctx<'_>, units: &[usize]) -> bool {
+    ctx.cost.model.experts.is_some() && units.iter().any(|&u| ctx.expert_parallel(u) > 1)
+}
+
+/// The fp32 gradient all-reduce of the experts of `layers` mean layers, each of `units`
+/// (one per replica) holding its part, s: each part of the experts over the units
+/// holding it (a unit's place in its group of `e` holds the `e`-th part there), parts
+/// held by the same units together, the units' reductions one after another and the
+/// slowest unit's time. 0 where the experts reduce with the rest ([`experts_apart`]).
+pub(super) fn expert_allreduce_s(ctx: &Ctx<'_>, units: &[usize], layers: f64) -> f64 {
+    if layers <= 0.0 || !experts_apart(ctx, units) {
+        return 0.0;
+    }
+    let places: Vec<(usize, usize)> = (units.iter().enumerate())
+        .map(|(k, &unit)| ctx.expert_place(k, unit))
+        .collect();
+    // The experts cut in `slices` equal slices; slice j held by the units whose part
+    // covers it.
+    let slices = places.iter().fold(1, |l, &(_, e)| lcm(l, e));
+    let holders = |j: usize| -> Vec<usize> {
+        (0..units.len())
+            .filter(|&k| j * places[k].1 / slices == places[k].0)
+            .collect()
+    };
+    let whole = layers * ctx.cost.model.expert_layer_params();
+    let mut seconds = vec![0.0f64; units.len()];
+    let mut j = 0;
+    while j < slices {
+        let these = holders(j);
+        let mut end = j + 1;
+        while end < slices && holders(end) == these {
+            end += 1;
+        }
+        let members: Vec<usize> = these.iter().map(|&k| units[k]).collect();
+        let params = whole * (end - j) as f64 / slices as f64;
+        let t = holders_allreduce_s(ctx, &members, params);
+        for &k in &these {
+            seconds[k] += t;
+        }
+        j = end;
+    }
+    seconds.into_iter().fold(0.0, f64::max)
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    let (mut x, mut y) = (a, b);
+    while y != 0 {
+        (x, y) = (y, x % y);
+    }
+    a / x.max(1) * b
+}
+
+/// The fp32 gradient all-reduce of `params` parameters over the units that hold them:
+/// units split alike reduce share by share, side by side (priced over each unit's first
+/// member); otherwise the trainer reduces whole tensors over every member of every unit.
+pub(super) fn holders_allreduce_s(ctx: &Ctx<'_>, units: &[usize], params: f64) -> f64 {
+    let alike = (units.iter()).all(|&u| ctx.groups[u].shares == ctx.groups[units[0]].shares);
+    match alike {
+        true => {
+            let share = (units.iter())
+                .map(|&u| ctx.state_fraction(u))
+                .fold(0.0, f64::max);
+            let devices = units
+                .iter()
+                .flat_map(|&u| ctx.reducing_members(u))
+                .collect();
+            ctx.allreduce_seconds(devices, params * 4.0 * share)
+        }
+        false => {
+            let members = (units.iter())
+                .flat_map(|&u| ctx.groups[u].members.iter().copied())
+                .collect();
+            ctx.allreduce_seconds(members, params * 4.0)
+        }
+    }
+}
