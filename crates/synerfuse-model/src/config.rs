@@ -193,101 +193,46 @@ impl LlamaConfig {
 
     /// Parses the text of a Hugging Face `config.json`; `source_name` names it in errors.
     pub fn from_hf_json(text: &str, source_name: &str) -> Result<Self, ConfigError> {
-        let field_error = |field: &str, problem: String| ConfigError::Field {
-            source_name: source_name.to_owned(),
-            field: field.to_owned(),
-            problem,
-        };
-        let v: Value =
-            serde_json::from_str(text).map_err(|e| field_error("(json)", e.to_string()))?;
-        let int = |key: &str| -> Result<usize, ConfigError> {
-            v.get(key)
-                .and_then(Value::as_u64)
-                .map(|x| x as usize)
-                .ok_or_else(|| field_error(key, "missing or not a non-negative integer".into()))
-        };
-        let opt_int = |key: &str| v.get(key).and_then(Value::as_u64).map(|x| x as usize);
-        let float = |key: &str, default: f64| v.get(key).and_then(Value::as_f64).unwrap_or(default);
-        let flag =
-            |key: &str, default: bool| v.get(key).and_then(Value::as_bool).unwrap_or(default);
-        let kind = v
-            .get("model_type")
-            .and_then(Value::as_str)
-            .unwrap_or("llama");
-        if !matches!(kind, "llama" | "mixtral") {
-            return Err(field_error(
-                "model_type",
-                format!("{kind:?} is not a LLaMA model (llama or mixtral)"),
-            ));
-        }
-        if kind == "mixtral" && v.get("sliding_window").is_some_and(|w| !w.is_null()) {
-            return Err(field_error(
-                "sliding_window",
-                "sliding-window attention is not supported (null: full causal attention)".into(),
-            ));
-        }
+        let v: Value = serde_json::from_str(text)
+            .map_err(|e| field_error(source_name, "(json)", e.to_string()))?;
+        let json = HfJson { v: &v, source_name };
+        let kind = json.model_type()?;
         // synerfuse's own keys come from a checkpoint's state.json; read from any
         // config.json, they still describe the model (an export never writes them).
         let moe = match kind {
             "mixtral" => Some(MoeConfig {
-                aux_loss_coeff: float("router_aux_loss_coef", 0.0),
-                layer_freq: opt_int(LAYER_FREQ_KEY).unwrap_or(1),
-                router_pre_softmax: flag(PRE_SOFTMAX_KEY, false),
+                aux_loss_coeff: json.float("router_aux_loss_coef", 0.0),
+                layer_freq: json.opt_int(LAYER_FREQ_KEY).unwrap_or(1),
+                router_pre_softmax: json.flag(PRE_SOFTMAX_KEY, false),
                 ..MoeConfig::every_layer(
-                    int("num_local_experts")?,
-                    int("num_experts_per_tok")?,
-                    int("intermediate_size")?,
+                    json.int("num_local_experts")?,
+                    json.int("num_experts_per_tok")?,
+                    json.int("intermediate_size")?,
                 )
             }),
             _ => None,
         };
-        if let Some(act) = v.get("hidden_act").and_then(Value::as_str) {
-            if act != "silu" {
-                return Err(field_error(
-                    "hidden_act",
-                    format!("{act:?}; only silu (SwiGLU) is supported"),
-                ));
-            }
-        }
-        // transformers 5 keeps rotary settings in `rope_parameters`, 4.x in `rope_theta`
-        // and `rope_scaling`.
-        let rope = v
-            .get("rope_parameters")
-            .or_else(|| v.get("rope_scaling"))
-            .filter(|r| !r.is_null());
-        let rope_type = rope
-            .and_then(|r| r.get("rope_type").or_else(|| r.get("type")))
-            .and_then(Value::as_str)
-            .unwrap_or("default");
-        if rope_type != "default" {
-            return Err(field_error(
-                "rope_parameters",
-                format!("rope_type {rope_type:?} is not supported (only default)"),
-            ));
-        }
-        let rope_theta = rope
-            .and_then(|r| r.get("rope_theta"))
-            .and_then(Value::as_f64)
-            .unwrap_or_else(|| float("rope_theta", 10000.0));
-        let hidden_size = int("hidden_size")?;
-        let num_heads = int("num_attention_heads")?;
+        json.check_activation()?;
+        let rope_theta = json.rope_theta()?;
+        let hidden_size = json.int("hidden_size")?;
+        let num_heads = json.int("num_attention_heads")?;
         let config = LlamaConfig {
-            vocab_size: int("vocab_size")?,
+            vocab_size: json.int("vocab_size")?,
             hidden_size,
-            intermediate_size: opt_int(DENSE_FFN_KEY)
-                .map_or_else(|| int("intermediate_size"), Ok)?,
-            num_layers: int("num_hidden_layers")?,
+            intermediate_size: (json.opt_int(DENSE_FFN_KEY))
+                .map_or_else(|| json.int("intermediate_size"), Ok)?,
+            num_layers: json.int("num_hidden_layers")?,
             num_heads,
-            num_kv_heads: opt_int("num_key_value_heads").unwrap_or(num_heads),
-            head_dim: opt_int("head_dim")
+            num_kv_heads: json.opt_int("num_key_value_heads").unwrap_or(num_heads),
+            head_dim: (json.opt_int("head_dim"))
                 .unwrap_or(hidden_size.checked_div(num_heads).unwrap_or(0)),
-            max_position_embeddings: opt_int("max_position_embeddings").unwrap_or(2048),
+            max_position_embeddings: json.opt_int("max_position_embeddings").unwrap_or(2048),
             rope_theta,
-            rms_norm_eps: float("rms_norm_eps", 1e-6),
-            tie_word_embeddings: flag("tie_word_embeddings", false),
-            attention_bias: flag("attention_bias", false),
-            mlp_bias: flag("mlp_bias", false),
-            init_std: float("initializer_range", 0.02),
+            rms_norm_eps: json.float("rms_norm_eps", 1e-6),
+            tie_word_embeddings: json.flag("tie_word_embeddings", false),
+            attention_bias: json.flag("attention_bias", false),
+            mlp_bias: json.flag("mlp_bias", false),
+            init_std: json.float("initializer_range", 0.02),
             moe,
         };
         config.validate(source_name)?;
@@ -534,6 +479,104 @@ impl LlamaConfig {
             + self.num_layers * layer
             + mlps
             + h
+    }
+}
+
+/// A [`ConfigError::Field`] of `source_name`.
+fn field_error(source_name: &str, field: &str, problem: String) -> ConfigError {
+    ConfigError::Field {
+        source_name: source_name.to_owned(),
+        field: field.to_owned(),
+        problem,
+    }
+}
+
+/// A parsed Hugging Face `config.json` and the name its errors give it: typed reads of
+/// its fields, and the checks of what synerfuse supports.
+struct HfJson<'a> {
+    v: &'a Value,
+    source_name: &'a str,
+}
+
+impl<'a> HfJson<'a> {
+    fn error(&self, field: &str, problem: String) -> ConfigError {
+        field_error(self.source_name, field, problem)
+    }
+
+    /// A required non-negative integer.
+    fn int(&self, key: &str) -> Result<usize, ConfigError> {
+        self.opt_int(key)
+            .ok_or_else(|| self.error(key, "missing or not a non-negative integer".into()))
+    }
+
+    fn opt_int(&self, key: &str) -> Option<usize> {
+        self.v.get(key).and_then(Value::as_u64).map(|x| x as usize)
+    }
+
+    fn float(&self, key: &str, default: f64) -> f64 {
+        self.v.get(key).and_then(Value::as_f64).unwrap_or(default)
+    }
+
+    fn flag(&self, key: &str, default: bool) -> bool {
+        self.v.get(key).and_then(Value::as_bool).unwrap_or(default)
+    }
+
+    /// `llama` (the default) or `mixtral` without sliding-window attention.
+    fn model_type(&self) -> Result<&'a str, ConfigError> {
+        let v = self.v;
+        let kind = v
+            .get("model_type")
+            .and_then(Value::as_str)
+            .unwrap_or("llama");
+        if !matches!(kind, "llama" | "mixtral") {
+            return Err(self.error(
+                "model_type",
+                format!("{kind:?} is not a LLaMA model (llama or mixtral)"),
+            ));
+        }
+        if kind == "mixtral" && v.get("sliding_window").is_some_and(|w| !w.is_null()) {
+            return Err(self.error(
+                "sliding_window",
+                "sliding-window attention is not supported (null: full causal attention)".into(),
+            ));
+        }
+        Ok(kind)
+    }
+
+    /// Refuses an MLP activation other than SiLU (SwiGLU), the only one implemented.
+    fn check_activation(&self) -> Result<(), ConfigError> {
+        if let Some(act) = self.v.get("hidden_act").and_then(Value::as_str) {
+            if act != "silu" {
+                return Err(self.error(
+                    "hidden_act",
+                    format!("{act:?}; only silu (SwiGLU) is supported"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The rotary base θ, refusing any RoPE scaling.
+    fn rope_theta(&self) -> Result<f64, ConfigError> {
+        // transformers 5 keeps rotary settings in `rope_parameters`, 4.x in `rope_theta`
+        // and `rope_scaling`.
+        let rope = (self.v.get("rope_parameters"))
+            .or_else(|| self.v.get("rope_scaling"))
+            .filter(|r| !r.is_null());
+        let rope_type = rope
+            .and_then(|r| r.get("rope_type").or_else(|| r.get("type")))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        if rope_type != "default" {
+            return Err(self.error(
+                "rope_parameters",
+                format!("rope_type {rope_type:?} is not supported (only default)"),
+            ));
+        }
+        Ok(rope
+            .and_then(|r| r.get("rope_theta"))
+            .and_then(Value::as_f64)
+            .unwrap_or_else(|| self.float("rope_theta", 10000.0)))
     }
 }
 

@@ -10,8 +10,8 @@
 //! came from, and each member runs the backward of its own keys and values. RoPE uses
 //! each token's true position, so the result is the single-rank attention exactly.
 
-use crate::tp::TpCollectives;
-use crate::StageError;
+use crate::collectives::{collective, CollectiveError, TpCollectives};
+use crate::error::StageError;
 use tch::{Kind, Tensor};
 
 /// A stage's context-parallel group: its collectives, and every member's token indices
@@ -36,19 +36,19 @@ impl TpCollectives for Solo {
         1
     }
 
-    fn all_reduce_sum(&self, tensor: &Tensor) -> Result<Tensor, crate::tp::CollectiveError> {
+    fn all_reduce_sum(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
         Ok(tensor.shallow_clone())
     }
 
-    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor, crate::tp::CollectiveError> {
+    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
         Ok(tensor.unsqueeze(0))
     }
 
-    fn reduce_scatter_sum(&self, tensor: &Tensor) -> Result<Tensor, crate::tp::CollectiveError> {
+    fn reduce_scatter_sum(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError> {
         Ok(tensor.shallow_clone())
     }
 
-    fn all_to_all(&self, parts: &[Tensor]) -> Result<Vec<Tensor>, crate::tp::CollectiveError> {
+    fn all_to_all(&self, parts: &[Tensor]) -> Result<Vec<Tensor>, CollectiveError> {
         Ok(parts.iter().map(Tensor::shallow_clone).collect())
     }
 }
@@ -59,13 +59,6 @@ pub(crate) struct KvExchange {
     pub(crate) local: [Tensor; 2],
     /// The whole sequence's, leaves whose gradients the attention's backward fills.
     pub(crate) whole: [Tensor; 2],
-}
-
-fn collective<T>(
-    op: &'static str,
-    result: Result<T, crate::tp::CollectiveError>,
-) -> Result<T, StageError> {
-    result.map_err(|source| StageError::Collective { op, source })
 }
 
 impl ContextGroup<'_> {

@@ -1,6 +1,8 @@
 //! Text generation with a key/value cache: greedy, or top-k sampling with a temperature.
 
-use crate::{KvCache, Stage, StageError};
+use crate::decoder::KvCache;
+use crate::error::StageError;
+use crate::llama::Stage;
 use tch::{Kind, Tensor};
 
 /// How to pick each next token.

@@ -2,7 +2,9 @@
 //! `model.safetensors.index.json`), with transformers' tensor names. Each stage reads only
 //! its own tensors from the memory-mapped files; saving writes the same layout.
 
-use crate::{ConfigError, LlamaConfig, Stage, StageError};
+use crate::config::{ConfigError, LlamaConfig};
+use crate::error::StageError;
+use crate::llama::Stage;
 use safetensors::tensor::Dtype;
 use safetensors::SafeTensors;
 use std::collections::{BTreeMap, HashMap};

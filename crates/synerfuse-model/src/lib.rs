@@ -1,13 +1,20 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
+// Layered bottom to top, each module using only those listed before it (no import
+// circle): config, error, norm, mlp, collectives, cp, moe, decoder, pass, llama (the
+// stage), then tp, hf and generate on the stage; cuda, then device, apart.
+mod collectives;
 mod config;
 pub mod cp;
 pub mod cuda;
+mod decoder;
 mod device;
+mod error;
 mod generate;
 pub mod hf;
 mod llama;
+mod mlp;
 mod moe;
 mod norm;
 mod pass;
@@ -16,9 +23,11 @@ pub mod tp;
 pub use config::{
     padded_vocab_size, ConfigError, LlamaConfig, LoadBalancing, MegatronModelArgs, MoeConfig,
 };
+pub use decoder::KvCache;
 pub use device::{set_deterministic, DeviceRequest, ModelError, ResolveDevice};
+pub use error::StageError;
 pub use generate::{generate, GenerateOptions};
-pub use llama::{BackwardFrom, KvCache, Stage, StageError};
+pub use llama::{BackwardFrom, Stage};
 pub use moe::{load_balancing_loss, ExpertGroup, LayerBalance};
 pub use pass::ForwardPass;
 pub use tch;

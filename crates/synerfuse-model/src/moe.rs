@@ -10,11 +10,11 @@
 //! Megatron's 1 / micro-batches, and under `seq_aux_loss` any split of the batch over
 //! replicas and micro-batches gives the same gradient.
 
+use crate::collectives::{collective, TpCollectives};
 use crate::config::{LoadBalancing, MoeConfig};
 use crate::cp::ContextGroup;
-use crate::llama::SwiGlu;
-use crate::tp::TpCollectives;
-use crate::StageError;
+use crate::error::StageError;
+use crate::mlp::SwiGlu;
 use tch::{Kind, Tensor};
 
 /// How one MoE layer routed a forward's tokens.
@@ -182,8 +182,7 @@ impl ExpertGroup<'_> {
     }
 
     fn all_to_all(&self, parts: &[Tensor], what: &'static str) -> Result<Vec<Tensor>, StageError> {
-        (self.collectives.all_to_all(parts))
-            .map_err(|source| StageError::Collective { op: what, source })
+        collective(what, self.collectives.all_to_all(parts))
     }
 }
 
@@ -411,12 +410,10 @@ impl Routing {
     ) -> Result<Tensor, StageError> {
         let experts = self.probs.size()[1];
         let picks = match context {
-            Some(cp) => (cp.collectives.all_reduce_sum(&picks)).map_err(|source| {
-                StageError::Collective {
-                    op: "all-reduce (tokens per expert)",
-                    source,
-                }
-            })?,
+            Some(cp) => collective(
+                "all-reduce (tokens per expert)",
+                cp.collectives.all_reduce_sum(&picks),
+            )?,
             None => picks,
         };
         let probs = self

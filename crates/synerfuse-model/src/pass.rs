@@ -1,9 +1,10 @@
 //! What a stage's forward keeps for its backward, whole or tensor-parallel: the types
-//! the whole stage (`llama`) and the sharded one (`tp`) share, so that neither imports
-//! the other's.
+//! the whole stage (`llama`) and the sharded one (`tp`) share, below both, so that the
+//! whole stage never imports the sharded one.
 
-use crate::moe::LayerBalance;
-use crate::LlamaConfig;
+use crate::config::LlamaConfig;
+use crate::cp::KvExchange;
+use crate::moe::{ExpertExchange, LayerBalance};
 use tch::Tensor;
 
 /// The inputs a stage's forward was run on, for a backward that recomputes it.
@@ -87,18 +88,22 @@ pub(crate) enum Region {
     /// A norm on this rank's sequence rows (sequence parallelism): its leaf input and
     /// output, which the next region all-gathers.
     Norm { input: Tensor, normed: Tensor },
-    /// An attention or MLP block: its replicated leaf input (the residual stream, or
-    /// under sequence parallelism the gathered normed rows) and its partial output; under
-    /// context parallelism an attention block's exchanged keys and values.
-    Block {
-        input: Tensor,
-        partial: Tensor,
-        kv: Option<crate::cp::KvExchange>,
-        /// An MoE block's load-balancing loss over the micro-batch (graph to the router).
-        balance: Option<Tensor>,
-        /// An MoE block's token exchange with its expert-parallel group.
-        exchange: Option<crate::moe::ExpertExchange>,
-    },
+    /// An attention or MLP block.
+    Block(Block),
     /// The final norm (unless sequence-parallel) and this rank's slice of the output layer.
     Head { input: Tensor, logits: Tensor },
+}
+
+/// An attention or MLP block of a tensor-parallel forward: its replicated leaf input (the
+/// residual stream, or under sequence parallelism the gathered normed rows) and its
+/// partial output; under context parallelism an attention block's exchanged keys and
+/// values.
+pub(crate) struct Block {
+    pub(crate) input: Tensor,
+    pub(crate) partial: Tensor,
+    pub(crate) kv: Option<KvExchange>,
+    /// An MoE block's load-balancing loss over the micro-batch (graph to the router).
+    pub(crate) balance: Option<Tensor>,
+    /// An MoE block's token exchange with its expert-parallel group.
+    pub(crate) exchange: Option<ExpertExchange>,
 }

@@ -11,78 +11,20 @@
 //! input (Megatron's `f`). The full logits are never gathered: the loss is computed from
 //! each rank's vocabulary slice with three small collectives per micro-batch.
 
+use crate::collectives::collective;
 use crate::cp::ContextGroup;
+use crate::decoder::DecoderLayer;
+use crate::error::StageError;
+use crate::llama::Stage;
 use crate::moe::{ExpertGroup, LayerBalance};
 use crate::norm::rms_norm;
-use crate::pass::{ForwardPass, Region, SavedInputs};
-use crate::{Stage, StageError};
+use crate::pass::{Block, ForwardPass, Region, SavedInputs};
 use tch::{Kind, Tensor};
 
-/// A collective's failure, as the communicator reports it.
-pub type CollectiveError = Box<dyn std::error::Error + Send + Sync>;
-
-/// The collectives a tensor-parallel stage needs, over its tensor-parallel group
-/// (implemented over MPI/NCCL by synerfuse-train, and over threads in tests). Members are
-/// numbered in the collectives' order, which sequence parallelism follows (the group's
-/// member order need not be its tensor-parallel order).
-pub trait TpCollectives {
-    /// This member's index in the collectives' order.
-    fn rank(&self) -> usize;
-    /// Members.
-    fn size(&self) -> usize;
-    /// The element-wise sum over the group, as a new tensor.
-    fn all_reduce_sum(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError>;
-    /// Every member's tensor stacked along a new first dimension, in member order.
-    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError>;
-    /// The element-wise sum over the group, cut into `size` equal parts along the first
-    /// dimension: this member's part.
-    fn reduce_scatter_sum(&self, tensor: &Tensor) -> Result<Tensor, CollectiveError>;
-    /// `parts[m]` to member `m` (any number of rows along the first dimension, the rest
-    /// of the shape and the dtype alike on every member): what each member sent this one,
-    /// in member order (expert parallelism's token exchange).
-    fn all_to_all(&self, parts: &[Tensor]) -> Result<Vec<Tensor>, CollectiveError>;
-}
-
-/// [`TpCollectives::all_to_all`] built from the group's all-gather (every part padded to
-/// the longest and gathered whole): size times the traffic of a real all-to-all, for
-/// groups without one (tests over threads).
-pub fn all_to_all_by_gather(
-    group: &dyn TpCollectives,
-    parts: &[Tensor],
-) -> Result<Vec<Tensor>, CollectiveError> {
-    let rows: Vec<i64> = parts.iter().map(|p| p.size()[0]).collect();
-    let counts = group.all_gather(&Tensor::from_slice(&rows))?;
-    let counts: Vec<Vec<i64>> = (0..group.size())
-        .map(|src| Vec::try_from(counts.get(src as i64)).unwrap_or_default())
-        .collect();
-    let longest = counts.iter().flatten().copied().max().unwrap_or(0);
-    let padded: Vec<Tensor> = (parts.iter())
-        .map(|p| {
-            let mut shape = p.size();
-            shape[0] = longest - shape[0];
-            Tensor::cat(
-                &[
-                    p.shallow_clone(),
-                    p.new_zeros(shape.as_slice(), (p.kind(), p.device())),
-                ],
-                0,
-            )
-        })
-        .collect();
-    let all = group.all_gather(&Tensor::stack(&padded, 0))?;
-    let me = group.rank();
-    Ok((0..group.size())
-        .map(|src| {
-            all.get(src as i64)
-                .get(me as i64)
-                .narrow(0, 0, counts[src][me])
-        })
-        .collect())
-}
-
-fn collective<T>(op: &'static str, result: Result<T, CollectiveError>) -> Result<T, StageError> {
-    result.map_err(|source| StageError::Collective { op, source })
-}
+// The collectives keep their `tp::` paths, which the runtime's crates name.
+pub use crate::collectives::{
+    all_to_all_by_gather, reduce_flat_in_place, CollectiveError, TpCollectives,
+};
 
 /// How a region's partial outputs are combined and its input gradients restored: whole
 /// sequences (all-reduce), or sequence rows (sequence parallelism: reduce-scatter
@@ -136,6 +78,80 @@ impl Sequence<'_> {
         let mut shape = rows.size();
         shape[1] *= self.tp.size() as i64;
         Ok(gathered.transpose(0, 1).reshape(shape.as_slice()))
+    }
+
+    /// `x` plus the sum over the group of a block's `partial` output: how a block's
+    /// output joins the residual stream (this member's rows under sequence parallelism).
+    fn add_combined(&self, x: &Tensor, partial: &Tensor) -> Result<Tensor, StageError> {
+        Ok(x + self.combine(&partial.detach())?)
+    }
+}
+
+/// A context-parallel member's part of a forward: its group, its tokens' indices in the
+/// sequence `[s]`, and their positions for RoPE `[b, s]` (by default the indices).
+struct Context<'r> {
+    group: &'r ContextGroup<'r>,
+    indices: Tensor,
+    positions: Tensor,
+}
+
+impl<'r> Context<'r> {
+    /// This member's context in `group` for `input` `[b, s, ...]` at `position_ids`.
+    fn of(group: &'r ContextGroup<'r>, input: &Tensor, position_ids: Option<&Tensor>) -> Self {
+        let indices = group.local_positions(input.device());
+        let b = input.size()[0];
+        let positions = position_ids.map_or_else(
+            || indices.unsqueeze(0).expand([b, indices.size()[0]], false),
+            Tensor::shallow_clone,
+        );
+        Context {
+            group,
+            indices,
+            positions,
+        }
+    }
+}
+
+/// What every region of a tensor-parallel forward runs with.
+struct RegionRun<'r> {
+    seq: Sequence<'r>,
+    context: Option<Context<'r>>,
+    /// The rotary tables (`cos`, `sin`).
+    rope: (Tensor, Tensor),
+    attention_mask: Option<&'r Tensor>,
+    ep: Option<&'r ExpertGroup<'r>>,
+    /// Sequences in the micro-batch.
+    sequences: i64,
+}
+
+/// What every region of a tensor-parallel backward runs with.
+struct BackwardRun<'r> {
+    seq: Sequence<'r>,
+    from: TpBackwardFrom<'r>,
+    cp: Option<&'r ContextGroup<'r>>,
+    ep: Option<&'r ExpertGroup<'r>>,
+    /// The factor of the MoE blocks' router losses ([`ForwardPass::router_loss_weight`]).
+    router_weight: f64,
+}
+
+/// The gradients a tensor-parallel backward carries from region to region.
+struct Grads {
+    /// The residual stream's (this rank's rows under sequence parallelism).
+    residual: Option<Tensor>,
+    /// A sequence-parallel norm's output's, for the norm region below.
+    normed: Option<Tensor>,
+}
+
+impl Grads {
+    /// The backward of a sequence-parallel norm region: its output's gradient through
+    /// the norm, added to the residual stream's.
+    fn norm_backward(&mut self, input: &Tensor, normed: &Tensor) {
+        let g = self.normed.take().expect("a norm's output gradient");
+        backward_from(normed, &g);
+        self.residual = Some(match self.residual.take() {
+            Some(r) => r + input.grad(),
+            None => input.grad(),
+        });
     }
 }
 
@@ -243,145 +259,178 @@ impl Stage {
         if ep.is_none() {
             self.check_experts_held()?;
         }
-        let sequences = input.size()[0];
-        let mut balances = Vec::new();
         let seq = Sequence {
             tp,
             parallel: self.sequence_parallel(),
         };
-        // Under context parallelism: this member's sequence indices, and its positions.
-        let context = match cp {
-            Some(cp) => {
-                let indices = cp.local_positions(input.device());
-                let b = input.size()[0];
-                let positions = position_ids.map_or_else(
-                    || indices.unsqueeze(0).expand([b, indices.size()[0]], false),
-                    Tensor::shallow_clone,
+        let context = cp.map(|cp| Context::of(cp, input, position_ids));
+        let position_ids = context.as_ref().map(|c| &c.positions).or(position_ids);
+        let mut regions = Vec::new();
+        let (mut x, rope) = self.parallel_input(input, position_ids, &seq, &mut regions)?;
+        let run = RegionRun {
+            seq,
+            context,
+            rope,
+            attention_mask,
+            ep,
+            sequences: input.size()[0],
+        };
+        let mut balances = Vec::new();
+        for layer in self.decoder_layers() {
+            x = self.attention_region(layer, &x, &run, &mut regions)?;
+            x = self.mlp_region(layer, &x, &run, &mut regions, &mut balances)?;
+        }
+        let output = self.parallel_output(x, &run.seq, &mut regions)?;
+        Ok((output, regions, balances))
+    }
+
+    /// The residual stream entering the first layer (this rank's rows under sequence
+    /// parallelism) and the rotary tables: on the first stage the embedding of this
+    /// rank's vocabulary rows summed over the group (its region kept), else the input
+    /// hidden states.
+    fn parallel_input(
+        &self,
+        input: &Tensor,
+        position_ids: Option<&Tensor>,
+        seq: &Sequence<'_>,
+        regions: &mut Vec<Region>,
+    ) -> Result<(Tensor, (Tensor, Tensor)), StageError> {
+        if self.is_first() {
+            let partial = self.embed_local(input)?;
+            let x = seq.combine(&partial.detach())?;
+            let tables = self.rotary(&partial, position_ids);
+            regions.push(Region::Embedding { partial });
+            return Ok((x, tables));
+        }
+        let leaf = input.detach().set_requires_grad(true);
+        self.check_hidden(&leaf)?;
+        Ok(match self.takes_sequence_rows() {
+            true => {
+                let positions = whole_positions(&leaf, position_ids, seq.tp.size());
+                (leaf.detach(), self.rotary(&leaf, Some(&positions)))
+            }
+            false => (seq.rows(&leaf.detach())?, self.rotary(&leaf, position_ids)),
+        })
+    }
+
+    /// Layer `layer`'s attention block as a region, under context parallelism over the
+    /// keys and values exchanged with the group: the residual stream `x` after it.
+    fn attention_region(
+        &self,
+        layer: &DecoderLayer,
+        x: &Tensor,
+        run: &RegionRun<'_>,
+        regions: &mut Vec<Region>,
+    ) -> Result<Tensor, StageError> {
+        let (c, seq, mask) = (self.config(), &run.seq, run.attention_mask);
+        let (cos, sin) = (&run.rope.0, &run.rope.1);
+        let input = self.region_input(x, seq, regions, |x| layer.block_norm(true, x, c))?;
+        let (partial, kv) = match &run.context {
+            Some(context) => {
+                // Under sequence parallelism the input is already the gathered normed
+                // rows (this member's tokens).
+                let normed = |x: &Tensor| match seq.parallel {
+                    true => x.shallow_clone(),
+                    false => layer.block_norm(true, x, c),
+                };
+                let (k, v) = layer.keys_values(&normed(&input), c, cos, sin);
+                let kv = context.group.gather(k, v)?;
+                let [k, v] = &kv.whole;
+                let partial = layer.attention_over(
+                    &normed(&input),
+                    c,
+                    (cos, sin),
+                    (k, v),
+                    &context.indices,
+                    mask,
                 );
-                Some((cp, indices, positions))
+                (partial, Some(kv))
+            }
+            None if seq.parallel => (layer.attention_core(&input, c, cos, sin, mask, None), None),
+            None => (layer.attention_out(&input, c, cos, sin, mask, None), None),
+        };
+        let x = seq.add_combined(x, &partial)?;
+        regions.push(Region::Block(Block {
+            input,
+            partial,
+            kv,
+            balance: None,
+            exchange: None,
+        }));
+        Ok(x)
+    }
+
+    /// Layer `layer`'s MLP block as a region, an MoE layer's tokens exchanged with the
+    /// expert-parallel group if any (its load balance appended to `balances`): the
+    /// residual stream `x` after it.
+    fn mlp_region(
+        &self,
+        layer: &DecoderLayer,
+        x: &Tensor,
+        run: &RegionRun<'_>,
+        regions: &mut Vec<Region>,
+        balances: &mut Vec<LayerBalance>,
+    ) -> Result<Tensor, StageError> {
+        let (c, seq) = (self.config(), &run.seq);
+        let input = self.region_input(x, seq, regions, |x| layer.block_norm(false, x, c))?;
+        // Under sequence parallelism the input is already normed.
+        let h = match seq.parallel {
+            true => input.shallow_clone(),
+            false => layer.block_norm(false, &input, c),
+        };
+        let (partial, routing, exchange) = match run.ep {
+            Some(ep) => layer.mlp_across(&h, ep)?,
+            None => {
+                let (partial, routing) = layer.mlp_core(&h);
+                (partial, routing, None)
+            }
+        };
+        let balance = match routing {
+            Some(routing) => {
+                let cp = run.context.as_ref().map(|context| context.group);
+                let mut balance = self.balances(&[routing], run.sequences, cp)?;
+                let objective = self.summed_objectives(&balance);
+                balances.append(&mut balance);
+                objective
             }
             None => None,
         };
-        let position_ids = context.as_ref().map(|(_, _, p)| p).or(position_ids);
-        let mut regions = Vec::new();
-        let leaf = (!self.is_first()).then(|| input.detach().set_requires_grad(true));
-        let (mut x, (cos, sin)) = match &leaf {
-            Some(leaf) if self.takes_sequence_rows() => {
-                self.check_hidden(leaf)?;
-                let positions = whole_positions(leaf, position_ids, tp.size());
-                (leaf.detach(), self.rotary(leaf, Some(&positions)))
-            }
-            Some(leaf) => {
-                self.check_hidden(leaf)?;
-                (seq.rows(&leaf.detach())?, self.rotary(leaf, position_ids))
-            }
-            None => {
-                let partial = self.embed_local(input)?;
-                let x = seq.combine(&partial.detach())?;
-                let tables = self.rotary(&partial, position_ids);
-                regions.push(Region::Embedding { partial });
-                (x, tables)
-            }
+        let x = seq.add_combined(x, &partial)?;
+        regions.push(Region::Block(Block {
+            input,
+            partial,
+            kv: None,
+            balance,
+            exchange,
+        }));
+        Ok(x)
+    }
+
+    /// The stage output from the residual stream `x`: on the last stage this rank's
+    /// vocabulary slice of the logits (the final norm and head a region), else the hidden
+    /// states (whole, or this rank's rows when they leave as rows).
+    fn parallel_output(
+        &self,
+        x: Tensor,
+        seq: &Sequence<'_>,
+        regions: &mut Vec<Region>,
+    ) -> Result<Tensor, StageError> {
+        let Some((norm, head)) = self.norm_and_head() else {
+            return match self.gives_sequence_rows() {
+                true => Ok(x),
+                false => seq.whole(&x),
+            };
         };
-        let c = self.config();
-        for layer in self.decoder_layers() {
-            for attention in [true, false] {
-                let input = self.region_input(&x, &seq, &mut regions, |x| {
-                    layer.block_norm(attention, x, c)
-                })?;
-                let partial = match (attention, seq.parallel, &context) {
-                    (true, parallel, Some((cp, indices, _))) => {
-                        // Under sequence parallelism the input is already the gathered
-                        // normed rows (this member's tokens).
-                        let normed = |x: &Tensor| match parallel {
-                            true => x.shallow_clone(),
-                            false => layer.block_norm(true, x, c),
-                        };
-                        let (k, v) = layer.keys_values(&normed(&input), c, &cos, &sin);
-                        let kv = cp.gather(k, v)?;
-                        let [k, v] = &kv.whole;
-                        let partial = layer.attention_over(
-                            &normed(&input),
-                            c,
-                            (&cos, &sin),
-                            (k, v),
-                            indices,
-                            attention_mask,
-                        );
-                        x = &x + seq.combine(&partial.detach())?;
-                        regions.push(Region::Block {
-                            input,
-                            partial,
-                            kv: Some(kv),
-                            balance: None,
-                            exchange: None,
-                        });
-                        continue;
-                    }
-                    (true, true, _) => (
-                        layer.attention_core(&input, c, &cos, &sin, attention_mask, None),
-                        None,
-                        None,
-                    ),
-                    (true, false, _) => (
-                        layer.attention_out(&input, c, &cos, &sin, attention_mask, None),
-                        None,
-                        None,
-                    ),
-                    (false, parallel, _) => {
-                        // Under sequence parallelism the input is already normed.
-                        let h = match parallel {
-                            true => input.shallow_clone(),
-                            false => layer.block_norm(false, &input, c),
-                        };
-                        match ep {
-                            Some(ep) => layer.mlp_across(&h, ep)?,
-                            None => {
-                                let (partial, routing) = layer.mlp_core(&h);
-                                (partial, routing, None)
-                            }
-                        }
-                    }
-                };
-                let (partial, routing, exchange) = partial;
-                let balance = match routing {
-                    Some(routing) => {
-                        let cp = context.as_ref().map(|(cp, _, _)| *cp);
-                        let mut balance = self.balances(&[routing], sequences, cp)?;
-                        let objective = self.summed_objectives(&balance);
-                        balances.append(&mut balance);
-                        objective
-                    }
-                    None => None,
-                };
-                x = &x + seq.combine(&partial.detach())?;
-                regions.push(Region::Block {
-                    input,
-                    partial,
-                    kv: None,
-                    balance,
-                    exchange,
-                });
-            }
-        }
-        let output = match self.norm_and_head() {
-            Some((norm, head)) => {
-                let input = self.region_input(&x, &seq, &mut regions, |x| {
-                    rms_norm(x, norm, c.rms_norm_eps)
-                })?;
-                let normed = match seq.parallel {
-                    true => input.shallow_clone(),
-                    false => rms_norm(&input, norm, c.rms_norm_eps),
-                };
-                let logits = normed.linear::<Tensor>(head, None);
-                let output = logits.detach();
-                regions.push(Region::Head { input, logits });
-                output
-            }
-            None if self.gives_sequence_rows() => x,
-            None => seq.whole(&x)?,
+        let eps = self.config().rms_norm_eps;
+        let input = self.region_input(&x, seq, regions, |x| rms_norm(x, norm, eps))?;
+        let normed = match seq.parallel {
+            true => input.shallow_clone(),
+            false => rms_norm(&input, norm, eps),
         };
-        Ok((output, regions, balances))
+        let logits = normed.linear::<Tensor>(head, None);
+        let output = logits.detach();
+        regions.push(Region::Head { input, logits });
+        Ok(output)
     }
 
     /// The leaf input of the next parallel region: the residual stream `x` itself, or
@@ -433,7 +482,7 @@ impl Stage {
             tp,
             parallel: self.sequence_parallel(),
         };
-        let weight = pass.router_loss_weight(self.config(), tp.size());
+        let router_weight = pass.router_loss_weight(self.config(), tp.size());
         let (mut regions, saved) = pass.into_regions();
         if regions.is_empty() {
             // A recomputed pass: its forward again, with the graph this time.
@@ -442,89 +491,127 @@ impl Stage {
                 .tp_regions(&saved.input, positions, mask, tp, (cp, ep))?
                 .1;
         }
-        // The gradient of the residual stream (this rank's rows under sequence
-        // parallelism), and that of a sequence-parallel norm's output.
-        let (mut grad, mut normed_grad) = match (&from, regions.last()) {
-            (TpBackwardFrom::OutputGrad(g), _) if self.takes_output_grad_rows() => {
-                (Some(g.shallow_clone()), None)
-            }
-            (TpBackwardFrom::OutputGrad(g), _) => (Some(seq.rows(g)?), None),
-            (TpBackwardFrom::Loss { .. }, Some(Region::Head { .. })) => (None, None),
-            _ => return Err(StageError::NotLastStage),
+        let mut grads = self.output_grads(&from, regions.last(), &seq)?;
+        let run = BackwardRun {
+            seq,
+            from,
+            cp,
+            ep,
+            router_weight,
         };
         while let Some(region) = regions.pop() {
             match region {
                 Region::Head { input, logits } => {
-                    let TpBackwardFrom::Loss {
-                        labels,
-                        loss_mask,
-                        scale,
-                    } = &from
-                    else {
-                        return Err(StageError::NotLastStage);
-                    };
-                    let loss = self.vocab_parallel_loss(&logits.detach(), labels, tp)?;
-                    let weight = token_weights(&loss.per_token, *loss_mask, *scale);
-                    let g = (loss.grad * weight.unsqueeze(-1)).view(logits.size().as_slice());
-                    backward_from(&logits, &g);
-                    let through = seq.combine(&input.grad())?;
-                    match seq.parallel {
-                        true => normed_grad = Some(through),
-                        false => grad = Some(through),
-                    }
+                    self.head_backward(&input, &logits, &run, &mut grads)?
                 }
-                Region::Norm { input, normed } => {
-                    let g = normed_grad.take().expect("a norm's output gradient");
-                    backward_from(&normed, &g);
-                    let residual = grad.take();
-                    grad = Some(match residual {
-                        Some(r) => r + input.grad(),
-                        None => input.grad(),
-                    });
-                }
-                Region::Block {
-                    input,
-                    partial,
-                    kv,
-                    balance,
-                    exchange,
-                } => {
-                    let g = grad.as_ref().expect("a block's output gradient");
-                    let through_output =
-                        (&partial * seq.whole(g)?.to_kind(partial.kind())).sum(Kind::Float);
-                    match balance.filter(|_| weight != 0.0) {
-                        Some(balance) => (through_output + balance * weight).backward(),
-                        None => through_output.backward(),
-                    }
-                    match (exchange, ep) {
-                        (Some(exchange), Some(ep)) => exchange.backward(ep)?,
-                        (Some(_), None) => {
-                            return Err(StageError::ExpertsElsewhere {
-                                held: self.shard().experts.clone().unwrap_or_default(),
-                            })
-                        }
-                        (None, _) => {}
-                    }
-                    if let (Some(kv), Some(cp)) = (kv, cp) {
-                        cp.backward(kv)?;
-                    }
-                    let through = seq.combine(&input.grad())?;
-                    match seq.parallel {
-                        true => normed_grad = Some(through),
-                        false => grad = Some(through + g),
-                    }
-                }
+                Region::Norm { input, normed } => grads.norm_backward(&input, &normed),
+                Region::Block(block) => self.block_backward(block, &run, &mut grads)?,
                 Region::Embedding { partial } => {
-                    let g = grad.take().expect("the embedding's output gradient");
-                    backward_from(&partial, &seq.whole(&g)?);
+                    let g = (grads.residual.take()).expect("the embedding's output gradient");
+                    backward_from(&partial, &run.seq.whole(&g)?);
                     return Ok(None);
                 }
             }
         }
         match self.gives_input_grad_rows() {
-            true => Ok(grad),
-            false => grad.map(|g| seq.whole(&g)).transpose(),
+            true => Ok(grads.residual),
+            false => grads.residual.map(|g| run.seq.whole(&g)).transpose(),
         }
+    }
+
+    /// The gradients a backward `from` starts with: the output's (this rank's rows under
+    /// sequence parallelism), or none from the loss, which needs the head as the `last`
+    /// region.
+    fn output_grads(
+        &self,
+        from: &TpBackwardFrom<'_>,
+        last: Option<&Region>,
+        seq: &Sequence<'_>,
+    ) -> Result<Grads, StageError> {
+        let residual = match (from, last) {
+            (TpBackwardFrom::OutputGrad(g), _) if self.takes_output_grad_rows() => {
+                Some(g.shallow_clone())
+            }
+            (TpBackwardFrom::OutputGrad(g), _) => Some(seq.rows(g)?),
+            (TpBackwardFrom::Loss { .. }, Some(Region::Head { .. })) => None,
+            _ => return Err(StageError::NotLastStage),
+        };
+        Ok(Grads {
+            residual,
+            normed: None,
+        })
+    }
+
+    /// The backward of the head region from the vocabulary-parallel loss, then its
+    /// input's gradient summed over the group.
+    fn head_backward(
+        &self,
+        input: &Tensor,
+        logits: &Tensor,
+        run: &BackwardRun<'_>,
+        grads: &mut Grads,
+    ) -> Result<(), StageError> {
+        let TpBackwardFrom::Loss {
+            labels,
+            loss_mask,
+            scale,
+        } = &run.from
+        else {
+            return Err(StageError::NotLastStage);
+        };
+        let loss = self.vocab_parallel_loss(&logits.detach(), labels, run.seq.tp)?;
+        let weight = token_weights(&loss.per_token, *loss_mask, *scale);
+        let g = (loss.grad * weight.unsqueeze(-1)).view(logits.size().as_slice());
+        backward_from(logits, &g);
+        let through = run.seq.combine(&input.grad())?;
+        match run.seq.parallel {
+            true => grads.normed = Some(through),
+            false => grads.residual = Some(through),
+        }
+        Ok(())
+    }
+
+    /// The backward of an attention or MLP block: through its partial output (and an
+    /// MoE block's router losses), its expert and key/value exchanges, then its input's
+    /// gradient summed over the group (plus the residual's, unless sequence-parallel).
+    fn block_backward(
+        &self,
+        block: Block,
+        run: &BackwardRun<'_>,
+        grads: &mut Grads,
+    ) -> Result<(), StageError> {
+        let Block {
+            input,
+            partial,
+            kv,
+            balance,
+            exchange,
+        } = block;
+        let (seq, weight) = (&run.seq, run.router_weight);
+        let g = grads.residual.as_ref().expect("a block's output gradient");
+        let through_output = (&partial * seq.whole(g)?.to_kind(partial.kind())).sum(Kind::Float);
+        match balance.filter(|_| weight != 0.0) {
+            Some(balance) => (through_output + balance * weight).backward(),
+            None => through_output.backward(),
+        }
+        match (exchange, run.ep) {
+            (Some(exchange), Some(ep)) => exchange.backward(ep)?,
+            (Some(_), None) => {
+                return Err(StageError::ExpertsElsewhere {
+                    held: self.shard().experts.clone().unwrap_or_default(),
+                })
+            }
+            (None, _) => {}
+        }
+        if let (Some(kv), Some(cp)) = (kv, run.cp) {
+            cp.backward(kv)?;
+        }
+        let through = seq.combine(&input.grad())?;
+        match seq.parallel {
+            true => grads.normed = Some(through),
+            false => grads.residual = Some(through + g),
+        }
+        Ok(())
     }
 
     /// Sums the norm weights' gradients over the group. A norm sits inside the region
@@ -611,31 +698,6 @@ fn all_reduce_in_place(tensors: &mut [Tensor], tp: &dyn TpCollectives) -> Result
         *flat = collective("all-reduce", tp.all_reduce_sum(flat))?;
         Ok(())
     })
-}
-
-/// Flattens `tensors` into one buffer, lets `reduce` combine it in place (one collective
-/// for them all), and copies the result back into each tensor.
-pub fn reduce_flat_in_place<E>(
-    tensors: &mut [Tensor],
-    reduce: impl FnOnce(&mut Tensor) -> Result<(), E>,
-) -> Result<(), E> {
-    if tensors.is_empty() {
-        return Ok(());
-    }
-    let mut flat = Tensor::cat(
-        &tensors.iter().map(|g| g.reshape([-1])).collect::<Vec<_>>(),
-        0,
-    );
-    reduce(&mut flat)?;
-    let mut offset = 0;
-    tch::no_grad(|| {
-        for tensor in tensors.iter_mut() {
-            let n = tensor.numel() as i64;
-            tensor.copy_(&flat.narrow(0, offset, n).view(tensor.size().as_slice()));
-            offset += n;
-        }
-    });
-    Ok(())
 }
 
 impl Stage {
