@@ -141,6 +141,8 @@ mod tests {
             cpu > Duration::from_millis(5),
             "spinning used no CPU time: {cpu:?}"
         );
-        assert!(total < Duration::from_millis(40).div_f64(0.25) + Duration::from_millis(100));
+        // Not charged twice over: the sleep's overshoot on a loaded machine stays far
+        // under another 160 ms.
+        assert!(total < Duration::from_millis(40).div_f64(0.25) + Duration::from_millis(150));
     }
 }

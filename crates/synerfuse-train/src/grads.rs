@@ -18,6 +18,7 @@ use synerfuse_model::tch::{self, Kind, Tensor};
 use synerfuse_model::Stage;
 use synerfuse_plan::{GradientReduction, Instruction, Pass};
 
+pub use crate::error::UnreducedParameter;
 pub use synerfuse_plan::{parameter_piece, reduction_of, EMBEDDING};
 
 /// One chunk's buffer and the parameters viewing into it.
@@ -131,16 +132,6 @@ pub struct ReductionLayout {
     /// Its parameters in buffer order: (global name, parameter, offset in `grads`,
     /// elements).
     pub params: Vec<(String, Tensor, i64, i64)>,
-}
-
-/// A parameter no reduction of the plan covers.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("parameter {name} (chunk {chunk}) is in none of this rank's gradient reductions")]
-pub struct UnreducedParameter {
-    /// The parameter.
-    pub name: String,
-    /// Its chunk.
-    pub chunk: usize,
 }
 
 impl MainGrads {

@@ -10,44 +10,9 @@
 use crate::comm::MpiCommunicator;
 use std::ops::Range;
 use synerfuse_data::gpt::{GptDatasetError, SampleOptions, SplitDataset};
-use synerfuse_data::DataError;
 use synerfuse_plan::{BatchError, ReplicaBatches};
 
-/// Why a step's data cannot be served.
-#[derive(Debug, thiserror::Error)]
-pub enum LoaderError {
-    /// The layout has no such replica.
-    #[error(transparent)]
-    Batch(#[from] BatchError),
-    /// The split has fewer samples than the step needs.
-    #[error(
-        "the step after {consumed_samples} consumed samples needs dataset samples {needed:?}, \
-         but the split has {available}; build the indices for more samples (--train-samples)"
-    )]
-    Exhausted {
-        /// Samples consumed before the step.
-        consumed_samples: u64,
-        /// Dataset indices the step needs.
-        needed: Range<u64>,
-        /// Samples in the split.
-        available: u64,
-    },
-    /// A sample could not be read.
-    #[error(transparent)]
-    Data(#[from] DataError),
-    /// The split's indices could not be built or loaded.
-    #[error("building the sample indices: {0}")]
-    Dataset(#[from] GptDatasetError),
-    /// The data configuration gives the train split no data.
-    #[error("the split string gives the train split no data")]
-    NoTrainData,
-    /// The prefetch thread could not be started.
-    #[error("could not start the data prefetch thread: {source}")]
-    Thread {
-        /// The cause.
-        source: std::io::Error,
-    },
-}
+pub use crate::error::LoaderError;
 
 /// The three splits of a run's data; a split without documents, or not asked for, is
 /// `None`.

@@ -149,7 +149,7 @@ fn plan_for_survivors(
 ) -> Result<(Plan, f64), planner::ReplanError> {
     let run = &snapshot.run;
     let cost = planner::fitted_cost_of(
-        &planner::RunningJob::of_run(&run, &snapshot.paces_s, None),
+        &planner::RunningJob::of_run(run, &snapshot.paces_s, None),
         survivors,
     )?;
     let request = planner::running_job_request(

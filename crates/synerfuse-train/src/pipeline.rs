@@ -19,6 +19,8 @@ use synerfuse_model::{BackwardFrom, ExpertGroup, ForwardPass, Stage};
 use synerfuse_plan::timeline::{Span, SpanKind};
 use synerfuse_plan::{Instruction, Message, Pass, Payload, Piece};
 
+pub use crate::error::PipelineFault;
+
 /// Where a rank's time went in one step.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepTimes {
@@ -161,32 +163,6 @@ fn tag(message: &Message, chunks: usize) -> i32 {
     let Piece { micro_batch, chunk } = message.piece;
     let gradient = message.payload == Payload::Gradient;
     (((micro_batch * chunks + chunk) * 2) + usize::from(gradient)) as i32
-}
-
-/// A program that broke its own order (a bug, reported rather than hung).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum PipelineFault {
-    /// A forward whose input activation has not been received.
-    #[error("forward of {0} before its input arrived")]
-    ForwardBeforeInput(Piece),
-    /// A backward whose output gradient has not been received.
-    #[error("backward of {0} before its output gradient arrived")]
-    BackwardBeforeGradient(Piece),
-    /// A backward without a forward.
-    #[error("backward of {0} without its forward")]
-    BackwardWithoutForward(Piece),
-    /// A send of a result not computed.
-    #[error("send of the {} of {} before computing it", .0.payload, .0.piece)]
-    SendBeforeCompute(Message),
-    /// A message for a chunk this rank does not hold.
-    #[error("the {} of {} is for a chunk this rank does not hold", .0.payload, .0.piece)]
-    NoChunkFor(Message),
-    /// Forwards left without their backward at the step's end.
-    #[error("{0} forward passes had no backward")]
-    Unfinished(usize),
-    /// A backward in a forward-only (evaluation) program.
-    #[error("backward of {0} in a forward-only program")]
-    BackwardInEvaluation(Piece),
 }
 
 /// What one step holds between instructions: messages and passes by piece.

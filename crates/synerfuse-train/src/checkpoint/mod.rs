@@ -26,24 +26,26 @@
 //! the previous checkpoint in force. Checkpoints of format 1 (whole tensors, one file
 //! pair per stage) still load: their tensors are pieces covering the whole.
 
+mod files;
+mod layout;
 pub mod region;
 pub mod shard;
 
-use crate::TrainError;
+use crate::error::TrainError;
 use region::{CopyOp, Region};
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use shard::{Fragment, StoredPiece, StoredTensor};
 use std::collections::{BTreeMap, HashMap};
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use synerfuse_model::tch::{self, Tensor};
 use synerfuse_model::{LlamaConfig, Stage};
 use synerfuse_plan::Plan;
 
-/// The name of the file that points at the newest checkpoint.
-pub const LATEST: &str = "latest";
+pub use crate::error::CheckpointProblem;
+pub(crate) use files::{io_err, problem_at, write_atomically};
+pub use files::{sha256_file, ManifestEntry};
+pub use layout::{iteration_dir, staging_dir, FORMAT, LATEST};
 
 /// What a checkpoint records besides tensors.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -68,18 +70,6 @@ pub struct CheckpointState {
     pub bf16: bool,
 }
 
-/// One file of a checkpoint in the manifest.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ManifestEntry {
-    /// Bytes.
-    pub bytes: u64,
-    /// SHA-256, hex.
-    pub sha256: String,
-}
-
-/// The format this version writes (1: whole tensors per stage, without `tensors`).
-pub const FORMAT: u32 = 2;
-
 /// `manifest.json`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Manifest {
@@ -90,178 +80,6 @@ pub struct Manifest {
     /// Every global tensor: its whole shape and the pieces that cover it (format 2).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub tensors: BTreeMap<String, StoredTensor>,
-}
-
-/// The directory name of iteration `iteration`'s checkpoint (Megatron's spelling).
-pub fn iteration_dir(iteration: u64) -> String {
-    format!("iter_{iteration:07}")
-}
-
-/// What is wrong with a checkpoint file or directory.
-#[derive(Debug, thiserror::Error)]
-pub enum CheckpointProblem {
-    /// It cannot be read or written.
-    #[error(transparent)]
-    Io(#[from] std::io::Error),
-    /// `latest` holds no iteration number.
-    #[error("expected an iteration number, found {0:?}")]
-    BadLatest(String),
-    /// A JSON file of another shape.
-    #[error(transparent)]
-    Json(#[from] serde_json::Error),
-    /// Neither a `latest` file nor a manifest.
-    #[error("no `latest` file and no manifest.json: not a synerfuse checkpoint")]
-    NotACheckpoint,
-    /// The model configuration stored with the checkpoint.
-    #[error(transparent)]
-    Config(#[from] synerfuse_model::ConfigError),
-    /// Optimizer state that does not fit the model.
-    #[error(transparent)]
-    OptimState(#[from] crate::optim::OptimStateError),
-    /// A tensor of another shape than the model's.
-    #[error("tensor {name} has shape {found:?}, the model expects {expected:?}")]
-    Shape {
-        /// The parameter.
-        name: String,
-        /// Its shape in the checkpoint.
-        found: Vec<i64>,
-        /// The model's.
-        expected: Vec<i64>,
-    },
-    /// A tensor no file of the kind holds.
-    #[error("no {prefix}* file holds tensor {name:?}")]
-    MissingTensor {
-        /// `model-` or `optimizer-`.
-        prefix: String,
-        /// The tensor.
-        name: String,
-    },
-    /// A file the manifest does not list.
-    #[error("not listed in manifest.json")]
-    Unlisted,
-    /// A piece to write whose data has another length than its region.
-    #[error("piece of {name} holds {found} elements, its region {expected}")]
-    PieceLength {
-        /// The tensor.
-        name: String,
-        /// Elements given.
-        found: i64,
-        /// Elements of the region.
-        expected: i64,
-    },
-    /// Pieces that do not cover a tensor's elements exactly once.
-    #[error("the pieces of {name} cover {covered} of the {wanted} elements wanted")]
-    Coverage {
-        /// The tensor.
-        name: String,
-        /// Elements the pieces hold.
-        covered: i64,
-        /// Elements wanted.
-        wanted: i64,
-    },
-    /// A manifest piece outside its tensor or its file.
-    #[error("manifest piece of {name} in {file} does not fit: {why}")]
-    BadPiece {
-        /// The tensor.
-        name: String,
-        /// The file it names.
-        file: String,
-        /// What does not fit.
-        why: String,
-    },
-    /// A checkpoint whose model routes otherwise than the run's (the same tensors, so
-    /// nothing else would tell).
-    #[error("its model was trained {stored} --moe-router-pre-softmax; resume {stored} it")]
-    OtherRouting {
-        /// "with" or "without".
-        stored: &'static str,
-    },
-    /// A rank whose files never arrived.
-    #[error("rank {rank} wrote no manifest fragment: its files are missing or incomplete")]
-    MissingFragment {
-        /// The rank.
-        rank: usize,
-    },
-    /// Another rank failed to write its part (its own log says why).
-    #[error("rank {rank} could not write its part of the checkpoint (its log says why)")]
-    RankFailed {
-        /// The rank.
-        rank: usize,
-    },
-    /// The background writer ended without an answer.
-    #[error("the background checkpoint writer panicked")]
-    WriterPanicked,
-    /// A manifest of a format this version does not know.
-    #[error("manifest format {0}; this version reads formats 1 and {FORMAT}")]
-    UnknownFormat(u32),
-    /// A safetensors header that cannot be read.
-    #[error("safetensors header: {0}")]
-    Header(String),
-    /// A file whose size or hash differs from the manifest's.
-    #[error("corrupt: {found_bytes} bytes with SHA-256 {found_sha256}, the manifest records {bytes} bytes with {sha256}")]
-    Corrupt {
-        /// Bytes found.
-        found_bytes: u64,
-        /// SHA-256 found.
-        found_sha256: String,
-        /// Bytes recorded.
-        bytes: u64,
-        /// SHA-256 recorded.
-        sha256: String,
-    },
-}
-
-/// The error of `path` for `problem`.
-pub(crate) fn problem_at(path: &Path, problem: impl Into<CheckpointProblem>) -> TrainError {
-    TrainError::Checkpoint {
-        path: path.to_path_buf(),
-        problem: problem.into(),
-    }
-}
-
-pub(crate) fn io_err(path: &Path) -> impl Fn(std::io::Error) -> TrainError + '_ {
-    move |e| problem_at(path, e)
-}
-
-/// The size and SHA-256 of the file at `path`, as a manifest records them.
-pub fn sha256_file(path: &Path) -> Result<ManifestEntry, TrainError> {
-    let mut file = std::fs::File::open(path).map_err(io_err(path))?;
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut bytes = 0u64;
-    loop {
-        let n = file.read(&mut buf).map_err(io_err(path))?;
-        if n == 0 {
-            break;
-        }
-        bytes += n as u64;
-        hasher.update(&buf[..n]);
-    }
-    Ok(ManifestEntry {
-        bytes,
-        sha256: hex(hasher),
-    })
-}
-
-/// A finished hash in lower-case hex, as manifests record it.
-pub(crate) fn hex(hasher: Sha256) -> String {
-    hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
-
-/// Writes `text` to `path` under a temporary name, then renames it.
-pub(crate) fn write_atomically(path: &Path, text: &str) -> Result<(), TrainError> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, text).map_err(io_err(&tmp))?;
-    std::fs::rename(&tmp, path).map_err(io_err(path))
-}
-
-/// The temporary directory a checkpoint is assembled in.
-pub fn staging_dir(save: &Path, iteration: u64) -> PathBuf {
-    save.join(format!("{}.tmp", iteration_dir(iteration)))
 }
 
 /// Step 1 (one rank): an empty staging directory for iteration `iteration`.

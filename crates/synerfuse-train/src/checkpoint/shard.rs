@@ -2,15 +2,17 @@
 //! files through one bounded buffer, hashed as they are written, and the fragment of the
 //! manifest that says which elements of which global tensors they hold.
 
+use super::files::{hex, io_err, problem_at, write_atomically, ManifestEntry};
 use super::region::Region;
-use super::{io_err, problem_at, ManifestEntry};
-use crate::TrainError;
+use crate::error::{CheckpointProblem, TrainError};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use synerfuse_model::tch::{Device, Kind, Tensor};
+
+pub use super::layout::{failure_file, fragment_file, rank_file};
 
 /// Elements moved to the host and written at a time: the write buffer a save adds to a
 /// rank's memory (4 MiB of fp32 bytes; a second 4 MiB host chunk when the data is on a
@@ -65,22 +67,6 @@ pub struct PieceToWrite {
     pub region: Region,
     /// The elements, `region.len()` of them.
     pub data: Tensor,
-}
-
-/// The file name of `rank`'s `prefix` file (`model` or `optimizer`).
-pub fn rank_file(prefix: &str, rank: usize) -> String {
-    format!("{prefix}-rank{rank:05}.safetensors")
-}
-
-/// The file name of `rank`'s manifest fragment.
-pub fn fragment_file(rank: usize) -> String {
-    format!("fragment-rank{rank:05}.json")
-}
-
-/// The file a rank whose background write failed leaves, so the committing rank stops
-/// waiting for its fragment.
-pub fn failure_file(rank: usize) -> String {
-    format!("failed-rank{rank:05}")
 }
 
 /// A writer that hashes and counts what passes through it.
@@ -142,7 +128,7 @@ pub fn write_pieces(
         .iter()
         .find(|p| p.data.numel() as i64 != p.region.len())
     {
-        let length = super::CheckpointProblem::PieceLength {
+        let length = CheckpointProblem::PieceLength {
             name: p.name.clone(),
             found: p.data.numel() as i64,
             expected: p.region.len(),
@@ -165,10 +151,14 @@ pub fn write_pieces(
         .inner
         .into_inner()
         .map_err(|e| problem_at(&path, e.into_error()))?;
-    inner.sync_data().map_err(io_err(&path))?;
+    {
+        // A dead or frozen filesystem blocks here; the watchdog names the file.
+        let _flushing = crate::comm::watchdog::waiting_on("fsync", &path.display().to_string());
+        inner.sync_data().map_err(io_err(&path))?;
+    }
     let entry = ManifestEntry {
         bytes: out.bytes,
-        sha256: super::hex(out.hasher),
+        sha256: hex(out.hasher),
     };
     fragment.files.insert(file.to_owned(), entry);
     for (piece, offset) in pieces.iter().zip(offsets) {
@@ -215,6 +205,6 @@ fn write_elements(
 pub fn write_fragment(dir: &Path, fragment: &Fragment) -> Result<PathBuf, TrainError> {
     let path = dir.join(fragment_file(fragment.rank));
     let text = serde_json::to_string(fragment).expect("fragment serialises");
-    super::write_atomically(&path, &text)?;
+    write_atomically(&path, &text)?;
     Ok(path)
 }

@@ -18,12 +18,19 @@ const MAX_ELEMENTS_PER_CALL: usize = 1 << 30;
 pub struct MpiRuntime {
     /// Stopped and joined before `universe` finalises MPI.
     progress: Option<progress::SendProgress>,
-    universe: Universe,
+    /// `None` only while dropping: taken out so that `MPI_Finalize` (its drop) runs
+    /// inside a registered wait.
+    universe: Option<Universe>,
 }
 
 impl Drop for MpiRuntime {
     fn drop(&mut self) {
         self.progress.take();
+        // MPI_Finalize waits for every rank: a peer that froze would hold this one here
+        // for ever, so the watchdog bounds it like any other wait.
+        let world: Arc<str> = Arc::from("the world");
+        let _finalizing = waiting("MPI_Finalize", &world, None);
+        drop(self.universe.take());
     }
 }
 
@@ -47,12 +54,16 @@ impl MpiRuntime {
                 unsafe { mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, 101) };
             }
         }));
-        Ok(Self { progress, universe })
+        Ok(Self {
+            progress,
+            universe: Some(universe),
+        })
     }
 
     /// All ranks of the job.
     pub fn world(&self) -> MpiCommunicator {
-        let world = self.universe.world();
+        let universe = (self.universe.as_ref()).expect("MPI is finalised only on drop");
+        let world = universe.world();
         let name = format!("the world ({} ranks)", world.size());
         MpiCommunicator::new(world).with_name(name)
     }

@@ -122,7 +122,71 @@ pub fn launch_under_mpirun(
         "launching {nproc} ranks: mpirun -np {nproc} {}",
         exe.display()
     );
-    run_forwarding_signals(command)
+    let ends = done_dir.map(|dir| RankEnds {
+        dir: dir.to_path_buf(),
+        ranks: nproc,
+    });
+    run_watching(command, ends)
+}
+
+/// How long past `--distributed-timeout-minutes` after the first rank's clean end the
+/// launcher waits for the others (their own watchdogs end them first).
+const LAUNCHER_GRACE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Where the ranks of a launch mark their clean ends, and how many there are: once one
+/// has ended, the others must end within the watchdog's bound.
+struct RankEnds {
+    dir: std::path::PathBuf,
+    ranks: usize,
+}
+
+impl RankEnds {
+    /// The ranks without a clean-end mark.
+    fn not_ended(&self) -> Vec<usize> {
+        (0..self.ranks)
+            .filter(|r| !self.dir.join(format!("rank-{r}.done")).exists())
+            .collect()
+    }
+
+    /// Whether the launch has outlived its bound: some rank ended cleanly more than
+    /// the watchdog's timeout (and a grace) ago, others have not ended.
+    fn overdue(&self, first_end: &mut Option<std::time::Instant>) -> Option<Vec<usize>> {
+        let missing = self.not_ended();
+        if missing.is_empty() || missing.len() == self.ranks {
+            return None;
+        }
+        let since = *first_end.get_or_insert_with(std::time::Instant::now);
+        (since.elapsed() > super::watchdog::timeout() + LAUNCHER_GRACE).then_some(missing)
+    }
+}
+
+/// Ends `mpirun` and every rank (its process group) when ranks outlive the others'
+/// clean end by more than the bound: a rank frozen where no watchdog looks would
+/// otherwise hold the launcher for ever.
+fn end_overdue_launch(
+    child: &mut std::process::Child,
+    missing: &[usize],
+) -> std::io::Result<std::process::ExitStatus> {
+    let pid = child.id() as libc::pid_t;
+    let ranks: Vec<String> = missing.iter().map(usize::to_string).collect();
+    tracing::error!(
+        "rank(s) {} did not end within --distributed-timeout-minutes ({:.2} min) of the \
+         other ranks' clean end: ending mpirun and every rank",
+        ranks.join(", "),
+        super::watchdog::timeout().as_secs_f64() / 60.0
+    );
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe { libc::kill(-pid, libc::SIGTERM) };
+    let asked = std::time::Instant::now();
+    while asked.elapsed() < std::time::Duration::from_secs(10) {
+        if let Some(status) = child.try_wait()? {
+            return Ok(status);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    // SAFETY: as above.
+    unsafe { libc::kill(-pid, libc::SIGKILL) };
+    child.wait()
 }
 
 /// Stop signals (SIGTERM, SIGINT) the `--nproc` parent has received.
@@ -141,7 +205,16 @@ extern "C" fn count_parent_signal(_: libc::c_int) {
 /// rank (they finish the step, save and exit 0); a second as SIGTERM (`mpirun` kills the
 /// ranks); a third as SIGKILL to the whole process group.
 pub fn run_forwarding_signals(
+    command: std::process::Command,
+) -> std::io::Result<std::process::ExitStatus> {
+    run_watching(command, None)
+}
+
+/// [`run_forwarding_signals`], and with `ends` a bound on how long ranks may outlive the
+/// first clean end among them.
+fn run_watching(
     mut command: std::process::Command,
+    ends: Option<RankEnds>,
 ) -> std::io::Result<std::process::ExitStatus> {
     use std::os::unix::process::CommandExt;
     use std::sync::atomic::Ordering;
@@ -173,9 +246,19 @@ pub fn run_forwarding_signals(
     let mut child = command.spawn()?;
     let pid = child.id() as libc::pid_t;
     let mut forwarded = 0;
+    let (mut first_end, mut looked) = (None, std::time::Instant::now());
     loop {
         if let Some(status) = child.try_wait()? {
             return Ok(status);
+        }
+        if let Some(ends) = ends
+            .as_ref()
+            .filter(|_| looked.elapsed().as_millis() >= 500)
+        {
+            looked = std::time::Instant::now();
+            if let Some(missing) = ends.overdue(&mut first_end) {
+                return end_overdue_launch(&mut child, &missing);
+            }
         }
         let received = PARENT_SIGNALS.load(Ordering::SeqCst);
         while forwarded < received {

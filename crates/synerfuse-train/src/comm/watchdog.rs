@@ -32,7 +32,10 @@ const HANDOFF: Duration = Duration::from_secs(2);
 
 static TIMEOUT_MS: AtomicU64 = AtomicU64::new(DEFAULT_TIMEOUT.as_millis() as u64);
 static WORLD_RANK: AtomicUsize = AtomicUsize::new(usize::MAX);
-static CURRENT: Mutex<Option<Wait>> = Mutex::new(None);
+/// The waits in progress, one per waiting thread (the main thread's, and a checkpoint
+/// writer's in the background), each known by its guard's number.
+static CURRENT: Mutex<Vec<(u64, Wait)>> = Mutex::new(Vec::new());
+static NEXT_WAIT: AtomicU64 = AtomicU64::new(0);
 /// The message of an expired wait, until a thread prints it.
 static EXPIRED: Mutex<Option<String>> = Mutex::new(None);
 static EXPIRED_FLAG: AtomicBool = AtomicBool::new(false);
@@ -47,6 +50,9 @@ struct Wait {
     op: &'static str,
     group: Arc<str>,
     peer: Option<usize>,
+    /// A wait on something other than peers (a file, a process): named as "`op` of
+    /// `group`" rather than "over" it.
+    local: bool,
 }
 
 /// Sets the bound on every wait (and starts the watchdog, once per process).
@@ -127,25 +133,53 @@ fn peers_gone() -> Vec<(usize, u32)> {
 }
 
 /// Marks the calling thread as waiting in `op` over `group` (for `peer`, in
-/// point-to-point transfers) until the guard drops. Waits do not nest.
+/// point-to-point transfers) until the guard drops. Threads wait independently: a
+/// checkpoint writer's wait on the disk runs beside the main thread's on its peers.
 pub(crate) fn waiting(op: &'static str, group: &Arc<str>, peer: Option<usize>) -> WaitGuard {
     let wait = Wait {
         started: Instant::now(),
         op,
         group: Arc::clone(group),
         peer,
+        local: false,
     };
-    *CURRENT.lock().unwrap_or_else(|e| e.into_inner()) = Some(wait);
-    WaitGuard(())
+    register(wait)
+}
+
+/// Marks the calling thread as waiting in `op` on `what` (a file being flushed, the
+/// launcher's `mpirun`: no peer to name) until the guard drops.
+pub(crate) fn waiting_on(op: &'static str, what: &str) -> WaitGuard {
+    register(Wait {
+        started: Instant::now(),
+        op,
+        group: Arc::from(what),
+        peer: None,
+        local: true,
+    })
+}
+
+fn register(wait: Wait) -> WaitGuard {
+    let id = NEXT_WAIT.fetch_add(1, Ordering::SeqCst);
+    (CURRENT.lock().unwrap_or_else(|e| e.into_inner())).push((id, wait));
+    WaitGuard(id)
 }
 
 /// Ends a wait registered by [`waiting`].
-pub(crate) struct WaitGuard(());
+pub(crate) struct WaitGuard(u64);
 
 impl Drop for WaitGuard {
     fn drop(&mut self) {
-        *CURRENT.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        let mut current = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
+        current.retain(|(id, _)| *id != self.0);
     }
+}
+
+/// The oldest wait in progress: its message if it outlasted `limit`, and its start.
+fn oldest_wait(limit: Duration) -> (Option<String>, Option<Instant>) {
+    let current = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
+    let oldest = (current.iter().map(|(_, wait)| wait)).min_by_key(|wait| wait.started);
+    let expired = oldest.filter(|w| w.started.elapsed() > limit).map(describe);
+    (expired, oldest.map(|w| w.started))
 }
 
 /// When a wait (known by its start) first saw local peers' processes gone, and which
@@ -160,14 +194,7 @@ fn watch() {
     let mut gone_since: Option<GoneSince> = None;
     loop {
         std::thread::sleep(CHECK_INTERVAL);
-        let limit = timeout();
-        let (expired, wait_started) = {
-            let current = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
-            let expired = (current.as_ref())
-                .filter(|w| w.started.elapsed() > limit)
-                .map(describe);
-            (expired, current.as_ref().map(|w| w.started))
-        };
+        let (expired, wait_started) = oldest_wait(timeout());
         if let Some(message) = expired {
             *EXPIRED.lock().unwrap_or_else(|e| e.into_inner()) = Some(message);
             EXPIRED_FLAG.store(true, Ordering::SeqCst);
@@ -240,9 +267,10 @@ fn describe(wait: &Wait) -> String {
         usize::MAX => "this rank".to_owned(),
         r => format!("rank {r}"),
     };
-    let with = match wait.peer {
-        Some(peer) => format!("with rank {peer} of {}", wait.group),
-        None => format!("over {}", wait.group),
+    let with = match (wait.peer, wait.local) {
+        (_, true) => format!("of {}", wait.group),
+        (Some(peer), false) => format!("with rank {peer} of {}", wait.group),
+        (None, false) => format!("over {}", wait.group),
     };
     let suspects = peers_not_running();
     let cause = if suspects.is_empty() {

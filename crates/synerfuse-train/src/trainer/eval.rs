@@ -5,7 +5,8 @@
 //! of those batches divided by their number, so it does not depend on the plan.
 
 use super::evaluation::{EvalSplit, Evaluation};
-use super::Trainer;
+use super::setup::{context_rank, expert_rank};
+use super::state::Trainer;
 use crate::pipeline::PipelineRank;
 use crate::TrainError;
 use synerfuse_model::tch::{Kind, Tensor};
@@ -71,8 +72,8 @@ impl Trainer<'_> {
             world: self.world,
             links: &self.links,
             tp: Self::tp_communicator(&self.groups, &self.tp_group),
-            context: super::context_rank(&self.groups, self.context.as_ref()),
-            experts: super::expert_rank(&self.groups, self.experts.as_ref()),
+            context: context_rank(&self.groups, self.context.as_ref()),
+            experts: expert_rank(&self.groups, self.experts.as_ref()),
             peer_rows: &self.peer_rows,
             activation_kind: self.activation_kind(),
             emulation: self.emulation,

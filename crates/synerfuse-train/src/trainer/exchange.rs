@@ -3,6 +3,7 @@
 //! regions the new plan's restore reads, and each holder sends each reader exactly the
 //! elements they share, point to point. Nothing is gathered whole, nothing touches disk.
 
+use super::broadcast::broadcast_bytes;
 use crate::checkpoint::region::{CopyOp, Region};
 use crate::checkpoint::shard::PieceToWrite;
 use crate::checkpoint::{self, CheckpointProblem, CheckpointState, StateSource};
@@ -107,7 +108,7 @@ impl StateSource for MovedState {
 /// `bytes` of every rank, on every rank (one broadcast per rank).
 fn all_bytes(world: &MpiCommunicator, bytes: &[u8]) -> Result<Vec<Vec<u8>>, TrainError> {
     (0..world.size())
-        .map(|root| super::switch::broadcast_bytes(world, bytes, root))
+        .map(|root| broadcast_bytes(world, bytes, root))
         .collect()
 }
 

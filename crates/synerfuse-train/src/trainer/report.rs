@@ -2,6 +2,7 @@
 //! 0's log line, JSON record and TensorBoard scalars.
 
 use super::evaluation::{EvalSplit, Evaluation};
+use super::save_record::SaveRecord;
 use super::TrainConfig;
 use crate::comm::MpiCommunicator;
 use crate::expert_load::ExpertStep;
@@ -431,11 +432,7 @@ impl StepLog {
 
     /// Logs a finished checkpoint save (rank 0 writes a `save` record; a no-op
     /// elsewhere).
-    pub fn record_save(
-        &mut self,
-        rank: usize,
-        save: &super::save::SaveRecord,
-    ) -> Result<(), TrainError> {
+    pub fn record_save(&mut self, rank: usize, save: &SaveRecord) -> Result<(), TrainError> {
         if let (0, Some(json)) = (rank, &mut self.json) {
             let record = serde_json::json!({ "save": save });
             json.write(&record).map_err(io_error(json.path()))?;

@@ -2,13 +2,13 @@
 //! writes exactly what it holds (see [`crate::checkpoint`]) and reads back only what it
 //! keeps, whatever plan wrote the checkpoint.
 
-use super::Trainer;
+use super::save_record::{PendingSave, SaveRecord};
+use super::state::Trainer;
 use crate::checkpoint::region::{Region, Slice};
 use crate::checkpoint::shard::{self, PieceToWrite};
 use crate::checkpoint::{self, CheckpointProblem, CheckpointState, StateSource};
 use crate::grads::EMBEDDING;
 use crate::TrainError;
-use serde::Serialize;
 use std::collections::BTreeSet;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -76,37 +76,6 @@ impl RankPieces {
             .push(piece(format!("{name}.exp_avg_sq"), exp_avg_sq));
         self.model.push(piece(name.to_owned(), value));
     }
-}
-
-/// A save being written by a background thread.
-pub(super) struct PendingSave {
-    iteration: u64,
-    staging: PathBuf,
-    started: Instant,
-    /// Seconds the training loop waited while it was started.
-    blocked_s: f64,
-    handle: std::thread::JoinHandle<(Result<(), TrainError>, Instant)>,
-    /// The iterations whose steps started while it was still being written.
-    steps_during_write: Vec<u64>,
-}
-
-/// A finished save, as the JSON log records it (`save`).
-#[derive(Debug, Clone, Serialize)]
-pub struct SaveRecord {
-    /// The iteration saved.
-    pub iteration: u64,
-    /// Whether it was written in the background (`--async-save`).
-    pub async_save: bool,
-    /// Milliseconds the training loop stopped for it when it started (the whole write
-    /// when not in the background).
-    pub blocked_ms: f64,
-    /// Milliseconds the training loop later waited for it to finish (at the next save or
-    /// the end of the run).
-    pub waited_ms: f64,
-    /// Milliseconds from its start until its checkpoint was complete.
-    pub write_ms: f64,
-    /// The iterations whose steps started while it was being written.
-    pub steps_during_write: Vec<u64>,
 }
 
 /// Test hook: `SYNERFUSE_TEST_SAVE_DELAY_MS=N` makes every rank's write of a checkpoint
@@ -231,7 +200,13 @@ impl<'w> Trainer<'w> {
             return Ok(());
         };
         let waiting = Instant::now();
-        let (result, ended) = (pending.handle.join()).unwrap_or_else(|_| {
+        let writer = crate::comm::watchdog::waiting_on(
+            "waiting for the background checkpoint writer",
+            &pending.staging.display().to_string(),
+        );
+        let joined = pending.handle.join();
+        drop(writer);
+        let (result, ended) = joined.unwrap_or_else(|_| {
             (
                 Err(checkpoint::problem_at(
                     &pending.staging,

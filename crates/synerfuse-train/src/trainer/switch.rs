@@ -5,9 +5,11 @@
 //! current holders by global name (as checkpoints store it), the communicators and the
 //! optimizer rebuilt, the iteration and data position kept. No restart, no disk.
 
+use super::broadcast::broadcast_bytes;
 use super::exchange::{exchange, Recorder};
+use super::replanning::Settling;
 use super::report::StepLog;
-use super::Trainer;
+use super::state::Trainer;
 use crate::comm::groups::RankDevice;
 use crate::replan::{
     RecentSteps, ReplanCause, ReplanDecision, ReplanMode, SpeedWatch, SwitchOutcome,
@@ -15,62 +17,9 @@ use crate::replan::{
 use crate::TrainError;
 use std::path::PathBuf;
 use std::time::Instant;
-use synerfuse_model::tch::{Device, Kind, Tensor};
+use synerfuse_model::tch::Tensor;
 use synerfuse_plan::RunRecord;
 use synerfuse_planner::planner::{self, RunningJob};
-
-/// What re-planning keeps from step to step, and across a switch.
-#[derive(Debug, Clone)]
-pub(super) struct Replanning {
-    /// The last window of step times.
-    recent: RecentSteps,
-    /// How long the last switch took (the slowest rank), s.
-    last_switch_s: Option<f64>,
-    /// A switch whose effect is being measured.
-    settling: Option<Settling>,
-    /// Whether the paces after warm-up have been judged (once a run: a switch's own
-    /// warm-up is not judged again, only later changes).
-    warm_up_judged: bool,
-}
-
-/// A switch being measured: the steps after its first.
-#[derive(Debug, Clone)]
-struct Settling {
-    outcome: SwitchOutcome,
-    /// Steps after the switch seen.
-    seen: usize,
-    after: RecentSteps,
-}
-
-impl Replanning {
-    pub(super) fn new(window: usize) -> Self {
-        Replanning {
-            recent: RecentSteps::new(window),
-            last_switch_s: None,
-            settling: None,
-            warm_up_judged: false,
-        }
-    }
-}
-
-/// `bytes` of rank `root`, on every rank of `world`.
-pub(super) fn broadcast_bytes(
-    world: &crate::comm::MpiCommunicator,
-    bytes: &[u8],
-    root: usize,
-) -> Result<Vec<u8>, TrainError> {
-    let mut length = Tensor::from_slice(&[bytes.len() as i64]);
-    world.broadcast(&mut length, root)?;
-    let length = length.int64_value(&[0]) as usize;
-    let mut data = match world.rank() == root {
-        true => Tensor::from_slice(bytes),
-        false => Tensor::zeros([length as i64], (Kind::Uint8, Device::Cpu)),
-    };
-    if length > 0 {
-        world.broadcast(&mut data, root)?;
-    }
-    Ok(Vec::<u8>::try_from(&data).unwrap_or_default())
-}
 
 impl<'w> Trainer<'w> {
     /// Records a step's time; once a switch has settled (a step after it, then a
