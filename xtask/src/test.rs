@@ -117,8 +117,12 @@ fn gpu_bundle_step(root: &Path) -> Result<()> {
 /// Crates that bring libtorch, MPI or CUDA into a build.
 const RUNTIME_NATIVE: &[&str] = &["tch", "torch-sys", "mpi", "mpi-sys", "cudarc"];
 
-/// The crate boundaries (ARCHITECTURE.md): data never pulls libtorch (nor MPI/CUDA); parallel and
-/// xtask are pure Rust (no `-sys` crate at all), so they build anywhere.
+/// Crates the model crate must not reach: what runs does not depend on what chooses.
+const ABOVE_THE_MODEL: &[&str] = &["synerfuse-planner"];
+
+/// The crate boundaries (ARCHITECTURE.md): data never pulls libtorch (nor MPI/CUDA); the plan
+/// crate, the planner and xtask are pure Rust (no `-sys` crate at all), so they build
+/// anywhere; the model crate never depends on the planner.
 fn check_dependency_rules(root: &Path) -> Result<()> {
     // (package, no `-sys` crate at all, extra cargo-tree arguments)
     for (package, pure, extra) in [
@@ -149,11 +153,11 @@ fn check_dependency_rules(root: &Path) -> Result<()> {
                 String::from_utf8_lossy(&out.stderr)
             );
         }
-        let tree = String::from_utf8_lossy(&out.stdout);
-        let offending: Vec<&str> = tree
-            .lines()
-            .filter_map(|line| line.split_whitespace().next())
-            .filter(|name| RUNTIME_NATIVE.contains(name) || (pure && name.ends_with("-sys")))
+        let offending: Vec<String> = crates_in_tree(&out.stdout)
+            .into_iter()
+            .filter(|name| {
+                RUNTIME_NATIVE.contains(&name.as_str()) || (pure && name.ends_with("-sys"))
+            })
             .collect();
         if !offending.is_empty() {
             bail!(
@@ -163,8 +167,51 @@ fn check_dependency_rules(root: &Path) -> Result<()> {
             );
         }
     }
+    check_model_without_planner(root)?;
     println!(
-        "== dependency rules: ok (data without libtorch/MPI/CUDA, and without native code with --no-default-features; parallel and xtask pure Rust)"
+        "== dependency rules: ok (data without libtorch/MPI/CUDA, and without native code with --no-default-features; plan, planner and xtask pure Rust; the model crate without the planner)"
     );
+    Ok(())
+}
+
+/// The crate names of a `cargo tree --prefix none` listing.
+fn crates_in_tree(stdout: &[u8]) -> Vec<String> {
+    String::from_utf8_lossy(stdout)
+        .lines()
+        .filter_map(|line| line.split_whitespace().next())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// `synerfuse-model` builds on the plan crate alone: the planner is not in its tree.
+fn check_model_without_planner(root: &Path) -> Result<()> {
+    let out = Command::new("cargo")
+        .args([
+            "tree",
+            "--package",
+            "synerfuse-model",
+            "--edges",
+            "normal,build",
+        ])
+        .args(["--prefix", "none"])
+        .current_dir(root)
+        .output()
+        .context("could not run cargo tree for synerfuse-model")?;
+    if !out.status.success() {
+        bail!(
+            "cargo tree -p synerfuse-model failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let above: Vec<String> = crates_in_tree(&out.stdout)
+        .into_iter()
+        .filter(|name| ABOVE_THE_MODEL.contains(&name.as_str()))
+        .collect();
+    if !above.is_empty() {
+        bail!(
+            "dependency rule broken: synerfuse-model pulls in {}",
+            above.join(", ")
+        );
+    }
     Ok(())
 }

@@ -439,7 +439,7 @@ fn async_saves_overlap_training_and_a_stop_signal_waits_for_them() {
         log.display().to_string(),
     ]);
     let mut child = Command::new(BIN)
-        .args(&args)
+        .args(with_watchdog(&args))
         .env("SYNERFUSE_TEST_SAVE_DELAY_MS", "3000")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

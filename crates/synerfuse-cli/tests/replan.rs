@@ -260,12 +260,12 @@ fn a_rank_slowing_for_good_makes_the_run_switch_once_without_changing_a_loss() {
     ];
     let (fresh, _) = four_ranks(dir.path(), &data, "fresh", 30, &fresh_args);
     // The 10 % target is `cargo xtask bench replan`'s (performance targets are not timed
-    // tests): here a bound that noise on a shared 2-core machine stays under (medians 9–11 %
-    // apart in three of six runs on 2026-11-25) and a switch that did not take effect (the
-    // old plan is ~2.7x slower at the new speeds) does not.
+    // tests): here a one-sided bound with room for a loaded 2-core machine (medians 9–11 %
+    // apart in three of six runs on 2026-11-25) that a switch which did not take effect (the
+    // old plan is ~2.7x slower at the new speeds) still fails.
     let (after, fresh) = (last_median_s(&records, 20), last_median_s(&fresh, 20));
     assert!(
-        (after - fresh).abs() <= 0.25 * fresh,
+        after <= 1.5 * fresh,
         "last 20 steps: {after:.4} s after the switch, {fresh:.4} s fresh"
     );
 

@@ -661,7 +661,7 @@ fn sigterm_saves_and_exits_and_metrics_are_written() {
         log.display().to_string(),
     ]);
     let mut child = Command::new(BIN)
-        .args(&args)
+        .args(with_watchdog(&args))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -1804,7 +1804,7 @@ fn a_killed_or_frozen_rank_ends_every_rank_within_the_timeout() {
         ]));
         let err_path = dir.path().join(format!("hang-{signal}.err"));
         let mut child = Command::new(BIN)
-            .args(&args)
+            .args(with_watchdog(&args))
             .env("OMP_NUM_THREADS", "1")
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&err_path).unwrap())
@@ -1894,7 +1894,7 @@ fn sigterm_to_the_nproc_parent_saves_and_leaves_no_process() {
         save.to_str().unwrap(),
     ]));
     let mut child = Command::new(BIN)
-        .args(&args)
+        .args(with_watchdog(&args))
         .env("OMP_NUM_THREADS", "1")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

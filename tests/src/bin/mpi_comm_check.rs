@@ -15,6 +15,8 @@ fn main() {
             .and_then(|r| r.parse::<usize>().ok())
     };
     let (fail_rank, panic_rank) = (rank_flag("--fail-rank"), rank_flag("--panic-rank"));
+    // Well under the launcher's 120 s: a hang names its rank, operation and group.
+    synerfuse_train::comm::watchdog::set_timeout(std::time::Duration::from_secs(45));
     let runtime = MpiRuntime::init().expect("MPI init");
     let world = runtime.world();
     let rank = world.rank();

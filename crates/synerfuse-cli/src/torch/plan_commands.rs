@@ -405,20 +405,7 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
     let shape = args.model.shape()?;
     let profile = read_profile(args.profile.as_deref(), &shape)?;
     if let Some(settings) = &settings {
-        let trained =
-            crate::train_command::trained_model_shape(&settings.train_args, shape.num_layers)
-                .context("--try: the training arguments after --")?;
-        let (trained, planned) = (
-            serde_json::to_value(&trained)?,
-            serde_json::to_value(&shape)?,
-        );
-        let differ: Vec<String> = (trained.as_object().into_iter().flatten())
-            .filter(|(key, value)| planned.get(key.as_str()) != Some(value))
-            .map(|(key, value)| format!("{key} {value} (priced: {})", planned[key.as_str()]))
-            .collect();
-        if !differ.is_empty() {
-            bail!("--try: the training arguments after -- build another model than the plans are priced for: {}; give plan the model that training builds (--vocab-size: the tokenizer's)", differ.join(", "));
-        }
+        check_try_model(settings, &shape)?;
     }
     let cost = CostModel {
         expert_load: read_expert_load(args.expert_load.as_deref(), &shape)?,
@@ -434,19 +421,7 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
         );
     }
     let started = Instant::now();
-    let outcome = planner::plan(
-        &cost,
-        &PlanRequest {
-            global_batch_size: args.global_batch_size,
-            micro_batch_sizes: args.micro_batch_sizes.clone(),
-            top_k: args.top_k,
-            tensor_parallel_sizes: args.tensor_model_parallel_sizes.clone(),
-            context_parallel_sizes: args.context_parallel_sizes.clone(),
-            recompute: args.recompute_activations,
-            distributed_optimizer: args.use_distributed_optimizer,
-            expert_parallel_sizes: args.expert_model_parallel_sizes.clone(),
-        },
-    )?;
+    let outcome = planner::plan(&cost, &plan_request(&args))?;
     let planning_s = started.elapsed().as_secs_f64();
     let tried = match &settings {
         Some(settings) => {
@@ -472,45 +447,7 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
     if flags.is_none() && best.stage_expert_parallel.is_empty() {
         bail!("the best grid plan has no SynerFuse flags (a planner bug)");
     }
-    // Per-replica pipelines are written when they beat the best grid plan.
-    let pooled = outcome.pooled_wins();
-    if let Some(out) = &args.output {
-        let plan = match (&tried, pooled) {
-            (Some(tried), _) => tried.best().plan.clone(),
-            (None, Some(p)) => p.to_plan(&cost)?,
-            (None, None) => best.to_plan(&cost)?,
-        };
-        warn_unmeasured(&cost, &plan);
-        write_atomically(out, &plan.to_toml()?)?;
-    }
-    if let Some(out) = &args.grid_output {
-        write_plan(out, &cost, best)?;
-    }
-    if let Some(out) = &args.uniform_output {
-        let uniform = outcome
-            .uniform
-            .as_ref()
-            .context("--uniform-output: no even layout fits this cluster, model and batch")?;
-        write_plan(out, &cost, uniform)?;
-    }
-    if let Some(dir) = &args.uniform_layouts_dir {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        for (k, layout) in outcome.uniform_layouts.iter().enumerate() {
-            let path = dir.join(format!("uniform-{k}.toml"));
-            write_plan(&path, &cost, layout)?;
-        }
-    }
-    if let Some(out) = &args.timeline {
-        let timeline = match pooled {
-            Some(p) => planner::pooled_timeline(&cost, p)?,
-            None => planner::timeline(&cost, &outcome.plans[0])?,
-        };
-        let text = match out.extension().is_some_and(|e| e == "json") {
-            true => serde_json::to_string_pretty(&timeline)?,
-            false => synerfuse_plan::timeline::Timeline::svg(&[timeline]),
-        };
-        write_atomically(out, &text)?;
-    }
+    write_outputs(&args, &cost, &outcome, tried.as_ref())?;
     let report = PlanReport {
         cost: &cost,
         outcome: &outcome,
@@ -536,6 +473,90 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
             print_written(&args, &tried.best().train_flags);
         }
         None => print_written(&args, &report.written_flags()),
+    }
+    Ok(())
+}
+
+/// `--try`'s training arguments must build the model the plans are priced for.
+fn check_try_model(settings: &TrySettings, shape: &ModelShape) -> Result<()> {
+    let trained = crate::train_command::trained_model_shape(&settings.train_args, shape.num_layers)
+        .context("--try: the training arguments after --")?;
+    let (trained, planned) = (
+        serde_json::to_value(&trained)?,
+        serde_json::to_value(shape)?,
+    );
+    let differ: Vec<String> = (trained.as_object().into_iter().flatten())
+        .filter(|(key, value)| planned.get(key.as_str()) != Some(value))
+        .map(|(key, value)| format!("{key} {value} (priced: {})", planned[key.as_str()]))
+        .collect();
+    if !differ.is_empty() {
+        bail!("--try: the training arguments after -- build another model than the plans are priced for: {}; give plan the model that training builds (--vocab-size: the tokenizer's)", differ.join(", "));
+    }
+    Ok(())
+}
+
+/// The planner's request from `synerfuse plan`'s flags.
+fn plan_request(args: &PlanArgs) -> PlanRequest {
+    PlanRequest {
+        global_batch_size: args.global_batch_size,
+        micro_batch_sizes: args.micro_batch_sizes.clone(),
+        top_k: args.top_k,
+        tensor_parallel_sizes: args.tensor_model_parallel_sizes.clone(),
+        context_parallel_sizes: args.context_parallel_sizes.clone(),
+        recompute: args.recompute_activations,
+        distributed_optimizer: args.use_distributed_optimizer,
+        expert_parallel_sizes: args.expert_model_parallel_sizes.clone(),
+    }
+}
+
+/// The files `synerfuse plan` was asked for: the plan to train (`--output`: what `--try`
+/// measured fastest, else the per-replica plan where it wins, else the best grid plan),
+/// the best grid plan, the even layouts and the predicted timeline.
+fn write_outputs(
+    args: &PlanArgs,
+    cost: &CostModel,
+    outcome: &planner::PlanOutcome,
+    tried: Option<&TryReport>,
+) -> Result<()> {
+    let best = &outcome.plans[0];
+    // Per-replica pipelines are written when they beat the best grid plan.
+    let pooled = outcome.pooled_wins();
+    if let Some(out) = &args.output {
+        let plan = match (tried, pooled) {
+            (Some(tried), _) => tried.best().plan.clone(),
+            (None, Some(p)) => p.to_plan(cost)?,
+            (None, None) => best.to_plan(cost)?,
+        };
+        warn_unmeasured(cost, &plan);
+        write_atomically(out, &plan.to_toml()?)?;
+    }
+    if let Some(out) = &args.grid_output {
+        write_plan(out, cost, best)?;
+    }
+    if let Some(out) = &args.uniform_output {
+        let uniform = outcome
+            .uniform
+            .as_ref()
+            .context("--uniform-output: no even layout fits this cluster, model and batch")?;
+        write_plan(out, cost, uniform)?;
+    }
+    if let Some(dir) = &args.uniform_layouts_dir {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        for (k, layout) in outcome.uniform_layouts.iter().enumerate() {
+            let path = dir.join(format!("uniform-{k}.toml"));
+            write_plan(&path, cost, layout)?;
+        }
+    }
+    if let Some(out) = &args.timeline {
+        let timeline = match pooled {
+            Some(p) => planner::pooled_timeline(cost, p)?,
+            None => planner::timeline(cost, &outcome.plans[0])?,
+        };
+        let text = match out.extension().is_some_and(|e| e == "json") {
+            true => serde_json::to_string_pretty(&timeline)?,
+            false => synerfuse_plan::timeline::Timeline::svg(&[timeline]),
+        };
+        write_atomically(out, &text)?;
     }
     Ok(())
 }

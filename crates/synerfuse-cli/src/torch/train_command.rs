@@ -1010,6 +1010,11 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
              --no-create-attention-mask-in-dataloader turns off"
         );
     }
+    // Every wait of a rank is bounded by it, and the --nproc launcher's wait for ranks
+    // that outlive the others' clean end.
+    watchdog::set_timeout(Duration::from_secs_f64(
+        args.distributed_timeout_minutes * 60.0,
+    ));
     if let (Some(n), None) = (args.nproc, launcher_rank()) {
         // Refuse a layout that cannot work here, once, before starting n ranks.
         let plan = args.plan(n)?;
@@ -1021,9 +1026,6 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         bail!("--fp16 is not supported (no loss scaling); use --bf16");
     }
     signals::install_sigterm_handler();
-    watchdog::set_timeout(Duration::from_secs_f64(
-        args.distributed_timeout_minutes * 60.0,
-    ));
     let runtime = MpiRuntime::init()?;
     let world = runtime.world();
     let result = train_rank(&args, &world);

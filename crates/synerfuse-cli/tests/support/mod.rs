@@ -29,8 +29,31 @@ pub fn synerfuse(args: &[String]) -> Output {
 
 pub const LIMIT: Duration = Duration::from_secs(240);
 
+/// The watchdog's bound in multi-rank training runs, well under [`LIMIT`]: a hang fails
+/// with its rank, operation and group named, not as a killed test.
+pub const WATCHDOG_MINUTES: &str = "1";
+
 pub fn synerfuse_with_env(args: &[String], env: &[(&str, &str)]) -> Output {
-    run_command_with_limit(Command::new(BIN).args(args).envs(env.iter().copied()))
+    let args = with_watchdog(args);
+    run_command_with_limit(Command::new(BIN).args(&args).envs(env.iter().copied()))
+}
+
+/// `args`, and for a multi-rank `train` that sets no bound of its own,
+/// `--distributed-timeout-minutes` [`WATCHDOG_MINUTES`].
+pub fn with_watchdog(args: &[String]) -> Vec<String> {
+    let mut args = args.to_vec();
+    let train = args.first().is_some_and(|a| a == "train");
+    let ranks = args
+        .iter()
+        .any(|a| a == "--nproc" || a.starts_with("--nproc="));
+    let bounded = (args.iter()).any(|a| a.starts_with("--distributed-timeout-minutes"));
+    if train && ranks && !bounded {
+        args.extend([
+            "--distributed-timeout-minutes".into(),
+            WATCHDOG_MINUTES.into(),
+        ]);
+    }
+    args
 }
 
 /// Runs `command` (without `LD_LIBRARY_PATH`, one OpenMP thread) to completion in its own
