@@ -33,6 +33,8 @@ PP=2
 MBS=2
 GBS=${GBS:-128}
 DEVICE=${DEVICE:-cuda}
+# synerfuse: Megatron's bound on every wait between ranks (CI: 1 minute, under its limit).
+DISTRIBUTED_TIMEOUT_MINUTES=${DISTRIBUTED_TIMEOUT_MINUTES:-10}
 
 LLAMA_MODEL_ARGS=(
     --micro-batch-size ${MBS}
@@ -85,6 +87,7 @@ TRAINING_ARGS=(
     --untie-embeddings-and-output-weights
     --sequence-parallel
     --distributed-backend nccl
+    --distributed-timeout-minutes ${DISTRIBUTED_TIMEOUT_MINUTES}
     --initial-loss-scale 65536       # fp16 only; unused
     --min-loss-scale 1.0
     --loss-scale-window 1024

@@ -451,6 +451,7 @@ fn the_ported_run_sh_trains_scaled_down() {
         ("SEQ_LENGTH", "32".into()),
         ("GBS", "16".into()),
         ("TRAIN_STEPS", "3".into()),
+        ("DISTRIBUTED_TIMEOUT_MINUTES", WATCHDOG_MINUTES.into()),
         ("TOKENIZER_PATH", tokenizer.display().to_string()),
         ("DATA_PATH", d("shk_text_document")),
         ("CHECKPOINT_PATH", d("ckpt")),

@@ -4,6 +4,7 @@
 
 use super::files::{hex, io_err, problem_at, write_atomically, ManifestEntry};
 use super::region::Region;
+use crate::comm::watchdog::waiting_on;
 use crate::error::{CheckpointProblem, TrainError};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -153,7 +154,8 @@ pub fn write_pieces(
         .map_err(|e| problem_at(&path, e.into_error()))?;
     {
         // A dead or frozen filesystem blocks here; the watchdog names the file.
-        let _flushing = crate::comm::watchdog::waiting_on("fsync", &path.display().to_string());
+        let file = path.display().to_string();
+        let _flushing = waiting_on("fsync", &file, std::time::Duration::ZERO);
         inner.sync_data().map_err(io_err(&path))?;
     }
     let entry = ManifestEntry {

@@ -28,8 +28,8 @@ impl Drop for MpiRuntime {
         self.progress.take();
         // MPI_Finalize waits for every rank: a peer that froze would hold this one here
         // for ever, so the watchdog bounds it like any other wait.
-        let world: Arc<str> = Arc::from("the world");
-        let _finalizing = waiting("MPI_Finalize", &world, None);
+        let _finalizing =
+            watchdog::waiting_on("MPI_Finalize", "the world", std::time::Duration::ZERO);
         drop(self.universe.take());
     }
 }

@@ -292,4 +292,36 @@ mod tests {
             args(&["--nprocs", "2"])
         );
     }
+
+    /// A launch is overdue only once some ranks have ended cleanly and others have not
+    /// for longer than the watchdog's bound and the grace; it names the others.
+    #[test]
+    fn ranks_outliving_the_first_clean_end_by_the_bound_are_overdue() {
+        let dir = std::env::temp_dir().join(format!("synerfuse-ends-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ends = RankEnds {
+            dir: dir.clone(),
+            ranks: 3,
+        };
+        let mut first_end = None;
+        assert_eq!(ends.overdue(&mut first_end), None, "no rank has ended");
+        assert_eq!(first_end, None);
+        mark(&dir, 1);
+        assert_eq!(ends.overdue(&mut first_end), None, "just ended");
+        assert!(first_end.is_some(), "the first end is noted");
+        let long_ago =
+            super::super::watchdog::timeout() + LAUNCHER_GRACE + std::time::Duration::from_secs(1);
+        if let Some(then) = std::time::Instant::now().checked_sub(long_ago) {
+            first_end = Some(then);
+            assert_eq!(ends.overdue(&mut first_end), Some(vec![0, 2]));
+            mark(&dir, 0);
+            mark(&dir, 2);
+            assert_eq!(ends.overdue(&mut first_end), None, "every rank ended");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn mark(dir: &std::path::Path, rank: usize) {
+        std::fs::write(dir.join(format!("rank-{rank}.done")), b"").unwrap();
+    }
 }

@@ -50,9 +50,11 @@ struct Wait {
     op: &'static str,
     group: Arc<str>,
     peer: Option<usize>,
-    /// A wait on something other than peers (a file, a process): named as "`op` of
-    /// `group`" rather than "over" it.
+    /// A wait on something other than peers (a file, a thread, `MPI_Finalize`): named
+    /// as "`op` of `group`", and no sign of a lost peer (peers end at their own pace).
     local: bool,
+    /// Time allowed beyond the timeout (a wait that covers others bounded by it).
+    grace: Duration,
 }
 
 /// Sets the bound on every wait (and starts the watchdog, once per process).
@@ -142,19 +144,22 @@ pub(crate) fn waiting(op: &'static str, group: &Arc<str>, peer: Option<usize>) -
         group: Arc::clone(group),
         peer,
         local: false,
+        grace: Duration::ZERO,
     };
     register(wait)
 }
 
-/// Marks the calling thread as waiting in `op` on `what` (a file being flushed, the
-/// launcher's `mpirun`: no peer to name) until the guard drops.
-pub(crate) fn waiting_on(op: &'static str, what: &str) -> WaitGuard {
+/// Marks the calling thread as waiting in `op` on `what` (a file being flushed, a
+/// thread being joined, `MPI_Finalize`: no peer to name) until the guard drops, for
+/// the timeout and `grace` beyond it.
+pub(crate) fn waiting_on(op: &'static str, what: &str, grace: Duration) -> WaitGuard {
     register(Wait {
         started: Instant::now(),
         op,
         group: Arc::from(what),
         peer: None,
         local: true,
+        grace,
     })
 }
 
@@ -174,12 +179,16 @@ impl Drop for WaitGuard {
     }
 }
 
-/// The oldest wait in progress: its message if it outlasted `limit`, and its start.
+/// The message of the oldest wait that outlasted `limit` (and its grace), and the start
+/// of the oldest wait on peers (local waits never make a peer's exit a loss).
 fn oldest_wait(limit: Duration) -> (Option<String>, Option<Instant>) {
     let current = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
-    let oldest = (current.iter().map(|(_, wait)| wait)).min_by_key(|wait| wait.started);
-    let expired = oldest.filter(|w| w.started.elapsed() > limit).map(describe);
-    (expired, oldest.map(|w| w.started))
+    let waits = || current.iter().map(|(_, wait)| wait);
+    let expired = (waits().filter(|w| w.started.elapsed() > limit + w.grace))
+        .min_by_key(|w| w.started)
+        .map(describe);
+    let on_peers = (waits().filter(|w| !w.local)).min_by_key(|w| w.started);
+    (expired, on_peers.map(|w| w.started))
 }
 
 /// When a wait (known by its start) first saw local peers' processes gone, and which
@@ -273,10 +282,10 @@ fn describe(wait: &Wait) -> String {
         (None, false) => format!("over {}", wait.group),
     };
     let suspects = peers_not_running();
-    let cause = if suspects.is_empty() {
-        "a rank died or froze".to_owned()
-    } else {
-        suspects.join(", ")
+    let cause = match (wait.local, suspects.is_empty()) {
+        (true, true) => "the file system or the ranks it waits for did not respond".to_owned(),
+        (false, true) => "a rank died or froze".to_owned(),
+        (_, false) => suspects.join(", "),
     };
     format!(
         "{rank}: {} {with} did not complete within --distributed-timeout-minutes ({:.2} min): \
@@ -316,4 +325,44 @@ fn abort_job() -> ! {
     }
     // SAFETY: as above.
     unsafe { libc::_exit(TIMEOUT_EXIT_CODE) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The oldest expired wait is the one reported, whichever thread's; only waits on
+    /// peers say when a peer's exit would count as a loss.
+    #[test]
+    fn local_waits_expire_but_never_stand_for_peers() {
+        let flushing = waiting_on("fsync", "shard-0.safetensors", Duration::ZERO);
+        std::thread::sleep(Duration::from_millis(5));
+        let receiving = waiting("recv", &Arc::from("the pipeline"), Some(1));
+        let receiving_started = Instant::now();
+        let (expired, on_peers) = oldest_wait(Duration::ZERO);
+        let expired = expired.expect("both waits outlasted a zero bound");
+        assert!(
+            expired.contains("fsync of shard-0.safetensors"),
+            "{expired}"
+        );
+        let on_peers = on_peers.expect("a wait on a peer is in progress");
+        assert!(on_peers <= receiving_started && on_peers.elapsed() < Duration::from_secs(5));
+        drop(flushing);
+        let (expired, _) = oldest_wait(Duration::ZERO);
+        let expired = expired.expect("the receive outlasted a zero bound");
+        assert!(
+            expired.contains("recv with rank 1 of the pipeline"),
+            "{expired}"
+        );
+        // A grace beyond the bound keeps a wait from expiring.
+        let joining = waiting_on("join", "the writer", Duration::from_secs(3600));
+        drop(receiving);
+        assert_eq!(oldest_wait(Duration::ZERO).0, None);
+        assert_eq!(
+            oldest_wait(Duration::ZERO).1,
+            None,
+            "a local wait is not one on peers"
+        );
+        drop(joining);
+    }
 }

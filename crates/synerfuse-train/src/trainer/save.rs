@@ -200,9 +200,12 @@ impl<'w> Trainer<'w> {
             return Ok(());
         };
         let waiting = Instant::now();
+        // Bounded beyond the writer's own bounded waits (rank 0's for the others'
+        // fragments ends in an error naming the missing rank): twice the timeout.
         let writer = crate::comm::watchdog::waiting_on(
             "waiting for the background checkpoint writer",
             &pending.staging.display().to_string(),
+            crate::comm::watchdog::timeout(),
         );
         let joined = pending.handle.join();
         drop(writer);
