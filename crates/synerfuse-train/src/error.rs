@@ -4,7 +4,7 @@
 //! `grads::UnreducedParameter`, `pipeline::PipelineFault`) and no part has to reach
 //! up to the crate root for its error type.
 
-use crate::checkpoint::FORMAT;
+use crate::checkpoint::layout::FORMAT;
 use crate::comm::CommError;
 use crate::optim::OptimStateError;
 use std::ops::Range;

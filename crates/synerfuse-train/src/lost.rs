@@ -11,7 +11,7 @@
 //! Ranks on other hosts do not see the process go: they end when their wait outlasts
 //! `--distributed-timeout-minutes`, as before.
 
-use crate::checkpoint::LATEST;
+use crate::checkpoint::layout::LATEST;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use synerfuse_plan::Plan;

@@ -27,7 +27,7 @@
 //! pair per stage) still load: their tensors are pieces covering the whole.
 
 mod files;
-mod layout;
+pub(crate) mod layout;
 pub mod region;
 pub mod shard;
 
