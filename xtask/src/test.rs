@@ -133,27 +133,7 @@ fn check_dependency_rules(root: &Path) -> Result<()> {
         ("synerfuse-planner", true, &[]),
         ("xtask", true, &[]),
     ] {
-        let out = Command::new("cargo")
-            .args([
-                "tree",
-                "--package",
-                package,
-                "--edges",
-                "normal,build",
-                "--prefix",
-                "none",
-            ])
-            .args(extra)
-            .current_dir(root)
-            .output()
-            .with_context(|| format!("could not run cargo tree for {package}"))?;
-        if !out.status.success() {
-            bail!(
-                "cargo tree -p {package} failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        let offending: Vec<String> = crates_in_tree(&out.stdout)
+        let offending: Vec<String> = crates_in_tree(root, package, extra)?
             .into_iter()
             .filter(|name| {
                 RUNTIME_NATIVE.contains(&name.as_str()) || (pure && name.ends_with("-sys"))
@@ -174,36 +154,32 @@ fn check_dependency_rules(root: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The crate names of a `cargo tree --prefix none` listing.
-fn crates_in_tree(stdout: &[u8]) -> Vec<String> {
-    String::from_utf8_lossy(stdout)
+/// The crates in `package`'s normal and build dependency tree (`cargo tree` with `extra`
+/// arguments), one name per line of its listing.
+fn crates_in_tree(root: &Path, package: &str, extra: &[&str]) -> Result<Vec<String>> {
+    let out = Command::new("cargo")
+        .args(["tree", "--package", package, "--edges", "normal,build"])
+        .args(["--prefix", "none"])
+        .args(extra)
+        .current_dir(root)
+        .output()
+        .with_context(|| format!("could not run cargo tree for {package}"))?;
+    if !out.status.success() {
+        bail!(
+            "cargo tree -p {package} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|line| line.split_whitespace().next())
         .map(str::to_owned)
-        .collect()
+        .collect())
 }
 
 /// `synerfuse-model` builds on the plan crate alone: the planner is not in its tree.
 fn check_model_without_planner(root: &Path) -> Result<()> {
-    let out = Command::new("cargo")
-        .args([
-            "tree",
-            "--package",
-            "synerfuse-model",
-            "--edges",
-            "normal,build",
-        ])
-        .args(["--prefix", "none"])
-        .current_dir(root)
-        .output()
-        .context("could not run cargo tree for synerfuse-model")?;
-    if !out.status.success() {
-        bail!(
-            "cargo tree -p synerfuse-model failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let above: Vec<String> = crates_in_tree(&out.stdout)
+    let above: Vec<String> = crates_in_tree(root, "synerfuse-model", &[])?
         .into_iter()
         .filter(|name| ABOVE_THE_MODEL.contains(&name.as_str()))
         .collect();
