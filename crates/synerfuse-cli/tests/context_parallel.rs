@@ -114,9 +114,16 @@ fn context_parallel_plans_match_a_single_rank() {
         ),
         ("CP 2 x TP 2 + SP, mbs 2 x 3", "tied", cp2_tp2_sp.to_vec()),
         (
-            "CP 2 [3,1] in PP [3,1] (1 x 4) + a single-rank replica (2 x 1)",
+            "CP 2 [3,1] in PP [3,1] (1 x 4) + a single-rank replica (2 x 1), buckets of 5000",
             "tied",
-            vec!["--nproc", "5", "--plan", &hetero],
+            vec![
+                "--nproc",
+                "5",
+                "--plan",
+                &hetero,
+                "--ddp-bucket-size",
+                "5000",
+            ],
         ),
         (
             "CP 2 x PP 2 x DP 2 by flags, untied, distributed optimizer",

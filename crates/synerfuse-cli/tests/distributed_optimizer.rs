@@ -56,10 +56,12 @@ fn sharded_optimizer_state_gives_a_single_ranks_parameters() {
             ],
         ),
         (
-            "hetero DP 2, mbs [2,1] x counts [2,2]",
+            "hetero DP 2, mbs [2,1] x counts [2,2], buckets of 5000",
             vec![
                 "--nproc",
                 "2",
+                "--ddp-bucket-size",
+                "5000",
                 "--micro-batch-size-per-dp",
                 "1",
                 "2",
@@ -86,8 +88,16 @@ fn sharded_optimizer_state_gives_a_single_ranks_parameters() {
             ],
         ),
         (
-            "per-replica plan, memory 80 | 16 + 24 GB",
-            vec!["--nproc", "3", "--plan", &memory, zero],
+            "per-replica plan, memory 80 | 16 + 24 GB, buckets of 5000",
+            vec![
+                "--nproc",
+                "3",
+                "--plan",
+                &memory,
+                zero,
+                "--ddp-bucket-size",
+                "5000",
+            ],
         ),
     ];
     let mut table =

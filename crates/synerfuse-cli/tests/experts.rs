@@ -195,8 +195,17 @@ fn expert_models_train_alike_on_any_plan() {
             ]),
         ),
         (
-            "hetero DP [4] mbs 2 x 2 + PP [2,2] mbs 1 x 2, seq_aux_loss",
-            with(&["--nproc", "3", "--plan", &unequal, seq, "seq_aux_loss"]),
+            "hetero DP [4] mbs 2 x 2 + PP [2,2] mbs 1 x 2, seq_aux_loss, buckets of 5000",
+            with(&[
+                "--nproc",
+                "3",
+                "--plan",
+                &unequal,
+                seq,
+                "seq_aux_loss",
+                "--ddp-bucket-size",
+                "5000",
+            ]),
         ),
     ];
     let mut table = EquivalenceTable::default();
@@ -498,8 +507,15 @@ fn expert_parallel_plans_match_a_single_rank() {
             eight(&["--nproc", "2", "--plan", &uneven]),
         ),
         (
-            "EP 2 x hetero PP 2 [1,3] x DP 2, placements per stage",
-            eight(&["--nproc", "4", "--plan", &pipelines]),
+            "EP 2 x hetero PP 2 [1,3] x DP 2, placements per stage, buckets of 5000",
+            eight(&[
+                "--nproc",
+                "4",
+                "--plan",
+                &pipelines,
+                "--ddp-bucket-size",
+                "5000",
+            ]),
         ),
         (
             "meshes of EP 2 then EP 1 (TP 1 CP 1 DP 2 PP 1 each), mbs 1 x 3",

@@ -220,9 +220,9 @@ fn tensor_parallel_plans_match_a_single_rank() {
             vec!["--nproc", "3", "--plan", &widening, "--sequence-parallel"],
         ),
         (
-            "per-replica plan: [4] on TP 2 (2 x 1) + [1,3] on TP [2,2] (1 x 4)",
+            "per-replica plan: [4] on TP 2 (2 x 1) + [1,3] on TP [2,2] (1 x 4), buckets of 5000",
             "tied",
-            vec!["--nproc", "6", "--plan", &per_replica],
+            vec!["--nproc", "6", "--plan", &per_replica, "--ddp-bucket-size", "5000"],
         ),
         (
             "replicas split alike and differently: [4] on TP 2 (2 x 2) + [2,2] on TP [1,2] (1 x 2)",
@@ -235,9 +235,17 @@ fn tensor_parallel_plans_match_a_single_rank() {
             vec!["--nproc", "3", "--plan", &recompute],
         ),
         (
-            "ragged micro-batches + SP: [1,3] on TP [2,1] (2 + 1) + [4] on TP 2 (1 + 2)",
+            "ragged micro-batches + SP: [1,3] on TP [2,1] (2 + 1) + [4] on TP 2 (1 + 2), buckets of 5000",
             "tied",
-            vec!["--nproc", "5", "--plan", &ragged, "--sequence-parallel"],
+            vec![
+                "--nproc",
+                "5",
+                "--plan",
+                &ragged,
+                "--sequence-parallel",
+                "--ddp-bucket-size",
+                "5000",
+            ],
         ),
     ];
     let mut table = EquivalenceTable::default();

@@ -88,10 +88,12 @@ fn every_plan_matches_a_single_rank() {
             ],
         ),
         (
-            "DP 2, mbs [3,1], counts [1,3]",
+            "DP 2, mbs [3,1], counts [1,3], buckets of 5000",
             &[
                 "--nproc",
                 "2",
+                "--ddp-bucket-size",
+                "5000",
                 "--micro-batch-size-per-dp",
                 "1",
                 "3",
@@ -105,10 +107,12 @@ fn every_plan_matches_a_single_rank() {
             ],
         ),
         (
-            "DP 2 x PP 2, layers [1,3], mbs [2,1], counts [2,2], tp-pp-dp",
+            "DP 2 x PP 2, layers [1,3], mbs [2,1], counts [2,2], tp-pp-dp, buckets of 5000",
             &[
                 "--nproc",
                 "4",
+                "--ddp-bucket-size",
+                "5000",
                 "--pipeline-model-parallel-size",
                 "2",
                 "--hetero-pipeline-stages",
@@ -163,10 +167,12 @@ fn every_plan_matches_a_single_rank() {
             ],
         ),
         (
-            "PP 2 x DP 2 (default order), layers [3,1], mbs 3 x 1 each, recompute",
+            "PP 2 x DP 2 (default order), layers [3,1], mbs 3 x 1 each, recompute, buckets of 5000",
             &[
                 "--nproc",
                 "4",
+                "--ddp-bucket-size",
+                "5000",
                 "--pipeline-model-parallel-size",
                 "2",
                 "--hetero-pipeline-stages",
@@ -197,16 +203,30 @@ fn every_plan_matches_a_single_rank() {
             &["--nproc", "2", "--plan", replicas],
         ),
         (
-            "asymmetric [4] + [3,1], mbs 3 x 1 and 1 x 3",
-            &["--nproc", "3", "--plan", &one_and_two],
+            "asymmetric [4] + [3,1], mbs 3 x 1 and 1 x 3, buckets of 5000",
+            &[
+                "--nproc",
+                "3",
+                "--plan",
+                &one_and_two,
+                "--ddp-bucket-size",
+                "5000",
+            ],
         ),
         (
             "asymmetric [2,1,1] + [2,2] + [4], mbs 1, 2, 3",
             &["--nproc", "6", "--plan", &three_shapes],
         ),
         (
-            "asymmetric interleaved [[1,1],[1,1]] (1 x 4) + [4] (2 x 1)",
-            &["--nproc", "3", "--plan", &interleaved],
+            "asymmetric interleaved [[1,1],[1,1]] (1 x 4) + [4] (2 x 1), buckets of 5000",
+            &[
+                "--nproc",
+                "3",
+                "--plan",
+                &interleaved,
+                "--ddp-bucket-size",
+                "5000",
+            ],
         ),
         (
             "asymmetric [1,3] + [2,2], mbs 1 x 3 and 3 x 1, reduction after the pipeline",
@@ -272,11 +292,19 @@ fn every_plan_matches_a_single_rank() {
         dir.path(),
         &data,
         "bf16-asymmetric",
-        &["--nproc", "3", "--plan", &one_and_two, "--bf16"],
+        &[
+            "--nproc",
+            "3",
+            "--plan",
+            &one_and_two,
+            "--bf16",
+            "--ddp-bucket-size",
+            "5000",
+        ],
     );
     let loss_diff = max_rel_loss_diff(&ref_losses, &losses);
     table.push_str(&format!(
-        "| bf16, asymmetric [4] + [3,1] (fp32 masters) | {loss_diff:.2e} | {:.2e} |\n",
+        "| bf16, asymmetric [4] + [3,1] (fp32 masters), buckets of 5000 | {loss_diff:.2e} | {:.2e} |\n",
         max_param_diff(&ref_params, &params)
     ));
     assert!(

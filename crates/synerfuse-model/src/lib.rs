@@ -4,6 +4,7 @@
 // Layered bottom to top, each module using only those listed before it (no import
 // circle): config, error, norm, mlp, collectives, cp, moe, decoder, pass, llama (the
 // stage), then tp, hf and generate on the stage; cuda, then device, apart.
+mod backward;
 mod collectives;
 mod config;
 pub mod cp;
@@ -29,5 +30,5 @@ pub use error::StageError;
 pub use generate::{generate, GenerateOptions};
 pub use llama::{BackwardFrom, Stage};
 pub use moe::{load_balancing_loss, ExpertGroup, LayerBalance};
-pub use pass::ForwardPass;
+pub use pass::{FinalGrads, ForwardPass};
 pub use tch;

@@ -446,7 +446,7 @@ impl Stage {
             .0)
     }
 
-    fn forward_inner(
+    pub(crate) fn forward_inner(
         &self,
         input: &Tensor,
         position_ids: Option<&Tensor>,
@@ -634,41 +634,6 @@ impl Stage {
     pub(crate) fn summed_objectives(&self, balance: &[LayerBalance]) -> Option<Tensor> {
         let moe = self.config.moe?;
         (balance.iter().map(|b| b.objective(&moe))).reduce(|a, b| a + b)
-    }
-
-    /// Backpropagates `pass` given the gradient of its output (or, on the last stage, a
-    /// scalar loss built from `pass.output`, with `output_grad = None`). Accumulates the
-    /// parameter gradients and returns the gradient of the stage input (none on the
-    /// first stage).
-    pub fn backward(
-        &self,
-        pass: ForwardPass,
-        loss_or_output_grad: BackwardFrom<'_>,
-    ) -> Result<Option<Tensor>, StageError> {
-        if !pass.regions.is_empty() {
-            return Err(StageError::Sharded);
-        }
-        let weight = pass.router_loss_weight(&self.config, 1);
-        let (output, balance) = match pass.graph {
-            Some(graph) => (graph, pass.router_loss_graph),
-            None => {
-                let saved = &pass.saved;
-                let (positions, mask) =
-                    (saved.position_ids.as_ref(), saved.attention_mask.as_ref());
-                let (output, routings) = self.forward_inner(&saved.input, positions, mask, None)?;
-                let balance = self.balances(&routings, pass.sequences, None)?;
-                (output, self.summed_objectives(&balance))
-            }
-        };
-        let loss = match loss_or_output_grad {
-            BackwardFrom::OutputGrad(grad) => (output * grad).sum(Kind::Float),
-            BackwardFrom::Loss(loss_of) => loss_of(&output),
-        };
-        match balance.filter(|_| weight != 0.0) {
-            Some(balance) => (loss + balance * weight).backward(),
-            None => loss.backward(),
-        }
-        Ok((!self.is_first()).then(|| pass.saved.input.grad()))
     }
 }
 

@@ -33,6 +33,44 @@ pub struct ForwardPass {
     pub(crate) sequences: i64,
     /// The weight of each sequence in the step's objective (default: 1 / sequences).
     pub(crate) sequence_weight: Option<f64>,
+    /// A whole stage's graph cut at its pieces (instead of `graph`), for a backward that
+    /// reports each piece's gradients final as it goes.
+    pub(crate) cuts: Option<Vec<CutPiece>>,
+}
+
+/// One model piece of a whole stage's forward cut at its pieces (the embedding, each
+/// decoder layer, the final norm and head): its graph starts at a leaf, so its backward
+/// runs on its own, and once it has run the piece's parameters have their gradients.
+pub(crate) struct CutPiece {
+    /// The piece (0 the embedding, 1..=L the decoder layers, L + 1 the norm and head; see
+    /// [`synerfuse_plan::parameter_piece`]).
+    pub(crate) piece: usize,
+    /// The leaf the graph starts from (none for the embedding, whose input is tokens).
+    pub(crate) input: Option<Tensor>,
+    pub(crate) output: Tensor,
+    /// An MoE layer's router losses (each times its coefficient), with their graph.
+    pub(crate) objective: Option<Tensor>,
+}
+
+impl CutPiece {
+    pub(crate) fn new(piece: usize, input: Option<Tensor>, output: Tensor) -> Self {
+        CutPiece {
+            piece,
+            input,
+            output,
+            objective: None,
+        }
+    }
+}
+
+/// Reported during a backward that runs piece by piece: every parameter of model pieces
+/// `from_piece..` has its gradient of this pass (0: all of them). A caller reducing
+/// gradients over replicas can start on those while the backward goes on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FinalGrads {
+    /// The first model piece whose parameters are final (see
+    /// [`synerfuse_plan::parameter_piece`]).
+    pub from_piece: usize,
 }
 
 impl ForwardPass {
@@ -46,6 +84,7 @@ impl ForwardPass {
             router_loss_graph: None,
             sequences,
             sequence_weight: None,
+            cuts: None,
         }
     }
 

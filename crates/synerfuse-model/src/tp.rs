@@ -18,7 +18,7 @@ use crate::error::StageError;
 use crate::llama::Stage;
 use crate::moe::{ExpertGroup, LayerBalance};
 use crate::norm::rms_norm;
-use crate::pass::{Block, ForwardPass, Region, SavedInputs};
+use crate::pass::{Block, FinalGrads, ForwardPass, Region, SavedInputs};
 use tch::{Kind, Tensor};
 
 // The collectives keep their `tp::` paths, which the runtime's crates name.
@@ -478,6 +478,21 @@ impl Stage {
         cp: Option<&ContextGroup<'_>>,
         ep: Option<&ExpertGroup<'_>>,
     ) -> Result<Option<Tensor>, StageError> {
+        self.backward_parallel_reporting(pass, from, tp, (cp, ep), &mut |_| {})
+    }
+
+    /// [`Self::backward_parallel`], telling `report` as each decoder layer's parameters
+    /// (and first the head's) have their gradients of this pass, and last of every piece
+    /// (`from_piece` 0). Every rank of the group reports at the same points of its
+    /// backward, between the same collectives.
+    pub fn backward_parallel_reporting(
+        &self,
+        pass: ForwardPass,
+        from: TpBackwardFrom<'_>,
+        tp: &dyn TpCollectives,
+        (cp, ep): (Option<&ContextGroup<'_>>, Option<&ExpertGroup<'_>>),
+        report: &mut dyn FnMut(FinalGrads),
+    ) -> Result<Option<Tensor>, StageError> {
         let seq = Sequence {
             tp,
             parallel: self.sequence_parallel(),
@@ -499,20 +514,37 @@ impl Stage {
             ep,
             router_weight,
         };
+        // Each decoder layer is two blocks (attention, then MLP), each perhaps after a
+        // norm region: a layer's gradients are final when the MLP block of the layer
+        // before it (or the embedding) is reached.
+        let mut blocks_done = 0;
         while let Some(region) = regions.pop() {
+            let layers_done = blocks_done / 2;
+            if matches!(region, Region::Embedding { .. })
+                || (matches!(region, Region::Block(_)) && blocks_done % 2 == 0)
+            {
+                report(FinalGrads {
+                    from_piece: self.layers().end + 1 - layers_done,
+                });
+            }
             match region {
                 Region::Head { input, logits } => {
                     self.head_backward(&input, &logits, &run, &mut grads)?
                 }
                 Region::Norm { input, normed } => grads.norm_backward(&input, &normed),
-                Region::Block(block) => self.block_backward(block, &run, &mut grads)?,
+                Region::Block(block) => {
+                    blocks_done += 1;
+                    self.block_backward(block, &run, &mut grads)?
+                }
                 Region::Embedding { partial } => {
                     let g = (grads.residual.take()).expect("the embedding's output gradient");
                     backward_from(&partial, &run.seq.whole(&g)?);
+                    report(FinalGrads { from_piece: 0 });
                     return Ok(None);
                 }
             }
         }
+        report(FinalGrads { from_piece: 0 });
         match self.gives_input_grad_rows() {
             true => Ok(grads.residual),
             false => grads.residual.map(|g| run.seq.whole(&g)).transpose(),

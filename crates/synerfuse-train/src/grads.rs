@@ -6,10 +6,15 @@
 //! Under `--bf16` the micro-batch gradients libtorch produces in bf16 are added into the
 //! fp32 buffer after every backward, so a step's sum over many micro-batches is not
 //! rounded to bf16 at each addition; in fp32 they accumulate in the parameters and are
-//! moved into the buffer once. A reduction starts as soon as its chunk has run its last
-//! backward of the step and every reduction before it in the plan's global order has
-//! started (non-blocking MPI, or NCCL on its own stream), and overlaps the rest of the
-//! pipeline; the optimizer reads the reduced buffer.
+//! moved into the buffer once. Each reduction goes in buckets (Megatron's
+//! `--ddp-bucket-size`): its parameters laid out from the last model piece to the first,
+//! the order in which the backward finishes them, and cut into buckets of about the
+//! bucket size, the same on every member since they follow from the plan alone. A bucket
+//! starts as soon as its chunk's last backward of the step has made its gradients final
+//! (inside that backward, which reports piece by piece) and every bucket before it in
+//! the plan's global order has started (non-blocking MPI, or NCCL on its own stream); it
+//! overlaps the rest of the backward and of the pipeline, and the optimizer waits for the
+//! reduced buffer.
 
 use crate::comm::{CommError, GroupCommunicator, PendingReduction, SetGroups};
 use std::collections::BTreeMap;
@@ -28,10 +33,27 @@ struct ChunkGrads {
     params: Vec<(String, Tensor, Tensor)>,
     /// Where each of `params` starts in `buffer`.
     offsets: Vec<i64>,
+    /// The model piece of each of `params` ([`parameter_piece`]).
+    pieces: Vec<usize>,
+    /// Which of `params` have their step's gradient in `buffer` (during the chunk's last
+    /// backward, piece by piece).
+    moved: Vec<bool>,
     /// Indices into `params` of the gradients each tensor-parallel rank holds partially
-    /// (the norms), summed over the group once the chunk's step is complete.
-    group_summed: Vec<usize>,
+    /// (the norms), summed over the group once final, with whether they have been this
+    /// step.
+    group_summed: Vec<(usize, bool)>,
     backwards_left: usize,
+    /// The first piece whose gradients are final this step (`usize::MAX`: none yet).
+    final_from: usize,
+}
+
+/// Part of a reduction that starts on its own: a contiguous range of the chunk's buffer
+/// holding whole parameters.
+struct Bucket {
+    elements: Range<i64>,
+    /// The lowest model piece among its parameters: it is ready when that one is final.
+    min_piece: usize,
+    pending: Option<PendingReduction>,
 }
 
 /// One reduction of this rank: a contiguous range of one chunk's buffer.
@@ -41,12 +63,13 @@ struct Reduction {
     elements: Range<i64>,
     /// Whether it sums whole tensors (see `GradientReduction::whole`).
     whole: bool,
-    /// Under the distributed optimizer, each member's elements (a reduce-scatter leaves
-    /// each member the sum of its own only).
+    /// Under the distributed optimizer, each member's elements, from the reduction's
+    /// start (a reduce-scatter leaves each member the sum of its own only).
     shards: Option<Vec<Range<i64>>>,
     /// For a reduction of whole tensors: where this rank's slices go.
     staging: Option<WholeStaging>,
-    pending: Option<PendingReduction>,
+    /// Its buckets, in the order they start (one for a reduction of whole tensors).
+    buckets: Vec<Bucket>,
 }
 
 /// A reduction of whole tensors, whose holders split them differently: this rank adds
@@ -112,7 +135,10 @@ pub struct MainGrads {
     chunks: Vec<ChunkGrads>,
     /// This rank's reductions, in the plan's global order.
     reductions: Vec<Reduction>,
-    /// Reductions started this step (a prefix of `reductions`).
+    /// Every bucket as (reduction, bucket), in the order they start: the reductions' in
+    /// the plan's global order.
+    order: Vec<(usize, usize)>,
+    /// Buckets started this step (a prefix of `order`).
     started: usize,
     every_micro_batch: bool,
     /// The tensor-parallel group's members, in tensor-parallel order (empty without
@@ -151,14 +177,19 @@ impl MainGrads {
         for (chunk, (stage, pieces)) in chunks.iter().zip(chunk_pieces).enumerate() {
             let mut named = Vec::new();
             for (name, param) in stage.var_store().variables() {
+                let unreduced = || UnreducedParameter {
+                    name: name.clone(),
+                    chunk,
+                };
                 let index =
-                    reduction_of(&name, pieces, num_layers, reductions).ok_or_else(|| {
-                        UnreducedParameter {
-                            name: name.clone(),
-                            chunk,
-                        }
-                    })?;
-                named.push((index, name, param));
+                    reduction_of(&name, pieces, num_layers, reductions).ok_or_else(unreduced)?;
+                let piece = parameter_piece(&name, pieces, num_layers).ok_or_else(unreduced)?;
+                named.push(LaidOut {
+                    reduction: index,
+                    piece,
+                    name,
+                    param,
+                });
             }
             grads.push(ChunkGrads::laid_out(
                 chunk,
@@ -167,7 +198,7 @@ impl MainGrads {
                 &mut spans,
             ));
         }
-        let reductions = (reductions.iter().enumerate().zip(spans))
+        let reductions: Vec<Reduction> = (reductions.iter().enumerate().zip(spans))
             .filter_map(|((index, r), span)| {
                 let (chunk, elements) = span?;
                 let staging = r.whole.then(|| {
@@ -178,6 +209,7 @@ impl MainGrads {
                     });
                     WholeStaging::new(stage, &names, &grads[chunk].params)
                 });
+                let bucket = Bucket::of(&grads[chunk], elements.clone());
                 Some(Reduction {
                     members: r.members.clone(),
                     chunk,
@@ -185,12 +217,13 @@ impl MainGrads {
                     whole: r.whole,
                     shards: None,
                     staging,
-                    pending: None,
+                    buckets: Vec::from_iter(bucket),
                 })
             })
             .collect();
         Ok(MainGrads {
             chunks: grads,
+            order: bucket_order(&reductions),
             reductions,
             started: 0,
             every_micro_batch,
@@ -199,8 +232,8 @@ impl MainGrads {
     }
 
     /// Sums, over the tensor-parallel group `members`, the gradients the `chunks`' shards
-    /// hold partially ([`Stage::grad_summed_over_group`]) as each chunk completes its
-    /// step, before its reductions over the replicas start.
+    /// hold partially ([`Stage::grad_summed_over_group`]) as they become final, before
+    /// their reductions over the replicas start.
     pub fn summing_over(mut self, members: Vec<usize>, chunks: &[Stage]) -> Self {
         if members.len() < 2 {
             return self;
@@ -208,7 +241,7 @@ impl MainGrads {
         for (grads, stage) in self.chunks.iter_mut().zip(chunks) {
             grads.group_summed = (grads.params.iter().enumerate())
                 .filter(|(_, (name, _, _))| stage.grad_summed_over_group(name))
-                .map(|(i, _)| i)
+                .map(|(i, _)| (i, false))
                 .collect();
         }
         self.tp_group = members;
@@ -231,6 +264,30 @@ impl MainGrads {
         self
     }
 
+    /// Cuts every reduction (but those of whole tensors, one bucket each) into buckets
+    /// of `bucket_size(members)` elements or a little more (a parameter is never split),
+    /// Megatron's way: a bucket closes at the first parameter that brings it to the size.
+    pub fn bucketed(mut self, bucket_size: impl Fn(&[usize]) -> usize) -> Self {
+        for r in self.reductions.iter_mut().filter(|r| r.staging.is_none()) {
+            let size = bucket_size(&r.members).max(1) as i64;
+            r.buckets = Bucket::cut(&self.chunks[r.chunk], r.elements.clone(), size);
+        }
+        self.order = bucket_order(&self.reductions);
+        self
+    }
+
+    /// Each reduction's buckets, as element counts, in the global order (for the log).
+    pub fn bucket_sizes(&self) -> Vec<Vec<i64>> {
+        (self.reductions.iter())
+            .map(|r| {
+                r.buckets
+                    .iter()
+                    .map(|b| b.elements.end - b.elements.start)
+                    .collect()
+            })
+            .collect()
+    }
+
     /// Zeroes the buffers and counts each chunk's backwards in this step's `program`.
     pub fn begin_step(&mut self, program: &[Instruction]) {
         for (index, chunk) in self.chunks.iter_mut().enumerate() {
@@ -241,13 +298,38 @@ impl MainGrads {
                     matches!(i, Instruction::Compute { pass: Pass::Backward, piece } if piece.chunk == index)
                 })
                 .count();
+            chunk.moved.fill(false);
+            (chunk.group_summed.iter_mut()).for_each(|(_, summed)| *summed = false);
+            chunk.final_from = usize::MAX;
         }
         self.started = 0;
     }
 
+    /// Called inside `chunk`'s last backward of the step as the gradients of its pieces
+    /// `from_piece..` become final: moves them into the buffer, sums the partial ones over
+    /// the tensor-parallel group, and when `overlap`, starts the buckets now ready.
+    pub fn grads_final(
+        &mut self,
+        chunk: usize,
+        from_piece: usize,
+        groups: &SetGroups,
+        overlap: bool,
+    ) -> Result<(), CommError> {
+        let c = &mut self.chunks[chunk];
+        if c.backwards_left != 1 {
+            // Not the chunk's last backward: nothing is final yet.
+            return Ok(());
+        }
+        c.finalise_from(from_piece, groups.get(&self.tp_group))?;
+        if overlap {
+            self.start_ready(groups)?;
+        }
+        Ok(())
+    }
+
     /// Called after each backward of `chunk`: moves gradients into the fp32 buffer when
-    /// due, and when `overlap`, starts the reductions that are next in the global order
-    /// and whose chunk has run its last backward of the step.
+    /// due, and when `overlap`, starts the buckets that are next in the global order and
+    /// whose gradients are final.
     pub fn after_backward(
         &mut self,
         chunk: usize,
@@ -256,42 +338,29 @@ impl MainGrads {
     ) -> Result<(), CommError> {
         let every = self.every_micro_batch;
         let c = &mut self.chunks[chunk];
-        c.backwards_left = c.backwards_left.saturating_sub(1);
-        if every || c.backwards_left == 0 {
+        if c.backwards_left == 1 {
+            c.finalise_from(0, groups.get(&self.tp_group))?;
+        } else if every {
             c.accumulate();
         }
-        if c.backwards_left == 0 {
-            c.sum_over_group(groups.get(&self.tp_group))?;
-        }
+        c.backwards_left = c.backwards_left.saturating_sub(1);
         if overlap {
             self.start_ready(groups)?;
         }
         Ok(())
     }
 
-    /// Starts reductions in the global order while their chunk is complete: each rank
-    /// issues its reductions in the same relative order, so none waits on another.
+    /// Starts buckets in the global order while their gradients are final: each rank
+    /// issues its buckets in the same relative order, so none waits on another.
     fn start_ready(&mut self, groups: &SetGroups) -> Result<(), CommError> {
-        while let Some(reduction) = self.reductions.get_mut(self.started) {
+        while let Some(&(r, b)) = self.order.get(self.started) {
+            let reduction = &mut self.reductions[r];
             let chunk = &self.chunks[reduction.chunk];
-            if chunk.backwards_left > 0 {
+            if chunk.final_from > reduction.buckets[b].min_piece {
                 break;
             }
             if let Some(group) = groups.get(&reduction.members) {
-                let span = &reduction.elements;
-                let slice = chunk.buffer.narrow(0, span.start, span.end - span.start);
-                reduction.pending = Some(match (&mut reduction.staging, &reduction.shards) {
-                    (Some(staging), _) => {
-                        staging.fill();
-                        group.start_all_reduce_sum(&staging.buffer)?
-                    }
-                    (None, Some(shards)) => {
-                        let counts: Vec<usize> =
-                            shards.iter().map(|s| (s.end - s.start) as usize).collect();
-                        group.start_reduce_scatter_sum(&slice, &counts)?
-                    }
-                    (None, None) => group.start_all_reduce_sum(&slice)?,
-                });
+                reduction.start(b, &chunk.buffer, group)?;
             }
             self.started += 1;
         }
@@ -300,36 +369,36 @@ impl MainGrads {
 
     /// Lets reductions in flight progress (MPI moves only inside MPI calls).
     pub fn progress(&mut self) {
-        for reduction in &mut self.reductions[..self.started] {
-            if let Some(pending) = &mut reduction.pending {
+        for &(r, b) in &self.order[..self.started] {
+            if let Some(pending) = &mut self.reductions[r].buckets[b].pending {
                 pending.progress();
             }
         }
     }
 
-    /// Completes every reduction (starting those not yet started, in the global order)
-    /// and waits for them all.
+    /// Completes every reduction (starting the buckets not yet started, in the global
+    /// order) and waits for them all.
     pub fn finish(&mut self, groups: &SetGroups) -> Result<(), CommError> {
         for chunk in &mut self.chunks {
             if chunk.backwards_left > 0 {
                 // A chunk without backwards this step (none in any valid program).
                 chunk.backwards_left = 0;
-                chunk.accumulate();
-                chunk.sum_over_group(groups.get(&self.tp_group))?;
+                chunk.finalise_from(0, groups.get(&self.tp_group))?;
             }
         }
         let mut first_error = self.start_ready(groups).err();
-        // Every started reduction is waited for, even after an error: they write into
-        // the buffers.
+        // Every started bucket is waited for, even after an error: they write into the
+        // buffers.
         for reduction in &mut self.reductions {
-            if let Some(pending) = reduction.pending.take() {
-                match (pending.wait(), &mut reduction.staging) {
-                    (Err(e), _) => {
-                        first_error.get_or_insert(e);
-                    }
-                    (Ok(()), Some(staging)) => staging.take_back(),
-                    (Ok(()), None) => {}
+            let mut complete = true;
+            for bucket in &mut reduction.buckets {
+                if let Some(Err(e)) = bucket.pending.take().map(PendingReduction::wait) {
+                    first_error.get_or_insert(e);
+                    complete = false;
                 }
+            }
+            if let (true, Some(staging)) = (complete, &mut reduction.staging) {
+                staging.take_back();
             }
         }
         first_error.map_or(Ok(()), Err)
@@ -384,24 +453,44 @@ impl MainGrads {
     }
 }
 
+/// A parameter as the buffer lays it out.
+struct LaidOut {
+    reduction: usize,
+    piece: usize,
+    name: String,
+    param: Tensor,
+}
+
 impl ChunkGrads {
-    /// A buffer holding `named` (reduction index, name, parameter) sorted by reduction and
-    /// name; records each reduction's (chunk, element range) in `spans`.
+    /// A buffer holding `named` sorted by reduction, then from the last model piece to
+    /// the first (the order in which the backward finishes them), then by name; records
+    /// each reduction's (chunk, element range) in `spans`.
     fn laid_out(
         chunk: usize,
         device: tch::Device,
-        mut named: Vec<(usize, String, Tensor)>,
+        mut named: Vec<LaidOut>,
         spans: &mut [Option<(usize, Range<i64>)>],
     ) -> Self {
-        named.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
-        let numel: i64 = named.iter().map(|(_, _, p)| p.numel() as i64).sum();
+        named.sort_by(|a, b| {
+            (a.reduction, std::cmp::Reverse(a.piece), &a.name).cmp(&(
+                b.reduction,
+                std::cmp::Reverse(b.piece),
+                &b.name,
+            ))
+        });
+        let numel: i64 = named.iter().map(|p| p.param.numel() as i64).sum();
         let buffer = Tensor::zeros([numel], (Kind::Float, device));
         let mut offset = 0;
-        let mut params = Vec::with_capacity(named.len());
-        let mut offsets = Vec::with_capacity(named.len());
-        for (index, name, param) in named {
+        let (mut params, mut offsets, mut pieces) = (Vec::new(), Vec::new(), Vec::new());
+        for LaidOut {
+            reduction,
+            piece,
+            name,
+            param,
+        } in named
+        {
             let n = param.numel() as i64;
-            let span = spans[index].get_or_insert((chunk, offset..offset));
+            let span = spans[reduction].get_or_insert((chunk, offset..offset));
             // Segments are cut at every chunk boundary, so a reduction lies in one
             // chunk, contiguous after sorting.
             debug_assert!(span.0 == chunk && span.1.end == offset);
@@ -409,33 +498,77 @@ impl ChunkGrads {
             let view = buffer.narrow(0, offset, n).view(param.size().as_slice());
             params.push((name, param, view));
             offsets.push(offset);
+            pieces.push(piece);
             offset += n;
         }
         ChunkGrads {
             buffer,
+            moved: vec![false; params.len()],
             params,
             offsets,
+            pieces,
             group_summed: Vec::new(),
             backwards_left: 0,
+            final_from: usize::MAX,
         }
     }
 
-    /// Sums the partially held gradients over the tensor-parallel group (one blocking
-    /// collective; every rank of the group completes its chunks in the same order).
-    fn sum_over_group(&mut self, group: Option<&GroupCommunicator>) -> Result<(), CommError> {
-        let Some(group) = group.filter(|_| !self.group_summed.is_empty()) else {
+    /// During the chunk's last backward of the step: the gradients of pieces
+    /// `from_piece..` are final; moves those not yet moved into the buffer and sums the
+    /// partial ones over the tensor-parallel `group`.
+    fn finalise_from(
+        &mut self,
+        from_piece: usize,
+        group: Option<&GroupCommunicator>,
+    ) -> Result<(), CommError> {
+        let now: Vec<usize> = (0..self.params.len())
+            .filter(|&i| !self.moved[i] && self.pieces[i] >= from_piece)
+            .collect();
+        self.accumulate_some(&now);
+        for &i in &now {
+            self.moved[i] = true;
+        }
+        self.final_from = self.final_from.min(from_piece);
+        self.sum_over_group(group, from_piece)
+    }
+
+    /// Sums the partially held gradients of pieces `from_piece..` not yet summed over the
+    /// tensor-parallel group (one blocking collective; every rank of the group reaches
+    /// the same pieces at the same point of its backward).
+    fn sum_over_group(
+        &mut self,
+        group: Option<&GroupCommunicator>,
+        from_piece: usize,
+    ) -> Result<(), CommError> {
+        let Some(group) = group else {
             return Ok(());
         };
-        let mut views: Vec<Tensor> = (self.group_summed.iter())
-            .map(|&i| self.params[i].2.shallow_clone())
+        let pieces = &self.pieces;
+        let due: Vec<&mut (usize, bool)> = (self.group_summed.iter_mut())
+            .filter(|(i, summed)| !*summed && pieces[*i] >= from_piece)
             .collect();
+        if due.is_empty() {
+            return Ok(());
+        }
+        let mut views: Vec<Tensor> = Vec::with_capacity(due.len());
+        for entry in due {
+            views.push(self.params[entry.0].2.shallow_clone());
+            entry.1 = true;
+        }
         synerfuse_model::tp::reduce_flat_in_place(&mut views, |flat| group.all_reduce_sum(flat))
     }
 
     /// Adds each parameter's gradient into its fp32 view and zeroes it.
     fn accumulate(&mut self) {
+        let all: Vec<usize> = (0..self.params.len()).collect();
+        self.accumulate_some(&all);
+    }
+
+    /// [`Self::accumulate`] for the parameters at `indices`.
+    fn accumulate_some(&mut self, indices: &[usize]) {
         tch::no_grad(|| {
-            for (_, param, view) in &mut self.params {
+            for &i in indices {
+                let (_, param, view) = &mut self.params[i];
                 let mut grad = param.grad();
                 if grad.defined() {
                     let _ = view.g_add_(&grad);
@@ -444,6 +577,92 @@ impl ChunkGrads {
             }
         });
     }
+}
+
+impl Bucket {
+    /// One bucket of the whole reduction at `elements` of `chunk`'s buffer (none for a
+    /// reduction without elements).
+    fn of(chunk: &ChunkGrads, elements: Range<i64>) -> Option<Bucket> {
+        let min_piece = chunk.pieces_within(&elements).min()?;
+        Some(Bucket {
+            elements,
+            min_piece,
+            pending: None,
+        })
+    }
+
+    /// The reduction at `elements` of `chunk`'s buffer cut into buckets of at least
+    /// `size` elements (the last may be smaller), parameters whole, in buffer order.
+    fn cut(chunk: &ChunkGrads, elements: Range<i64>, size: i64) -> Vec<Bucket> {
+        let mut buckets = Vec::new();
+        let mut start = elements.start;
+        for (&offset, view) in (chunk.offsets.iter()).zip(chunk.params.iter().map(|p| &p.2)) {
+            let end = offset + view.numel() as i64;
+            if !elements.contains(&offset) {
+                continue;
+            }
+            if end - start >= size || end == elements.end {
+                buckets.extend(Bucket::of(chunk, start..end));
+                start = end;
+            }
+        }
+        buckets
+    }
+
+    /// Each member's elements of this bucket, given the members' `shards` of the
+    /// reduction starting at `reduction_start`.
+    fn counts(&self, shards: &[Range<i64>], reduction_start: i64) -> Vec<usize> {
+        let (start, end) = (
+            self.elements.start - reduction_start,
+            self.elements.end - reduction_start,
+        );
+        (shards.iter())
+            .map(|s| (s.end.min(end) - s.start.max(start)).max(0) as usize)
+            .collect()
+    }
+}
+
+impl ChunkGrads {
+    /// The pieces of the parameters starting within `elements`.
+    fn pieces_within<'a>(&'a self, elements: &'a Range<i64>) -> impl Iterator<Item = usize> + 'a {
+        (self.offsets.iter().zip(&self.pieces))
+            .filter(|(offset, _)| elements.contains(offset))
+            .map(|(_, &piece)| piece)
+    }
+}
+
+impl Reduction {
+    /// Starts bucket `b` of this reduction over `group`, from the chunk's `buffer`.
+    fn start(
+        &mut self,
+        b: usize,
+        buffer: &Tensor,
+        group: &GroupCommunicator,
+    ) -> Result<(), CommError> {
+        let bucket = &self.buckets[b];
+        let span = &bucket.elements;
+        let slice = buffer.narrow(0, span.start, span.end - span.start);
+        let pending = match (&mut self.staging, &self.shards) {
+            (Some(staging), _) => {
+                staging.fill();
+                group.start_all_reduce_sum(&staging.buffer)?
+            }
+            (None, Some(shards)) => {
+                let counts = bucket.counts(shards, self.elements.start);
+                group.start_reduce_scatter_sum(&slice, &counts)?
+            }
+            (None, None) => group.start_all_reduce_sum(&slice)?,
+        };
+        self.buckets[b].pending = Some(pending);
+        Ok(())
+    }
+}
+
+/// Every bucket of `reductions` as (reduction, bucket), in the order they start.
+fn bucket_order(reductions: &[Reduction]) -> Vec<(usize, usize)> {
+    (reductions.iter().enumerate())
+        .flat_map(|(r, reduction)| (0..reduction.buckets.len()).map(move |b| (r, b)))
+        .collect()
 }
 
 #[cfg(test)]
@@ -542,6 +761,70 @@ mod tests {
         }
         main.finish(&alone).unwrap();
         relative_error(&main.grads(), &reference)
+    }
+
+    /// A two-layer stage's one reduction in buckets of at least 3000 elements: whole
+    /// parameters, from the head back to the embedding, each bucket starting once the
+    /// backward has reported its lowest piece final, in order.
+    #[test]
+    fn buckets_follow_the_backward_and_start_as_their_pieces_finish() {
+        let mut config = bf16_stage().config().clone();
+        config.num_layers = 2;
+        let mut stage = Stage::new(&config, 0..2, Device::Cpu).unwrap();
+        stage.init_by_name(3);
+        let reduction = vec![GradientReduction {
+            parameters: synerfuse_plan::ReducedParameters::Pieces(0..4),
+            members: vec![0],
+            whole: false,
+        }];
+        let main = MainGrads::new(
+            std::slice::from_ref(&stage),
+            std::slice::from_ref(&(0..4)),
+            2,
+            &reduction,
+            false,
+        );
+        let mut main = main.unwrap().bucketed(|_| 3000);
+        let total: i64 = (stage.var_store().variables().values())
+            .map(|p| p.numel() as i64)
+            .sum();
+        let sizes = &main.bucket_sizes()[0];
+        assert_eq!(sizes.iter().sum::<i64>(), total);
+        assert!(sizes.len() > 3, "buckets {sizes:?}");
+        assert!(sizes[..sizes.len() - 1].iter().all(|&n| n >= 3000));
+        let lowest: Vec<usize> = main.reductions[0]
+            .buckets
+            .iter()
+            .map(|b| b.min_piece)
+            .collect();
+        assert!(lowest.windows(2).all(|w| w[0] >= w[1]), "pieces {lowest:?}");
+        // The head (2080 elements) shares its bucket with the last layer's first weights.
+        assert_eq!((lowest[0], lowest[lowest.len() - 1]), (2, 0));
+        let program = [Instruction::backward(synerfuse_plan::Piece::new(0, 0))];
+        main.begin_step(&program);
+        let alone = SetGroups::none();
+        for piece in [3, 2, 1, 0] {
+            main.grads_final(0, piece, &alone, true).unwrap();
+            let ready = lowest.iter().filter(|&&p| p >= piece).count();
+            assert_eq!(main.started, ready, "after piece {piece}");
+        }
+    }
+
+    /// A bucket's elements of each member's shard.
+    #[test]
+    fn a_bucket_counts_each_members_part_of_it() {
+        let bucket = Bucket {
+            elements: 145..185,
+            min_piece: 0,
+            pending: None,
+        };
+        let shards = [0..30, 30..40, 40..90, 90..100];
+        assert_eq!(bucket.counts(&shards, 100), vec![0, 0, 40, 0]);
+        let bucket = Bucket {
+            elements: 125..195,
+            ..bucket
+        };
+        assert_eq!(bucket.counts(&shards, 100), vec![5, 10, 50, 5]);
     }
 
     /// Many small micro-batch gradients: summed in bf16 they drift far from the one

@@ -10,8 +10,12 @@ use std::path::{Path, PathBuf};
 pub struct RankTimes {
     /// Forward/backward/optimizer computation (with emulated slowdown).
     pub compute_ms: f64,
-    /// Sends and collectives.
+    /// Blocked in sends and collectives: the communication computation did not hide.
     pub communication_ms: f64,
+    /// Of `communication_ms`, the wait for the data-parallel gradient reductions after
+    /// the rank's pipeline had run (with `--overlap-grad-reduce`, what the backward did
+    /// not hide of them).
+    pub reduce_wait_ms: f64,
     /// Waiting for pipeline neighbours and everything else (data, bookkeeping).
     pub idle_ms: f64,
     /// Tokens of this rank's replica per second of the step (every stage of a replica

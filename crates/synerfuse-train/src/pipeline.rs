@@ -10,12 +10,12 @@ use crate::emulation::{ComputeSpan, Emulation};
 use crate::loader::MicroBatch;
 use crate::TrainError;
 use std::cell::Cell;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 use synerfuse_model::cp::{ContextGroup, Solo};
 use synerfuse_model::tch::{Device, Kind, Tensor};
 use synerfuse_model::tp::{CollectiveError, TpBackwardFrom, TpCollectives};
-use synerfuse_model::{BackwardFrom, ExpertGroup, ForwardPass, Stage};
+use synerfuse_model::{BackwardFrom, ExpertGroup, FinalGrads, ForwardPass, Stage};
 use synerfuse_plan::timeline::{Span, SpanKind};
 use synerfuse_plan::{Instruction, Message, Pass, Payload, Piece};
 
@@ -28,6 +28,9 @@ pub struct StepTimes {
     pub compute: Duration,
     /// Sending, and collectives (gradient reduction, norms).
     pub communication: Duration,
+    /// Of `communication`, the wait for the data-parallel gradient reductions once the
+    /// pipeline has run: the part of them the backward did not hide.
+    pub reduce_wait: Duration,
     /// Blocked in receives, waiting for a neighbouring stage (pipeline bubbles).
     pub waiting: Duration,
     /// The forward and backward passes outside their collectives (tensor-, context- and
@@ -76,6 +79,10 @@ pub struct PipelineRank<'a> {
     pub emulation: Option<Emulation>,
     /// When the step began: the origin of the spans [`PipelineRank::run`] records.
     pub step_start: Instant,
+    /// Whether each chunk's last backward of the step runs piece by piece, telling the
+    /// caller ([`PipelineEvent::GradsFinal`]) as each piece's gradients are final, so
+    /// that their reduction can start inside the backward.
+    pub report_final_grads: bool,
 }
 
 /// A rank's expert-parallel group: its stage holds some experts of every MoE layer, the
@@ -128,9 +135,33 @@ pub enum PipelineEvent {
         /// The chunk.
         chunk: usize,
     },
+    /// Inside a chunk's last backward of the step (with
+    /// [`PipelineRank::report_final_grads`]): the chunk's parameters of `grads`' pieces
+    /// have their gradients of the step.
+    GradsFinal {
+        /// The chunk.
+        chunk: usize,
+        /// Which of its pieces.
+        grads: FinalGrads,
+    },
     /// An instruction other than a backward has ended (a moment to progress
     /// communication in flight).
     Between,
+}
+
+/// The pieces whose backward is their chunk's last of `program`.
+fn last_backwards(program: &[Instruction]) -> BTreeSet<Piece> {
+    let mut last = BTreeMap::new();
+    for instruction in program {
+        if let Instruction::Compute {
+            pass: Pass::Backward,
+            piece,
+        } = instruction
+        {
+            last.insert(piece.chunk, *piece);
+        }
+    }
+    last.into_values().collect()
 }
 
 /// What a rank does while it runs `instruction`: a receive blocks until the message
@@ -187,6 +218,9 @@ struct StepState {
     loss: StepLoss,
     /// What each instruction took, from the step's start.
     spans: Vec<Span>,
+    /// The pieces whose backward reports its gradients piece by piece (see
+    /// [`PipelineRank::report_final_grads`]).
+    reporting: BTreeSet<Piece>,
 }
 
 impl StepState {
@@ -281,10 +315,13 @@ impl PipelineRank<'_> {
             .collect();
         let mut step = StepState::default();
         count_sends(program, &mut step);
+        if self.report_final_grads && matches!(mode, Mode::Train { .. }) {
+            step.reporting = last_backwards(program);
+        }
         for &instruction in program {
             let (start_s, talked) = (self.now_s(), step.times.communication);
-            let event =
-                self.run_instruction(instruction, mode, &inputs, sequence_length, &mut step)?;
+            let run = (mode, &inputs[..], sequence_length);
+            let event = self.run_instruction(instruction, run, &mut step, on_event)?;
             let end_s = self.now_s();
             if let Instruction::Compute { .. } = instruction {
                 let inside = step.times.communication.saturating_sub(talked);
@@ -315,10 +352,9 @@ impl PipelineRank<'_> {
     fn run_instruction(
         &self,
         instruction: Instruction,
-        mode: Mode,
-        inputs: &[BatchTensors],
-        sequence_length: usize,
+        (mode, inputs, sequence_length): (Mode, &[BatchTensors], usize),
         step: &mut StepState,
+        on_event: &mut dyn FnMut(PipelineEvent) -> Result<(), TrainError>,
     ) -> Result<PipelineEvent, TrainError> {
         Ok(match (instruction, mode) {
             (Instruction::Recv(message), _) => {
@@ -354,7 +390,7 @@ impl PipelineRank<'_> {
             ) => {
                 let batch = &inputs[piece.micro_batch];
                 let weights = (loss_normaliser, sequence_weight);
-                self.backward(piece, batch, weights, step)?;
+                self.reporting_backward(piece, batch, weights, step, on_event)?;
                 PipelineEvent::BackwardDone { chunk: piece.chunk }
             }
             (
@@ -445,6 +481,9 @@ impl PipelineRank<'_> {
                 let groups = (cp.as_ref(), ep.as_ref());
                 stage.forward_train_parallel(&input, positions, mask, tp, groups.0, groups.1)?
             }
+            None if step.reporting.contains(&piece) => {
+                stage.forward_train_cut(&input, positions, mask)?
+            }
             None => stage.forward_train(&input, positions, mask)?,
         };
         if let (Some(cp), true) = (&cp, crossing.output) {
@@ -472,14 +511,41 @@ impl PipelineRank<'_> {
         Ok(())
     }
 
+    /// [`Self::backward`] of `piece`, passing the pieces whose gradients are final to
+    /// `on_event` as they are when `piece` is its chunk's last backward of the step
+    /// (the first error `on_event` returns ends the step once the backward is done).
+    fn reporting_backward(
+        &self,
+        piece: Piece,
+        batch: &BatchTensors,
+        weights: (f64, f64),
+        step: &mut StepState,
+        on_event: &mut dyn FnMut(PipelineEvent) -> Result<(), TrainError>,
+    ) -> Result<(), TrainError> {
+        if !step.reporting.contains(&piece) {
+            return self.backward(piece, batch, weights, step, &mut |_| {});
+        }
+        let mut failed = None;
+        let mut report = |grads: FinalGrads| {
+            if failed.is_none() {
+                let chunk = piece.chunk;
+                failed = on_event(PipelineEvent::GradsFinal { chunk, grads }).err();
+            }
+        };
+        self.backward(piece, batch, weights, step, &mut report)?;
+        failed.map_or(Ok(()), Err)
+    }
+
     /// The backward of `piece`: from the loss on the last stage's last chunk, else from
-    /// the gradient received from the piece after it.
+    /// the gradient received from the piece after it; `report` hears of its gradients
+    /// as they become final.
     fn backward(
         &self,
         piece: Piece,
         batch: &BatchTensors,
         (loss_normaliser, sequence_weight): (f64, f64),
         step: &mut StepState,
+        report: &mut dyn FnMut(FinalGrads),
     ) -> Result<(), TrainError> {
         let stage = &self.chunks[piece.chunk];
         let mut pass = step.passes.remove(&piece).ok_or(TrainError::Pipeline(
@@ -500,14 +566,15 @@ impl PipelineRank<'_> {
                         loss_mask: Some(&batch.loss_mask),
                         scale: 1.0 / loss_normaliser,
                     };
-                    stage.backward_parallel(pass, from, tp, cp.as_ref(), ep.as_ref())?
+                    let groups = (cp.as_ref(), ep.as_ref());
+                    stage.backward_parallel_reporting(pass, from, tp, groups, report)?
                 }
                 None => {
                     let loss_of = |logits: &Tensor| {
                         let (sum, _) = Stage::loss(logits, &batch.labels, Some(&batch.loss_mask));
                         sum / loss_normaliser
                     };
-                    stage.backward(pass, BackwardFrom::Loss(&loss_of))?
+                    stage.backward_reporting(pass, BackwardFrom::Loss(&loss_of), report)?
                 }
             }
         } else {
@@ -530,9 +597,10 @@ impl PipelineRank<'_> {
             match tp {
                 Some(tp) => {
                     let from = TpBackwardFrom::OutputGrad(&grad);
-                    stage.backward_parallel(pass, from, tp, cp.as_ref(), ep.as_ref())?
+                    let groups = (cp.as_ref(), ep.as_ref());
+                    stage.backward_parallel_reporting(pass, from, tp, groups, report)?
                 }
-                None => stage.backward(pass, BackwardFrom::OutputGrad(&grad))?,
+                None => stage.backward_reporting(pass, BackwardFrom::OutputGrad(&grad), report)?,
             }
         };
         let input_grad = match (&cp, self.crossing(piece.chunk).input, input_grad) {

@@ -258,10 +258,15 @@ pub struct TrainArgs {
     /// tensor-parallel size); no effect on stages of one rank, as in Megatron
     #[arg(long)]
     sequence_parallel: bool,
-    /// Overlap each chunk's data-parallel gradient reduction with the rest of the
-    /// pipeline (the default here; accepted for Megatron's scripts)
-    #[arg(long, help_heading = "Megatron compatibility")]
+    /// Start each bucket of the data-parallel gradient reduction inside the last
+    /// backward, as soon as its gradients are final (the default here, where Megatron's
+    /// is off)
+    #[arg(long, help_heading = "Parallelism")]
     overlap_grad_reduce: bool,
+    /// Parameters (elements) per gradient-reduction bucket when overlapping; default
+    /// max(40M, 1M x the data-parallel size), as Megatron's
+    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Parallelism")]
+    ddp_bucket_size: Option<usize>,
     /// Reduce gradients only after the whole pipeline has run (for comparisons)
     #[arg(
         long,
@@ -746,6 +751,7 @@ impl TrainArgs {
                 plan,
                 schedule,
                 overlap_grad_reduce: !self.no_overlap_grad_reduce,
+                ddp_bucket_size: self.ddp_bucket_size,
                 sequence_parallel: self.sequence_parallel,
             },
             batch: BatchConfig {

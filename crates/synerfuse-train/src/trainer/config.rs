@@ -95,12 +95,29 @@ pub struct ParallelConfig {
     /// Pipeline schedule of every replica (replicas without virtual chunks run 1F1B
     /// where this is interleaved).
     pub schedule: ScheduleKind,
-    /// Start each gradient reduction as soon as its chunk's last backward ends
-    /// (Megatron's `--overlap-grad-reduce`; off with `--no-overlap-grad-reduce`).
+    /// Start each bucket of a gradient reduction inside its chunk's last backward, as
+    /// soon as its gradients are final (Megatron's `--overlap-grad-reduce`; off with
+    /// `--no-overlap-grad-reduce`: every reduction after the whole pipeline, whole).
     pub overlap_grad_reduce: bool,
+    /// Elements per bucket when overlapping (Megatron's `--ddp-bucket-size`; default
+    /// max(40M, 1M × the reduction's members), as Megatron's).
+    pub ddp_bucket_size: Option<usize>,
     /// Megatron's `--sequence-parallel` on every tensor-parallel stage (no effect on
     /// stages of one rank).
     pub sequence_parallel: bool,
+}
+
+impl ParallelConfig {
+    /// The bucket size of a reduction over `members` ranks: Megatron's (its default
+    /// scaled with the data-parallel size), and one bucket without overlap (nothing
+    /// would start before the last).
+    pub fn bucket_size(&self, members: usize) -> usize {
+        match (self.overlap_grad_reduce, self.ddp_bucket_size) {
+            (false, _) => usize::MAX,
+            (true, Some(size)) => size,
+            (true, None) => (40_000_000).max(1_000_000 * members),
+        }
+    }
 }
 
 /// Sequence length and how long the run is.

@@ -78,6 +78,7 @@ impl Trainer<'_> {
             activation_kind: self.activation_kind(),
             emulation: self.emulation,
             step_start: std::time::Instant::now(),
+            report_final_grads: false,
         };
         let sequence_length = self.config.batch.sequence_length;
         pipeline.evaluate(&self.eval_program, micro_batches, sequence_length)

@@ -386,6 +386,8 @@ impl<'w> Trainer<'w> {
             std::process::exit(3);
         }
         let (started, start_s) = (Instant::now(), since_start());
+        self.grads.finish(&self.groups)?;
+        times.reduce_wait = started.elapsed();
         let (grads, grad_norm) = self.reduced_gradients()?;
         times.communication += started.elapsed();
         spans.push(span(SpanKind::Reduce, start_s));
@@ -433,6 +435,7 @@ impl<'w> Trainer<'w> {
             activation_kind: self.activation_kind(),
             emulation: self.emulation,
             step_start,
+            report_final_grads: self.config.parallel.overlap_grad_reduce,
         };
         let groups = &self.groups;
         let overlap = self.config.parallel.overlap_grad_reduce;
@@ -444,6 +447,9 @@ impl<'w> Trainer<'w> {
             match event {
                 PipelineEvent::BackwardDone { chunk } => {
                     main_grads.after_backward(chunk, groups, overlap)?
+                }
+                PipelineEvent::GradsFinal { chunk, grads } => {
+                    main_grads.grads_final(chunk, grads.from_piece, groups, overlap)?
                 }
                 PipelineEvent::Between => main_grads.progress(),
             }
@@ -466,7 +472,6 @@ impl<'w> Trainer<'w> {
     /// replica clips by the very same factor (replicas of different pipelines would sum
     /// their squares in different orders).
     fn reduced_gradients(&mut self) -> Result<(BTreeMap<String, Tensor>, f64), TrainError> {
-        self.grads.finish(&self.groups)?;
         let grads = self.grads.grads();
         let skip_tied = self.holds_tied_copy();
         let stage = &self.chunks[0];

@@ -52,10 +52,11 @@ struct RankRow {
     activation_peak_bytes: f64,
     /// Forward and backward time (what waiting does not inflate).
     pace_ms: f64,
+    reduce_wait_ms: f64,
 }
 
 /// The fields of a [`RankRow`] before the rank's expert load.
-const ROW_FIELDS: usize = 10;
+const ROW_FIELDS: usize = 11;
 
 /// The step as every rank saw it.
 #[derive(Debug, Clone)]
@@ -105,6 +106,7 @@ impl StepOutcome {
             step.memory.state() as f64,
             step.memory.activations_peak.map_or(-1.0, |b| b as f64),
             pace_s * 1e3,
+            ms(step.times.reduce_wait),
         ];
         mine.extend(&step.experts);
         let all = world.all_gather(&Tensor::from_slice(&mine))?;
@@ -130,6 +132,7 @@ impl StepOutcome {
                     state_bytes: at(7),
                     activation_peak_bytes: at(8),
                     pace_ms: at(9),
+                    reduce_wait_ms: at(10),
                 }
             })
             .collect();
@@ -286,6 +289,7 @@ impl StepLog {
                 .map(|r| RankTimes {
                     compute_ms: r.compute_ms,
                     communication_ms: r.communication_ms,
+                    reduce_wait_ms: r.reduce_wait_ms,
                     idle_ms: (r.elapsed_ms - r.compute_ms - r.communication_ms).max(0.0),
                     tokens_per_s: r.replica_tokens / seconds,
                     state_bytes: r.state_bytes as u64,

@@ -494,7 +494,16 @@ pub(super) fn main_grads(
         &mine,
         config.compute.bf16,
     )?
-    .summing_over(tp_group.to_vec(), chunks);
+    .summing_over(tp_group.to_vec(), chunks)
+    .bucketed(|members| config.parallel.bucket_size(members.len()));
+    let buckets = grads.bucket_sizes();
+    if config.parallel.overlap_grad_reduce && buckets.iter().any(|b| b.len() > 1) {
+        let sizes: Vec<String> = (buckets.iter()).map(|b| format!("{b:?}")).collect();
+        tracing::info!(
+            "gradient reductions in buckets of elements, each started inside the last backward once final: {}",
+            sizes.join(", ")
+        );
+    }
     Ok(match config.optimizer.distributed {
         true => grads.sharded(|members| plan.memory_shares(members)),
         false => grads,

@@ -1,0 +1,197 @@
+//! A whole stage's backward: in one call, or piece by piece so that the gradients of its
+//! last pieces can leave for their data-parallel reduction while the backward of its
+//! first ones runs. Megatron hooks autograd's gradient accumulation for that; here the
+//! forward's graph is cut where each model piece ends (a leaf at each piece's input), and
+//! each piece's backward is its own call, the same arithmetic in the same order.
+
+use crate::error::StageError;
+use crate::llama::{BackwardFrom, Stage};
+use crate::moe::LayerBalance;
+use crate::norm::rms_norm;
+use crate::pass::{CutPiece, FinalGrads, ForwardPass, SavedInputs};
+use tch::{Kind, Tensor};
+
+impl Stage {
+    /// A training forward whose graph is cut at the stage's model pieces, for
+    /// [`Stage::backward_reporting`] to hand each piece's gradients over as soon as they
+    /// are final. With recomputation it keeps only the input, as [`Stage::forward_train`]
+    /// does, and the backward recomputes the cut forward.
+    pub fn forward_train_cut(
+        &self,
+        input: &Tensor,
+        position_ids: Option<&Tensor>,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<ForwardPass, StageError> {
+        if self.recomputes() {
+            return self.forward_train(input, position_ids, attention_mask);
+        }
+        let input = if self.is_first() {
+            input.shallow_clone()
+        } else {
+            // The gradient of the input goes back to the previous stage.
+            input.detach().set_requires_grad(true)
+        };
+        let saved = SavedInputs {
+            input: input.shallow_clone(),
+            position_ids: position_ids.map(Tensor::shallow_clone),
+            attention_mask: attention_mask.map(Tensor::shallow_clone),
+        };
+        let sequences = input.size()[0];
+        let (cuts, balance) = self.cut_forward(&input, position_ids, attention_mask, sequences)?;
+        let output = match cuts.last() {
+            Some(last) => last.output.detach(),
+            None => input.detach(),
+        };
+        let mut pass = ForwardPass::new(output, saved, sequences);
+        pass.balance = balance.into_iter().map(LayerBalance::detached).collect();
+        pass.cuts = Some(cuts);
+        Ok(pass)
+    }
+
+    /// The forward of `forward_inner`, each piece's graph starting at a leaf: the pieces
+    /// in forward order, and each MoE layer's load balance.
+    fn cut_forward(
+        &self,
+        input: &Tensor,
+        position_ids: Option<&Tensor>,
+        attention_mask: Option<&Tensor>,
+        sequences: i64,
+    ) -> Result<(Vec<CutPiece>, Vec<LayerBalance>), StageError> {
+        if !self.shard().is_whole() {
+            return Err(StageError::Sharded);
+        }
+        self.check_experts_held()?;
+        let mut cuts = Vec::new();
+        let mut x = match self.embedding_weight() {
+            Some(embedding) => {
+                self.check_tokens(input)?;
+                let output = Tensor::embedding(embedding, input, -1, false, false);
+                let leaf = output.detach().set_requires_grad(true);
+                cuts.push(CutPiece::new(0, None, output));
+                leaf
+            }
+            None => {
+                self.check_hidden(input)?;
+                input.shallow_clone()
+            }
+        };
+        let (cos, sin) = self.rotary(&x, position_ids);
+        let mut balances = Vec::new();
+        for (layer, index) in self.decoder_layers().iter().zip(self.layers()) {
+            let mut routings = Vec::new();
+            let config = self.config();
+            let output = layer.forward(
+                &x,
+                config,
+                (&cos, &sin),
+                attention_mask,
+                None,
+                &mut routings,
+            );
+            let balance = self.balances(&routings, sequences, None)?;
+            let mut cut = CutPiece::new(index + 1, Some(x), output.shallow_clone());
+            cut.objective = self.summed_objectives(&balance);
+            balances.extend(balance);
+            cuts.push(cut);
+            x = output.detach().set_requires_grad(true);
+        }
+        if let Some((norm, head)) = self.norm_and_head() {
+            let logits =
+                rms_norm(&x, norm, self.config().rms_norm_eps).linear::<Tensor>(head, None);
+            let head_piece = self.config().num_layers + 1;
+            cuts.push(CutPiece::new(head_piece, Some(x), logits));
+        }
+        Ok((cuts, balances))
+    }
+
+    /// Backpropagates `pass` given the gradient of its output (or, on the last stage, a
+    /// scalar loss built from `pass.output`, with `output_grad = None`). Accumulates the
+    /// parameter gradients and returns the gradient of the stage input (none on the
+    /// first stage).
+    pub fn backward(
+        &self,
+        pass: ForwardPass,
+        loss_or_output_grad: BackwardFrom<'_>,
+    ) -> Result<Option<Tensor>, StageError> {
+        self.backward_reporting(pass, loss_or_output_grad, &mut |_| {})
+    }
+
+    /// [`Stage::backward`], telling `report` whenever more parameters have their
+    /// gradients of this pass: piece by piece, from the last, for a pass of
+    /// [`Stage::forward_train_cut`] (or a recomputed one); once, at the end, otherwise.
+    /// The last report is always of every piece (`from_piece` 0).
+    pub fn backward_reporting(
+        &self,
+        mut pass: ForwardPass,
+        loss_or_output_grad: BackwardFrom<'_>,
+        report: &mut dyn FnMut(FinalGrads),
+    ) -> Result<Option<Tensor>, StageError> {
+        if !pass.regions.is_empty() {
+            return Err(StageError::Sharded);
+        }
+        let weight = pass.router_loss_weight(self.config(), 1);
+        let saved = &pass.saved;
+        let cuts = match (pass.cuts.take(), pass.graph.take()) {
+            (Some(cuts), _) => cuts,
+            (None, Some(graph)) => {
+                let balance = pass.router_loss_graph.take();
+                backward_through(&graph, &loss_or_output_grad, balance, weight);
+                Vec::new()
+            }
+            // Recomputed: the forward again, cut, with the graph this time.
+            (None, None) => {
+                let (positions, mask) =
+                    (saved.position_ids.as_ref(), saved.attention_mask.as_ref());
+                self.cut_forward(&saved.input, positions, mask, pass.sequences)?
+                    .0
+            }
+        };
+        backward_piece_by_piece(cuts, &loss_or_output_grad, weight, report);
+        report(FinalGrads { from_piece: 0 });
+        Ok((!self.is_first()).then(|| pass.saved.input.grad()))
+    }
+}
+
+/// One backward through `output`, from the loss or the output's gradient, with the
+/// router losses `balance` times `weight`.
+fn backward_through(
+    output: &Tensor,
+    from: &BackwardFrom<'_>,
+    balance: Option<Tensor>,
+    weight: f64,
+) {
+    let loss = match from {
+        BackwardFrom::OutputGrad(grad) => (output * *grad).sum(Kind::Float),
+        BackwardFrom::Loss(loss_of) => loss_of(output),
+    };
+    match balance.filter(|_| weight != 0.0) {
+        Some(balance) => (loss + balance * weight).backward(),
+        None => loss.backward(),
+    }
+}
+
+/// The backward of `cuts` from the last piece to the first, each from the gradient of
+/// its output (the loss, or the stage output's gradient, for the last), reporting each
+/// piece as its gradients become final.
+fn backward_piece_by_piece(
+    cuts: Vec<CutPiece>,
+    from: &BackwardFrom<'_>,
+    weight: f64,
+    report: &mut dyn FnMut(FinalGrads),
+) {
+    let mut grad: Option<Tensor> = None;
+    for cut in cuts.into_iter().rev() {
+        let from_here = match &grad {
+            Some(g) => BackwardFrom::OutputGrad(g),
+            None => match from {
+                BackwardFrom::OutputGrad(g) => BackwardFrom::OutputGrad(g),
+                BackwardFrom::Loss(loss_of) => BackwardFrom::Loss(*loss_of),
+            },
+        };
+        backward_through(&cut.output, &from_here, cut.objective, weight);
+        report(FinalGrads {
+            from_piece: cut.piece,
+        });
+        grad = cut.input.map(|leaf| leaf.grad());
+    }
+}
