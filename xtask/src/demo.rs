@@ -12,9 +12,14 @@ use crate::common::{
     PROFILE_SPEED,
 };
 use anyhow::{ensure, Context, Result};
+use plotters::coord::ranged1d::{KeyPointHint, NoDefaultFormatting, ValueFormatter};
+use plotters::coord::{types::RangedCoordf64, Shift};
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::OnceLock;
 use std::time::Instant;
 
 const ITERS: usize = 300;
@@ -109,7 +114,7 @@ pub fn run(root: &Path) -> Result<()> {
     ));
     let done = std::fs::read_to_string(checkpoints.join("latest"))
         .is_ok_and(|t| t.trim() == ITERS.to_string())
-        && read_log(&log).is_ok_and(|r| r.len() == ITERS)
+        && read_log(&log).is_ok_and(|r| r.iterations.len() == ITERS)
         // A log from before the trainer recorded spans cannot be drawn.
         && std::fs::read_to_string(&log).is_ok_and(|t| t.contains("\"spans\""));
     if done {
@@ -119,8 +124,12 @@ pub fn run(root: &Path) -> Result<()> {
         let _ = std::fs::remove_dir_all(demo.join("tensorboard"));
         train_with_plan(&bin, &demo, (&plan, &train_flags), &data)?;
     }
-    let records = read_log(&log)?;
-    ensure!(!records.is_empty(), "{} has no iterations", log.display());
+    let logged = read_log(&log)?;
+    ensure!(
+        !logged.iterations.is_empty(),
+        "{} has no iterations",
+        log.display()
+    );
 
     let svg = demo.join("step-timeline.svg");
     steps.say(&format!(
@@ -141,7 +150,7 @@ pub fn run(root: &Path) -> Result<()> {
 
     let png = demo.join("loss.png");
     steps.say(&format!("plotting {}", png.display()));
-    plot(&records, &png)?;
+    plot(&logged, &png)?;
 
     steps.say(&format!(
         "generating from the trained model (checkpoint {}), prompt {PROMPT:?}",
@@ -152,7 +161,7 @@ pub fn run(root: &Path) -> Result<()> {
 
     steps.say("summary");
     let summary = summary(
-        &records,
+        &logged.iterations,
         &plan_table,
         &passage,
         steps.started.elapsed().as_secs_f64(),
@@ -296,16 +305,43 @@ struct Record {
     rank_tokens_per_s: Vec<f64>,
 }
 
-fn read_log(path: &Path) -> Result<Vec<Record>> {
+/// One evaluation in the `--log-json`: the trainer's records with an `evaluation`
+/// field (`validation`, or `test`) and the split's `lm_loss`.
+#[derive(Debug, PartialEq)]
+struct Evaluation {
+    split: String,
+    iteration: f64,
+    loss: f64,
+}
+
+/// What the plot and the summary read from a `--log-json`.
+#[derive(Default)]
+struct Log {
+    iterations: Vec<Record>,
+    evaluations: Vec<Evaluation>,
+}
+
+fn read_log(path: &Path) -> Result<Log> {
     let text = std::fs::read_to_string(path).with_context(|| path.display().to_string())?;
-    text.lines()
-        // Iteration records only (not evaluations or speed changes).
-        .filter(|l| l.contains("\"elapsed_ms\""))
-        .map(|line| {
-            let v: serde_json::Value = serde_json::from_str(line)
-                .with_context(|| format!("{}: {line}", path.display()))?;
-            let num = |x: &serde_json::Value| x.as_f64().unwrap_or(f64::NAN);
-            Ok(Record {
+    parse_log(&text).with_context(|| path.display().to_string())
+}
+
+/// Iteration records (`elapsed_ms`) and evaluations (`evaluation`); the others
+/// (speed shifts, re-plans, saves, the run) nest their fields and are passed over.
+fn parse_log(text: &str) -> Result<Log> {
+    let mut log = Log::default();
+    let lines = text.lines();
+    for line in lines.filter(|l| l.contains("\"elapsed_ms\"") || l.contains("\"evaluation\"")) {
+        let v: serde_json::Value = serde_json::from_str(line).context(line.to_owned())?;
+        let num = |x: &serde_json::Value| x.as_f64().unwrap_or(f64::NAN);
+        if let Some(split) = v["evaluation"].as_str() {
+            log.evaluations.push(Evaluation {
+                split: split.to_owned(),
+                iteration: num(&v["iteration"]),
+                loss: num(&v["lm_loss"]),
+            });
+        } else if v.get("elapsed_ms").is_some() {
+            log.iterations.push(Record {
                 iteration: num(&v["iteration"]),
                 loss: num(&v["loss"]),
                 tokens_per_s: num(&v["tokens_per_s"]),
@@ -313,102 +349,420 @@ fn read_log(path: &Path) -> Result<Vec<Record>> {
                     .as_array()
                     .map(|ranks| ranks.iter().map(|r| num(&r["tokens_per_s"])).collect())
                     .unwrap_or_default(),
-            })
+            });
+        }
+    }
+    Ok(log)
+}
+
+/// A font for the plot's text: plotters draws text with ab_glyph, from a TTF file
+/// (registered once: plotters keeps it for the process).
+fn font() -> Option<&'static str> {
+    static FONT: OnceLock<Option<&'static str>> = OnceLock::new();
+    *FONT.get_or_init(|| {
+        const CANDIDATES: [&str; 3] = [
+            "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+            "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+            "/usr/share/fonts/TTF/DejaVuSans.ttf",
+        ];
+        let bytes = CANDIDATES.iter().find_map(|p| std::fs::read(p).ok())?;
+        let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+        plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).ok()?;
+        Some("sans-serif")
+    })
+}
+
+/// What an axis measures: iterations and tokens come in whole numbers, a loss does not.
+#[derive(Clone, Copy)]
+enum Scale {
+    Count,
+    Real,
+}
+
+/// An axis's range and ticks, chosen here rather than by plotters so that each label
+/// carries the decimals its step needs and no more: `50`, not `50.0`; `2.5`, not
+/// `2.5000000001`.
+#[derive(Clone)]
+struct Axis {
+    range: Range<f64>,
+    ticks: Vec<f64>,
+    decimals: usize,
+}
+
+impl Axis {
+    /// At most `max` ticks over `lo..hi`, 1, 2 or 5 times a power of ten apart (at least
+    /// 1 on a count, so a short run gets no half iterations). A real axis keeps one
+    /// decimal at least, so a loss never reads like a count.
+    fn new(lo: f64, hi: f64, max: usize, scale: Scale) -> Self {
+        let (lo, hi) = match (lo.is_finite(), hi.is_finite() && hi > lo) {
+            (true, true) => (lo, hi),
+            (true, false) => (lo - 1.0, lo + 1.0),
+            (false, _) => (0.0, 1.0),
+        };
+        let raw = (hi - lo) / max.saturating_sub(1).max(1) as f64;
+        let power = 10f64.powf(raw.log10().floor());
+        let mut step = [1.0, 2.0, 5.0, 10.0]
+            .map(|m| m * power)
+            .into_iter()
+            .find(|&s| s >= raw * (1.0 - 1e-9))
+            .unwrap_or(10.0 * power);
+        if let Scale::Count = scale {
+            step = step.max(1.0);
+        }
+        let (first, last) = ((lo / step - 1e-9).ceil(), (hi / step + 1e-9).floor());
+        let ticks = (first as i64..=last as i64)
+            .map(|k| k as f64 * step)
+            .collect();
+        let decimals = match scale {
+            Scale::Count => 0,
+            Scale::Real => decimals(step).max(1),
+        };
+        Self {
+            range: lo..hi,
+            ticks,
+            decimals,
+        }
+    }
+
+    fn label(&self, value: f64) -> String {
+        format!("{value:.*}", self.decimals)
+    }
+}
+
+/// Plotters' f64 axis, with this axis's ticks (and no light grid between them).
+impl Ranged for Axis {
+    type FormatOption = NoDefaultFormatting;
+    type ValueType = f64;
+
+    fn map(&self, value: &f64, limit: (i32, i32)) -> i32 {
+        RangedCoordf64::from(self.range.clone()).map(value, limit)
+    }
+
+    fn key_points<Hint: KeyPointHint>(&self, hint: Hint) -> Vec<f64> {
+        match hint.weight().allow_light_points() {
+            true => Vec::new(),
+            false => self.ticks.clone(),
+        }
+    }
+
+    fn range(&self) -> Range<f64> {
+        self.range.clone()
+    }
+}
+
+impl ValueFormatter<f64> for Axis {
+    fn format_ext(&self, value: &f64) -> String {
+        self.label(*value)
+    }
+}
+
+/// The decimals that write `step` (a 1, 2 or 5 times a power of ten) exactly.
+fn decimals(step: f64) -> usize {
+    (0..12)
+        .find(|&d| {
+            let scaled = step * 10f64.powi(d);
+            (scaled - scaled.round()).abs() < 1e-6 * scaled.max(1.0)
         })
+        .unwrap_or(12) as usize
+}
+
+/// Whose tokens/s a throughput series shows.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Source {
+    Job,
+    Rank(usize),
+}
+
+/// A throughput line and everyone it stands for.
+struct Series {
+    sources: Vec<Source>,
+    values: Vec<f64>,
+}
+
+/// The series with equal values merged into one. The ranks of a replica share its
+/// tokens and every replica the step's wall time, so equal replicas give bit-identical
+/// series, and lines drawn over each other would show only the last. One line
+/// labelled with every rank it stands for ("ranks 0, 1") states that they coincide,
+/// where dash patterns or markers on stacked lines would leave the reader to work it
+/// out (and clutter a plot of noisy per-step values).
+fn group_identical(series: Vec<(Source, Vec<f64>)>) -> Vec<Series> {
+    let mut groups: Vec<Series> = Vec::new();
+    for (source, values) in series {
+        let same = |g: &&mut Series| {
+            g.values.len() == values.len()
+                && (g.values.iter().zip(&values)).all(|(a, b)| a == b || a.is_nan() && b.is_nan())
+        };
+        match groups.iter_mut().find(same) {
+            Some(group) => group.sources.push(source),
+            None => groups.push(Series {
+                sources: vec![source],
+                values,
+            }),
+        }
+    }
+    groups
+}
+
+/// The legend's name for a group: `job`, `rank 2`, `ranks 0, 1`, `job = ranks 0–3`.
+fn sources_label(sources: &[Source]) -> String {
+    let ranks: Vec<usize> = (sources.iter())
+        .filter_map(|s| match s {
+            Source::Rank(r) => Some(*r),
+            Source::Job => None,
+        })
+        .collect();
+    let ranks = match ranks.as_slice() {
+        [] => None,
+        [rank] => Some(format!("rank {rank}")),
+        _ => Some(format!("ranks {}", rank_list(&ranks))),
+    };
+    let job = sources.contains(&Source::Job).then(|| "job".to_owned());
+    job.into_iter().chain(ranks).collect::<Vec<_>>().join(" = ")
+}
+
+/// Ascending ranks as `0, 1, 4–7`: runs of three or more shortened, so a legend entry
+/// for many ranks stays one short line.
+fn rank_list(ranks: &[usize]) -> String {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for &rank in ranks {
+        match runs.last_mut() {
+            Some((_, end)) if *end + 1 == rank => *end = rank,
+            _ => runs.push((rank, rank)),
+        }
+    }
+    (runs.iter())
+        .map(|&(first, last)| match last - first {
+            0 => first.to_string(),
+            1 => format!("{first}, {last}"),
+            _ => format!("{first}–{last}"),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+type Area<'a> = DrawingArea<BitMapBackend<'a>, Shift>;
+type Chart<'a, 'b> = ChartContext<'a, BitMapBackend<'b>, Cartesian2d<Axis, Axis>>;
+
+/// Pixels to the right of each plot for its legend.
+const LEGEND_WIDTH: i32 = 270;
+/// Colours for the series other than the job (matplotlib's, distinct in print).
+const PALETTE: [RGBColor; 8] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(23, 190, 207),
+];
+
+/// How a legend entry shows its series: a line of `width` (none at 0) in `color`,
+/// with `marker` on it for points measured only now and then.
+struct Key {
+    label: String,
+    color: RGBColor,
+    width: u32,
+    marker: Option<Marker>,
+}
+
+#[derive(Clone, Copy)]
+enum Marker {
+    Circle,
+    Triangle,
+}
+
+/// `area` titled `caption` and split into the plot and, to its right, a column for
+/// the legend, which there can hide no data.
+fn panel<'b>(area: &Area<'b>, caption: &str, font: &str) -> Result<(Area<'b>, Area<'b>)> {
+    let body = area.margin(8, 0, 0, 0).titled(caption, (font, 24))?;
+    let width = body.dim_in_pixel().0 as i32;
+    Ok(body.split_horizontally(width - LEGEND_WIDTH))
+}
+
+/// A chart on `area` with the axes' own ticks and labels.
+fn chart<'a, 'b>(
+    area: &'a Area<'b>,
+    (x, y): (&Axis, &Axis),
+    (x_desc, y_desc): (&str, &str),
+    font: &str,
+) -> Result<Chart<'a, 'b>> {
+    let mut chart = ChartBuilder::on(area)
+        .margin(15)
+        .x_label_area_size(45)
+        .y_label_area_size(75)
+        .build_cartesian_2d(x.clone(), y.clone())?;
+    chart
+        .configure_mesh()
+        .x_desc(x_desc)
+        .y_desc(y_desc)
+        .label_style((font, 16))
+        .axis_desc_style((font, 18))
+        .bold_line_style(BLACK.mix(0.12))
+        .draw()?;
+    Ok(chart)
+}
+
+/// The keys in a framed column at the top of `area`, one row each.
+fn draw_legend(area: &Area, keys: &[Key], font: &str) -> Result<()> {
+    const ROW: i32 = 28;
+    let text = TextStyle::from((font, 16).into_font()).pos(Pos::new(HPos::Left, VPos::Center));
+    let height = ROW * keys.len() as i32 + 12;
+    area.draw(&Rectangle::new(
+        [(0, 15), (LEGEND_WIDTH - 15, 15 + height)],
+        BLACK.mix(0.4).stroke_width(1),
+    ))?;
+    for (i, key) in keys.iter().enumerate() {
+        let y = 15 + 6 + ROW / 2 + ROW * i as i32;
+        if key.width > 0 {
+            let line = PathElement::new([(12, y), (52, y)], key.color.stroke_width(key.width));
+            area.draw(&line)?;
+        }
+        match key.marker {
+            Some(Marker::Circle) => area.draw(&Circle::new((32, y), 5, key.color.filled()))?,
+            Some(Marker::Triangle) => {
+                area.draw(&TriangleMarker::new((32, y), 7, key.color.filled()))?
+            }
+            None => {}
+        }
+        area.draw(&Text::new(key.label.clone(), (62, y), text.clone()))?;
+    }
+    Ok(())
+}
+
+/// The points whose coordinates are both numbers (a diverged loss is `NaN`).
+fn finite(points: impl IntoIterator<Item = (f64, f64)>) -> Vec<(f64, f64)> {
+    (points.into_iter())
+        .filter(|(x, y)| x.is_finite() && y.is_finite())
         .collect()
 }
 
-/// A font for the plot's text: plotters draws text with ab_glyph, from a TTF file.
-fn font() -> Option<&'static str> {
-    const CANDIDATES: [&str; 3] = [
-        "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
-        "/usr/share/fonts/dejavu/DejaVuSans.ttf",
-        "/usr/share/fonts/TTF/DejaVuSans.ttf",
-    ];
-    let bytes = CANDIDATES.iter().find_map(|p| std::fs::read(p).ok())?;
-    let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
-    plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).ok()?;
-    Some("sans-serif")
+/// Each evaluated split's (iteration, loss) points, in the order the log first has
+/// them.
+fn evaluation_splits(evaluations: &[Evaluation]) -> Vec<(&str, Vec<(f64, f64)>)> {
+    let mut splits: Vec<(&str, Vec<(f64, f64)>)> = Vec::new();
+    for e in evaluations {
+        let point = finite([(e.iteration, e.loss)]);
+        match splits.iter_mut().find(|(s, _)| *s == e.split) {
+            Some((_, points)) => points.extend(point),
+            None => splits.push((&e.split, point)),
+        }
+    }
+    splits
 }
 
-/// Loss per step (top) and tokens/s per rank (bottom).
-fn plot(records: &[Record], path: &Path) -> Result<()> {
+/// An evaluated split's points: a line, and a marker at each evaluated iteration.
+fn draw_evaluations(
+    chart: &mut Chart,
+    points: &[(f64, f64)],
+    marker: Marker,
+    color: RGBColor,
+) -> Result<()> {
+    let style = color.filled();
+    chart.draw_series(LineSeries::new(points.to_vec(), color.stroke_width(2)))?;
+    match marker {
+        Marker::Circle => chart.draw_series(points.iter().map(|&p| Circle::new(p, 5, style)))?,
+        Marker::Triangle => {
+            chart.draw_series(points.iter().map(|&p| TriangleMarker::new(p, 7, style)))?
+        }
+    };
+    Ok(())
+}
+
+/// Training loss per iteration, and each evaluated split's loss: markers at the
+/// evaluated iterations (far fewer than the training's), joined by a line.
+fn plot_loss(area: &Area, log: &Log, x: &Axis, font: &str) -> Result<()> {
+    let (plot, legend) = panel(area, "synerfuse demo: loss", font)?;
+    let train = finite(log.iterations.iter().map(|r| (r.iteration, r.loss)));
+    let splits = evaluation_splits(&log.evaluations);
+    let losses = || (train.iter().chain(splits.iter().flat_map(|(_, p)| p))).map(|p| p.1);
+    let lo = losses().fold(f64::INFINITY, f64::min);
+    let hi = losses().fold(f64::NEG_INFINITY, f64::max);
+    let y = Axis::new(lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo), 8, Scale::Real);
+    let mut chart = chart(&plot, (x, &y), ("iteration", "lm loss"), font)?;
+    let mut keys = vec![Key {
+        label: "training loss".into(),
+        color: PALETTE[0],
+        width: 2,
+        marker: None,
+    }];
+    chart.draw_series(LineSeries::new(train, PALETTE[0].stroke_width(2)))?;
+    for (i, (split, points)) in splits.into_iter().enumerate() {
+        let color = PALETTE[(i + 1) % PALETTE.len()];
+        let marker = match split {
+            "validation" => Marker::Circle,
+            _ => Marker::Triangle,
+        };
+        draw_evaluations(&mut chart, &points, marker, color)?;
+        keys.push(Key {
+            label: format!("{split} loss"),
+            color,
+            width: 2,
+            marker: Some(marker),
+        });
+    }
+    draw_legend(&legend, &keys, font)
+}
+
+/// The job's tokens/s and each rank's replica's, identical series drawn once.
+fn plot_throughput(area: &Area, records: &[Record], x: &Axis, font: &str) -> Result<()> {
+    let title = "tokens/s: the job, and each rank's replica";
+    let (plot, legend) = panel(area, title, font)?;
+    let ranks = (records.iter().map(|r| r.rank_tokens_per_s.len()))
+        .max()
+        .unwrap_or(0);
+    let mut series = vec![(
+        Source::Job,
+        records.iter().map(|r| r.tokens_per_s).collect(),
+    )];
+    series.extend((0..ranks).map(|rank| {
+        let of = |r: &Record| r.rank_tokens_per_s.get(rank).copied();
+        let values = records.iter().map(|r| of(r).unwrap_or(f64::NAN)).collect();
+        (Source::Rank(rank), values)
+    }));
+    let max = (series.iter().flat_map(|(_, v): &(_, Vec<f64>)| v))
+        .filter(|v| v.is_finite())
+        .fold(0.0, |a: f64, &b| a.max(b));
+    let y = Axis::new(0.0, (max * 1.1).max(1.0), 8, Scale::Count);
+    let mut chart = chart(&plot, (x, &y), ("iteration", "tokens/s"), font)?;
+    let mut keys = Vec::new();
+    let mut colors = PALETTE.iter().cycle();
+    for group in group_identical(series) {
+        let color = match group.sources.contains(&Source::Job) {
+            true => BLACK,
+            false => *colors.next().expect("a cycle"),
+        };
+        let iterations = records.iter().map(|r| r.iteration);
+        let points = finite(iterations.zip(group.values));
+        chart.draw_series(LineSeries::new(points, color.stroke_width(2)))?;
+        keys.push(Key {
+            label: sources_label(&group.sources),
+            color,
+            width: 2,
+            marker: None,
+        });
+    }
+    draw_legend(&legend, &keys, font)
+}
+
+/// Loss per iteration (top) and tokens/s per rank (bottom), each with its legend in a
+/// column to the right of the plot.
+fn plot(log: &Log, path: &Path) -> Result<()> {
     let font = font().context(
         "no DejaVuSans.ttf under /usr/share/fonts (Debian package fonts-dejavu-core, installed by `cargo xtask setup`)",
     )?;
     let tmp = path.with_extension("tmp.png");
     {
-        let root = BitMapBackend::new(&tmp, (1200, 900)).into_drawing_area();
+        let root = BitMapBackend::new(&tmp, (1400, 900)).into_drawing_area();
         root.fill(&WHITE)?;
         let (top, bottom) = root.split_vertically(450);
-        let last = records.last().map_or(1.0, |r| r.iteration);
-        let max_loss = records.iter().map(|r| r.loss).fold(0.0, f64::max) * 1.05;
-        let min_loss = records.iter().map(|r| r.loss).fold(f64::MAX, f64::min) * 0.95;
-        let mut chart = ChartBuilder::on(&top)
-            .caption("synerfuse demo: training loss", (font, 26))
-            .margin(15)
-            .x_label_area_size(40)
-            .y_label_area_size(80)
-            .build_cartesian_2d(0.0..last, min_loss..max_loss)?;
-        chart
-            .configure_mesh()
-            .x_desc("iteration")
-            .y_desc("lm loss")
-            .label_style((font, 16))
-            .draw()?;
-        chart.draw_series(LineSeries::new(
-            records.iter().map(|r| (r.iteration, r.loss)),
-            BLUE.stroke_width(2),
-        ))?;
-
-        let ranks = records
-            .iter()
-            .map(|r| r.rank_tokens_per_s.len())
-            .max()
-            .unwrap_or(0);
-        let max_tps = records
-            .iter()
-            .flat_map(|r| r.rank_tokens_per_s.iter().copied().chain([r.tokens_per_s]))
-            .filter(|x| x.is_finite())
-            .fold(0.0, f64::max)
-            * 1.1;
-        let mut chart = ChartBuilder::on(&bottom)
-            .caption("tokens/s: the job, and each rank's replica", (font, 26))
-            .margin(15)
-            .x_label_area_size(40)
-            .y_label_area_size(80)
-            .build_cartesian_2d(0.0..last, 0.0..max_tps.max(1.0))?;
-        chart
-            .configure_mesh()
-            .x_desc("iteration")
-            .y_desc("tokens/s")
-            .label_style((font, 16))
-            .draw()?;
-        chart
-            .draw_series(LineSeries::new(
-                records.iter().map(|r| (r.iteration, r.tokens_per_s)),
-                BLACK.stroke_width(2),
-            ))?
-            .label("job")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
-        for rank in 0..ranks {
-            let color = Palette99::pick(rank).to_rgba();
-            chart
-                .draw_series(LineSeries::new(
-                    records
-                        .iter()
-                        .filter_map(|r| r.rank_tokens_per_s.get(rank).map(|&t| (r.iteration, t))),
-                    color.stroke_width(1),
-                ))?
-                .label(format!("rank {rank}"))
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
-        }
-        chart
-            .configure_series_labels()
-            .label_font((font, 16))
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()?;
+        let iterations = log.iterations.iter().map(|r| r.iteration);
+        let last = (iterations.chain(log.evaluations.iter().map(|e| e.iteration)))
+            .filter(|i| i.is_finite())
+            .fold(1.0, f64::max);
+        let x = Axis::new(0.0, last, 10, Scale::Count);
+        plot_loss(&top, log, &x, font)?;
+        plot_throughput(&bottom, &log.iterations, &x, font)?;
         root.present()?;
     }
     std::fs::rename(&tmp, path)?;
@@ -471,4 +825,157 @@ fn summary(records: &[Record], plan_table: &str, passage: &str, seconds: f64) ->
             .collect::<Vec<_>>()
             .join("\n")
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// A `--log-json` as the trainer writes it: `iters` iterations on 4 ranks, ranks 0
+    /// and 1 one replica's two stages (identical tokens/s), a validation every 50
+    /// iterations, and a speed shift and a save to pass over.
+    fn synthetic_log(iters: u64) -> String {
+        let mut lines = vec![json!({"run": {"world_size": 4}}).to_string()];
+        for i in 1..=iters {
+            let t = i as f64;
+            let wobble = (t * 0.7).sin();
+            let loss = 3.4 + 4.2 * (-t / 60.0).exp() + 0.08 * wobble;
+            let (pair, third, fourth) = (
+                1500.0 + 40.0 * wobble,
+                700.0 + 25.0 * (t * 1.3).cos(),
+                480.0 + 20.0 * wobble,
+            );
+            let ranks: Vec<_> = [pair, pair, third, fourth]
+                .iter()
+                .map(|tps| json!({"compute_ms": 10.0, "tokens_per_s": tps}))
+                .collect();
+            lines.push(
+                json!({
+                    "iteration": i, "train_iters": iters, "loss": loss, "elapsed_ms": 120.0,
+                    "tokens_per_s": pair + third + fourth, "ranks": ranks,
+                })
+                .to_string(),
+            );
+            if i % 50 == 0 {
+                lines.push(
+                    json!({
+                        "evaluation": "validation", "iteration": i, "at_end": i == iters,
+                        "consumed_samples": i * 34, "samples": 64,
+                        "lm_loss": loss + 0.15, "lm_loss_ppl": (loss + 0.15).exp(),
+                    })
+                    .to_string(),
+                );
+            }
+            if i == 120 {
+                lines.push(
+                    json!({"speed_shift": {"iteration": i, "rank": 3, "elapsed_ms": 1.0}})
+                        .to_string(),
+                );
+            }
+        }
+        lines.push(json!({"save": {"iteration": iters}}).to_string());
+        lines.join("\n")
+    }
+
+    fn labels(axis: &Axis) -> Vec<String> {
+        axis.ticks.iter().map(|&t| axis.label(t)).collect()
+    }
+
+    #[test]
+    fn counts_tick_as_integers() {
+        let iterations = Axis::new(0.0, 300.0, 10, Scale::Count);
+        assert_eq!(
+            labels(&iterations),
+            ["0", "50", "100", "150", "200", "250", "300"]
+        );
+        let tokens = Axis::new(0.0, 3600.0, 10, Scale::Count);
+        assert!(
+            labels(&tokens).contains(&"3500".to_owned()),
+            "{:?}",
+            labels(&tokens)
+        );
+        // A short run: whole iterations, not halves.
+        assert_eq!(
+            labels(&Axis::new(0.0, 3.0, 10, Scale::Count)),
+            ["0", "1", "2", "3"]
+        );
+    }
+
+    #[test]
+    fn losses_tick_with_the_decimals_of_their_step() {
+        let wide = Axis::new(3.2, 7.9, 8, Scale::Real);
+        assert_eq!(labels(&wide), ["4.0", "5.0", "6.0", "7.0"]);
+        let narrow = Axis::new(2.301, 2.36, 8, Scale::Real);
+        assert_eq!(
+            labels(&narrow),
+            ["2.31", "2.32", "2.33", "2.34", "2.35", "2.36"]
+        );
+        let tenths = labels(&Axis::new(0.0, 1.0, 8, Scale::Real));
+        assert_eq!(tenths[..3], ["0.0", "0.2", "0.4"]);
+        // Degenerate ranges still give an axis.
+        assert!(!Axis::new(2.0, 2.0, 8, Scale::Real).ticks.is_empty());
+        assert!(!Axis::new(f64::NAN, f64::NAN, 8, Scale::Real)
+            .ticks
+            .is_empty());
+    }
+
+    #[test]
+    fn identical_series_are_drawn_once_naming_every_rank() {
+        let nan = f64::NAN;
+        let groups = group_identical(vec![
+            (Source::Job, vec![3.0, 4.0]),
+            (Source::Rank(0), vec![1.0, nan]),
+            (Source::Rank(1), vec![1.0, nan]),
+            (Source::Rank(2), vec![2.0, 3.0]),
+            (Source::Rank(3), vec![1.0, 2.0]),
+        ]);
+        let names: Vec<String> = groups.iter().map(|g| sources_label(&g.sources)).collect();
+        assert_eq!(names, ["job", "ranks 0, 1", "rank 2", "rank 3"]);
+
+        let one_replica = (0..4).map(|r| (Source::Rank(r), vec![5.0]));
+        let all = group_identical(
+            [(Source::Job, vec![5.0])]
+                .into_iter()
+                .chain(one_replica)
+                .collect(),
+        );
+        assert_eq!(all.len(), 1);
+        assert_eq!(sources_label(&all[0].sources), "job = ranks 0–3");
+        assert_eq!(rank_list(&[0, 1, 2, 3, 5, 7, 8]), "0–3, 5, 7, 8");
+    }
+
+    #[test]
+    fn parses_iterations_and_validations() {
+        let log = parse_log(&synthetic_log(300)).unwrap();
+        assert_eq!(log.iterations.len(), 300);
+        assert_eq!(log.iterations[0].rank_tokens_per_s.len(), 4);
+        assert_eq!(log.evaluations.len(), 6);
+        let first = &log.evaluations[0];
+        assert_eq!(
+            (first.split.as_str(), first.iteration),
+            ("validation", 50.0)
+        );
+        assert!((first.loss - (log.iterations[49].loss + 0.15)).abs() < 1e-12);
+        assert!(parse_log("{\"elapsed_ms\": 1").is_err());
+    }
+
+    #[test]
+    fn draws_a_png_of_training_and_validation() {
+        if font().is_none() {
+            eprintln!("skipped: no DejaVuSans.ttf (`cargo xtask setup` installs it)");
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("xtask-demo-plot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let png = dir.join("loss.png");
+        plot(&parse_log(&synthetic_log(300)).unwrap(), &png).unwrap();
+        let bytes = std::fs::read(&png).unwrap();
+        assert_eq!(bytes[..8], *b"\x89PNG\r\n\x1a\n");
+        // IHDR: width and height, big-endian.
+        assert_eq!(bytes[16..24], [0, 0, 5, 120, 0, 0, 3, 132]);
+        assert!(bytes.len() > 20_000, "{} bytes", bytes.len());
+        assert!(!png.with_extension("tmp.png").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
