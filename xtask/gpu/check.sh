@@ -8,6 +8,13 @@
 # come from the PyTorch that `python3` (or $PYTHON) imports, OpenMPI from this bundle's
 # mpi/ (relocated by the OPAL_* variables below). Results go to $OUT when it is set, else
 # ./gpu-check/: gpu-check.json and gpu-check.md, rewritten as each step ends.
+#
+# The nccl-* steps run two ranks on the one GPU over NCCL with SYNERFUSE_TEST_ONE_GPU_RANKS=1,
+# a TEST-ONLY switch of synerfuse-train (src/comm/one_gpu.rs), set by run.py for those runs
+# alone: each rank gets an NCCL_HOSTID of its own (NCCL refuses two ranks of one host on one
+# device), cuda:0, NCCL_NET=Socket, NCCL_IB_DISABLE=1 and NCCL_SOCKET_IFNAME=lo (unless set),
+# so NCCL's socket transport carries them. Never set it to train: the ranks share the GPU.
+# With --cpu those ranks compute on the CPU and MPI carries them (each step says which).
 set -euo pipefail
 BUNDLE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PY="${PYTHON:-python3}"

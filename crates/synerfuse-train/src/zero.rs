@@ -76,6 +76,57 @@ impl ShardedReduction {
             .collect()
     }
 
+    /// Writes this rank's updated masters into its elements of the parameters, cast to
+    /// their dtype, then gathers every member's elements into every copy, parameter by
+    /// parameter, in place: what travels is the parameters' dtype (2 bytes an element
+    /// under bf16, as Megatron gathers, not the 4 of the masters), and no rank makes a
+    /// copy of the whole reduction. Casting before gathering gives the bits that casting
+    /// the gathered masters would. Collective over the members (every one has the same
+    /// parameters in the same order, so they issue the same gathers).
+    fn update_parameters(&self, groups: &SetGroups) -> Result<(), CommError> {
+        let group = match groups.get(&self.members) {
+            Some(group) => Some(group),
+            // A reduction over this rank alone has nothing to gather.
+            None if self.members.len() < 2 => None,
+            None => {
+                return Err(CommError::Shape {
+                    rank: self.members[self.me],
+                    op: "DistributedOptimizer::step",
+                    problem: format!("no communicator for the group of ranks {:?}", self.members),
+                })
+            }
+        };
+        let segments = self.segments();
+        for (i, (_, param, offset, numel)) in self.params.iter().enumerate() {
+            if *numel == 0 {
+                continue;
+            }
+            let (mut flat, shared) = flat_elements(param);
+            for (_, in_shard, in_param) in segments.iter().filter(|(p, ..)| *p == i) {
+                let length = in_shard.end - in_shard.start;
+                let master = self.master.narrow(0, in_shard.start, length);
+                flat.narrow(0, in_param.start, length).copy_(&master);
+            }
+            if let Some(group) = group {
+                group.all_gather_in_place(&mut flat, &self.counts_of(*offset..offset + numel))?;
+            }
+            if !shared {
+                param
+                    .shallow_clone()
+                    .copy_(&flat.view(param.size().as_slice()));
+            }
+        }
+        Ok(())
+    }
+
+    /// Each member's elements of the reduction's `elements`, in member order: the shards
+    /// partition the reduction in member order, so these are consecutive pieces.
+    fn counts_of(&self, elements: Range<i64>) -> Vec<usize> {
+        (self.shards.iter())
+            .map(|s| (s.end.min(elements.end) - s.start.max(elements.start)).max(0) as usize)
+            .collect()
+    }
+
     /// The whole reduction's flat fp32 `values` (one tensor per parameter, by name)
     /// narrowed to this rank's shard.
     fn shard_of(&self, values: &dyn Fn(&str) -> Option<Tensor>) -> Option<Tensor> {
@@ -177,8 +228,9 @@ impl DistributedOptimizer {
     /// One AdamW step of every shard at `lr` with its reduced gradients times
     /// `grad_scale` (torch's update, as [`crate::optim::AdamW`]: decoupled decay on
     /// matrices, then the bias-corrected Adam step), then the members all-gather the
-    /// updated values into their parameters. Collective over every reduction's members,
-    /// in the global order.
+    /// updated values into their parameters, in the parameters' dtype
+    /// ([`ShardedReduction::update_parameters`]). Collective over every reduction's
+    /// members, in the global order.
     pub fn step(&mut self, lr: f64, grad_scale: f64, groups: &SetGroups) -> Result<(), CommError> {
         self.step += 1;
         let c = self.config;
@@ -200,16 +252,7 @@ impl DistributedOptimizer {
                 let moments = (&mut r.exp_avg, &mut r.exp_avg_sq);
                 c.adam_update(&mut r.master, moments, &grad, lr, biases);
             });
-            let values = gather(r, &r.master, groups)?;
-            tch::no_grad(|| {
-                for (_, param, offset, numel) in &r.params {
-                    let value = values
-                        .narrow(0, *offset, *numel)
-                        .view(param.size().as_slice());
-                    let mut param = param.shallow_clone();
-                    param.copy_(&value.to_kind(param.kind()));
-                }
-            });
+            tch::no_grad(|| r.update_parameters(groups))?;
         }
         Ok(())
     }
@@ -260,19 +303,78 @@ impl DistributedOptimizer {
     }
 }
 
-/// Every member's shard of `r` (this rank's is `local`) joined into the reduction's
-/// whole flat fp32 tensor: shards padded to the longest for one all-gather, then cut.
-fn gather(r: &ShardedReduction, local: &Tensor, groups: &SetGroups) -> Result<Tensor, CommError> {
-    let group = groups
-        .get(&r.members)
-        .expect("every reduction of two or more ranks has its communicator");
-    let longest = r.shards.iter().map(|s| s.end - s.start).max().unwrap_or(0);
-    let padded = Tensor::zeros([longest], (Kind::Float, local.device()));
-    let mut head = padded.narrow(0, 0, local.numel() as i64);
-    tch::no_grad(|| head.copy_(local));
-    let gathered = group.all_gather(&padded)?;
-    let pieces: Vec<Tensor> = (r.shards.iter().enumerate())
-        .map(|(i, s)| gathered.get(i as i64).narrow(0, 0, s.end - s.start))
-        .collect();
-    Ok(Tensor::cat(&pieces, 0))
+/// `param`'s elements as a flat tensor, and whether it shares `param`'s storage (a
+/// contiguous parameter, as the model's are); otherwise a flat copy, to be written back.
+fn flat_elements(param: &Tensor) -> (Tensor, bool) {
+    match param.is_contiguous() {
+        true => (param.view([-1]), true),
+        false => (param.reshape([-1]).copy(), false),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use synerfuse_model::tch::Device;
+
+    /// A reduction of `members` over a bf16 matrix `w` (4 × 3) and an fp32 vector `b`
+    /// (5), its fp32 values, gradients of ones, and the shards given.
+    fn optimizer(
+        members: Vec<usize>,
+        shards: Vec<Range<i64>>,
+    ) -> (DistributedOptimizer, [Tensor; 2]) {
+        let opts = (Kind::Float, Device::Cpu);
+        let values = [
+            Tensor::arange(12, opts).view([4, 3]) / 7.0,
+            Tensor::arange(5, opts) / 3.0,
+        ];
+        let params = [values[0].to_kind(Kind::BFloat16), values[1].copy()];
+        let layout = ReductionLayout {
+            members,
+            shards: Some(shards),
+            grads: Tensor::ones([17], opts),
+            params: vec![
+                ("w".into(), params[0].shallow_clone(), 0, 12),
+                ("b".into(), params[1].shallow_clone(), 12, 5),
+            ],
+        };
+        let fp32 = BTreeMap::from([
+            ("w".to_owned(), values[0].shallow_clone()),
+            ("b".to_owned(), values[1].shallow_clone()),
+        ]);
+        let config = AdamWConfig::default();
+        (
+            DistributedOptimizer::new(config, vec![layout], 0, &fp32),
+            params,
+        )
+    }
+
+    #[test]
+    fn a_step_writes_the_updated_masters_in_each_parameters_dtype() {
+        let (mut zero, [w, b]) = optimizer(vec![0], std::iter::once(0..17).collect());
+        zero.step(1e-2, 1.0, &SetGroups::none()).unwrap();
+        let master = &zero.reductions[0].master;
+        assert_eq!(w.kind(), Kind::BFloat16);
+        assert_eq!(
+            w,
+            master.narrow(0, 0, 12).to_kind(Kind::BFloat16).view([4, 3])
+        );
+        assert_eq!(b, master.narrow(0, 12, 5));
+        assert_ne!(b, Tensor::arange(5, (Kind::Float, Device::Cpu)) / 3.0);
+    }
+
+    #[test]
+    fn each_member_gathers_its_shards_elements_of_each_parameter() {
+        let (zero, _) = optimizer(vec![0, 1, 2], vec![0..5, 5..5, 5..17]);
+        let r = &zero.reductions[0];
+        assert_eq!(r.counts_of(0..12), [5, 0, 7]);
+        assert_eq!(r.counts_of(12..17), [0, 0, 5]);
+    }
+
+    #[test]
+    fn a_missing_communicator_is_an_error() {
+        let (mut zero, _) = optimizer(vec![0, 1], vec![0..9, 9..17]);
+        let err = zero.step(1e-2, 1.0, &SetGroups::none()).unwrap_err();
+        assert!(matches!(err, CommError::Shape { rank: 0, .. }), "{err}");
+    }
 }

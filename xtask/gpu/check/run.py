@@ -1,6 +1,6 @@
 """synerfuse's GPU check, driven by check.sh (which sets the library paths and MPI).
 
-Nine steps, each printing one line as it ends and rewriting gpu-check.json and
+Fifteen steps, each printing one line as it ends and rewriting gpu-check.json and
 gpu-check.md, so a run cut short still shows what ran:
   1 probe      GPU, PyTorch, MPI, NCCL, `synerfuse env`
   2 exact      a small LLaMA (GQA, untied), fp32, TF32 off: 6 steps on cuda = on cpu
@@ -9,12 +9,23 @@ gpu-check.md, so a run cut short still shows what ran:
                = one rank
   3c experts   an 8-expert model on a GPU+CPU expert-parallel pair (the GPU 6 experts and
                4x the batch, tokens exchanged each way at every MoE layer) = one rank
+  3d nccl-*    two ranks on the one GPU over NCCL (its socket transport; the test-only
+               SYNERFUSE_TEST_ONE_GPU_RANKS makes each rank a host of its own), a tiny
+               model, 4 steps, each = one rank on the GPU, saying what carried it:
+               nccl-dp    DP 2, distributed optimizer in shares 80 : 16 GB, overlapped
+                          reduction (reduce-scatter and all-gather)
+               nccl-pp    PP 2, 1F1B with a steady state (NCCL send/recv)
+               nccl-tp-sp TP 2 + sequence parallelism
+               nccl-cp    CP 2 in shares [3, 1]
+               nccl-ep    EP 2, experts [3, 1] (the all-to-all)
+               nccl-bf16  bf16 DP 2 against bf16 on one rank (within 1e-3, see BF16_TOL)
   4 speed      a 1.1B LLaMA, bf16, the largest micro-batch the planner says fits
   5 reference  PyTorch's own loop on the same card, model and batch
   6 memory     the trainer's measured peak against the planner's prediction
   7 planner    `synerfuse profile` on the card, then `synerfuse plan`: predicted step
 With --cpu every step runs with the CPU standing in for the GPU (a small model in
-steps 4-7): the plumbing is checked, the targets are not.
+steps 4-7; the nccl-* pairs are CPU ranks over MPI, and say so): the plumbing is
+checked, the targets are not.
 """
 
 import argparse
@@ -37,6 +48,8 @@ def parse_args():
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="every step ends within this many seconds of the start; the "
                         "optional torch.compile row runs only with time to spare")
+    p.add_argument("--only", default="",
+                   help="run only these steps (names, comma-separated): to re-run a step")
     return p.parse_args()
 
 
@@ -93,6 +106,8 @@ def markdown():
 def step(name, timeout_s):
     """Runs the decorated function as step `name`; its dict is the step's record."""
     def wrap(fn):
+        if ARGS.only and name not in ARGS.only.split(","):
+            return None
         t0 = time.time()
         record = {"timeout_s": timeout_s}
         RESULT["steps"][name] = record
@@ -368,6 +383,221 @@ def experts(deadline):
     if worst > TOL:
         rec["status"] = "MISS"
     return rec
+
+
+# ---- 3d. NCCL between two ranks on the one GPU -------------------------------------------
+# Two ranks on the one GPU we borrow, each a host of its own to NCCL through the test-only
+# switch SYNERFUSE_TEST_ONE_GPU_RANKS (crates/synerfuse-train/src/comm/one_gpu.rs: its own
+# NCCL_HOSTID, cuda:0, NCCL_NET=Socket, NCCL_IB_DISABLE=1), so NCCL's socket transport
+# carries their groups and links. A tiny model, 4 steps each, against one rank on the same
+# device, losses and gradient norms within TOL in fp32. With --cpu the ranks are CPU ranks
+# and MPI carries everything: the plumbing is checked, NCCL is not.
+
+ONE_GPU_ENV = dict(os.environ, SYNERFUSE_TEST_ONE_GPU_RANKS="1")
+if GPU:
+    ONE_GPU_ENV["NCCL_DEBUG"] = "INFO"  # NCCL names its network and each channel's transport
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "176",
+        "--seq-length", "64", "--max-position-embeddings", "64",
+        "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--swiglu",
+        "--normalization", "RMSNorm"]
+TINY_ITERS = 4
+MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "88", "--moe-aux-loss-coeff", "0.01",
+       "--moe-router-load-balancing-type", "seq_aux_loss"]
+# bf16 against bf16: each micro-batch is computed alike (the same shapes on one device),
+# only the fp32 sums of the gradients run in another order (~1e-7). A master weight that
+# close to a bf16 rounding boundary can round to the neighbouring bf16 value, a jump of up
+# to 2^-8 (4e-3) in that element; the loss averages thousands of elements, so such flips
+# move it far less than bf16's own rounding (2^-9, 2e-3), and 1e-3 (the bound of the
+# equivalence tests' bf16 rows, README) leaves them room. A wrong reduction still shows:
+# a lost or doubled share moves the gradient norm by tens of percent.
+BF16_TOL = 1e-3
+REFS = {}
+
+
+def tiny_run(name, deadline, extra, env=None):
+    """A TINY run of TINY_ITERS steps: (its iteration records, its output)."""
+    log = os.path.join(WORK, f"{name}.jsonl")
+    if os.path.exists(log):
+        os.remove(log)
+    cmd = [SF, "train", *TINY, *DATA_FLAGS, "--train-iters", str(TINY_ITERS), "--lr", "1e-3",
+           "--eval-iters", "0", "--log-interval", "1", "--log-json", log, *extra]
+    p = run(cmd, deadline, log=f"{name}.log", env=env, check=False)
+    if p.returncode != 0:
+        # The trainer's last words, not NCCL_DEBUG's.
+        lines = [l for l in p.stdout.strip().splitlines() if "NCCL INFO" not in l]
+        raise Failed(f"`{name}` exited {p.returncode}: " + "\n".join(lines[-6:]))
+    return records(log), p.stdout
+
+
+def one_rank(key, deadline, extra):
+    """The one-rank reference on DEV (mbs 2 x 4), run once per `key` and shared."""
+    if key not in REFS:
+        try:
+            REFS[key] = tiny_run(f"one-rank-{key}", deadline,
+                                 ["--device", DEV, "--micro-batch-size", "2",
+                                  "--global-batch-size", "8", *extra])[0]
+        except Exception as e:  # noqa: BLE001 - the next step that needs it says so
+            REFS[key] = Failed(f"its one-rank reference failed: {e}"[:400])
+    if isinstance(REFS[key], Exception):
+        raise REFS[key]
+    return REFS[key]
+
+
+def group_paths(output):
+    """The paths the trainer logged: its groups' (NCCL, MPI, host-staged) and its links'."""
+    paths = []
+    for body in re.findall(r"groups of two or more ranks by path: \{(.*)\}\s*$", output, re.M):
+        for path, _count in re.findall(r'"([^"]+)": (\d+)', body):
+            paths.append("NCCL" if path == "Nccl" else "MPI" if path == "Mpi"
+                         else f"MPI host-staged ({path})")
+    for path in re.findall(r"pipeline link ranks \d+ <-> \d+: (.*)$", output, re.M):
+        path = path.strip()
+        paths.append("NCCL" if path.startswith("NCCL") else "MPI" if path == "MPI"
+                     else f"MPI host-staged ({path})")
+    return sorted(set(paths))
+
+
+def transport(output):
+    """What carried a two-rank run (raises unless NCCL on a GPU, MPI on the CPU)."""
+    paths = group_paths(output)
+    want = "NCCL" if GPU else "MPI"
+    rec = {"transport": paths}
+    if not paths:
+        raise Failed("the trainer logged no group or link path")
+    if paths != [want]:
+        raise Failed(f"carried by {', '.join(paths)}, not {want} alone")
+    if not GPU:
+        rec["carried_by"] = "carried by MPI (the CPU stands in; NCCL not run)"
+        return rec
+    # NCCL's own word (NCCL_DEBUG=INFO): its network, and each channel's transport.
+    networks = sorted(set(re.findall(r"NCCL INFO Using network (\w+)", output)))
+    channels = sorted(set(re.findall(r"\] via (NET/\w+|P2P\S*|SHM\S*|COLLNET\S*)", output)))
+    hosts = sorted(set(re.findall(r"NCCL_HOSTID set by environment to (\S+)", output)))
+    rec.update(nccl_network=networks, nccl_channels=channels, nccl_host_ids=hosts)
+    if "Duplicate GPU" in output or len(hosts) == 1:
+        raise Failed(f"NCCL saw one GPU twice (NCCL_HOSTID {hosts}, not one per rank)")
+    if any(n != "Socket" for n in networks) or any(c != "NET/Socket" for c in channels):
+        raise Failed(f"NCCL used network {networks}, channels {channels}, not its sockets")
+    seen = f"network {'/'.join(networks) or '?'}, channels via {'/'.join(channels) or '?'}"
+    rec["carried_by"] = f"carried by NCCL ({seen})"
+    return rec
+
+
+def against(got, ref, tol, what):
+    """The worst relative loss and gradient-norm differences of `got` against `ref`."""
+    losses = worst_rel([r["loss"] for r in got], [r["loss"] for r in ref])
+    norms = worst_rel([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref])
+    rec = {"worst_relative_loss": losses, "worst_relative_grad_norm": norms,
+           "losses": [r["loss"] for r in got], "losses_one_rank": [r["loss"] for r in ref],
+           "summary": f"{what}: losses {losses:.2e}, grad norms {norms:.2e} (target {tol:g})"}
+    if max(losses, norms) > tol:
+        rec["status"] = "MISS"
+    return rec
+
+
+def pair_step(name, deadline, plan, extra, ref_key, ref_extra, what, tol=TOL, check=None):
+    """A two-rank `plan` (under the switch) against the one-rank reference `ref_key`."""
+    ref = one_rank(ref_key, deadline, ref_extra)
+    # A hang (two ranks time-slicing one GPU) is named by the watchdog within the step.
+    got, output = tiny_run(name, deadline, ["--nproc", "2", "--plan", plan_file(
+        f"{name}.toml", plan), "--distributed-timeout-minutes", "0.75", *extra],
+        env=ONE_GPU_ENV)
+    rec = transport(output)
+    if check:
+        what += check(got, output, rec)
+    rec.update(against(got, ref, tol, what))
+    rec["summary"] += f"; {rec['carried_by']}"
+    return rec
+
+
+def replica(layers, mbs, count, devices, more=""):
+    return (f"[[replica]]\nlayers = {layers}\nmicro_batch_size = {mbs}\n"
+            f"num_micro_batches = {count}\ndevices = {json.dumps(devices)}\n{more}")
+
+
+def shards(got, output, rec):
+    """Each rank's distributed-optimizer shard, from its `optimizer state:` line."""
+    sizes = {}
+    for r, n in re.findall(r"rank\{r=(\d+)\}.*optimizer state: \d+ bytes \((\d+) of them", output):
+        sizes[int(r)] = int(n)
+    rec["shard_bytes"] = [sizes.get(r) for r in range(2)]
+    if not (sizes.get(0, 0) > sizes.get(1, 0) > 0):
+        raise Failed(f"the shards are not 80 : 16: {rec['shard_bytes']}")
+    return f" (shards {sizes[0]} : {sizes[1]} B)"
+
+
+def steady_1f1b(got, output, rec):
+    """Stage 0's forwards and backwards in the first step: 1F1B has a backward before a
+    forward (the steady state)."""
+    order = [f"{s['kind'][0].upper()}{s.get('micro_batch', '')}"
+             for s in got[0]["ranks"][0]["spans"] if s["kind"] in ("forward", "backward")]
+    rec["stage0_order"] = " ".join(order)
+    if not any(a[0] == "B" and b[0] == "F" for a, b in zip(order, order[1:])):
+        raise Failed(f"no 1F1B steady state on stage 0: {' '.join(order)}")
+    return f" (stage 0: {' '.join(order)})"
+
+
+def logged(pattern, label):
+    def check(got, output, rec):
+        m = re.search(pattern, output)
+        if not m:
+            raise Failed(f"no log line says {label}")
+        rec["layout"] = m.group(0)
+        return ""
+    return check
+
+
+@step("nccl-dp", 90)
+def nccl_dp(deadline):
+    plan = (replica([2], 3, 2, [DEV], "memory_gb = [80]\n")
+            + replica([2], 1, 2, [DEV], "memory_gb = [16]\n"))
+    extra = ["--use-distributed-optimizer", "--overlap-grad-reduce"]
+    what = "DP 2 (mbs 3 x 2 | 1 x 2), distributed optimizer 80 : 16 GB, overlapped"
+    if "--ddp-bucket-size" in run([SF, "train", "--help"], deadline).stdout:
+        # Several buckets of the tiny model's 355k parameters, each reduced on its own.
+        extra += ["--ddp-bucket-size", "50000"]
+        what += " in buckets of 50k"
+    return pair_step("nccl-dp", deadline, plan, extra, "fp32", [], what, check=shards)
+
+
+@step("nccl-pp", 60)
+def nccl_pp(deadline):
+    return pair_step("nccl-pp", deadline, replica([1, 1], 2, 4, [DEV, DEV]),
+                     ["--pipeline-schedule", "1f1b"], "fp32", [], "PP 2, 1F1B, 4 micro-batches",
+                     check=steady_1f1b)
+
+
+@step("nccl-tp-sp", 60)
+def nccl_tp_sp(deadline):
+    return pair_step("nccl-tp-sp", deadline, replica([2], 2, 4, [DEV, DEV], "tp = [2]\n"),
+                     ["--sequence-parallel"], "fp32", [], "TP 2 + SP",
+                     check=logged(r"tensor-parallel ranks \[\[0, 1\]\].*sequence parallel",
+                                  "TP 2 with sequence parallelism"))
+
+
+@step("nccl-cp", 60)
+def nccl_cp(deadline):
+    plan = replica([2], 2, 4, [DEV, DEV], "cp = [2]\ncp_shares = [[3, 1]]\n")
+    return pair_step("nccl-cp", deadline, plan, [], "fp32", [], "CP 2 in shares [3, 1]",
+                     check=logged(r"context-parallel ranks \[\[0, 1\]\], shares \[3, 1\]",
+                                  "CP 2 in shares [3, 1]"))
+
+
+@step("nccl-ep", 90)
+def nccl_ep(deadline):
+    plan = (replica([2], 2, 2, [DEV], "experts = [[0, 1, 2]]\n")
+            + replica([2], 2, 2, [DEV], "experts = [[3]]\n"))
+    return pair_step("nccl-ep", deadline, plan, MOE, "moe", MOE,
+                     "EP 2 (experts 0-2 | 3, all-to-all each way at every MoE layer)",
+                     check=logged(r"expert-parallel group \[0, 1\]", "the expert-parallel pair"))
+
+
+@step("nccl-bf16", 90)
+def nccl_bf16(deadline):
+    plan = replica([2], 2, 2, [DEV]) + replica([2], 2, 2, [DEV])
+    return pair_step("nccl-bf16", deadline, plan, ["--bf16"], "bf16", ["--bf16"],
+                     "bf16 DP 2 against bf16 on one rank", tol=BF16_TOL)
 
 
 # ---- 4. speed --------------------------------------------------------------------------

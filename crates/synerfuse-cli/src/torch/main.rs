@@ -62,7 +62,16 @@ enum Command {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    entry::main_with_logging(|| match cli.command {
+    entry::main_with_logging(|| {
+        // Test only (SYNERFUSE_TEST_ONE_GPU_RANKS): NCCL's environment, before any thread
+        // or communicator reads it.
+        synerfuse_train::comm::one_gpu::prepare();
+        run(cli.command)
+    })
+}
+
+fn run(command: Command) -> anyhow::Result<()> {
+    match command {
         Command::Data(command) => command.run(),
         Command::Env { json } => env_report::run(json),
         Command::Profile(args) => plan_commands::run_profile(*args),
@@ -72,7 +81,7 @@ fn main() -> std::process::ExitCode {
         Command::Generate(args) => model_commands::run_generate(args),
         Command::Export(args) => model_commands::run_export(args),
         Command::Checkpoint(command) => command.run(),
-    })
+    }
 }
 
 #[cfg(test)]

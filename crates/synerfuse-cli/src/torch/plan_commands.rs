@@ -186,7 +186,8 @@ pub fn run_profile(args: ProfileArgs) -> Result<()> {
     let (local_rank, local_size) = launcher_local_rank();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     tch::set_num_threads((cores / local_size).max(1) as i32);
-    let device = args.device.resolve_for_local_rank(local_rank)?;
+    let gpu_rank = synerfuse_train::comm::one_gpu::cuda_local_rank(local_rank);
+    let device = args.device.resolve_for_local_rank(gpu_rank)?;
     let kind = args.device_kind.clone().unwrap_or_else(|| match device {
         Device::Cpu => "cpu".into(),
         // The catalogue slug of this GPU, which a cluster file names as its `kind`.

@@ -1109,6 +1109,8 @@ fn train_rank(args: &TrainArgs, world: &MpiCommunicator) -> Result<()> {
     if world.rank() == 0 {
         log_run(&config, world.size(), threads);
     }
+    // Test only: every rank on cuda:0 under SYNERFUSE_TEST_ONE_GPU_RANKS.
+    let local_rank = synerfuse_train::comm::one_gpu::cuda_local_rank(local_rank);
     let mut trainer = Trainer::new(world, config, datasets, sample_options, local_rank)
         .map_err(train_flag_error)?;
     let summary = trainer.train().map_err(train_flag_error)?;

@@ -16,11 +16,14 @@ pub enum CommError {
         /// The tensor's dtype.
         kind: Kind,
     },
-    /// Reduce-scatter counts that are not one per rank adding up to the tensor.
-    #[error("rank {rank}: reduce-scatter counts {counts:?} for {size} ranks do not cover a tensor of {elements} elements")]
+    /// Piece counts (of a reduce-scatter or all-gather of uneven pieces) that are not one
+    /// per rank adding up to the tensor.
+    #[error("rank {rank}: {op}: counts {counts:?} for {size} ranks do not cover a tensor of {elements} elements")]
     ScatterCounts {
         /// The rank that saw the error.
         rank: usize,
+        /// The operation.
+        op: &'static str,
         /// The counts given.
         counts: Vec<usize>,
         /// Ranks of the communicator.

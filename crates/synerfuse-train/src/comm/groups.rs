@@ -5,7 +5,7 @@
 
 use super::nccl::PendingNccl;
 use super::{CommError, MpiCommunicator, NcclCommunicator, PendingAllReduce};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use synerfuse_plan::{GroupKind, Topology};
 use tch::{Device, Tensor};
 
@@ -56,19 +56,37 @@ impl GroupCommunicator {
     }
 
     /// Starts summing the fp32 1-D `tensor` over the group so that member `r` gets
-    /// its piece, the `counts[r]` elements after `counts[..r]` (see
-    /// [`MpiCommunicator::start_reduce_scatter_sum`]). NCCL's reduce-scatter takes
-    /// equal pieces only, so an NCCL group sums the whole tensor (a superset: every
-    /// piece holds its sum).
+    /// its piece, the `counts[r]` elements after `counts[..r]`, in that piece of its
+    /// `tensor` (the rest left as it was; see
+    /// [`MpiCommunicator::start_reduce_scatter_sum`]). Each element is reduced once: on
+    /// NCCL one reduce-scatter when the pieces are equal, one reduce per piece to its
+    /// member otherwise ([`NcclCommunicator::start_reduce_scatter_sum`]).
     pub fn start_reduce_scatter_sum(
         &self,
         tensor: &Tensor,
         counts: &[usize],
     ) -> Result<PendingReduction, CommError> {
         Ok(match self.nccl_for(tensor) {
-            Some(nccl) => PendingReduction::Nccl(nccl.start_all_reduce_sum(tensor)?),
+            Some(nccl) => PendingReduction::Nccl(nccl.start_reduce_scatter_sum(tensor, counts)?),
             None => PendingReduction::Mpi(self.mpi.start_reduce_scatter_sum(tensor, counts)?),
         })
+    }
+
+    /// Copies member `m`'s piece of the 1-D `tensor` (the `counts[m]` elements after
+    /// `counts[..m]`) into every member's `tensor`, in its own dtype (bf16 included):
+    /// what the distributed optimizer gathers its updated shards with, straight into the
+    /// parameters. NCCL's all-gather, or its broadcasts per piece when the pieces differ
+    /// ([`NcclCommunicator::all_gather_in_place`]); MPI's `Allgatherv` otherwise
+    /// ([`MpiCommunicator::all_gather_in_place`]).
+    pub fn all_gather_in_place(
+        &self,
+        tensor: &mut Tensor,
+        counts: &[usize],
+    ) -> Result<(), CommError> {
+        match self.nccl_for(tensor) {
+            Some(nccl) => nccl.all_gather_in_place(tensor, counts),
+            None => self.mpi.all_gather_in_place(tensor, counts),
+        }
     }
 
     /// Copies `root`'s tensor into every member's.
@@ -133,6 +151,14 @@ impl GroupCommunicator {
     /// Waits for every member.
     pub fn barrier(&self) {
         self.mpi.barrier();
+    }
+
+    /// Finalizes the NCCL communicator, if any, before it is destroyed (see
+    /// [`NcclCommunicator::finalize`]); a failure is logged, as teardown goes on.
+    fn finalize(&mut self) {
+        if let Some(Err(e)) = self.nccl.as_mut().map(NcclCommunicator::finalize) {
+            tracing::warn!("{}: {e}", self.mpi.name());
+        }
     }
 }
 
@@ -217,6 +243,10 @@ pub(crate) struct RankDevice {
     pub host: i64,
     /// The CUDA ordinal, or `None` on the CPU.
     pub cuda: Option<usize>,
+    /// The GPU's UUID, when the CUDA driver gives it: which GPU a rank computes on, where
+    /// the ordinal only numbers the GPUs this process sees (under a `CUDA_VISIBLE_DEVICES`
+    /// of its own, every rank's GPU is `cuda:0`).
+    pub gpu: Option<u128>,
     /// Whether NCCL can be loaded on this rank.
     pub nccl: bool,
     /// The rank's process id (on its host).
@@ -231,22 +261,22 @@ impl RankDevice {
         mpi::environment::processor_name()
             .unwrap_or_default()
             .hash(&mut hasher);
-        let (cuda, nccl) = match device {
-            Device::Cuda(i) => (i as i64, i64::from(NcclCommunicator::available())),
-            _ => (-1, 0),
+        let cuda = match device {
+            Device::Cuda(i) => Some(i),
+            _ => None,
         };
-        let host = hasher.finish() as i64;
-        let mine = Tensor::from_slice(&[host, cuda, nccl, i64::from(std::process::id())]);
+        // Under the test-only switch each rank is a host of its own (see `one_gpu`).
+        let host = super::one_gpu::host_id(hasher.finish() as i64, world.rank());
+        let mine = RankDevice {
+            host,
+            cuda,
+            gpu: cuda.and_then(gpu_uuid),
+            nccl: cuda.is_some() && NcclCommunicator::available(),
+            pid: std::process::id(),
+        };
+        let mine = Tensor::from_slice(&mine.to_words());
         let all: Vec<i64> = Vec::try_from(world.all_gather(&mine)?.view([-1])).unwrap_or_default();
-        let devices: Vec<RankDevice> = all
-            .chunks(4)
-            .map(|c| RankDevice {
-                host: c[0],
-                cuda: usize::try_from(c[1]).ok(),
-                nccl: c[2] != 0,
-                pid: c[3] as u32,
-            })
-            .collect();
+        let devices: Vec<RankDevice> = all.chunks_exact(7).map(RankDevice::from_words).collect();
         // The watchdog can then say which rank on this host has died or stopped.
         super::watchdog::set_local_peers(
             devices
@@ -257,6 +287,44 @@ impl RankDevice {
                 .collect(),
         );
         Ok(devices)
+    }
+
+    /// What a rank sends in [`Self::gather`]: host, CUDA ordinal (-1 on the CPU), NCCL
+    /// loadable, pid, UUID known, the UUID's high and low halves.
+    fn to_words(self) -> [i64; 7] {
+        let uuid = self.gpu.unwrap_or(0);
+        [
+            self.host,
+            self.cuda.map_or(-1, |i| i as i64),
+            i64::from(self.nccl),
+            i64::from(self.pid),
+            i64::from(self.gpu.is_some()),
+            (uuid >> 64) as i64,
+            uuid as i64,
+        ]
+    }
+
+    /// A rank's device from its words ([`Self::to_words`]).
+    fn from_words(c: &[i64]) -> Self {
+        let uuid = (u128::from(c[5] as u64) << 64) | u128::from(c[6] as u64);
+        RankDevice {
+            host: c[0],
+            cuda: usize::try_from(c[1]).ok(),
+            gpu: (c[4] != 0).then_some(uuid),
+            nccl: c[2] != 0,
+            pid: c[3] as u32,
+        }
+    }
+
+    /// Whether two ranks compute on one GPU: on one host (as NCCL judges it, which the
+    /// test-only `one_gpu` switch relies on) and the same GPU by UUID where both know it,
+    /// by CUDA ordinal otherwise. CPU ranks share no GPU.
+    pub fn same_gpu(&self, other: &RankDevice) -> bool {
+        self.host == other.host
+            && match (self.gpu, other.gpu) {
+                (Some(a), Some(b)) => a == b,
+                _ => self.cuda.is_some() && self.cuda == other.cuda,
+            }
     }
 
     fn describe(&self) -> String {
@@ -272,6 +340,20 @@ impl RankDevice {
             None => "cpu".to_owned(),
         }
     }
+}
+
+/// The UUID of this process's CUDA device `ordinal`, or `None` when the driver cannot
+/// be loaded or asked (then ranks are told apart by ordinal).
+fn gpu_uuid(ordinal: usize) -> Option<u128> {
+    use cudarc::driver::result;
+    // SAFETY: this only tries to dlopen the CUDA driver library.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return None;
+    }
+    result::init().ok()?;
+    let device = result::device::get(i32::try_from(ordinal).ok()?).ok()?;
+    let uuid = result::device::get_uuid(device).ok()?;
+    Some(u128::from_be_bytes(uuid.bytes.map(|b| b as u8)))
 }
 
 /// How a group's collectives travel.
@@ -297,10 +379,7 @@ impl GroupPath {
             return Ok(GroupPath::Mpi);
         }
         for (i, (a, da)) in on_cuda.iter().enumerate() {
-            if let Some((b, _)) = on_cuda[i + 1..]
-                .iter()
-                .find(|(_, db)| db.host == da.host && db.cuda == da.cuda)
-            {
+            if let Some((b, _)) = on_cuda[i + 1..].iter().find(|(_, db)| db.same_gpu(da)) {
                 return Err(CommError::SharedGpu {
                     first: *a,
                     second: *b,
@@ -328,13 +407,17 @@ fn check_and_log(
     devices: &[RankDevice],
     groups: impl IntoIterator<Item = Vec<usize>>,
 ) -> Result<(), CommError> {
-    for group in groups {
-        GroupPath::of(&group, devices)?;
+    let mut paths = std::collections::BTreeMap::<String, usize>::new();
+    for group in groups.into_iter().filter(|g| g.len() > 1) {
+        *paths
+            .entry(format!("{:?}", GroupPath::of(&group, devices)?))
+            .or_default() += 1;
     }
     if world.rank() == 0 {
         for (r, d) in devices.iter().enumerate() {
             tracing::info!("rank {r} computes on {}", d.describe());
         }
+        tracing::info!("groups of two or more ranks by path: {paths:?}");
     }
     Ok(())
 }
@@ -372,8 +455,25 @@ impl GroupCommunicator {
 /// a tied embedding), one per distinct set of two or more ranks, NCCL where every member
 /// computes on CUDA: the groups of a general plan, which no grid describes.
 pub struct SetGroups {
-    groups: HashMap<Vec<usize>, GroupCommunicator>,
+    /// By member list, so that every rank tears them down in one order (see `Drop`).
+    groups: BTreeMap<Vec<usize>, GroupCommunicator>,
     devices: Vec<RankDevice>,
+}
+
+impl Drop for SetGroups {
+    /// Tears the communicators down in one order on every rank, by member list: NCCL's
+    /// finalize may wait for the other members, so ranks going through their groups in
+    /// different orders (a hash map's, which differs from process to process) could each
+    /// wait on a group the other has not reached. Every NCCL communicator is finalized
+    /// first, then each group is dropped (NCCL destroyed, MPI freed), in the same order.
+    fn drop(&mut self) {
+        for group in self.groups.values_mut() {
+            group.finalize();
+        }
+        while let Some(group) = self.groups.pop_first() {
+            drop(group);
+        }
+    }
 }
 
 impl SetGroups {
@@ -405,7 +505,7 @@ impl SetGroups {
         let devices = RankDevice::gather(world, device)?;
         check_and_log(world, &devices, sets.iter().cloned())?;
         let rank = world.rank();
-        let mut groups = HashMap::new();
+        let mut groups = BTreeMap::new();
         // The first NCCL communicator's stream carries every group's collectives: one
         // stream runs them in issue order, which is the plan's global order on every rank.
         let mut first_nccl: Option<Vec<usize>> = None;
@@ -432,7 +532,7 @@ impl SetGroups {
     #[cfg(test)]
     pub(crate) fn none() -> Self {
         SetGroups {
-            groups: HashMap::new(),
+            groups: BTreeMap::new(),
             devices: Vec::new(),
         }
     }
@@ -452,6 +552,21 @@ impl SetGroups {
 /// This rank's communicator for each group kind it belongs to.
 pub struct ProcessGroups {
     groups: HashMap<GroupKind, (Vec<usize>, GroupCommunicator)>,
+}
+
+impl Drop for ProcessGroups {
+    /// Tears the communicators down in `GroupKind::ALL`'s order on every rank, NCCL's
+    /// finalized first (see `SetGroups`' drop).
+    fn drop(&mut self) {
+        for kind in GroupKind::ALL {
+            if let Some((_, group)) = self.groups.get_mut(&kind) {
+                group.finalize();
+            }
+        }
+        for kind in GroupKind::ALL {
+            drop(self.groups.remove(&kind));
+        }
+    }
 }
 
 impl ProcessGroups {
@@ -527,6 +642,7 @@ mod tests {
         RankDevice {
             host,
             cuda: Some(ordinal),
+            gpu: None,
             nccl,
             pid: 1,
         }
@@ -535,9 +651,51 @@ mod tests {
     const CPU: RankDevice = RankDevice {
         host: 1,
         cuda: None,
+        gpu: None,
         nccl: false,
         pid: 1,
     };
+
+    #[test]
+    fn one_gpu_is_known_by_its_uuid_rather_than_its_ordinal() {
+        let on = |ordinal, gpu| RankDevice {
+            gpu: Some(gpu),
+            ..cuda(1, ordinal, true)
+        };
+        // Each rank sees its own GPU as cuda:0 (CUDA_VISIBLE_DEVICES per rank).
+        let devices = [on(0, 0xa), on(0, 0xb), on(1, 0xa)];
+        assert_eq!(GroupPath::of(&[0, 1], &devices).unwrap(), GroupPath::Nccl);
+        assert!(matches!(
+            GroupPath::of(&[1, 2], &devices),
+            Ok(GroupPath::Nccl)
+        ));
+        // Two ordinals of one GPU (different visible sets).
+        assert!(matches!(
+            GroupPath::of(&[0, 2], &devices),
+            Err(CommError::SharedGpu {
+                first: 0,
+                second: 2,
+                ..
+            })
+        ));
+        // One UUID on two hosts (the one-GPU test switch's separate host ids) is apart.
+        let apart = [
+            on(0, 0xa),
+            RankDevice {
+                host: 2,
+                ..on(0, 0xa)
+            },
+        ];
+        assert_eq!(GroupPath::of(&[0, 1], &apart).unwrap(), GroupPath::Nccl);
+        // What travels between ranks comes back whole.
+        for device in [on(3, u128::MAX - 5), cuda(-7, 1, false), CPU] {
+            assert_eq!(RankDevice::from_words(&device.to_words()), device);
+        }
+        // Without a UUID, the ordinal decides.
+        assert!(on(0, 0xa).same_gpu(&cuda(1, 0, true)));
+        assert!(!on(0, 0xa).same_gpu(&cuda(1, 1, true)));
+        assert!(!CPU.same_gpu(&CPU));
+    }
 
     #[test]
     fn all_cuda_groups_use_nccl_and_mixed_ones_mpi() {

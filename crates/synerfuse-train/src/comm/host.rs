@@ -1,5 +1,6 @@
 //! MPI communicators over tch tensors.
 
+use super::pieces::piece_starts;
 use super::progress;
 use super::watchdog::{self, waiting};
 use super::CommError;
@@ -329,6 +330,26 @@ impl<'a> HostStaging<'a> {
         }
     }
 
+    /// Like [`Self::new`] for a 1-D `target` whose values matter only in `piece` (the
+    /// rest is about to be received): a host buffer of its dtype that holds only that
+    /// piece, rather than a copy of the whole tensor.
+    fn for_piece(target: &'a mut Tensor, piece: std::ops::Range<usize>) -> Self {
+        let kind = target.kind();
+        if target.device() == Device::Cpu && target.is_contiguous() {
+            return Self::new(target, kind);
+        }
+        let host = Tensor::empty([target.numel() as i64], (kind, Device::Cpu));
+        let (start, length) = (piece.start as i64, piece.len() as i64);
+        tch::no_grad(|| {
+            (host.narrow(0, start, length)).copy_(&target.narrow(0, start, length));
+        });
+        Self {
+            target,
+            host,
+            shared: false,
+        }
+    }
+
     /// The host elements; `T` must have the size of an element of the staged kind.
     fn elements<T>(&mut self) -> &mut [T] {
         let len = self.host.numel();
@@ -556,18 +577,9 @@ impl MpiCommunicator {
                 kind: tensor.kind(),
             });
         }
-        if counts.len() != self.size || counts.iter().sum::<usize>() != numel {
-            return Err(CommError::ScatterCounts {
-                rank: self.rank,
-                counts: counts.to_vec(),
-                size: self.size,
-                elements: numel,
-            });
-        }
+        let op = "start_reduce_scatter_sum";
+        let starts = piece_starts(self.rank, self.size, counts, numel, op)?;
         let rounds = scatter_rounds(counts, max_per_call);
-        let starts: Vec<usize> = (counts.iter())
-            .scan(0, |at, &c| Some(std::mem::replace(at, *at + c)))
-            .collect();
         let own = tensor.narrow(0, starts[self.rank] as i64, counts[self.rank] as i64);
         let on_host = tensor.device() == Device::Cpu && own.is_contiguous();
         let host = tch::no_grad(|| tensor.detach().to_device(Device::Cpu));
@@ -635,6 +647,79 @@ impl MpiCommunicator {
         });
         staging.finish();
         Ok(())
+    }
+
+    /// Copies every member's piece of the 1-D `tensor` (any dtype, bf16 as raw bits) to
+    /// every member, in place: member `m`'s piece is the `counts[m]` elements after
+    /// `counts[..m]`, and only this rank's own piece of its tensor is read. One
+    /// `Allgatherv` through host memory (the tensor itself when it is a contiguous CPU
+    /// tensor; otherwise only its own piece goes to the host, and the whole comes back),
+    /// sent from a copy of this rank's piece: MPI may not read and write overlapping
+    /// buffers in one call, and the bindings do not expose `MPI_IN_PLACE`.
+    pub fn all_gather_in_place(
+        &self,
+        tensor: &mut Tensor,
+        counts: &[usize],
+    ) -> Result<(), CommError> {
+        self.all_gather_in_place_in_rounds(tensor, counts, MAX_ELEMENTS_PER_CALL)
+    }
+
+    /// [`Self::all_gather_in_place`], where a tensor of more than `max_per_call` elements
+    /// (MPI's counts and displacements are `int`) takes one broadcast per piece instead,
+    /// in chunks of at most `max_per_call` elements. Public for the tests of the rounds.
+    #[doc(hidden)]
+    pub fn all_gather_in_place_in_rounds(
+        &self,
+        tensor: &mut Tensor,
+        counts: &[usize],
+        max_per_call: usize,
+    ) -> Result<(), CommError> {
+        let op = "all_gather_in_place";
+        if tensor.dim() != 1 {
+            return Err(CommError::Shape {
+                rank: self.rank,
+                op,
+                problem: format!("a tensor of shape {:?} is not 1-D", tensor.size()),
+            });
+        }
+        let starts = piece_starts(self.rank, self.size, counts, tensor.numel(), op)?;
+        let kind = tensor.kind();
+        let own = starts[self.rank]..starts[self.rank] + counts[self.rank];
+        let mut staging = HostStaging::for_piece(tensor, own);
+        let _wait = waiting(op, &self.name, None);
+        with_element_type!(kind, self.rank, op, T => {
+            let elements = staging.elements::<T>();
+            if elements.len() <= max_per_call.max(1) {
+                self.all_gather_pieces(elements, counts, &starts);
+            } else {
+                let pieces = starts.iter().zip(counts).enumerate();
+                for (root, (&start, &count)) in pieces {
+                    let root = self.comm.process_at_rank(root as i32);
+                    for chunk in elements[start..start + count].chunks_mut(max_per_call.max(1)) {
+                        root.broadcast_into(chunk);
+                    }
+                }
+            }
+        });
+        staging.finish();
+        Ok(())
+    }
+
+    /// One `Allgatherv` of the pieces (`counts`, from `starts`) of `elements`, which hold
+    /// at most `i32::MAX` elements.
+    fn all_gather_pieces<T: Equivalence + Copy>(
+        &self,
+        elements: &mut [T],
+        counts: &[usize],
+        starts: &[usize],
+    ) {
+        use mpi::collective::CommunicatorCollectives;
+        use mpi::datatype::PartitionMut;
+        let own = elements[starts[self.rank]..][..counts[self.rank]].to_vec();
+        let counts: Vec<i32> = counts.iter().map(|&c| c as i32).collect();
+        let displs: Vec<i32> = starts.iter().map(|&s| s as i32).collect();
+        let mut pieces = PartitionMut::new(elements, &counts[..], &displs[..]);
+        self.comm.all_gather_varcount_into(&own[..], &mut pieces);
     }
 
     /// The sub-communicator of the ranks that pass the same `color` (`None`: this rank
@@ -929,5 +1014,133 @@ impl MpiCommunicator {
         });
         staging.finish();
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Set in the child process that runs [`mpi_checks_in_a_process_of_their_own`].
+    const CHILD_ENV: &str = "SYNERFUSE_TEST_MPI_CHILD";
+
+    /// MPI is initialised once per process, and its panic hook aborts the process: the
+    /// MPI checks run in a child process of this test binary, alone, as a one-rank world
+    /// (MPI's singleton start, no launcher). The child test is written for any number
+    /// of ranks, so it also runs by hand under `mpirun -np N` (with `SYNERFUSE_TEST_MPI_CHILD=1`).
+    #[test]
+    fn one_rank_mpi_world_gathers_and_reduces_uneven_pieces() {
+        let path = module_path!().split_once("::").map_or("", |(_, p)| p);
+        let test = format!("{path}::mpi_checks_in_a_process_of_their_own");
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([test.as_str(), "--exact", "--ignored", "--nocapture"])
+            .env(CHILD_ENV, "1")
+            .output()
+            .expect("running this test binary again");
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(
+            out.status.success() && stdout.contains("1 passed"),
+            "{}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+            out.status
+        );
+    }
+
+    #[test]
+    #[ignore = "run by one_rank_mpi_world_gathers_and_reduces_uneven_pieces in a process of its own"]
+    fn mpi_checks_in_a_process_of_their_own() {
+        if std::env::var_os(CHILD_ENV).is_none() {
+            return;
+        }
+        let runtime = MpiRuntime::init().expect("MPI init");
+        let group = super::super::GroupCommunicator::mpi(runtime.world());
+        let outcome = uneven_pieces(&runtime.world(), &group);
+        drop(group);
+        // Asserted once MPI is finalised: a panic before would abort the process.
+        drop(runtime);
+        outcome.unwrap();
+    }
+
+    /// Member `m`'s piece (`counts[m]` elements, none for member 1) holds its elements'
+    /// indices on member `m`, -1 elsewhere; every transfer must give every member all
+    /// the indices (exact in bf16), and a reduce-scatter each member its piece's sum.
+    fn uneven_pieces(
+        world: &MpiCommunicator,
+        group: &super::super::GroupCommunicator,
+    ) -> Result<(), String> {
+        let (rank, n) = (world.rank(), world.size());
+        let counts: Vec<usize> = (0..n).map(|m| if m == 1 { 0 } else { 2 * m + 3 }).collect();
+        let numel: usize = counts.iter().sum();
+        let (start, own) = (
+            counts[..rank].iter().sum::<usize>() as i64,
+            counts[rank] as i64,
+        );
+        let all = Tensor::arange(numel as i64, (Kind::Float, Device::Cpu));
+        let mine = |kind: Kind, stride: i64| {
+            let t = Tensor::full([numel as i64 * stride], -1.0, (kind, Device::Cpu));
+            let t = t.slice(0, 0, None, stride);
+            tch::no_grad(|| t.narrow(0, start, own).copy_(&all.narrow(0, start, own)));
+            t
+        };
+        for (kind, stride, max_per_call) in [
+            (Kind::Float, 1, MAX_ELEMENTS_PER_CALL),
+            (Kind::BFloat16, 1, MAX_ELEMENTS_PER_CALL),
+            (Kind::Int64, 1, MAX_ELEMENTS_PER_CALL),
+            (Kind::BFloat16, 2, MAX_ELEMENTS_PER_CALL),
+            (Kind::Float, 1, 2),
+            (Kind::BFloat16, 2, 3),
+        ] {
+            let mut t = mine(kind, stride);
+            world
+                .all_gather_in_place_in_rounds(&mut t, &counts, max_per_call)
+                .map_err(|e| e.to_string())?;
+            if t.to_kind(Kind::Float) != all {
+                return Err(format!("{kind:?} stride {stride} by {max_per_call}: {t:?}"));
+            }
+            let mut t = mine(kind, stride);
+            group
+                .all_gather_in_place(&mut t, &counts)
+                .map_err(|e| e.to_string())?;
+            if t.to_kind(Kind::Float) != all {
+                return Err(format!("the group's {kind:?} stride {stride}: {t:?}"));
+            }
+        }
+        // Member r contributes (r + 1) × the indices; the rest of its tensor stays.
+        let t = &all * (rank + 1) as f64;
+        let want = t.copy();
+        let total = all.narrow(0, start, own) * (n * (n + 1) / 2) as f64;
+        tch::no_grad(|| want.narrow(0, start, own).copy_(&total));
+        group
+            .start_reduce_scatter_sum(&t, &counts)
+            .and_then(|pending| pending.wait())
+            .map_err(|e| e.to_string())?;
+        if t != want {
+            return Err(format!("reduce-scatter gave {t:?}, not {want:?}"));
+        }
+        refusals(world, &counts)
+    }
+
+    /// Counts that do not cover the tensor one per member, and tensors that are not 1-D,
+    /// are refused alike on every member, before any message.
+    fn refusals(world: &MpiCommunicator, counts: &[usize]) -> Result<(), String> {
+        let numel: usize = counts.iter().sum();
+        let mut t = Tensor::zeros([numel as i64], (Kind::Float, Device::Cpu));
+        let mut longer = counts.to_vec();
+        longer.push(1);
+        let mut more = counts.to_vec();
+        more[0] += 1;
+        for bad in [longer, more] {
+            match world.all_gather_in_place(&mut t, &bad) {
+                Err(CommError::ScatterCounts { .. }) => {}
+                other => return Err(format!("counts {bad:?} gave {other:?}")),
+            }
+        }
+        let mut square = Tensor::zeros([numel as i64, 1], (Kind::Float, Device::Cpu));
+        match world.all_gather_in_place(&mut square, counts) {
+            Err(CommError::Shape { .. }) => Ok(()),
+            other => Err(format!("a 2-D tensor gave {other:?}")),
+        }
     }
 }

@@ -15,7 +15,7 @@
 
 use super::groups::RankDevice;
 use super::{CommError, MpiCommunicator, NcclCommunicator, SetGroups};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use synerfuse_plan::{link_in_order, Instruction};
 use tch::Tensor;
 
@@ -46,9 +46,7 @@ impl LinkPath {
         match (a.cuda, b.cuda) {
             (None, None) => LinkPath::Mpi,
             (Some(_), None) | (None, Some(_)) => LinkPath::HostStaged("a CPU end"),
-            (Some(x), Some(y)) if a.host == b.host && x == y => {
-                LinkPath::HostStaged("both ends on one GPU")
-            }
+            (Some(_), Some(_)) if a.same_gpu(b) => LinkPath::HostStaged("both ends on one GPU"),
             _ if !(a.nccl && b.nccl) => LinkPath::HostStaged("NCCL not loadable"),
             _ if !in_order => LinkPath::HostStaged("the schedule receives out of send order"),
             _ => LinkPath::Nccl,
@@ -58,9 +56,27 @@ impl LinkPath {
 
 /// This rank's pipeline links that use NCCL (by peer world rank); the rest use MPI.
 pub struct PipelineLinks {
-    nccl: HashMap<usize, NcclCommunicator>,
+    /// By peer: ascending peers are the links in the global (lower rank, higher rank)
+    /// order, which every rank tears down in (see `Drop`).
+    nccl: BTreeMap<usize, NcclCommunicator>,
     /// This rank (for errors).
     rank: usize,
+}
+
+impl Drop for PipelineLinks {
+    /// Finalizes every NCCL link, then destroys each, in ascending peer order: on every
+    /// rank that is the global link order, so no two ranks wait on each other's link
+    /// (NCCL's finalize may wait for the peer).
+    fn drop(&mut self) {
+        for link in self.nccl.values_mut() {
+            if let Err(e) = link.finalize() {
+                tracing::warn!("{e}");
+            }
+        }
+        while let Some(link) = self.nccl.pop_first() {
+            drop(link);
+        }
+    }
 }
 
 impl PipelineLinks {
@@ -87,7 +103,7 @@ impl PipelineLinks {
             })
             .collect();
         let me = world.rank();
-        let mut nccl = HashMap::new();
+        let mut nccl = BTreeMap::new();
         for (a, b) in links {
             let in_order = link_in_order(programs, a, b) && link_in_order(programs, b, a);
             let path = match (devices.get(a), devices.get(b)) {
@@ -182,6 +198,7 @@ mod tests {
         RankDevice {
             host,
             cuda,
+            gpu: None,
             nccl,
             pid: 1,
         }

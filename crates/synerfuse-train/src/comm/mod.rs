@@ -11,6 +11,8 @@ mod host;
 mod launcher;
 mod links;
 mod nccl;
+pub mod one_gpu;
+mod pieces;
 mod progress;
 pub mod watchdog;
 

@@ -1,11 +1,33 @@
 //! NCCL communicators over CUDA tch tensors, through cudarc's run-time loaded bindings.
 
+use super::pieces::{piece_calls, piece_starts, PieceCall};
 use super::watchdog::waiting;
 use super::{CommError, MpiCommunicator};
 use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::{result, sys};
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
+
+/// A collective over the pieces of a flat buffer, one member's piece each.
+#[derive(Debug, Clone, Copy)]
+enum Pieces {
+    /// Member `m`'s piece gets the sum over members on member `m`.
+    ReduceSum,
+    /// Member `m`'s piece goes from member `m` to every member.
+    Gather,
+}
+
+impl Pieces {
+    /// The NCCL function that carries out `call`.
+    fn context(self, call: &PieceCall) -> &'static str {
+        match (self, call) {
+            (Pieces::ReduceSum, PieceCall::Equal { .. }) => "ncclReduceScatter",
+            (Pieces::ReduceSum, PieceCall::Rooted { .. }) => "ncclReduce",
+            (Pieces::Gather, PieceCall::Equal { .. }) => "ncclAllGather",
+            (Pieces::Gather, PieceCall::Rooted { .. }) => "ncclBroadcast",
+        }
+    }
+}
 
 /// A group of CUDA ranks that exchanges tensors with NCCL.
 ///
@@ -20,15 +42,20 @@ pub struct NcclCommunicator {
     ordinal: usize,
     /// The group's name in timeout messages.
     name: Arc<str>,
+    /// Whether `ncclCommFinalize` has run (it runs once, before `ncclCommDestroy`).
+    finalized: bool,
 }
 
 /// A reduction enqueued on an NCCL communicator's stream, from
-/// [`NcclCommunicator::start_all_reduce_sum`].
+/// [`NcclCommunicator::start_all_reduce_sum`] or
+/// [`NcclCommunicator::start_reduce_scatter_sum`].
 pub struct PendingNccl {
     stream: Arc<CudaStream>,
     _tensor: Tensor,
     rank: usize,
     name: Arc<str>,
+    /// The NCCL call, for timeout messages.
+    op: &'static str,
     waited: bool,
 }
 
@@ -39,7 +66,7 @@ impl PendingNccl {
     }
 
     fn synchronize(&mut self) -> Result<(), CommError> {
-        let _wait = waiting("ncclAllReduce", &self.name, None);
+        let _wait = waiting(self.op, &self.name, None);
         let done = self.stream.synchronize().map_err(|e| CommError::Cuda {
             rank: self.rank,
             context: "cuStreamSynchronize",
@@ -178,6 +205,7 @@ impl NcclCommunicator {
             size,
             ordinal,
             name,
+            finalized: false,
         })
     }
 
@@ -241,13 +269,169 @@ impl NcclCommunicator {
             context: "ncclAllReduce",
             message: format!("{e:?}"),
         })?;
-        Ok(PendingNccl {
+        Ok(self.pending(tensor, "ncclAllReduce"))
+    }
+
+    /// What waits for `tensor`'s collective `op`, just enqueued on this stream.
+    fn pending(&self, tensor: &Tensor, op: &'static str) -> PendingNccl {
+        PendingNccl {
             stream: Arc::clone(&self.stream),
             _tensor: tensor.shallow_clone(),
             rank: self.rank,
             name: Arc::clone(&self.name),
+            op,
             waited: false,
-        })
+        }
+    }
+
+    /// Enqueues summing the contiguous 1-D `tensor` over the group so that member `m`'s
+    /// piece (the `counts[m]` elements after `counts[..m]`) holds its sum on member `m`,
+    /// the rest of `tensor` left as it was (as [`MpiCommunicator::start_reduce_scatter_sum`]),
+    /// and returns at once: one in-place `ncclReduceScatter` when the pieces are equal,
+    /// otherwise one in-place `ncclReduce` per non-empty piece to its member, grouped
+    /// (see [`super::pieces::piece_calls`] for why not a padded reduce-scatter). The
+    /// caller must not touch `tensor` before [`PendingNccl::wait`].
+    pub fn start_reduce_scatter_sum(
+        &self,
+        tensor: &Tensor,
+        counts: &[usize],
+    ) -> Result<PendingNccl, CommError> {
+        let plan = self.check_pieces(tensor, counts, "start_reduce_scatter_sum")?;
+        // The gradients must be complete before NCCL reads them.
+        self.wait_for_libtorch()?;
+        self.enqueue_pieces(tensor, plan, Pieces::ReduceSum)?;
+        Ok(self.pending(tensor, "ncclReduceScatter"))
+    }
+
+    /// Copies member `m`'s piece of the 1-D `tensor` (the `counts[m]` elements after
+    /// `counts[..m]`) into every member's, in any dtype NCCL carries: one in-place
+    /// `ncclAllGather` when the pieces are equal, otherwise one in-place `ncclBroadcast`
+    /// per non-empty piece from its member, grouped. Returns once `tensor` is complete.
+    pub fn all_gather_in_place(
+        &self,
+        tensor: &mut Tensor,
+        counts: &[usize],
+    ) -> Result<(), CommError> {
+        let op = "all_gather_in_place";
+        let contiguous = tensor.is_contiguous();
+        let buffer = match contiguous {
+            true => tensor.shallow_clone(),
+            false => tensor.contiguous(),
+        };
+        let plan = self.check_pieces(&buffer, counts, op)?;
+        self.wait_for_libtorch()?;
+        self.enqueue_pieces(&buffer, plan, Pieces::Gather)?;
+        self.synchronize(op)?;
+        if !contiguous {
+            tch::no_grad(|| tensor.copy_(&buffer));
+        }
+        Ok(())
+    }
+
+    /// The dtype and calls of a collective over the pieces `counts` of `tensor`, or why
+    /// it cannot run (refused before any call).
+    fn check_pieces(
+        &self,
+        tensor: &Tensor,
+        counts: &[usize],
+        op: &'static str,
+    ) -> Result<(sys::ncclDataType_t, Vec<PieceCall>), CommError> {
+        let dtype = self.nccl_type(tensor, op)?;
+        if tensor.dim() != 1 || !tensor.is_contiguous() {
+            return Err(CommError::Shape {
+                rank: self.rank,
+                op,
+                problem: format!(
+                    "the tensor of shape {:?} must be 1-D and contiguous",
+                    tensor.size()
+                ),
+            });
+        }
+        piece_starts(self.rank, self.size, counts, tensor.numel(), op)?;
+        Ok((dtype, piece_calls(counts)))
+    }
+
+    /// Enqueues the calls of `plan` (from [`Self::check_pieces`] on `tensor`) on this
+    /// stream, in one NCCL group when there are several, without waiting.
+    fn enqueue_pieces(
+        &self,
+        tensor: &Tensor,
+        (dtype, calls): (sys::ncclDataType_t, Vec<PieceCall>),
+        pieces: Pieces,
+    ) -> Result<(), CommError> {
+        let nccl_err = |context: &'static str| {
+            move |e: result::NcclError| CommError::Cuda {
+                rank: self.rank,
+                context,
+                message: format!("{e:?}"),
+            }
+        };
+        let grouped = calls.len() > 1;
+        if grouped {
+            result::group_start().map_err(nccl_err("ncclGroupStart"))?;
+        }
+        let enqueued = calls.iter().try_for_each(|call| {
+            let context = pieces.context(call);
+            (self.enqueue_piece(tensor, dtype, call, pieces))
+                .map(drop)
+                .map_err(nccl_err(context))
+        });
+        if grouped {
+            result::group_end().map_err(nccl_err("ncclGroupEnd"))?;
+        }
+        enqueued
+    }
+
+    /// Enqueues one call of a collective over pieces of the contiguous 1-D `tensor` of
+    /// `dtype`, in place, on this stream.
+    fn enqueue_piece(
+        &self,
+        tensor: &Tensor,
+        dtype: sys::ncclDataType_t,
+        call: &PieceCall,
+        pieces: Pieces,
+    ) -> Result<result::NcclStatus, result::NcclError> {
+        let base = tensor.data_ptr().cast::<u8>();
+        let element = tensor.kind().elt_size_in_bytes();
+        let stream = self.stream.cu_stream() as sys::cudaStream_t;
+        let sum = sys::ncclRedOp_t::ncclSum;
+        // SAFETY: `tensor` is a contiguous CUDA tensor on this communicator's GPU of
+        // `dtype` elements that the pieces cover exactly (check_pieces), so every offset
+        // and count below stays inside it; the caller keeps it alive until the stream
+        // has finished. Equal pieces: the in-place forms NCCL documents (the reduce-scatter
+        // receives at, and the all-gather sends from, `rank * count`); rooted calls pass
+        // one pointer as both buffers, which NCCL runs in place.
+        unsafe {
+            match (*call, pieces) {
+                (PieceCall::Equal { count }, Pieces::ReduceSum) => {
+                    let own = base.add(self.rank * count * element).cast();
+                    result::reduce_scatter(base.cast(), own, count, dtype, sum, self.comm, stream)
+                }
+                (PieceCall::Equal { count }, Pieces::Gather) => {
+                    let own = base.add(self.rank * count * element).cast();
+                    result::all_gather(own, base.cast(), count, dtype, self.comm, stream)
+                }
+                (
+                    PieceCall::Rooted {
+                        root,
+                        offset,
+                        count,
+                    },
+                    pieces,
+                ) => {
+                    let piece = base.add(offset * element).cast::<std::ffi::c_void>();
+                    let root = root as i32;
+                    match pieces {
+                        Pieces::ReduceSum => {
+                            result::reduce(piece, piece, count, dtype, sum, root, self.comm, stream)
+                        }
+                        Pieces::Gather => {
+                            result::broadcast(piece, piece, count, dtype, root, self.comm, stream)
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// Copies `tensor` of rank `root` into `tensor` of every other rank.
@@ -514,8 +698,34 @@ impl NcclCommunicator {
     }
 }
 
+impl NcclCommunicator {
+    /// Completes this communicator's work and releases its links (`ncclCommFinalize`),
+    /// once: NCCL's first step of tearing a communicator down, which may wait for the
+    /// other members, so the owners of several communicators finalize them in one order
+    /// on every rank, all of them before destroying any ([`super::SetGroups`]).
+    /// Bounded by the watchdog.
+    pub(crate) fn finalize(&mut self) -> Result<(), CommError> {
+        if std::mem::replace(&mut self.finalized, true) {
+            return Ok(());
+        }
+        let _wait = waiting("ncclCommFinalize", &self.name, None);
+        // SAFETY: `comm` was created by ncclCommInitRank, is not destroyed yet, and is
+        // finalized once (the flag above).
+        unsafe { result::comm_finalize(self.comm) }
+            .map(drop)
+            .map_err(|e| CommError::Cuda {
+                rank: self.rank,
+                context: "ncclCommFinalize",
+                message: format!("{e:?}"),
+            })
+    }
+}
+
 impl Drop for NcclCommunicator {
     fn drop(&mut self) {
+        if let Err(e) = self.finalize() {
+            tracing::warn!("{}: {e}", self.name);
+        }
         // SAFETY: `comm` was created by ncclCommInitRank and is destroyed once.
         let _ = unsafe { result::comm_destroy(self.comm) };
     }
