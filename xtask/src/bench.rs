@@ -358,6 +358,12 @@ fn acceleration_rows(b: &serde_json::Value, g: u64) -> Vec<Row> {
     let mut rows = Vec::new();
     for (key, runs_key, what) in [
         (
+            "acceleration_ratio_no_overlap",
+            "acceleration_ratio_no_overlap_runs",
+            "acceleration ratio, reduction after the pipeline (--no-overlap-grad-reduce)"
+                .to_owned(),
+        ),
+        (
             "acceleration_ratio",
             "acceleration_ratio_runs",
             "acceleration ratio (plan ÷ Σ each device alone)".to_owned(),

@@ -38,6 +38,9 @@ const PREDICTION_TOLERANCE: f64 = 0.10;
 const MICRO_BATCH_SIZES: &str = "1,2,4";
 /// Runs of the plan and of the best even layout (the median and the spread).
 const REPEATS: usize = 3;
+/// Gradient-reduction buckets (`--ddp-bucket-size`) scaled to this model as Megatron's
+/// default (40M parameters) is to a 7B model's layer (202M): a fifth of a layer (198k).
+const BUCKET_SIZE: &str = "40000";
 
 fn model_flags() -> Vec<&'static str> {
     vec![
@@ -56,8 +59,43 @@ fn model_flags() -> Vec<&'static str> {
 
 fn train(bin: &Path, data: &Data, dir: &Path, extra: &[String], log: &Path) -> Command {
     let mut cmd = train_command(bin, data, dir, ITERS, log);
-    cmd.args(model_flags()).args(extra);
+    cmd.args(model_flags())
+        .args(["--ddp-bucket-size", BUCKET_SIZE])
+        .args(extra);
     cmd
+}
+
+/// `layout` with its data-parallel reduction after the whole pipeline, whole
+/// (`--no-overlap-grad-reduce`): what overlapping it gains.
+fn without_overlap(layout: &Layout) -> Layout {
+    let mut train_flags = layout.train_flags.clone();
+    train_flags.push("--no-overlap-grad-reduce".into());
+    Layout {
+        file: layout.file.clone(),
+        label: format!("{} (reduction after the pipeline)", layout.label),
+        predicted_s: layout.predicted_s,
+        train_flags,
+    }
+}
+
+/// Each rank's median, over the steps after the fifth, of `key` (ms) in `log`'s records.
+fn rank_medians_ms(log: &Path, key: &str) -> Result<Vec<f64>> {
+    let text = std::fs::read_to_string(log).with_context(|| log.display().to_string())?;
+    let mut per_rank: Vec<Vec<f64>> = Vec::new();
+    for line in text
+        .lines()
+        .filter(|l| l.contains("\"elapsed_ms\""))
+        .skip(5)
+    {
+        let record = last_json_line(line)?;
+        for (r, rank) in (record["ranks"].as_array().into_iter().flatten()).enumerate() {
+            if per_rank.len() <= r {
+                per_rank.push(Vec::new());
+            }
+            per_rank[r].push(number(rank, key)?);
+        }
+    }
+    Ok(per_rank.iter().map(|v| median(v)).collect())
 }
 
 /// A layout to run: its plan file, what it is, and the planner's predicted step.
@@ -320,9 +358,16 @@ fn one_scenario(
         .expect("a grid layout");
     let mut best_runs = vec![grids[best]];
     let mut plan_runs = Vec::new();
+    // With each device alone measured (the acceleration ratio), the plan also runs with
+    // its reduction after the pipeline, in alternation: what overlapping it gains.
+    let (mut off_runs, off) = (Vec::new(), without_overlap(&planned.plan));
     for repeat in 0..REPEATS {
         let run_name = format!("plan-{name}-{repeat}");
         plan_runs.push(measure(bin, data, on, &planned.plan, &run_name)?);
+        if scenario.alone {
+            let run_name = format!("plan-no-overlap-{name}-{repeat}");
+            off_runs.push(measure(bin, data, on, &off, &run_name)?);
+        }
         if repeat > 0 {
             let run_name = format!("best-grid-{name}-{repeat}");
             best_runs.push(measure(bin, data, on, &planned.grids[best], &run_name)?);
@@ -405,6 +450,21 @@ fn one_scenario(
             .unwrap_or(1);
         let alone = alone_tokens_per_s(bin, data, dir, scenario, size)?;
         let ratios: Vec<f64> = plan_runs.iter().map(|s| tokens / s / alone).collect();
+        let off_ratios: Vec<f64> = off_runs.iter().map(|s| tokens / s / alone).collect();
+        let waits = |run: &str| {
+            rank_medians_ms(&dir.join(format!("{run}-{name}-0.jsonl")), "reduce_wait_ms")
+        };
+        let (wait_on, wait_off) = (waits("plan")?, waits("plan-no-overlap")?);
+        line += &format!(
+            "; overlap off: acceleration ratio {:.1}% (runs {off_ratios:?}); waiting for the gradient reduction per rank {wait_off:.1?} ms off, {wait_on:.1?} ms on",
+            median(&off_ratios) * 100.0
+        );
+        row["no_overlap_step_s_runs"] = off_runs.clone().into();
+        row["acceleration_ratio_no_overlap"] = median(&off_ratios).into();
+        row["acceleration_ratio_no_overlap_runs"] = off_ratios.into();
+        row["reduce_wait_ms_per_rank"] = wait_on.into();
+        row["reduce_wait_ms_per_rank_no_overlap"] = wait_off.into();
+        row["ddp_bucket_size"] = BUCKET_SIZE.into();
         let of_ceiling: Vec<f64> = (ratios.iter())
             .map(|r| r / planned.integer_split_fraction)
             .collect();
