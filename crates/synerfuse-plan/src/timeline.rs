@@ -17,21 +17,27 @@ pub enum SpanKind {
     Send,
     /// Blocked until a message arrives.
     Wait,
-    /// The data-parallel gradient reduction.
+    /// Waiting for the data-parallel gradient reduction after the pipeline (what
+    /// computation did not hide of it).
     Reduce,
     /// The optimizer step.
     Optimizer,
+    /// A bucket of the gradient reduction in flight, from its start to when the rank saw
+    /// it complete: it overlaps the computation that hides it, so it is drawn as a
+    /// stripe under the rank's row.
+    Bucket,
 }
 
 impl SpanKind {
     /// Every kind, in legend order.
-    pub const ALL: [SpanKind; 6] = [
+    pub const ALL: [SpanKind; 7] = [
         SpanKind::Forward,
         SpanKind::Backward,
         SpanKind::Send,
         SpanKind::Wait,
         SpanKind::Reduce,
         SpanKind::Optimizer,
+        SpanKind::Bucket,
     ];
 
     fn colour(self) -> &'static str {
@@ -42,6 +48,7 @@ impl SpanKind {
             SpanKind::Wait => "#e0e0e0",
             SpanKind::Reduce => "#59a14f",
             SpanKind::Optimizer => "#b07aa1",
+            SpanKind::Bucket => "#1b5e20",
         }
     }
 
@@ -51,8 +58,9 @@ impl SpanKind {
             SpanKind::Backward => "backward",
             SpanKind::Send => "send",
             SpanKind::Wait => "waiting",
-            SpanKind::Reduce => "DP reduction",
+            SpanKind::Reduce => "DP reduction wait",
             SpanKind::Optimizer => "optimizer",
+            SpanKind::Bucket => "bucket in flight",
         }
     }
 }
@@ -153,11 +161,15 @@ impl Timeline {
                 for span in &rank.spans {
                     let width = (x(span.end_s) - x(span.start_s)).max(0.0);
                     let micro_batch = span.micro_batch.map_or(String::new(), |m| format!(" {m}"));
+                    // A bucket overlaps the passes: a stripe along the row's foot.
+                    let (top, height) = match span.kind {
+                        SpanKind::Bucket => (y + ROW - 7.0, 4.0),
+                        _ => (y, ROW - 3.0),
+                    };
                     let _ = writeln!(
                         out,
-                        r#"<rect x="{:.2}" y="{y}" width="{width:.2}" height="{}" fill="{}"><title>{}{micro_batch}: {:.6}–{:.6} s</title></rect>"#,
+                        r#"<rect x="{:.2}" y="{top}" width="{width:.2}" height="{height}" fill="{}"><title>{}{micro_batch}: {:.6}–{:.6} s</title></rect>"#,
                         x(span.start_s),
-                        ROW - 3.0,
                         span.kind.colour(),
                         span.kind.label(),
                         span.start_s,

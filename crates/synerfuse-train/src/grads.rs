@@ -19,8 +19,10 @@
 use crate::comm::{CommError, GroupCommunicator, PendingReduction, SetGroups};
 use std::collections::BTreeMap;
 use std::ops::Range;
+use std::time::Instant;
 use synerfuse_model::tch::{self, Kind, Tensor};
 use synerfuse_model::Stage;
+use synerfuse_plan::timeline::{Span, SpanKind};
 use synerfuse_plan::{GradientReduction, Instruction, Pass};
 
 pub use crate::error::UnreducedParameter;
@@ -54,6 +56,8 @@ struct Bucket {
     /// The lowest model piece among its parameters: it is ready when that one is final.
     min_piece: usize,
     pending: Option<PendingReduction>,
+    /// This step: when it started, and when this rank first saw it complete.
+    in_flight: (Option<Instant>, Option<Instant>),
 }
 
 /// One reduction of this rank: a contiguous range of one chunk's buffer.
@@ -302,6 +306,9 @@ impl MainGrads {
             (chunk.group_summed.iter_mut()).for_each(|(_, summed)| *summed = false);
             chunk.final_from = usize::MAX;
         }
+        for bucket in self.reductions.iter_mut().flat_map(|r| &mut r.buckets) {
+            bucket.in_flight = (None, None);
+        }
         self.started = 0;
     }
 
@@ -367,13 +374,33 @@ impl MainGrads {
         Ok(())
     }
 
-    /// Lets reductions in flight progress (MPI moves only inside MPI calls).
+    /// Lets reductions in flight progress (MPI moves only inside MPI calls), noting
+    /// when each is seen complete.
     pub fn progress(&mut self) {
         for &(r, b) in &self.order[..self.started] {
-            if let Some(pending) = &mut self.reductions[r].buckets[b].pending {
-                pending.progress();
+            let bucket = &mut self.reductions[r].buckets[b];
+            if let Some(pending) = &mut bucket.pending {
+                if bucket.in_flight.1.is_none() && pending.progress() {
+                    bucket.in_flight.1 = Some(Instant::now());
+                }
             }
         }
+    }
+
+    /// This step's buckets in flight, from `step_start` (for the timeline).
+    pub fn bucket_spans(&self, step_start: Instant) -> Vec<Span> {
+        let since = |t: Instant| t.saturating_duration_since(step_start).as_secs_f64();
+        (self.reductions.iter().flat_map(|r| &r.buckets))
+            .filter_map(|b| match b.in_flight {
+                (Some(start), Some(end)) => Some(Span {
+                    kind: SpanKind::Bucket,
+                    start_s: since(start),
+                    end_s: since(end),
+                    micro_batch: None,
+                }),
+                _ => None,
+            })
+            .collect()
     }
 
     /// Completes every reduction (starting the buckets not yet started, in the global
@@ -396,6 +423,7 @@ impl MainGrads {
                     first_error.get_or_insert(e);
                     complete = false;
                 }
+                bucket.in_flight.1.get_or_insert_with(Instant::now);
             }
             if let (true, Some(staging)) = (complete, &mut reduction.staging) {
                 staging.take_back();
@@ -588,6 +616,7 @@ impl Bucket {
             elements,
             min_piece,
             pending: None,
+            in_flight: (None, None),
         })
     }
 
@@ -654,6 +683,7 @@ impl Reduction {
             (None, None) => group.start_all_reduce_sum(&slice)?,
         };
         self.buckets[b].pending = Some(pending);
+        self.buckets[b].in_flight = (Some(Instant::now()), None);
         Ok(())
     }
 }
@@ -817,6 +847,7 @@ mod tests {
             elements: 145..185,
             min_piece: 0,
             pending: None,
+            in_flight: (None, None),
         };
         let shards = [0..30, 30..40, 40..90, 90..100];
         assert_eq!(bucket.counts(&shards, 100), vec![0, 0, 40, 0]);

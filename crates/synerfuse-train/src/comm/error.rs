@@ -108,6 +108,37 @@ pub enum CommError {
     /// NCCL or the CUDA driver cannot be loaded (CPU-only machine).
     #[error("NCCL is not available: libnccl.so.2 or the CUDA driver library could not be loaded")]
     NcclUnavailable,
+    /// NCCL reported an error, from a call or, while the host waited, through
+    /// `ncclCommGetAsyncError`; the communicator has been aborted (a failed communicator
+    /// is never destroyed: `ncclCommDestroy` could wait forever for its work).
+    #[error("rank {rank}: {op} over {group} failed in NCCL: {code} ({reason}){}; the communicator was aborted", detail_suffix(.detail))]
+    Nccl {
+        /// The rank that saw the error.
+        rank: usize,
+        /// The group's name.
+        group: String,
+        /// The NCCL call or the operation waited for.
+        op: &'static str,
+        /// NCCL's result code (`ncclRemoteError`, ...).
+        code: String,
+        /// NCCL's words for the code (`ncclGetErrorString`).
+        reason: String,
+        /// NCCL's last error message (`ncclGetLastError`), often the cause; may be empty.
+        detail: String,
+    },
+    /// An operation on an NCCL communicator that was aborted after an error (or already
+    /// torn down).
+    #[error("rank {rank}: {op} over {group}: the NCCL communicator is {life} (after an earlier error or teardown)")]
+    NcclGone {
+        /// The rank that saw the error.
+        rank: usize,
+        /// The group's name.
+        group: String,
+        /// The operation refused.
+        op: &'static str,
+        /// Where the communicator is: aborted, finalized or destroyed.
+        life: String,
+    },
     /// A CUDA driver or NCCL call failed.
     #[error("rank {rank}: {context}: {message}")]
     Cuda {
@@ -148,5 +179,13 @@ impl CommError {
         } else {
             Err(CommError::InvalidPeer { rank, peer, size })
         }
+    }
+}
+
+/// "; NCCL says: `detail`", or nothing when NCCL left no message.
+fn detail_suffix(detail: &str) -> String {
+    match detail.trim() {
+        "" => String::new(),
+        detail => format!("; NCCL says: {detail}"),
     }
 }

@@ -217,10 +217,12 @@ pub enum PendingReduction {
 }
 
 impl PendingReduction {
-    /// Lets the reduction progress (MPI advances only inside MPI calls; NCCL on its own).
-    pub fn progress(&mut self) {
-        if let PendingReduction::Mpi(pending) = self {
-            pending.test();
+    /// Lets the reduction progress (MPI advances only inside MPI calls; NCCL on its own);
+    /// whether it is known to have completed (an NCCL one is only known at its wait).
+    pub fn progress(&mut self) -> bool {
+        match self {
+            PendingReduction::Mpi(pending) => pending.test(),
+            PendingReduction::Nccl(_) => false,
         }
     }
 

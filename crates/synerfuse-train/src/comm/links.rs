@@ -12,8 +12,14 @@
 //! MPI receive, or at the end of the step): a group's transfers proceed together. Like
 //! MPI's non-blocking sends, sends are waited for only at the end of the step; a
 //! receive waits for its own link's stream.
+//!
+//! Deferring makes the groups of a link's two ends differ ([sends, recv] on one rank,
+//! [recv] on the other), which NCCL leaves undefined while it still has to connect the
+//! peers. Each link is therefore connected both ways when it is made, by a symmetric
+//! one-element exchange ([`super::nccl::first_contact`]).
 
 use super::groups::RankDevice;
+use super::nccl::nccl_group;
 use super::{CommError, MpiCommunicator, NcclCommunicator, SetGroups};
 use std::collections::{BTreeMap, BTreeSet};
 use synerfuse_plan::{link_in_order, Instruction};
@@ -66,7 +72,8 @@ pub struct PipelineLinks {
 impl Drop for PipelineLinks {
     /// Finalizes every NCCL link, then destroys each, in ascending peer order: on every
     /// rank that is the global link order, so no two ranks wait on each other's link
-    /// (NCCL's finalize may wait for the peer).
+    /// (NCCL's finalize may wait for the peer). A link that saw an error was aborted
+    /// then and is neither finalized nor destroyed.
     fn drop(&mut self) {
         for link in self.nccl.values_mut() {
             if let Err(e) = link.finalize() {
@@ -82,8 +89,8 @@ impl Drop for PipelineLinks {
 impl PipelineLinks {
     /// The links of `programs` (every rank's, peers are world ranks): one between each
     /// pair of ranks where one sends to the other. Collective over `world` in effect:
-    /// NCCL links are set up in one global link order, so no two ranks wait on each
-    /// other. Rank 0 logs every link's path.
+    /// NCCL links are set up (and connected both ways) in one global link order, so no
+    /// two ranks wait on each other. Rank 0 logs every link's path.
     pub fn new(
         world: &MpiCommunicator,
         groups: &SetGroups,
@@ -138,7 +145,8 @@ impl PipelineLinks {
     /// into `recv` as one NCCL group, and waits for the receive (its link's stream, which
     /// also completes earlier sends on that link) but not for sends on other links: the
     /// caller keeps sent tensors alive until [`Self::synchronize`]. Every peer must have
-    /// an NCCL link.
+    /// an NCCL link. The links' streams wait for libtorch's kernels on the GPU, not the
+    /// host; a failed group aborts every link in it.
     pub fn exchange(
         &self,
         sends: &[(usize, Tensor)],
@@ -151,30 +159,23 @@ impl PipelineLinks {
         let recv = recv
             .map(|(peer, tensor)| Ok::<_, CommError>((self.link(peer)?, tensor)))
             .transpose()?;
-        let Some(first) = sends.first().map(|(c, _)| *c).or(recv.map(|(c, _)| c)) else {
+        let comms = involved(sends.iter().map(|(c, _)| *c).chain(recv.map(|(c, _)| c)));
+        if comms.is_empty() {
             return Ok(());
-        };
-        // The tensors to send must be complete before NCCL's streams read them.
-        first.wait_for_libtorch()?;
-        let group_err = |context: &'static str| {
-            move |e: cudarc::nccl::result::NcclError| CommError::Cuda {
-                rank: self.rank,
-                context,
-                message: format!("{e:?}"),
-            }
-        };
-        cudarc::nccl::result::group_start().map_err(group_err("ncclGroupStart"))?;
-        let enqueued = (|| {
+        }
+        // Each link's stream waits on the GPU for the kernels that produced the tensors.
+        for comm in &comms {
+            comm.after_libtorch()?;
+        }
+        nccl_group(&comms, "pipeline exchange (ncclSend/ncclRecv)", || {
             for (comm, tensor) in &sends {
                 comm.enqueue(tensor, 1 - comm.rank(), true)?;
             }
             if let Some((comm, tensor)) = recv {
                 comm.enqueue(tensor, 1 - comm.rank(), false)?;
             }
-            Ok::<(), CommError>(())
-        })();
-        cudarc::nccl::result::group_end().map_err(group_err("ncclGroupEnd"))?;
-        enqueued?;
+            Ok(())
+        })?;
         if let Some((comm, _)) = recv {
             comm.synchronize("pipeline recv")?;
         }
@@ -188,6 +189,17 @@ impl PipelineLinks {
         }
         Ok(())
     }
+}
+
+/// The distinct communicators among `comms`, in first-seen order.
+fn involved<'a>(comms: impl Iterator<Item = &'a NcclCommunicator>) -> Vec<&'a NcclCommunicator> {
+    let mut distinct: Vec<&NcclCommunicator> = Vec::new();
+    for comm in comms {
+        if !distinct.iter().any(|c| std::ptr::eq(*c, comm)) {
+            distinct.push(comm);
+        }
+    }
+    distinct
 }
 
 #[cfg(test)]

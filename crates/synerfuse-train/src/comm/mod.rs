@@ -11,6 +11,8 @@ mod host;
 mod launcher;
 mod links;
 mod nccl;
+mod nccl_handle;
+mod nccl_lane;
 pub mod one_gpu;
 mod pieces;
 mod progress;

@@ -1,10 +1,13 @@
 //! NCCL communicators over CUDA tch tensors, through cudarc's run-time loaded bindings.
 
+use super::nccl_handle::{error_string, CommHandle};
+use super::nccl_lane::Lane;
 use super::pieces::{piece_calls, piece_starts, PieceCall};
 use super::watchdog::waiting;
 use super::{CommError, MpiCommunicator};
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::{CudaContext, CudaEvent, DriverError};
 use cudarc::nccl::{result, sys};
+use std::rc::Rc;
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 
@@ -29,70 +32,150 @@ impl Pieces {
     }
 }
 
+/// The dtype NCCL sums a tensor of `kind` in: fp32 for half-precision tensors, which
+/// are widened into a temporary fp32 copy, summed, and rounded back once. MPI sums them
+/// so (`MpiCommunicator::all_reduce_sum`); NCCL would sum bf16 in bf16, rounding at every
+/// step of its ring or tree, so the result would depend on the transport, the number of
+/// ranks and the algorithm NCCL picks. The cost, twice the bytes, falls on the small
+/// tensor- and context-parallel activations only: gradient buckets are fp32 already.
+pub(crate) fn summed_kind(kind: Kind) -> Kind {
+    match kind {
+        Kind::Half | Kind::BFloat16 => Kind::Float,
+        kind => kind,
+    }
+}
+
+/// The buffer NCCL sums `tensor` in, and the half-precision `tensor` to round the sum
+/// back into when it was widened (`summed_kind`).
+fn widened(tensor: &Tensor) -> (Tensor, Option<Tensor>) {
+    match summed_kind(tensor.kind()) {
+        kind if kind != tensor.kind() => (
+            tch::no_grad(|| tensor.to_kind(kind).contiguous()),
+            Some(tensor.shallow_clone()),
+        ),
+        _ => (tensor.shallow_clone(), None),
+    }
+}
+
+/// One call of the first contact of a pair communicator ([`first_contact`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Contact {
+    /// `ncclSend` of one element to pair rank `to`.
+    Send { to: usize },
+    /// `ncclRecv` of one element from pair rank `from`.
+    Recv { from: usize },
+}
+
+/// The calls, in one NCCL group, of pair rank `rank`'s first contact with its peer: a
+/// send and a receive, the same pattern on both ranks.
+///
+/// NCCL connects point-to-point peers lazily, inside the `ncclGroupEnd` of the first
+/// group that needs a connection, and leaves unequal first patterns undefined (NCCL
+/// issues 1279 and 2130: hangs, truncated messages). Pipeline links defer sends into the
+/// group of the next receive, so the first real group of a link could be [sends, recv]
+/// on one rank and [recv] on the other. This exchange connects both directions while
+/// both ranks are still creating the link, before any real traffic.
+pub(crate) fn first_contact(rank: usize) -> [Contact; 2] {
+    let peer = 1 - rank;
+    [Contact::Send { to: peer }, Contact::Recv { from: peer }]
+}
+
 /// A group of CUDA ranks that exchanges tensors with NCCL.
 ///
 /// libtorch enqueues its kernels on its own stream; NCCL runs on a stream of this
-/// communicator. Each operation therefore waits for the device before it starts and
-/// for its stream before it returns, so tensors are always complete on both sides.
+/// communicator's `Lane`, which waits on the GPU for libtorch's kernels before each
+/// operation (`Lane::after_libtorch`); the host waits only for completion, polling
+/// NCCL's errors (`Lane::wait`). Every NCCL call is bounded by the watchdog: calls
+/// can block while NCCL connects peers lazily.
 pub struct NcclCommunicator {
-    comm: sys::ncclComm_t,
-    stream: Arc<CudaStream>,
+    handle: Rc<CommHandle>,
+    lane: Rc<Lane>,
     rank: usize,
     size: usize,
     ordinal: usize,
-    /// The group's name in timeout messages.
+    /// The group's name in errors and timeout messages.
     name: Arc<str>,
-    /// Whether `ncclCommFinalize` has run (it runs once, before `ncclCommDestroy`).
-    finalized: bool,
 }
 
 /// A reduction enqueued on an NCCL communicator's stream, from
 /// [`NcclCommunicator::start_all_reduce_sum`] or
 /// [`NcclCommunicator::start_reduce_scatter_sum`].
 pub struct PendingNccl {
-    stream: Arc<CudaStream>,
-    _tensor: Tensor,
-    rank: usize,
-    name: Arc<str>,
-    /// The NCCL call, for timeout messages.
+    lane: Rc<Lane>,
+    handle: Rc<CommHandle>,
+    /// Recorded on the stream just after the reduction.
+    done: CudaEvent,
+    /// The buffer NCCL reads and writes: kept alive until the stream is past it.
+    buffer: Tensor,
+    /// The half-precision tensor `buffer` was widened from, which gets the sum.
+    narrow: Option<Tensor>,
+    /// The NCCL call, for errors and timeout messages.
     op: &'static str,
     waited: bool,
 }
 
 impl PendingNccl {
-    /// Waits until the stream has finished the reduction.
+    /// Waits until the reduction is complete (the only point where the host blocks),
+    /// and rounds a widened sum back into the half-precision tensor.
     pub fn wait(mut self) -> Result<(), CommError> {
-        self.synchronize()
+        self.synchronize()?;
+        if let Some(mut narrow) = self.narrow.take() {
+            tch::no_grad(|| narrow.copy_(&self.buffer));
+        }
+        Ok(())
     }
 
     fn synchronize(&mut self) -> Result<(), CommError> {
-        let _wait = waiting(self.op, &self.name, None);
-        let done = self.stream.synchronize().map_err(|e| CommError::Cuda {
-            rank: self.rank,
-            context: "cuStreamSynchronize",
-            message: format!("{e:?}"),
-        });
         self.waited = true;
-        done
+        self.lane.wait(&self.done, self.op, &self.handle)
     }
 }
 
 impl Drop for PendingNccl {
     fn drop(&mut self) {
-        // NCCL may still write into the tensor: never hand its memory back before then.
+        // NCCL may still write into the buffer: never hand its memory back before then.
         if !self.waited {
             let _ = self.synchronize();
         }
     }
 }
 
+/// Runs `body`'s NCCL calls on `comms` as one NCCL group, bounded by the watchdog as
+/// `op` (`ncclGroupEnd` is where NCCL connects peers, and may block). When the body or
+/// `ncclGroupEnd` fails, every communicator of the group is aborted: part of the group
+/// may have been launched, and the peers' matching calls would never complete.
+pub(crate) fn nccl_group<T>(
+    comms: &[&NcclCommunicator],
+    op: &'static str,
+    body: impl FnOnce() -> Result<T, CommError>,
+) -> Result<T, CommError> {
+    let Some(first) = comms.first() else {
+        return body();
+    };
+    let _wait = waiting(op, &first.name, None);
+    result::group_start().map_err(|e| first.handle.failure("ncclGroupStart", e.0))?;
+    let issued = body();
+    let ended =
+        (result::group_end().map(drop)).map_err(|e| first.handle.failure("ncclGroupEnd", e.0));
+    let error = match (issued, ended) {
+        (Ok(t), Ok(())) => return Ok(t),
+        (Err(e), _) | (Ok(_), Err(e)) => e,
+    };
+    for comm in comms {
+        comm.handle.abort();
+    }
+    Err(error)
+}
+
 impl NcclCommunicator {
     /// Runs this communicator's work on `other`'s stream from now on: collectives of
     /// several communicators on one stream run in the order they are issued, so ranks
     /// that issue them in one global order cannot deadlock on NCCL kernels that wait for
-    /// each other across communicators.
+    /// each other across communicators. Waits on that stream then also watch this
+    /// communicator's errors.
     pub(crate) fn share_stream_of(&mut self, other: &NcclCommunicator) {
-        self.stream = Arc::clone(&other.stream);
+        self.lane = Rc::clone(&other.lane);
+        self.lane.join(&self.handle);
     }
 
     /// Whether NCCL and the CUDA driver library can be loaded in this process.
@@ -115,7 +198,8 @@ impl NcclCommunicator {
     }
 
     /// The two-rank communicator of a pipeline link between this rank and world rank
-    /// `peer` (the lower world rank is its rank 0). Only the two ranks call it.
+    /// `peer` (the lower world rank is its rank 0), connected both ways
+    /// (`first_contact`). Only the two ranks call it, together.
     pub fn new_pair(
         world: &MpiCommunicator,
         peer: usize,
@@ -138,7 +222,27 @@ impl NcclCommunicator {
             me.min(peer),
             me.max(peer)
         );
-        Self::init(&id, usize::from(!first), 2, ordinal, Arc::from(name))
+        let pair = Self::init(&id, usize::from(!first), 2, ordinal, Arc::from(name))?;
+        pair.connect_pair()?;
+        Ok(pair)
+    }
+
+    /// This pair communicator's [`first_contact`]: one element each way in one group,
+    /// waited for, so that both directions are connected before any real transfer.
+    fn connect_pair(&self) -> Result<(), CommError> {
+        const OP: &str = "first contact (ncclSend/ncclRecv of one element)";
+        let options = (Kind::Float, Device::Cuda(self.ordinal));
+        let (outbox, inbox) = (Tensor::zeros([1], options), Tensor::zeros([1], options));
+        self.after_libtorch()?;
+        nccl_group(&[self], OP, || {
+            first_contact(self.rank)
+                .iter()
+                .try_for_each(|contact| match *contact {
+                    Contact::Send { to } => self.enqueue(&outbox, to, true),
+                    Contact::Recv { from } => self.enqueue(&inbox, from, false),
+                })
+        })?;
+        self.complete(OP)
     }
 
     /// A fresh NCCL unique id when `create`, zeros otherwise (to be overwritten).
@@ -147,7 +251,7 @@ impl NcclCommunicator {
             result::get_uniqueid().map_err(|e| CommError::Cuda {
                 rank,
                 context: "ncclGetUniqueId",
-                message: format!("{e:?}"),
+                message: error_string(e.0),
             })?
         } else {
             sys::ncclUniqueId { internal: [0; 128] }
@@ -171,7 +275,7 @@ impl NcclCommunicator {
             *slot = byte as std::ffi::c_char;
         }
         let driver_err = |context: &'static str| {
-            move |e: cudarc::driver::DriverError| CommError::Cuda {
+            move |e: DriverError| CommError::Cuda {
                 rank,
                 context,
                 message: format!("{e:?}"),
@@ -180,7 +284,7 @@ impl NcclCommunicator {
         // Binds the device's primary context (the one libtorch uses) to this thread, so
         // NCCL initialises on the right GPU.
         let context = CudaContext::new(ordinal).map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
-        let stream = context.new_stream().map_err(driver_err("cuStreamCreate"))?;
+        let lane = Lane::new(&context).map_err(driver_err("cuStreamCreate/cuEventCreate"))?;
         let mut comm = std::mem::MaybeUninit::uninit();
         let _wait = waiting("ncclCommInitRank", &name, None);
         // SAFETY: `comm` is written by NCCL on success; the id is the group's shared id.
@@ -194,18 +298,19 @@ impl NcclCommunicator {
             .map_err(|e| CommError::Cuda {
                 rank,
                 context: "ncclCommInitRank",
-                message: format!("{e:?}"),
+                message: error_string(e.0),
             })?;
             comm.assume_init()
         };
+        let handle = Rc::new(CommHandle::new(comm, rank, Arc::clone(&name)));
+        lane.join(&handle);
         Ok(Self {
-            comm,
-            stream,
+            handle,
+            lane: Rc::new(lane),
             rank,
             size,
             ordinal,
             name,
-            finalized: false,
         })
     }
 
@@ -219,19 +324,25 @@ impl NcclCommunicator {
         self.size
     }
 
-    /// Replaces `tensor` on every rank with the element-wise sum over all ranks.
+    /// Replaces `tensor` on every rank with the element-wise sum over all ranks
+    /// (half-precision tensors summed in fp32 and rounded once: `summed_kind`).
     pub fn all_reduce_sum(&self, tensor: &mut Tensor) -> Result<(), CommError> {
+        if let (mut wide, Some(_)) = widened(tensor) {
+            self.all_reduce_sum(&mut wide)?;
+            tch::no_grad(|| tensor.copy_(&wide));
+            return Ok(());
+        }
         let dtype = self.nccl_type(tensor, "all_reduce_sum")?;
-        // SAFETY: run_in_place hands the closure a live, contiguous buffer of `count`
-        // elements of `dtype` on this communicator's GPU, and its stream.
-        self.run_in_place(tensor, "ncclAllReduce", |ptr, count, stream| unsafe {
+        // SAFETY: run_in_place hands the closure this communicator's live handle, a live,
+        // contiguous buffer of `count` elements of `dtype` on its GPU, and its stream.
+        self.run_in_place(tensor, "ncclAllReduce", |comm, ptr, count, stream| unsafe {
             result::all_reduce(
                 ptr,
                 ptr,
                 count,
                 dtype,
                 sys::ncclRedOp_t::ncclSum,
-                self.comm,
+                comm,
                 stream,
             )
         })
@@ -239,9 +350,11 @@ impl NcclCommunicator {
 
     /// Enqueues the sum of `tensor` over the group on this communicator's stream and
     /// returns at once; libtorch's later kernels overlap it. The caller must not touch
-    /// `tensor` before [`PendingNccl::wait`].
+    /// `tensor` before [`PendingNccl::wait`] (which rounds a half-precision sum, made in
+    /// fp32, back into it: `summed_kind`).
     pub fn start_all_reduce_sum(&self, tensor: &Tensor) -> Result<PendingNccl, CommError> {
-        let dtype = self.nccl_type(tensor, "start_all_reduce_sum")?;
+        const OP: &str = "ncclAllReduce";
+        self.nccl_type(tensor, "start_all_reduce_sum")?;
         if !tensor.is_contiguous() {
             return Err(CommError::Shape {
                 rank: self.rank,
@@ -249,39 +362,40 @@ impl NcclCommunicator {
                 problem: "the tensor must be contiguous".to_owned(),
             });
         }
-        // The gradients must be complete before NCCL reads them.
-        self.wait_for_libtorch()?;
-        // SAFETY: `tensor` is a contiguous CUDA tensor on this communicator's device of
-        // `numel` elements of `dtype`; PendingNccl keeps it alive until the stream is done.
-        unsafe {
-            result::all_reduce(
-                tensor.data_ptr(),
-                tensor.data_ptr(),
-                tensor.numel(),
-                dtype,
-                sys::ncclRedOp_t::ncclSum,
-                self.comm,
-                self.stream.cu_stream() as sys::cudaStream_t,
-            )
-        }
-        .map_err(|e| CommError::Cuda {
-            rank: self.rank,
-            context: "ncclAllReduce",
-            message: format!("{e:?}"),
+        let (buffer, narrow) = widened(tensor);
+        let dtype = self.nccl_type(&buffer, "start_all_reduce_sum")?;
+        // NCCL's stream waits for the kernels that produced the gradients, on the GPU.
+        self.after_libtorch()?;
+        nccl_group(&[self], OP, || {
+            // SAFETY: `buffer` is a contiguous CUDA tensor on this communicator's device of
+            // `numel` elements of `dtype`; PendingNccl keeps it alive until the stream is
+            // past the reduction; `comm` is this communicator's live handle.
+            self.issue(OP, |comm, stream| unsafe {
+                let ptr = buffer.data_ptr();
+                let sum = sys::ncclRedOp_t::ncclSum;
+                result::all_reduce(ptr, ptr, buffer.numel(), dtype, sum, comm, stream)
+            })
         })?;
-        Ok(self.pending(tensor, "ncclAllReduce"))
+        self.pending(buffer, narrow, OP)
     }
 
-    /// What waits for `tensor`'s collective `op`, just enqueued on this stream.
-    fn pending(&self, tensor: &Tensor, op: &'static str) -> PendingNccl {
-        PendingNccl {
-            stream: Arc::clone(&self.stream),
-            _tensor: tensor.shallow_clone(),
-            rank: self.rank,
-            name: Arc::clone(&self.name),
+    /// What waits for the collective `op` on `buffer`, just enqueued on this stream.
+    fn pending(
+        &self,
+        buffer: Tensor,
+        narrow: Option<Tensor>,
+        op: &'static str,
+    ) -> Result<PendingNccl, CommError> {
+        let done = self.lane.mark().map_err(self.driver_err("cuEventRecord"))?;
+        Ok(PendingNccl {
+            lane: Rc::clone(&self.lane),
+            handle: Rc::clone(&self.handle),
+            done,
+            buffer,
+            narrow,
             op,
             waited: false,
-        }
+        })
     }
 
     /// Enqueues summing the contiguous 1-D `tensor` over the group so that member `m`'s
@@ -290,17 +404,20 @@ impl NcclCommunicator {
     /// and returns at once: one in-place `ncclReduceScatter` when the pieces are equal,
     /// otherwise one in-place `ncclReduce` per non-empty piece to its member, grouped
     /// (see [`super::pieces::piece_calls`] for why not a padded reduce-scatter). The
-    /// caller must not touch `tensor` before [`PendingNccl::wait`].
+    /// caller must not touch `tensor` before [`PendingNccl::wait`]; half-precision
+    /// tensors are summed in fp32 (`summed_kind`).
     pub fn start_reduce_scatter_sum(
         &self,
         tensor: &Tensor,
         counts: &[usize],
     ) -> Result<PendingNccl, CommError> {
-        let plan = self.check_pieces(tensor, counts, "start_reduce_scatter_sum")?;
-        // The gradients must be complete before NCCL reads them.
-        self.wait_for_libtorch()?;
-        self.enqueue_pieces(tensor, plan, Pieces::ReduceSum)?;
-        Ok(self.pending(tensor, "ncclReduceScatter"))
+        self.check_pieces(tensor, counts, "start_reduce_scatter_sum")?;
+        let (buffer, narrow) = widened(tensor);
+        let plan = self.check_pieces(&buffer, counts, "start_reduce_scatter_sum")?;
+        // NCCL's stream waits for the kernels that produced the gradients, on the GPU.
+        self.after_libtorch()?;
+        self.enqueue_pieces(&buffer, plan, Pieces::ReduceSum)?;
+        self.pending(buffer, narrow, "ncclReduceScatter")
     }
 
     /// Copies member `m`'s piece of the 1-D `tensor` (the `counts[m]` elements after
@@ -319,9 +436,9 @@ impl NcclCommunicator {
             false => tensor.contiguous(),
         };
         let plan = self.check_pieces(&buffer, counts, op)?;
-        self.wait_for_libtorch()?;
+        self.after_libtorch()?;
         self.enqueue_pieces(&buffer, plan, Pieces::Gather)?;
-        self.synchronize(op)?;
+        self.complete(op)?;
         if !contiguous {
             tch::no_grad(|| tensor.copy_(&buffer));
         }
@@ -352,64 +469,56 @@ impl NcclCommunicator {
     }
 
     /// Enqueues the calls of `plan` (from [`Self::check_pieces`] on `tensor`) on this
-    /// stream, in one NCCL group when there are several, without waiting.
+    /// stream, in one NCCL group, without waiting.
     fn enqueue_pieces(
         &self,
         tensor: &Tensor,
         (dtype, calls): (sys::ncclDataType_t, Vec<PieceCall>),
         pieces: Pieces,
     ) -> Result<(), CommError> {
-        let nccl_err = |context: &'static str| {
-            move |e: result::NcclError| CommError::Cuda {
-                rank: self.rank,
-                context,
-                message: format!("{e:?}"),
-            }
+        let Some(first) = calls.first() else {
+            return Ok(());
         };
-        let grouped = calls.len() > 1;
-        if grouped {
-            result::group_start().map_err(nccl_err("ncclGroupStart"))?;
-        }
-        let enqueued = calls.iter().try_for_each(|call| {
-            let context = pieces.context(call);
-            (self.enqueue_piece(tensor, dtype, call, pieces))
-                .map(drop)
-                .map_err(nccl_err(context))
-        });
-        if grouped {
-            result::group_end().map_err(nccl_err("ncclGroupEnd"))?;
-        }
-        enqueued
+        nccl_group(&[self], pieces.context(first), || {
+            calls.iter().try_for_each(|call| {
+                self.issue(pieces.context(call), |comm, stream| {
+                    self.enqueue_piece(tensor, dtype, call, pieces, comm, stream)
+                })
+            })
+        })
     }
 
     /// Enqueues one call of a collective over pieces of the contiguous 1-D `tensor` of
-    /// `dtype`, in place, on this stream.
+    /// `dtype`, in place, on `stream` over `comm` (this communicator's, from
+    /// [`Self::issue`]).
     fn enqueue_piece(
         &self,
         tensor: &Tensor,
         dtype: sys::ncclDataType_t,
         call: &PieceCall,
         pieces: Pieces,
+        comm: sys::ncclComm_t,
+        stream: sys::cudaStream_t,
     ) -> Result<result::NcclStatus, result::NcclError> {
         let base = tensor.data_ptr().cast::<u8>();
         let element = tensor.kind().elt_size_in_bytes();
-        let stream = self.stream.cu_stream() as sys::cudaStream_t;
         let sum = sys::ncclRedOp_t::ncclSum;
         // SAFETY: `tensor` is a contiguous CUDA tensor on this communicator's GPU of
         // `dtype` elements that the pieces cover exactly (check_pieces), so every offset
         // and count below stays inside it; the caller keeps it alive until the stream
-        // has finished. Equal pieces: the in-place forms NCCL documents (the reduce-scatter
-        // receives at, and the all-gather sends from, `rank * count`); rooted calls pass
-        // one pointer as both buffers, which NCCL runs in place.
+        // has finished; `comm` is live (issue). Equal pieces: the in-place forms NCCL
+        // documents (the reduce-scatter receives at, and the all-gather sends from,
+        // `rank * count`); rooted calls pass one pointer as both buffers, which NCCL runs
+        // in place.
         unsafe {
             match (*call, pieces) {
                 (PieceCall::Equal { count }, Pieces::ReduceSum) => {
                     let own = base.add(self.rank * count * element).cast();
-                    result::reduce_scatter(base.cast(), own, count, dtype, sum, self.comm, stream)
+                    result::reduce_scatter(base.cast(), own, count, dtype, sum, comm, stream)
                 }
                 (PieceCall::Equal { count }, Pieces::Gather) => {
                     let own = base.add(self.rank * count * element).cast();
-                    result::all_gather(own, base.cast(), count, dtype, self.comm, stream)
+                    result::all_gather(own, base.cast(), count, dtype, comm, stream)
                 }
                 (
                     PieceCall::Rooted {
@@ -423,10 +532,10 @@ impl NcclCommunicator {
                     let root = root as i32;
                     match pieces {
                         Pieces::ReduceSum => {
-                            result::reduce(piece, piece, count, dtype, sum, root, self.comm, stream)
+                            result::reduce(piece, piece, count, dtype, sum, root, comm, stream)
                         }
                         Pieces::Gather => {
-                            result::broadcast(piece, piece, count, dtype, root, self.comm, stream)
+                            result::broadcast(piece, piece, count, dtype, root, comm, stream)
                         }
                     }
                 }
@@ -438,10 +547,10 @@ impl NcclCommunicator {
     pub fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<(), CommError> {
         CommError::check_peer(self.rank, self.size, root)?;
         let dtype = self.nccl_type(tensor, "broadcast")?;
-        // SAFETY: run_in_place hands the closure a live, contiguous buffer of `count`
-        // elements of `dtype` on this communicator's GPU, and its stream.
-        self.run_in_place(tensor, "ncclBroadcast", |ptr, count, stream| unsafe {
-            result::broadcast(ptr, ptr, count, dtype, root as i32, self.comm, stream)
+        // SAFETY: run_in_place hands the closure this communicator's live handle, a live,
+        // contiguous buffer of `count` elements of `dtype` on its GPU, and its stream.
+        self.run_in_place(tensor, "ncclBroadcast", |comm, ptr, count, stream| unsafe {
+            result::broadcast(ptr, ptr, count, dtype, root as i32, comm, stream)
         })
     }
 
@@ -450,10 +559,10 @@ impl NcclCommunicator {
         CommError::check_peer(self.rank, self.size, dest)?;
         let dtype = self.nccl_type(tensor, "send")?;
         let mut source = tensor.contiguous();
-        // SAFETY: run_in_place hands the closure a live, contiguous buffer of `count`
-        // elements of `dtype` on this communicator's GPU, and its stream.
-        self.run_in_place(&mut source, "ncclSend", |ptr, count, stream| unsafe {
-            result::send(ptr, count, dtype, dest as i32, self.comm, stream)
+        // SAFETY: run_in_place hands the closure this communicator's live handle, a live,
+        // contiguous buffer of `count` elements of `dtype` on its GPU, and its stream.
+        self.run_in_place(&mut source, "ncclSend", |comm, ptr, count, stream| unsafe {
+            result::send(ptr, count, dtype, dest as i32, comm, stream)
         })
     }
 
@@ -461,10 +570,10 @@ impl NcclCommunicator {
     pub fn recv(&self, tensor: &mut Tensor, source: usize) -> Result<(), CommError> {
         CommError::check_peer(self.rank, self.size, source)?;
         let dtype = self.nccl_type(tensor, "recv")?;
-        // SAFETY: run_in_place hands the closure a live, contiguous buffer of `count`
-        // elements of `dtype` on this communicator's GPU, and its stream.
-        self.run_in_place(tensor, "ncclRecv", |ptr, count, stream| unsafe {
-            result::recv(ptr, count, dtype, source as i32, self.comm, stream)
+        // SAFETY: run_in_place hands the closure this communicator's live handle, a live,
+        // contiguous buffer of `count` elements of `dtype` on its GPU, and its stream.
+        self.run_in_place(tensor, "ncclRecv", |comm, ptr, count, stream| unsafe {
+            result::recv(ptr, count, dtype, source as i32, comm, stream)
         })
     }
 
@@ -476,6 +585,7 @@ impl NcclCommunicator {
         parts: &[Tensor],
         received_rows: &[i64],
     ) -> Result<Vec<Tensor>, CommError> {
+        const OP: &str = "all_to_all (ncclSend/ncclRecv)";
         let (kind, row) = super::host::check_parts(self.rank, self.size, parts, "all_to_all")?;
         let sends: Vec<Tensor> = parts.iter().map(Tensor::contiguous).collect();
         let device = sends[self.rank].device();
@@ -485,17 +595,10 @@ impl NcclCommunicator {
                 Tensor::empty(shape.as_slice(), (kind, device))
             })
             .collect();
-        // The parts must be complete before NCCL's stream reads them.
-        self.wait_for_libtorch()?;
-        let group_err = |context: &'static str| {
-            move |e: result::NcclError| CommError::Cuda {
-                rank: self.rank,
-                context,
-                message: format!("{e:?}"),
-            }
-        };
-        result::group_start().map_err(group_err("ncclGroupStart"))?;
-        let enqueued = (|| {
+        // After the parts are produced and the receive buffers allocated (the memory may
+        // be what libtorch's pending kernels still read).
+        self.after_libtorch()?;
+        nccl_group(&[self], OP, || {
             for peer in (0..self.size).filter(|&p| p != self.rank) {
                 if sends[peer].numel() > 0 {
                     self.enqueue(&sends[peer], peer, true)?;
@@ -504,20 +607,17 @@ impl NcclCommunicator {
                     self.enqueue(&received[peer], peer, false)?;
                 }
             }
-            Ok::<(), CommError>(())
-        })();
-        result::group_end().map_err(group_err("ncclGroupEnd"))?;
-        enqueued?;
+            Ok(())
+        })?;
         received[self.rank] = sends[self.rank].copy();
-        self.synchronize("all_to_all")?;
+        self.complete(OP)?;
         Ok(received)
     }
 
     /// Enqueues sending the contiguous `tensor` to rank `peer` of this communicator (or,
-    /// without `send`, receiving into it from `peer`) on its stream, without waiting: for
-    /// grouped exchanges ([`super::PipelineLinks`]), between `ncclGroupStart` and
-    /// `ncclGroupEnd`. The caller keeps `tensor` alive and calls [`Self::synchronize`]
-    /// before reusing it.
+    /// without `send`, receiving into it from `peer`) on its stream, without waiting:
+    /// inside [`nccl_group`] (grouped exchanges, [`super::PipelineLinks`]). The caller
+    /// keeps `tensor` alive and calls [`Self::synchronize`] before reusing it.
     pub(crate) fn enqueue(
         &self,
         tensor: &Tensor,
@@ -531,49 +631,61 @@ impl NcclCommunicator {
             ("recv", "ncclRecv")
         };
         let dtype = self.nccl_type(tensor, op)?;
-        let stream = self.stream.cu_stream() as sys::cudaStream_t;
         let (ptr, count, peer) = (tensor.data_ptr(), tensor.numel(), peer as i32);
         // SAFETY: a contiguous tensor of `count` elements of `dtype` on this communicator's
-        // GPU, kept alive by the caller until the stream has been synchronised.
-        unsafe {
+        // GPU, kept alive by the caller until the stream has been synchronised; `comm` is
+        // this communicator's live handle (issue).
+        self.issue(context, |comm, stream| unsafe {
             if send {
-                result::send(ptr, count, dtype, peer, self.comm, stream)
+                result::send(ptr, count, dtype, peer, comm, stream)
             } else {
-                result::recv(ptr, count, dtype, peer, self.comm, stream)
+                result::recv(ptr, count, dtype, peer, comm, stream)
             }
-        }
-        .map(drop)
-        .map_err(|e| CommError::Cuda {
-            rank: self.rank,
+        })
+    }
+
+    /// Issues one NCCL call on this communicator's live handle and stream. Inside
+    /// [`nccl_group`], which aborts the communicator if the call fails (not here: the
+    /// handle must outlive `ncclGroupEnd`).
+    fn issue(
+        &self,
+        op: &'static str,
+        call: impl FnOnce(
+            sys::ncclComm_t,
+            sys::cudaStream_t,
+        ) -> Result<result::NcclStatus, result::NcclError>,
+    ) -> Result<(), CommError> {
+        let comm = self.handle.raw(op)?;
+        (call(comm, self.lane.raw_stream()).map(drop)).map_err(|e| self.handle.failure(op, e.0))
+    }
+
+    /// Waits (bounded by the watchdog, polling NCCL's errors) until the work enqueued so
+    /// far on this communicator's stream is complete.
+    pub(crate) fn synchronize(&self, op: &'static str) -> Result<(), CommError> {
+        self.complete(op)
+    }
+
+    fn complete(&self, op: &'static str) -> Result<(), CommError> {
+        let done = self.lane.mark().map_err(self.driver_err("cuEventRecord"))?;
+        self.lane.wait(&done, op, &self.handle)
+    }
+
+    /// Makes this communicator's stream wait, on the GPU and without blocking the host,
+    /// for libtorch's kernels enqueued so far (`Lane::after_libtorch`). Call it after
+    /// every tensor NCCL will touch exists (produced, copied or allocated).
+    pub(crate) fn after_libtorch(&self) -> Result<(), CommError> {
+        (self.lane.after_libtorch())
+            .map_err(self.driver_err("cuEventRecord/cuStreamWaitEvent (after libtorch)"))
+    }
+
+    /// A driver error of `context` as this rank's [`CommError`].
+    fn driver_err(&self, context: &'static str) -> impl Fn(DriverError) -> CommError {
+        let rank = self.rank;
+        move |e| CommError::Cuda {
+            rank,
             context,
             message: format!("{e:?}"),
-        })
-    }
-
-    /// Waits (bounded by the watchdog) until this communicator's stream is idle.
-    pub(crate) fn synchronize(&self, op: &'static str) -> Result<(), CommError> {
-        let _wait = waiting(op, &self.name, None);
-        self.stream.synchronize().map_err(|e| CommError::Cuda {
-            rank: self.rank,
-            context: "cuStreamSynchronize",
-            message: format!("{e:?}"),
-        })
-    }
-
-    /// Waits until libtorch's kernels are done (its legacy default stream) but not for
-    /// NCCL's own non-blocking streams, so reductions in flight keep overlapping (a
-    /// device-wide synchronise would wait for them). Bounded by the watchdog.
-    pub(crate) fn wait_for_libtorch(&self) -> Result<(), CommError> {
-        let _wait = waiting("waiting for libtorch's kernels", &self.name, None);
-        // SAFETY: the null stream is the legacy default stream of the thread's current
-        // context, the GPU's primary context that `init` bound and libtorch uses.
-        unsafe { cudarc::driver::result::stream::synchronize(std::ptr::null_mut()) }.map_err(|e| {
-            CommError::Cuda {
-                rank: self.rank,
-                context: "cuStreamSynchronize(legacy default stream)",
-                message: format!("{e:?}"),
-            }
-        })
+        }
     }
 
     /// The GPU this communicator runs on.
@@ -589,35 +701,39 @@ impl NcclCommunicator {
         shape.extend(tensor.size());
         let mut out = Tensor::empty(shape.as_slice(), (tensor.kind(), tensor.device()));
         let count = source.numel();
-        // SAFETY: run_in_place hands the closure a live, contiguous buffer of `count`
-        // elements of `dtype` on this communicator's GPU, and its stream.
-        self.run_in_place(&mut out, "ncclAllGather", |ptr, _, stream| unsafe {
-            result::all_gather(source.data_ptr(), ptr, count, dtype, self.comm, stream)
+        // SAFETY: run_in_place hands the closure this communicator's live handle, a live,
+        // contiguous buffer of `count` elements of `dtype` on its GPU, and its stream;
+        // `source` holds `count` elements of `dtype` and outlives the call's completion.
+        self.run_in_place(&mut out, "ncclAllGather", |comm, ptr, _, stream| unsafe {
+            result::all_gather(source.data_ptr(), ptr, count, dtype, comm, stream)
         })?;
         Ok(out)
     }
 
-    /// The element-wise sum over ranks, scattered by rows of the leading dimension.
+    /// The element-wise sum over ranks, scattered by rows of the leading dimension
+    /// (half-precision tensors summed in fp32 and rounded once: `summed_kind`).
     pub fn reduce_scatter_sum(&self, tensor: &Tensor) -> Result<Tensor, CommError> {
+        if let (wide, Some(_)) = widened(tensor) {
+            let sum = self.reduce_scatter_sum(&wide)?;
+            return Ok(tch::no_grad(|| sum.to_kind(tensor.kind())));
+        }
         let dtype = self.nccl_type(tensor, "reduce_scatter_sum")?;
         let rows = CommError::check_scatter_rows(self.rank, self.size, tensor)?;
         let source = tensor.contiguous();
         let mut shape = tensor.size();
         shape[0] = rows / self.size as i64;
         let mut out = Tensor::empty(shape.as_slice(), (tensor.kind(), tensor.device()));
-        // SAFETY: run_in_place hands the closure a live, contiguous buffer of `count`
-        // elements of `dtype` on this communicator's GPU, and its stream.
-        self.run_in_place(&mut out, "ncclReduceScatter", |ptr, count, stream| unsafe {
-            result::reduce_scatter(
-                source.data_ptr(),
-                ptr,
-                count,
-                dtype,
-                sys::ncclRedOp_t::ncclSum,
-                self.comm,
-                stream,
-            )
-        })?;
+        let sum = sys::ncclRedOp_t::ncclSum;
+        let call = |comm, ptr, count, stream| {
+            // SAFETY: run_in_place hands the closure this communicator's live handle, a
+            // live, contiguous buffer of `count` elements of `dtype` on its GPU, and its
+            // stream; `source` holds `size * count` elements and outlives the call's
+            // completion.
+            unsafe {
+                result::reduce_scatter(source.data_ptr(), ptr, count, dtype, sum, comm, stream)
+            }
+        };
+        self.run_in_place(&mut out, "ncclReduceScatter", call)?;
         Ok(out)
     }
 
@@ -653,13 +769,15 @@ impl NcclCommunicator {
         })
     }
 
-    /// Runs one NCCL call on a contiguous view of `tensor`, synchronised with libtorch on
-    /// both sides, and writes the result back if a contiguous copy had to be made.
+    /// Runs one NCCL call on a contiguous view of `tensor`, ordered after libtorch's
+    /// kernels on the GPU and waited for (polling NCCL's errors), and writes the result
+    /// back if a contiguous copy had to be made.
     fn run_in_place(
         &self,
         tensor: &mut Tensor,
         context: &'static str,
         call: impl FnOnce(
+            sys::ncclComm_t,
             *mut std::ffi::c_void,
             usize,
             sys::cudaStream_t,
@@ -671,26 +789,13 @@ impl NcclCommunicator {
         } else {
             tensor.contiguous()
         };
-        let count = buffer.numel();
-        self.wait_for_libtorch()?;
-        call(
-            buffer.data_ptr(),
-            count,
-            self.stream.cu_stream() as sys::cudaStream_t,
-        )
-        .map_err(|e| CommError::Cuda {
-            rank: self.rank,
-            context,
-            message: format!("{e:?}"),
+        self.after_libtorch()?;
+        nccl_group(&[self], context, || {
+            self.issue(context, |comm, stream| {
+                call(comm, buffer.data_ptr(), buffer.numel(), stream)
+            })
         })?;
-        {
-            let _wait = waiting(context, &self.name, None);
-            self.stream.synchronize().map_err(|e| CommError::Cuda {
-                rank: self.rank,
-                context: "cuStreamSynchronize",
-                message: format!("{e:?}"),
-            })?;
-        }
+        self.complete(context)?;
         if !contiguous {
             tch::no_grad(|| tensor.copy_(&buffer));
         }
@@ -702,31 +807,80 @@ impl NcclCommunicator {
     /// Completes this communicator's work and releases its links (`ncclCommFinalize`),
     /// once: NCCL's first step of tearing a communicator down, which may wait for the
     /// other members, so the owners of several communicators finalize them in one order
-    /// on every rank, all of them before destroying any ([`super::SetGroups`]).
-    /// Bounded by the watchdog.
+    /// on every rank, all of them before destroying any ([`super::SetGroups`]). Bounded
+    /// by the watchdog; a communicator whose finalize fails is aborted, and one aborted
+    /// after an earlier error is left alone.
     pub(crate) fn finalize(&mut self) -> Result<(), CommError> {
-        if std::mem::replace(&mut self.finalized, true) {
-            return Ok(());
-        }
-        let _wait = waiting("ncclCommFinalize", &self.name, None);
-        // SAFETY: `comm` was created by ncclCommInitRank, is not destroyed yet, and is
-        // finalized once (the flag above).
-        unsafe { result::comm_finalize(self.comm) }
-            .map(drop)
-            .map_err(|e| CommError::Cuda {
-                rank: self.rank,
-                context: "ncclCommFinalize",
-                message: format!("{e:?}"),
-            })
+        self.handle.finalize()
     }
 }
 
 impl Drop for NcclCommunicator {
+    /// Finalizes (if not yet) and destroys a healthy communicator; one that saw an error
+    /// was aborted instead and is never destroyed (`CommHandle::release`).
     fn drop(&mut self) {
-        if let Err(e) = self.finalize() {
-            tracing::warn!("{}: {e}", self.name);
+        self.handle.release();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_contact_is_one_send_and_one_receive_each_way() {
+        let (zero, one) = (first_contact(0), first_contact(1));
+        // The same pattern on both ranks: one send, then one receive, in one group.
+        assert_eq!(zero, [Contact::Send { to: 1 }, Contact::Recv { from: 1 }]);
+        assert_eq!(one, [Contact::Send { to: 0 }, Contact::Recv { from: 0 }]);
+        // Every send meets a receive from its sender on the other rank, so both
+        // directions connect in this group.
+        for (rank, plan) in [(0, zero), (1, one)] {
+            for contact in plan {
+                if let Contact::Send { to } = contact {
+                    assert!(first_contact(to).contains(&Contact::Recv { from: rank }));
+                }
+            }
         }
-        // SAFETY: `comm` was created by ncclCommInitRank and is destroyed once.
-        let _ = unsafe { result::comm_destroy(self.comm) };
+    }
+
+    #[test]
+    fn half_precision_is_summed_in_fp32() {
+        assert_eq!(summed_kind(Kind::BFloat16), Kind::Float);
+        assert_eq!(summed_kind(Kind::Half), Kind::Float);
+        for kind in [Kind::Float, Kind::Double, Kind::Int64, Kind::Int8] {
+            assert_eq!(summed_kind(kind), kind);
+        }
+        // The widened copy rounds back to the tensor it came from (on the CPU here).
+        let narrow = Tensor::from_slice(&[1.0f32, 3.0, 1e-3]).to_kind(Kind::BFloat16);
+        let (wide, back) = widened(&narrow);
+        assert_eq!(wide.kind(), Kind::Float);
+        assert!(wide.is_contiguous());
+        let mut back = back.expect("bf16 is widened");
+        tch::no_grad(|| back.copy_(&(&wide * 3.0)));
+        assert_eq!(narrow.to_kind(Kind::Float).double_value(&[1]), 9.0);
+        let (same, none) = widened(&wide);
+        assert!(none.is_none());
+        assert_eq!(same.data_ptr(), wide.data_ptr());
+    }
+
+    /// Three ranks' bf16 values whose sum depends on where it is rounded: summed in
+    /// fp32 and rounded once it is MPI's result, whatever the order of the ranks.
+    #[test]
+    fn a_widened_sum_rounds_once_like_mpi() {
+        let parts = [256.0f32, 1.0, 1.0];
+        let bf16 = |v: f32| Tensor::from_slice(&[v]).to_kind(Kind::BFloat16);
+        let once: f64 = (parts.iter())
+            .fold(Tensor::zeros([1], (Kind::Float, Device::Cpu)), |sum, &p| {
+                sum + bf16(p).to_kind(Kind::Float)
+            })
+            .to_kind(Kind::BFloat16)
+            .double_value(&[0]);
+        // bf16 steps of 2 at 256: rounding after each addition loses both ones.
+        let stepwise: f64 = (parts.iter())
+            .fold(bf16(0.0), |sum, &p| sum + bf16(p))
+            .double_value(&[0]);
+        assert_eq!(once, 258.0);
+        assert_eq!(stepwise, 256.0);
     }
 }

@@ -388,6 +388,7 @@ impl<'w> Trainer<'w> {
         let (started, start_s) = (Instant::now(), since_start());
         self.grads.finish(&self.groups)?;
         times.reduce_wait = started.elapsed();
+        spans.extend(self.grads.bucket_spans(step_start));
         let (grads, grad_norm) = self.reduced_gradients()?;
         times.communication += started.elapsed();
         spans.push(span(SpanKind::Reduce, start_s));
