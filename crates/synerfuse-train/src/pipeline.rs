@@ -553,6 +553,7 @@ impl PipelineRank<'_> {
         ))?;
         pass.set_sequence_weight(sequence_weight);
         let clock = self.clock();
+        let report = &mut |grads: FinalGrads| clock.between(|| report(grads));
         let tp = self.parallel().then_some(&clock);
         let collectives = clock.context_collectives();
         let cp = self.context_group(collectives.as_ref());
@@ -759,6 +760,19 @@ impl<'a> PassClock<'a> {
     fn expert_collectives(&self) -> Option<GroupCollectives<'_, 'a>> {
         let group = self.experts?;
         Some(GroupCollectives { clock: self, group })
+    }
+
+    /// Ends the computation so far (an emulated device's share of it slept off, so that
+    /// what `f` starts sees the backward as far as the device would have got), runs `f`
+    /// (gradient bookkeeping, counted as computation but not slowed), starts the next.
+    fn between<T>(&self, f: impl FnOnce() -> T) -> T {
+        let computed = Emulation::account(self.emulation, self.span.get());
+        let started = Instant::now();
+        let result = f();
+        self.compute
+            .set(self.compute.get() + computed + started.elapsed());
+        self.span.set(ComputeSpan::start());
+        result
     }
 
     /// Ends the pass: its times into `times`.
