@@ -59,21 +59,19 @@ fn model_flags() -> Vec<&'static str> {
 
 fn train(bin: &Path, data: &Data, dir: &Path, extra: &[String], log: &Path) -> Command {
     let mut cmd = train_command(bin, data, dir, ITERS, log);
-    cmd.args(model_flags())
-        .args(["--ddp-bucket-size", BUCKET_SIZE])
-        .args(extra);
+    cmd.args(model_flags()).args(extra);
     cmd
 }
 
 /// `layout` with its data-parallel reduction after the whole pipeline, whole
-/// (`--no-overlap-grad-reduce`): what overlapping it gains.
+/// (`--no-overlap-grad-reduce`): what overlapping it gains (not priced: NaN).
 fn without_overlap(layout: &Layout) -> Layout {
     let mut train_flags = layout.train_flags.clone();
     train_flags.push("--no-overlap-grad-reduce".into());
     Layout {
         file: layout.file.clone(),
         label: format!("{} (reduction after the pipeline)", layout.label),
-        predicted_s: layout.predicted_s,
+        predicted_s: f64::NAN,
         train_flags,
     }
 }
@@ -157,6 +155,8 @@ fn plan_scenario(bin: &Path, profile: &Path, dir: &Path, scenario: &Scenario) ->
     let json = run(
         Command::new(bin)
             .args(["plan", "--json", "--micro-batch-sizes", MICRO_BATCH_SIZES])
+            // Priced with the buckets it trains with: its train_flags carry them.
+            .args(["--ddp-bucket-size", BUCKET_SIZE])
             .args(["--global-batch-size", &scenario.global_batch.to_string()])
             .args(model_flags())
             .args(["--vocab-size", "2048", "--cluster"])

@@ -27,7 +27,7 @@ pub use plan::{
     MeshFlags, Plan, PlanError, ProcessMesh, ProcessMeshes, RankPlacement, ReducedParameters,
     ReplicaPipeline, UnknownDevice, EMBEDDING,
 };
-pub use run_record::RunRecord;
+pub use run_record::{RunRecord, RunReduction};
 pub use schedule::{
     check_forward_only, check_schedule, forward_only, interpret, link_in_order, pipeline_schedule,
     Instruction, Message, Observer, Pass, Payload, Piece, ScheduleError, ScheduleKind,

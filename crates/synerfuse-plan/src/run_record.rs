@@ -21,4 +21,30 @@ pub struct RunRecord {
     pub distributed_optimizer: bool,
     /// Bytes per activation element on the wire (4 in fp32, 2 in bf16).
     pub compute_bytes: f64,
+    /// How it reduces its gradients over the replicas.
+    #[serde(flatten)]
+    pub reduction: RunReduction,
+}
+
+/// How a run reduces its gradients over the replicas (`--overlap-grad-reduce`,
+/// `--ddp-bucket-size`). A record from before runs said (2026-11-29) reduced each
+/// chunk's gradients after its last backward, whole: not overlapped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunReduction {
+    /// Buckets started inside the last backward (off: `--no-overlap-grad-reduce`).
+    #[serde(default)]
+    pub overlap_grad_reduce: bool,
+    /// `--ddp-bucket-size`.
+    #[serde(default)]
+    pub ddp_bucket_size: Option<usize>,
+}
+
+impl Default for RunReduction {
+    /// The runtime's default: overlapped, Megatron's bucket size.
+    fn default() -> Self {
+        RunReduction {
+            overlap_grad_reduce: true,
+            ddp_bucket_size: None,
+        }
+    }
 }

@@ -26,7 +26,7 @@ pub const WARM_UP_STEPS: usize = 5;
 
 /// The cost model that prices this run with `profile`: one device per rank (its
 /// placement's kind, `cpu` where it names none, at its emulated speed), the run's
-/// options.
+/// options (its gradient reduction as its record says).
 pub fn run_cost_model(run: &RunRecord, profile: &Profile) -> CostModel {
     let ranks = run.plan.world_size();
     let group = (0..ranks)
@@ -62,6 +62,8 @@ pub fn run_cost_model(run: &RunRecord, profile: &Profile) -> CostModel {
     let mut cost = CostModel::new(run.model.clone(), cluster, Some(profile.clone()));
     cost.compute_bytes = run.compute_bytes;
     cost.distributed_optimizer = run.distributed_optimizer;
+    cost.overlap_grad_reduce = run.reduction.overlap_grad_reduce;
+    cost.ddp_bucket_size = run.reduction.ddp_bucket_size;
     cost.recompute = match run.recompute {
         true => Recompute::Always,
         false => Recompute::Never,
@@ -221,6 +223,11 @@ impl MeasuredRun {
         median(&self.steps_s)
     }
 
+    /// [`run_cost_model`] of its record.
+    pub fn cost_model(&self, profile: &Profile) -> CostModel {
+        run_cost_model(&self.run, profile)
+    }
+
     /// The run's simulated step and every rank's spans, priced with `profile`.
     fn simulate(&self, profile: &Profile) -> Result<(f64, Vec<RankTimeline>), CalibrateError> {
         if profile.model != self.run.model {
@@ -230,7 +237,7 @@ impl MeasuredRun {
                 profile: Box::new(profile.model.clone()),
             });
         }
-        let cost = run_cost_model(&self.run, profile);
+        let cost = self.cost_model(profile);
         for (rank, device) in cost.cluster.devices().iter().enumerate() {
             if !profile.devices.contains_key(&device.kind) {
                 return Err(CalibrateError::UnknownKind {
@@ -356,6 +363,9 @@ impl Terms {
     /// The reduction of `run` against its simulation: the rank whose reduction is
     /// shortest, the last to arrive, which does not wait inside the collective for the
     /// others (a measured reduction span includes that wait; a simulated one does not).
+    /// Overlapped, both spans are what a rank waits for after its pipeline, the buckets
+    /// still in flight: a ratio of the exposed parts, which scale with the bandwidth
+    /// only roughly where most of the reduction hides.
     fn add_reduce(&mut self, run: &MeasuredRun, rows: &[RankTimeline]) {
         let simulated: Vec<(usize, f64)> = (rows.iter().enumerate())
             .map(|(rank, row)| (rank, seconds(&row.spans, &[SpanKind::Reduce])))
@@ -464,7 +474,7 @@ pub fn calibrate(
     for run in runs {
         let (step_s, rows) = run.simulate(profile)?;
         if !run.spans.is_empty() {
-            terms.add(run, &run_cost_model(&run.run, profile), &rows);
+            terms.add(run, &run.cost_model(profile), &rows);
         }
         before.push(step_s);
     }
@@ -494,173 +504,5 @@ pub fn calibrate(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use synerfuse_plan::{MeasuredCosts, MeasuredNetwork, Plan};
-
-    fn model() -> ModelShape {
-        ModelShape {
-            num_layers: 4,
-            hidden_size: 64,
-            num_heads: 4,
-            num_kv_heads: 4,
-            ffn_hidden_size: 172,
-            vocab_size: 256,
-            seq_length: 32,
-            tied: false,
-            experts: None,
-        }
-    }
-
-    fn profile(scale: f64) -> Profile {
-        let costs = |b: f64| MeasuredCosts {
-            layer_fwd_s: 1e-3 * b * scale,
-            layer_bwd_s: 2e-3 * b * scale,
-            embedding_s: 1e-4 * b * scale,
-            head_s: 5e-4 * b * scale,
-            layer_activation_bytes: 1e5 * b,
-            optimizer_s_per_param: Some(1e-8),
-        };
-        Profile {
-            model: model(),
-            devices: BTreeMap::from([(
-                "cpu".to_owned(),
-                BTreeMap::from([(1, costs(1.0)), (2, costs(1.8))]),
-            )]),
-            network: Some(MeasuredNetwork {
-                p2p_bytes_per_s: 1e9,
-                allreduce_bytes_per_s: 5e8,
-                latency_s: 2e-5,
-                ranks: 3,
-            }),
-            calibration: None,
-        }
-    }
-
-    /// A pipeline of two ranks beside a rank holding the model.
-    const PLAN: &str = r#"
-[[replica]]
-layers = [2, 2]
-micro_batch_size = 2
-num_micro_batches = 3
-speeds = [1.0, 0.5]
-kinds = ["cpu", "cpu"]
-
-[[replica]]
-layers = [4]
-micro_batch_sizes = [2, 2, 1]
-speeds = [1.0]
-kinds = ["cpu"]
-"#;
-
-    fn record(plan: &Plan) -> RunRecord {
-        RunRecord {
-            model: model(),
-            plan: plan.clone(),
-            hosts: Vec::new(),
-            recompute: false,
-            distributed_optimizer: false,
-            compute_bytes: 4.0,
-        }
-    }
-
-    /// A log of `steps` steps of `plan` as `truth` prices it, each `overhead_s` longer.
-    fn log(plan: &Plan, truth: &Profile, overhead_s: f64, steps: u64) -> String {
-        let run = record(plan);
-        let (step_s, rows) = predict_timeline(&run_cost_model(&run, truth), plan).unwrap();
-        let mut text = format!("{}\n", serde_json::json!({ "run": run }));
-        for iteration in 1..=steps {
-            let ranks: Vec<_> = (rows.iter())
-                .map(|r| serde_json::json!({ "compute_ms": 1.0, "spans": r.spans }))
-                .collect();
-            let record = serde_json::json!({
-                "iteration": iteration,
-                "elapsed_ms": (step_s + overhead_s) * 1e3,
-                "ranks": ranks,
-            });
-            text += &format!(
-                "{record}\n{}\n",
-                serde_json::json!({"evaluation": "validation", "elapsed_ms": 1.0})
-            );
-        }
-        text
-    }
-
-    #[test]
-    fn a_calibration_recovers_the_measured_steps_of_its_runs() {
-        let plan = Plan::from_toml(PLAN, None).unwrap();
-        let truth = profile(1.25);
-        let runs =
-            MeasuredRun::parse("run.jsonl", &log(&plan, &truth, 0.04, 9), WARM_UP_STEPS).unwrap();
-        assert_eq!(runs.len(), 1);
-        assert_eq!(runs[0].steps_s.len(), 9 - WARM_UP_STEPS);
-        let given = profile(1.0);
-        let (fitted, checks) = calibrate(&given, &runs).unwrap();
-        let c = fitted.calibration.as_ref().unwrap();
-        for scale in c.compute_scale["cpu"].values() {
-            assert!((scale.forward - 1.25).abs() < 1e-9, "{c:?}");
-            assert!((scale.backward - 1.25).abs() < 1e-9, "{c:?}");
-        }
-        assert!((c.step_overhead_s - 0.04).abs() < 1e-9, "{c:?}");
-        let run = &checks[0];
-        assert!(run.before_s < run.measured_s * 0.9, "{run:?}");
-        assert!(((run.after_s - run.measured_s) / run.measured_s).abs() < 1e-9);
-        // The fitted profile prices the run as measured, and a second calibration
-        // changes nothing.
-        let (refitted, again) = calibrate(&fitted, &runs).unwrap();
-        assert!((again[0].before_s - run.measured_s).abs() < 1e-9);
-        let refit = refitted.calibration.unwrap();
-        assert!((refit.step_overhead_s - 0.04).abs() < 1e-9, "{refit:?}");
-    }
-
-    /// A size the runs used but the profile lacks is fitted into the profile's table
-    /// (replicas of one size each: a replica's passes are filed under its largest).
-    #[test]
-    fn a_size_the_profile_lacks_is_fitted_from_the_runs() {
-        let uniform = PLAN.replace(
-            "micro_batch_sizes = [2, 2, 1]",
-            "micro_batch_size = 1\nnum_micro_batches = 5",
-        );
-        let plan = Plan::from_toml(&uniform, None).unwrap();
-        let runs = MeasuredRun::parse("run.jsonl", &log(&plan, &profile(1.25), 0.0, 9), 5).unwrap();
-        let mut given = profile(1.0);
-        given.devices.get_mut("cpu").unwrap().remove(&2);
-        let (fitted, checks) = calibrate(&given, &runs).unwrap();
-        let truth = profile(1.25).costs("cpu", 2).unwrap();
-        let size_2 = fitted.devices["cpu"][&2];
-        assert!(
-            (size_2.layer_bwd_s - truth.layer_bwd_s).abs() < 1e-12,
-            "{size_2:?}"
-        );
-        let run = &checks[0];
-        assert!(
-            ((run.after_s - run.measured_s) / run.measured_s).abs() < 1e-9,
-            "{run:?}"
-        );
-    }
-
-    #[test]
-    fn logs_without_a_run_record_or_spans_are_refused_by_name() {
-        let plan = Plan::from_toml(PLAN, None).unwrap();
-        let text = log(&plan, &profile(1.0), 0.0, 8);
-        let steps_only: String = text.lines().skip(1).map(|l| format!("{l}\n")).collect();
-        let e = MeasuredRun::parse("old.jsonl", &steps_only, WARM_UP_STEPS).unwrap_err();
-        assert!(
-            e.to_string().starts_with("old.jsonl: step records before"),
-            "{e}"
-        );
-        let short = log(&plan, &profile(1.0), 0.0, WARM_UP_STEPS as u64);
-        let runs = MeasuredRun::parse("short.jsonl", &short, WARM_UP_STEPS).unwrap();
-        assert!(runs.is_empty());
-        let e = calibrate(&profile(1.0), &runs).unwrap_err();
-        assert!(matches!(e, CalibrateError::TooShort { .. }), "{e}");
-        let broken = text.replacen("\"elapsed_ms\"", "\"elapsed_ms\" 1", 3);
-        let e = MeasuredRun::parse("broken.jsonl", &broken, WARM_UP_STEPS).unwrap_err();
-        assert!(e.to_string().starts_with("broken.jsonl, line "), "{e}");
-        let mut other = profile(1.0);
-        other.model.seq_length = 64;
-        let runs = MeasuredRun::parse("run.jsonl", &text, WARM_UP_STEPS).unwrap();
-        let e = calibrate(&other, &runs).unwrap_err();
-        assert!(matches!(e, CalibrateError::OtherModel { .. }), "{e}");
-    }
-}
+#[path = "calibrate_tests.rs"]
+mod tests;

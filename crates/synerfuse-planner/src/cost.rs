@@ -87,6 +87,22 @@ pub struct CostModel {
     /// Tokens each expert took per MoE layer, in layer order (measured in a run:
     /// `--log-json`'s `moe.tokens_per_expert`); `None`: equal.
     pub expert_load: Option<Vec<Vec<f64>>>,
+    /// Each gradient reduction's buckets start inside the last backward (the runtime's
+    /// default; off: `--no-overlap-grad-reduce`, every reduction after the pipeline).
+    pub overlap_grad_reduce: bool,
+    /// `--ddp-bucket-size` (elements); `None`: the runtime's default ([`bucket_size`]).
+    pub ddp_bucket_size: Option<usize>,
+}
+
+/// Elements per bucket of a gradient reduction over `members` ranks, as the runtime
+/// cuts them (`ParallelConfig::bucket_size`): `--ddp-bucket-size`, else Megatron's
+/// max(40M, 1M × members); one bucket (`usize::MAX`) without overlap.
+pub fn bucket_size(overlap: bool, ddp_bucket_size: Option<usize>, members: usize) -> usize {
+    match (overlap, ddp_bucket_size) {
+        (false, _) => usize::MAX,
+        (true, Some(size)) => size,
+        (true, None) => 40_000_000usize.max(1_000_000usize.saturating_mul(members)),
+    }
 }
 
 /// The element-wise sum of `rows`, each `width` long (tokens per expert over layers).
@@ -148,7 +164,14 @@ impl CostModel {
             distributed_optimizer: false,
             expert_parallel: 1,
             expert_load: None,
+            overlap_grad_reduce: true,
+            ddp_bucket_size: None,
         }
+    }
+
+    /// Elements per bucket of a gradient reduction over `members` ranks ([`bucket_size`]).
+    pub fn bucket_size(&self, members: usize) -> usize {
+        bucket_size(self.overlap_grad_reduce, self.ddp_bucket_size, members)
     }
 
     /// A mean layer's expert parameters each member of an expert-parallel group holds

@@ -26,6 +26,10 @@ pub struct SimReport {
     pub busy_s: Vec<f64>,
     /// The last finish.
     pub makespan_s: f64,
+    /// Each rank's last backward computation, (start, end) s ((0, 0) for none): where a
+    /// chunk's last backward makes its gradients final, which overlapped reductions
+    /// start inside.
+    pub last_backward_s: Vec<(f64, f64)>,
     /// Each rank's spans, when asked for ([`simulate_spans`]); empty otherwise.
     pub spans: Vec<Vec<Span>>,
 }
@@ -48,6 +52,7 @@ struct Clocks<Op, Link> {
     message_seconds: Link,
     clock: Vec<f64>,
     busy: Vec<f64>,
+    last_backward: Vec<(f64, f64)>,
     spans: Option<Vec<Vec<Span>>>,
 }
 
@@ -80,7 +85,10 @@ where
         self.busy[rank] += t;
         let kind = match pass {
             Pass::Forward => SpanKind::Forward,
-            Pass::Backward => SpanKind::Backward,
+            Pass::Backward => {
+                self.last_backward[rank] = (start, self.clock[rank]);
+                SpanKind::Backward
+            }
         };
         self.record(rank, kind, start, Some(piece.micro_batch));
         Ok(())
@@ -133,6 +141,7 @@ fn run(
         message_seconds,
         clock: vec![0.0; programs.len()],
         busy: vec![0.0; programs.len()],
+        last_backward: vec![(0.0, 0.0); programs.len()],
         spans: record.then(|| vec![Vec::new(); programs.len()]),
     };
     interpret(programs, &mut clocks)?;
@@ -141,6 +150,7 @@ fn run(
         finish_s: clocks.clock,
         busy_s: clocks.busy,
         makespan_s,
+        last_backward_s: clocks.last_backward,
         spans: clocks.spans.unwrap_or_default(),
     })
 }

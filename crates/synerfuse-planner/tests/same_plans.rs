@@ -1,5 +1,8 @@
 //! The planner writes the same plans for the same inputs as before it was moved into
-//! this crate: a guard while the house is rearranged.
+//! this crate: a guard while the house is rearranged. With the reductions after the
+//! pipeline (`--no-overlap-grad-reduce`) it still writes what it wrote before it priced
+//! buckets overlapping the last backward (`same_plans_no_overlap`, never re-blessed:
+//! the old pricing, bit for bit); with the runtime's default, `same_plans`.
 
 use synerfuse_plan::{ExpertShape, ModelShape};
 use synerfuse_planner::cluster::ClusterSpec;
@@ -99,8 +102,11 @@ fn cases() -> Vec<(&'static str, &'static str, ModelShape, PlanRequest)> {
 
 /// What `synerfuse plan` would write for one case: the best grid plan's file, the
 /// per-replica plan's where it wins, and their predicted steps.
-fn written(cluster: &str, model: ModelShape, request: &PlanRequest) -> String {
-    let cost = CostModel::new(model, ClusterSpec::from_toml(cluster).unwrap(), None);
+fn written(cluster: &str, model: ModelShape, request: &PlanRequest, overlap: bool) -> String {
+    let cost = CostModel {
+        overlap_grad_reduce: overlap,
+        ..CostModel::new(model, ClusterSpec::from_toml(cluster).unwrap(), None)
+    };
     let outcome = plan(&cost, request).unwrap();
     let best = &outcome.plans[0];
     let mut text = format!(
@@ -122,10 +128,27 @@ fn written(cluster: &str, model: ModelShape, request: &PlanRequest) -> String {
 /// move (fixtures from the last commit before it; `SYNERFUSE_BLESS=1` writes them anew).
 #[test]
 fn the_same_inputs_give_the_same_plans() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/same_plans");
-    let bless = std::env::var_os("SYNERFUSE_BLESS").is_some();
+    same_plans(
+        "same_plans",
+        true,
+        std::env::var_os("SYNERFUSE_BLESS").is_some(),
+    );
+}
+
+/// Without overlap the planner prices as it did before it priced buckets: the fixtures
+/// it wrote then, never blessed anew.
+#[test]
+fn without_overlap_the_same_inputs_give_the_plans_of_the_reduction_after_the_pipeline() {
+    same_plans("same_plans_no_overlap", false, false);
+}
+
+/// Each case against its fixture in `fixtures/{dir}` (written instead when `bless`).
+fn same_plans(dir: &str, overlap: bool, bless: bool) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(dir);
     for (name, cluster, model, request) in cases() {
-        let text = written(cluster, model, &request);
+        let text = written(cluster, model, &request, overlap);
         let path = dir.join(format!("{name}.toml"));
         if bless {
             std::fs::create_dir_all(&dir).unwrap();

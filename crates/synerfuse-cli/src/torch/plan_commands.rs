@@ -15,6 +15,7 @@ use std::time::Instant;
 use synerfuse_model::tch::{self, Device};
 use synerfuse_model::{DeviceRequest, LlamaConfig, MegatronModelArgs, ResolveDevice};
 use synerfuse_plan::ModelShape;
+use synerfuse_plan::RunReduction;
 use synerfuse_planner::cluster::ClusterSpec;
 use synerfuse_planner::cost::CostModel;
 use synerfuse_planner::planner::{self, Candidate, PlanRequest};
@@ -291,6 +292,19 @@ pub struct PlanArgs {
     /// memory; priced for every plan): auto, on (bare flag) or off
     #[arg(long, value_name = "auto|on|off", default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
     use_distributed_optimizer: planner::Choice,
+    /// Price each gradient reduction in buckets started inside the last backward, as
+    /// `train` runs it by default
+    #[arg(long)]
+    overlap_grad_reduce: bool,
+    /// Parameters (elements) per gradient-reduction bucket, as `train
+    /// --ddp-bucket-size` (written among the plan's training flags); default max(40M,
+    /// 1M x the data-parallel size), as Megatron's
+    #[arg(long, value_parser = crate::values::positive_count)]
+    ddp_bucket_size: Option<usize>,
+    /// Price each gradient reduction after the whole pipeline, whole, as `train
+    /// --no-overlap-grad-reduce` runs it (written among the plan's training flags)
+    #[arg(long, conflicts_with = "overlap_grad_reduce")]
+    no_overlap_grad_reduce: bool,
     /// A `synerfuse profile` output (overrides the catalogue)
     #[arg(long)]
     profile: Option<PathBuf>,
@@ -335,6 +349,14 @@ pub struct PlanArgs {
 }
 
 impl PlanArgs {
+    /// How training will reduce gradients: what the plans are priced with.
+    fn reduction(&self) -> RunReduction {
+        RunReduction {
+            overlap_grad_reduce: !self.no_overlap_grad_reduce,
+            ddp_bucket_size: self.ddp_bucket_size,
+        }
+    }
+
     /// `--try`'s settings, when asked for.
     fn try_settings(&self) -> Option<TrySettings> {
         let (plans, output) = (self.try_plans?, self.output.as_ref()?);
@@ -410,6 +432,8 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
     }
     let cost = CostModel {
         expert_load: read_expert_load(args.expert_load.as_deref(), &shape)?,
+        overlap_grad_reduce: args.reduction().overlap_grad_reduce,
+        ddp_bucket_size: args.reduction().ddp_bucket_size,
         ..CostModel::new(shape.clone(), cluster, profile)
     };
     if let Some(e) = shape.experts {
@@ -602,7 +626,7 @@ fn warn_unmeasured(cost: &CostModel, plan: &synerfuse_plan::Plan) {
 }
 
 /// Where the plan and its timeline went, and how to train it.
-fn print_written(args: &PlanArgs, flags: &[&str]) {
+fn print_written(args: &PlanArgs, flags: &[String]) {
     if let Some(out) = &args.output {
         let flags: String = flags.iter().map(|f| format!(" {f}")).collect();
         println!(

@@ -141,12 +141,12 @@ impl PlanReport<'_> {
         if best.recompute.iter().flatten().any(|&x| x) {
             flags.push("--recompute-activations".into());
         }
-        flags.extend(best.options.train_flags().iter().map(|f| f.to_string()));
+        flags.extend(best.options.train_flags());
         Some(flags.join(" "))
     }
 
     /// The `synerfuse train` flags beside `--plan` of the plan written.
-    pub(crate) fn written_flags(&self) -> Vec<&'static str> {
+    pub(crate) fn written_flags(&self) -> Vec<String> {
         match self.outcome.pooled_wins() {
             Some(p) => pooled_train_flags(p),
             None => self.best().options.train_flags(),
@@ -500,21 +500,23 @@ fn compact_experts(experts: &[usize]) -> String {
     }
 }
 
-/// `, --recompute-activations` and the like, or nothing.
+/// `, --use-distributed-optimizer, --ddp-bucket-size 5000` and the like (each flag
+/// with its value), or nothing.
 pub(crate) fn options_text(options: planner::TrainOptions) -> String {
-    options
-        .train_flags()
-        .iter()
-        .map(|f| format!(", {f}"))
+    (options.train_flags().iter())
+        .map(|f| match f.starts_with("--") {
+            true => format!(", {f}"),
+            false => format!(" {f}"),
+        })
         .collect()
 }
 
 /// The `synerfuse train` flags a per-replica-pipeline plan was priced with: its
 /// options, and sequence parallelism with tensor-parallel groups.
-pub(crate) fn pooled_train_flags(p: &PooledCandidate) -> Vec<&'static str> {
+pub(crate) fn pooled_train_flags(p: &PooledCandidate) -> Vec<String> {
     let mut flags = p.options.train_flags();
     if p.groups.iter().any(|g| g.tp_size() > 1) {
-        flags.push("--sequence-parallel");
+        flags.push("--sequence-parallel".to_owned());
     }
     flags
 }
@@ -545,7 +547,7 @@ pub(crate) struct GridReport<'a> {
     uniform_layouts: Vec<UniformLayoutReport>,
     /// `null` where no flags say the plan (stages of their own expert-parallel sizes).
     synerfuse_flags: Option<String>,
-    train_flags: Vec<&'static str>,
+    train_flags: Vec<String>,
     recompute_per_stage_and_replica: &'a [Vec<bool>],
     use_distributed_optimizer: bool,
     rank_order: Option<&'a str>,
@@ -585,7 +587,7 @@ struct UniformLayoutReport {
     num_micro_batches: usize,
     arrangement: String,
     predicted_step_time_s: f64,
-    train_flags: Vec<&'static str>,
+    train_flags: Vec<String>,
 }
 
 /// A grid plan behind the best, and where it loses.
@@ -620,7 +622,7 @@ pub(crate) struct PooledReport {
     fraction_of_bound: f64,
     fraction_of_integer_split: f64,
     tensor_parallel_size: usize,
-    train_flags: Vec<&'static str>,
+    train_flags: Vec<String>,
     reduce_s: f64,
     optimizer_s: f64,
     pools: Vec<PoolReport>,
@@ -795,7 +797,7 @@ pub(crate) struct WrittenPlan {
     predicted_step_time_s: f64,
     fraction_of_bound: f64,
     fraction_of_integer_split: f64,
-    train_flags: Vec<&'static str>,
+    train_flags: Vec<String>,
 }
 
 impl WrittenPlan {
@@ -804,7 +806,7 @@ impl WrittenPlan {
         kind: &'static str,
         bound: &planner::ThroughputBound,
         (tokens, step_time_s): (f64, f64),
-        train_flags: Vec<&'static str>,
+        train_flags: Vec<String>,
     ) -> Self {
         WrittenPlan {
             kind,

@@ -20,6 +20,13 @@ const OWNED_FLAGS: [&str; 4] = ["--plan", "--train-iters", "--log-json", "--npro
 /// overwrite its checkpoint): every plan starts from the same weights.
 const SHARED_STATE_FLAGS: [&str; 2] = ["--save", "--load"];
 
+/// Flags the plans are priced with, which each tried plan's training flags carry.
+const PRICED_FLAGS: [&str; 3] = [
+    "--overlap-grad-reduce",
+    "--no-overlap-grad-reduce",
+    "--ddp-bucket-size",
+];
+
 /// How plans are tried.
 #[derive(Debug, Clone)]
 pub(crate) struct TrySettings {
@@ -46,6 +53,11 @@ impl TrySettings {
         {
             bail!("--try trains each plan from the same start; {flag} after -- would carry one try's state into the next (--finetune-from-hf is fine)");
         }
+        if let Some(flag) = (self.train_args.iter())
+            .find(|a| PRICED_FLAGS.contains(&a.split('=').next().unwrap_or(a)))
+        {
+            bail!("--try trains each plan with the gradient reduction it was priced with; give {flag} to plan itself, before --");
+        }
         if self.iters < 2 {
             bail!(
                 "--try-iters {}: at least 2 steps (the first is warm-up, not timed)",
@@ -69,7 +81,7 @@ pub(crate) struct PlanToTry {
     pub(crate) label: String,
     pub(crate) plan: Plan,
     pub(crate) predicted_s: f64,
-    pub(crate) train_flags: Vec<&'static str>,
+    pub(crate) train_flags: Vec<String>,
 }
 
 /// The planner's plans, predicted fastest first, each plan once: per-replica pipelines
@@ -136,7 +148,7 @@ pub(crate) struct TriedPlan {
     pub(crate) calibrated_step_time_s: Option<f64>,
     #[serde(skip)]
     pub(crate) plan: Plan,
-    pub(crate) train_flags: Vec<&'static str>,
+    pub(crate) train_flags: Vec<String>,
 }
 
 /// Every tried plan, and which was fastest.

@@ -279,8 +279,15 @@ impl<'a> Ctx<'a> {
     /// [`CostModel::allreduce_seconds`] of `bytes` over the cluster's devices `devices`,
     /// whose price (linear in the bytes) is kept per device list.
     pub(super) fn allreduce_seconds(&self, devices: Vec<usize>, bytes: f64) -> f64 {
-        if let Some((fixed, per_byte)) = self.allreduce_prices.borrow().get(&devices) {
-            return fixed + per_byte * bytes;
+        let (fixed, per_byte) = self.allreduce_price(devices);
+        fixed + per_byte * bytes
+    }
+
+    /// [`Ctx::allreduce_seconds`]'s price over `devices`: (seconds at 0 bytes, its
+    /// latency; seconds per byte).
+    pub(super) fn allreduce_price(&self, devices: Vec<usize>) -> (f64, f64) {
+        if let Some(&price) = self.allreduce_prices.borrow().get(&devices) {
+            return price;
         }
         let members: Vec<&Device> = devices.iter().map(|&i| &self.all[i]).collect();
         let fixed = self.cost.allreduce_seconds(&members, 0.0);
@@ -288,7 +295,7 @@ impl<'a> Ctx<'a> {
         self.allreduce_prices
             .borrow_mut()
             .insert(devices, (fixed, per_byte));
-        fixed + per_byte * bytes
+        (fixed, per_byte)
     }
 
     /// The optimizer step of a unit holding `params` parameters, s: its slowest member

@@ -42,7 +42,7 @@ pub(super) fn best_expert(
         })
     };
     let experts = cost.model.experts.map(|e| e.num_experts);
-    let ep_sizes: BTreeSet<usize> = (request.grid_options(experts).iter())
+    let ep_sizes: BTreeSet<usize> = (request.grid_options(experts, TrainOptions::of(cost)).iter())
         .map(|o| o.expert_parallel)
         .collect();
     let choices = (recompute_choices(request.recompute).iter())
@@ -52,6 +52,7 @@ pub(super) fn best_expert(
             recompute,
             distributed_optimizer: request.distributed_optimizer != Choice::Off,
             expert_parallel,
+            ..TrainOptions::of(cost)
         };
         let variant = options.cost(cost);
         for t in request.tp_sizes() {

@@ -466,14 +466,20 @@ fn stages_take_their_own_expert_parallel_sizes_where_faster() {
 /// experts: per-replica pipelines hold the model whole on each A100, its experts whole
 /// (no all-to-all; their gradients reduced over four), and divide the experts over pairs
 /// of the small devices' two-stage pipelines, where they would not fit whole: faster
-/// than every pool at either size, and than the grid plans.
+/// than every pool at either size, and than the grid plans. Priced with the reductions
+/// after the pipeline: overlapped, the pools at size 1 (the small devices a four-stage
+/// pipeline of one replica) are the faster start, and the search, which moves one
+/// pool's size at a time from the best single size, cannot divide a replica's experts.
 #[test]
 fn pools_take_their_own_expert_parallel_sizes_where_faster() {
     let cluster = two_nodes(
         "kind = \"a100-80g\"\ncount = 4",
         "kind = \"custom\"\ntflops_bf16 = 100\nmemory_gb = 6\nmem_bw_gbs = 500\ncount = 4",
     );
-    let cost = four_layers_on(cluster, 4096);
+    let cost = CostModel {
+        overlap_grad_reduce: false,
+        ..four_layers_on(cluster, 4096)
+    };
     let asked = |sizes: Vec<usize>| PlanRequest {
         global_batch_size: 256,
         ..request(sizes)

@@ -141,10 +141,9 @@ impl Search {
             },
             recompute,
             options: TrainOptions {
-                recompute: ctx.cost.recompute,
                 // One replica has nothing to shard over.
                 distributed_optimizer: ctx.cost.distributed_optimizer && micro_batches.len() > 1,
-                expert_parallel: ctx.cost.expert_parallel,
+                ..TrainOptions::of(ctx.cost)
             },
             arrangement: grid.arrangement,
             devices: grid.devices.to_vec(),

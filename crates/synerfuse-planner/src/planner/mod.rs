@@ -8,12 +8,13 @@
 //! The modules from the bottom up, each using only modules listed before it: the data
 //! (`error`, `request`, `tensor`, `samples`, `measured_load`, `outcome`, `shapes`,
 //! `convert`); the pricing context (`context`), a stage's memory (`memory_fit`), the
-//! gradient reduction (`reduction`), the closed forms (`pricing` of a grid, `segments`
-//! of per-replica pipelines), a laid-out plan's context (`plan_context`); `split` and
-//! `simulate`; the searches (`grid`, `pooled`, then `expert`, `refine`,
+//! gradient reduction (`reduction`, and its buckets overlapping the last backward:
+//! `buckets`), the closed forms (`pricing` of a grid, `segments` of per-replica
+//! pipelines), a laid-out plan's context (`plan_context`); `split` and `simulate`; the searches (`grid`, `pooled`, then `expert`, `refine`,
 //! `stage_experts`), `search` (each under the request's options), `fold`, `choose` (the
 //! plan) and `running` (re-planning a running job).
 
+mod buckets;
 mod choose;
 mod context;
 mod convert;
@@ -60,6 +61,8 @@ pub use simulate::{pooled_timeline, timeline};
 pub use split::{min_max_layers, min_max_split};
 pub use tensor::{best_context_group, best_group, TpGroup, MOST_SHARE};
 
+#[cfg(test)]
+mod buckets_tests;
 #[cfg(test)]
 mod expert_tests;
 #[cfg(test)]

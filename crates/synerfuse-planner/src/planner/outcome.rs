@@ -111,7 +111,8 @@ pub struct Prediction {
     pub step_time_s: f64,
     /// Slowest replica's pipeline, s.
     pub pipeline_s: f64,
-    /// Slowest stage's gradient all-reduce, s.
+    /// Slowest stage's gradient all-reduce, s: all of it, of which buckets overlapping
+    /// the last backward hide part.
     pub allreduce_s: f64,
     /// Slowest rank's optimizer step, s (0 where not priced: see
     /// [`PlanOutcome::unpriced_optimizer`]).
@@ -411,7 +412,8 @@ pub struct PooledCandidate {
     pub step_time_s: f64,
     /// The slowest replica's pipeline, s.
     pub pipeline_s: f64,
-    /// The gradient reduction of the busiest rank, s.
+    /// The gradient reduction of the busiest rank, s: all of it, of which buckets
+    /// overlapping the last backward hide part.
     pub reduce_s: f64,
     /// The slowest rank's optimizer step, s.
     pub optimizer_s: f64,

@@ -2,6 +2,7 @@
 //! check, the 1F1B formula, the reduction and the optimizer step.
 
 use super::{
+    buckets::{grid_reductions, pieces_of, reductions_end_s, LastBackward, PieceWeights},
     context::Ctx,
     error::{Infeasibility, MemoryShortfall, PlanningError, Violation},
     memory_fit::{memory_need, stage_fits, Shares, StageFit},
@@ -20,6 +21,25 @@ pub(super) fn stage_times(
     sizes: &[usize],
     m: &[usize],
 ) -> Result<(Grid<f64>, Grid<f64>), PlanningError> {
+    let times = stage_times_fits(ctx, grid, layers, sizes, m)?;
+    Ok((times.t, times.c))
+}
+
+/// [`stage_times`]'s, and how each (stage, replica) fits.
+pub(super) struct StageTimes {
+    pub(super) t: Grid<f64>,
+    pub(super) c: Grid<f64>,
+    pub(super) fits: Grid<StageFit>,
+}
+
+/// [`stage_times`], and how each (stage, replica) fits.
+pub(super) fn stage_times_fits(
+    ctx: &mut Ctx<'_>,
+    grid: &[Vec<usize>],
+    layers: &[usize],
+    sizes: &[usize],
+    m: &[usize],
+) -> Result<StageTimes, PlanningError> {
     let p = grid.len();
     let d = grid[0].len();
     let fits = stage_fits(ctx, grid, layers, sizes, m)?;
@@ -37,7 +57,7 @@ pub(super) fn stage_times(
         }
         expert_group_times(ctx, (&grid[i], layers[i]), sizes, &fits[i], &mut t[i])?;
     }
-    Ok((t, c))
+    Ok(StageTimes { t, c, fits })
 }
 
 /// A stage's micro-batch times `t` (per replica) under expert parallelism: each member's
@@ -142,13 +162,18 @@ pub(super) fn evaluate(
             }
         }
     }
-    let (t, c) = stage_times(ctx, grid, layers, sizes, m)?;
+    let times = stage_times_fits(ctx, grid, layers, sizes, m)?;
+    let (t, c) = (&times.t, &times.c);
     let pipeline_s = (0..d)
-        .map(|r| pipeline_time(&t, &c, r, m[r]))
+        .map(|r| pipeline_time(t, c, r, m[r]))
         .fold(0.0, f64::max);
     let allreduce_s = max(&allreduce_times(ctx, grid, layers));
     let optimizer_s = max(&optimizer_times(ctx, grid, layers).concat());
-    let step = pipeline_s + allreduce_s + optimizer_s + ctx.cost.step_overhead_s();
+    let reduced = match ctx.cost.overlap_grad_reduce {
+        false => pipeline_s + allreduce_s,
+        true => pipeline_s.max(overlapped_end_s(ctx, (grid, layers), &times, m)),
+    };
+    let step = reduced + optimizer_s + ctx.cost.step_overhead_s();
     let busy: Vec<Vec<f64>> = (0..p)
         .map(|i| (0..d).map(|r| t[i][r] * m[r] as f64).collect())
         .collect();
@@ -167,6 +192,39 @@ pub(super) fn evaluate(
         busy_s: busy,
         simulated: false,
     }))
+}
+
+/// The closed form's end of the last reduction in buckets inside the last backwards:
+/// each replica's stage `i` ends its last backward as 1F1B drains (its pipeline's end
+/// less the later backwards and sends of the stages before it).
+fn overlapped_end_s(
+    ctx: &Ctx<'_>,
+    (grid, layers): (&[Vec<usize>], &[usize]),
+    StageTimes { t, c, fits }: &StageTimes,
+    m: &[usize],
+) -> f64 {
+    let (p, d) = (grid.len(), grid[0].len());
+    let l = ctx.cost.model.num_layers;
+    let pieces = pieces_of(layers, l);
+    // Per (stage, replica), queue i·d + r.
+    let mut backward = Vec::with_capacity(p * d);
+    for i in 0..p {
+        for r in 0..d {
+            let backward_s = |j: usize| t[j][r] * (1.0 - fits[j][r].costs.forward_fraction);
+            let drain: f64 = (0..i).map(|j| backward_s(j) + c[j][r]).sum();
+            let end_s = pipeline_time(t, c, r, m[r]) - drain;
+            backward.push(LastBackward {
+                start_s: end_s - backward_s(i),
+                end_s,
+                pieces: pieces[i],
+                weights: PieceWeights::new(&fits[i][r].costs, l),
+            });
+        }
+    }
+    max(&reductions_end_s(
+        &grid_reductions(ctx, grid, layers),
+        &backward,
+    ))
 }
 
 /// The largest of `values` (0 for none).

@@ -345,7 +345,9 @@ proptest! {
 /// from the simulated schedule that re-times the front runners. Measured over 10,961
 /// candidates of 3,000 random clusters: simulated / closed form in [0.784, 1.082] (the
 /// formula is pessimistic where reductions overlap other stages' pipelines, optimistic
-/// where sends queue behind computation); the range leaves room for rarer cases.
+/// where sends queue behind computation); the range leaves room for rarer cases. With
+/// buckets overlapping the last backward (the default, in both): [0.910, 1.031] over
+/// 1,498 candidates of 400 random clusters.
 const CLOSED_FORM_RANGE: (f64, f64) = (0.70, 1.15);
 
 proptest! {

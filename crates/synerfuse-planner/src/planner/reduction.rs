@@ -83,3 +83,50 @@ pub(super) fn holders_allreduce_s(ctx: &Ctx<'_>, units: &[usize], params: f64) -
         }
     }
 }
+
+/// How [`holders_allreduce_s`] prices a reduction over `units`, per element each member
+/// sums, so that it can be cut into buckets.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Collective {
+    /// Seconds of one collective of no bytes: its latency, paid once per bucket.
+    pub(super) fixed_s: f64,
+    /// Seconds per fp32 element each member sums.
+    pub(super) per_element_s: f64,
+    /// Elements a member sums per parameter: its share where the units split alike.
+    pub(super) share: f64,
+    /// Ranks taking part, which the runtime's default bucket size scales with.
+    pub(super) members: usize,
+    /// Whether it sums whole tensors (units split otherwise), which the runtime sends in
+    /// one bucket.
+    pub(super) whole: bool,
+}
+
+/// [`holders_allreduce_s`]'s collective over `units`.
+pub(super) fn holders_collective(ctx: &Ctx<'_>, units: &[usize]) -> Collective {
+    let alike = (units.iter()).all(|&u| ctx.groups[u].shares == ctx.groups[units[0]].shares);
+    let (devices, share): (Vec<usize>, f64) = match alike {
+        true => (
+            (units.iter())
+                .flat_map(|&u| ctx.reducing_members(u))
+                .collect(),
+            (units.iter())
+                .map(|&u| ctx.state_fraction(u))
+                .fold(0.0, f64::max),
+        ),
+        false => (
+            (units.iter())
+                .flat_map(|&u| ctx.groups[u].members.iter().copied())
+                .collect(),
+            1.0,
+        ),
+    };
+    let members = devices.len();
+    let (fixed_s, per_byte) = ctx.allreduce_price(devices);
+    Collective {
+        fixed_s,
+        per_element_s: per_byte * 4.0,
+        share,
+        members,
+        whole: !alike,
+    }
+}

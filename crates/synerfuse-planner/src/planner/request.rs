@@ -93,6 +93,11 @@ pub struct TrainOptions {
     /// Replicas each MoE layer's experts are divided over (1: every replica holds all;
     /// the plan file lists each one's).
     pub expert_parallel: usize,
+    /// Gradient buckets started inside the last backward (the runtime's default; off:
+    /// `--no-overlap-grad-reduce`).
+    pub overlap_grad_reduce: bool,
+    /// `--ddp-bucket-size` (elements; `None`: the runtime's default).
+    pub ddp_bucket_size: Option<usize>,
 }
 
 impl Default for TrainOptions {
@@ -101,35 +106,69 @@ impl Default for TrainOptions {
             recompute: Recompute::Never,
             distributed_optimizer: false,
             expert_parallel: 1,
+            overlap_grad_reduce: true,
+            ddp_bucket_size: None,
         }
     }
 }
 
 impl TrainOptions {
+    /// The options `cost` prices with.
+    pub fn of(cost: &CostModel) -> Self {
+        TrainOptions {
+            recompute: cost.recompute,
+            distributed_optimizer: cost.distributed_optimizer,
+            expert_parallel: cost.expert_parallel,
+            overlap_grad_reduce: cost.overlap_grad_reduce,
+            ddp_bucket_size: cost.ddp_bucket_size,
+        }
+    }
+
     /// `cost` priced with these options.
     pub fn cost(&self, cost: &CostModel) -> CostModel {
         CostModel {
             recompute: self.recompute,
             distributed_optimizer: self.distributed_optimizer,
             expert_parallel: self.expert_parallel,
+            overlap_grad_reduce: self.overlap_grad_reduce,
+            ddp_bucket_size: self.ddp_bucket_size,
             ..cost.clone()
         }
     }
 
+    /// Elements per bucket of a gradient reduction over `members` ranks, as the runtime
+    /// cuts them ([`crate::cost::bucket_size`]).
+    pub fn bucket_size(&self, members: usize) -> usize {
+        crate::cost::bucket_size(self.overlap_grad_reduce, self.ddp_bucket_size, members)
+    }
+
     /// The `synerfuse train` flags that ask for them beside `--plan` (which stages
-    /// recompute is in the plan file).
-    pub fn train_flags(&self) -> Vec<&'static str> {
-        match self.distributed_optimizer {
-            true => vec!["--use-distributed-optimizer"],
-            false => Vec::new(),
+    /// recompute is in the plan file; the reduction's only where not the default), so
+    /// training runs what was priced.
+    pub fn train_flags(&self) -> Vec<String> {
+        let mut flags = Vec::new();
+        if self.distributed_optimizer {
+            flags.push("--use-distributed-optimizer".to_owned());
         }
+        if !self.overlap_grad_reduce {
+            // Without overlap the bucket size changes nothing (one bucket).
+            flags.push("--no-overlap-grad-reduce".to_owned());
+        } else if let Some(size) = self.ddp_bucket_size {
+            flags.extend(["--ddp-bucket-size".to_owned(), size.to_string()]);
+        }
+        flags
     }
 }
 
 impl PlanRequest {
     /// The options grid plans are searched with, off before on, expert-parallel sizes
-    /// ascending (those dividing `experts` per MoE layer; a dense model's: 1).
-    pub(super) fn grid_options(&self, experts: Option<usize>) -> Vec<TrainOptions> {
+    /// ascending (those dividing `experts` per MoE layer; a dense model's: 1), each
+    /// reducing gradients as `base` does (not searched: how training will run).
+    pub(super) fn grid_options(
+        &self,
+        experts: Option<usize>,
+        base: TrainOptions,
+    ) -> Vec<TrainOptions> {
         let sizes: BTreeSet<usize> = match experts {
             Some(e) if !self.expert_parallel_sizes.is_empty() => {
                 let divides = |&&x: &&usize| x > 0 && e % x == 0;
@@ -149,6 +188,7 @@ impl PlanRequest {
                         recompute,
                         distributed_optimizer,
                         expert_parallel,
+                        ..base
                     });
                 }
             }

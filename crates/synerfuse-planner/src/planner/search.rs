@@ -97,8 +97,9 @@ pub(super) fn search_grids(
             match optimizer_priced {
                 true => {
                     let unsharded = TrainOptions {
-                        expert_parallel: options.expert_parallel,
-                        ..TrainOptions::default()
+                        recompute: Recompute::Never,
+                        distributed_optimizer: false,
+                        ..options
                     };
                     reprice(&mut ctx, &searched[&(unsharded, t)].1)?
                 }
@@ -133,9 +134,11 @@ pub(super) fn search_grids(
 /// `cost` under each option the request's grids are searched with.
 pub(super) fn variants(cost: &CostModel, request: &PlanRequest) -> Vec<(TrainOptions, CostModel)> {
     let experts = cost.model.experts.map(|e| e.num_experts);
-    (request.grid_options(experts).into_iter())
-        .map(|options| (options, options.cost(cost)))
-        .collect()
+    (request
+        .grid_options(experts, TrainOptions::of(cost))
+        .into_iter())
+    .map(|options| (options, options.cost(cost)))
+    .collect()
 }
 
 /// The units of a grid of tensor-parallel size `t`: groups of one node's devices with
@@ -162,7 +165,7 @@ pub(super) fn plan_pooled_options(
 ) -> Result<Option<PooledCandidate>, PlanningError> {
     let mut best: Option<PooledCandidate> = None;
     let experts = cost.model.experts.map(|e| e.num_experts);
-    let ep_sizes: BTreeSet<usize> = (request.grid_options(experts).iter())
+    let ep_sizes: BTreeSet<usize> = (request.grid_options(experts, TrainOptions::of(cost)).iter())
         .map(|o| o.expert_parallel)
         .filter(|&ep| only.is_none_or(|s| s.expert_parallel == ep))
         .collect();
@@ -205,6 +208,7 @@ fn plan_pooled_at(
             recompute,
             distributed_optimizer: request.distributed_optimizer == Choice::On,
             expert_parallel: ep,
+            ..TrainOptions::of(cost)
         };
         let variant = TrainOptions {
             distributed_optimizer: false,
@@ -250,7 +254,7 @@ fn retime_sharded(
     let variant = TrainOptions {
         recompute,
         distributed_optimizer: true,
-        expert_parallel: c.options.expert_parallel,
+        ..c.options
     }
     .cost(cost);
     let mut ctx = Ctx::with_groups(&variant, variant.cluster.devices(), c.groups.clone());

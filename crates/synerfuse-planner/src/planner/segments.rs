@@ -3,6 +3,7 @@
 //! stage boundaries), each reduced over its holders, and each rank's optimizer step.
 
 use super::{
+    buckets::pieces_of,
     context::Ctx,
     memory_fit::Shares,
     outcome::{replicas, PoolLayout},
@@ -15,15 +16,8 @@ pub(super) fn stage_pieces(pools: &[PoolLayout], l: usize) -> Vec<Vec<(usize, us
     replicas(pools)
         .map(|(k, r)| {
             let pool = &pools[k];
-            let p = pool.layers.len();
-            let mut start = 1;
-            (0..p)
-                .map(|i| {
-                    let from = if i == 0 { 0 } else { start };
-                    start += pool.layers[i];
-                    let to = if i + 1 == p { l + 2 } else { start };
-                    (from, to, pool.devices[i][r])
-                })
+            (pieces_of(&pool.layers, l).into_iter().enumerate())
+                .map(|(i, (from, to))| (from, to, pool.devices[i][r]))
                 .collect()
         })
         .collect()
@@ -33,6 +27,8 @@ pub(super) fn stage_pieces(pools: &[PoolLayout], l: usize) -> Vec<Vec<(usize, us
 /// neighbouring cuts of the union of every replica's stage boundaries, held by one
 /// (replica, stage) position of each replica.
 pub(super) struct PooledSegment {
+    /// Its model pieces, `from..to`.
+    pub(super) pieces: (usize, usize),
     /// Its parameters, every expert's included.
     pub(super) params: f64,
     /// Its decoder layers (whose experts a holder under expert parallelism holds a
@@ -93,6 +89,7 @@ pub(super) fn pooled_segments(ctx: &Ctx<'_>, pools: &[PoolLayout]) -> Vec<Pooled
                 .collect();
             let (params, layers) = params(from, to);
             PooledSegment {
+                pieces: (from, to),
                 params,
                 layers,
                 holders,

@@ -1,6 +1,10 @@
 //! Candidates re-timed by simulating their real schedules, rank by rank.
 
 use super::{
+    buckets::{
+        grid_reductions, held_reductions, pieces_of, reductions_end_s, BucketedReduction,
+        LastBackward, PieceWeights,
+    },
     context::Ctx,
     error::PlanningError,
     memory_fit::stage_fits,
@@ -8,7 +12,7 @@ use super::{
     plan_context::{candidate_ctx, pool_sizes, stage_sizes},
     pricing::{allreduce_times, max, micro_batch_seconds, optimizer_times, stage_times},
     request::TrainOptions,
-    segments::{optimizer_s, pooled_segments, reduce_s, reduce_starts},
+    segments::{optimizer_s, pooled_segments, reduce_s, reduce_starts, PooledSegment},
 };
 use crate::cost::CostModel;
 use crate::sim;
@@ -18,8 +22,9 @@ use synerfuse_plan::Plan;
 use synerfuse_plan::{Pass, Piece, ScheduleKind};
 
 /// Re-times a candidate by simulating its 1F1B schedule (with p2p times), each stage's
-/// gradient reduction starting when its last replica finishes, and the optimizer step
-/// once every reduction is done (the gradient norm is global).
+/// gradient reduction (in buckets inside the last backwards where they overlap, else
+/// once its last replica finishes), and the optimizer step once every reduction is
+/// done (the gradient norm is global).
 pub(super) fn simulate_candidate(
     ctx: &mut Ctx<'_>,
     c: &Candidate,
@@ -39,6 +44,7 @@ pub(super) fn simulate_step(
     let sizes = &c.micro_batch_sizes;
     let (t, _) = stage_times(ctx, &c.devices, &c.layers, sizes, &c.micro_batches)?;
     let fits = stage_fits(ctx, &c.devices, &c.layers, sizes, &c.micro_batches)?;
+    let pieces = pieces_of(&c.layers, ctx.cost.model.num_layers);
     // Per rank, its (stage, replica) and pace.
     let coords: Vec<(usize, usize)> = (plan.positions().into_iter())
         .map(|(replica, stage)| (stage, replica))
@@ -54,18 +60,15 @@ pub(super) fn simulate_step(
             position: i,
             replica: r,
             last: LastMicroBatch::full(c.micro_batches[r], sizes[r], t[i][r]),
+            pieces: pieces[i],
+            weights: PieceWeights::new(&fits[i][r].costs, ctx.cost.model.num_layers),
         })
         .collect();
     let report = run_schedule(ctx, &plan, &paces, record)?;
     let reduce = allreduce_times(ctx, &c.devices, &c.layers);
     let optimizer = optimizer_times(ctx, &c.devices, &c.layers);
-    // Each stage's reduction starts when the last of its replicas finishes.
-    let mut stage_done = vec![0.0f64; p];
-    for (rank, &(i, _)) in coords.iter().enumerate() {
-        stage_done[i] = stage_done[i].max(report.finish_s[rank]);
-    }
-    let reduced: Vec<f64> = (0..p).map(|i| stage_done[i] + reduce[i]).collect();
-    let all_reduced = max(&reduced);
+    let reduced = grid_reduced(ctx, c, (&coords, &paces), &report, &reduce);
+    let all_reduced = reduced.all_s;
     let optimizer_s = max(&optimizer.concat());
     let step = all_reduced + optimizer_s + ctx.cost.step_overhead_s();
     let total_busy: f64 = report.busy_s.iter().sum();
@@ -82,14 +85,38 @@ pub(super) fn simulate_step(
     let after = |rank: usize| {
         let (i, r) = coords[rank];
         AfterSchedule {
-            reduce_start_s: stage_done[i],
-            reduce_end_s: reduced[i],
+            reduce_start_s: reduced.spans[rank].0,
+            reduce_end_s: reduced.spans[rank].1,
             all_reduced_s: all_reduced,
             optimizer_s: optimizer[i][r],
         }
     };
     let rows = rank_rows(ctx, &plan, &paces, report, after);
     Ok((prediction, rows))
+}
+
+/// Each rank of grid candidate `c` (at `coords`, (stage, replica), and `paces`): its
+/// stage's reduction after its replicas' pipelines (of `reduce` seconds), or in
+/// buckets over them inside their last backwards.
+fn grid_reduced(
+    ctx: &Ctx<'_>,
+    c: &Candidate,
+    (coords, paces): (&[(usize, usize)], &[RankPace]),
+    report: &sim::SimReport,
+    reduce: &[f64],
+) -> Reduced {
+    let (p, d) = (c.layers.len(), c.micro_batches.len());
+    if !ctx.cost.overlap_grad_reduce {
+        // Each stage's reduction starts when the last of its replicas finishes.
+        let mut stage_done = vec![0.0f64; p];
+        for (rank, &(i, _)) in coords.iter().enumerate() {
+            stage_done[i] = stage_done[i].max(report.finish_s[rank]);
+        }
+        return after_pipelines(paces, &stage_done, reduce);
+    }
+    let reductions = grid_reductions(ctx, &c.devices, &c.layers);
+    let queue = |rank: usize| coords[rank].0 * d + coords[rank].1;
+    overlapped(report, paces, (queue, p * d), &reductions)
 }
 
 /// The simulated step of `candidate` on `cost`'s cluster, rank by rank.
@@ -117,8 +144,9 @@ pub fn timeline(cost: &CostModel, candidate: &Candidate) -> Result<Timeline, Pla
 }
 
 /// Simulates the plan's 1F1B programs (every replica at once, each message at its
-/// link's cost), then each reduction once its holders have finished, and the optimizer;
-/// the candidate with its times, and each rank's spans when `record`.
+/// link's cost), then each reduction (in buckets inside the last backwards where they
+/// overlap, else once its holders have finished), and the optimizer; the candidate
+/// with its times, and each rank's spans when `record`.
 pub(super) fn simulate_pools(
     ctx: &mut Ctx<'_>,
     pools: Vec<PoolLayout>,
@@ -129,11 +157,7 @@ pub(super) fn simulate_pools(
         groups: ctx.groups.to_vec(),
         pool_expert_parallel: Vec::new(),
         recompute: Vec::new(),
-        options: TrainOptions {
-            recompute: ctx.cost.recompute,
-            distributed_optimizer: ctx.cost.distributed_optimizer,
-            expert_parallel: ctx.cost.expert_parallel,
-        },
+        options: TrainOptions::of(ctx.cost),
         step_time_s: 0.0,
         pipeline_s: 0.0,
         reduce_s: 0.0,
@@ -146,15 +170,8 @@ pub(super) fn simulate_pools(
     let segments = pooled_segments(ctx, &candidate.pools);
     let reduce = reduce_s(ctx, &segments);
     let optimizer = optimizer_s(ctx, &candidate.pools, &segments);
-    // Each position's reduction starts when every holder of its segments has finished
-    // (as a grid stage's starts when its last replica does).
-    let mut finished = vec![0.0f64; reduce.len()];
-    for (rank, pace) in paces.iter().enumerate() {
-        finished[pace.position] = finished[pace.position].max(report.finish_s[rank]);
-    }
-    let start = reduce_starts(&segments, &finished);
-    let reduced: Vec<f64> = start.iter().zip(&reduce).map(|(s, r)| s + r).collect();
-    let all_reduced = max(&reduced);
+    let reduced = pooled_reduced(ctx, &segments, &paces, &report, &reduce);
+    let all_reduced = reduced.all_s;
     let replicas = paces.last().map_or(0, |pace| pace.replica + 1);
     candidate.replica_finish_s = vec![0.0; replicas];
     for (pace, &finish) in paces.iter().zip(&report.finish_s) {
@@ -166,13 +183,44 @@ pub(super) fn simulate_pools(
     candidate.optimizer_s = optimizer;
     candidate.step_time_s = all_reduced + optimizer + ctx.cost.step_overhead_s();
     let after = |rank: usize| AfterSchedule {
-        reduce_start_s: start[paces[rank].position],
-        reduce_end_s: reduced[paces[rank].position],
+        reduce_start_s: reduced.spans[rank].0,
+        reduce_end_s: reduced.spans[rank].1,
         all_reduced_s: all_reduced,
         optimizer_s: optimizer,
     };
     let rows = rank_rows(ctx, &plan, &paces, report, after);
     Ok((candidate, rows))
+}
+
+/// Each rank of a per-replica-pipeline plan (at `paces`): its position's reductions
+/// (of `reduce` seconds) after every holder of its `segments` has finished, or in
+/// buckets inside the holders' last backwards.
+fn pooled_reduced(
+    ctx: &Ctx<'_>,
+    segments: &[PooledSegment],
+    paces: &[RankPace],
+    report: &sim::SimReport,
+    reduce: &[f64],
+) -> Reduced {
+    if !ctx.cost.overlap_grad_reduce {
+        // Each position's reduction starts when every holder of its segments has
+        // finished (as a grid stage's starts when its last replica does).
+        let mut finished = vec![0.0f64; reduce.len()];
+        for (rank, pace) in paces.iter().enumerate() {
+            finished[pace.position] = finished[pace.position].max(report.finish_s[rank]);
+        }
+        return after_pipelines(paces, &reduce_starts(segments, &finished), reduce);
+    }
+    // The segments from the last to the first, the plan's global order.
+    let reductions: Vec<(Vec<usize>, BucketedReduction)> = (segments.iter().rev())
+        .flat_map(|s| {
+            let (positions, units): (Vec<usize>, Vec<usize>) = s.holders.iter().copied().unzip();
+            let held = held_reductions(ctx, &units, s.pieces, s.layers);
+            held.into_iter().map(move |b| (positions.clone(), b))
+        })
+        .collect();
+    let queue = |rank: usize| paces[rank].position;
+    overlapped(report, paces, (queue, reduce.len()), &reductions)
 }
 
 /// Runs `plan`'s 1F1B programs (every replica at once) with each rank at its pace and
@@ -298,24 +346,28 @@ fn run_distinct_replicas(
         .collect();
     let world = plan.world_size();
     let (mut finish_s, mut busy_s) = (vec![0.0; world], vec![0.0; world]);
+    let mut last_backward_s = vec![(0.0, 0.0); world];
     for (r, replica) in plan.replicas().iter().enumerate() {
         for (place, &rank) in replica.ranks.iter().flatten().enumerate() {
             let i = first[representative[r]] + place;
             finish_s[rank] = simulated.finish_s[i];
             busy_s[rank] = simulated.busy_s[i];
+            last_backward_s[rank] = simulated.last_backward_s[i];
         }
     }
     Ok(sim::SimReport {
         finish_s,
         busy_s,
         makespan_s: simulated.makespan_s,
+        last_backward_s,
         spans: Vec::new(),
     })
 }
 
 /// What a rank does after its schedule, s from the step's start: waits for its
-/// reduction's holders, reduces, waits for the slowest reduction (the gradient norm is
-/// global), and steps its optimizer.
+/// reduction's holders, reduces (overlapped: waits for its buckets still in flight),
+/// waits for the slowest reduction (the gradient norm is global), and steps its
+/// optimizer.
 struct AfterSchedule {
     reduce_start_s: f64,
     reduce_end_s: f64,
@@ -377,6 +429,63 @@ struct RankPace {
     replica: usize,
     /// Its replica's last micro-batch, which may be short.
     last: LastMicroBatch,
+    /// Its stage's model pieces, `from..to`, and their shares of its backward.
+    pieces: (usize, usize),
+    weights: PieceWeights,
+}
+
+/// Each rank's reduction span and when the last reduction ends.
+struct Reduced {
+    /// Per rank, its reduction span, (start, end) s.
+    spans: Vec<(f64, f64)>,
+    /// When every reduction has ended, s.
+    all_s: f64,
+}
+
+/// Reductions after the pipelines, whole (`--no-overlap-grad-reduce`): each position's
+/// from `start` for its `reduce` seconds.
+fn after_pipelines(paces: &[RankPace], start: &[f64], reduce: &[f64]) -> Reduced {
+    let reduced: Vec<f64> = start.iter().zip(reduce).map(|(s, r)| s + r).collect();
+    Reduced {
+        spans: (paces.iter())
+            .map(|pace| (start[pace.position], reduced[pace.position]))
+            .collect(),
+        all_s: max(&reduced),
+    }
+}
+
+/// Reductions in buckets inside the last backwards, on `queues` queues (`queue` of a
+/// rank: the unit holding its stage), each queue at its latest rank's last backward:
+/// each rank's span is what it waits for after its pipeline (the runtime's measured
+/// `Reduce`), from its finish to its queue's last bucket's end.
+fn overlapped(
+    report: &sim::SimReport,
+    paces: &[RankPace],
+    (queue, queues): (impl Fn(usize) -> usize, usize),
+    reductions: &[(Vec<usize>, BucketedReduction)],
+) -> Reduced {
+    let mut backward: Vec<Option<LastBackward>> = vec![None; queues];
+    for (rank, pace) in paces.iter().enumerate() {
+        let (start_s, end_s) = report.last_backward_s[rank];
+        let slot = &mut backward[queue(rank)];
+        if slot.is_none_or(|b| b.end_s < end_s) {
+            *slot = Some(LastBackward {
+                start_s,
+                end_s,
+                pieces: pace.pieces,
+                weights: pace.weights,
+            });
+        }
+    }
+    let backward: Vec<LastBackward> = (backward.into_iter())
+        .map(|b| b.expect("a rank in every queue"))
+        .collect();
+    let ends = reductions_end_s(reductions, &backward);
+    let spans: Vec<(f64, f64)> = (report.finish_s.iter().enumerate())
+        .map(|(rank, &finish)| (finish, finish.max(ends[queue(rank)])))
+        .collect();
+    let all_s = spans.iter().map(|s| s.1).fold(0.0, f64::max);
+    Reduced { spans, all_s }
 }
 
 /// A replica's last micro-batch on one rank: which it is, its samples, its seconds.
@@ -408,10 +517,12 @@ fn pooled_ranks(
     // Each rank's unit.
     let mut units: Vec<usize> = Vec::new();
     let mut replica = 0;
+    let l = ctx.cost.model.num_layers;
     for pool in &candidate.pools {
         let d = pool.micro_batches.len();
         let (t, _) = pool.stage_times(ctx)?;
         let fits = pool.stage_fits(ctx)?;
+        let pieces = pieces_of(&pool.layers, l);
         for r in 0..d {
             candidate
                 .recompute
@@ -439,6 +550,8 @@ fn pooled_ranks(
                         position,
                         replica,
                         last,
+                        pieces: pieces[i],
+                        weights: PieceWeights::new(&fits[i][r].costs, l),
                     });
                 }
             }

@@ -22,9 +22,11 @@ const SEARCHED_UNITS: usize = 4096;
 
 /// The request's expert-parallel sizes dividing the model's experts, ascending.
 fn searched_sizes(request: &PlanRequest, experts: usize) -> Vec<usize> {
-    let mut sizes: Vec<usize> = (request.grid_options(Some(experts)).iter())
-        .map(|o| o.expert_parallel)
-        .collect();
+    let mut sizes: Vec<usize> = (request
+        .grid_options(Some(experts), TrainOptions::default())
+        .iter())
+    .map(|o| o.expert_parallel)
+    .collect();
     sizes.sort_unstable();
     sizes.dedup();
     sizes

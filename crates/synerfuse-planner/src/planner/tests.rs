@@ -75,10 +75,15 @@ fn recomputation_makes_a_plan_fit() {
 
 /// Four A10s: without the distributed optimizer two replicas of two stages run out of
 /// memory at micro-batch size 2; sharding the optimizer state over the replicas
-/// makes that plan fit, and it beats the four-stage pipeline.
+/// makes that plan fit, and it beats the four-stage pipeline. Priced with the
+/// reductions after the pipeline: overlapped, four replicas of the whole model win
+/// ([`overlapped_reductions_make_data_parallelism_win`]).
 #[test]
 fn distributed_optimizer_makes_a_faster_plan_fit() {
-    let cost = a10s(4, 2048);
+    let cost = CostModel {
+        overlap_grad_reduce: false,
+        ..a10s(4, 2048)
+    };
     let off = plan(&cost, &request(16, Choice::Off, Choice::Off)).unwrap();
     assert!(!off
         .plans
@@ -317,4 +322,36 @@ fn a_tensor_and_a_context_parallel_pair_of_the_same_devices_are_priced_apart() {
     assert_ne!(tp_s, cp_s);
     assert_eq!(both.costs(0, 1).unwrap().layer_s, tp_s);
     assert_eq!(both.costs(1, 1).unwrap().layer_s, cp_s);
+}
+
+/// The same four A10s with the runtime's overlapped reduction: the reduction of four
+/// replicas of the whole model (sharded, so they fit) hides in the last micro-batch's
+/// backward but for its last buckets, and they beat the two-stage pipelines, which win
+/// when it runs after the pipeline.
+#[test]
+fn overlapped_reductions_make_data_parallelism_win() {
+    let request = request(16, Choice::Off, Choice::Auto);
+    let after = CostModel {
+        overlap_grad_reduce: false,
+        ..a10s(4, 2048)
+    };
+    let overlapped = plan(&a10s(4, 2048), &request).unwrap();
+    let best = &overlapped.plans[0];
+    assert!(best.options.distributed_optimizer, "{best:?}");
+    assert_eq!((best.layers.len(), best.micro_batches.len()), (1, 4));
+    let p = &best.prediction;
+    let exposed = p.step_time_s - p.pipeline_s - p.optimizer_s;
+    assert!(exposed < p.allreduce_s / 4.0, "{p:?}");
+    // Without overlap the same layout pays its whole reduction, and loses.
+    let whole = plan(&after, &request).unwrap();
+    assert_eq!(whole.plans[0].layers.len(), 2);
+    let variant = TrainOptions {
+        overlap_grad_reduce: false,
+        ..best.options
+    }
+    .cost(&after);
+    let mut ctx = plan_context::candidate_ctx(&variant, best);
+    let same = simulate::simulate_candidate(&mut ctx, best).unwrap();
+    assert!(same.step_time_s > whole.plans[0].prediction.step_time_s);
+    assert!(same.step_time_s > best.prediction.step_time_s + p.allreduce_s / 2.0);
 }

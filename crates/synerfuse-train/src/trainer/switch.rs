@@ -146,6 +146,10 @@ impl<'w> Trainer<'w> {
             recompute: self.config.compute.recompute,
             distributed_optimizer: self.config.optimizer.distributed,
             compute_bytes: self.compute_bytes(),
+            reduction: synerfuse_plan::RunReduction {
+                overlap_grad_reduce: self.config.parallel.overlap_grad_reduce,
+                ddp_bucket_size: self.config.parallel.ddp_bucket_size,
+            },
         })
     }
 

@@ -112,6 +112,8 @@ pub fn fitted_cost_of(job: &RunningJob<'_>, kept: &[usize]) -> Result<CostModel,
     };
     let mut cost = CostModel::new(job.model.clone(), cluster, Some(profile));
     cost.compute_bytes = job.compute_bytes;
+    cost.overlap_grad_reduce = job.overlap_grad_reduce;
+    cost.ddp_bucket_size = job.ddp_bucket_size;
     cost.recompute = match job.recompute {
         true => Recompute::Always,
         false => Recompute::Never,

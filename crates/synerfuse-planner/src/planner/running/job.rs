@@ -20,11 +20,17 @@ pub struct RunningJob<'a> {
     pub recompute: bool,
     /// Bytes per activation element on the wire (4 in fp32, 2 in bf16).
     pub compute_bytes: f64,
+    /// Gradient buckets started inside the last backward (off:
+    /// `--no-overlap-grad-reduce`).
+    pub overlap_grad_reduce: bool,
+    /// `--ddp-bucket-size`.
+    pub ddp_bucket_size: Option<usize>,
 }
 
 impl<'a> RunningJob<'a> {
     /// The running job this run is to the re-planner, at `paces_s` (each rank's forward
-    /// and backward seconds per step) on the `network` measured between its ranks.
+    /// and backward seconds per step) on the `network` measured between its ranks,
+    /// reducing its gradients as its record says.
     pub fn of_run(
         run: &'a RunRecord,
         paces_s: &'a [f64],
@@ -38,6 +44,8 @@ impl<'a> RunningJob<'a> {
             network,
             recompute: run.recompute,
             compute_bytes: run.compute_bytes,
+            overlap_grad_reduce: run.reduction.overlap_grad_reduce,
+            ddp_bucket_size: run.reduction.ddp_bucket_size,
         }
     }
 }

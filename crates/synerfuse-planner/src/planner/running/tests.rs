@@ -40,6 +40,8 @@ pub(super) fn job<'a>(plan: &'a Plan, paces_s: &'a [f64], hosts: &'a [String]) -
         network: None,
         recompute: false,
         compute_bytes: 4.0,
+        overlap_grad_reduce: true,
+        ddp_bucket_size: None,
     }
 }
 
