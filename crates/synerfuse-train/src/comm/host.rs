@@ -163,6 +163,8 @@ pub struct PendingAllReduce {
     /// A reduce-scatter's receive counts, which MPI reads until it completes.
     _counts: Vec<i32>,
     group: Arc<str>,
+    /// Keeps MPI progressing it while it is in flight (none once complete).
+    in_flight: Option<super::progress::InFlight>,
 }
 
 impl PendingAllReduce {
@@ -170,13 +172,17 @@ impl PendingAllReduce {
     /// collectives forward only inside MPI calls, so a rank calls this between pieces of
     /// computation.
     pub fn test(&mut self) -> bool {
-        self.requests.iter_mut().all(|request| {
+        let done = self.requests.iter_mut().all(|request| {
             let mut flag = 0;
             // SAFETY: a request from MPI_Iallreduce (or MPI_REQUEST_NULL once complete,
             // for which MPI_Test reports completion).
             unsafe { mpi::ffi::MPI_Test(request, &mut flag, mpi::ffi::RSMPI_STATUS_IGNORE) };
             flag != 0
-        })
+        });
+        if done {
+            self.in_flight = None;
+        }
+        done
     }
 
     /// Waits for the sum and writes it into the caller's tensor.
@@ -542,6 +548,7 @@ impl MpiCommunicator {
             _recv: recv,
             _counts: Vec::new(),
             group: Arc::clone(&self.name),
+            in_flight: Some(super::progress::InFlight::start()),
         })
     }
 
@@ -631,6 +638,7 @@ impl MpiCommunicator {
             _recv: recv,
             _counts: round_counts,
             group: Arc::clone(&self.name),
+            in_flight: Some(super::progress::InFlight::start()),
         })
     }
 
