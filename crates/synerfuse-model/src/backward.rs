@@ -8,7 +8,7 @@ use crate::error::StageError;
 use crate::llama::{BackwardFrom, Stage};
 use crate::moe::LayerBalance;
 use crate::norm::rms_norm;
-use crate::pass::{CutPiece, FinalGrads, ForwardPass, SavedInputs};
+use crate::pass::{CutPiece, FinalGrads, ForwardPass};
 use tch::{Kind, Tensor};
 
 impl Stage {
@@ -25,17 +25,7 @@ impl Stage {
         if self.recomputes() {
             return self.forward_train(input, position_ids, attention_mask);
         }
-        let input = if self.is_first() {
-            input.shallow_clone()
-        } else {
-            // The gradient of the input goes back to the previous stage.
-            input.detach().set_requires_grad(true)
-        };
-        let saved = SavedInputs {
-            input: input.shallow_clone(),
-            position_ids: position_ids.map(Tensor::shallow_clone),
-            attention_mask: attention_mask.map(Tensor::shallow_clone),
-        };
+        let (input, saved) = self.training_input(input, position_ids, attention_mask);
         let sequences = input.size()[0];
         let (cuts, balance) = self.cut_forward(&input, position_ids, attention_mask, sequences)?;
         let output = match cuts.last() {

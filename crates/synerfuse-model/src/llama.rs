@@ -575,6 +575,26 @@ impl Stage {
         }
     }
 
+    /// A training forward's input (a leaf whose gradient goes back to the previous
+    /// stage, after the first) and what its backward keeps of its inputs.
+    pub(crate) fn training_input(
+        &self,
+        input: &Tensor,
+        position_ids: Option<&Tensor>,
+        attention_mask: Option<&Tensor>,
+    ) -> (Tensor, SavedInputs) {
+        let input = match self.is_first() {
+            true => input.shallow_clone(),
+            false => input.detach().set_requires_grad(true),
+        };
+        let saved = SavedInputs {
+            input: input.shallow_clone(),
+            position_ids: position_ids.map(Tensor::shallow_clone),
+            attention_mask: attention_mask.map(Tensor::shallow_clone),
+        };
+        (input, saved)
+    }
+
     /// A training forward: the output and what the backward needs (the graph, or with
     /// recomputation only the input).
     pub fn forward_train(
@@ -583,17 +603,7 @@ impl Stage {
         position_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
     ) -> Result<ForwardPass, StageError> {
-        let input = if self.is_first() {
-            input.shallow_clone()
-        } else {
-            // The gradient of the input goes back to the previous stage.
-            input.detach().set_requires_grad(true)
-        };
-        let saved = SavedInputs {
-            input: input.shallow_clone(),
-            position_ids: position_ids.map(Tensor::shallow_clone),
-            attention_mask: attention_mask.map(Tensor::shallow_clone),
-        };
+        let (input, saved) = self.training_input(input, position_ids, attention_mask);
         let sequences = input.size()[0];
         let run = || -> Result<_, StageError> {
             let (output, routings) =
