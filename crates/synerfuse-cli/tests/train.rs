@@ -1405,8 +1405,12 @@ fn plan_writes_what_train_runs() {
                 span["start_s"].as_f64().unwrap(),
                 span["end_s"].as_f64().unwrap(),
             );
-            assert!(end <= a && a <= b && b <= step_s + 1e-3, "{rank}");
-            end = b;
+            assert!(a <= b && b <= step_s + 1e-3, "{rank}");
+            // A gradient bucket in flight overlaps the passes; the rest follow in turn.
+            if span["kind"] != "bucket" {
+                assert!(end <= a, "{rank}");
+                end = b;
+            }
         }
     }
     let svg = dir.path().join("step.svg");
