@@ -229,7 +229,7 @@ impl DistributedOptimizer {
     /// `grad_scale` (torch's update, as [`crate::optim::AdamW`]: decoupled decay on
     /// matrices, then the bias-corrected Adam step), then the members all-gather the
     /// updated values into their parameters, in the parameters' dtype
-    /// ([`ShardedReduction::update_parameters`]). Collective over every reduction's
+    /// (`ShardedReduction::update_parameters`). Collective over every reduction's
     /// members, in the global order.
     pub fn step(&mut self, lr: f64, grad_scale: f64, groups: &SetGroups) -> Result<(), CommError> {
         self.step += 1;

@@ -403,7 +403,7 @@ impl NcclCommunicator {
     /// the rest of `tensor` left as it was (as [`MpiCommunicator::start_reduce_scatter_sum`]),
     /// and returns at once: one in-place `ncclReduceScatter` when the pieces are equal,
     /// otherwise one in-place `ncclReduce` per non-empty piece to its member, grouped
-    /// (see [`super::pieces::piece_calls`] for why not a padded reduce-scatter). The
+    /// (see `pieces::piece_calls` for why not a padded reduce-scatter). The
     /// caller must not touch `tensor` before [`PendingNccl::wait`]; half-precision
     /// tensors are summed in fp32 (`summed_kind`).
     pub fn start_reduce_scatter_sum(

@@ -5,7 +5,7 @@
 //! Both judge "same device" as "same host and same GPU", and NCCL takes the host from a
 //! hash of `NCCL_HOSTID` when it is set. With [`ONE_GPU_RANKS_ENV`] set (to anything but
 //! `0` or nothing), [`prepare`] gives each rank a host id of its own (`NCCL_HOSTID`, and
-//! the host synerfuse compares, [`host_id`]): the ranks on one GPU then look like
+//! the host synerfuse compares, `host_id`): the ranks on one GPU then look like
 //! separate hosts and talk over NCCL's network transport, its socket implementation
 //! (`NCCL_NET=Socket`, `NCCL_IB_DISABLE=1`; NCCL maps one rank to one GPU only within a
 //! host, hence separate host ids rather than a switch in NCCL's topology). Every rank

@@ -18,9 +18,16 @@ use std::time::Duration;
 
 /// Sends posted and not yet completed, on this process.
 static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
+/// Non-blocking collectives started and not yet seen complete.
+static COLLECTIVES: AtomicUsize = AtomicUsize::new(0);
 
 /// The pause between progress calls while sends are in flight.
 const BUSY_PAUSE: Duration = Duration::from_micros(20);
+/// The pause between progress calls while only collectives are: a collective is seen
+/// complete only at the rank's next look (between instructions, or its wait), so the
+/// helper may run long after it ended; at this pace that costs little CPU on a machine
+/// whose cores the ranks share.
+const COLLECTIVE_PAUSE: Duration = Duration::from_micros(200);
 /// The pause between looks while none is.
 const IDLE_PAUSE: Duration = Duration::from_micros(200);
 
@@ -40,14 +47,14 @@ pub(super) struct InFlight(());
 
 impl InFlight {
     pub(super) fn start() -> Self {
-        IN_FLIGHT.fetch_add(1, Ordering::Relaxed);
+        COLLECTIVES.fetch_add(1, Ordering::Relaxed);
         InFlight(())
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        IN_FLIGHT.fetch_sub(1, Ordering::Relaxed);
+        COLLECTIVES.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -66,12 +73,19 @@ impl SendProgress {
             .name("mpi-send-progress".into())
             .spawn(move || {
                 while !flag.load(Ordering::Relaxed) {
-                    if IN_FLIGHT.load(Ordering::Relaxed) == 0 {
-                        std::thread::sleep(IDLE_PAUSE);
-                        continue;
-                    }
+                    let pause = match (
+                        IN_FLIGHT.load(Ordering::Relaxed),
+                        COLLECTIVES.load(Ordering::Relaxed),
+                    ) {
+                        (0, 0) => {
+                            std::thread::sleep(IDLE_PAUSE);
+                            continue;
+                        }
+                        (0, _) => COLLECTIVE_PAUSE,
+                        _ => BUSY_PAUSE,
+                    };
                     progress();
-                    std::thread::sleep(BUSY_PAUSE);
+                    std::thread::sleep(pause);
                 }
             })
             .ok();
