@@ -56,12 +56,13 @@ fn sharded_optimizer_state_gives_a_single_ranks_parameters() {
             ],
         ),
         (
-            "hetero DP 2, mbs [2,1] x counts [2,2], buckets of 5000",
+            "hetero DP 2, mbs [2,1] x counts [2,2], buckets of 5000, overlapped gather",
             vec![
                 "--nproc",
                 "2",
                 "--ddp-bucket-size",
                 "5000",
+                "--overlap-param-gather",
                 "--micro-batch-size-per-dp",
                 "1",
                 "2",
@@ -88,7 +89,7 @@ fn sharded_optimizer_state_gives_a_single_ranks_parameters() {
             ],
         ),
         (
-            "per-replica plan, memory 80 | 16 + 24 GB, buckets of 5000",
+            "per-replica plan, memory 80 | 16 + 24 GB, buckets of 5000, overlapped gather",
             vec![
                 "--nproc",
                 "3",
@@ -97,6 +98,7 @@ fn sharded_optimizer_state_gives_a_single_ranks_parameters() {
                 zero,
                 "--ddp-bucket-size",
                 "5000",
+                "--overlap-param-gather",
             ],
         ),
     ];
@@ -167,6 +169,10 @@ fn distributed_optimizer_checkpoints_resume_under_any_plan() {
         "--plan",
         memory.as_str(),
         "--use-distributed-optimizer",
+        // The gathers in flight end before the checkpoint is written.
+        "--overlap-param-gather",
+        "--ddp-bucket-size",
+        "5000",
     ];
     let single = ["--micro-batch-size", "1"];
     for (name, first, then) in [

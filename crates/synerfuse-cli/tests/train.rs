@@ -300,11 +300,14 @@ fn every_plan_matches_a_single_rank() {
             "--bf16",
             "--ddp-bucket-size",
             "5000",
+            // bf16 parameters gathered in bf16, bucket by bucket inside the next forward.
+            "--use-distributed-optimizer",
+            "--overlap-param-gather",
         ],
     );
     let loss_diff = max_rel_loss_diff(&ref_losses, &losses);
     table.push_str(&format!(
-        "| bf16, asymmetric [4] + [3,1] (fp32 masters), buckets of 5000 | {loss_diff:.2e} | {:.2e} |\n",
+        "| bf16, asymmetric [4] + [3,1] (fp32 masters), buckets of 5000, distributed optimizer, overlapped gather | {loss_diff:.2e} | {:.2e} |\n",
         max_param_diff(&ref_params, &params)
     ));
     assert!(
@@ -640,6 +643,20 @@ fn contradictory_flags_are_named() {
         ),
         (vec!["--micro-batch-size", "4"], "6"),
         (vec!["--fp16", "--micro-batch-size", "1"], "--bf16"),
+        (
+            vec!["--micro-batch-size", "1", "--overlap-param-gather"],
+            "--use-distributed-optimizer",
+        ),
+        (
+            vec![
+                "--micro-batch-size",
+                "1",
+                "--use-distributed-optimizer",
+                "--overlap-param-gather",
+                "--no-overlap-grad-reduce",
+            ],
+            "--no-overlap-grad-reduce",
+        ),
     ] {
         let mut args = common(dir.path(), &data, 6);
         args.extend(strings(&flags));

@@ -4,6 +4,7 @@
 //! forward's graph is cut where each model piece ends (a leaf at each piece's input), and
 //! each piece's backward is its own call, the same arithmetic in the same order.
 
+use crate::collectives::{OpenGate, PieceGate};
 use crate::error::StageError;
 use crate::llama::{BackwardFrom, Stage};
 use crate::moe::LayerBalance;
@@ -22,31 +23,44 @@ impl Stage {
         position_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
     ) -> Result<ForwardPass, StageError> {
+        self.forward_train_cut_gated(input, position_ids, attention_mask, &OpenGate)
+    }
+
+    /// [`Stage::forward_train_cut`], each piece waiting on `gate` first.
+    pub(crate) fn forward_train_cut_gated(
+        &self,
+        input: &Tensor,
+        position_ids: Option<&Tensor>,
+        attention_mask: Option<&Tensor>,
+        gate: &dyn PieceGate,
+    ) -> Result<ForwardPass, StageError> {
         if self.recomputes() {
-            return self.forward_train(input, position_ids, attention_mask);
+            return self.forward_train_gated(input, position_ids, attention_mask, gate);
         }
         let (input, saved) = self.training_input(input, position_ids, attention_mask);
-        let sequences = input.size()[0];
-        let (cuts, balance) = self.cut_forward(&input, position_ids, attention_mask, sequences)?;
+        let mask = attention_mask;
+        let (cuts, balance) = self.cut_forward(&input, position_ids, mask, gate)?;
         let output = match cuts.last() {
             Some(last) => last.output.detach(),
             None => input.detach(),
         };
-        let mut pass = ForwardPass::new(output, saved, sequences);
+        let mut pass = ForwardPass::new(output, saved, input.size()[0]);
         pass.balance = balance.into_iter().map(LayerBalance::detached).collect();
         pass.cuts = Some(cuts);
         Ok(pass)
     }
 
-    /// The forward of `forward_inner`, each piece's graph starting at a leaf: the pieces
-    /// in forward order, and each MoE layer's load balance.
+    /// The forward of `forward_inner`, each piece's graph starting at a leaf (and each
+    /// piece waiting on `gate` first): the pieces in forward order, and each MoE layer's
+    /// load balance.
     fn cut_forward(
         &self,
         input: &Tensor,
         position_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
-        sequences: i64,
+        gate: &dyn PieceGate,
     ) -> Result<(Vec<CutPiece>, Vec<LayerBalance>), StageError> {
+        let sequences = input.size()[0];
         if !self.shard().is_whole() {
             return Err(StageError::Sharded);
         }
@@ -55,6 +69,7 @@ impl Stage {
         let mut x = match self.embedding_weight() {
             Some(embedding) => {
                 self.check_tokens(input)?;
+                self.await_piece(gate, 0)?;
                 let output = Tensor::embedding(embedding, input, -1, false, false);
                 let leaf = output.detach().set_requires_grad(true);
                 cuts.push(CutPiece::new(0, None, output));
@@ -68,6 +83,7 @@ impl Stage {
         let (cos, sin) = self.rotary(&x, position_ids);
         let mut balances = Vec::new();
         for (layer, index) in self.decoder_layers().iter().zip(self.layers()) {
+            self.await_piece(gate, index + 1)?;
             let mut routings = Vec::new();
             let config = self.config();
             let output = layer.forward(
@@ -86,10 +102,10 @@ impl Stage {
             x = output.detach().set_requires_grad(true);
         }
         if let Some((norm, head)) = self.norm_and_head() {
+            self.await_piece(gate, self.head_piece())?;
             let logits =
                 rms_norm(&x, norm, self.config().rms_norm_eps).linear::<Tensor>(head, None);
-            let head_piece = self.config().num_layers + 1;
-            cuts.push(CutPiece::new(head_piece, Some(x), logits));
+            cuts.push(CutPiece::new(self.head_piece(), Some(x), logits));
         }
         Ok((cuts, balances))
     }
@@ -132,7 +148,7 @@ impl Stage {
             (None, None) => {
                 let (positions, mask) =
                     (saved.position_ids.as_ref(), saved.attention_mask.as_ref());
-                self.cut_forward(&saved.input, positions, mask, pass.sequences)?
+                self.cut_forward(&saved.input, positions, mask, &OpenGate)?
                     .0
             }
         };

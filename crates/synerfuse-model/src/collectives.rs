@@ -31,6 +31,23 @@ pub trait TpCollectives {
     fn all_to_all(&self, parts: &[Tensor]) -> Result<Vec<Tensor>, CollectiveError>;
 }
 
+/// What a training forward waits on before each model piece runs.
+pub trait PieceGate {
+    /// Returns once the parameters of model piece `piece` may be read (0 the embedding,
+    /// `l + 1` decoder layer `l`, `num_layers + 1` the final norm and output layer; see
+    /// [`synerfuse_plan::parameter_piece`]).
+    fn before_piece(&self, piece: usize) -> Result<(), CollectiveError>;
+}
+
+/// The gate of a forward whose parameters are all in place: never waits.
+pub struct OpenGate;
+
+impl PieceGate for OpenGate {
+    fn before_piece(&self, _piece: usize) -> Result<(), CollectiveError> {
+        Ok(())
+    }
+}
+
 /// [`TpCollectives::all_to_all`] built from the group's all-gather (every part padded to
 /// the longest and gathered whole): size times the traffic of a real all-to-all, for
 /// groups without one (tests over threads).

@@ -81,6 +81,14 @@ pub enum StageError {
         /// Why.
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// Waiting for a model piece's parameters (still being gathered) failed.
+    #[error("waiting for the parameters of model piece {piece}: {source}")]
+    ParametersArriving {
+        /// The piece (0 the embedding, `l + 1` decoder layer `l`, then the output layer).
+        piece: usize,
+        /// Why.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// Generation asked of a stage that is not the whole model.
     #[error("generation needs the whole model in one stage")]
     NotWholeModel,

@@ -12,6 +12,7 @@ pub mod cuda;
 mod decoder;
 mod device;
 mod error;
+mod gate;
 mod generate;
 pub mod hf;
 mod llama;
@@ -21,12 +22,14 @@ mod norm;
 mod pass;
 pub mod tp;
 
+pub use collectives::{OpenGate, PieceGate};
 pub use config::{
     padded_vocab_size, ConfigError, LlamaConfig, LoadBalancing, MegatronModelArgs, MoeConfig,
 };
 pub use decoder::KvCache;
 pub use device::{set_deterministic, DeviceRequest, ModelError, ResolveDevice};
 pub use error::StageError;
+pub use gate::GatedStage;
 pub use generate::{generate, GenerateOptions};
 pub use llama::{BackwardFrom, Stage};
 pub use moe::{load_balancing_loss, ExpertGroup, LayerBalance};

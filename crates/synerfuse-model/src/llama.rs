@@ -7,6 +7,7 @@
 //! *global* layer indices (`model.layers.17.mlp.up_proj.weight`), so a stage's tensors
 //! mean the same thing whatever the layout, and checkpoints move between layouts.
 
+use crate::collectives::{OpenGate, PieceGate};
 use crate::config::LlamaConfig;
 use crate::cp::ContextGroup;
 use crate::decoder::{DecoderLayer, KvCache};
@@ -411,7 +412,7 @@ impl Stage {
         attention_mask: Option<&Tensor>,
     ) -> Result<Tensor, StageError> {
         Ok(self
-            .forward_inner(input, position_ids, attention_mask, None)?
+            .forward_inner(input, position_ids, attention_mask, None, &OpenGate)?
             .0)
     }
 
@@ -424,7 +425,8 @@ impl Stage {
         position_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
     ) -> Result<(Tensor, Vec<Tensor>), StageError> {
-        let (output, routings) = self.forward_inner(input, position_ids, attention_mask, None)?;
+        let (output, routings) =
+            self.forward_inner(input, position_ids, attention_mask, None, &OpenGate)?;
         Ok((output, routings.into_iter().map(|r| r.logits).collect()))
     }
 
@@ -442,7 +444,7 @@ impl Stage {
             .unsqueeze(0)
             .expand([b, s], false);
         Ok(self
-            .forward_inner(input, Some(&positions), None, Some(cache))?
+            .forward_inner(input, Some(&positions), None, Some(cache), &OpenGate)?
             .0)
     }
 
@@ -452,6 +454,7 @@ impl Stage {
         position_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
         mut cache: Option<&mut KvCache>,
+        gate: &dyn PieceGate,
     ) -> Result<(Tensor, Vec<Routing>), StageError> {
         if !self.shard.is_whole() {
             return Err(StageError::Sharded);
@@ -460,6 +463,7 @@ impl Stage {
         let mut x = match &self.embedding {
             Some(embedding) => {
                 self.check_tokens(input)?;
+                self.await_piece(gate, 0)?;
                 Tensor::embedding(embedding, input, -1, false, false)
             }
             None => {
@@ -469,7 +473,8 @@ impl Stage {
         };
         let (cos, sin) = self.rotary(&x, position_ids);
         let mut routings = Vec::new();
-        for layer in &self.decoder {
+        for (layer, index) in self.decoder.iter().zip(self.layers()) {
+            self.await_piece(gate, index + 1)?;
             x = layer.forward(
                 &x,
                 &self.config,
@@ -480,6 +485,7 @@ impl Stage {
             );
         }
         if let (Some(norm), Some(head)) = (&self.norm, &self.head) {
+            self.await_piece(gate, self.head_piece())?;
             let h = rms_norm(&x, norm, self.config.rms_norm_eps);
             x = h.linear::<Tensor>(head, None);
         }
@@ -575,6 +581,17 @@ impl Stage {
         }
     }
 
+    /// Waits on `gate` for model piece `piece`.
+    pub(crate) fn await_piece(&self, gate: &dyn PieceGate, piece: usize) -> Result<(), StageError> {
+        gate.before_piece(piece)
+            .map_err(|source| StageError::ParametersArriving { piece, source })
+    }
+
+    /// The model piece of the final norm and output layer.
+    pub(crate) fn head_piece(&self) -> usize {
+        self.config().num_layers + 1
+    }
+
     /// A training forward's input (a leaf whose gradient goes back to the previous
     /// stage, after the first) and what its backward keeps of its inputs.
     pub(crate) fn training_input(
@@ -603,11 +620,22 @@ impl Stage {
         position_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
     ) -> Result<ForwardPass, StageError> {
+        self.forward_train_gated(input, position_ids, attention_mask, &OpenGate)
+    }
+
+    /// [`Stage::forward_train`], each piece waiting on `gate` first.
+    pub(crate) fn forward_train_gated(
+        &self,
+        input: &Tensor,
+        position_ids: Option<&Tensor>,
+        attention_mask: Option<&Tensor>,
+        gate: &dyn PieceGate,
+    ) -> Result<ForwardPass, StageError> {
         let (input, saved) = self.training_input(input, position_ids, attention_mask);
         let sequences = input.size()[0];
         let run = || -> Result<_, StageError> {
             let (output, routings) =
-                self.forward_inner(&input, position_ids, attention_mask, None)?;
+                self.forward_inner(&input, position_ids, attention_mask, None, gate)?;
             Ok((output, self.balances(&routings, sequences, None)?))
         };
         let (output, balance) = match self.recompute {

@@ -11,7 +11,7 @@
 //! input (Megatron's `f`). The full logits are never gathered: the loss is computed from
 //! each rank's vocabulary slice with three small collectives per micro-batch.
 
-use crate::collectives::collective;
+use crate::collectives::{collective, OpenGate, PieceGate};
 use crate::cp::ContextGroup;
 use crate::decoder::DecoderLayer;
 use crate::error::StageError;
@@ -224,6 +224,20 @@ impl Stage {
         cp: Option<&ContextGroup<'_>>,
         ep: Option<&ExpertGroup<'_>>,
     ) -> Result<ForwardPass, StageError> {
+        let mask = attention_mask;
+        self.forward_train_parallel_gated(input, position_ids, mask, tp, (cp, ep), &OpenGate)
+    }
+
+    /// [`Stage::forward_train_parallel`], each piece waiting on `gate` first.
+    pub(crate) fn forward_train_parallel_gated(
+        &self,
+        input: &Tensor,
+        position_ids: Option<&Tensor>,
+        attention_mask: Option<&Tensor>,
+        tp: &dyn TpCollectives,
+        (cp, ep): (Option<&ContextGroup<'_>>, Option<&ExpertGroup<'_>>),
+        gate: &dyn PieceGate,
+    ) -> Result<ForwardPass, StageError> {
         let saved = SavedInputs {
             input: match self.is_first() {
                 true => input.shallow_clone(),
@@ -232,7 +246,7 @@ impl Stage {
             position_ids: position_ids.map(Tensor::shallow_clone),
             attention_mask: attention_mask.map(Tensor::shallow_clone),
         };
-        let run = || self.tp_regions(input, position_ids, attention_mask, tp, (cp, ep));
+        let run = || self.tp_regions(input, position_ids, attention_mask, tp, (cp, ep), gate);
         let (output, regions, balance) = match self.recomputes() {
             true => {
                 let (output, _, balance) = tch::no_grad(run)?;
@@ -246,8 +260,8 @@ impl Stage {
         Ok(pass)
     }
 
-    /// The tensor-parallel forward: its output, the regions its backward runs, and its
-    /// MoE layers' load balance.
+    /// The tensor-parallel forward (each piece waiting on `gate` first): its output, the
+    /// regions its backward runs, and its MoE layers' load balance.
     fn tp_regions(
         &self,
         input: &Tensor,
@@ -255,6 +269,7 @@ impl Stage {
         attention_mask: Option<&Tensor>,
         tp: &dyn TpCollectives,
         (cp, ep): (Option<&ContextGroup<'_>>, Option<&ExpertGroup<'_>>),
+        gate: &dyn PieceGate,
     ) -> Result<(Tensor, Vec<Region>, Vec<LayerBalance>), StageError> {
         if ep.is_none() {
             self.check_experts_held()?;
@@ -266,6 +281,9 @@ impl Stage {
         let context = cp.map(|cp| Context::of(cp, input, position_ids));
         let position_ids = context.as_ref().map(|c| &c.positions).or(position_ids);
         let mut regions = Vec::new();
+        if self.is_first() {
+            self.await_piece(gate, 0)?;
+        }
         let (mut x, rope) = self.parallel_input(input, position_ids, &seq, &mut regions)?;
         let run = RegionRun {
             seq,
@@ -276,9 +294,13 @@ impl Stage {
             sequences: input.size()[0],
         };
         let mut balances = Vec::new();
-        for layer in self.decoder_layers() {
+        for (layer, index) in self.decoder_layers().iter().zip(self.layers()) {
+            self.await_piece(gate, index + 1)?;
             x = self.attention_region(layer, &x, &run, &mut regions)?;
             x = self.mlp_region(layer, &x, &run, &mut regions, &mut balances)?;
+        }
+        if self.norm_and_head().is_some() {
+            self.await_piece(gate, self.head_piece())?;
         }
         let output = self.parallel_output(x, &run.seq, &mut regions)?;
         Ok((output, regions, balances))
@@ -503,7 +525,7 @@ impl Stage {
             // A recomputed pass: its forward again, with the graph this time.
             let (positions, mask) = (saved.position_ids.as_ref(), saved.attention_mask.as_ref());
             regions = self
-                .tp_regions(&saved.input, positions, mask, tp, (cp, ep))?
+                .tp_regions(&saved.input, positions, mask, tp, (cp, ep), &OpenGate)?
                 .1;
         }
         let mut grads = self.output_grads(&from, regions.last(), &seq)?;

@@ -115,3 +115,74 @@ fn a_backward_piece_by_piece_equals_one_backward() {
         }
     }
 }
+
+/// A gate that records the pieces it was asked about, in order.
+#[derive(Default)]
+struct Recording(std::cell::RefCell<Vec<usize>>);
+
+impl synerfuse_model::PieceGate for Recording {
+    fn before_piece(&self, piece: usize) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        self.0.borrow_mut().push(piece);
+        Ok(())
+    }
+}
+
+/// A gated forward (what `--overlap-param-gather` runs) asks its gate before each model
+/// piece, once, in forward order, and computes what the ungated forward does, whole, cut
+/// and tensor-parallel (over a group of one); a failing gate stops it, naming the piece.
+#[test]
+fn a_gated_forward_waits_before_each_piece_in_order() {
+    let c = config(false);
+    for layers in [0..3, 1..2, 1..3] {
+        let mut stage = Stage::new(&c, layers.clone(), Device::Cpu).unwrap();
+        stage.init_by_name(3);
+        tch::manual_seed(5);
+        let input = match layers.start {
+            0 => Tensor::randint(c.vocab_size as i64, [2, 8], (Kind::Int64, Device::Cpu)),
+            _ => Tensor::randn([2, 8, c.hidden_size as i64], (Kind::Float, Device::Cpu)),
+        };
+        let mut want: Vec<usize> = layers.clone().map(|l| l + 1).collect();
+        if layers.start == 0 {
+            want.insert(0, 0);
+        }
+        if layers.end == c.num_layers {
+            want.push(c.num_layers + 1);
+        }
+        let plain = stage.forward_train(&input, None, None).unwrap().output;
+        let solo = synerfuse_model::cp::Solo;
+        for form in ["whole", "cut", "parallel"] {
+            let gate = Recording::default();
+            let gated = stage.gated(&gate);
+            let pass = match form {
+                "whole" => gated.forward_train(&input, None, None),
+                "cut" => gated.forward_train_cut(&input, None, None),
+                _ => gated.forward_train_parallel(&input, None, None, &solo, (None, None)),
+            };
+            let output = pass.unwrap().output;
+            assert_eq!(*gate.0.borrow(), want, "{layers:?} {form}");
+            let diff = (&output - &plain).abs().max().double_value(&[]);
+            assert!(diff < 1e-6, "{layers:?} {form}: {diff}");
+        }
+    }
+    struct Failing;
+    impl synerfuse_model::PieceGate for Failing {
+        fn before_piece(
+            &self,
+            piece: usize,
+        ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+            match piece {
+                2 => Err("the gather failed".into()),
+                _ => Ok(()),
+            }
+        }
+    }
+    let stage = Stage::new(&c, 0..3, Device::Cpu).unwrap();
+    let tokens = Tensor::zeros([1, 4], (Kind::Int64, Device::Cpu));
+    let Err(err) = stage.gated(&Failing).forward_train(&tokens, None, None) else {
+        panic!("a failing gate must stop the forward");
+    };
+    assert!(
+        err.to_string().contains("model piece 2: the gather failed"),
+        "{err}"
+    );
+}

@@ -63,6 +63,12 @@ pub enum TrainError {
         /// Ranks in the job.
         job: usize,
     },
+    /// `--overlap-param-gather` without what it needs.
+    #[error("--overlap-param-gather needs {needs}, as in Megatron-LM")]
+    ParamGatherNeeds {
+        /// The flag it needs.
+        needs: &'static str,
+    },
     /// A plan that cannot run (a replica's schedule).
     #[error(transparent)]
     Plan(#[from] synerfuse_plan::PlanError),

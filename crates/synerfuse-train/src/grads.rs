@@ -162,6 +162,11 @@ pub struct ReductionLayout {
     /// Its parameters in buffer order: (global name, parameter, offset in `grads`,
     /// elements).
     pub params: Vec<(String, Tensor, i64, i64)>,
+    /// The stage chunk that holds it.
+    pub chunk: usize,
+    /// Its buckets in the order they start (from its last model piece): each one's
+    /// elements (offsets in `grads`) and the lowest model piece among its parameters.
+    pub buckets: Vec<(Range<i64>, usize)>,
 }
 
 impl MainGrads {
@@ -452,11 +457,19 @@ impl MainGrads {
                         )
                     })
                     .collect();
+                let buckets = (r.buckets.iter())
+                    .map(|b| {
+                        let elements = b.elements.start - span.start..b.elements.end - span.start;
+                        (elements, b.min_piece)
+                    })
+                    .collect();
                 ReductionLayout {
                     members: r.members.clone(),
                     shards: r.shards.clone(),
                     grads: chunk.buffer.narrow(0, span.start, span.end - span.start),
                     params,
+                    chunk: r.chunk,
+                    buckets,
                 }
             })
             .collect()

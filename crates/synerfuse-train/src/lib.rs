@@ -13,6 +13,7 @@ pub mod lost;
 pub mod memory;
 pub mod metrics;
 pub mod optim;
+pub mod param_gather;
 pub mod pipeline;
 pub mod profiler;
 pub mod replan;

@@ -16,6 +16,10 @@ pub struct RankTimes {
     /// the rank's pipeline had run (with `--overlap-grad-reduce`, what the backward did
     /// not hide of them).
     pub reduce_wait_ms: f64,
+    /// Of `communication_ms`, the wait for the distributed optimizer's parameter
+    /// all-gather: all of it after the optimizer, or with `--overlap-param-gather` what
+    /// the forwards did not hide of it (0 without the distributed optimizer).
+    pub param_gather_wait_ms: f64,
     /// Waiting for pipeline neighbours and everything else (data, bookkeeping).
     pub idle_ms: f64,
     /// Tokens of this rank's replica per second of the step (every stage of a replica

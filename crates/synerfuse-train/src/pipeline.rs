@@ -8,6 +8,7 @@
 use crate::comm::{GroupCommunicator, MpiCommunicator, PendingSend, PipelineLinks};
 use crate::emulation::{ComputeSpan, Emulation};
 use crate::loader::MicroBatch;
+use crate::param_gather::ParamGathers;
 use crate::TrainError;
 use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -15,7 +16,9 @@ use std::time::{Duration, Instant};
 use synerfuse_model::cp::{ContextGroup, Solo};
 use synerfuse_model::tch::{Device, Kind, Tensor};
 use synerfuse_model::tp::{CollectiveError, TpBackwardFrom, TpCollectives};
-use synerfuse_model::{BackwardFrom, ExpertGroup, FinalGrads, ForwardPass, Stage};
+use synerfuse_model::{
+    BackwardFrom, ExpertGroup, FinalGrads, ForwardPass, OpenGate, PieceGate, Stage,
+};
 use synerfuse_plan::timeline::{Span, SpanKind};
 use synerfuse_plan::{Instruction, Message, Pass, Payload, Piece};
 
@@ -31,6 +34,10 @@ pub struct StepTimes {
     /// Of `communication`, the wait for the data-parallel gradient reductions once the
     /// pipeline has run: the part of them the backward did not hide.
     pub reduce_wait: Duration,
+    /// Of `communication`, the wait for the distributed optimizer's parameter all-gather:
+    /// all of it after the optimizer, or with `--overlap-param-gather` what the next
+    /// step's forwards did not hide of it.
+    pub param_gather_wait: Duration,
     /// Blocked in receives, waiting for a neighbouring stage (pipeline bubbles).
     pub waiting: Duration,
     /// The forward and backward passes outside their collectives (tensor-, context- and
@@ -83,6 +90,10 @@ pub struct PipelineRank<'a> {
     /// caller ([`PipelineEvent::GradsFinal`]) as each piece's gradients are final, so
     /// that their reduction can start inside the backward.
     pub report_final_grads: bool,
+    /// The distributed optimizer's parameter gathers still in flight
+    /// (`--overlap-param-gather`): each forward waits, before each model piece, for those
+    /// holding that piece's parameters.
+    pub param_gathers: Option<&'a ParamGathers>,
 }
 
 /// A rank's expert-parallel group: its stage holds some experts of every MoE layer, the
@@ -476,15 +487,24 @@ impl PipelineRank<'_> {
             _ => input,
         };
         let (positions, mask) = (Some(&batch.position_ids), batch.attention_mask.as_ref());
+        let gate = (self.param_gathers).map(|gathers| GatherGate {
+            clock: &clock,
+            gathers,
+            chunk: piece.chunk,
+        });
+        let gated = stage.gated(match &gate {
+            Some(gate) => gate,
+            None => &OpenGate,
+        });
         let pass = match tp {
             Some(tp) => {
                 let groups = (cp.as_ref(), ep.as_ref());
-                stage.forward_train_parallel(&input, positions, mask, tp, groups.0, groups.1)?
+                gated.forward_train_parallel(&input, positions, mask, tp, groups)?
             }
             None if step.reporting.contains(&piece) => {
-                stage.forward_train_cut(&input, positions, mask)?
+                gated.forward_train_cut(&input, positions, mask)?
             }
-            None => stage.forward_train(&input, positions, mask)?,
+            None => gated.forward_train(&input, positions, mask)?,
         };
         if let (Some(cp), true) = (&cp, crossing.output) {
             let whole = cp.gather_sequence(&pass.output, 1)?;
@@ -740,10 +760,16 @@ impl<'a> PassClock<'a> {
         group: &GroupCommunicator,
         op: impl FnOnce(&GroupCommunicator) -> Result<T, CollectiveError>,
     ) -> Result<T, CollectiveError> {
+        self.communicating(|| op(group))
+    }
+
+    /// Ends the computation so far, runs `op` (waiting on communication, counted as
+    /// such and not slowed), starts the next computation.
+    fn communicating<T>(&self, op: impl FnOnce() -> T) -> T {
         let computed = Emulation::account(self.emulation, self.span.get());
         self.compute.set(self.compute.get() + computed);
         let started = Instant::now();
-        let result = op(group);
+        let result = op();
         self.communication
             .set(self.communication.get() + started.elapsed());
         self.span.set(ComputeSpan::start());
@@ -818,6 +844,25 @@ impl TpCollectives for PassClock<'_> {
             Some(g) => self.collective(g, |g| TpCollectives::all_to_all(g, parts)),
             None => Solo.all_to_all(parts),
         }
+    }
+}
+
+/// A forward's wait for its chunk's parameters still being gathered, timed by the pass
+/// clock as communication.
+struct GatherGate<'c, 'a> {
+    clock: &'c PassClock<'a>,
+    gathers: &'a ParamGathers,
+    chunk: usize,
+}
+
+impl PieceGate for GatherGate<'_, '_> {
+    fn before_piece(&self, piece: usize) -> Result<(), CollectiveError> {
+        if !self.gathers.holds(self.chunk, piece) {
+            return Ok(());
+        }
+        (self.clock)
+            .communicating(|| self.gathers.wait_for(self.chunk, piece))
+            .map_err(Into::into)
     }
 }
 

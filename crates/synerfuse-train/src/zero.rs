@@ -10,11 +10,13 @@
 //! Reductions over one rank, and reductions of whole tensors (holders of different
 //! tensor-parallel splits), keep the replicated optimizer.
 
-use crate::comm::{CommError, SetGroups};
+use crate::comm::{CommError, GroupCommunicator, SetGroups};
 use crate::grads::ReductionLayout;
 use crate::optim::{scaled, AdamWConfig};
+use crate::param_gather::{BucketGather, ParamGathers};
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
+use std::time::{Duration, Instant};
 use synerfuse_model::tch::{self, Kind, Tensor};
 
 /// The distributed optimizer's state on one rank: its shard of every sharded reduction.
@@ -22,6 +24,8 @@ pub struct DistributedOptimizer {
     config: AdamWConfig,
     reductions: Vec<ShardedReduction>,
     step: u64,
+    /// Under `--overlap-param-gather`, the gathers the last step started.
+    gathers: ParamGathers,
 }
 
 /// A parameter's elements of this rank's shard: `elements` of its local flattening,
@@ -46,6 +50,10 @@ struct ShardedReduction {
     me: usize,
     /// The reduction's parameters in buffer order: (name, parameter, offset, elements).
     params: Vec<(String, Tensor, i64, i64)>,
+    /// The stage chunk holding it, and its buckets as the gradients' (elements, lowest
+    /// model piece), in the order they start.
+    chunk: usize,
+    buckets: Vec<(Range<i64>, usize)>,
     /// The reduced gradients of the whole reduction.
     grads: Tensor,
     /// fp32 master weights of this rank's shard.
@@ -76,36 +84,51 @@ impl ShardedReduction {
             .collect()
     }
 
-    /// Writes this rank's updated masters into its elements of the parameters, cast to
-    /// their dtype, then gathers every member's elements into every copy, parameter by
-    /// parameter, in place: what travels is the parameters' dtype (2 bytes an element
-    /// under bf16, as Megatron gathers, not the 4 of the masters), and no rank makes a
-    /// copy of the whole reduction. Casting before gathering gives the bits that casting
-    /// the gathered masters would. Collective over the members (every one has the same
-    /// parameters in the same order, so they issue the same gathers).
-    fn update_parameters(&self, groups: &SetGroups) -> Result<(), CommError> {
-        let group = match groups.get(&self.members) {
-            Some(group) => Some(group),
-            // A reduction over this rank alone has nothing to gather.
-            None if self.members.len() < 2 => None,
-            None => {
-                return Err(CommError::Shape {
-                    rank: self.members[self.me],
-                    op: "DistributedOptimizer::step",
-                    problem: format!("no communicator for the group of ranks {:?}", self.members),
-                })
-            }
-        };
+    /// The members' communicator (none for a reduction over this rank alone).
+    fn group<'g>(&self, groups: &'g SetGroups) -> Result<Option<&'g GroupCommunicator>, CommError> {
+        match groups.get(&self.members) {
+            Some(group) => Ok(Some(group)),
+            None if self.members.len() < 2 => Ok(None),
+            None => Err(CommError::Shape {
+                rank: self.members[self.me],
+                op: "DistributedOptimizer::step",
+                problem: format!("no communicator for the group of ranks {:?}", self.members),
+            }),
+        }
+    }
+
+    /// Writes this rank's updated masters into its elements of each parameter, cast to
+    /// its dtype: each parameter's flat elements, and whether they share its storage
+    /// (a contiguous parameter, as the model's are; otherwise a copy to write back).
+    /// Casting before gathering gives the bits that casting the gathered masters would.
+    fn write_own(&self) -> Vec<(Tensor, bool)> {
         let segments = self.segments();
-        for (i, (_, param, offset, numel)) in self.params.iter().enumerate() {
+        (self.params.iter().enumerate())
+            .map(|(i, (_, param, ..))| {
+                let (flat, shared) = flat_elements(param);
+                for (_, in_shard, in_param) in segments.iter().filter(|(p, ..)| *p == i) {
+                    let length = in_shard.end - in_shard.start;
+                    let master = self.master.narrow(0, in_shard.start, length);
+                    flat.narrow(0, in_param.start, length).copy_(&master);
+                }
+                (flat, shared)
+            })
+            .collect()
+    }
+
+    /// Writes this rank's updated masters into its elements of the parameters, then
+    /// gathers every member's elements into every copy, parameter by parameter, in place:
+    /// what travels is the parameters' dtype (2 bytes an element under bf16, as Megatron
+    /// gathers, not the 4 of the masters), and no rank makes a copy of the whole
+    /// reduction. Collective over the members (every one has the same parameters in the
+    /// same order, so they issue the same gathers).
+    fn update_parameters(&self, groups: &SetGroups) -> Result<(), CommError> {
+        let group = self.group(groups)?;
+        for ((_, param, offset, numel), (mut flat, shared)) in
+            self.params.iter().zip(self.write_own())
+        {
             if *numel == 0 {
                 continue;
-            }
-            let (mut flat, shared) = flat_elements(param);
-            for (_, in_shard, in_param) in segments.iter().filter(|(p, ..)| *p == i) {
-                let length = in_shard.end - in_shard.start;
-                let master = self.master.narrow(0, in_shard.start, length);
-                flat.narrow(0, in_param.start, length).copy_(&master);
             }
             if let Some(group) = group {
                 group.all_gather_in_place(&mut flat, &self.counts_of(*offset..offset + numel))?;
@@ -115,6 +138,39 @@ impl ShardedReduction {
                     .shallow_clone()
                     .copy_(&flat.view(param.size().as_slice()));
             }
+        }
+        Ok(())
+    }
+
+    /// [`Self::update_parameters`] with the gathers left in flight in `gathers`, bucket
+    /// by bucket from the reduction's first model piece (the order the forward reads
+    /// them), for the next forward to wait on.
+    fn start_gathers(&self, groups: &SetGroups, gathers: &ParamGathers) -> Result<(), CommError> {
+        let Some(group) = self.group(groups)? else {
+            return self.update_parameters(groups);
+        };
+        let flats = self.write_own();
+        for (elements, min_piece) in self.buckets.iter().rev() {
+            let mut bucket = BucketGather {
+                chunk: self.chunk,
+                min_piece: *min_piece,
+                gathers: Vec::new(),
+                write_back: Vec::new(),
+            };
+            let within = (self.params.iter().zip(&flats))
+                .filter(|((_, _, offset, numel), _)| *numel > 0 && elements.contains(offset));
+            for ((_, param, offset, numel), (flat, shared)) in within {
+                let counts = self.counts_of(*offset..offset + numel);
+                bucket
+                    .gathers
+                    .push(group.start_all_gather_in_place(flat, &counts)?);
+                if !shared {
+                    bucket
+                        .write_back
+                        .push((flat.shallow_clone(), param.shallow_clone()));
+                }
+            }
+            gathers.push(bucket);
         }
         Ok(())
     }
@@ -162,6 +218,8 @@ impl DistributedOptimizer {
                     shards,
                     me,
                     params: l.params,
+                    chunk: l.chunk,
+                    buckets: l.buckets,
                     grads: l.grads,
                     master: Tensor::new(),
                     exp_avg: Tensor::new(),
@@ -180,6 +238,7 @@ impl DistributedOptimizer {
             config,
             reductions,
             step: 0,
+            gathers: ParamGathers::default(),
         }
     }
 
@@ -229,9 +288,20 @@ impl DistributedOptimizer {
     /// `grad_scale` (torch's update, as [`crate::optim::AdamW`]: decoupled decay on
     /// matrices, then the bias-corrected Adam step), then the members all-gather the
     /// updated values into their parameters, in the parameters' dtype
-    /// (`ShardedReduction::update_parameters`). Collective over every reduction's
-    /// members, in the global order.
-    pub fn step(&mut self, lr: f64, grad_scale: f64, groups: &SetGroups) -> Result<(), CommError> {
+    /// (`ShardedReduction::update_parameters`): before this returns, or with
+    /// `overlap_param_gather` left in flight ([`Self::gathers`]) for the next forward to
+    /// wait on. Collective over every reduction's members, in the global order. Returns
+    /// the time spent gathering.
+    pub fn step(
+        &mut self,
+        lr: f64,
+        grad_scale: f64,
+        groups: &SetGroups,
+        overlap_param_gather: bool,
+    ) -> Result<Duration, CommError> {
+        // The last step's gathers end before this one's masters are written.
+        self.gathers.wait_all()?;
+        let mut gathering = Duration::ZERO;
         self.step += 1;
         let c = self.config;
         let biases = c.bias_corrections(self.step);
@@ -252,9 +322,19 @@ impl DistributedOptimizer {
                 let moments = (&mut r.exp_avg, &mut r.exp_avg_sq);
                 c.adam_update(&mut r.master, moments, &grad, lr, biases);
             });
-            tch::no_grad(|| r.update_parameters(groups))?;
+            let started = Instant::now();
+            match overlap_param_gather {
+                true => tch::no_grad(|| r.start_gathers(groups, &self.gathers))?,
+                false => tch::no_grad(|| r.update_parameters(groups))?,
+            }
+            gathering += started.elapsed();
         }
-        Ok(())
+        Ok(gathering)
+    }
+
+    /// The parameter gathers the last step left in flight (`--overlap-param-gather`).
+    pub fn gathers(&self) -> &ParamGathers {
+        &self.gathers
     }
 
     /// This rank's own elements of every parameter it holds state for: what it writes
@@ -337,6 +417,8 @@ mod tests {
                 ("w".into(), params[0].shallow_clone(), 0, 12),
                 ("b".into(), params[1].shallow_clone(), 12, 5),
             ],
+            chunk: 0,
+            buckets: vec![(0..12, 1), (12..17, 0)],
         };
         let fp32 = BTreeMap::from([
             ("w".to_owned(), values[0].shallow_clone()),
@@ -352,7 +434,7 @@ mod tests {
     #[test]
     fn a_step_writes_the_updated_masters_in_each_parameters_dtype() {
         let (mut zero, [w, b]) = optimizer(vec![0], std::iter::once(0..17).collect());
-        zero.step(1e-2, 1.0, &SetGroups::none()).unwrap();
+        zero.step(1e-2, 1.0, &SetGroups::none(), false).unwrap();
         let master = &zero.reductions[0].master;
         assert_eq!(w.kind(), Kind::BFloat16);
         assert_eq!(
@@ -374,7 +456,7 @@ mod tests {
     #[test]
     fn a_missing_communicator_is_an_error() {
         let (mut zero, _) = optimizer(vec![0, 1], vec![0..9, 9..17]);
-        let err = zero.step(1e-2, 1.0, &SetGroups::none()).unwrap_err();
+        let err = zero.step(1e-2, 1.0, &SetGroups::none(), true).unwrap_err();
         assert!(matches!(err, CommError::Shape { rank: 0, .. }), "{err}");
     }
 }

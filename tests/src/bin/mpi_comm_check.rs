@@ -49,6 +49,7 @@ fn check_all(world: &MpiCommunicator) -> Result<(), String> {
     gather_and_reduce_scatter(world)?;
     all_to_all_of_uneven_parts(world)?;
     collectives_in_rounds(world)?;
+    gathers_in_place(world)?;
     process_groups(world)?;
     simultaneous_isends(world)?;
     Ok(())
@@ -155,6 +156,44 @@ fn collectives_in_rounds(world: &MpiCommunicator) -> Result<(), String> {
             return Err(format!(
                 "all_gather in rounds of {max_per_call} gave {gathered:?}"
             ));
+        }
+    }
+    Ok(())
+}
+
+/// The distributed optimizer's gather of uneven pieces into every copy (one rank's piece
+/// empty), blocking and non-blocking, in fp32 and bf16 (carried as raw bits): every rank
+/// ends with every piece, and only its own piece of its tensor is read.
+fn gathers_in_place(world: &MpiCommunicator) -> Result<(), String> {
+    let (rank, n) = (world.rank(), world.size());
+    let counts: Vec<usize> = (0..n).map(|r| if r == 1 { 0 } else { 2 * r + 3 }).collect();
+    let numel: usize = counts.iter().sum();
+    let start: usize = counts[..rank].iter().sum();
+    let want = Tensor::arange(numel as i64, (Kind::Float, Device::Cpu)) / 8.0;
+    for kind in [Kind::Float, Kind::BFloat16] {
+        for blocking in [true, false] {
+            // Garbage outside this rank's own piece: it must be overwritten.
+            let mut tensor = Tensor::full([numel as i64], -7.0, (kind, Device::Cpu));
+            let own = want
+                .narrow(0, start as i64, counts[rank] as i64)
+                .to_kind(kind);
+            tensor
+                .narrow(0, start as i64, counts[rank] as i64)
+                .copy_(&own);
+            let gathered = match blocking {
+                true => world.all_gather_in_place(&mut tensor, &counts),
+                false => (world.start_all_gather_in_place(&tensor, &counts)).map(|p| p.wait()),
+            };
+            gathered.map_err(|e| e.to_string())?;
+            if max_abs_diff(
+                &tensor.to_kind(Kind::Float),
+                &want.to_kind(kind).to_kind(Kind::Float),
+            ) > 0.0
+            {
+                return Err(format!(
+                    "{kind:?} gather in place (blocking {blocking}) gave {tensor:?}"
+                ));
+            }
         }
     }
     Ok(())

@@ -13,7 +13,7 @@ gpu-check.md, so a run cut short still shows what ran:
                SYNERFUSE_TEST_ONE_GPU_RANKS makes each rank a host of its own), a tiny
                model, 4 steps, each = one rank on the GPU, saying what carried it:
                nccl-dp    DP 2, distributed optimizer in shares 80 : 16 GB, overlapped
-                          reduction (reduce-scatter and all-gather)
+                          reduction (reduce-scatter) and parameter gather (all-gather)
                nccl-pp    PP 2, 1F1B with a steady state (NCCL send/recv)
                nccl-tp-sp TP 2 + sequence parallelism
                nccl-cp    CP 2 in shares [3, 1]
@@ -558,6 +558,10 @@ def nccl_dp(deadline):
         # Several buckets of the tiny model's 355k parameters, each reduced on its own.
         extra += ["--ddp-bucket-size", "50000"]
         what += " in buckets of 50k"
+    if "--overlap-param-gather" in run([SF, "train", "--help"], deadline).stdout:
+        # The updated parameters gathered bucket by bucket inside the next forward.
+        extra += ["--overlap-param-gather"]
+        what += ", overlapped gather"
     return pair_step("nccl-dp", deadline, plan, extra, "fp32", [], what, check=shards)
 
 

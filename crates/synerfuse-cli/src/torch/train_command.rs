@@ -274,6 +274,17 @@ pub struct TrainArgs {
         help_heading = "Parallelism"
     )]
     no_overlap_grad_reduce: bool,
+    /// Leave the distributed optimizer's all-gather of the updated parameters in flight
+    /// after the step, bucket by bucket, each waited for just before the next forward
+    /// reads it (as Megatron's, needs --use-distributed-optimizer and the overlapped
+    /// gradient reduction)
+    #[arg(
+        long,
+        requires = "use_distributed_optimizer",
+        conflicts_with = "no_overlap_grad_reduce",
+        help_heading = "Parallelism"
+    )]
+    overlap_param_gather: bool,
     /// Data-loader workers: 0 reads each step's micro-batches inline, more reads the next
     /// step's on a background thread while this one computes
     #[arg(long, default_value_t = 2, help_heading = "Data")]
@@ -752,6 +763,7 @@ impl TrainArgs {
                 schedule,
                 overlap_grad_reduce: !self.no_overlap_grad_reduce,
                 ddp_bucket_size: self.ddp_bucket_size,
+                overlap_param_gather: self.overlap_param_gather,
                 sequence_parallel: self.sequence_parallel,
             },
             batch: BatchConfig {

@@ -89,6 +89,21 @@ impl GroupCommunicator {
         }
     }
 
+    /// Starts [`Self::all_gather_in_place`] and returns at once (NCCL on its own stream,
+    /// or a non-blocking MPI `Allgatherv`): `tensor` is complete when the returned
+    /// collective's [`PendingReduction::wait`] returns, and the caller leaves it alone
+    /// until then.
+    pub fn start_all_gather_in_place(
+        &self,
+        tensor: &Tensor,
+        counts: &[usize],
+    ) -> Result<PendingReduction, CommError> {
+        Ok(match self.nccl_for(tensor) {
+            Some(nccl) => PendingReduction::Nccl(nccl.start_all_gather_in_place(tensor, counts)?),
+            None => PendingReduction::Mpi(self.mpi.start_all_gather_in_place(tensor, counts)?),
+        })
+    }
+
     /// Copies `root`'s tensor into every member's.
     pub fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<(), CommError> {
         match self.nccl_for(tensor) {
@@ -208,7 +223,8 @@ impl synerfuse_model::tp::TpCollectives for GroupCommunicator {
     }
 }
 
-/// A reduction in flight: the caller leaves its tensor alone until [`Self::wait`].
+/// A collective in flight (a reduction, or the distributed optimizer's gather): the
+/// caller leaves its tensor alone until [`Self::wait`].
 pub enum PendingReduction {
     /// On an NCCL stream.
     Nccl(PendingNccl),
@@ -226,7 +242,7 @@ impl PendingReduction {
         }
     }
 
-    /// Waits for the sum, which is then in the tensor the reduction started from.
+    /// Waits for the result, which is then in the tensor the collective started from.
     pub fn wait(self) -> Result<(), CommError> {
         match self {
             PendingReduction::Nccl(pending) => pending.wait(),

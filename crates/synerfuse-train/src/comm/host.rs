@@ -153,16 +153,20 @@ fn scatter_rounds(counts: &[usize], max_per_call: usize) -> Vec<Vec<(usize, usiz
         .collect()
 }
 
-/// A sum-all-reduce in flight, from [`MpiCommunicator::start_all_reduce_sum`].
+/// A non-blocking collective in flight: a sum from [`MpiCommunicator::start_all_reduce_sum`] or
+/// [`MpiCommunicator::start_reduce_scatter_sum`], or a gather from
+/// [`MpiCommunicator::start_all_gather_in_place`].
 pub struct PendingAllReduce {
     requests: Vec<mpi::ffi::MPI_Request>,
     _send: Tensor,
     _recv: Tensor,
     /// (host result, the caller's device tensor) when the result must be copied back.
     copy_back: Option<(Tensor, Tensor)>,
-    /// A reduce-scatter's receive counts, which MPI reads until it completes.
+    /// Counts (and a gather's displacements) that MPI reads until it completes.
     _counts: Vec<i32>,
     group: Arc<str>,
+    /// The collective, for timeout messages.
+    op: &'static str,
     /// Keeps MPI progressing it while it is in flight (none once complete).
     in_flight: Option<super::progress::InFlight>,
 }
@@ -188,7 +192,7 @@ impl PendingAllReduce {
     /// Waits for the sum and writes it into the caller's tensor.
     pub fn wait(mut self) {
         {
-            let _wait = waiting("all_reduce_sum", &self.group, None);
+            let _wait = waiting(self.op, &self.group, None);
             poll_until(|| self.test());
         }
         self.requests.clear();
@@ -202,7 +206,7 @@ impl Drop for PendingAllReduce {
     fn drop(&mut self) {
         // The buffers must outlive the requests, even on an error path.
         if !self.requests.is_empty() {
-            let _wait = waiting("all_reduce_sum", &self.group, None);
+            let _wait = waiting(self.op, &self.group, None);
             poll_until(|| self.test());
         }
     }
@@ -548,6 +552,7 @@ impl MpiCommunicator {
             _recv: recv,
             _counts: Vec::new(),
             group: Arc::clone(&self.name),
+            op: "all_reduce_sum",
             in_flight: Some(super::progress::InFlight::start()),
         })
     }
@@ -638,6 +643,7 @@ impl MpiCommunicator {
             _recv: recv,
             _counts: round_counts,
             group: Arc::clone(&self.name),
+            op: "reduce_scatter_sum",
             in_flight: Some(super::progress::InFlight::start()),
         })
     }
@@ -670,6 +676,81 @@ impl MpiCommunicator {
         counts: &[usize],
     ) -> Result<(), CommError> {
         self.all_gather_in_place_in_rounds(tensor, counts, MAX_ELEMENTS_PER_CALL)
+    }
+
+    /// Starts [`Self::all_gather_in_place`] and returns at once: every member's piece is
+    /// in `tensor` when [`PendingAllReduce::wait`] returns, and the caller leaves `tensor`
+    /// alone until then. One `MPI_Iallgatherv` through host memory (the tensor itself when
+    /// it is a contiguous CPU tensor), sent from a copy of this rank's piece; a tensor
+    /// beyond MPI's `int` counts is gathered before this returns (its rounds are calls
+    /// of their own).
+    pub fn start_all_gather_in_place(
+        &self,
+        tensor: &Tensor,
+        counts: &[usize],
+    ) -> Result<PendingAllReduce, CommError> {
+        use mpi::raw::AsRaw;
+        let op = "start_all_gather_in_place";
+        if tensor.dim() != 1 {
+            return Err(CommError::Shape {
+                rank: self.rank,
+                op,
+                problem: format!("a tensor of shape {:?} is not 1-D", tensor.size()),
+            });
+        }
+        let starts = piece_starts(self.rank, self.size, counts, tensor.numel(), op)?;
+        let (kind, rank) = (tensor.kind(), self.rank);
+        let datatype = mpi_datatype(kind).ok_or(CommError::UnsupportedDtype { rank, op, kind })?;
+        let mut pending = PendingAllReduce {
+            requests: Vec::new(),
+            _send: Tensor::new(),
+            copy_back: None,
+            _recv: Tensor::new(),
+            _counts: Vec::new(),
+            group: Arc::clone(&self.name),
+            op: "all_gather_in_place",
+            in_flight: None,
+        };
+        if tensor.numel() > MAX_ELEMENTS_PER_CALL {
+            self.all_gather_in_place(&mut tensor.shallow_clone(), counts)?;
+            return Ok(pending);
+        }
+        let own = tensor.narrow(0, starts[rank] as i64, counts[rank] as i64);
+        // A copy: MPI may not read and write overlapping buffers in one call.
+        let send = tch::no_grad(|| own.detach().to_device(Device::Cpu).contiguous().copy());
+        let on_host = tensor.device() == Device::Cpu && tensor.is_contiguous();
+        let recv = match (on_host, tensor.device()) {
+            (true, _) => tensor.shallow_clone(),
+            (false, Device::Cuda(_)) => Tensor::empty([tensor.numel() as i64], (kind, Device::Cpu))
+                .pin_memory(tensor.device()),
+            (false, _) => Tensor::empty([tensor.numel() as i64], (kind, Device::Cpu)),
+        };
+        // Counts, then displacements: MPI reads both until the gather completes.
+        let sizes: Vec<i32> = (counts.iter().chain(&starts)).map(|&c| c as i32).collect();
+        let mut request = std::mem::MaybeUninit::uninit();
+        // SAFETY: `send` holds this rank's `counts[rank]` elements and `recv` the whole
+        // tensor's, both contiguous CPU tensors of one `datatype`-sized element kind;
+        // `sizes` holds `size` counts then `size` displacements within `recv`
+        // (piece_starts checked they cover it); PendingAllReduce keeps all three alive
+        // until the request has completed.
+        unsafe {
+            mpi::ffi::MPI_Iallgatherv(
+                send.data_ptr(),
+                counts[rank] as i32,
+                datatype,
+                recv.data_ptr(),
+                sizes.as_ptr(),
+                sizes.as_ptr().add(self.size),
+                datatype,
+                self.comm.as_raw(),
+                request.as_mut_ptr(),
+            );
+            pending.requests.push(request.assume_init());
+        }
+        pending.copy_back = (!on_host).then(|| (recv.shallow_clone(), tensor.shallow_clone()));
+        (pending._send, pending._recv, pending._counts) = (send, recv, sizes);
+        pending.in_flight = Some(super::progress::InFlight::start());
+        Ok(pending)
     }
 
     /// [`Self::all_gather_in_place`], where a tensor of more than `max_per_call` elements

@@ -107,7 +107,8 @@ pub struct PendingNccl {
     done: CudaEvent,
     /// The buffer NCCL reads and writes: kept alive until the stream is past it.
     buffer: Tensor,
-    /// The half-precision tensor `buffer` was widened from, which gets the sum.
+    /// The tensor `buffer` stands for (a half-precision one it was widened from, or a
+    /// non-contiguous one), which gets the result at the wait.
     narrow: Option<Tensor>,
     /// The NCCL call, for errors and timeout messages.
     op: &'static str,
@@ -443,6 +444,29 @@ impl NcclCommunicator {
             tch::no_grad(|| tensor.copy_(&buffer));
         }
         Ok(())
+    }
+
+    /// Enqueues [`Self::all_gather_in_place`] on this communicator's stream and returns
+    /// at once (the distributed optimizer's `--overlap-param-gather`): `tensor` is
+    /// complete once [`PendingNccl::wait`] returns, and the caller leaves it alone until
+    /// then. NCCL's stream first waits for libtorch's (which wrote this rank's piece).
+    pub fn start_all_gather_in_place(
+        &self,
+        tensor: &Tensor,
+        counts: &[usize],
+    ) -> Result<PendingNccl, CommError> {
+        let op = "start_all_gather_in_place";
+        let contiguous = tensor.is_contiguous();
+        let buffer = match contiguous {
+            true => tensor.shallow_clone(),
+            false => tensor.contiguous(),
+        };
+        let plan = self.check_pieces(&buffer, counts, op)?;
+        self.after_libtorch()?;
+        self.enqueue_pieces(&buffer, plan, Pieces::Gather)?;
+        // A non-contiguous tensor gets the gathered copy at the wait.
+        let copy_back = (!contiguous).then(|| tensor.shallow_clone());
+        self.pending(buffer, copy_back, "ncclAllGather")
     }
 
     /// The dtype and calls of a collective over the pieces `counts` of `tensor`, or why

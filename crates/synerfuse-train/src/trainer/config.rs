@@ -102,6 +102,11 @@ pub struct ParallelConfig {
     /// Elements per bucket when overlapping (Megatron's `--ddp-bucket-size`; default
     /// max(40M, 1M × the reduction's members), as Megatron's).
     pub ddp_bucket_size: Option<usize>,
+    /// Leave the distributed optimizer's all-gather of the updated parameters in flight
+    /// after the step, bucket by bucket, each waited for just before the next forward
+    /// first reads it (Megatron's `--overlap-param-gather`; needs the distributed
+    /// optimizer and `overlap_grad_reduce`, as Megatron's).
+    pub overlap_param_gather: bool,
     /// Megatron's `--sequence-parallel` on every tensor-parallel stage (no effect on
     /// stages of one rank).
     pub sequence_parallel: bool,

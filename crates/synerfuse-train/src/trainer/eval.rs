@@ -21,6 +21,7 @@ impl Trainer<'_> {
         consumed: u64,
         at_end: bool,
     ) -> Result<Option<Evaluation>, TrainError> {
+        self.settle_parameters()?;
         let loader = match split {
             EvalSplit::Validation => self.valid.as_ref(),
             EvalSplit::Test => self.test.as_ref(),
@@ -79,6 +80,7 @@ impl Trainer<'_> {
             emulation: self.emulation,
             step_start: std::time::Instant::now(),
             report_final_grads: false,
+            param_gathers: None,
         };
         let sequence_length = self.config.batch.sequence_length;
         pipeline.evaluate(&self.eval_program, micro_batches, sequence_length)

@@ -19,10 +19,11 @@ use crate::loader::LoaderError;
 use crate::memory::HighWater;
 use crate::optim::clip_factor;
 use crate::pipeline::{PipelineEvent, PipelineRank, StepTimes};
+use crate::zero::DistributedOptimizer;
 use crate::{signals, TrainError};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use synerfuse_model::tch::{Device, Kind, Tensor};
 use synerfuse_plan::timeline::{Span, SpanKind};
 
@@ -206,6 +207,7 @@ impl<'w> Trainer<'w> {
                 break;
             }
         }
+        self.settle_parameters()?;
         if !ended_early {
             let at_end = self.evaluate_at_end(consumed_valid, &mut log)?;
             summary.evaluations.extend(at_end);
@@ -217,6 +219,16 @@ impl<'w> Trainer<'w> {
             tracing::info!("peak resident memory {peak} B");
         }
         Ok(summary)
+    }
+
+    /// Waits for the parameter gathers the last step left in flight
+    /// (`--overlap-param-gather`): before anything but the next step's forward reads the
+    /// parameters (evaluation, a checkpoint, a re-plan, the end of training).
+    fn settle_parameters(&self) -> Result<(), TrainError> {
+        match &self.zero {
+            Some(zero) => Ok(zero.gathers().wait_all()?),
+            None => Ok(()),
+        }
     }
 
     /// Records the saves finished since the last call in the JSON log.
@@ -357,6 +369,10 @@ impl<'w> Trainer<'w> {
         times.communication += started.elapsed();
         self.optimizer.zero_grad();
         self.grads.begin_step(&self.program);
+        // Waits before this step (an evaluation's, a save's) are not this step's.
+        if let Some(zero) = &self.zero {
+            zero.gathers().take_waited();
+        }
         let mut high_water = self.memory_probe.as_ref().and_then(HighWater::start);
         let normalisers = (loss_tokens, sequences);
         let (loss, pipeline_times, pipeline_spans) =
@@ -372,6 +388,11 @@ impl<'w> Trainer<'w> {
             if before.is_none() {
                 tracing::info!("activation high-water mark: {peak} B above the state");
             }
+        }
+        if let Some(gathers) = self.zero.as_ref().map(DistributedOptimizer::gathers) {
+            // Every chunk's forward has waited for its own; none is left in flight.
+            gathers.wait_all()?;
+            times.param_gather_wait = gathers.take_waited();
         }
         times.compute += pipeline_times.compute;
         times.communication += pipeline_times.communication;
@@ -396,10 +417,16 @@ impl<'w> Trainer<'w> {
         let lr = self.config.optimizer.lr.lr(self.consumed_samples);
         let factor = clip_factor(grad_norm, self.config.optimizer.clip_grad);
         self.optimizer.step_with_grads(lr, &grads, factor);
+        let mut gathering = Duration::ZERO;
         if let Some(zero) = &mut self.zero {
-            zero.step(lr, factor, &self.groups)?;
+            let overlap = self.config.parallel.overlap_param_gather;
+            gathering = zero.step(lr, factor, &self.groups, overlap)?;
+            if !overlap {
+                times.param_gather_wait += gathering;
+            }
         }
-        times.compute += started.elapsed();
+        times.compute += started.elapsed() - gathering;
+        times.communication += gathering;
         spans.push(span(SpanKind::Optimizer, start_s));
         Ok(StepResult {
             loss_sum: loss.loss_sum,
@@ -437,9 +464,16 @@ impl<'w> Trainer<'w> {
             emulation: self.emulation,
             step_start,
             report_final_grads: self.config.parallel.overlap_grad_reduce,
+            param_gathers: (self.zero.as_ref().map(DistributedOptimizer::gathers))
+                .filter(|gathers| !gathers.is_empty()),
         };
+        if let (Some(gathers), 1) = (pipeline.param_gathers, self.steps_run) {
+            let buckets = gathers.buckets();
+            tracing::info!("{buckets} parameter gather buckets in flight as the forward starts");
+        }
         let groups = &self.groups;
         let overlap = self.config.parallel.overlap_grad_reduce;
+        let param_gathers = pipeline.param_gathers;
         let main_grads = &mut self.grads;
         let mut on_event = |event: PipelineEvent| -> Result<(), TrainError> {
             if let Some(high_water) = high_water.as_deref_mut() {
@@ -452,7 +486,12 @@ impl<'w> Trainer<'w> {
                 PipelineEvent::GradsFinal { chunk, grads } => {
                     main_grads.grads_final(chunk, grads.from_piece, groups, overlap)?
                 }
-                PipelineEvent::Between => main_grads.progress(),
+                PipelineEvent::Between => {
+                    main_grads.progress();
+                    if let Some(gathers) = param_gathers {
+                        gathers.progress();
+                    }
+                }
             }
             Ok(())
         };

@@ -53,10 +53,11 @@ struct RankRow {
     /// Forward and backward time (what waiting does not inflate).
     pace_ms: f64,
     reduce_wait_ms: f64,
+    param_gather_wait_ms: f64,
 }
 
 /// The fields of a [`RankRow`] before the rank's expert load.
-const ROW_FIELDS: usize = 11;
+const ROW_FIELDS: usize = 12;
 
 /// The step as every rank saw it.
 #[derive(Debug, Clone)]
@@ -107,6 +108,7 @@ impl StepOutcome {
             step.memory.activations_peak.map_or(-1.0, |b| b as f64),
             pace_s * 1e3,
             ms(step.times.reduce_wait),
+            ms(step.times.param_gather_wait),
         ];
         mine.extend(&step.experts);
         let all = world.all_gather(&Tensor::from_slice(&mine))?;
@@ -133,6 +135,7 @@ impl StepOutcome {
                     activation_peak_bytes: at(8),
                     pace_ms: at(9),
                     reduce_wait_ms: at(10),
+                    param_gather_wait_ms: at(11),
                 }
             })
             .collect();
@@ -290,6 +293,7 @@ impl StepLog {
                     compute_ms: r.compute_ms,
                     communication_ms: r.communication_ms,
                     reduce_wait_ms: r.reduce_wait_ms,
+                    param_gather_wait_ms: r.param_gather_wait_ms,
                     idle_ms: (r.elapsed_ms - r.compute_ms - r.communication_ms).max(0.0),
                     tokens_per_s: r.replica_tokens / seconds,
                     state_bytes: r.state_bytes as u64,

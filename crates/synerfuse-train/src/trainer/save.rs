@@ -129,6 +129,7 @@ impl<'w> Trainer<'w> {
     /// A save still in flight is finished first.
     pub fn save(&mut self) -> Result<PathBuf, TrainError> {
         let save = (self.config.checkpoint.save.clone()).ok_or(TrainError::NoSaveDir)?;
+        self.settle_parameters()?;
         self.finish_saves()?;
         let started = Instant::now();
         let rank = self.world.rank();

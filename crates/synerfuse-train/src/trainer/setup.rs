@@ -74,6 +74,17 @@ pub(super) fn check_plan(
     rank: usize,
 ) -> Result<(usize, usize), TrainError> {
     let plan = &config.parallel.plan;
+    let parallel = &config.parallel;
+    // Megatron's rule: the gather is the distributed optimizer's, and overlapping it
+    // assumes the reduction overlaps too.
+    let needs = match (config.optimizer.distributed, parallel.overlap_grad_reduce) {
+        (false, _) => Some("--use-distributed-optimizer"),
+        (true, false) => Some("--overlap-grad-reduce (drop --no-overlap-grad-reduce)"),
+        (true, true) => None,
+    };
+    if let Some(needs) = needs.filter(|_| parallel.overlap_param_gather) {
+        return Err(TrainError::ParamGatherNeeds { needs });
+    }
     if plan.world_size() != world_size {
         return Err(TrainError::WorldSize {
             plan: plan.world_size(),

@@ -67,6 +67,7 @@ impl<'w> Trainer<'w> {
         log: &mut StepLog,
         cause: ReplanCause,
     ) -> Result<(), TrainError> {
+        self.settle_parameters()?;
         let Some(paces_s) = self.watch.paces_s() else {
             return Ok(());
         };
