@@ -79,29 +79,28 @@ impl ParamGathers {
     /// Waits for the gathers of `chunk` whose buckets hold a parameter of a model piece
     /// up to `piece`: what its forward reads up to and including that piece.
     pub fn wait_for(&self, chunk: usize, piece: usize) -> Result<(), CommError> {
-        let started = Instant::now();
-        let due: Vec<BucketGather> = {
+        let due = {
             let mut in_flight = self.in_flight.borrow_mut();
             let (due, rest): (Vec<_>, Vec<_>) = (in_flight.drain(..))
                 .partition(|b: &BucketGather| b.chunk == chunk && b.min_piece <= piece);
             *in_flight = rest.into();
             due
         };
-        let result = due
-            .into_iter()
-            .map(BucketGather::wait)
-            .fold(Ok(()), Result::and);
-        self.waited.set(self.waited.get() + started.elapsed());
-        result
+        self.wait(due)
     }
 
     /// Waits for every gather in flight (before anything but the next step's forward
     /// reads the parameters: evaluation, a checkpoint, a re-plan, the end of training).
     pub fn wait_all(&self) -> Result<(), CommError> {
+        let due = self.in_flight.borrow_mut().drain(..).collect();
+        self.wait(due)
+    }
+
+    /// Waits for every one of `due` (the first error is returned once all have ended),
+    /// counting the time.
+    fn wait(&self, due: Vec<BucketGather>) -> Result<(), CommError> {
         let started = Instant::now();
-        let due: Vec<BucketGather> = self.in_flight.borrow_mut().drain(..).collect();
-        let result = due
-            .into_iter()
+        let result = (due.into_iter())
             .map(BucketGather::wait)
             .fold(Ok(()), Result::and);
         self.waited.set(self.waited.get() + started.elapsed());

@@ -691,14 +691,7 @@ impl MpiCommunicator {
     ) -> Result<PendingAllReduce, CommError> {
         use mpi::raw::AsRaw;
         let op = "start_all_gather_in_place";
-        if tensor.dim() != 1 {
-            return Err(CommError::Shape {
-                rank: self.rank,
-                op,
-                problem: format!("a tensor of shape {:?} is not 1-D", tensor.size()),
-            });
-        }
-        let starts = piece_starts(self.rank, self.size, counts, tensor.numel(), op)?;
+        let starts = self.gather_starts(tensor, counts, op)?;
         let (kind, rank) = (tensor.kind(), self.rank);
         let datatype = mpi_datatype(kind).ok_or(CommError::UnsupportedDtype { rank, op, kind })?;
         let mut pending = PendingAllReduce {
@@ -764,14 +757,7 @@ impl MpiCommunicator {
         max_per_call: usize,
     ) -> Result<(), CommError> {
         let op = "all_gather_in_place";
-        if tensor.dim() != 1 {
-            return Err(CommError::Shape {
-                rank: self.rank,
-                op,
-                problem: format!("a tensor of shape {:?} is not 1-D", tensor.size()),
-            });
-        }
-        let starts = piece_starts(self.rank, self.size, counts, tensor.numel(), op)?;
+        let starts = self.gather_starts(tensor, counts, op)?;
         let kind = tensor.kind();
         let own = starts[self.rank]..starts[self.rank] + counts[self.rank];
         let mut staging = HostStaging::for_piece(tensor, own);
@@ -792,6 +778,24 @@ impl MpiCommunicator {
         });
         staging.finish();
         Ok(())
+    }
+
+    /// Where each member's piece of the 1-D `tensor` starts, for a gather of pieces of
+    /// `counts` elements (refused, naming `op`, when they do not cover it).
+    fn gather_starts(
+        &self,
+        tensor: &Tensor,
+        counts: &[usize],
+        op: &'static str,
+    ) -> Result<Vec<usize>, CommError> {
+        if tensor.dim() != 1 {
+            return Err(CommError::Shape {
+                rank: self.rank,
+                op,
+                problem: format!("a tensor of shape {:?} is not 1-D", tensor.size()),
+            });
+        }
+        piece_starts(self.rank, self.size, counts, tensor.numel(), op)
     }
 
     /// One `Allgatherv` of the pieces (`counts`, from `starts`) of `elements`, which hold

@@ -430,20 +430,7 @@ impl NcclCommunicator {
         tensor: &mut Tensor,
         counts: &[usize],
     ) -> Result<(), CommError> {
-        let op = "all_gather_in_place";
-        let contiguous = tensor.is_contiguous();
-        let buffer = match contiguous {
-            true => tensor.shallow_clone(),
-            false => tensor.contiguous(),
-        };
-        let plan = self.check_pieces(&buffer, counts, op)?;
-        self.after_libtorch()?;
-        self.enqueue_pieces(&buffer, plan, Pieces::Gather)?;
-        self.complete(op)?;
-        if !contiguous {
-            tch::no_grad(|| tensor.copy_(&buffer));
-        }
-        Ok(())
+        self.start_all_gather_in_place(tensor, counts)?.wait()
     }
 
     /// Enqueues [`Self::all_gather_in_place`] on this communicator's stream and returns
