@@ -44,11 +44,12 @@ pub fn run(args: TimelineArgs) -> Result<()> {
     for (rank, row) in measured.ranks.iter().enumerate() {
         let busy = row.seconds(SpanKind::Forward) + row.seconds(SpanKind::Backward);
         println!(
-            "rank {rank}: forward+backward {busy:.4} s, waiting {:.4} s, sends {:.4} s, DP reduction {:.4} s, optimizer {:.4} s",
+            "rank {rank}: forward+backward {busy:.4} s, waiting {:.4} s, sends {:.4} s, DP reduction {:.4} s, optimizer {:.4} s, parameter gather {:.4} s",
             row.seconds(SpanKind::Wait),
             row.seconds(SpanKind::Send),
             row.seconds(SpanKind::Reduce),
-            row.seconds(SpanKind::Optimizer)
+            row.seconds(SpanKind::Optimizer),
+            row.seconds(SpanKind::Gather)
         );
     }
     drawn.push(measured);

@@ -687,6 +687,85 @@ fn contradictory_flags_are_named() {
     );
 }
 
+/// `plan --overlap-param-gather` prices the distributed optimizer's gathers inside the
+/// next forward (less than after the optimizer) and writes the flag among the training
+/// flags; contradictory flags are refused, and `--try` takes it on `plan` only.
+#[test]
+fn plan_prices_the_parameter_gathers_as_training_will_run_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = dir.path().join("a10s.toml");
+    std::fs::write(
+        &cluster,
+        "[[group]]\nkind = \"a10\"\ncount = 4\nnode = \"a\"\n[network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n",
+    )
+    .unwrap();
+    let plan = |extra: &[&str]| {
+        let mut args = strings(&["plan", "--json", "--cluster", cluster.to_str().unwrap()]);
+        args.extend(strings(&[
+            "--num-layers",
+            "24",
+            "--hidden-size",
+            "2048",
+            "--num-attention-heads",
+            "16",
+            "--ffn-hidden-size",
+            "5632",
+            "--seq-length",
+            "2048",
+            "--global-batch-size",
+            "16",
+        ]));
+        args.extend(strings(extra));
+        synerfuse(&args)
+    };
+    let report = |extra: &[&str]| {
+        let out = plan(extra);
+        ok(&out, "plan");
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let after = report(&["--use-distributed-optimizer"]);
+    let overlapped = report(&["--use-distributed-optimizer", "--overlap-param-gather"]);
+    let wait = |j: &serde_json::Value| j["param_gather_wait_s"].as_f64().unwrap();
+    assert!(
+        wait(&overlapped) < wait(&after) && wait(&overlapped) > 0.0,
+        "{overlapped}"
+    );
+    let flags = &overlapped["train_flags"];
+    assert_eq!(flags[0], "--use-distributed-optimizer", "{flags}");
+    assert_eq!(flags[1], "--overlap-param-gather", "{flags}");
+    assert_eq!(after["train_flags"].as_array().unwrap().len(), 1);
+    for (extra, expected) in [
+        (
+            vec![
+                "--use-distributed-optimizer",
+                "off",
+                "--overlap-param-gather",
+            ],
+            "--use-distributed-optimizer off has none",
+        ),
+        (
+            vec!["--overlap-param-gather", "--no-overlap-grad-reduce"],
+            "--no-overlap-grad-reduce",
+        ),
+        (
+            vec![
+                "--try",
+                "2",
+                "--output",
+                "x.toml",
+                "--",
+                "--overlap-param-gather",
+            ],
+            "give --overlap-param-gather to plan itself",
+        ),
+    ] {
+        let out = plan(&extra);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{extra:?} must fail");
+        assert!(stderr.contains(expected), "{extra:?}: {stderr}");
+    }
+}
+
 /// SIGTERM finishes the step, saves, and exits cleanly; logs go to JSON and TensorBoard.
 #[test]
 fn sigterm_saves_and_exits_and_metrics_are_written() {

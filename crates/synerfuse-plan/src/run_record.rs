@@ -27,8 +27,10 @@ pub struct RunRecord {
 }
 
 /// How a run reduces its gradients over the replicas (`--overlap-grad-reduce`,
-/// `--ddp-bucket-size`). A record from before runs said (2026-11-29) reduced each
-/// chunk's gradients after its last backward, whole: not overlapped.
+/// `--ddp-bucket-size`) and gathers the distributed optimizer's parameters
+/// (`--overlap-param-gather`). A record from before runs said (2026-11-29) reduced each
+/// chunk's gradients after its last backward, whole: not overlapped, and gathered after
+/// the optimizer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RunReduction {
     /// Buckets started inside the last backward (off: `--no-overlap-grad-reduce`).
@@ -37,6 +39,10 @@ pub struct RunReduction {
     /// `--ddp-bucket-size`.
     #[serde(default)]
     pub ddp_bucket_size: Option<usize>,
+    /// The distributed optimizer's parameter gathers waited for by the next forward
+    /// (off: after the optimizer).
+    #[serde(default)]
+    pub overlap_param_gather: bool,
 }
 
 impl Default for RunReduction {
@@ -45,6 +51,7 @@ impl Default for RunReduction {
         RunReduction {
             overlap_grad_reduce: true,
             ddp_bucket_size: None,
+            overlap_param_gather: false,
         }
     }
 }

@@ -22,6 +22,9 @@ pub enum SpanKind {
     Reduce,
     /// The optimizer step.
     Optimizer,
+    /// Waiting for the distributed optimizer's all-gather of the updated parameters
+    /// (what computation did not hide of it).
+    Gather,
     /// A bucket of the gradient reduction in flight, from its start to when the rank saw
     /// it complete: it overlaps the computation that hides it, so it is drawn as a
     /// stripe under the rank's row.
@@ -30,13 +33,14 @@ pub enum SpanKind {
 
 impl SpanKind {
     /// Every kind, in legend order.
-    pub const ALL: [SpanKind; 7] = [
+    pub const ALL: [SpanKind; 8] = [
         SpanKind::Forward,
         SpanKind::Backward,
         SpanKind::Send,
         SpanKind::Wait,
         SpanKind::Reduce,
         SpanKind::Optimizer,
+        SpanKind::Gather,
         SpanKind::Bucket,
     ];
 
@@ -48,6 +52,7 @@ impl SpanKind {
             SpanKind::Wait => "#e0e0e0",
             SpanKind::Reduce => "#59a14f",
             SpanKind::Optimizer => "#b07aa1",
+            SpanKind::Gather => "#edc948",
             SpanKind::Bucket => "#1b5e20",
         }
     }
@@ -60,6 +65,7 @@ impl SpanKind {
             SpanKind::Wait => "waiting",
             SpanKind::Reduce => "DP reduction wait",
             SpanKind::Optimizer => "optimizer",
+            SpanKind::Gather => "parameter gather wait",
             SpanKind::Bucket => "bucket in flight",
         }
     }

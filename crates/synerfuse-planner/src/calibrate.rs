@@ -64,6 +64,7 @@ pub fn run_cost_model(run: &RunRecord, profile: &Profile) -> CostModel {
     cost.distributed_optimizer = run.distributed_optimizer;
     cost.overlap_grad_reduce = run.reduction.overlap_grad_reduce;
     cost.ddp_bucket_size = run.reduction.ddp_bucket_size;
+    cost.overlap_param_gather = run.reduction.overlap_param_gather;
     cost.recompute = match run.recompute {
         true => Recompute::Always,
         false => Recompute::Never,

@@ -92,6 +92,10 @@ pub struct CostModel {
     pub overlap_grad_reduce: bool,
     /// `--ddp-bucket-size` (elements); `None`: the runtime's default ([`bucket_size`]).
     pub ddp_bucket_size: Option<usize>,
+    /// `--overlap-param-gather`: under the distributed optimizer each bucket's gather of
+    /// the updated parameters is waited for by the next forward, just before the first
+    /// piece that reads it (off: after the optimizer, exposed).
+    pub overlap_param_gather: bool,
 }
 
 /// Elements per bucket of a gradient reduction over `members` ranks, as the runtime
@@ -166,7 +170,14 @@ impl CostModel {
             expert_load: None,
             overlap_grad_reduce: true,
             ddp_bucket_size: None,
+            overlap_param_gather: false,
         }
+    }
+
+    /// Whether the distributed optimizer's parameter gathers overlap the next forward:
+    /// asked for, with the overlapped reduction the runtime needs for it.
+    pub fn overlaps_param_gather(&self) -> bool {
+        self.overlap_param_gather && self.overlap_grad_reduce
     }
 
     /// Elements per bucket of a gradient reduction over `members` ranks ([`bucket_size`]).

@@ -30,6 +30,10 @@ pub struct SimReport {
     /// chunk's last backward makes its gradients final, which overlapped reductions
     /// start inside.
     pub last_backward_s: Vec<(f64, f64)>,
+    /// Each rank's first forward computation, (start, end) s ((0, 0) for none): where
+    /// the step reads its parameters first, which overlapped parameter gathers are
+    /// waited for inside (in the next step, at the same offsets).
+    pub first_forward_s: Vec<(f64, f64)>,
     /// Each rank's spans, when asked for ([`simulate_spans`]); empty otherwise.
     pub spans: Vec<Vec<Span>>,
 }
@@ -53,6 +57,7 @@ struct Clocks<Op, Link> {
     clock: Vec<f64>,
     busy: Vec<f64>,
     last_backward: Vec<(f64, f64)>,
+    first_forward: Vec<Option<(f64, f64)>>,
     spans: Option<Vec<Vec<Span>>>,
 }
 
@@ -84,7 +89,11 @@ where
         self.clock[rank] += t;
         self.busy[rank] += t;
         let kind = match pass {
-            Pass::Forward => SpanKind::Forward,
+            Pass::Forward => {
+                let first = &mut self.first_forward[rank];
+                first.get_or_insert((start, self.clock[rank]));
+                SpanKind::Forward
+            }
             Pass::Backward => {
                 self.last_backward[rank] = (start, self.clock[rank]);
                 SpanKind::Backward
@@ -142,6 +151,7 @@ fn run(
         clock: vec![0.0; programs.len()],
         busy: vec![0.0; programs.len()],
         last_backward: vec![(0.0, 0.0); programs.len()],
+        first_forward: vec![None; programs.len()],
         spans: record.then(|| vec![Vec::new(); programs.len()]),
     };
     interpret(programs, &mut clocks)?;
@@ -151,6 +161,9 @@ fn run(
         busy_s: clocks.busy,
         makespan_s,
         last_backward_s: clocks.last_backward,
+        first_forward_s: (clocks.first_forward.into_iter())
+            .map(Option::unwrap_or_default)
+            .collect(),
         spans: clocks.spans.unwrap_or_default(),
     })
 }

@@ -305,6 +305,11 @@ pub struct PlanArgs {
     /// --no-overlap-grad-reduce` runs it (written among the plan's training flags)
     #[arg(long, conflicts_with = "overlap_grad_reduce")]
     no_overlap_grad_reduce: bool,
+    /// Price the distributed optimizer's parameter gathers inside the next forward, as
+    /// `train --overlap-param-gather` runs them (written among the training flags of
+    /// plans that shard their optimizer); without it they follow the optimizer, exposed
+    #[arg(long, conflicts_with = "no_overlap_grad_reduce")]
+    overlap_param_gather: bool,
     /// A `synerfuse profile` output (overrides the catalogue)
     #[arg(long)]
     profile: Option<PathBuf>,
@@ -354,6 +359,7 @@ impl PlanArgs {
         RunReduction {
             overlap_grad_reduce: !self.no_overlap_grad_reduce,
             ddp_bucket_size: self.ddp_bucket_size,
+            overlap_param_gather: self.overlap_param_gather,
         }
     }
 
@@ -417,6 +423,9 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
     if !args.train_args.is_empty() && args.try_plans.is_none() {
         bail!("training arguments after -- are for --try; without it, nothing trains");
     }
+    if args.overlap_param_gather && args.use_distributed_optimizer == planner::Choice::Off {
+        bail!("--overlap-param-gather overlaps the distributed optimizer's gathers; --use-distributed-optimizer off has none");
+    }
     let settings = args.try_settings();
     if let Some(settings) = &settings {
         settings.check()?;
@@ -434,6 +443,7 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
         expert_load: read_expert_load(args.expert_load.as_deref(), &shape)?,
         overlap_grad_reduce: args.reduction().overlap_grad_reduce,
         ddp_bucket_size: args.reduction().ddp_bucket_size,
+        overlap_param_gather: args.reduction().overlap_param_gather,
         ..CostModel::new(shape.clone(), cluster, profile)
     };
     if let Some(e) = shape.experts {

@@ -99,6 +99,7 @@ impl PlanReport<'_> {
             num_micro_batches_per_replica: &best.micro_batches,
             predicted_step_time_s: p.step_time_s,
             predicted_tokens_per_s: self.tokens_per_step / p.step_time_s,
+            param_gather_wait_s: p.param_gather_s,
             bubble_fraction: p.bubble_fraction,
             peak_memory_gb_per_stage: p.stage_memory_bytes.iter().map(|b| b / 1e9).collect(),
             uniform_step_time_s: (self.outcome.uniform.as_ref()).map(|u| u.prediction.step_time_s),
@@ -240,12 +241,13 @@ impl PlanReport<'_> {
             );
         }
         println!(
-            "predicted: {:.4} s per step ({:.0} tokens/s), bubble {:.1}%, DP all-reduce {:.4} s, optimizer {:.4} s",
+            "predicted: {:.4} s per step ({:.0} tokens/s), bubble {:.1}%, DP all-reduce {:.4} s, optimizer {:.4} s{}",
             p.step_time_s,
             self.tokens_per_step / p.step_time_s,
             p.bubble_fraction * 100.0,
             p.allreduce_s,
-            p.optimizer_s
+            p.optimizer_s,
+            gather_text(best.options, p.param_gather_s)
         );
         let bound = &self.outcome.bound;
         println!(
@@ -469,6 +471,7 @@ pub(crate) fn pooled_json(
         train_flags: pooled_train_flags(p),
         reduce_s: p.reduce_s,
         optimizer_s: p.optimizer_s,
+        param_gather_wait_s: p.param_gather_s,
         replicas,
     }
 }
@@ -511,6 +514,19 @@ pub(crate) fn options_text(options: planner::TrainOptions) -> String {
         .collect()
 }
 
+/// `, parameter gather 0.0123 s (after the optimizer)` where the plan shards its
+/// optimizer; nothing otherwise.
+fn gather_text(options: planner::TrainOptions, seconds: f64) -> String {
+    if !options.distributed_optimizer {
+        return String::new();
+    }
+    let when = match options.overlaps_param_gather() {
+        true => "not hidden by the next forward",
+        false => "after the optimizer",
+    };
+    format!(", parameter gather {seconds:.4} s ({when})")
+}
+
 /// The `synerfuse train` flags a per-replica-pipeline plan was priced with: its
 /// options, and sequence parallelism with tensor-parallel groups.
 pub(crate) fn pooled_train_flags(p: &PooledCandidate) -> Vec<String> {
@@ -541,6 +557,8 @@ pub(crate) struct GridReport<'a> {
     num_micro_batches_per_replica: &'a [usize],
     predicted_step_time_s: f64,
     predicted_tokens_per_s: f64,
+    /// What the step waits for the distributed optimizer's parameter gathers.
+    param_gather_wait_s: f64,
     bubble_fraction: f64,
     peak_memory_gb_per_stage: Vec<f64>,
     uniform_step_time_s: Option<f64>,
@@ -625,6 +643,7 @@ pub(crate) struct PooledReport {
     train_flags: Vec<String>,
     reduce_s: f64,
     optimizer_s: f64,
+    param_gather_wait_s: f64,
     pools: Vec<PoolReport>,
     replicas: Vec<ReplicaReport>,
 }

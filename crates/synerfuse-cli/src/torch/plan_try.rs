@@ -21,10 +21,11 @@ const OWNED_FLAGS: [&str; 4] = ["--plan", "--train-iters", "--log-json", "--npro
 const SHARED_STATE_FLAGS: [&str; 2] = ["--save", "--load"];
 
 /// Flags the plans are priced with, which each tried plan's training flags carry.
-const PRICED_FLAGS: [&str; 3] = [
+const PRICED_FLAGS: [&str; 4] = [
     "--overlap-grad-reduce",
     "--no-overlap-grad-reduce",
     "--ddp-bucket-size",
+    "--overlap-param-gather",
 ];
 
 /// How plans are tried.

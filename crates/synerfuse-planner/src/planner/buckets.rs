@@ -6,7 +6,7 @@
 
 use super::{
     context::Ctx,
-    reduction::{expert_allreduce_s, experts_apart, holders_collective},
+    reduction::{expert_allreduce_s, experts_apart, holders_collective, CollectivePrice},
 };
 use crate::cost::StageCosts;
 use synerfuse_plan::ModelShape;
@@ -53,10 +53,12 @@ impl PieceWeights {
     }
 }
 
-/// A rank's last backward of the step: it runs over its stage's pieces from the last
-/// to the first, making each one's gradients final as it passes.
+/// A rank's pass over its stage's pieces, spread over them in proportion to their
+/// compute: its last backward of the step (from the last piece to the first, making
+/// each one's gradients final as it passes), or its first forward (from the first,
+/// reading each one's parameters).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub(super) struct LastBackward {
+pub(super) struct StagePass {
     pub(super) start_s: f64,
     pub(super) end_s: f64,
     /// The stage's model pieces, `from..to` (embedding 0, layer l at l + 1, head L + 1).
@@ -64,17 +66,25 @@ pub(super) struct LastBackward {
     pub(super) weights: PieceWeights,
 }
 
-impl LastBackward {
-    /// When the gradients of `piece` and the pieces after it are final: the backward
-    /// spread over the stage's pieces in proportion to their compute.
-    pub(super) fn final_at(&self, piece: usize) -> f64 {
+impl StagePass {
+    /// The share of the pass spent on the stage's pieces below `piece`.
+    fn below(&self, piece: usize) -> f64 {
         let (from, to) = self.pieces;
         let whole = self.weights.of(from, to);
-        if whole <= 0.0 {
-            return self.end_s;
+        match whole > 0.0 {
+            true => self.weights.of(from, piece.clamp(from, to)) / whole,
+            false => 0.0,
         }
-        let left = self.weights.of(from, piece.clamp(from, to)) / whole;
-        self.end_s - (self.end_s - self.start_s) * left
+    }
+
+    /// A last backward: when the gradients of `piece` and the pieces after it are final.
+    pub(super) fn final_at(&self, piece: usize) -> f64 {
+        self.end_s - (self.end_s - self.start_s) * self.below(piece)
+    }
+
+    /// A first forward: when it reaches `piece` and needs its parameters.
+    pub(super) fn reaches(&self, piece: usize) -> f64 {
+        self.start_s + (self.end_s - self.start_s) * self.below(piece)
     }
 }
 
@@ -113,6 +123,9 @@ pub(super) struct BucketedReduction {
     pub(super) per_element_s: f64,
     /// Elements per bucket (`usize::MAX`: one).
     pub(super) bucket_size: usize,
+    /// Under the distributed optimizer, each bucket's all-gather of the updated
+    /// parameters after the step (per element each member sums); `None`: not sharded.
+    pub(super) gather: Option<CollectivePrice>,
 }
 
 impl BucketedReduction {
@@ -154,7 +167,7 @@ impl BucketedReduction {
 /// previous bucket has ended (0 for a queue without any).
 pub(super) fn reductions_end_s(
     reductions: &[(Vec<usize>, BucketedReduction)],
-    backward: &[LastBackward],
+    backward: &[StagePass],
 ) -> Vec<f64> {
     let mut free = vec![0.0f64; backward.len()];
     for (members, reduction) in reductions {
@@ -170,6 +183,36 @@ pub(super) fn reductions_end_s(
         }
     }
     free
+}
+
+/// What each of `queues` (a member's) waits for the distributed optimizer's parameter
+/// gathers, s after its step: every gather starts once the optimizer has (all at once,
+/// the optimizer waits for the global gradient norm), `reductions` in the plan's global
+/// order, each's buckets from its first piece's, one after another on each member.
+/// Without `--overlap-param-gather` (`forwards` `None`) a member waits for its last;
+/// with it the next step's first forward on a member (`forwards`, per queue, from the
+/// same start) waits at each bucket's lowest piece until the bucket has arrived.
+pub(super) fn gather_waits_s(
+    reductions: &[(Vec<usize>, BucketedReduction)],
+    queues: usize,
+    forwards: Option<&[StagePass]>,
+) -> Vec<f64> {
+    let (mut free, mut wait) = (vec![0.0f64; queues], vec![0.0f64; queues]);
+    for (members, reduction) in reductions {
+        let Some(gather) = reduction.gather else {
+            continue;
+        };
+        for (elements, lowest) in reduction.buckets().into_iter().rev() {
+            let start = members.iter().map(|&m| free[m]).fold(0.0, f64::max);
+            let end = start + gather.seconds(elements);
+            for &m in members {
+                free[m] = end;
+                let needed = forwards.map_or(0.0, |f| f[m].reaches(lowest));
+                wait[m] = wait[m].max(end - needed);
+            }
+        }
+    }
+    wait
 }
 
 /// The reductions of pieces `from..to` (holding `layers` decoder layers) held by
@@ -189,11 +232,13 @@ pub(super) fn held_reductions(
         true => usize::MAX,
         false => ctx.cost.bucket_size(collective.members),
     };
+    let reduction = collective.reduction();
     let mut out = vec![BucketedReduction {
         pieces: laid_out(model, (from, to), apart, collective.share),
-        fixed_s: collective.fixed_s,
-        per_element_s: collective.per_element_s,
+        fixed_s: reduction.fixed_s,
+        per_element_s: reduction.per_element_s,
         bucket_size,
+        gather: collective.gather(),
     }];
     let experts = expert_allreduce_s(ctx, units, layers);
     if experts > 0.0 {
@@ -206,6 +251,7 @@ pub(super) fn held_reductions(
             fixed_s: experts,
             per_element_s: 0.0,
             bucket_size: usize::MAX,
+            gather: None,
         });
     }
     out

@@ -2,7 +2,11 @@
 //! bucket as the reduction after the backward, smaller buckets hiding more of it, and
 //! the schedule against a brute force stepping through time.
 
-use super::buckets::{reductions_end_s, BucketedReduction, LaidPiece, LastBackward, PieceWeights};
+use super::buckets::{
+    gather_waits_s, reductions_end_s, BucketedReduction, LaidPiece, PieceWeights, StagePass,
+};
+use super::context::Ctx;
+use super::reduction::{holders_collective, CollectivePrice};
 use super::*;
 use crate::cost::{bucket_size, CostModel};
 use proptest::prelude::*;
@@ -57,6 +61,7 @@ fn a_bucket_closes_at_the_first_tensor_that_fills_it() {
         fixed_s: 0.0,
         per_element_s: 1.0,
         bucket_size,
+        gather: None,
     };
     let buckets = reduction(100).buckets();
     assert_eq!(buckets, [(100.0, 3), (100.0, 3), (100.0, 1), (230.0, 0)]);
@@ -232,7 +237,7 @@ fn cut_by_tensor(pieces: &[LaidPiece], size: f64) -> Vec<(f64, usize)> {
 }
 
 /// Brute force of a backward: each piece from the last walked in turn for its share.
-fn final_by_walking(b: &LastBackward, piece: usize) -> f64 {
+fn final_by_walking(b: &StagePass, piece: usize) -> f64 {
     let (from, to) = b.pieces;
     let w = |q: usize| match q {
         0 => b.weights.embedding,
@@ -252,7 +257,7 @@ fn final_by_walking(b: &LastBackward, piece: usize) -> f64 {
 /// the member idle.
 fn stepped_ends(
     reductions: &[(Vec<usize>, BucketedReduction)],
-    backward: &[LastBackward],
+    backward: &[StagePass],
     dt: f64,
 ) -> Vec<f64> {
     // Every bucket: (members, ready, seconds), in the global order.
@@ -316,6 +321,7 @@ fn random_reduction(
         fixed_s,
         per_element_s,
         bucket_size,
+        gather: None,
     }
 }
 
@@ -326,8 +332,8 @@ fn backward_of(
     pieces: (usize, usize),
     layers: usize,
     w: (f64, f64, f64),
-) -> LastBackward {
-    LastBackward {
+) -> StagePass {
+    StagePass {
         start_s,
         end_s: start_s + seconds,
         pieces,
@@ -351,7 +357,7 @@ proptest! {
         reductions in proptest::collection::vec((0usize..6, 1usize..=6, 0usize..8, 0.0f64..0.2, 1usize..=400), 1..=3),
     ) {
         let q = windows.len();
-        let backward: Vec<LastBackward> = (windows.iter())
+        let backward: Vec<StagePass> = (windows.iter())
             .map(|&(start, seconds, w)| backward_of((start, seconds), (0, layers + 2), layers, w))
             .collect();
         let reductions: Vec<(Vec<usize>, BucketedReduction)> = (reductions.iter())
@@ -384,7 +390,7 @@ proptest! {
         per_element in 1e-4f64..1e-2,
         latency in prop_oneof![Just(0.0f64), 1e-3f64..1e-1],
     ) {
-        let backward: Vec<LastBackward> = (windows.iter())
+        let backward: Vec<StagePass> = (windows.iter())
             .map(|&(start, seconds, w)| backward_of((start, seconds), (1, layers + 1), layers, w))
             .collect();
         let members: Vec<usize> = (0..backward.len()).collect();
@@ -427,7 +433,7 @@ fn a_tiny_plan_reduces_as_brute_force_steps_it() {
     let plan = Plan::from_toml(PLAN, None).unwrap();
     let (_, rows) = predict_timeline(&cost, &plan).unwrap();
     let (model, devices) = (&cost.model, cost.cluster.devices());
-    let backward: Vec<LastBackward> = (rows.iter().zip([(0, 3), (3, 6), (0, 6)]).enumerate())
+    let backward: Vec<StagePass> = (rows.iter().zip([(0, 3), (3, 6), (0, 6)]).enumerate())
         .map(|(rank, (row, pieces))| {
             let last = (row.spans.iter()).rfind(|s| s.kind == SpanKind::Backward);
             let k = cost.stage_costs(&devices[rank], 2).unwrap();
@@ -451,6 +457,7 @@ fn a_tiny_plan_reduces_as_brute_force_steps_it() {
             fixed_s,
             per_element_s: 4.0 * per_byte,
             bucket_size: size,
+            gather: None,
         };
         (vec![a, b], reduction)
     };
@@ -504,4 +511,112 @@ fn without_overlap_the_bucket_size_changes_nothing() {
         )
     };
     assert_eq!(steps(None), steps(Some(1000)));
+}
+
+/// The distributed optimizer's parameter gathers, after the step: four buckets of 100
+/// elements at a second per 100, gathered from the first piece's. Without
+/// `--overlap-param-gather` a member waits for all of them; with it the next forward
+/// (equal pieces) waits at each bucket until it has arrived: for the first only when it
+/// is slow, for most of them when it outruns the gathers.
+#[test]
+fn the_next_forward_waits_for_each_bucket_only_until_it_arrives() {
+    let reduction = BucketedReduction {
+        pieces: (0..4).rev().map(|q| piece(q, 100.0, 1)).collect(),
+        fixed_s: 0.0,
+        per_element_s: 0.0,
+        bucket_size: 100,
+        gather: Some(CollectivePrice {
+            fixed_s: 0.0,
+            per_element_s: 0.01,
+        }),
+    };
+    let reductions = [(vec![0, 1], reduction)];
+    let forward = |seconds: f64| backward_of((0.0, seconds), (0, 4), 2, (1.0, 1.0, 1.0));
+    let waits = |seconds: Option<f64>| {
+        let forwards = seconds.map(|s| [forward(s), forward(s)]);
+        gather_waits_s(&reductions, 2, forwards.as_ref().map(|f| &f[..]))
+    };
+    let close = |a: Vec<f64>, b: f64| a.iter().all(|x| (x - b).abs() < 1e-9);
+    assert!(close(waits(None), 4.0), "{:?}", waits(None));
+    // Reaching piece q at q·s/4: bucket q ends at q + 1.
+    assert!(close(waits(Some(40.0)), 1.0), "{:?}", waits(Some(40.0)));
+    assert!(close(waits(Some(4.0)), 1.0), "{:?}", waits(Some(4.0)));
+    assert!(close(waits(Some(0.4)), 4.0 - 0.3), "{:?}", waits(Some(0.4)));
+    // Unsharded reductions gather nothing.
+    let mut unsharded = reductions.clone();
+    unsharded[0].1.gather = None;
+    assert_eq!(gather_waits_s(&unsharded, 2, None), [0.0, 0.0]);
+}
+
+/// The collectives a sharded reduction runs: half a ring all-reduce to reduce-scatter
+/// the fp32 gradients, half again to gather bf16 parameters; the planner asks for the
+/// gathers to overlap only where the runtime can.
+#[test]
+fn a_sharded_reduction_scatters_in_fp32_and_gathers_in_the_parameters_dtype() {
+    let mut cost = a_cost(10.0);
+    cost.distributed_optimizer = true;
+    let ctx = Ctx::new(&cost);
+    let collective = holders_collective(&ctx, &[0, 1, 2]);
+    let all = collective.all_reduce;
+    let (scatter, gather) = (collective.reduction(), collective.gather().unwrap());
+    assert!((scatter.per_element_s - all.per_element_s / 2.0).abs() < 1e-18);
+    assert!((gather.per_element_s - all.per_element_s / 4.0).abs() < 1e-18);
+    assert!((gather.fixed_s - all.fixed_s / 2.0).abs() < 1e-15 && all.fixed_s > 0.0);
+    cost.distributed_optimizer = false;
+    let replicated = holders_collective(&Ctx::new(&cost), &[0, 1, 2]);
+    assert_eq!((replicated.reduction(), replicated.gather()), (all, None));
+    let options = TrainOptions {
+        distributed_optimizer: true,
+        overlap_param_gather: true,
+        ..TrainOptions::default()
+    };
+    let flags = ["--use-distributed-optimizer", "--overlap-param-gather"];
+    assert_eq!(options.train_flags(), flags);
+    assert!(options.cost(&cost).overlaps_param_gather());
+    // Without the distributed optimizer nothing is gathered; without the overlapped
+    // reduction the runtime refuses the flag, and the gathers follow the optimizer.
+    let replicated = TrainOptions {
+        distributed_optimizer: false,
+        ..options
+    };
+    assert_eq!(replicated.train_flags(), Vec::<String>::new());
+    assert!(!replicated.cost(&cost).distributed_optimizer);
+    let after = TrainOptions {
+        overlap_grad_reduce: false,
+        ..options
+    };
+    assert!(!after.train_flags().contains(&flags[1].to_owned()));
+    assert!(!after.cost(&cost).overlaps_param_gather());
+}
+
+proptest! {
+    /// Overlapped, a member waits no longer than for all its gathers, and at least for
+    /// its first bucket's (which the forward needs first); without overlap, for the sum
+    /// of its buckets when it takes part in one reduction.
+    #[test]
+    fn overlapped_gathers_wait_between_the_first_bucket_and_all(
+        layers in 1usize..=4,
+        forwards in proptest::collection::vec((0.0f64..2.0, 0.0f64..2.0, (0.0f64..1.0, 0.1f64..1.0, 0.0f64..2.0)), 2..=3),
+        tensor in proptest::collection::vec(1u32..=40, 1..=4),
+        (fixed, size) in (0.0f64..0.2, 1usize..=400),
+    ) {
+        let q = forwards.len();
+        let forwards: Vec<StagePass> = (forwards.iter())
+            .map(|&(start, seconds, w)| backward_of((start, seconds), (0, layers + 2), layers, w))
+            .collect();
+        let mut r = random_reduction((0, layers + 2), layers, &tensor, (0.0, 0.0, size));
+        r.gather = Some(CollectivePrice { fixed_s: fixed, per_element_s: 1e-3 });
+        let gather = r.gather.unwrap();
+        let first = gather.seconds(r.buckets().last().unwrap().0);
+        let all: f64 = r.buckets().iter().map(|&(e, _)| gather.seconds(e)).sum();
+        let reductions = [((0..q).collect::<Vec<_>>(), r)];
+        let after = gather_waits_s(&reductions, q, None);
+        let overlapped = gather_waits_s(&reductions, q, Some(&forwards));
+        for m in 0..q {
+            prop_assert!((after[m] - all).abs() < 1e-9, "{} vs {}", after[m], all);
+            let lower = first - forwards[m].start_s;
+            prop_assert!(overlapped[m] <= all + 1e-9 && overlapped[m] >= lower - 1e-9,
+                "{}: {} not in [{}, {}]", m, overlapped[m], lower, all);
+        }
+    }
 }

@@ -276,15 +276,16 @@ impl<'a> Ctx<'a> {
         (layer_s - experts + stretched + exchange, stretched)
     }
 
-    /// [`CostModel::allreduce_seconds`] of `bytes` over the cluster's devices `devices`,
-    /// whose price (linear in the bytes) is kept per device list.
+    /// [`CostModel::allreduce_seconds`] of `bytes` over the cluster's devices `devices`.
+    #[cfg(test)]
     pub(super) fn allreduce_seconds(&self, devices: Vec<usize>, bytes: f64) -> f64 {
         let (fixed, per_byte) = self.allreduce_price(devices);
         fixed + per_byte * bytes
     }
 
-    /// [`Ctx::allreduce_seconds`]'s price over `devices`: (seconds at 0 bytes, its
-    /// latency; seconds per byte).
+    /// [`CostModel::allreduce_seconds`]'s price over the cluster's devices `devices`
+    /// (linear in the bytes, kept per device list): (seconds at 0 bytes, its latency;
+    /// seconds per byte).
     pub(super) fn allreduce_price(&self, devices: Vec<usize>) -> (f64, f64) {
         if let Some(&price) = self.allreduce_prices.borrow().get(&devices) {
             return price;

@@ -117,6 +117,10 @@ pub struct Prediction {
     /// Slowest rank's optimizer step, s (0 where not priced: see
     /// [`PlanOutcome::unpriced_optimizer`]).
     pub optimizer_s: f64,
+    /// What the step waits for the distributed optimizer's gather of the updated
+    /// parameters, s: all of it after the optimizer, or with `--overlap-param-gather`
+    /// what the next forward does not hide (0 without the distributed optimizer).
+    pub param_gather_s: f64,
     /// Idle fraction of rank-time.
     pub bubble_fraction: f64,
     /// Per stage, the largest per-micro-batch time over replicas, s.
@@ -417,6 +421,9 @@ pub struct PooledCandidate {
     pub reduce_s: f64,
     /// The slowest rank's optimizer step, s.
     pub optimizer_s: f64,
+    /// What the step waits for the distributed optimizer's parameter gathers, s
+    /// ([`Prediction::param_gather_s`]).
+    pub param_gather_s: f64,
     /// When each replica's pipeline finishes (its last rank), s, in the plan's order.
     pub replica_finish_s: Vec<f64>,
 }

@@ -2,7 +2,10 @@
 //! check, the 1F1B formula, the reduction and the optimizer step.
 
 use super::{
-    buckets::{grid_reductions, pieces_of, reductions_end_s, LastBackward, PieceWeights},
+    buckets::{
+        gather_waits_s, grid_reductions, pieces_of, reductions_end_s, BucketedReduction,
+        PieceWeights, StagePass,
+    },
     context::Ctx,
     error::{Infeasibility, MemoryShortfall, PlanningError, Violation},
     memory_fit::{memory_need, stage_fits, Shares, StageFit},
@@ -169,11 +172,16 @@ pub(super) fn evaluate(
         .fold(0.0, f64::max);
     let allreduce_s = max(&allreduce_times(ctx, grid, layers));
     let optimizer_s = max(&optimizer_times(ctx, grid, layers).concat());
+    let reductions = match ctx.cost.overlap_grad_reduce || ctx.cost.distributed_optimizer {
+        true => grid_reductions(ctx, grid, layers),
+        false => Vec::new(),
+    };
     let reduced = match ctx.cost.overlap_grad_reduce {
         false => pipeline_s + allreduce_s,
-        true => pipeline_s.max(overlapped_end_s(ctx, (grid, layers), &times, m)),
+        true => pipeline_s.max(overlapped_end_s(ctx, layers, &times, m, &reductions)),
     };
-    let step = reduced + optimizer_s + ctx.cost.step_overhead_s();
+    let param_gather_s = gather_wait_s(ctx, layers, &times, &reductions);
+    let step = reduced + optimizer_s + param_gather_s + ctx.cost.step_overhead_s();
     let busy: Vec<Vec<f64>> = (0..p)
         .map(|i| (0..d).map(|r| t[i][r] * m[r] as f64).collect())
         .collect();
@@ -183,6 +191,7 @@ pub(super) fn evaluate(
         pipeline_s,
         allreduce_s,
         optimizer_s,
+        param_gather_s,
         bubble_fraction: 1.0 - total_busy / (step * (p * d) as f64).max(1e-30),
         stage_time_s: t
             .iter()
@@ -199,11 +208,12 @@ pub(super) fn evaluate(
 /// less the later backwards and sends of the stages before it).
 fn overlapped_end_s(
     ctx: &Ctx<'_>,
-    (grid, layers): (&[Vec<usize>], &[usize]),
+    layers: &[usize],
     StageTimes { t, c, fits }: &StageTimes,
     m: &[usize],
+    reductions: &[(Vec<usize>, BucketedReduction)],
 ) -> f64 {
-    let (p, d) = (grid.len(), grid[0].len());
+    let (p, d) = (t.len(), t[0].len());
     let l = ctx.cost.model.num_layers;
     let pieces = pieces_of(layers, l);
     // Per (stage, replica), queue i·d + r.
@@ -213,7 +223,7 @@ fn overlapped_end_s(
             let backward_s = |j: usize| t[j][r] * (1.0 - fits[j][r].costs.forward_fraction);
             let drain: f64 = (0..i).map(|j| backward_s(j) + c[j][r]).sum();
             let end_s = pipeline_time(t, c, r, m[r]) - drain;
-            backward.push(LastBackward {
+            backward.push(StagePass {
                 start_s: end_s - backward_s(i),
                 end_s,
                 pieces: pieces[i],
@@ -221,10 +231,39 @@ fn overlapped_end_s(
             });
         }
     }
-    max(&reductions_end_s(
-        &grid_reductions(ctx, grid, layers),
-        &backward,
-    ))
+    max(&reductions_end_s(reductions, &backward))
+}
+
+/// The closed form's wait for the distributed optimizer's parameter gathers
+/// ([`gather_waits_s`]): the slowest queue's, each (stage, replica)'s first forward
+/// starting once the stages before it have passed one micro-batch forward and sent it.
+fn gather_wait_s(
+    ctx: &Ctx<'_>,
+    layers: &[usize],
+    StageTimes { t, c, fits }: &StageTimes,
+    reductions: &[(Vec<usize>, BucketedReduction)],
+) -> f64 {
+    if !ctx.cost.distributed_optimizer {
+        return 0.0;
+    }
+    let (p, d) = (t.len(), t[0].len());
+    let l = ctx.cost.model.num_layers;
+    let pieces = pieces_of(layers, l);
+    let forward_s = |j: usize, r: usize| t[j][r] * fits[j][r].costs.forward_fraction;
+    let forwards: Vec<StagePass> = (0..p)
+        .flat_map(|i| (0..d).map(move |r| (i, r)))
+        .map(|(i, r)| {
+            let start_s: f64 = (0..i).map(|j| forward_s(j, r) + c[j][r]).sum();
+            StagePass {
+                start_s,
+                end_s: start_s + forward_s(i, r),
+                pieces: pieces[i],
+                weights: PieceWeights::new(&fits[i][r].costs, l),
+            }
+        })
+        .collect();
+    let overlapped = ctx.cost.overlaps_param_gather().then_some(&forwards[..]);
+    max(&gather_waits_s(reductions, p * d, overlapped))
 }
 
 /// The largest of `values` (0 for none).

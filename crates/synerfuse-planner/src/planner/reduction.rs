@@ -42,7 +42,10 @@ pub(super) fn expert_allreduce_s(ctx: &Ctx<'_>, units: &[usize], layers: f64) ->
         }
         let members: Vec<usize> = these.iter().map(|&k| units[k]).collect();
         let params = whole * (end - j) as f64 / slices as f64;
-        let t = holders_allreduce_s(ctx, &members, params);
+        // Priced whole: an all-reduce (its reduce-scatter and gather under the
+        // distributed optimizer cost about as much).
+        let collective = holders_collective(ctx, &members);
+        let t = collective.all_reduce.seconds(params * collective.share);
         for &k in &these {
             seconds[k] += t;
         }
@@ -59,39 +62,57 @@ fn lcm(a: usize, b: usize) -> usize {
     a / x.max(1) * b
 }
 
-/// The fp32 gradient all-reduce of `params` parameters over the units that hold them:
-/// units split alike reduce share by share, side by side (priced over each unit's first
-/// member); otherwise the trainer reduces whole tensors over every member of every unit.
+/// The gradient reduction of `params` parameters over the units that hold them, s
+/// ([`holders_collective`]'s: an all-reduce, or a reduce-scatter under the distributed
+/// optimizer).
 pub(super) fn holders_allreduce_s(ctx: &Ctx<'_>, units: &[usize], params: f64) -> f64 {
-    let alike = (units.iter()).all(|&u| ctx.groups[u].shares == ctx.groups[units[0]].shares);
-    match alike {
-        true => {
-            let share = (units.iter())
-                .map(|&u| ctx.state_fraction(u))
-                .fold(0.0, f64::max);
-            let devices = units
-                .iter()
-                .flat_map(|&u| ctx.reducing_members(u))
-                .collect();
-            ctx.allreduce_seconds(devices, params * 4.0 * share)
-        }
-        false => {
-            let members = (units.iter())
-                .flat_map(|&u| ctx.groups[u].members.iter().copied())
-                .collect();
-            ctx.allreduce_seconds(members, params * 4.0)
+    let collective = holders_collective(ctx, units);
+    collective.reduction().seconds(params * collective.share)
+}
+
+/// The distributed optimizer's all-gather of `params` updated parameters over the units
+/// that hold them, in the parameters' dtype, s (0 where their reduction is not sharded).
+pub(super) fn holders_gather_s(ctx: &Ctx<'_>, units: &[usize], params: f64) -> f64 {
+    let collective = holders_collective(ctx, units);
+    (collective.gather()).map_or(0.0, |g| g.seconds(params * collective.share))
+}
+
+/// A collective's price, linear in the elements each member moves.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct CollectivePrice {
+    /// Seconds of one collective of no bytes: its latency, paid once per bucket.
+    pub(super) fixed_s: f64,
+    /// Seconds per element.
+    pub(super) per_element_s: f64,
+}
+
+impl CollectivePrice {
+    /// Seconds of one collective of `elements`.
+    pub(super) fn seconds(&self, elements: f64) -> f64 {
+        self.fixed_s + self.per_element_s * elements
+    }
+
+    /// Half of it: a ring reduce-scatter or all-gather, half of a ring all-reduce's steps.
+    fn half(self, bytes_ratio: f64) -> Self {
+        CollectivePrice {
+            fixed_s: self.fixed_s / 2.0,
+            per_element_s: self.per_element_s / 2.0 * bytes_ratio,
         }
     }
 }
 
-/// How [`holders_allreduce_s`] prices a reduction over `units`, per element each member
-/// sums, so that it can be cut into buckets.
+/// How a gradient reduction over units runs, per element each member sums, so that it
+/// can be cut into buckets: the fp32 all-reduce over the units' reducing members (units
+/// split alike reduce share by share, side by side, priced over each unit's first
+/// member; otherwise whole tensors over every member of every unit). Under the
+/// distributed optimizer a reduction of units split alike over more than one rank is
+/// sharded, as the runtime's: the gradients reduce-scattered (fp32) and, after the
+/// step, the updated parameters all-gathered in their own dtype (whole-tensor
+/// reductions keep the replicated optimizer).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) struct Collective {
-    /// Seconds of one collective of no bytes: its latency, paid once per bucket.
-    pub(super) fixed_s: f64,
-    /// Seconds per fp32 element each member sums.
-    pub(super) per_element_s: f64,
+    /// The fp32 all-reduce, per fp32 element.
+    pub(super) all_reduce: CollectivePrice,
     /// Elements a member sums per parameter: its share where the units split alike.
     pub(super) share: f64,
     /// Ranks taking part, which the runtime's default bucket size scales with.
@@ -99,9 +120,30 @@ pub(super) struct Collective {
     /// Whether it sums whole tensors (units split otherwise), which the runtime sends in
     /// one bucket.
     pub(super) whole: bool,
+    /// Whether the distributed optimizer shards it: a reduce-scatter, then a gather.
+    pub(super) sharded: bool,
+    /// Bytes of a parameter in the dtype the gather moves.
+    pub(super) param_bytes: f64,
 }
 
-/// [`holders_allreduce_s`]'s collective over `units`.
+impl Collective {
+    /// The gradient reduction: the all-reduce, or under the distributed optimizer its
+    /// reduce-scatter half.
+    pub(super) fn reduction(&self) -> CollectivePrice {
+        match self.sharded {
+            true => self.all_reduce.half(1.0),
+            false => self.all_reduce,
+        }
+    }
+
+    /// The distributed optimizer's all-gather of the updated parameters (their dtype),
+    /// per element; `None` where the reduction is not sharded.
+    pub(super) fn gather(&self) -> Option<CollectivePrice> {
+        (self.sharded).then(|| self.all_reduce.half(self.param_bytes / 4.0))
+    }
+}
+
+/// The collective that reduces the gradients of `units` ([`Collective`]).
 pub(super) fn holders_collective(ctx: &Ctx<'_>, units: &[usize]) -> Collective {
     let alike = (units.iter()).all(|&u| ctx.groups[u].shares == ctx.groups[units[0]].shares);
     let (devices, share): (Vec<usize>, f64) = match alike {
@@ -123,10 +165,14 @@ pub(super) fn holders_collective(ctx: &Ctx<'_>, units: &[usize]) -> Collective {
     let members = devices.len();
     let (fixed_s, per_byte) = ctx.allreduce_price(devices);
     Collective {
-        fixed_s,
-        per_element_s: per_byte * 4.0,
+        all_reduce: CollectivePrice {
+            fixed_s,
+            per_element_s: per_byte * 4.0,
+        },
         share,
         members,
         whole: !alike,
+        sharded: ctx.cost.distributed_optimizer && alike && members > 1,
+        param_bytes: ctx.cost.compute_bytes,
     }
 }

@@ -98,6 +98,9 @@ pub struct TrainOptions {
     pub overlap_grad_reduce: bool,
     /// `--ddp-bucket-size` (elements; `None`: the runtime's default).
     pub ddp_bucket_size: Option<usize>,
+    /// `--overlap-param-gather` (with the distributed optimizer and the overlapped
+    /// reduction only, as the runtime's).
+    pub overlap_param_gather: bool,
 }
 
 impl Default for TrainOptions {
@@ -108,6 +111,7 @@ impl Default for TrainOptions {
             expert_parallel: 1,
             overlap_grad_reduce: true,
             ddp_bucket_size: None,
+            overlap_param_gather: false,
         }
     }
 }
@@ -121,6 +125,7 @@ impl TrainOptions {
             expert_parallel: cost.expert_parallel,
             overlap_grad_reduce: cost.overlap_grad_reduce,
             ddp_bucket_size: cost.ddp_bucket_size,
+            overlap_param_gather: cost.overlap_param_gather,
         }
     }
 
@@ -132,6 +137,7 @@ impl TrainOptions {
             expert_parallel: self.expert_parallel,
             overlap_grad_reduce: self.overlap_grad_reduce,
             ddp_bucket_size: self.ddp_bucket_size,
+            overlap_param_gather: self.overlap_param_gather,
             ..cost.clone()
         }
     }
@@ -156,7 +162,17 @@ impl TrainOptions {
         } else if let Some(size) = self.ddp_bucket_size {
             flags.extend(["--ddp-bucket-size".to_owned(), size.to_string()]);
         }
+        if self.overlaps_param_gather() {
+            flags.push("--overlap-param-gather".to_owned());
+        }
         flags
+    }
+
+    /// Whether the parameter gathers overlap the next forward: asked for, and possible
+    /// (the runtime's needs: the distributed optimizer and the overlapped reduction; a
+    /// plan searched without the distributed optimizer gathers nothing).
+    pub fn overlaps_param_gather(&self) -> bool {
+        self.overlap_param_gather && self.distributed_optimizer && self.overlap_grad_reduce
     }
 }
 

@@ -7,7 +7,7 @@ use super::{
     context::Ctx,
     memory_fit::Shares,
     outcome::{replicas, PoolLayout},
-    reduction::{expert_allreduce_s, experts_apart, holders_allreduce_s},
+    reduction::{expert_allreduce_s, experts_apart, holders_allreduce_s, holders_gather_s},
 };
 
 /// Each replica's stage boundaries in pieces (embedding = 0, layer i = i + 1, head =
@@ -121,6 +121,29 @@ pub(super) fn reduce_s(ctx: &Ctx<'_>, segments: &[PooledSegment]) -> Vec<f64> {
         };
         let t = holders_allreduce_s(ctx, &units, segment.params - experts)
             + expert_allreduce_s(ctx, &units, segment.layers);
+        for &(position, _) in &segment.holders {
+            seconds[position] += t;
+        }
+    }
+    seconds
+}
+
+/// Per position, the distributed optimizer's gathers of its segments' updated
+/// parameters after the step, s, one after another (0 without it, or where
+/// `--overlap-param-gather` hides them behind the next forward: the closed form's
+/// estimate; simulated plans price the buckets).
+pub(super) fn gather_s(ctx: &Ctx<'_>, segments: &[PooledSegment]) -> Vec<f64> {
+    let mut seconds = vec![0.0; positions(segments)];
+    if ctx.cost.overlaps_param_gather() {
+        return seconds;
+    }
+    for segment in segments {
+        let units: Vec<usize> = segment.holders.iter().map(|&(_, u)| u).collect();
+        let experts = match experts_apart(ctx, &units) {
+            true => segment.layers * ctx.cost.model.expert_layer_params(),
+            false => 0.0,
+        };
+        let t = holders_gather_s(ctx, &units, segment.params - experts);
         for &(position, _) in &segment.holders {
             seconds[position] += t;
         }

@@ -2,8 +2,8 @@
 
 use super::{
     buckets::{
-        grid_reductions, held_reductions, pieces_of, reductions_end_s, BucketedReduction,
-        LastBackward, PieceWeights,
+        gather_waits_s, grid_reductions, held_reductions, pieces_of, reductions_end_s,
+        BucketedReduction, PieceWeights, StagePass,
     },
     context::Ctx,
     error::PlanningError,
@@ -67,16 +67,22 @@ pub(super) fn simulate_step(
     let report = run_schedule(ctx, &plan, &paces, record)?;
     let reduce = allreduce_times(ctx, &c.devices, &c.layers);
     let optimizer = optimizer_times(ctx, &c.devices, &c.layers);
-    let reduced = grid_reduced(ctx, c, (&coords, &paces), &report, &reduce);
+    let reductions = grid_reductions(ctx, &c.devices, &c.layers);
+    let d = c.micro_batches.len();
+    let queues = (|rank: usize| coords[rank].0 * d + coords[rank].1, p * d);
+    let reduced = grid_reduced(ctx, (&coords, &paces), &report, &reduce, &reductions);
+    let gathers = gather_waits(ctx, (&report, &paces), queues, &reductions);
     let all_reduced = reduced.all_s;
     let optimizer_s = max(&optimizer.concat());
-    let step = all_reduced + optimizer_s + ctx.cost.step_overhead_s();
+    let param_gather_s = max(&gathers);
+    let step = all_reduced + optimizer_s + param_gather_s + ctx.cost.step_overhead_s();
     let total_busy: f64 = report.busy_s.iter().sum();
     let prediction = Prediction {
         step_time_s: step,
         pipeline_s: report.makespan_s,
         allreduce_s: max(&reduce),
         optimizer_s,
+        param_gather_s,
         bubble_fraction: 1.0 - total_busy / (step * report.busy_s.len() as f64).max(1e-30),
         simulated: true,
         stage_time_s: c.prediction.stage_time_s[..p].to_vec(),
@@ -89,23 +95,25 @@ pub(super) fn simulate_step(
             reduce_end_s: reduced.spans[rank].1,
             all_reduced_s: all_reduced,
             optimizer_s: optimizer[i][r],
+            gather_s: (all_reduced + optimizer_s, gathers[rank]),
         }
     };
     let rows = rank_rows(ctx, &plan, &paces, report, after);
     Ok((prediction, rows))
 }
 
-/// Each rank of grid candidate `c` (at `coords`, (stage, replica), and `paces`): its
+/// Each rank of a grid candidate (at `coords`, (stage, replica), and `paces`): its
 /// stage's reduction after its replicas' pipelines (of `reduce` seconds), or in
-/// buckets over them inside their last backwards.
+/// buckets over them inside their last backwards (`reductions`, per stage and replica).
 fn grid_reduced(
     ctx: &Ctx<'_>,
-    c: &Candidate,
     (coords, paces): (&[(usize, usize)], &[RankPace]),
     report: &sim::SimReport,
     reduce: &[f64],
+    reductions: &[(Vec<usize>, BucketedReduction)],
 ) -> Reduced {
-    let (p, d) = (c.layers.len(), c.micro_batches.len());
+    let p = reduce.len();
+    let d = paces.iter().map(|pace| pace.replica + 1).max().unwrap_or(0);
     if !ctx.cost.overlap_grad_reduce {
         // Each stage's reduction starts when the last of its replicas finishes.
         let mut stage_done = vec![0.0f64; p];
@@ -114,9 +122,8 @@ fn grid_reduced(
         }
         return after_pipelines(paces, &stage_done, reduce);
     }
-    let reductions = grid_reductions(ctx, &c.devices, &c.layers);
     let queue = |rank: usize| coords[rank].0 * d + coords[rank].1;
-    overlapped(report, paces, (queue, p * d), &reductions)
+    overlapped(report, paces, (queue, p * d), reductions)
 }
 
 /// The simulated step of `candidate` on `cost`'s cluster, rank by rank.
@@ -162,6 +169,7 @@ pub(super) fn simulate_pools(
         pipeline_s: 0.0,
         reduce_s: 0.0,
         optimizer_s: 0.0,
+        param_gather_s: 0.0,
         replica_finish_s: Vec::new(),
     };
     let plan = candidate.to_plan(ctx.cost)?;
@@ -170,7 +178,10 @@ pub(super) fn simulate_pools(
     let segments = pooled_segments(ctx, &candidate.pools);
     let reduce = reduce_s(ctx, &segments);
     let optimizer = optimizer_s(ctx, &candidate.pools, &segments);
-    let reduced = pooled_reduced(ctx, &segments, &paces, &report, &reduce);
+    let reductions = pooled_reductions(ctx, &segments);
+    let reduced = pooled_reduced(ctx, (&segments, &reductions), &paces, &report, &reduce);
+    let queues = (|rank: usize| paces[rank].position, reduce.len());
+    let gathers = gather_waits(ctx, (&report, &paces), queues, &reductions);
     let all_reduced = reduced.all_s;
     let replicas = paces.last().map_or(0, |pace| pace.replica + 1);
     candidate.replica_finish_s = vec![0.0; replicas];
@@ -181,23 +192,41 @@ pub(super) fn simulate_pools(
     candidate.pipeline_s = report.makespan_s;
     candidate.reduce_s = max(&reduce);
     candidate.optimizer_s = optimizer;
-    candidate.step_time_s = all_reduced + optimizer + ctx.cost.step_overhead_s();
+    candidate.param_gather_s = max(&gathers);
+    candidate.step_time_s =
+        all_reduced + optimizer + candidate.param_gather_s + ctx.cost.step_overhead_s();
     let after = |rank: usize| AfterSchedule {
         reduce_start_s: reduced.spans[rank].0,
         reduce_end_s: reduced.spans[rank].1,
         all_reduced_s: all_reduced,
         optimizer_s: optimizer,
+        gather_s: (all_reduced + optimizer, gathers[rank]),
     };
     let rows = rank_rows(ctx, &plan, &paces, report, after);
     Ok((candidate, rows))
 }
 
-/// Each rank of a per-replica-pipeline plan (at `paces`): its position's reductions
-/// (of `reduce` seconds) after every holder of its `segments` has finished, or in
-/// buckets inside the holders' last backwards.
-fn pooled_reduced(
+/// Every reduction of a per-replica-pipeline plan's `segments`, each over its holders'
+/// positions, in the plan's global order (the segments from the last to the first).
+fn pooled_reductions(
     ctx: &Ctx<'_>,
     segments: &[PooledSegment],
+) -> Vec<(Vec<usize>, BucketedReduction)> {
+    (segments.iter().rev())
+        .flat_map(|s| {
+            let (positions, units): (Vec<usize>, Vec<usize>) = s.holders.iter().copied().unzip();
+            let held = held_reductions(ctx, &units, s.pieces, s.layers);
+            held.into_iter().map(move |b| (positions.clone(), b))
+        })
+        .collect()
+}
+
+/// Each rank of a per-replica-pipeline plan (at `paces`): its position's reductions
+/// (of `reduce` seconds) after every holder of its `segments` has finished, or in
+/// buckets (`reductions`) inside the holders' last backwards.
+fn pooled_reduced(
+    ctx: &Ctx<'_>,
+    (segments, reductions): (&[PooledSegment], &[(Vec<usize>, BucketedReduction)]),
     paces: &[RankPace],
     report: &sim::SimReport,
     reduce: &[f64],
@@ -211,16 +240,8 @@ fn pooled_reduced(
         }
         return after_pipelines(paces, &reduce_starts(segments, &finished), reduce);
     }
-    // The segments from the last to the first, the plan's global order.
-    let reductions: Vec<(Vec<usize>, BucketedReduction)> = (segments.iter().rev())
-        .flat_map(|s| {
-            let (positions, units): (Vec<usize>, Vec<usize>) = s.holders.iter().copied().unzip();
-            let held = held_reductions(ctx, &units, s.pieces, s.layers);
-            held.into_iter().map(move |b| (positions.clone(), b))
-        })
-        .collect();
     let queue = |rank: usize| paces[rank].position;
-    overlapped(report, paces, (queue, reduce.len()), &reductions)
+    overlapped(report, paces, (queue, reduce.len()), reductions)
 }
 
 /// Runs `plan`'s 1F1B programs (every replica at once) with each rank at its pace and
@@ -347,12 +368,14 @@ fn run_distinct_replicas(
     let world = plan.world_size();
     let (mut finish_s, mut busy_s) = (vec![0.0; world], vec![0.0; world]);
     let mut last_backward_s = vec![(0.0, 0.0); world];
+    let mut first_forward_s = vec![(0.0, 0.0); world];
     for (r, replica) in plan.replicas().iter().enumerate() {
         for (place, &rank) in replica.ranks.iter().flatten().enumerate() {
             let i = first[representative[r]] + place;
             finish_s[rank] = simulated.finish_s[i];
             busy_s[rank] = simulated.busy_s[i];
             last_backward_s[rank] = simulated.last_backward_s[i];
+            first_forward_s[rank] = simulated.first_forward_s[i];
         }
     }
     Ok(sim::SimReport {
@@ -360,6 +383,7 @@ fn run_distinct_replicas(
         busy_s,
         makespan_s: simulated.makespan_s,
         last_backward_s,
+        first_forward_s,
         spans: Vec::new(),
     })
 }
@@ -373,6 +397,10 @@ struct AfterSchedule {
     reduce_end_s: f64,
     all_reduced_s: f64,
     optimizer_s: f64,
+    /// When the parameter gathers start (every optimizer step done) and what it waits
+    /// for its own after that (with `--overlap-param-gather`, what the next forward
+    /// waits, drawn here).
+    gather_s: (f64, f64),
 }
 
 /// Every rank's spans: its schedule's, then what [`AfterSchedule`] says.
@@ -402,6 +430,11 @@ fn rank_rows(
         span(SpanKind::Wait, a.reduce_end_s, a.all_reduced_s);
         let done = a.all_reduced_s + a.optimizer_s;
         span(SpanKind::Optimizer, a.all_reduced_s, done);
+        let (gathers_s, gather_s) = a.gather_s;
+        if gather_s > 0.0 {
+            span(SpanKind::Wait, done, gathers_s);
+            span(SpanKind::Gather, gathers_s, gathers_s + gather_s);
+        }
         let (replica, stage) = positions.get(rank).copied().unwrap_or_default();
         rows.push(RankTimeline {
             label: format!(
@@ -464,12 +497,12 @@ fn overlapped(
     (queue, queues): (impl Fn(usize) -> usize, usize),
     reductions: &[(Vec<usize>, BucketedReduction)],
 ) -> Reduced {
-    let mut backward: Vec<Option<LastBackward>> = vec![None; queues];
+    let mut backward: Vec<Option<StagePass>> = vec![None; queues];
     for (rank, pace) in paces.iter().enumerate() {
         let (start_s, end_s) = report.last_backward_s[rank];
         let slot = &mut backward[queue(rank)];
         if slot.is_none_or(|b| b.end_s < end_s) {
-            *slot = Some(LastBackward {
+            *slot = Some(StagePass {
                 start_s,
                 end_s,
                 pieces: pace.pieces,
@@ -477,7 +510,7 @@ fn overlapped(
             });
         }
     }
-    let backward: Vec<LastBackward> = (backward.into_iter())
+    let backward: Vec<StagePass> = (backward.into_iter())
         .map(|b| b.expect("a rank in every queue"))
         .collect();
     let ends = reductions_end_s(reductions, &backward);
@@ -486,6 +519,39 @@ fn overlapped(
         .collect();
     let all_s = spans.iter().map(|s| s.1).fold(0.0, f64::max);
     Reduced { spans, all_s }
+}
+
+/// Each rank's wait for its parameter gathers after the optimizer ([`gather_waits_s`]):
+/// its queue's (`queue` of a rank, of `queues`), each queue's first forward its
+/// earliest rank's in this step's schedule (the next step's starts alike).
+fn gather_waits(
+    ctx: &Ctx<'_>,
+    (report, paces): (&sim::SimReport, &[RankPace]),
+    (queue, queues): (impl Fn(usize) -> usize, usize),
+    reductions: &[(Vec<usize>, BucketedReduction)],
+) -> Vec<f64> {
+    if !ctx.cost.distributed_optimizer {
+        return vec![0.0; paces.len()];
+    }
+    let mut forwards: Vec<Option<StagePass>> = vec![None; queues];
+    for (rank, pace) in paces.iter().enumerate() {
+        let (start_s, end_s) = report.first_forward_s[rank];
+        let slot = &mut forwards[queue(rank)];
+        if slot.is_none_or(|f| start_s < f.start_s) {
+            *slot = Some(StagePass {
+                start_s,
+                end_s,
+                pieces: pace.pieces,
+                weights: pace.weights,
+            });
+        }
+    }
+    let forwards: Vec<StagePass> = (forwards.into_iter())
+        .map(|f| f.expect("a rank in every queue"))
+        .collect();
+    let overlapped = ctx.cost.overlaps_param_gather().then_some(&forwards[..]);
+    let waits = gather_waits_s(reductions, queues, overlapped);
+    (0..paces.len()).map(|rank| waits[queue(rank)]).collect()
 }
 
 /// A replica's last micro-batch on one rank: which it is, its samples, its seconds.

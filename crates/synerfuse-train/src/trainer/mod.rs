@@ -427,7 +427,24 @@ impl<'w> Trainer<'w> {
         }
         times.compute += started.elapsed() - gathering;
         times.communication += gathering;
-        spans.push(span(SpanKind::Optimizer, start_s));
+        // Blocking, the gathers (one per reduction, between the updates) are drawn
+        // after the updates, as long as all of them: as the planner's timeline shows.
+        let end_s = since_start();
+        let gather_s = match self.config.parallel.overlap_param_gather {
+            true => 0.0,
+            false => gathering.as_secs_f64(),
+        };
+        let updated_s = end_s - gather_s;
+        let after_updates = |kind, start_s, end_s| Span {
+            kind,
+            start_s,
+            end_s,
+            micro_batch: None,
+        };
+        spans.push(after_updates(SpanKind::Optimizer, start_s, updated_s));
+        if gather_s > 0.0 {
+            spans.push(after_updates(SpanKind::Gather, updated_s, end_s));
+        }
         Ok(StepResult {
             loss_sum: loss.loss_sum,
             loss_tokens,

@@ -150,6 +150,7 @@ impl<'w> Trainer<'w> {
             reduction: synerfuse_plan::RunReduction {
                 overlap_grad_reduce: self.config.parallel.overlap_grad_reduce,
                 ddp_bucket_size: self.config.parallel.ddp_bucket_size,
+                overlap_param_gather: self.config.parallel.overlap_param_gather,
             },
         })
     }

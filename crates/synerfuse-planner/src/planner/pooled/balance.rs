@@ -11,7 +11,7 @@ use crate::planner::{
     outcome::PoolLayout,
     pricing::{max, pipeline_time},
     samples::{min_max_samples, ReplicaPace},
-    segments::{optimizer_s, pooled_segments, reduce_s},
+    segments::{gather_s, optimizer_s, pooled_segments, reduce_s},
     split::split_layers,
 };
 
@@ -145,14 +145,15 @@ pub(in crate::planner) fn most_micro_batches(
 }
 
 /// The step in closed form: the slowest replica's 1F1B, the busiest rank's reduction,
-/// the slowest optimizer step.
+/// the slowest optimizer step, the busiest rank's parameter gathers.
 pub(in crate::planner) fn closed_form_step_s(
     ctx: &mut Ctx<'_>,
     layouts: &[PoolLayout],
 ) -> Result<f64, PlanningError> {
     let segments = pooled_segments(ctx, layouts);
     let reduce = max(&reduce_s(ctx, &segments));
-    Ok(pipelines_s(ctx, layouts)? + reduce + optimizer_s(ctx, layouts, &segments))
+    let gather = max(&gather_s(ctx, &segments));
+    Ok(pipelines_s(ctx, layouts)? + reduce + optimizer_s(ctx, layouts, &segments) + gather)
 }
 
 /// The slowest replica's 1F1B closed form.

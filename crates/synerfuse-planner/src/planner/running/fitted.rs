@@ -114,6 +114,7 @@ pub fn fitted_cost_of(job: &RunningJob<'_>, kept: &[usize]) -> Result<CostModel,
     cost.compute_bytes = job.compute_bytes;
     cost.overlap_grad_reduce = job.overlap_grad_reduce;
     cost.ddp_bucket_size = job.ddp_bucket_size;
+    cost.overlap_param_gather = job.overlap_param_gather;
     cost.recompute = match job.recompute {
         true => Recompute::Always,
         false => Recompute::Never,

@@ -25,6 +25,8 @@ pub struct RunningJob<'a> {
     pub overlap_grad_reduce: bool,
     /// `--ddp-bucket-size`.
     pub ddp_bucket_size: Option<usize>,
+    /// `--overlap-param-gather` (priced where a plan shards its optimizer).
+    pub overlap_param_gather: bool,
 }
 
 impl<'a> RunningJob<'a> {
@@ -46,6 +48,7 @@ impl<'a> RunningJob<'a> {
             compute_bytes: run.compute_bytes,
             overlap_grad_reduce: run.reduction.overlap_grad_reduce,
             ddp_bucket_size: run.reduction.ddp_bucket_size,
+            overlap_param_gather: run.reduction.overlap_param_gather,
         }
     }
 }

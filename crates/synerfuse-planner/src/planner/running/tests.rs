@@ -42,6 +42,7 @@ pub(super) fn job<'a>(plan: &'a Plan, paces_s: &'a [f64], hosts: &'a [String]) -
         compute_bytes: 4.0,
         overlap_grad_reduce: true,
         ddp_bucket_size: None,
+        overlap_param_gather: false,
     }
 }
 
