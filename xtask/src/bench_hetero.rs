@@ -63,10 +63,22 @@ fn train(bin: &Path, data: &Data, dir: &Path, extra: &[String], log: &Path) -> C
     cmd
 }
 
+/// Whether the scenarios shard the optimizer (`SYNERFUSE_BENCH_HETERO_DISTRIBUTED=1`):
+/// planned with `--use-distributed-optimizer on --overlap-param-gather`, so that every
+/// layout of more than one replica reduce-scatters its gradients and gathers its
+/// parameters behind the next forward, as priced.
+fn distributed() -> bool {
+    std::env::var("SYNERFUSE_BENCH_HETERO_DISTRIBUTED").is_ok_and(|v| v == "1")
+}
+
 /// `layout` with its data-parallel reduction after the whole pipeline, whole
-/// (`--no-overlap-grad-reduce`): what overlapping it gains (not priced: NaN).
+/// (`--no-overlap-grad-reduce`), and its parameter gathers after the optimizer: what
+/// overlapping them gains (not priced: NaN).
 fn without_overlap(layout: &Layout) -> Layout {
-    let mut train_flags = layout.train_flags.clone();
+    let mut train_flags: Vec<String> = (layout.train_flags.iter())
+        .filter(|f| *f != "--overlap-param-gather")
+        .cloned()
+        .collect();
     train_flags.push("--no-overlap-grad-reduce".into());
     Layout {
         file: layout.file.clone(),
@@ -152,9 +164,18 @@ fn plan_scenario(bin: &Path, profile: &Path, dir: &Path, scenario: &Scenario) ->
     let grid = dir.join(format!("grid-{name}.toml"));
     let evens_dir = dir.join(format!("even-{name}"));
     let _ = std::fs::remove_dir_all(&evens_dir);
+    let sharded = match distributed() {
+        true => &[
+            "--use-distributed-optimizer",
+            "on",
+            "--overlap-param-gather",
+        ][..],
+        false => &[],
+    };
     let json = run(
         Command::new(bin)
             .args(["plan", "--json", "--micro-batch-sizes", MICRO_BATCH_SIZES])
+            .args(sharded)
             // Priced with the buckets it trains with: its train_flags carry them.
             .args(["--ddp-bucket-size", BUCKET_SIZE])
             .args(["--global-batch-size", &scenario.global_batch.to_string()])
@@ -459,6 +480,19 @@ fn one_scenario(
             "; overlap off: acceleration ratio {:.1}% (runs {off_ratios:?}); waiting for the gradient reduction per rank {wait_off:.1?} ms off, {wait_on:.1?} ms on",
             median(&off_ratios) * 100.0
         );
+        if distributed() {
+            let gathers = |run: &str| {
+                let log = dir.join(format!("{run}-{name}-0.jsonl"));
+                rank_medians_ms(&log, "param_gather_wait_ms")
+            };
+            let (on, off) = (gathers("plan")?, gathers("plan-no-overlap")?);
+            line += &format!(
+                "; waiting for the parameter gathers per rank {off:.1?} ms after the optimizer, {on:.1?} ms overlapped"
+            );
+            row["distributed_optimizer"] = true.into();
+            row["param_gather_wait_ms_per_rank"] = on.into();
+            row["param_gather_wait_ms_per_rank_no_overlap"] = off.into();
+        }
         row["no_overlap_step_s_runs"] = off_runs.clone().into();
         row["acceleration_ratio_no_overlap"] = median(&off_ratios).into();
         row["acceleration_ratio_no_overlap_runs"] = off_ratios.into();
