@@ -455,6 +455,7 @@ mod tests {
                 speed: (r >= 4).then_some(0.5),
                 kind: (r < 4).then(|| "a100-80g".into()),
                 memory_gb: (r < 4).then_some(80.0),
+                node: Some(format!("node {}", r / 4)),
             })
             .collect();
         let toml = plan.to_toml().unwrap();

@@ -50,6 +50,7 @@ fn check_all(world: &MpiCommunicator) -> Result<(), String> {
     all_to_all_of_uneven_parts(world)?;
     collectives_in_rounds(world)?;
     gathers_in_place(world)?;
+    hierarchical_reductions(world)?;
     process_groups(world)?;
     simultaneous_isends(world)?;
     Ok(())
@@ -194,6 +195,124 @@ fn gathers_in_place(world: &MpiCommunicator) -> Result<(), String> {
                     "{kind:?} gather in place (blocking {blocking}) gave {tensor:?}"
                 ));
             }
+        }
+    }
+    Ok(())
+}
+
+/// Groups whose members sit on two hosts (named as a plan names them) reduce over their
+/// islands: islands of 2 + 2, 2 + 1, 1 + 2 and 1 + 3 of 4 ranks, all-reduce blocking and
+/// in flight (two at once, waited for in reverse) and the distributed optimizer's
+/// reduce-scatter of uneven shards (one empty): every member gets the sum within fp32
+/// rounding, the holders of an element the same bits, and a shard's outside is left alone.
+fn hierarchical_reductions(world: &MpiCommunicator) -> Result<(), String> {
+    use synerfuse_train::comm::SetGroups;
+    let (rank, n) = (world.rank(), world.size());
+    if n != 4 {
+        return Ok(());
+    }
+    let err = |e: CommError| e.to_string();
+    let numel = 5003;
+    let of = |r: usize, salt: i64| {
+        let base = Tensor::arange(numel, (Kind::Float, Device::Cpu));
+        ((base * (0.37 + r as f64) + salt as f64).sin() * (1.0 + r as f64)).contiguous()
+    };
+    let node = |name: &str| Some(name.to_owned());
+    let layouts: [(&[usize], [Option<String>; 4]); 4] = [
+        (&[0, 1, 2, 3], [node("a"), node("a"), node("b"), node("b")]),
+        (&[0, 1, 2], [node("a"), node("a"), node("b"), node("b")]),
+        (&[1, 2, 3], [node("a"), node("a"), node("b"), node("b")]),
+        (&[0, 1, 2, 3], [node("a"), node("b"), node("b"), node("b")]),
+    ];
+    for (k, (members, nodes)) in layouts.iter().enumerate() {
+        let groups = SetGroups::new(
+            world,
+            Device::Cpu,
+            [members.to_vec()],
+            &Default::default(),
+            nodes,
+        )
+        .map_err(err)?;
+        let Some(group) = groups.get(members) else {
+            continue;
+        };
+        if group.islands().is_none() {
+            return Err(format!(
+                "layout {k}: {members:?} over {nodes:?} has no islands"
+            ));
+        }
+        let want = |salt: i64| {
+            (members.iter()).fold(
+                Tensor::zeros([numel], (Kind::Float, Device::Cpu)),
+                |sum, &r| sum + of(r, salt),
+            )
+        };
+        let me = members.iter().position(|&r| r == rank).expect("a member");
+        // Blocking.
+        let mut blocking = of(rank, 0);
+        group.all_reduce_sum(&mut blocking).map_err(err)?;
+        let close =
+            |got: &Tensor, want: &Tensor| max_abs_diff(got, want) <= 1e-5 * members.len() as f64;
+        if !close(&blocking, &want(0)) {
+            return Err(format!(
+                "layout {k}: hierarchical all_reduce_sum is {}",
+                max_abs_diff(&blocking, &want(0))
+            ));
+        }
+        // Two in flight, waited for in reverse.
+        let (first, second) = (of(rank, 1), of(rank, 2));
+        let a = group.start_all_reduce_sum(&first).map_err(err)?;
+        let b = group.start_all_reduce_sum(&second).map_err(err)?;
+        b.wait().map_err(err)?;
+        a.wait().map_err(err)?;
+        if !close(&first, &want(1)) || !close(&second, &want(2)) {
+            return Err(format!(
+                "layout {k}: hierarchical reductions in flight differ"
+            ));
+        }
+        // Every member the same bits.
+        let all = group.all_gather(&blocking).map_err(err)?;
+        if !all.equal(&blocking.unsqueeze(0).expand_as(&all)) {
+            return Err(format!("layout {k}: members' sums differ in their bits"));
+        }
+        // Uneven shards, the second member's empty.
+        let m = members.len();
+        let mut shards: Vec<usize> = (0..m)
+            .map(|i| if i == 1 { 0 } else { 1000 + 37 * i })
+            .collect();
+        shards[0] += numel as usize - shards.iter().sum::<usize>();
+        let start: usize = shards[..me].iter().sum();
+        let original = of(rank, 3);
+        let scattered = original.copy();
+        group
+            .start_reduce_scatter_sum(&scattered, &shards)
+            .map_err(err)?
+            .wait()
+            .map_err(err)?;
+        let (s, c) = (start as i64, shards[me] as i64);
+        if c > 0 && !close(&scattered.narrow(0, s, c), &want(3).narrow(0, s, c)) {
+            return Err(format!(
+                "layout {k}: hierarchical reduce-scatter, shard {me} differs"
+            ));
+        }
+        let outside = Tensor::cat(
+            &[
+                scattered.narrow(0, 0, s),
+                scattered.narrow(0, s + c, numel - s - c),
+            ],
+            0,
+        );
+        let left = Tensor::cat(
+            &[
+                original.narrow(0, 0, s),
+                original.narrow(0, s + c, numel - s - c),
+            ],
+            0,
+        );
+        if !outside.equal(&left) {
+            return Err(format!(
+                "layout {k}: hierarchical reduce-scatter wrote outside shard {me}"
+            ));
         }
     }
     Ok(())

@@ -74,6 +74,10 @@ struct ReplicaFile {
     /// Each rank's device memory in GB (the distributed optimizer's shares).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     memory_gb: Vec<f64>,
+    /// The cluster file's node of each rank ("" for its own host): the islands its
+    /// reductions go through.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    nodes: Vec<String>,
 }
 
 /// The whole file.
@@ -312,6 +316,7 @@ fn replica_pipeline(
         emulated: &replica.emulated,
         kinds: &replica.kinds,
         memory_gb: &replica.memory_gb,
+        nodes: &replica.nodes,
     };
     Ok(ReplicaPipeline {
         stages,
@@ -342,6 +347,13 @@ fn replica_file(r: &ReplicaPipeline, sequential: bool) -> ReplicaFile {
         true => p
             .iter()
             .map(|p| p.kind.clone().unwrap_or_default())
+            .collect(),
+        false => Vec::new(),
+    };
+    let nodes: Vec<String> = match p.iter().any(|p| p.node.is_some()) {
+        true => p
+            .iter()
+            .map(|p| p.node.clone().unwrap_or_default())
             .collect(),
         false => Vec::new(),
     };
@@ -403,6 +415,7 @@ fn replica_file(r: &ReplicaPipeline, sequential: bool) -> ReplicaFile {
         emulated,
         kinds,
         memory_gb,
+        nodes,
     }
 }
 
@@ -436,6 +449,7 @@ struct PlacementLists<'a> {
     emulated: &'a [bool],
     kinds: &'a [String],
     memory_gb: &'a [f64],
+    nodes: &'a [String],
 }
 
 /// Placements of a replica's file form: devices, speeds and kinds, each empty or one
@@ -451,6 +465,7 @@ fn placements(
         emulated,
         kinds,
         memory_gb,
+        nodes,
     } = given;
     super::check_per_rank(
         replica,
@@ -461,12 +476,20 @@ fn placements(
             ("emulated", emulated.len()),
             ("kinds", kinds.len()),
             ("memory_gb", memory_gb.len()),
+            ("nodes", nodes.len()),
         ],
     )?;
     if let Some(&memory) = memory_gb.iter().find(|&&m| !(m > 0.0 && m.is_finite())) {
         return Err(PlanError::Memory { replica, memory });
     }
-    if devices.is_empty() && speeds.is_empty() && kinds.is_empty() && memory_gb.is_empty() {
+    let given = [
+        devices.len(),
+        speeds.len(),
+        kinds.len(),
+        memory_gb.len(),
+        nodes.len(),
+    ];
+    if given.iter().all(|&n| n == 0) {
         return Ok(Vec::new());
     }
     (0..ranks)
@@ -490,6 +513,7 @@ fn placements(
                 speed,
                 kind: kinds.get(s).filter(|k| !k.is_empty()).cloned(),
                 memory_gb: memory_gb.get(s).copied(),
+                node: nodes.get(s).filter(|n| !n.is_empty()).cloned(),
             })
         })
         .collect()

@@ -85,6 +85,11 @@ pub struct RankPlacement {
     /// the state in proportion to it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_gb: Option<f64>,
+    /// The cluster file's node (host) of the device: ranks of one node form an island
+    /// that reduces inside itself before anything crosses to another node; on one
+    /// machine, an emulated host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
 }
 
 #[cfg(test)]

@@ -263,6 +263,8 @@ pub(super) fn placement(dev: &Device) -> RankPlacement {
         speed: dev.emulated.then_some(dev.speed),
         kind: Some(dev.kind.clone()),
         memory_gb: dev.spec.map(|s| s.memory_gb),
+        // Islands follow the hosts training runs on until the planner prices them.
+        node: None,
     }
 }
 

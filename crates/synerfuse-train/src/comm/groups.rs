@@ -1,8 +1,10 @@
 //! Communicators over groups of ranks: [`SetGroups`] over any sets of ranks (what the
 //! trainer uses: one per gradient reduction's members), [`ProcessGroups`] over a grid's
 //! group kinds in Megatron's order (the multi-rank communicator checks). NCCL where every
-//! member is a CUDA rank, MPI with host staging otherwise.
+//! member is a CUDA rank, MPI with host staging otherwise; over MPI a group whose members
+//! sit on several hosts (islands) reduces hierarchically ([`super::hierarchical`]).
 
+use super::hierarchical::{HierarchicalGroup, PendingHierarchical, MIN_ELEMENTS};
 use super::nccl::PendingNccl;
 use super::{CommError, MpiCommunicator, NcclCommunicator, PendingAllReduce};
 use std::collections::{BTreeMap, HashMap};
@@ -14,12 +16,36 @@ use tch::{Device, Tensor};
 pub struct GroupCommunicator {
     mpi: MpiCommunicator,
     nccl: Option<NcclCommunicator>,
+    /// Its islands, where its members sit on more than one host and share one with
+    /// another member: its fp32 reductions over MPI then go hierarchically.
+    hierarchy: Option<std::rc::Rc<HierarchicalGroup>>,
 }
 
 impl GroupCommunicator {
     /// A group carried by MPI alone.
     pub fn mpi(mpi: MpiCommunicator) -> Self {
-        Self { mpi, nccl: None }
+        Self {
+            mpi,
+            nccl: None,
+            hierarchy: None,
+        }
+    }
+
+    /// The group's islands, each its members (group ranks), where it reduces
+    /// hierarchically.
+    pub fn islands(&self) -> Option<&[Vec<usize>]> {
+        (self.hierarchy.as_ref()).map(|h| h.islands().members())
+    }
+
+    /// The hierarchy that reduces the 1-D fp32 `tensor`, where one does: MPI carries it
+    /// and it is not tiny.
+    fn hierarchy_for(&self, tensor: &Tensor) -> Option<&std::rc::Rc<HierarchicalGroup>> {
+        (self.hierarchy.as_ref()).filter(|_| {
+            self.nccl_for(tensor).is_none()
+                && tensor.kind() == tch::Kind::Float
+                && tensor.dim() == 1
+                && tensor.numel() >= MIN_ELEMENTS
+        })
     }
 
     /// This rank's position in the group.
@@ -40,6 +66,9 @@ impl GroupCommunicator {
 
     /// Element-wise sum over the group, in place.
     pub fn all_reduce_sum(&self, tensor: &mut Tensor) -> Result<(), CommError> {
+        if let Some(hierarchy) = self.hierarchy_for(tensor) {
+            return hierarchy.start(tensor, None)?.wait();
+        }
         match self.nccl_for(tensor) {
             Some(nccl) => nccl.all_reduce_sum(tensor),
             None => self.mpi.all_reduce_sum(tensor),
@@ -49,6 +78,11 @@ impl GroupCommunicator {
     /// Starts summing the fp32 `tensor` over the group (NCCL on its own stream, or
     /// non-blocking MPI) and returns at once; see [`PendingReduction`].
     pub fn start_all_reduce_sum(&self, tensor: &Tensor) -> Result<PendingReduction, CommError> {
+        if let Some(hierarchy) = self.hierarchy_for(tensor) {
+            return Ok(PendingReduction::Hierarchical(
+                hierarchy.start(tensor, None)?,
+            ));
+        }
         Ok(match self.nccl_for(tensor) {
             Some(nccl) => PendingReduction::Nccl(nccl.start_all_reduce_sum(tensor)?),
             None => PendingReduction::Mpi(self.mpi.start_all_reduce_sum(tensor)?),
@@ -66,6 +100,10 @@ impl GroupCommunicator {
         tensor: &Tensor,
         counts: &[usize],
     ) -> Result<PendingReduction, CommError> {
+        if let Some(hierarchy) = self.hierarchy_for(tensor) {
+            let pending = hierarchy.start(tensor, Some(counts))?;
+            return Ok(PendingReduction::Hierarchical(pending));
+        }
         Ok(match self.nccl_for(tensor) {
             Some(nccl) => PendingReduction::Nccl(nccl.start_reduce_scatter_sum(tensor, counts)?),
             None => PendingReduction::Mpi(self.mpi.start_reduce_scatter_sum(tensor, counts)?),
@@ -230,6 +268,8 @@ pub enum PendingReduction {
     Nccl(PendingNccl),
     /// A non-blocking MPI all-reduce (host-staged for CUDA tensors).
     Mpi(PendingAllReduce),
+    /// A hierarchical reduction over the group's islands, phase by phase.
+    Hierarchical(PendingHierarchical),
 }
 
 impl PendingReduction {
@@ -238,6 +278,7 @@ impl PendingReduction {
     pub fn progress(&mut self) -> bool {
         match self {
             PendingReduction::Mpi(pending) => pending.test(),
+            PendingReduction::Hierarchical(pending) => pending.progress(),
             PendingReduction::Nccl(_) => false,
         }
     }
@@ -250,6 +291,7 @@ impl PendingReduction {
                 pending.wait();
                 Ok(())
             }
+            PendingReduction::Hierarchical(pending) => pending.wait(),
         }
     }
 }
@@ -442,11 +484,14 @@ fn check_and_log(
 
 impl GroupCommunicator {
     /// The communicator of the group `members` (world ranks, in `comm`'s order) made of
-    /// `comm`, with NCCL when every member computes on CUDA and can load it.
+    /// `comm`, with NCCL when every member computes on CUDA and can load it; over MPI,
+    /// with `nodes` (each world rank's host as the plan names it, `None`: its own), its
+    /// islands: the CUDA ranks of one host, and the other ranks of one host.
     fn over(
         comm: MpiCommunicator,
         members: &[usize],
         devices: &[RankDevice],
+        nodes: Option<&[Option<String>]>,
     ) -> Result<Self, CommError> {
         let rank = members[comm.rank()];
         let nccl = match GroupPath::of(members, devices)? {
@@ -465,7 +510,33 @@ impl GroupCommunicator {
             }
             GroupPath::Mpi => None,
         };
-        Ok(GroupCommunicator { mpi: comm, nccl })
+        let hierarchy = match (&nccl, nodes) {
+            (None, Some(nodes)) => {
+                let keys: Vec<(String, bool)> = (members.iter())
+                    .map(|&r| {
+                        let host = nodes.get(r).cloned().flatten();
+                        let host = host.unwrap_or_else(|| format!("host {:x}", devices[r].host));
+                        (host, devices[r].cuda.is_some())
+                    })
+                    .collect();
+                HierarchicalGroup::new(&comm, &keys)
+            }
+            _ => None,
+        };
+        if let Some(h) = hierarchy.as_ref().filter(|_| members[0] == rank) {
+            let islands: Vec<Vec<usize>> = (h.islands().members().iter())
+                .map(|island| island.iter().map(|&m| members[m]).collect())
+                .collect();
+            tracing::info!(
+                "{}: islands {islands:?}; fp32 reductions of {MIN_ELEMENTS}+ elements reduce-scatter inside each island over MPI, exchange their pieces across the islands over host-staged MPI, and gather inside each island",
+                comm.name()
+            );
+        }
+        Ok(GroupCommunicator {
+            mpi: comm,
+            nccl,
+            hierarchy,
+        })
     }
 }
 
@@ -502,11 +573,16 @@ impl SetGroups {
     /// their collectives in the plan's global order, but for the sets `apart` (the
     /// expert-parallel groups of no other use: their exchanges, between other replicas
     /// than the reductions in flight, must not queue behind those).
+    ///
+    /// `nodes` names each world rank's host where the plan does (emulated hosts; `None`
+    /// or missing: the rank's own): MPI groups that span hosts reduce over their islands
+    /// ([`GroupCommunicator::islands`]).
     pub fn new(
         world: &MpiCommunicator,
         device: Device,
         sets: impl IntoIterator<Item = Vec<usize>>,
         apart: &std::collections::BTreeSet<Vec<usize>>,
+        nodes: &[Option<String>],
     ) -> Result<Self, CommError> {
         let sets: std::collections::BTreeSet<Vec<usize>> =
             sets.into_iter().filter(|s| s.len() > 1).collect();
@@ -531,7 +607,7 @@ impl SetGroups {
             let key = members.iter().position(|&r| r == rank);
             if let Some(comm) = world.split(key.map(|_| 0), key.unwrap_or(0)) {
                 let comm = comm.with_name(format!("the group of ranks {members:?}"));
-                let mut group = GroupCommunicator::over(comm, &members, &devices)?;
+                let mut group = GroupCommunicator::over(comm, &members, &devices, Some(nodes))?;
                 if let Some(nccl) = group.nccl.as_mut().filter(|_| !apart.contains(&members)) {
                     match first_nccl.as_ref().and_then(|m| groups.get(m)) {
                         Some(GroupCommunicator {
@@ -633,7 +709,7 @@ impl ProcessGroups {
             if let Some(comm) = world.split(color, key) {
                 let members = mine.expect("a communicator only for members").1.clone();
                 let comm = comm.with_name(format!("the {kind} group {members:?}"));
-                let group = GroupCommunicator::over(comm, &members, &devices)?;
+                let group = GroupCommunicator::over(comm, &members, &devices, None)?;
                 groups.insert(kind, (members, group));
             }
         }

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 
 /// Largest element count handed to one MPI call (MPI counts are `int`).
-const MAX_ELEMENTS_PER_CALL: usize = 1 << 30;
+pub(super) const MAX_ELEMENTS_PER_CALL: usize = 1 << 30;
 
 /// The MPI environment of this process: initialised once, finalised on drop.
 pub struct MpiRuntime {
@@ -86,7 +86,7 @@ const POLL_INTERVAL: std::time::Duration = std::time::Duration::from_micros(100)
 /// Polls `done` until it returns true: a tight loop for the first millisecond, then
 /// with sleeps between calls, so a rank waiting for a slower one leaves its core to
 /// ranks that still compute.
-fn poll_until(mut done: impl FnMut() -> bool) {
+pub(super) fn poll_until(mut done: impl FnMut() -> bool) {
     let started = std::time::Instant::now();
     while !done() {
         watchdog::abort_if_expired();
@@ -404,6 +404,11 @@ impl MpiCommunicator {
     pub fn with_name(mut self, name: impl Into<String>) -> Self {
         self.name = Arc::from(name.into());
         self
+    }
+
+    /// The group's name, shared with what waits on it.
+    pub(super) fn shared_name(&self) -> Arc<str> {
+        Arc::clone(&self.name)
     }
 
     /// The group's name in messages.

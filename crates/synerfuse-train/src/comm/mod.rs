@@ -7,7 +7,9 @@
 
 mod error;
 pub(crate) mod groups;
+mod hierarchical;
 mod host;
+pub mod islands;
 mod launcher;
 mod links;
 mod nccl;
@@ -20,6 +22,7 @@ pub mod watchdog;
 
 pub use error::CommError;
 pub use groups::{GroupCommunicator, PendingReduction, ProcessGroups, SetGroups};
+pub use hierarchical::PendingHierarchical;
 pub use host::{MpiCommunicator, MpiRuntime, PendingAllReduce, PendingSend};
 pub use launcher::{
     launch_under_mpirun, mark_rank_done, mpirun_command, mpirun_options, ranks_done,

@@ -425,7 +425,10 @@ pub(super) fn rank_groups(
         .collect();
     let apart = expert_sets.difference(&others).cloned().collect();
     let sets = others.into_iter().chain(expert_sets);
-    let groups = SetGroups::new(world, device, sets, &apart)?;
+    let nodes: Vec<Option<String>> = (0..plan.world_size())
+        .map(|r| plan.placement(r).and_then(|p| p.node.clone()))
+        .collect();
+    let groups = SetGroups::new(world, device, sets, &apart, &nodes)?;
     Ok((groups, reductions))
 }
 
