@@ -264,30 +264,7 @@ fn replica_pipeline(
             ("experts", replica.experts.len()),
         ],
     )?;
-    let experts = match (replica.experts.is_empty(), replica.expert_share) {
-        (false, Some(_)) => {
-            return Err(PlanError::ExpertGroup {
-                replicas: vec![r],
-                problem: "give experts or expert_share, not both".into(),
-            })
-        }
-        (false, None) => (replica.experts.into_iter())
-            .map(|e| Some(ExpertHolding::Listed(e)))
-            .collect(),
-        (true, Some([member, members])) if member < members => {
-            vec![Some(ExpertHolding::EvenShare { member, members }); n]
-        }
-        (true, Some(share)) => {
-            return Err(PlanError::ExpertGroup {
-                replicas: vec![r],
-                problem: format!(
-                    "expert_share {share:?}: member {} of {}",
-                    share[0], share[1]
-                ),
-            })
-        }
-        (true, None) => Vec::new(),
-    };
+    let experts = expert_holdings(r, replica.experts, replica.expert_share, n)?;
     let per_stage_or_one = |sizes: &[usize]| match sizes.is_empty() {
         true => vec![1; n],
         false => sizes.to_vec(),
@@ -328,6 +305,40 @@ fn replica_pipeline(
         recompute: replica.recompute,
         placements: placements(r, total, given)?,
         experts,
+    })
+}
+
+/// A replica's expert holdings per stage: listed (`experts`), an even share of a group
+/// (`expert_share`), or none; both given is an error.
+fn expert_holdings(
+    r: usize,
+    experts: Vec<Vec<usize>>,
+    share: Option<[usize; 2]>,
+    n: usize,
+) -> Result<Vec<Option<ExpertHolding>>, PlanError> {
+    Ok(match (experts.is_empty(), share) {
+        (false, Some(_)) => {
+            return Err(PlanError::ExpertGroup {
+                replicas: vec![r],
+                problem: "give experts or expert_share, not both".into(),
+            })
+        }
+        (false, None) => (experts.into_iter())
+            .map(|e| Some(ExpertHolding::Listed(e)))
+            .collect(),
+        (true, Some([member, members])) if member < members => {
+            vec![Some(ExpertHolding::EvenShare { member, members }); n]
+        }
+        (true, Some(share)) => {
+            return Err(PlanError::ExpertGroup {
+                replicas: vec![r],
+                problem: format!(
+                    "expert_share {share:?}: member {} of {}",
+                    share[0], share[1]
+                ),
+            })
+        }
+        (true, None) => Vec::new(),
     })
 }
 

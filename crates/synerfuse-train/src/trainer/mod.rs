@@ -413,38 +413,10 @@ impl<'w> Trainer<'w> {
         let (grads, grad_norm) = self.reduced_gradients()?;
         times.communication += started.elapsed();
         spans.push(span(SpanKind::Reduce, start_s));
-        let (started, start_s) = (Instant::now(), since_start());
         let lr = self.config.optimizer.lr.lr(self.consumed_samples);
         let factor = clip_factor(grad_norm, self.config.optimizer.clip_grad);
-        self.optimizer.step_with_grads(lr, &grads, factor);
-        let mut gathering = Duration::ZERO;
-        if let Some(zero) = &mut self.zero {
-            let overlap = self.config.parallel.overlap_param_gather;
-            gathering = zero.step(lr, factor, &self.groups, overlap)?;
-            if !overlap {
-                times.param_gather_wait += gathering;
-            }
-        }
-        times.compute += started.elapsed() - gathering;
-        times.communication += gathering;
-        // Blocking, the gathers (one per reduction, between the updates) are drawn
-        // after the updates, as long as all of them: as the planner's timeline shows.
-        let end_s = since_start();
-        let gather_s = match self.config.parallel.overlap_param_gather {
-            true => 0.0,
-            false => gathering.as_secs_f64(),
-        };
-        let updated_s = end_s - gather_s;
-        let after_updates = |kind, start_s, end_s| Span {
-            kind,
-            start_s,
-            end_s,
-            micro_batch: None,
-        };
-        spans.push(after_updates(SpanKind::Optimizer, start_s, updated_s));
-        if gather_s > 0.0 {
-            spans.push(after_updates(SpanKind::Gather, updated_s, end_s));
-        }
+        let step_s = since_start();
+        spans.extend(self.optimizer_step((lr, factor), &grads, &mut times, step_s)?);
         Ok(StepResult {
             loss_sum: loss.loss_sum,
             loss_tokens,
@@ -456,6 +428,49 @@ impl<'w> Trainer<'w> {
             memory: self.memory,
             spans,
         })
+    }
+
+    /// The optimizer's update at `lr` with the gradients scaled by `factor` (and, under
+    /// the distributed optimizer, the gathers of the updated parameters, or their start),
+    /// from `start_s` into the step: its spans. Blocking, the gathers (one per reduction,
+    /// between the updates) are drawn after the updates, as long as all of them, as the
+    /// planner's timeline shows them.
+    fn optimizer_step(
+        &mut self,
+        (lr, factor): (f64, f64),
+        grads: &BTreeMap<String, Tensor>,
+        times: &mut StepTimes,
+        start_s: f64,
+    ) -> Result<Vec<Span>, TrainError> {
+        let started = Instant::now();
+        self.optimizer.step_with_grads(lr, grads, factor);
+        let overlap = self.config.parallel.overlap_param_gather;
+        let mut gathering = Duration::ZERO;
+        if let Some(zero) = &mut self.zero {
+            gathering = zero.step(lr, factor, &self.groups, overlap)?;
+            if !overlap {
+                times.param_gather_wait += gathering;
+            }
+        }
+        times.compute += started.elapsed() - gathering;
+        times.communication += gathering;
+        let end_s = start_s + started.elapsed().as_secs_f64();
+        let gather_s = match overlap {
+            true => 0.0,
+            false => gathering.as_secs_f64(),
+        };
+        let updated_s = end_s - gather_s;
+        let span = |kind, start_s, end_s| Span {
+            kind,
+            start_s,
+            end_s,
+            micro_batch: None,
+        };
+        let mut spans = vec![span(SpanKind::Optimizer, start_s, updated_s)];
+        if gather_s > 0.0 {
+            spans.push(span(SpanKind::Gather, updated_s, end_s));
+        }
+        Ok(spans)
     }
 
     /// Runs this rank's program; each chunk's main gradients accumulate (and, when
