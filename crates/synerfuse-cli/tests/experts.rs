@@ -814,6 +814,11 @@ fn stages_of_their_own_expert_parallel_sizes_are_planned_and_written() {
         "1",
         "--expert-model-parallel-sizes",
         "1,2",
+        // As the unit test, the optimizer replicated: sharded, the A10 stage's whole
+        // experts would be gathered after every step, exposed, which tips that stage to
+        // dividing them too.
+        "--use-distributed-optimizer",
+        "off",
         "--output",
         &written,
     ];

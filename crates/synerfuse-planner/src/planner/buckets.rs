@@ -6,7 +6,9 @@
 
 use super::{
     context::Ctx,
-    reduction::{expert_allreduce_s, experts_apart, holders_collective, CollectivePrice},
+    reduction::{
+        expert_allreduce_s, expert_gather_s, experts_apart, holders_collective, CollectivePrice,
+    },
 };
 use crate::cost::StageCosts;
 use synerfuse_plan::ModelShape;
@@ -241,6 +243,7 @@ pub(super) fn held_reductions(
         gather: collective.gather(),
     }];
     let experts = expert_allreduce_s(ctx, units, layers);
+    let gathered = expert_gather_s(ctx, units, layers);
     if experts > 0.0 {
         out.push(BucketedReduction {
             pieces: vec![LaidPiece {
@@ -251,7 +254,10 @@ pub(super) fn held_reductions(
             fixed_s: experts,
             per_element_s: 0.0,
             bucket_size: usize::MAX,
-            gather: None,
+            gather: (gathered > 0.0).then_some(CollectivePrice {
+                fixed_s: gathered,
+                per_element_s: 0.0,
+            }),
         });
     }
     out

@@ -11,14 +11,26 @@ pub(super) fn experts_apart(ctx: &Ctx<'_>, units: &[usize]) -> bool {
     ctx.cost.model.experts.is_some() && units.iter().any(|&u| ctx.expert_parallel(u) > 1)
 }
 
-/// The fp32 gradient all-reduce of the experts of `layers` mean layers, each of `units`
-/// (one per replica) holding its part, s: each part of the experts over the units
-/// holding it (a unit's place in its group of `e` holds the `e`-th part there), parts
-/// held by the same units together, the units' reductions one after another and the
-/// slowest unit's time. 0 where the experts reduce with the rest ([`experts_apart`]).
+/// The gradient reduction of the experts of `layers` mean layers, each of `units` (one
+/// per replica) holding its part, s: each part of the experts over the units holding it
+/// (a unit's place in its group of `e` holds the `e`-th part there), parts held by the
+/// same units together, the units' reductions one after another and the slowest unit's
+/// time; a reduce-scatter under the distributed optimizer ([`Collective`]). 0 where the
+/// experts reduce with the rest ([`experts_apart`]).
 pub(super) fn expert_allreduce_s(ctx: &Ctx<'_>, units: &[usize], layers: f64) -> f64 {
+    expert_collectives_s(ctx, units, layers).0
+}
+
+/// The distributed optimizer's gathers of the experts' updated parameters after the
+/// step, as [`expert_allreduce_s`] reduces them, s (0 where not sharded).
+pub(super) fn expert_gather_s(ctx: &Ctx<'_>, units: &[usize], layers: f64) -> f64 {
+    expert_collectives_s(ctx, units, layers).1
+}
+
+/// ([`expert_allreduce_s`], [`expert_gather_s`]).
+fn expert_collectives_s(ctx: &Ctx<'_>, units: &[usize], layers: f64) -> (f64, f64) {
     if layers <= 0.0 || !experts_apart(ctx, units) {
-        return 0.0;
+        return (0.0, 0.0);
     }
     let places: Vec<(usize, usize)> = (units.iter().enumerate())
         .map(|(k, &unit)| ctx.expert_place(k, unit))
@@ -32,7 +44,7 @@ pub(super) fn expert_allreduce_s(ctx: &Ctx<'_>, units: &[usize], layers: f64) ->
             .collect()
     };
     let whole = layers * ctx.cost.model.expert_layer_params();
-    let mut seconds = vec![0.0f64; units.len()];
+    let mut seconds = vec![(0.0f64, 0.0f64); units.len()];
     let mut j = 0;
     while j < slices {
         let these = holders(j);
@@ -41,17 +53,18 @@ pub(super) fn expert_allreduce_s(ctx: &Ctx<'_>, units: &[usize], layers: f64) ->
             end += 1;
         }
         let members: Vec<usize> = these.iter().map(|&k| units[k]).collect();
-        let params = whole * (end - j) as f64 / slices as f64;
-        // Priced whole: an all-reduce (its reduce-scatter and gather under the
-        // distributed optimizer cost about as much).
+        let elements = whole * (end - j) as f64 / slices as f64;
         let collective = holders_collective(ctx, &members);
-        let t = collective.all_reduce.seconds(params * collective.share);
+        let elements = elements * collective.share;
+        let reduce = collective.reduction().seconds(elements);
+        let gather = collective.gather().map_or(0.0, |g| g.seconds(elements));
         for &k in &these {
-            seconds[k] += t;
+            seconds[k].0 += reduce;
+            seconds[k].1 += gather;
         }
         j = end;
     }
-    seconds.into_iter().fold(0.0, f64::max)
+    (seconds.iter()).fold((0.0, 0.0), |(r, g), &(a, b)| (r.max(a), g.max(b)))
 }
 
 fn lcm(a: usize, b: usize) -> usize {

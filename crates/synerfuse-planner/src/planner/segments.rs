@@ -7,7 +7,9 @@ use super::{
     context::Ctx,
     memory_fit::Shares,
     outcome::{replicas, PoolLayout},
-    reduction::{expert_allreduce_s, experts_apart, holders_allreduce_s, holders_gather_s},
+    reduction::{
+        expert_allreduce_s, expert_gather_s, experts_apart, holders_allreduce_s, holders_gather_s,
+    },
 };
 
 /// Each replica's stage boundaries in pieces (embedding = 0, layer i = i + 1, head =
@@ -143,7 +145,8 @@ pub(super) fn gather_s(ctx: &Ctx<'_>, segments: &[PooledSegment]) -> Vec<f64> {
             true => segment.layers * ctx.cost.model.expert_layer_params(),
             false => 0.0,
         };
-        let t = holders_gather_s(ctx, &units, segment.params - experts);
+        let t = holders_gather_s(ctx, &units, segment.params - experts)
+            + expert_gather_s(ctx, &units, segment.layers);
         for &(position, _) in &segment.holders {
             seconds[position] += t;
         }
