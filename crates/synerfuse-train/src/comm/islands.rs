@@ -8,7 +8,7 @@
 //! optimizer, hands each member its own shard instead).
 //!
 //! This module plans it (pure: which elements each member reduces and exchanges with
-//! whom); [`super::hierarchical`] runs the plan over MPI.
+//! whom); `comm::hierarchical` runs the plan over MPI.
 
 use std::ops::Range;
 
