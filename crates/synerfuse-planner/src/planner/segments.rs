@@ -114,20 +114,9 @@ fn positions(segments: &[PooledSegment]) -> usize {
 /// tensors over every member; under expert parallelism its experts over the holders of
 /// the same), a stage's segments one after another.
 pub(super) fn reduce_s(ctx: &Ctx<'_>, segments: &[PooledSegment]) -> Vec<f64> {
-    let mut seconds = vec![0.0; positions(segments)];
-    for segment in segments {
-        let units: Vec<usize> = segment.holders.iter().map(|&(_, u)| u).collect();
-        let experts = match experts_apart(ctx, &units) {
-            true => segment.layers * ctx.cost.model.expert_layer_params(),
-            false => 0.0,
-        };
-        let t = holders_allreduce_s(ctx, &units, segment.params - experts)
-            + expert_allreduce_s(ctx, &units, segment.layers);
-        for &(position, _) in &segment.holders {
-            seconds[position] += t;
-        }
-    }
-    seconds
+    per_position(ctx, segments, |units, dense, layers| {
+        holders_allreduce_s(ctx, units, dense) + expert_allreduce_s(ctx, units, layers)
+    })
 }
 
 /// Per position, the distributed optimizer's gathers of its segments' updated
@@ -135,23 +124,35 @@ pub(super) fn reduce_s(ctx: &Ctx<'_>, segments: &[PooledSegment]) -> Vec<f64> {
 /// `--overlap-param-gather` hides them behind the next forward: the closed form's
 /// estimate; simulated plans price the buckets).
 pub(super) fn gather_s(ctx: &Ctx<'_>, segments: &[PooledSegment]) -> Vec<f64> {
-    let mut seconds = vec![0.0; positions(segments)];
     if ctx.cost.overlaps_param_gather() {
-        return seconds;
+        return vec![0.0; positions(segments)];
     }
+    per_position(ctx, segments, |units, dense, layers| {
+        holders_gather_s(ctx, units, dense) + expert_gather_s(ctx, units, layers)
+    })
+}
+
+/// Per position, the sum over the segments it holds of `seconds(holders' units, the
+/// parameters reduced with the rest (the experts left out where they reduce apart), the
+/// segment's layers)`.
+fn per_position(
+    ctx: &Ctx<'_>,
+    segments: &[PooledSegment],
+    seconds: impl Fn(&[usize], f64, f64) -> f64,
+) -> Vec<f64> {
+    let mut total = vec![0.0; positions(segments)];
     for segment in segments {
         let units: Vec<usize> = segment.holders.iter().map(|&(_, u)| u).collect();
         let experts = match experts_apart(ctx, &units) {
             true => segment.layers * ctx.cost.model.expert_layer_params(),
             false => 0.0,
         };
-        let t = holders_gather_s(ctx, &units, segment.params - experts)
-            + expert_gather_s(ctx, &units, segment.layers);
+        let t = seconds(&units, segment.params - experts, segment.layers);
         for &(position, _) in &segment.holders {
-            seconds[position] += t;
+            total[position] += t;
         }
     }
-    seconds
+    total
 }
 
 /// Per position, when its reduction starts: once every holder of every segment it
