@@ -497,22 +497,9 @@ fn overlapped(
     (queue, queues): (impl Fn(usize) -> usize, usize),
     reductions: &[(Vec<usize>, BucketedReduction)],
 ) -> Reduced {
-    let mut backward: Vec<Option<StagePass>> = vec![None; queues];
-    for (rank, pace) in paces.iter().enumerate() {
-        let (start_s, end_s) = report.last_backward_s[rank];
-        let slot = &mut backward[queue(rank)];
-        if slot.is_none_or(|b| b.end_s < end_s) {
-            *slot = Some(StagePass {
-                start_s,
-                end_s,
-                pieces: pace.pieces,
-                weights: pace.weights,
-            });
-        }
-    }
-    let backward: Vec<StagePass> = (backward.into_iter())
-        .map(|b| b.expect("a rank in every queue"))
-        .collect();
+    // Each queue at its latest rank's last backward.
+    let later = |new: &StagePass, old: &StagePass| old.end_s < new.end_s;
+    let backward = queue_passes(paces, &report.last_backward_s, (&queue, queues), later);
     let ends = reductions_end_s(reductions, &backward);
     let spans: Vec<(f64, f64)> = (report.finish_s.iter().enumerate())
         .map(|(rank, &finish)| (finish, finish.max(ends[queue(rank)])))
@@ -533,25 +520,38 @@ fn gather_waits(
     if !ctx.cost.distributed_optimizer {
         return vec![0.0; paces.len()];
     }
-    let mut forwards: Vec<Option<StagePass>> = vec![None; queues];
-    for (rank, pace) in paces.iter().enumerate() {
-        let (start_s, end_s) = report.first_forward_s[rank];
-        let slot = &mut forwards[queue(rank)];
-        if slot.is_none_or(|f| start_s < f.start_s) {
-            *slot = Some(StagePass {
-                start_s,
-                end_s,
-                pieces: pace.pieces,
-                weights: pace.weights,
-            });
-        }
-    }
-    let forwards: Vec<StagePass> = (forwards.into_iter())
-        .map(|f| f.expect("a rank in every queue"))
-        .collect();
+    let earlier = |new: &StagePass, old: &StagePass| new.start_s < old.start_s;
+    let forwards = queue_passes(paces, &report.first_forward_s, (&queue, queues), earlier);
     let overlapped = ctx.cost.overlaps_param_gather().then_some(&forwards[..]);
     let waits = gather_waits_s(reductions, queues, overlapped);
     (0..paces.len()).map(|rank| waits[queue(rank)]).collect()
+}
+
+/// Per queue (`queue` of a rank, of `queues`), one of its ranks' passes (`spans`, per
+/// rank: (start, end) s) over the rank's stage: the first, replaced by each later one
+/// that `replaces` it.
+fn queue_passes(
+    paces: &[RankPace],
+    spans: &[(f64, f64)],
+    (queue, queues): (&impl Fn(usize) -> usize, usize),
+    replaces: impl Fn(&StagePass, &StagePass) -> bool,
+) -> Vec<StagePass> {
+    let mut passes: Vec<Option<StagePass>> = vec![None; queues];
+    for (rank, (pace, &(start_s, end_s))) in paces.iter().zip(spans).enumerate() {
+        let pass = StagePass {
+            start_s,
+            end_s,
+            pieces: pace.pieces,
+            weights: pace.weights,
+        };
+        let slot = &mut passes[queue(rank)];
+        if slot.is_none_or(|old| replaces(&pass, &old)) {
+            *slot = Some(pass);
+        }
+    }
+    (passes.into_iter())
+        .map(|p| p.expect("a rank in every queue"))
+        .collect()
 }
 
 /// A replica's last micro-batch on one rank: which it is, its samples, its seconds.
