@@ -310,6 +310,25 @@ pub fn max_rel_loss_diff(a: &[f64], b: &[f64]) -> f64 {
 /// A run's losses and final parameters.
 pub type Outcome = (Vec<f64>, BTreeMap<String, Tensor>);
 
+/// The header of an equivalence table ([`equivalence_row`]).
+pub const EQUIVALENCE_TABLE: &str =
+    "| plan | max rel. loss diff | max rel. param diff |\n|---|---|---|\n";
+
+/// Adds `label`'s row to `table` (relative loss and parameter differences of `got`
+/// against `reference`) and asserts both are under 1e-5.
+#[allow(dead_code)] // not every test binary that includes `support` has a table
+pub fn equivalence_row(table: &mut String, label: &str, got: &Outcome, reference: &Outcome) {
+    let loss_diff = max_rel_loss_diff(&reference.0, &got.0);
+    let param_diff = max_rel_param_diff(&got.1, &reference.1);
+    table.push_str(&format!(
+        "| {label} | {loss_diff:.2e} | {param_diff:.2e} |\n"
+    ));
+    assert!(
+        loss_diff < 1e-5 && param_diff < 1e-5,
+        "{label}: {loss_diff:e} {param_diff:e}"
+    );
+}
+
 /// Runs `synerfuse train` with `extra` flags, logging to `name.jsonl` and saving to
 /// `name/`; returns (losses, final parameters).
 pub fn run(dir: &Path, data: &Path, name: &str, extra: &[&str]) -> Outcome {
