@@ -29,6 +29,18 @@ fn run_logged(
     ((losses(&log), parameters(&save)), stderr)
 }
 
+/// The bytes all ranks sent across sites in the run's last step.
+fn bytes_across_sites(log: &std::path::Path) -> f64 {
+    let records = json_records(log);
+    let last = records.iter().rev().find(|v| v.get("elapsed_ms").is_some());
+    let ranks = last
+        .and_then(|v| v["ranks"].as_array().cloned())
+        .unwrap_or_default();
+    (ranks.iter())
+        .filter_map(|r| r["bytes_across_sites"].as_f64())
+        .sum()
+}
+
 #[test]
 fn hierarchical_reductions_give_a_single_ranks_parameters() {
     let dir = tempfile::tempdir().unwrap();
@@ -56,15 +68,35 @@ fn hierarchical_reductions_give_a_single_ranks_parameters() {
         "unequal",
         &[one("a", 80, 2), one("a", 16, 2), one("b", 24, 2)].concat(),
     );
-    // Replica 1's pipeline spans the hosts: the first stage's pieces reduce over
-    // ranks 0 and 1 (host a) and 3 (host b), the rest over rank 0 (a) and 2 and 3 (b).
+    // Replica 1's pipeline spans the hosts, over an emulated link (its activations and
+    // gradients carry their arrival times): the first stage's pieces reduce over ranks
+    // 0 and 1 (host a) and 3 (host b), the rest over rank 0 (a) and 2 and 3 (b).
     let pipeline = plan_file(
         d,
         "pipeline",
         &[
+            "[network]\nintra_node_gbs = 100\ninter_node_gbs = 0.5\n\n".to_owned(),
             one("a", 80, 2),
             "[[replica]]\nlayers = [1, 3]\nmicro_batch_size = 1\nnum_micro_batches = 2\nmemory_gb = [80, 80]\nnodes = [\"a\", \"b\"]\n\n".to_owned(),
             one("b", 80, 2),
+        ]
+        .concat(),
+    );
+    // Two emulated sites of one host each, a slow link between them: the reductions'
+    // pieces and every byte of a flat reduction are delayed as the link carries them.
+    let site = |node: &str, site: &str, count: usize| {
+        format!("[[replica]]\nlayers = [4]\nmicro_batch_size = 1\nnum_micro_batches = {count}\nmemory_gb = [80]\nnodes = [\"{node}\"]\nsites = [\"{site}\"]\n\n")
+    };
+    let network = "[network]\nintra_node_gbs = 100\ninter_node_gbs = 1\ninter_site_gbs = 0.05\ninter_site_latency_us = 500\n\n";
+    let sites = plan_file(
+        d,
+        "sites",
+        &[
+            network.to_owned(),
+            site("a", "east", 2),
+            site("a", "east", 2),
+            site("b", "west", 1),
+            site("b", "west", 1),
         ]
         .concat(),
     );
@@ -96,6 +128,21 @@ fn hierarchical_reductions_give_a_single_ranks_parameters() {
             .concat(),
             "islands [[0, 1], [3]]",
         ),
+        (
+            "DP 4 across two emulated sites, islands [2, 2], distributed optimizer, overlap",
+            [&["--nproc", "4", "--plan", &sites][..], &buckets, &zero].concat(),
+            "islands [[0, 1], [2, 3]]",
+        ),
+        (
+            "the same, flat (--no-hierarchical-reduction)",
+            [
+                &["--nproc", "4", "--plan", &sites][..],
+                &buckets,
+                &["--no-hierarchical-reduction"],
+            ]
+            .concat(),
+            "transfers across emulated nodes are delayed",
+        ),
     ];
     let mut table = String::from(EQUIVALENCE_TABLE);
     for (i, (label, flags, islands)) in cases.iter().enumerate() {
@@ -105,6 +152,10 @@ fn hierarchical_reductions_give_a_single_ranks_parameters() {
             "{label}: no \"{islands}\" in\n{stderr}"
         );
         equivalence_row(&mut table, label, &got, &reference);
+        if label.contains("sites") || label.contains("flat") {
+            let across = bytes_across_sites(&d.join(format!("islands{i}.jsonl")));
+            assert!(across > 0.0, "{label}: nothing crossed the sites");
+        }
     }
     println!("{table}");
 }

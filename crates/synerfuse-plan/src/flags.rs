@@ -456,6 +456,7 @@ mod tests {
                 kind: (r < 4).then(|| "a100-80g".into()),
                 memory_gb: (r < 4).then_some(80.0),
                 node: Some(format!("node {}", r / 4)),
+                site: (r >= 4).then(|| "far".into()),
             })
             .collect();
         let toml = plan.to_toml().unwrap();

@@ -6,6 +6,7 @@ pub mod cp;
 mod flags;
 pub mod launcher;
 mod measured;
+pub mod network;
 mod plan;
 mod run_record;
 mod schedule;
@@ -21,6 +22,7 @@ pub use batch::{
 pub(crate) use flags::GridPlan;
 pub use flags::{GridError, PlanFlags};
 pub use measured::{MeasuredCosts, MeasuredNetwork};
+pub use network::{Host, LinkSpeed, Network, NetworkError, NodeLink, Reach};
 pub use plan::{
     expert_of, layer_of, memory_share_weight, parameter_piece, reduction_of, DeviceRequest,
     ExpertGroupPlan, ExpertHolding, GradientReduction, GradientSegment, GridFlags, MeshError,

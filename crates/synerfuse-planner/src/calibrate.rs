@@ -45,6 +45,7 @@ pub fn run_cost_model(run: &RunRecord, profile: &Profile) -> CostModel {
                 memory_gb: placement.and_then(|p| p.memory_gb),
                 mem_bw_gbs: None,
                 efficiency: None,
+                site: None,
                 speed: placement.and_then(|p| p.speed),
             }
         })
@@ -56,6 +57,8 @@ pub fn run_cost_model(run: &RunRecord, profile: &Profile) -> CostModel {
             intra_node_gbs: 100.0,
             inter_node_gbs: 12.5,
             latency_us: 10.0,
+            inter_site_gbs: None,
+            inter_site_latency_us: None,
             link: Vec::new(),
         },
     };

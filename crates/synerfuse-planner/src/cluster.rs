@@ -140,17 +140,17 @@ pub enum ClusterError {
         /// What is wrong.
         problem: GroupProblem,
     },
-    /// A network bandwidth that is not a positive number.
-    #[error("cluster file: [network] {field} must be positive (got {value})")]
-    Bandwidth {
-        /// `intra_node_gbs` or `inter_node_gbs`.
-        field: &'static str,
-        /// The value.
-        value: f64,
+    /// A network bandwidth or latency that is out of range.
+    #[error("cluster file: {0}")]
+    Network(#[from] synerfuse_plan::NetworkError),
+    /// One node named in two sites.
+    #[error("cluster file: node {node:?} is in two sites, {:?} and {:?}", sites[0], sites[1])]
+    NodeInTwoSites {
+        /// The node.
+        node: String,
+        /// Two of its sites (`""`: none).
+        sites: [String; 2],
     },
-    /// A negative (or NaN) latency.
-    #[error("cluster file: [network] latency_us must be ≥ 0 (got {0})")]
-    Latency(f64),
 }
 
 /// What is wrong with a `[[group]]`.
@@ -215,6 +215,10 @@ pub struct DeviceGroup {
     /// Node name; groups on one node share intra-node links.
     #[serde(default)]
     pub node: Option<String>,
+    /// Site (datacenter) name; nodes of different sites are joined by the network's
+    /// inter-site links.
+    #[serde(default)]
+    pub site: Option<String>,
     /// Custom or overriding peak bf16 TFLOP/s.
     #[serde(default)]
     pub tflops_bf16: Option<f64>,
@@ -233,37 +237,7 @@ pub struct DeviceGroup {
     pub speed: Option<f64>,
 }
 
-/// An explicit link between two nodes.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NodeLink {
-    /// One node.
-    pub a: String,
-    /// The other.
-    pub b: String,
-    /// Per-direction bandwidth in GB/s.
-    pub gbs: f64,
-}
-
-/// `[network]`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Network {
-    /// Per-direction bandwidth between devices of one node, GB/s.
-    pub intra_node_gbs: f64,
-    /// Per-direction bandwidth between nodes, GB/s.
-    pub inter_node_gbs: f64,
-    /// Latency of one message, microseconds (default 10).
-    #[serde(default = "default_latency")]
-    pub latency_us: f64,
-    /// Per-pair overrides of `inter_node_gbs`.
-    #[serde(default)]
-    pub link: Vec<NodeLink>,
-}
-
-fn default_latency() -> f64 {
-    10.0
-}
+pub use synerfuse_plan::{Network, NodeLink};
 
 /// A cluster file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -295,8 +269,12 @@ pub struct Device {
     pub class_group: usize,
     /// Kind slug (`a100-80g`, `custom`, `cpu`).
     pub kind: String,
-    /// Node.
+    /// Node (`group{index}` where the group names none).
     pub node: String,
+    /// Whether the cluster file named the node.
+    pub named_node: bool,
+    /// Site (`""`: the default one).
+    pub site: String,
     /// Catalogue or custom numbers (`None` for kinds only a profile describes).
     pub spec: Option<DeviceSpec>,
     /// η.
@@ -309,6 +287,14 @@ pub struct Device {
 }
 
 impl Device {
+    /// Its node and site.
+    pub fn host(&self) -> synerfuse_plan::Host<'_> {
+        synerfuse_plan::Host {
+            node: &self.node,
+            site: &self.site,
+        }
+    }
+
     /// The key of its compute costs: the first group of its kind and numbers
     /// (efficiency included) and its emulated speed (devices that share it are
     /// interchangeable; two groups of one kind with different numbers are not).
@@ -396,19 +382,35 @@ impl ClusterSpec {
                 }
             }
         }
-        let n = &self.network;
-        for (field, v) in [
-            ("intra_node_gbs", n.intra_node_gbs),
-            ("inter_node_gbs", n.inter_node_gbs),
-        ] {
-            if !(v > 0.0 && v.is_finite()) {
-                return Err(ClusterError::Bandwidth { field, value: v });
+        self.network.check()?;
+        let mut site_of = HashMap::<&str, &str>::new();
+        for g in &self.group {
+            let (Some(node), site) = (g.node.as_deref(), g.site.as_deref().unwrap_or("")) else {
+                continue;
+            };
+            let first = *site_of.entry(node).or_insert(site);
+            if first != site {
+                let (node, sites) = (node.to_owned(), [first.to_owned(), site.to_owned()]);
+                return Err(ClusterError::NodeInTwoSites { node, sites });
             }
         }
-        if n.latency_us.is_nan() || n.latency_us < 0.0 {
-            return Err(ClusterError::Latency(n.latency_us));
-        }
         Ok(())
+    }
+
+    /// The site of `node` (`""`: the default site).
+    pub fn site_of(&self, node: &str) -> &str {
+        if self.group.iter().all(|g| g.site.is_none()) {
+            return "";
+        }
+        let unnamed = (node.strip_prefix("group")).and_then(|i| i.parse::<usize>().ok());
+        let named = |i: usize, g: &DeviceGroup| match &g.node {
+            Some(n) => n == node,
+            None => unnamed == Some(i),
+        };
+        (self.group.iter().enumerate())
+            .find(|(i, g)| named(*i, g))
+            .and_then(|(_, g)| g.site.as_deref())
+            .unwrap_or("")
     }
 
     /// Every device, group by group.
@@ -449,6 +451,8 @@ impl ClusterSpec {
                     class_group,
                     kind: g.kind.clone(),
                     node: g.node.clone().unwrap_or_else(|| format!("group{gi}")),
+                    named_node: g.node.is_some(),
+                    site: g.site.clone().unwrap_or_default(),
                     spec,
                     efficiency: g.efficiency.unwrap_or(0.45),
                     speed: g.speed.unwrap_or(1.0),
@@ -461,41 +465,77 @@ impl ClusterSpec {
 
     /// Per-direction bandwidth between two devices in bytes/s.
     pub fn bandwidth(&self, a: &Device, b: &Device) -> f64 {
-        self.node_bandwidth(&a.node, &b.node)
+        self.network.between(a.host(), b.host()).bytes_per_s
     }
 
     /// Per-direction bandwidth between devices on nodes `a` and `b` in bytes/s.
     pub fn node_bandwidth(&self, a: &str, b: &str) -> f64 {
-        let n = &self.network;
-        let gbs = if a == b {
-            n.intra_node_gbs
-        } else {
-            n.link
-                .iter()
-                .find(|l| (l.a == a && l.b == b) || (l.a == b && l.b == a))
-                .map_or(n.inter_node_gbs, |l| l.gbs)
+        self.node_link(a, b).bytes_per_s
+    }
+
+    /// The link between devices on nodes `a` and `b` ([`Network::between`], each node
+    /// in its site).
+    pub fn node_link(&self, a: &str, b: &str) -> synerfuse_plan::LinkSpeed {
+        let host = |node| synerfuse_plan::Host {
+            node,
+            site: self.site_of(node),
         };
-        gbs * 1e9
+        self.network.between(host(a), host(b))
     }
 
     /// The slowest link between two of `nodes` (distinct names), bytes/s: what
     /// [`Self::node_bandwidth`] gives over every pair, without visiting every pair.
     pub fn slowest_inter_node(&self, nodes: &[&str]) -> f64 {
-        let here: std::collections::BTreeSet<&str> = nodes.iter().copied().collect();
-        // Named links between two of these nodes, the first naming of a pair counting
-        // (as node_bandwidth finds it).
-        let mut named: BTreeMap<(&str, &str), f64> = BTreeMap::new();
-        for l in &self.network.link {
-            let (a, b) = (
-                l.a.as_str().min(l.b.as_str()),
-                l.a.as_str().max(l.b.as_str()),
-            );
-            if a != b && here.contains(a) && here.contains(b) {
-                named.entry((a, b)).or_insert(l.gbs * 1e9);
+        let mut by_site: BTreeMap<&str, std::collections::BTreeSet<&str>> = BTreeMap::new();
+        for &node in nodes {
+            by_site.entry(self.site_of(node)).or_default().insert(node);
+        }
+        let sites: Vec<(&str, Vec<&str>)> = (by_site.into_iter())
+            .map(|(site, nodes)| (site, nodes.into_iter().collect()))
+            .collect();
+        let mut slowest = f64::INFINITY;
+        for (i, (site, here)) in sites.iter().enumerate() {
+            let default = self.network.inter_node_gbs;
+            slowest = slowest.min(self.slowest_between(here, None, default));
+            for (other, there) in &sites[i + 1..] {
+                let n = &self.network;
+                let named_sites = (n.link.iter())
+                    .find(|l| (l.a == *site && l.b == *other) || (l.a == *other && l.b == *site));
+                let default = n.inter_site_gbs.unwrap_or(n.inter_node_gbs);
+                let default = named_sites.map_or(default, |l| l.gbs);
+                slowest = slowest.min(self.slowest_between(here, Some(there), default));
             }
         }
-        let pairs = here.len() * here.len().saturating_sub(1) / 2;
-        let default = (named.len() < pairs).then_some(self.network.inter_node_gbs * 1e9);
+        slowest
+    }
+
+    /// The slowest link, bytes/s, between a node of `a` and another of `b` (distinct
+    /// names, sorted; `None`: the pairs within `a`), `default_gbs` where no
+    /// named link joins a pair; the first naming of a pair counts (as
+    /// [`Self::node_bandwidth`] finds it).
+    fn slowest_between(&self, a: &[&str], b: Option<&[&str]>, default_gbs: f64) -> f64 {
+        let (within, b) = (b.is_none(), b.unwrap_or(a));
+        let mut named: BTreeMap<(&str, &str), f64> = BTreeMap::new();
+        for l in &self.network.link {
+            let (x, y) = (l.a.as_str(), l.b.as_str());
+            let pair = match within {
+                true => (x != y && a.binary_search(&x).is_ok() && a.binary_search(&y).is_ok())
+                    .then(|| (x.min(y), x.max(y))),
+                false => match (a.binary_search(&x).is_ok(), b.binary_search(&y).is_ok()) {
+                    (true, true) => Some((x, y)),
+                    _ if a.binary_search(&y).is_ok() && b.binary_search(&x).is_ok() => Some((y, x)),
+                    _ => None,
+                },
+            };
+            if let Some(pair) = pair {
+                named.entry(pair).or_insert(l.gbs * 1e9);
+            }
+        }
+        let pairs = match within {
+            true => a.len() * a.len().saturating_sub(1) / 2,
+            false => a.len() * b.len(),
+        };
+        let default = (named.len() < pairs).then_some(default_gbs * 1e9);
         (named.values().copied().chain(default)).fold(f64::INFINITY, f64::min)
     }
 
@@ -516,12 +556,23 @@ mod tests {
             a: a.into(),
             b: b.into(),
             gbs,
+            latency_us: None,
         };
-        let mut cluster = ClusterSpec::from_toml(
-            "[[group]]\nkind = \"a100-80g\"\ncount = 1\n[network]\nintra_node_gbs = 100\ninter_node_gbs = 10\n",
+        let cluster = ClusterSpec::from_toml(
+            "[[group]]\nkind = \"a100-80g\"\ncount = 1\n[network]\nintra_node_gbs = 100\ninter_node_gbs = 10\ninter_site_gbs = 2\n",
         )
         .unwrap();
-        let nodes = ["n0", "n1", "n2"];
+        // Without sites, and with n2 and n3 in a site of their own.
+        let mut sited = cluster.clone();
+        for (i, site) in ["", "", "far", "far"].iter().enumerate() {
+            let node = format!("n{i}");
+            sited.group.push(DeviceGroup {
+                node: Some(node),
+                site: (!site.is_empty()).then(|| site.to_string()),
+                ..cluster.group[0].clone()
+            });
+        }
+        let nodes = ["n0", "n1", "n2", "n3"];
         let cases = [
             vec![],
             vec![link("n0", "n1", 3.0)],
@@ -535,10 +586,19 @@ mod tests {
                 link("n0", "n1", 1.0),
                 link("n5", "n0", 1.0),
             ],
+            vec![link("n3", "n1", 0.5), link("", "far", 1.5)],
+            vec![
+                link("n0", "n2", 3.0),
+                link("n0", "n3", 3.0),
+                link("n1", "n2", 3.0),
+                link("n1", "n3", 3.0),
+            ],
         ];
-        for links in cases {
-            cluster.network.link = links;
-            for k in 2..=3 {
+        for (links, mut cluster) in
+            (cases.iter()).flat_map(|l| [(l, cluster.clone()), (l, sited.clone())])
+        {
+            cluster.network.link = links.clone();
+            for k in 2..=4 {
                 let here = &nodes[..k];
                 let mut brute = f64::INFINITY;
                 for a in here {

@@ -33,6 +33,13 @@ pub struct RankTimes {
     /// line is printed; `synerfuse timeline` draws them).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub spans: Option<Vec<synerfuse_plan::timeline::Span>>,
+    /// Bytes it sent over emulated links between two nodes of one site in the step
+    /// (where the plan's network is emulated).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bytes_across_nodes: Option<u64>,
+    /// Bytes it sent over emulated links between two sites in the step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bytes_across_sites: Option<u64>,
 }
 
 /// One iteration's numbers, as the log line and the JSON log carry them.

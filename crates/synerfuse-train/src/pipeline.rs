@@ -694,6 +694,11 @@ impl PipelineRank<'_> {
             sends.nccl.push((peer, tensor.contiguous()));
         } else {
             let tag = tag(message, self.chunks.len());
+            let bytes = tensor.numel() * tensor.kind().elt_size_in_bytes();
+            if let Some(arrival) = self.links.arrival(peer, bytes) {
+                let stamp = Tensor::from_slice(&[arrival]);
+                sends.mpi.push(self.world.isend(&stamp, peer, tag)?);
+            }
             sends.mpi.push(self.world.isend(tensor, peer, tag)?);
         }
         Ok(())
@@ -728,8 +733,15 @@ impl PipelineRank<'_> {
             if device != Device::Cpu {
                 host = host.pin_memory(device);
             }
-            self.world
-                .recv(&mut host, peer, tag(message, self.chunks.len()))?;
+            let tag = tag(message, self.chunks.len());
+            let mut arrival = None;
+            if self.links.stamped(peer) {
+                let mut stamp = Tensor::zeros([1], (Kind::Double, Device::Cpu));
+                self.world.recv(&mut stamp, peer, tag)?;
+                arrival = Some(stamp.double_value(&[0]));
+            }
+            self.world.recv(&mut host, peer, tag)?;
+            crate::comm::emulated_links::wait_for(arrival);
             host.to_device(device)
         };
         step.times.waiting += started.elapsed();

@@ -51,6 +51,7 @@ fn check_all(world: &MpiCommunicator) -> Result<(), String> {
     collectives_in_rounds(world)?;
     gathers_in_place(world)?;
     hierarchical_reductions(world)?;
+    emulated_links(world)?;
     process_groups(world)?;
     simultaneous_isends(world)?;
     Ok(())
@@ -230,7 +231,11 @@ fn hierarchical_reductions(world: &MpiCommunicator) -> Result<(), String> {
             Device::Cpu,
             [members.to_vec()],
             &Default::default(),
-            nodes,
+            &synerfuse_train::comm::PlannedHosts {
+                nodes: nodes.to_vec(),
+                hierarchical: true,
+                ..Default::default()
+            },
         )
         .map_err(err)?;
         let Some(group) = groups.get(members) else {
@@ -388,6 +393,74 @@ fn process_groups(world: &MpiCommunicator) -> Result<(), String> {
                     t.int64_value(&[0])
                 ));
             }
+        }
+    }
+    Ok(())
+}
+
+/// Over emulated links (hosts a, a, b, b, 1 MB/s between them), a flat all-reduce of
+/// 5000 fp32 elements takes at least its ring's time (6 steps of 5000 bytes: 30 ms) and a
+/// hierarchical one at least its exchange's (one piece of 10,000 bytes: 10 ms); both sum
+/// right, and each rank counts what it sent across: a flat ring's crossing ranks (1 and
+/// 3) 30,000 bytes each, every rank 10,000 hierarchically.
+fn emulated_links(world: &MpiCommunicator) -> Result<(), String> {
+    use synerfuse_train::comm::{PlannedHosts, SetGroups};
+    let (rank, n) = (world.rank(), world.size());
+    if n != 4 {
+        return Ok(());
+    }
+    let network = synerfuse_plan::Network {
+        intra_node_gbs: 100.0,
+        inter_node_gbs: 0.001,
+        latency_us: 0.0,
+        inter_site_gbs: None,
+        inter_site_latency_us: None,
+        link: Vec::new(),
+    };
+    let members = vec![0, 1, 2, 3];
+    let of = |r: usize| (Tensor::arange(5000, (Kind::Float, Device::Cpu)) * (r as f64 + 1.0)).sin();
+    let want = (0..4).fold(Tensor::zeros([5000], (Kind::Float, Device::Cpu)), |a, r| {
+        a + of(r)
+    });
+    for (hierarchical, least_s, sent) in [
+        (false, 0.030, [0.0, 3e4, 0.0, 3e4]),
+        (true, 0.010, [1e4; 4]),
+    ] {
+        let hosts = PlannedHosts {
+            nodes: ["a", "a", "b", "b"].map(|x| Some(x.to_owned())).to_vec(),
+            sites: Vec::new(),
+            network: Some(network.clone()),
+            hierarchical,
+        };
+        let groups = SetGroups::new(
+            world,
+            Device::Cpu,
+            [members.clone()],
+            &Default::default(),
+            &hosts,
+        )
+        .map_err(|e| e.to_string())?;
+        let group = groups.get(&members).ok_or("no group")?;
+        let mut sum = of(rank);
+        world.barrier();
+        let started = std::time::Instant::now();
+        group.all_reduce_sum(&mut sum).map_err(|e| e.to_string())?;
+        let took = started.elapsed().as_secs_f64();
+        let what = if hierarchical { "hierarchical" } else { "flat" };
+        if took < least_s * 0.999 {
+            return Err(format!(
+                "{what} all-reduce over emulated links took {took} s, under {least_s} s"
+            ));
+        }
+        if max_abs_diff(&sum, &want) > 1e-4 {
+            return Err(format!("{what} all-reduce over emulated links: wrong sum"));
+        }
+        let crossed = groups.link_emulation().ok_or("no emulation")?.crossed();
+        if crossed.across_nodes != sent[rank] {
+            return Err(format!(
+                "{what}: rank {rank} sent {} bytes across, not {}",
+                crossed.across_nodes, sent[rank]
+            ));
         }
     }
     Ok(())

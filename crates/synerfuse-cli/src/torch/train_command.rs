@@ -285,6 +285,11 @@ pub struct TrainArgs {
         help_heading = "Parallelism"
     )]
     overlap_param_gather: bool,
+    /// Reduce each gradient flat over its whole group even where its members sit on
+    /// several hosts of the plan (for comparisons; by default such a reduction
+    /// reduce-scatters inside each host, exchanges pieces across, gathers inside)
+    #[arg(long, help_heading = "Parallelism")]
+    no_hierarchical_reduction: bool,
     /// Data-loader workers: 0 reads each step's micro-batches inline, more reads the next
     /// step's on a background thread while this one computes
     #[arg(long, default_value_t = 2, help_heading = "Data")]
@@ -765,6 +770,7 @@ impl TrainArgs {
                 ddp_bucket_size: self.ddp_bucket_size,
                 overlap_param_gather: self.overlap_param_gather,
                 sequence_parallel: self.sequence_parallel,
+                hierarchical_reduction: !self.no_hierarchical_reduction,
             },
             batch: BatchConfig {
                 sequence_length: self.seq_length,

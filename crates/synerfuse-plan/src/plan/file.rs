@@ -78,12 +78,18 @@ struct ReplicaFile {
     /// reductions go through.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     nodes: Vec<String>,
+    /// The cluster file's site (datacenter) of each rank ("" for the default site).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    sites: Vec<String>,
 }
 
 /// The whole file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct PlanFile {
+    /// The links between the ranks' nodes and sites, which the run emulates.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    network: Option<crate::Network>,
     replica: Vec<ReplicaFile>,
 }
 
@@ -208,7 +214,11 @@ impl Plan {
             next_rank += pipeline.all_ranks().count();
             replicas.push(pipeline);
         }
-        Self::new(replicas)
+        let plan = Self::new(replicas)?;
+        match file.network {
+            Some(network) => plan.with_network(network),
+            None => Ok(plan),
+        }
     }
 
     fn to_file(&self) -> PlanFile {
@@ -219,6 +229,7 @@ impl Plan {
             .enumerate()
             .all(|(i, rank)| i == rank);
         PlanFile {
+            network: self.network().cloned(),
             replica: self
                 .replicas
                 .iter()
@@ -294,6 +305,7 @@ fn replica_pipeline(
         kinds: &replica.kinds,
         memory_gb: &replica.memory_gb,
         nodes: &replica.nodes,
+        sites: &replica.sites,
     };
     Ok(ReplicaPipeline {
         stages,
@@ -368,6 +380,13 @@ fn replica_file(r: &ReplicaPipeline, sequential: bool) -> ReplicaFile {
             .collect(),
         false => Vec::new(),
     };
+    let sites: Vec<String> = match p.iter().any(|p| p.site.is_some()) {
+        true => p
+            .iter()
+            .map(|p| p.site.clone().unwrap_or_default())
+            .collect(),
+        false => Vec::new(),
+    };
     let memory_gb: Vec<f64> = match p.iter().all(|p| p.memory_gb.is_some()) {
         true => p.iter().filter_map(|p| p.memory_gb).collect(),
         false => Vec::new(),
@@ -427,6 +446,7 @@ fn replica_file(r: &ReplicaPipeline, sequential: bool) -> ReplicaFile {
         kinds,
         memory_gb,
         nodes,
+        sites,
     }
 }
 
@@ -461,6 +481,7 @@ struct PlacementLists<'a> {
     kinds: &'a [String],
     memory_gb: &'a [f64],
     nodes: &'a [String],
+    sites: &'a [String],
 }
 
 /// Placements of a replica's file form: devices, speeds and kinds, each empty or one
@@ -477,6 +498,7 @@ fn placements(
         kinds,
         memory_gb,
         nodes,
+        sites,
     } = given;
     super::check_per_rank(
         replica,
@@ -488,6 +510,7 @@ fn placements(
             ("kinds", kinds.len()),
             ("memory_gb", memory_gb.len()),
             ("nodes", nodes.len()),
+            ("sites", sites.len()),
         ],
     )?;
     if let Some(&memory) = memory_gb.iter().find(|&&m| !(m > 0.0 && m.is_finite())) {
@@ -499,6 +522,7 @@ fn placements(
         kinds.len(),
         memory_gb.len(),
         nodes.len(),
+        sites.len(),
     ];
     if given.iter().all(|&n| n == 0) {
         return Ok(Vec::new());
@@ -525,6 +549,7 @@ fn placements(
                 kind: kinds.get(s).filter(|k| !k.is_empty()).cloned(),
                 memory_gb: memory_gb.get(s).copied(),
                 node: nodes.get(s).filter(|n| !n.is_empty()).cloned(),
+                site: sites.get(s).filter(|n| !n.is_empty()).cloned(),
             })
         })
         .collect()

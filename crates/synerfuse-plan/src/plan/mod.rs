@@ -427,6 +427,17 @@ pub enum PlanError {
         /// The first replica without them.
         replica: usize,
     },
+    /// A `[network]` with a bad number.
+    #[error("plan file: {0}")]
+    Network(#[from] crate::NetworkError),
+    /// One node placed in two sites.
+    #[error("node {node:?} is placed in two sites, {:?} and {:?}", sites[0], sites[1])]
+    NodeInTwoSites {
+        /// The node.
+        node: String,
+        /// The first two sites it is given (`""`: none).
+        sites: [String; 2],
+    },
     /// A replica whose pipeline cannot run the schedule.
     #[error("replica {replica}: {source}")]
     Schedule {
@@ -441,6 +452,8 @@ pub enum PlanError {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
     replicas: Vec<ReplicaPipeline>,
+    /// The links between the placements' nodes and sites, which a run emulates.
+    network: Option<crate::Network>,
 }
 
 impl Plan {
@@ -455,9 +468,59 @@ impl Plan {
         }
         // The samples of a step add up (what `batches` relies on).
         ReplicaBatches::new(replicas.iter().map(|r| r.batch.clone()).collect())?;
-        let plan = Plan { replicas };
+        let plan = Plan {
+            replicas,
+            network: None,
+        };
         plan.check_ranks()?;
+        plan.check_sites()?;
         Ok(plan)
+    }
+
+    /// The plan with `network` between its nodes and sites: a run emulates its links,
+    /// delaying each transfer between two nodes by its bytes over the link's bandwidth
+    /// plus its latency (on one machine; see `synerfuse-train`'s link emulation).
+    pub fn with_network(mut self, network: crate::Network) -> Result<Self, PlanError> {
+        network.check()?;
+        self.network = Some(network);
+        Ok(self)
+    }
+
+    /// The links a run emulates, if the plan carries them.
+    pub fn network(&self) -> Option<&crate::Network> {
+        self.network.as_ref()
+    }
+
+    /// Where each world rank sits: its placement's node and site (`""`: unnamed).
+    pub fn hosts(&self) -> Vec<crate::Host<'_>> {
+        (0..self.world_size())
+            .map(|rank| {
+                let p = self.placement(rank);
+                crate::Host {
+                    node: p.and_then(|p| p.node.as_deref()).unwrap_or(""),
+                    site: p.and_then(|p| p.site.as_deref()).unwrap_or(""),
+                }
+            })
+            .collect()
+    }
+
+    /// A node sits in one site.
+    fn check_sites(&self) -> Result<(), PlanError> {
+        let mut site_of = std::collections::BTreeMap::<&str, &str>::new();
+        let placements = self.replicas.iter().flat_map(|r| &r.placements);
+        for p in placements {
+            let (Some(node), site) = (p.node.as_deref(), p.site.as_deref().unwrap_or("")) else {
+                continue;
+            };
+            let first = *site_of.entry(node).or_insert(site);
+            if first != site {
+                return Err(PlanError::NodeInTwoSites {
+                    node: node.to_owned(),
+                    sites: [first.to_owned(), site.to_owned()],
+                });
+            }
+        }
+        Ok(())
     }
 
     fn check_ranks(&self) -> Result<(), PlanError> {

@@ -90,6 +90,10 @@ pub struct RankPlacement {
     /// machine, an emulated host.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,
+    /// The cluster file's site (datacenter) of the node: nodes of two sites are joined by
+    /// the slowest links.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub site: Option<String>,
 }
 
 #[cfg(test)]

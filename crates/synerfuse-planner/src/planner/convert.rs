@@ -206,7 +206,7 @@ impl Candidate {
                 },
             });
         }
-        Ok(Plan::new(replicas)?)
+        Ok(with_links(Plan::new(replicas)?, cost)?)
     }
 }
 
@@ -251,6 +251,16 @@ fn stage_load(cost: &CostModel, from: usize, to: usize) -> Vec<f64> {
     }
 }
 
+/// `plan` with the cluster's network where its placements name emulated nodes
+/// ([`placement`]): the run then emulates the links between them.
+fn with_links(plan: Plan, cost: &CostModel) -> Result<Plan, PlanError> {
+    let hosts = plan.hosts();
+    match hosts.iter().any(|h| !h.node.is_empty()) {
+        true => plan.with_network(cost.cluster.network.clone()),
+        false => Ok(plan),
+    }
+}
+
 /// Where a rank on `dev` computes: CUDA for an accelerator, else the CPU; its emulated
 /// speed, kind and memory.
 pub(super) fn placement(dev: &Device) -> RankPlacement {
@@ -263,8 +273,10 @@ pub(super) fn placement(dev: &Device) -> RankPlacement {
         speed: dev.emulated.then_some(dev.speed),
         kind: Some(dev.kind.clone()),
         memory_gb: dev.spec.map(|s| s.memory_gb),
-        // Islands follow the hosts training runs on until the planner prices them.
-        node: None,
+        // An emulated cluster's named nodes and sites are emulated hosts (their islands
+        // and links); elsewhere islands follow the hosts training runs on.
+        node: (dev.emulated && dev.named_node).then(|| dev.node.clone()),
+        site: (dev.emulated && dev.named_node && !dev.site.is_empty()).then(|| dev.site.clone()),
     }
 }
 
@@ -335,7 +347,7 @@ impl PooledCandidate {
                 },
             });
         }
-        Plan::new(replicas)
+        with_links(Plan::new(replicas)?, cost)
     }
 
     /// Under expert parallelism, per pool, stage and replica the experts it holds: each

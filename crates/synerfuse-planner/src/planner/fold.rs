@@ -34,11 +34,14 @@ pub(super) struct Fold {
 /// The largest fold of `cost`'s cluster that keeps every choice the search makes: the
 /// same depths divide each pool and the whole cluster (at every tensor-parallel size),
 /// the same micro-batch sizes divide the batch; `None` for clusters of at most `above`
-/// devices, with named links, or with no such fold.
+/// devices, with named links or sites, or with no such fold.
 pub(super) fn fold(cost: &CostModel, request: &PlanRequest, above: usize) -> Option<Fold> {
     let cluster = &cost.cluster;
     let n: usize = cluster.group.iter().map(|g| g.count).sum();
-    if n <= above || !cluster.network.link.is_empty() {
+    if n <= above
+        || !cluster.network.link.is_empty()
+        || cluster.group.iter().any(|g| g.site.is_some())
+    {
         return None;
     }
     let nodes = node_kinds(cluster);

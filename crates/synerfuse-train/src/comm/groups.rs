@@ -4,10 +4,12 @@
 //! member is a CUDA rank, MPI with host staging otherwise; over MPI a group whose members
 //! sit on several hosts (islands) reduces hierarchically ([`super::hierarchical`]).
 
+use super::emulated_links::{wait_for, wait_until, LinkEmulation, PlannedHosts};
 use super::hierarchical::{HierarchicalGroup, PendingHierarchical, MIN_ELEMENTS};
 use super::nccl::PendingNccl;
 use super::{CommError, MpiCommunicator, NcclCommunicator, PendingAllReduce};
 use std::collections::{BTreeMap, HashMap};
+use std::rc::Rc;
 use synerfuse_plan::{GroupKind, Topology};
 use tch::{Device, Tensor};
 
@@ -19,6 +21,21 @@ pub struct GroupCommunicator {
     /// Its islands, where its members sit on more than one host and share one with
     /// another member: its fp32 reductions over MPI then go hierarchically.
     hierarchy: Option<std::rc::Rc<HierarchicalGroup>>,
+    /// Its emulated links, where its MPI collectives cross emulated nodes.
+    links: Option<GroupLinks>,
+}
+
+/// A group's members (world ranks) on the run's emulated links.
+struct GroupLinks {
+    emulation: Rc<LinkEmulation>,
+    members: Vec<usize>,
+}
+
+impl GroupLinks {
+    /// When a ring collective of `steps` steps of `chunk` bytes completes here.
+    fn ring(&self, steps: usize, chunk: f64) -> Option<f64> {
+        self.emulation.ring(&self.members, steps, chunk)
+    }
 }
 
 impl GroupCommunicator {
@@ -28,7 +45,24 @@ impl GroupCommunicator {
             mpi,
             nccl: None,
             hierarchy: None,
+            links: None,
         }
+    }
+
+    /// When an MPI collective over the group completes on the emulated links, `None`
+    /// where they are not emulated (or NCCL carries `tensor`): `steps` ring steps of
+    /// `chunk` elements of `tensor`.
+    fn emulated(&self, tensor: &Tensor, steps: usize, chunk: usize) -> Option<f64> {
+        let links = self
+            .links
+            .as_ref()
+            .filter(|_| self.nccl_for(tensor).is_none())?;
+        links.ring(steps, (chunk * tensor.kind().elt_size_in_bytes()) as f64)
+    }
+
+    /// Ring steps of an all-reduce (a reduce-scatter and an all-gather).
+    fn all_reduce_steps(&self) -> usize {
+        2 * (self.size() - 1)
     }
 
     /// The group's islands, each its members (group ranks), where it reduces
@@ -69,10 +103,14 @@ impl GroupCommunicator {
         if let Some(hierarchy) = self.hierarchy_for(tensor) {
             return hierarchy.start(tensor, None)?.wait();
         }
+        let chunk = tensor.numel().div_ceil(self.size());
+        let done = self.emulated(tensor, self.all_reduce_steps(), chunk);
         match self.nccl_for(tensor) {
-            Some(nccl) => nccl.all_reduce_sum(tensor),
-            None => self.mpi.all_reduce_sum(tensor),
+            Some(nccl) => nccl.all_reduce_sum(tensor)?,
+            None => self.mpi.all_reduce_sum(tensor)?,
         }
+        wait_for(done);
+        Ok(())
     }
 
     /// Starts summing the fp32 `tensor` over the group (NCCL on its own stream, or
@@ -83,10 +121,13 @@ impl GroupCommunicator {
                 hierarchy.start(tensor, None)?,
             ));
         }
-        Ok(match self.nccl_for(tensor) {
+        let chunk = tensor.numel().div_ceil(self.size());
+        let done = self.emulated(tensor, self.all_reduce_steps(), chunk);
+        let pending = match self.nccl_for(tensor) {
             Some(nccl) => PendingReduction::Nccl(nccl.start_all_reduce_sum(tensor)?),
             None => PendingReduction::Mpi(self.mpi.start_all_reduce_sum(tensor)?),
-        })
+        };
+        Ok(pending.until(done))
     }
 
     /// Starts summing the fp32 1-D `tensor` over the group so that member `r` gets
@@ -104,10 +145,13 @@ impl GroupCommunicator {
             let pending = hierarchy.start(tensor, Some(counts))?;
             return Ok(PendingReduction::Hierarchical(pending));
         }
-        Ok(match self.nccl_for(tensor) {
+        let largest = counts.iter().copied().max().unwrap_or(0);
+        let done = self.emulated(tensor, self.size() - 1, largest);
+        let pending = match self.nccl_for(tensor) {
             Some(nccl) => PendingReduction::Nccl(nccl.start_reduce_scatter_sum(tensor, counts)?),
             None => PendingReduction::Mpi(self.mpi.start_reduce_scatter_sum(tensor, counts)?),
-        })
+        };
+        Ok(pending.until(done))
     }
 
     /// Copies member `m`'s piece of the 1-D `tensor` (the `counts[m]` elements after
@@ -121,10 +165,14 @@ impl GroupCommunicator {
         tensor: &mut Tensor,
         counts: &[usize],
     ) -> Result<(), CommError> {
+        let largest = counts.iter().copied().max().unwrap_or(0);
+        let done = self.emulated(tensor, self.size() - 1, largest);
         match self.nccl_for(tensor) {
-            Some(nccl) => nccl.all_gather_in_place(tensor, counts),
-            None => self.mpi.all_gather_in_place(tensor, counts),
+            Some(nccl) => nccl.all_gather_in_place(tensor, counts)?,
+            None => self.mpi.all_gather_in_place(tensor, counts)?,
         }
+        wait_for(done);
+        Ok(())
     }
 
     /// Starts [`Self::all_gather_in_place`] and returns at once (NCCL on its own stream,
@@ -136,40 +184,62 @@ impl GroupCommunicator {
         tensor: &Tensor,
         counts: &[usize],
     ) -> Result<PendingReduction, CommError> {
-        Ok(match self.nccl_for(tensor) {
+        let largest = counts.iter().copied().max().unwrap_or(0);
+        let done = self.emulated(tensor, self.size() - 1, largest);
+        let pending = match self.nccl_for(tensor) {
             Some(nccl) => PendingReduction::Nccl(nccl.start_all_gather_in_place(tensor, counts)?),
             None => PendingReduction::Mpi(self.mpi.start_all_gather_in_place(tensor, counts)?),
-        })
+        };
+        Ok(pending.until(done))
     }
 
     /// Copies `root`'s tensor into every member's.
     pub fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<(), CommError> {
+        let done = self.emulated(tensor, 1, tensor.numel());
         match self.nccl_for(tensor) {
-            Some(nccl) => nccl.broadcast(tensor, root),
-            None => self.mpi.broadcast(tensor, root),
+            Some(nccl) => nccl.broadcast(tensor, root)?,
+            None => self.mpi.broadcast(tensor, root)?,
         }
+        wait_for(done);
+        Ok(())
     }
 
     /// Every member's tensor stacked in member order.
     pub fn all_gather(&self, tensor: &Tensor) -> Result<Tensor, CommError> {
-        match self.nccl_for(tensor) {
-            Some(nccl) => nccl.all_gather(tensor),
-            None => self.mpi.all_gather(tensor),
-        }
+        let done = self.emulated(tensor, self.size() - 1, tensor.numel());
+        let gathered = match self.nccl_for(tensor) {
+            Some(nccl) => nccl.all_gather(tensor)?,
+            None => self.mpi.all_gather(tensor)?,
+        };
+        wait_for(done);
+        Ok(gathered)
     }
 
     /// Sum over members, scattered by leading rows.
     pub fn reduce_scatter_sum(&self, tensor: &Tensor) -> Result<Tensor, CommError> {
-        match self.nccl_for(tensor) {
-            Some(nccl) => nccl.reduce_scatter_sum(tensor),
-            None => self.mpi.reduce_scatter_sum(tensor),
-        }
+        let chunk = tensor.numel().div_ceil(self.size());
+        let done = self.emulated(tensor, self.size() - 1, chunk);
+        let piece = match self.nccl_for(tensor) {
+            Some(nccl) => nccl.reduce_scatter_sum(tensor)?,
+            None => self.mpi.reduce_scatter_sum(tensor)?,
+        };
+        wait_for(done);
+        Ok(piece)
     }
 
     /// `parts[m]` to member `m`: what each member sent this one, in member order (NCCL
     /// grouped sends and receives on CUDA groups, MPI's `Alltoallv` otherwise; the row
     /// counts go first over MPI).
     pub fn all_to_all(&self, parts: &[Tensor]) -> Result<Vec<Tensor>, CommError> {
+        // Emulated as n − 1 shifts of the largest part.
+        let largest = parts.iter().map(Tensor::numel).max().unwrap_or(0);
+        let done = (parts.first()).and_then(|p| self.emulated(p, self.size() - 1, largest));
+        let received = self.exchange_parts(parts)?;
+        wait_for(done);
+        Ok(received)
+    }
+
+    fn exchange_parts(&self, parts: &[Tensor]) -> Result<Vec<Tensor>, CommError> {
         match parts.first().and_then(|p| self.nccl_for(p)) {
             Some(nccl) => {
                 // Refused alike on every member before any message.
@@ -270,6 +340,9 @@ pub enum PendingReduction {
     Mpi(PendingAllReduce),
     /// A hierarchical reduction over the group's islands, phase by phase.
     Hierarchical(PendingHierarchical),
+    /// A collective over emulated links: complete no sooner than its time on them
+    /// ([`super::emulated_links`]).
+    Emulated(Box<PendingReduction>, f64),
 }
 
 impl PendingReduction {
@@ -280,6 +353,17 @@ impl PendingReduction {
             PendingReduction::Mpi(pending) => pending.test(),
             PendingReduction::Hierarchical(pending) => pending.progress(),
             PendingReduction::Nccl(_) => false,
+            PendingReduction::Emulated(pending, done) => {
+                pending.progress() && super::emulated_links::monotonic_s() >= *done
+            }
+        }
+    }
+
+    /// The collective, complete no sooner than `done` where its links are emulated.
+    fn until(self, done: Option<f64>) -> Self {
+        match done {
+            Some(done) => PendingReduction::Emulated(Box::new(self), done),
+            None => self,
         }
     }
 
@@ -292,6 +376,11 @@ impl PendingReduction {
                 Ok(())
             }
             PendingReduction::Hierarchical(pending) => pending.wait(),
+            PendingReduction::Emulated(pending, done) => {
+                pending.wait()?;
+                wait_until(done);
+                Ok(())
+            }
         }
     }
 }
@@ -485,13 +574,15 @@ fn check_and_log(
 impl GroupCommunicator {
     /// The communicator of the group `members` (world ranks, in `comm`'s order) made of
     /// `comm`, with NCCL when every member computes on CUDA and can load it; over MPI,
-    /// with `nodes` (each world rank's host as the plan names it, `None`: its own), its
-    /// islands: the CUDA ranks of one host, and the other ranks of one host.
+    /// with `hosts` (each world rank's host as the plan names it, `None`: its own), its
+    /// islands: the CUDA ranks of one host, and the other ranks of one host; and the
+    /// run's emulated links, if any.
     fn over(
         comm: MpiCommunicator,
         members: &[usize],
         devices: &[RankDevice],
-        nodes: Option<&[Option<String>]>,
+        hosts: Option<&PlannedHosts>,
+        emulation: Option<&Rc<LinkEmulation>>,
     ) -> Result<Self, CommError> {
         let rank = members[comm.rank()];
         let nccl = match GroupPath::of(members, devices)? {
@@ -510,16 +601,21 @@ impl GroupCommunicator {
             }
             GroupPath::Mpi => None,
         };
-        let hierarchy = match (&nccl, nodes) {
-            (None, Some(nodes)) => {
+        let links =
+            (emulation.filter(|e| nccl.is_none() && e.spans(members))).map(|e| GroupLinks {
+                emulation: Rc::clone(e),
+                members: members.to_vec(),
+            });
+        let hierarchy = match (&nccl, hosts) {
+            (None, Some(hosts)) if hosts.hierarchical => {
                 let keys: Vec<(String, bool)> = (members.iter())
                     .map(|&r| {
-                        let host = nodes.get(r).cloned().flatten();
+                        let host = hosts.nodes.get(r).cloned().flatten();
                         let host = host.unwrap_or_else(|| format!("host {:x}", devices[r].host));
                         (host, devices[r].cuda.is_some())
                     })
                     .collect();
-                HierarchicalGroup::new(&comm, &keys)
+                HierarchicalGroup::new(&comm, &keys, members, emulation)
             }
             _ => None,
         };
@@ -532,10 +628,18 @@ impl GroupCommunicator {
                 comm.name()
             );
         }
+        if let Some(l) = links.as_ref().filter(|_| members[0] == rank) {
+            tracing::info!(
+                "{}: its transfers across emulated nodes are delayed as the plan's [network] carries them (ranks' nodes {:?})",
+                comm.name(),
+                (l.members.iter()).map(|&r| hosts.and_then(|h| h.nodes[r].as_deref()).unwrap_or("-")).collect::<Vec<_>>()
+            );
+        }
         Ok(GroupCommunicator {
             mpi: comm,
             nccl,
             hierarchy,
+            links,
         })
     }
 }
@@ -547,6 +651,8 @@ pub struct SetGroups {
     /// By member list, so that every rank tears them down in one order (see `Drop`).
     groups: BTreeMap<Vec<usize>, GroupCommunicator>,
     devices: Vec<RankDevice>,
+    /// The run's emulated links, if its plan carries a network.
+    emulation: Option<Rc<LinkEmulation>>,
 }
 
 impl Drop for SetGroups {
@@ -574,15 +680,16 @@ impl SetGroups {
     /// expert-parallel groups of no other use: their exchanges, between other replicas
     /// than the reductions in flight, must not queue behind those).
     ///
-    /// `nodes` names each world rank's host where the plan does (emulated hosts; `None`
+    /// `hosts` names each world rank's host where the plan does (emulated hosts; `None`
     /// or missing: the rank's own): MPI groups that span hosts reduce over their islands
-    /// ([`GroupCommunicator::islands`]).
+    /// ([`GroupCommunicator::islands`]) unless `hosts` says flat; with its network, the
+    /// links between the hosts are emulated ([`super::emulated_links`]).
     pub fn new(
         world: &MpiCommunicator,
         device: Device,
         sets: impl IntoIterator<Item = Vec<usize>>,
         apart: &std::collections::BTreeSet<Vec<usize>>,
-        nodes: &[Option<String>],
+        hosts: &PlannedHosts,
     ) -> Result<Self, CommError> {
         let sets: std::collections::BTreeSet<Vec<usize>> =
             sets.into_iter().filter(|s| s.len() > 1).collect();
@@ -599,6 +706,8 @@ impl SetGroups {
         let devices = RankDevice::gather(world, device)?;
         check_and_log(world, &devices, sets.iter().cloned())?;
         let rank = world.rank();
+        let machines: Vec<i64> = devices.iter().map(|d| d.host).collect();
+        let emulation = LinkEmulation::new(hosts, rank, &machines)?.map(Rc::new);
         let mut groups = BTreeMap::new();
         // The first NCCL communicator's stream carries every group's collectives: one
         // stream runs them in issue order, which is the plan's global order on every rank.
@@ -607,7 +716,9 @@ impl SetGroups {
             let key = members.iter().position(|&r| r == rank);
             if let Some(comm) = world.split(key.map(|_| 0), key.unwrap_or(0)) {
                 let comm = comm.with_name(format!("the group of ranks {members:?}"));
-                let mut group = GroupCommunicator::over(comm, &members, &devices, Some(nodes))?;
+                let emulated = emulation.as_ref();
+                let mut group =
+                    GroupCommunicator::over(comm, &members, &devices, Some(hosts), emulated)?;
                 if let Some(nccl) = group.nccl.as_mut().filter(|_| !apart.contains(&members)) {
                     match first_nccl.as_ref().and_then(|m| groups.get(m)) {
                         Some(GroupCommunicator {
@@ -619,7 +730,11 @@ impl SetGroups {
                 groups.insert(members, group);
             }
         }
-        Ok(SetGroups { groups, devices })
+        Ok(SetGroups {
+            groups,
+            devices,
+            emulation,
+        })
     }
 
     /// No communicators, as in a single-rank job.
@@ -628,6 +743,7 @@ impl SetGroups {
         SetGroups {
             groups: BTreeMap::new(),
             devices: Vec::new(),
+            emulation: None,
         }
     }
 
@@ -640,6 +756,11 @@ impl SetGroups {
     /// Every rank's device, in world rank order.
     pub(crate) fn devices(&self) -> &[RankDevice] {
         &self.devices
+    }
+
+    /// The run's emulated links, if its plan carries a network between several nodes.
+    pub fn link_emulation(&self) -> Option<&Rc<LinkEmulation>> {
+        self.emulation.as_ref()
     }
 }
 
@@ -709,7 +830,7 @@ impl ProcessGroups {
             if let Some(comm) = world.split(color, key) {
                 let members = mine.expect("a communicator only for members").1.clone();
                 let comm = comm.with_name(format!("the {kind} group {members:?}"));
-                let group = GroupCommunicator::over(comm, &members, &devices, None)?;
+                let group = GroupCommunicator::over(comm, &members, &devices, None, None)?;
                 groups.insert(kind, (members, group));
             }
         }

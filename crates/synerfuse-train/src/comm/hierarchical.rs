@@ -2,12 +2,15 @@
 //! collective: a reduce-scatter inside this member's island (its island's communicator),
 //! its piece's partial sums exchanged with the members of the other islands that hold
 //! the same elements (point to point over a communicator of the group's own), then an
-//! all-gather inside the island, or for the distributed optimizer each island piece
-//! handed to the members whose shards it holds. Each phase starts when the last one has
-//! completed, as the caller drives it ([`PendingHierarchical::progress`]).
+//! all-gather inside the island (point to point: see [`Phase::Finish`]), or for the
+//! distributed optimizer each island piece handed to the members whose shards it holds.
+//! Each phase starts when the last one has completed, as the caller drives it
+//! ([`PendingHierarchical::progress`]). Across emulated nodes, the exchanges arrive no
+//! sooner than the plan's links carry them ([`super::emulated_links`]).
 //!
 //! fp32 through host memory: a CUDA member's tensor is copied to the host and back.
 
+use super::emulated_links::{monotonic_s, LinkEmulation};
 use super::host::{poll_until, MAX_ELEMENTS_PER_CALL};
 use super::islands::{HierarchicalPlan, Islands};
 use super::watchdog::waiting;
@@ -36,13 +39,21 @@ pub(crate) struct HierarchicalGroup {
     /// This member's group rank.
     me: usize,
     next_tag: Cell<i32>,
+    /// The run's emulated links, and each member's world rank: exchanges across
+    /// emulated nodes arrive no sooner than the links carry them.
+    links: Option<(Rc<LinkEmulation>, Vec<usize>)>,
 }
 
 impl HierarchicalGroup {
     /// The islands of `group` given each member's island key (collective over `group`:
     /// every member splits it), or `None` where a hierarchical reduction would be the flat
     /// one ([`Islands::hierarchical`]).
-    pub(crate) fn new<K: PartialEq>(group: &MpiCommunicator, keys: &[K]) -> Option<Rc<Self>> {
+    pub(crate) fn new<K: PartialEq>(
+        group: &MpiCommunicator,
+        keys: &[K],
+        members: &[usize],
+        emulation: Option<&Rc<LinkEmulation>>,
+    ) -> Option<Rc<Self>> {
         let islands = Islands::from_keys(keys);
         if !islands.hierarchical() {
             return None;
@@ -57,7 +68,20 @@ impl HierarchicalGroup {
             islands,
             me,
             next_tag: Cell::new(TAGS.start),
+            links: emulation.map(|e| (Rc::clone(e), members.to_vec())),
         }))
+    }
+
+    /// When `bytes` sent now to member `peer` arrive over the emulated links, `None`
+    /// where they are not emulated.
+    fn arrival(&self, peer: usize, bytes: usize) -> Option<f64> {
+        let (emulation, world) = self.links.as_ref()?;
+        emulation.send(world[peer], bytes as f64)
+    }
+
+    /// Whether messages from member `peer` carry their arrival time.
+    fn stamped(&self, peer: usize) -> bool {
+        (self.links.as_ref()).is_some_and(|(emulation, world)| emulation.crosses_to(world[peer]))
     }
 
     /// The islands, as group ranks.
@@ -136,14 +160,12 @@ enum Phase {
     /// The partial sums of this member's piece going to, and coming from, the other
     /// islands' holders; the received ones by slice, in the slices' holder order.
     Cross(Exchange, Vec<Vec<Option<Tensor>>>),
-    /// The all-gather inside the island, or the handover of the shards.
-    Finish(Finishing),
+    /// The all-gather inside the island, or the handover of the shards: point to point,
+    /// each under the reduction's tag, because reductions reach this phase in whatever
+    /// order their exchanges complete on each member, and collectives on one
+    /// communicator must start in one order everywhere.
+    Finish(Exchange),
     Done,
-}
-
-enum Finishing {
-    Gather(Option<PendingAllReduce>),
-    Handover(Exchange),
 }
 
 /// A hierarchical reduction in flight: the caller leaves its tensor alone until
@@ -183,18 +205,7 @@ impl PendingHierarchical {
                     self.add_up(received);
                     self.start_finish()
                 }
-                Phase::Finish(Finishing::Gather(gather)) => {
-                    match gather.as_mut().is_none_or(|g| g.test()) {
-                        true => {
-                            if let Some(g) = gather.take() {
-                                g.wait();
-                            }
-                            Phase::Done
-                        }
-                        false => return false,
-                    }
-                }
-                Phase::Finish(Finishing::Handover(exchange)) => match exchange.test() {
+                Phase::Finish(exchange) => match exchange.test() {
                     true => Phase::Done,
                     false => return false,
                 },
@@ -234,9 +245,10 @@ impl PendingHierarchical {
                     theirs.push(None);
                     continue;
                 }
-                exchange.send(&part, holder);
+                let arrival = self.group.arrival(holder, 4 * slice.len());
+                exchange.send(&part, holder, arrival);
                 let buffer = Tensor::empty([slice.len() as i64], (Kind::Float, Device::Cpu));
-                exchange.receive(&buffer, holder);
+                exchange.receive(&buffer, holder, self.group.stamped(holder));
                 theirs.push(Some(buffer));
             }
             received.push(theirs);
@@ -270,29 +282,36 @@ impl PendingHierarchical {
         if self.sharded {
             let mut exchange = Exchange::new(&self.group.cross, self.tag);
             for (peer, range) in &self.plan.handover.sends {
-                exchange.send(
-                    &self.work.narrow(0, range.start as i64, range.len() as i64),
-                    *peer,
-                );
+                let part = self.work.narrow(0, range.start as i64, range.len() as i64);
+                let arrival = self.group.arrival(*peer, 4 * range.len());
+                exchange.send(&part, *peer, arrival);
             }
             for (peer, range) in &self.plan.handover.receives {
                 let into = self.work.narrow(0, range.start as i64, range.len() as i64);
-                exchange.receive(&into, *peer);
+                exchange.receive(&into, *peer, self.group.stamped(*peer));
             }
-            return Phase::Finish(Finishing::Handover(exchange));
+            return Phase::Finish(exchange);
         }
-        let gather = match self.plan.island_counts.len() {
-            1 => None,
-            _ => {
-                let gather = self
-                    .group
-                    .island
-                    .start_all_gather_in_place(&self.work, &self.plan.island_counts);
-                // Counts that cover the buffer, checked when the scatter started.
-                Some(gather.expect("the island's pieces cover the buffer"))
+        // Each island member's piece to every other member of the island.
+        let mut exchange = Exchange::new(&self.group.island, self.tag);
+        let place = self.group.islands.of(self.group.me).1;
+        let counts = &self.plan.island_counts;
+        let starts = counts
+            .iter()
+            .scan(0, |at, &c| Some(std::mem::replace(at, *at + c)));
+        let pieces: Vec<(usize, i64, i64)> = (starts.zip(counts).enumerate())
+            .filter(|(_, (_, &count))| count > 0)
+            .map(|(p, (start, &count))| (p, start as i64, count as i64))
+            .collect();
+        if let Some(&(_, at, len)) = pieces.iter().find(|(p, _, _)| *p == place) {
+            for p in (0..counts.len()).filter(|&p| p != place) {
+                exchange.send(&self.work.narrow(0, at, len), p, None);
             }
-        };
-        Phase::Finish(Finishing::Gather(gather))
+        }
+        for &(p, start, count) in pieces.iter().filter(|(p, _, _)| *p != place) {
+            exchange.receive(&self.work.narrow(0, start, count), p, false);
+        }
+        Phase::Finish(exchange)
     }
 }
 
@@ -300,9 +319,7 @@ impl Drop for PendingHierarchical {
     /// An abandoned reduction finishes its messages in flight (their buffers must outlive
     /// them) and starts no more.
     fn drop(&mut self) {
-        if let Phase::Cross(exchange, _) | Phase::Finish(Finishing::Handover(exchange)) =
-            &mut self.phase
-        {
+        if let Phase::Cross(exchange, _) | Phase::Finish(exchange) = &mut self.phase {
             exchange.wait();
         }
     }
@@ -316,6 +333,10 @@ struct Exchange {
     requests: Vec<mpi::ffi::MPI_Request>,
     /// The tensors the requests read and write, kept alive until they complete.
     buffers: Vec<Tensor>,
+    /// The arrival times received (fp64, one each), read once the requests complete.
+    stamps: Vec<Tensor>,
+    /// When the last message arrives on the emulated links, once known.
+    arrives: Option<f64>,
     group: std::sync::Arc<str>,
 }
 
@@ -326,18 +347,51 @@ impl Exchange {
             tag,
             requests: Vec::new(),
             buffers: Vec::new(),
+            stamps: Vec::new(),
+            arrives: None,
             group: comm.shared_name(),
         }
     }
 
-    /// Sends the contiguous fp32 CPU `part` to `peer`.
-    fn send(&mut self, part: &Tensor, peer: usize) {
+    /// Sends the contiguous fp32 CPU `part` to `peer`, stamped with its `arrival` on
+    /// the emulated links where they carry it.
+    fn send(&mut self, part: &Tensor, peer: usize, arrival: Option<f64>) {
+        if let Some(arrival) = arrival {
+            self.post_stamp(Tensor::from_slice(&[arrival]), peer, true);
+        }
         self.post(part, peer, true);
     }
 
-    /// Receives into the contiguous fp32 CPU `into` from `peer`.
-    fn receive(&mut self, into: &Tensor, peer: usize) {
+    /// Receives into the contiguous fp32 CPU `into` from `peer`, and its arrival time
+    /// first where it is `stamped`.
+    fn receive(&mut self, into: &Tensor, peer: usize, stamped: bool) {
+        if stamped {
+            let stamp = Tensor::zeros([1], (Kind::Double, Device::Cpu));
+            self.post_stamp(stamp.shallow_clone(), peer, false);
+            self.stamps.push(stamp);
+        }
         self.post(into, peer, false);
+    }
+
+    /// Posts one fp64 `stamp` (kept alive with the buffers) under the exchange's tag,
+    /// before its data: MPI keeps messages of one pair and tag in order.
+    fn post_stamp(&mut self, stamp: Tensor, peer: usize, send: bool) {
+        let mut request = std::mem::MaybeUninit::uninit();
+        // SAFETY: `stamp` is a one-element fp64 CPU tensor, kept alive in `buffers`
+        // until every request has completed; `comm` outlives the exchange (see `post`).
+        unsafe {
+            let at = stamp.data_ptr();
+            let (peer, tag, comm) = (peer as i32, self.tag, self.comm);
+            let datatype = mpi::ffi::RSMPI_DOUBLE;
+            match send {
+                true => mpi::ffi::MPI_Isend(at, 1, datatype, peer, tag, comm, request.as_mut_ptr()),
+                false => {
+                    mpi::ffi::MPI_Irecv(at, 1, datatype, peer, tag, comm, request.as_mut_ptr())
+                }
+            };
+            self.requests.push(request.assume_init());
+        }
+        self.buffers.push(stamp);
     }
 
     fn post(&mut self, buffer: &Tensor, peer: usize, send: bool) {
@@ -388,11 +442,14 @@ impl Exchange {
             unsafe { mpi::ffi::MPI_Test(request, &mut flag, mpi::ffi::RSMPI_STATUS_IGNORE) };
             flag != 0
         });
-        if done {
+        if done && !self.requests.is_empty() {
             self.requests.clear();
             self.buffers.clear();
+            let stamps = std::mem::take(&mut self.stamps);
+            let latest = stamps.iter().map(|s| s.double_value(&[0]));
+            self.arrives = latest.fold(None, |a, t| Some(a.map_or(t, |a: f64| a.max(t))));
         }
-        done
+        done && self.arrives.is_none_or(|at| monotonic_s() >= at)
     }
 
     fn wait(&mut self) {

@@ -18,6 +18,7 @@
 //! peers. Each link is therefore connected both ways when it is made, by a symmetric
 //! one-element exchange ([`super::nccl::first_contact`]).
 
+use super::emulated_links::LinkEmulation;
 use super::groups::RankDevice;
 use super::nccl::nccl_group;
 use super::{CommError, MpiCommunicator, NcclCommunicator, SetGroups};
@@ -67,6 +68,9 @@ pub struct PipelineLinks {
     nccl: BTreeMap<usize, NcclCommunicator>,
     /// This rank (for errors).
     rank: usize,
+    /// The run's emulated links: MPI messages across emulated nodes carry their arrival
+    /// time ([`super::emulated_links`]).
+    emulation: Option<std::rc::Rc<LinkEmulation>>,
 }
 
 impl Drop for PipelineLinks {
@@ -126,7 +130,24 @@ impl PipelineLinks {
                 nccl.insert(peer, NcclCommunicator::new_pair(world, peer, ordinal)?);
             }
         }
-        Ok(PipelineLinks { nccl, rank: me })
+        Ok(PipelineLinks {
+            nccl,
+            rank: me,
+            emulation: groups.link_emulation().cloned(),
+        })
+    }
+
+    /// When `bytes` sent now over MPI to world rank `peer` arrive on the emulated links
+    /// (sent first, as a one-element fp64 message under the same tag), `None` where the
+    /// link is NCCL or not emulated.
+    pub fn arrival(&self, peer: usize, bytes: usize) -> Option<f64> {
+        let emulation = self.emulation.as_ref().filter(|_| !self.is_nccl(peer))?;
+        emulation.send(peer, bytes as f64)
+    }
+
+    /// Whether MPI messages from world rank `peer` come after their arrival time.
+    pub fn stamped(&self, peer: usize) -> bool {
+        !self.is_nccl(peer) && self.emulation.as_ref().is_some_and(|e| e.crosses_to(peer))
     }
 
     /// Whether the link to world rank `peer` uses NCCL.

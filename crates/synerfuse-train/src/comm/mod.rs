@@ -5,6 +5,7 @@
 //! carries CUDA tensors when every member of a group is a CUDA rank; its library is
 //! loaded at run time, so CPU-only machines build and run without CUDA installed.
 
+pub mod emulated_links;
 mod error;
 pub(crate) mod groups;
 mod hierarchical;
@@ -20,6 +21,7 @@ mod pieces;
 mod progress;
 pub mod watchdog;
 
+pub use emulated_links::{CrossedBytes, LinkEmulation, PlannedHosts};
 pub use error::CommError;
 pub use groups::{GroupCommunicator, PendingReduction, ProcessGroups, SetGroups};
 pub use hierarchical::PendingHierarchical;

@@ -110,6 +110,9 @@ pub struct ParallelConfig {
     /// Megatron's `--sequence-parallel` on every tensor-parallel stage (no effect on
     /// stages of one rank).
     pub sequence_parallel: bool,
+    /// Reduce over MPI groups that span (emulated) hosts hierarchically, island by
+    /// island (`--no-hierarchical-reduction`: flat, every member in one collective).
+    pub hierarchical_reduction: bool,
 }
 
 impl ParallelConfig {

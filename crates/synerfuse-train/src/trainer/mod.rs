@@ -156,14 +156,24 @@ impl<'w> Trainer<'w> {
             self.change_emulated_speed();
             self.note_step_start();
             let started = Instant::now();
+            let crossed_before = self.crossed_bytes();
             let step = self.step(started)?;
+            let crossed = (self.crossed_bytes())
+                .zip(crossed_before)
+                .map(|(a, b)| a - b);
             let stop = signals::stop_requested();
             let elapsed = started.elapsed();
             // Every rank's spans on the steps whose JSON record carries them.
             let with_spans = log.keeps_spans(self.iteration + 1);
             let replica_tokens = self.replica_tokens();
-            let outcome =
-                StepOutcome::gather(self.world, step, elapsed, stop, replica_tokens, with_spans)?;
+            let outcome = StepOutcome::gather(
+                self.world,
+                step,
+                (elapsed, crossed),
+                stop,
+                replica_tokens,
+                with_spans,
+            )?;
             self.iteration += 1;
             self.consumed_samples += global_batch;
             summary.iteration = self.iteration;
@@ -268,6 +278,11 @@ impl<'w> Trainer<'w> {
     }
 
     /// This rank's replica's tokens per step (every stage of a replica sees the same).
+    /// Bytes this rank has sent over emulated links, where the plan's are emulated.
+    fn crossed_bytes(&self) -> Option<crate::comm::CrossedBytes> {
+        self.groups.link_emulation().map(|e| e.crossed())
+    }
+
     fn replica_tokens(&self) -> usize {
         let replica = &self.config.parallel.plan.replicas()[self.replica];
         replica.batch.samples() * self.config.batch.sequence_length

@@ -4,7 +4,7 @@
 use super::evaluation::{EvalSplit, Evaluation};
 use super::save_record::SaveRecord;
 use super::TrainConfig;
-use crate::comm::MpiCommunicator;
+use crate::comm::{CrossedBytes, MpiCommunicator};
 use crate::expert_load::ExpertStep;
 use crate::memory::MemoryReport;
 use crate::metrics::{IterationRecord, JsonLog, RankTimes, TensorBoardWriter};
@@ -54,10 +54,12 @@ struct RankRow {
     pace_ms: f64,
     reduce_wait_ms: f64,
     param_gather_wait_ms: f64,
+    /// Bytes it sent over emulated links (negative where none are emulated).
+    crossed: CrossedBytes,
 }
 
 /// The fields of a [`RankRow`] before the rank's expert load.
-const ROW_FIELDS: usize = 12;
+const ROW_FIELDS: usize = 14;
 
 /// The step as every rank saw it.
 #[derive(Debug, Clone)]
@@ -80,12 +82,13 @@ pub(super) struct StepOutcome {
 }
 
 impl StepOutcome {
-    /// All-gathers each rank's loss, times and stop flag (one small collective per
-    /// step), and with `with_spans` every rank's spans (two more).
+    /// All-gathers each rank's loss, times, bytes over emulated links and stop flag
+    /// (one small collective per step), and with `with_spans` every rank's spans (two
+    /// more).
     pub fn gather(
         world: &MpiCommunicator,
         step: StepResult,
-        elapsed: Duration,
+        (elapsed, crossed): (Duration, Option<CrossedBytes>),
         stop: bool,
         replica_tokens: usize,
         with_spans: bool,
@@ -109,6 +112,8 @@ impl StepOutcome {
             pace_s * 1e3,
             ms(step.times.reduce_wait),
             ms(step.times.param_gather_wait),
+            crossed.map_or(-1.0, |c| c.across_nodes),
+            crossed.map_or(-1.0, |c| c.across_sites),
         ];
         mine.extend(&step.experts);
         let all = world.all_gather(&Tensor::from_slice(&mine))?;
@@ -136,6 +141,10 @@ impl StepOutcome {
                     pace_ms: at(9),
                     reduce_wait_ms: at(10),
                     param_gather_wait_ms: at(11),
+                    crossed: CrossedBytes {
+                        across_nodes: at(12),
+                        across_sites: at(13),
+                    },
                 }
             })
             .collect();
@@ -300,6 +309,10 @@ impl StepLog {
                     activation_peak_bytes: (r.activation_peak_bytes >= 0.0)
                         .then_some(r.activation_peak_bytes as u64),
                     spans: None,
+                    bytes_across_nodes: (r.crossed.across_nodes >= 0.0)
+                        .then_some(r.crossed.across_nodes as u64),
+                    bytes_across_sites: (r.crossed.across_sites >= 0.0)
+                        .then_some(r.crossed.across_sites as u64),
                 })
                 .collect(),
         };

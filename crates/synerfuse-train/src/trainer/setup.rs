@@ -4,7 +4,7 @@
 //! what they build ([`super::state`]).
 
 use super::config::TrainConfig;
-use crate::comm::{MpiCommunicator, PipelineLinks, SetGroups};
+use crate::comm::{MpiCommunicator, PipelineLinks, PlannedHosts, SetGroups};
 use crate::emulation::Emulation;
 use crate::grads::MainGrads;
 use crate::loader::{LoaderError, Prefetcher, ReplicaLoader, SplitDatasets};
@@ -425,10 +425,11 @@ pub(super) fn rank_groups(
         .collect();
     let apart = expert_sets.difference(&others).cloned().collect();
     let sets = others.into_iter().chain(expert_sets);
-    let nodes: Vec<Option<String>> = (0..plan.world_size())
-        .map(|r| plan.placement(r).and_then(|p| p.node.clone()))
-        .collect();
-    let groups = SetGroups::new(world, device, sets, &apart, &nodes)?;
+    let hosts = PlannedHosts {
+        hierarchical: config.parallel.hierarchical_reduction,
+        ..PlannedHosts::of(plan)
+    };
+    let groups = SetGroups::new(world, device, sets, &apart, &hosts)?;
     Ok((groups, reductions))
 }
 

@@ -90,6 +90,7 @@ pub fn fitted_cost_of(job: &RunningJob<'_>, kept: &[usize]) -> Result<CostModel,
             memory_gb: job.plan.placement(rank).and_then(|p| p.memory_gb),
             mem_bw_gbs: None,
             efficiency: None,
+            site: None,
             speed: Some(unit_work_s(job, &unit, rank)? / pace_s),
         });
     }
@@ -101,6 +102,8 @@ pub fn fitted_cost_of(job: &RunningJob<'_>, kept: &[usize]) -> Result<CostModel,
             intra_node_gbs: measured.map_or(100.0, |n| n.p2p_bytes_per_s / 1e9),
             inter_node_gbs: 12.5,
             latency_us: measured.map_or(10.0, |n| n.latency_s * 1e6),
+            inter_site_gbs: None,
+            inter_site_latency_us: None,
             link: Vec::new(),
         },
     };

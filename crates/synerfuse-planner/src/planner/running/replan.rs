@@ -99,5 +99,9 @@ fn on_devices(
             }
         })
         .collect();
-    Plan::new(replicas)
+    let replanned = Plan::new(replicas)?;
+    match plan.network() {
+        Some(network) => replanned.with_network(network.clone()),
+        None => Ok(replanned),
+    }
 }
