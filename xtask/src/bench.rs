@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::Instant;
 
 /// Every benchmark, in the order `cargo xtask bench` runs them.
-const ALL: [&str; 9] = [
+const ALL: [&str; 10] = [
     "preprocess",
     "index",
     "model",
@@ -18,6 +18,7 @@ const ALL: [&str; 9] = [
     "moe",
     "planner",
     "replan",
+    "islands",
 ];
 
 pub fn run(root: &Path, name: Option<&str>) -> Result<()> {
@@ -135,6 +136,7 @@ fn headlines(name: &'static str, v: &serde_json::Value) -> Vec<Headline> {
         "moe" => moe_headlines(v),
         "planner" => planner_headlines(v),
         "replan" => replan_headlines(v),
+        "islands" => islands_headlines(v),
         _ => Vec::new(),
     };
     rows.into_iter()
@@ -487,6 +489,55 @@ fn cp_headlines(v: &serde_json::Value) -> Vec<Row> {
     )]
 }
 
+fn islands_headlines(v: &serde_json::Value) -> Vec<Row> {
+    let hosts = &v["two_hosts"];
+    let sites = &v["two_sites"];
+    let speedup = field(hosts, "speedup");
+    let site_speedup = field(sites, "speedup");
+    vec![
+        (
+            format!(
+                "4 emulated CPU ranks on 2 emulated hosts, link {:.3} GB/s (within a host / 10): hierarchical vs flat reduction",
+                field(hosts, "link_gbs")
+            ),
+            format!(
+                "{:.3} vs {:.3} s per step = {speedup:.2}x; losses within {:.1e}",
+                field(hosts, "hierarchical_step_s"),
+                field(hosts, "flat_step_s"),
+                field(hosts, "max_rel_loss_diff")
+            ),
+            ">= 1.5x".into(),
+            Some(speedup >= 1.5),
+        ),
+        (
+            "the same: bytes sent across the link per step, hierarchical / flat".into(),
+            format!(
+                "{:.3} in all, {:.3} on the busiest member's link",
+                field(hosts, "bytes_ratio"),
+                field(hosts, "busiest_link_bytes_ratio")
+            ),
+            "about 1/g (g = 2)".into(),
+            None,
+        ),
+        (
+            format!(
+                "2 emulated sites x 2 hosts, sites at {:.4} GB/s: the planner's plan ({}) vs data parallelism flat across the sites",
+                field(sites, "site_link_gbs"),
+                sites["plan"].as_str().unwrap_or("?")
+            ),
+            format!(
+                "{:.3} vs {:.3} s = {site_speedup:.2}x; prediction errors {:+.1} % and {:+.1} %",
+                field(sites, "plan_step_s"),
+                field(sites, "flat_dp_step_s"),
+                100.0 * field(sites, "plan_prediction_error"),
+                100.0 * field(sites, "flat_dp_prediction_error")
+            ),
+            "faster".into(),
+            Some(site_speedup > 1.0),
+        ),
+    ]
+}
+
 fn planner_headlines(v: &serde_json::Value) -> Vec<Row> {
     let mut out = Vec::new();
     let s = field(v, "planning_s");
@@ -563,8 +614,9 @@ fn run_one(root: &Path, name: &str) -> Result<()> {
         "moe" => crate::bench_moe::moe(root),
         "planner" => crate::bench_hetero::planner(root),
         "replan" => crate::bench_replan::replan(root),
+        "islands" => crate::bench_islands::islands(root),
         other => bail!(
-            "unknown benchmark {other:?}; available: preprocess, index, model, hetero, tp, cp, moe, planner, replan (or summary: the table from the latest results)"
+            "unknown benchmark {other:?}; available: preprocess, index, model, hetero, tp, cp, moe, planner, replan, islands (or summary: the table from the latest results)"
         ),
     }
 }

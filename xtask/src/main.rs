@@ -13,6 +13,7 @@
 mod bench;
 mod bench_cp;
 mod bench_hetero;
+mod bench_islands;
 mod bench_moe;
 mod bench_replan;
 mod bench_tp;

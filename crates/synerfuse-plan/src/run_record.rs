@@ -43,6 +43,14 @@ pub struct RunReduction {
     /// (off: after the optimizer).
     #[serde(default)]
     pub overlap_param_gather: bool,
+    /// MPI reductions whose members span hosts went island by island (off:
+    /// `--no-hierarchical-reduction`, flat).
+    #[serde(default = "hierarchical_by_default")]
+    pub hierarchical: bool,
+}
+
+fn hierarchical_by_default() -> bool {
+    true
 }
 
 impl Default for RunReduction {
@@ -52,6 +60,7 @@ impl Default for RunReduction {
             overlap_grad_reduce: true,
             ddp_bucket_size: None,
             overlap_param_gather: false,
+            hierarchical: true,
         }
     }
 }

@@ -24,6 +24,26 @@ use synerfuse_plan::{ModelShape, RunRecord};
 /// Steps of a run (after its start or a switch) left out as its warm-up.
 pub const WARM_UP_STEPS: usize = 5;
 
+/// Where `rank` of a run of `plan` sat for pricing: the node its placement names (an
+/// emulated one), else the host it ran on (`hosts`, by rank).
+pub(crate) fn run_node(plan: &synerfuse_plan::Plan, hosts: &[String], rank: usize) -> String {
+    let named = plan.placement(rank).and_then(|p| p.node.clone());
+    (named.or_else(|| hosts.get(rank).cloned())).unwrap_or_else(|| "host".into())
+}
+
+/// The links a run of `plan` is priced with: the network it emulated, else one of
+/// `intra_gbs` within a host (and `latency_us`) and 12.5 GB/s between hosts.
+pub(crate) fn run_network(plan: &synerfuse_plan::Plan, intra_gbs: f64, latency_us: f64) -> Network {
+    plan.network().cloned().unwrap_or(Network {
+        intra_node_gbs: intra_gbs,
+        inter_node_gbs: 12.5,
+        latency_us,
+        inter_site_gbs: None,
+        inter_site_latency_us: None,
+        link: Vec::new(),
+    })
+}
+
 /// The cost model that prices this run with `profile`: one device per rank (its
 /// placement's kind, `cpu` where it names none, at its emulated speed), the run's
 /// options (its gradient reduction as its record says).
@@ -35,17 +55,12 @@ pub fn run_cost_model(run: &RunRecord, profile: &Profile) -> CostModel {
             DeviceGroup {
                 kind: (placement.and_then(|p| p.kind.clone())).unwrap_or_else(|| "cpu".into()),
                 count: 1,
-                node: Some(
-                    run.hosts
-                        .get(rank)
-                        .cloned()
-                        .unwrap_or_else(|| "host".into()),
-                ),
+                node: Some(run_node(&run.plan, &run.hosts, rank)),
                 tflops_bf16: None,
                 memory_gb: placement.and_then(|p| p.memory_gb),
                 mem_bw_gbs: None,
                 efficiency: None,
-                site: None,
+                site: placement.and_then(|p| p.site.clone()),
                 speed: placement.and_then(|p| p.speed),
             }
         })
@@ -53,14 +68,7 @@ pub fn run_cost_model(run: &RunRecord, profile: &Profile) -> CostModel {
     let cluster = ClusterSpec {
         memory_headroom: 0.1,
         group,
-        network: Network {
-            intra_node_gbs: 100.0,
-            inter_node_gbs: 12.5,
-            latency_us: 10.0,
-            inter_site_gbs: None,
-            inter_site_latency_us: None,
-            link: Vec::new(),
-        },
+        network: run_network(&run.plan, 100.0, 10.0),
     };
     let mut cost = CostModel::new(run.model.clone(), cluster, Some(profile.clone()));
     cost.compute_bytes = run.compute_bytes;
@@ -68,6 +76,7 @@ pub fn run_cost_model(run: &RunRecord, profile: &Profile) -> CostModel {
     cost.overlap_grad_reduce = run.reduction.overlap_grad_reduce;
     cost.ddp_bucket_size = run.reduction.ddp_bucket_size;
     cost.overlap_param_gather = run.reduction.overlap_param_gather;
+    cost.hierarchical_reduction = run.reduction.hierarchical;
     cost.recompute = match run.recompute {
         true => Recompute::Always,
         false => Recompute::Never,

@@ -193,6 +193,7 @@ fn a_run_is_priced_reducing_as_its_record_says() {
         overlap_grad_reduce: false,
         ddp_bucket_size: None,
         overlap_param_gather: false,
+        hierarchical: true,
     };
     let text = log_reducing(&plan, &profile(1.25), (0.01, 9), after);
     let runs = MeasuredRun::parse("after.jsonl", &text, WARM_UP_STEPS).unwrap();

@@ -96,6 +96,9 @@ pub struct CostModel {
     /// the updated parameters is waited for by the next forward, just before the first
     /// piece that reads it (off: after the optimizer, exposed).
     pub overlap_param_gather: bool,
+    /// Reductions whose members span nodes go island by island (the runtime's default;
+    /// off: `--no-hierarchical-reduction`, one flat ring).
+    pub hierarchical_reduction: bool,
 }
 
 /// Elements per bucket of a gradient reduction over `members` ranks, as the runtime
@@ -171,6 +174,7 @@ impl CostModel {
             overlap_grad_reduce: true,
             ddp_bucket_size: None,
             overlap_param_gather: false,
+            hierarchical_reduction: true,
         }
     }
 
@@ -364,7 +368,10 @@ impl CostModel {
         let bytes = self.model.activation_message_bytes(b, self.compute_bytes);
         let (bw, lat) = match self.profile.as_ref().and_then(|p| p.network) {
             Some(n) if a.node == b_dev.node => (n.p2p_bytes_per_s, n.latency_s),
-            _ => (self.cluster.bandwidth(a, b_dev), self.cluster.latency()),
+            _ => {
+                let link = self.cluster.network.between(a.host(), b_dev.host());
+                (link.bytes_per_s, link.latency_s)
+            }
         };
         let accelerator = |d: &Device| d.spec.is_some_and(|s| s.accelerator);
         let staging = match accelerator(a) && !accelerator(b_dev) {
@@ -384,35 +391,123 @@ impl CostModel {
         self.allreduce_seconds(devices, bytes) / 2.0
     }
 
-    /// Seconds of the fp32 gradient all-reduce of `bytes` over `devices` (ring over the
-    /// slowest link; hierarchical when they span nodes).
+    /// Seconds of the fp32 gradient all-reduce of `bytes` over `devices`, as the runtime
+    /// runs it: a ring within one node; across nodes NCCL's where it carries the group
+    /// (every member an NVIDIA-class accelerator), else MPI's flat ring over the slowest
+    /// link or the runtime's island by island reduction
+    /// (see `island_allreduce_seconds`).
     pub fn allreduce_seconds(&self, devices: &[&Device], bytes: f64) -> f64 {
         let d = devices.len();
         if d <= 1 {
             return 0.0;
         }
         let lat = self.cluster.latency();
+        let nodes: std::collections::BTreeSet<&str> =
+            devices.iter().map(|dev| dev.node.as_str()).collect();
+        if nodes.len() == 1 {
+            let d = d as f64;
+            return 2.0 * (d - 1.0) * lat + 2.0 * (d - 1.0) / d * bytes / self.intra_allreduce();
+        }
+        let names: Vec<&str> = nodes.into_iter().collect();
+        let slowest = self.cluster.slowest_inter_node(&names);
+        if nccl_carries(devices) {
+            return self.nccl_allreduce_seconds(devices, bytes, slowest);
+        }
+        let spans_sites = devices.iter().any(|dev| dev.site != devices[0].site);
+        let far_lat = match spans_sites {
+            true => (self.cluster.network.inter_site_latency_us).map_or(lat, |us| us * 1e-6),
+            false => lat,
+        };
+        let flat =
+            2.0 * (d as f64 - 1.0) * far_lat + 2.0 * (d as f64 - 1.0) / d as f64 * bytes / slowest;
+        match self.hierarchical_reduction {
+            true => self
+                .island_allreduce_seconds(devices, bytes, (slowest, far_lat))
+                .unwrap_or(flat),
+            false => flat,
+        }
+    }
+
+    /// NCCL's all-reduce across nodes (its own hierarchy: a ring within each node, the
+    /// nodes' rings over the slowest link between them, each carrying 1/g of the bytes
+    /// for nodes of g devices).
+    fn nccl_allreduce_seconds(&self, devices: &[&Device], bytes: f64, inter: f64) -> f64 {
         let mut nodes: BTreeMap<&str, usize> = BTreeMap::new();
         for dev in devices {
             *nodes.entry(dev.node.as_str()).or_default() += 1;
         }
-        let profiled = self.profile.as_ref().and_then(|p| p.network);
-        let intra = profiled.map_or(self.cluster.network.intra_node_gbs * 1e9, |n| {
-            n.allreduce_bytes_per_s
-        });
-        if nodes.len() == 1 {
-            let d = d as f64;
-            return 2.0 * (d - 1.0) * lat + 2.0 * (d - 1.0) / d * bytes / intra;
-        }
-        // Slowest inter-node link among the nodes in the group.
-        let names: Vec<&str> = nodes.keys().copied().collect();
-        let inter = self.cluster.slowest_inter_node(&names);
         let g = *nodes.values().max().unwrap_or(&1) as f64;
         let n = nodes.len() as f64;
-        2.0 * (d as f64 - 1.0) * lat
-            + 2.0 * (g - 1.0) / g * bytes / intra
+        2.0 * (devices.len() as f64 - 1.0) * self.cluster.latency()
+            + 2.0 * (g - 1.0) / g * bytes / self.intra_allreduce()
             + 2.0 * (n - 1.0) / n * (bytes / g) / inter
     }
+
+    /// Bytes/s of an all-reduce within one node: measured, or the cluster's link.
+    fn intra_allreduce(&self) -> f64 {
+        let profiled = self.profile.as_ref().and_then(|p| p.network);
+        profiled.map_or(self.cluster.network.intra_node_gbs * 1e9, |n| {
+            n.allreduce_bytes_per_s
+        })
+    }
+
+    /// The runtime's hierarchical all-reduce over `devices`' islands (each site's
+    /// devices when they span sites, else each node's): a reduce-scatter and an
+    /// all-gather inside the largest island, and each member's piece sent to the holders
+    /// of the same elements in every other island, one after another over the `far`
+    /// link (bytes/s, latency) — the smallest island's pieces, the largest, set the pace.
+    /// `None` where there is no hierarchy (one island, or islands of one device).
+    fn island_allreduce_seconds(
+        &self,
+        devices: &[&Device],
+        bytes: f64,
+        far: (f64, f64),
+    ) -> Option<f64> {
+        let by_site = devices.iter().any(|dev| dev.site != devices[0].site);
+        let mut islands: BTreeMap<&str, Vec<&Device>> = BTreeMap::new();
+        for &dev in devices {
+            let key = if by_site {
+                dev.site.as_str()
+            } else {
+                dev.node.as_str()
+            };
+            islands.entry(key).or_default().push(dev);
+        }
+        let sizes = islands.values().map(Vec::len);
+        let (smallest, largest) = sizes.fold((usize::MAX, 0), |(lo, hi), g| (lo.min(g), hi.max(g)));
+        if islands.len() < 2 || largest < 2 {
+            return None;
+        }
+        let lat = self.cluster.latency();
+        let inside_bw = (islands.values())
+            .map(|island| {
+                let nodes: std::collections::BTreeSet<&str> =
+                    island.iter().map(|dev| dev.node.as_str()).collect();
+                match nodes.len() {
+                    1 => self.intra_allreduce(),
+                    _ => self
+                        .cluster
+                        .slowest_inter_node(&nodes.into_iter().collect::<Vec<_>>()),
+                }
+            })
+            .fold(f64::INFINITY, f64::min);
+        let g = largest as f64;
+        let inside = 2.0 * (g - 1.0) * lat + 2.0 * (g - 1.0) / g * bytes / inside_bw;
+        let others = (islands.len() - 1) as f64;
+        let across = others * (far.1 + bytes / smallest as f64 / far.0);
+        Some(inside + across)
+    }
+}
+
+/// Whether NCCL carries a reduction over `devices`: every one an accelerator that
+/// loads it (not a CPU, nor another vendor's: AMD, Huawei, Intel Gaudi), as the runtime
+/// takes NCCL only where every member computes on CUDA.
+fn nccl_carries(devices: &[&Device]) -> bool {
+    const OTHER_VENDORS: [&str; 3] = ["mi", "ascend", "gaudi"];
+    devices.iter().all(|dev| {
+        dev.spec.is_some_and(|s| s.accelerator)
+            && !OTHER_VENDORS.iter().any(|v| dev.kind.starts_with(v))
+    })
 }
 
 #[cfg(test)]

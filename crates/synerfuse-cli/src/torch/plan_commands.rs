@@ -310,6 +310,11 @@ pub struct PlanArgs {
     /// plans that shard their optimizer); without it they follow the optimizer, exposed
     #[arg(long, conflicts_with = "no_overlap_grad_reduce")]
     overlap_param_gather: bool,
+    /// Price every gradient reduction flat over its members, as `train
+    /// --no-hierarchical-reduction` runs it (written among the plan's training flags);
+    /// by default one whose members span nodes is priced island by island
+    #[arg(long)]
+    no_hierarchical_reduction: bool,
     /// A `synerfuse profile` output (overrides the catalogue)
     #[arg(long)]
     profile: Option<PathBuf>,
@@ -360,6 +365,7 @@ impl PlanArgs {
             overlap_grad_reduce: !self.no_overlap_grad_reduce,
             ddp_bucket_size: self.ddp_bucket_size,
             overlap_param_gather: self.overlap_param_gather,
+            hierarchical: !self.no_hierarchical_reduction,
         }
     }
 
@@ -444,6 +450,7 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
         overlap_grad_reduce: args.reduction().overlap_grad_reduce,
         ddp_bucket_size: args.reduction().ddp_bucket_size,
         overlap_param_gather: args.reduction().overlap_param_gather,
+        hierarchical_reduction: args.reduction().hierarchical,
         ..CostModel::new(shape.clone(), cluster, profile)
     };
     if let Some(e) = shape.experts {

@@ -21,11 +21,12 @@ const OWNED_FLAGS: [&str; 4] = ["--plan", "--train-iters", "--log-json", "--npro
 const SHARED_STATE_FLAGS: [&str; 2] = ["--save", "--load"];
 
 /// Flags the plans are priced with, which each tried plan's training flags carry.
-const PRICED_FLAGS: [&str; 4] = [
+const PRICED_FLAGS: [&str; 5] = [
     "--overlap-grad-reduce",
     "--no-overlap-grad-reduce",
     "--ddp-bucket-size",
     "--overlap-param-gather",
+    "--no-hierarchical-reduction",
 ];
 
 /// How plans are tried.

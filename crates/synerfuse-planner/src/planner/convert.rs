@@ -5,7 +5,7 @@ use super::{
     outcome::{Arrangement, Candidate, PooledCandidate},
     tensor::TpGroup,
 };
-use crate::cluster::Device;
+use crate::cluster::{ClusterSpec, Device};
 use crate::cost::CostModel;
 use crate::expert_placement::{place_experts, slowest_time, ExpertMember};
 use synerfuse_plan::{
@@ -196,7 +196,7 @@ impl Candidate {
                 },
                 placements: (self.devices.iter())
                     .flat_map(|stage| self.unit_devices(stage[r]))
-                    .map(|i| placement(&devices[i]))
+                    .map(|i| placement(&devices[i], &cost.cluster))
                     .collect(),
                 experts: match &experts {
                     Some(stages) => (stages.iter())
@@ -263,8 +263,11 @@ fn with_links(plan: Plan, cost: &CostModel) -> Result<Plan, PlanError> {
 
 /// Where a rank on `dev` computes: CUDA for an accelerator, else the CPU; its emulated
 /// speed, kind and memory.
-pub(super) fn placement(dev: &Device) -> RankPlacement {
+pub(super) fn placement(dev: &Device, cluster: &ClusterSpec) -> RankPlacement {
     let accelerator = dev.spec.is_some_and(|s| s.accelerator);
+    // An emulated cluster's named nodes and sites are emulated hosts (their islands and
+    // links); elsewhere islands follow the hosts training runs on.
+    let emulated = cluster.group.iter().any(|g| g.speed.is_some()) && dev.named_node;
     RankPlacement {
         device: Some(match accelerator {
             true => DeviceRequest::Cuda(None),
@@ -273,10 +276,8 @@ pub(super) fn placement(dev: &Device) -> RankPlacement {
         speed: dev.emulated.then_some(dev.speed),
         kind: Some(dev.kind.clone()),
         memory_gb: dev.spec.map(|s| s.memory_gb),
-        // An emulated cluster's named nodes and sites are emulated hosts (their islands
-        // and links); elsewhere islands follow the hosts training runs on.
-        node: (dev.emulated && dev.named_node).then(|| dev.node.clone()),
-        site: (dev.emulated && dev.named_node && !dev.site.is_empty()).then(|| dev.site.clone()),
+        node: emulated.then(|| dev.node.clone()),
+        site: (emulated && !dev.site.is_empty()).then(|| dev.site.clone()),
     }
 }
 
@@ -337,7 +338,7 @@ impl PooledCandidate {
                 },
                 tp_shares: per_stage(false),
                 placements: (groups.iter())
-                    .flat_map(|g| g.members.iter().map(|&i| placement(&devices[i])))
+                    .flat_map(|g| g.members.iter().map(|&i| placement(&devices[i], &cost.cluster)))
                     .collect(),
                 experts: match &experts {
                     Some(parts) => (parts[k].iter())

@@ -101,6 +101,8 @@ pub struct TrainOptions {
     /// `--overlap-param-gather` (with the distributed optimizer and the overlapped
     /// reduction only, as the runtime's).
     pub overlap_param_gather: bool,
+    /// Reductions across nodes island by island (off: `--no-hierarchical-reduction`).
+    pub hierarchical_reduction: bool,
 }
 
 impl Default for TrainOptions {
@@ -112,6 +114,7 @@ impl Default for TrainOptions {
             overlap_grad_reduce: true,
             ddp_bucket_size: None,
             overlap_param_gather: false,
+            hierarchical_reduction: true,
         }
     }
 }
@@ -126,6 +129,7 @@ impl TrainOptions {
             overlap_grad_reduce: cost.overlap_grad_reduce,
             ddp_bucket_size: cost.ddp_bucket_size,
             overlap_param_gather: cost.overlap_param_gather,
+            hierarchical_reduction: cost.hierarchical_reduction,
         }
     }
 
@@ -138,6 +142,7 @@ impl TrainOptions {
             overlap_grad_reduce: self.overlap_grad_reduce,
             ddp_bucket_size: self.ddp_bucket_size,
             overlap_param_gather: self.overlap_param_gather,
+            hierarchical_reduction: self.hierarchical_reduction,
             ..cost.clone()
         }
     }
@@ -164,6 +169,9 @@ impl TrainOptions {
         }
         if self.overlaps_param_gather() {
             flags.push("--overlap-param-gather".to_owned());
+        }
+        if !self.hierarchical_reduction {
+            flags.push("--no-hierarchical-reduction".to_owned());
         }
         flags
     }

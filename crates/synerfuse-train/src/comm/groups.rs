@@ -117,9 +117,9 @@ impl GroupCommunicator {
     /// non-blocking MPI) and returns at once; see [`PendingReduction`].
     pub fn start_all_reduce_sum(&self, tensor: &Tensor) -> Result<PendingReduction, CommError> {
         if let Some(hierarchy) = self.hierarchy_for(tensor) {
-            return Ok(PendingReduction::Hierarchical(
+            return Ok(PendingReduction::Hierarchical(Box::new(
                 hierarchy.start(tensor, None)?,
-            ));
+            )));
         }
         let chunk = tensor.numel().div_ceil(self.size());
         let done = self.emulated(tensor, self.all_reduce_steps(), chunk);
@@ -143,7 +143,7 @@ impl GroupCommunicator {
     ) -> Result<PendingReduction, CommError> {
         if let Some(hierarchy) = self.hierarchy_for(tensor) {
             let pending = hierarchy.start(tensor, Some(counts))?;
-            return Ok(PendingReduction::Hierarchical(pending));
+            return Ok(PendingReduction::Hierarchical(Box::new(pending)));
         }
         let largest = counts.iter().copied().max().unwrap_or(0);
         let done = self.emulated(tensor, self.size() - 1, largest);
@@ -339,7 +339,7 @@ pub enum PendingReduction {
     /// A non-blocking MPI all-reduce (host-staged for CUDA tensors).
     Mpi(PendingAllReduce),
     /// A hierarchical reduction over the group's islands, phase by phase.
-    Hierarchical(PendingHierarchical),
+    Hierarchical(Box<PendingHierarchical>),
     /// A collective over emulated links: complete no sooner than its time on them
     /// ([`super::emulated_links`]).
     Emulated(Box<PendingReduction>, f64),
@@ -608,13 +608,7 @@ impl GroupCommunicator {
             });
         let hierarchy = match (&nccl, hosts) {
             (None, Some(hosts)) if hosts.hierarchical => {
-                let keys: Vec<(String, bool)> = (members.iter())
-                    .map(|&r| {
-                        let host = hosts.nodes.get(r).cloned().flatten();
-                        let host = host.unwrap_or_else(|| format!("host {:x}", devices[r].host));
-                        (host, devices[r].cuda.is_some())
-                    })
-                    .collect();
+                let keys = island_keys(members, devices, hosts);
                 HierarchicalGroup::new(&comm, &keys, members, emulation)
             }
             _ => None,
@@ -642,6 +636,28 @@ impl GroupCommunicator {
             links,
         })
     }
+}
+
+/// Each member's island key: its site where the members span several sites (the
+/// slowest links are between sites; the reduction crosses them once), else its node
+/// (as the plan names it, or its real host); and whether it computes on CUDA.
+fn island_keys(
+    members: &[usize],
+    devices: &[RankDevice],
+    hosts: &PlannedHosts,
+) -> Vec<(String, bool)> {
+    let site = |r: usize| hosts.sites.get(r).map_or("", String::as_str);
+    let by_site = members.iter().any(|&r| site(r) != site(members[0]));
+    (members.iter())
+        .map(|&r| {
+            let node = hosts.nodes.get(r).cloned().flatten();
+            let key = match by_site {
+                true => format!("site {}", site(r)),
+                false => node.unwrap_or_else(|| format!("host {:x}", devices[r].host)),
+            };
+            (key, devices[r].cuda.is_some())
+        })
+        .collect()
 }
 
 /// Communicators over any sets of ranks (the holders of a gradient segment, every copy of

@@ -84,6 +84,21 @@ impl HierarchicalGroup {
         (self.links.as_ref()).is_some_and(|(emulation, world)| emulation.crosses_to(world[peer]))
     }
 
+    /// The group rank of member `place` of this member's island.
+    fn island_member(&self, place: usize) -> usize {
+        self.islands.members()[self.islands.of(self.me).0][place]
+    }
+
+    /// When this member's island's reduce-scatter of pieces of at most `largest` fp32
+    /// elements completes on the emulated links (a site's island spans nodes), `None`
+    /// where they are not emulated.
+    fn island_scatter_done(&self, largest: usize) -> Option<f64> {
+        let (emulation, world) = self.links.as_ref()?;
+        let island = &self.islands.members()[self.islands.of(self.me).0];
+        let ranks: Vec<usize> = island.iter().map(|&m| world[m]).collect();
+        emulation.ring(&ranks, island.len() - 1, 4.0 * largest as f64)
+    }
+
     /// The islands, as group ranks.
     pub(crate) fn islands(&self) -> &Islands {
         &self.islands
@@ -133,16 +148,18 @@ impl HierarchicalGroup {
             let shard = shards.map(|s| super::islands::ranges(s)[rank].clone());
             (tensor.shallow_clone(), shard.unwrap_or(0..numel))
         });
-        let scatter = match self.islands.members()[self.islands.of(self.me).0].len() {
-            1 => None,
-            _ => Some(
-                self.island
-                    .start_reduce_scatter_sum(&work, &plan.island_counts)?,
-            ),
+        let (scatter, done) = match self.islands.members()[self.islands.of(self.me).0].len() {
+            1 => (None, None),
+            _ => {
+                let largest = plan.island_counts.iter().copied().max().unwrap_or(0);
+                let done = self.island_scatter_done(largest);
+                let scatter = (self.island).start_reduce_scatter_sum(&work, &plan.island_counts)?;
+                (Some(scatter), done)
+            }
         };
         Ok(PendingHierarchical {
             group: Rc::clone(self),
-            phase: Phase::Scatter(scatter),
+            phase: Phase::Scatter(scatter, done),
             work,
             plan,
             tag,
@@ -155,8 +172,9 @@ impl HierarchicalGroup {
 
 /// Where a hierarchical reduction is.
 enum Phase {
-    /// The reduce-scatter inside the island (none for an island of one).
-    Scatter(Option<PendingAllReduce>),
+    /// The reduce-scatter inside the island (none for an island of one), and when it
+    /// completes on the emulated links.
+    Scatter(Option<PendingAllReduce>, Option<f64>),
     /// The partial sums of this member's piece going to, and coming from, the other
     /// islands' holders; the received ones by slice, in the slices' holder order.
     Cross(Exchange, Vec<Vec<Option<Tensor>>>),
@@ -188,7 +206,9 @@ impl PendingHierarchical {
     pub fn progress(&mut self) -> bool {
         loop {
             let next = match &mut self.phase {
-                Phase::Scatter(scatter) => match scatter.as_mut().is_none_or(|s| s.test()) {
+                Phase::Scatter(scatter, done) => match scatter.as_mut().is_none_or(|s| s.test())
+                    && done.is_none_or(|at| monotonic_s() >= at)
+                {
                     true => {
                         if let Some(s) = scatter.take() {
                             s.wait();
@@ -305,11 +325,13 @@ impl PendingHierarchical {
             .collect();
         if let Some(&(_, at, len)) = pieces.iter().find(|(p, _, _)| *p == place) {
             for p in (0..counts.len()).filter(|&p| p != place) {
-                exchange.send(&self.work.narrow(0, at, len), p, None);
+                let arrival = (self.group).arrival(self.group.island_member(p), 4 * len as usize);
+                exchange.send(&self.work.narrow(0, at, len), p, arrival);
             }
         }
         for &(p, start, count) in pieces.iter().filter(|(p, _, _)| *p != place) {
-            exchange.receive(&self.work.narrow(0, start, count), p, false);
+            let stamped = self.group.stamped(self.group.island_member(p));
+            exchange.receive(&self.work.narrow(0, start, count), p, stamped);
         }
         Phase::Finish(exchange)
     }

@@ -151,6 +151,7 @@ impl<'w> Trainer<'w> {
                 overlap_grad_reduce: self.config.parallel.overlap_grad_reduce,
                 ddp_bucket_size: self.config.parallel.ddp_bucket_size,
                 overlap_param_gather: self.config.parallel.overlap_param_gather,
+                hierarchical: self.config.parallel.hierarchical_reduction,
             },
         })
     }

@@ -3,7 +3,7 @@
 
 use super::job::{ReplanError, RunningJob};
 use super::predict::stage_group;
-use crate::cluster::{ClusterSpec, DeviceGroup, Network};
+use crate::cluster::{ClusterSpec, DeviceGroup};
 use crate::cost::{CostModel, Recompute};
 use crate::profile::Profile;
 use std::collections::BTreeMap;
@@ -76,21 +76,21 @@ pub fn fitted_cost_of(job: &RunningJob<'_>, kept: &[usize]) -> Result<CostModel,
     let unit = unit_costs(&job.model);
     let mut groups = Vec::with_capacity(kept.len());
     for &rank in kept {
-        let (pace_s, host) = (job.paces_s[rank], &job.hosts[rank]);
+        let pace_s = job.paces_s[rank];
         if !(pace_s > 0.0 && pace_s.is_finite()) {
             return Err(ReplanError::Pace { rank, pace_s });
         }
         groups.push(DeviceGroup {
             kind: FITTED_KIND.to_owned(),
             count: 1,
-            node: Some(host.clone()),
+            node: Some(crate::calibrate::run_node(job.plan, job.hosts, rank)),
             tflops_bf16: None,
             // The memory the plan placed the rank with, so a plan that would not fit
             // (or fits only recomputing) is priced so.
             memory_gb: job.plan.placement(rank).and_then(|p| p.memory_gb),
             mem_bw_gbs: None,
             efficiency: None,
-            site: None,
+            site: job.plan.placement(rank).and_then(|p| p.site.clone()),
             speed: Some(unit_work_s(job, &unit, rank)? / pace_s),
         });
     }
@@ -98,14 +98,11 @@ pub fn fitted_cost_of(job: &RunningJob<'_>, kept: &[usize]) -> Result<CostModel,
     let cluster = ClusterSpec {
         memory_headroom: 0.1,
         group: groups,
-        network: Network {
-            intra_node_gbs: measured.map_or(100.0, |n| n.p2p_bytes_per_s / 1e9),
-            inter_node_gbs: 12.5,
-            latency_us: measured.map_or(10.0, |n| n.latency_s * 1e6),
-            inter_site_gbs: None,
-            inter_site_latency_us: None,
-            link: Vec::new(),
-        },
+        network: crate::calibrate::run_network(
+            job.plan,
+            measured.map_or(100.0, |n| n.p2p_bytes_per_s / 1e9),
+            measured.map_or(10.0, |n| n.latency_s * 1e6),
+        ),
     };
     let profile = Profile {
         model: job.model.clone(),
@@ -118,6 +115,7 @@ pub fn fitted_cost_of(job: &RunningJob<'_>, kept: &[usize]) -> Result<CostModel,
     cost.overlap_grad_reduce = job.overlap_grad_reduce;
     cost.ddp_bucket_size = job.ddp_bucket_size;
     cost.overlap_param_gather = job.overlap_param_gather;
+    cost.hierarchical_reduction = job.hierarchical_reduction;
     cost.recompute = match job.recompute {
         true => Recompute::Always,
         false => Recompute::Never,

@@ -27,6 +27,8 @@ pub struct RunningJob<'a> {
     pub ddp_bucket_size: Option<usize>,
     /// `--overlap-param-gather` (priced where a plan shards its optimizer).
     pub overlap_param_gather: bool,
+    /// Reductions across hosts island by island (off: flat).
+    pub hierarchical_reduction: bool,
 }
 
 impl<'a> RunningJob<'a> {
@@ -49,6 +51,7 @@ impl<'a> RunningJob<'a> {
             overlap_grad_reduce: run.reduction.overlap_grad_reduce,
             ddp_bucket_size: run.reduction.ddp_bucket_size,
             overlap_param_gather: run.reduction.overlap_param_gather,
+            hierarchical_reduction: run.reduction.hierarchical,
         }
     }
 }

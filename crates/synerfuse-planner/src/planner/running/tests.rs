@@ -43,6 +43,7 @@ pub(super) fn job<'a>(plan: &'a Plan, paces_s: &'a [f64], hosts: &'a [String]) -
         overlap_grad_reduce: true,
         ddp_bucket_size: None,
         overlap_param_gather: false,
+        hierarchical_reduction: true,
     }
 }
 
