@@ -338,7 +338,11 @@ impl PooledCandidate {
                 },
                 tp_shares: per_stage(false),
                 placements: (groups.iter())
-                    .flat_map(|g| g.members.iter().map(|&i| placement(&devices[i], &cost.cluster)))
+                    .flat_map(|g| {
+                        g.members
+                            .iter()
+                            .map(|&i| placement(&devices[i], &cost.cluster))
+                    })
                     .collect(),
                 experts: match &experts {
                     Some(parts) => (parts[k].iter())
