@@ -4,8 +4,11 @@
 //! bytes over the link's bandwidth plus its latency after it could start; transfers
 //! within a node run at the machine's own speed (MPI over shared memory).
 //!
-//! Each rank has one outgoing link, busy with one transfer at a time: transfers queue
-//! behind each other (a pipeline's activations behind a reduction's pieces).
+//! Each rank's outgoing transfers queue behind each other, one at a time, in two queues
+//! (as the planner prices them): the gradient reductions' (their collectives and
+//! exchanges, bucket after bucket) and the pipeline's (activations and their gradients).
+//! A pipeline's small messages do not wait for a reduction's whole piece to cross: on a
+//! real link they would share it, packet by packet.
 //!
 //! - A point-to-point message (a pipeline link, a hierarchical exchange) leaves when the
 //!   sender's link is free; the sender stamps it with its arrival time (a message of its
@@ -47,6 +50,15 @@ pub fn wait_for(done: Option<f64>) {
     if let Some(done) = done {
         wait_until(done);
     }
+}
+
+/// What a transfer carries: which of a rank's queues it waits in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Traffic {
+    /// A gradient reduction's or parameter gather's.
+    Reduction = 0,
+    /// A pipeline's activations and their gradients.
+    Pipeline = 1,
 }
 
 /// Bytes this rank has sent over emulated links since the start.
@@ -115,8 +127,9 @@ pub struct LinkEmulation {
     network: Network,
     hosts: PlannedHosts,
     me: usize,
-    /// When this rank's outgoing link is free ([`monotonic_s`]).
-    free_at: Cell<f64>,
+    /// When this rank's outgoing link is free of reductions, and of pipeline messages
+    /// ([`monotonic_s`]).
+    free_at: [Cell<f64>; 2],
     crossed: Cell<CrossedBytes>,
 }
 
@@ -151,7 +164,7 @@ impl LinkEmulation {
             network,
             hosts: hosts.clone(),
             me,
-            free_at: Cell::new(0.0),
+            free_at: [Cell::new(0.0), Cell::new(0.0)],
             crossed: Cell::new(CrossedBytes::default()),
         }))
     }
@@ -189,18 +202,19 @@ impl LinkEmulation {
     }
 
     /// Queues `seconds` on this rank's link from now: when they end.
-    fn occupy(&self, seconds: f64) -> f64 {
-        let end = self.free_at.get().max(monotonic_s()) + seconds;
-        self.free_at.set(end);
+    fn occupy(&self, traffic: Traffic, seconds: f64) -> f64 {
+        let queue = &self.free_at[traffic as usize];
+        let end = queue.get().max(monotonic_s()) + seconds;
+        queue.set(end);
         end
     }
 
-    /// A message of `bytes` from this rank to world rank `peer` leaves when the link is
-    /// free: its arrival time, `None` within one node.
-    pub fn send(&self, peer: usize, bytes: f64) -> Option<f64> {
+    /// A message of `bytes` from this rank to world rank `peer` leaves when its queue
+    /// on the link is free: its arrival time, `None` within one node.
+    pub fn send(&self, traffic: Traffic, peer: usize, bytes: f64) -> Option<f64> {
         let link = self.link(self.me, peer)?;
         self.count(link.reach, bytes);
-        Some(self.occupy(link.seconds(bytes)))
+        Some(self.occupy(traffic, link.seconds(bytes)))
     }
 
     /// A ring collective over `members` (world ranks, in ring order) of `steps` steps of
@@ -217,7 +231,7 @@ impl LinkEmulation {
                 self.count(out.reach, steps as f64 * chunk);
             }
         }
-        Some(self.occupy(steps as f64 * step))
+        Some(self.occupy(Traffic::Reduction, steps as f64 * step))
     }
 }
 
@@ -254,10 +268,14 @@ mod tests {
         assert_eq!(me.crossed().across_nodes, 2000.0);
         // Within node a, nothing is emulated.
         assert_eq!(me.ring(&[0, 1], 2, 1000.0), None);
-        assert_eq!(me.send(0, 1000.0), None);
-        // A send queues behind the ring on this rank's link.
-        let arrival = me.send(2, 1000.0).unwrap();
+        assert_eq!(me.send(Traffic::Reduction, 0, 1000.0), None);
+        // A reduction's message queues behind the ring on this rank's link; a
+        // pipeline's does not.
+        let arrival = me.send(Traffic::Reduction, 2, 1000.0).unwrap();
         assert!((arrival - end - 0.001).abs() < 1e-9);
+        let sent = monotonic_s();
+        let arrival = me.send(Traffic::Pipeline, 2, 1000.0).unwrap();
+        assert!(arrival - sent < 0.0015, "{}", arrival - sent);
         assert!(me.crosses_to(3) && !me.crosses_to(0));
         assert!(me.spans(&[0, 2]) && !me.spans(&[0, 1]));
     }

@@ -10,7 +10,7 @@
 //!
 //! fp32 through host memory: a CUDA member's tensor is copied to the host and back.
 
-use super::emulated_links::{monotonic_s, LinkEmulation};
+use super::emulated_links::{monotonic_s, LinkEmulation, Traffic};
 use super::host::{poll_until, MAX_ELEMENTS_PER_CALL};
 use super::islands::{HierarchicalPlan, Islands};
 use super::watchdog::waiting;
@@ -76,7 +76,7 @@ impl HierarchicalGroup {
     /// where they are not emulated.
     fn arrival(&self, peer: usize, bytes: usize) -> Option<f64> {
         let (emulation, world) = self.links.as_ref()?;
-        emulation.send(world[peer], bytes as f64)
+        emulation.send(Traffic::Reduction, world[peer], bytes as f64)
     }
 
     /// Whether messages from member `peer` carry their arrival time.

@@ -142,7 +142,7 @@ impl PipelineLinks {
     /// link is NCCL or not emulated.
     pub fn arrival(&self, peer: usize, bytes: usize) -> Option<f64> {
         let emulation = self.emulation.as_ref().filter(|_| !self.is_nccl(peer))?;
-        emulation.send(peer, bytes as f64)
+        emulation.send(super::emulated_links::Traffic::Pipeline, peer, bytes as f64)
     }
 
     /// Whether MPI messages from world rank `peer` come after their arrival time.

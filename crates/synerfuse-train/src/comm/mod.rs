@@ -21,7 +21,7 @@ mod pieces;
 mod progress;
 pub mod watchdog;
 
-pub use emulated_links::{CrossedBytes, LinkEmulation, PlannedHosts};
+pub use emulated_links::{CrossedBytes, LinkEmulation, PlannedHosts, Traffic};
 pub use error::CommError;
 pub use groups::{GroupCommunicator, PendingReduction, ProcessGroups, SetGroups};
 pub use hierarchical::PendingHierarchical;
