@@ -215,6 +215,40 @@ mod tests {
         assert!((network.between(n0, n2).seconds(1e9) - (0.1 + 5e-6)).abs() < 1e-12);
     }
 
+    /// A plan file's network, nodes and sites: read, each rank's host, written back the
+    /// same; a node in two sites and a bad number refused by name.
+    #[test]
+    fn plan_files_carry_the_network_nodes_and_sites() {
+        let text = "[network]\nintra_node_gbs = 100\ninter_node_gbs = 10\ninter_site_gbs = 1\n\n\
+            [[replica]]\nlayers = [1, 1]\nmicro_batch_size = 1\nnum_micro_batches = 2\n\
+            nodes = [\"a\", \"b\"]\nsites = [\"east\", \"west\"]\n\n\
+            [[replica]]\nlayers = [2]\nmicro_batch_size = 1\nnum_micro_batches = 2\nnodes = [\"a\"]\nsites = [\"east\"]\n";
+        let plan = crate::Plan::from_toml(text, None).unwrap();
+        assert_eq!(plan.network().and_then(|n| n.inter_site_gbs), Some(1.0));
+        let hosts = plan.hosts();
+        assert_eq!(
+            hosts,
+            [host("a", "east"), host("b", "west"), host("a", "east")]
+        );
+        for (rank, h) in hosts.iter().enumerate() {
+            let p = plan.placement(rank).unwrap();
+            assert_eq!(
+                (p.node.as_deref(), p.site.as_deref()),
+                (Some(h.node), Some(h.site))
+            );
+        }
+        let again = crate::Plan::from_toml(&plan.to_toml().unwrap(), None).unwrap();
+        assert_eq!(again, plan);
+        let two_sites = text.replace("sites = [\"east\"]", "sites = [\"west\"]");
+        let err = crate::Plan::from_toml(&two_sites, None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("node \"a\" is placed in two sites"), "{err}");
+        let bad = text.replace("inter_node_gbs = 10", "inter_node_gbs = -1");
+        let err = crate::Plan::from_toml(&bad, None).unwrap_err().to_string();
+        assert!(err.contains("inter_node_gbs must be positive"), "{err}");
+    }
+
     #[test]
     fn bad_numbers_are_named() {
         let mut network = Network {

@@ -493,15 +493,18 @@ impl Plan {
 
     /// Where each world rank sits: its placement's node and site (`""`: unnamed).
     pub fn hosts(&self) -> Vec<crate::Host<'_>> {
-        (0..self.world_size())
-            .map(|rank| {
-                let p = self.placement(rank);
-                crate::Host {
-                    node: p.and_then(|p| p.node.as_deref()).unwrap_or(""),
-                    site: p.and_then(|p| p.site.as_deref()).unwrap_or(""),
-                }
-            })
-            .collect()
+        let unnamed = crate::Host { node: "", site: "" };
+        let mut out = vec![unnamed; self.world_size()];
+        // In one pass (a plan of many thousand ranks): placements follow `all_ranks`.
+        for replica in &self.replicas {
+            for (rank, p) in replica.all_ranks().zip(&replica.placements) {
+                out[rank] = crate::Host {
+                    node: p.node.as_deref().unwrap_or(""),
+                    site: p.site.as_deref().unwrap_or(""),
+                };
+            }
+        }
+        out
     }
 
     /// A node sits in one site.
