@@ -486,9 +486,12 @@ impl ClusterSpec {
     /// The slowest link between two of `nodes` (distinct names), bytes/s: what
     /// [`Self::node_bandwidth`] gives over every pair, without visiting every pair.
     pub fn slowest_inter_node(&self, nodes: &[&str]) -> f64 {
+        // A hot path of the search: sites looked up only where the cluster names some.
+        let sited = self.group.iter().any(|g| g.site.is_some());
         let mut by_site: BTreeMap<&str, std::collections::BTreeSet<&str>> = BTreeMap::new();
         for &node in nodes {
-            by_site.entry(self.site_of(node)).or_default().insert(node);
+            let site = if sited { self.site_of(node) } else { "" };
+            by_site.entry(site).or_default().insert(node);
         }
         let sites: Vec<(&str, Vec<&str>)> = (by_site.into_iter())
             .map(|(site, nodes)| (site, nodes.into_iter().collect()))
