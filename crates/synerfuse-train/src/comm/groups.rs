@@ -626,7 +626,7 @@ impl GroupCommunicator {
             tracing::info!(
                 "{}: its transfers across emulated nodes are delayed as the plan's [network] carries them (ranks' nodes {:?})",
                 comm.name(),
-                (l.members.iter()).map(|&r| hosts.and_then(|h| h.nodes[r].as_deref()).unwrap_or("-")).collect::<Vec<_>>()
+                (l.members.iter()).map(|&r| hosts.and_then(|h| h.nodes.get(r)?.as_deref()).unwrap_or("-")).collect::<Vec<_>>()
             );
         }
         Ok(GroupCommunicator {
