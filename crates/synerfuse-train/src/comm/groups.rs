@@ -279,8 +279,11 @@ impl GroupCommunicator {
     /// Finalizes the NCCL communicator, if any, before it is destroyed (see
     /// [`NcclCommunicator::finalize`]); a failure is logged, as teardown goes on.
     fn finalize(&mut self) {
-        if let Some(Err(e)) = self.nccl.as_mut().map(NcclCommunicator::finalize) {
+        if let Some(Err(e)) = self.nccl.as_ref().map(NcclCommunicator::finalize) {
             tracing::warn!("{}: {e}", self.mpi.name());
+        }
+        if let Some(hierarchy) = &self.hierarchy {
+            hierarchy.finalize();
         }
     }
 }
@@ -609,18 +612,12 @@ impl GroupCommunicator {
         let hierarchy = match (&nccl, hosts) {
             (None, Some(hosts)) if hosts.hierarchical => {
                 let keys = island_keys(members, devices, hosts);
-                HierarchicalGroup::new(&comm, &keys, members, emulation)
+                HierarchicalGroup::new(&comm, &keys, members, devices, emulation)?
             }
             _ => None,
         };
-        if let Some(h) = hierarchy.as_ref().filter(|_| members[0] == rank) {
-            let islands: Vec<Vec<usize>> = (h.islands().members().iter())
-                .map(|island| island.iter().map(|&m| members[m]).collect())
-                .collect();
-            tracing::info!(
-                "{}: islands {islands:?}; fp32 reductions of {MIN_ELEMENTS}+ elements reduce-scatter inside each island over MPI, exchange their pieces across the islands over host-staged MPI, and gather inside each island",
-                comm.name()
-            );
+        if let Some(h) = hierarchy.as_ref() {
+            log_islands(&comm, members, h);
         }
         if let Some(l) = links.as_ref().filter(|_| members[0] == rank) {
             tracing::info!(
@@ -635,6 +632,30 @@ impl GroupCommunicator {
             hierarchy,
             links,
         })
+    }
+}
+
+/// The group's islands (by its first member) and each island's transport (by the
+/// island's first member, which alone knows it).
+fn log_islands(comm: &MpiCommunicator, members: &[usize], hierarchy: &HierarchicalGroup) {
+    let world = |island: &[usize]| island.iter().map(|&m| members[m]).collect::<Vec<_>>();
+    if comm.rank() == 0 {
+        let islands: Vec<Vec<usize>> = (hierarchy.islands().members().iter())
+            .map(|island| world(island))
+            .collect();
+        tracing::info!(
+            "{}: islands {islands:?}; fp32 reductions of {MIN_ELEMENTS}+ elements reduce-scatter inside each island, exchange their pieces across the islands over host-staged MPI, and gather inside each island",
+            comm.name()
+        );
+    }
+    let island = hierarchy.own_island();
+    if island.len() > 1 && island[0] == comm.rank() {
+        tracing::info!(
+            "{}: island {:?} reduce-scatters and gathers over {}",
+            comm.name(),
+            world(island),
+            hierarchy.island_transport()
+        );
     }
 }
 

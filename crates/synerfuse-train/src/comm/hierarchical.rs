@@ -1,22 +1,27 @@
-//! The hierarchical reduction of [`super::islands`] over MPI, in flight like any other
-//! collective: a reduce-scatter inside this member's island (its island's communicator),
-//! its piece's partial sums exchanged with the members of the other islands that hold
-//! the same elements (point to point over a communicator of the group's own), then an
-//! all-gather inside the island (point to point: see [`Phase::Finish`]), or for the
-//! distributed optimizer each island piece handed to the members whose shards it holds.
-//! Each phase starts when the last one has completed, as the caller drives it
-//! ([`PendingHierarchical::progress`]). Across emulated nodes, the exchanges arrive no
-//! sooner than the plan's links carry them ([`super::emulated_links`]).
+//! The hierarchical reduction of [`super::islands`], in flight like any other collective:
+//! a reduce-scatter inside this member's island, its piece's partial sums exchanged with
+//! the members of the other islands that hold the same elements (point to point over
+//! host-staged MPI, on a communicator of the group's own), then an all-gather inside the
+//! island, or for the distributed optimizer each island piece handed to the members whose
+//! shards it holds. Each phase starts when the last one has completed, as the caller
+//! drives it ([`PendingHierarchical::progress`]). Across emulated nodes, the exchanges
+//! arrive no sooner than the plan's links carry them ([`super::emulated_links`]).
 //!
-//! fp32 through host memory: a CUDA member's tensor is copied to the host and back.
+//! Inside an island of CUDA ranks that can all load NCCL (on one host, links not
+//! emulated) the reduce-scatter and all-gather run over NCCL on the GPUs, and only the
+//! member's piece goes through host memory for the exchange across; inside any other
+//! island, MPI carries them (fp32 through host memory: a CUDA member's tensor is copied to
+//! the host and back).
 
 use super::emulated_links::{monotonic_s, LinkEmulation, Traffic};
-use super::host::{poll_until, MAX_ELEMENTS_PER_CALL};
+use super::exchange::Exchange;
+use super::groups::{GroupPath, RankDevice};
+use super::host::poll_until;
 use super::islands::{HierarchicalPlan, Islands};
 use super::watchdog::waiting;
-use super::{CommError, MpiCommunicator, PendingAllReduce};
-use mpi::raw::AsRaw;
-use std::cell::Cell;
+use super::{CommError, MpiCommunicator, NcclCommunicator, PendingAllReduce, PendingNccl};
+use std::cell::{Cell, RefCell};
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::rc::Rc;
 use tch::{Device, Kind, Tensor};
@@ -34,6 +39,9 @@ pub(crate) struct HierarchicalGroup {
     islands: Islands,
     /// This member's island.
     island: MpiCommunicator,
+    /// NCCL over this member's island, where it has two or more members, all CUDA ranks
+    /// that can load NCCL, on one host whose links are not emulated.
+    island_nccl: Option<NcclCommunicator>,
     /// The whole group again, for the point-to-point exchanges only.
     cross: MpiCommunicator,
     /// This member's group rank.
@@ -42,34 +50,76 @@ pub(crate) struct HierarchicalGroup {
     /// The run's emulated links, and each member's world rank: exchanges across
     /// emulated nodes arrive no sooner than the links carry them.
     links: Option<(Rc<LinkEmulation>, Vec<usize>)>,
+    /// The reductions in flight, by the order they started (one order on every member).
+    /// Driving one drives those before it, and an island's NCCL gathers start in that
+    /// order: collectives on one NCCL communicator must be issued in one order by every
+    /// member, and the exchanges before them complete in any order.
+    flights: RefCell<BTreeMap<u64, Flight>>,
+    next_flight: Cell<u64>,
 }
 
 impl HierarchicalGroup {
-    /// The islands of `group` given each member's island key (collective over `group`:
-    /// every member splits it), or `None` where a hierarchical reduction would be the flat
-    /// one ([`Islands::hierarchical`]).
+    /// The islands of `group` (world ranks `members`, computing on `devices`) given
+    /// each member's island key (collective over `group`: every member splits it, and the
+    /// members of an island that NCCL can carry create its communicator), or `None` where
+    /// a hierarchical reduction would be the flat one ([`Islands::hierarchical`]).
     pub(crate) fn new<K: PartialEq>(
         group: &MpiCommunicator,
         keys: &[K],
         members: &[usize],
+        devices: &[RankDevice],
         emulation: Option<&Rc<LinkEmulation>>,
-    ) -> Option<Rc<Self>> {
+    ) -> Result<Option<Rc<Self>>, CommError> {
         let islands = Islands::from_keys(keys);
         if !islands.hierarchical() {
-            return None;
+            return Ok(None);
         }
         let me = group.rank();
         let (mine, place) = islands.of(me);
-        let island = group.split(Some(mine as u32), place)?;
-        let cross = group.split(Some(0), me)?;
-        Some(Rc::new(HierarchicalGroup {
-            island: island.with_name(format!("{}, island {mine}", group.name())),
+        let (Some(island), Some(cross)) = (
+            group.split(Some(mine as u32), place),
+            group.split(Some(0), me),
+        ) else {
+            return Ok(None);
+        };
+        let island = island.with_name(format!("{}, island {mine}", group.name()));
+        let island_world: Vec<usize> = islands.members()[mine]
+            .iter()
+            .map(|&m| members[m])
+            .collect();
+        let island_nccl = island_nccl(&island, &island_world, devices, emulation)?;
+        Ok(Some(Rc::new(HierarchicalGroup {
+            island,
+            island_nccl,
             cross: cross.with_name(format!("{}, across its islands", group.name())),
             islands,
             me,
             next_tag: Cell::new(TAGS.start),
             links: emulation.map(|e| (Rc::clone(e), members.to_vec())),
-        }))
+            flights: RefCell::new(BTreeMap::new()),
+            next_flight: Cell::new(0),
+        })))
+    }
+
+    /// Finalizes its island's NCCL communicator, if any (see [`super::SetGroups`]'s
+    /// teardown); a failure is logged, as teardown goes on.
+    pub(crate) fn finalize(&self) {
+        if let Some(Err(e)) = self.island_nccl.as_ref().map(NcclCommunicator::finalize) {
+            tracing::warn!("{}: {e}", self.island.name());
+        }
+    }
+
+    /// What carries the reduce-scatter and all-gather inside this member's island.
+    pub(crate) fn island_transport(&self) -> &'static str {
+        match self.island_nccl {
+            Some(_) => "NCCL",
+            None => "MPI",
+        }
+    }
+
+    /// This member's island (group ranks).
+    pub(crate) fn own_island(&self) -> &[usize] {
+        &self.islands.members()[self.islands.of(self.me).0]
     }
 
     /// When `bytes` sent now to member `peer` arrive over the emulated links, `None`
@@ -86,7 +136,7 @@ impl HierarchicalGroup {
 
     /// The group rank of member `place` of this member's island.
     fn island_member(&self, place: usize) -> usize {
-        self.islands.members()[self.islands.of(self.me).0][place]
+        self.own_island()[place]
     }
 
     /// When this member's island's reduce-scatter of pieces of at most `largest` fp32
@@ -94,9 +144,8 @@ impl HierarchicalGroup {
     /// where they are not emulated.
     fn island_scatter_done(&self, largest: usize) -> Option<f64> {
         let (emulation, world) = self.links.as_ref()?;
-        let island = &self.islands.members()[self.islands.of(self.me).0];
-        let ranks: Vec<usize> = island.iter().map(|&m| world[m]).collect();
-        emulation.ring(&ranks, island.len() - 1, 4.0 * largest as f64)
+        let ranks: Vec<usize> = self.own_island().iter().map(|&m| world[m]).collect();
+        emulation.ring(&ranks, ranks.len() - 1, 4.0 * largest as f64)
     }
 
     /// The islands, as group ranks.
@@ -104,6 +153,54 @@ impl HierarchicalGroup {
         &self.islands
     }
 
+    /// The next reduction's tag.
+    fn take_tag(&self) -> i32 {
+        let tag = self.next_tag.get();
+        self.next_tag.set(match tag + 1 < TAGS.end {
+            true => tag + 1,
+            false => TAGS.start,
+        });
+        tag
+    }
+
+    /// Moves on every reduction in flight that started up to `upto`, in the order they
+    /// started; whether `upto` has completed.
+    fn drive(&self, upto: u64) -> bool {
+        let mut flights = self.flights.borrow_mut();
+        let mut in_turn = true;
+        for (_, flight) in flights.range_mut(..=upto) {
+            flight.progress(self, in_turn || self.island_nccl.is_none());
+            in_turn &= flight.gathering();
+        }
+        flights.get(&upto).is_none_or(Flight::done)
+    }
+}
+
+/// NCCL over the island `island` (world ranks `members`), where NCCL can carry it: two
+/// or more CUDA ranks that can load it, on one host (two ranks on one GPU fall back to
+/// MPI, as they always could), whose links the plan does not emulate (NCCL's transfers
+/// are not emulated). Collective over the island.
+fn island_nccl(
+    island: &MpiCommunicator,
+    members: &[usize],
+    devices: &[RankDevice],
+    emulation: Option<&Rc<LinkEmulation>>,
+) -> Result<Option<NcclCommunicator>, CommError> {
+    if emulation.is_some_and(|e| e.spans(members)) {
+        return Ok(None);
+    }
+    match GroupPath::of(members, devices) {
+        Ok(GroupPath::Nccl) => {
+            let me = members[island.rank()];
+            let ordinal = devices[me].cuda.unwrap_or(0);
+            NcclCommunicator::new(island, ordinal).map(Some)
+        }
+        Ok(_) | Err(CommError::SharedGpu { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+impl HierarchicalGroup {
     /// Starts reducing the fp32 1-D `tensor` over the group: the whole sum into every
     /// member's `tensor`, or with `shards` (one count per member) each member's shard of
     /// it into that part of its `tensor` (the rest left as it was).
@@ -129,43 +226,23 @@ impl HierarchicalGroup {
             return Err(CommError::Shape { rank, op, problem });
         }
         let numel = tensor.numel();
-        if let Some(shards) = shards {
-            super::pieces::piece_starts(rank, self.islands.size(), shards, numel, op)?;
-        }
-        let plan = HierarchicalPlan::new(&self.islands, self.me, numel, shards);
-        // In place on a CPU tensor when the whole sum lands in it; a copy otherwise.
-        let in_place = shards.is_none() && tensor.device() == Device::Cpu && tensor.is_contiguous();
-        let work = match in_place {
-            true => tensor.shallow_clone(),
-            false => tch::no_grad(|| tensor.detach().to_device(Device::Cpu).contiguous().copy()),
-        };
-        let tag = self.next_tag.get();
-        self.next_tag.set(match tag + 1 < TAGS.end {
-            true => tag + 1,
-            false => TAGS.start,
-        });
-        let copy_back = (!in_place).then(|| {
-            let shard = shards.map(|s| super::islands::ranges(s)[rank].clone());
-            (tensor.shallow_clone(), shard.unwrap_or(0..numel))
-        });
-        let (scatter, done) = match self.islands.members()[self.islands.of(self.me).0].len() {
-            1 => (None, None),
-            _ => {
-                let largest = plan.island_counts.iter().copied().max().unwrap_or(0);
-                let done = self.island_scatter_done(largest);
-                let scatter = (self.island).start_reduce_scatter_sum(&work, &plan.island_counts)?;
-                (Some(scatter), done)
+        let shard = match shards {
+            Some(shards) => {
+                super::pieces::piece_starts(rank, self.islands.size(), shards, numel, op)?;
+                Some(super::islands::ranges(shards)[rank].clone())
             }
+            None => None,
         };
+        let plan = HierarchicalPlan::new(&self.islands, self.me, numel, shards);
+        let flight = Flight::start(self, tensor, plan, shard)?;
+        let ticket = self.next_flight.get();
+        self.next_flight.set(ticket + 1);
+        self.flights.borrow_mut().insert(ticket, flight);
         Ok(PendingHierarchical {
             group: Rc::clone(self),
-            phase: Phase::Scatter(scatter, done),
-            work,
-            plan,
-            tag,
-            copy_back,
+            ticket,
             op,
-            sharded: shards.is_some(),
+            result: None,
         })
     }
 }
@@ -174,101 +251,221 @@ impl HierarchicalGroup {
 enum Phase {
     /// The reduce-scatter inside the island (none for an island of one), and when it
     /// completes on the emulated links.
-    Scatter(Option<PendingAllReduce>, Option<f64>),
+    Scatter(Option<IslandScatter>, Option<f64>),
     /// The partial sums of this member's piece going to, and coming from, the other
     /// islands' holders; the received ones by slice, in the slices' holder order.
     Cross(Exchange, Vec<Vec<Option<Tensor>>>),
-    /// The all-gather inside the island, or the handover of the shards: point to point,
-    /// each under the reduction's tag, because reductions reach this phase in whatever
-    /// order their exchanges complete on each member, and collectives on one
+    /// The all-gather inside an MPI island, or the handover of the shards: point to
+    /// point, each under the reduction's tag, because reductions reach this phase in
+    /// whatever order their exchanges complete on each member, and collectives on one
     /// communicator must start in one order everywhere.
     Finish(Exchange),
+    /// The all-gather inside an NCCL island (started in the reductions' order).
+    Gather(PendingNccl),
     Done,
+    Failed(CommError),
 }
 
-/// A hierarchical reduction in flight: the caller leaves its tensor alone until
-/// [`Self::wait`], and drives it with [`Self::progress`] meanwhile.
-pub struct PendingHierarchical {
-    group: Rc<HierarchicalGroup>,
-    phase: Phase,
-    /// The host buffer reduced (the caller's tensor, or a copy of it).
-    work: Tensor,
-    plan: HierarchicalPlan,
-    tag: i32,
-    /// The caller's tensor and the elements to copy into it, when `work` is a copy.
-    copy_back: Option<(Tensor, Range<usize>)>,
-    op: &'static str,
-    sharded: bool,
+/// The reduce-scatter inside an island.
+enum IslandScatter {
+    Mpi(PendingAllReduce),
+    Nccl(PendingNccl),
 }
 
-impl PendingHierarchical {
-    /// Moves it on as far as it goes without waiting; whether it has completed.
-    pub fn progress(&mut self) -> bool {
-        loop {
-            let next = match &mut self.phase {
-                Phase::Scatter(scatter, done) => match scatter.as_mut().is_none_or(|s| s.test())
-                    && done.is_none_or(|at| monotonic_s() >= at)
-                {
-                    true => {
-                        if let Some(s) = scatter.take() {
-                            s.wait();
-                        }
-                        self.start_cross()
-                    }
-                    false => return false,
-                },
-                Phase::Cross(exchange, received) => {
-                    if !exchange.test() {
-                        return false;
-                    }
-                    let received = std::mem::take(received);
-                    self.add_up(received);
-                    self.start_finish()
-                }
-                Phase::Finish(exchange) => match exchange.test() {
-                    true => Phase::Done,
-                    false => return false,
-                },
-                Phase::Done => {
-                    if let Some((target, range)) = self.copy_back.take() {
-                        let (start, len) = (range.start as i64, range.len() as i64);
-                        tch::no_grad(|| {
-                            target
-                                .narrow(0, start, len)
-                                .copy_(&self.work.narrow(0, start, len))
-                        });
-                    }
-                    return true;
-                }
-            };
-            self.phase = next;
+impl IslandScatter {
+    fn test(&mut self) -> Result<bool, CommError> {
+        match self {
+            IslandScatter::Mpi(pending) => Ok(pending.test()),
+            IslandScatter::Nccl(pending) => pending.test(),
         }
     }
 
-    /// Waits for the result, which is then in the tensor the reduction started from.
-    pub fn wait(mut self) -> Result<(), CommError> {
-        let _wait = waiting(self.op, &self.group.cross.shared_name(), None);
-        poll_until(|| self.progress());
-        Ok(())
+    fn wait(self) -> Result<(), CommError> {
+        match self {
+            IslandScatter::Mpi(pending) => {
+                pending.wait();
+                Ok(())
+            }
+            IslandScatter::Nccl(pending) => pending.wait(),
+        }
+    }
+}
+
+/// One reduction in flight, held by its group ([`HierarchicalGroup::drive`]).
+struct Flight {
+    phase: Phase,
+    /// What the island's collectives run on: a host buffer over MPI, a buffer on this
+    /// member's GPU over NCCL (the caller's tensor itself, or a copy of it).
+    work: Tensor,
+    /// The host buffer of the exchanges across islands and the handover, and the
+    /// element it starts at: `work` itself, from 0, on an MPI island; on an NCCL island a
+    /// copy of the part of `work` holding this member's piece (and shard), made once the
+    /// island's reduce-scatter has completed.
+    host: Option<(Tensor, usize)>,
+    plan: HierarchicalPlan,
+    tag: i32,
+    /// This member's shard, under the distributed optimizer.
+    shard: Option<Range<usize>>,
+    /// The caller's tensor and the elements to copy into it, when `work` is not it.
+    copy_back: Option<(Tensor, Range<usize>)>,
+}
+
+impl Flight {
+    /// Starts the island's reduce-scatter of `tensor` (a copy of it where the result
+    /// must not land in it directly).
+    fn start(
+        group: &HierarchicalGroup,
+        tensor: &Tensor,
+        plan: HierarchicalPlan,
+        shard: Option<Range<usize>>,
+    ) -> Result<Self, CommError> {
+        let device = match &group.island_nccl {
+            Some(nccl) => Device::Cuda(nccl.ordinal()),
+            None => Device::Cpu,
+        };
+        // In place when the whole sum lands in the caller's tensor; a copy otherwise.
+        let in_place = shard.is_none() && tensor.device() == device && tensor.is_contiguous();
+        let work = match in_place {
+            true => tensor.shallow_clone(),
+            false => tch::no_grad(|| tensor.detach().to_device(device).contiguous().copy()),
+        };
+        let copy_back = (!in_place).then(|| {
+            let range = shard.clone().unwrap_or(0..tensor.numel());
+            (tensor.shallow_clone(), range)
+        });
+        let host = (device == Device::Cpu).then(|| (work.shallow_clone(), 0));
+        let (scatter, done) = match group.own_island().len() {
+            1 => (None, None),
+            _ => {
+                let counts = &plan.island_counts;
+                let scatter = match &group.island_nccl {
+                    Some(nccl) => {
+                        IslandScatter::Nccl(nccl.start_reduce_scatter_sum(&work, counts)?)
+                    }
+                    None => {
+                        IslandScatter::Mpi(group.island.start_reduce_scatter_sum(&work, counts)?)
+                    }
+                };
+                let largest = counts.iter().copied().max().unwrap_or(0);
+                (Some(scatter), group.island_scatter_done(largest))
+            }
+        };
+        Ok(Flight {
+            phase: Phase::Scatter(scatter, done),
+            work,
+            host,
+            plan,
+            tag: group.take_tag(),
+            shard,
+            copy_back,
+        })
+    }
+
+    /// Whether its last phase has started (or it has ended).
+    fn gathering(&self) -> bool {
+        !matches!(self.phase, Phase::Scatter(..) | Phase::Cross(..))
+    }
+
+    fn done(&self) -> bool {
+        matches!(self.phase, Phase::Done | Phase::Failed(_))
+    }
+
+    /// Moves it on as far as it goes without waiting; `in_turn`: whether it may start
+    /// its last phase (every reduction started before it has).
+    fn progress(&mut self, group: &HierarchicalGroup, in_turn: bool) {
+        loop {
+            self.phase = match self.step(group, in_turn) {
+                Ok(Some(next)) => next,
+                Ok(None) => return,
+                Err(e) => Phase::Failed(e),
+            };
+        }
+    }
+
+    /// The next phase, where the current one has completed.
+    fn step(
+        &mut self,
+        group: &HierarchicalGroup,
+        in_turn: bool,
+    ) -> Result<Option<Phase>, CommError> {
+        match &mut self.phase {
+            Phase::Scatter(scatter, done) => {
+                let scattered = match scatter.as_mut() {
+                    Some(s) => s.test()?,
+                    None => true,
+                };
+                if !scattered || !done.is_none_or(|at| monotonic_s() >= at) {
+                    return Ok(None);
+                }
+                if let Some(s) = scatter.take() {
+                    s.wait()?;
+                }
+                Ok(Some(self.start_cross(group)))
+            }
+            Phase::Cross(exchange, received) => {
+                if !exchange.test() || !in_turn {
+                    return Ok(None);
+                }
+                let received = std::mem::take(received);
+                self.add_up(received);
+                self.start_finish(group).map(Some)
+            }
+            Phase::Finish(exchange) => Ok(exchange.test().then(|| self.complete())),
+            Phase::Gather(pending) => {
+                if !pending.test()? {
+                    return Ok(None);
+                }
+                if let Phase::Gather(pending) = std::mem::replace(&mut self.phase, Phase::Done) {
+                    pending.wait()?;
+                }
+                Ok(Some(self.complete()))
+            }
+            Phase::Done | Phase::Failed(_) => Ok(None),
+        }
+    }
+
+    /// Elements `range` of the host buffer.
+    fn host_part(&self, range: &Range<usize>) -> Tensor {
+        let (host, at) = self
+            .host
+            .as_ref()
+            .expect("the host buffer exists from the exchange on");
+        host.narrow(0, (range.start - at) as i64, range.len() as i64)
+    }
+
+    /// The host copy of this member's piece (and shard) on an NCCL island.
+    fn stage_to_host(&mut self) {
+        if self.host.is_some() {
+            return;
+        }
+        let piece = &self.plan.piece;
+        let span = match &self.shard {
+            Some(shard) => piece.start.min(shard.start)..piece.end.max(shard.end),
+            None => piece.clone(),
+        };
+        let part = self.work.narrow(0, span.start as i64, span.len() as i64);
+        let host = tch::no_grad(|| part.to_device(Device::Cpu).contiguous());
+        self.host = Some((host, span.start));
     }
 
     /// Sends this member's partial sums of each slice to the slice's other holders and
     /// receives theirs.
-    fn start_cross(&mut self) -> Phase {
-        let mut exchange = Exchange::new(&self.group.cross, self.tag);
+    fn start_cross(&mut self, group: &HierarchicalGroup) -> Phase {
+        self.stage_to_host();
+        let mut exchange = Exchange::new(&group.cross, self.tag);
         let mut received = Vec::with_capacity(self.plan.slices.len());
         for (slice, holders) in &self.plan.slices {
-            let part = self.work.narrow(0, slice.start as i64, slice.len() as i64);
+            let part = self.host_part(slice);
             let mut theirs = Vec::with_capacity(holders.len());
             for &holder in holders {
-                if holder == self.group.me {
+                if holder == group.me {
                     theirs.push(None);
                     continue;
                 }
-                let arrival = self.group.arrival(holder, 4 * slice.len());
+                let arrival = group.arrival(holder, 4 * slice.len());
                 exchange.send(&part, holder, arrival);
                 let buffer = Tensor::empty([slice.len() as i64], (Kind::Float, Device::Cpu));
-                exchange.receive(&buffer, holder, self.group.stamped(holder));
+                exchange.receive(&buffer, holder, group.stamped(holder));
                 theirs.push(Some(buffer));
             }
             received.push(theirs);
@@ -281,7 +478,7 @@ impl PendingHierarchical {
     fn add_up(&mut self, received: Vec<Vec<Option<Tensor>>>) {
         tch::no_grad(|| {
             for ((slice, _), theirs) in self.plan.slices.iter().zip(received) {
-                let mut part = self.work.narrow(0, slice.start as i64, slice.len() as i64);
+                let mut part = self.host_part(slice);
                 let mine = part.copy();
                 let mut parts = theirs
                     .into_iter()
@@ -298,23 +495,33 @@ impl PendingHierarchical {
     }
 
     /// The all-gather inside the island, or the shards' handover.
-    fn start_finish(&mut self) -> Phase {
-        if self.sharded {
-            let mut exchange = Exchange::new(&self.group.cross, self.tag);
+    fn start_finish(&mut self, group: &HierarchicalGroup) -> Result<Phase, CommError> {
+        if self.shard.is_some() {
+            let mut exchange = Exchange::new(&group.cross, self.tag);
             for (peer, range) in &self.plan.handover.sends {
-                let part = self.work.narrow(0, range.start as i64, range.len() as i64);
-                let arrival = self.group.arrival(*peer, 4 * range.len());
-                exchange.send(&part, *peer, arrival);
+                let arrival = group.arrival(*peer, 4 * range.len());
+                exchange.send(&self.host_part(range), *peer, arrival);
             }
             for (peer, range) in &self.plan.handover.receives {
-                let into = self.work.narrow(0, range.start as i64, range.len() as i64);
-                exchange.receive(&into, *peer, self.group.stamped(*peer));
+                exchange.receive(&self.host_part(range), *peer, group.stamped(*peer));
             }
-            return Phase::Finish(exchange);
+            return Ok(Phase::Finish(exchange));
         }
-        // Each island member's piece to every other member of the island.
-        let mut exchange = Exchange::new(&self.group.island, self.tag);
-        let place = self.group.islands.of(self.group.me).1;
+        if let Some(nccl) = &group.island_nccl {
+            let piece = &self.plan.piece;
+            let (at, len) = (piece.start as i64, piece.len() as i64);
+            let summed = self.host_part(piece);
+            tch::no_grad(|| self.work.narrow(0, at, len).copy_(&summed));
+            let gather = nccl.start_all_gather_in_place(&self.work, &self.plan.island_counts)?;
+            return Ok(Phase::Gather(gather));
+        }
+        Ok(Phase::Finish(self.island_gather(group)))
+    }
+
+    /// Each MPI island member's piece to every other member of the island.
+    fn island_gather(&self, group: &HierarchicalGroup) -> Exchange {
+        let mut exchange = Exchange::new(&group.island, self.tag);
+        let place = group.islands.of(group.me).1;
         let counts = &self.plan.island_counts;
         let starts = counts
             .iter()
@@ -325,21 +532,35 @@ impl PendingHierarchical {
             .collect();
         if let Some(&(_, at, len)) = pieces.iter().find(|(p, _, _)| *p == place) {
             for p in (0..counts.len()).filter(|&p| p != place) {
-                let arrival = (self.group).arrival(self.group.island_member(p), 4 * len as usize);
+                let arrival = group.arrival(group.island_member(p), 4 * len as usize);
                 exchange.send(&self.work.narrow(0, at, len), p, arrival);
             }
         }
         for &(p, start, count) in pieces.iter().filter(|(p, _, _)| *p != place) {
-            let stamped = self.group.stamped(self.group.island_member(p));
+            let stamped = group.stamped(group.island_member(p));
             exchange.receive(&self.work.narrow(0, start, count), p, stamped);
         }
-        Phase::Finish(exchange)
+        exchange
+    }
+
+    /// The result into the caller's tensor, where `work` is not it: the whole sum from
+    /// `work`, or this member's shard from the host buffer.
+    fn complete(&mut self) -> Phase {
+        if let Some((target, range)) = self.copy_back.take() {
+            let source = match self.shard.is_some() {
+                true => self.host_part(&range),
+                false => (self.work).narrow(0, range.start as i64, range.len() as i64),
+            };
+            let (start, len) = (range.start as i64, range.len() as i64);
+            tch::no_grad(|| target.narrow(0, start, len).copy_(&source));
+        }
+        Phase::Done
     }
 }
 
-impl Drop for PendingHierarchical {
+impl Drop for Flight {
     /// An abandoned reduction finishes its messages in flight (their buffers must outlive
-    /// them) and starts no more.
+    /// them) and starts no more (an NCCL collective in flight waits in its own drop).
     fn drop(&mut self) {
         if let Phase::Cross(exchange, _) | Phase::Finish(exchange) = &mut self.phase {
             exchange.wait();
@@ -347,137 +568,48 @@ impl Drop for PendingHierarchical {
     }
 }
 
-/// Point-to-point messages of fp32 host ranges in flight, each under one tag (a range
-/// beyond MPI's `int` counts in several messages, which MPI keeps in order).
-struct Exchange {
-    comm: mpi::ffi::MPI_Comm,
-    tag: i32,
-    requests: Vec<mpi::ffi::MPI_Request>,
-    /// The tensors the requests read and write, kept alive until they complete.
-    buffers: Vec<Tensor>,
-    /// The arrival times received (fp64, one each), read once the requests complete.
-    stamps: Vec<Tensor>,
-    /// When the last message arrives on the emulated links, once known.
-    arrives: Option<f64>,
-    group: std::sync::Arc<str>,
+/// A hierarchical reduction in flight: the caller leaves its tensor alone until
+/// [`Self::wait`], and drives it with [`Self::progress`] meanwhile (which also drives
+/// the group's reductions started before it).
+pub struct PendingHierarchical {
+    group: Rc<HierarchicalGroup>,
+    /// Its place among the group's reductions ([`HierarchicalGroup::drive`]).
+    ticket: u64,
+    op: &'static str,
+    /// Its outcome, once it has completed.
+    result: Option<Result<(), CommError>>,
 }
 
-impl Exchange {
-    fn new(comm: &MpiCommunicator, tag: i32) -> Self {
-        Exchange {
-            comm: comm.raw().as_raw(),
-            tag,
-            requests: Vec::new(),
-            buffers: Vec::new(),
-            stamps: Vec::new(),
-            arrives: None,
-            group: comm.shared_name(),
+impl PendingHierarchical {
+    /// Moves it on as far as it goes without waiting; whether it has completed.
+    pub fn progress(&mut self) -> bool {
+        if self.result.is_some() {
+            return true;
         }
+        if !self.group.drive(self.ticket) {
+            return false;
+        }
+        let flight = self.group.flights.borrow_mut().remove(&self.ticket);
+        self.result = Some(
+            match flight.map(|mut f| std::mem::replace(&mut f.phase, Phase::Done)) {
+                Some(Phase::Failed(e)) => Err(e),
+                _ => Ok(()),
+            },
+        );
+        true
     }
 
-    /// Sends the contiguous fp32 CPU `part` to `peer`, stamped with its `arrival` on
-    /// the emulated links where they carry it.
-    fn send(&mut self, part: &Tensor, peer: usize, arrival: Option<f64>) {
-        if let Some(arrival) = arrival {
-            self.post_stamp(Tensor::from_slice(&[arrival]), peer, true);
-        }
-        self.post(part, peer, true);
+    /// Waits for the result, which is then in the tensor the reduction started from.
+    pub fn wait(mut self) -> Result<(), CommError> {
+        let _wait = waiting(self.op, &self.group.cross.shared_name(), None);
+        poll_until(|| self.progress());
+        self.result.take().unwrap_or(Ok(()))
     }
+}
 
-    /// Receives into the contiguous fp32 CPU `into` from `peer`, and its arrival time
-    /// first where it is `stamped`.
-    fn receive(&mut self, into: &Tensor, peer: usize, stamped: bool) {
-        if stamped {
-            let stamp = Tensor::zeros([1], (Kind::Double, Device::Cpu));
-            self.post_stamp(stamp.shallow_clone(), peer, false);
-            self.stamps.push(stamp);
-        }
-        self.post(into, peer, false);
-    }
-
-    /// Posts one fp64 `stamp` (kept alive with the buffers) under the exchange's tag,
-    /// before its data: MPI keeps messages of one pair and tag in order.
-    fn post_stamp(&mut self, stamp: Tensor, peer: usize, send: bool) {
-        let mut request = std::mem::MaybeUninit::uninit();
-        // SAFETY: `stamp` is a one-element fp64 CPU tensor, kept alive in `buffers`
-        // until every request has completed; `comm` outlives the exchange (see `post`).
-        unsafe {
-            let at = stamp.data_ptr();
-            let (peer, tag, comm) = (peer as i32, self.tag, self.comm);
-            let datatype = mpi::ffi::RSMPI_DOUBLE;
-            match send {
-                true => mpi::ffi::MPI_Isend(at, 1, datatype, peer, tag, comm, request.as_mut_ptr()),
-                false => {
-                    mpi::ffi::MPI_Irecv(at, 1, datatype, peer, tag, comm, request.as_mut_ptr())
-                }
-            };
-            self.requests.push(request.assume_init());
-        }
-        self.buffers.push(stamp);
-    }
-
-    fn post(&mut self, buffer: &Tensor, peer: usize, send: bool) {
-        let numel = buffer.numel();
-        let mut offset = 0;
-        while offset < numel {
-            let count = (numel - offset).min(MAX_ELEMENTS_PER_CALL);
-            let mut request = std::mem::MaybeUninit::uninit();
-            // SAFETY: `buffer` is a contiguous fp32 CPU tensor of `numel` elements, kept
-            // alive in `buffers` until every request has completed; `comm` is the
-            // group's own communicator, which outlives the reduction (its
-            // HierarchicalGroup is held by the PendingHierarchical that owns this).
-            unsafe {
-                let at = (buffer.data_ptr() as *mut f32).add(offset).cast();
-                match send {
-                    true => mpi::ffi::MPI_Isend(
-                        at,
-                        count as i32,
-                        mpi::ffi::RSMPI_FLOAT,
-                        peer as i32,
-                        self.tag,
-                        self.comm,
-                        request.as_mut_ptr(),
-                    ),
-                    false => mpi::ffi::MPI_Irecv(
-                        at,
-                        count as i32,
-                        mpi::ffi::RSMPI_FLOAT,
-                        peer as i32,
-                        self.tag,
-                        self.comm,
-                        request.as_mut_ptr(),
-                    ),
-                };
-                self.requests.push(request.assume_init());
-            }
-            offset += count;
-        }
-        self.buffers.push(buffer.shallow_clone());
-    }
-
-    /// Whether every message has completed (MPI moves them on inside this call).
-    fn test(&mut self) -> bool {
-        let done = self.requests.iter_mut().all(|request| {
-            let mut flag = 0;
-            // SAFETY: a request from MPI_Isend/MPI_Irecv, or MPI_REQUEST_NULL once
-            // complete (for which MPI_Test reports completion).
-            unsafe { mpi::ffi::MPI_Test(request, &mut flag, mpi::ffi::RSMPI_STATUS_IGNORE) };
-            flag != 0
-        });
-        if done && !self.requests.is_empty() {
-            self.requests.clear();
-            self.buffers.clear();
-            let stamps = std::mem::take(&mut self.stamps);
-            let latest = stamps.iter().map(|s| s.double_value(&[0]));
-            self.arrives = latest.fold(None, |a, t| Some(a.map_or(t, |a: f64| a.max(t))));
-        }
-        done && self.arrives.is_none_or(|at| monotonic_s() >= at)
-    }
-
-    fn wait(&mut self) {
-        if !self.requests.is_empty() {
-            let _wait = waiting("hierarchical exchange", &self.group, None);
-            poll_until(|| self.test());
-        }
+impl Drop for PendingHierarchical {
+    fn drop(&mut self) {
+        let flight = self.group.flights.borrow_mut().remove(&self.ticket);
+        drop(flight);
     }
 }

@@ -7,6 +7,7 @@
 
 pub mod emulated_links;
 mod error;
+mod exchange;
 pub(crate) mod groups;
 mod hierarchical;
 mod host;

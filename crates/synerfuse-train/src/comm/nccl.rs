@@ -126,6 +126,12 @@ impl PendingNccl {
         Ok(())
     }
 
+    /// Whether the reduction has completed, without waiting (NCCL's error, if any, as
+    /// the wait would give it); the caller still calls [`Self::wait`].
+    pub(crate) fn test(&self) -> Result<bool, CommError> {
+        self.lane.poll(&self.done, self.op, &self.handle)
+    }
+
     fn synchronize(&mut self) -> Result<(), CommError> {
         self.waited = true;
         self.lane.wait(&self.done, self.op, &self.handle)
@@ -821,7 +827,7 @@ impl NcclCommunicator {
     /// on every rank, all of them before destroying any ([`super::SetGroups`]). Bounded
     /// by the watchdog; a communicator whose finalize fails is aborted, and one aborted
     /// after an earlier error is left alone.
-    pub(crate) fn finalize(&mut self) -> Result<(), CommError> {
+    pub(crate) fn finalize(&self) -> Result<(), CommError> {
         self.handle.finalize()
     }
 }

@@ -119,31 +119,42 @@ impl Lane {
         comm: &CommHandle,
     ) -> Result<(), CommError> {
         let _wait = waiting(op, &comm.name, None);
+        let started = Instant::now();
+        while !self.poll(done, op, comm)? {
+            abort_if_expired();
+            match pause(started.elapsed()) {
+                Some(pause) => std::thread::sleep(pause),
+                None => std::thread::yield_now(),
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `done` has completed, without waiting; NCCL's error on any communicator
+    /// of this lane first (see [`Self::wait`]).
+    pub(crate) fn poll(
+        &self,
+        done: &CudaEvent,
+        op: &'static str,
+        comm: &CommHandle,
+    ) -> Result<bool, CommError> {
         let cuda_err = |code: CUresult| CommError::Cuda {
             rank: comm.rank,
             context: "cuEventQuery",
             message: format!("{op} over {}: {:?}", comm.name, DriverError(code)),
         };
         done.context().bind_to_thread().map_err(|e| cuda_err(e.0))?;
-        let started = Instant::now();
-        loop {
-            let nccl = self.check(op);
-            let event = done.try_is_complete().map_err(|e| e.0);
-            match decide(nccl.is_ok(), event) {
-                Poll::Done => return Ok(()),
-                Poll::NcclFailed => return nccl,
-                Poll::CudaFailed(code) => {
-                    // The context is broken: destroying a communicator would hang.
-                    self.abort_all();
-                    return Err(cuda_err(code));
-                }
-                Poll::Pending => {}
+        let nccl = self.check(op);
+        let event = done.try_is_complete().map_err(|e| e.0);
+        match decide(nccl.is_ok(), event) {
+            Poll::Done => Ok(true),
+            Poll::NcclFailed => nccl.map(|()| false),
+            Poll::CudaFailed(code) => {
+                // The context is broken: destroying a communicator would hang.
+                self.abort_all();
+                Err(cuda_err(code))
             }
-            abort_if_expired();
-            match pause(started.elapsed()) {
-                Some(pause) => std::thread::sleep(pause),
-                None => std::thread::yield_now(),
-            }
+            Poll::Pending => Ok(false),
         }
     }
 
