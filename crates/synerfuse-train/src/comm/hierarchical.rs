@@ -51,9 +51,12 @@ pub(crate) struct HierarchicalGroup {
     /// emulated nodes arrive no sooner than the links carry them.
     links: Option<(Rc<LinkEmulation>, Vec<usize>)>,
     /// The reductions in flight, by the order they started (one order on every member).
-    /// Driving one drives those before it, and an island's NCCL gathers start in that
-    /// order: collectives on one NCCL communicator must be issued in one order by every
-    /// member, and the exchanges before them complete in any order.
+    /// Driving one drives those before it. Collectives on one NCCL communicator must be
+    /// issued in one order by every member, and the exchanges across islands complete
+    /// in whatever order they do: so an NCCL island's reduce-scatters start as the
+    /// reductions start, and its all-gathers only inside a wait, in the order the
+    /// reductions started (every member starts and waits for the group's reductions in
+    /// one order, so the island's collectives interleave alike everywhere).
     flights: RefCell<BTreeMap<u64, Flight>>,
     next_flight: Cell<u64>,
 }
@@ -164,12 +167,13 @@ impl HierarchicalGroup {
     }
 
     /// Moves on every reduction in flight that started up to `upto`, in the order they
-    /// started; whether `upto` has completed.
-    fn drive(&self, upto: u64) -> bool {
+    /// started, inside a wait for `upto` when `waiting` (see `flights`); whether `upto`
+    /// has completed.
+    fn drive(&self, upto: u64, waiting: bool) -> bool {
         let mut flights = self.flights.borrow_mut();
-        let mut in_turn = true;
+        let mut in_turn = waiting;
         for (_, flight) in flights.range_mut(..=upto) {
-            flight.progress(self, in_turn || self.island_nccl.is_none());
+            flight.progress(self, in_turn);
             in_turn &= flight.gathering();
         }
         flights.get(&upto).is_none_or(Flight::done)
@@ -260,7 +264,8 @@ enum Phase {
     /// whatever order their exchanges complete on each member, and collectives on one
     /// communicator must start in one order everywhere.
     Finish(Exchange),
-    /// The all-gather inside an NCCL island (started in the reductions' order).
+    /// The all-gather inside an NCCL island (started inside a wait, in the reductions'
+    /// order: see [`HierarchicalGroup`]'s `flights`).
     Gather(PendingNccl),
     Done,
     Failed(CommError),
@@ -370,8 +375,9 @@ impl Flight {
         matches!(self.phase, Phase::Done | Phase::Failed(_))
     }
 
-    /// Moves it on as far as it goes without waiting; `in_turn`: whether it may start
-    /// its last phase (every reduction started before it has).
+    /// Moves it on as far as it goes without waiting; `in_turn`: whether it may start an
+    /// NCCL all-gather (inside a wait, every reduction started before it having started
+    /// its last phase).
     fn progress(&mut self, group: &HierarchicalGroup, in_turn: bool) {
         loop {
             self.phase = match self.step(group, in_turn) {
@@ -403,7 +409,8 @@ impl Flight {
                 Ok(Some(self.start_cross(group)))
             }
             Phase::Cross(exchange, received) => {
-                if !exchange.test() || !in_turn {
+                let nccl_gather = group.island_nccl.is_some() && self.shard.is_none();
+                if !exchange.test() || (nccl_gather && !in_turn) {
                     return Ok(None);
                 }
                 let received = std::mem::take(received);
@@ -570,7 +577,8 @@ impl Drop for Flight {
 
 /// A hierarchical reduction in flight: the caller leaves its tensor alone until
 /// [`Self::wait`], and drives it with [`Self::progress`] meanwhile (which also drives
-/// the group's reductions started before it).
+/// the group's reductions started before it). Every member starts and waits for the
+/// group's reductions in one order.
 pub struct PendingHierarchical {
     group: Rc<HierarchicalGroup>,
     /// Its place among the group's reductions ([`HierarchicalGroup::drive`]).
@@ -581,12 +589,18 @@ pub struct PendingHierarchical {
 }
 
 impl PendingHierarchical {
-    /// Moves it on as far as it goes without waiting; whether it has completed.
+    /// Moves it on as far as it goes without waiting; whether it has completed (on an
+    /// NCCL island, an all-reduce completes only inside [`Self::wait`]).
     pub fn progress(&mut self) -> bool {
+        self.advance(false)
+    }
+
+    /// Moves it on, inside a wait when `waiting`; whether it has completed.
+    fn advance(&mut self, waiting: bool) -> bool {
         if self.result.is_some() {
             return true;
         }
-        if !self.group.drive(self.ticket) {
+        if !self.group.drive(self.ticket, waiting) {
             return false;
         }
         let flight = self.group.flights.borrow_mut().remove(&self.ticket);
@@ -602,7 +616,7 @@ impl PendingHierarchical {
     /// Waits for the result, which is then in the tensor the reduction started from.
     pub fn wait(mut self) -> Result<(), CommError> {
         let _wait = waiting(self.op, &self.group.cross.shared_name(), None);
-        poll_until(|| self.progress());
+        poll_until(|| self.advance(true));
         self.result.take().unwrap_or(Ok(()))
     }
 }
