@@ -13,9 +13,9 @@
 //! island, MPI carries them (fp32 through host memory: a CUDA member's tensor is copied to
 //! the host and back).
 
+use super::devices::{GroupPath, RankDevice};
 use super::emulated_links::{monotonic_s, LinkEmulation, Traffic};
 use super::exchange::Exchange;
-use super::groups::{GroupPath, RankDevice};
 use super::host::poll_until;
 use super::islands::{HierarchicalPlan, Islands};
 use super::watchdog::waiting;

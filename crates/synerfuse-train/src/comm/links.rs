@@ -18,8 +18,8 @@
 //! peers. Each link is therefore connected both ways when it is made, by a symmetric
 //! one-element exchange ([`super::nccl::first_contact`]).
 
+use super::devices::RankDevice;
 use super::emulated_links::LinkEmulation;
-use super::groups::RankDevice;
 use super::nccl::nccl_group;
 use super::{CommError, MpiCommunicator, NcclCommunicator, SetGroups};
 use std::collections::{BTreeMap, BTreeSet};

@@ -5,6 +5,7 @@
 //! carries CUDA tensors when every member of a group is a CUDA rank; its library is
 //! loaded at run time, so CPU-only machines build and run without CUDA installed.
 
+pub(crate) mod devices;
 pub mod emulated_links;
 mod error;
 mod exchange;

@@ -10,7 +10,7 @@ use super::exchange::{exchange, Recorder};
 use super::replanning::Settling;
 use super::report::StepLog;
 use super::state::Trainer;
-use crate::comm::groups::RankDevice;
+use crate::comm::devices::RankDevice;
 use crate::replan::{
     RecentSteps, ReplanCause, ReplanDecision, ReplanMode, SpeedWatch, SwitchOutcome,
 };
