@@ -117,6 +117,30 @@ pub enum NetworkError {
         /// The value.
         value: f64,
     },
+    /// One node placed in two sites.
+    #[error("node {node:?} is placed in two sites, {:?} and {:?}", sites[0], sites[1])]
+    NodeInTwoSites {
+        /// The node.
+        node: String,
+        /// The first two sites it is given (`""`: none).
+        sites: [String; 2],
+    },
+}
+
+/// Each named node's site (`""`: none), from (node, site) pairs, or the first node given
+/// two sites: a node is one host, in one datacenter.
+pub fn sites_of_nodes<'a>(
+    hosts: impl IntoIterator<Item = (&'a str, &'a str)>,
+) -> Result<std::collections::BTreeMap<&'a str, &'a str>, NetworkError> {
+    let mut site_of = std::collections::BTreeMap::new();
+    for (node, site) in hosts {
+        let first = *site_of.entry(node).or_insert(site);
+        if first != site {
+            let (node, sites) = (node.to_owned(), [first.to_owned(), site.to_owned()]);
+            return Err(NetworkError::NodeInTwoSites { node, sites });
+        }
+    }
+    Ok(site_of)
 }
 
 impl Network {
@@ -188,6 +212,25 @@ impl Network {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_node_has_one_site() {
+        let ok = sites_of_nodes([("a", "east"), ("b", ""), ("a", "east")]).unwrap();
+        assert_eq!(ok.get("a"), Some(&"east"));
+        assert_eq!(ok.get("b"), Some(&""));
+        let err = sites_of_nodes([("a", "east"), ("b", "west"), ("a", "")]).unwrap_err();
+        assert_eq!(
+            err,
+            NetworkError::NodeInTwoSites {
+                node: "a".into(),
+                sites: ["east".into(), "".into()]
+            }
+        );
+        assert!(
+            err.to_string().contains("\"a\" is placed in two sites"),
+            "{err}"
+        );
+    }
 
     fn host<'a>(node: &'a str, site: &'a str) -> Host<'a> {
         Host { node, site }

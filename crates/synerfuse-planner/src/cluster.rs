@@ -143,14 +143,6 @@ pub enum ClusterError {
     /// A network bandwidth or latency that is out of range.
     #[error("cluster file: {0}")]
     Network(#[from] synerfuse_plan::NetworkError),
-    /// One node named in two sites.
-    #[error("cluster file: node {node:?} is in two sites, {:?} and {:?}", sites[0], sites[1])]
-    NodeInTwoSites {
-        /// The node.
-        node: String,
-        /// Two of its sites (`""`: none).
-        sites: [String; 2],
-    },
 }
 
 /// What is wrong with a `[[group]]`.
@@ -383,17 +375,9 @@ impl ClusterSpec {
             }
         }
         self.network.check()?;
-        let mut site_of = HashMap::<&str, &str>::new();
-        for g in &self.group {
-            let (Some(node), site) = (g.node.as_deref(), g.site.as_deref().unwrap_or("")) else {
-                continue;
-            };
-            let first = *site_of.entry(node).or_insert(site);
-            if first != site {
-                let (node, sites) = (node.to_owned(), [first.to_owned(), site.to_owned()]);
-                return Err(ClusterError::NodeInTwoSites { node, sites });
-            }
-        }
+        let hosts = (self.group.iter())
+            .filter_map(|g| Some((g.node.as_deref()?, g.site.as_deref().unwrap_or(""))));
+        synerfuse_plan::network::sites_of_nodes(hosts)?;
         Ok(())
     }
 

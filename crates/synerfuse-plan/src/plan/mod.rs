@@ -430,14 +430,6 @@ pub enum PlanError {
     /// A `[network]` with a bad number.
     #[error("plan file: {0}")]
     Network(#[from] crate::NetworkError),
-    /// One node placed in two sites.
-    #[error("node {node:?} is placed in two sites, {:?} and {:?}", sites[0], sites[1])]
-    NodeInTwoSites {
-        /// The node.
-        node: String,
-        /// The first two sites it is given (`""`: none).
-        sites: [String; 2],
-    },
     /// A replica whose pipeline cannot run the schedule.
     #[error("replica {replica}: {source}")]
     Schedule {
@@ -509,20 +501,10 @@ impl Plan {
 
     /// A node sits in one site.
     fn check_sites(&self) -> Result<(), PlanError> {
-        let mut site_of = std::collections::BTreeMap::<&str, &str>::new();
         let placements = self.replicas.iter().flat_map(|r| &r.placements);
-        for p in placements {
-            let (Some(node), site) = (p.node.as_deref(), p.site.as_deref().unwrap_or("")) else {
-                continue;
-            };
-            let first = *site_of.entry(node).or_insert(site);
-            if first != site {
-                return Err(PlanError::NodeInTwoSites {
-                    node: node.to_owned(),
-                    sites: [first.to_owned(), site.to_owned()],
-                });
-            }
-        }
+        let hosts =
+            placements.filter_map(|p| Some((p.node.as_deref()?, p.site.as_deref().unwrap_or(""))));
+        crate::network::sites_of_nodes(hosts)?;
         Ok(())
     }
 
