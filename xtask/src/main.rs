@@ -107,6 +107,7 @@ fn fixtures(root: &std::path::Path) -> Result<()> {
         "index_fixtures.py",
         "parallel_fixtures.py",
         "model_fixtures.py",
+        "loss_scale_fixtures.py",
     ] {
         let script = root.join("xtask/fixtures").join(script);
         let status = std::process::Command::new(&python)

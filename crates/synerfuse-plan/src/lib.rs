@@ -8,6 +8,7 @@ pub mod launcher;
 mod measured;
 pub mod network;
 mod plan;
+mod precision;
 mod run_record;
 mod schedule;
 mod shape;
@@ -29,6 +30,7 @@ pub use plan::{
     MeshFlags, Plan, PlanError, ProcessMesh, ProcessMeshes, RankPlacement, ReducedParameters,
     ReplicaPipeline, UnknownDevice, EMBEDDING,
 };
+pub use precision::{Precision, UnknownPrecision};
 pub use run_record::{RunRecord, RunReduction};
 pub use schedule::{
     check_forward_only, check_schedule, forward_only, interpret, link_in_order, pipeline_schedule,

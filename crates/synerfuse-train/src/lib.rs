@@ -9,6 +9,7 @@ mod error;
 pub mod expert_load;
 pub mod grads;
 pub mod loader;
+pub mod loss_scale;
 pub mod lost;
 pub mod memory;
 pub mod metrics;
