@@ -26,6 +26,16 @@ pub fn positive_u64(text: &str) -> Result<u64, String> {
     }
 }
 
+/// A whole count of at least 1 that Megatron types as a float (`--loss-scale-window
+/// 1000` or `1000.0`).
+pub fn positive_whole(text: &str) -> Result<u64, String> {
+    let value = number::<f64>(text, "a whole number of at least 1")?;
+    match value >= 1.0 && value.fract() == 0.0 && value < 1e15 {
+        true => Ok(value as u64),
+        false => Err(format!("`{text}` is not a whole number of at least 1")),
+    }
+}
+
 /// A size in bytes as transformers writes `max_shard_size`: a whole number of bytes, or
 /// with a unit: `KB`, `MB`, `GB`, `TB` (powers of 1000) or `KiB`, `MiB`, `GiB`, `TiB`
 /// (powers of 1024); at least 1.

@@ -642,7 +642,7 @@ fn contradictory_flags_are_named() {
             "--num-layers 4: the stage layout sums to 3 layers but the model has 4",
         ),
         (vec!["--micro-batch-size", "4"], "6"),
-        (vec!["--fp16", "--micro-batch-size", "1"], "--bf16"),
+        (vec!["--fp16", "--bf16", "--micro-batch-size", "1"], "--bf16"),
         (
             vec!["--micro-batch-size", "1", "--overlap-param-gather"],
             "--use-distributed-optimizer",

@@ -55,8 +55,20 @@ pub struct IterationRecord {
     pub lr: f64,
     /// Mean loss over the global batch's loss tokens.
     pub loss: f64,
-    /// Global gradient norm before clipping.
+    /// Global gradient norm before clipping (unscaled; not finite, `null`, on an
+    /// iteration skipped for an overflow).
     pub grad_norm: f64,
+    /// The loss scale after the iteration's update, as Megatron logs it (1 unless the
+    /// loss is scaled: fp16, `--loss-scale`).
+    pub loss_scale: f64,
+    /// Whether its gradients overflowed, so that it made no update (no optimizer or
+    /// learning-rate step; the iteration still counts).
+    pub skipped: bool,
+    /// Iterations skipped since the last log line, this one included (Megatron's
+    /// "number of skipped iterations").
+    pub skipped_iterations: u64,
+    /// Iterations since the last log line whose loss was not finite.
+    pub nan_iterations: u64,
     /// Wall time of the iteration.
     pub elapsed_ms: f64,
     /// Tokens of the global batch per second.
@@ -84,6 +96,11 @@ impl IterationRecord {
             ),
             false => String::new(),
         };
+        // Megatron leaves the norm out of a skipped iteration's line (it has none).
+        let grad_norm = match self.skipped {
+            true => String::new(),
+            false => format!(" grad norm: {:.3} |", self.grad_norm),
+        };
         // Megatron's MoE runs add the means over the MoE layers of the losses taken
         // after the loss, the z-loss first, as its router tracks it first.
         let balance: String = (self.moe.iter())
@@ -98,7 +115,7 @@ impl IterationRecord {
         format!(
             " iteration {:>8}/{:>8} | consumed samples: {:>12} | elapsed time per iteration (ms): {:.1} |{throughput} \
              learning rate: {} | global batch size: {:>5} | \
-             lm loss: {} |{balance} loss scale: 1.0 | grad norm: {:.3} | number of skipped iterations:   0 | \
+             lm loss: {} |{balance} loss scale: {:.1} |{grad_norm} number of skipped iterations: {:>3} | \
              number of nan iterations: {:>3} | tokens/s: {:.0} |",
             self.iteration,
             self.train_iters,
@@ -107,8 +124,9 @@ impl IterationRecord {
             python_exp(self.lr),
             self.global_batch_size,
             python_exp(self.loss),
-            self.grad_norm,
-            u8::from(!self.loss.is_finite()),
+            self.loss_scale,
+            self.skipped_iterations,
+            self.nan_iterations,
             self.tokens_per_s,
         )
     }
@@ -430,6 +448,10 @@ mod tests {
             lr: 3e-4,
             loss: 7.25,
             grad_norm: 1.5,
+            loss_scale: 1.0,
+            skipped: false,
+            skipped_iterations: 0,
+            nan_iterations: 0,
             elapsed_ms: 123.4,
             tokens_per_s: 4000.0,
             tflops_per_device: 0.01,
@@ -456,7 +478,7 @@ mod tests {
                 z_loss: None,
                 tokens_per_expert: vec![vec![3.0, 5.0], vec![4.0, 4.0]],
             }),
-            ..record
+            ..record.clone()
         };
         let line = moe.log_line(false);
         assert!(
@@ -474,6 +496,28 @@ mod tests {
         let line = z.log_line(false);
         assert!(
             line.contains("lm loss: 7.250000E+00 | z_loss: 2.500000E+00 | loss scale"),
+            "{line}"
+        );
+        // fp16: the scale, and a skipped iteration without its norm.
+        let skipped = IterationRecord {
+            loss_scale: 4294967296.0,
+            skipped: true,
+            skipped_iterations: 3,
+            grad_norm: f64::INFINITY,
+            ..record.clone()
+        };
+        let line = skipped.log_line(false);
+        assert!(
+            line.contains(
+                "lm loss: 7.250000E+00 | loss scale: 4294967296.0 | number of skipped iterations:   3 | number of nan iterations:   0 |"
+            ),
+            "{line}"
+        );
+        let line = record.log_line(false);
+        assert!(
+            line.contains(
+                "loss scale: 1.0 | grad norm: 1.500 | number of skipped iterations:   0 |"
+            ),
             "{line}"
         );
         assert_eq!(python_exp(0.0), "0.000000E+00");

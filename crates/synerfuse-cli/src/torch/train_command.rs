@@ -14,14 +14,15 @@ use synerfuse_data::gpt::{
 use synerfuse_data::tokenizer::Tokenizer;
 use synerfuse_model::{DeviceRequest, LlamaConfig, LoadBalancing, MegatronModelArgs};
 use synerfuse_plan::{
-    BatchError, GridError, LayoutError, MeshFlags, Plan, PlanError, PlanFlags, ProcessMeshes,
-    ScheduleKind, TpLayout,
+    BatchError, GridError, LayoutError, MeshFlags, Plan, PlanError, PlanFlags, Precision,
+    ProcessMeshes, ScheduleKind, TpLayout,
 };
 use synerfuse_train::comm::{
     launcher_local_rank, launcher_rank, relaunch_under_mpirun, watchdog, MpiCommunicator,
     MpiRuntime,
 };
 use synerfuse_train::loader::{build_splits, LoaderError};
+use synerfuse_train::loss_scale::{DynamicLossScale, LossScaling};
 use synerfuse_train::optim::{AdamWConfig, DecayStyle, LrSchedule, LrScheduleError};
 use synerfuse_train::replan::{ReplanMode, SpeedChange, WatchConfig};
 use synerfuse_train::trainer::{
@@ -304,15 +305,6 @@ pub struct TrainArgs {
     /// local or transformer_engine: synerfuse has one implementation
     #[arg(long, help_heading = "Megatron compatibility")]
     transformer_impl: Option<String>,
-    /// fp16 loss scaling; unused (bf16 and fp32 need none)
-    #[arg(long, value_parser = crate::values::positive, help_heading = "Megatron compatibility")]
-    initial_loss_scale: Option<f64>,
-    /// fp16 loss scaling; unused
-    #[arg(long, value_parser = crate::values::positive, help_heading = "Megatron compatibility")]
-    min_loss_scale: Option<f64>,
-    /// fp16 loss scaling; unused
-    #[arg(long, value_parser = crate::values::positive, help_heading = "Megatron compatibility")]
-    loss_scale_window: Option<f64>,
     /// Per-rank compute/communication/idle times are always in --log-json
     #[arg(long, help_heading = "Megatron compatibility")]
     timing_log_level: Option<u32>,
@@ -347,9 +339,26 @@ pub struct TrainArgs {
     /// bf16 compute with fp32 master weights and fp32 gradient reduction
     #[arg(long, help_heading = "Optimisation")]
     bf16: bool,
-    /// Not supported (use --bf16)
-    #[arg(long, help_heading = "Optimisation")]
+    /// fp16 compute with fp32 master weights and main gradients, and Megatron's loss
+    /// scaling (dynamic unless --loss-scale): a step whose gradients overflow on any rank
+    /// is skipped everywhere
+    #[arg(long, conflicts_with = "bf16", help_heading = "Optimisation")]
     fp16: bool,
+    /// A constant loss scale (fp16 or bf16) instead of fp16's dynamic one
+    #[arg(long, value_parser = crate::values::positive, help_heading = "Optimisation")]
+    loss_scale: Option<f64>,
+    /// fp16's first dynamic loss scale
+    #[arg(long, value_parser = crate::values::positive, default_value_t = 4294967296.0, help_heading = "Optimisation")]
+    initial_loss_scale: f64,
+    /// The dynamic loss scale never goes below this
+    #[arg(long, value_parser = crate::values::positive, default_value_t = 1.0, help_heading = "Optimisation")]
+    min_loss_scale: f64,
+    /// Steps without an overflow, in a row, before the dynamic loss scale doubles
+    #[arg(long, value_parser = crate::values::positive_whole, default_value_t = 1000, help_heading = "Optimisation")]
+    loss_scale_window: u64,
+    /// Overflows before the dynamic loss scale halves
+    #[arg(long, value_parser = crate::values::positive_u64, default_value_t = 2, help_heading = "Optimisation")]
+    hysteresis: u64,
     #[arg(long, default_value_t = 1234, help_heading = "Optimisation")]
     seed: u32,
 
@@ -757,6 +766,35 @@ impl TrainArgs {
         ])
     }
 
+    /// What the ranks compute in (`--bf16`, `--fp16`, else fp32).
+    fn precision(&self) -> Precision {
+        match (self.bf16, self.fp16) {
+            (true, _) => Precision::Bf16,
+            (_, true) => Precision::Fp16,
+            _ => Precision::Fp32,
+        }
+    }
+
+    /// Megatron's loss scaling: `--loss-scale` for fp16 or bf16, else dynamic for fp16.
+    fn loss_scaling(&self) -> Result<LossScaling> {
+        let scaling = match (self.loss_scale, self.precision()) {
+            (Some(_), Precision::Fp32) => {
+                tracing::warn!("--loss-scale is ignored without --fp16 or --bf16 (as Megatron's fp32 optimizer does)");
+                LossScaling::None
+            }
+            (Some(scale), _) => LossScaling::Constant(scale as f32),
+            (None, Precision::Fp16) => LossScaling::Dynamic(DynamicLossScale {
+                initial: self.initial_loss_scale as f32,
+                min: self.min_loss_scale as f32,
+                window: self.loss_scale_window,
+                hysteresis: self.hysteresis,
+            }),
+            (None, _) => LossScaling::None,
+        };
+        scaling.check()?;
+        Ok(scaling)
+    }
+
     /// The run's configuration, grouped as the trainer takes it.
     fn train_config(&self, model: LlamaConfig, plan: Plan) -> Result<TrainConfig> {
         let schedule = self.schedule_kind(&plan);
@@ -789,7 +827,8 @@ impl TrainArgs {
                 distributed: self.use_distributed_optimizer,
             },
             compute: ComputeConfig {
-                bf16: self.bf16,
+                precision: self.precision(),
+                loss_scaling: self.loss_scaling()?,
                 recompute: self.recompute_activations,
                 device: self.device,
                 emulate_speed: self.emulate_device_speed.clone(),
@@ -1045,9 +1084,6 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         plan.schedule(args.schedule_kind(&plan))
             .map_err(|e| anyhow::Error::new(e).context(args.layout_source()))?;
         return crate::restart::run_restarting(n, args.save.as_deref());
-    }
-    if args.fp16 {
-        bail!("--fp16 is not supported (no loss scaling); use --bf16");
     }
     signals::install_sigterm_handler();
     let runtime = MpiRuntime::init()?;

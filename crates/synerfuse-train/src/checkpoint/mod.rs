@@ -68,6 +68,16 @@ pub struct CheckpointState {
     pub plan: Plan,
     /// Whether the run trained in bf16 (parameters are stored in fp32 either way).
     pub bf16: bool,
+    /// What the run computed in (absent in checkpoints older than fp16 training).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precision: Option<synerfuse_plan::Precision>,
+    /// The loss scaler's state, where the run scaled its loss.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<crate::loss_scale::ScalerState>,
+    /// Samples of the iterations skipped for an overflow (the learning-rate schedule
+    /// stands still over them).
+    #[serde(default)]
+    pub skipped_samples: u64,
 }
 
 /// `manifest.json`.

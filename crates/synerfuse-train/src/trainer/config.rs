@@ -1,11 +1,12 @@
 //! What a run is configured with, grouped by concern. The CLI fills it from Megatron's
 //! flags; a library user builds it directly.
 
+use crate::loss_scale::LossScaling;
 use crate::optim::{AdamWConfig, LrSchedule};
 use crate::replan::{ReplanMode, SpeedChange, WatchConfig};
 use std::path::PathBuf;
 use synerfuse_model::{DeviceRequest, LlamaConfig};
-use synerfuse_plan::{Plan, ScheduleKind};
+use synerfuse_plan::{Plan, Precision, ScheduleKind};
 
 /// Everything a run is configured with.
 #[derive(Debug, Clone)]
@@ -156,8 +157,11 @@ pub struct OptimizerConfig {
 /// How each rank computes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ComputeConfig {
-    /// Compute in bf16 with fp32 master weights and fp32 gradient reduction (`--bf16`).
-    pub bf16: bool,
+    /// What the ranks compute in (`--bf16`, `--fp16`, else fp32); master weights, main
+    /// gradients and their reductions stay fp32.
+    pub precision: Precision,
+    /// How the loss is scaled (fp16's dynamic scaling, or `--loss-scale`).
+    pub loss_scaling: LossScaling,
     /// Full recomputation of each stage chunk (`--recompute-activations`).
     pub recompute: bool,
     /// The device of ranks the plan does not place (`--device`).

@@ -91,10 +91,7 @@ impl<'w> Trainer<'w> {
     }
     /// The dtype of activations between stages.
     fn activation_kind(&self) -> Kind {
-        match self.config.compute.bf16 {
-            true => Kind::BFloat16,
-            false => Kind::Float,
-        }
+        setup::compute_kind(self.config.compute.precision)
     }
 
     /// Whether this rank is its context-parallel group's first member (or in none): the
@@ -176,6 +173,9 @@ impl<'w> Trainer<'w> {
             )?;
             self.iteration += 1;
             self.consumed_samples += global_batch;
+            if outcome.skipped {
+                self.skipped_samples += global_batch;
+            }
             summary.iteration = self.iteration;
             summary.losses.push(outcome.loss);
             log.record(rank, self.iteration, self.consumed_samples, &outcome)?;
@@ -389,7 +389,9 @@ impl<'w> Trainer<'w> {
             zero.gathers().take_waited();
         }
         let mut high_water = self.memory_probe.as_ref().and_then(HighWater::start);
-        let normalisers = (loss_tokens, sequences);
+        // The loss and the MoE layers' losses times the loss scale (1 unless scaled).
+        let scale = f64::from(self.scaler.scale());
+        let normalisers = (loss_tokens / scale, sequences / scale);
         let (loss, pipeline_times, pipeline_spans) =
             self.run_pipeline(&micro_batches, normalisers, high_water.as_mut(), step_start)?;
         spans.extend(pipeline_spans);
@@ -425,14 +427,25 @@ impl<'w> Trainer<'w> {
         self.grads.finish(&self.groups)?;
         times.reduce_wait = started.elapsed();
         spans.extend(self.grads.bucket_spans(step_start));
-        let (grads, grad_norm) = self.reduced_gradients()?;
+        let (grads, scaled_norm) = self.reduced_gradients()?;
         times.communication += started.elapsed();
         spans.push(span(SpanKind::Reduce, start_s));
-        let lr = self.config.optimizer.lr.lr(self.consumed_samples);
-        let factor = clip_factor(grad_norm, self.config.optimizer.clip_grad);
-        let step_s = since_start();
-        spans.extend(self.optimizer_step((lr, factor), &grads, &mut times, step_s)?);
+        // Any rank's inf or NaN makes the global norm one: the same decision everywhere.
+        let overflow = self.scaler.scales() && !scaled_norm.is_finite();
+        self.scaler.update(overflow);
+        let grad_norm = scaled_norm / scale;
+        let lr = (self.config.optimizer.lr).lr(self.consumed_samples - self.skipped_samples);
+        if !overflow {
+            // Unscaling folded into the clipping factor: one multiplication of the
+            // gradients (exact for a power-of-two scale, as the division would be).
+            let factor = clip_factor(grad_norm, self.config.optimizer.clip_grad) / scale;
+            let step_s = since_start();
+            spans.extend(self.optimizer_step((lr, factor), &grads, &mut times, step_s)?);
+        }
         Ok(StepResult {
+            skipped: overflow,
+            // After this step's update, as Megatron logs it.
+            loss_scale: f64::from(self.scaler.scale()),
             loss_sum: loss.loss_sum,
             loss_tokens,
             experts: loss.experts.row(&self.config.model),

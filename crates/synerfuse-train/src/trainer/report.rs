@@ -28,8 +28,12 @@ pub(super) struct StepResult {
     pub sequences: f64,
     /// The rate the step used.
     pub lr: f64,
-    /// Global gradient norm before clipping.
+    /// Global gradient norm before clipping (unscaled; not finite on an overflow).
     pub grad_norm: f64,
+    /// The loss scale after the step's update (1 unless the loss is scaled).
+    pub loss_scale: f64,
+    /// Whether the step's gradients overflowed, so that it made no update.
+    pub skipped: bool,
     /// Where this rank's time went.
     pub times: StepTimes,
     /// This rank's memory.
@@ -70,6 +74,10 @@ pub(super) struct StepOutcome {
     pub lr: f64,
     /// Global gradient norm.
     pub grad_norm: f64,
+    /// The loss scale after the step's update.
+    pub loss_scale: f64,
+    /// Whether the step overflowed and made no update.
+    pub skipped: bool,
     /// The slowest rank's step time, ms.
     pub step_ms: f64,
     /// Some rank received a stop signal.
@@ -152,6 +160,8 @@ impl StepOutcome {
             loss: rows.iter().map(|r| r.loss_sum).sum::<f64>() / step.loss_tokens,
             lr: step.lr,
             grad_norm: step.grad_norm,
+            loss_scale: step.loss_scale,
+            skipped: step.skipped,
             step_ms: rows.iter().map(|r| r.elapsed_ms).fold(0.0, f64::max),
             any_stop: rows.iter().any(|r| r.stop),
             experts: (experts, step.sequences),
@@ -222,6 +232,10 @@ pub(super) struct StepLog {
     /// The model (its MoE layers name the expert load's rows).
     model: synerfuse_model::LlamaConfig,
     moe_per_layer_logging: bool,
+    /// Iterations skipped for an overflow, and with a loss that is not finite, since the
+    /// last log line.
+    skipped_in_interval: u64,
+    nan_in_interval: u64,
 }
 
 fn io_error(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
@@ -261,6 +275,8 @@ impl StepLog {
             world_size,
             model: model.clone(),
             moe_per_layer_logging: logging.moe_per_layer_logging,
+            skipped_in_interval: 0,
+            nan_in_interval: 0,
         })
     }
 
@@ -290,6 +306,10 @@ impl StepLog {
             lr: outcome.lr,
             loss: outcome.loss,
             grad_norm: outcome.grad_norm,
+            loss_scale: outcome.loss_scale,
+            skipped: outcome.skipped,
+            skipped_iterations: 0,
+            nan_iterations: 0,
             elapsed_ms: outcome.step_ms,
             tokens_per_s: self.tokens_per_step / seconds,
             tflops_per_device: self.flops_per_step / seconds / self.world_size as f64 / 1e12,
@@ -321,8 +341,14 @@ impl StepLog {
                 row.spans = Some(spans.clone());
             }
         }
+        // Megatron's counts over the iterations since the last log line.
+        self.skipped_in_interval += u64::from(outcome.skipped);
+        self.nan_in_interval += u64::from(!outcome.loss.is_finite());
+        record.skipped_iterations = self.skipped_in_interval;
+        record.nan_iterations = self.nan_in_interval;
         if iteration % self.log_interval == 0 || iteration == self.train_iters {
             println!("{}", record.log_line(self.log_throughput));
+            (self.skipped_in_interval, self.nan_in_interval) = (0, 0);
         }
         if let Some(json) = &mut self.json {
             json.write(&record).map_err(io_error(json.path()))?;
@@ -331,10 +357,13 @@ impl StepLog {
             let mut scalars = vec![
                 ("lm-loss", outcome.loss),
                 ("learning-rate", outcome.lr),
-                ("grad-norm", outcome.grad_norm),
+                ("loss-scale", outcome.loss_scale),
                 ("iteration-time", seconds),
                 ("tokens-per-second", record.tokens_per_s),
             ];
+            if !outcome.skipped {
+                scalars.push(("grad-norm", outcome.grad_norm));
+            }
             if self.log_throughput {
                 scalars.push(("throughput", record.tflops_per_device));
             }

@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use synerfuse_model::tch::{self, Device, Kind, Tensor};
 use synerfuse_model::Stage;
+use synerfuse_plan::Precision;
 
 /// The region of the whole tensor `name` that `stage`'s shard holds as a tensor of
 /// shape `local`, and the whole shape.
@@ -322,7 +323,10 @@ impl<'w> Trainer<'w> {
             model: serde_json::from_str(&self.config.model.to_hf_json())
                 .unwrap_or(serde_json::Value::Null),
             plan: self.config.parallel.plan.clone(),
-            bf16: self.config.compute.bf16,
+            bf16: self.config.compute.precision == Precision::Bf16,
+            precision: Some(self.config.compute.precision),
+            loss_scale: self.scaler.scales().then(|| self.scaler.state()),
+            skipped_samples: self.skipped_samples,
         }
     }
 
@@ -377,6 +381,10 @@ impl<'w> Trainer<'w> {
         }
         self.iteration = state.iteration;
         self.consumed_samples = state.consumed_samples;
+        self.skipped_samples = state.skipped_samples;
+        if let Some(scale) = state.loss_scale {
+            self.scaler.restore(scale);
+        }
         tch::manual_seed(state.rng_seed as i64);
         Ok(())
     }

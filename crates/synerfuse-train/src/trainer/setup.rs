@@ -17,7 +17,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use synerfuse_data::gpt::SampleOptions;
 use synerfuse_model::tch::{Device, Kind, Tensor};
 use synerfuse_model::{DeviceRequest, ResolveDevice, Stage};
-use synerfuse_plan::{ExpertGroupPlan, GradientReduction, Instruction, PlanError, ReplicaPipeline};
+use synerfuse_plan::{
+    ExpertGroupPlan, GradientReduction, Instruction, PlanError, Precision, ReplicaPipeline,
+};
 
 /// The device of this rank: the plan's placement, else the configured device;
 /// `cuda`/`auto` without an index pick GPU `local_rank mod count`.
@@ -327,8 +329,17 @@ pub(super) fn sequence_rows(config: &TrainConfig) -> BTreeMap<usize, (usize, usi
         .collect()
 }
 
+/// The dtype parameters and activations take in `precision`.
+pub(crate) fn compute_kind(precision: Precision) -> Kind {
+    match precision {
+        Precision::Fp32 => Kind::Float,
+        Precision::Bf16 => Kind::BFloat16,
+        Precision::Fp16 => Kind::Half,
+    }
+}
+
 /// AdamW over `chunks`' parameters outside `sharded` (the distributed optimizer's).
-/// Under bf16 the chunks are cast after their fp32 values were taken (`fp32_values`),
+/// Under bf16 or fp16 the chunks are cast after their fp32 values were taken (`fp32_values`),
 /// so those become the optimizer's master weights exactly.
 fn build_optimizer(
     config: &TrainConfig,
@@ -336,9 +347,10 @@ fn build_optimizer(
     fp32_values: &BTreeMap<String, Tensor>,
     sharded: &BTreeSet<String>,
 ) -> Result<AdamW, TrainError> {
-    if config.compute.bf16 {
+    let kind = compute_kind(config.compute.precision);
+    if kind != Kind::Float {
         for stage in chunks.iter_mut() {
-            stage.set_kind(Kind::BFloat16);
+            stage.set_kind(kind);
         }
     }
     let mut optimizer = AdamW::new(
@@ -346,7 +358,7 @@ fn build_optimizer(
         (chunks.iter().flat_map(|s| s.var_store().variables()))
             .filter(|(name, _)| !sharded.contains(name)),
     );
-    if config.compute.bf16 {
+    if kind != Kind::Float {
         for (name, value) in fp32_values.iter().filter(|(n, _)| !sharded.contains(*n)) {
             optimizer.load_param(name, value, None, None)?;
         }
@@ -507,7 +519,7 @@ pub(super) fn main_grads(
         &plan.chunk_pieces(rank),
         plan.num_layers(),
         &mine,
-        config.compute.bf16,
+        config.compute.precision != Precision::Fp32,
     )?
     .summing_over(tp_group.to_vec(), chunks)
     .bucketed(|members| config.parallel.bucket_size(members.len()));

@@ -16,6 +16,7 @@ use crate::comm::{MpiCommunicator, PipelineLinks, SetGroups};
 use crate::emulation::Emulation;
 use crate::grads::MainGrads;
 use crate::loader::{Prefetcher, ReplicaLoader, SplitDatasets};
+use crate::loss_scale::GradScaler;
 use crate::memory::{MemoryProbe, MemoryReport};
 use crate::optim::AdamW;
 use crate::replan::SpeedWatch;
@@ -84,6 +85,11 @@ pub struct Trainer<'w> {
     pub(super) local_rank: usize,
     pub(super) iteration: u64,
     pub(super) consumed_samples: u64,
+    /// The job's loss scale (one for every rank).
+    pub(super) scaler: GradScaler,
+    /// Samples of the iterations skipped for an overflow: the learning-rate schedule
+    /// does not advance over them (Megatron steps its scheduler only after an update).
+    pub(super) skipped_samples: u64,
     /// A checkpoint a background thread is writing (`--async-save`).
     pub(super) pending_save: Option<PendingSave>,
     /// Saves finished and not yet logged.
@@ -178,6 +184,8 @@ impl<'w> Trainer<'w> {
             local_rank,
             iteration: 0,
             consumed_samples: 0,
+            scaler: GradScaler::new(config.compute.loss_scaling),
+            skipped_samples: 0,
             pending_save: None,
             finished_saves: Vec::new(),
             config,

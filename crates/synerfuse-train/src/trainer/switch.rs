@@ -180,10 +180,7 @@ impl<'w> Trainer<'w> {
 
     /// Bytes per activation element on the wire.
     fn compute_bytes(&self) -> f64 {
-        match self.config.compute.bf16 {
-            true => 2.0,
-            false => 4.0,
-        }
+        self.config.compute.precision.bytes() as f64
     }
 
     /// What a switch costs, s, and where that figure comes from: the last switch's

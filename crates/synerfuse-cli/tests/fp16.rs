@@ -1,0 +1,214 @@
+//! `--fp16`: fp16 compute with fp32 master weights and main gradients, and Megatron's loss
+//! scaling. Plans against one fp16 rank (the bf16 rows' tolerance), the dynamic scale's
+//! skips as megatron-core's `DynamicGradScaler` takes them, a skipped step's parameters
+//! untouched, the scaler resumed from a checkpoint, and the flags' errors.
+
+mod support;
+
+use support::*;
+use synerfuse_train::loss_scale::{DynamicLossScale, GradScaler, LossScaling};
+
+/// A scale the tiny model's gradients never overflow at (it trains at 2^17..2^19 from
+/// the default start): every step updates, on one rank as on many.
+const NO_OVERFLOW: [&str; 3] = ["--fp16", "--initial-loss-scale", "4096"];
+
+/// The iterations' records of a JSON log (not its run, save or evaluation records).
+fn iterations(path: &std::path::Path) -> Vec<serde_json::Value> {
+    (json_records(path).into_iter())
+        .filter(|r| r.get("skipped").is_some())
+        .collect()
+}
+
+/// Each iteration's `skipped` and `loss_scale` from a JSON log.
+fn scales(path: &std::path::Path) -> Vec<(bool, f64)> {
+    let field = |r: &serde_json::Value| (r["skipped"].as_bool(), r["loss_scale"].as_f64());
+    (iterations(path).iter())
+        .map(|r| match field(r) {
+            (Some(skipped), Some(scale)) => (skipped, scale),
+            _ => panic!("an iteration record without skipped or loss_scale: {r}"),
+        })
+        .collect()
+}
+
+#[test]
+fn fp16_plans_match_one_fp16_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let data = dataset(d);
+    fn with<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+        [&NO_OVERFLOW[..], extra].concat()
+    }
+    let (reference, _) = run(d, &data, "one", &with(&["--micro-batch-size", "2"]));
+    let (fp32, _) = run(d, &data, "fp32", &["--micro-batch-size", "2"]);
+    let (bf16, _) = run(d, &data, "bf16", &["--micro-batch-size", "2", "--bf16"]);
+    let hetero = plan_file(
+        d,
+        "hetero",
+        "[[replica]]\nlayers = [4]\nmicro_batch_size = 2\nnum_micro_batches = 2\n\
+         [[replica]]\nlayers = [3, 1]\nmicro_batch_size = 1\nnum_micro_batches = 2\n",
+    );
+    let mut table = EquivalenceTable::default();
+    let cases: [(&str, Vec<&str>); 3] = [
+        ("fp16 DP 2", vec!["--nproc", "2", "--micro-batch-size", "1"]),
+        (
+            "fp16 PP 2",
+            vec![
+                "--nproc",
+                "2",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--micro-batch-size",
+                "1",
+            ],
+        ),
+        (
+            "fp16 hetero PP x DP: [4] (mbs 2) + [3, 1] (mbs 1), distributed optimizer",
+            vec![
+                "--nproc",
+                "3",
+                "--plan",
+                &hetero,
+                "--use-distributed-optimizer",
+            ],
+        ),
+    ];
+    for (i, (label, flags)) in cases.iter().enumerate() {
+        let (losses, _) = run(d, &data, &format!("case{i}"), &with(flags));
+        table.check_bf16(&format!("{label} vs one fp16 rank"), &reference, &losses);
+    }
+    // What each low precision costs against fp32 on one rank (reported, and bounded).
+    table.check_bf16("fp16, one rank, vs one fp32 rank", &fp32, &reference);
+    table.check_bf16("bf16, one rank, vs one fp32 rank", &fp32, &bf16);
+    table.print();
+}
+
+#[test]
+fn fp16_skips_overflowing_steps_as_megatron_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let data = dataset(d);
+    // Megatron's default start, 2^32: the first steps overflow.
+    let mut args = common(d, &data, 16);
+    args.extend(strings(&["--fp16", "--micro-batch-size", "2"]));
+    let log = d.join("dynamic.jsonl");
+    args.extend(strings(&["--log-json", log.to_str().unwrap()]));
+    ok(&synerfuse(&args), "fp16, dynamic scale");
+    let seen = scales(&log);
+    let skipped: Vec<bool> = seen.iter().map(|s| s.0).collect();
+    assert!(
+        skipped[..3].iter().all(|&s| s) && skipped.iter().any(|&s| !s),
+        "the first steps overflow at 2^32, later ones do not: {seen:?}"
+    );
+    // The scale after each step is megatron-core's from the same overflow flags
+    // (GradScaler equals DynamicGradScaler: tests/loss_scale.rs).
+    let mut scaler = GradScaler::new(LossScaling::Dynamic(DynamicLossScale::default()));
+    for (step, &(overflow, scale)) in seen.iter().enumerate() {
+        scaler.update(overflow);
+        assert_eq!(
+            scale,
+            f64::from(scaler.scale()),
+            "step {}: {seen:?}",
+            step + 1
+        );
+    }
+    // The learning rate stands still over skipped steps: the first update takes the
+    // first step's rate (warm-up's 0), the second the rate fp32's second step takes.
+    let records = iterations(&log);
+    let first = skipped.iter().position(|&s| !s).unwrap();
+    let lr = |r: &serde_json::Value| r["lr"].as_f64().unwrap();
+    assert!(records[..=first].iter().all(|r| lr(r) == lr(&records[0])));
+    let fp32_log = d.join("fp32.jsonl");
+    let mut args = common(d, &data, 16);
+    args.extend(strings(&["--micro-batch-size", "2", "--log-json"]));
+    args.push(fp32_log.display().to_string());
+    ok(&synerfuse(&args), "fp32");
+    let fp32 = iterations(&fp32_log);
+    assert_eq!(lr(&records[first]), lr(&fp32[0]));
+    if !skipped[first + 1] {
+        assert_eq!(lr(&records[first + 1]), lr(&fp32[1]));
+    }
+    // Skipped steps leave the parameters where they were: one skipped step and two
+    // save the same parameters.
+    let skips = |n: u64| {
+        let mut args = common(d, &data, n);
+        args.extend(strings(&["--fp16", "--micro-batch-size", "2"]));
+        run_args(d, &format!("skip{n}"), args)
+    };
+    let (one, two) = (skips(1), skips(2));
+    assert_eq!(max_param_diff(&one.1, &two.1), 0.0);
+}
+
+#[test]
+fn the_loss_scale_resumes_from_a_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let data = dataset(d);
+    // From 2^22 the first steps overflow (hysteresis 2, then halved each time): the stop
+    // at step 3 falls among them, with the scale and trackers mid-way.
+    let flags = [
+        "--fp16",
+        "--initial-loss-scale",
+        "4194304",
+        "--micro-batch-size",
+        "2",
+    ];
+    let straight = d.join("straight.jsonl");
+    let mut args = common(d, &data, 6);
+    args.extend(strings(&flags));
+    args.extend(strings(&["--log-json", straight.to_str().unwrap()]));
+    ok(&synerfuse(&args), "straight");
+    let resumed = stop_and_resume(d, &data, "resumed", &flags, &flags);
+    let straight_losses = losses(&straight);
+    assert_eq!(resumed, straight_losses[3..], "losses after the resume");
+    let seen = scales(&straight);
+    assert!(seen[0].0 && seen[2].0, "steps 1 and 3 overflow: {seen:?}");
+    assert_eq!(scales(&d.join("resumed.jsonl")), seen[3..]);
+    // A constant scale never changes and never skips here.
+    let constant = d.join("constant.jsonl");
+    let mut args = common(d, &data, 3);
+    args.extend(strings(&[
+        "--fp16",
+        "--loss-scale",
+        "1024",
+        "--micro-batch-size",
+        "2",
+    ]));
+    args.extend(strings(&["--log-json", constant.to_str().unwrap()]));
+    ok(&synerfuse(&args), "constant");
+    assert_eq!(scales(&constant), vec![(false, 1024.0); 3]);
+}
+
+#[test]
+fn bad_loss_scale_flags_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let data = dataset(d);
+    for (flags, named) in [
+        (vec!["--fp16", "--bf16"], "--bf16"),
+        (
+            vec![
+                "--fp16",
+                "--initial-loss-scale",
+                "4",
+                "--min-loss-scale",
+                "8",
+            ],
+            "--min-loss-scale",
+        ),
+        (
+            vec!["--fp16", "--loss-scale-window", "2.5"],
+            "--loss-scale-window",
+        ),
+        (vec!["--fp16", "--hysteresis", "0"], "--hysteresis"),
+        (vec!["--fp16", "--loss-scale", "0"], "--loss-scale"),
+    ] {
+        let mut args = common(d, &data, 1);
+        args.extend(strings(&flags));
+        args.extend(strings(&["--micro-batch-size", "2"]));
+        let out = synerfuse(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flags:?} must fail");
+        assert!(stderr.contains(named), "{flags:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{flags:?}: {stderr}");
+    }
+}
