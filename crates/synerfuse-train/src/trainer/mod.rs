@@ -171,11 +171,7 @@ impl<'w> Trainer<'w> {
                 replica_tokens,
                 with_spans,
             )?;
-            self.iteration += 1;
-            self.consumed_samples += global_batch;
-            if outcome.skipped {
-                self.skipped_samples += global_batch;
-            }
+            self.count_step(outcome.skipped, global_batch);
             summary.iteration = self.iteration;
             summary.losses.push(outcome.loss);
             log.record(rank, self.iteration, self.consumed_samples, &outcome)?;
@@ -229,6 +225,16 @@ impl<'w> Trainer<'w> {
             tracing::info!("peak resident memory {peak} B");
         }
         Ok(summary)
+    }
+
+    /// Counts the step that ended: the iteration, its samples, and whether the
+    /// learning-rate schedule stood still over it (skipped for an overflow).
+    fn count_step(&mut self, skipped: bool, global_batch: u64) {
+        self.iteration += 1;
+        self.consumed_samples += global_batch;
+        if skipped {
+            self.skipped_samples += global_batch;
+        }
     }
 
     /// Waits for the parameter gathers the last step left in flight
