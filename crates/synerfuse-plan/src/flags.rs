@@ -457,6 +457,7 @@ mod tests {
                 memory_gb: (r < 4).then_some(80.0),
                 node: Some(format!("node {}", r / 4)),
                 site: (r >= 4).then(|| "far".into()),
+                precision: (r >= 4).then_some(crate::Precision::Fp16),
             })
             .collect();
         let toml = plan.to_toml().unwrap();

@@ -81,6 +81,9 @@ struct ReplicaFile {
     /// The cluster file's site (datacenter) of each rank ("" for the default site).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     sites: Vec<String>,
+    /// What each rank computes in (`fp32`, `bf16`, `fp16`; one per stage's ranks alike).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    precision: Vec<crate::Precision>,
 }
 
 /// The whole file.
@@ -306,6 +309,7 @@ fn replica_pipeline(
         memory_gb: &replica.memory_gb,
         nodes: &replica.nodes,
         sites: &replica.sites,
+        precision: &replica.precision,
     };
     Ok(ReplicaPipeline {
         stages,
@@ -387,6 +391,10 @@ fn replica_file(r: &ReplicaPipeline, sequential: bool) -> ReplicaFile {
             .collect(),
         false => Vec::new(),
     };
+    let precision: Vec<crate::Precision> = match p.iter().any(|p| p.precision.is_some()) {
+        true => (p.iter()).map(|p| p.precision.unwrap_or_default()).collect(),
+        false => Vec::new(),
+    };
     let memory_gb: Vec<f64> = match p.iter().all(|p| p.memory_gb.is_some()) {
         true => p.iter().filter_map(|p| p.memory_gb).collect(),
         false => Vec::new(),
@@ -447,6 +455,7 @@ fn replica_file(r: &ReplicaPipeline, sequential: bool) -> ReplicaFile {
         memory_gb,
         nodes,
         sites,
+        precision,
     }
 }
 
@@ -482,6 +491,7 @@ struct PlacementLists<'a> {
     memory_gb: &'a [f64],
     nodes: &'a [String],
     sites: &'a [String],
+    precision: &'a [crate::Precision],
 }
 
 /// Placements of a replica's file form: devices, speeds and kinds, each empty or one
@@ -499,6 +509,7 @@ fn placements(
         memory_gb,
         nodes,
         sites,
+        precision,
     } = given;
     super::check_per_rank(
         replica,
@@ -511,6 +522,7 @@ fn placements(
             ("memory_gb", memory_gb.len()),
             ("nodes", nodes.len()),
             ("sites", sites.len()),
+            ("precision", precision.len()),
         ],
     )?;
     if let Some(&memory) = memory_gb.iter().find(|&&m| !(m > 0.0 && m.is_finite())) {
@@ -523,6 +535,7 @@ fn placements(
         memory_gb.len(),
         nodes.len(),
         sites.len(),
+        precision.len(),
     ];
     if given.iter().all(|&n| n == 0) {
         return Ok(Vec::new());
@@ -550,6 +563,7 @@ fn placements(
                 memory_gb: memory_gb.get(s).copied(),
                 node: nodes.get(s).filter(|n| !n.is_empty()).cloned(),
                 site: sites.get(s).filter(|n| !n.is_empty()).cloned(),
+                precision: precision.get(s).copied(),
             })
         })
         .collect()

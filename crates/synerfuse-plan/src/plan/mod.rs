@@ -360,6 +360,16 @@ pub enum PlanError {
         /// Why.
         source: ContextSplitError,
     },
+    /// Ranks of one stage given different precisions.
+    #[error("replica {replica}, stage {stage}: its ranks compute in {} and {} (one precision per stage: its tensor- and context-parallel groups exchange activations in it)", precisions[0], precisions[1])]
+    StagePrecision {
+        /// The replica.
+        replica: usize,
+        /// The stage.
+        stage: usize,
+        /// Two of the precisions given (`the job's`: none, the job's flag).
+        precisions: [&'static str; 2],
+    },
     /// A device memory that is not a positive number of GB.
     #[error("replica {replica}: memory_gb {memory} is not a positive number of GB")]
     Memory {
@@ -558,6 +568,11 @@ impl Plan {
     pub fn batches(&self) -> ReplicaBatches {
         ReplicaBatches::new(self.replicas.iter().map(|r| r.batch.clone()).collect())
             .expect("replica batches checked in Plan::new")
+    }
+
+    /// What `rank` computes in, when the plan says (else the job's flag decides).
+    pub fn precision_of(&self, rank: usize) -> Option<crate::Precision> {
+        self.placement(rank)?.precision
     }
 
     /// Where `rank` computes, when the plan says.
@@ -763,7 +778,27 @@ fn check_replica(
         }
     }
     let ranks = pipeline.all_ranks().count();
-    check_per_rank(replica, ranks, &[("placements", pipeline.placements.len())])
+    check_per_rank(replica, ranks, &[("placements", pipeline.placements.len())])?;
+    check_stage_precisions(replica, pipeline)
+}
+
+/// Every rank of a stage computes in one precision (its tensor- and context-parallel
+/// collectives carry activations in it).
+fn check_stage_precisions(replica: usize, pipeline: &ReplicaPipeline) -> Result<(), PlanError> {
+    let mut placements = pipeline.placements.iter();
+    for (stage, ranks) in pipeline.ranks.iter().enumerate() {
+        let precisions: Vec<Option<crate::Precision>> =
+            placements.by_ref().take(ranks.len()).map(|p| p.precision).collect();
+        if let Some(other) = precisions.iter().find(|&&p| p != precisions[0]) {
+            let name = |p: Option<crate::Precision>| p.map_or("the job's", |p| p.name());
+            return Err(PlanError::StagePrecision {
+                replica,
+                stage,
+                precisions: [name(precisions[0]), name(*other)],
+            });
+        }
+    }
+    Ok(())
 }
 
 /// `stage`'s context-parallel size divides its ranks, with one positive share per member.
@@ -1294,6 +1329,33 @@ kinds = ["cpu"]
             "layers 4..6, final norm and output layer over ranks [0, 2]"
         );
         assert_eq!(plan.chunk_pieces(0), vec![(0..8)]);
+    }
+
+    #[test]
+    fn each_stage_has_a_precision_of_its_own() {
+        use crate::Precision::{Bf16, Fp16};
+        let text = "[[replica]]\nlayers = [4]\nmicro_batch_size = 1\nnum_micro_batches = 2\nprecision = [\"bf16\"]\n\n\
+                    [[replica]]\nlayers = [2, 2]\nmicro_batch_size = 1\nnum_micro_batches = 2\nprecision = [\"fp16\", \"bf16\"]\n";
+        let plan = Plan::from_toml(text, None).unwrap();
+        let precisions: Vec<_> = (0..3).map(|r| plan.precision_of(r)).collect();
+        assert_eq!(precisions, [Some(Bf16), Some(Fp16), Some(Bf16)]);
+        assert_eq!(plan.placement(1).unwrap().device, None);
+        let written = plan.to_toml().unwrap();
+        assert!(written.contains("precision = [\"fp16\", \"bf16\"]"), "{written}");
+        assert_eq!(Plan::from_toml(&written, None).unwrap(), plan);
+        // A stage's tensor-parallel ranks compute alike.
+        let mixed = "[[replica]]\nlayers = [4]\nmicro_batch_size = 1\nnum_micro_batches = 1\ntp = [2]\nprecision = [\"fp16\", \"bf16\"]\n";
+        let err = Plan::from_toml(mixed, None).unwrap_err();
+        assert!(matches!(err, PlanError::StagePrecision { replica: 0, stage: 0, .. }), "{err}");
+        assert!(err.to_string().contains("fp16 and bf16"), "{err}");
+        // A precision that is none of the three is named.
+        let unknown = text.replace("\"fp16\"", "\"fp8\"");
+        let err = Plan::from_toml(&unknown, None).unwrap_err().to_string();
+        assert!(err.contains("fp8") && err.contains("precision"), "{err}");
+        // One per rank.
+        let short = text.replace("[\"fp16\", \"bf16\"]", "[\"fp16\"]");
+        let err = Plan::from_toml(&short, None).unwrap_err();
+        assert!(matches!(err, PlanError::PerRank { what: "precision", .. }), "{err}");
     }
 
     #[test]

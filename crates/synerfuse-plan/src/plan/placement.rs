@@ -94,6 +94,10 @@ pub struct RankPlacement {
     /// the slowest links.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub site: Option<String>,
+    /// What the rank computes in, where the plan says (else the job's `--bf16`/`--fp16`
+    /// or fp32): one precision per stage; main gradients and reductions stay fp32.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precision: Option<crate::Precision>,
 }
 
 #[cfg(test)]

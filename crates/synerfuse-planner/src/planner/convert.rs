@@ -278,6 +278,7 @@ pub(super) fn placement(dev: &Device, cluster: &ClusterSpec) -> RankPlacement {
         memory_gb: dev.spec.map(|s| s.memory_gb),
         node: emulated.then(|| dev.node.clone()),
         site: (emulated && !dev.site.is_empty()).then(|| dev.site.clone()),
+        precision: None,
     }
 }
 
