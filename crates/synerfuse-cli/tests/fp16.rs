@@ -7,6 +7,7 @@ mod support;
 
 use support::*;
 use synerfuse_train::loss_scale::{DynamicLossScale, GradScaler, LossScaling};
+use tch::Kind;
 
 /// A scale the tiny model's gradients never overflow at (it trains at 2^17..2^19 from
 /// the default start): every step updates, on one rank as on many.
@@ -79,7 +80,84 @@ fn fp16_plans_match_one_fp16_rank() {
     // What each low precision costs against fp32 on one rank (reported, and bounded).
     table.check_bf16("fp16, one rank, vs one fp32 rank", &fp32, &reference);
     table.check_bf16("bf16, one rank, vs one fp32 rank", &fp32, &bf16);
+    // A precision per replica and per stage (the plan's), against one fp32 rank: within
+    // what the worse of the two precisions alone costs (x 1.5).
+    let bound = 1.5 * max_rel_loss_diff(&fp32, &bf16).max(max_rel_loss_diff(&fp32, &reference));
+    let mixed = [
+        (
+            "a bf16 replica [4] (mbs 2) + an fp16 replica [4] (mbs 1)",
+            "[[replica]]\nlayers = [4]\nmicro_batch_size = 2\nnum_micro_batches = 2\nprecision = [\"bf16\"]\n\
+             [[replica]]\nlayers = [4]\nmicro_batch_size = 1\nnum_micro_batches = 2\nprecision = [\"fp16\"]\n",
+        ),
+        (
+            "a pipeline of an fp16 stage and a bf16 stage [2, 2]",
+            "[[replica]]\nlayers = [2, 2]\nmicro_batch_size = 1\nnum_micro_batches = 6\nprecision = [\"fp16\", \"bf16\"]\n",
+        ),
+    ];
+    for (i, (label, text)) in mixed.iter().enumerate() {
+        let plan = plan_file(d, &format!("mixed{i}"), text);
+        // The fp16 ranks make the job scale dynamically, from 4096 here.
+        let flags = [
+            "--nproc",
+            "2",
+            "--plan",
+            &plan,
+            "--initial-loss-scale",
+            "4096",
+        ];
+        let (losses, params) = run(d, &data, &format!("mixed{i}"), &flags);
+        let diff = max_rel_loss_diff(&fp32, &losses);
+        table.check_bf16(&format!("{label} vs one fp32 rank"), &fp32, &losses);
+        assert!(
+            diff <= bound,
+            "{label}: {diff:e} against fp32, bound {bound:e}"
+        );
+        assert!(params.values().all(|t| t.kind() == Kind::Float));
+    }
     table.print();
+}
+
+#[test]
+fn precisions_that_cannot_mix_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let data = dataset(d);
+    let plan = plan_file(
+        d,
+        "mixed",
+        "[[replica]]\nlayers = [4]\nmicro_batch_size = 2\nnum_micro_batches = 2\nprecision = [\"bf16\"]\n\
+         [[replica]]\nlayers = [4]\nmicro_batch_size = 1\nnum_micro_batches = 2\nprecision = [\"fp16\"]\n",
+    );
+    let mut args = common(d, &data, 1);
+    args.extend(strings(&[
+        "--nproc",
+        "2",
+        "--plan",
+        &plan,
+        "--use-distributed-optimizer",
+    ]));
+    let out = synerfuse(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("ranks 0 (bf16) and 1 (fp16)")
+            && stderr.contains("distributed optimizer's parameter gather"),
+        "{stderr}"
+    );
+    let bad = plan_file(
+        d,
+        "fp8",
+        "[[replica]]\nlayers = [4]\nmicro_batch_size = 2\nnum_micro_batches = 3\nprecision = [\"fp8\"]\n",
+    );
+    let mut args = common(d, &data, 1);
+    args.extend(strings(&["--plan", &bad]));
+    let out = synerfuse(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("fp8") && stderr.contains("fp8.toml"),
+        "{stderr}"
+    );
 }
 
 #[test]

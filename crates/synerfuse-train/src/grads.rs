@@ -47,6 +47,10 @@ struct ChunkGrads {
     backwards_left: usize,
     /// The first piece whose gradients are final this step (`usize::MAX`: none yet).
     final_from: usize,
+    /// What each gradient is multiplied by on its way into the fp32 buffer: 1 / the
+    /// loss scale where this rank's replica scales its loss (unscaled before any
+    /// reduction, so replicas that scale and replicas that do not sum alike), else 1.
+    unscale: f64,
 }
 
 /// Part of a reduction that starts on its own: a contiguous range of the chunk's buffer
@@ -295,6 +299,14 @@ impl MainGrads {
                     .collect()
             })
             .collect()
+    }
+
+    /// Sets what this step's gradients are multiplied by on their way into the fp32
+    /// buffer (1 / the loss scale where the loss was scaled; see `ChunkGrads::unscale`).
+    pub fn set_unscale(&mut self, factor: f64) {
+        for chunk in &mut self.chunks {
+            chunk.unscale = factor;
+        }
     }
 
     /// Zeroes the buffers and counts each chunk's backwards in this step's `program`.
@@ -551,6 +563,7 @@ impl ChunkGrads {
             group_summed: Vec::new(),
             backwards_left: 0,
             final_from: usize::MAX,
+            unscale: 1.0,
         }
     }
 
@@ -611,10 +624,15 @@ impl ChunkGrads {
             for &i in indices {
                 let (_, param, view) = &mut self.params[i];
                 let mut grad = param.grad();
-                if grad.defined() {
-                    let _ = view.g_add_(&grad);
-                    let _ = grad.zero_();
+                if !grad.defined() {
+                    continue;
                 }
+                let _ = match self.unscale == 1.0 {
+                    true => view.g_add_(&grad),
+                    // In fp32: an fp16 gradient divided in fp16 could underflow.
+                    false => view.g_add_(&(grad.to_kind(Kind::Float) * self.unscale)),
+                };
+                let _ = grad.zero_();
             }
         });
     }

@@ -80,8 +80,12 @@ pub struct PipelineRank<'a> {
     pub context: Option<ContextRank<'a>>,
     /// This rank's expert-parallel group, when its stage holds only some experts.
     pub experts: Option<ExpertRank<'a>>,
-    /// Dtype of activations on the wire.
+    /// This rank's dtype: of the activations and gradients it sends, and of what it
+    /// receives once converted.
     pub activation_kind: Kind,
+    /// Every world rank's dtype, by world rank: what a peer sends arrives in its own
+    /// (a pipeline may mix precisions), and is converted at the receiving end.
+    pub rank_kinds: &'a [Kind],
     /// Emulated slowdown, if any.
     pub emulation: Option<Emulation>,
     /// When the step began: the origin of the spans [`PipelineRank::run`] records.
@@ -721,15 +725,20 @@ impl PipelineRank<'_> {
         let device = self.chunks[0].device();
         let started = Instant::now();
         let deferred = std::mem::take(&mut sends.nccl);
+        let wire = self
+            .rank_kinds
+            .get(peer)
+            .copied()
+            .unwrap_or(self.activation_kind);
         let buffer = if self.links.is_nccl(peer) {
-            let buffer = Tensor::empty(shape, (self.activation_kind, device));
+            let buffer = Tensor::empty(shape, (wire, device));
             self.links.exchange(&deferred, Some((peer, &buffer)))?;
             sends.in_flight.extend(deferred);
             buffer
         } else {
             self.links.exchange(&deferred, None)?;
             sends.in_flight.extend(deferred);
-            let mut host = Tensor::empty(shape, (self.activation_kind, Device::Cpu));
+            let mut host = Tensor::empty(shape, (wire, Device::Cpu));
             if device != Device::Cpu {
                 host = host.pin_memory(device);
             }
@@ -745,7 +754,10 @@ impl PipelineRank<'_> {
             host.to_device(device)
         };
         step.times.waiting += started.elapsed();
-        Ok(buffer)
+        Ok(match wire == self.activation_kind {
+            true => buffer,
+            false => buffer.to_kind(self.activation_kind),
+        })
     }
 }
 

@@ -775,21 +775,28 @@ impl TrainArgs {
         }
     }
 
-    /// Megatron's loss scaling: `--loss-scale` for fp16 or bf16, else dynamic for fp16.
-    fn loss_scaling(&self) -> Result<LossScaling> {
-        let scaling = match (self.loss_scale, self.precision()) {
-            (Some(_), Precision::Fp32) => {
+    /// Megatron's loss scaling: `--loss-scale` where any rank computes in fp16 or bf16,
+    /// else dynamic where any computes in fp16 (`--fp16`, or the plan's precision for it).
+    fn loss_scaling(&self, plan: &Plan) -> Result<LossScaling> {
+        let precisions: Vec<Precision> = (0..plan.world_size())
+            .map(|r| plan.precision_of(r).unwrap_or(self.precision()))
+            .collect();
+        let low = precisions.iter().any(|&p| p != Precision::Fp32);
+        let scaling = match self.loss_scale {
+            Some(_) if !low => {
                 tracing::warn!("--loss-scale is ignored without --fp16 or --bf16 (as Megatron's fp32 optimizer does)");
                 LossScaling::None
             }
-            (Some(scale), _) => LossScaling::Constant(scale as f32),
-            (None, Precision::Fp16) => LossScaling::Dynamic(DynamicLossScale {
-                initial: self.initial_loss_scale as f32,
-                min: self.min_loss_scale as f32,
-                window: self.loss_scale_window,
-                hysteresis: self.hysteresis,
-            }),
-            (None, _) => LossScaling::None,
+            Some(scale) => LossScaling::Constant(scale as f32),
+            None if precisions.contains(&Precision::Fp16) => {
+                LossScaling::Dynamic(DynamicLossScale {
+                    initial: self.initial_loss_scale as f32,
+                    min: self.min_loss_scale as f32,
+                    window: self.loss_scale_window,
+                    hysteresis: self.hysteresis,
+                })
+            }
+            None => LossScaling::None,
         };
         scaling.check()?;
         Ok(scaling)
@@ -797,6 +804,7 @@ impl TrainArgs {
 
     /// The run's configuration, grouped as the trainer takes it.
     fn train_config(&self, model: LlamaConfig, plan: Plan) -> Result<TrainConfig> {
+        let loss_scaling = self.loss_scaling(&plan)?;
         let schedule = self.schedule_kind(&plan);
         let lr = self.lr_schedule(plan.global_batch_size() as u64)?;
         Ok(TrainConfig {
@@ -828,7 +836,7 @@ impl TrainArgs {
             },
             compute: ComputeConfig {
                 precision: self.precision(),
-                loss_scaling: self.loss_scaling()?,
+                loss_scaling,
                 recompute: self.recompute_activations,
                 device: self.device,
                 emulate_speed: self.emulate_device_speed.clone(),

@@ -392,7 +392,9 @@ fn replica_file(r: &ReplicaPipeline, sequential: bool) -> ReplicaFile {
         false => Vec::new(),
     };
     let precision: Vec<crate::Precision> = match p.iter().any(|p| p.precision.is_some()) {
-        true => (p.iter()).map(|p| p.precision.unwrap_or_default()).collect(),
+        true => (p.iter())
+            .map(|p| p.precision.unwrap_or_default())
+            .collect(),
         false => Vec::new(),
     };
     let memory_gb: Vec<f64> = match p.iter().all(|p| p.memory_gb.is_some()) {

@@ -787,8 +787,11 @@ fn check_replica(
 fn check_stage_precisions(replica: usize, pipeline: &ReplicaPipeline) -> Result<(), PlanError> {
     let mut placements = pipeline.placements.iter();
     for (stage, ranks) in pipeline.ranks.iter().enumerate() {
-        let precisions: Vec<Option<crate::Precision>> =
-            placements.by_ref().take(ranks.len()).map(|p| p.precision).collect();
+        let precisions: Vec<Option<crate::Precision>> = placements
+            .by_ref()
+            .take(ranks.len())
+            .map(|p| p.precision)
+            .collect();
         if let Some(other) = precisions.iter().find(|&&p| p != precisions[0]) {
             let name = |p: Option<crate::Precision>| p.map_or("the job's", |p| p.name());
             return Err(PlanError::StagePrecision {
@@ -1341,12 +1344,25 @@ kinds = ["cpu"]
         assert_eq!(precisions, [Some(Bf16), Some(Fp16), Some(Bf16)]);
         assert_eq!(plan.placement(1).unwrap().device, None);
         let written = plan.to_toml().unwrap();
-        assert!(written.contains("precision = [\"fp16\", \"bf16\"]"), "{written}");
+        assert!(
+            written.contains("precision = [\"fp16\", \"bf16\"]"),
+            "{written}"
+        );
         assert_eq!(Plan::from_toml(&written, None).unwrap(), plan);
         // A stage's tensor-parallel ranks compute alike.
         let mixed = "[[replica]]\nlayers = [4]\nmicro_batch_size = 1\nnum_micro_batches = 1\ntp = [2]\nprecision = [\"fp16\", \"bf16\"]\n";
         let err = Plan::from_toml(mixed, None).unwrap_err();
-        assert!(matches!(err, PlanError::StagePrecision { replica: 0, stage: 0, .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                PlanError::StagePrecision {
+                    replica: 0,
+                    stage: 0,
+                    ..
+                }
+            ),
+            "{err}"
+        );
         assert!(err.to_string().contains("fp16 and bf16"), "{err}");
         // A precision that is none of the three is named.
         let unknown = text.replace("\"fp16\"", "\"fp8\"");
@@ -1355,7 +1371,16 @@ kinds = ["cpu"]
         // One per rank.
         let short = text.replace("[\"fp16\", \"bf16\"]", "[\"fp16\"]");
         let err = Plan::from_toml(&short, None).unwrap_err();
-        assert!(matches!(err, PlanError::PerRank { what: "precision", .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                PlanError::PerRank {
+                    what: "precision",
+                    ..
+                }
+            ),
+            "{err}"
+        );
     }
 
     #[test]

@@ -77,6 +77,7 @@ impl Trainer<'_> {
             experts: expert_rank(&self.groups, self.experts.as_ref()),
             peer_rows: &self.peer_rows,
             activation_kind: self.activation_kind(),
+            rank_kinds: &self.rank_kinds,
             emulation: self.emulation,
             step_start: std::time::Instant::now(),
             report_final_grads: false,

@@ -91,7 +91,7 @@ impl<'w> Trainer<'w> {
     }
     /// The dtype of activations between stages.
     fn activation_kind(&self) -> Kind {
-        setup::compute_kind(self.config.compute.precision)
+        setup::compute_kind(setup::rank_precision(&self.config, self.world.rank()))
     }
 
     /// Whether this rank is its context-parallel group's first member (or in none): the
@@ -395,8 +395,13 @@ impl<'w> Trainer<'w> {
             zero.gathers().take_waited();
         }
         let mut high_water = self.memory_probe.as_ref().and_then(HighWater::start);
-        // The loss and the MoE layers' losses times the loss scale (1 unless scaled).
-        let scale = f64::from(self.scaler.scale());
+        // The loss and the MoE layers' losses times the loss scale where this replica
+        // scales its loss, its gradients unscaled on their way into the fp32 buffer.
+        let scale = match setup::replica_scales_loss(&self.config, self.replica) {
+            true => f64::from(self.scaler.scale()),
+            false => 1.0,
+        };
+        self.grads.set_unscale(1.0 / scale);
         let normalisers = (loss_tokens / scale, sequences / scale);
         let (loss, pipeline_times, pipeline_spans) =
             self.run_pipeline(&micro_batches, normalisers, high_water.as_mut(), step_start)?;
@@ -433,18 +438,15 @@ impl<'w> Trainer<'w> {
         self.grads.finish(&self.groups)?;
         times.reduce_wait = started.elapsed();
         spans.extend(self.grads.bucket_spans(step_start));
-        let (grads, scaled_norm) = self.reduced_gradients()?;
+        let (grads, grad_norm) = self.reduced_gradients()?;
         times.communication += started.elapsed();
         spans.push(span(SpanKind::Reduce, start_s));
         // Any rank's inf or NaN makes the global norm one: the same decision everywhere.
-        let overflow = self.scaler.scales() && !scaled_norm.is_finite();
+        let overflow = self.scaler.scales() && !grad_norm.is_finite();
         self.scaler.update(overflow);
-        let grad_norm = scaled_norm / scale;
         let lr = (self.config.optimizer.lr).lr(self.consumed_samples - self.skipped_samples);
         if !overflow {
-            // Unscaling folded into the clipping factor: one multiplication of the
-            // gradients (exact for a power-of-two scale, as the division would be).
-            let factor = clip_factor(grad_norm, self.config.optimizer.clip_grad) / scale;
+            let factor = clip_factor(grad_norm, self.config.optimizer.clip_grad);
             let step_s = since_start();
             spans.extend(self.optimizer_step((lr, factor), &grads, &mut times, step_s)?);
         }
@@ -527,6 +529,7 @@ impl<'w> Trainer<'w> {
             experts: expert_rank(&self.groups, self.experts.as_ref()),
             peer_rows: &self.peer_rows,
             activation_kind: self.activation_kind(),
+            rank_kinds: &self.rank_kinds,
             emulation: self.emulation,
             step_start,
             report_final_grads: self.config.parallel.overlap_grad_reduce,

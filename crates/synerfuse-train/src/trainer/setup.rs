@@ -8,6 +8,7 @@ use crate::comm::{MpiCommunicator, PipelineLinks, PlannedHosts, SetGroups};
 use crate::emulation::Emulation;
 use crate::grads::MainGrads;
 use crate::loader::{LoaderError, Prefetcher, ReplicaLoader, SplitDatasets};
+use crate::loss_scale::LossScaling;
 use crate::memory::MemoryReport;
 use crate::optim::AdamW;
 use crate::pipeline::{ContextRank, ExpertRank};
@@ -103,6 +104,7 @@ pub(super) fn check_plan(
             last: world_size - 1,
         });
     }
+    check_precisions(config)?;
     if let Some(speeds) = &config.compute.emulate_speed {
         if speeds.len() != world_size {
             return Err(TrainError::EmulatedSpeedCount {
@@ -114,6 +116,45 @@ pub(super) fn check_plan(
     Ok(plan
         .position(rank)
         .expect("a plan of the job's size places every rank"))
+}
+
+/// What cannot mix precisions yet: the distributed optimizer gathers the parameters of a
+/// reduction straight into every holder's copies, in their dtype; an expert-parallel
+/// group exchanges tokens in one.
+fn check_precisions(config: &TrainConfig) -> Result<(), TrainError> {
+    let plan = &config.parallel.plan;
+    let mixed = |what, ranks: &mut dyn Iterator<Item = usize>| {
+        let mut ranks = ranks.map(|r| (r, rank_precision(config, r)));
+        let (first, first_precision) = ranks.next()?;
+        let (second, second_precision) = ranks.find(|&(_, p)| p != first_precision)?;
+        Some(TrainError::MixedPrecision {
+            what,
+            first,
+            first_precision,
+            second,
+            second_precision,
+        })
+    };
+    if config.optimizer.distributed {
+        let tied = config.model.tie_word_embeddings;
+        for reduction in plan.gradient_reductions(tied) {
+            let what = "the distributed optimizer's parameter gather";
+            if let Some(e) = mixed(what, &mut reduction.members.iter().copied()) {
+                return Err(e);
+            }
+        }
+    }
+    if let Some(moe) = config.model.moe {
+        for group in plan.expert_groups(moe.num_experts)? {
+            let replicas = group.replicas.iter();
+            let stage = |r: usize| plan.replicas()[r].ranks[group.stage].clone();
+            let mut ranks = replicas.flat_map(|&r| stage(r));
+            if let Some(e) = mixed("an expert-parallel group's token exchange", &mut ranks) {
+                return Err(e);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// This rank's emulated device, if any, announced in the log.
@@ -329,6 +370,41 @@ pub(super) fn sequence_rows(config: &TrainConfig) -> BTreeMap<usize, (usize, usi
         .collect()
 }
 
+/// What `rank` computes in: the plan's precision for it, else the job's flag.
+pub(crate) fn rank_precision(config: &TrainConfig, rank: usize) -> Precision {
+    (config.parallel.plan.precision_of(rank)).unwrap_or(config.compute.precision)
+}
+
+/// Logs what this rank computes in, and why.
+pub(super) fn log_precision(config: &TrainConfig, rank: usize) {
+    let precision = rank_precision(config, rank);
+    let why = match (
+        config.parallel.plan.precision_of(rank),
+        config.compute.precision,
+    ) {
+        (Some(_), _) => "the plan's precision for it",
+        (None, Precision::Bf16) => "--bf16",
+        (None, Precision::Fp16) => "--fp16",
+        (None, Precision::Fp32) => "neither --bf16 nor --fp16",
+    };
+    tracing::info!(
+        "computes in {precision} ({why}); master weights, main gradients and reductions in fp32"
+    );
+}
+
+/// Whether `replica` scales its loss: one of its stages computes in fp16 (whose narrow
+/// range needs it), or the job scales every low-precision replica by a constant
+/// (`--loss-scale`). Its gradients are then unscaled into the fp32 buffer.
+pub(crate) fn replica_scales_loss(config: &TrainConfig, replica: usize) -> bool {
+    let ranks = config.parallel.plan.replicas()[replica].all_ranks();
+    let precisions: Vec<Precision> = ranks.map(|r| rank_precision(config, r)).collect();
+    match config.compute.loss_scaling {
+        LossScaling::None => false,
+        LossScaling::Dynamic(_) => precisions.contains(&Precision::Fp16),
+        LossScaling::Constant(_) => precisions.iter().any(|&p| p != Precision::Fp32),
+    }
+}
+
 /// The dtype parameters and activations take in `precision`.
 pub(crate) fn compute_kind(precision: Precision) -> Kind {
     match precision {
@@ -344,10 +420,10 @@ pub(crate) fn compute_kind(precision: Precision) -> Kind {
 fn build_optimizer(
     config: &TrainConfig,
     chunks: &mut [Stage],
+    kind: Kind,
     fp32_values: &BTreeMap<String, Tensor>,
     sharded: &BTreeSet<String>,
 ) -> Result<AdamW, TrainError> {
-    let kind = compute_kind(config.compute.precision);
     if kind != Kind::Float {
         for stage in chunks.iter_mut() {
             stage.set_kind(kind);
@@ -519,7 +595,7 @@ pub(super) fn main_grads(
         &plan.chunk_pieces(rank),
         plan.num_layers(),
         &mine,
-        config.compute.precision != Precision::Fp32,
+        rank_precision(config, rank) != Precision::Fp32,
     )?
     .summing_over(tp_group.to_vec(), chunks)
     .bucketed(|members| config.parallel.bucket_size(members.len()));
@@ -555,7 +631,8 @@ pub(super) fn build_optimizers(
         .as_ref()
         .map(DistributedOptimizer::names)
         .unwrap_or_default();
-    let optimizer = build_optimizer(config, chunks, &fp32_values, &sharded)?;
+    let kind = compute_kind(rank_precision(config, rank));
+    let optimizer = build_optimizer(config, chunks, kind, &fp32_values, &sharded)?;
     Ok((optimizer, zero))
 }
 

@@ -6,10 +6,10 @@ use super::config::TrainConfig;
 use super::replanning::Replanning;
 use super::save_record::{PendingSave, SaveRecord};
 use super::setup::{
-    build_chunks, build_loaders, build_optimizers, check_plan, fp32_copies, held_experts,
-    main_grads, memory_report, rank_context, rank_device, rank_emulation, rank_experts,
-    rank_groups, rank_programs, sequence_rows, warn_if_emulation_oversubscribes, ContextLayout,
-    ExpertMembers,
+    build_chunks, build_loaders, build_optimizers, check_plan, compute_kind, fp32_copies,
+    held_experts, log_precision, main_grads, memory_report, rank_context, rank_device,
+    rank_emulation, rank_experts, rank_groups, rank_precision, rank_programs, sequence_rows,
+    warn_if_emulation_oversubscribes, ContextLayout, ExpertMembers,
 };
 use crate::checkpoint::{self, Checkpoint};
 use crate::comm::{MpiCommunicator, PipelineLinks, SetGroups};
@@ -25,7 +25,7 @@ use crate::TrainError;
 use std::collections::BTreeMap;
 use std::time::Instant;
 use synerfuse_data::gpt::SampleOptions;
-use synerfuse_model::tch::Device;
+use synerfuse_model::tch::{Device, Kind};
 use synerfuse_model::Stage;
 use synerfuse_plan::Instruction;
 
@@ -85,6 +85,8 @@ pub struct Trainer<'w> {
     pub(super) local_rank: usize,
     pub(super) iteration: u64,
     pub(super) consumed_samples: u64,
+    /// Every world rank's dtype (pipeline messages arrive in their sender's).
+    pub(super) rank_kinds: Vec<Kind>,
     /// The job's loss scale (one for every rank).
     pub(super) scaler: GradScaler,
     /// Samples of the iterations skipped for an overflow: the learning-rate schedule
@@ -128,6 +130,7 @@ impl<'w> Trainer<'w> {
         let rank = world.rank();
         let (replica, stage_index) = check_plan(&config, world.size(), rank)?;
         let device = rank_device(&config, rank, local_rank)?;
+        log_precision(&config, rank);
         let emulation = rank_emulation(&config, rank, device)?;
         if rank == 0 {
             warn_if_emulation_oversubscribes(&config, world.size());
@@ -184,6 +187,9 @@ impl<'w> Trainer<'w> {
             local_rank,
             iteration: 0,
             consumed_samples: 0,
+            rank_kinds: (0..world.size())
+                .map(|r| compute_kind(rank_precision(&config, r)))
+                .collect(),
             scaler: GradScaler::new(config.compute.loss_scaling),
             skipped_samples: 0,
             pending_save: None,
