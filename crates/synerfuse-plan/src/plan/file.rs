@@ -359,6 +359,18 @@ fn expert_holdings(
 }
 
 /// The file form of `r`; its `ranks` only when the plan's are not `sequential`.
+/// One placement field of every rank, its default where a rank has none; empty where
+/// none has it.
+fn per_rank<T: Default>(
+    p: &[RankPlacement],
+    field: impl Fn(&RankPlacement) -> Option<T>,
+) -> Vec<T> {
+    match p.iter().any(|p| field(p).is_some()) {
+        true => p.iter().map(|p| field(p).unwrap_or_default()).collect(),
+        false => Vec::new(),
+    }
+}
+
 fn replica_file(r: &ReplicaPipeline, sequential: bool) -> ReplicaFile {
     let p = &r.placements;
     let (speeds, emulated): (Vec<f64>, Vec<bool>) =
@@ -370,33 +382,10 @@ fn replica_file(r: &ReplicaPipeline, sequential: bool) -> ReplicaFile {
                 p.iter().map(|p| p.speed.is_some()).collect(),
             ),
         };
-    let kinds: Vec<String> = match p.iter().any(|p| p.kind.is_some()) {
-        true => p
-            .iter()
-            .map(|p| p.kind.clone().unwrap_or_default())
-            .collect(),
-        false => Vec::new(),
-    };
-    let nodes: Vec<String> = match p.iter().any(|p| p.node.is_some()) {
-        true => p
-            .iter()
-            .map(|p| p.node.clone().unwrap_or_default())
-            .collect(),
-        false => Vec::new(),
-    };
-    let sites: Vec<String> = match p.iter().any(|p| p.site.is_some()) {
-        true => p
-            .iter()
-            .map(|p| p.site.clone().unwrap_or_default())
-            .collect(),
-        false => Vec::new(),
-    };
-    let precision: Vec<crate::Precision> = match p.iter().any(|p| p.precision.is_some()) {
-        true => (p.iter())
-            .map(|p| p.precision.unwrap_or_default())
-            .collect(),
-        false => Vec::new(),
-    };
+    let kinds = per_rank(p, |p| p.kind.clone());
+    let nodes = per_rank(p, |p| p.node.clone());
+    let sites = per_rank(p, |p| p.site.clone());
+    let precision = per_rank(p, |p| p.precision);
     let memory_gb: Vec<f64> = match p.iter().all(|p| p.memory_gb.is_some()) {
         true => p.iter().filter_map(|p| p.memory_gb).collect(),
         false => Vec::new(),
