@@ -290,3 +290,73 @@ fn bad_loss_scale_flags_are_named() {
         assert!(!stderr.contains("panicked"), "{flags:?}: {stderr}");
     }
 }
+
+#[test]
+fn the_planner_gives_devices_without_bf16_fp16_and_train_runs_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // Two emulated CPU devices of equal numbers, the second without bf16 (a V100's case).
+    let cluster = d.join("cluster.toml");
+    std::fs::write(
+        &cluster,
+        "[[group]]\nkind = \"cpu\"\ncount = 1\nnode = \"here\"\ntflops_bf16 = 0.05\nmemory_gb = 4\n\
+         [[group]]\nkind = \"cpu\"\ncount = 1\nnode = \"here\"\ntflops_fp16 = 0.05\nbf16 = false\nmemory_gb = 4\n\
+         [network]\nintra_node_gbs = 5\ninter_node_gbs = 5\n",
+    )
+    .unwrap();
+    let plan = d.join("plan.toml");
+    let mut args = strings(&["plan", "--cluster", cluster.to_str().unwrap()]);
+    args.extend(strings(&PLAN_MODEL));
+    args.extend(strings(&[
+        "--global-batch-size",
+        "6",
+        "--tensor-model-parallel-sizes",
+        "1",
+        "--recompute-activations",
+        "off",
+        "--use-distributed-optimizer",
+        "off",
+        "--output",
+        plan.to_str().unwrap(),
+    ]));
+    let out = synerfuse(&args);
+    ok(&out, "plan");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("no bf16, so its ranks compute in fp16"),
+        "{stderr}"
+    );
+    let text = std::fs::read_to_string(&plan).unwrap();
+    assert!(
+        text.contains("\"bf16\"") && text.contains("\"fp16\""),
+        "each rank's precision: {text}"
+    );
+    // Trained as planned: rank by rank in its precision, the job's loss scaled.
+    let data = dataset(d);
+    let log = d.join("log.jsonl");
+    let mut train = common(d, &data, 2);
+    train.extend(strings(&["--nproc", "2", "--plan", plan.to_str().unwrap()]));
+    train.extend(strings(&["--log-json", log.to_str().unwrap()]));
+    let out = synerfuse(&train);
+    ok(&out, "train --plan");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("computes in fp16 (the plan's precision for it)")
+            && stderr.contains("computes in bf16 (the plan's precision for it)"),
+        "{stderr}"
+    );
+    assert_eq!(
+        scales(&log)[0],
+        (true, 4294967296.0),
+        "fp16 ranks: the job scales"
+    );
+    // Kept in bf16, such a device is refused by name.
+    let mut args = args.clone();
+    args.push("--no-fp16-fallback".into());
+    let out = synerfuse(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("cpu has no bf16"),
+        "{stderr}"
+    );
+}

@@ -57,6 +57,8 @@ pub fn run_cost_model(run: &RunRecord, profile: &Profile) -> CostModel {
                 count: 1,
                 node: Some(run_node(&run.plan, &run.hosts, rank)),
                 tflops_bf16: None,
+                tflops_fp16: None,
+                bf16: None,
                 memory_gb: placement.and_then(|p| p.memory_gb),
                 mem_bw_gbs: None,
                 efficiency: None,

@@ -14,109 +14,9 @@
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 
-/// One row of the device catalogue (vendors' dense, non-sparse peaks).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct DeviceSpec {
-    /// bf16 dense TFLOP/s (fp16 where the device has no bf16).
-    pub tflops_bf16: f64,
-    /// Memory in GB.
-    pub memory_gb: f64,
-    /// Memory bandwidth in GB/s.
-    pub mem_bw_gbs: f64,
-    /// Device-to-device link within a node, bidirectional GB/s (vendor figure).
-    pub link_gbs: f64,
-    /// Whether it is an accelerator with a runtime context to reserve (not a CPU).
-    pub accelerator: bool,
-}
-
-/// The built-in catalogue: `(slug, name, spec)`.
-pub const CATALOGUE: &[(&str, &str, DeviceSpec)] = &[
-    ("a100-40g", "A100-40G SXM", gpu(312.0, 40.0, 1555.0, 600.0)),
-    ("a100-80g", "A100-80G SXM", gpu(312.0, 80.0, 2039.0, 600.0)),
-    ("a800", "A800-80G", gpu(312.0, 80.0, 2039.0, 400.0)),
-    ("h100-sxm", "H100 SXM", gpu(989.0, 80.0, 3350.0, 900.0)),
-    ("h100-pcie", "H100 PCIe", gpu(756.0, 80.0, 2000.0, 600.0)),
-    ("h800", "H800 SXM", gpu(989.0, 80.0, 3350.0, 400.0)),
-    ("h200", "H200 SXM", gpu(989.0, 141.0, 4800.0, 900.0)),
-    ("h20", "H20", gpu(148.0, 96.0, 4000.0, 900.0)),
-    ("l40s", "L40S", gpu(362.0, 48.0, 864.0, 64.0)),
-    ("a10", "A10", gpu(125.0, 24.0, 600.0, 64.0)),
-    ("v100", "V100 SXM2 (fp16)", gpu(125.0, 32.0, 900.0, 300.0)),
-    ("rtx4090", "RTX 4090", gpu(165.0, 24.0, 1008.0, 32.0)),
-    ("rtx3090", "RTX 3090", gpu(71.0, 24.0, 936.0, 112.5)),
-    ("t4", "T4 (fp16)", gpu(65.0, 16.0, 320.0, 32.0)),
-    (
-        "mi250x",
-        "MI250X (per GCD)",
-        gpu(191.0, 64.0, 1600.0, 400.0),
-    ),
-    ("mi300x", "MI300X", gpu(1307.0, 192.0, 5300.0, 896.0)),
-    ("ascend910b", "Ascend 910B", gpu(320.0, 64.0, 1600.0, 392.0)),
-    ("gaudi2", "Gaudi2", gpu(432.0, 96.0, 2460.0, 600.0)),
-];
-
-const fn gpu(tflops_bf16: f64, memory_gb: f64, mem_bw_gbs: f64, link_gbs: f64) -> DeviceSpec {
-    DeviceSpec {
-        tflops_bf16,
-        memory_gb,
-        mem_bw_gbs,
-        link_gbs,
-        accelerator: true,
-    }
-}
-
-/// The catalogue entry of `slug`.
-pub fn catalogue(slug: &str) -> Option<DeviceSpec> {
-    CATALOGUE
-        .iter()
-        .find(|(s, _, _)| s.eq_ignore_ascii_case(slug))
-        .map(|(_, _, spec)| *spec)
-}
-
-/// Driver names to catalogue slugs: (a word of the name, a word the name must also
-/// hold or `""`, the slug), first match wins, so a qualified entry comes before its
-/// plain one.
-const DEVICE_NAMES: &[(&str, &str, &str)] = &[
-    ("H200", "", "h200"),
-    ("H100", "PCIE", "h100-pcie"),
-    ("H100", "HBM3", "h100-sxm"),
-    ("H100", "SXM", "h100-sxm"),
-    ("H800", "", "h800"),
-    ("H20", "", "h20"),
-    ("A100", "40GB", "a100-40g"),
-    ("A100", "", "a100-80g"),
-    ("A800", "", "a800"),
-    ("L40S", "", "l40s"),
-    ("A10", "", "a10"),
-    ("V100", "", "v100"),
-    ("4090", "", "rtx4090"),
-    ("3090", "", "rtx3090"),
-    ("T4", "", "t4"),
-    ("MI300X", "", "mi300x"),
-    ("MI250X", "", "mi250x"),
-];
-
-/// The catalogue slug of a GPU by the name its driver reports (`nvidia-smi`,
-/// `cuDeviceGetName`: "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "NVIDIA H200"),
-/// so a run can state its model FLOP utilisation against the right peak; `None` for a
-/// device the catalogue does not hold or cannot tell apart by name (an H100 NVL, say).
-pub fn catalogue_slug_for_device_name(name: &str) -> Option<&'static str> {
-    let upper = name.to_ascii_uppercase().replace(['-', '_'], " ");
-    let words: Vec<&str> = upper.split_whitespace().collect();
-    DEVICE_NAMES
-        .iter()
-        .find(|(word, also, _)| {
-            words.contains(word) && (also.is_empty() || words.iter().any(|w| w.contains(also)))
-        })
-        .map(|(_, _, slug)| *slug)
-}
-
-/// A GPU's catalogue entry by its driver name: (slug, dense bf16 peak TFLOP/s), the peak a
-/// run's model FLOP utilisation is stated against.
-pub fn catalogue_peak(name: &str) -> Option<(&'static str, f64)> {
-    let slug = catalogue_slug_for_device_name(name)?;
-    catalogue(slug).map(|spec| (slug, spec.tflops_bf16))
-}
+pub use crate::catalogue::{
+    catalogue, catalogue_peak, catalogue_slug_for_device_name, DeviceSpec, CATALOGUE,
+};
 
 /// A cluster file that does not describe a usable cluster.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -214,6 +114,13 @@ pub struct DeviceGroup {
     /// Custom or overriding peak bf16 TFLOP/s.
     #[serde(default)]
     pub tflops_bf16: Option<f64>,
+    /// Custom or overriding peak fp16 TFLOP/s (default: the bf16 one).
+    #[serde(default)]
+    pub tflops_fp16: Option<f64>,
+    /// Whether the device computes in bf16 (default: the catalogue's; custom kinds do);
+    /// `false` makes a bf16 job compute on it in fp16.
+    #[serde(default)]
+    pub bf16: Option<bool>,
     /// Custom or overriding memory in GB.
     #[serde(default)]
     pub memory_gb: Option<f64>,
@@ -298,9 +205,11 @@ impl Device {
 impl DeviceGroup {
     /// Its numbers beside the kind, as bits: groups of one kind and numbers are alike
     /// (the planner prices and pools their devices once).
-    pub fn numbers(&self) -> [Option<u64>; 5] {
+    pub fn numbers(&self) -> [Option<u64>; 7] {
         let numbers = [
             self.tflops_bf16,
+            self.tflops_fp16,
+            self.bf16.map(f64::from),
             self.memory_gb,
             self.mem_bw_gbs,
             self.efficiency,
@@ -350,7 +259,7 @@ impl ClusterSpec {
             }
             if custom {
                 for (field, value) in [
-                    ("tflops_bf16", g.tflops_bf16),
+                    ("tflops_bf16", g.tflops_bf16.or(g.tflops_fp16)),
                     ("memory_gb", g.memory_gb),
                     ("mem_bw_gbs", g.mem_bw_gbs),
                 ] {
@@ -361,6 +270,7 @@ impl ClusterSpec {
             }
             for (field, value) in [
                 ("tflops_bf16", g.tflops_bf16),
+                ("tflops_fp16", g.tflops_fp16),
                 ("memory_gb", g.memory_gb),
                 ("mem_bw_gbs", g.mem_bw_gbs),
             ] {
@@ -401,7 +311,7 @@ impl ClusterSpec {
     pub fn devices(&self) -> Vec<Device> {
         let mut out = Vec::new();
         // Groups are alike when all but the count and the node agree.
-        let mut first_alike: HashMap<(&str, [Option<u64>; 5]), usize> = HashMap::new();
+        let mut first_alike: HashMap<(&str, [Option<u64>; 7]), usize> = HashMap::new();
         for (gi, g) in self.group.iter().enumerate() {
             let key = (g.kind.as_str(), g.numbers());
             let class_group = *first_alike.entry(key).or_insert(gi);
@@ -409,19 +319,25 @@ impl ClusterSpec {
             let spec = match (base, g.kind.as_str()) {
                 (Some(b), _) => Some(DeviceSpec {
                     tflops_bf16: g.tflops_bf16.unwrap_or(b.tflops_bf16),
+                    tflops_fp16: g.tflops_fp16.or(g.tflops_bf16).unwrap_or(b.tflops_fp16),
+                    bf16: g.bf16.unwrap_or(b.bf16),
                     memory_gb: g.memory_gb.unwrap_or(b.memory_gb),
                     mem_bw_gbs: g.mem_bw_gbs.unwrap_or(b.mem_bw_gbs),
                     ..b
                 }),
                 (None, "custom") => Some(DeviceSpec {
-                    tflops_bf16: g.tflops_bf16.unwrap_or(1.0),
+                    tflops_bf16: g.tflops_bf16.or(g.tflops_fp16).unwrap_or(1.0),
+                    tflops_fp16: g.tflops_fp16.or(g.tflops_bf16).unwrap_or(1.0),
+                    bf16: g.bf16.unwrap_or(true),
                     memory_gb: g.memory_gb.unwrap_or(1.0),
                     mem_bw_gbs: g.mem_bw_gbs.unwrap_or(1.0),
                     link_gbs: 2.0 * self.network.intra_node_gbs,
                     accelerator: true,
                 }),
                 _ => g.memory_gb.map(|memory_gb| DeviceSpec {
-                    tflops_bf16: g.tflops_bf16.unwrap_or(1.0),
+                    tflops_bf16: g.tflops_bf16.or(g.tflops_fp16).unwrap_or(1.0),
+                    tflops_fp16: g.tflops_fp16.or(g.tflops_bf16).unwrap_or(1.0),
+                    bf16: g.bf16.unwrap_or(true),
                     memory_gb,
                     mem_bw_gbs: g.mem_bw_gbs.unwrap_or(1.0),
                     link_gbs: 2.0 * self.network.intra_node_gbs,

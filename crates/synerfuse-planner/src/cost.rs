@@ -5,7 +5,7 @@
 use crate::cluster::{ClusterSpec, Device};
 use crate::profile::Profile;
 use std::collections::BTreeMap;
-use synerfuse_plan::ModelShape;
+use synerfuse_plan::{ModelShape, Precision};
 
 /// What a stage costs on one device at one micro-batch size.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -43,6 +43,9 @@ pub enum CostError {
     /// A kind with neither catalogue numbers nor a profile.
     #[error("device kind {0}: no catalogue numbers: give a profile (synerfuse profile) or custom numbers")]
     NoNumbers(String),
+    /// A bf16 job kept in bf16 on a device without it.
+    #[error("device kind {0} has no bf16 (the catalogue; or its group's bf16 = false): let the plan give it fp16 (drop --no-fp16-fallback) or leave it out of the cluster")]
+    NoBf16(String),
 }
 
 /// Bytes of model and optimizer state per parameter, as the trainer allocates them
@@ -71,6 +74,11 @@ pub struct CostModel {
     pub profile: Option<Profile>,
     /// Bytes per activation and parameter element on the wire (2 for bf16, 4 for fp32).
     pub compute_bytes: f64,
+    /// The job's precision (`--bf16`, the planner's default, or `--fp16`).
+    pub precision: Precision,
+    /// Whether a bf16 job computes in fp16 on devices without bf16 (priced at their fp16
+    /// peak, and written so into the plan); off: `--no-fp16-fallback` refuses them.
+    pub fp16_fallback: bool,
     /// Bytes of model and optimizer state per parameter (20 in synerfuse: parameter,
     /// gradient, fp32 gradient buffer, two fp32 moments; bf16 adds the master and halves
     /// parameter and gradient).
@@ -166,6 +174,8 @@ impl CostModel {
             cluster,
             profile,
             compute_bytes: 2.0,
+            precision: Precision::Bf16,
+            fp16_fallback: true,
             state_bytes_per_param: STATE_BYTES_PER_PARAM,
             recompute: Recompute::Never,
             distributed_optimizer: false,
@@ -176,6 +186,31 @@ impl CostModel {
             overlap_param_gather: false,
             hierarchical_reduction: true,
         }
+    }
+
+    /// What `device` computes in: the job's precision, but fp16 for a bf16 job on a
+    /// device without bf16 (with the fallback; without it [`Self::check_precisions`]
+    /// refuses the cluster).
+    pub fn precision_of(&self, device: &Device) -> Precision {
+        (device.spec)
+            .and_then(|s| s.runs(self.precision, self.fp16_fallback))
+            .unwrap_or(self.precision)
+    }
+
+    /// Whether the plan's devices compute in more than one precision (a plan then names
+    /// each rank's).
+    pub fn mixes_precisions(&self) -> bool {
+        (self.cluster.devices().iter()).any(|d| self.precision_of(d) != self.precision)
+    }
+
+    /// Every device can compute in the job's precision, or the fallback's.
+    pub fn check_precisions(&self) -> Result<(), CostError> {
+        let runs = |s: crate::cluster::DeviceSpec| s.runs(self.precision, self.fp16_fallback);
+        let devices = self.cluster.devices();
+        let cannot = devices
+            .iter()
+            .find(|d| d.spec.is_some_and(|s| runs(s).is_none()));
+        cannot.map_or(Ok(()), |d| Err(CostError::NoBf16(d.kind.clone())))
     }
 
     /// Whether the distributed optimizer's parameter gathers overlap the next forward:
@@ -254,7 +289,7 @@ impl CostModel {
             (None, Some(spec)) => {
                 // Small micro-batches reach less of the peak.
                 let eta = device.efficiency * (b as f64 / (b as f64 + 0.5));
-                let rate = spec.tflops_bf16 * 1e12 * eta;
+                let rate = spec.peak(self.precision_of(device)) * 1e12 * eta;
                 let layer = 3.0 * self.model.layer_forward_flops(b) / rate;
                 StageCosts {
                     layer_s: layer,

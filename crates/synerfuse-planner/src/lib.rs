@@ -2,6 +2,7 @@
 #![warn(missing_docs)]
 
 pub mod calibrate;
+pub mod catalogue;
 pub mod cluster;
 pub mod cost;
 mod expert_placement;

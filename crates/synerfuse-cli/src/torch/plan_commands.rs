@@ -14,8 +14,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 use synerfuse_model::tch::{self, Device};
 use synerfuse_model::{DeviceRequest, LlamaConfig, MegatronModelArgs, ResolveDevice};
-use synerfuse_plan::ModelShape;
 use synerfuse_plan::RunReduction;
+use synerfuse_plan::{ModelShape, Precision};
 use synerfuse_planner::cluster::ClusterSpec;
 use synerfuse_planner::cost::CostModel;
 use synerfuse_planner::planner::{self, Candidate, PlanRequest};
@@ -310,6 +310,14 @@ pub struct PlanArgs {
     /// plans that shard their optimizer); without it they follow the optimizer, exposed
     #[arg(long, conflicts_with = "no_overlap_grad_reduce")]
     overlap_param_gather: bool,
+    /// Plan an fp16 job (fp16 on every device, dynamic loss scaling); plans are for bf16
+    /// by default, where devices without bf16 compute in fp16
+    #[arg(long)]
+    fp16: bool,
+    /// Keep bf16 on every device: refuse a cluster with devices that have no bf16
+    /// (by default they compute in fp16, priced at their fp16 peak, and the plan says so)
+    #[arg(long, conflicts_with = "fp16")]
+    no_fp16_fallback: bool,
     /// Price every gradient reduction flat over its members, as `train
     /// --no-hierarchical-reduction` runs it (written among the plan's training flags);
     /// by default one whose members span nodes is priced island by island
@@ -451,8 +459,15 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
         ddp_bucket_size: args.reduction().ddp_bucket_size,
         overlap_param_gather: args.reduction().overlap_param_gather,
         hierarchical_reduction: args.reduction().hierarchical,
+        precision: match args.fp16 {
+            true => Precision::Fp16,
+            false => Precision::Bf16,
+        },
+        fp16_fallback: !args.no_fp16_fallback,
         ..CostModel::new(shape.clone(), cluster, profile)
     };
+    cost.check_precisions()?;
+    log_precisions(&cost);
     if let Some(e) = shape.experts {
         tracing::info!(
             "{} experts per MoE layer, {} per token: priced with the top-{} experts' compute and each replica's part of the experts; expert-parallel sizes {:?} searched for grid plans (then each stage its own where faster) and per-pool layouts, experts placed by pace, memory and tokens per expert",
@@ -520,6 +535,23 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
 }
 
 /// `--try`'s training arguments must build the model the plans are priced for.
+/// Says which kinds compute in another precision than the job's (fp16 for a bf16 job on
+/// devices without bf16), once per kind.
+fn log_precisions(cost: &CostModel) {
+    let mut said = std::collections::BTreeSet::new();
+    for device in cost.cluster.devices() {
+        let precision = cost.precision_of(&device);
+        if precision != cost.precision && said.insert(device.kind.clone()) {
+            let peak = device.spec.map_or(0.0, |s| s.peak(precision));
+            tracing::info!(
+                "{}: no {}, so its ranks compute in {precision}, priced at its {precision} peak ({peak} TFLOP/s); the plan names each rank's precision (--no-fp16-fallback refuses such devices)",
+                device.kind,
+                cost.precision
+            );
+        }
+    }
+}
+
 fn check_try_model(settings: &TrySettings, shape: &ModelShape) -> Result<()> {
     let trained = crate::train_command::trained_model_shape(&settings.train_args, shape.num_layers)
         .context("--try: the training arguments after --")?;

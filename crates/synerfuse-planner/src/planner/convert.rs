@@ -5,14 +5,14 @@ use super::{
     outcome::{Arrangement, Candidate, PooledCandidate},
     tensor::TpGroup,
 };
-use crate::cluster::{ClusterSpec, Device};
+use crate::cluster::Device;
 use crate::cost::CostModel;
 use crate::expert_placement::{place_experts, slowest_time, ExpertMember};
 use synerfuse_plan::{
     Coordinates, DeviceRequest, RankPlacement, ReplicaBatch, StageLayout, Topology, TopologyError,
     DEFAULT_ORDER, TP_PP_DP_ORDER,
 };
-use synerfuse_plan::{ExpertHolding, Plan, PlanError, ReplicaPipeline};
+use synerfuse_plan::{ExpertHolding, Plan, PlanError, Precision, ReplicaPipeline};
 
 impl Candidate {
     /// The grid's ranks: Megatron's order for its arrangement (tp-pp-dp when replicas
@@ -146,6 +146,7 @@ impl Candidate {
         experts: Option<Vec<Vec<Vec<usize>>>>,
     ) -> Result<Plan, PlanningError> {
         let devices = cost.cluster.devices();
+        let mixed = cost.mixes_precisions();
         let topology = self.topology()?;
         let recomputes = self.recompute.iter().flatten().any(|&x| x);
         let mut replicas = Vec::with_capacity(self.micro_batches.len());
@@ -196,7 +197,7 @@ impl Candidate {
                 },
                 placements: (self.devices.iter())
                     .flat_map(|stage| self.unit_devices(stage[r]))
-                    .map(|i| placement(&devices[i], &cost.cluster))
+                    .map(|i| placement(&devices[i], cost, mixed))
                     .collect(),
                 experts: match &experts {
                     Some(stages) => (stages.iter())
@@ -205,6 +206,7 @@ impl Candidate {
                     None => Vec::new(),
                 },
             });
+            one_precision_per_stage(replicas.last_mut());
         }
         Ok(with_links(Plan::new(replicas)?, cost)?)
     }
@@ -261,9 +263,33 @@ fn with_links(plan: Plan, cost: &CostModel) -> Result<Plan, PlanError> {
     }
 }
 
+/// One precision per stage, whose tensor- and context-parallel ranks exchange
+/// activations in it: fp16 for all of a stage where one of its devices has no bf16.
+fn one_precision_per_stage(replica: Option<&mut ReplicaPipeline>) {
+    let Some(replica) = replica else {
+        return;
+    };
+    let mut at = 0;
+    for stage in &replica.ranks {
+        let end = (at + stage.len()).min(replica.placements.len());
+        let placements = &mut replica.placements[at..end];
+        if placements
+            .iter()
+            .any(|p| p.precision == Some(Precision::Fp16))
+        {
+            placements
+                .iter_mut()
+                .for_each(|p| p.precision = Some(Precision::Fp16));
+        }
+        at = end;
+    }
+}
+
 /// Where a rank on `dev` computes: CUDA for an accelerator, else the CPU; its emulated
-/// speed, kind and memory.
-pub(super) fn placement(dev: &Device, cluster: &ClusterSpec) -> RankPlacement {
+/// speed, kind and memory; with `mixed` (the cluster's devices compute in more than one
+/// precision) its precision too.
+pub(super) fn placement(dev: &Device, cost: &CostModel, mixed: bool) -> RankPlacement {
+    let cluster = &cost.cluster;
     let accelerator = dev.spec.is_some_and(|s| s.accelerator);
     // An emulated cluster's named nodes and sites are emulated hosts (their islands and
     // links); elsewhere islands follow the hosts training runs on.
@@ -278,7 +304,7 @@ pub(super) fn placement(dev: &Device, cluster: &ClusterSpec) -> RankPlacement {
         memory_gb: dev.spec.map(|s| s.memory_gb),
         node: emulated.then(|| dev.node.clone()),
         site: (emulated && !dev.site.is_empty()).then(|| dev.site.clone()),
-        precision: None,
+        precision: mixed.then(|| cost.precision_of(dev)),
     }
 }
 
@@ -290,6 +316,7 @@ impl PooledCandidate {
     pub fn to_plan(&self, cost: &CostModel) -> Result<Plan, PlanError> {
         let candidate = self;
         let devices = cost.cluster.devices();
+        let mixed = cost.mixes_precisions();
         let experts = self.expert_parts(cost);
         let mut next_rank = 0;
         let mut replicas = Vec::new();
@@ -342,7 +369,7 @@ impl PooledCandidate {
                     .flat_map(|g| {
                         g.members
                             .iter()
-                            .map(|&i| placement(&devices[i], &cost.cluster))
+                            .map(|&i| placement(&devices[i], cost, mixed))
                     })
                     .collect(),
                 experts: match &experts {
@@ -352,6 +379,7 @@ impl PooledCandidate {
                     None => Vec::new(),
                 },
             });
+            one_precision_per_stage(replicas.last_mut());
         }
         with_links(Plan::new(replicas)?, cost)
     }

@@ -92,7 +92,7 @@ fn node_kinds(cluster: &ClusterSpec) -> Vec<Vec<Vec<usize>>> {
         });
         nodes[at].1.push(i);
     }
-    type GroupKey = (String, usize, [Option<u64>; 5]);
+    type GroupKey = (String, usize, [Option<u64>; 7]);
     let key = |i: usize| -> GroupKey {
         let g = &cluster.group[i];
         (g.kind.clone(), g.count, g.numbers())

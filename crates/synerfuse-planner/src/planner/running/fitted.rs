@@ -85,6 +85,8 @@ pub fn fitted_cost_of(job: &RunningJob<'_>, kept: &[usize]) -> Result<CostModel,
             count: 1,
             node: Some(crate::calibrate::run_node(job.plan, job.hosts, rank)),
             tflops_bf16: None,
+            tflops_fp16: None,
+            bf16: None,
             // The memory the plan placed the rank with, so a plan that would not fit
             // (or fits only recomputing) is priced so.
             memory_gb: job.plan.placement(rank).and_then(|p| p.memory_gb),
