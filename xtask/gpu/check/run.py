@@ -1,6 +1,6 @@
 """synerfuse's GPU check, driven by check.sh (which sets the library paths and MPI).
 
-Sixteen steps, each printing one line as it ends and rewriting gpu-check.json and
+Seventeen steps, each printing one line as it ends and rewriting gpu-check.json and
 gpu-check.md, so a run cut short still shows what ran:
   1 probe      GPU, PyTorch, MPI, NCCL, `synerfuse env`
   2 exact      a small LLaMA (GQA, untied), fp32, TF32 off: 6 steps on cuda = on cpu
@@ -26,6 +26,10 @@ gpu-check.md, so a run cut short still shows what ran:
   5 reference  PyTorch's own loop on the same card, model and batch
   6 memory     the trainer's measured peak against the planner's prediction
   7 planner    `synerfuse profile` on the card, then `synerfuse plan`: predicted step
+               time against step 4's measured one
+  8 fp16       step 4's run in fp16 (dynamic loss scale) against its bf16 speed, and a
+               bf16 replica + an fp16 replica (two ranks on the one GPU, NCCL) against
+               one fp32 rank (within 1e-3)
 With --cpu every step runs with the CPU standing in for the GPU (a small model in
 steps 4-7; the nccl-* pairs are CPU ranks over MPI, and say so): the plumbing is
 checked, the targets are not.
@@ -653,8 +657,11 @@ def islands(deadline):
 # ---- 4. speed --------------------------------------------------------------------------
 
 
-def speed_run(mbs, deadline):
-    log = os.path.join(WORK, f"speed-{mbs}.jsonl")
+def speed_run(mbs, deadline, precision=None):
+    """The speed run at micro-batch size `mbs`, in bf16 (fp32 with --cpu) or `precision`
+    ("fp16": from a loss scale of 4096, so that no measured step is an overflow's skip)."""
+    name = f"speed-{mbs}" + (f"-{precision}" if precision else "")
+    log = os.path.join(WORK, f"{name}.jsonl")
     if os.path.exists(log):
         os.remove(log)
     b = BIG
@@ -665,9 +672,11 @@ def speed_run(mbs, deadline):
            "--global-batch-size", str(mbs * MICRO_BATCHES),
            "--train-iters", str(WARMUP + MEASURED), "--lr", "1e-4", "--min-lr", "1e-5",
            "--eval-iters", "0", "--log-interval", "1", "--log-throughput", "--log-json", log]
-    if GPU:
+    if precision == "fp16":
+        cmd += ["--fp16", "--initial-loss-scale", "4096"]
+    elif GPU:
         cmd.append("--bf16")
-    p = run(cmd, deadline, log=f"speed-{mbs}.log", check=False)
+    p = run(cmd, deadline, log=f"{name}.log", check=False)
     return p, log
 
 
@@ -800,6 +809,49 @@ def planner(deadline):
            "predicted_peak_gb_with_profile": plan["peak_memory_gb_per_stage"],
            "summary": f"predicted {predicted:.3f} s per step, measured {STATE['step_s']:.3f} s"}
     return within_tenth(rec, off)
+
+
+# ---- 8. fp16 ----------------------------------------------------------------------------
+
+
+@step("fp16", 150)
+def fp16(deadline):
+    """fp16's speed against bf16's on the card (step 4's model and batch), and a precision
+    per replica: a bf16 replica and an fp16 replica (the job scales the loss; the fp16 one
+    scales its own and unscales before the reduction) against one fp32 rank."""
+    rec = {}
+    if "mbs" in STATE:
+        p, log = speed_run(STATE["mbs"], deadline, precision="fp16")
+        if p.returncode != 0:
+            raise Failed(f"fp16 speed run exited {p.returncode}: "
+                         + " / ".join(p.stdout.strip().splitlines()[-4:]))
+        recs = records(log)[WARMUP:]
+        seconds = sum(r["elapsed_ms"] for r in recs) / 1e3
+        tokens = sum(r["global_batch_size"] for r in recs) * BIG["seq"]
+        skipped = sum(1 for r in recs if r.get("skipped"))
+        rec.update(fp16_tokens_per_s=tokens / seconds, skipped_measured_steps=skipped,
+                   fp16_over_bf16=tokens / seconds / STATE["tokens_per_s"])
+        rec["summary"] = (f"fp16 {tokens / seconds:,.0f} tokens/s = "
+                          f"{rec['fp16_over_bf16']:.3f}x step 4's ({skipped} skipped); ")
+    else:
+        rec["summary"] = "no speed run to compare with; "
+    ref = one_rank("fp32", deadline, [])
+    plan = (replica([2], 2, 2, [DEV], 'precision = ["bf16"]\n')
+            + replica([2], 2, 2, [DEV], 'precision = ["fp16"]\n'))
+    got, output = tiny_run("fp16-mixed", deadline, [
+        "--nproc", "2", "--plan", plan_file("fp16-mixed.toml", plan),
+        "--initial-loss-scale", "4096", "--distributed-timeout-minutes", "0.75"],
+        env=ONE_GPU_ENV)
+    for want in ("computes in bf16 (the plan's", "computes in fp16 (the plan's"):
+        if want not in output:
+            raise Failed(f"no log line says a rank {want[:16]}")
+    mixed = against(got, ref, BF16_TOL, "a bf16 replica + an fp16 replica vs one fp32 rank")
+    mixed["transport"] = group_paths(output)
+    rec["mixed"] = mixed
+    rec["summary"] += mixed["summary"]
+    if mixed.get("status") == "MISS":
+        rec["status"] = "MISS"
+    return rec
 
 
 RESULT["total_seconds"] = round(elapsed(), 1)
