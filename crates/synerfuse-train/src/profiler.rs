@@ -27,21 +27,23 @@ pub struct ProfileConfig {
     pub repeats: usize,
     /// Profile as an emulated device at this speed and file the costs at speed 1.
     pub emulate_speed: Option<f64>,
-    /// Time the layers in bf16 (fp32 masters in the optimizer), as `train --bf16`
-    /// computes: the planner's costs are of the precision that will train.
-    pub bf16: bool,
+    /// What to time the layers in (`--bf16`, `--fp16`, else fp32; fp32 masters in the
+    /// optimizer), as `train` computes: the planner's costs are of the precision that
+    /// will train.
+    pub precision: synerfuse_plan::Precision,
 }
 
-/// A stage of `layers` of `model` on `device`, computing in bf16 with `bf16`.
+/// A stage of `layers` of `model` on `device`, computing in `precision`.
 fn profiled_stage(
     model: &LlamaConfig,
     layers: std::ops::Range<usize>,
     device: Device,
-    bf16: bool,
+    precision: synerfuse_plan::Precision,
 ) -> Result<Stage, ProfileError> {
     let mut stage = Stage::new(model, layers, device)?;
-    if bf16 {
-        stage.set_kind(Kind::BFloat16);
+    let kind = crate::trainer::compute_kind(precision);
+    if kind != Kind::Float {
+        stage.set_kind(kind);
     }
     Ok(stage)
 }
@@ -206,7 +208,7 @@ pub fn profile_device(
     base.num_layers = 3;
     let (s, repeats) = (config.sequence_length, config.repeats);
     let optimizer_s_per_param = {
-        let stage = profiled_stage(&base, 1..2, device, config.bf16)?;
+        let stage = profiled_stage(&base, 1..2, device, config.precision)?;
         time_optimizer(&stage, repeats, emulation.as_ref())?
     };
     let mut table = BTreeMap::new();
@@ -214,17 +216,17 @@ pub fn profile_device(
         // A middle layer alone, then the first and last stages with one layer each: the
         // differences are the embedding and the head (with loss).
         let time = |layers| -> Result<(f64, f64), ProfileError> {
-            let stage = profiled_stage(&base, layers, device, config.bf16)?;
+            let stage = profiled_stage(&base, layers, device, config.precision)?;
             time_stage(&stage, b, s, repeats, emulation.as_ref())
         };
         let (lf, lb) = time(1..2)?;
         let (ff, fb) = time(0..1)?;
         let (hf, hb) = time(2..3)?;
         let activation_bytes =
-            match layer_activation_bytes(&config.model, b, s, device, config.bf16)? {
+            match layer_activation_bytes(&config.model, b, s, device, config.precision)? {
                 Some(measured) => measured,
                 None => {
-                    let bytes = if config.bf16 { 2.0 } else { 4.0 };
+                    let bytes = config.precision.bytes() as f64;
                     shape.layer_activation_bytes(b, bytes, device != Device::Cpu)
                 }
             };
@@ -268,7 +270,7 @@ fn layer_activation_bytes(
     b: usize,
     s: usize,
     device: Device,
-    bf16: bool,
+    precision: synerfuse_plan::Precision,
 ) -> Result<Option<f64>, ProfileError> {
     let probe = match device {
         Device::Cpu => MemoryProbe::for_device(device, 0),
@@ -279,14 +281,14 @@ fn layer_activation_bytes(
     };
     let mut base = model.clone();
     base.num_layers = 4;
-    let kind = if bf16 { Kind::BFloat16 } else { Kind::Float };
+    let kind = crate::trainer::compute_kind(precision);
     let input = Tensor::randn(
         [b as i64, s as i64, model.hidden_size as i64],
         (kind, device),
     );
     let stages = [
-        profiled_stage(&base, 1..2, device, bf16)?,
-        profiled_stage(&base, 1..3, device, bf16)?,
+        profiled_stage(&base, 1..2, device, precision)?,
+        profiled_stage(&base, 1..3, device, precision)?,
     ];
     // One forward and backward each first: what is built lazily is not counted.
     for stage in &stages {

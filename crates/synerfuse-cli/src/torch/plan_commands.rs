@@ -150,10 +150,13 @@ pub struct ProfileArgs {
     /// profile of the precision that will train
     #[arg(long)]
     bf16: bool,
+    /// Time fp16 computation, as `train --fp16` runs
+    #[arg(long, conflicts_with = "bf16")]
+    fp16: bool,
     /// Calibrate a profile (--profile) from these `train --log-json` logs instead of
     /// measuring: each run priced again, term by term against its measured spans, and
     /// the fitted terms written into the profile (--output). The model is the profile's.
-    #[arg(long, num_args = 1.., conflicts_with_all = ["nproc", "emulate_device_speed", "bf16", "device_kind"])]
+    #[arg(long, num_args = 1.., conflicts_with_all = ["nproc", "emulate_device_speed", "bf16", "fp16", "device_kind"])]
     calibrate: Vec<PathBuf>,
     /// The profile --calibrate starts from
     #[arg(long, requires = "calibrate")]
@@ -205,7 +208,11 @@ pub fn run_profile(args: ProfileArgs) -> Result<()> {
         micro_batch_sizes: args.micro_batch_sizes.clone(),
         repeats: args.repeats,
         emulate_speed: args.emulate_device_speed,
-        bf16: args.bf16,
+        precision: match (args.bf16, args.fp16) {
+            (true, _) => Precision::Bf16,
+            (_, true) => Precision::Fp16,
+            _ => Precision::Fp32,
+        },
     };
     let table = profiler::profile_device(&world, &config, device).map_err(|e| match e {
         ProfileError::EmulatedSpeed(_) => anyhow::Error::new(e).context("--emulate-device-speed"),
