@@ -16,6 +16,7 @@ pub mod metrics;
 pub mod optim;
 pub mod param_gather;
 pub mod pipeline;
+mod precision;
 pub mod profiler;
 pub mod replan;
 pub mod signals;

@@ -41,7 +41,7 @@ fn profiled_stage(
     precision: synerfuse_plan::Precision,
 ) -> Result<Stage, ProfileError> {
     let mut stage = Stage::new(model, layers, device)?;
-    let kind = crate::trainer::compute_kind(precision);
+    let kind = crate::precision::compute_kind(precision);
     if kind != Kind::Float {
         stage.set_kind(kind);
     }
@@ -281,7 +281,7 @@ fn layer_activation_bytes(
     };
     let mut base = model.clone();
     base.num_layers = 4;
-    let kind = crate::trainer::compute_kind(precision);
+    let kind = crate::precision::compute_kind(precision);
     let input = Tensor::randn(
         [b as i64, s as i64, model.hidden_size as i64],
         (kind, device),

@@ -46,7 +46,6 @@ pub use config::{
 };
 pub use evaluation::{EvalSplit, Evaluation};
 use report::{StepLog, StepOutcome, StepResult};
-pub(crate) use setup::compute_kind;
 use setup::{context_rank, expert_rank};
 pub use state::Trainer;
 

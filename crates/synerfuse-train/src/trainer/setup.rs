@@ -12,6 +12,7 @@ use crate::loss_scale::LossScaling;
 use crate::memory::MemoryReport;
 use crate::optim::AdamW;
 use crate::pipeline::{ContextRank, ExpertRank};
+pub(crate) use crate::precision::compute_kind;
 use crate::zero::DistributedOptimizer;
 use crate::TrainError;
 use std::collections::{BTreeMap, BTreeSet};
@@ -402,15 +403,6 @@ pub(crate) fn replica_scales_loss(config: &TrainConfig, replica: usize) -> bool 
         LossScaling::None => false,
         LossScaling::Dynamic(_) => precisions.contains(&Precision::Fp16),
         LossScaling::Constant(_) => precisions.iter().any(|&p| p != Precision::Fp32),
-    }
-}
-
-/// The dtype parameters and activations take in `precision`.
-pub(crate) fn compute_kind(precision: Precision) -> Kind {
-    match precision {
-        Precision::Fp32 => Kind::Float,
-        Precision::Bf16 => Kind::BFloat16,
-        Precision::Fp16 => Kind::Half,
     }
 }
 
