@@ -60,61 +60,55 @@ impl Exchange {
     /// Posts one fp64 `stamp` (kept alive with the buffers) under the exchange's tag,
     /// before its data: MPI keeps messages of one pair and tag in order.
     fn post_stamp(&mut self, stamp: Tensor, peer: usize, send: bool) {
-        let mut request = std::mem::MaybeUninit::uninit();
         // SAFETY: `stamp` is a one-element fp64 CPU tensor, kept alive in `buffers`
-        // until every request has completed; `comm` outlives the exchange (see `post`).
-        unsafe {
-            let at = stamp.data_ptr();
-            let (peer, tag, comm) = (peer as i32, self.tag, self.comm);
-            let datatype = mpi::ffi::RSMPI_DOUBLE;
-            match send {
-                true => mpi::ffi::MPI_Isend(at, 1, datatype, peer, tag, comm, request.as_mut_ptr()),
-                false => {
-                    mpi::ffi::MPI_Irecv(at, 1, datatype, peer, tag, comm, request.as_mut_ptr())
-                }
-            };
-            self.requests.push(request.assume_init());
-        }
+        // until every request has completed.
+        unsafe { self.issue(stamp.data_ptr(), 1, mpi::ffi::RSMPI_DOUBLE, peer, send) };
         self.buffers.push(stamp);
     }
 
+    /// Posts the contiguous fp32 CPU `buffer` to (or from) `peer`, in messages of at
+    /// most MPI's `int` count.
     fn post(&mut self, buffer: &Tensor, peer: usize, send: bool) {
         let numel = buffer.numel();
         let mut offset = 0;
         while offset < numel {
             let count = (numel - offset).min(MAX_ELEMENTS_PER_CALL);
-            let mut request = std::mem::MaybeUninit::uninit();
             // SAFETY: `buffer` is a contiguous fp32 CPU tensor of `numel` elements, kept
-            // alive in `buffers` until every request has completed; `comm` is the
-            // group's own communicator, which outlives the reduction (its
-            // HierarchicalGroup is held by the PendingHierarchical that owns this).
+            // alive in `buffers` until every request has completed.
             unsafe {
                 let at = (buffer.data_ptr() as *mut f32).add(offset).cast();
-                match send {
-                    true => mpi::ffi::MPI_Isend(
-                        at,
-                        count as i32,
-                        mpi::ffi::RSMPI_FLOAT,
-                        peer as i32,
-                        self.tag,
-                        self.comm,
-                        request.as_mut_ptr(),
-                    ),
-                    false => mpi::ffi::MPI_Irecv(
-                        at,
-                        count as i32,
-                        mpi::ffi::RSMPI_FLOAT,
-                        peer as i32,
-                        self.tag,
-                        self.comm,
-                        request.as_mut_ptr(),
-                    ),
-                };
-                self.requests.push(request.assume_init());
+                self.issue(at, count as i32, mpi::ffi::RSMPI_FLOAT, peer, send);
             }
             offset += count;
         }
         self.buffers.push(buffer.shallow_clone());
+    }
+
+    /// One non-blocking send (or receive) of `count` elements of `datatype` at `at`, under
+    /// the exchange's tag, its request kept.
+    ///
+    /// # Safety
+    /// `at` must hold `count` elements of `datatype` until the request completes. `comm`
+    /// is the group's own communicator, which outlives the exchange (the reduction
+    /// holding it is held by its `HierarchicalGroup`).
+    unsafe fn issue(
+        &mut self,
+        at: *mut std::ffi::c_void,
+        count: i32,
+        datatype: mpi::ffi::MPI_Datatype,
+        peer: usize,
+        send: bool,
+    ) {
+        let mut request = std::mem::MaybeUninit::uninit();
+        let (peer, tag, comm, out) = (peer as i32, self.tag, self.comm, request.as_mut_ptr());
+        // SAFETY: the caller's guarantees; `out` receives the request on return.
+        unsafe {
+            match send {
+                true => mpi::ffi::MPI_Isend(at, count, datatype, peer, tag, comm, out),
+                false => mpi::ffi::MPI_Irecv(at, count, datatype, peer, tag, comm, out),
+            };
+            self.requests.push(request.assume_init());
+        }
     }
 
     /// Whether every message has completed (MPI moves them on inside this call).
