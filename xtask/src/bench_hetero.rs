@@ -751,13 +751,14 @@ struct PlanningRun {
 }
 
 /// An 80-layer model of hidden 4096 (32 heads, 8 KV groups, FFN 11008), global batch 4096.
-const MODEL_80_LAYERS: [&str; 16] = [
+const MODEL_80_LAYERS: [&str; 17] = [
     "--num-layers",
     "80",
     "--hidden-size",
     "4096",
     "--num-attention-heads",
     "32",
+    "--group-query-attention",
     "--num-query-groups",
     "8",
     "--ffn-hidden-size",
@@ -771,13 +772,14 @@ const MODEL_80_LAYERS: [&str; 16] = [
 ];
 /// A 70B LLaMA (hidden 8192, 80 layers, 64 heads, 8 KV groups, FFN 28672), global batch
 /// 1024 of 4096 tokens: issue 38's case.
-const LLAMA_70B: [&str; 16] = [
+const LLAMA_70B: [&str; 17] = [
     "--num-layers",
     "80",
     "--hidden-size",
     "8192",
     "--num-attention-heads",
     "64",
+    "--group-query-attention",
     "--num-query-groups",
     "8",
     "--ffn-hidden-size",

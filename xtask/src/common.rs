@@ -86,7 +86,8 @@ pub fn emulated_profile(
             .args(["--micro-batch-sizes", micro_batch_sizes])
             .args(["--emulate-device-speed", &PROFILE_SPEED.to_string()])
             .args(model_flags)
-            .args(["--vocab-size", "2048", "--output"])
+            // The model train_command trains.
+            .args(["--disable-bias-linear", "--vocab-size", "2048", "--output"])
             .arg(output),
         "synerfuse profile",
     )

@@ -280,9 +280,6 @@ impl LlamaConfig {
                     ),
                 );
             }
-            if self.mlp_bias {
-                return err("mlp_bias", "experts have no biases (Mixtral)".into());
-            }
             if moe.ffn_hidden_size == 0 || moe.layer_freq == 0 {
                 return err(
                     "moe_ffn_hidden_size",
@@ -331,6 +328,12 @@ impl LlamaConfig {
                      Mixtral checkpoint (every layer has experts there)",
                     moe.layer_freq
                 ),
+            ),
+            Some(_) if self.attention_bias || self.mlp_bias => refused(
+                "--disable-bias-linear",
+                "a Hugging Face Mixtral checkpoint has no biases (its attention's and \
+                 experts' linear layers have none); train with --disable-bias-linear"
+                    .into(),
             ),
             Some(moe) if moe.router_pre_softmax => refused(
                 "--moe-router-pre-softmax",
@@ -385,7 +388,8 @@ impl LlamaConfig {
             if moe.router_pre_softmax {
                 v[PRE_SOFTMAX_KEY] = json!(true);
             }
-            if let Some(map) = v.as_object_mut() {
+            // Ours (a checkpoint's state) only: a Mixtral's experts have no biases.
+            if let (Some(map), false) = (v.as_object_mut(), self.mlp_bias) {
                 map.remove("mlp_bias");
             }
         }
@@ -424,9 +428,12 @@ impl LlamaConfig {
                 );
                 for e in 0..moe.num_experts {
                     let expert = format!("block_sparse_moe.experts.{e}");
-                    push(&format!("{expert}.w1.weight"), vec![ffn, h]);
-                    push(&format!("{expert}.w2.weight"), vec![h, ffn]);
-                    push(&format!("{expert}.w3.weight"), vec![ffn, h]);
+                    for (proj, shape) in [("w1", [ffn, h]), ("w2", [h, ffn]), ("w3", [ffn, h])] {
+                        push(&format!("{expert}.{proj}.weight"), shape.to_vec());
+                        if self.mlp_bias {
+                            push(&format!("{expert}.{proj}.bias"), vec![shape[0]]);
+                        }
+                    }
                 }
                 continue;
             }
@@ -469,7 +476,13 @@ impl LlamaConfig {
             };
         let mlps: usize = (0..self.num_layers)
             .map(|i| match self.moe.filter(|m| m.has_experts(i)) {
-                Some(moe) => moe.num_experts * (3 * h * moe.ffn_hidden_size + h),
+                Some(moe) => {
+                    let biases = match self.mlp_bias {
+                        true => 2 * moe.ffn_hidden_size + h,
+                        false => 0,
+                    };
+                    moe.num_experts * (3 * h * moe.ffn_hidden_size + h + biases)
+                }
                 None => dense,
             })
             .sum();
@@ -764,6 +777,7 @@ mod tests {
             (false, true, None),
             (false, false, Some(experts)),
             (true, false, Some(every_other)),
+            (false, true, Some(every_other)),
         ] {
             let c = LlamaConfig {
                 vocab_size: 64,
@@ -961,6 +975,33 @@ mod tests {
             back.moe.map(|m| (m.ffn_hidden_size, m.aux_loss_coeff)),
             Some((32, 0.01))
         );
+        // Megatron's experts have biases unless --disable-bias-linear: kept by a
+        // checkpoint's config, refused by an export (a Mixtral's have none).
+        let biased = LlamaConfig::from_megatron(
+            &MegatronModelArgs {
+                moe_layer_freq: 1,
+                add_bias_linear: true,
+                ..args.clone()
+            },
+            1000,
+        )
+        .unwrap();
+        let e = biased.check_hf_exportable().unwrap_err().to_string();
+        assert!(e.contains("--disable-bias-linear"), "{e}");
+        let kept = LlamaConfig::from_hf_json(&biased.to_hf_json(), "state.json").unwrap();
+        assert_eq!(kept.parameter_shapes(), biased.parameter_shapes());
+        let shapes = biased.parameter_shapes();
+        let shape_of = |n: &str| {
+            shapes
+                .iter()
+                .find(|(name, _)| name == n)
+                .map(|s| s.1.clone())
+        };
+        let expert = "model.layers.1.block_sparse_moe.experts.7";
+        assert_eq!(shape_of(&format!("{expert}.w1.bias")), Some(vec![32]));
+        assert_eq!(shape_of(&format!("{expert}.w2.bias")), Some(vec![64]));
+        let count: i64 = shapes.iter().map(|(_, s)| s.iter().product::<i64>()).sum();
+        assert_eq!(count as usize, biased.num_parameters());
         let bad = MegatronModelArgs {
             moe_router_topk: 9,
             ..args

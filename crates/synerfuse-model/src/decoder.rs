@@ -165,7 +165,9 @@ impl DecoderLayer {
                                 &(&block / "experts" / e),
                                 ["w1", "w3", "w2"],
                                 (h, expert_ffn),
-                                (false, false),
+                                // Megatron's experts have biases unless
+                                // --disable-bias-linear (the output's on shard 0).
+                                (c.mlp_bias, c.mlp_bias && first),
                                 (std, out_std),
                             );
                             (e, expert)

@@ -208,7 +208,7 @@ impl Stage {
             "gate_proj" | "up_proj" => rows(scaled(&self.shard.ffn_columns, 1)),
             "down_proj" if weight => columns(scaled(&self.shard.ffn_columns, 1)),
             "w1" | "w3" => rows(scaled(&self.shard.expert_columns, 1)),
-            "w2" => columns(scaled(&self.shard.expert_columns, 1)),
+            "w2" if weight => columns(scaled(&self.shard.expert_columns, 1)),
             "embed_tokens" | "lm_head" => rows(scaled(&self.shard.vocab_rows, 1)),
             _ => None,
         }
@@ -257,8 +257,18 @@ impl Stage {
             if c.attention_bias {
                 whole.insert(format!("{layer}.self_attn.o_proj.bias"), vec![h]);
             }
-            if c.mlp_bias {
-                whole.insert(format!("{layer}.mlp.down_proj.bias"), vec![h]);
+            match c.moe.filter(|m| m.has_experts(i)) {
+                _ if !c.mlp_bias => {}
+                None => {
+                    whole.insert(format!("{layer}.mlp.down_proj.bias"), vec![h]);
+                }
+                Some(moe) => {
+                    let all: Vec<usize> = (0..moe.num_experts).collect();
+                    for e in self.shard.experts.as_deref().unwrap_or(&all) {
+                        let name = format!("{layer}.block_sparse_moe.experts.{e}.w2.bias");
+                        whole.insert(name, vec![h]);
+                    }
+                }
             }
         }
         whole

@@ -6,6 +6,7 @@
 //! whole stage's over every member's micro-batch. Even and uneven placements, with
 //! tensor and sequence parallelism inside each member, recomputation, a middle stage.
 
+mod biases;
 mod threads;
 use threads::{thread_groups, ThreadGroup};
 
@@ -86,6 +87,7 @@ fn whole(c: &LlamaConfig, layers: std::ops::Range<usize>, x: &Inputs) -> Outcome
         let _one_at_a_time = INIT.lock().unwrap();
         let mut stage = Stage::new(c, layers, Device::Cpu).unwrap();
         stage.init_by_name(3);
+        biases::randomize_biases(&stage);
         stage
     };
     let pass = stage.forward_train(&x.input, None, None).unwrap();
@@ -148,6 +150,7 @@ fn expert_parallel(
                         let _one_at_a_time = INIT.lock().unwrap();
                         let mut stage = Stage::new_sharded(c, layers, shard, Device::Cpu).unwrap();
                         stage.init_by_name(3);
+                        biases::randomize_biases(&stage);
                         stage.set_sequence_parallel(sequence_parallel);
                         stage.set_recompute(recompute);
                         stage
@@ -239,27 +242,40 @@ fn compare(references: &[Outcome], members: &[Outcome], tp: usize) -> f64 {
 #[test]
 fn experts_across_members_equal_the_whole_stage() {
     let c = config();
+    // Megatron's experts with biases (unless --disable-bias-linear), the attention's too.
+    let biased = LlamaConfig {
+        attention_bias: true,
+        mlp_bias: true,
+        ..config()
+    };
     let even = vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7]];
     let uneven = vec![vec![0, 1, 2, 3, 4, 5], vec![6, 7]];
     let three = vec![vec![2, 5], vec![0, 1, 3, 7], vec![4, 6]];
-    for (what, placement, mode) in [
-        ("EP 2 even", &even, (1, false, false)),
-        ("EP 2 [6, 2]", &uneven, (1, false, false)),
+    for (what, placement, mode, c) in [
+        ("EP 2 even", &even, (1, false, false), &c),
+        ("EP 2 [6, 2]", &uneven, (1, false, false), &c),
         (
             "EP 3 [2, 4, 2] interleaved, recompute",
             &three,
             (1, false, true),
+            &c,
         ),
-        ("EP 2 [6, 2] x TP 2 + SP", &uneven, (2, true, false)),
-        ("EP 2 even x TP 2, recompute", &even, (2, false, true)),
+        ("EP 2 [6, 2] x TP 2 + SP", &uneven, (2, true, false), &c),
+        ("EP 2 even x TP 2, recompute", &even, (2, false, true), &c),
+        ("biases, EP 2 [6, 2]", &uneven, (1, false, false), &biased),
+        (
+            "biases, EP 2 [6, 2] x TP 2 + SP",
+            &uneven,
+            (2, true, false),
+            &biased,
+        ),
     ] {
         for (layers, first) in [(0..3, true), (1..2, false)] {
             let xs: Vec<Inputs> = (0..placement.len() as i64)
-                .map(|m| inputs(&c, first, m))
+                .map(|m| inputs(c, first, m))
                 .collect();
-            let references: Vec<Outcome> =
-                xs.iter().map(|x| whole(&c, layers.clone(), x)).collect();
-            let members = expert_parallel(&c, layers.clone(), placement, mode, &xs);
+            let references: Vec<Outcome> = xs.iter().map(|x| whole(c, layers.clone(), x)).collect();
+            let members = expert_parallel(c, layers.clone(), placement, mode, &xs);
             let worst = compare(&references, &members, mode.0);
             println!("{what}, layers {layers:?}: {worst:.2e}");
             assert!(worst < 1e-5, "{what} {layers:?}: {worst:e}");

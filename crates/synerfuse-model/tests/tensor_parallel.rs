@@ -4,6 +4,7 @@
 //! untied embeddings, with and without sequence parallelism and recomputation, and with
 //! Mixtral's experts (each rank its FFN columns of every expert, the router whole).
 
+mod biases;
 mod threads;
 use threads::thread_groups;
 
@@ -100,6 +101,7 @@ fn whole(c: &LlamaConfig, layers: std::ops::Range<usize>, x: &Inputs) -> Outcome
         let _one_at_a_time = INIT.lock().unwrap();
         let mut stage = Stage::new(c, layers, Device::Cpu).unwrap();
         stage.init_by_name(3);
+        biases::randomize_biases(&stage);
         stage
     };
     let pass = stage.forward_train(&x.input, None, None).unwrap();
@@ -179,6 +181,7 @@ fn sharded(
                     let _one_at_a_time = INIT.lock().unwrap();
                     let mut stage = Stage::new_sharded(&c, layers, shard, Device::Cpu).unwrap();
                     stage.init_by_name(3);
+                    biases::randomize_biases(&stage);
                     stage.set_sequence_parallel(mode.sequence_parallel);
                     stage.set_recompute(mode.recompute);
                     stage.set_sequence_rows_io(mode.rows_io, mode.rows_io);
@@ -341,17 +344,22 @@ fn a_sharded_whole_model_equals_the_whole_stage() {
 /// FFN columns of each expert; the router's partial gradients are summed over the group,
 /// and each rank's load-balancing loss (the whole of it) counts once over the group.
 /// Experts narrower than the dense FFN, dense layers between MoE ones, both kinds of
-/// load-balancing loss, recomputation.
+/// load-balancing loss, recomputation, biases.
 #[test]
 fn sharded_experts_equal_the_whole_stage() {
     use synerfuse_model::LoadBalancing::{AuxLoss, SeqAuxLoss};
-    for (shares, sp, recompute, e, k, (ffn, freq, balancing)) in [
-        (vec![1, 1], false, false, 4, 2, (48, 1, AuxLoss)),
-        (vec![3, 1], true, false, 4, 2, (40, 2, SeqAuxLoss)),
-        (vec![2, 1, 1], false, true, 3, 1, (24, 1, AuxLoss)),
-        (vec![1, 1], true, true, 4, 2, (32, 2, AuxLoss)),
+    for (shares, sp, recompute, e, k, (ffn, freq, balancing), bias) in [
+        (vec![1, 1], false, false, 4, 2, (48, 1, AuxLoss), false),
+        (vec![3, 1], true, false, 4, 2, (40, 2, SeqAuxLoss), false),
+        (vec![2, 1, 1], false, true, 3, 1, (24, 1, AuxLoss), false),
+        (vec![1, 1], true, true, 4, 2, (32, 2, AuxLoss), false),
+        // Megatron's experts with biases (the output's on shard 0 only).
+        (vec![3, 1], true, false, 4, 2, (40, 2, SeqAuxLoss), true),
+        (vec![2, 1, 1], false, true, 3, 1, (24, 1, AuxLoss), true),
     ] {
         let c = LlamaConfig {
+            attention_bias: bias,
+            mlp_bias: bias,
             moe: Some(MoeConfig {
                 layer_freq: freq,
                 aux_loss_coeff: 0.5,
@@ -371,7 +379,7 @@ fn sharded_experts_equal_the_whole_stage() {
         let worst = compare(&reference, &ranks, true);
         let what = format!(
             "{e} experts of {ffn}, top {k}, every {freq} layers, {balancing:?}, shares {shares:?}, \
-             sequence parallel {sp}, recompute {recompute}"
+             sequence parallel {sp}, recompute {recompute}, biases {bias}"
         );
         eprintln!("{what}: max difference {worst:.2e}");
         assert!(worst < 1e-5, "{what}: {worst}");

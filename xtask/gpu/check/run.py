@@ -222,9 +222,10 @@ WARMUP, MEASURED = 3, 10
 def model_flags():
     b = BIG
     return ["--num-layers", str(b["layers"]), "--hidden-size", str(b["hidden"]),
-            "--num-attention-heads", str(b["heads"]), "--num-query-groups", str(b["kv"]),
+            "--num-attention-heads", str(b["heads"]), "--group-query-attention",
+            "--num-query-groups", str(b["kv"]),
             "--ffn-hidden-size", str(b["ffn"]), "--seq-length", str(b["seq"]),
-            "--untie-embeddings-and-output-weights"]
+            "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
 
 
 def plan_json(mbs, deadline, profile=None):
@@ -665,8 +666,8 @@ def speed_run(mbs, deadline, precision=None):
     if os.path.exists(log):
         os.remove(log)
     b = BIG
-    cmd = [SF, "train", "--device", DEV, *model_flags(), "--group-query-attention",
-           "--max-position-embeddings", str(b["seq"]), "--disable-bias-linear", "--swiglu",
+    cmd = [SF, "train", "--device", DEV, *model_flags(),
+           "--max-position-embeddings", str(b["seq"]), "--swiglu",
            "--normalization", "RMSNorm", "--mock-data", "--tokenizer-type", "NullTokenizer",
            "--vocab-size", str(b["vocab"] - 1), "--micro-batch-size", str(mbs),
            "--global-batch-size", str(mbs * MICRO_BATCHES),

@@ -10,6 +10,7 @@ mod calibrate_command;
 mod checkpoint_command;
 mod env_report;
 mod model_commands;
+mod model_flags;
 mod plan_commands;
 mod plan_report;
 mod plan_try;

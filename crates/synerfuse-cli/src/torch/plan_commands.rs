@@ -2,6 +2,7 @@
 //! `synerfuse plan` (search the best heterogeneous layout for a cluster file).
 
 use crate::files::write_atomically;
+use crate::model_flags::{ModelFlags, PrecisionFlags};
 use crate::plan_report::{
     pool_reports, pooled_json, pooled_replicas, pooled_train_flags, print_pooled_replicas,
     ExpertReport, PlanReport, PooledOnlyReport, WrittenPlan,
@@ -13,7 +14,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
 use synerfuse_model::tch::{self, Device};
-use synerfuse_model::{DeviceRequest, LlamaConfig, MegatronModelArgs, ResolveDevice};
+use synerfuse_model::{DeviceRequest, LlamaConfig, ResolveDevice};
 use synerfuse_plan::RunReduction;
 use synerfuse_plan::{ModelShape, Precision};
 use synerfuse_planner::cluster::ClusterSpec;
@@ -23,95 +24,43 @@ use synerfuse_planner::profile::Profile;
 use synerfuse_train::comm::{launcher_local_rank, launcher_rank, MpiRuntime};
 use synerfuse_train::profiler::{self, ProfileConfig, ProfileError};
 
-/// The model to plan or profile: a Hugging Face `config.json`, or Megatron's flags.
+/// The model to plan or profile: a Hugging Face `config.json`, or Megatron's model flags
+/// (`train`'s, from the same definition).
 #[derive(Args, Debug, Clone)]
-pub struct ModelFlags {
-    /// A Hugging Face LLaMA config.json
-    #[arg(long)]
+pub struct PricedModel {
+    /// A Hugging Face LLaMA or Mixtral config.json
+    #[arg(long, help_heading = "Model")]
     model: Option<PathBuf>,
-    #[arg(long, value_parser = crate::values::positive_count)]
-    num_layers: Option<usize>,
-    #[arg(long, value_parser = crate::values::positive_count)]
-    hidden_size: Option<usize>,
-    #[arg(long, value_parser = crate::values::positive_count)]
-    num_attention_heads: Option<usize>,
-    /// Key/value heads (grouped-query attention)
-    #[arg(long, value_parser = crate::values::positive_count)]
-    num_query_groups: Option<usize>,
-    #[arg(long, value_parser = crate::values::positive_count)]
-    ffn_hidden_size: Option<usize>,
-    /// Tokenizer vocabulary (padded to a multiple of 128 as Megatron does)
-    #[arg(long, value_parser = crate::values::positive_count, default_value_t = 32000)]
+    /// Tokenizer vocabulary (padded as Megatron pads it: --make-vocab-size-divisible-by)
+    #[arg(long, value_parser = crate::values::positive_count, default_value_t = 32000, help_heading = "Model")]
     vocab_size: usize,
-    #[arg(long)]
-    untie_embeddings_and_output_weights: bool,
-    #[arg(long, value_parser = crate::values::positive_count)]
-    seq_length: Option<usize>,
-    /// Experts in each MoE layer (a Mixtral model) [default: none, a dense model]
-    #[arg(long, value_parser = crate::values::positive_count)]
-    num_experts: Option<usize>,
-    /// Experts each token is routed to [default: 2]
-    #[arg(long, value_parser = crate::values::positive_count)]
-    moe_router_topk: Option<usize>,
-    /// Width of each expert's SwiGLU [default: --ffn-hidden-size]
-    #[arg(long, value_parser = crate::values::positive_count)]
-    moe_ffn_hidden_size: Option<usize>,
-    /// Layer i has experts when i % N == 0, the others a dense MLP
-    #[arg(long, value_parser = crate::values::positive_count, default_value_t = 1)]
-    moe_layer_freq: usize,
+    #[command(flatten)]
+    flags: ModelFlags,
 }
 
-impl ModelFlags {
+impl PricedModel {
     /// `--seq-length` (required but by `profile --calibrate`, whose model is the
     /// profile's).
     fn seq_length(&self) -> Result<usize> {
-        self.seq_length.context("--seq-length is required")
+        self.flags.seq_length()
     }
 
     /// Whether any model flag was given (the vocabulary has a default).
     pub(crate) fn given(&self) -> bool {
-        self.model.is_some() || self.num_layers.is_some() || self.seq_length.is_some()
+        self.model.is_some() || self.flags.given()
     }
 
     fn config(&self) -> Result<LlamaConfig> {
-        let given = [
-            ("--num-experts", self.num_experts.is_some()),
-            ("--moe-router-topk", self.moe_router_topk.is_some()),
-            ("--moe-ffn-hidden-size", self.moe_ffn_hidden_size.is_some()),
-            ("--moe-layer-freq", self.moe_layer_freq != 1),
-        ];
-        let flag = given.iter().find_map(|(flag, g)| g.then_some(*flag));
+        if launcher_rank().is_none_or(|(rank, _)| rank == 0) {
+            self.flags.warn_ignored();
+        }
         if let Some(path) = &self.model {
-            if let Some(flag) = flag {
-                bail!(
-                    "{flag}: the experts of --model {} are its config's",
-                    path.display()
-                );
-            }
-            return Ok(LlamaConfig::from_hf_file(path)?);
+            let config = LlamaConfig::from_hf_file(path)?;
+            return (self.flags).with_hf_model(config, &format!("--model {}", path.display()));
         }
-        if let (None, Some(flag)) = (self.num_experts, flag) {
-            bail!("{flag}: the model has no experts (--num-experts)");
-        }
-        let need = |flag: &str, v: Option<usize>| {
-            v.with_context(|| format!("{flag} is required (or --model config.json)"))
-        };
-        let args = MegatronModelArgs {
-            num_layers: need("--num-layers", self.num_layers)?,
-            hidden_size: need("--hidden-size", self.hidden_size)?,
-            ffn_hidden_size: self.ffn_hidden_size,
-            num_attention_heads: need("--num-attention-heads", self.num_attention_heads)?,
-            group_query_attention: self.num_query_groups.is_some(),
-            num_query_groups: self.num_query_groups,
-            seq_length: self.seq_length()?,
-            untie_embeddings_and_output_weights: self.untie_embeddings_and_output_weights,
-            num_experts: self.num_experts,
-            moe_router_topk: self.moe_router_topk.unwrap_or(2),
-            moe_ffn_hidden_size: self.moe_ffn_hidden_size,
-            moe_layer_freq: self.moe_layer_freq,
-            ..MegatronModelArgs::default()
-        };
-        Ok(LlamaConfig::from_megatron(&args, self.vocab_size)?)
+        let layers =
+            (self.flags.num_layers).context("--num-layers is required (or --model config.json)")?;
+        (self.flags).config(layers, self.vocab_size, "--model config.json")
     }
 
     fn shape(&self) -> Result<ModelShape> {
@@ -123,7 +72,7 @@ impl ModelFlags {
 #[derive(Args, Debug)]
 pub struct ProfileArgs {
     #[command(flatten)]
-    model: ModelFlags,
+    model: PricedModel,
     /// Micro-batch sizes to measure (by default those `plan` tries; others are
     /// interpolated between the measured sizes around them)
     #[arg(long, value_parser = crate::values::positive_count, value_delimiter = ',', default_value = "1,2,4,8")]
@@ -146,13 +95,10 @@ pub struct ProfileArgs {
     /// scales them. Keep N x speed within the machine's cores.
     #[arg(long, value_parser = crate::values::speed)]
     emulate_device_speed: Option<f64>,
-    /// Time bf16 computation (fp32 optimizer masters), as `train --bf16` runs: the
-    /// profile of the precision that will train
-    #[arg(long)]
-    bf16: bool,
-    /// Time fp16 computation, as `train --fp16` runs
-    #[arg(long, conflicts_with = "bf16")]
-    fp16: bool,
+    /// The precision to time (`--bf16` or `--fp16`, as `train` runs them: the profile of
+    /// the precision that will train) [default: fp32]
+    #[command(flatten)]
+    precision: PrecisionFlags,
     /// Calibrate a profile (--profile) from these `train --log-json` logs instead of
     /// measuring: each run priced again, term by term against its measured spans, and
     /// the fitted terms written into the profile (--output). The model is the profile's.
@@ -208,11 +154,7 @@ pub fn run_profile(args: ProfileArgs) -> Result<()> {
         micro_batch_sizes: args.micro_batch_sizes.clone(),
         repeats: args.repeats,
         emulate_speed: args.emulate_device_speed,
-        precision: match (args.bf16, args.fp16) {
-            (true, _) => Precision::Bf16,
-            (_, true) => Precision::Fp16,
-            _ => Precision::Fp32,
-        },
+        precision: args.precision.asked().unwrap_or(Precision::Fp32),
     };
     let table = profiler::profile_device(&world, &config, device).map_err(|e| match e {
         ProfileError::EmulatedSpeed(_) => anyhow::Error::new(e).context("--emulate-device-speed"),
@@ -265,7 +207,7 @@ pub struct PlanArgs {
     #[arg(long)]
     cluster: PathBuf,
     #[command(flatten)]
-    model: ModelFlags,
+    model: PricedModel,
     #[arg(long, value_parser = crate::values::positive_count)]
     global_batch_size: usize,
     /// Micro-batch sizes to consider
@@ -317,12 +259,13 @@ pub struct PlanArgs {
     /// plans that shard their optimizer); without it they follow the optimizer, exposed
     #[arg(long, conflicts_with = "no_overlap_grad_reduce")]
     overlap_param_gather: bool,
-    /// Plan an fp16 job (fp16 on every device, dynamic loss scaling); plans are for bf16
-    /// by default, where devices without bf16 compute in fp16
-    #[arg(long)]
-    fp16: bool,
-    /// Keep bf16 on every device: refuse a cluster with devices that have no bf16
-    /// (by default they compute in fp16, priced at their fp16 peak, and the plan says so)
+    /// The job's precision: `--bf16` (the default here) or `--fp16` (fp16 on every
+    /// device, dynamic loss scaling); under bf16, devices without it compute in fp16
+    #[command(flatten)]
+    precision: PrecisionFlags,
+    /// Keep bf16 on every device (plans are for bf16 unless --fp16): refuse a cluster
+    /// with devices that have no bf16 (by default they compute in fp16, priced at their
+    /// fp16 peak, and the plan says so)
     #[arg(long, conflicts_with = "fp16")]
     no_fp16_fallback: bool,
     /// Price every gradient reduction flat over its members, as `train
@@ -466,10 +409,7 @@ pub fn run_plan(args: PlanArgs) -> Result<()> {
         ddp_bucket_size: args.reduction().ddp_bucket_size,
         overlap_param_gather: args.reduction().overlap_param_gather,
         hierarchical_reduction: args.reduction().hierarchical,
-        precision: match args.fp16 {
-            true => Precision::Fp16,
-            false => Precision::Bf16,
-        },
+        precision: args.precision.asked().unwrap_or(Precision::Bf16),
         fp16_fallback: !args.no_fp16_fallback,
         ..CostModel::new(shape.clone(), cluster, profile)
     };

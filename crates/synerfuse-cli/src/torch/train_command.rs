@@ -3,16 +3,17 @@
 
 use crate::data_commands::TokenizerFlags;
 use crate::index_command::{data_flag_error, gpt_data_config};
+use crate::model_flags::{ModelFlags, PrecisionFlags};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 use synerfuse_data::gpt::{
     build_mock_split_datasets, build_split_datasets, DataSources, MockDocuments, SampleBudget,
     SampleOptions,
 };
 use synerfuse_data::tokenizer::Tokenizer;
-use synerfuse_model::{DeviceRequest, LlamaConfig, LoadBalancing, MegatronModelArgs};
+use synerfuse_model::{DeviceRequest, LlamaConfig};
 use synerfuse_plan::{
     BatchError, GridError, LayoutError, MeshFlags, Plan, PlanError, PlanFlags, Precision,
     ProcessMeshes, ScheduleKind, TpLayout,
@@ -134,51 +135,9 @@ pub struct TrainArgs {
     #[arg(long, help_heading = "Parallelism")]
     pipeline_schedule: Option<ScheduleKind>,
 
-    // ---- model
-    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Model")]
-    num_layers: Option<usize>,
-    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Model")]
-    hidden_size: Option<usize>,
-    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Model")]
-    ffn_hidden_size: Option<usize>,
-    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Model")]
-    num_attention_heads: Option<usize>,
-    #[arg(long, help_heading = "Model")]
-    group_query_attention: bool,
-    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Model")]
-    num_query_groups: Option<usize>,
-    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Model")]
-    seq_length: usize,
-    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Model")]
-    max_position_embeddings: Option<usize>,
-    #[arg(long, value_parser = crate::values::positive, default_value_t = 10000.0, help_heading = "Model")]
-    rotary_base: f64,
-    #[arg(long, value_parser = crate::values::positive, default_value_t = 1e-5, help_heading = "Model")]
-    norm_epsilon: f64,
-    #[arg(long, help_heading = "Model")]
-    untie_embeddings_and_output_weights: bool,
-    #[arg(long, value_parser = crate::values::positive_count, default_value_t = 128, help_heading = "Model")]
-    make_vocab_size_divisible_by: usize,
-    #[arg(long, value_parser = crate::values::non_negative, default_value_t = 0.02, help_heading = "Model")]
-    init_method_std: f64,
-    /// No biases in linear layers (LLaMA); Megatron's default is to add them
-    #[arg(long, help_heading = "Model")]
-    disable_bias_linear: bool,
-    /// Accepted for Megatron compatibility: the MLP is always SwiGLU
-    #[arg(long, help_heading = "Model")]
-    swiglu: bool,
-    /// RMSNorm (the only normalisation of LLaMA)
-    #[arg(long, help_heading = "Model")]
-    normalization: Option<String>,
-    /// rope (the only position embedding of LLaMA)
-    #[arg(long, help_heading = "Model")]
-    position_embedding_type: Option<String>,
-    /// Must be 0: no dropout
-    #[arg(long, value_parser = crate::values::fraction, help_heading = "Model")]
-    attention_dropout: Option<f64>,
-    /// Must be 0: no dropout
-    #[arg(long, value_parser = crate::values::fraction, help_heading = "Model")]
-    hidden_dropout: Option<f64>,
+    // ---- model (Megatron's flags, shared with plan and profile)
+    #[command(flatten)]
+    model: ModelFlags,
     /// Recompute each stage's activations in the backward (less memory)
     #[arg(long, help_heading = "Model")]
     recompute_activations: bool,
@@ -186,74 +145,7 @@ pub struct TrainArgs {
     #[arg(long, help_heading = "Model")]
     finetune_from_hf: Option<PathBuf>,
 
-    // ---- mixture of experts (Megatron's flags)
-    /// Experts in each MoE layer (a Mixtral model) [default: none, a dense model]
-    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Mixture of experts")]
-    num_experts: Option<usize>,
-    /// Experts each token is routed to [default: 2, or a Hugging Face model's]
-    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Mixture of experts")]
-    moe_router_topk: Option<usize>,
-    /// Width of each expert's SwiGLU [default: --ffn-hidden-size]
-    #[arg(long, value_parser = crate::values::positive_count, help_heading = "Mixture of experts")]
-    moe_ffn_hidden_size: Option<usize>,
-    /// Layer i has experts when i % N == 0, the others a dense MLP
-    #[arg(long, value_parser = crate::values::positive_count, default_value_t = 1, help_heading = "Mixture of experts")]
-    moe_layer_freq: usize,
-    /// Weight of the load-balancing loss [default: 0, or a Hugging Face model's
-    /// router_aux_loss_coef]
-    #[arg(long, value_parser = crate::values::non_negative, help_heading = "Mixture of experts")]
-    moe_aux_loss_coeff: Option<f64>,
-    /// aux_loss (over each micro-batch), seq_aux_loss (over each sequence: the same for
-    /// any split of the batch) or none
-    #[arg(long, default_value = "aux_loss", help_heading = "Mixture of experts")]
-    moe_router_load_balancing_type: LoadBalancing,
-    /// Log the load-balancing loss of every MoE layer to TensorBoard, not only their mean
-    #[arg(long, help_heading = "Mixture of experts")]
-    moe_per_layer_logging: bool,
-    /// Not supported: routing is dropless (every token reaches its top-k experts, so
-    /// every split of the batch trains alike)
-    #[arg(long, value_parser = crate::values::positive, help_heading = "Mixture of experts")]
-    moe_expert_capacity_factor: Option<f64>,
-    /// Not supported (it pads to a capacity; routing is dropless)
-    #[arg(long, help_heading = "Mixture of experts")]
-    moe_pad_expert_input_to_capacity: bool,
-    /// Weight of the router's z-loss (ST-MoE's mean of logsumexp(logits)², which keeps
-    /// the router's logits small) [default: 0]
-    #[arg(long, value_parser = crate::values::non_negative, help_heading = "Mixture of experts")]
-    moe_z_loss_coeff: Option<f64>,
-    /// Not supported above 0: no noise is added to the router's input
-    #[arg(long, help_heading = "Mixture of experts")]
-    moe_input_jitter_eps: Option<f64>,
-    /// Weigh each token's top-k experts by their probabilities over all experts, not
-    /// renormalised over the k (Mixtral's routing, the default, renormalises; a model so
-    /// routed has no Hugging Face form)
-    #[arg(long, help_heading = "Mixture of experts")]
-    moe_router_pre_softmax: bool,
-    /// alltoall or allgather: tokens reach their experts' ranks by all-to-all either way
-    /// (the same results)
-    #[arg(long, value_parser = ["alltoall", "allgather"], help_heading = "Megatron compatibility")]
-    moe_token_dispatcher_type: Option<String>,
-    /// Accepted: each expert runs its own matrix products (the same results)
-    #[arg(long, help_heading = "Megatron compatibility")]
-    moe_grouped_gemm: bool,
-    /// probs or position: which tokens a capacity drops; no effect on dropless routing
-    #[arg(long, value_parser = ["probs", "position"], help_heading = "Megatron compatibility")]
-    moe_token_drop_policy: Option<String>,
-
     // ---- flags of Megatron/SynerFuse run.sh files, accepted with their meaning here
-    /// Rotary position embeddings: what synerfuse always uses
-    #[arg(long, help_heading = "Megatron compatibility")]
-    use_rotary_position_embeddings: bool,
-    /// No learned absolute position embedding: what synerfuse always does
-    #[arg(long, help_heading = "Megatron compatibility")]
-    no_position_embedding: bool,
-    /// Attention runs libtorch's scaled_dot_product_attention, which takes the flash
-    /// kernels on GPUs that have them
-    #[arg(long, help_heading = "Megatron compatibility")]
-    use_flash_attn: bool,
-    /// No effect: the attention kernels choose their own accumulation precision
-    #[arg(long, help_heading = "Megatron compatibility")]
-    attention_softmax_in_fp32: bool,
     /// Sequence parallelism on tensor-parallel stages: norms and residuals on each
     /// rank's sequence rows (the sequence length must divide over the stage's
     /// tensor-parallel size); no effect on stages of one rank, as in Megatron
@@ -302,9 +194,6 @@ pub struct TrainArgs {
     /// nccl or gloo: synerfuse uses NCCL for groups of CUDA ranks and MPI otherwise
     #[arg(long, help_heading = "Megatron compatibility")]
     distributed_backend: Option<String>,
-    /// local or transformer_engine: synerfuse has one implementation
-    #[arg(long, help_heading = "Megatron compatibility")]
-    transformer_impl: Option<String>,
     /// Per-rank compute/communication/idle times are always in --log-json
     #[arg(long, help_heading = "Megatron compatibility")]
     timing_log_level: Option<u32>,
@@ -336,14 +225,8 @@ pub struct TrainArgs {
     adam_eps: f64,
     #[arg(long, value_parser = crate::values::non_negative, default_value_t = 1.0, help_heading = "Optimisation")]
     clip_grad: f64,
-    /// bf16 compute with fp32 master weights and fp32 gradient reduction
-    #[arg(long, help_heading = "Optimisation")]
-    bf16: bool,
-    /// fp16 compute with fp32 master weights and main gradients, and Megatron's loss
-    /// scaling (dynamic unless --loss-scale): a step whose gradients overflow on any rank
-    /// is skipped everywhere
-    #[arg(long, conflicts_with = "bf16", help_heading = "Optimisation")]
-    fp16: bool,
+    #[command(flatten)]
+    precision: PrecisionFlags,
     /// A constant loss scale (fp16 or bf16) instead of fp16's dynamic one
     #[arg(long, value_parser = crate::values::positive, help_heading = "Optimisation")]
     loss_scale: Option<f64>,
@@ -439,7 +322,7 @@ pub(crate) fn relaunch(nproc: usize) -> Result<std::process::ExitStatus> {
 impl TrainArgs {
     /// `--num-layers`, or the layer count of `--finetune-from-hf`'s config.
     fn num_layers(&self) -> Result<Option<usize>> {
-        match (self.num_layers, &self.finetune_from_hf) {
+        match (self.model.num_layers, &self.finetune_from_hf) {
             (Some(n), _) => Ok(Some(n)),
             (None, Some(dir)) => Ok(Some(
                 LlamaConfig::from_hf_file(&dir.join("config.json"))
@@ -551,7 +434,7 @@ impl TrainArgs {
                 path.display()
             );
         }
-        if let Some(layers) = self.num_layers.filter(|&l| l != plan.num_layers()) {
+        if let Some(layers) = self.model.num_layers.filter(|&l| l != plan.num_layers()) {
             bail!(
                 "--num-layers {layers} differs from the plan's {} ({})",
                 plan.num_layers(),
@@ -690,7 +573,7 @@ impl TrainArgs {
             .eod()
             .context("the tokenizer has no end-of-document id")?;
         let options = SampleOptions {
-            sequence_length: self.seq_length,
+            sequence_length: self.model.seq_length()?,
             add_extra_token: true,
             eod: i64::from(eod),
             pad: tokenizer.pad().map_or(-1, i64::from),
@@ -768,11 +651,7 @@ impl TrainArgs {
 
     /// What the ranks compute in (`--bf16`, `--fp16`, else fp32).
     fn precision(&self) -> Precision {
-        match (self.bf16, self.fp16) {
-            (true, _) => Precision::Bf16,
-            (_, true) => Precision::Fp16,
-            _ => Precision::Fp32,
-        }
+        self.precision.asked().unwrap_or(Precision::Fp32)
     }
 
     /// Megatron's loss scaling: `--loss-scale` where any rank computes in fp16 or bf16,
@@ -819,7 +698,7 @@ impl TrainArgs {
                 hierarchical_reduction: !self.no_hierarchical_reduction,
             },
             batch: BatchConfig {
-                sequence_length: self.seq_length,
+                sequence_length: self.model.seq_length()?,
                 train_iters: self.train_iters,
                 seed: u64::from(self.seed),
             },
@@ -858,7 +737,7 @@ impl TrainArgs {
                 log_json: self.log_json.clone(),
                 tensorboard_dir: self.tensorboard_dir.clone(),
                 log_throughput: self.log_throughput,
-                moe_per_layer_logging: self.moe_per_layer_logging,
+                moe_per_layer_logging: self.model.experts.moe_per_layer_logging,
             },
             eval: EvalConfig {
                 iters: self.eval_iters,
@@ -877,176 +756,39 @@ impl TrainArgs {
 
     /// Checks the run.sh compatibility flags and says what each accepted one means here.
     fn check_compatibility_flags(&self) -> Result<()> {
-        if let Some(factor) = self.moe_expert_capacity_factor {
-            bail!("--moe-expert-capacity-factor {factor}: synerfuse routes dropless only (no token is dropped, so every split of the batch trains alike); leave it out");
-        }
-        if self.moe_pad_expert_input_to_capacity {
-            bail!("--moe-pad-expert-input-to-capacity: synerfuse routes dropless only (no capacity to pad to); leave it out");
-        }
-        if let Some(eps) = self.moe_input_jitter_eps.filter(|&e| e != 0.0) {
-            bail!("--moe-input-jitter-eps {eps}: synerfuse adds no noise to the router's input (every split of the batch trains alike); leave it out");
-        }
         if let Some(backend) = &self.distributed_backend {
             if backend != "nccl" && backend != "gloo" {
                 bail!("--distributed-backend {backend}: use nccl or gloo");
             }
         }
-        if let Some(implementation) = &self.transformer_impl {
-            if implementation != "local" && implementation != "transformer_engine" {
-                bail!("--transformer-impl {implementation}: use local or transformer_engine");
-            }
-        }
+        self.model.check()?;
         // Said once, by rank 0 (or before the launch).
-        if launcher_rank().is_some_and(|(rank, _)| rank != 0) {
-            return Ok(());
-        }
-        if let (Some(groups), false) = (self.num_query_groups, self.group_query_attention) {
-            tracing::warn!(
-                "--num-query-groups {groups} has no effect without --group-query-attention (as in Megatron): every attention head has its own key/value head"
-            );
+        if launcher_rank().is_none_or(|(rank, _)| rank == 0) {
+            self.model.warn_ignored();
         }
         Ok(())
     }
 
-    /// The first MoE flag given beside `--num-experts` (which a dense model refuses).
-    fn expert_flag(&self) -> Option<&'static str> {
-        [
-            ("--moe-router-topk", self.moe_router_topk.is_some()),
-            ("--moe-ffn-hidden-size", self.moe_ffn_hidden_size.is_some()),
-            ("--moe-layer-freq", self.moe_layer_freq != 1),
-            ("--moe-aux-loss-coeff", self.moe_aux_loss_coeff.is_some()),
-            ("--moe-z-loss-coeff", self.moe_z_loss_coeff.is_some()),
-            ("--moe-router-pre-softmax", self.moe_router_pre_softmax),
-            ("--moe-per-layer-logging", self.moe_per_layer_logging),
-        ]
-        .into_iter()
-        .find_map(|(flag, given)| given.then_some(flag))
-    }
-
-    /// A Hugging Face checkpoint's model with the training settings of its experts
-    /// (the load-balancing loss) from the flags; the shape flags must agree with it.
-    fn experts_of_checkpoint(&self, mut config: LlamaConfig, dir: &Path) -> Result<LlamaConfig> {
-        let Some(moe) = config.moe.as_mut() else {
-            if let Some(n) = self.num_experts {
-                bail!(
-                    "--num-experts {n}: --finetune-from-hf {} is a dense model",
-                    dir.display()
-                );
-            }
-            if let Some(flag) = self.expert_flag() {
-                bail!(
-                    "{flag}: --finetune-from-hf {} is a dense model (no experts)",
-                    dir.display()
-                );
-            }
-            return Ok(config);
-        };
-        for (flag, given, held) in [
-            ("--num-experts", self.num_experts, moe.num_experts),
-            (
-                "--moe-ffn-hidden-size",
-                self.moe_ffn_hidden_size,
-                moe.ffn_hidden_size,
-            ),
-        ] {
-            if given.is_some_and(|n| n != held) {
-                bail!(
-                    "{flag} {}: --finetune-from-hf {} has {held}",
-                    given.unwrap_or(0),
-                    dir.display()
-                );
-            }
-        }
-        if let Some(k) = self.moe_router_topk.filter(|&k| k != moe.top_k) {
-            bail!(
-                "--moe-router-topk {k}: --finetune-from-hf {} routes each token to {}",
-                dir.display(),
-                moe.top_k
-            );
-        }
-        if self.moe_layer_freq != 1 {
-            bail!(
-                "--moe-layer-freq {}: every layer of a Hugging Face Mixtral model has experts",
-                self.moe_layer_freq
-            );
-        }
-        moe.load_balancing = self.moe_router_load_balancing_type;
-        if let Some(coeff) = self.moe_aux_loss_coeff {
-            moe.aux_loss_coeff = coeff;
-        }
-        moe.z_loss_coeff = self.moe_z_loss_coeff.unwrap_or(0.0);
-        moe.router_pre_softmax = self.moe_router_pre_softmax;
-        Ok(config)
-    }
-
+    /// The model: `--finetune-from-hf`'s (its experts' training settings from the flags)
+    /// or the model flags', with `num_layers` layers (the plan's).
     fn model(&self, tokenizer_vocab: usize, num_layers: usize) -> Result<LlamaConfig> {
         self.check_compatibility_flags()?;
-        if let Some(norm) = &self.normalization {
-            if norm != "RMSNorm" {
-                bail!("--normalization {norm}: synerfuse trains LLaMA models, which use RMSNorm");
-            }
-        }
-        if let Some(kind) = &self.position_embedding_type {
-            if kind != "rope" {
-                bail!("--position-embedding-type {kind}: synerfuse trains LLaMA models, which use rope");
-            }
-        }
-        for (flag, value) in [
-            ("--attention-dropout", self.attention_dropout),
-            ("--hidden-dropout", self.hidden_dropout),
-        ] {
-            if value.is_some_and(|p| p != 0.0) {
-                bail!(
-                    "{flag} {}: dropout is not implemented; pass 0",
-                    value.unwrap_or(0.0)
-                );
-            }
-        }
-        if let Some(dir) = &self.finetune_from_hf {
-            let config = LlamaConfig::from_hf_file(&dir.join("config.json"))
-                .with_context(|| format!("--finetune-from-hf {}", dir.display()))?;
-            if config.num_layers != num_layers {
-                bail!(
-                    "--finetune-from-hf {}: the checkpoint has {} layers but the plan {}",
-                    dir.display(),
-                    config.num_layers,
-                    num_layers
-                );
-            }
-            return self.experts_of_checkpoint(config, dir);
-        }
-        if let (None, Some(flag)) = (self.num_experts, self.expert_flag()) {
-            bail!("{flag}: the model has no experts (--num-experts)");
-        }
-        let need = |flag: &str, value: Option<usize>| {
-            value.with_context(|| format!("{flag} is required (or --finetune-from-hf)"))
+        let Some(dir) = &self.finetune_from_hf else {
+            return self
+                .model
+                .config(num_layers, tokenizer_vocab, "--finetune-from-hf");
         };
-        let args = MegatronModelArgs {
-            num_layers,
-            hidden_size: need("--hidden-size", self.hidden_size)?,
-            ffn_hidden_size: self.ffn_hidden_size,
-            num_attention_heads: need("--num-attention-heads", self.num_attention_heads)?,
-            group_query_attention: self.group_query_attention,
-            num_query_groups: self.num_query_groups,
-            seq_length: self.seq_length,
-            max_position_embeddings: self.max_position_embeddings,
-            rotary_base: self.rotary_base,
-            norm_epsilon: self.norm_epsilon,
-            untie_embeddings_and_output_weights: self.untie_embeddings_and_output_weights,
-            make_vocab_size_divisible_by: self.make_vocab_size_divisible_by,
-            tensor_model_parallel_size: 1,
-            init_method_std: self.init_method_std,
-            add_bias_linear: !self.disable_bias_linear,
-            num_experts: self.num_experts,
-            moe_router_topk: self.moe_router_topk.unwrap_or(2),
-            moe_ffn_hidden_size: self.moe_ffn_hidden_size,
-            moe_layer_freq: self.moe_layer_freq,
-            moe_aux_loss_coeff: self.moe_aux_loss_coeff.unwrap_or(0.0),
-            moe_router_load_balancing_type: self.moe_router_load_balancing_type,
-            moe_z_loss_coeff: self.moe_z_loss_coeff.unwrap_or(0.0),
-            moe_router_pre_softmax: self.moe_router_pre_softmax,
-        };
-        Ok(LlamaConfig::from_megatron(&args, tokenizer_vocab)?)
+        let config = LlamaConfig::from_hf_file(&dir.join("config.json"))
+            .with_context(|| format!("--finetune-from-hf {}", dir.display()))?;
+        if config.num_layers != num_layers {
+            bail!(
+                "--finetune-from-hf {}: the checkpoint has {} layers but the plan {}",
+                dir.display(),
+                config.num_layers,
+                num_layers
+            );
+        }
+        (self.model).with_hf_model(config, &format!("--finetune-from-hf {}", dir.display()))
     }
 }
 
@@ -1070,11 +812,12 @@ pub(crate) fn trained_model_shape(
     let model = train.args.model(tokenizer.vocab_size(), num_layers)?;
     Ok(synerfuse_train::profiler::model_shape(
         &model,
-        train.args.seq_length,
+        train.args.model.seq_length()?,
     ))
 }
 
 pub fn run_train(args: TrainArgs) -> Result<()> {
+    args.model.seq_length()?;
     if args.reset_attention_mask && args.no_create_attention_mask_in_dataloader {
         bail!(
             "--reset-attention-mask needs the attention mask that \
@@ -1149,14 +892,18 @@ fn train_rank(args: &TrainArgs, world: &MpiCommunicator) -> Result<()> {
     let sizes = args.split_samples(gbs)?;
     let datasets = match args.mock_data {
         true => {
-            let (seed, length, eod) = (args.seed, args.seq_length, sample_options.eod);
+            let (seed, length, eod) = (args.seed, args.model.seq_length()?, sample_options.eod);
             build_splits(world, || {
                 build_mock_split_datasets(seed, length, eod, sizes)
             })
         }
         false => {
-            let data =
-                gpt_data_config(&args.sources(), args.seed, args.seq_length, &args.tokenizer)?;
+            let data = gpt_data_config(
+                &args.sources(),
+                args.seed,
+                args.model.seq_length()?,
+                &args.tokenizer,
+            )?;
             build_splits(world, || build_split_datasets(&data, sizes))
         }
     }

@@ -206,13 +206,14 @@ pub fn common(dir: &Path, data: &Path, iters: u64) -> Vec<String> {
 
 /// The model of `common`'s runs as `synerfuse plan` takes it (the vocabulary: the test
 /// tokenizer's).
-pub const PLAN_MODEL: [&str; 14] = [
+pub const PLAN_MODEL: [&str; 16] = [
     "--num-layers",
     "4",
     "--hidden-size",
     "32",
     "--num-attention-heads",
     "4",
+    "--group-query-attention",
     "--num-query-groups",
     "2",
     "--ffn-hidden-size",
@@ -221,6 +222,7 @@ pub const PLAN_MODEL: [&str; 14] = [
     "1024",
     "--seq-length",
     "32",
+    "--disable-bias-linear",
 ];
 
 /// `synerfuse plan --json` with `args`: its one JSON object.
