@@ -148,6 +148,10 @@ pub struct ExpertGroup<'a> {
     pub collectives: &'a dyn TpCollectives,
     /// The experts each member holds, in member order.
     pub placement: Vec<Vec<usize>>,
+    /// The dtype tokens and their gradients travel in where the members compute in
+    /// different precisions (fp32: every member's values exactly; each converts what it
+    /// receives to its own); `None` where they all compute in one.
+    pub exchange_kind: Option<Kind>,
 }
 
 impl ExpertGroup<'_> {
@@ -181,8 +185,19 @@ impl ExpertGroup<'_> {
         Ok(owner)
     }
 
+    /// `parts[m]` to member `m`; floating-point parts travel in the group's
+    /// `exchange_kind` where it has one and come back in this member's dtype.
     fn all_to_all(&self, parts: &[Tensor], what: &'static str) -> Result<Vec<Tensor>, StageError> {
-        collective(what, self.collectives.all_to_all(parts))
+        let local = parts.first().map(Tensor::kind);
+        let floating = [Kind::Float, Kind::Half, Kind::BFloat16, Kind::Double];
+        match (self.exchange_kind, local) {
+            (Some(wire), Some(kind)) if kind != wire && floating.contains(&kind) => {
+                let sent: Vec<Tensor> = parts.iter().map(|p| p.to_kind(wire)).collect();
+                let received = collective(what, self.collectives.all_to_all(&sent))?;
+                Ok(received.into_iter().map(|t| t.to_kind(kind)).collect())
+            }
+            _ => collective(what, self.collectives.all_to_all(parts)),
+        }
     }
 }
 

@@ -158,6 +158,7 @@ fn expert_parallel(
                     let ep = ExpertGroup {
                         collectives: &ep_group,
                         placement: placement.to_vec(),
+                        exchange_kind: None,
                     };
                     let pass = (stage.forward_train_parallel(
                         &input,
@@ -312,6 +313,7 @@ fn partial_experts_need_their_group_and_a_whole_placement() {
         let ep = ExpertGroup {
             collectives: &solo,
             placement,
+            exchange_kind: None,
         };
         let Err(e) = stage.forward_train_parallel(&x.input, None, None, &solo, None, Some(&ep))
         else {

@@ -25,10 +25,10 @@ pub use flags::{GridError, PlanFlags};
 pub use measured::{MeasuredCosts, MeasuredNetwork};
 pub use network::{Host, LinkSpeed, Network, NetworkError, NodeLink, Reach};
 pub use plan::{
-    expert_of, layer_of, memory_share_weight, parameter_piece, reduction_of, DeviceRequest,
-    ExpertGroupPlan, ExpertHolding, GradientReduction, GradientSegment, GridFlags, MeshError,
-    MeshFlags, Plan, PlanError, ProcessMesh, ProcessMeshes, RankPlacement, ReducedParameters,
-    ReplicaPipeline, UnknownDevice, EMBEDDING,
+    coupled_replicas, expert_of, layer_of, memory_share_weight, parameter_piece, reduction_of,
+    DeviceRequest, ExpertGroupPlan, ExpertHolding, GradientReduction, GradientSegment, GridFlags,
+    MeshError, MeshFlags, Plan, PlanError, ProcessMesh, ProcessMeshes, RankPlacement,
+    ReducedParameters, ReplicaPipeline, UnknownDevice, EMBEDDING,
 };
 pub use precision::{Precision, UnknownPrecision};
 pub use run_record::{RunRecord, RunReduction};

@@ -69,21 +69,6 @@ pub enum TrainError {
         /// The flag it needs.
         needs: &'static str,
     },
-    /// Ranks of one collective of parameters or tokens in different precisions, which it
-    /// cannot carry yet.
-    #[error("ranks {first} ({first_precision}) and {second} ({second_precision}) compute in different precisions but {what} carries them in one dtype; give them one precision")]
-    MixedPrecision {
-        /// What cannot mix (the distributed optimizer's gather, an expert group).
-        what: &'static str,
-        /// One rank and its precision.
-        first: usize,
-        /// Its precision.
-        first_precision: synerfuse_plan::Precision,
-        /// Another rank of the same collective.
-        second: usize,
-        /// Its precision.
-        second_precision: synerfuse_plan::Precision,
-    },
     /// A plan that cannot run (a replica's schedule).
     #[error(transparent)]
     Plan(#[from] synerfuse_plan::PlanError),

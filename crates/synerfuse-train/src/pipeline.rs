@@ -108,6 +108,9 @@ pub struct ExpertRank<'a> {
     pub group: &'a GroupCommunicator,
     /// The experts each member holds, in member order.
     pub placement: &'a [Vec<usize>],
+    /// fp32 where the members compute in different precisions (what the tokens then
+    /// travel in), else `None`.
+    pub exchange_kind: Option<Kind>,
 }
 
 /// A rank's context-parallel group: it runs its stage on its own token positions of every
@@ -960,9 +963,11 @@ impl PipelineRank<'_> {
         &self,
         collectives: Option<&'c GroupCollectives<'c, '_>>,
     ) -> Option<ExpertGroup<'c>> {
+        let experts = self.experts?;
         Some(ExpertGroup {
             collectives: collectives?,
-            placement: self.experts?.placement.to_vec(),
+            placement: experts.placement.to_vec(),
+            exchange_kind: experts.exchange_kind,
         })
     }
 

@@ -58,6 +58,9 @@ struct ShardedReduction {
     grads: Tensor,
     /// fp32 master weights of this rank's shard.
     master: Tensor,
+    /// fp32 where the members compute in different precisions: the gather then carries
+    /// the masters themselves, and each member casts them to its parameters' dtype.
+    gather_kind: Option<Kind>,
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
 }
@@ -101,11 +104,19 @@ impl ShardedReduction {
     /// its dtype: each parameter's flat elements, and whether they share its storage
     /// (a contiguous parameter, as the model's are; otherwise a copy to write back).
     /// Casting before gathering gives the bits that casting the gathered masters would.
+    /// Under a `gather_kind` other than a parameter's dtype, a buffer of that kind (to be
+    /// written back, cast).
     fn write_own(&self) -> Vec<(Tensor, bool)> {
         let segments = self.segments();
         (self.params.iter().enumerate())
             .map(|(i, (_, param, ..))| {
-                let (flat, shared) = flat_elements(param);
+                let (flat, shared) = match self.gather_kind {
+                    Some(kind) if kind != param.kind() => (
+                        Tensor::zeros([param.numel() as i64], (kind, param.device())),
+                        false,
+                    ),
+                    _ => flat_elements(param),
+                };
                 for (_, in_shard, in_param) in segments.iter().filter(|(p, ..)| *p == i) {
                     let length = in_shard.end - in_shard.start;
                     let master = self.master.narrow(0, in_shard.start, length);
@@ -120,7 +131,7 @@ impl ShardedReduction {
     /// gathers every member's elements into every copy, parameter by parameter, in place:
     /// what travels is the parameters' dtype (2 bytes an element under bf16, as Megatron
     /// gathers, not the 4 of the masters), and no rank makes a copy of the whole
-    /// reduction. Collective over the members (every one has the same parameters in the
+    /// reduction (but members of different precisions: fp32, a parameter at a time). Collective over the members (every one has the same parameters in the
     /// same order, so they issue the same gathers).
     fn update_parameters(&self, groups: &SetGroups) -> Result<(), CommError> {
         let group = self.group(groups)?;
@@ -202,18 +213,23 @@ impl ShardedReduction {
 impl DistributedOptimizer {
     /// The shards of every reduction of `layouts` that [`crate::grads::MainGrads::sharded`]
     /// split, for this `rank`; the masters start from `fp32_values` (by name).
+    /// `mixes_precisions` says whether a reduction's members compute in different
+    /// precisions (its gather then carries fp32).
     pub fn new(
         config: AdamWConfig,
         layouts: Vec<ReductionLayout>,
         rank: usize,
         fp32_values: &BTreeMap<String, Tensor>,
+        mixes_precisions: &dyn Fn(&[usize]) -> bool,
     ) -> Self {
         let reductions = layouts
             .into_iter()
             .filter_map(|l| {
                 let shards = l.shards?;
                 let me = l.members.iter().position(|&m| m == rank)?;
+                let gather_kind = mixes_precisions(&l.members).then_some(Kind::Float);
                 let mut r = ShardedReduction {
+                    gather_kind,
                     members: l.members,
                     shards,
                     me,
@@ -403,6 +419,15 @@ mod tests {
         members: Vec<usize>,
         shards: Vec<Range<i64>>,
     ) -> (DistributedOptimizer, [Tensor; 2]) {
+        optimizer_mixing(members, shards, false)
+    }
+
+    /// [`optimizer`], its members computing in different precisions where `mixed`.
+    fn optimizer_mixing(
+        members: Vec<usize>,
+        shards: Vec<Range<i64>>,
+        mixed: bool,
+    ) -> (DistributedOptimizer, [Tensor; 2]) {
         let opts = (Kind::Float, Device::Cpu);
         let values = [
             Tensor::arange(12, opts).view([4, 3]) / 7.0,
@@ -426,7 +451,7 @@ mod tests {
         ]);
         let config = AdamWConfig::default();
         (
-            DistributedOptimizer::new(config, vec![layout], 0, &fp32),
+            DistributedOptimizer::new(config, vec![layout], 0, &fp32, &|_| mixed),
             params,
         )
     }
@@ -443,6 +468,21 @@ mod tests {
         );
         assert_eq!(b, master.narrow(0, 12, 5));
         assert_ne!(b, Tensor::arange(5, (Kind::Float, Device::Cpu)) / 3.0);
+    }
+
+    /// Members of different precisions gather the fp32 masters, each casting them to
+    /// its parameters' dtype: the same bits as a member of one precision writes.
+    #[test]
+    fn mixed_precisions_gather_fp32_and_cast_alike() {
+        let (mut one, [w1, b1]) = optimizer(vec![0], std::iter::once(0..17).collect());
+        let (mut mixed, [w2, b2]) =
+            optimizer_mixing(vec![0], std::iter::once(0..17).collect(), true);
+        assert_eq!(mixed.reductions[0].gather_kind, Some(Kind::Float));
+        for zero in [&mut one, &mut mixed] {
+            zero.step(1e-2, 1.0, &SetGroups::none(), false).unwrap();
+        }
+        assert_eq!(w2.kind(), Kind::BFloat16);
+        assert_eq!((w1, b1), (w2, b2));
     }
 
     #[test]

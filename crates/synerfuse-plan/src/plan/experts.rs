@@ -227,10 +227,48 @@ impl Plan {
     }
 }
 
+/// The replicas whose gradients flow into `replica`'s through expert-parallel `groups`
+/// (members of one group, and of the groups those members share, transitively), itself
+/// included, ascending: they must scale their losses alike (an expert's gradient sums
+/// every member's tokens).
+pub fn coupled_replicas(groups: &[ExpertGroupPlan], replica: usize) -> Vec<usize> {
+    let mut coupled = std::collections::BTreeSet::from([replica]);
+    loop {
+        let before = coupled.len();
+        for g in groups {
+            if g.replicas.iter().any(|r| coupled.contains(r)) {
+                coupled.extend(g.replicas.iter().copied());
+            }
+        }
+        if coupled.len() == before {
+            return coupled.into_iter().collect();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::{ReplicaBatch, ReplicaPipeline, StageLayout};
+
+    #[test]
+    fn coupling_follows_groups_transitively() {
+        let group = |stage, replicas: Vec<usize>| ExpertGroupPlan {
+            stage,
+            placement: replicas.iter().map(|&r| vec![r]).collect(),
+            replicas,
+        };
+        let groups = [
+            group(0, vec![0, 1]),
+            group(1, vec![1, 2]),
+            group(0, vec![4, 5]),
+        ];
+        assert_eq!(coupled_replicas(&groups, 0), [0, 1, 2]);
+        assert_eq!(coupled_replicas(&groups, 2), [0, 1, 2]);
+        assert_eq!(coupled_replicas(&groups, 3), [3]);
+        assert_eq!(coupled_replicas(&groups, 5), [4, 5]);
+        assert_eq!(coupled_replicas(&[], 7), [7]);
+    }
 
     fn replica(
         layers: &[usize],

@@ -20,7 +20,7 @@ mod meshes;
 mod placement;
 mod reduce;
 
-pub use experts::ExpertGroupPlan;
+pub use experts::{coupled_replicas, ExpertGroupPlan};
 pub use grid::GridFlags;
 pub use meshes::{MeshError, MeshFlags, ProcessMesh, ProcessMeshes};
 pub use placement::{DeviceRequest, RankPlacement, UnknownDevice};

@@ -74,7 +74,7 @@ impl Trainer<'_> {
             links: &self.links,
             tp: Self::tp_communicator(&self.groups, &self.tp_group),
             context: context_rank(&self.groups, self.context.as_ref()),
-            experts: expert_rank(&self.groups, self.experts.as_ref()),
+            experts: expert_rank(&self.groups, self.experts.as_ref(), &self.config),
             peer_rows: &self.peer_rows,
             activation_kind: self.activation_kind(),
             rank_kinds: &self.rank_kinds,

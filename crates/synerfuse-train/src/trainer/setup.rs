@@ -105,7 +105,6 @@ pub(super) fn check_plan(
             last: world_size - 1,
         });
     }
-    check_precisions(config)?;
     if let Some(speeds) = &config.compute.emulate_speed {
         if speeds.len() != world_size {
             return Err(TrainError::EmulatedSpeedCount {
@@ -117,45 +116,6 @@ pub(super) fn check_plan(
     Ok(plan
         .position(rank)
         .expect("a plan of the job's size places every rank"))
-}
-
-/// What cannot mix precisions yet: the distributed optimizer gathers the parameters of a
-/// reduction straight into every holder's copies, in their dtype; an expert-parallel
-/// group exchanges tokens in one.
-fn check_precisions(config: &TrainConfig) -> Result<(), TrainError> {
-    let plan = &config.parallel.plan;
-    let mixed = |what, ranks: &mut dyn Iterator<Item = usize>| {
-        let mut ranks = ranks.map(|r| (r, rank_precision(config, r)));
-        let (first, first_precision) = ranks.next()?;
-        let (second, second_precision) = ranks.find(|&(_, p)| p != first_precision)?;
-        Some(TrainError::MixedPrecision {
-            what,
-            first,
-            first_precision,
-            second,
-            second_precision,
-        })
-    };
-    if config.optimizer.distributed {
-        let tied = config.model.tie_word_embeddings;
-        for reduction in plan.gradient_reductions(tied) {
-            let what = "the distributed optimizer's parameter gather";
-            if let Some(e) = mixed(what, &mut reduction.members.iter().copied()) {
-                return Err(e);
-            }
-        }
-    }
-    if let Some(moe) = config.model.moe {
-        for group in plan.expert_groups(moe.num_experts)? {
-            let replicas = group.replicas.iter();
-            let stage = |r: usize| plan.replicas()[r].ranks[group.stage].clone();
-            let mut ranks = replicas.flat_map(|&r| stage(r));
-            if let Some(e) = mixed("an expert-parallel group's token exchange", &mut ranks) {
-                return Err(e);
-            }
-        }
-    }
-    Ok(())
 }
 
 /// This rank's emulated device, if any, announced in the log.
@@ -339,15 +299,26 @@ pub(super) fn context_rank<'g>(
     })
 }
 
-/// The pipeline's view of `experts`: its communicator among `groups`.
+/// Whether `ranks` compute in different precisions.
+pub(crate) fn mixes_precisions(config: &TrainConfig, ranks: &[usize]) -> bool {
+    let mut precisions = ranks.iter().map(|&r| rank_precision(config, r));
+    let first = precisions.next();
+    precisions.any(|p| Some(p) != first)
+}
+
+/// The pipeline's view of `experts`: its communicator among `groups`, and fp32 for its
+/// exchanges where its members compute in different precisions (`config`'s).
 pub(super) fn expert_rank<'g>(
     groups: &'g SetGroups,
     experts: Option<&'g ExpertMembers>,
+    config: &TrainConfig,
 ) -> Option<ExpertRank<'g>> {
     let (ranks, placement) = experts?;
+    let mixed = mixes_precisions(config, ranks);
     Some(ExpertRank {
         group: groups.get(ranks)?,
         placement,
+        exchange_kind: mixed.then_some(Kind::Float),
     })
 }
 
@@ -395,9 +366,18 @@ pub(super) fn log_precision(config: &TrainConfig, rank: usize) {
 
 /// Whether `replica` scales its loss: one of its stages computes in fp16 (whose narrow
 /// range needs it), or the job scales every low-precision replica by a constant
-/// (`--loss-scale`). Its gradients are then unscaled into the fp32 buffer.
+/// (`--loss-scale`). Its gradients are then unscaled into the fp32 buffer. Replicas
+/// whose expert-parallel groups join them scale alike (any of them so needing it), as
+/// an expert's gradient sums every member's tokens.
 pub(crate) fn replica_scales_loss(config: &TrainConfig, replica: usize) -> bool {
-    let ranks = config.parallel.plan.replicas()[replica].all_ranks();
+    let plan = &config.parallel.plan;
+    let groups = (config.model.moe)
+        .and_then(|moe| plan.expert_groups(moe.num_experts).ok())
+        .unwrap_or_default();
+    let replicas = synerfuse_plan::coupled_replicas(&groups, replica);
+    let ranks = replicas
+        .iter()
+        .flat_map(|&r| plan.replicas()[r].all_ranks());
     let precisions: Vec<Precision> = ranks.map(|r| rank_precision(config, r)).collect();
     match config.compute.loss_scaling {
         LossScaling::None => false,
@@ -617,7 +597,8 @@ pub(super) fn build_optimizers(
 ) -> Result<(AdamW, Option<DistributedOptimizer>), TrainError> {
     let zero = config.optimizer.distributed.then(|| {
         let adam = config.optimizer.adam;
-        DistributedOptimizer::new(adam, grads.layouts(), rank, &fp32_values)
+        let mixed = |members: &[usize]| mixes_precisions(config, members);
+        DistributedOptimizer::new(adam, grads.layouts(), rank, &fp32_values, &mixed)
     });
     let sharded = zero
         .as_ref()
