@@ -364,7 +364,7 @@ fn the_planner_gives_devices_without_bf16_fp16_and_train_runs_it() {
         "--recompute-activations",
         "off",
         "--use-distributed-optimizer",
-        "off",
+        "on",
         "--output",
         plan.to_str().unwrap(),
     ]));
@@ -380,11 +380,13 @@ fn the_planner_gives_devices_without_bf16_fp16_and_train_runs_it() {
         text.contains("\"bf16\"") && text.contains("\"fp16\""),
         "each rank's precision: {text}"
     );
-    // Trained as planned: rank by rank in its precision, the job's loss scaled.
+    // Trained as planned: rank by rank in its precision, the job's loss scaled, the
+    // optimizer sharded over the two precisions.
     let data = dataset(d);
     let log = d.join("log.jsonl");
     let mut train = common(d, &data, 2);
     train.extend(strings(&["--nproc", "2", "--plan", plan.to_str().unwrap()]));
+    train.push("--use-distributed-optimizer".into());
     train.extend(strings(&["--log-json", log.to_str().unwrap()]));
     let out = synerfuse(&train);
     ok(&out, "train --plan");
