@@ -69,6 +69,16 @@ pub enum TrainError {
         /// The flag it needs.
         needs: &'static str,
     },
+    /// bf16 asked of a GPU that has none.
+    #[error("rank {rank} computes in bf16 but its GPU, {gpu} (compute capability {}.{}), has no bf16 (Ampere, 8.0, or later has): give it fp16 (--fp16, or precision = [\"fp16\"] for its stage in the plan, which `synerfuse plan` writes for such devices)", capability.0, capability.1)]
+    NoBf16 {
+        /// The rank.
+        rank: usize,
+        /// Its GPU's name.
+        gpu: String,
+        /// The GPU's compute capability.
+        capability: (i32, i32),
+    },
     /// A plan that cannot run (a replica's schedule).
     #[error(transparent)]
     Plan(#[from] synerfuse_plan::PlanError),

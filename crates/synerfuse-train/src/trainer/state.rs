@@ -131,6 +131,7 @@ impl<'w> Trainer<'w> {
         let (replica, stage_index) = check_plan(&config, world.size(), rank)?;
         let device = rank_device(&config, rank, local_rank)?;
         log_precision(&config, rank);
+        crate::precision::check_device_runs(rank_precision(&config, rank), device, rank)?;
         let emulation = rank_emulation(&config, rank, device)?;
         if rank == 0 {
             warn_if_emulation_oversubscribes(&config, world.size());
