@@ -761,8 +761,8 @@ impl TrainArgs {
                 bail!("--distributed-backend {backend}: use nccl or gloo");
             }
         }
-        self.model.check()?;
-        // Said once, by rank 0 (or before the launch).
+        // Said once, by rank 0 (or before the launch); the model flags are checked as
+        // the model is built.
         if launcher_rank().is_none_or(|(rank, _)| rank == 0) {
             self.model.warn_ignored();
         }
