@@ -110,6 +110,33 @@ impl Stage {
         Ok((cuts, balances))
     }
 
+    /// The loss of a last stage's `pass` over `labels` (Σ per-token loss, loss tokens),
+    /// values without a graph: computed from the forward's own graph and kept in the pass
+    /// ([`ForwardPass::take_attached_loss`]), so that the backward starts from it rather
+    /// than computing the loss again; without a graph (a recomputing stage) only the
+    /// values. Neither is read on the host here.
+    pub fn attach_loss(
+        &self,
+        pass: &mut ForwardPass,
+        labels: &Tensor,
+        loss_mask: Option<&Tensor>,
+    ) -> (Tensor, Tensor) {
+        let graph = match (&pass.graph, &pass.cuts) {
+            (Some(graph), _) => Some(graph.shallow_clone()),
+            (None, Some(cuts)) => cuts.last().map(|c| c.output.shallow_clone()),
+            (None, None) => None,
+        };
+        match graph {
+            Some(logits) => {
+                let (sum, count) = Stage::loss(&logits, labels, loss_mask);
+                let value = sum.detach();
+                pass.loss = Some(sum);
+                (value, count)
+            }
+            None => tch::no_grad(|| Stage::loss(&pass.output, labels, loss_mask)),
+        }
+    }
+
     /// Backpropagates `pass` given the gradient of its output (or, on the last stage, a
     /// scalar loss built from `pass.output`, with `output_grad = None`). Accumulates the
     /// parameter gradients and returns the gradient of the stage input (none on the

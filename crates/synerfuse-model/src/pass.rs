@@ -36,6 +36,9 @@ pub struct ForwardPass {
     /// A whole stage's graph cut at its pieces (instead of `graph`), for a backward that
     /// reports each piece's gradients final as it goes.
     pub(crate) cuts: Option<Vec<CutPiece>>,
+    /// The last stage's loss sum with its graph, computed once in the forward
+    /// ([`crate::Stage::attach_loss`]) for the backward to start from.
+    pub(crate) loss: Option<Tensor>,
 }
 
 /// One model piece of a whole stage's forward cut at its pieces (the embedding, each
@@ -85,7 +88,14 @@ impl ForwardPass {
             sequences,
             sequence_weight: None,
             cuts: None,
+            loss: None,
         }
+    }
+
+    /// The loss sum [`crate::Stage::attach_loss`] kept with its graph, taken out (none
+    /// where the backward recomputes the forward).
+    pub fn take_attached_loss(&mut self) -> Option<Tensor> {
+        self.loss.take()
     }
 
     pub(crate) fn into_regions(self) -> (Vec<Region>, SavedInputs) {

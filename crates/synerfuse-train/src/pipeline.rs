@@ -58,6 +58,27 @@ pub struct StepLoss {
     pub experts: crate::expert_load::ExpertLoad,
 }
 
+impl StepLoss {
+    /// Adds micro-batches' (loss sum, loss tokens) held on the device, read in one
+    /// transfer (one host synchronisation a step, not two a micro-batch).
+    fn add_pending(&mut self, pending: Vec<(Tensor, Tensor)>) {
+        if pending.is_empty() {
+            return;
+        }
+        let values: Vec<Tensor> = (pending.iter())
+            .flat_map(|(sum, count)| [sum.to_kind(Kind::Double), count.to_kind(Kind::Double)])
+            .collect();
+        let read = Tensor::stack(&values, 0)
+            .view([-1, 2])
+            .sum_dim_intlist(0, false, Kind::Double);
+        let read: Vec<f64> = Vec::try_from(read.to_device(Device::Cpu)).unwrap_or_default();
+        if let [sum, tokens] = read[..] {
+            self.loss_sum += sum;
+            self.loss_tokens += tokens;
+        }
+    }
+}
+
 /// One rank's stage chunks and how to reach its neighbours.
 pub struct PipelineRank<'a> {
     /// The stage of each virtual chunk, in chunk order.
@@ -168,6 +189,22 @@ pub enum PipelineEvent {
 }
 
 /// The pieces whose backward is their chunk's last of `program`.
+/// The pieces whose backward is this rank's next computation after their forward: their
+/// loss is kept with its graph from the forward (computed once) at no cost in memory, as
+/// nothing runs between (a forward of another micro-batch in between would hold the
+/// loss's buffers longer).
+fn backward_follows(program: &[Instruction]) -> BTreeSet<Piece> {
+    let computes = program.iter().filter_map(|i| match i {
+        Instruction::Compute { pass, piece } => Some((*pass, *piece)),
+        _ => None,
+    });
+    let computes: Vec<(Pass, Piece)> = computes.collect();
+    (computes.windows(2))
+        .filter(|w| w[0].0 == Pass::Forward && w[1] == (Pass::Backward, w[0].1))
+        .map(|w| w[0].1)
+        .collect()
+}
+
 fn last_backwards(program: &[Instruction]) -> BTreeSet<Piece> {
     let mut last = BTreeMap::new();
     for instruction in program {
@@ -239,6 +276,11 @@ struct StepState {
     /// The pieces whose backward reports its gradients piece by piece (see
     /// [`PipelineRank::report_final_grads`]).
     reporting: BTreeSet<Piece>,
+    /// The pieces whose loss the forward keeps for the backward ([`backward_follows`]).
+    keep_loss: BTreeSet<Piece>,
+    /// The last stage's (loss sum, loss tokens) of each micro-batch, on the device: read
+    /// once, at the step's end.
+    pending_losses: Vec<(Tensor, Tensor)>,
 }
 
 impl StepState {
@@ -333,8 +375,11 @@ impl PipelineRank<'_> {
             .collect();
         let mut step = StepState::default();
         count_sends(program, &mut step);
-        if self.report_final_grads && matches!(mode, Mode::Train { .. }) {
-            step.reporting = last_backwards(program);
+        if matches!(mode, Mode::Train { .. }) {
+            step.keep_loss = backward_follows(program);
+            if self.report_final_grads {
+                step.reporting = last_backwards(program);
+            }
         }
         for &instruction in program {
             let (start_s, talked) = (self.now_s(), step.times.communication);
@@ -358,6 +403,8 @@ impl PipelineRank<'_> {
             step.times.compute += started.elapsed();
         }
         self.finish_sends(&mut step)?;
+        step.loss
+            .add_pending(std::mem::take(&mut step.pending_losses));
         if !step.passes.is_empty() {
             return Err(TrainError::Pipeline(PipelineFault::Unfinished(
                 step.passes.len(),
@@ -517,17 +564,24 @@ impl PipelineRank<'_> {
             let whole = cp.gather_sequence(&pass.output, 1)?;
             step.whole_outputs.insert(piece, whole);
         }
+        let mut pass = pass;
         if stage.is_last() {
-            let (sum, count) = match tp {
+            let (labels, mask) = (&batch.labels, Some(&batch.loss_mask));
+            match tp {
                 Some(tp) => {
-                    stage.parallel_loss(&pass.output, &batch.labels, Some(&batch.loss_mask), tp)?
+                    let (sum, count) = stage.parallel_loss(&pass.output, labels, mask, tp)?;
+                    // Every rank of a tensor-parallel group has the loss; its rank 0
+                    // reports it.
+                    if stage.shard().rank == 0 {
+                        step.loss.loss_sum += sum;
+                        step.loss.loss_tokens += count;
+                    }
                 }
-                None => tch_no_grad_loss(&pass.output, batch),
-            };
-            // Every rank of a tensor-parallel group has the loss; its rank 0 reports it.
-            if stage.shard().rank == 0 {
-                step.loss.loss_sum += sum;
-                step.loss.loss_tokens += count;
+                None if step.keep_loss.contains(&piece) => {
+                    let loss = stage.attach_loss(&mut pass, labels, mask);
+                    step.pending_losses.push(loss);
+                }
+                None => step.pending_losses.push(no_grad_loss(&pass.output, batch)),
             }
         }
         if stage.shard().rank == 0 {
@@ -598,9 +652,14 @@ impl PipelineRank<'_> {
                     stage.backward_parallel_reporting(pass, from, tp, groups, report)?
                 }
                 None => {
-                    let loss_of = |logits: &Tensor| {
-                        let (sum, _) = Stage::loss(logits, &batch.labels, Some(&batch.loss_mask));
-                        sum / loss_normaliser
+                    // The forward's loss where it kept it, else computed again.
+                    let attached = pass.take_attached_loss();
+                    let loss_of = |logits: &Tensor| match &attached {
+                        Some(sum) => sum / loss_normaliser,
+                        None => {
+                            let mask = Some(&batch.loss_mask);
+                            Stage::loss(logits, &batch.labels, mask).0 / loss_normaliser
+                        }
                     };
                     stage.backward_reporting(pass, BackwardFrom::Loss(&loss_of), report)?
                 }
@@ -1050,12 +1109,9 @@ struct Sends {
     in_flight: Vec<(usize, Tensor)>,
 }
 
-/// The loss of a forward's logits, for the log (no graph).
-fn tch_no_grad_loss(logits: &Tensor, batch: &BatchTensors) -> (f64, f64) {
-    synerfuse_model::tch::no_grad(|| {
-        let (sum, count) = Stage::loss(logits, &batch.labels, Some(&batch.loss_mask));
-        (sum.double_value(&[]), count.double_value(&[]))
-    })
+/// The loss of a forward's logits, for the log (no graph, not read here).
+fn no_grad_loss(logits: &Tensor, batch: &BatchTensors) -> (Tensor, Tensor) {
+    synerfuse_model::tch::no_grad(|| Stage::loss(logits, &batch.labels, Some(&batch.loss_mask)))
 }
 
 /// A micro-batch as tensors on the stage's device.
@@ -1104,5 +1160,34 @@ fn count_sends(program: &[Instruction], step: &mut StepState) {
             };
             *sends.entry(m.piece).or_insert(0) += 1;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn compute(pass: Pass, micro_batch: usize) -> Instruction {
+        Instruction::Compute {
+            pass,
+            piece: Piece::new(micro_batch, 0),
+        }
+    }
+
+    /// The last stage of 1F1B runs each backward right after its forward (sends and
+    /// receives between do not count); GPipe's forwards all come first but the last one.
+    #[test]
+    fn a_loss_is_kept_where_its_backward_comes_next() {
+        use Pass::{Backward as B, Forward as F};
+        let one_f_one_b = [compute(F, 0), compute(B, 0), compute(F, 1), compute(B, 1)];
+        let kept: Vec<usize> = (backward_follows(&one_f_one_b).iter())
+            .map(|p| p.micro_batch)
+            .collect();
+        assert_eq!(kept, [0, 1]);
+        let gpipe = [compute(F, 0), compute(F, 1), compute(B, 1), compute(B, 0)];
+        let kept: Vec<usize> = (backward_follows(&gpipe).iter())
+            .map(|p| p.micro_batch)
+            .collect();
+        assert_eq!(kept, [1]);
     }
 }
