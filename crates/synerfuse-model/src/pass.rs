@@ -139,8 +139,21 @@ pub(crate) enum Region {
     Norm { input: Tensor, normed: Tensor },
     /// An attention or MLP block.
     Block(Block),
-    /// The final norm (unless sequence-parallel) and this rank's slice of the output layer.
-    Head { input: Tensor, logits: Tensor },
+    /// The final norm (unless sequence-parallel) and this rank's slice of the output layer,
+    /// with the vocabulary-parallel loss where the forward computed it for the backward.
+    Head {
+        input: Tensor,
+        logits: Tensor,
+        loss: Option<VocabParallelLoss>,
+    },
+}
+
+/// A vocabulary-parallel cross-entropy's result on this rank.
+pub(crate) struct VocabParallelLoss {
+    /// `[n]` per-token loss (0 where the label is -100).
+    pub(crate) per_token: Tensor,
+    /// `[n, local vocab]` d loss_token / d logits (softmax − one-hot), 0 for ignored labels.
+    pub(crate) grad: Tensor,
 }
 
 /// An attention or MLP block of a tensor-parallel forward: its replicated leaf input (the

@@ -18,7 +18,7 @@ use crate::error::StageError;
 use crate::llama::Stage;
 use crate::moe::{ExpertGroup, LayerBalance};
 use crate::norm::rms_norm;
-use crate::pass::{Block, FinalGrads, ForwardPass, Region, SavedInputs};
+use crate::pass::{Block, FinalGrads, ForwardPass, Region, SavedInputs, VocabParallelLoss};
 use tch::{Kind, Tensor};
 
 // The collectives keep their `tp::` paths, which the runtime's crates name.
@@ -183,14 +183,6 @@ pub enum TpBackwardFrom<'a> {
         /// The factor of the summed loss (1 / the step's global loss tokens).
         scale: f64,
     },
-}
-
-/// Per-token cross-entropy over a vocabulary split across the group, and its gradient.
-struct VocabParallelLoss {
-    /// `[n]` per-token loss (0 where the label is -100).
-    per_token: Tensor,
-    /// `[n, local vocab]` d loss_token / d logits (softmax − one-hot), 0 for ignored labels.
-    grad: Tensor,
 }
 
 impl Stage {
@@ -451,7 +443,11 @@ impl Stage {
         };
         let logits = normed.linear::<Tensor>(head, None);
         let output = logits.detach();
-        regions.push(Region::Head { input, logits });
+        regions.push(Region::Head {
+            input,
+            logits,
+            loss: None,
+        });
         Ok(output)
     }
 
@@ -550,9 +546,11 @@ impl Stage {
                 });
             }
             match region {
-                Region::Head { input, logits } => {
-                    self.head_backward(&input, &logits, &run, &mut grads)?
-                }
+                Region::Head {
+                    input,
+                    logits,
+                    loss,
+                } => self.head_backward(&input, (&logits, loss), &run, &mut grads)?,
                 Region::Norm { input, normed } => grads.norm_backward(&input, &normed),
                 Region::Block(block) => {
                     blocks_done += 1;
@@ -598,10 +596,11 @@ impl Stage {
 
     /// The backward of the head region from the vocabulary-parallel loss, then its
     /// input's gradient summed over the group.
+    /// The loss the forward kept (`attach_parallel_loss`) is not computed again.
     fn head_backward(
         &self,
         input: &Tensor,
-        logits: &Tensor,
+        (logits, kept): (&Tensor, Option<VocabParallelLoss>),
         run: &BackwardRun<'_>,
         grads: &mut Grads,
     ) -> Result<(), StageError> {
@@ -613,7 +612,10 @@ impl Stage {
         else {
             return Err(StageError::NotLastStage);
         };
-        let loss = self.vocab_parallel_loss(&logits.detach(), labels, run.seq.tp)?;
+        let loss = match kept {
+            Some(loss) => loss,
+            None => self.vocab_parallel_loss(&logits.detach(), labels, run.seq.tp)?,
+        };
         let weight = token_weights(&loss.per_token, *loss_mask, *scale);
         let g = (loss.grad * weight.unsqueeze(-1)).view(logits.size().as_slice());
         backward_from(logits, &g);
@@ -774,6 +776,34 @@ impl Stage {
             Some(m) => m.to_kind(Kind::Double).sum(Kind::Double).double_value(&[]),
             None => loss.per_token.numel() as f64,
         };
+        Ok((sum, count))
+    }
+
+    /// [`Self::parallel_loss`] computed once: (Σ per-token loss, loss tokens) on the device,
+    /// not read here, and the loss's gradient kept in `pass` for its backward, which then
+    /// does not compute it again (nor its collectives). A pass without its head's region
+    /// (a recomputing stage's) keeps nothing. Collective over `tp`.
+    pub fn attach_parallel_loss(
+        &self,
+        pass: &mut ForwardPass,
+        labels: &Tensor,
+        loss_mask: Option<&Tensor>,
+        tp: &dyn TpCollectives,
+    ) -> Result<(Tensor, Tensor), StageError> {
+        let loss = tch::no_grad(|| self.vocab_parallel_loss(&pass.output, labels, tp))?;
+        let weight = token_weights(&loss.per_token, loss_mask, 1.0);
+        let sum = (&loss.per_token * &weight).sum(Kind::Double);
+        let count = match loss_mask {
+            Some(m) => m.to_kind(Kind::Double).sum(Kind::Double),
+            None => Tensor::from(loss.per_token.numel() as f64).to_device(sum.device()),
+        };
+        let head = pass.regions.iter_mut().rev().find_map(|r| match r {
+            Region::Head { loss, .. } => Some(loss),
+            _ => None,
+        });
+        if let Some(kept) = head {
+            *kept = Some(loss);
+        }
         Ok((sum, count))
     }
 

@@ -104,15 +104,19 @@ fn whole(c: &LlamaConfig, layers: std::ops::Range<usize>, x: &Inputs) -> Outcome
         biases::randomize_biases(&stage);
         stage
     };
-    let pass = stage.forward_train(&x.input, None, None).unwrap();
+    let mut pass = stage.forward_train(&x.input, None, None).unwrap();
     let balance = balance(&pass);
     let output = pass.output.shallow_clone();
     let mut loss = 0.0;
     let input_grad = if stage.is_last() {
-        loss = Stage::loss(&output, &x.labels, Some(&x.mask))
-            .0
-            .double_value(&[]);
-        let loss_of = |logits: &Tensor| Stage::loss(logits, &x.labels, Some(&x.mask)).0 * SCALE;
+        // The loss computed once in the forward, with its graph, and the backward started
+        // from it (as the trainer's 1F1B does).
+        let (sum, _) = stage.attach_loss(&mut pass, &x.labels, Some(&x.mask));
+        loss = sum.double_value(&[]);
+        let attached = pass
+            .take_attached_loss()
+            .expect("a graph to keep the loss of");
+        let loss_of = |_: &Tensor| &attached * SCALE;
         stage.backward(pass, BackwardFrom::Loss(&loss_of)).unwrap()
     } else {
         stage
@@ -187,13 +191,16 @@ fn sharded(
                     stage.set_sequence_rows_io(mode.rows_io, mode.rows_io);
                     stage
                 };
-                let pass = stage.forward_train_tp(&input, None, None, &group).unwrap();
+                let mut pass = stage.forward_train_tp(&input, None, None, &group).unwrap();
                 let balance = balance(&pass);
                 let output = pass.output.shallow_clone();
                 let (loss, from) = if stage.is_last() {
+                    // Computed once, kept for the backward (as the trainer's 1F1B
+                    // does; a recomputing stage keeps nothing and computes it again).
                     let (sum, _) = stage
-                        .parallel_loss(&output, &labels, Some(&mask), &group)
+                        .attach_parallel_loss(&mut pass, &labels, Some(&mask), &group)
                         .unwrap();
+                    let sum = sum.double_value(&[]);
                     let from = TpBackwardFrom::Loss {
                         labels: &labels,
                         loss_mask: Some(&mask),

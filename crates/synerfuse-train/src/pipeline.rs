@@ -567,12 +567,18 @@ impl PipelineRank<'_> {
         let mut pass = pass;
         if stage.is_last() {
             let (labels, mask) = (&batch.labels, Some(&batch.loss_mask));
+            // Every rank of a tensor-parallel group has the loss; its rank 0 reports it.
+            let reports = stage.shard().rank == 0;
             match tp {
+                Some(tp) if step.keep_loss.contains(&piece) => {
+                    let loss = stage.attach_parallel_loss(&mut pass, labels, mask, tp)?;
+                    if reports {
+                        step.pending_losses.push(loss);
+                    }
+                }
                 Some(tp) => {
                     let (sum, count) = stage.parallel_loss(&pass.output, labels, mask, tp)?;
-                    // Every rank of a tensor-parallel group has the loss; its rank 0
-                    // reports it.
-                    if stage.shard().rank == 0 {
+                    if reports {
                         step.loss.loss_sum += sum;
                         step.loss.loss_tokens += count;
                     }
