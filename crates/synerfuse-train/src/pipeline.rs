@@ -188,7 +188,6 @@ pub enum PipelineEvent {
     Between,
 }
 
-/// The pieces whose backward is their chunk's last of `program`.
 /// The pieces whose backward is this rank's next computation after their forward: their
 /// loss is kept with its graph from the forward (computed once) at no cost in memory, as
 /// nothing runs between (a forward of another micro-batch in between would hold the
@@ -205,6 +204,7 @@ fn backward_follows(program: &[Instruction]) -> BTreeSet<Piece> {
         .collect()
 }
 
+/// The pieces whose backward is their chunk's last of `program`.
 fn last_backwards(program: &[Instruction]) -> BTreeSet<Piece> {
     let mut last = BTreeMap::new();
     for instruction in program {
