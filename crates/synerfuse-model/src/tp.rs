@@ -768,15 +768,8 @@ impl Stage {
         tp: &dyn TpCollectives,
     ) -> Result<(f64, f64), StageError> {
         let loss = tch::no_grad(|| self.vocab_parallel_loss(logits, labels, tp))?;
-        let weight = token_weights(&loss.per_token, loss_mask, 1.0);
-        let sum = (&loss.per_token * &weight)
-            .sum(Kind::Double)
-            .double_value(&[]);
-        let count = match loss_mask {
-            Some(m) => m.to_kind(Kind::Double).sum(Kind::Double).double_value(&[]),
-            None => loss.per_token.numel() as f64,
-        };
-        Ok((sum, count))
+        let (sum, count) = loss.values(loss_mask);
+        Ok((sum.double_value(&[]), count.double_value(&[])))
     }
 
     /// [`Self::parallel_loss`] computed once: (Σ per-token loss, loss tokens) on the device,
@@ -791,12 +784,7 @@ impl Stage {
         tp: &dyn TpCollectives,
     ) -> Result<(Tensor, Tensor), StageError> {
         let loss = tch::no_grad(|| self.vocab_parallel_loss(&pass.output, labels, tp))?;
-        let weight = token_weights(&loss.per_token, loss_mask, 1.0);
-        let sum = (&loss.per_token * &weight).sum(Kind::Double);
-        let count = match loss_mask {
-            Some(m) => m.to_kind(Kind::Double).sum(Kind::Double),
-            None => Tensor::from(loss.per_token.numel() as f64).to_device(sum.device()),
-        };
+        let (sum, count) = loss.values(loss_mask);
         let head = pass.regions.iter_mut().rev().find_map(|r| match r {
             Region::Head { loss, .. } => Some(loss),
             _ => None,
@@ -852,6 +840,20 @@ impl Stage {
         let local = (tokens - start).clamp(0, n - 1);
         let looked_up = Tensor::embedding(embedding, &local, -1, false, false);
         Ok(looked_up * here.unsqueeze(-1).to_kind(embedding.kind()))
+    }
+}
+
+impl VocabParallelLoss {
+    /// (Σ per-token loss over the tokens `loss_mask` counts, those tokens), in fp64 on
+    /// the loss's device.
+    fn values(&self, loss_mask: Option<&Tensor>) -> (Tensor, Tensor) {
+        let weight = token_weights(&self.per_token, loss_mask, 1.0);
+        let sum = (&self.per_token * &weight).sum(Kind::Double);
+        let count = match loss_mask {
+            Some(m) => m.to_kind(Kind::Double).sum(Kind::Double),
+            None => Tensor::from(self.per_token.numel() as f64).to_device(sum.device()),
+        };
+        (sum, count)
     }
 }
 
