@@ -40,6 +40,35 @@ fn print_link_lines(directives: &[&str]) {
     }
 }
 
+/// Compiles the C++ files `sources` (paths relative to the package) against the headers
+/// of the libtorch torch-sys found, into the static library `name` linked into the
+/// package: how a crate reaches a libtorch operator tch does not bind (torch-sys builds
+/// its own bindings the same way). The C++ ABI follows torch-sys's: `LIBTORCH_CXX11_ABI`,
+/// else 1 (the PyPI wheels' since PyTorch 2.7). Without `DEP_TCH_LIBTORCH_LIB` it does
+/// nothing.
+pub fn compile_against_libtorch(name: &str, sources: &[&str]) {
+    let Ok(dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
+        return;
+    };
+    let include = Path::new(&dir).join("../include");
+    let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".to_owned());
+    println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
+    for source in sources {
+        println!("cargo:rerun-if-changed={source}");
+    }
+    cc::Build::new()
+        .cpp(true)
+        .pic(true)
+        .warnings(false)
+        .include(&include)
+        .include(include.join("torch/csrc/api/include"))
+        .flag("-std=c++17")
+        .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
+        .flag("-DGLOG_USE_GLOG_EXPORT")
+        .files(sources)
+        .compile(name);
+}
+
 /// The linker arguments for a libtorch in `lib`.
 pub fn link_args(lib: &Path) -> Vec<String> {
     let mut args = vec![format!("-Wl,-rpath,{}", lib.display())];

@@ -82,7 +82,7 @@ fn main() {
         let started = timed(0, started);
         stage.backward(pass, BackwardFrom::Loss(&loss_of)).unwrap();
         let started = timed(1, started);
-        optimizer.step(1e-4);
+        optimizer.step(1e-4).expect("AdamW step");
         timed(2, started);
         last_loss.get()
     };

@@ -133,6 +133,10 @@ pub enum TrainError {
     /// Optimizer state that does not fit the model.
     #[error(transparent)]
     OptimState(#[from] OptimStateError),
+    /// libtorch's fused AdamW refused its tensors (a bug: the optimizer hands it fp32
+    /// tensors of one device).
+    #[error(transparent)]
+    FusedAdam(#[from] crate::optim::FusedAdamError),
     /// The pipeline program broke its own order (a bug, reported rather than hung).
     #[error("pipeline: {0}")]
     Pipeline(#[from] PipelineFault),

@@ -66,6 +66,9 @@ pub enum ProfileError {
     /// A transfer between ranks failed.
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// The optimizer step failed.
+    #[error(transparent)]
+    FusedAdam(#[from] crate::optim::FusedAdamError),
 }
 
 /// The planner's view of `config` at `sequence_length`.
@@ -177,7 +180,7 @@ fn time_optimizer(
     let mut seconds = Vec::with_capacity(repeats);
     for round in 0..repeats + 1 {
         let span = ComputeSpan::start();
-        optimizer.step(1e-4);
+        optimizer.step(1e-4)?;
         if let Device::Cuda(i) = stage.device() {
             tch::Cuda::synchronize(i as i64);
         }

@@ -12,12 +12,13 @@
 
 use crate::comm::{CommError, GroupCommunicator, SetGroups};
 use crate::grads::ReductionLayout;
-use crate::optim::{scaled, AdamWConfig};
+use crate::optim::{adamw_step, scaled, AdamTensor, AdamWConfig, FusedAdamError};
 use crate::param_gather::{BucketGather, ParamGathers};
+use crate::TrainError;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use std::time::{Duration, Instant};
-use synerfuse_model::tch::{self, Kind, Tensor};
+use synerfuse_model::tch::{self, Device, Kind, Tensor};
 
 /// The distributed optimizer's state on one rank: its shard of every sharded reduction.
 pub struct DistributedOptimizer {
@@ -85,6 +86,39 @@ impl ShardedReduction {
                 })
             })
             .collect()
+    }
+
+    /// The AdamW step of this rank's shard (step `step`, already counted): each
+    /// parameter's piece a tensor of the fused kernel's lists, so that matrices decay and
+    /// norms and biases do not, as in the replicated optimizer.
+    fn adamw_step(
+        &self,
+        config: &AdamWConfig,
+        step: u64,
+        lr: f64,
+        grad_scale: f64,
+    ) -> Result<(), FusedAdamError> {
+        let own = self.own();
+        let grad = scaled(
+            &self.grads.narrow(0, own.start, own.end - own.start),
+            grad_scale,
+        );
+        let pieces: Vec<[Tensor; 4]> = (self.segments().into_iter())
+            .map(|(_, in_shard, _)| {
+                let cut = |t: &Tensor| t.narrow(0, in_shard.start, in_shard.end - in_shard.start);
+                [&self.master, &grad, &self.exp_avg, &self.exp_avg_sq].map(cut)
+            })
+            .collect();
+        let tensors: Vec<AdamTensor<'_>> = (self.segments().iter().zip(&pieces))
+            .map(|((i, ..), [value, grad, exp_avg, exp_avg_sq])| AdamTensor {
+                value,
+                grad,
+                exp_avg,
+                exp_avg_sq,
+                decay: self.params[*i].1.dim() > 1,
+            })
+            .collect();
+        adamw_step(config, &tensors, step, lr)
     }
 
     /// The members' communicator (none for a reduction over this rank alone).
@@ -263,22 +297,24 @@ impl DistributedOptimizer {
     /// on its rank 0 only): the shards of one reduction partition it, so summed over the
     /// world every element counts once.
     pub fn grad_norm_squared(&self, counted: impl Fn(&str) -> bool) -> f64 {
-        let mut sum = 0.0;
+        let mut squares = Vec::new();
         for r in &self.reductions {
             let own = r.own();
             for (i, in_shard, _) in r.segments() {
                 if counted(&r.params[i].0) {
-                    let g = r.grads.narrow(
-                        0,
-                        own.start + in_shard.start,
-                        in_shard.end - in_shard.start,
-                    );
-                    let g = g.to_kind(Kind::Double);
-                    sum += (&g * &g).sum(Kind::Double).double_value(&[]);
+                    let length = in_shard.end - in_shard.start;
+                    let g = r.grads.narrow(0, own.start + in_shard.start, length);
+                    squares.push(g.to_kind(Kind::Double).square().sum(Kind::Double));
                 }
             }
         }
-        sum
+        // Read back in one transfer (one synchronisation, not one a piece), summed in
+        // the order the pieces come.
+        match squares.is_empty() {
+            true => 0.0,
+            false => Vec::<f64>::try_from(Tensor::stack(&squares, 0).to_device(Device::Cpu))
+                .map_or(f64::NAN, |v| v.iter().sum()),
+        }
     }
 
     /// The parameters whose state it holds (the replicated optimizer holds the rest).
@@ -314,30 +350,13 @@ impl DistributedOptimizer {
         grad_scale: f64,
         groups: &SetGroups,
         overlap_param_gather: bool,
-    ) -> Result<Duration, CommError> {
+    ) -> Result<Duration, TrainError> {
         // The last step's gathers end before this one's masters are written.
         self.gathers.wait_all()?;
         let mut gathering = Duration::ZERO;
         self.step += 1;
-        let c = self.config;
-        let biases = c.bias_corrections(self.step);
         for r in &mut self.reductions {
-            let own = r.own();
-            tch::no_grad(|| {
-                let grad = r.grads.narrow(0, own.start, own.end - own.start);
-                let grad = scaled(&grad, grad_scale);
-                if c.weight_decay != 0.0 {
-                    for (i, in_shard, _) in r.segments() {
-                        if r.params[i].1.dim() > 1 {
-                            let length = in_shard.end - in_shard.start;
-                            let mut piece = r.master.narrow(0, in_shard.start, length);
-                            let _ = piece.g_mul_scalar_(1.0 - lr * c.weight_decay);
-                        }
-                    }
-                }
-                let moments = (&mut r.exp_avg, &mut r.exp_avg_sq);
-                c.adam_update(&mut r.master, moments, &grad, lr, biases);
-            });
+            tch::no_grad(|| r.adamw_step(&self.config, self.step, lr, grad_scale))?;
             let started = Instant::now();
             match overlap_param_gather {
                 true => tch::no_grad(|| r.start_gathers(groups, &self.gathers))?,
@@ -497,6 +516,9 @@ mod tests {
     fn a_missing_communicator_is_an_error() {
         let (mut zero, _) = optimizer(vec![0, 1], vec![0..9, 9..17]);
         let err = zero.step(1e-2, 1.0, &SetGroups::none(), true).unwrap_err();
-        assert!(matches!(err, CommError::Shape { rank: 0, .. }), "{err}");
+        assert!(
+            matches!(err, TrainError::Comm(CommError::Shape { rank: 0, .. })),
+            "{err}"
+        );
     }
 }

@@ -479,7 +479,7 @@ impl<'w> Trainer<'w> {
         start_s: f64,
     ) -> Result<Vec<Span>, TrainError> {
         let started = Instant::now();
-        self.optimizer.step_with_grads(lr, grads, factor);
+        self.optimizer.step_with_grads(lr, grads, factor)?;
         let overlap = self.config.parallel.overlap_param_gather;
         let mut gathering = Duration::ZERO;
         if let Some(zero) = &mut self.zero {

@@ -8,6 +8,10 @@
 use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
 
+mod fused;
+pub use fused::FusedAdamError;
+pub(crate) use fused::{adamw_step, AdamTensor};
+
 /// How the rate falls after warm-up (`--lr-decay-style`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DecayStyle {
@@ -175,42 +179,6 @@ impl Default for AdamWConfig {
     }
 }
 
-impl AdamWConfig {
-    /// The bias corrections of step `step`: (1 − β1^step, 1 − β2^step).
-    pub(crate) fn bias_corrections(&self, step: u64) -> (f64, f64) {
-        let t = step as i32;
-        (1.0 - self.beta1.powi(t), 1.0 - self.beta2.powi(t))
-    }
-
-    /// torch's Adam moment update and bias-corrected step at `lr`, in place, from the
-    /// fp32 `grad` (decoupled weight decay is the caller's, applied to `value` first).
-    /// The replicated and the distributed optimizer both update through it, so their
-    /// parameters agree element for element.
-    pub(crate) fn adam_update(
-        &self,
-        value: &mut Tensor,
-        (exp_avg, exp_avg_sq): (&mut Tensor, &mut Tensor),
-        grad: &Tensor,
-        lr: f64,
-        (bias1, bias2): (f64, f64),
-    ) {
-        // torch's single-tensor Adam in as many passes over memory and two temporaries
-        // (tch's addcmul_ and addcdiv_ take no factor, so the factors move into the
-        // temporaries): v ← v + (1 − β2)(g² − v), and the step −lr/bias1 · m / denom
-        // as m / (denom · −bias1/lr).
-        let _ = exp_avg.lerp_(grad, 1.0 - self.beta1);
-        let _ = exp_avg_sq.lerp_(&grad.square(), 1.0 - self.beta2);
-        let k = -bias1 / lr;
-        if !k.is_finite() {
-            return; // a learning rate of 0 (warm-up's first step) moves nothing
-        }
-        let mut denom = exp_avg_sq.sqrt();
-        let _ = denom.g_mul_scalar_(k / bias2.sqrt());
-        let _ = denom.g_add_scalar_(self.eps * k);
-        let _ = value.addcdiv_(exp_avg, &denom);
-    }
-}
-
 struct ParamState {
     param: Tensor,
     /// fp32 master copy when the model computes in another dtype (`--bf16`).
@@ -324,41 +292,49 @@ impl AdamW {
     /// One AdamW step at learning rate `lr` with the parameters' own gradients (torch's
     /// AdamW update: decoupled decay, then the bias-corrected Adam step). Parameters
     /// without a gradient are left alone.
-    pub fn step(&mut self, lr: f64) {
+    pub fn step(&mut self, lr: f64) -> Result<(), FusedAdamError> {
         let grads: BTreeMap<String, Tensor> = self
             .params
             .iter()
             .map(|(n, s)| (n.clone(), s.param.grad()))
             .filter(|(_, g)| g.defined())
             .collect();
-        self.step_with_grads(lr, &grads, 1.0);
+        self.step_with_grads(lr, &grads, 1.0)
     }
 
     /// One AdamW step with gradients given by parameter name (fp32 buffers the runtime
     /// reduced across ranks), each multiplied by `grad_scale` (the clipping factor).
     /// Parameters missing from `grads` are left alone. The update is computed in fp32 on
     /// the master weights and copied into lower-precision parameters.
-    pub fn step_with_grads(&mut self, lr: f64, grads: &BTreeMap<String, Tensor>, grad_scale: f64) {
+    pub fn step_with_grads(
+        &mut self,
+        lr: f64,
+        grads: &BTreeMap<String, Tensor>,
+        grad_scale: f64,
+    ) -> Result<(), FusedAdamError> {
         self.step += 1;
-        let c = self.config;
-        let biases = c.bias_corrections(self.step);
         tch::no_grad(|| {
-            for (name, s) in self.params.iter_mut() {
-                let Some(grad) = grads.get(name) else {
-                    continue;
-                };
-                let grad = scaled(&grad.to_kind(Kind::Float), grad_scale);
-                let mut value = s.value().shallow_clone();
-                if s.decay && c.weight_decay != 0.0 {
-                    let _ = value.g_mul_scalar_(1.0 - lr * c.weight_decay);
-                }
-                let moments = (&mut s.exp_avg, &mut s.exp_avg_sq);
-                c.adam_update(&mut value, moments, &grad, lr, biases);
-                if s.master.is_some() {
-                    s.param.copy_(&value);
+            let updates: Vec<(&ParamState, Tensor)> = (self.params.iter())
+                .filter_map(|(name, s)| Some((s, grads.get(name)?)))
+                .map(|(s, g)| (s, scaled(&g.to_kind(Kind::Float), grad_scale)))
+                .collect();
+            let tensors: Vec<AdamTensor<'_>> = (updates.iter())
+                .map(|(s, grad)| AdamTensor {
+                    value: s.value(),
+                    grad,
+                    exp_avg: &s.exp_avg,
+                    exp_avg_sq: &s.exp_avg_sq,
+                    decay: s.decay,
+                })
+                .collect();
+            fused::adamw_step(&self.config, &tensors, self.step, lr)?;
+            for (s, _) in &updates {
+                if let Some(master) = &s.master {
+                    s.param.shallow_clone().copy_(master);
                 }
             }
-        });
+            Ok(())
+        })
     }
 
     /// Sets every gradient to zero (keeps the buffers).
@@ -520,7 +496,7 @@ mod tests {
                 .sum(Kind::Float)
                 + (&b * 2.0).sum(Kind::Float);
             loss.backward();
-            opt.step(0.01);
+            opt.step(0.01).unwrap();
             let t = t as i32 + 1;
             for i in 0..4 {
                 p[i] *= 1.0 - 0.01 * 0.1;
@@ -557,9 +533,9 @@ mod tests {
         (&w * Tensor::from_slice(&[0.0f32, 0.5]))
             .sum(Kind::Float)
             .backward();
-        opt.step(0.0);
+        opt.step(0.0).unwrap();
         assert_eq!(Vec::<f32>::try_from(&w).unwrap(), [1.0, -2.0]);
-        opt.step(1e-3);
+        opt.step(1e-3).unwrap();
         let moved: Vec<f32> = Vec::try_from(&w).unwrap();
         assert!(
             moved.iter().all(|x| x.is_finite()) && moved[1] < -2.0 + 1e-2,
