@@ -10,7 +10,7 @@ use std::ffi::{c_char, CStr};
 use tch::{Device, Kind, Tensor};
 use torch_sys::C_tensor;
 
-use super::AdamWConfig;
+use super::config::AdamWConfig;
 
 extern "C" {
     fn synerfuse_fused_adamw(
