@@ -61,6 +61,8 @@ struct RankPace {
     /// Warm-up steps seen.
     warmed: usize,
     assumed_s: Option<f64>,
+    /// The spread of the window the assumed pace is the median of ([`spread`]).
+    spread: f64,
     recent: VecDeque<f64>,
 }
 
@@ -68,19 +70,43 @@ struct RankPace {
 #[derive(Debug, Clone)]
 pub struct SpeedWatch {
     config: WatchConfig,
+    /// Steps not measured at first.
+    warm_up: usize,
     ranks: Vec<RankPace>,
 }
 
 impl SpeedWatch {
     /// A watch over `ranks` ranks (a window of 0 counts as 1).
     pub fn new(ranks: usize, config: WatchConfig) -> Self {
+        let window = config.window.max(1);
+        Self::with_warm_up(ranks, config, window)
+    }
+
+    /// A watch over a plan just switched to: only the first step, which allocates what
+    /// the new stages need, is warm-up (the process, its allocator and caches are warm),
+    /// so the switch's first paces are measured as soon as its outcome is.
+    pub fn after_switch(ranks: usize, config: WatchConfig) -> Self {
+        Self::with_warm_up(ranks, config, 1)
+    }
+
+    fn with_warm_up(ranks: usize, config: WatchConfig, warm_up: usize) -> Self {
         let config = WatchConfig {
             window: config.window.max(1),
             ..config
         };
         SpeedWatch {
             config,
+            warm_up,
             ranks: vec![RankPace::default(); ranks],
+        }
+    }
+
+    /// Forgets the assumed paces: the next window of steps sets them again (a decision
+    /// deferred for want of evidence is taken again on them).
+    pub fn remeasure(&mut self) {
+        for rank in &mut self.ranks {
+            rank.assumed_s = None;
+            rank.recent.clear();
         }
     }
 
@@ -90,7 +116,7 @@ impl SpeedWatch {
         let WatchConfig { threshold, window } = self.config;
         let mut shifts = Vec::new();
         for (rank, (watch, &seconds)) in self.ranks.iter_mut().zip(pace_s).enumerate() {
-            if watch.warmed < window {
+            if watch.warmed < self.warm_up {
                 watch.warmed += 1;
                 continue;
             }
@@ -103,6 +129,7 @@ impl SpeedWatch {
             }
             let Some(assumed_s) = watch.assumed_s else {
                 watch.assumed_s = Some(median(&watch.recent));
+                watch.spread = spread(&watch.recent);
                 watch.recent.clear();
                 continue;
             };
@@ -122,6 +149,7 @@ impl SpeedWatch {
                     measured_s,
                 });
                 watch.assumed_s = Some(measured_s);
+                watch.spread = spread(&watch.recent);
                 watch.recent.clear();
             }
         }
@@ -134,6 +162,14 @@ impl SpeedWatch {
     pub fn paces_s(&self) -> Option<Vec<f64>> {
         self.ranks.iter().map(|r| r.assumed_s).collect()
     }
+
+    /// Each rank's spread ([`spread`]) of the window its assumed pace comes from, once
+    /// every rank has one.
+    pub fn spreads(&self) -> Option<Vec<f64>> {
+        (self.ranks.iter())
+            .map(|r| r.assumed_s.map(|_| r.spread))
+            .collect()
+    }
 }
 
 /// The median (upper for an even count) of a non-empty window.
@@ -141,6 +177,19 @@ fn median(values: &VecDeque<f64>) -> f64 {
     let mut sorted: Vec<f64> = values.iter().copied().collect();
     sorted.sort_by(f64::total_cmp);
     sorted[sorted.len() / 2]
+}
+
+/// How far a window's values scatter, relative to their median: the quartile deviation
+/// (half the range from the ⌊n/4⌋-th to the ⌊3n/4⌋-th smallest) over the median. A busy
+/// moment that slows a few steps of the window widens it at once, while it moves the
+/// median little; and it bounds what the median itself may be off by (about 0.6 of it
+/// for a window of 10 normal steps), so a gain wider than it is not the window's noise.
+fn spread(values: &VecDeque<f64>) -> f64 {
+    let mut sorted: Vec<f64> = values.iter().copied().collect();
+    sorted.sort_by(f64::total_cmp);
+    let n = sorted.len();
+    let (low, high) = (sorted[n / 4], sorted[(3 * n / 4).min(n - 1)]);
+    (high - low) / 2.0 / sorted[n / 2].max(f64::MIN_POSITIVE)
 }
 
 /// `--replan`: whether a run switches to a better plan when a rank's speed changes for
@@ -176,6 +225,11 @@ impl FromStr for ReplanMode {
 /// fitted model's error could turn the switch into a loss.
 pub const LEAST_IMPROVEMENT: f64 = 0.05;
 
+/// How far the fitted model's prediction of a plan may be off before a switch is said to
+/// have missed it: `cargo xtask bench hetero` has measured its layouts from 12 % below to
+/// 26 % above their predictions, so a quarter is its usual error, not a mispriced plan.
+pub const MODEL_ERROR: f64 = 0.25;
+
 /// What a re-planning decision answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -185,6 +239,8 @@ pub enum ReplanCause {
     /// A rank's sustained change of pace.
     #[default]
     SpeedChange,
+    /// The steps measured since the last switch: whether to keep it.
+    AfterSwitch,
 }
 
 impl std::fmt::Display for ReplanCause {
@@ -192,6 +248,7 @@ impl std::fmt::Display for ReplanCause {
         f.write_str(match self {
             ReplanCause::WarmUp => "the ranks' paces measured after warm-up",
             ReplanCause::SpeedChange => "a sustained change of a rank's pace",
+            ReplanCause::AfterSwitch => "the steps measured since the last switch",
         })
     }
 }
@@ -206,13 +263,21 @@ pub struct ReplanDecision {
     pub cause: ReplanCause,
     /// Each rank's forward and backward seconds per step, as measured.
     pub paces_s: Vec<f64>,
+    /// Each rank's spread of the steps its pace is the median of (quartile deviation
+    /// over median): the evidence the decision stands on.
+    #[serde(default)]
+    pub pace_spreads: Vec<f64>,
     /// Each rank's speed as the paces show it (its work per second), relative to the
     /// fastest rank's.
     pub speeds: Vec<f64>,
     /// The step, measured (median of the last window of steps).
     pub measured_step_s: f64,
-    /// The plan running, predicted at the measured paces.
+    /// The plan running, predicted at the measured paces (measured, when the switch to
+    /// it missed its prediction: `current_measured`).
     pub current_step_s: f64,
+    /// Whether `current_step_s` is the measured step rather than a prediction.
+    #[serde(default)]
+    pub current_measured: bool,
     /// The best plan found, predicted at the measured paces.
     pub proposed_step_s: f64,
     /// Layers per stage of each replica of the best plan.
@@ -231,6 +296,44 @@ pub struct ReplanDecision {
     pub cost_basis: String,
     /// Whether the run switched.
     pub switched: bool,
+    /// What the run does, and why.
+    #[serde(default)]
+    pub verdict: ReplanVerdict,
+}
+
+/// What a re-planning decision does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReplanVerdict {
+    /// Switches to the best plan at the measured paces.
+    Switch,
+    /// Switches back to the plan the last switch left: at the paces measured since, the
+    /// model prices it best (or alike with the best, and it has been measured).
+    SwitchBack,
+    /// A switch would pay, but a rank's pace spread is wider than the gain expected:
+    /// the next window of steps measures the paces again and the decision is retaken.
+    Defer,
+    /// A switch would pay; `--replan off` keeps the plan.
+    WouldHavePaid,
+    /// The best plan is one that lost or missed its prediction after a switch to it
+    /// earlier (and no rank's pace has changed since): kept off it.
+    LostBefore,
+    /// A switch would not pay.
+    #[default]
+    Keep,
+}
+
+impl std::fmt::Display for ReplanVerdict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ReplanVerdict::Switch => "switching now",
+            ReplanVerdict::SwitchBack => "switching back to the plan the last switch left",
+            ReplanVerdict::Defer => "a switch would pay, but a rank's pace spread is wider than the gain expected: measuring another window before deciding",
+            ReplanVerdict::WouldHavePaid => "a switch would have paid (--replan off keeps the plan)",
+            ReplanVerdict::LostBefore => "the best plan is one that measured slower than the plan before it or than its prediction after a switch to it, at paces that have not changed since: the plan is kept",
+            ReplanVerdict::Keep => "a switch would not pay; the plan is kept",
+        })
+    }
 }
 
 impl ReplanDecision {
@@ -239,6 +342,18 @@ impl ReplanDecision {
     pub fn pays(&self) -> bool {
         self.gain_s > self.switch_cost_s
             && self.proposed_step_s < self.current_step_s * (1.0 - LEAST_IMPROVEMENT)
+    }
+
+    /// The relative gain of the step it expects: 1 − proposed / current.
+    pub fn expected_gain(&self) -> f64 {
+        1.0 - self.proposed_step_s / self.current_step_s.max(f64::MIN_POSITIVE)
+    }
+
+    /// Whether the paces are steady enough to act on: no rank's spread is wider than
+    /// the gain expected.
+    pub fn evidence_suffices(&self) -> bool {
+        let widest = self.pace_spreads.iter().copied().fold(0.0, f64::max);
+        widest <= self.expected_gain()
     }
 }
 
@@ -256,8 +371,42 @@ pub struct SwitchOutcome {
     pub predicted_step_s: f64,
     /// The measured step since (median of the window after it), s.
     pub after_step_s: f64,
+    /// The spreads (quartile deviation over median) of the windows before and after.
+    pub before_spread: f64,
+    /// See `before_spread`.
+    pub after_spread: f64,
+    /// Whether the switch lost: the step after it slower than the step before by more
+    /// than [`SwitchOutcome::noise`].
+    pub lost: bool,
+    /// Whether it missed its prediction: the step after it slower than predicted by
+    /// more than [`SwitchOutcome::noise`] and [`MODEL_ERROR`] (the fitted model mispriced
+    /// the new plan).
+    pub missed: bool,
     /// How long the switch took (the slowest rank), s.
     pub switch_s: f64,
+}
+
+impl SwitchOutcome {
+    /// The relative difference below which the steps before and after a switch are
+    /// called alike: the wider of their windows' spreads, and at least the least
+    /// improvement a switch is made for.
+    pub fn noise(&self) -> f64 {
+        self.before_spread
+            .max(self.after_spread)
+            .max(LEAST_IMPROVEMENT)
+    }
+
+    /// Whether the step after measures slower than the step before, beyond the noise.
+    pub fn measures_slower(&self) -> bool {
+        self.after_step_s > self.before_step_s * (1.0 + self.noise())
+    }
+
+    /// Whether the step after measures slower than predicted, beyond the noise and
+    /// beyond [`MODEL_ERROR`].
+    pub fn misses_prediction(&self) -> bool {
+        let bar = self.noise().max(MODEL_ERROR);
+        self.after_step_s > self.predicted_step_s * (1.0 + bar)
+    }
 }
 
 /// The last `window` step times, for their median.
@@ -292,6 +441,14 @@ impl RecentSteps {
     /// The median of the steps kept (`None` before the first).
     pub fn median(&self) -> Option<f64> {
         (!self.times.is_empty()).then(|| median(&self.times))
+    }
+
+    /// The spread of the steps kept ([`spread`]; 0 before the first).
+    pub fn spread(&self) -> f64 {
+        match self.times.is_empty() {
+            true => 0.0,
+            false => spread(&self.times),
+        }
     }
 }
 
@@ -425,6 +582,106 @@ mod tests {
         let speeds: Vec<f64> = got.iter().map(|(_, s)| s.relative_speed()).collect();
         assert_eq!(speeds.len(), 2, "{got:?}");
         assert!(speeds[0] < 0.3 && speeds[1] > 3.0, "{speeds:?}");
+    }
+
+    #[test]
+    fn the_spread_is_the_quartile_deviation_over_the_median() {
+        let steady: VecDeque<f64> = [1.0, 1.02, 0.98, 1.01, 0.99, 1.0, 1.0, 1.03].into();
+        assert!(spread(&steady) < 0.05, "{}", spread(&steady));
+        // A busy moment that slows three steps of ten widens it, and moves the median
+        // by at most one place.
+        let mut busy: VecDeque<f64> = vec![1.0; 7].into();
+        busy.extend([3.0, 3.0, 3.0]);
+        assert!((spread(&busy) - 1.0).abs() < 1e-12, "{}", spread(&busy));
+        assert_eq!(median(&busy), 1.0);
+        assert_eq!(spread(&[2.0].into()), 0.0);
+    }
+
+    #[test]
+    fn after_a_switch_only_one_step_is_warm_up_and_paces_can_be_measured_again() {
+        let config = WatchConfig {
+            threshold: 0.2,
+            window: WINDOW,
+        };
+        let mut watch = SpeedWatch::after_switch(2, config);
+        for _ in 0..WINDOW {
+            watch.observe(&[1.0, 2.0]);
+            assert_eq!(watch.paces_s(), None);
+        }
+        watch.observe(&[1.0, 2.0]);
+        assert_eq!(watch.paces_s(), Some(vec![1.0, 2.0]));
+        assert_eq!(watch.spreads(), Some(vec![0.0, 0.0]));
+        watch.remeasure();
+        assert_eq!(watch.paces_s(), None);
+        for step in 0..WINDOW {
+            watch.observe(&[1.0, 1.0 + step as f64]);
+        }
+        let spreads = watch.spreads().unwrap();
+        assert_eq!(watch.paces_s(), Some(vec![1.0, 3.0]));
+        // Paces 1 to 4: quartiles 2 and 4 about a median of 3.
+        assert!(
+            spreads[0] == 0.0 && (spreads[1] - 1.0 / 3.0).abs() < 1e-12,
+            "{spreads:?}"
+        );
+    }
+
+    fn outcome(before_s: f64, after_s: f64, spreads: (f64, f64)) -> SwitchOutcome {
+        SwitchOutcome {
+            switched_after: 20,
+            iteration: 31,
+            before_step_s: before_s,
+            predicted_step_s: 0.5,
+            after_step_s: after_s,
+            before_spread: spreads.0,
+            after_spread: spreads.1,
+            lost: false,
+            missed: false,
+            switch_s: 0.1,
+        }
+    }
+
+    #[test]
+    fn a_switch_loses_only_beyond_the_noise() {
+        assert!(outcome(1.0, 1.3, (0.1, 0.05)).measures_slower());
+        // Within the wider spread, or under the least improvement, it is alike.
+        assert!(!outcome(1.0, 1.3, (0.1, 0.35)).measures_slower());
+        assert!(!outcome(1.0, 1.04, (0.0, 0.0)).measures_slower());
+        assert!(!outcome(1.0, 0.5, (0.0, 0.0)).measures_slower());
+        // Predicted 0.5 s: 0.9 s misses it; 0.6 s is within the model's usual error.
+        assert!(outcome(1.0, 0.9, (0.1, 0.1)).misses_prediction());
+        assert!(!outcome(1.0, 0.6, (0.0, 0.0)).misses_prediction());
+        assert!(!outcome(1.0, 0.9, (0.1, 0.9)).misses_prediction());
+    }
+
+    #[test]
+    fn a_decision_acts_only_on_paces_steadier_than_its_gain() {
+        let decision = |spreads: Vec<f64>| ReplanDecision {
+            iteration: 20,
+            cause: ReplanCause::WarmUp,
+            paces_s: vec![1.0, 1.0],
+            pace_spreads: spreads,
+            speeds: vec![1.0, 1.0],
+            measured_step_s: 1.0,
+            current_step_s: 1.0,
+            current_measured: false,
+            proposed_step_s: 0.8,
+            proposed_layers: vec![],
+            proposed_batches: vec![],
+            proposed_plan: synerfuse_plan::Plan::from_toml(
+                "[[replica]]\nlayers = [2]\nmicro_batch_size = 1\nnum_micro_batches = 2\n",
+                None,
+            )
+            .unwrap(),
+            remaining_iterations: 100,
+            gain_s: 20.0,
+            switch_cost_s: 1.0,
+            cost_basis: String::new(),
+            switched: false,
+            verdict: ReplanVerdict::Keep,
+        };
+        assert!((decision(vec![]).expected_gain() - 0.2).abs() < 1e-12);
+        assert!(decision(vec![0.05, 0.19]).evidence_suffices());
+        assert!(!decision(vec![0.05, 0.25]).evidence_suffices());
     }
 
     #[test]

@@ -53,7 +53,7 @@ pub use outcome::{
 pub use pooled::plan_pooled;
 pub use request::{Choice, ChoiceError, PlanRequest, TrainOptions};
 pub use running::{
-    best_plan_for, fitted_cost, fitted_cost_of, predict_step_s, predict_timeline,
+    best_plan_for, confined_request, fitted_cost, fitted_cost_of, predict_step_s, predict_timeline,
     running_job_request, ReplanError, RunningJob,
 };
 pub use samples::{min_max_samples, ReplicaPace};

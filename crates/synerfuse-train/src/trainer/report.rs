@@ -494,17 +494,18 @@ impl StepLog {
     /// (`replan`), TensorBoard scalars (`replan predicted step s`, `replan gain s`,
     /// `replan switch cost s`, `replan switched`).
     pub fn record_replan(&mut self, decision: &ReplanDecision) -> Result<(), TrainError> {
-        let verdict = match (decision.switched, decision.pays()) {
-            (true, _) => "switching now",
-            (false, true) => "a switch would have paid (--replan off keeps the plan)",
-            (false, false) => "a switch would not pay; the plan is kept",
-        };
+        let verdict = decision.verdict;
         tracing::info!(
-            "re-planning after iteration {} ({}): ranks' forward and backward {:?} s per step, speeds {:?} of the fastest; the plan running predicted at {:.4} s per step (measured {:.4} s), the best plan at {:.4} s (layers per stage {:?}, micro-batches per replica {:?}); gain over the {} remaining iterations {:.2} s against a switch cost of {:.2} s ({}): {verdict}",
+            "re-planning after iteration {} ({}): ranks' forward and backward {:?} s per step (spreads {:?}), speeds {:?} of the fastest; the plan running {} at {:.4} s per step (measured {:.4} s), the best plan at {:.4} s (layers per stage {:?}, micro-batches per replica {:?}); gain over the {} remaining iterations {:.2} s against a switch cost of {:.2} s ({}): {verdict}",
             decision.iteration,
             decision.cause,
             decision.paces_s.iter().map(|p| (p * 1e4).round() / 1e4).collect::<Vec<_>>(),
+            decision.pace_spreads.iter().map(|p| (p * 1e3).round() / 1e3).collect::<Vec<_>>(),
             decision.speeds.iter().map(|s| (s * 100.0).round() / 100.0).collect::<Vec<_>>(),
+            match decision.current_measured {
+                true => "priced by its measured step (its prediction missed)",
+                false => "predicted",
+            },
             decision.current_step_s,
             decision.measured_step_s,
             decision.proposed_step_s,
@@ -543,13 +544,20 @@ impl StepLog {
             return Ok(());
         }
         tracing::info!(
-            "re-planning after iteration {}: measured {:.4} s per step since the switch against {:.4} s before it ({:.2}x) and {:.4} s predicted; the switch took {:.3} s",
+            "re-planning after iteration {}: measured {:.4} s per step since the switch against {:.4} s before it ({:.2}x; spreads {:.3} and {:.3}) and {:.4} s predicted; the switch took {:.3} s{}",
             outcome.switched_after,
             outcome.after_step_s,
             outcome.before_step_s,
             outcome.before_step_s / outcome.after_step_s.max(1e-12),
+            outcome.before_spread,
+            outcome.after_spread,
             outcome.predicted_step_s,
             outcome.switch_s,
+            match (outcome.lost, outcome.missed) {
+                (true, _) => "; it lost (slower than before, beyond the noise): the plan running is priced by its measured step next",
+                (false, true) => "; it missed its prediction (beyond the noise and the model's usual error): the plan running is priced by its measured step next",
+                (false, false) => "",
+            },
         );
         if let Some(json) = &mut self.json {
             let record = SwitchOutcomeRecord {

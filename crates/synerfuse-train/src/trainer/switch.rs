@@ -7,18 +7,20 @@
 
 use super::broadcast::broadcast_bytes;
 use super::exchange::{exchange, Recorder};
-use super::replanning::Settling;
+use super::replanning::{LookAfter, Settling};
 use super::report::StepLog;
 use super::state::Trainer;
 use crate::comm::devices::RankDevice;
 use crate::replan::{
-    RecentSteps, ReplanCause, ReplanDecision, ReplanMode, SpeedWatch, SwitchOutcome,
+    RecentSteps, ReplanCause, ReplanDecision, ReplanMode, ReplanVerdict, SpeedWatch, SwitchOutcome,
+    LEAST_IMPROVEMENT,
 };
 use crate::TrainError;
 use std::path::PathBuf;
 use std::time::Instant;
 use synerfuse_model::tch::Tensor;
-use synerfuse_plan::RunRecord;
+use synerfuse_plan::{Plan, RunRecord};
+use synerfuse_planner::cost::CostModel;
 use synerfuse_planner::planner::{self, RunningJob};
 
 impl<'w> Trainer<'w> {
@@ -40,24 +42,44 @@ impl<'w> Trainer<'w> {
         let mut outcome = settling.outcome.clone();
         outcome.iteration = self.iteration;
         outcome.after_step_s = settling.after.median().unwrap_or_default();
+        outcome.after_spread = settling.after.spread();
+        outcome.lost = outcome.measures_slower();
+        outcome.missed = outcome.misses_prediction();
+        let previous_plan = settling.previous_plan.clone();
         self.replanning.settling = None;
+        self.replanning.look_after = Some(LookAfter {
+            outcome: outcome.clone(),
+            previous_plan,
+        });
         log.record_switch_outcome(self.world.rank(), &outcome)
     }
 
     /// Why to re-plan after this step, if at all (never when the run cannot go on: its
-    /// last step, or one it stops after): a sustained change the watch reported, or,
-    /// once a run and on more than one rank, the first paces after warm-up.
+    /// last step, or one it stops after): a sustained change the watch reported; a
+    /// switch measured, once the watch has the paces since it; a decision deferred, once
+    /// it has measured them again; or, once a run and on more than one rank, the first
+    /// paces after warm-up.
     pub(super) fn replan_cause(&mut self, shifted: bool, goes_on: bool) -> Option<ReplanCause> {
         if !goes_on {
             return None;
         }
-        let first = !self.replanning.warm_up_judged && self.watch.paces_s().is_some();
+        let measured = self.watch.paces_s().is_some();
+        let first = !self.replanning.warm_up_judged && measured;
         self.replanning.warm_up_judged |= first;
-        match (shifted, first && self.world.size() > 1) {
-            (true, _) => Some(ReplanCause::SpeedChange),
-            (false, true) => Some(ReplanCause::WarmUp),
-            (false, false) => None,
+        let replanning = &mut self.replanning;
+        if shifted {
+            // A rank's pace changed: what lost before may not lose now.
+            replanning.lost_plans.clear();
+            replanning.deferred = None;
+            return Some(ReplanCause::SpeedChange);
         }
+        if measured && replanning.look_after.is_some() {
+            return Some(ReplanCause::AfterSwitch);
+        }
+        if measured && replanning.deferred.is_some() {
+            return replanning.deferred.take();
+        }
+        (first && self.world.size() > 1).then_some(ReplanCause::WarmUp)
     }
 
     /// After the watch's verdict (`cause`): plans again with every rank's measured pace,
@@ -82,12 +104,17 @@ impl<'w> Trainer<'w> {
             false => None,
         };
         let (switch_cost_s, cost_basis) = self.switch_cost()?;
+        let look_after = match cause {
+            ReplanCause::AfterSwitch => self.replanning.look_after.take(),
+            _ => None,
+        };
         // Rank 0 decides and tells the others: the planner's ties must not fall apart
         // between processes.
         let (mut message, mut failure) = (Vec::new(), None);
         if self.world.rank() == 0 {
             let job = RunningJob::of_run(&run, &paces_s, network);
-            match self.decide(&job, switch_cost_s, cost_basis, cause) {
+            let basis = (switch_cost_s, cost_basis, cause);
+            match self.decide(&job, basis, look_after.as_ref()) {
                 Ok(decision) => message = serde_json::to_vec(&decision).unwrap_or_default(),
                 Err(reason) => failure = Some(reason),
             }
@@ -113,11 +140,34 @@ impl<'w> Trainer<'w> {
             0 => log.record_replan(&decision),
             _ => Ok(()),
         };
+        let failed = look_after.is_some_and(|l| l.outcome.lost || l.outcome.missed);
+        self.act_on(log, decision, failed)?;
+        logged
+    }
+
+    /// Every rank's part of a decision: measuring the paces again for a deferred one,
+    /// switching for one that switches, remembering the plan left as lost when it
+    /// `failed` (measured slower than the plan before it, or than its prediction).
+    /// Collective.
+    fn act_on(
+        &mut self,
+        log: &mut StepLog,
+        decision: ReplanDecision,
+        failed: bool,
+    ) -> Result<(), TrainError> {
+        if decision.verdict == ReplanVerdict::Defer {
+            self.watch.remeasure();
+            self.replanning.deferred = Some(decision.cause);
+        }
+        if decision.switched && failed {
+            let lost = self.config.parallel.plan.clone();
+            self.replanning.lost_plans.push(lost);
+        }
         if decision.switched {
             self.switch_plan(decision)?;
             self.record_run(log)?;
         }
-        logged
+        Ok(())
     }
 
     /// Under `--log-json`, writes what runs (the model, the plan, the options) as the
@@ -206,13 +256,16 @@ impl<'w> Trainer<'w> {
     }
 
     /// Rank 0's decision: the best plan at the measured paces, priced against the plan
-    /// running (both by the fitted model).
+    /// running (both by the fitted model). After a switch (`look_after`) the plan it left
+    /// is a candidate too, preferred when the model prices it alike; and a switch that
+    /// lost or missed its prediction is priced by its measured step, against the plans of
+    /// the kinds of parallelism the job ran before ([`planner::confined_request`]), not
+    /// itself again.
     fn decide(
         &self,
         job: &RunningJob<'_>,
-        switch_cost_s: f64,
-        cost_basis: &str,
-        cause: ReplanCause,
+        (switch_cost_s, cost_basis, cause): (f64, &str, ReplanCause),
+        look_after: Option<&LookAfter>,
     ) -> Result<ReplanDecision, planner::ReplanError> {
         let cost = planner::fitted_cost(job)?;
         let fitted: Vec<f64> = cost
@@ -222,25 +275,22 @@ impl<'w> Trainer<'w> {
             .map(|g| g.speed.unwrap_or(1.0))
             .collect();
         let fastest = fitted.iter().copied().fold(f64::MIN_POSITIVE, f64::max);
-        let current_step_s = planner::predict_step_s(&cost, job.plan)?;
-        let global = job.plan.global_batch_size();
-        let request = planner::running_job_request(
-            global,
-            self.config.compute.recompute,
-            self.config.optimizer.distributed,
-        );
-        let placements: Vec<_> = (0..job.plan.world_size())
-            .map(|r| job.plan.placement(r).cloned())
-            .collect();
-        let (plan, proposed_step_s) = planner::best_plan_for(&cost, &request, &placements)?;
+        let failed = look_after.filter(|l| l.outcome.lost || l.outcome.missed);
+        let current_step_s = match failed {
+            Some(l) => l.outcome.after_step_s,
+            None => planner::predict_step_s(&cost, job.plan)?,
+        };
+        let (plan, proposed_step_s) = self.proposal(&cost, job, look_after)?;
         let remaining_iterations = self.config.batch.train_iters - self.iteration;
         let mut decision = ReplanDecision {
             iteration: self.iteration,
             cause,
             paces_s: job.paces_s.to_vec(),
+            pace_spreads: self.watch.spreads().unwrap_or_default(),
             speeds: fitted.iter().map(|s| s / fastest).collect(),
             measured_step_s: self.replanning.recent.median().unwrap_or_default(),
             current_step_s,
+            current_measured: failed.is_some(),
             proposed_step_s,
             proposed_layers: plan.replicas().iter().map(|r| r.stages.layers()).collect(),
             proposed_batches: (plan.replicas().iter()).map(|r| r.batch.clone()).collect(),
@@ -250,11 +300,73 @@ impl<'w> Trainer<'w> {
             switch_cost_s,
             cost_basis: cost_basis.to_owned(),
             switched: false,
+            verdict: ReplanVerdict::Keep,
         };
-        decision.switched = self.config.replan.mode == ReplanMode::Auto
-            && decision.pays()
-            && decision.proposed_plan != *job.plan;
+        let previous = look_after.map(|l| &l.previous_plan);
+        decision.verdict = self.verdict(&decision, job.plan, previous);
+        decision.switched = matches!(
+            decision.verdict,
+            ReplanVerdict::Switch | ReplanVerdict::SwitchBack
+        );
         Ok(decision)
+    }
+
+    /// The plan to propose and its predicted step: see [`Self::decide`].
+    fn proposal(
+        &self,
+        cost: &CostModel,
+        job: &RunningJob<'_>,
+        look_after: Option<&LookAfter>,
+    ) -> Result<(Plan, f64), planner::ReplanError> {
+        let failed = look_after.filter(|l| l.outcome.lost || l.outcome.missed);
+        let mut request = planner::running_job_request(
+            job.plan.global_batch_size(),
+            self.config.compute.recompute,
+            self.config.optimizer.distributed,
+        );
+        if let Some(l) = failed {
+            request = planner::confined_request(request, &l.previous_plan);
+        }
+        let placements: Vec<_> = (0..job.plan.world_size())
+            .map(|r| job.plan.placement(r).cloned())
+            .collect();
+        let mut best = planner::best_plan_for(cost, &request, &placements)?;
+        let Some(l) = look_after else {
+            return Ok(best);
+        };
+        let previous = &l.previous_plan;
+        if failed.is_some() && best.0 == *job.plan {
+            best = (previous.clone(), planner::predict_step_s(cost, previous)?);
+        }
+        prefer_measured(cost, best, previous)
+    }
+
+    /// What to do about `decision`, made while `current` runs (`previous`: the plan the
+    /// last switch left, when the decision looks after it): switch when the proposal
+    /// pays, is not a plan that lost or missed before and the paces are steady enough to
+    /// trust the gain; else keep the plan, saying why.
+    fn verdict(
+        &self,
+        decision: &ReplanDecision,
+        current: &Plan,
+        previous: Option<&Plan>,
+    ) -> ReplanVerdict {
+        if !(decision.pays() && decision.proposed_plan != *current) {
+            return ReplanVerdict::Keep;
+        }
+        if self.config.replan.mode != ReplanMode::Auto {
+            return ReplanVerdict::WouldHavePaid;
+        }
+        if self.replanning.lost_plans.contains(&decision.proposed_plan) {
+            return ReplanVerdict::LostBefore;
+        }
+        if !decision.evidence_suffices() {
+            return ReplanVerdict::Defer;
+        }
+        match previous == Some(&decision.proposed_plan) {
+            true => ReplanVerdict::SwitchBack,
+            false => ReplanVerdict::Switch,
+        }
     }
 
     /// Switches this rank to the decision's plan at this step boundary. Collective.
@@ -263,6 +375,8 @@ impl<'w> Trainer<'w> {
         // A background save of the old plan's state completes first.
         self.finish_saves()?;
         let before_step_s = self.replanning.recent.median().unwrap_or_default();
+        let before_spread = self.replanning.recent.spread();
+        let previous_plan = self.config.parallel.plan.clone();
         let held = self.checkpoint_pieces();
         let state = self.checkpoint_state();
         let origin = PathBuf::from(format!(
@@ -299,7 +413,7 @@ impl<'w> Trainer<'w> {
         let window = self.config.replan.watch.window;
         self.replanning.recent = RecentSteps::new(window);
         self.replanning.last_switch_s = Some(switch_s);
-        self.watch = SpeedWatch::new(self.world.size(), self.config.replan.watch);
+        self.watch = SpeedWatch::after_switch(self.world.size(), self.config.replan.watch);
         let predicted_step_s = decision.proposed_step_s;
         self.replanning.settling = Some(Settling {
             outcome: SwitchOutcome {
@@ -308,8 +422,13 @@ impl<'w> Trainer<'w> {
                 before_step_s,
                 predicted_step_s,
                 after_step_s: 0.0,
+                before_spread,
+                after_spread: 0.0,
+                lost: false,
+                missed: false,
                 switch_s,
             },
+            previous_plan,
             seen: 0,
             after: RecentSteps::new(window),
         });
@@ -323,4 +442,21 @@ impl<'w> Trainer<'w> {
         }
         Ok(())
     }
+}
+
+/// `best` (a plan and its predicted step), or `previous`, the plan the last switch left,
+/// where the model prices it within [`LEAST_IMPROVEMENT`] of `best`: of two plans the
+/// model cannot tell apart, the one this run has measured. (A rank given little work
+/// looks slower per sample than it is, its fixed costs spread over fewer samples, so a
+/// switch made on a misleading warm-up would otherwise end near, not at, the plan before.)
+fn prefer_measured(
+    cost: &CostModel,
+    best: (Plan, f64),
+    previous: &Plan,
+) -> Result<(Plan, f64), planner::ReplanError> {
+    let previous_s = planner::predict_step_s(cost, previous)?;
+    Ok(match previous_s <= best.1 * (1.0 + LEAST_IMPROVEMENT) {
+        true => (previous.clone(), previous_s),
+        false => best,
+    })
 }

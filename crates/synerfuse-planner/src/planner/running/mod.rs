@@ -20,7 +20,7 @@ mod replan;
 pub use fitted::{fitted_cost, fitted_cost_of};
 pub use job::{ReplanError, RunningJob};
 pub use predict::{predict_step_s, predict_timeline};
-pub use replan::{best_plan_for, running_job_request};
+pub use replan::{best_plan_for, confined_request, running_job_request};
 
 #[cfg(test)]
 mod expert_tests;

@@ -44,6 +44,28 @@ pub fn running_job_request(
     }
 }
 
+/// `request` confined to the kinds of parallelism `plan` uses: tensor- and
+/// context-parallel sizes up to its largest, expert parallelism only if it splits
+/// experts. A switch whose plan measured far slower than predicted is answered from
+/// these: the fitted model prices them as the run measured them, not the kinds it
+/// mispriced.
+pub fn confined_request(mut request: PlanRequest, plan: &Plan) -> PlanRequest {
+    let largest = |size: &dyn Fn(&ReplicaPipeline, usize) -> usize| {
+        (plan.replicas().iter())
+            .flat_map(|r| (0..r.stages.num_stages()).map(move |s| size(r, s)))
+            .max()
+            .unwrap_or(1)
+    };
+    let tp = largest(&|r, s| r.tp_size(s));
+    let cp = largest(&|r, s| r.cp_size(s));
+    request.tensor_parallel_sizes.retain(|&t| t <= tp);
+    request.context_parallel_sizes.retain(|&c| c <= cp);
+    if !plan.replicas().iter().any(ReplicaPipeline::splits_experts) {
+        request.expert_parallel_sizes.retain(|&e| e == 1);
+    }
+    request
+}
+
 /// The planner's best plan for `request` on `cost`'s cluster (the best grid plan or the
 /// best per-replica-pipeline plan, whichever [`predict_step_s`] prices faster), with
 /// rank `r` on device `r`, placed at `placements[r]` (where every rank has one); and
@@ -103,5 +125,39 @@ fn on_devices(
     match plan.network() {
         Some(network) => replanned.with_network(network.clone()),
         None => Ok(replanned),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request() -> PlanRequest {
+        running_job_request(16, false, false)
+    }
+
+    #[test]
+    fn a_confined_request_keeps_the_kinds_of_parallelism_a_plan_uses() {
+        let data_parallel = Plan::from_toml(
+            "[[replica]]\nlayers = [4]\nmicro_batch_size = 1\nnum_micro_batches = 8\nranks = [0]\n\n\
+             [[replica]]\nlayers = [4]\nmicro_batch_size = 1\nnum_micro_batches = 8\nranks = [1]\n",
+            None,
+        )
+        .unwrap();
+        let confined = confined_request(request(), &data_parallel);
+        assert_eq!(confined.tensor_parallel_sizes, [1]);
+        assert_eq!(confined.context_parallel_sizes, [1]);
+        assert_eq!(confined.expert_parallel_sizes, [1]);
+        // The rest of the search is the request's.
+        assert_eq!(confined.micro_batch_sizes, request().micro_batch_sizes);
+
+        let tensor_parallel = Plan::from_toml(
+            "[[replica]]\nlayers = [4]\nmicro_batch_size = 1\nnum_micro_batches = 16\ntp = [2]\nranks = [0, 1]\n",
+            None,
+        )
+        .unwrap();
+        let confined = confined_request(request(), &tensor_parallel);
+        assert_eq!(confined.tensor_parallel_sizes, [1, 2]);
+        assert_eq!(confined.context_parallel_sizes, [1]);
     }
 }
