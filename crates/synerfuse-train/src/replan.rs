@@ -163,7 +163,8 @@ impl SpeedWatch {
         self.ranks.iter().map(|r| r.assumed_s).collect()
     }
 
-    /// Each rank's spread ([`spread`]) of the window its assumed pace comes from, once
+    /// Each rank's spread (quartile deviation over median) of the window its assumed pace
+    /// comes from, once
     /// every rank has one.
     pub fn spreads(&self) -> Option<Vec<f64>> {
         (self.ranks.iter())
@@ -443,7 +444,7 @@ impl RecentSteps {
         (!self.times.is_empty()).then(|| median(&self.times))
     }
 
-    /// The spread of the steps kept ([`spread`]; 0 before the first).
+    /// The spread of the steps kept (quartile deviation over median; 0 before the first).
     pub fn spread(&self) -> f64 {
         match self.times.is_empty() {
             true => 0.0,

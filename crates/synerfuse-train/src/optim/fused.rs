@@ -115,6 +115,7 @@ fn fused_call(
     let message = unsafe { CStr::from_ptr(error) }
         .to_string_lossy()
         .into_owned();
+    // SAFETY: the shim allocated it with malloc; freed once, after it was copied.
     unsafe { synerfuse_free_error(error) };
     Err(FusedAdamError {
         device: step.device(),
