@@ -68,9 +68,11 @@ impl<'w> Trainer<'w> {
         self.replanning.warm_up_judged |= first;
         let replanning = &mut self.replanning;
         if shifted {
-            // A rank's pace changed: what lost before may not lose now.
+            // A rank's pace changed: what lost before may not lose now, and the decision
+            // on it supersedes any left pending.
             replanning.lost_plans.clear();
             replanning.deferred = None;
+            replanning.look_after = None;
             return Some(ReplanCause::SpeedChange);
         }
         if measured && replanning.look_after.is_some() {
@@ -140,24 +142,27 @@ impl<'w> Trainer<'w> {
             0 => log.record_replan(&decision),
             _ => Ok(()),
         };
-        let failed = look_after.is_some_and(|l| l.outcome.lost || l.outcome.missed);
-        self.act_on(log, decision, failed)?;
+        self.act_on(log, decision, look_after)?;
         logged
     }
 
-    /// Every rank's part of a decision: measuring the paces again for a deferred one,
-    /// switching for one that switches, remembering the plan left as lost when it
-    /// `failed` (measured slower than the plan before it, or than its prediction).
-    /// Collective.
+    /// Every rank's part of a decision: measuring the paces again for a deferred one
+    /// (a look after a switch kept for the retaken decision), switching for one that
+    /// switches, remembering the plan left as lost when its switch failed (measured
+    /// slower than the plan before it, or than its prediction). Collective.
     fn act_on(
         &mut self,
         log: &mut StepLog,
         decision: ReplanDecision,
-        failed: bool,
+        look_after: Option<LookAfter>,
     ) -> Result<(), TrainError> {
+        let failed = (look_after.as_ref()).is_some_and(|l| l.outcome.lost || l.outcome.missed);
         if decision.verdict == ReplanVerdict::Defer {
             self.watch.remeasure();
-            self.replanning.deferred = Some(decision.cause);
+            match look_after {
+                Some(look) => self.replanning.look_after = Some(look),
+                None => self.replanning.deferred = Some(decision.cause),
+            }
         }
         if decision.switched && failed {
             let lost = self.config.parallel.plan.clone();
