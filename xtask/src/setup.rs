@@ -212,6 +212,11 @@ fn torch_step(venv: &Path, python: &Path) -> Result<PathBuf> {
                 Some(v) => println!("[torch] torch {v} found, tch needs {TORCH_VERSION}: replacing"),
                 None => println!("[torch] installing torch=={TORCH_VERSION} from PyPI (about 4.7 GB with its CUDA runtime wheels)"),
             }
+            require_free_space(
+                venv,
+                TORCH_DISK_BYTES,
+                "the torch wheel and its CUDA runtime wheels",
+            )?;
             pip_install(python, &[&format!("torch=={TORCH_VERSION}")])?;
         }
     }
@@ -305,6 +310,48 @@ fn reference_step(python: &Path) -> Result<()> {
     Ok(())
 }
 
+/// What installing torch takes on disk at its peak: the downloaded wheels (~2.8 GB) beside
+/// the unpacked packages (4.6 GB in `.venv` once installed, 2026-11-30).
+const TORCH_DISK_BYTES: u64 = 8 << 30;
+
+/// Fails with the free and needed space named when the file system holding `dir` has
+/// less than `needed` bytes free, rather than leaving pip to fail halfway with ENOSPC.
+fn require_free_space(dir: &Path, needed: u64, what: &str) -> Result<()> {
+    let Some(free) = free_bytes(dir) else {
+        println!(
+            "[disk] could not read the free space under {}; going on",
+            dir.display()
+        );
+        return Ok(());
+    };
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    if free < needed {
+        bail!(
+            "[disk] {:.1} GiB free under {}, {what} need about {:.1} GiB: free some space (or point \
+             the checkout at a larger disk) and rerun `cargo xtask setup`",
+            gib(free),
+            dir.display(),
+            gib(needed)
+        );
+    }
+    println!("[disk] {:.1} GiB free under {}", gib(free), dir.display());
+    Ok(())
+}
+
+/// Bytes available to this user on the file system holding `dir`, read from POSIX `df`.
+fn free_bytes(dir: &Path) -> Option<u64> {
+    let out = Command::new("df").args(["-Pk"]).arg(dir).output().ok()?;
+    let text = String::from_utf8(out.stdout).ok()?;
+    let available_kib: u64 = text
+        .lines()
+        .nth(1)?
+        .split_whitespace()
+        .nth(3)?
+        .parse()
+        .ok()?;
+    Some(available_kib * 1024)
+}
+
 fn pip_install(python: &Path, requirements: &[&str]) -> Result<()> {
     let status = Command::new(python)
         .args([
@@ -312,6 +359,9 @@ fn pip_install(python: &Path, requirements: &[&str]) -> Result<()> {
             "pip",
             "install",
             "--disable-pip-version-check",
+            // pip's cache would keep a second copy of every wheel (torch's ~2.8 GB)
+            // beside the installed files; a CI machine's disk is the limit here.
+            "--no-cache-dir",
             "--progress-bar",
             "off",
         ])
