@@ -275,6 +275,25 @@ fn model_headlines(v: &serde_json::Value) -> Vec<Row> {
         ">= 1.2x".into(),
         Some(ratio >= 1.2),
     ));
+    if v.get("whole_logits_peak_rss_mb").is_some() {
+        out.push((
+            "the same, our loss in chunks with the output layer vs the whole logits".into(),
+            format!(
+                "peak RSS {:.0} vs {:.0} MB, {:.0} vs {:.0} tokens/s{} (transformers: {:.0} MB)",
+                field(v, "ours_peak_rss_mb"),
+                field(v, "whole_logits_peak_rss_mb"),
+                field(v, "ours_tokens_per_s"),
+                field(v, "whole_logits_tokens_per_s"),
+                runs_note(
+                    v,
+                    &["ours_tokens_per_s_runs", "whole_logits_tokens_per_s_runs"]
+                ),
+                field(v, "reference_peak_rss_mb"),
+            ),
+            String::new(),
+            None,
+        ));
+    }
     out
 }
 
@@ -1068,7 +1087,9 @@ fn same_caches(ours: &Path, theirs: &Path) -> Result<()> {
 /// Training step (forward + backward + AdamW) of a ~21M-parameter LLaMA (hidden 512, 4
 /// layers, 8 heads, FFN 1376, vocabulary 8192, untied), sequence 256, batch 8, fp32 on the
 /// CPU with 2 threads: synerfuse-model (tch) with the trainer's own AdamW vs transformers'
-/// LlamaForCausalLM in PyTorch eager with torch.optim.AdamW. Runs alternate, 5 each (a
+/// LlamaForCausalLM in PyTorch eager with torch.optim.AdamW; ours also with the whole
+/// logits instead of the loss in chunks, with each run's peak resident memory. Runs
+/// alternate, 5 each (a
 /// run varies by ±10 % on a shared 2-core machine); the ratio is of the medians, with
 /// each side's spread and its median forward, backward and optimizer seconds (where a
 /// gap goes).
@@ -1108,14 +1129,19 @@ fn model(root: &Path) -> Result<()> {
         ["tokens_per_second", "parameters"]
             .iter()
             .chain(&PHASES)
+            .chain(&["peak_rss_mb"])
             .map(|key| number(&line, key))
             .collect()
     };
-    let (mut ours, mut reference) = (Vec::new(), Vec::new());
+    // Ours with the loss run chunk by chunk with the output layer (the trainer's 1F1B
+    // last stage), and with the whole logits: that change measured on its own.
+    let (mut ours, mut whole_logits, mut reference) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..RUNS {
-        let mut cmd = Command::new(&ours_bin);
-        cmd.args(SHAPE).args(["cpu", "fp32"]);
-        ours.push(run(cmd)?);
+        for (loss, runs) in [("chunked", &mut ours), ("whole", &mut whole_logits)] {
+            let mut cmd = Command::new(&ours_bin);
+            cmd.args(SHAPE).args(["cpu", "fp32", loss]);
+            runs.push(run(cmd)?);
+        }
         let mut cmd = Command::new(&python);
         cmd.arg(&script).args(SHAPE);
         reference.push(run(cmd)?);
@@ -1161,19 +1187,22 @@ fn model(root: &Path) -> Result<()> {
         parameters / 1e6
     );
     println!();
-    println!("| | tokens/s (spread) | forward, backward, optimizer s (medians) |");
-    println!("|---|---|---|");
+    println!(
+        "| | tokens/s (spread) | forward, backward, optimizer s (medians) | peak RSS MB (median) |"
+    );
+    println!("|---|---|---|---|");
     for (name, runs) in [
         (
-            "synerfuse-model (tch, libtorch 2.11) + synerfuse-train AdamW",
+            "synerfuse-model (tch, libtorch 2.11) + synerfuse-train AdamW, loss in chunks",
             &ours,
         ),
+        ("the same with the whole logits", &whole_logits),
         ("transformers LlamaForCausalLM, PyTorch eager", &reference),
     ] {
         let tps = column(runs, 0);
-        let [f, b, o] = [2, 3, 4].map(|i| median(&column(runs, i)));
+        let [f, b, o, rss] = [2, 3, 4, 5].map(|i| median(&column(runs, i)));
         println!(
-            "| {name} | {:.0} ({}) | {f:.3}, {b:.3}, {o:.4} |",
+            "| {name} | {:.0} ({}) | {f:.3}, {b:.3}, {o:.4} | {rss:.0} |",
             median(&tps),
             spread(&tps)
         );
@@ -1203,6 +1232,12 @@ fn model(root: &Path) -> Result<()> {
             "ours_tokens_per_s_runs": ours_tps,
             "reference_tokens_per_s_runs": reference_tps,
             "ours_phases_s": phases(&ours),
+            "whole_logits_tokens_per_s": median(&column(&whole_logits, 0)),
+            "whole_logits_tokens_per_s_runs": column(&whole_logits, 0),
+            "whole_logits_phases_s": phases(&whole_logits),
+            "ours_peak_rss_mb": median(&column(&ours, 5)),
+            "whole_logits_peak_rss_mb": median(&column(&whole_logits, 5)),
+            "reference_peak_rss_mb": median(&column(&reference, 5)),
             "reference_phases_s": phases(&reference),
             "ratio": ratio,
             "gemm_floor_s": gemm_s,

@@ -7,6 +7,7 @@
 use crate::collectives::{OpenGate, PieceGate};
 use crate::error::StageError;
 use crate::llama::{BackwardFrom, Stage};
+use crate::loss::{head_cross_entropy, StageHead};
 use crate::moe::LayerBalance;
 use crate::norm::rms_norm;
 use crate::pass::{CutPiece, FinalGrads, ForwardPass};
@@ -23,23 +24,28 @@ impl Stage {
         position_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
     ) -> Result<ForwardPass, StageError> {
-        self.forward_train_cut_gated(input, position_ids, attention_mask, &OpenGate)
+        let head = StageHead::Logits;
+        self.forward_train_cut_gated(input, position_ids, attention_mask, &OpenGate, head)
     }
 
-    /// [`Stage::forward_train_cut`], each piece waiting on `gate` first.
+    /// [`Stage::forward_train_cut`], each piece waiting on `gate` first, a last stage's
+    /// ending with what `ends_with` says (the logits under recomputation).
     pub(crate) fn forward_train_cut_gated(
         &self,
         input: &Tensor,
         position_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
         gate: &dyn PieceGate,
+        ends_with: StageHead,
     ) -> Result<ForwardPass, StageError> {
         if self.recomputes() {
-            return self.forward_train_gated(input, position_ids, attention_mask, gate);
+            let mask = attention_mask;
+            return self.forward_train_gated(input, position_ids, mask, gate, ends_with);
         }
         let (input, saved) = self.training_input(input, position_ids, attention_mask);
         let mask = attention_mask;
-        let (cuts, balance) = self.cut_forward(&input, position_ids, mask, gate)?;
+        let ends_with = self.training_head(ends_with);
+        let (cuts, balance) = self.cut_forward(&input, position_ids, mask, gate, ends_with)?;
         let output = match cuts.last() {
             Some(last) => last.output.detach(),
             None => input.detach(),
@@ -47,6 +53,7 @@ impl Stage {
         let mut pass = ForwardPass::new(output, saved, input.size()[0]);
         pass.balance = balance.into_iter().map(LayerBalance::detached).collect();
         pass.cuts = Some(cuts);
+        pass.ends_with = ends_with;
         Ok(pass)
     }
 
@@ -59,6 +66,7 @@ impl Stage {
         position_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
         gate: &dyn PieceGate,
+        ends_with: StageHead,
     ) -> Result<(Vec<CutPiece>, Vec<LayerBalance>), StageError> {
         let sequences = input.size()[0];
         if !self.shard().is_whole() {
@@ -103,9 +111,12 @@ impl Stage {
         }
         if let Some((norm, head)) = self.norm_and_head() {
             self.await_piece(gate, self.head_piece())?;
-            let logits =
-                rms_norm(&x, norm, self.config().rms_norm_eps).linear::<Tensor>(head, None);
-            cuts.push(CutPiece::new(self.head_piece(), Some(x), logits));
+            let h = rms_norm(&x, norm, self.config().rms_norm_eps);
+            let output = match ends_with {
+                StageHead::Logits => h.linear::<Tensor>(head, None),
+                StageHead::WithLoss => h,
+            };
+            cuts.push(CutPiece::new(self.head_piece(), Some(x), output));
         }
         Ok((cuts, balances))
     }
@@ -114,7 +125,10 @@ impl Stage {
     /// values without a graph: computed from the forward's own graph and kept in the pass
     /// ([`ForwardPass::take_attached_loss`]), so that the backward starts from it rather
     /// than computing the loss again; without a graph (a recomputing stage) only the
-    /// values. Neither is read on the host here.
+    /// values. A pass that ended with its normed hidden states
+    /// ([`crate::StageHead::WithLoss`]) runs the output layer here, with the loss, a chunk
+    /// of tokens at a time, and keeps the gradients it computed on the way for the
+    /// backward (the same losses, bit for bit). Neither value is read on the host here.
     pub fn attach_loss(
         &self,
         pass: &mut ForwardPass,
@@ -126,14 +140,19 @@ impl Stage {
             (None, Some(cuts)) => cuts.last().map(|c| c.output.shallow_clone()),
             (None, None) => None,
         };
-        match graph {
-            Some(logits) => {
+        match (graph, pass.ends_with, self.norm_and_head()) {
+            (Some(h), StageHead::WithLoss, Some((_, head))) => {
+                let loss = head_cross_entropy(&h, head, labels, loss_mask);
+                pass.loss = Some(loss.surrogate);
+                (loss.sum, loss.count)
+            }
+            (Some(logits), ..) => {
                 let (sum, count) = Stage::loss(&logits, labels, loss_mask);
                 let value = sum.detach();
                 pass.loss = Some(sum);
                 (value, count)
             }
-            None => tch::no_grad(|| Stage::loss(&pass.output, labels, loss_mask)),
+            (None, ..) => tch::no_grad(|| Stage::loss(&pass.output, labels, loss_mask)),
         }
     }
 
@@ -175,7 +194,7 @@ impl Stage {
             (None, None) => {
                 let (positions, mask) =
                     (saved.position_ids.as_ref(), saved.attention_mask.as_ref());
-                self.cut_forward(&saved.input, positions, mask, &OpenGate)?
+                self.cut_forward(&saved.input, positions, mask, &OpenGate, StageHead::Logits)?
                     .0
             }
         };

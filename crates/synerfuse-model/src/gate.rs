@@ -8,6 +8,7 @@ use crate::collectives::{PieceGate, TpCollectives};
 use crate::cp::ContextGroup;
 use crate::error::StageError;
 use crate::llama::Stage;
+use crate::loss::StageHead;
 use crate::moe::ExpertGroup;
 use crate::pass::ForwardPass;
 use tch::Tensor;
@@ -17,16 +18,27 @@ use tch::Tensor;
 pub struct GatedStage<'a> {
     stage: &'a Stage,
     gate: &'a dyn PieceGate,
+    ends_with: StageHead,
 }
 
 impl Stage {
     /// This stage's training forwards, each piece waiting on `gate` first.
     pub fn gated<'a>(&'a self, gate: &'a dyn PieceGate) -> GatedStage<'a> {
-        GatedStage { stage: self, gate }
+        GatedStage {
+            stage: self,
+            gate,
+            ends_with: StageHead::Logits,
+        }
     }
 }
 
 impl GatedStage<'_> {
+    /// The same forwards, a last stage's ending with `ends_with` (whole stages: a
+    /// tensor-parallel stage's forward ends with its logits).
+    pub fn ending_with(self, ends_with: StageHead) -> Self {
+        GatedStage { ends_with, ..self }
+    }
+
     /// [`Stage::forward_train`], gated.
     pub fn forward_train(
         &self,
@@ -34,7 +46,8 @@ impl GatedStage<'_> {
         position_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
     ) -> Result<ForwardPass, StageError> {
-        (self.stage).forward_train_gated(input, position_ids, attention_mask, self.gate)
+        let (mask, head) = (attention_mask, self.ends_with);
+        (self.stage).forward_train_gated(input, position_ids, mask, self.gate, head)
     }
 
     /// [`Stage::forward_train_cut`], gated.
@@ -44,7 +57,8 @@ impl GatedStage<'_> {
         position_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
     ) -> Result<ForwardPass, StageError> {
-        (self.stage).forward_train_cut_gated(input, position_ids, attention_mask, self.gate)
+        let (mask, head) = (attention_mask, self.ends_with);
+        (self.stage).forward_train_cut_gated(input, position_ids, mask, self.gate, head)
     }
 
     /// [`Stage::forward_train_parallel`], gated.

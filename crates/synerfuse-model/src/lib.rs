@@ -2,7 +2,7 @@
 #![warn(missing_docs)]
 
 // Layered bottom to top, each module using only those listed before it (no import
-// circle): config, error, norm, mlp, collectives, cp, moe, decoder, pass, llama (the
+// circle): config, error, norm, loss, mlp, collectives, cp, moe, decoder, pass, llama (the
 // stage), then tp, hf and generate on the stage; cuda, then device, apart.
 mod backward;
 mod collectives;
@@ -16,6 +16,7 @@ mod gate;
 mod generate;
 pub mod hf;
 mod llama;
+mod loss;
 mod mlp;
 mod moe;
 mod norm;
@@ -32,6 +33,7 @@ pub use error::StageError;
 pub use gate::GatedStage;
 pub use generate::{generate, GenerateOptions};
 pub use llama::{BackwardFrom, Stage};
+pub use loss::StageHead;
 pub use moe::{load_balancing_loss, ExpertGroup, LayerBalance};
 pub use pass::{FinalGrads, ForwardPass};
 pub use tch;

@@ -12,6 +12,7 @@ use crate::config::LlamaConfig;
 use crate::cp::ContextGroup;
 use crate::decoder::{DecoderLayer, KvCache};
 use crate::error::StageError;
+use crate::loss::StageHead;
 use crate::moe::{LayerBalance, Routing};
 use crate::norm::rms_norm;
 use crate::pass::{ForwardPass, SavedInputs};
@@ -422,7 +423,14 @@ impl Stage {
         attention_mask: Option<&Tensor>,
     ) -> Result<Tensor, StageError> {
         Ok(self
-            .forward_inner(input, position_ids, attention_mask, None, &OpenGate)?
+            .forward_inner(
+                input,
+                position_ids,
+                attention_mask,
+                None,
+                &OpenGate,
+                StageHead::Logits,
+            )?
             .0)
     }
 
@@ -435,8 +443,14 @@ impl Stage {
         position_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
     ) -> Result<(Tensor, Vec<Tensor>), StageError> {
-        let (output, routings) =
-            self.forward_inner(input, position_ids, attention_mask, None, &OpenGate)?;
+        let (output, routings) = self.forward_inner(
+            input,
+            position_ids,
+            attention_mask,
+            None,
+            &OpenGate,
+            StageHead::Logits,
+        )?;
         Ok((output, routings.into_iter().map(|r| r.logits).collect()))
     }
 
@@ -454,7 +468,14 @@ impl Stage {
             .unsqueeze(0)
             .expand([b, s], false);
         Ok(self
-            .forward_inner(input, Some(&positions), None, Some(cache), &OpenGate)?
+            .forward_inner(
+                input,
+                Some(&positions),
+                None,
+                Some(cache),
+                &OpenGate,
+                StageHead::Logits,
+            )?
             .0)
     }
 
@@ -465,6 +486,7 @@ impl Stage {
         attention_mask: Option<&Tensor>,
         mut cache: Option<&mut KvCache>,
         gate: &dyn PieceGate,
+        ends_with: StageHead,
     ) -> Result<(Tensor, Vec<Routing>), StageError> {
         if !self.shard.is_whole() {
             return Err(StageError::Sharded);
@@ -497,7 +519,10 @@ impl Stage {
         if let (Some(norm), Some(head)) = (&self.norm, &self.head) {
             self.await_piece(gate, self.head_piece())?;
             let h = rms_norm(&x, norm, self.config.rms_norm_eps);
-            x = h.linear::<Tensor>(head, None);
+            x = match ends_with {
+                StageHead::Logits => h.linear::<Tensor>(head, None),
+                StageHead::WithLoss => h,
+            };
         }
         Ok((x, routings))
     }
@@ -630,22 +655,31 @@ impl Stage {
         position_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
     ) -> Result<ForwardPass, StageError> {
-        self.forward_train_gated(input, position_ids, attention_mask, &OpenGate)
+        self.forward_train_gated(
+            input,
+            position_ids,
+            attention_mask,
+            &OpenGate,
+            StageHead::Logits,
+        )
     }
 
-    /// [`Stage::forward_train`], each piece waiting on `gate` first.
+    /// [`Stage::forward_train`], each piece waiting on `gate` first, a last stage's
+    /// ending with what `ends_with` says (the logits under recomputation).
     pub(crate) fn forward_train_gated(
         &self,
         input: &Tensor,
         position_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
         gate: &dyn PieceGate,
+        ends_with: StageHead,
     ) -> Result<ForwardPass, StageError> {
         let (input, saved) = self.training_input(input, position_ids, attention_mask);
         let sequences = input.size()[0];
+        let ends_with = self.training_head(ends_with);
         let run = || -> Result<_, StageError> {
             let (output, routings) =
-                self.forward_inner(&input, position_ids, attention_mask, None, gate)?;
+                self.forward_inner(&input, position_ids, attention_mask, None, gate, ends_with)?;
             Ok((output, self.balances(&routings, sequences, None)?))
         };
         let (output, balance) = match self.recompute {
@@ -653,12 +687,22 @@ impl Stage {
             false => run()?,
         };
         let mut pass = ForwardPass::new(output.detach(), saved, sequences);
+        pass.ends_with = ends_with;
         if !self.recompute {
             pass.graph = Some(output);
             pass.router_loss_graph = self.summed_objectives(&balance);
         }
         pass.balance = balance.into_iter().map(LayerBalance::detached).collect();
         Ok(pass)
+    }
+
+    /// What a training forward asked to end with `ends_with` ends with: the logits but on
+    /// a last stage that keeps its graph.
+    pub(crate) fn training_head(&self, ends_with: StageHead) -> StageHead {
+        match self.is_last() && !self.recompute {
+            true => ends_with,
+            false => StageHead::Logits,
+        }
     }
 
     /// Each MoE layer's load balance over a micro-batch of `sequences` sequences, from

@@ -4,6 +4,7 @@
 
 use crate::config::LlamaConfig;
 use crate::cp::KvExchange;
+use crate::loss::StageHead;
 use crate::moe::{ExpertExchange, LayerBalance};
 use tch::Tensor;
 
@@ -16,7 +17,9 @@ pub(crate) struct SavedInputs {
 
 /// One micro-batch's forward through a stage, kept until its backward.
 pub struct ForwardPass {
-    /// The stage output (hidden states or logits), detached from nothing: send it on.
+    /// The stage output (hidden states or logits; a last stage's normed hidden states
+    /// when its forward ended with [`crate::StageHead::WithLoss`]), detached from
+    /// nothing: send it on.
     pub output: Tensor,
     /// The autograd graph's output (none when the backward recomputes the forward).
     pub(crate) graph: Option<Tensor>,
@@ -39,6 +42,9 @@ pub struct ForwardPass {
     /// The last stage's loss sum with its graph, computed once in the forward
     /// ([`crate::Stage::attach_loss`]) for the backward to start from.
     pub(crate) loss: Option<Tensor>,
+    /// What the forward ended with: the logits, or the normed hidden states for
+    /// [`crate::Stage::attach_loss`] to run the output layer with the loss.
+    pub(crate) ends_with: StageHead,
 }
 
 /// One model piece of a whole stage's forward cut at its pieces (the embedding, each
@@ -89,6 +95,7 @@ impl ForwardPass {
             sequence_weight: None,
             cuts: None,
             loss: None,
+            ends_with: StageHead::Logits,
         }
     }
 

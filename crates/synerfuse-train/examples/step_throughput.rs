@@ -2,18 +2,27 @@
 //! the trainer's own AdamW step (`synerfuse_train::optim::AdamW`) on random tokens, timed
 //! after warm-up. Used by `cargo xtask bench model`.
 //!
-//! `step_throughput HIDDEN LAYERS HEADS KV_HEADS FFN VOCAB SEQ BATCH STEPS THREADS DEVICE DTYPE`
-//! prints one JSON line.
+//! `step_throughput HIDDEN LAYERS HEADS KV_HEADS FFN VOCAB SEQ BATCH STEPS THREADS DEVICE DTYPE
+//! [LOSS]` prints one JSON line, with the process's peak resident memory. `LOSS` is
+//! `chunked` (the default, the trainer's 1F1B last stage: the output layer and the loss
+//! run together, chunk by chunk, in the forward) or `whole` (the whole logits, the loss
+//! computed in the backward).
 
 use synerfuse_model::tch::{self, Kind, Tensor};
-use synerfuse_model::{BackwardFrom, DeviceRequest, LlamaConfig, ResolveDevice, Stage};
+use synerfuse_model::{
+    BackwardFrom, DeviceRequest, LlamaConfig, OpenGate, ResolveDevice, Stage, StageHead,
+};
 use synerfuse_train::optim::{AdamW, AdamWConfig};
 
 fn main() {
     let a: Vec<String> = std::env::args().skip(1).collect();
-    if a.len() != 12 {
-        eprintln!("usage: step_throughput HIDDEN LAYERS HEADS KV_HEADS FFN VOCAB SEQ BATCH STEPS THREADS DEVICE DTYPE");
-        std::process::exit(2);
+    let chunked = match a.get(12).map(String::as_str) {
+        None | Some("chunked") => true,
+        Some("whole") => false,
+        Some(_) => usage(),
+    };
+    if !(12..=13).contains(&a.len()) {
+        usage();
     }
     let n = |i: usize| -> usize { a[i].parse().expect("a number") };
     let (hidden, layers, heads, kv, ffn, vocab, seq, batch, steps, threads) =
@@ -56,13 +65,18 @@ fn main() {
         tokens.narrow(1, 0, seq as i64),
         tokens.narrow(1, 1, seq as i64),
     );
-    // The loss is computed once, inside the backward (which needs its graph).
+    // The loss is computed once: inside the backward (which needs its graph), or with
+    // the output layer in the forward.
     let last_loss = std::cell::Cell::new(0.0);
     let loss_of = |logits: &Tensor| {
         let (sum, count) = Stage::loss(logits, &labels, None);
         let loss = sum / count;
         last_loss.set(loss.double_value(&[]));
         loss
+    };
+    let head = match chunked {
+        true => StageHead::WithLoss,
+        false => StageHead::Logits,
     };
     // Seconds in the forward, the backward (with the loss) and the optimizer step.
     let phases = std::cell::Cell::new([0.0f64; 3]);
@@ -78,9 +92,22 @@ fn main() {
     let step = |optimizer: &mut AdamW| -> f64 {
         let started = std::time::Instant::now();
         optimizer.zero_grad();
-        let pass = stage.forward_train(&inputs, None, None).unwrap();
+        let gated = stage.gated(&OpenGate).ending_with(head);
+        let mut pass = gated.forward_train(&inputs, None, None).unwrap();
+        let kept = chunked.then(|| {
+            let (sum, count) = stage.attach_loss(&mut pass, &labels, None);
+            last_loss.set((sum / &count).double_value(&[]));
+            (pass.take_attached_loss().expect("a kept loss"), count)
+        });
         let started = timed(0, started);
-        stage.backward(pass, BackwardFrom::Loss(&loss_of)).unwrap();
+        match &kept {
+            Some((attached, count)) => {
+                let from_kept = |_: &Tensor| attached / count;
+                stage.backward(pass, BackwardFrom::Loss(&from_kept))
+            }
+            None => stage.backward(pass, BackwardFrom::Loss(&loss_of)),
+        }
+        .unwrap();
         let started = timed(1, started);
         optimizer.step(1e-4).expect("AdamW step");
         timed(2, started);
@@ -106,7 +133,25 @@ fn main() {
     let tokens_per_second = (steps * batch * seq) as f64 / seconds;
     let [forward, backward, optimizer] = phases.get().map(|s| s / steps as f64);
     println!(
-        "{{\"tokens_per_second\": {tokens_per_second:.3}, \"seconds\": {seconds:.4}, \"steps\": {steps}, \"parameters\": {}, \"loss\": {loss:.5}, \"forward_s\": {forward:.5}, \"backward_s\": {backward:.5}, \"optimizer_s\": {optimizer:.5}}}",
-        config.num_parameters()
+        "{{\"tokens_per_second\": {tokens_per_second:.3}, \"seconds\": {seconds:.4}, \"steps\": {steps}, \"parameters\": {}, \"loss\": {loss:.5}, \"forward_s\": {forward:.5}, \"backward_s\": {backward:.5}, \"optimizer_s\": {optimizer:.5}, \"peak_rss_mb\": {:.1}}}",
+        config.num_parameters(),
+        peak_rss_mb()
     );
+}
+
+fn usage() -> ! {
+    eprintln!("usage: step_throughput HIDDEN LAYERS HEADS KV_HEADS FFN VOCAB SEQ BATCH STEPS THREADS DEVICE DTYPE [chunked|whole]");
+    std::process::exit(2);
+}
+
+/// The process's peak resident set (`getrusage`'s `ru_maxrss`, KiB on Linux), in MiB.
+fn peak_rss_mb() -> f64 {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: `usage` is a valid, writable rusage; getrusage only writes into it.
+    let ok = unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) } == 0;
+    match ok {
+        // SAFETY: getrusage succeeded, so it filled `usage` (zeroed before anyway).
+        true => unsafe { usage.assume_init() }.ru_maxrss as f64 / 1024.0,
+        false => f64::NAN,
+    }
 }

@@ -17,7 +17,7 @@ use synerfuse_model::cp::{ContextGroup, Solo};
 use synerfuse_model::tch::{Device, Kind, Tensor};
 use synerfuse_model::tp::{CollectiveError, TpBackwardFrom, TpCollectives};
 use synerfuse_model::{
-    BackwardFrom, ExpertGroup, FinalGrads, ForwardPass, OpenGate, PieceGate, Stage,
+    BackwardFrom, ExpertGroup, FinalGrads, ForwardPass, OpenGate, PieceGate, Stage, StageHead,
 };
 use synerfuse_plan::timeline::{Span, SpanKind};
 use synerfuse_plan::{Instruction, Message, Pass, Payload, Piece};
@@ -546,10 +546,17 @@ impl PipelineRank<'_> {
             gathers,
             chunk: piece.chunk,
         });
-        let gated = stage.gated(match &gate {
-            Some(gate) => gate,
-            None => &OpenGate,
-        });
+        // A loss kept for the backward is computed with the output layer, in chunks.
+        let ends_with = match step.keep_loss.contains(&piece) {
+            true => StageHead::WithLoss,
+            false => StageHead::Logits,
+        };
+        let gated = stage
+            .gated(match &gate {
+                Some(gate) => gate,
+                None => &OpenGate,
+            })
+            .ending_with(ends_with);
         let pass = match tp {
             Some(tp) => {
                 let groups = (cp.as_ref(), ep.as_ref());
