@@ -107,6 +107,11 @@ pub struct CostModel {
     /// Reductions whose members span nodes go island by island (the runtime's default;
     /// off: `--no-hierarchical-reduction`, one flat ring).
     pub hierarchical_reduction: bool,
+    /// Whether a last stage alone on its device (no tensor, context or expert
+    /// parallelism) runs its loss with the output layer in chunks, as the runtime's 1F1B
+    /// does ([`StageHolding::loss_in_chunks`]); off: priced with the whole logits, as
+    /// Megatron's loss and a GPipe schedule hold them.
+    pub loss_in_chunks: bool,
 }
 
 /// Elements per bucket of a gradient reduction over `members` ranks, as the runtime
@@ -164,6 +169,10 @@ pub struct StageHolding {
     pub optimizer_share: f64,
     /// Whether it recomputes its activations.
     pub recompute: bool,
+    /// Whether a last stage runs its output layer with the loss, chunk by chunk, in the
+    /// forward (a lone device, no tensor, context or expert parallelism, not
+    /// recomputing, 1F1B): it never holds the whole logits.
+    pub loss_in_chunks: bool,
 }
 
 impl CostModel {
@@ -185,6 +194,7 @@ impl CostModel {
             ddp_bucket_size: None,
             overlap_param_gather: false,
             hierarchical_reduction: true,
+            loss_in_chunks: true,
         }
     }
 
@@ -363,12 +373,30 @@ impl CostModel {
             false => (stage.in_flight * layers) as f64 * costs.activation_bytes,
         };
         if stage.last {
-            // At the loss's backward, for one micro-batch: the logits, the fp32
-            // log-softmax kept by the cross-entropy, the gradient of it and the one it
-            // produces (fp32 each).
-            bytes += (b * m.seq_length * m.vocab_size) as f64 * (self.compute_bytes + 12.0);
+            bytes += self.loss_bytes(b, stage.loss_in_chunks && !stage.recompute);
         }
         bytes
+    }
+
+    /// The last stage's loss buffers for one micro-batch of `b` samples.
+    fn loss_bytes(&self, b: usize, in_chunks: bool) -> f64 {
+        let m = &self.model;
+        let c = self.compute_bytes;
+        let tokens = (b * m.seq_length) as f64;
+        let (hidden, vocab) = (m.hidden_size as f64, m.vocab_size as f64);
+        match in_chunks {
+            // A chunk's logits (4 x the micro-batch's hidden states, see the model's
+            // `loss` module): in the compute dtype, their fp32 log-probabilities and
+            // gradient; the head's fp32 gradient sum and its copy in the compute dtype,
+            // and the hidden states' gradient, kept for the backward.
+            true => {
+                let chunk_logits = (4.0 * tokens * hidden).min(tokens * vocab);
+                chunk_logits * (c + 8.0) + vocab * hidden * (4.0 + c) + tokens * hidden * c
+            }
+            // At the loss's backward: the logits, the fp32 log-softmax kept by the
+            // cross-entropy, the gradient of it and the one it produces (fp32 each).
+            false => tokens * vocab * (c + 12.0),
+        }
     }
 
     /// The state part of [`CostModel::memory_bytes`]: parameters, gradients and optimizer

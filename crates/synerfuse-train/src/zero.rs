@@ -103,14 +103,17 @@ impl ShardedReduction {
             &self.grads.narrow(0, own.start, own.end - own.start),
             grad_scale,
         );
-        let pieces: Vec<[Tensor; 4]> = (self.segments().into_iter())
-            .map(|(_, in_shard, _)| {
+        let pieces: Vec<(usize, [Tensor; 4])> = (self.segments().into_iter())
+            .map(|(i, in_shard, _)| {
                 let cut = |t: &Tensor| t.narrow(0, in_shard.start, in_shard.end - in_shard.start);
-                [&self.master, &grad, &self.exp_avg, &self.exp_avg_sq].map(cut)
+                (
+                    i,
+                    [&self.master, &grad, &self.exp_avg, &self.exp_avg_sq].map(cut),
+                )
             })
             .collect();
-        let tensors: Vec<AdamTensor<'_>> = (self.segments().iter().zip(&pieces))
-            .map(|((i, ..), [value, grad, exp_avg, exp_avg_sq])| AdamTensor {
+        let tensors: Vec<AdamTensor<'_>> = (pieces.iter())
+            .map(|(i, [value, grad, exp_avg, exp_avg_sq])| AdamTensor {
                 value,
                 grad,
                 exp_avg,

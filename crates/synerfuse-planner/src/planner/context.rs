@@ -357,6 +357,18 @@ impl<'a> Ctx<'a> {
     }
 
     /// The unit's expert-parallel size (1: it holds every expert).
+    /// Whether `unit`'s last stage runs its loss in chunks
+    /// ([`crate::cost::StageHolding::loss_in_chunks`]): a lone device without expert
+    /// parallelism (the whole stage's forward; under 1F1B, as planned), where the cost
+    /// model says the runtime does.
+    pub(super) fn loss_in_chunks(&self, unit: usize) -> bool {
+        let lone = self
+            .groups
+            .get(unit)
+            .is_none_or(|g| g.members.len() == 1 && g.cp == 1);
+        lone && self.expert_parallel(unit) == 1 && self.cost_of(unit).loss_in_chunks
+    }
+
     pub(super) fn expert_parallel(&self, unit: usize) -> usize {
         (self.unit_expert_parallel.get(unit))
             .copied()

@@ -476,8 +476,11 @@ fn pools_take_their_own_expert_parallel_sizes_where_faster() {
         "kind = \"a100-80g\"\ncount = 4",
         "kind = \"custom\"\ntflops_bf16 = 100\nmemory_gb = 6\nmem_bw_gbs = 500\ncount = 4",
     );
+    // The whole logits (Megatron's loss) on the small devices' last stages, whose
+    // memory this case is about.
     let cost = CostModel {
         overlap_grad_reduce: false,
+        loss_in_chunks: false,
         ..four_layers_on(cluster, 4096)
     };
     let asked = |sizes: Vec<usize>| PlanRequest {

@@ -39,6 +39,7 @@ pub(super) fn grid_fit(
         micro_batch_size: b,
         optimizer_share: shares[i].of(ctx, grid[i][r]),
         recompute: false,
+        loss_in_chunks: ctx.loss_in_chunks(grid[i][r]),
     };
     stage_fit(ctx, grid[i][r], holding)
 }

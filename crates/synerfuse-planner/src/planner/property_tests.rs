@@ -136,6 +136,7 @@ proptest! {
                                 micro_batch_size: b,
                                 optimizer_share: cost.usable_memory(dev).unwrap() / stage_memory,
                                 recompute: c.recompute[i][r],
+                                loss_in_chunks: true,
                             };
                             let need = priced.memory_bytes(&k, &holding);
                             prop_assert!(need <= cost.usable_memory(dev).unwrap() + 1.0);
@@ -291,7 +292,7 @@ proptest! {
                 let mut fits = true;
                 for (dev, &(b, m)) in devs.iter().zip(&chosen) {
                     let k = cost.stage_costs(dev, b).unwrap();
-                    let need = cost.memory_bytes(&k, &StageHolding { layers: 1, first: true, last: true, in_flight: 1, micro_batch_size: b, optimizer_share: 1.0, recompute: false });
+                    let need = cost.memory_bytes(&k, &StageHolding { layers: 1, first: true, last: true, in_flight: 1, micro_batch_size: b, optimizer_share: 1.0, recompute: false, loss_in_chunks: true });
                     fits &= need <= cost.usable_memory(dev).unwrap();
                     worst = worst.max(m as f64 * (k.layer_s + k.embedding_s + k.head_s));
                 }

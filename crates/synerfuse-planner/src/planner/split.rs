@@ -212,6 +212,7 @@ pub(super) fn split_layers(
                         micro_batch_size: b,
                         optimizer_share: share,
                         recompute,
+                        loss_in_chunks: ctx.loss_in_chunks(dev),
                     };
                     ctx.cost_of(dev).memory_bytes(&k, &holding)
                 };

@@ -222,11 +222,16 @@ pub(super) fn long_sequence(groups: &str, vocab_size: usize) -> CostModel {
         tied: false,
         experts: None,
     };
-    CostModel::new(
-        model,
-        crate::cluster::ClusterSpec::from_toml(&toml).unwrap(),
-        None,
-    )
+    CostModel {
+        // The whole logits (Megatron's loss): these cases are of a head too large for a
+        // lone device, as the runtime's chunked loss does not hold it.
+        loss_in_chunks: false,
+        ..CostModel::new(
+            model,
+            crate::cluster::ClusterSpec::from_toml(&toml).unwrap(),
+            None,
+        )
+    }
 }
 
 /// Two devices of 2.62 GB and a sequence of 32768 tokens: no plan without context

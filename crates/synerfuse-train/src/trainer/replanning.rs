@@ -33,6 +33,14 @@ pub(super) struct LookAfter {
     pub(super) previous_plan: Plan,
 }
 
+impl LookAfter {
+    /// Whether the switch failed: measured slower than the plan before it, or than its
+    /// prediction.
+    pub(super) fn failed(&self) -> bool {
+        self.outcome.lost || self.outcome.missed
+    }
+}
+
 /// A switch being measured: the steps after its first.
 #[derive(Debug, Clone)]
 pub(super) struct Settling {

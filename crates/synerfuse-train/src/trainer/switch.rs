@@ -156,7 +156,7 @@ impl<'w> Trainer<'w> {
         decision: ReplanDecision,
         look_after: Option<LookAfter>,
     ) -> Result<(), TrainError> {
-        let failed = (look_after.as_ref()).is_some_and(|l| l.outcome.lost || l.outcome.missed);
+        let failed = (look_after.as_ref()).is_some_and(LookAfter::failed);
         if decision.verdict == ReplanVerdict::Defer {
             self.watch.remeasure();
             match look_after {
@@ -280,7 +280,7 @@ impl<'w> Trainer<'w> {
             .map(|g| g.speed.unwrap_or(1.0))
             .collect();
         let fastest = fitted.iter().copied().fold(f64::MIN_POSITIVE, f64::max);
-        let failed = look_after.filter(|l| l.outcome.lost || l.outcome.missed);
+        let failed = look_after.filter(|l| l.failed());
         let current_step_s = match failed {
             Some(l) => l.outcome.after_step_s,
             None => planner::predict_step_s(&cost, job.plan)?,
@@ -323,7 +323,7 @@ impl<'w> Trainer<'w> {
         job: &RunningJob<'_>,
         look_after: Option<&LookAfter>,
     ) -> Result<(Plan, f64), planner::ReplanError> {
-        let failed = look_after.filter(|l| l.outcome.lost || l.outcome.missed);
+        let failed = look_after.filter(|l| l.failed());
         let mut request = planner::running_job_request(
             job.plan.global_batch_size(),
             self.config.compute.recompute,

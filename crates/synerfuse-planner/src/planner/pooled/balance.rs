@@ -112,6 +112,7 @@ pub(in crate::planner) fn fits_all(
                     micro_batch_size: b,
                     optimizer_share: 1.0,
                     recompute: false,
+                    loss_in_chunks: ctx.loss_in_chunks(dev),
                 };
                 let fit = stage_fit(ctx, dev, holding)?;
                 if ctx.exceeds(fit.need, ctx.memory[dev]) {

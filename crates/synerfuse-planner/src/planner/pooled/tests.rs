@@ -320,7 +320,7 @@ proptest! {
                     let b = pool.micro_batch_size;
                     let k = cost.stage_costs(&devices[group.members[0]], b).unwrap();
                     let in_flight = (p - i).min(pool.micro_batches[r]);
-                    let holding = StageHolding { layers: pool.layers[i], first: i == 0, last: i + 1 == p, in_flight, micro_batch_size: b, optimizer_share: 1.0, recompute: false };
+                    let holding = StageHolding { layers: pool.layers[i], first: i == 0, last: i + 1 == p, in_flight, micro_batch_size: b, optimizer_share: 1.0, recompute: false, loss_in_chunks: group.members.len() == 1 && group.cp == 1 };
                     let need = cost.memory_bytes(&k, &holding);
                     for (&dev, share) in group.members.iter().zip(&group.state) {
                         prop_assert_eq!(&devices[dev].node, &devices[group.members[0]].node);
