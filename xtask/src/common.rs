@@ -54,6 +54,9 @@ pub fn number(value: &serde_json::Value, key: &str) -> Result<f64> {
 
 /// Writes a benchmark's result as one JSON line (temp name, then rename).
 pub fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
+    }
     let tmp = path.with_extension("json.tmp");
     std::fs::write(&tmp, format!("{value}\n")).with_context(|| tmp.display().to_string())?;
     std::fs::rename(&tmp, path).with_context(|| path.display().to_string())
