@@ -422,16 +422,18 @@ impl Stage {
         position_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
     ) -> Result<Tensor, StageError> {
-        Ok(self
-            .forward_inner(
-                input,
-                position_ids,
-                attention_mask,
-                None,
-                &OpenGate,
-                StageHead::Logits,
-            )?
-            .0)
+        Ok(self.forward_logits(input, position_ids, attention_mask)?.0)
+    }
+
+    /// [`Self::forward_inner`] to the logits, without a cache or a gate.
+    fn forward_logits(
+        &self,
+        input: &Tensor,
+        position_ids: Option<&Tensor>,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<(Tensor, Vec<Routing>), StageError> {
+        let (mask, gate) = (attention_mask, &OpenGate);
+        self.forward_inner(input, position_ids, mask, None, gate, StageHead::Logits)
     }
 
     /// [`Stage::forward`], and the router logits `[tokens, experts]` of each of the
@@ -443,14 +445,7 @@ impl Stage {
         position_ids: Option<&Tensor>,
         attention_mask: Option<&Tensor>,
     ) -> Result<(Tensor, Vec<Tensor>), StageError> {
-        let (output, routings) = self.forward_inner(
-            input,
-            position_ids,
-            attention_mask,
-            None,
-            &OpenGate,
-            StageHead::Logits,
-        )?;
+        let (output, routings) = self.forward_logits(input, position_ids, attention_mask)?;
         Ok((output, routings.into_iter().map(|r| r.logits).collect()))
     }
 

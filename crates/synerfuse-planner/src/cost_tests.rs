@@ -3,12 +3,10 @@
 use super::*;
 use synerfuse_plan::{ExpertShape, MeasuredCosts};
 
-/// Megatron's `num_floating_point_operations`, evaluated by its own Python for these
-/// shapes: a 1.1B LLaMA with grouped-query attention and an untied output layer,
-/// and a small multi-head model with a tied one.
-#[test]
-fn megatron_flops_match_megatrons_formula() {
-    let gqa_untied = ModelShape {
+/// A 1.1B LLaMA (TinyLlama's shape, the GPU check's): grouped-query attention, an untied
+/// output layer, 2048-token sequences.
+fn llama_1b() -> ModelShape {
+    ModelShape {
         num_layers: 22,
         hidden_size: 2048,
         num_heads: 32,
@@ -18,7 +16,15 @@ fn megatron_flops_match_megatrons_formula() {
         seq_length: 2048,
         tied: false,
         experts: None,
-    };
+    }
+}
+
+/// Megatron's `num_floating_point_operations`, evaluated by its own Python for these
+/// shapes: a 1.1B LLaMA with grouped-query attention and an untied output layer,
+/// and a small multi-head model with a tied one.
+#[test]
+fn megatron_flops_match_megatrons_formula() {
+    let gqa_untied = llama_1b();
     let mha_tied = ModelShape {
         num_layers: 4,
         hidden_size: 256,
@@ -151,17 +157,7 @@ fn unmeasured_sizes_keep_the_fixed_cost_of_a_micro_batch() {
 /// runs on the whole logits) alike either way.
 #[test]
 fn a_chunked_loss_holds_a_chunk_of_the_logits() {
-    let model = ModelShape {
-        num_layers: 22,
-        hidden_size: 2048,
-        num_heads: 32,
-        num_kv_heads: 4,
-        ffn_hidden_size: 5632,
-        vocab_size: 32000,
-        seq_length: 2048,
-        tied: false,
-        experts: None,
-    };
+    let model = llama_1b();
     let cluster = crate::cluster::ClusterSpec::from_toml(
         "[[group]]\nkind = \"h100-sxm\"\ncount = 1\n[network]\nintra_node_gbs = 32\ninter_node_gbs = 12\n",
     )
