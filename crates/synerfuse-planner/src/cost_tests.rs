@@ -19,13 +19,9 @@ fn llama_1b() -> ModelShape {
     }
 }
 
-/// Megatron's `num_floating_point_operations`, evaluated by its own Python for these
-/// shapes: a 1.1B LLaMA with grouped-query attention and an untied output layer,
-/// and a small multi-head model with a tied one.
-#[test]
-fn megatron_flops_match_megatrons_formula() {
-    let gqa_untied = llama_1b();
-    let mha_tied = ModelShape {
+/// A small multi-head model with a tied output layer.
+fn small_tied() -> ModelShape {
+    ModelShape {
         num_layers: 4,
         hidden_size: 256,
         num_heads: 8,
@@ -35,7 +31,16 @@ fn megatron_flops_match_megatrons_formula() {
         seq_length: 128,
         tied: true,
         experts: None,
-    };
+    }
+}
+
+/// Megatron's `num_floating_point_operations`, evaluated by its own Python for these
+/// shapes: a 1.1B LLaMA with grouped-query attention and an untied output layer,
+/// and a small multi-head model with a tied one.
+#[test]
+fn megatron_flops_match_megatrons_formula() {
+    let gqa_untied = llama_1b();
+    let mha_tied = small_tied();
     for (shape, kv_channels, batch, megatron) in [
         (&gqa_untied, 64, 1.0, 14978698444800.0),
         (&gqa_untied, 64, 8.0, 119829587558400.0),
@@ -55,17 +60,7 @@ fn megatron_flops_match_megatrons_formula() {
 /// experts and their routers; dense layers between MoE ones count as dense.
 #[test]
 fn experts_count_their_active_width_in_flops_and_all_in_parameters() {
-    let dense = ModelShape {
-        num_layers: 4,
-        hidden_size: 256,
-        num_heads: 8,
-        num_kv_heads: 8,
-        ffn_hidden_size: 688,
-        vocab_size: 2048,
-        seq_length: 128,
-        tied: true,
-        experts: None,
-    };
+    let dense = small_tied();
     let experts = |top_k, layer_freq| ModelShape {
         experts: Some(ExpertShape {
             num_experts: 8,
