@@ -1,4 +1,6 @@
-//! libtorch's rpath, and its CUDA library kept linked: see `synerfuse-build`.
+//! libtorch's rpath, its CUDA library kept linked, and the C++ shim for what tch does not
+//! bind (`csrc/`: a custom autograd function): see `synerfuse-build`.
 fn main() {
     synerfuse_build::link_libtorch();
+    synerfuse_build::compile_against_libtorch("synerfuse_model_shim", &["csrc/joined_linear.cpp"]);
 }

@@ -4,6 +4,7 @@
 
 use crate::config::LlamaConfig;
 use crate::error::StageError;
+use crate::joined::{adjacent, joined_linear, lay_end_to_end};
 use crate::mlp::{Linear, SwiGlu};
 use crate::moe::{route, route_across, ExpertExchange, ExpertGroup, HeldExperts, Routing, TopK};
 use crate::norm::rms_norm;
@@ -227,6 +228,31 @@ impl DecoderLayer {
     }
 
     /// [`Self::attention_out`] after its norm: `h` is the normed input.
+    /// The projections `parts` of `h` as one GEMM (their biases joined where present).
+    fn joined_projection<const N: usize>(&self, h: &Tensor, parts: [&Linear; N]) -> Tensor {
+        let weights = parts.map(|p| &p.weight);
+        let biases: Option<Vec<&Tensor>> = parts.iter().map(|p| p.bias.as_ref()).collect();
+        joined_linear(h, &weights, biases.as_deref())
+    }
+
+    /// Lays the q, k and v weights end to end in one buffer, and a dense MLP's gate and
+    /// up weights in another (see [`crate::joined::lay_end_to_end`]).
+    pub(crate) fn lay_weights_end_to_end(&mut self) {
+        lay_end_to_end(&mut [&mut self.q.weight, &mut self.k.weight, &mut self.v.weight]);
+        if let Mlp::Dense(mlp) = &mut self.mlp {
+            mlp.lay_weights_end_to_end();
+        }
+    }
+
+    /// Whether the weights that share a GEMM lie end to end.
+    pub(crate) fn weights_end_to_end(&self) -> bool {
+        let mlp = match &self.mlp {
+            Mlp::Dense(mlp) => mlp.weights_end_to_end(),
+            Mlp::Experts { .. } => true,
+        };
+        mlp && adjacent(&[&self.q.weight, &self.k.weight, &self.v.weight])
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn attention_core(
         &self,
@@ -239,18 +265,10 @@ impl DecoderLayer {
     ) -> Tensor {
         let (b, s) = (h.size()[0], h.size()[1]);
         let hd = c.head_dim as i64;
-        // One GEMM for q, k and v (the weights stay separate parameters with
-        // transformers' names; concatenating them costs far less than two extra GEMMs).
+        // One GEMM for q, k and v over their weights' buffer (see `crate::joined`).
         let (nq, nkv) = (self.q.weight.size()[0], self.k.weight.size()[0]);
         let (heads, kv_heads) = (nq / hd, nkv / hd);
-        let qkv = h.linear(
-            &Tensor::cat(&[&self.q.weight, &self.k.weight, &self.v.weight], 0),
-            match (&self.q.bias, &self.k.bias, &self.v.bias) {
-                (Some(q), Some(k), Some(v)) => Some(Tensor::cat(&[q, k, v], 0)),
-                _ => None,
-            }
-            .as_ref(),
-        );
+        let qkv = self.joined_projection(h, [&self.q, &self.k, &self.v]);
         let parts = qkv.split_with_sizes([nq, nkv, nkv], -1);
         let q = parts[0].view([b, s, heads, hd]).transpose(1, 2);
         let k = parts[1].view([b, s, kv_heads, hd]).transpose(1, 2);
@@ -298,14 +316,7 @@ impl DecoderLayer {
         let (b, s) = (h.size()[0], h.size()[1]);
         let hd = c.head_dim as i64;
         let nkv = self.k.weight.size()[0];
-        let kv = h.linear(
-            &Tensor::cat(&[&self.k.weight, &self.v.weight], 0),
-            match (&self.k.bias, &self.v.bias) {
-                (Some(k), Some(v)) => Some(Tensor::cat(&[k, v], 0)),
-                _ => None,
-            }
-            .as_ref(),
-        );
+        let kv = self.joined_projection(h, [&self.k, &self.v]);
         let parts = kv.split_with_sizes([nkv, nkv], -1);
         let k = parts[0].view([b, s, nkv / hd, hd]).transpose(1, 2);
         let v = parts[1].view([b, s, nkv / hd, hd]).transpose(1, 2);

@@ -2,7 +2,7 @@
 #![warn(missing_docs)]
 
 // Layered bottom to top, each module using only those listed before it (no import
-// circle): config, error, norm, loss, mlp, collectives, cp, moe, decoder, pass, llama (the
+// circle): config, error, norm, loss, joined, mlp, collectives, cp, moe, decoder, pass, llama (the
 // stage), then tp, hf and generate on the stage; cuda, then device, apart.
 mod backward;
 mod collectives;
@@ -15,6 +15,7 @@ mod error;
 mod gate;
 mod generate;
 pub mod hf;
+mod joined;
 mod llama;
 mod loss;
 mod mlp;

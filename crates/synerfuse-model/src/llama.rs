@@ -136,9 +136,12 @@ impl Stage {
                 },
             )
         });
-        let decoder = layers
-            .clone()
-            .map(|i| DecoderLayer::new(&root, i, config, &shard))
+        let decoder = (layers.clone())
+            .map(|i| {
+                let mut layer = DecoderLayer::new(&root, i, config, &shard);
+                layer.lay_weights_end_to_end();
+                layer
+            })
             .collect();
         let norm =
             last.then(|| (&root / "model" / "norm").var("weight", &[h], nn::Init::Const(1.0)));
@@ -354,9 +357,20 @@ impl Stage {
         self.vs.device()
     }
 
-    /// Casts the parameters (fp32 master weights stay the caller's business).
+    /// Casts the parameters (fp32 master weights stay the caller's business), laying the
+    /// weights that share a GEMM end to end again (a cast gives each its own storage).
     pub fn set_kind(&mut self, kind: Kind) {
         self.vs.set_kind(kind);
+        self.decoder
+            .iter_mut()
+            .for_each(|l| l.lay_weights_end_to_end());
+    }
+
+    /// Whether the weights that share a GEMM (q, k, v; a dense MLP's gate and up) lie
+    /// end to end in one buffer, so their projections read them without a copy: true
+    /// unless something replaced a parameter's storage after the stage was built or cast.
+    pub fn weights_end_to_end(&self) -> bool {
+        self.decoder.iter().all(|l| l.weights_end_to_end())
     }
 
     /// Full activation recomputation: `forward_train` keeps only the stage input and

@@ -3,6 +3,8 @@
 
 use tch::{nn, Tensor};
 
+use crate::joined::{adjacent, joined_linear, lay_end_to_end};
+
 /// A dense projection `x·Wᵀ + b`: the attention's and the MLPs' (the router's too).
 pub(crate) struct Linear {
     pub(crate) weight: Tensor,
@@ -62,24 +64,38 @@ impl SwiGlu {
         }
     }
 
-    /// [`Self::forward`] in three products without joining the gate and up weights: no
-    /// copy of them per call, fewer operations for an expert's few rows.
+    /// [`Self::forward`] in three products, the gate and up weights apart: an expert's,
+    /// whose weights are not laid end to end, for its few rows.
     pub(crate) fn forward_unjoined(&self, h: &Tensor) -> Tensor {
         self.down
             .forward(&(self.gate.forward(h).silu() * self.up.forward(h)))
     }
 
+    /// The gate and up projections as one GEMM over their weights' buffer (see
+    /// [`crate::joined`]), then SwiGLU and the down projection.
     pub(crate) fn forward(&self, h: &Tensor) -> Tensor {
         let ffn = self.gate.weight.size()[0];
-        let gate_up = h.linear(
-            &Tensor::cat(&[&self.gate.weight, &self.up.weight], 0),
-            match (&self.gate.bias, &self.up.bias) {
-                (Some(g), Some(u)) => Some(Tensor::cat(&[g, u], 0)),
-                _ => None,
-            }
-            .as_ref(),
+        let biases = match (&self.gate.bias, &self.up.bias) {
+            (Some(g), Some(u)) => Some([g, u]),
+            _ => None,
+        };
+        let gate_up = joined_linear(
+            h,
+            &[&self.gate.weight, &self.up.weight],
+            biases.as_ref().map(|b| &b[..]),
         );
         let gate_up = gate_up.split_with_sizes([ffn, ffn], -1);
         self.down.forward(&(gate_up[0].silu() * &gate_up[1]))
+    }
+
+    /// Lays the gate and up weights end to end in one buffer (see
+    /// [`crate::joined::lay_end_to_end`]).
+    pub(crate) fn lay_weights_end_to_end(&mut self) {
+        lay_end_to_end(&mut [&mut self.gate.weight, &mut self.up.weight]);
+    }
+
+    /// Whether the gate and up weights lie end to end.
+    pub(crate) fn weights_end_to_end(&self) -> bool {
+        adjacent(&[&self.gate.weight, &self.up.weight])
     }
 }

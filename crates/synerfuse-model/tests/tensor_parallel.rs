@@ -419,3 +419,21 @@ fn a_sharded_middle_stage_passes_the_same_activations_and_gradients() {
     let stage = Stage::new_sharded(&c, 1..2, layout.shard(0).unwrap(), Device::Cpu).unwrap();
     assert!(stage.forward(&x.input, None, None).is_err());
 }
+
+/// The weights that share a GEMM (q, k, v; gate, up) lie end to end in one buffer on
+/// every shard, whole or sharded, and again after a cast, so no projection copies them.
+#[test]
+fn weights_sharing_a_gemm_lie_end_to_end_on_every_shard_and_after_a_cast() {
+    let c = config(false);
+    let layout = TpLayout::new(None, 2, 4, 48, 64).unwrap();
+    let whole = Stage::new(&c, 0..2, Device::Cpu).unwrap();
+    let shards =
+        (0..2).map(|r| Stage::new_sharded(&c, 0..2, layout.shard(r).unwrap(), Device::Cpu));
+    for mut stage in std::iter::once(whole).chain(shards.map(Result::unwrap)) {
+        assert!(stage.weights_end_to_end());
+        for kind in [Kind::BFloat16, Kind::Float] {
+            stage.set_kind(kind);
+            assert!(stage.weights_end_to_end(), "after a cast to {kind:?}");
+        }
+    }
+}
