@@ -1,6 +1,6 @@
 """synerfuse's GPU check, driven by check.sh (which sets the library paths and MPI).
 
-Seventeen steps, each printing one line as it ends and rewriting gpu-check.json and
+Eighteen steps, each printing one line as it ends and rewriting gpu-check.json and
 gpu-check.md, so a run cut short still shows what ran:
   1 probe      GPU, PyTorch, MPI, NCCL, `synerfuse env`
   2 exact      a small LLaMA (GQA, untied), fp32, TF32 off: 6 steps on cuda = on cpu
@@ -30,6 +30,8 @@ gpu-check.md, so a run cut short still shows what ran:
   8 fp16       step 4's run in fp16 (dynamic loss scale) against its bf16 speed, and a
                bf16 replica + an fp16 replica (two ranks on the one GPU, NCCL) against
                one fp32 rank (within 1e-3)
+  9 speed-large the largest of a 7B, a 3B and a 1.5B LLaMA the planner fits on the
+               card (recomputing where it must): tokens/s, MFU, memory against the plan
 With --cpu every step runs with the CPU standing in for the GPU (a small model in
 steps 4-7; the nccl-* pairs are CPU ranks over MPI, and say so): the plumbing is
 checked, the targets are not.
@@ -219,8 +221,8 @@ MICRO_BATCHES = 4
 WARMUP, MEASURED = 3, 10
 
 
-def model_flags():
-    b = BIG
+def model_flags(b=None):
+    b = b or BIG
     return ["--num-layers", str(b["layers"]), "--hidden-size", str(b["hidden"]),
             "--num-attention-heads", str(b["heads"]), "--group-query-attention",
             "--num-query-groups", str(b["kv"]),
@@ -228,7 +230,10 @@ def model_flags():
             "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
 
 
-def plan_json(mbs, deadline, profile=None):
+def plan_json(mbs, deadline, profile=None, model=None, recompute="off"):
+    """The planner's best plan (its JSON) for `model` (step 4's by default) at micro-batch
+    size `mbs` on the card, or None where nothing fits."""
+    model = model or BIG
     cluster = os.path.join(WORK, "cluster.toml")
     with open(cluster, "w") as f:
         if GPU:
@@ -237,9 +242,10 @@ def plan_json(mbs, deadline, profile=None):
             f.write('[[group]]\nkind = "custom"\ncount = 1\ntflops_bf16 = 1.0\n'
                     'memory_gb = 16\nmem_bw_gbs = 50\n')
         f.write("[network]\nintra_node_gbs = 450\ninter_node_gbs = 50\n")
-    cmd = [SF, "plan", "--cluster", cluster, *model_flags(), "--vocab-size", str(BIG["vocab"]),
-           "--global-batch-size", str(mbs * MICRO_BATCHES), "--micro-batch-sizes", str(mbs),
-           "--tensor-model-parallel-sizes", "1", "--recompute-activations", "off",
+    cmd = [SF, "plan", "--cluster", cluster, *model_flags(model), "--vocab-size",
+           str(model["vocab"]), "--global-batch-size", str(mbs * MICRO_BATCHES),
+           "--micro-batch-sizes", str(mbs), "--tensor-model-parallel-sizes", "1",
+           "--recompute-activations", recompute,
            "--use-distributed-optimizer", "off", "--top-k", "1", "--json"]
     if profile:
         cmd += ["--profile", profile]
@@ -658,20 +664,22 @@ def islands(deadline):
 # ---- 4. speed --------------------------------------------------------------------------
 
 
-def speed_run(mbs, deadline, precision=None):
-    """The speed run at micro-batch size `mbs`, in bf16 (fp32 with --cpu) or `precision`
-    ("fp16": from a loss scale of 4096, so that no measured step is an overflow's skip)."""
-    name = f"speed-{mbs}" + (f"-{precision}" if precision else "")
+def speed_run(mbs, deadline, precision=None, model=None, extra=(), name=None,
+              measured=MEASURED):
+    """The speed run of `model` (step 4's by default) at micro-batch size `mbs`, in bf16
+    (fp32 with --cpu) or `precision` ("fp16": from a loss scale of 4096, so that no
+    measured step is an overflow's skip)."""
+    name = name or f"speed-{mbs}" + (f"-{precision}" if precision else "")
     log = os.path.join(WORK, f"{name}.jsonl")
     if os.path.exists(log):
         os.remove(log)
-    b = BIG
-    cmd = [SF, "train", "--device", DEV, *model_flags(),
+    b = model or BIG
+    cmd = [SF, "train", "--device", DEV, *model_flags(b), *extra,
            "--max-position-embeddings", str(b["seq"]), "--swiglu",
            "--normalization", "RMSNorm", "--mock-data", "--tokenizer-type", "NullTokenizer",
            "--vocab-size", str(b["vocab"] - 1), "--micro-batch-size", str(mbs),
            "--global-batch-size", str(mbs * MICRO_BATCHES),
-           "--train-iters", str(WARMUP + MEASURED), "--lr", "1e-4", "--min-lr", "1e-5",
+           "--train-iters", str(WARMUP + measured), "--lr", "1e-4", "--min-lr", "1e-5",
            "--eval-iters", "0", "--log-interval", "1", "--log-throughput", "--log-json", log]
     if precision == "fp16":
         cmd += ["--fp16", "--initial-loss-scale", "4096"]
@@ -679,6 +687,43 @@ def speed_run(mbs, deadline, precision=None):
         cmd.append("--bf16")
     p = run(cmd, deadline, log=f"{name}.log", check=False)
     return p, log
+
+
+def speed_record(log, mbs, model, measured=MEASURED):
+    """Step 4's figures of a speed run's log: tokens/s, the median step and its spread,
+    TFLOP/s per GPU and the MFU."""
+    recs = records(log)[WARMUP:]
+    if len(recs) < measured:
+        raise Failed(f"only {len(recs)} measured steps")
+    seconds = sum(r["elapsed_ms"] for r in recs) / 1e3
+    tokens = sum(r["global_batch_size"] for r in recs) * model["seq"]
+    step_s = sorted(r["elapsed_ms"] for r in recs)[len(recs) // 2] / 1e3
+    tflops = sum(r["tflops_per_device"] for r in recs) / len(recs)
+    rec = {"micro_batch_size": mbs, "global_batch_size": mbs * MICRO_BATCHES,
+           "tokens_per_s": tokens / seconds, "median_step_s": step_s,
+           "step_s_spread": [min(r["elapsed_ms"] for r in recs) / 1e3,
+                             max(r["elapsed_ms"] for r in recs) / 1e3],
+           "tflops_per_gpu": tflops, "model": model}
+    mfu = ""
+    if STATE["peak_tflops"]:
+        rec["mfu"] = tflops / STATE["peak_tflops"]
+        mfu = f", MFU {rec['mfu']:.1%} of {STATE['peak_tflops']:g}"
+    rec["summary"] = (f"mbs {mbs} x {MICRO_BATCHES}: {tokens / seconds:,.0f} tokens/s, "
+                      f"{tflops:.1f} TFLOP/s/GPU{mfu}, median step {step_s:.3f} s")
+    return rec
+
+
+def memory_record(last, plan):
+    """A run's measured peak (its last record's rank 0) against the plan's prediction."""
+    rank = last["ranks"][0]
+    measured = rank["state_bytes"] + (rank.get("activation_peak_bytes") or 0)
+    predicted = max(plan["peak_memory_gb_per_stage"]) * 1e9
+    rec = {"measured_bytes": measured, "state_bytes": rank["state_bytes"],
+           "activation_peak_bytes": rank.get("activation_peak_bytes"),
+           "predicted_bytes": predicted, "measured_over_predicted": measured / predicted,
+           "summary": f"measured {measured / 1e9:.2f} GB (state {rank['state_bytes'] / 1e9:.2f}), "
+                      f"predicted {predicted / 1e9:.2f} GB"}
+    return rec, measured / predicted - 1
 
 
 @step("speed", 200)
@@ -696,26 +741,10 @@ def speed(deadline):
             if oom:
                 continue
             raise Failed("; ".join(tried) + ": " + "\n".join(p.stdout.splitlines()[-5:]))
-        recs = records(log)[WARMUP:]
-        if len(recs) < MEASURED:
-            raise Failed(f"only {len(recs)} measured steps")
-        seconds = sum(r["elapsed_ms"] for r in recs) / 1e3
-        tokens = sum(r["global_batch_size"] for r in recs) * BIG["seq"]
-        step_s = sorted(r["elapsed_ms"] for r in recs)[len(recs) // 2] / 1e3
-        tflops = sum(r["tflops_per_device"] for r in recs) / len(recs)
-        STATE.update(mbs=mbs, plan=plan, step_s=step_s, tokens_per_s=tokens / seconds,
-                     last=records(log)[-1])
-        rec = {"micro_batch_size": mbs, "global_batch_size": mbs * MICRO_BATCHES,
-               "tokens_per_s": tokens / seconds, "median_step_s": step_s,
-               "step_s_spread": [min(r["elapsed_ms"] for r in recs) / 1e3,
-                                 max(r["elapsed_ms"] for r in recs) / 1e3],
-               "tflops_per_gpu": tflops, "tried": tried, "model": BIG}
-        mfu = ""
-        if STATE["peak_tflops"]:
-            rec["mfu"] = tflops / STATE["peak_tflops"]
-            mfu = f", MFU {rec['mfu']:.1%} of {STATE['peak_tflops']:g}"
-        rec["summary"] = (f"mbs {mbs} x {MICRO_BATCHES}: {tokens / seconds:,.0f} tokens/s, "
-                          f"{tflops:.1f} TFLOP/s/GPU{mfu}, median step {step_s:.3f} s")
+        rec = speed_record(log, mbs, BIG)
+        rec["tried"] = tried
+        STATE.update(mbs=mbs, plan=plan, step_s=rec["median_step_s"],
+                     tokens_per_s=rec["tokens_per_s"], last=records(log)[-1])
         return rec
     raise Failed("no micro-batch size ran: " + "; ".join(tried))
 
@@ -774,15 +803,7 @@ def reference(deadline):
 @step("memory", 30)
 def memory(deadline):
     needs("last", "speed run to read")
-    rank = STATE["last"]["ranks"][0]
-    measured = rank["state_bytes"] + (rank.get("activation_peak_bytes") or 0)
-    predicted = max(STATE["plan"]["peak_memory_gb_per_stage"]) * 1e9
-    off = measured / predicted - 1
-    rec = {"measured_bytes": measured, "state_bytes": rank["state_bytes"],
-           "activation_peak_bytes": rank.get("activation_peak_bytes"),
-           "predicted_bytes": predicted, "measured_over_predicted": measured / predicted,
-           "summary": f"measured {measured / 1e9:.2f} GB (state {rank['state_bytes'] / 1e9:.2f}), "
-                      f"predicted {predicted / 1e9:.2f} GB"}
+    rec, off = memory_record(STATE["last"], STATE["plan"])
     return within_tenth(rec, off)
 
 
@@ -853,6 +874,60 @@ def fp16(deadline):
     if mixed.get("status") == "MISS":
         rec["status"] = "MISS"
     return rec
+
+
+# ---- 9. a model that fills the card -------------------------------------------------------
+
+# Largest first; the first the planner fits on the card (recomputing where it must) runs.
+if GPU:
+    LARGE_CANDIDATES = [
+        dict(name="LLaMA-2 7B", layers=32, hidden=4096, heads=32, kv=32, ffn=11008,
+             vocab=32000, seq=2048),
+        dict(name="LLaMA-3B", layers=26, hidden=3200, heads=32, kv=32, ffn=8640,
+             vocab=32000, seq=2048),
+        dict(name="1.5B", layers=24, hidden=2048, heads=16, kv=16, ffn=5632, vocab=32000,
+             seq=2048),
+    ]
+    LARGE_MBS = [4, 2, 1]
+else:
+    LARGE_CANDIDATES = [dict(name="CPU stand-in", layers=2, hidden=192, heads=6, kv=2,
+                             ffn=512, vocab=4096, seq=128)]
+    LARGE_MBS = [1]
+LARGE_MEASURED = 4
+
+
+@step("speed-large", 150)
+def speed_large(deadline):
+    """The largest of LARGE_CANDIDATES the planner fits on the card, at the largest
+    micro-batch it fits, recomputing activations where the plan does: tokens/s, MFU, and
+    the measured peak against the predicted one, so the speed figure is not only a small
+    model's."""
+    tried = []
+    for model in LARGE_CANDIDATES:
+        for mbs in LARGE_MBS:
+            plan = plan_json(mbs, deadline, model=model, recompute="auto")
+            if plan is None:
+                tried.append(f"{model['name']} mbs {mbs}: does not fit")
+                continue
+            recompute = any(any(r) for r in plan["recompute_per_stage_and_replica"])
+            extra = ["--recompute-activations"] if recompute else []
+            name = f"speed-large-{mbs}"
+            p, log = speed_run(mbs, deadline, model=model, extra=extra, name=name,
+                               measured=LARGE_MEASURED)
+            if p.returncode != 0:
+                oom = "out of memory" in p.stdout.lower()
+                tried.append(f"{model['name']} mbs {mbs}: "
+                             + ("out of memory" if oom else f"exit {p.returncode}"))
+                if oom:
+                    continue
+                raise Failed("; ".join(tried) + ": " + "\n".join(p.stdout.splitlines()[-5:]))
+            rec = speed_record(log, mbs, model, measured=LARGE_MEASURED)
+            memory, off = memory_record(records(log)[-1], plan)
+            rec.update(tried=tried, recompute=recompute, memory=memory)
+            rec["summary"] = (f"{model['name']}{' recomputing' if recompute else ''}, "
+                              + rec["summary"] + "; memory " + memory["summary"])
+            return within_tenth(rec, off)
+    raise Failed("no candidate ran: " + "; ".join(tried))
 
 
 RESULT["total_seconds"] = round(elapsed(), 1)
