@@ -5,8 +5,13 @@
 //! with and without recomputation.
 
 use std::collections::BTreeMap;
+use std::sync::Mutex;
 use synerfuse_model::tch::{self, Device, Kind, Tensor};
 use synerfuse_model::{BackwardFrom, FinalGrads, LlamaConfig, LoadBalancing, MoeConfig, Stage};
+
+/// libtorch's global generator, which `run` seeds and draws from: one test at a time
+/// (plain `cargo test` runs this file's tests on threads of one process).
+static INIT: Mutex<()> = Mutex::new(());
 
 fn config(moe: bool) -> LlamaConfig {
     LlamaConfig {
@@ -41,6 +46,7 @@ struct Outcome {
 /// One forward and backward of `layers` (cut at its pieces when `cut`), from the loss on
 /// the last stage, else from a fixed output gradient.
 fn run(c: &LlamaConfig, layers: std::ops::Range<usize>, cut: bool, recompute: bool) -> Outcome {
+    let _one_at_a_time = INIT.lock().unwrap_or_else(|e| e.into_inner());
     tch::manual_seed(5);
     let (b, s, h) = (2, 8, c.hidden_size as i64);
     let first = layers.start == 0;
@@ -132,6 +138,8 @@ impl synerfuse_model::PieceGate for Recording {
 /// and tensor-parallel (over a group of one); a failing gate stops it, naming the piece.
 #[test]
 fn a_gated_forward_waits_before_each_piece_in_order() {
+    // Building a stage draws its initial weights too.
+    let _one_at_a_time = INIT.lock().unwrap_or_else(|e| e.into_inner());
     let c = config(false);
     for layers in [0..3, 1..2, 1..3] {
         let mut stage = Stage::new(&c, layers.clone(), Device::Cpu).unwrap();
