@@ -227,7 +227,6 @@ impl DecoderLayer {
         rms_norm(x, weight, c.rms_norm_eps)
     }
 
-    /// [`Self::attention_out`] after its norm: `h` is the normed input.
     /// The projections `parts` of `h` as one GEMM (their biases joined where present).
     fn joined_projection<const N: usize>(&self, h: &Tensor, parts: [&Linear; N]) -> Tensor {
         let weights = parts.map(|p| &p.weight);
@@ -253,6 +252,7 @@ impl DecoderLayer {
         mlp && adjacent(&[&self.q.weight, &self.k.weight, &self.v.weight])
     }
 
+    /// [`Self::attention_out`] after its norm: `h` is the normed input.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn attention_core(
         &self,
