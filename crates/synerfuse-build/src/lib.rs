@@ -51,6 +51,12 @@ pub fn compile_against_libtorch(name: &str, sources: &[&str]) {
         return;
     };
     let include = Path::new(&dir).join("../include");
+    // `synerfuse_shim.h`: the error handling every shim shares.
+    let shared = Path::new(env!("CARGO_MANIFEST_DIR")).join("include");
+    println!(
+        "cargo:rerun-if-changed={}",
+        shared.join("synerfuse_shim.h").display()
+    );
     let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".to_owned());
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     for source in sources {
@@ -62,6 +68,7 @@ pub fn compile_against_libtorch(name: &str, sources: &[&str]) {
         .warnings(false)
         .include(&include)
         .include(include.join("torch/csrc/api/include"))
+        .include(&shared)
         .flag("-std=c++17")
         .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
         .flag("-DGLOG_USE_GLOG_EXPORT")

@@ -9,10 +9,9 @@
 // message the caller frees with `synerfuse_model_free_error`.
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <synerfuse_shim.h>
 
 #include <cstdlib>
-#include <cstring>
-#include <exception>
 #include <vector>
 
 namespace {
@@ -94,14 +93,6 @@ struct JoinedLinear : public torch::autograd::Function<JoinedLinear> {
   }
 };
 
-char *copy_message(const char *message) {
-  char *out = static_cast<char *>(std::malloc(std::strlen(message) + 1));
-  if (out != nullptr) {
-    std::strcpy(out, message);
-  }
-  return out;
-}
-
 }  // namespace
 
 extern "C" {
@@ -112,40 +103,22 @@ extern "C" {
 // Returns null, or an error.
 char *synerfuse_joined_linear(const at::Tensor *x, at::Tensor *const *weights,
                               at::Tensor *const *biases, size_t n, at::Tensor **out) {
-  try {
-    std::vector<at::Tensor> parts;
-    std::vector<at::Tensor> bias_parts;
-    for (size_t i = 0; i < n; ++i) {
-      parts.push_back(*weights[i]);
-      if (biases != nullptr) {
-        bias_parts.push_back(*biases[i]);
-      }
-    }
+  return synerfuse::guarded([&] {
+    std::vector<at::Tensor> parts = synerfuse::list(weights, n);
     std::optional<at::Tensor> bias;
     if (biases != nullptr) {
-      bias = at::cat(bias_parts, 0);
+      bias = at::cat(synerfuse::list(biases, n), 0);
     }
     at::Tensor y = adjacent(parts) ? JoinedLinear::apply(*x, bias, at::TensorList(parts))
                                    : at::linear(*x, at::cat(parts, 0), bias);
     *out = new at::Tensor(std::move(y));
-    return nullptr;
-  } catch (const c10::Error &e) {
-    return copy_message(e.what_without_backtrace());
-  } catch (const std::exception &e) {
-    return copy_message(e.what());
-  } catch (...) {
-    return copy_message("unknown C++ exception");
-  }
+  });
 }
 
 // Whether the weights are adjacent rows of one buffer (what `synerfuse_joined_linear`
 // reads without a copy).
 bool synerfuse_weights_adjacent(at::Tensor *const *weights, size_t n) {
-  std::vector<at::Tensor> parts;
-  for (size_t i = 0; i < n; ++i) {
-    parts.push_back(*weights[i]);
-  }
-  return n > 0 && adjacent(parts);
+  return n > 0 && adjacent(synerfuse::list(weights, n));
 }
 
 void synerfuse_model_free_error(char *error) { std::free(error); }

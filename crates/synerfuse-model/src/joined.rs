@@ -172,6 +172,15 @@ mod tests {
         assert!(u.grad().allclose(&want, 1e-6, 1e-6, false));
     }
 
+    /// libtorch's refusal comes back through the shim as a message, not an exception
+    /// across the C boundary.
+    #[test]
+    #[should_panic(expected = "by 2 weights: ")]
+    fn a_refused_projection_names_libtorchs_reason() {
+        let x = leaf(&[4, 8], 1);
+        let _ = joined_linear(&x, &[&leaf(&[6, 8], 2), &leaf(&[3, 7], 3)], None);
+    }
+
     #[test]
     fn laying_weights_end_to_end_keeps_their_values_and_leaves() {
         let mut weights = [leaf(&[2, 4], 1), leaf(&[3, 4], 2)];

@@ -7,32 +7,12 @@
 // device) come back as a message the caller frees with `synerfuse_free_error`.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_fused_adamw.h>
+#include <synerfuse_shim.h>
 
 #include <cstdlib>
-#include <cstring>
-#include <exception>
 #include <vector>
 
-namespace {
-
-std::vector<at::Tensor> list(at::Tensor *const *tensors, size_t n) {
-  std::vector<at::Tensor> out;
-  out.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    out.push_back(*tensors[i]);
-  }
-  return out;
-}
-
-char *copy_message(const char *message) {
-  char *out = static_cast<char *>(std::malloc(std::strlen(message) + 1));
-  if (out != nullptr) {
-    std::strcpy(out, message);
-  }
-  return out;
-}
-
-}  // namespace
+using synerfuse::list;
 
 extern "C" {
 
@@ -43,19 +23,12 @@ char *synerfuse_fused_adamw(at::Tensor *const *params, at::Tensor *const *grads,
                             at::Tensor *const *exp_avgs, at::Tensor *const *exp_avg_sqs,
                             const at::Tensor *step, size_t n, double lr, double beta1,
                             double beta2, double weight_decay, double eps) {
-  try {
+  return synerfuse::guarded([&] {
     std::vector<at::Tensor> steps(n, *step);
     at::_fused_adamw_(list(params, n), list(grads, n), list(exp_avgs, n),
                       list(exp_avg_sqs, n), {}, steps, lr, beta1, beta2, weight_decay,
                       eps, /*amsgrad=*/false, /*maximize=*/false);
-    return nullptr;
-  } catch (const c10::Error &e) {
-    return copy_message(e.what_without_backtrace());
-  } catch (const std::exception &e) {
-    return copy_message(e.what());
-  } catch (...) {
-    return copy_message("unknown C++ exception");
-  }
+  });
 }
 
 void synerfuse_free_error(char *error) { std::free(error); }
