@@ -6,12 +6,11 @@
 // Megatron's `linear_qkv` and `linear_fc1` avoid by storing the weights fused.
 //
 // A tch `Tensor` holds an `at::Tensor*` (torch-sys's `C_tensor`). Errors come back as a
-// message the caller frees with `synerfuse_model_free_error`.
+// message the caller frees with `synerfuse_model_free_error` (`shim.cpp`).
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <synerfuse_shim.h>
 
-#include <cstdlib>
 #include <vector>
 
 namespace {
@@ -120,7 +119,5 @@ char *synerfuse_joined_linear(const at::Tensor *x, at::Tensor *const *weights,
 bool synerfuse_weights_adjacent(at::Tensor *const *weights, size_t n) {
   return n > 0 && adjacent(synerfuse::list(weights, n));
 }
-
-void synerfuse_model_free_error(char *error) { std::free(error); }
 
 }  // extern "C"

@@ -5,10 +5,12 @@
 //! reads the buffer as one weight: no concatenated copy per forward, and none kept for
 //! the backward (Megatron stores `linear_qkv` and `linear_fc1` fused for the same reason).
 
-use std::ffi::{c_char, CStr};
+use std::ffi::c_char;
 
 use tch::Tensor;
 use torch_sys::C_tensor;
+
+use crate::shim::{new_tensor, pointers};
 
 extern "C" {
     fn synerfuse_joined_linear(
@@ -19,14 +21,6 @@ extern "C" {
         out: *mut *mut C_tensor,
     ) -> *mut c_char;
     fn synerfuse_weights_adjacent(weights: *const *mut C_tensor, n: usize) -> bool;
-    fn synerfuse_model_free_error(error: *mut c_char);
-}
-
-fn pointers(tensors: &[&Tensor]) -> Vec<*mut C_tensor> {
-    tensors
-        .iter()
-        .map(|t| t.as_ptr() as *mut C_tensor)
-        .collect()
 }
 
 /// `x·[w₀; w₁; …]ᵀ + [b₀; b₁; …]` (`x` `[..., inputs]`, each weight `[rows, inputs]`):
@@ -40,32 +34,20 @@ pub(crate) fn joined_linear(x: &Tensor, weights: &[&Tensor], biases: Option<&[&T
     let w = pointers(weights);
     let b = biases.map(pointers);
     assert!(b.as_ref().is_none_or(|b| b.len() == w.len()));
-    let mut out: *mut C_tensor = std::ptr::null_mut();
+    let what = || format!("joined projection of {x:?} by {} weights", weights.len());
     // SAFETY: every pointer is a live tensor borrowed for the call; the shim writes a new
-    // tensor it allocated into `out` only when it returns no error.
-    let error = unsafe {
-        synerfuse_joined_linear(
-            x.as_ptr(),
-            w.as_ptr(),
-            b.as_ref().map_or(std::ptr::null(), |b| b.as_ptr()),
-            w.len(),
-            &mut out,
-        )
-    };
-    if !error.is_null() {
-        // SAFETY: a non-null result is a NUL-terminated message the shim allocated.
-        let message = unsafe { CStr::from_ptr(error) }
-            .to_string_lossy()
-            .into_owned();
-        // SAFETY: the shim allocated it with malloc; freed once, after it was copied.
-        unsafe { synerfuse_model_free_error(error) };
-        panic!(
-            "joined projection of {x:?} by {} weights: {message}",
-            weights.len()
-        );
+    // tensor it allocated into `out` only when it returns no error, else a message.
+    unsafe {
+        new_tensor(what, |out| {
+            synerfuse_joined_linear(
+                x.as_ptr(),
+                w.as_ptr(),
+                b.as_ref().map_or(std::ptr::null(), |b| b.as_ptr()),
+                w.len(),
+                out,
+            )
+        })
     }
-    // SAFETY: on success `out` is a tensor the shim allocated for us to own.
-    unsafe { Tensor::from_ptr(out) }
 }
 
 /// Whether `weights` are rows of one buffer laid end to end (what [`joined_linear`]

@@ -22,6 +22,7 @@ mod mlp;
 mod moe;
 mod norm;
 mod pass;
+mod shim;
 pub mod tp;
 
 pub use collectives::{OpenGate, PieceGate};

@@ -1,9 +1,36 @@
 //! Dense projections and the SwiGLU MLP built from them: a dense layer's MLP and each
 //! expert's, below both the decoder layers and the mixture of experts that use them.
 
+use std::ffi::c_char;
+
 use tch::{nn, Tensor};
+use torch_sys::C_tensor;
 
 use crate::joined::{adjacent, joined_linear, lay_end_to_end};
+use crate::shim::new_tensor;
+
+extern "C" {
+    fn synerfuse_swiglu(
+        gate: *const C_tensor,
+        up: *const C_tensor,
+        out: *mut *mut C_tensor,
+    ) -> *mut c_char;
+}
+
+/// `silu(gate) · up` (same shapes) as one autograd node (`csrc/swiglu.cpp`) that keeps
+/// only `gate` and `up` for the backward, which recomputes SiLU: autograd over the
+/// formula would also keep SiLU's output, a `[tokens, ffn]` tensor per layer. Values and
+/// gradients are the formula's, by the same libtorch kernels.
+pub(crate) fn swiglu(gate: &Tensor, up: &Tensor) -> Tensor {
+    let what = || format!("SwiGLU of {gate:?} and {up:?}");
+    // SAFETY: both pointers are live tensors borrowed for the call; the shim writes a new
+    // tensor it allocated into `out` only when it returns no error, else a message.
+    unsafe {
+        new_tensor(what, |out| {
+            synerfuse_swiglu(gate.as_ptr(), up.as_ptr(), out)
+        })
+    }
+}
 
 /// A dense projection `x·Wᵀ + b`: the attention's and the MLPs' (the router's too).
 pub(crate) struct Linear {
@@ -68,11 +95,11 @@ impl SwiGlu {
     /// whose weights are not laid end to end, for its few rows.
     pub(crate) fn forward_unjoined(&self, h: &Tensor) -> Tensor {
         self.down
-            .forward(&(self.gate.forward(h).silu() * self.up.forward(h)))
+            .forward(&swiglu(&self.gate.forward(h), &self.up.forward(h)))
     }
 
     /// The gate and up projections as one GEMM over their weights' buffer (see
-    /// [`crate::joined`]), then SwiGLU and the down projection.
+    /// [`crate::joined`]), then SwiGLU ([`swiglu`]) and the down projection.
     pub(crate) fn forward(&self, h: &Tensor) -> Tensor {
         let ffn = self.gate.weight.size()[0];
         let biases = match (&self.gate.bias, &self.up.bias) {
@@ -85,7 +112,7 @@ impl SwiGlu {
             biases.as_ref().map(|b| &b[..]),
         );
         let gate_up = gate_up.split_with_sizes([ffn, ffn], -1);
-        self.down.forward(&(gate_up[0].silu() * &gate_up[1]))
+        self.down.forward(&swiglu(&gate_up[0], &gate_up[1]))
     }
 
     /// Lays the gate and up weights end to end in one buffer (see
@@ -97,5 +124,53 @@ impl SwiGlu {
     /// Whether the gate and up weights lie end to end.
     pub(crate) fn weights_end_to_end(&self) -> bool {
         adjacent(&[&self.gate.weight, &self.up.weight])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::swiglu;
+    use tch::{Device, Kind, Tensor};
+
+    fn leaf(shape: &[i64], seed: f64) -> Tensor {
+        let n: i64 = shape.iter().product();
+        let values = Tensor::arange(n, (Kind::Float, Device::Cpu)) * (0.37 * seed + 0.1);
+        (values.sin() * 3.0).view(shape).set_requires_grad(true)
+    }
+
+    /// The value and the gradients of `gate` and `up` through `f`, after two backwards
+    /// (two micro-batches accumulating), with `up` a constant when not `up_grad`.
+    fn run(f: impl Fn(&Tensor, &Tensor) -> Tensor, up_grad: bool) -> Vec<Tensor> {
+        let gate_up = leaf(&[3, 4, 10], 1.0);
+        let parts = gate_up.split_with_sizes([5, 5], -1);
+        let up = if up_grad {
+            parts[1].shallow_clone()
+        } else {
+            parts[1].detach()
+        };
+        let upstream = leaf(&[3, 4, 5], 2.0).detach();
+        let mut y = Tensor::new();
+        for _ in 0..2 {
+            y = f(&parts[0], &up);
+            (&y * &upstream).sum(Kind::Float).backward();
+        }
+        vec![y.detach(), gate_up.grad().copy()]
+    }
+
+    #[test]
+    fn swiglu_is_the_formula_to_the_bit_in_value_and_gradients() {
+        for up_grad in [true, false] {
+            let want = run(|g, u| g.silu() * u, up_grad);
+            let got = run(swiglu, up_grad);
+            for (g, w) in got.iter().zip(&want) {
+                assert!(g.equal(w), "up differentiated: {up_grad}: {g:?} vs {w:?}");
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "differ in shape")]
+    fn swiglu_of_unlike_shapes_names_them() {
+        let _ = swiglu(&leaf(&[2, 5], 1.0), &leaf(&[2, 4], 2.0));
     }
 }

@@ -188,8 +188,8 @@ impl ModelShape {
     /// token: each norm's input and output (on accelerators, `fused_kernels`: libtorch's
     /// fused RMSNorm; elsewhere also the fp32 copy transformers' formula makes), the
     /// rotated queries and keys, the q/k/v projection (the values are a view of it), the
-    /// attention output and its reshaped copy, the gate/up projection, SiLU's output and
-    /// the product; plus the attention scores and probabilities unless the attention
+    /// attention output and its reshaped copy, the gate/up projection and the SwiGLU
+    /// product (SwiGLU's backward recomputes SiLU rather than keep it); plus the attention scores and probabilities unless the attention
     /// kernel is fused (flash or memory-efficient SDPA, on accelerators). Read off the
     /// layer's code; on an H100 it put a 1.1B model's peak within a few per cent of the
     /// measured one. An estimate when no profile measured it.
@@ -208,7 +208,7 @@ impl ModelShape {
             false => (8.0 * h + 4.0 * bytes * h, bytes * 2.0 * a * s * s * b),
         };
         let attention = bytes * (4.0 * h + 3.0 * kv);
-        let mlp = bytes * 4.0 * f;
+        let mlp = bytes * 3.0 * f;
         s * b * (norms + attention + mlp) + scores
     }
 
