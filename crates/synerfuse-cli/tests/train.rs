@@ -1642,8 +1642,8 @@ fn plan_writes_what_train_runs() {
     let tp = dir.path().join("tp.toml");
     std::fs::write(
         &tp,
-        "[[group]]\nkind = \"cpu\"\ncount = 1\nnode = \"here\"\ntflops_bf16 = 0.05\nmemory_gb = 0.0021\n\
-         [[group]]\nkind = \"cpu\"\ncount = 1\nnode = \"here\"\ntflops_bf16 = 0.05\nmemory_gb = 0.0021\nspeed = 0.5\n\
+        "[[group]]\nkind = \"cpu\"\ncount = 1\nnode = \"here\"\ntflops_bf16 = 0.05\nmemory_gb = 0.002\n\
+         [[group]]\nkind = \"cpu\"\ncount = 1\nnode = \"here\"\ntflops_bf16 = 0.05\nmemory_gb = 0.002\nspeed = 0.5\n\
          [network]\nintra_node_gbs = 5\ninter_node_gbs = 5\n",
     )
     .unwrap();

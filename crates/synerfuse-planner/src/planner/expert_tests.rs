@@ -341,7 +341,7 @@ fn experts_held_in_parts_of_different_sizes_reduce_over_every_holder_of_each_par
     assert!((held(2) - held(0) - experts / 2.0).abs() < 1e-6);
 }
 
-/// On unequal pools (A100s of 40 GB, A10s of 24 GB) per-replica plans divide the
+/// On unequal pools (A100s of 40 GB, A10s of 24 GB; sequences of 640) per-replica plans divide the
 /// experts too: groups of two alike replicas of a pool holding half of each stage's
 /// experts, the members of a group taking the same micro-batches, the batch split by
 /// the pools' paces; asked for expert parallelism only, both the expert's layout and
@@ -353,7 +353,9 @@ fn per_replica_plans_divide_the_experts_over_groups_of_alike_replicas() {
         "kind = \"a100-40g\"\ncount = 4",
         "kind = \"a10\"\ncount = 4",
     );
-    let cost = CostModel::new(wide_experts(None).model, cluster, None);
+    let mut model = wide_experts(None).model;
+    model.seq_length = 640;
+    let cost = CostModel::new(model, cluster, None);
     let outcome = plan(&cost, &request(vec![2])).unwrap();
     let layout = outcome.expert.expect("an expert's layout");
     assert!(layout.per_pool, "{layout:?}");

@@ -37,10 +37,10 @@ fn request(g: usize, recompute: Choice, distributed_optimizer: Choice) -> PlanRe
 }
 
 /// Two A10s hold the model's state in a two-stage pipeline but not its activations
-/// at sequence 4096: recomputing them makes it fit, at a forward's extra cost.
+/// at sequence 5120: recomputing them makes it fit, at a forward's extra cost.
 #[test]
 fn recomputation_makes_a_plan_fit() {
-    let cost = a10s(2, 4096);
+    let cost = a10s(2, 5120);
     let off = plan(&cost, &request(16, Choice::Off, Choice::Off));
     assert!(
         matches!(
@@ -64,16 +64,25 @@ fn recomputation_makes_a_plan_fit() {
     let plain = plan(&a10s(2, 2048), &request(32, Choice::Off, Choice::Off)).unwrap();
     let busy = |c: &Candidate| c.prediction.busy_s.iter().flatten().sum::<f64>();
     let again = plan(&a10s(2, 2048), &request(32, Choice::On, Choice::Off)).unwrap();
-    let same = (again.plans.iter())
-        .find(|c| {
-            c.layers == plain.plans[0].layers && c.micro_batches == plain.plans[0].micro_batches
+    // A layout both searches rank among their best, priced both ways.
+    let layout = |c: &Candidate| {
+        (
+            c.layers.clone(),
+            c.micro_batch_sizes.clone(),
+            c.micro_batches.clone(),
+        )
+    };
+    let (without, with) = (plain.plans.iter())
+        .find_map(|p| {
+            let same = again.plans.iter().find(|a| layout(a) == layout(p))?;
+            Some((p, same))
         })
-        .expect("the same layout with recomputation");
-    let ratio = busy(same) / busy(&plain.plans[0]);
+        .expect("a layout among the best with recomputation and without");
+    let ratio = busy(with) / busy(without);
     assert!((ratio - 4.0 / 3.0).abs() < 1e-9, "{ratio}");
 }
 
-/// Four A10s: without the distributed optimizer two replicas of two stages run out of
+/// Four A10s, sequences of 2304: without the distributed optimizer two replicas of two stages run out of
 /// memory at micro-batch size 2; sharding the optimizer state over the replicas
 /// makes that plan fit, and it beats the four-stage pipeline. Priced with the
 /// reductions after the pipeline: overlapped, four replicas of the whole model win
@@ -82,7 +91,7 @@ fn recomputation_makes_a_plan_fit() {
 fn distributed_optimizer_makes_a_faster_plan_fit() {
     let cost = CostModel {
         overlap_grad_reduce: false,
-        ..a10s(4, 2048)
+        ..a10s(4, 2304)
     };
     let off = plan(&cost, &request(16, Choice::Off, Choice::Off)).unwrap();
     assert!(!off
@@ -234,14 +243,14 @@ pub(super) fn long_sequence(groups: &str, vocab_size: usize) -> CostModel {
     }
 }
 
-/// Two devices of 2.62 GB and a sequence of 32768 tokens: no plan without context
+/// Two devices of 2.5 GB and a sequence of 32768 tokens: no plan without context
 /// parallelism fits (a stage's activations, or the head's logits, exceed a device); a
 /// context-parallel pair does, each member holding half of every sequence (a plan file
 /// that round-trips and checks).
 #[test]
 fn context_parallelism_makes_a_long_sequence_fit() {
     let cost = || {
-        let toml = "[[group]]\nkind = \"a10\"\ncount = 2\nnode = \"a\"\nmemory_gb = 2.62\n";
+        let toml = "[[group]]\nkind = \"a10\"\ncount = 2\nnode = \"a\"\nmemory_gb = 2.5\n";
         long_sequence(toml, 1000)
     };
     let mut r = request(2, Choice::Auto, Choice::Auto);
