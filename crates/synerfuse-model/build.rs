@@ -4,6 +4,11 @@ fn main() {
     synerfuse_build::link_libtorch();
     synerfuse_build::compile_against_libtorch(
         "synerfuse_model_shim",
-        &["csrc/shim.cpp", "csrc/joined_linear.cpp", "csrc/swiglu.cpp"],
+        &[
+            "csrc/shim.cpp",
+            "csrc/joined_linear.cpp",
+            "csrc/swiglu.cpp",
+            "csrc/rope.cpp",
+        ],
     );
 }

@@ -8,15 +8,33 @@ use crate::joined::{adjacent, joined_linear, lay_end_to_end};
 use crate::mlp::{Linear, SwiGlu};
 use crate::moe::{route, route_across, ExpertExchange, ExpertGroup, HeldExperts, Routing, TopK};
 use crate::norm::rms_norm;
+use crate::shim::new_tensor;
+use std::ffi::c_char;
 use synerfuse_plan::TpShard;
 use tch::{nn, Device, Kind, Tensor};
+use torch_sys::C_tensor;
 
-/// RoPE's rotation of each head's halves: `[-x2, x1]`.
-fn rotate_half(x: &Tensor) -> Tensor {
-    let half = x.size()[3] / 2;
-    let x1 = x.narrow(3, 0, half);
-    let x2 = x.narrow(3, half, half);
-    Tensor::cat(&[&x2.neg(), &x1], 3)
+extern "C" {
+    fn synerfuse_rope(
+        x: *const C_tensor,
+        cos: *const C_tensor,
+        sin: *const C_tensor,
+        out: *mut *mut C_tensor,
+    ) -> *mut c_char;
+}
+
+/// RoPE of queries or keys `x` `[b, heads, s, d]` by the tables `cos`, `sin`
+/// `[b, 1, s, d]`: transformers' `x·cos + rotate_half(x)·sin`, as one autograd node
+/// (`csrc/rope.cpp`) of two passes each way instead of five kernels over copies.
+fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    let what = || format!("RoPE of {x:?} by {cos:?}");
+    // SAFETY: the pointers are live tensors borrowed for the call; the shim writes a new
+    // tensor it allocated into `out` only when it returns no error, else a message.
+    unsafe {
+        new_tensor(what, |out| {
+            synerfuse_rope(x.as_ptr(), cos.as_ptr(), sin.as_ptr(), out)
+        })
+    }
 }
 
 /// Keys and values of earlier positions, per layer, for generation.
@@ -273,8 +291,8 @@ impl DecoderLayer {
         let q = parts[0].view([b, s, heads, hd]).transpose(1, 2);
         let k = parts[1].view([b, s, kv_heads, hd]).transpose(1, 2);
         let v = parts[2].view([b, s, kv_heads, hd]).transpose(1, 2);
-        let q = &q * cos + rotate_half(&q) * sin;
-        let k = &k * cos + rotate_half(&k) * sin;
+        let q = rope(&q, cos, sin);
+        let k = rope(&k, cos, sin);
         let (k, v, had_cache) = match cache {
             Some(cache) => self.extend_cache(cache, k, v),
             None => (k, v, false),
@@ -320,7 +338,7 @@ impl DecoderLayer {
         let parts = kv.split_with_sizes([nkv, nkv], -1);
         let k = parts[0].view([b, s, nkv / hd, hd]).transpose(1, 2);
         let v = parts[1].view([b, s, nkv / hd, hd]).transpose(1, 2);
-        let k = &k * cos + rotate_half(&k) * sin;
+        let k = rope(&k, cos, sin);
         (k, v)
     }
 
@@ -343,7 +361,7 @@ impl DecoderLayer {
         let hd = c.head_dim as i64;
         let nq = self.q.weight.size()[0];
         let q = self.q.forward(h).view([b, s, nq / hd, hd]).transpose(1, 2);
-        let q = &q * cos + rotate_half(&q) * sin;
+        let q = rope(&q, cos, sin);
         let allowed = match mask {
             Some(mask) => mask.logical_not(),
             None => {
@@ -408,4 +426,68 @@ fn cached_causal_mask(total: i64, queries: i64, device: Device) -> Tensor {
     let keys = Tensor::arange(total, (Kind::Int64, device)).unsqueeze(0);
     let positions = Tensor::arange_start(start, total, (Kind::Int64, device)).unsqueeze(1);
     keys.le_tensor(&positions)
+}
+
+#[cfg(test)]
+mod rope_tests {
+    use super::rope;
+    use tch::{Device, Kind, Tensor};
+
+    fn values(shape: &[i64], seed: f64) -> Tensor {
+        let n: i64 = shape.iter().product();
+        let t = Tensor::arange(n, (Kind::Float, Device::Cpu)) * (0.37 * seed + 0.1);
+        (t.sin() * 2.0).view(shape)
+    }
+
+    /// transformers' formula.
+    fn formula(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+        let half = x.size()[3] / 2;
+        let rotated = Tensor::cat(&[&x.narrow(3, half, half).neg(), &x.narrow(3, 0, half)], 3);
+        x * cos + rotated * sin
+    }
+
+    /// The value and the input's gradient through `f`, the input a transposed view
+    /// `[b, heads, s, d]` of `[b, s, heads, d]` as the attention makes it.
+    fn run(f: impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor, kind: Kind) -> (Tensor, Tensor) {
+        let leaf = values(&[2, 5, 3, 8], 1.0)
+            .to_kind(kind)
+            .set_requires_grad(true);
+        let x = leaf.transpose(1, 2);
+        // Tables whose halves differ (transformers' repeat theirs): the backward must
+        // take each half's own.
+        let cos = values(&[2, 1, 5, 8], 2.0).to_kind(kind);
+        let sin = values(&[2, 1, 5, 8], 3.0).to_kind(kind);
+        let y = f(&x, &cos, &sin);
+        let upstream = values(&[2, 3, 5, 8], 4.0).to_kind(kind);
+        (&y * upstream).sum(Kind::Float).backward();
+        (
+            y.detach().to_kind(Kind::Float),
+            leaf.grad().to_kind(Kind::Float),
+        )
+    }
+
+    /// fp32 to rounding; bf16 within an ulp or two of the values' scale (the formula
+    /// rounds each product to bf16, `addcmul` adds in fp32 and rounds once).
+    #[test]
+    fn rope_is_transformers_formula_in_value_and_gradient() {
+        for (kind, tolerance) in [(Kind::Float, 1e-6), (Kind::BFloat16, 1e-2)] {
+            let (want, want_grad) = run(formula, kind);
+            let (got, grad) = run(rope, kind);
+            for (what, a, b) in [("value", &got, &want), ("gradient", &grad, &want_grad)] {
+                let off = (a - b).abs().max().double_value(&[]);
+                let scale = b.abs().max().double_value(&[]);
+                assert!(
+                    off < tolerance * scale,
+                    "{kind:?}: {what} off by {off} of {scale}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "an even head dimension")]
+    fn rope_of_an_odd_head_dimension_is_refused() {
+        let x = values(&[1, 1, 2, 3], 1.0);
+        let _ = rope(&x, &values(&[1, 1, 2, 3], 2.0), &values(&[1, 1, 2, 3], 3.0));
+    }
 }

@@ -15,6 +15,7 @@ extern "C" {
         up: *const C_tensor,
         out: *mut *mut C_tensor,
     ) -> *mut c_char;
+    fn synerfuse_joined_swiglu(gate_up: *const C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
 }
 
 /// `silu(gate) · up` (same shapes) as one autograd node (`csrc/swiglu.cpp`) that keeps
@@ -30,6 +31,15 @@ pub(crate) fn swiglu(gate: &Tensor, up: &Tensor) -> Tensor {
             synerfuse_swiglu(gate.as_ptr(), up.as_ptr(), out)
         })
     }
+}
+
+/// [`swiglu`] of the halves of one projection `gate_up` `[..., 2·ffn]` (gate first), its
+/// gradient's halves written in place in the backward (autograd would concatenate them).
+pub(crate) fn joined_swiglu(gate_up: &Tensor) -> Tensor {
+    let what = || format!("SwiGLU of the joined {gate_up:?}");
+    // SAFETY: the pointer is a live tensor borrowed for the call; the shim writes a new
+    // tensor it allocated into `out` only when it returns no error, else a message.
+    unsafe { new_tensor(what, |out| synerfuse_joined_swiglu(gate_up.as_ptr(), out)) }
 }
 
 /// A dense projection `x·Wᵀ + b`: the attention's and the MLPs' (the router's too).
@@ -99,9 +109,8 @@ impl SwiGlu {
     }
 
     /// The gate and up projections as one GEMM over their weights' buffer (see
-    /// [`crate::joined`]), then SwiGLU ([`swiglu`]) and the down projection.
+    /// [`crate::joined`]), then SwiGLU ([`joined_swiglu`]) and the down projection.
     pub(crate) fn forward(&self, h: &Tensor) -> Tensor {
-        let ffn = self.gate.weight.size()[0];
         let biases = match (&self.gate.bias, &self.up.bias) {
             (Some(g), Some(u)) => Some([g, u]),
             _ => None,
@@ -111,8 +120,7 @@ impl SwiGlu {
             &[&self.gate.weight, &self.up.weight],
             biases.as_ref().map(|b| &b[..]),
         );
-        let gate_up = gate_up.split_with_sizes([ffn, ffn], -1);
-        self.down.forward(&swiglu(&gate_up[0], &gate_up[1]))
+        self.down.forward(&joined_swiglu(&gate_up))
     }
 
     /// Lays the gate and up weights end to end in one buffer (see
@@ -129,7 +137,7 @@ impl SwiGlu {
 
 #[cfg(test)]
 mod tests {
-    use super::swiglu;
+    use super::{joined_swiglu, swiglu};
     use tch::{Device, Kind, Tensor};
 
     fn leaf(shape: &[i64], seed: f64) -> Tensor {
@@ -166,6 +174,24 @@ mod tests {
                 assert!(g.equal(w), "up differentiated: {up_grad}: {g:?} vs {w:?}");
             }
         }
+        // Over the joined projection: the halves' gradients written in place.
+        let want = run(|g, u| g.silu() * u, true);
+        let got = run_joined();
+        for (g, w) in got.iter().zip(&want) {
+            assert!(g.equal(w), "joined: {g:?} vs {w:?}");
+        }
+    }
+
+    /// [`run`] through [`joined_swiglu`] of the whole projection.
+    fn run_joined() -> Vec<Tensor> {
+        let gate_up = leaf(&[3, 4, 10], 1.0);
+        let upstream = leaf(&[3, 4, 5], 2.0).detach();
+        let mut y = Tensor::new();
+        for _ in 0..2 {
+            y = joined_swiglu(&gate_up);
+            (&y * &upstream).sum(Kind::Float).backward();
+        }
+        vec![y.detach(), gate_up.grad().copy()]
     }
 
     #[test]
