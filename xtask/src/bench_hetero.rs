@@ -792,6 +792,22 @@ const LLAMA_70B: [&str; 17] = [
     "1024",
 ];
 
+/// The flags of `args` (each a name and its value, or a switch such as
+/// `--group-query-attention` that takes none) less those whose names `extra` holds.
+fn without_flags<'a>(args: &[&'a str], extra: &[&str]) -> Vec<&'a str> {
+    let mut kept = Vec::with_capacity(args.len());
+    let mut i = 0;
+    while i < args.len() {
+        let takes_value = args.get(i + 1).is_some_and(|next| !next.starts_with("--"));
+        let end = i + 1 + usize::from(takes_value);
+        if !extra.contains(&args[i]) {
+            kept.extend_from_slice(&args[i..end]);
+        }
+        i = end;
+    }
+    kept
+}
+
 /// `synerfuse plan --json` for `model` on `nodes` nodes of 8 devices, shared out among
 /// `kinds` (200 GB/s in a node, 25 GB/s between nodes), with `extra` flags (which replace
 /// the model's of the same name).
@@ -815,13 +831,7 @@ fn time_planning(
     }
     text.push_str("[network]\nintra_node_gbs = 200\ninter_node_gbs = 25\n");
     std::fs::write(&cluster, text)?;
-    // The model's flags (name, value) less those `extra` gives.
-    let replaced = |name: &&str| extra.contains(name);
-    let model_flags: Vec<&str> = (model.chunks(2))
-        .filter(|pair| !replaced(&pair[0]))
-        .flatten()
-        .copied()
-        .collect();
+    let model_flags = without_flags(model, extra);
     let started = std::time::Instant::now();
     let json = run(
         Command::new(bin)
@@ -899,4 +909,36 @@ pub fn planner(root: &Path) -> Result<()> {
         }),
     )?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_flags;
+
+    /// A switch between flags shifts no pair: the replaced flag and its value go, the
+    /// switch stays (a `chunks(2)` over the arguments once kept a doubled
+    /// `--global-batch-size` behind `--group-query-attention`).
+    #[test]
+    fn replaced_flags_go_with_their_values_and_switches_stay() {
+        let model = [
+            "--num-layers",
+            "80",
+            "--group-query-attention",
+            "--num-query-groups",
+            "8",
+            "--global-batch-size",
+            "1024",
+        ];
+        assert_eq!(
+            without_flags(&model, &["--global-batch-size", "16384"]),
+            [
+                "--num-layers",
+                "80",
+                "--group-query-attention",
+                "--num-query-groups",
+                "8"
+            ]
+        );
+        assert_eq!(without_flags(&model, &[]), model);
+    }
 }
