@@ -146,7 +146,7 @@ impl Candidate {
         experts: Option<Vec<Vec<Vec<usize>>>>,
     ) -> Result<Plan, PlanningError> {
         let devices = cost.cluster.devices();
-        let mixed = cost.mixes_precisions();
+        let placing = Placing::of(cost);
         let topology = self.topology()?;
         let recomputes = self.recompute.iter().flatten().any(|&x| x);
         let mut replicas = Vec::with_capacity(self.micro_batches.len());
@@ -197,7 +197,7 @@ impl Candidate {
                 },
                 placements: (self.devices.iter())
                     .flat_map(|stage| self.unit_devices(stage[r]))
-                    .map(|i| placement(&devices[i], cost, mixed))
+                    .map(|i| placement(&devices[i], cost, placing))
                     .collect(),
                 experts: match &experts {
                     Some(stages) => (stages.iter())
@@ -285,15 +285,31 @@ fn one_precision_per_stage(replica: Option<&mut ReplicaPipeline>) {
     }
 }
 
+/// What every rank's placement in a plan shares, decided once per plan (each is a pass
+/// over the cluster: per rank, they made writing a 131,072-device plan quadratic).
+#[derive(Clone, Copy)]
+pub(super) struct Placing {
+    /// The cluster's devices compute in more than one precision: each rank names its own.
+    mixed: bool,
+    /// Some group sets an emulated speed: named nodes and sites are emulated hosts (their
+    /// islands and links); elsewhere islands follow the hosts training runs on.
+    emulated: bool,
+}
+
+impl Placing {
+    pub(super) fn of(cost: &CostModel) -> Placing {
+        Placing {
+            mixed: cost.mixes_precisions(),
+            emulated: cost.cluster.group.iter().any(|g| g.speed.is_some()),
+        }
+    }
+}
+
 /// Where a rank on `dev` computes: CUDA for an accelerator, else the CPU; its emulated
-/// speed, kind and memory; with `mixed` (the cluster's devices compute in more than one
-/// precision) its precision too.
-pub(super) fn placement(dev: &Device, cost: &CostModel, mixed: bool) -> RankPlacement {
-    let cluster = &cost.cluster;
+/// speed, kind and memory; where the precisions are mixed, its precision too.
+pub(super) fn placement(dev: &Device, cost: &CostModel, placing: Placing) -> RankPlacement {
     let accelerator = dev.spec.is_some_and(|s| s.accelerator);
-    // An emulated cluster's named nodes and sites are emulated hosts (their islands and
-    // links); elsewhere islands follow the hosts training runs on.
-    let emulated = cluster.group.iter().any(|g| g.speed.is_some()) && dev.named_node;
+    let emulated = placing.emulated && dev.named_node;
     RankPlacement {
         device: Some(match accelerator {
             true => DeviceRequest::Cuda(None),
@@ -304,7 +320,7 @@ pub(super) fn placement(dev: &Device, cost: &CostModel, mixed: bool) -> RankPlac
         memory_gb: dev.spec.map(|s| s.memory_gb),
         node: emulated.then(|| dev.node.clone()),
         site: (emulated && !dev.site.is_empty()).then(|| dev.site.clone()),
-        precision: mixed.then(|| cost.precision_of(dev)),
+        precision: placing.mixed.then(|| cost.precision_of(dev)),
     }
 }
 
@@ -316,7 +332,7 @@ impl PooledCandidate {
     pub fn to_plan(&self, cost: &CostModel) -> Result<Plan, PlanError> {
         let candidate = self;
         let devices = cost.cluster.devices();
-        let mixed = cost.mixes_precisions();
+        let placing = Placing::of(cost);
         let experts = self.expert_parts(cost);
         let mut next_rank = 0;
         let mut replicas = Vec::new();
@@ -369,7 +385,7 @@ impl PooledCandidate {
                     .flat_map(|g| {
                         g.members
                             .iter()
-                            .map(|&i| placement(&devices[i], cost, mixed))
+                            .map(|&i| placement(&devices[i], cost, placing))
                     })
                     .collect(),
                 experts: match &experts {
