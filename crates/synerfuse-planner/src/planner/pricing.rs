@@ -120,10 +120,33 @@ pub(super) fn stage_seconds(k: &StageCosts, layers: usize, i: usize, p: usize) -
 
 /// The 1F1B time of a replica: fill and drain plus (m − 1) of its slowest stage.
 pub(super) fn pipeline_time(t: &[Vec<f64>], c: &[Vec<f64>], r: usize, m: usize) -> f64 {
+    let (fill, slowest) = pipeline_parts(t, c, r);
+    fill + (m.saturating_sub(1)) as f64 * slowest
+}
+
+/// A replica's fill and drain, and its slowest stage.
+fn pipeline_parts(t: &[Vec<f64>], c: &[Vec<f64>], r: usize) -> (f64, f64) {
     let sum: f64 = t.iter().map(|s| s[r]).sum();
     let comm: f64 = c.iter().map(|s| 2.0 * s[r]).sum();
     let max = t.iter().map(|s| s[r]).fold(0.0, f64::max);
-    sum + comm + (m.saturating_sub(1)) as f64 * max
+    (sum + comm, max)
+}
+
+/// Every replica's [`pipeline_time`] parts, gathered once for the many micro-batch
+/// counts a split tries (the same bits as asking it each time).
+pub(super) struct PipelineTimes(Vec<(f64, f64)>);
+
+impl PipelineTimes {
+    pub(super) fn new(t: &[Vec<f64>], c: &[Vec<f64>]) -> Self {
+        let replicas = t.first().map_or(0, Vec::len);
+        Self((0..replicas).map(|r| pipeline_parts(t, c, r)).collect())
+    }
+
+    /// Replica `r`'s 1F1B time with `m` micro-batches.
+    pub(super) fn time(&self, r: usize, m: usize) -> f64 {
+        let (fill, slowest) = self.0[r];
+        fill + (m.saturating_sub(1)) as f64 * slowest
+    }
 }
 
 /// Scores a layout by the closed form; `Err(violation)` when a rank runs out of memory.

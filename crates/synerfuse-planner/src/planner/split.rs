@@ -6,7 +6,7 @@ use super::{
     context::Ctx,
     error::PlanningError,
     memory_fit::Shares,
-    pricing::{pipeline_time, stage_seconds, stage_times},
+    pricing::{pipeline_time, stage_seconds, stage_times, PipelineTimes},
     samples::{min_max_samples, ReplicaPace},
 };
 use crate::cost::{Recompute, StageCosts, StageHolding};
@@ -108,8 +108,8 @@ pub(super) fn split_samples(
     let b = sizes[0];
     if sizes.iter().all(|&s| s == b) {
         let fits = samples % b == 0 && samples / b >= d;
-        let time = |r, m| pipeline_time(&t, &c, r, m);
-        return Ok(fits.then(|| min_max_split(samples / b, time, d)));
+        let times = PipelineTimes::new(&t, &c);
+        return Ok(fits.then(|| min_max_split(samples / b, |r, m| times.time(r, m), d)));
     }
     let paces: Vec<ReplicaPace> = (0..d)
         .map(|r| ReplicaPace {
@@ -124,8 +124,20 @@ pub(super) fn split_samples(
 
 /// Exact contiguous split of `l` layers over `costs.len()` stages minimising the largest
 /// stage cost; `costs[i](ℓ)` is stage i's cost holding ℓ layers, `None` when ℓ does not
-/// fit. `None` when no split fits. O(p·L²).
+/// fit. `None` when no split fits. Of the splits with the least cost, the one whose last
+/// stages hold the fewest layers. O(p·L·log L) where each stage's cost is nondecreasing
+/// in its layers (as the cost model's are), O(p·L²) where one is not.
 pub fn min_max_layers(l: usize, costs: &[&dyn Fn(usize) -> Option<f64>]) -> Option<Vec<usize>> {
+    layers_min_max(l, costs, true)
+}
+
+/// [`min_max_layers`], bisecting where the costs allow it (`bisect`) or scanning every
+/// layer count (the reference the bisection is tested against).
+fn layers_min_max(
+    l: usize,
+    costs: &[&dyn Fn(usize) -> Option<f64>],
+    bisect: bool,
+) -> Option<Vec<usize>> {
     let p = costs.len();
     if p == 0 || l < p {
         return None;
@@ -139,24 +151,33 @@ pub fn min_max_layers(l: usize, costs: &[&dyn Fn(usize) -> Option<f64>]) -> Opti
             choice[0][k] = k;
         }
     }
-    // Each stage's cost of each layer count, asked once (on first need: asking may note
-    // that memory ruled it out).
-    let mut asked: Vec<Option<Option<f64>>> = vec![None; l + 1];
     for i in 1..p {
-        asked.fill(None);
+        let (done, rest) = best.split_at_mut(i);
+        let before = &done[i - 1];
+        // Stage i is asked about 1 ..= l - fewest layers (the fewest that stages 0..i
+        // hold), each count once (asking may note that memory ruled it out).
+        let Some(fewest) = (i..=l).find(|&x| before[x].is_finite()) else {
+            break;
+        };
+        let cost: Vec<f64> = (0..=l - fewest)
+            .map(|own| match own {
+                0 => f64::INFINITY,
+                _ => costs[i](own).unwrap_or(f64::INFINITY),
+            })
+            .collect();
+        let nondecreasing = |v: &[f64]| v.windows(2).all(|w| w[0] <= w[1]);
+        let monotone = bisect && nondecreasing(&cost[1..]) && nondecreasing(&before[fewest..]);
         for k in (i + 1)..=l {
-            for own in 1..=(k - i) {
-                let before = best[i - 1][k - own];
-                if !before.is_finite() {
-                    continue;
-                }
-                let cost = *asked[own].get_or_insert_with(|| costs[i](own));
-                let Some(c) = cost else { continue };
-                let v = before.max(c);
-                if v < best[i][k] {
-                    best[i][k] = v;
-                    choice[i][k] = own;
-                }
+            // Stage i's own layers: at most k - fewest.
+            let most = k.saturating_sub(fewest);
+            let at = |own: usize| (before[k - own], cost[own]);
+            let found = match monotone {
+                true => least_at_crossing(most, at),
+                false => least_by_scan(most, at),
+            };
+            if let Some((own, v)) = found {
+                rest[0][k] = v;
+                choice[i][k] = own;
             }
         }
     }
@@ -170,6 +191,60 @@ pub fn min_max_layers(l: usize, costs: &[&dyn Fn(usize) -> Option<f64>]) -> Opti
         k -= out[i];
     }
     Some(out)
+}
+
+/// The fewest own layers in `1..=most` with the least `max(before, own cost)` (`at` gives
+/// both), and that least; `None` when none is finite. Every count tried.
+fn least_by_scan(most: usize, at: impl Fn(usize) -> (f64, f64)) -> Option<(usize, f64)> {
+    let mut found: Option<(usize, f64)> = None;
+    for own in 1..=most {
+        let (before, cost) = at(own);
+        if !before.is_finite() {
+            continue;
+        }
+        let v = before.max(cost);
+        if v < found.map_or(f64::INFINITY, |(_, least)| least) {
+            found = Some((own, v));
+        }
+    }
+    found
+}
+
+/// [`least_by_scan`] where `before` does not grow with the own layers and the own cost
+/// does not shrink: the least lies where they cross, found by bisection.
+fn least_at_crossing(most: usize, at: impl Fn(usize) -> (f64, f64)) -> Option<(usize, f64)> {
+    let partition = |lo: usize, hi: usize, holds: &dyn Fn(usize) -> bool| {
+        // The first own in lo..hi where `holds` (which, once true, stays true), else hi.
+        let (mut lo, mut hi) = (lo, hi);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            match holds(mid) {
+                true => hi = mid,
+                false => lo = mid + 1,
+            }
+        }
+        lo
+    };
+    // The first count whose own cost reaches what the stages before it take.
+    let cross = partition(1, most + 1, &|own| {
+        let (before, cost) = at(own);
+        before <= cost
+    });
+    // Below it the stages before are the slowest, least at cross - 1 (and first reached
+    // at the fewest counts that equal it); from it on the own stage, least at cross.
+    let left = (cross > 1).then(|| {
+        let v = at(cross - 1).0;
+        (partition(1, cross - 1, &|own| at(own).0 <= v), v)
+    });
+    let right = (cross <= most).then(|| (cross, at(cross).1));
+    let least = match (left, right) {
+        (Some(l), Some(r)) => match l.1 <= r.1 {
+            true => l,
+            false => r,
+        },
+        (l, r) => l.or(r)?,
+    };
+    (least.1 < f64::INFINITY).then_some(least)
 }
 
 pub(super) fn split_layers(
@@ -269,4 +344,68 @@ pub(super) fn split_layers(
         .collect();
     let refs: Vec<&dyn Fn(usize) -> Option<f64>> = closures.iter().map(|f| f.as_ref()).collect();
     Ok(min_max_layers(l, &refs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::layers_min_max;
+    use proptest::prelude::*;
+    use std::cell::RefCell;
+    use std::collections::BTreeSet;
+
+    /// Per stage, a cost for each layer count from 1 (`None`: does not fit): growing in
+    /// small integer steps (many ties) up to a memory cap, or, where `shuffled`, in any
+    /// order (the scan's case).
+    fn stage_costs() -> impl Strategy<Value = Vec<Option<u32>>> {
+        (
+            proptest::collection::vec(0u32..3, 40),
+            0u32..4,
+            1usize..=40,
+            any::<bool>(),
+        )
+            .prop_map(|(steps, base, cap, shuffled)| {
+                let mut total = base;
+                let mut costs: Vec<Option<u32>> = (steps.iter().enumerate())
+                    .map(|(i, s)| {
+                        total += s;
+                        (i < cap).then_some(total)
+                    })
+                    .collect();
+                if shuffled {
+                    costs.reverse();
+                    costs.rotate_left(cap % 7);
+                }
+                costs
+            })
+    }
+
+    proptest! {
+        /// Bisecting at the crossing finds the scan's split, its cost to the bit and the
+        /// same layer counts asked of each stage (what memory ruled out noted alike).
+        #[test]
+        fn bisection_finds_the_scans_split(
+            l in 1usize..=40,
+            stages in proptest::collection::vec(stage_costs(), 1..=5),
+        ) {
+            let run = |bisect: bool| {
+                let asked = RefCell::new(BTreeSet::new());
+                let closures: Vec<Box<dyn Fn(usize) -> Option<f64> + '_>> = (stages.iter().enumerate())
+                    .map(|(i, costs)| {
+                        let asked = &asked;
+                        let f: Box<dyn Fn(usize) -> Option<f64>> = Box::new(move |k: usize| {
+                            asked.borrow_mut().insert((i, k));
+                            costs[k - 1].map(f64::from)
+                        });
+                        f
+                    })
+                    .collect();
+                let refs: Vec<&dyn Fn(usize) -> Option<f64>> =
+                    closures.iter().map(|f| f.as_ref()).collect();
+                let split = layers_min_max(l, &refs, bisect);
+                let asked = asked.borrow().clone();
+                (split, asked)
+            };
+            prop_assert_eq!(run(true), run(false));
+        }
+    }
 }
