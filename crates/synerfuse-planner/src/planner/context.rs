@@ -40,6 +40,9 @@ pub(super) struct Ctx<'a> {
     /// All-reduce prices over a list of devices, (seconds at 0 bytes, seconds per byte):
     /// the search prices the same holders many times.
     pub(super) allreduce_prices: RefCell<HashMap<Vec<usize>, (f64, f64)>>,
+    /// The gradient reduction of a segment's holder units ([`super::reduction::holders_collective`]):
+    /// the per-replica search prices the same holders after every move it tries.
+    pub(super) collectives: RefCell<HashMap<Vec<usize>, super::reduction::Collective>>,
     /// (unit class, parameters) → optimizer step, s.
     pub(super) optimizer_prices: RefCell<HashMap<(usize, u64), f64>>,
     /// Under expert parallelism, how much the most loaded member's expert compute
@@ -152,6 +155,7 @@ impl<'a> Ctx<'a> {
             memory,
             memory_bound: Cell::new(false),
             allreduce_prices: RefCell::new(HashMap::new()),
+            collectives: RefCell::new(HashMap::new()),
             optimizer_prices: RefCell::new(HashMap::new()),
             expert_imbalance: cost.expert_imbalance(),
             lockstep: Vec::new(),

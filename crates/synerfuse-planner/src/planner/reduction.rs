@@ -156,8 +156,20 @@ impl Collective {
     }
 }
 
-/// The collective that reduces the gradients of `units` ([`Collective`]).
+/// The collective that reduces the gradients of `units` ([`Collective`]), priced once
+/// per context.
 pub(super) fn holders_collective(ctx: &Ctx<'_>, units: &[usize]) -> Collective {
+    if let Some(&known) = ctx.collectives.borrow().get(units) {
+        return known;
+    }
+    let collective = price_holders_collective(ctx, units);
+    ctx.collectives
+        .borrow_mut()
+        .insert(units.to_vec(), collective);
+    collective
+}
+
+fn price_holders_collective(ctx: &Ctx<'_>, units: &[usize]) -> Collective {
     let alike = (units.iter()).all(|&u| ctx.groups[u].shares == ctx.groups[units[0]].shares);
     let (devices, share): (Vec<usize>, f64) = match alike {
         true => (
