@@ -431,12 +431,10 @@ fn cached_causal_mask(total: i64, queries: i64, device: Device) -> Tensor {
 #[cfg(test)]
 mod rope_tests {
     use super::rope;
-    use tch::{Device, Kind, Tensor};
+    use tch::{Kind, Tensor};
 
     fn values(shape: &[i64], seed: f64) -> Tensor {
-        let n: i64 = shape.iter().product();
-        let t = Tensor::arange(n, (Kind::Float, Device::Cpu)) * (0.37 * seed + 0.1);
-        (t.sin() * 2.0).view(shape)
+        crate::test_values::seeded(shape, seed, 2.0)
     }
 
     /// transformers' formula.

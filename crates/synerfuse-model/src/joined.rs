@@ -79,14 +79,10 @@ pub(crate) fn lay_end_to_end(weights: &mut [&mut Tensor]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tch::{Device, Kind};
+    use tch::Kind;
 
-    /// Values that depend on `seed` only (not on libtorch's generator, which the tests'
-    /// threads share).
     fn leaf(shape: &[i64], seed: i64) -> Tensor {
-        let n: i64 = shape.iter().product();
-        let values = Tensor::arange(n, (Kind::Float, Device::Cpu)) * (0.37 * seed as f64 + 0.1);
-        values.sin().view(shape).set_requires_grad(true)
+        crate::test_values::leaf(shape, seed as f64, 1.0)
     }
 
     /// The value and the gradients of `x`, the weights and the biases after a backward

@@ -23,6 +23,8 @@ mod moe;
 mod norm;
 mod pass;
 mod shim;
+#[cfg(test)]
+mod test_values;
 pub mod tp;
 
 pub use collectives::{OpenGate, PieceGate};

@@ -138,28 +138,33 @@ impl SwiGlu {
 #[cfg(test)]
 mod tests {
     use super::{joined_swiglu, swiglu};
-    use tch::{Device, Kind, Tensor};
+    use tch::{Kind, Tensor};
 
     fn leaf(shape: &[i64], seed: f64) -> Tensor {
-        let n: i64 = shape.iter().product();
-        let values = Tensor::arange(n, (Kind::Float, Device::Cpu)) * (0.37 * seed + 0.1);
-        (values.sin() * 3.0).view(shape).set_requires_grad(true)
+        crate::test_values::leaf(shape, seed, 3.0)
     }
 
     /// The value and the gradients of `gate` and `up` through `f`, after two backwards
     /// (two micro-batches accumulating), with `up` a constant when not `up_grad`.
     fn run(f: impl Fn(&Tensor, &Tensor) -> Tensor, up_grad: bool) -> Vec<Tensor> {
+        run_on_projection(|gate_up| {
+            let parts = gate_up.split_with_sizes([5, 5], -1);
+            let up = match up_grad {
+                true => parts[1].shallow_clone(),
+                false => parts[1].detach(),
+            };
+            f(&parts[0], &up)
+        })
+    }
+
+    /// The value of `f` of a gate/up projection and the projection's gradient, after two
+    /// backwards.
+    fn run_on_projection(f: impl Fn(&Tensor) -> Tensor) -> Vec<Tensor> {
         let gate_up = leaf(&[3, 4, 10], 1.0);
-        let parts = gate_up.split_with_sizes([5, 5], -1);
-        let up = if up_grad {
-            parts[1].shallow_clone()
-        } else {
-            parts[1].detach()
-        };
         let upstream = leaf(&[3, 4, 5], 2.0).detach();
         let mut y = Tensor::new();
         for _ in 0..2 {
-            y = f(&parts[0], &up);
+            y = f(&gate_up);
             (&y * &upstream).sum(Kind::Float).backward();
         }
         vec![y.detach(), gate_up.grad().copy()]
@@ -176,22 +181,10 @@ mod tests {
         }
         // Over the joined projection: the halves' gradients written in place.
         let want = run(|g, u| g.silu() * u, true);
-        let got = run_joined();
+        let got = run_on_projection(joined_swiglu);
         for (g, w) in got.iter().zip(&want) {
             assert!(g.equal(w), "joined: {g:?} vs {w:?}");
         }
-    }
-
-    /// [`run`] through [`joined_swiglu`] of the whole projection.
-    fn run_joined() -> Vec<Tensor> {
-        let gate_up = leaf(&[3, 4, 10], 1.0);
-        let upstream = leaf(&[3, 4, 5], 2.0).detach();
-        let mut y = Tensor::new();
-        for _ in 0..2 {
-            y = joined_swiglu(&gate_up);
-            (&y * &upstream).sum(Kind::Float).backward();
-        }
-        vec![y.detach(), gate_up.grad().copy()]
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! costs, memory and expert-parallel size (a running plan may give each stage its own),
 //! and the all-reduce and optimizer prices the search asks for many times.
 
-use super::{error::PlanningError, tensor::TpGroup};
+use super::{collective::Collective, error::PlanningError, tensor::TpGroup};
 use crate::cluster::Device;
 use crate::cost::{CostModel, StageCosts};
 use std::cell::{Cell, RefCell};
@@ -42,7 +42,7 @@ pub(super) struct Ctx<'a> {
     pub(super) allreduce_prices: RefCell<HashMap<Vec<usize>, (f64, f64)>>,
     /// The gradient reduction of a segment's holder units ([`super::reduction::holders_collective`]):
     /// the per-replica search prices the same holders after every move it tries.
-    pub(super) collectives: RefCell<HashMap<Vec<usize>, super::reduction::Collective>>,
+    pub(super) collectives: RefCell<HashMap<Vec<usize>, Collective>>,
     /// (unit class, parameters) → optimizer step, s.
     pub(super) optimizer_prices: RefCell<HashMap<(usize, u64), f64>>,
     /// Under expert parallelism, how much the most loaded member's expert compute

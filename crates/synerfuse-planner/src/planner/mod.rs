@@ -16,6 +16,7 @@
 
 mod buckets;
 mod choose;
+mod collective;
 mod context;
 mod convert;
 mod error;
