@@ -207,10 +207,12 @@ impl CostModel {
             .unwrap_or(self.precision)
     }
 
-    /// Whether the plan's devices compute in more than one precision (a plan then names
-    /// each rank's).
-    pub fn mixes_precisions(&self) -> bool {
-        (self.cluster.devices().iter()).any(|d| self.precision_of(d) != self.precision)
+    /// Whether `devices` (the cluster's, as [`ClusterSpec::devices`] lists them) compute
+    /// in more than one precision (a plan then names each rank's).
+    pub fn mixes_precisions(&self, devices: &[Device]) -> bool {
+        devices
+            .iter()
+            .any(|d| self.precision_of(d) != self.precision)
     }
 
     /// Every device can compute in the job's precision, or the fallback's.

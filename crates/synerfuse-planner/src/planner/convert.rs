@@ -146,7 +146,7 @@ impl Candidate {
         experts: Option<Vec<Vec<Vec<usize>>>>,
     ) -> Result<Plan, PlanningError> {
         let devices = cost.cluster.devices();
-        let placing = Placing::of(cost);
+        let placing = Placing::of(cost, &devices);
         let topology = self.topology()?;
         let recomputes = self.recompute.iter().flatten().any(|&x| x);
         let mut replicas = Vec::with_capacity(self.micro_batches.len());
@@ -297,9 +297,10 @@ pub(super) struct Placing {
 }
 
 impl Placing {
-    pub(super) fn of(cost: &CostModel) -> Placing {
+    /// Of the cluster's `devices` under `cost`.
+    pub(super) fn of(cost: &CostModel, devices: &[Device]) -> Placing {
         Placing {
-            mixed: cost.mixes_precisions(),
+            mixed: cost.mixes_precisions(devices),
             emulated: cost.cluster.group.iter().any(|g| g.speed.is_some()),
         }
     }
@@ -332,7 +333,7 @@ impl PooledCandidate {
     pub fn to_plan(&self, cost: &CostModel) -> Result<Plan, PlanError> {
         let candidate = self;
         let devices = cost.cluster.devices();
-        let placing = Placing::of(cost);
+        let placing = Placing::of(cost, &devices);
         let experts = self.expert_parts(cost);
         let mut next_rank = 0;
         let mut replicas = Vec::new();

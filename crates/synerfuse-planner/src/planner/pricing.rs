@@ -120,7 +120,11 @@ pub(super) fn stage_seconds(k: &StageCosts, layers: usize, i: usize, p: usize) -
 
 /// The 1F1B time of a replica: fill and drain plus (m − 1) of its slowest stage.
 pub(super) fn pipeline_time(t: &[Vec<f64>], c: &[Vec<f64>], r: usize, m: usize) -> f64 {
-    let (fill, slowest) = pipeline_parts(t, c, r);
+    one_f_one_b(pipeline_parts(t, c, r), m)
+}
+
+/// 1F1B with `m` micro-batches of a replica's (fill and drain, slowest stage).
+fn one_f_one_b((fill, slowest): (f64, f64), m: usize) -> f64 {
     fill + (m.saturating_sub(1)) as f64 * slowest
 }
 
@@ -144,8 +148,7 @@ impl PipelineTimes {
 
     /// Replica `r`'s 1F1B time with `m` micro-batches.
     pub(super) fn time(&self, r: usize, m: usize) -> f64 {
-        let (fill, slowest) = self.0[r];
-        fill + (m.saturating_sub(1)) as f64 * slowest
+        one_f_one_b(self.0[r], m)
     }
 }
 
